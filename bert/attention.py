@@ -1,0 +1,117 @@
+"""Attention backends behind one call, chosen by configuration (``model.attention``).
+
+Every backend is a function ``(q, k, v, layout, dropout_p, training) -> out`` where q, k, v
+and out are ``[N, H, D]`` (N tokens, H heads, D head dim) and ``layout`` says how the N
+tokens form sequences:
+
+- ``VarlenLayout``: N = T tokens of B sequences concatenated, ``cu_seqlens [B+1]`` int32.
+- ``PaddedLayout``: N = B*S tokens, rows of S with a ``[B, S]`` key mask (True = real).
+
+``get_backend(name)`` returns the function or raises ``BackendUnavailable`` saying why the
+backend cannot run here; it never substitutes another backend.
+
+Backends here: ``reference`` (pure PyTorch, loops over sequences for clarity, runs
+everywhere) and ``padded`` (pad -> ``scaled_dot_product_attention`` with a key mask -> unpad,
+the baseline). The Triton and library backends register themselves from ``kernels/``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    cu_seqlens: Tensor  # [B+1] int32
+    max_seqlen: int
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    key_mask: Tensor  # [B, S] bool, True on real tokens
+
+
+Layout = Union[VarlenLayout, PaddedLayout]
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Layout, float, bool], Tensor]
+
+
+class BackendUnavailable(RuntimeError):
+    """The configured attention backend cannot run on this machine or layout."""
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float,
+                        training: bool) -> Tensor:
+    """Softmax attention computed sequence by sequence in the input dtype."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    p = dropout_p if training else 0.0
+    if isinstance(layout, PaddedLayout):
+        b, s = layout.key_mask.shape
+        q_bhsd, k_bhsd, v_bhsd = (x.view(b, s, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        scores = (q_bhsd @ k_bhsd.transpose(-1, -2)) * scale  # [B, H, S, S]
+        scores = scores.masked_fill(~layout.key_mask[:, None, None, :], float("-inf"))
+        probs = F.dropout(scores.softmax(-1), p)
+        return (probs @ v_bhsd).transpose(1, 2).reshape(q.shape)
+    out = torch.empty_like(q)
+    bounds = layout.cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q_hld, k_hld, v_hld = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, L, D]
+        probs = ((q_hld @ k_hld.transpose(-1, -2)) * scale).softmax(-1)  # [H, L, L]
+        out[start:end] = (F.dropout(probs, p) @ v_hld).transpose(0, 1)
+    return out
+
+
+def padded_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float,
+                     training: bool) -> Tensor:
+    """The baseline: pad to [B, H, S, D], run SDPA with a key-padding mask, unpad."""
+    p = dropout_p if training else 0.0
+    h, d = q.shape[1:]
+    if isinstance(layout, PaddedLayout):
+        mask = layout.key_mask
+        b, s = mask.shape
+        q4, k4, v4 = (x.view(b, s, h, d).transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask[:, None, None, :], dropout_p=p)
+        return out.transpose(1, 2).reshape(q.shape)
+    cu = layout.cu_seqlens.long()
+    b, s = cu.numel() - 1, layout.max_seqlen
+    lens = cu[1:] - cu[:-1]
+    mask = torch.arange(s, device=q.device).unsqueeze(0) < lens.unsqueeze(1)  # [B, S]
+    # Destination of each of the T tokens in the [B*S] padded layout.
+    dest = mask.flatten().nonzero().squeeze(1)
+
+    def to_padded(x: Tensor) -> Tensor:
+        buf = x.new_zeros(b * s, h, d)
+        buf[dest] = x
+        return buf.view(b, s, h, d).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(to_padded(q), to_padded(k), to_padded(v),
+                                         attn_mask=mask[:, None, None, :], dropout_p=p)
+    return out.transpose(1, 2).reshape(b * s, h, d)[dest]
+
+
+# name -> zero-argument loader returning the backend function (raising BackendUnavailable
+# with the reason when it cannot run here). Loaders import lazily so that choosing
+# `reference` never imports Triton.
+_LOADERS: dict[str, Callable[[], AttentionFn]] = {
+    "reference": lambda: reference_attention,
+    "padded": lambda: padded_attention,
+}
+
+
+def register_backend(name: str, loader: Callable[[], AttentionFn]) -> None:
+    _LOADERS[name] = loader
+
+
+def backend_names() -> list[str]:
+    return sorted(_LOADERS)
+
+
+def get_backend(name: str) -> AttentionFn:
+    if name not in _LOADERS:
+        raise BackendUnavailable(f"model.attention: unknown backend {name!r}; choose one of {backend_names()}")
+    return _LOADERS[name]()

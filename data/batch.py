@@ -1,0 +1,266 @@
+"""Batch types and the conversions between MLPerf's fixed layout and the unpadded one.
+
+Every batch the model sees is one of these named types (never a positional tuple):
+
+- ``UnpaddedBatch``: the tokens of all sequences concatenated into one flat tensor, with
+  ``cu_seqlens`` marking where each sequence starts. Nothing downstream computes padding.
+- ``PaddedBatch``: the ``[B, S]`` baseline with an attention mask, for A/B comparisons.
+
+Shape legend: T tokens in the flat batch, B sequences, S padded length, M masked positions.
+
+``unpad`` takes the arrays of MLPerf's fixed HDF5 layout (``input_ids [B, S]`` ...,
+``masked_lm_positions`` padded with 0; position 0 is [CLS] and never masked) and ``pad`` goes
+back to ``[B, S]``. Both are vectorised: no Python loop over tokens or sequences.
+
+Structural checks (dtypes, ranks, matching lengths) run when a batch is built and never read
+tensor values, so they cost nothing on a GPU. ``check_values()`` reads values (it syncs on
+CUDA) and is called where batches are made, on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _require(ok: bool, field: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {what}")
+
+
+def _check_int(t: Tensor, field: str, ndim: int) -> None:
+    _require(isinstance(t, Tensor), field, f"expected a tensor, got {type(t).__name__}")
+    _require(t.dtype in _INT_DTYPES, field, f"expected an integer dtype, got {t.dtype}")
+    _require(t.dim() == ndim, field, f"expected {ndim} dimension(s), got shape {tuple(t.shape)}")
+
+
+def _move(batch, device, non_blocking: bool):
+    values = {}
+    for f in fields(batch):
+        v = getattr(batch, f.name)
+        values[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
+    return type(batch)(**values)
+
+
+@dataclass
+class UnpaddedBatch:
+    """A batch of B variable-length sequences flattened to T tokens.
+
+    input_ids, segment_ids, position_ids: [T] int64; positions restart at 0 per sequence.
+    cu_seqlens: [B+1] int32, cu_seqlens[0] = 0, cu_seqlens[B] = T; sequence b is the
+        tokens cu_seqlens[b]:cu_seqlens[b+1] and its [CLS] is token cu_seqlens[b].
+    max_seqlen: the longest sequence, a Python int (kernels size their grids with it).
+    mlm_positions: [M] int64 indices into the T tokens; mlm_labels: [M] int64 original ids.
+    nsp_labels: [B] int64, 1 when segment B is a random segment.
+    """
+
+    input_ids: Tensor
+    segment_ids: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
+    mlm_positions: Tensor
+    mlm_labels: Tensor
+    nsp_labels: Tensor
+
+    def __post_init__(self):
+        for name in ("input_ids", "segment_ids", "position_ids", "mlm_positions", "mlm_labels", "nsp_labels"):
+            _check_int(getattr(self, name), name, 1)
+        _check_int(self.cu_seqlens, "cu_seqlens", 1)
+        _require(self.cu_seqlens.dtype == torch.int32, "cu_seqlens", f"expected torch.int32, got {self.cu_seqlens.dtype}")
+        _require(isinstance(self.max_seqlen, int) and not isinstance(self.max_seqlen, bool),
+                 "max_seqlen", f"expected a Python int, got {type(self.max_seqlen).__name__}")
+        n = self.input_ids.numel()
+        for name in ("segment_ids", "position_ids"):
+            _require(getattr(self, name).numel() == n, name,
+                     f"length {getattr(self, name).numel()} != input_ids length {n}")
+        _require(self.mlm_labels.numel() == self.mlm_positions.numel(), "mlm_labels",
+                 f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}")
+        _require(self.cu_seqlens.numel() == self.nsp_labels.numel() + 1, "cu_seqlens",
+                 f"length {self.cu_seqlens.numel()} != nsp_labels length {self.nsp_labels.numel()} + 1")
+
+    @property
+    def num_sequences(self) -> int:
+        return self.nsp_labels.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def seqlens(self) -> Tensor:
+        """[B] int32 sequence lengths."""
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    def check_values(self, vocab_size: int | None = None) -> "UnpaddedBatch":
+        """Check the contents (reads values: call on the CPU, where batches are made)."""
+        t = self.num_tokens
+        cu = self.cu_seqlens.long()
+        _require(self.num_sequences > 0, "nsp_labels", "the batch holds no sequence")
+        _require(int(cu[0]) == 0, "cu_seqlens", f"must start at 0, starts at {int(cu[0])}")
+        _require(int(cu[-1]) == t, "cu_seqlens", f"ends at {int(cu[-1])} but the batch has {t} tokens")
+        lens = cu[1:] - cu[:-1]
+        _require(bool((lens >= 1).all()), "cu_seqlens", "every sequence needs at least one token")
+        _require(int(lens.max()) == self.max_seqlen, "max_seqlen",
+                 f"is {self.max_seqlen} but the longest sequence has {int(lens.max())} tokens")
+        starts = torch.repeat_interleave(cu[:-1], lens)
+        _require(torch.equal(self.position_ids.long(), torch.arange(t) - starts), "position_ids",
+                 "must count 0, 1, ... within each sequence")
+        if self.mlm_positions.numel():
+            pos = self.mlm_positions.long()
+            _require(int(pos.min()) >= 0 and int(pos.max()) < t, "mlm_positions",
+                     f"indices must lie in [0, {t}), got [{int(pos.min())}, {int(pos.max())}]")
+            _require(not bool(torch.isin(pos, cu[:-1]).any()), "mlm_positions", "a [CLS] token is masked")
+        _require(bool(((self.nsp_labels == 0) | (self.nsp_labels == 1)).all()), "nsp_labels", "must be 0 or 1")
+        if vocab_size is not None:
+            for name in ("input_ids", "mlm_labels"):
+                v = getattr(self, name)
+                if v.numel():
+                    _require(int(v.min()) >= 0 and int(v.max()) < vocab_size, name,
+                             f"token ids must lie in [0, {vocab_size}), got [{int(v.min())}, {int(v.max())}]")
+        return self
+
+    def to(self, device, non_blocking: bool = False) -> "UnpaddedBatch":
+        return _move(self, device, non_blocking)
+
+
+@dataclass
+class PaddedBatch:
+    """The padded baseline: B sequences each padded to S tokens.
+
+    input_ids, segment_ids, position_ids: [B, S] int64; attention_mask: [B, S] bool (True =
+    real token). mlm_positions: [M] int64 flat indices into the B*S tokens;
+    mlm_labels: [M] int64; nsp_labels: [B] int64.
+    """
+
+    input_ids: Tensor
+    segment_ids: Tensor
+    position_ids: Tensor
+    attention_mask: Tensor
+    mlm_positions: Tensor
+    mlm_labels: Tensor
+    nsp_labels: Tensor
+
+    def __post_init__(self):
+        for name in ("input_ids", "segment_ids", "position_ids"):
+            _check_int(getattr(self, name), name, 2)
+        _require(isinstance(self.attention_mask, Tensor) and self.attention_mask.dtype == torch.bool,
+                 "attention_mask", "expected a bool tensor")
+        shape = self.input_ids.shape
+        for name in ("segment_ids", "position_ids", "attention_mask"):
+            _require(getattr(self, name).shape == shape, name,
+                     f"shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}")
+        for name in ("mlm_positions", "mlm_labels", "nsp_labels"):
+            _check_int(getattr(self, name), name, 1)
+        _require(self.mlm_labels.numel() == self.mlm_positions.numel(), "mlm_labels",
+                 f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}")
+        _require(self.nsp_labels.numel() == shape[0], "nsp_labels",
+                 f"length {self.nsp_labels.numel()} != batch size {shape[0]}")
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (unpadded) tokens, the count throughput is reported in."""
+        return int(self.attention_mask.sum())
+
+    def to(self, device, non_blocking: bool = False) -> "PaddedBatch":
+        return _move(self, device, non_blocking)
+
+
+def unpad(input_ids, segment_ids, input_mask, masked_lm_positions, masked_lm_ids,
+          next_sentence_labels) -> UnpaddedBatch:
+    """MLPerf's fixed layout -> UnpaddedBatch.
+
+    input_ids, segment_ids, input_mask: [B, S]; input_mask is 1 on real tokens, which form a
+    prefix of each row. masked_lm_positions, masked_lm_ids: [B, P], padded with position 0
+    ([CLS] is never masked, so 0 marks an unused slot). next_sentence_labels: [B] or [B, 1].
+    Accepts tensors or numpy arrays of any integer dtype.
+    """
+    ids = _as_tensor(input_ids, "input_ids", 2)
+    seg = _as_tensor(segment_ids, "segment_ids", 2)
+    mask = _as_tensor(input_mask, "input_mask", 2)
+    mpos = _as_tensor(masked_lm_positions, "masked_lm_positions", 2)
+    mids = _as_tensor(masked_lm_ids, "masked_lm_ids", 2)
+    nsp = _as_tensor(next_sentence_labels, "next_sentence_labels", None).reshape(-1)
+    b, s = ids.shape
+    for name, t in (("segment_ids", seg), ("input_mask", mask)):
+        _require(t.shape == ids.shape, name, f"shape {tuple(t.shape)} != input_ids shape {(b, s)}")
+    _require(mids.shape == mpos.shape, "masked_lm_ids",
+             f"shape {tuple(mids.shape)} != masked_lm_positions shape {tuple(mpos.shape)}")
+    _require(mpos.shape[0] == b, "masked_lm_positions", f"has {mpos.shape[0]} rows, input_ids has {b}")
+    _require(nsp.numel() == b, "next_sentence_labels", f"has {nsp.numel()} entries, input_ids has {b} rows")
+    _require(b > 0, "input_ids", "the batch holds no sequence")
+
+    real = mask != 0  # [B, S]
+    lens = real.sum(1)  # [B]
+    # Real tokens must be a prefix: row b's mask is 1 exactly on [0, lens[b]).
+    prefix = torch.arange(s).unsqueeze(0) < lens.unsqueeze(1)
+    _require(torch.equal(real, prefix), "input_mask", "real tokens must form a prefix of each row")
+    _require(bool((lens >= 1).all()), "input_mask", f"row {int((lens < 1).nonzero()[0])} has no tokens")
+
+    cu = torch.zeros(b + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=cu[1:])
+    used = mpos != 0  # [B, P]
+    past = used & (mpos >= lens.unsqueeze(1))
+    if bool(past.any()):
+        row, col = (int(x) for x in past.nonzero()[0])
+        raise ValueError(f"masked_lm_positions: row {row} slot {col} is position {int(mpos[row, col])}, "
+                         f"past the sequence's end ({int(lens[row])} tokens)")
+    _require(not bool((mpos < 0).any()), "masked_lm_positions", "negative position")
+    flat_pos = (mpos + cu[:-1].unsqueeze(1))[used]  # [M] indices into T
+    position_ids = prefix.long().cumsum(1).sub_(1)[real]
+    batch = UnpaddedBatch(
+        input_ids=ids[real].long(),
+        segment_ids=seg[real].long(),
+        position_ids=position_ids,
+        cu_seqlens=cu.to(torch.int32),
+        max_seqlen=int(lens.max()),
+        mlm_positions=flat_pos.long(),
+        mlm_labels=mids[used].long(),
+        nsp_labels=nsp.long(),
+    )
+    return batch
+
+
+def pad(batch: UnpaddedBatch, seq_len: int | None = None) -> PaddedBatch:
+    """UnpaddedBatch -> PaddedBatch with rows of seq_len (default: the batch's max_seqlen)."""
+    s = batch.max_seqlen if seq_len is None else int(seq_len)
+    _require(s >= batch.max_seqlen, "seq_len", f"{s} is shorter than the longest sequence ({batch.max_seqlen})")
+    b = batch.num_sequences
+    device = batch.input_ids.device
+    cu = batch.cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    mask = torch.arange(s, device=device).unsqueeze(0) < lens.unsqueeze(1)  # [B, S]
+    # Flat index of each unpadded token in the [B*S] padded layout.
+    seq_of_token = torch.repeat_interleave(torch.arange(b, device=device), lens)  # [T]
+    dest = seq_of_token * s + batch.position_ids.long()
+
+    def scatter(values: Tensor) -> Tensor:
+        out = torch.zeros(b * s, dtype=values.dtype, device=device)
+        out[dest] = values
+        return out.view(b, s)
+
+    return PaddedBatch(
+        input_ids=scatter(batch.input_ids),
+        segment_ids=scatter(batch.segment_ids),
+        position_ids=scatter(batch.position_ids),
+        attention_mask=mask,
+        mlm_positions=dest[batch.mlm_positions.long()],
+        mlm_labels=batch.mlm_labels,
+        nsp_labels=batch.nsp_labels,
+    )
+
+
+def _as_tensor(x, field: str, ndim: int | None) -> Tensor:
+    t = x if isinstance(x, Tensor) else torch.as_tensor(x)
+    _require(t.dtype in _INT_DTYPES, field, f"expected an integer dtype, got {t.dtype}")
+    if ndim is not None:
+        _require(t.dim() == ndim, field, f"expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    return t.long()

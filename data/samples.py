@@ -1,0 +1,92 @@
+"""``SampleBlock``: a set of pretraining samples as flat numpy arrays (struct of arrays).
+
+This is what moves between the loader, the cross-rank rebalancer and collation: readers
+produce blocks, the rebalancer selects and exchanges samples of blocks, and
+``data.collate`` turns a block into an ``UnpaddedBatch`` or ``PaddedBatch``. Keeping the
+tokens of all samples in one array means selecting, concatenating and collating are a few
+vectorised numpy calls, never a loop over tokens.
+
+Layout for n samples with lengths L_i and m_i masked positions:
+    input_ids [sum L] int32, segment_ids [sum L] int8, seq_lens [n] int32,
+    masked_positions [sum m] int32 (positions within the sample, never 0),
+    masked_ids [sum m] int32, masked_counts [n] int32, nsp_labels [n] int8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _gather_ranges(values: np.ndarray, offsets: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Concatenate values[offsets[i]:offsets[i]+counts[i]] for i in idx, vectorised."""
+    lens = counts[idx].astype(np.int64)
+    total = int(lens.sum())
+    if total == 0:
+        return values[:0].copy()
+    starts = offsets[idx]
+    # Position of each output element within its range, plus the range's start.
+    out_starts = _offsets(lens)[:-1]
+    within = np.arange(total, dtype=np.int64) - np.repeat(out_starts, lens)
+    return values[np.repeat(starts, lens) + within]
+
+
+@dataclass
+class SampleBlock:
+    input_ids: np.ndarray
+    segment_ids: np.ndarray
+    seq_lens: np.ndarray
+    masked_positions: np.ndarray
+    masked_ids: np.ndarray
+    masked_counts: np.ndarray
+    nsp_labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.seq_lens.sum())
+
+    def select(self, idx) -> "SampleBlock":
+        """The samples at ``idx`` (any integer index array), in that order."""
+        idx = np.asarray(idx, dtype=np.int64)
+        tok_off = _offsets(self.seq_lens)
+        msk_off = _offsets(self.masked_counts)
+        return SampleBlock(
+            input_ids=_gather_ranges(self.input_ids, tok_off, self.seq_lens, idx),
+            segment_ids=_gather_ranges(self.segment_ids, tok_off, self.seq_lens, idx),
+            seq_lens=self.seq_lens[idx],
+            masked_positions=_gather_ranges(self.masked_positions, msk_off, self.masked_counts, idx),
+            masked_ids=_gather_ranges(self.masked_ids, msk_off, self.masked_counts, idx),
+            masked_counts=self.masked_counts[idx],
+            nsp_labels=self.nsp_labels[idx],
+        )
+
+    @staticmethod
+    def concat(blocks: list["SampleBlock"]) -> "SampleBlock":
+        if not blocks:
+            return SampleBlock.empty()
+        return SampleBlock(*(np.concatenate([getattr(b, f) for b in blocks]) for f in _FIELDS))
+
+    @staticmethod
+    def empty() -> "SampleBlock":
+        return SampleBlock(
+            input_ids=np.zeros(0, np.int32), segment_ids=np.zeros(0, np.int8),
+            seq_lens=np.zeros(0, np.int32), masked_positions=np.zeros(0, np.int32),
+            masked_ids=np.zeros(0, np.int32), masked_counts=np.zeros(0, np.int32),
+            nsp_labels=np.zeros(0, np.int8),
+        )
+
+    def equals(self, other: "SampleBlock") -> bool:
+        return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _FIELDS)
+
+
+_FIELDS = ("input_ids", "segment_ids", "seq_lens", "masked_positions", "masked_ids", "masked_counts", "nsp_labels")
