@@ -203,7 +203,8 @@ def unpad(input_ids, segment_ids, input_mask, masked_lm_positions, masked_lm_ids
     # Real tokens must be a prefix: row b's mask is 1 exactly on [0, lens[b]).
     prefix = torch.arange(s).unsqueeze(0) < lens.unsqueeze(1)
     _require(torch.equal(real, prefix), "input_mask", "real tokens must form a prefix of each row")
-    _require(bool((lens >= 1).all()), "input_mask", f"row {int((lens < 1).nonzero()[0])} has no tokens")
+    if not bool((lens >= 1).all()):
+        raise ValueError(f"input_mask: row {int((lens < 1).nonzero()[0])} has no tokens")
 
     cu = torch.zeros(b + 1, dtype=torch.int64)
     torch.cumsum(lens, 0, out=cu[1:])

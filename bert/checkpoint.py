@@ -1,0 +1,187 @@
+"""Weights in and out: transformers' ``BertForPreTraining`` names <-> this model's.
+
+- ``to_hf_state_dict(model)`` / ``load_hf_state_dict(model, state_dict)``: the mapping,
+  exact both ways (the fused QKV weight is split into query/key/value and concatenated back).
+- ``load_pretrained(model, path)``: a transformers directory (``config.json`` with
+  ``model.safetensors`` or ``pytorch_model.bin``) or NVIDIA's MLPerf checkpoint
+  (``model.ckpt-28252.pt``: a dict whose ``model`` entry holds transformers-style names).
+- ``export_hf(model, directory)``: a directory ``transformers.BertForPreTraining.from_pretrained``
+  loads.
+
+Mismatches are reported together: every missing key, unexpected key and shape mismatch in
+one ``CheckpointError``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+from torch import Tensor
+
+from bert.config import BertConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message lists every problem."""
+
+
+# Keys that transformers may store that carry no information of their own: tied copies
+# (decoder weight = word embeddings, decoder bias = predictions bias) and a constant buffer.
+_ALIASES = {
+    "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+    "cls.predictions.decoder.bias": "cls.predictions.bias",
+}
+_IGNORED = {"bert.embeddings.position_ids"}
+
+
+def _name_map(num_layers: int) -> dict[str, str]:
+    """HF name -> our name, for every tensor except the split QKV."""
+    m = {
+        "bert.embeddings.word_embeddings.weight": "embeddings.word.weight",
+        "bert.embeddings.position_embeddings.weight": "embeddings.position.weight",
+        "bert.embeddings.token_type_embeddings.weight": "embeddings.token_type.weight",
+        "bert.embeddings.LayerNorm.weight": "embeddings.norm.weight",
+        "bert.embeddings.LayerNorm.bias": "embeddings.norm.bias",
+        "bert.pooler.dense.weight": "pooler.weight",
+        "bert.pooler.dense.bias": "pooler.bias",
+        "cls.predictions.bias": "mlm_bias",
+        "cls.predictions.transform.dense.weight": "mlm_transform.weight",
+        "cls.predictions.transform.dense.bias": "mlm_transform.bias",
+        "cls.predictions.transform.LayerNorm.weight": "mlm_norm.weight",
+        "cls.predictions.transform.LayerNorm.bias": "mlm_norm.bias",
+        "cls.seq_relationship.weight": "nsp.weight",
+        "cls.seq_relationship.bias": "nsp.bias",
+    }
+    per_layer = {
+        "attention.output.dense": "attn_out",
+        "attention.output.LayerNorm": "attn_norm",
+        "intermediate.dense": "ffn_in",
+        "output.dense": "ffn_out",
+        "output.LayerNorm": "ffn_norm",
+    }
+    for i in range(num_layers):
+        for hf, ours in per_layer.items():
+            for p in ("weight", "bias"):
+                m[f"bert.encoder.layer.{i}.{hf}.{p}"] = f"layers.{i}.{ours}.{p}"
+    return m
+
+
+def _qkv_names(i: int, p: str) -> list[str]:
+    return [f"bert.encoder.layer.{i}.attention.self.{n}.{p}" for n in ("query", "key", "value")]
+
+
+def to_hf_state_dict(model, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """This model's weights under transformers' ``BertForPreTraining.state_dict()`` names.
+
+    ``tensors`` maps this model's parameter names to other tensors of the same shapes (for
+    example gradients) to rename instead of the weights.
+    """
+    ours = model.state_dict() if tensors is None else tensors
+    out = {hf: ours[name] for hf, name in _name_map(model.config.num_hidden_layers).items()}
+    for i in range(model.config.num_hidden_layers):
+        for p in ("weight", "bias"):
+            for hf, part in zip(_qkv_names(i, p), ours[f"layers.{i}.qkv.{p}"].chunk(3, dim=0)):
+                out[hf] = part.clone()
+    for alias, target in _ALIASES.items():
+        out[alias] = out[target]
+    return out
+
+
+def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
+    """Load transformers-named weights into ``model``; all problems reported at once."""
+    cfg = model.config
+    ours = model.state_dict()
+    names = _name_map(cfg.num_hidden_layers)
+    wanted = set(names) | {n for i in range(cfg.num_hidden_layers) for p in ("weight", "bias") for n in _qkv_names(i, p)}
+    missing = sorted(wanted - set(state_dict))
+    unexpected = sorted(set(state_dict) - wanted - set(_ALIASES) - _IGNORED)
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    new = {}
+    for hf, name in names.items():
+        if hf in state_dict:
+            new[name] = state_dict[hf]
+    for i in range(cfg.num_hidden_layers):
+        for p in ("weight", "bias"):
+            parts = [state_dict.get(n) for n in _qkv_names(i, p)]
+            if all(t is not None for t in parts):
+                if len({tuple(t.shape) for t in parts}) == 1:
+                    new[f"layers.{i}.qkv.{p}"] = torch.cat(parts, 0)
+                else:
+                    problems.append(f"shape mismatch: {_qkv_names(i, p)[0]} and its key/value differ in shape")
+    for name, tensor in new.items():
+        if tuple(tensor.shape) != tuple(ours[name].shape):
+            hf = next((k for k, v in names.items() if v == name), name)
+            problems.append(f"shape mismatch: {hf} is {tuple(tensor.shape)}, model expects {tuple(ours[name].shape)}")
+    for alias, target in _ALIASES.items():
+        if alias in state_dict and target in state_dict and not torch.equal(state_dict[alias], state_dict[target]):
+            problems.append(f"{alias} differs from {target}, but this model ties them")
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    with torch.no_grad():
+        for name, tensor in new.items():
+            ours[name].copy_(tensor)
+
+
+def read_config_and_weights(path: str) -> tuple[BertConfig | None, dict[str, Tensor]]:
+    """Read a transformers directory or NVIDIA's MLPerf ``.pt``; the config is None for the
+    latter (it ships a separate ``bert_config.json``)."""
+    if os.path.isdir(path):
+        config = BertConfig.from_json(os.path.join(path, "config.json"))
+        st = os.path.join(path, "model.safetensors")
+        bin_ = os.path.join(path, "pytorch_model.bin")
+        if os.path.exists(st):
+            from safetensors.torch import load_file
+
+            return config, load_file(st)
+        if os.path.exists(bin_):
+            return config, torch.load(bin_, map_location="cpu", weights_only=True)
+        raise CheckpointError(f"{path}: holds neither model.safetensors nor pytorch_model.bin")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or directory")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad checkpoint
+        raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict):
+        raise CheckpointError(f"{path}: expected a dict with a 'model' state dict (NVIDIA's MLPerf format)")
+    return None, blob["model"]
+
+
+def load_pretrained(model, path: str) -> None:
+    """Initialise ``model`` from a transformers directory or NVIDIA's MLPerf checkpoint."""
+    config, state_dict = read_config_and_weights(path)
+    if config is not None and config != model.config:
+        diff = {k: (v, getattr(model.config, k)) for k, v in config.to_dict().items() if getattr(model.config, k) != v}
+        raise CheckpointError(f"{path}: config differs from the model's (checkpoint, model): {diff}")
+    try:
+        load_hf_state_dict(model, state_dict)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def export_hf(model, directory: str) -> None:
+    """Write ``config.json`` and ``model.safetensors`` that transformers loads; the
+    directory appears complete or not at all."""
+    from safetensors.torch import save_file
+
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        model.config.to_json(os.path.join(tmp, "config.json"), transformers=True)
+        # safetensors stores each tensor once: drop the tied copies, as transformers does.
+        tensors = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items() if k not in _ALIASES}
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if os.path.exists(directory):
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
