@@ -1,0 +1,450 @@
+"""The trainer's MLPerf run log (``:::MLLOG`` lines), written with ``mlperf_logging.mllog``.
+
+The trainer owns one ``MLPerfLogger`` per process; only rank 0 writes, every other rank's
+calls are checked and then dropped, so the same trainer code runs on all ranks. The log is
+what ``python -m mlperf_logging.compliance_checker --usage training --ruleset 5.0.0 LOG``
+reads. MLPerf BERT counts "epochs" in samples: every ``epoch_num`` below is the number of
+training samples (sequences) consumed so far, summed over ranks.
+
+Calls, in the order a run makes them (the logger raises ``RuntimeError`` on any other order,
+so a trainer bug shows up here rather than as a rejected log)::
+
+    log = MLPerfLogger(out_dir / "mlperf.log", rank, division="closed", submitter=..., platform=...)
+    log.cache_clear()
+    log.init_start()
+    log.submission_info()
+    log.hyperparameters(seed=..., global_batch_size=..., ...)   # once, all keyword arguments
+    log.init_stop()
+    log.run_start()
+    log.epoch_start(0)
+    # per eval interval:
+    log.block_start(samples, block_samples); ...train...; log.block_stop(samples)
+    log.eval_start(samples); log.eval_accuracy(samples, acc); log.eval_stop(samples)
+    # at the end (target reached, or max steps / samples / too many bad steps):
+    log.epoch_stop(samples)
+    log.train_samples(samples)
+    log.eval_samples(num_eval_samples)
+    log.run_stop(samples, "success" | "aborted")
+    log.close()
+
+A run restarted from a checkpoint opens the same file with ``resume=True`` and continues from
+``epoch_start``/``block_start``: MLPerf allows one ``init_start ... run_start`` per log, so
+they are not written again.
+
+``write_system_desc`` writes the ``systems/<name>.json`` file that MLPerf's package checker
+and results summarizer read; the compliance checker above does not need it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import operator
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from mlperf_logging.mllog.mllog import MLLogger
+from mlperf_logging.mllog import constants as C
+
+DIVISIONS = ("open", "closed")
+RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
+SUBMISSION_STATUSES = ("onprem", "cloud", "research", "preview")  # log values, as in NVIDIA's logs
+BENCHMARK = C.BERT
+
+# The logger's frames between the trainer's call and mllog's caller lookup (public method ->
+# _emit -> MLLogger.event/start/end), so each line's metadata "file"/"lineno" name the
+# trainer's line, not this module's.
+_STACK_OFFSET = 3
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+
+# Phases of a run, worded to complete "<key> is not allowed ...".
+_NEW, _INIT, _READY = "before init_start", "between init_start and init_stop", "after init_stop"
+_RUNNING, _STOPPED = "after run_start", "after run_stop"
+
+
+class MLPerfLogger:
+    """Writes one run's MLPerf log on rank 0; validates the call order on every rank.
+
+    Args:
+        path: log file; ``None`` writes the lines to stdout (where MLPerf submissions capture
+            them). Opened for writing (truncated), or for appending when ``resume``.
+        rank: this process's global rank; only rank 0 opens or writes anything.
+        division: ``"open"`` or ``"closed"``; decides which checker rules apply.
+        submitter: the ``submission_org`` value.
+        platform: the ``submission_platform`` value, e.g. ``"1xNVIDIA DGX A100"``; should be
+            the system name of the system description.
+        status: the ``submission_status`` value: onprem, cloud, research or preview.
+        echo: also print the lines to stdout when ``path`` is a file.
+        resume: continue an interrupted run's log at ``path``: it must hold ``run_start`` and
+            none of the closing keys (``train_samples``, ``eval_samples``, ``run_stop``); a
+            partial last line (the writer was killed) is cut off.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, rank: int, division: str,
+                 submitter: str = "unspecified", platform: str = "unspecified",
+                 status: str = "onprem", echo: bool = False, resume: bool = False):
+        if division not in DIVISIONS:
+            raise ValueError(f"MLPerf log: division must be one of {DIVISIONS}, got {division!r}")
+        if status not in SUBMISSION_STATUSES:
+            raise ValueError(f"MLPerf log: submission status must be one of "
+                             f"{SUBMISSION_STATUSES}, got {status!r}")
+        if resume and path is None:
+            raise ValueError("MLPerf log: resume needs a log file path, got None")
+        self.rank = rank
+        self.division = division
+        self.submitter = submitter
+        self.platform = platform
+        self.status = status
+        self.path = None if path is None else Path(path)
+
+        self._phase = _NEW
+        self._done: set[str] = set()  # keys allowed once that have been logged
+        self._open: dict[str, int] = {}  # open intervals (epoch, block, eval) -> start samples
+        self._samples = 0  # largest samples count logged so far, to catch counters going back
+
+        self._logger = logging.Logger(f"{__name__}.rank{rank}")  # unregistered: no propagation
+        self._handlers: list[logging.Handler] = []
+        if rank != 0:
+            self._mllog = None
+        else:
+            if resume:
+                _check_resumable(self.path)
+            self._add_handlers(self.path, echo, mode="a" if resume else "w")
+            self._mllog = MLLogger(logger=self._logger, root_dir=re.escape(_REPO_ROOT))
+        if resume:
+            # Rank 0 checked the file; other ranks follow the same state so that the same
+            # calls are valid everywhere.
+            self._phase = _RUNNING
+            self._done |= {C.CACHE_CLEAR, C.INIT_START, "submission_info", "hyperparameters",
+                           C.INIT_STOP, C.RUN_START}
+
+    def _add_handlers(self, path: Path | None, echo: bool, mode: str) -> None:
+        if path is not None:
+            try:
+                handler: logging.Handler = logging.FileHandler(path, mode=mode, encoding="utf-8")
+            except OSError as e:
+                raise ValueError(f"MLPerf log: cannot open {path} for writing: "
+                                 f"{e.strerror or e}") from None
+            self._handlers.append(handler)
+        if path is None or echo:
+            self._handlers.append(logging.StreamHandler(sys.stdout))
+        for handler in self._handlers:
+            self._logger.addHandler(handler)
+
+    def close(self) -> None:
+        """Flushes and closes the log file. Further calls still validate but write nothing."""
+        for handler in self._handlers:
+            self._logger.removeHandler(handler)
+            handler.close()
+        self._handlers.clear()
+        self._mllog = None
+
+    def __enter__(self) -> MLPerfLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- initialisation: before run_start ------------------------------------------------
+
+    def cache_clear(self) -> None:
+        """Logs that the file-system caches were dropped (required once; before init_start in
+        submissions, where the launcher clears them)."""
+        self._expect(C.CACHE_CLEAR, (_NEW, _INIT, _READY), once=True)
+        self._emit("event", C.CACHE_CLEAR, True)
+
+    def init_start(self) -> None:
+        """Starts the untimed initialisation (model build, data set up, compilation)."""
+        self._expect(C.INIT_START, (_NEW,))
+        self._emit("start", C.INIT_START)
+        self._phase = _INIT
+
+    def submission_info(self) -> None:
+        """Logs ``submission_benchmark`` (bert), ``_org``, ``_division``, ``_status`` and
+        ``_platform`` from the constructor's arguments."""
+        self._expect("submission_info", (_INIT,), once=True)
+        self._emit("event", C.SUBMISSION_BENCHMARK, BENCHMARK)
+        self._emit("event", C.SUBMISSION_ORG, self.submitter)
+        self._emit("event", C.SUBMISSION_DIVISION, self.division)
+        self._emit("event", C.SUBMISSION_STATUS, self.status)
+        self._emit("event", C.SUBMISSION_PLATFORM, self.platform)
+
+    def hyperparameters(self, *, seed: int, global_batch_size: int, local_batch_size: int,
+                        gradient_accumulation_steps: int, max_sequence_length: int,
+                        max_predictions_per_seq: int, learning_rate: float,
+                        betas: Sequence[float], epsilon: float, weight_decay: float,
+                        warmup_steps: int, start_warmup_step: int, train_steps: int,
+                        poly_power: float) -> None:
+        """Logs the run's hyper-parameters under their MLPerf keys (BERT uses LAMB).
+
+        Args:
+            seed: the run's base random seed (``seed``).
+            global_batch_size: sequences per optimizer step over all ranks.
+            local_batch_size: sequences per rank per forward pass (``d_batch_size``).
+            gradient_accumulation_steps: forward/backward passes per optimizer step.
+            max_sequence_length: longest sequence in tokens (512 for MLPerf data).
+            max_predictions_per_seq: masked positions per sequence at most (76).
+            learning_rate: peak LR (``opt_base_learning_rate``).
+            betas: LAMB (beta1, beta2).
+            epsilon: LAMB epsilon (``opt_lamb_epsilon``).
+            weight_decay: LAMB weight decay rate.
+            warmup_steps: linear warmup length in optimizer steps (logged as both
+                ``opt_learning_rate_warmup_steps`` and ``num_warmup_steps``).
+            start_warmup_step: step at which warmup starts (``start_warmup_step``).
+            train_steps: steps of the LR schedule (``opt_learning_rate_training_steps``).
+            poly_power: exponent of the polynomial decay.
+        """
+        self._expect("hyperparameters", (_INIT,), once=True)
+        beta_1, beta_2 = betas
+        values: list[tuple[str, Any]] = [
+            (C.SEED, _int(C.SEED, seed)),
+            (C.GLOBAL_BATCH_SIZE, _int(C.GLOBAL_BATCH_SIZE, global_batch_size, least=1)),
+            ("d_batch_size", _int("d_batch_size", local_batch_size, least=1)),
+            (C.GRADIENT_ACCUMULATION_STEPS,
+             _int(C.GRADIENT_ACCUMULATION_STEPS, gradient_accumulation_steps, least=1)),
+            (C.MAX_SEQUENCE_LENGTH, _int(C.MAX_SEQUENCE_LENGTH, max_sequence_length, least=1)),
+            ("max_predictions_per_seq",
+             _int("max_predictions_per_seq", max_predictions_per_seq, least=1)),
+            (C.OPT_NAME, C.LAMB),
+            (C.OPT_BASE_LR, _float(C.OPT_BASE_LR, learning_rate)),
+            (C.OPT_LAMB_EPSILON, _float(C.OPT_LAMB_EPSILON, epsilon)),
+            (C.OPT_LAMB_BETA_1, _float(C.OPT_LAMB_BETA_1, beta_1)),
+            (C.OPT_LAMB_BETA_2, _float(C.OPT_LAMB_BETA_2, beta_2)),
+            (C.OPT_LAMB_WEIGHT_DECAY, _float(C.OPT_LAMB_WEIGHT_DECAY, weight_decay)),
+            (C.OPT_LR_TRAINING_STEPS, _int(C.OPT_LR_TRAINING_STEPS, train_steps, least=1)),
+            (C.OPT_LR_WARMUP_STEPS, _int(C.OPT_LR_WARMUP_STEPS, warmup_steps)),
+            (C.NUM_WARMUP_STEPS, _int(C.NUM_WARMUP_STEPS, warmup_steps)),
+            (C.START_WARMUP_STEP, _int(C.START_WARMUP_STEP, start_warmup_step)),
+            (C.OPT_LAMB_LR_DECAY_POLY_POWER, _float(C.OPT_LAMB_LR_DECAY_POLY_POWER, poly_power)),
+        ]
+        for key, value in values:
+            self._emit("event", key, value)
+
+    def init_stop(self) -> None:
+        """Ends initialisation; ``submission_info`` and ``hyperparameters`` must be logged."""
+        self._expect(C.INIT_STOP, (_INIT,))
+        missing = [name for name in ("submission_info", "hyperparameters")
+                   if name not in self._done]
+        if missing:
+            raise RuntimeError(f"MLPerf log: call {' and '.join(missing)}() before init_stop()")
+        self._emit("end", C.INIT_STOP)
+        self._phase = _READY
+
+    def run_start(self) -> None:
+        """Starts the timed run (the clock MLPerf's time to train is measured from)."""
+        self._expect(C.RUN_START, (_READY,))
+        self._emit("start", C.RUN_START)
+        self._phase = _RUNNING
+
+    # -- the timed run ----------------------------------------------------------------------
+
+    def epoch_start(self, samples: int) -> None:
+        """Opens the training epoch at ``samples`` trained (0 for a fresh run)."""
+        samples = _int("samples", samples)
+        self._start_interval("epoch", C.EPOCH_START, samples, {C.EPOCH_NUM: samples})
+
+    def epoch_stop(self, samples: int) -> None:
+        """Closes the training epoch at ``samples`` trained."""
+        samples = _int("samples", samples)
+        self._stop_interval("epoch", C.EPOCH_STOP, samples, {C.EPOCH_NUM: samples})
+
+    def block_start(self, samples: int, block_samples: int) -> None:
+        """Opens a block of training between evaluations.
+
+        ``samples`` is the count trained so far (``first_epoch_num``), ``block_samples`` the
+        samples the block is planned to train (``epoch_count``, > 0).
+        """
+        samples, count = _int("samples", samples), _int("block_samples", block_samples, least=1)
+        self._start_interval("block", C.BLOCK_START, samples,
+                             {C.FIRST_EPOCH_NUM: samples, C.EPOCH_COUNT: count})
+
+    def block_stop(self, samples: int) -> None:
+        """Closes the open block at ``samples`` trained."""
+        samples = _int("samples", samples)
+        first = self._open.get("block")
+        self._stop_interval("block", C.BLOCK_STOP, samples,
+                            {C.FIRST_EPOCH_NUM: first, C.EPOCH_NUM: samples})
+
+    def eval_start(self, samples: int) -> None:
+        """Opens an evaluation of the model trained on ``samples`` samples."""
+        samples = _int("samples", samples)
+        self._start_interval("eval", C.EVAL_START, samples, {C.EPOCH_NUM: samples}, value=samples)
+
+    def eval_stop(self, samples: int) -> None:
+        """Closes the open evaluation."""
+        samples = _int("samples", samples)
+        self._stop_interval("eval", C.EVAL_STOP, samples, {C.EPOCH_NUM: samples}, value=samples)
+
+    def eval_accuracy(self, samples: int, accuracy: float) -> None:
+        """Logs the masked-LM accuracy (a fraction in [0, 1]) after ``samples`` samples."""
+        self._expect(C.EVAL_ACCURACY, (_RUNNING,))
+        samples = self._advance(samples)
+        accuracy = _float(C.EVAL_ACCURACY, accuracy)
+        if not 0.0 <= accuracy <= 1.0:
+            raise ValueError(f"MLPerf log: eval_accuracy must be a fraction in [0, 1], "
+                             f"got {accuracy}")
+        self._emit("event", C.EVAL_ACCURACY, accuracy, {C.EPOCH_NUM: samples})
+
+    def train_samples(self, samples: int) -> None:
+        """Logs the samples trained in the whole run (once, before ``run_stop``)."""
+        self._expect(C.TRAIN_SAMPLES, (_RUNNING,), once=True)
+        self._emit("event", C.TRAIN_SAMPLES, self._advance(samples))
+
+    def eval_samples(self, count: int) -> None:
+        """Logs the size of the eval set (once, before ``run_stop``; 10,000 in MLPerf)."""
+        self._expect(C.EVAL_SAMPLES, (_RUNNING,), once=True)
+        self._emit("event", C.EVAL_SAMPLES, _int(C.EVAL_SAMPLES, count, least=1))
+
+    def run_stop(self, samples: int, status: str) -> None:
+        """Ends the run: ``status`` is ``"success"`` (target reached) or ``"aborted"``."""
+        self._expect(C.RUN_STOP, (_RUNNING,))
+        if status not in RUN_STATUSES:
+            raise ValueError(f"MLPerf log: run_stop status must be one of {RUN_STATUSES}, "
+                             f"got {status!r}")
+        missing = [key for key in (C.TRAIN_SAMPLES, C.EVAL_SAMPLES) if key not in self._done]
+        if missing:
+            raise RuntimeError(f"MLPerf log: call {'() and '.join(missing)}() before run_stop()")
+        samples = self._advance(samples)
+        self._emit("end", C.RUN_STOP, None, {C.STATUS: status, C.EPOCH_NUM: samples})
+        self._phase = _STOPPED
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _expect(self, key: str, phases: tuple[str, ...], once: bool = False) -> None:
+        if self._phase not in phases:
+            raise RuntimeError(f"MLPerf log: {key} is not allowed {self._phase}")
+        if once:
+            if key in self._done:
+                raise RuntimeError(f"MLPerf log: {key} was already logged; MLPerf wants it once")
+            self._done.add(key)
+
+    def _advance(self, samples: int) -> int:
+        samples = _int("samples", samples)
+        if samples < self._samples:
+            raise ValueError(f"MLPerf log: samples went back from {self._samples} to {samples}")
+        self._samples = samples
+        return samples
+
+    def _start_interval(self, name: str, key: str, samples: int, metadata: dict,
+                        value: Any = None) -> None:
+        self._expect(key, (_RUNNING,))
+        if name in self._open:
+            raise RuntimeError(f"MLPerf log: {key} while the {name} opened at "
+                               f"{self._open[name]} samples is still open")
+        samples = self._advance(samples)
+        self._open[name] = samples
+        self._emit("start", key, value, metadata, helper_frames=1)
+
+    def _stop_interval(self, name: str, key: str, samples: int, metadata: dict,
+                       value: Any = None) -> None:
+        self._expect(key, (_RUNNING,))
+        if name not in self._open:
+            raise RuntimeError(f"MLPerf log: {key} without an open {name}")
+        self._advance(samples)
+        del self._open[name]
+        self._emit("end", key, value, metadata, helper_frames=1)
+
+    def _emit(self, kind: str, key: str, value: Any = None, metadata: dict | None = None,
+              helper_frames: int = 0) -> None:
+        """Writes one line; ``helper_frames``: calls between the public method and here."""
+        if self._mllog is None:  # not rank 0, or closed
+            return
+        log_fn = {"start": self._mllog.start, "end": self._mllog.end,
+                  "event": self._mllog.event}[kind]
+        log_fn(key=key, value=value, metadata=metadata,
+               stack_offset=_STACK_OFFSET + helper_frames)
+
+
+def _int(name: str, value: Any, least: int = 0) -> int:
+    try:
+        number = operator.index(value)  # accepts int-like (numpy, 0-d int tensors), not 2.5
+    except TypeError:
+        raise TypeError(f"MLPerf log: {name} must be an integer, got {value!r}") from None
+    if number < least:
+        raise ValueError(f"MLPerf log: {name} must be >= {least}, got {number}")
+    return number
+
+
+def _float(name: str, value: Any) -> float:
+    number = float(value)  # mllog writes an error line instead of failing on a tensor
+    if not math.isfinite(number):
+        raise ValueError(f"MLPerf log: {name} must be finite, got {number}")
+    return number
+
+
+def _check_resumable(path: Path) -> None:
+    """Checks that ``path`` holds a run that started and has not begun to end."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"MLPerf log: cannot resume {path}: {e.strerror or e}") from None
+    if data and not data.endswith(b"\n"):
+        # Killed while writing a line: drop the fragment, which the checker cannot parse.
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+        data = data[:data.rfind(b"\n") + 1]
+    keys = set()
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        _, found, payload = line.partition(":::MLLOG ")
+        if found:
+            keys.add(json.loads(payload)["key"])
+    if C.RUN_START not in keys:
+        raise ValueError(f"MLPerf log: cannot resume {path}: it has no run_start")
+    ended = sorted(keys & {C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.RUN_STOP})
+    if ended:
+        raise ValueError(f"MLPerf log: cannot resume {path}: the run already ended "
+                         f"(it has {', '.join(ended)})")
+
+
+# Fields the package checker requires in systems/<system_name>.json (system_desc_checker,
+# training rulesets), and the values it accepts for "status" from ruleset 4.0 on.
+SYSTEM_DESC_FIELDS = (
+    "submitter", "division", "status", "system_name", "number_of_nodes",
+    "host_processors_per_node", "host_processor_model_name", "host_processor_core_count",
+    "host_processor_vcpu_count", "host_processor_frequency", "host_processor_caches",
+    "host_processor_interconnect", "host_memory_capacity", "host_storage_type",
+    "host_storage_capacity", "host_networking", "host_networking_topology",
+    "host_memory_configuration", "accelerators_per_node", "accelerator_model_name",
+    "accelerator_host_interconnect", "accelerator_frequency", "accelerator_on-chip_memories",
+    "accelerator_memory_configuration", "accelerator_memory_capacity", "accelerator_interconnect",
+    "accelerator_interconnect_topology", "cooling", "hw_notes", "framework",
+    "other_software_stack", "operating_system", "sw_notes",
+)
+SYSTEM_DESC_STATUSES = ("Available on-premise", "Available cloud",
+                        "Research, Development, or Internal (RDI)", "Preview")
+
+
+def write_system_desc(path: str | os.PathLike, *, submitter: str, division: str, status: str,
+                      system_name: str, **fields: Any) -> dict:
+    """Writes an MLPerf system description (``systems/<system_name>.json``) and returns it.
+
+    ``fields`` sets any other field of ``SYSTEM_DESC_FIELDS`` (spell ``accelerator_on-chip_
+    memories`` via ``**{...}``); fields not given are written as ``""`` for a person to fill
+    in. ``status`` is one of ``SYSTEM_DESC_STATUSES``. Written to a temporary name, then
+    renamed.
+    """
+    unknown = sorted(set(fields) - set(SYSTEM_DESC_FIELDS))
+    if unknown:
+        raise ValueError(f"system description: unknown field(s) {unknown}")
+    if division not in DIVISIONS:
+        raise ValueError(f"system description: division must be one of {DIVISIONS}, "
+                         f"got {division!r}")
+    if status not in SYSTEM_DESC_STATUSES:
+        raise ValueError(f"system description: status must be one of {SYSTEM_DESC_STATUSES}, "
+                         f"got {status!r}")
+    desc = {name: "" for name in SYSTEM_DESC_FIELDS}
+    desc.update(fields, submitter=submitter, division=division, status=status,
+                system_name=system_name)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(desc, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return desc
