@@ -1,0 +1,186 @@
+"""Gradient clipping: global-norm (MLPerf) and AdaGC (per-tensor adaptive).
+
+Sits between the gradient all-reduce (and fp16 unscaling) and the optimizer step. Both
+clippers work on all gradient tensors at once with ``torch._foreach_*`` ops and return device
+tensors, so a step that does not log needs no host-device sync.
+
+``clip_global_`` follows apex's FusedLAMB (which MLPerf BERT submissions clip with): when the
+global norm n exceeds ``max_norm``, every gradient is multiplied by ``max_norm / n``.
+
+``AdaGC`` (the definition of issue 7; steps t counted from 1, g_i the gradient of tensor i):
+
+- t <= warmup_steps: g_i <- g_i * min(1, lambda_abs / (||g||_global + eps)); then
+  gamma_i = ||g_i|| (clipped) for a tensor without state, min(gamma_i, ||g_i||) otherwise.
+- t > warmup_steps, per tensor: h_i = min(1, lambda_rel * gamma_i / (||g_i|| + eps));
+  g_i <- h_i * g_i; gamma_i <- beta * gamma_i + (1 - beta) * min(||g_i||, lambda_rel * gamma_i)
+  with ||g_i|| taken before clipping; a tensor without state starts at gamma_i = ||g_i||.
+
+Choices the definition leaves open: a tensor whose ``.grad`` is None in a step is left out of
+that step (its gamma is kept); a step in which any gradient norm is inf or NaN leaves every
+gamma unchanged (the trainer skips such a step; one bad step must not poison the state), and
+still counts towards t (counting it conditionally would need a sync).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+
+
+def _grads(params: Iterable[Tensor]) -> list[Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _norms(grads: list[Tensor]) -> Tensor:
+    """[N] float32 L2 norms, one per tensor (fp16/bf16 gradients are reduced in fp32)."""
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+
+
+def clip_global_(params: Iterable[Tensor], max_norm: float) -> Tensor:
+    """Scale all gradients so their global L2 norm is at most ``max_norm``, in place.
+
+    Returns the global norm before clipping as a float32 0-d tensor on the gradients'
+    device (no sync). A non-finite norm makes the gradients non-finite, for the trainer's
+    skip-the-step check to catch.
+    """
+    if not (max_norm > 0 and math.isfinite(max_norm)):
+        raise ValueError(f"optim.max_grad_norm: must be finite and > 0, got {max_norm}")
+    grads = _grads(params)
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    total = torch.linalg.vector_norm(_norms(grads))
+    coef = max_norm / torch.clamp(total, min=max_norm)  # exactly 1 when total <= max_norm
+    torch._foreach_mul_(grads, coef)
+    return total
+
+
+@dataclass
+class ClipStats:
+    """What one ``AdaGC.clip_()`` did; device tensors (reading them syncs)."""
+
+    global_norm: Tensor | None  # float32 0-d, before clipping; None after warm-up unless asked for
+    num_clipped: Tensor  # int64 0-d: tensors whose gradient was scaled down
+
+
+class AdaGC:
+    """Adaptive per-tensor gradient clipping; see the module docstring for the definition.
+
+    ``named_parameters``: ``model.named_parameters()`` (trainable ones are kept; names key
+    the state). Call ``clip_()`` once per optimizer step, after the gradients are final.
+    """
+
+    def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]], lambda_rel: float = 1.04,
+                 beta: float = 0.99, warmup_steps: int = 100, lambda_abs: float = 1.0, eps: float = 1e-6):
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        if not named:
+            raise ValueError("AdaGC: no trainable parameters")
+        _check(math.isfinite(lambda_rel) and lambda_rel > 0, "optim.adagc.lambda_rel", f"must be > 0, got {lambda_rel}")
+        _check(0.0 <= beta < 1.0, "optim.adagc.beta", f"must lie in [0, 1), got {beta}")
+        _check(isinstance(warmup_steps, int) and warmup_steps >= 0, "optim.adagc.warmup_steps",
+               f"must be an integer >= 0, got {warmup_steps!r}")
+        _check(math.isfinite(lambda_abs) and lambda_abs > 0, "optim.adagc.lambda_abs", f"must be > 0, got {lambda_abs}")
+        _check(math.isfinite(eps) and eps > 0, "optim.adagc.eps", f"must be > 0, got {eps}")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.lambda_rel, self.beta, self.lambda_abs, self.eps = float(lambda_rel), float(beta), float(lambda_abs), float(eps)
+        self.warmup_steps = warmup_steps
+        self.step = 0  # optimizer steps clipped so far
+        n = len(self.params)
+        self.gamma = torch.zeros(n, dtype=torch.float32)  # [N] per-tensor threshold state
+        self.has_gamma = torch.zeros(n, dtype=torch.bool)  # [N] False: no state yet
+        self._index_cache: dict[tuple[int, ...], Tensor] = {}
+
+    @torch.no_grad()
+    def clip_(self, compute_global_norm: bool = False) -> ClipStats:
+        """Clip the gradients in place and update the state.
+
+        The global norm is computed during warm-up (clipping needs it) and otherwise only
+        when ``compute_global_norm`` is True (for logging).
+        """
+        present = [i for i, p in enumerate(self.params) if p.grad is not None]
+        self.step += 1
+        if not present:
+            return ClipStats(None, torch.zeros((), dtype=torch.int64))
+        grads = [self.params[i].grad for i in present]
+        device = grads[0].device
+        if self.gamma.device != device:
+            self.gamma, self.has_gamma = self.gamma.to(device), self.has_gamma.to(device)
+        if len(present) == len(self.params):
+            idx = None
+            gamma, has = self.gamma, self.has_gamma
+        else:
+            idx = self._index(present, device)
+            gamma, has = self.gamma[idx], self.has_gamma[idx]
+
+        norms = _norms(grads)  # [n] before clipping
+        global_norm = None
+        if self.step <= self.warmup_steps:
+            global_norm = torch.linalg.vector_norm(norms)
+            coef = torch.clamp(self.lambda_abs / (global_norm + self.eps), max=1.0)
+            torch._foreach_mul_(grads, coef)
+            clipped = norms * coef
+            new_gamma = torch.where(has, torch.minimum(gamma, clipped), clipped)
+            num_clipped = (coef < 1).long() * len(grads)
+        else:
+            if compute_global_norm:
+                global_norm = torch.linalg.vector_norm(norms)
+            gamma = torch.where(has, gamma, norms)
+            h = torch.clamp(self.lambda_rel * gamma / (norms + self.eps), max=1.0)  # [n]
+            # A different factor per tensor, kept on the device (no list of Python floats).
+            torch._foreach_mul_(grads, list(h.unbind(0)))
+            new_gamma = self.beta * gamma + (1 - self.beta) * torch.minimum(norms, self.lambda_rel * gamma)
+            num_clipped = (h < 1).sum()
+
+        finite = torch.isfinite(norms).all()
+        new_gamma = torch.where(finite, new_gamma, gamma)
+        new_has = has | finite
+        if idx is None:
+            self.gamma, self.has_gamma = new_gamma, new_has
+        else:
+            self.gamma = self.gamma.index_copy(0, idx, new_gamma)
+            self.has_gamma = self.has_gamma.index_copy(0, idx, new_has)
+        return ClipStats(global_norm, num_clipped)
+
+    def _index(self, present: list[int], device) -> Tensor:
+        key = tuple(present)
+        idx = self._index_cache.get(key)
+        if idx is None or idx.device != device:
+            idx = torch.tensor(present, dtype=torch.long, device=device)
+            self._index_cache = {key: idx}  # the set of present tensors rarely changes
+        return idx
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "names": list(self.names), "gamma": self.gamma.detach().cpu().clone(),
+                "has_gamma": self.has_gamma.detach().cpu().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore by parameter name; tensors the state does not know start without state."""
+        for key in ("step", "names", "gamma", "has_gamma"):
+            if key not in state:
+                raise ValueError(f"AdaGC state: missing key {key!r}")
+        names, gamma, has = list(state["names"]), state["gamma"], state["has_gamma"]
+        if gamma.shape != (len(names),) or has.shape != (len(names),):
+            raise ValueError(f"AdaGC state: gamma/has_gamma shapes {tuple(gamma.shape)}/{tuple(has.shape)} "
+                             f"do not match {len(names)} names")
+        position = {n: i for i, n in enumerate(self.names)}
+        unknown = [n for n in names if n not in position]
+        if unknown:
+            raise ValueError(f"AdaGC state: parameters not in this model: {', '.join(unknown[:5])}"
+                             + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""))
+        device = self.gamma.device
+        new_gamma = torch.zeros(len(self.names), dtype=torch.float32)
+        new_has = torch.zeros(len(self.names), dtype=torch.bool)
+        dest = torch.tensor([position[n] for n in names], dtype=torch.long)
+        new_gamma[dest] = gamma.detach().to("cpu", torch.float32)
+        new_has[dest] = has.detach().to("cpu", torch.bool)
+        self.gamma, self.has_gamma = new_gamma.to(device), new_has.to(device)
+        self.step = int(state["step"])
+
+
+def _check(ok: bool, field: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {what}")

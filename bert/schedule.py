@@ -1,0 +1,105 @@
+"""Learning-rate schedule: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT).
+
+Sits between the optimizer step and the next one: the trainer calls ``scheduler.step()``
+after every optimizer update that was applied (a skipped fp16 step does not advance it), and
+the scheduler writes the next update's learning rate into every parameter group.
+
+Semantics are those of the MLPerf reference (``create_optimizer`` in mlcommons/training,
+``language_model/tensorflow/bert``). With ``g`` the 0-based global step, i.e. the number of
+updates already applied, the update ``g`` uses:
+
+    decay(g)  = (base_lr - end_lr) * (1 - min(g, total_steps) / total_steps) ** power + end_lr
+    w         = g - start_warmup_step
+    lr(g)     = base_lr * w / warmup_steps    if warmup_steps > 0 and w < warmup_steps
+                decay(g)                      otherwise
+
+So the decay is measured from step 0, not from the end of warm-up, and a negative
+``start_warmup_step`` shortens the warm-up (it starts part-way up the ramp). Two choices
+where the reference is silent or odd: for ``w < 0`` (a positive ``start_warmup_step``, steps
+before warm-up starts) the reference would give a negative rate; here it is 0. NVIDIA's
+PyTorch MLPerf scheduler counts steps from 1 and subtracts one only when
+``start_warmup_step == 0``; it agrees with the formula above in that case (the v2.0 8-GPU
+recipe) and is one step later otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_at(step: int, *, base_lr: float, total_steps: int, warmup_steps: int = 0,
+          start_warmup_step: int = 0, power: float = 1.0, end_lr: float = 0.0) -> float:
+    """Learning rate of update ``step`` (0-based: the first update is step 0)."""
+    if warmup_steps > 0:
+        w = step - start_warmup_step
+        if w < warmup_steps:
+            return base_lr * max(w, 0) / warmup_steps
+    progress = min(step, total_steps) / total_steps
+    return (base_lr - end_lr) * (1.0 - progress) ** power + end_lr
+
+
+class PolyWarmupScheduler:
+    """Sets ``lr_at(step)`` in every parameter group of ``optimizer``.
+
+    At construction the groups get the rate of update 0; each ``step()`` (called after an
+    applied update) advances the count and sets the next rate. ``state_dict()`` holds only
+    the count: the hyper-parameters come from the configuration when a run resumes.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, total_steps: int,
+                 warmup_steps: int = 0, start_warmup_step: int = 0, power: float = 1.0,
+                 end_lr: float = 0.0):
+        _check(math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}")
+        _check(isinstance(total_steps, int) and total_steps >= 1, "total_steps",
+               f"must be an integer >= 1, got {total_steps!r}")
+        _check(isinstance(warmup_steps, int) and warmup_steps >= 0, "warmup_steps",
+               f"must be an integer >= 0, got {warmup_steps!r}")
+        _check(isinstance(start_warmup_step, int), "start_warmup_step",
+               f"must be an integer, got {start_warmup_step!r}")
+        _check(math.isfinite(power) and power >= 0, "power", f"must be finite and >= 0, got {power}")
+        _check(math.isfinite(end_lr) and 0 <= end_lr <= base_lr, "end_lr",
+               f"must lie in [0, base_lr={base_lr}], got {end_lr}")
+        self.optimizer = optimizer
+        self.base_lr = float(base_lr)
+        self.total_steps = total_steps
+        self.warmup_steps = warmup_steps
+        self.start_warmup_step = start_warmup_step
+        self.power = float(power)
+        self.end_lr = float(end_lr)
+        self.step_count = 0  # updates applied so far = the 0-based step of the next update
+        self._apply()
+
+    def lr_at(self, step: int) -> float:
+        return lr_at(step, base_lr=self.base_lr, total_steps=self.total_steps,
+                     warmup_steps=self.warmup_steps, start_warmup_step=self.start_warmup_step,
+                     power=self.power, end_lr=self.end_lr)
+
+    @property
+    def last_lr(self) -> float:
+        """The rate the next update will use (what the groups hold now)."""
+        return self.lr_at(self.step_count)
+
+    def step(self) -> None:
+        self.step_count += 1
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = self.lr_at(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict:
+        return {"step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "step_count" not in state:
+            raise ValueError("scheduler state: missing key 'step_count'")
+        self.step_count = int(state["step_count"])
+        self._apply()
+
+
+def _check(ok: bool, field: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {what}")
