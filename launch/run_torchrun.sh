@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Data-parallel training started by torchrun: GPUS_PER_NODE processes on each node.
+#
+#   launch/run_torchrun.sh NNODES GPUS_PER_NODE CONFIG OUTPUT_DIR [section.field=value ...]
+#
+# One node: a standalone rendezvous on a free port. Several nodes: run the same command on
+# every node with NODE_RANK=0..NNODES-1 and MASTER_ADDR=<node 0's address> [MASTER_PORT=29500].
+# On CPU, GPUS_PER_NODE is the number of ranks (gloo).
+# PYTHON and TRAIN_SCRIPT override the interpreter and the entry point (run_pretraining.py).
+set -euo pipefail
+
+if (( $# < 4 )); then
+    echo "usage: $0 NNODES GPUS_PER_NODE CONFIG OUTPUT_DIR [section.field=value ...]" >&2
+    exit 2
+fi
+nnodes=$1 nproc=$2 config=$3 output_dir=$4
+shift 4
+for n in "$nnodes" "$nproc"; do
+    [[ $n =~ ^[1-9][0-9]*$ ]] || { echo "$0: NNODES and GPUS_PER_NODE must be positive integers, got '$n'" >&2; exit 2; }
+done
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -x $repo/.venv/bin/python ]]; then python=${PYTHON:-$repo/.venv/bin/python}; else python=${PYTHON:-python}; fi
+train_script=${TRAIN_SCRIPT:-$repo/run_pretraining.py}
+
+if (( nnodes == 1 )); then
+    rendezvous=(--standalone)
+else
+    rendezvous=(--nnodes "$nnodes" --node-rank "${NODE_RANK:?set NODE_RANK (0..$((nnodes - 1))) on each node}"
+                --master-addr "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}" --master-port "${MASTER_PORT:-29500}")
+fi
+
+exec "$python" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node "$nproc" \
+    "$train_script" --config "$config" --output-dir "$output_dir" "$@"

@@ -1,0 +1,431 @@
+"""Turn MLPerf training logs into scores: ``python -m launch.summarize DIR [DIR ...]``.
+
+Reads the ``:::MLLOG {json}`` lines of every run in each directory (``result_*.txt``, as
+MLPerf submissions and ``launch/run_and_time.sh`` name them; else ``mlperf.log``; else
+``*/mlperf.log``), ours or anyone's; text before ``:::MLLOG`` on a line is ignored, as the
+official checker ignores it.
+
+Per run: status (``run_stop``'s ``metadata.status``), time to train (``run_stop`` minus
+``run_start``), samples to converge (``train_samples`` logged during the run, else the last
+``eval_accuracy``'s ``epoch_num``, which MLPerf BERT sets to samples trained), throughput
+(samples / time to train) and the verdict of the official compliance checker
+(``mlperf_logging.compliance_checker``, ruleset 5.0.0 unless ``--ruleset``), cached by file
+content because it is slow.
+
+Per directory: the olympic score, MLPerf's way of scoring BERT: of 10 runs, drop the fastest
+and the slowest and average the other 8; a run that did not succeed counts as infinitely
+slow. With 3 to 9 runs the same mean is printed, marked as not an official score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+TOKEN = ":::MLLOG"
+DEFAULT_RULESET = "5.0.0"
+OFFICIAL_RUNS = 10
+
+
+class SummaryError(Exception):
+    """Bad input; the message names the file (and line)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    key: str
+    value: object
+    time_ms: float
+    metadata: dict
+    lineno: int
+
+
+@dataclass
+class RunResult:
+    path: Path
+    status: str
+    seconds: float  # time to train: run_stop - run_start
+    samples: Optional[int]
+    compliance: Optional[str] = None  # "pass", "fail: <reasons>", or None when not checked
+
+    @property
+    def success(self) -> bool:
+        return self.status == "success"
+
+    @property
+    def minutes(self) -> float:
+        return self.seconds / 60.0
+
+    @property
+    def throughput(self) -> Optional[float]:
+        """Samples per second over the time to train."""
+        if self.samples is None or self.seconds <= 0:
+            return None
+        return self.samples / self.seconds
+
+
+@dataclass
+class DirectorySummary:
+    directory: Path
+    runs: list[RunResult]
+    score_minutes: Optional[float]  # olympic mean, None when there is none
+    official: bool  # exactly 10 runs and a finite score
+    note: str
+    throughput: Optional[float]  # mean samples/s of the runs in the score
+
+
+def read_events(path: Path) -> list[Event]:
+    """All ``:::MLLOG`` events of a log, in file order."""
+    events = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = list(f)
+    except OSError as e:
+        raise SummaryError(f"{path}: cannot read ({e.strerror})") from None
+    for lineno, line in enumerate(lines, start=1):
+        at = line.rfind(TOKEN)  # the checker also keeps what follows the last token
+        if at < 0:
+            continue
+        try:
+            record = json.loads(line[at + len(TOKEN):])
+        except json.JSONDecodeError as e:
+            raise SummaryError(f"{path}:{lineno}: cannot parse {TOKEN} line ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+            raise SummaryError(f"{path}:{lineno}: {TOKEN} record has no 'key'")
+        time_ms = record.get("time_ms")
+        if isinstance(time_ms, bool) or not isinstance(time_ms, (int, float)):
+            raise SummaryError(f"{path}:{lineno}: {TOKEN} record has no numeric 'time_ms'")
+        metadata = record.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise SummaryError(f"{path}:{lineno}: {TOKEN} 'metadata' is not an object")
+        events.append(Event(record["key"], record.get("value"), float(time_ms), metadata, lineno))
+    return events
+
+
+def summarize_run(path: Path) -> RunResult:
+    """Status, time to train and samples of one run's log (no compliance check)."""
+    events = read_events(path)
+    if not events:
+        raise SummaryError(f"{path}: no {TOKEN} lines")
+    starts = [i for i, e in enumerate(events) if e.key == "run_start"]
+    if not starts:
+        raise SummaryError(f"{path}: no run_start event")
+    start_i = starts[0]
+    start = events[start_i]
+    stop = next((e for e in events[start_i:] if e.key == "run_stop"), None)
+    if stop is None:
+        raise SummaryError(f"{path}: no run_stop event after run_start (line {start.lineno})")
+    status = stop.metadata.get("status")
+    if not isinstance(status, str):
+        raise SummaryError(f"{path}:{stop.lineno}: run_stop has no metadata.status")
+
+    during = events[start_i:]
+    samples: Optional[int] = None
+    trained = [e.value for e in during if e.key == "train_samples" and isinstance(e.value, int)]
+    if trained:
+        samples = trained[-1]
+    else:
+        evals = [e.metadata["epoch_num"] for e in during
+                 if e.key == "eval_accuracy" and isinstance(e.metadata.get("epoch_num"), int)]
+        if evals:
+            samples = evals[-1]
+    return RunResult(path, status, (stop.time_ms - start.time_ms) / 1000.0, samples)
+
+
+def _natural_key(path: Path):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
+def find_logs(directory: Path) -> list[Path]:
+    """The run logs of a results directory (or the file itself)."""
+    if directory.is_file():
+        return [directory]
+    if not directory.is_dir():
+        raise SummaryError(f"{directory}: no such directory")
+    results = sorted(directory.glob("result_*.txt"), key=_natural_key)
+    if results:
+        return results
+    if (directory / "mlperf.log").is_file():
+        return [directory / "mlperf.log"]
+    nested = sorted(directory.glob("*/mlperf.log"), key=lambda p: _natural_key(p.parent))
+    if nested:
+        return nested
+    raise SummaryError(f"{directory}: no result_*.txt, mlperf.log or */mlperf.log")
+
+
+def olympic_score(runs: list[RunResult]) -> tuple[Optional[float], bool, str, list[RunResult]]:
+    """(olympic mean in minutes or None, official?, note, runs in the mean)."""
+    n = len(runs)
+    if n < 3:
+        return (None, False, f"{n} run(s): an olympic mean needs at least 3 "
+                f"({OFFICIAL_RUNS} for an official score)", [])
+    kept = sorted(runs, key=lambda r: r.minutes if r.success else math.inf)[1:-1]
+    failed = sum(not r.success for r in runs)
+    if not kept[-1].success:
+        return None, False, f"{failed} of {n} runs did not succeed: no score (at most 1 may fail)", []
+    score = sum(r.minutes for r in kept) / len(kept)
+    what = f"mean of {len(kept)} runs after dropping the fastest and the slowest of {n}"
+    if failed:
+        what += f"; {failed} run did not succeed and counts as the slowest"
+    if n != OFFICIAL_RUNS:
+        return (score, False, f"{what}; not an official score: MLPerf BERT needs "
+                f"{OFFICIAL_RUNS} runs", kept)
+    return score, True, what, kept
+
+
+# ---------------------------------------------------------------------------------------
+# Compliance checker
+
+
+def _checker_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("mlperf-logging")
+    except PackageNotFoundError:
+        raise SummaryError("mlperf-logging is not installed: install it (requirements.txt) "
+                           "or pass --no-check") from None
+
+
+def _checker_reasons(log_text: str) -> str:
+    """The checker's complaints, from its log output, as one line."""
+    reasons = []
+    for line in log_text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("INFO", "ERROR - FAILED", "---", "**")):
+            continue
+        reasons.append(re.sub(r"^(WARNING|ERROR) -\s*", "", line))
+    return "; ".join(reasons) or "failed (no reason given)"
+
+
+def run_compliance_checker(path: Path, ruleset: str) -> str:
+    """'pass' or 'fail: <reasons>' from the official checker, run as a subprocess."""
+    with tempfile.TemporaryDirectory(prefix="mlperf-check-") as tmp:
+        out = Path(tmp) / "checker.log"
+        cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+               "--ruleset", ruleset, "--log_output", str(out), str(path.resolve())]
+        # cwd=tmp: the checker writes files into its working directory.
+        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600)
+        if proc.returncode == 0:
+            return "pass"
+        text = out.read_text(errors="replace") if out.exists() else ""
+        if proc.returncode != 1 or not text:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SummaryError(f"{path}: the compliance checker crashed "
+                               f"(exit {proc.returncode}): {last}")
+        return "fail: " + _checker_reasons(text)
+
+
+class ComplianceCache:
+    """Checker verdicts by (ruleset, checker version, file content), in a JSON file."""
+
+    def __init__(self, file: Optional[Path]):
+        self.file = file
+        self.entries: dict[str, str] = {}
+        if file is not None and file.is_file():
+            try:
+                self.entries = json.loads(file.read_text())
+            except (OSError, json.JSONDecodeError):
+                self.entries = {}  # a damaged cache is only a cache: start over
+
+    def key(self, path: Path, ruleset: str, checker_version: str) -> str:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        return f"{ruleset}/{checker_version}/{digest}"
+
+    def save(self) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.file.with_name(self.file.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(self.entries, indent=0, sort_keys=True))
+            os.replace(tmp, self.file)
+        except OSError as e:
+            print(f"note: compliance cache not saved to {self.file} ({e.strerror})", file=sys.stderr)
+
+
+def default_cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "unpadded-bert" / "compliance.json"
+
+
+def check_runs(runs: list[RunResult], ruleset: str, cache: ComplianceCache, workers: int) -> None:
+    """Fill in each run's compliance verdict, from the cache or by running the checker."""
+    version = _checker_version()
+    keys = [cache.key(r.path, ruleset, version) for r in runs]
+    todo = [(r, k) for r, k in zip(runs, keys) if k not in cache.entries]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        verdicts = list(pool.map(lambda rk: run_compliance_checker(rk[0].path, ruleset), todo))
+    for (_, k), verdict in zip(todo, verdicts):
+        cache.entries[k] = verdict
+    for r, k in zip(runs, keys):
+        r.compliance = cache.entries[k]
+    if todo:
+        cache.save()
+
+
+# ---------------------------------------------------------------------------------------
+# Output
+
+
+def summarize_directory(directory: Path) -> DirectorySummary:
+    runs = [summarize_run(p) for p in find_logs(directory)]
+    score, official, note, kept = olympic_score(runs)
+    rates = [r.throughput for r in kept]
+    throughput = sum(rates) / len(rates) if rates and None not in rates else None
+    return DirectorySummary(directory, runs, score, official, note, throughput)
+
+
+def format_table(summaries: list[DirectorySummary], ruleset: str) -> str:
+    out = []
+    for s in summaries:
+        out.append(f"{s.directory}")
+        out.append(f"  {'run':<16} {'status':<9} {'minutes':>8} {'samples':>11} {'samples/s':>10}  "
+                   f"compliance ({ruleset})")
+        for r in s.runs:
+            samples = f"{r.samples:,}" if r.samples is not None else "-"
+            tput = f"{r.throughput:.1f}" if r.throughput is not None else "-"
+            verdict = r.compliance if r.compliance is not None else "not checked"
+            if len(verdict) > 90:
+                verdict = verdict[:87] + "..."
+            name = r.path.name if r.path.name != "mlperf.log" else f"{r.path.parent.name}/mlperf.log"
+            out.append(f"  {name:<16} {r.status:<9} {r.minutes:>8.2f} {samples:>11} {tput:>10}  {verdict}")
+        score = f"{s.score_minutes:.2f} min" if s.score_minutes is not None else "none"
+        out.append(f"  olympic score: {score} ({s.note})")
+        if s.throughput is not None:
+            out.append(f"  throughput of the scored runs: {s.throughput:.1f} samples/s")
+        out.append("")
+    if len(summaries) > 1:
+        width = max(len(s.directory.name) for s in summaries)
+        out.append("olympic time to train")
+        for s in summaries:
+            score = f"{s.score_minutes:8.2f} min" if s.score_minutes is not None else "    none"
+            flag = "" if s.official else "  (not official)"
+            out.append(f"  {s.directory.name:<{width}}  {score}{flag}")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _finite(x: Optional[float]) -> Optional[float]:
+    return None if x is None or math.isinf(x) else x
+
+
+def to_json(summaries: list[DirectorySummary], ruleset: Optional[str]) -> dict:
+    return {
+        "ruleset": ruleset,
+        "directories": [{
+            "directory": str(s.directory),
+            "olympic_score_minutes": _finite(s.score_minutes),
+            "official": s.official,
+            "note": s.note,
+            "throughput_samples_per_s": s.throughput,
+            "runs": [{
+                "file": str(r.path),
+                "status": r.status,
+                "time_to_train_s": r.seconds,
+                "time_to_train_min": r.minutes,
+                "samples": r.samples,
+                "samples_per_s": r.throughput,
+                "compliance": r.compliance,
+            } for r in s.runs],
+        } for s in summaries],
+    }
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_png(path: Path, summaries: list[DirectorySummary]) -> None:
+    """Bar chart of olympic scores, with every successful run as a dot."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(summaries) + 2), 4))
+    names = [s.directory.name for s in summaries]
+    scores = [s.score_minutes or 0.0 for s in summaries]
+    bars = ax.bar(range(len(summaries)), scores, width=0.6, color="#4c72b0", alpha=0.8,
+                  label="olympic score")
+    for i, s in enumerate(summaries):
+        times = [r.minutes for r in s.runs if r.success]
+        ax.scatter([i + 0.38] * len(times), times, color="black", s=10, zorder=3,
+                   label="successful runs" if i == 0 else None)
+        label = f"{s.score_minutes:.2f}" if s.score_minutes is not None else "no score"
+        if s.score_minutes is not None and not s.official:
+            label += "*"
+        ax.annotate(label, (bars[i].get_x() + bars[i].get_width() / 2, scores[i]),
+                    ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(range(len(summaries)), names, rotation=15, ha="right")
+    ax.set_ylabel("time to train (minutes)")
+    ax.set_title("MLPerf BERT olympic time to train" +
+                 (" (* not official)" if any(not s.official for s in summaries) else ""))
+    ax.legend(loc="best")
+    fig.tight_layout()
+    _write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.summarize",
+        description="Scores of MLPerf BERT runs: time to train, samples, throughput, "
+                    "compliance, and the olympic score per directory.")
+    parser.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
+                        help="directory of result_*.txt or mlperf.log (or one log file)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the summary as JSON")
+    parser.add_argument("--png", type=Path, metavar="FILE", help="also draw a bar chart")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the compliance checker (it takes about a second per log)")
+    parser.add_argument("--ruleset", default=DEFAULT_RULESET,
+                        help="compliance checker ruleset (default %(default)s)")
+    parser.add_argument("--cache", type=Path, default=None, metavar="FILE",
+                        help=f"verdict cache (default {default_cache_file()})")
+    parser.add_argument("--no-cache", action="store_true", help="always run the checker")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                        help="checker processes at once (default %(default)s)")
+    args = parser.parse_args(argv)
+
+    try:
+        summaries = [summarize_directory(d) for d in args.dirs]
+        if not args.no_check:
+            cache = ComplianceCache(None if args.no_cache else (args.cache or default_cache_file()))
+            check_runs([r for s in summaries for r in s.runs], args.ruleset, cache, args.jobs)
+        ruleset = None if args.no_check else args.ruleset
+        print(format_table(summaries, args.ruleset if ruleset else "not checked"), end="")
+        if args.json:
+            text = json.dumps(to_json(summaries, ruleset), indent=2) + "\n"
+            _write_atomic(args.json, lambda tmp: tmp.write_text(text))
+            print(f"wrote {args.json}")
+        if args.png:
+            write_png(args.png, summaries)
+            print(f"wrote {args.png}")
+    except SummaryError as e:
+        print(f"summarize: {e}", file=sys.stderr)
+        return 2
+    except subprocess.TimeoutExpired as e:
+        print(f"summarize: the compliance checker timed out on {e.cmd[-1]}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"summarize: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
