@@ -37,3 +37,35 @@ def fixed_layout(lengths, vocab_size: int, seq_len: int | None = None, max_predi
 
 def random_batch(lengths, vocab_size: int, seed: int = 0, **kw) -> UnpaddedBatch:
     return unpad(**fixed_layout(lengths, vocab_size, seed=seed, **kw))
+
+
+def write_fixed_file(path, lengths, vocab_size: int, seq_len: int, max_predictions: int = 20, seed: int = 0) -> None:
+    """One HDF5 file in MLPerf's fixed layout (DESIGN.md), written with h5py directly."""
+    import h5py
+
+    a = fixed_layout(lengths, vocab_size, seq_len=seq_len, max_predictions=max_predictions, seed=seed)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("input_ids", data=a["input_ids"].astype(np.int16))
+        f.create_dataset("input_mask", data=a["input_mask"].astype(np.int8))
+        f.create_dataset("segment_ids", data=a["segment_ids"].astype(np.int8))
+        f.create_dataset("masked_lm_positions", data=a["masked_lm_positions"].astype(np.int16))
+        f.create_dataset("masked_lm_ids", data=a["masked_lm_ids"].astype(np.int16))
+        f.create_dataset("next_sentence_labels", data=a["next_sentence_labels"].astype(np.int8))
+
+
+def write_dataset(root, num_files: int = 4, per_file: int = 48, eval_samples: int = 40, vocab_size: int = 96,
+                  seq_len: int = 64, seed: int = 0):
+    """A tiny training set (train/part_*.hdf5) and eval file; returns (train_dir, eval_file)."""
+    import os
+
+    rng = np.random.default_rng(seed)
+    train = os.path.join(root, "train")
+    os.makedirs(train, exist_ok=True)
+    os.makedirs(os.path.join(root, "eval"), exist_ok=True)
+    for i in range(num_files):
+        lengths = rng.integers(8, seq_len + 1, per_file)
+        write_fixed_file(os.path.join(train, f"part_{i:05d}_of_{num_files:05d}.hdf5"), lengths, vocab_size,
+                         seq_len, seed=seed * 1000 + i)
+    eval_file = os.path.join(root, "eval", "part_eval_10k.hdf5")
+    write_fixed_file(eval_file, rng.integers(8, seq_len + 1, eval_samples), vocab_size, seq_len, seed=seed + 999)
+    return train, eval_file

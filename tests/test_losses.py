@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -204,3 +206,25 @@ def test_pretraining_loss_empty_and_low_precision():
     mlm, mlm_y, nsp, nsp_y = _heads()
     loss, _ = pretraining_loss(mlm.detach().bfloat16(), mlm_y, nsp.detach().bfloat16(), nsp_y, 13, 5)
     assert loss.dtype == torch.float32
+
+
+def test_anchor_count_on_the_host_matches_simreg_loss():
+    from bert.losses import simreg_anchor_count
+    from data.collate import collate_unpadded
+    from data.samples import SampleBlock
+
+    rng = np.random.default_rng(5)
+    lens = rng.integers(2, 40, 12).astype(np.int32)
+    counts = np.minimum(lens - 1, rng.integers(0, 8, 12)).astype(np.int32)
+    positions = np.concatenate([np.sort(rng.choice(np.arange(1, n), c, replace=False)) for n, c in zip(lens, counts)])
+    block = SampleBlock(input_ids=rng.integers(1, 6, lens.sum()).astype(np.int32),
+                        segment_ids=np.zeros(lens.sum(), np.int8), seq_lens=lens,
+                        masked_positions=positions.astype(np.int32),
+                        masked_ids=rng.integers(1, 6, counts.sum()).astype(np.int32), masked_counts=counts,
+                        nsp_labels=np.zeros(12, np.int8))
+    batch = collate_unpadded(block)
+    hidden = torch.randn(batch.num_tokens, 8)
+    for scope in ("masked", "all"):
+        _, anchors = simreg_loss(hidden, batch, scope=scope)
+        assert simreg_anchor_count(block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids,
+                                   block.masked_counts, scope) == int(anchors)

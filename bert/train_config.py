@@ -1,0 +1,384 @@
+"""The run configuration: one typed dataclass per component, loaded from YAML.
+
+``load_config(path, overrides)`` reads ``launch/configs/*.yaml`` (a mapping of sections to
+fields) and applies command-line overrides ``section.field=value`` (values parsed as YAML,
+so ``optim.betas=[0.9,0.98]`` and ``checkpoint.init=null`` work). Every field has its
+default and its meaning here, once; ``describe()`` prints them for ``--help``. Unknown
+sections or fields and invalid values raise ``ConfigError`` naming ``section.field`` and
+the valid choices, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid run configuration; the message names the key."""
+
+
+def opt(default, help: str, choices: tuple | None = None):
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _check(section: str, obj) -> None:
+    """Choices and types of every field (called from each section's __post_init__)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        key, value = f"{section}.{f.name}", getattr(obj, f.name)
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
+        value = _coerce(key, value, hints[f.name])
+        object.__setattr__(obj, f.name, value)
+
+
+def _coerce(key: str, value, hint):
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of fields, got {value!r}")
+        valid = [f.name for f in fields(hint)]
+        bad = sorted(set(value) - set(valid))
+        if bad:
+            raise ConfigError(f"{key}.{bad[0]}: unknown field; valid fields of {key}: {valid}")
+        return hint(**value)
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no decimal point) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(key, v, args[0]) for v in value]
+    return value
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise ConfigError(f"{key}: must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
+
+
+@dataclass
+class ModelSection:
+    preset: str = opt("large", "architecture preset (bert.config.PRESETS)", ("tiny", "small", "base", "large"))
+    config_file: str | None = opt(None, "bert_config.json or transformers config.json; overrides preset")
+    attention: str = opt("reference", "attention backend: reference, padded, triton, triton_grouped, "
+                                      "flash_attn, torch_varlen")
+    fused_ops: bool = opt(False, "fused Triton bias+GELU and bias+dropout+residual+LayerNorm")
+    hidden_dropout_prob: float | None = opt(None, "override the architecture's hidden dropout")
+    attention_probs_dropout_prob: float | None = opt(None, "override the architecture's attention dropout")
+    vocab_size: int | None = opt(None, "override the architecture's vocabulary size (e.g. a trained vocab)")
+    compile: bool = opt(False, "wrap the model in torch.compile")
+
+    def __post_init__(self):
+        _check("model", self)
+
+
+@dataclass
+class DataSection:
+    train_dir: str = opt("", "directory of training shards (part_*.hdf5), fixed or varlength layout")
+    eval_file: str = opt("", "the eval HDF5 file (MLPerf: 10,000 samples)")
+    layout: str = opt("unpadded", "batch layout fed to the model", ("unpadded", "padded"))
+    backend: str = opt("torch", "loader backend", ("torch", "dali"))
+    max_seq_length: int = opt(512, "sequence length of the data; the padded layout pads to it")
+    vocab_file: str | None = opt(None, "vocabulary the data was made with (checked against the model)")
+
+    def __post_init__(self):
+        _check("data", self)
+        _positive("data.max_seq_length", self.max_seq_length)
+
+
+@dataclass
+class TrainSection:
+    global_batch_size: int = opt(448, "sequences per optimizer step, over all ranks")
+    grad_accum_steps: int = opt(1, "micro-batches per optimizer step on each rank")
+    max_steps: int = opt(6700, "stop (status aborted) after this many optimizer steps")
+    max_samples: int = opt(4_500_000, "stop (status aborted) after this many training samples")
+    seed: int = opt(42, "seeds data order, initialisation and dropout")
+    precision: str = opt("fp32", "fp32; bf16 autocast (CPU, CUDA); fp16 with a gradient scaler (CUDA)",
+                         ("fp32", "bf16", "fp16"))
+    device: str = opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
+    log_interval_steps: int = opt(10, "steps between progress lines and metrics.jsonl records")
+    max_nonfinite_steps: int = opt(10, "consecutive non-finite losses before the run stops")
+
+    def __post_init__(self):
+        _check("train", self)
+        for name in ("global_batch_size", "grad_accum_steps", "max_steps", "max_samples", "log_interval_steps",
+                     "max_nonfinite_steps"):
+            _positive(f"train.{name}", getattr(self, name))
+
+
+@dataclass
+class EvalSection:
+    interval_samples: int = opt(150_000, "evaluate every this many training samples")
+    target_accuracy: float = opt(0.720, "stop with status success at this masked-LM accuracy")
+    batch_size: int = opt(125, "eval sequences per rank per batch")
+    max_samples: int | None = opt(None, "evaluate on the first N eval samples only (MLPerf: all)")
+
+    def __post_init__(self):
+        _check("eval", self)
+        _positive("eval.interval_samples", self.interval_samples)
+        _positive("eval.batch_size", self.batch_size)
+        _positive("eval.max_samples", self.max_samples)
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise ConfigError(f"eval.target_accuracy: must lie in (0, 1], got {self.target_accuracy}")
+
+
+@dataclass
+class AdaGCSection:
+    lambda_rel: float = opt(1.04, "after warm-up, clip tensor i at lambda_rel x its running threshold")
+    beta: float = opt(0.99, "EMA factor of the per-tensor thresholds")
+    warmup_steps: int = opt(100, "steps of global-norm clipping at lambda_abs before per-tensor clipping")
+    lambda_abs: float = opt(1.0, "global-norm threshold during AdaGC's warm-up")
+    eps: float = opt(1e-6, "added to norms before dividing")
+
+    def __post_init__(self):
+        _check("optim.adagc", self)
+        for name in ("lambda_rel", "lambda_abs", "eps"):
+            _positive(f"optim.adagc.{name}", getattr(self, name))
+        _positive("optim.adagc.warmup_steps", self.warmup_steps, allow_zero=True)
+        if not 0.0 <= self.beta < 1.0:
+            raise ConfigError(f"optim.adagc.beta: must lie in [0, 1), got {self.beta}")
+
+
+@dataclass
+class OptimSection:
+    name: str = opt("lamb", "optimizer", ("lamb", "adamw"))
+    lr: float = opt(4.25e-4, "peak learning rate")
+    betas: tuple[float, float] = opt((0.9, 0.999), "Adam/LAMB betas")
+    weight_decay: float = opt(0.01, "decoupled weight decay (not on biases and LayerNorm)")
+    eps: float = opt(1e-6, "Adam/LAMB epsilon")
+    warmup_steps: int = opt(0, "linear warm-up steps")
+    start_warmup_step: int = opt(0, "step at which warm-up starts (MLPerf's start_warmup_step)")
+    poly_power: float = opt(1.0, "power of the polynomial decay to 0")
+    total_steps: int | None = opt(None, "steps of the decay (default: train.max_steps)")
+    clip: str = opt("global", "gradient clipping: global norm, AdaGC (per tensor, adaptive) or none",
+                    ("global", "adagc", "none"))
+    max_grad_norm: float = opt(1.0, "global-norm clipping threshold")
+    adagc: AdaGCSection = field(default_factory=AdaGCSection, metadata={"help": "AdaGC's parameters"})
+
+    def __post_init__(self):
+        _check("optim", self)
+        _positive("optim.lr", self.lr)
+        _positive("optim.eps", self.eps)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("optim.max_grad_norm", self.max_grad_norm)
+        _positive("optim.total_steps", self.total_steps)
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas: each must lie in [0, 1), got {list(self.betas)}")
+
+
+@dataclass
+class LossSection:
+    simreg_weight: float = opt(0.0, "weight of the SimReg contrastive regulariser (0: off, costs nothing)")
+    simreg_temperature: float = opt(0.1, "SimReg softmax temperature")
+    simreg_scope: str = opt("masked", "SimReg tokens: the masked positions or all tokens", ("masked", "all"))
+
+    def __post_init__(self):
+        _check("loss", self)
+        _positive("loss.simreg_weight", self.simreg_weight, allow_zero=True)
+        _positive("loss.simreg_temperature", self.simreg_temperature)
+
+
+@dataclass
+class DebugSection:
+    spike_steps: list[int] = opt([], "optimizer steps (1-based) at which gradients are multiplied by spike_factor")
+    spike_params: list[str] = opt([], "parameter-name substrings the spikes hit (empty: every parameter)")
+    spike_factor: float = opt(100.0, "gradient multiplier at spike steps")
+    nonfinite_steps: list[int] = opt([], "optimizer steps at which a gradient is set to NaN (tests the skip)")
+
+    def __post_init__(self):
+        _check("debug", self)
+
+
+@dataclass
+class LogSection:
+    division: str = opt("open", "MLPerf division written to the log", ("open", "closed"))
+    submitter: str = opt("unpadded-bert", "MLPerf submitter name")
+    platform: str = opt("", "MLPerf platform name (default: the device)")
+    plot: bool = opt(True, "write curves.png at the end")
+
+    def __post_init__(self):
+        _check("log", self)
+
+
+@dataclass
+class CheckpointSection:
+    interval_steps: int = opt(0, "save every this many steps (0: only on SIGTERM)")
+    init: str | None = opt(None, "initial weights: a transformers directory or NVIDIA's MLPerf .pt")
+    keep: int = opt(2, "checkpoints kept in DIR/checkpoints")
+
+    def __post_init__(self):
+        _check("checkpoint", self)
+        _positive("checkpoint.interval_steps", self.interval_steps, allow_zero=True)
+        _positive("checkpoint.keep", self.keep)
+
+
+@dataclass
+class DistSection:
+    backend: str = opt("auto", "process-group backend (auto: nccl on CUDA, gloo on CPU)", ("auto", "nccl", "gloo"))
+    timeout_s: float = opt(600.0, "collectives fail instead of hanging after this many seconds")
+
+    def __post_init__(self):
+        _check("dist", self)
+        _positive("dist.timeout_s", self.timeout_s)
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    loss: LossSection = field(default_factory=LossSection)
+    log: LogSection = field(default_factory=LogSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    dist: DistSection = field(default_factory=DistSection)
+    debug: DebugSection = field(default_factory=DebugSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(RunConfig)}
+
+
+def build_config(values: dict) -> RunConfig:
+    sections = _sections()
+    if not isinstance(values, dict):
+        raise ConfigError("config: expected a mapping of sections")
+    unknown = sorted(set(values) - set(sections))
+    if unknown:
+        raise ConfigError(f"config: unknown section(s) {unknown}; valid: {sorted(sections)}")
+    built = {}
+    for name, cls in sections.items():
+        given = values.get(name) or {}
+        if not isinstance(given, dict):
+            raise ConfigError(f"{name}: expected a mapping of fields, got {given!r}")
+        valid = [f.name for f in fields(cls)]
+        bad = sorted(set(given) - set(valid))
+        if bad:
+            raise ConfigError(f"{name}.{bad[0]}: unknown field; valid fields of {name}: {valid}")
+        built[name] = cls(**given)
+    return RunConfig(**built)
+
+
+def apply_override(values: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"{override!r}: overrides take the form section.field=value")
+    key, raw = override.split("=", 1)
+    parts = key.split(".")
+    if len(parts) < 2:
+        raise ConfigError(f"{key}: overrides name section.field")
+    cls = RunConfig
+    target = values
+    for depth, name in enumerate(parts):
+        where = ".".join(parts[:depth]) or "config"
+        hints = typing.get_type_hints(cls)
+        valid = [f.name for f in fields(cls)]
+        if name not in valid:
+            what = "section" if depth == 0 else "field"
+            raise ConfigError(f"{'.'.join(parts[:depth + 1])}: unknown {what}; valid {what}s of {where}: {valid}")
+        if depth == len(parts) - 1:
+            break
+        hint = hints[name]
+        inner = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        cls = hint if dataclasses.is_dataclass(hint) else (inner[0] if inner else None)
+        if cls is None:
+            raise ConfigError(f"{key}: {'.'.join(parts[:depth + 1])} has no fields")
+        if not isinstance(target.get(name), dict):
+            target[name] = {}
+        target = target[name]
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    target[parts[-1]] = value
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
+    values: dict = {}
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections")
+    for o in overrides:
+        apply_override(values, o)
+    try:
+        return build_config(values)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+    except TypeError as e:
+        raise ConfigError(f"{path or 'config'}: {e}") from None
+
+
+def describe() -> str:
+    """Every field with its default and meaning, for --help."""
+    lines = []
+    for section, cls in _sections().items():
+        lines.append(f"{section}:")
+        lines.extend(_describe_fields(section, cls))
+    return "\n".join(lines)
+
+
+def _describe_fields(prefix: str, cls) -> list[str]:
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]) or any(dataclasses.is_dataclass(a) for a in typing.get_args(hints[f.name])):
+            sub = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else \
+                [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)][0]
+            lines.extend(_describe_fields(f"{prefix}.{f.name}", sub))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        choices = f.metadata.get("choices")
+        extra = f" (one of {', '.join(map(str, choices))})" if choices else ""
+        lines.append(f"  {prefix}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}{extra}")
+    return lines

@@ -1,0 +1,485 @@
+"""The training loop: named steps from a global batch to an MLPerf result.
+
+``Trainer(cfg, output_dir, dist_info).train()`` builds the parts (model, optimizer,
+schedule, clipping, loaders, loggers), resumes from ``output_dir/checkpoints`` when a
+checkpoint is there, and runs:
+
+    for each global step:
+        train_step       this rank's samples -> micro-batches -> forward/backward
+                         (losses normalised by global counts, all-reduced once per step)
+        optimizer_step   clip -> non-finite check (skip and count) -> LAMB -> LR schedule
+        evaluate         every eval.interval_samples: masked-LM accuracy over the eval set
+        checkpoint       every checkpoint.interval_steps, and when SIGTERM asked to stop
+
+Dropout randomness is re-seeded every step from (seed, step, rank), so a resumed run draws
+exactly the masks an uninterrupted one would without saving RNG states.
+
+Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bert.checkpoint import load_pretrained
+from bert.clipping import AdaGC, clip_global_
+from bert.config import BertConfig
+from bert.losses import pretraining_loss, simreg_anchor_count, simreg_loss
+from bert.metrics import (MetricsWriter, Progress, atomic_write_text, plot_curves, spike_score,
+                          summary_table)
+from bert.mlperf_log import MLPerfLogger
+from bert.model import BertForPreTraining
+from bert.optim import build_optimizer
+from bert.schedule import PolyWarmupScheduler
+from bert.train_config import ConfigError, RunConfig
+from data.collate import collate_padded, collate_unpadded
+from data.samples import SampleBlock
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite steps); the message says why."""
+
+
+@dataclass
+class StepResult:
+    loss_parts: torch.Tensor  # [4] local: loss, mlm loss, nsp loss, simreg (each / global count)
+    samples: int  # global
+    tokens: int  # global
+
+
+def build_model_config(cfg: RunConfig) -> BertConfig:
+    m = cfg.model
+    base = BertConfig.from_json(m.config_file) if m.config_file else BertConfig.preset(m.preset)
+    overrides = {k: getattr(m, k) for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "vocab_size")
+                 if getattr(m, k) is not None}
+    if m.vocab_size is None and cfg.data.vocab_file:
+        # A vocabulary trained with the data (the demo's) sets the model's size.
+        try:
+            with open(cfg.data.vocab_file, encoding="utf-8") as f:
+                overrides["vocab_size"] = sum(1 for line in f if line.strip())
+        except OSError as e:
+            raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from None
+    return replace(base, **overrides)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, output_dir: str, dist_info):
+        self.cfg = cfg
+        self.out = output_dir
+        self.rank, self.world = dist_info.rank, dist_info.world_size
+        self.is_main = self.rank == 0
+        self.device = self._pick_device(dist_info)
+        t = cfg.train
+        if t.global_batch_size % (self.world * t.grad_accum_steps):
+            raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not divisible by ranks x "
+                              f"train.grad_accum_steps = {self.world} x {t.grad_accum_steps}")
+        if t.precision == "fp16" and self.device.type != "cuda":
+            raise ConfigError("train.precision: fp16 needs CUDA (use bf16 or fp32 on the CPU)")
+        self.local_batch = t.global_batch_size // self.world
+        self.micro_batch = self.local_batch // t.grad_accum_steps
+        for key, path in (("data.train_dir", cfg.data.train_dir), ("data.eval_file", cfg.data.eval_file)):
+            if not path or not os.path.exists(path):
+                raise ConfigError(f"{key}: {path!r} does not exist")
+        if self.is_main:
+            try:
+                os.makedirs(os.path.join(output_dir, "checkpoints"), exist_ok=True)
+                probe = os.path.join(output_dir, ".write-test")
+                open(probe, "w").close()
+                os.remove(probe)
+            except OSError as e:
+                raise ConfigError(f"--output-dir: {output_dir!r} is not writable ({e.strerror})") from None
+
+        self.model_config = build_model_config(cfg)
+        torch.manual_seed(t.seed)  # same initial weights on every rank
+        self.model = BertForPreTraining(self.model_config, attention=cfg.model.attention,
+                                        fused_ops=cfg.model.fused_ops)
+        if cfg.checkpoint.init:
+            load_pretrained(self.model, cfg.checkpoint.init)
+        self.model.to(self.device)
+        self.ddp = None
+        if self.world > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.forward = self.ddp or self.model
+        if cfg.model.compile:
+            self.forward = torch.compile(self.forward)
+
+        o = cfg.optim
+        self.optimizer = build_optimizer(o.name, self.model, lr=o.lr, betas=o.betas, eps=o.eps,
+                                         weight_decay=o.weight_decay)
+        self.schedule = PolyWarmupScheduler(self.optimizer, base_lr=o.lr, total_steps=o.total_steps or t.max_steps,
+                                            warmup_steps=o.warmup_steps, start_warmup_step=o.start_warmup_step,
+                                            power=o.poly_power)
+        self.adagc = None
+        if o.clip == "adagc":
+            a = o.adagc
+            self.adagc = AdaGC(self.model.named_parameters(), lambda_rel=a.lambda_rel, beta=a.beta,
+                               warmup_steps=a.warmup_steps, lambda_abs=a.lambda_abs, eps=a.eps)
+        self.scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
+        self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
+
+        from data.hdf5io import inspect
+        from data.loader import EvalLoader, PretrainingLoader
+
+        # Both loaders check every token id against the model's vocabulary as they read.
+        vocab = self.model_config.vocab_size
+        self.train_loader = PretrainingLoader(cfg.data.train_dir, global_batch_size=t.global_batch_size,
+                                              rank=self.rank, world_size=self.world, seed=t.seed,
+                                              backend=cfg.data.backend, vocab_size=vocab)
+        self.eval_loader = EvalLoader(cfg.data.eval_file, rank=self.rank, world_size=self.world,
+                                      batch_size=cfg.eval.batch_size, max_samples=cfg.eval.max_samples,
+                                      vocab_size=vocab, backend=cfg.data.backend)
+        self.data_info = inspect(self.train_loader.files[0])
+        seq = self.data_info.max_seq_length
+        if seq is not None and seq > cfg.data.max_seq_length:
+            raise ConfigError(f"data.max_seq_length: {cfg.data.max_seq_length}, but {self.data_info.path} holds "
+                              f"sequences of up to {seq} tokens")
+        if cfg.data.max_seq_length > self.model_config.max_position_embeddings:
+            raise ConfigError(f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "
+                              f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+
+        # Counters; restored from a checkpoint when resuming.
+        self.step = 0
+        self.samples = 0
+        self.tokens = 0
+        self.skipped = 0
+        self.nonfinite_in_row = 0
+        self.train_seconds = 0.0
+        self.last_eval_samples = 0
+        self.eval_accuracy: float | None = None
+        self.stop_requested = False
+
+        resume = self._latest_checkpoint()
+        if resume:
+            self._load_checkpoint(resume)
+        self.metrics = MetricsWriter(os.path.join(output_dir, "metrics.jsonl"), self.is_main,
+                                     resume_step=self.step if resume else None)
+        self.progress = Progress(self.is_main, t.max_steps)
+        platform = cfg.log.platform or (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                                        else "cpu")
+        self.mllog = MLPerfLogger(os.path.join(output_dir, "mlperf.log"), self.rank, cfg.log.division,
+                                  submitter=cfg.log.submitter, platform=f"{self.world}x{platform}",
+                                  resume=bool(resume))
+        self.resumed = bool(resume)
+
+    # ---- setup helpers -------------------------------------------------------------------
+
+    def _pick_device(self, dist_info) -> torch.device:
+        want = self.cfg.train.device
+        if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device: 'cuda' asked for, but CUDA is not available")
+        return dist_info.device if dist_info.device.type == "cuda" else torch.device("cuda", 0)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _collate(self, block: SampleBlock):
+        if self.cfg.data.layout == "padded":
+            return collate_padded(block, self.cfg.data.max_seq_length)
+        return collate_unpadded(block)
+
+    # ---- the named steps -----------------------------------------------------------------
+
+    def train_step(self, block: SampleBlock) -> StepResult:
+        """Forward and backward over this rank's micro-batches of one global batch."""
+        t = self.cfg.train
+        torch.manual_seed(step_seed(t.seed, self.step, self.rank))
+        # One all-reduce gives the global counts the losses are normalised by, and lets any
+        # rank's stop request (SIGTERM) reach all ranks at the same step.
+        simreg = self.cfg.loss.simreg_weight > 0
+        anchors = simreg_anchor_count(block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids,
+                                      block.masked_counts, self.cfg.loss.simreg_scope) if simreg else 0
+        counts = torch.tensor([int(block.masked_counts.sum()), len(block), block.num_tokens,
+                               int(self.stop_requested), anchors], dtype=torch.int64)
+        counts = self._all_reduce(counts.to(self.device)).cpu()
+        num_masked, num_seqs, tokens, stops, num_anchors = (int(x) for x in counts)
+        self.stop_requested = stops > 0
+        self.forward.train()
+        loss_parts = torch.zeros(4, device=self.device)
+        scale = float(self.world)  # DDP averages gradients over ranks; the losses are sums
+        for i in range(t.grad_accum_steps):
+            mb = block.select(np.arange(i * self.micro_batch, (i + 1) * self.micro_batch))
+            batch = self._collate(mb).to(self.device, non_blocking=True)
+            sync = self.ddp is None or i == t.grad_accum_steps - 1
+            with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self._autocast():
+                out = self.forward(batch)
+                loss, stats = pretraining_loss(out.mlm_logits, batch.mlm_labels, out.nsp_logits, batch.nsp_labels,
+                                               num_masked, num_seqs)
+                simreg_part = torch.zeros((), device=self.device)
+                if simreg:
+                    reg_sum, _ = simreg_loss(out.hidden_states, batch, self.cfg.loss.simreg_temperature,
+                                             self.cfg.loss.simreg_scope)
+                    simreg_part = reg_sum / max(num_anchors, 1)
+                    loss = loss + self.cfg.loss.simreg_weight * simreg_part
+            backward_loss = loss * scale
+            (self.scaler.scale(backward_loss) if self.scaler else backward_loss).backward()
+            loss_parts += torch.stack([loss.detach(), stats["mlm_loss_sum"] / max(num_masked, 1),
+                                       stats["nsp_loss_sum"] / max(num_seqs, 1), simreg_part.detach()])
+        return StepResult(loss_parts, num_seqs, tokens)
+
+    def optimizer_step(self) -> tuple[bool, float]:
+        """Clip, skip a non-finite update, step LAMB and the schedule. Returns (applied, grad norm)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        self._inject_debug_faults()
+        if self.adagc is not None:
+            # AdaGC needs no global norm to clip; the sum of its per-tensor norms is kept for
+            # the non-finite check and the logs.
+            norm = self.adagc.clip_(compute_global_norm=True).global_norm
+        elif self.cfg.optim.clip == "global":
+            norm = clip_global_(params, self.cfg.optim.max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+        # The one host sync of the step: the update must not run on non-finite gradients.
+        grad_norm = float(norm)
+        applied = math.isfinite(grad_norm)
+        if applied:
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+            self.schedule.step()
+            self.nonfinite_in_row = 0
+        else:
+            self.skipped += 1
+            self.nonfinite_in_row += 1
+        if self.scaler:
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return applied, grad_norm
+
+    @torch.no_grad()
+    def _inject_debug_faults(self) -> None:
+        """debug.*: multiply chosen gradients at chosen steps, or make one non-finite."""
+        d = self.cfg.debug
+        step = self.step + 1  # the update being prepared, 1-based
+        if step in d.spike_steps:
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and (not d.spike_params or any(s in name for s in d.spike_params)):
+                    p.grad.mul_(d.spike_factor)
+        if step in d.nonfinite_steps:
+            next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Masked-LM accuracy over the whole eval set (counts all-reduced over ranks)."""
+        self.model.eval()
+        correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        total = torch.zeros((), dtype=torch.int64, device=self.device)
+        for block in self.eval_loader:
+            batch = self._collate(block).to(self.device, non_blocking=True)
+            with self._autocast():
+                out = self.model(batch)
+            correct += (out.mlm_logits.argmax(-1) == batch.mlm_labels).sum()
+            total += batch.mlm_labels.numel()
+        counts = self._all_reduce(torch.stack([correct, total]))
+        return float(counts[0]) / max(int(counts[1]), 1)
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            return self._train()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.train_loader.close()
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def _log_start(self) -> None:
+        cfg, t, o = self.cfg, self.cfg.train, self.cfg.optim
+        log = self.mllog
+        if self.resumed:
+            self.progress.message(f"resumed from step {self.step} ({self.samples} samples)")
+            log.epoch_start(self.samples)
+            return
+        log.cache_clear()
+        log.init_start()
+        log.submission_info()
+        log.hyperparameters(seed=t.seed, global_batch_size=t.global_batch_size, local_batch_size=self.micro_batch,
+                            gradient_accumulation_steps=t.grad_accum_steps,
+                            max_sequence_length=cfg.data.max_seq_length,
+                            max_predictions_per_seq=self.data_info.max_predictions or 76,
+                            learning_rate=o.lr, betas=o.betas, epsilon=o.eps, weight_decay=o.weight_decay,
+                            warmup_steps=o.warmup_steps, start_warmup_step=o.start_warmup_step,
+                            train_steps=o.total_steps or t.max_steps, poly_power=o.poly_power)
+        log.init_stop()
+        log.run_start()
+        log.epoch_start(0)
+
+    def _train(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        self._log_start()
+        interval = cfg.eval.interval_samples
+        status = None
+        run_start = time.time() - self.train_seconds
+        self.mllog.block_start(self.samples, interval - self.samples % interval)
+        window_start, window_samples, window_tokens = time.time(), 0, 0
+        batches = iter(self.train_loader)
+        while status is None:
+            block = next(batches)
+            step_start = time.time()
+            result = self.train_step(block)
+            applied, grad_norm = self.optimizer_step()
+            self.step += 1
+            self.samples += result.samples
+            self.tokens += result.tokens
+            self.train_seconds += time.time() - step_start
+            window_samples += result.samples
+            window_tokens += result.tokens
+            if self.nonfinite_in_row >= t.max_nonfinite_steps:
+                self.progress.message(f"error: {self.nonfinite_in_row} non-finite losses in a row at step "
+                                      f"{self.step}; stopping (status aborted)")
+                status = "aborted"
+            if self.step % t.log_interval_steps == 0 or self.step == 1:
+                parts = self._all_reduce(result.loss_parts.clone()).tolist()
+                elapsed = max(time.time() - window_start, 1e-9)
+                rec = {"step": self.step, "samples": self.samples, "loss": parts[0], "mlm_loss": parts[1],
+                       "nsp_loss": parts[2], **({"simreg_loss": parts[3]} if self.cfg.loss.simreg_weight else {}),
+                       "lr": self.schedule.lr_at(max(self.schedule.step_count - 1, 0)), "grad_norm": grad_norm,
+                       "seq_per_s": window_samples / elapsed, "tokens_per_s": window_tokens / elapsed,
+                       "skipped_steps": self.skipped}
+                self.metrics.write(rec)
+                self.progress.step(rec)
+                window_start, window_samples, window_tokens = time.time(), 0, 0
+            crossed = self.samples // interval > self.last_eval_samples // interval
+            at_limit = self.step >= t.max_steps or self.samples >= t.max_samples
+            if crossed or (at_limit and self.last_eval_samples != self.samples):
+                self._run_eval()
+                if self.eval_accuracy >= cfg.eval.target_accuracy:
+                    status = "success"
+                elif not at_limit and status is None:
+                    self.mllog.block_start(self.samples, interval - self.samples % interval)
+            if status is None and at_limit:
+                status = "aborted"
+            ckpt_due = cfg.checkpoint.interval_steps and self.step % cfg.checkpoint.interval_steps == 0
+            if status is None and (ckpt_due or self.stop_requested):
+                self.save_checkpoint()
+                if self.stop_requested:
+                    self.progress.message(f"stopping at step {self.step} as asked (SIGTERM); "
+                                          f"checkpoint saved, rerun with the same --output-dir to resume")
+                    self.mllog.close()
+                    return {"status": "interrupted", "steps": self.step, "samples": self.samples}
+        return self._finish(status, time.time() - run_start)
+
+    def _run_eval(self) -> None:
+        if "block" in self.mllog._open:
+            self.mllog.block_stop(self.samples)
+        self.mllog.eval_start(self.samples)
+        acc = self.evaluate()
+        self.eval_accuracy = acc
+        self.last_eval_samples = self.samples
+        self.mllog.eval_accuracy(self.samples, acc)
+        self.mllog.eval_stop(self.samples)
+        self.metrics.write({"step": self.step, "samples": self.samples, "eval_accuracy": acc})
+        self.progress.message(f"eval  step {self.step:>6}  samples {self.samples:>9}  masked-LM accuracy {acc:.4f}"
+                              f"  (target {self.cfg.eval.target_accuracy})")
+
+    def _finish(self, status: str, time_to_train: float) -> dict:
+        log = self.mllog
+        if "block" in log._open:
+            log.block_stop(self.samples)
+        log.epoch_stop(self.samples)
+        log.train_samples(self.samples)
+        log.eval_samples(self.eval_loader.total_samples)
+        log.run_stop(self.samples, status)
+        log.close()
+        summary = {
+            "status": status, "steps": self.step, "samples": self.samples,
+            "train_seconds": self.train_seconds,
+            "seq_per_s": self.samples / max(self.train_seconds, 1e-9),
+            "tokens_per_s": self.tokens / max(self.train_seconds, 1e-9),
+            "eval_accuracy": self.eval_accuracy, "time_to_train_s": time_to_train,
+            "skipped_steps": self.skipped, "world_size": self.world,
+            "loss_spike_score": spike_score([r["loss"] for r in self.metrics.records if "loss" in r]),
+            "grad_norm_spike_score": spike_score([r["grad_norm"] for r in self.metrics.records if "grad_norm" in r]),
+        }
+        if self.is_main:
+            import json
+
+            atomic_write_text(os.path.join(self.out, "summary.json"), json.dumps(summary, indent=2) + "\n")
+            if self.cfg.log.plot:
+                plot_curves(self.metrics.records, os.path.join(self.out, "curves.png"))
+            self.progress.message("\nsummary\n" + summary_table(summary))
+        return summary
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _checkpoint_dir(self) -> str:
+        return os.path.join(self.out, "checkpoints")
+
+    def _latest_checkpoint(self) -> str | None:
+        paths = sorted(glob.glob(os.path.join(self._checkpoint_dir(), "step_*.pt")))
+        return paths[-1] if paths else None
+
+    def save_checkpoint(self) -> None:
+        if self.is_main:
+            state = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "schedule": self.schedule.state_dict(),
+                "adagc": self.adagc.state_dict() if self.adagc else None,
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+                "loader": self.train_loader.state_dict(),
+                "counters": {"step": self.step, "samples": self.samples, "tokens": self.tokens, "skipped": self.skipped,
+                             "nonfinite_in_row": self.nonfinite_in_row, "train_seconds": self.train_seconds,
+                             "last_eval_samples": self.last_eval_samples, "eval_accuracy": self.eval_accuracy},
+                "config": self.cfg.to_dict(),
+            }
+            path = os.path.join(self._checkpoint_dir(), f"step_{self.step:08d}.pt")
+            tmp = path + ".tmp"
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            dir_fd = os.open(self._checkpoint_dir(), os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            for old in sorted(glob.glob(os.path.join(self._checkpoint_dir(), "step_*.pt")))[:-self.cfg.checkpoint.keep]:
+                os.remove(old)
+        if self.world > 1:
+            dist.barrier()
+
+    def _load_checkpoint(self, path: str) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        if self.adagc is not None and state.get("adagc"):
+            self.adagc.load_state_dict(state["adagc"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.train_loader.load_state_dict(state["loader"])
+        c = state["counters"]
+        self.step, self.samples, self.tokens, self.skipped = c["step"], c["samples"], c["tokens"], c["skipped"]
+        self.nonfinite_in_row, self.train_seconds = c["nonfinite_in_row"], c["train_seconds"]
+        self.last_eval_samples, self.eval_accuracy = c["last_eval_samples"], c["eval_accuracy"]

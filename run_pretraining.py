@@ -1,0 +1,66 @@
+"""Pretrain BERT: parse the config, initialise distributed, build the trainer, train.
+
+    python run_pretraining.py --config launch/configs/cpu_demo.yaml --output-dir DIR [section.field=value ...]
+
+Launch it with torchrun, mpirun or srun for several ranks (see launch/). `--help` lists
+every configuration field with its default and meaning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bert.train_config import ConfigError, describe, load_config
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="MLPerf-style BERT pretraining on unpadded batches.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="configuration fields (override any as section.field=value):\n" + describe())
+    parser.add_argument("--config", help="YAML file in launch/configs/")
+    parser.add_argument("--output-dir", required=True, help="mlperf.log, metrics, summary, checkpoints go here")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    # Imported after the config is valid, so a typo is reported before torch loads.
+    from bert.checkpoint import CheckpointError
+    from bert.trainer import Trainer, TrainingError
+    from launch.distributed import LaunchError, destroy, init_distributed
+
+    try:
+        info = init_distributed(None if cfg.dist.backend == "auto" else cfg.dist.backend, cfg.dist.timeout_s)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        from data.errors import DataError
+
+        trainer = Trainer(cfg, args.output_dir, info)
+        if info.rank == 0:
+            print(f"config: {args.config or '(defaults)'}  ranks: {info.world_size}  device: {trainer.device}  "
+                  f"model: {cfg.model.preset if not cfg.model.config_file else cfg.model.config_file} "
+                  f"({sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M parameters, "
+                  f"attention {cfg.model.attention})  layout: {cfg.data.layout}  "
+                  f"global batch: {cfg.train.global_batch_size}  precision: {cfg.train.precision}", flush=True)
+        summary = trainer.train()
+    except (ConfigError, CheckpointError, DataError, TrainingError, ValueError) as e:
+        print(f"error (rank {info.rank}): {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy()
+    return 0 if summary["status"] in ("success", "aborted", "interrupted") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

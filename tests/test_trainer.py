@@ -1,0 +1,130 @@
+"""The trainer end to end on a tiny synthetic dataset (CPU, fp32)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bert.train_config import load_config
+from bert.trainer import Trainer
+from launch.distributed import init_distributed
+from tests.batches import write_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["model.preset=tiny", "model.vocab_size=96", "model.hidden_dropout_prob=0",
+        "model.attention_probs_dropout_prob=0", "data.max_seq_length=64", "train.global_batch_size=8",
+        "train.device=cpu", "train.log_interval_steps=1", "eval.interval_samples=32", "eval.batch_size=16",
+        "optim.lr=1e-3", "optim.warmup_steps=2", "log.plot=false"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_dataset(str(tmp_path_factory.mktemp("data")))
+
+
+def overrides(dataset, *extra):
+    train, eval_file = dataset
+    return TINY + [f"data.train_dir={train}", f"data.eval_file={eval_file}", *extra]
+
+
+def losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+
+def run_in_process(dataset, out_dir, *extra, stop_after=None):
+    cfg = load_config(None, overrides(dataset, *extra))
+    trainer = Trainer(cfg, str(out_dir), init_distributed(backend="gloo"))
+    if stop_after is not None:
+        step = trainer.train_step
+
+        def train_step(block):
+            if trainer.step == stop_after:
+                trainer.stop_requested = True  # what the SIGTERM handler does
+            return step(block)
+
+        trainer.train_step = train_step
+    return trainer.train()
+
+
+def test_run_writes_every_output(dataset, tmp_path):
+    summary = run_in_process(dataset, tmp_path, "train.max_steps=6", "log.plot=true")
+    assert summary["status"] == "aborted" and summary["steps"] == 6 and summary["samples"] == 48
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for key in ("samples", "loss", "lr", "seq_per_s", "tokens_per_s"):
+        assert key in steps[0]
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert [r["samples"] for r in evals] == [32, 48]  # at the interval and at the end
+    saved = json.load(open(tmp_path / "summary.json"))
+    for key in ("status", "samples", "train_seconds", "seq_per_s", "tokens_per_s", "eval_accuracy",
+                "time_to_train_s"):
+        assert key in saved
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    checker = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+                              "--ruleset", "5.0.0", "--log_output", str(tmp_path / "cc.log"),
+                              str(tmp_path / "mlperf.log")], capture_output=True, text=True, timeout=120)
+    assert checker.returncode == 0, checker.stdout + checker.stderr
+
+
+def test_resume_is_bitwise_identical(dataset, tmp_path):
+    whole = tmp_path / "whole"
+    run_in_process(dataset, whole, "train.max_steps=8", "model.hidden_dropout_prob=0.1",
+                   "model.attention_probs_dropout_prob=0.1")
+    parts = tmp_path / "parts"
+    first = run_in_process(dataset, parts, "train.max_steps=8", "model.hidden_dropout_prob=0.1",
+                           "model.attention_probs_dropout_prob=0.1", stop_after=3)
+    assert first["status"] == "interrupted" and first["steps"] == 4
+    assert os.listdir(parts / "checkpoints") == ["step_00000004.pt"]
+    second = run_in_process(dataset, parts, "train.max_steps=8", "model.hidden_dropout_prob=0.1",
+                            "model.attention_probs_dropout_prob=0.1")
+    assert second["steps"] == 8
+    assert losses(parts) == losses(whole)  # bitwise: the same floats
+    checker = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+                              "--ruleset", "5.0.0", "--log_output", str(tmp_path / "cc.log"),
+                              str(parts / "mlperf.log")], capture_output=True, text=True, timeout=120)
+    assert checker.returncode == 0, checker.stdout + checker.stderr
+
+
+def test_grad_accumulation_gives_the_same_losses(dataset, tmp_path):
+    run_in_process(dataset, tmp_path / "a", "train.max_steps=3")
+    run_in_process(dataset, tmp_path / "b", "train.max_steps=3", "train.grad_accum_steps=4")
+    assert losses(tmp_path / "a") == pytest.approx(losses(tmp_path / "b"), rel=1e-5)
+
+
+def cli(*args, timeout=300, **kw):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "run_pretraining.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=-1", "optim.lr: must be positive"),
+    ("train.precision=fp8", "train.precision: 'fp8' is not one of"),
+    ("optim.lrr=1", "optim.lrr: unknown field"),
+    ("train.grad_accum_steps=3", "train.global_batch_size: 8 is not divisible"),
+    ("data.eval_file=/nonexistent.hdf5", "data.eval_file: '/nonexistent.hdf5' does not exist"),
+    ("model.vocab_size=50", "outside the vocabulary"),
+])
+def test_bad_config_is_one_line(dataset, tmp_path, override, message):
+    r = cli("--output-dir", str(tmp_path / "out"), *overrides(dataset, "train.max_steps=2", override))
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_unwritable_output_dir(dataset, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = cli("--output-dir", str(blocker / "out"), *overrides(dataset))
+    assert r.returncode == 2 and "--output-dir" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_lists_every_field():
+    r = cli("--help")
+    assert r.returncode == 0
+    for key in ("model.preset", "data.layout", "train.grad_accum_steps", "optim.start_warmup_step",
+                "checkpoint.init", "log.division", "eval.target_accuracy"):
+        assert key in r.stdout
