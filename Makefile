@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 OUTPUT ?= results/demo
 TEXT ?=
 
+DATA ?= $(OUTPUT)-data
+DEMO_STEPS ?= 600
+
 .PHONY: setup test demo clean
 
 setup: $(VENV)/.installed
@@ -30,6 +33,23 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
 
 test: setup
 	$(PY) -m pytest -q
+
+# The main job on the embedded default: CPython's bundled documentation text (or TEXT=dir,
+# plain text with a blank line between documents) -> WordPiece vocab + MLPerf-format HDF5
+# -> a small BERT trained for a few minutes on the CPU -> MLPerf log, metrics, plot.
+demo: setup
+	@set -e; \
+	if [ -n "$(TEXT)" ]; then input="$(TEXT)"; fmt=text; \
+	else $(PY) -m data.demo_corpus $(DATA)/corpus.txt; input=$(DATA)/corpus.txt; fmt=bert; fi; \
+	$(PY) -m data.prepare --input $$input --input-format $$fmt --train-vocab 8000 --output-dir $(DATA) \
+	    --max-seq-length 128 --max-predictions 20 --dupe-factor 10 --shards 4 --eval-samples 1000 --workers 2; \
+	rm -rf $(OUTPUT)/checkpoints $(OUTPUT)/metrics.jsonl $(OUTPUT)/summary.json $(OUTPUT)/mlperf.log; \
+	$(PY) run_pretraining.py --config launch/configs/cpu_demo.yaml --output-dir $(OUTPUT) \
+	    data.train_dir=$(DATA)/train data.eval_file=$(DATA)/eval/part_eval_10k.hdf5 \
+	    data.vocab_file=$(DATA)/vocab.txt train.max_steps=$(DEMO_STEPS); \
+	echo; echo "MLPerf log:  $(OUTPUT)/mlperf.log"; echo "metrics:     $(OUTPUT)/metrics.jsonl"; \
+	echo "summary:     $(OUTPUT)/summary.json"; echo "curves:      $(OUTPUT)/curves.png"; \
+	echo "check the log: $(PY) -m mlperf_logging.compliance_checker --usage training --ruleset 5.0.0 $(OUTPUT)/mlperf.log"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,107 @@
+"""SampleBlock -> the batch types the model takes, with vectorised numpy (no loop over tokens).
+
+``collate_unpadded`` builds the flat ``UnpaddedBatch`` (what the varlen attention kernels
+take); ``collate_padded`` builds the ``[B, S]`` baseline. Both give exactly what
+``data.batch.unpad`` / ``data.batch.pad`` give for the same samples in the fixed layout.
+``make_collator`` picks the implementation by name: ``torch`` (these functions) or ``dali``
+(``data.dali_loader.DaliCollator``, the same batches from a DALI pipeline).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import numpy as np
+import torch
+
+from data.batch import PaddedBatch, UnpaddedBatch
+from data.errors import DataError
+from data.samples import SampleBlock, _offsets
+
+Batch = Union[UnpaddedBatch, PaddedBatch]
+BACKENDS = ("torch", "dali")
+LAYOUTS = ("unpadded", "padded")
+
+
+def _long(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+
+def _check_nonempty(block: SampleBlock) -> None:
+    if len(block) == 0:
+        raise DataError("cannot collate an empty SampleBlock")
+
+
+def collate_unpadded(block: SampleBlock) -> UnpaddedBatch:
+    """All sequences of ``block`` concatenated: T tokens, cu_seqlens [B+1] int32."""
+    _check_nonempty(block)
+    lens = block.seq_lens.astype(np.int64)
+    cu = _offsets(lens)  # [B+1]
+    t = int(cu[-1])
+    position_ids = np.arange(t, dtype=np.int64) - np.repeat(cu[:-1], lens)  # [T]
+    mlm_positions = block.masked_positions.astype(np.int64) + np.repeat(cu[:-1], block.masked_counts)  # [M]
+    return UnpaddedBatch(
+        input_ids=_long(block.input_ids),
+        segment_ids=_long(block.segment_ids),
+        position_ids=torch.from_numpy(position_ids),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        max_seqlen=int(lens.max()),
+        mlm_positions=torch.from_numpy(mlm_positions),
+        mlm_labels=_long(block.masked_ids),
+        nsp_labels=_long(block.nsp_labels),
+    )
+
+
+def collate_padded(block: SampleBlock, seq_len: int) -> PaddedBatch:
+    """Each sequence in a row of ``seq_len``; mlm_positions index the flat B*S tokens."""
+    _check_nonempty(block)
+    b = len(block)
+    lens = block.seq_lens.astype(np.int64)
+    if int(lens.max()) > seq_len:
+        r = int(np.argmax(lens))
+        raise DataError(f"sample {r} has {int(lens[r])} tokens, more than seq_len {seq_len}")
+    cu = _offsets(lens)
+    within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)  # [T]
+    dest = np.repeat(np.arange(b, dtype=np.int64) * seq_len, lens) + within  # [T] into B*S
+
+    def scatter(values: np.ndarray) -> torch.Tensor:
+        out = np.zeros(b * seq_len, np.int64)
+        out[dest] = values
+        return torch.from_numpy(out.reshape(b, seq_len))
+
+    mask = np.arange(seq_len)[None, :] < lens[:, None]  # [B, S]
+    mlm_rows = np.repeat(np.arange(b, dtype=np.int64), block.masked_counts)
+    return PaddedBatch(
+        input_ids=scatter(block.input_ids),
+        segment_ids=scatter(block.segment_ids),
+        position_ids=scatter(within),
+        attention_mask=torch.from_numpy(mask),
+        mlm_positions=torch.from_numpy(mlm_rows * seq_len + block.masked_positions),
+        mlm_labels=_long(block.masked_ids),
+        nsp_labels=_long(block.nsp_labels),
+    )
+
+
+def make_collator(backend: str = "torch", layout: str = "unpadded", seq_len: int | None = None,
+                  device_id: int | None = None, max_batch_size: int = 1024) -> Callable[[SampleBlock], Batch]:
+    """A function SampleBlock -> batch.
+
+    backend: ``torch`` (this module) or ``dali`` (a DALI pipeline; ``device_id`` None runs
+    it on the CPU, an int on that GPU, whose batches then live on that GPU).
+    layout: ``unpadded`` or ``padded`` (``seq_len`` required).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    if layout == "padded" and seq_len is None:
+        raise ValueError("layout 'padded' needs seq_len")
+    if backend == "torch":
+        if device_id is not None:
+            raise ValueError("backend 'torch' collates on the CPU; move the batch with batch.to(device)")
+        if layout == "unpadded":
+            return collate_unpadded
+        return lambda block: collate_padded(block, seq_len)
+    if backend == "dali":
+        from data.dali_loader import DaliCollator
+
+        return DaliCollator(layout=layout, seq_len=seq_len, device_id=device_id, max_batch_size=max_batch_size)
+    raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")

@@ -1,0 +1,142 @@
+"""The DALI backend: the loader's SampleBlocks -> batches through an NVIDIA DALI pipeline.
+
+The HDF5 reader and the rank/lane plan stay in ``data.loader`` (so both backends see the
+same samples in the same order); each block is fed to the pipeline through
+``external_source``, one variable-length array per sample and field. The pipeline pads the
+token and masked-position lists (``fn.pad``; to the batch's longest sequence for the
+unpadded layout, to ``seq_len`` for the padded one) and reads the lengths from the shapes;
+with ``device_id`` set it does this on that GPU, so the batch arrives there. The last step,
+gathering the real tokens of the padded rows into the flat layout, uses indices computed on
+the host from the lengths, so it needs no device synchronisation.
+
+Batches are identical to ``data.collate``'s (tests compare them field by field on the CPU
+pipeline, ``device_id=None``). Selected by ``backend="dali"`` in ``make_collator`` and
+``PretrainingLoader``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from data.batch import PaddedBatch, UnpaddedBatch
+from data.errors import DataError
+from data.samples import SampleBlock, _offsets
+
+_FIELDS = (("input_ids", "INT32", np.int32), ("segment_ids", "INT8", np.int8),
+           ("masked_positions", "INT32", np.int32), ("masked_ids", "INT32", np.int32),
+           ("nsp_labels", "INT8", np.int8))
+
+
+def _import_dali():
+    try:
+        import nvidia.dali.fn as fn
+        import nvidia.dali.types as types
+        from nvidia.dali import Pipeline
+    except ImportError as e:
+        raise RuntimeError(f"backend 'dali' needs NVIDIA DALI (pip install nvidia-dali-cuda120): {e}") from None
+    return Pipeline, fn, types
+
+
+class DaliCollator:
+    """Callable SampleBlock -> UnpaddedBatch | PaddedBatch through a DALI pipeline.
+
+    layout: ``unpadded`` or ``padded`` (then ``seq_len`` is the row length).
+    device_id: None for a CPU pipeline (batches on the CPU), or the GPU to pad on.
+    max_batch_size: the most samples one block may hold (blocks may be smaller).
+    """
+
+    def __init__(self, layout: str = "unpadded", seq_len: int | None = None, device_id: int | None = None,
+                 max_batch_size: int = 1024, num_threads: int = 1):
+        if layout not in ("unpadded", "padded"):
+            raise ValueError(f"layout {layout!r}: expected 'unpadded' or 'padded'")
+        if layout == "padded" and not seq_len:
+            raise ValueError("layout 'padded' needs seq_len")
+        Pipeline, fn, types = _import_dali()
+        self.layout = layout
+        self.seq_len = seq_len
+        self.device_id = device_id
+        self.max_batch_size = max_batch_size
+        self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
+        pipe = Pipeline(batch_size=max_batch_size, num_threads=num_threads, device_id=device_id,
+                        exec_async=False, exec_pipelined=False, prefetch_queue_depth=1)
+        with pipe:
+            src = {name: fn.external_source(name=name, dtype=getattr(types, dt), ndim=1, device="cpu")
+                   for name, dt, _ in _FIELDS}
+            lens = src["input_ids"].shape()
+            mcounts = src["masked_positions"].shape()
+            data = {k: (v.gpu() if device_id is not None else v) for k, v in src.items()}
+            row = {"shape": [seq_len]} if layout == "padded" else {}
+            pipe.set_outputs(fn.pad(data["input_ids"], fill_value=0, **row),
+                             fn.pad(data["segment_ids"], fill_value=0, **row),
+                             fn.pad(data["masked_positions"], fill_value=0),
+                             fn.pad(data["masked_ids"], fill_value=0),
+                             data["nsp_labels"], lens, mcounts)
+        pipe.build()
+        self._pipe = pipe
+
+    def _to_torch(self, tl) -> torch.Tensor:
+        t = tl.as_tensor()
+        if self.device_id is None:
+            return torch.from_numpy(np.array(t))
+        from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+        out = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.device)
+        feed_ndarray(t, out, cuda_stream=torch.cuda.current_stream(self.device))
+        return out
+
+    def __call__(self, block: SampleBlock) -> UnpaddedBatch | PaddedBatch:
+        b = len(block)
+        if b == 0:
+            raise DataError("cannot collate an empty SampleBlock")
+        if b > self.max_batch_size:
+            raise ValueError(f"block of {b} samples exceeds the DALI pipeline's max_batch_size {self.max_batch_size}")
+        lens_np = block.seq_lens.astype(np.int64)
+        if self.layout == "padded" and int(lens_np.max()) > self.seq_len:
+            r = int(np.argmax(lens_np))
+            raise DataError(f"sample {r} has {int(lens_np[r])} tokens, more than seq_len {self.seq_len}")
+        tok_cuts = _offsets(lens_np)[1:-1]
+        msk_cuts = _offsets(block.masked_counts)[1:-1]
+        for name, _, dtype in _FIELDS:
+            values = getattr(block, name).astype(dtype, copy=False)
+            if name == "nsp_labels":
+                samples = list(values.reshape(b, 1))
+            else:
+                samples = np.split(values, tok_cuts if name in ("input_ids", "segment_ids") else msk_cuts)
+            self._pipe.feed_input(name, samples)
+        ids_p, seg_p, mpos_p, mids_p, nsp, lens, mcounts = (self._to_torch(o) for o in self._pipe.run())
+        # Lengths are a CPU output (shapes live on the host): index arithmetic stays on the host.
+        lens_h = lens.cpu().reshape(b).numpy().astype(np.int64)
+        mcounts_h = mcounts.cpu().reshape(b).numpy().astype(np.int64)
+        s = ids_p.shape[1]
+        m_width = mpos_p.shape[1]
+        cu = _offsets(lens_h)
+        within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens_h)  # [T]
+        tok_index = np.repeat(np.arange(b, dtype=np.int64) * s, lens_h) + within  # [T] into B*S
+        mcu = _offsets(mcounts_h)
+        m_within = np.arange(int(mcu[-1]), dtype=np.int64) - np.repeat(mcu[:-1], mcounts_h)  # [M]
+        m_index = torch.from_numpy(np.repeat(np.arange(b, dtype=np.int64) * m_width, mcounts_h) + m_within)
+        m_index = m_index.to(self.device, non_blocking=True)
+        mlm_pos = mpos_p.reshape(-1).long()[m_index]  # [M] positions within each sample
+        mlm_labels = mids_p.reshape(-1).long()[m_index]
+        m_rows = torch.from_numpy(np.repeat(np.arange(b, dtype=np.int64), mcounts_h)).to(self.device)
+        nsp_labels = nsp.reshape(b).long()
+        if self.layout == "padded":
+            pos = torch.arange(s, device=self.device).unsqueeze(0)
+            mask = pos < torch.from_numpy(lens_h).to(self.device).unsqueeze(1)  # [B, S]
+            return PaddedBatch(
+                input_ids=ids_p.long(), segment_ids=seg_p.long(),
+                position_ids=torch.where(mask, pos, 0), attention_mask=mask,
+                mlm_positions=m_rows * s + mlm_pos, mlm_labels=mlm_labels, nsp_labels=nsp_labels)
+        index = torch.from_numpy(tok_index).to(self.device, non_blocking=True)
+        starts = torch.from_numpy(cu[:-1]).to(self.device)
+        return UnpaddedBatch(
+            input_ids=ids_p.reshape(-1).long()[index],
+            segment_ids=seg_p.reshape(-1).long()[index],
+            position_ids=torch.from_numpy(within).to(self.device),
+            cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(self.device),
+            max_seqlen=int(lens_h.max()),
+            mlm_positions=mlm_pos + starts[m_rows],
+            mlm_labels=mlm_labels,
+            nsp_labels=nsp_labels,
+        )

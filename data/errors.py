@@ -1,0 +1,31 @@
+"""The one exception the data pipeline raises for bad input.
+
+``DataError`` messages name what is wrong and where (file, line, sample, key), so a CLI can
+print ``str(error)`` as a single line and exit with status 2. It subclasses ``ValueError`` so
+callers that already catch ``ValueError`` keep working.
+"""
+
+from __future__ import annotations
+
+
+class DataError(ValueError):
+    """Bad input data: the message names the file and, where it applies, the line or sample."""
+
+
+def cli_main(run, argv=None) -> int:
+    """Call ``run(argv)``; turn a DataError into one line on stderr and exit status 2."""
+    import sys
+
+    try:
+        return run(argv) or 0
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout went away (``| head``)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

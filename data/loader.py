@@ -1,0 +1,425 @@
+"""Rank-sharded loading of prepared HDF5 shards, with prefetch and exact resume.
+
+Which samples form global batch t, and in which order, depends only on the files, the seed,
+the global batch size G and the number of lanes L (default: the largest divisor of G up to
+16) -- never on the number of ranks W. So a run on 8 ranks trains on exactly the batches of
+a run on 1 rank, tests can compare them, and a run can resume on a different W.
+
+The plan, per epoch e (an epoch is N // G steps over the N samples; the N mod G samples
+left over are a different random few each epoch):
+- the files are put in a random order (seeded by seed, e) and each file's rows in a random
+  order (seeded by seed, e, file); concatenated, this is the epoch's stream of samples;
+- the stream is cut into L equal contiguous segments, the lanes; lane l holds G/L samples
+  per step for N // G steps;
+- global batch t = for each lane in turn, its next G/L samples;
+- rank r takes samples [r*G/W, (r+1)*G/W) of the global batch: with W <= L these come from
+  its own lanes, so ranks read distinct files (only the files on a lane boundary are read by
+  two ranks); with W > L, W/L ranks share a lane's files.
+Every sample of the stream's first L*(N//G)*(G/L) positions appears exactly once per epoch.
+
+Each rank knows in advance which file each of its steps needs (``_Plan.entries``), so a
+background thread reads and validates the next shard while the current one is used, and
+drops a shard after its last step. ``state_dict()`` is the step counter plus what identifies
+the plan; ``load_state_dict`` on a loader of any W resumes at that step.
+
+``global_batch(step)`` gives the whole global batch on one process (tests and the
+rebalancer compare against it). ``EvalLoader`` gives rank r a contiguous slice of the eval
+file. Both iterate ``SampleBlock``s; ``batches()`` collates them with the chosen backend
+(``torch`` or ``dali``).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data.collate import BACKENDS, make_collator
+from data.errors import DataError
+from data.hdf5io import inspect, list_files, read_file
+from data.samples import SampleBlock, _gather_ranges, _offsets
+
+STATE_FORMAT = "PretrainingLoader/1"
+
+
+def default_lanes(global_batch_size: int, cap: int = 16) -> int:
+    """The largest divisor of the global batch size that is at most ``cap``."""
+    return max(d for d in range(1, min(cap, global_batch_size) + 1) if global_batch_size % d == 0)
+
+
+def dataset_vocab_size(path) -> int | None:
+    """The vocabulary size recorded by ``data.prepare`` in a manifest.json at or above path."""
+    p = Path(path)
+    for d in (p, p.parent, p.parent.parent):
+        m = d / "manifest.json"
+        if m.is_file():
+            try:
+                return int(json.loads(m.read_text())["vocab"]["size"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise DataError(f"{m}: cannot read the vocabulary size ({e})") from None
+    return None
+
+
+@dataclass(frozen=True, order=True)
+class _Entry:
+    """File ``file`` (an index into the file list) is needed in epoch ``epoch`` from step
+    ``first`` to step ``last`` of the epoch; ``order`` is its place in the epoch's stream."""
+
+    epoch: int
+    first: int
+    order: int
+    last: int
+    file: int
+
+
+class _Plan:
+    """The pure arithmetic of the sample order (no I/O)."""
+
+    def __init__(self, sizes: np.ndarray, global_batch_size: int, lanes: int, seed: int, rank: int, world_size: int):
+        self.sizes = sizes
+        self.g = global_batch_size
+        self.lanes = lanes
+        self.seed = seed
+        self.lane_batch = global_batch_size // lanes
+        self.steps_per_epoch = int(sizes.sum()) // global_batch_size
+        self.lane_len = self.steps_per_epoch * self.lane_batch
+        q0, q1 = rank * global_batch_size // world_size, (rank + 1) * global_batch_size // world_size
+        # (lane, k0, k1): this rank takes lane samples [k0, k1) of every step.
+        self.parts = []
+        for lane in range(lanes):
+            lo, hi = max(q0, lane * self.lane_batch), min(q1, (lane + 1) * self.lane_batch)
+            if lo < hi:
+                self.parts.append((lane, lo - lane * self.lane_batch, hi - lane * self.lane_batch))
+        self._epoch_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(file order, start of each of those files in the stream [F+1])."""
+        if epoch not in self._epoch_cache:
+            if len(self._epoch_cache) > 2:
+                self._epoch_cache.pop(min(self._epoch_cache))
+            perm = np.random.default_rng([self.seed, 0, epoch]).permutation(len(self.sizes))
+            self._epoch_cache[epoch] = (perm, _offsets(self.sizes[perm]))
+        return self._epoch_cache[epoch]
+
+    def row_order(self, epoch: int, file: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, 1, epoch, file]).permutation(int(self.sizes[file]))
+
+    def positions(self, step: int) -> tuple[int, np.ndarray]:
+        """(epoch, this rank's stream positions at global step ``step``, in batch order)."""
+        epoch, s = divmod(step, self.steps_per_epoch)
+        pos = [lane * self.lane_len + s * self.lane_batch + np.arange(k0, k1) for lane, k0, k1 in self.parts]
+        return epoch, np.concatenate(pos)
+
+    def locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stream positions -> (file index, offset in the file's row order)."""
+        perm, starts = self.epoch_order(epoch)
+        i = np.searchsorted(starts, positions, side="right") - 1
+        return perm[i], positions - starts[i]
+
+    def entries(self, epoch: int) -> list[_Entry]:
+        """The files this rank reads in ``epoch``, in the order it first needs them."""
+        perm, starts = self.epoch_order(epoch)
+        found: dict[int, list[int]] = {}
+        lb, spe = self.lane_batch, self.steps_per_epoch
+        for lane, k0, k1 in self.parts:
+            base = lane * self.lane_len
+            first_i = max(0, int(np.searchsorted(starts, base, side="right")) - 1)
+            last_i = int(np.searchsorted(starts, base + self.lane_len, side="left"))
+            for i in range(first_i, min(last_i, len(perm))):
+                a, b = int(starts[i]) - base, int(starts[i + 1]) - base
+                if a == b:
+                    continue
+                # Steps s whose positions s*lb + [k0, k1) meet the file's [a, b).
+                s_min = max(0, (a - k1) // lb + 1)
+                s_max = min(spe - 1, -((k0 - b) // lb) - 1)
+                if s_min <= s_max:
+                    f = found.setdefault(i, [s_min, s_max])
+                    f[0], f[1] = min(f[0], s_min), max(f[1], s_max)
+        return sorted(_Entry(epoch, lo, i, hi, int(perm[i])) for i, (lo, hi) in found.items())
+
+
+class _Loaded:
+    """A shard's samples with their offsets precomputed for fast selection."""
+
+    def __init__(self, block: SampleBlock):
+        self.block = block
+        self.tok_off = _offsets(block.seq_lens)
+        self.msk_off = _offsets(block.masked_counts)
+        self.rows: np.ndarray | None = None  # the epoch's row order, set on first use
+
+    def select(self, idx: np.ndarray) -> SampleBlock:
+        b = self.block
+        return SampleBlock(
+            input_ids=_gather_ranges(b.input_ids, self.tok_off, b.seq_lens, idx),
+            segment_ids=_gather_ranges(b.segment_ids, self.tok_off, b.seq_lens, idx),
+            seq_lens=b.seq_lens[idx],
+            masked_positions=_gather_ranges(b.masked_positions, self.msk_off, b.masked_counts, idx),
+            masked_ids=_gather_ranges(b.masked_ids, self.msk_off, b.masked_counts, idx),
+            masked_counts=b.masked_counts[idx],
+            nsp_labels=b.nsp_labels[idx],
+        )
+
+
+class PretrainingLoader:
+    """This rank's SampleBlock for each global step (G / W samples), forever.
+
+    train_dir_or_files: a directory of ``.hdf5`` shards (fixed or varlength layout) or a list.
+    global_batch_size: G, samples per optimizer step over all ranks; world_size must divide it.
+    seed: fixes the order of files and samples (together with the files, G and lanes).
+    lanes: L, must divide G; default ``default_lanes(G)``. Keep it when resuming.
+    backend: ``torch`` or ``dali``, the collation that ``batches()`` uses.
+    prefetch: read the next shard in a background thread (False: read when needed).
+    prefetch_files: how many shards to read ahead (default: one per lane of this rank).
+    vocab_size: token ids are checked against it (default: from the dataset's manifest).
+    """
+
+    def __init__(self, train_dir_or_files, global_batch_size: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, *, lanes: int | None = None, backend: str = "torch", prefetch: bool = True,
+                 prefetch_files: int | None = None, vocab_size: int | None = None):
+        self.files = list_files(train_dir_or_files)
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size {global_batch_size}: must be >= 1")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
+        if global_batch_size % world_size:
+            raise ValueError(f"world_size {world_size} must divide global_batch_size {global_batch_size}")
+        self.lanes = default_lanes(global_batch_size) if lanes is None else lanes
+        if self.lanes < 1 or global_batch_size % self.lanes:
+            raise ValueError(f"lanes {self.lanes} must divide global_batch_size {global_batch_size}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+        if seed < 0:
+            raise ValueError(f"seed {seed}: must be >= 0")
+        self.global_batch_size = global_batch_size
+        self.rank, self.world_size, self.seed, self.backend = rank, world_size, seed, backend
+        self.local_batch_size = global_batch_size // world_size
+        if vocab_size is None and isinstance(train_dir_or_files, (str, Path)):
+            vocab_size = dataset_vocab_size(train_dir_or_files)
+        self.vocab_size = vocab_size
+        self.sizes = np.array([inspect(f).num_samples for f in self.files], dtype=np.int64)
+        if int(self.sizes.sum()) < global_batch_size:
+            raise DataError(f"{self.files[0].parent}: {int(self.sizes.sum())} samples in {len(self.files)} file(s) "
+                            f"cannot fill one global batch of {global_batch_size}")
+        self._plan = _Plan(self.sizes, global_batch_size, self.lanes, seed, rank, world_size)
+        self.prefetch_files = len(self._plan.parts) if prefetch_files is None else prefetch_files
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="data-prefetch") if prefetch else None
+        self._step = 0
+        self._reset()
+
+    # ------------------------------------------------------------------ plan queries
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._plan.steps_per_epoch
+
+    @property
+    def step(self) -> int:
+        """The global step whose batch the iterator yields next."""
+        return self._step
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def sample_ids(self, step: int, rank: int | None = None, world_size: int | None = None) -> np.ndarray:
+        """[n, 2] (file index, row in the file) of the samples a rank gets at ``step``
+        (default this rank; ``world_size=1`` gives the whole global batch)."""
+        plan = self._plan_for(rank, world_size)
+        epoch, pos = plan.positions(step)
+        files, offsets = plan.locate(epoch, pos)
+        rows = np.empty_like(offsets)
+        for f in np.unique(files):
+            sel = files == f
+            rows[sel] = plan.row_order(epoch, int(f))[offsets[sel]]
+        return np.stack([files, rows], axis=1)
+
+    def files_read(self, epoch: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
+        """Indices of the files a rank reads in ``epoch``, in reading order."""
+        return [e.file for e in self._plan_for(rank, world_size).entries(epoch)]
+
+    def _plan_for(self, rank, world_size) -> _Plan:
+        if rank is None and world_size is None:
+            return self._plan
+        w = self.world_size if world_size is None else world_size
+        r = (self.rank if world_size is None else 0) if rank is None else rank
+        return _Plan(self.sizes, self.global_batch_size, self.lanes, self.seed, r, w)
+
+    # ---------------------------------------------------------------------- loading
+    def _read(self, file: int) -> _Loaded:
+        return _Loaded(read_file(self.files[file], vocab_size=self.vocab_size))
+
+    def _reset(self) -> None:
+        """Forget loaded shards and restart the reading queue at self._step."""
+        for fut in getattr(self, "_loaded", {}).values():
+            fut.cancel()
+        self._loaded: dict[tuple[int, int], Future] = {}  # (epoch, file) -> _Loaded
+        self._first: dict[tuple[int, int], int] = {}
+        self._last: dict[tuple[int, int], int] = {}
+        self._queue: list[_Entry] = []
+        self._queued_epoch = self.epoch_of(self._step) - 1
+
+    def _extend_queue(self, epoch: int, step_in_epoch: int) -> None:
+        while self._queued_epoch < epoch:
+            self._queued_epoch += 1
+            e = self._queued_epoch
+            self._queue.extend(x for x in self._plan.entries(e) if not (e == epoch and x.last < step_in_epoch))
+
+    def _submit(self, entry: _Entry) -> None:
+        key = (entry.epoch, entry.file)
+        self._first[key], self._last[key] = entry.first, entry.last
+        if self._executor is None:
+            fut: Future = Future()
+            fut.set_result(self._read(entry.file))
+        else:
+            fut = self._executor.submit(self._read, entry.file)
+        self._loaded[key] = fut
+
+    def _shards_for(self, epoch: int, s: int) -> None:
+        """Submit what step s needs, then read ahead up to prefetch_files more shards."""
+        self._extend_queue(epoch, s)
+        while self._queue and (self._queue[0].epoch, self._queue[0].first) <= (epoch, s):
+            self._submit(self._queue.pop(0))
+        if self._executor is None:
+            return
+        ahead = sum(1 for (e, _), first in self._first.items() if (e, first) > (epoch, s))
+        while ahead < self.prefetch_files:
+            if not self._queue:
+                self._extend_queue(self._queued_epoch + 1, 0)
+            self._submit(self._queue.pop(0))
+            ahead += 1
+
+    def _evict(self, epoch: int, s: int) -> None:
+        """Drop the shards whose last step is s or earlier."""
+        for key in [k for k, last in self._last.items() if k[0] < epoch or (k[0] == epoch and last <= s)]:
+            del self._loaded[key], self._first[key], self._last[key]
+
+    def _block(self, step: int) -> SampleBlock:
+        epoch, s = divmod(step, self.steps_per_epoch)
+        self._shards_for(epoch, s)
+        _, pos = self._plan.positions(step)
+        files, offsets = self._plan.locate(epoch, pos)
+        # Runs of consecutive positions in the same file, in batch order.
+        cut = np.flatnonzero(files[1:] != files[:-1]) + 1
+        parts = []
+        for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(files)]])):
+            f = int(files[lo])
+            loaded: _Loaded = self._loaded[(epoch, f)].result()
+            if loaded.rows is None:
+                loaded.rows = self._plan.row_order(epoch, f)
+            parts.append(loaded.select(loaded.rows[offsets[lo:hi]]))
+        self._evict(epoch, s)
+        return parts[0] if len(parts) == 1 else SampleBlock.concat(parts)
+
+    # -------------------------------------------------------------------- iteration
+    def __iter__(self):
+        while True:
+            step = self._step
+            block = self._block(step)
+            self._step = step + 1
+            yield block
+
+    def batches(self, layout: str = "unpadded", seq_len: int | None = None, device_id: int | None = None):
+        """Iterate collated batches (``UnpaddedBatch`` or ``PaddedBatch``) with this loader's backend."""
+        collate = make_collator(self.backend, layout, seq_len, device_id, max_batch_size=self.local_batch_size)
+        for block in self:
+            yield collate(block)
+
+    def global_batch(self, step: int) -> SampleBlock:
+        """The whole global batch of ``step`` (all ranks' samples in rank order), read here."""
+        ids = self.sample_ids(step, world_size=1)
+        epoch = self.epoch_of(step)
+        parts = []
+        cut = np.flatnonzero(ids[1:, 0] != ids[:-1, 0]) + 1
+        cache: dict[int, _Loaded] = {}
+        for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(ids)]])):
+            f = int(ids[lo, 0])
+            if f not in cache:
+                fut = self._loaded.get((epoch, f))
+                cache[f] = fut.result() if fut is not None and fut.done() else self._read(f)
+            parts.append(cache[f].select(ids[lo:hi, 1]))
+        return SampleBlock.concat(parts)
+
+    # ------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"format": STATE_FORMAT, "step": self._step, "seed": self.seed,
+                "global_batch_size": self.global_batch_size, "lanes": self.lanes,
+                "files": [f.name for f in self.files], "sizes": self.sizes.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved step (any world_size); the plan must be the same."""
+        if state.get("format") != STATE_FORMAT:
+            raise DataError(f"loader state: format {state.get('format')!r}, expected {STATE_FORMAT!r}")
+        mine = self.state_dict()
+        for key in ("seed", "global_batch_size", "lanes", "files", "sizes"):
+            if state.get(key) != mine[key]:
+                what = mine[key] if key not in ("files", "sizes") else f"{len(mine[key])} entries"
+                raise DataError(f"loader state: {key} differs from this loader's ({what}); "
+                                f"the saved position belongs to another sample order")
+        step = state["step"]
+        if not isinstance(step, int) or step < 0:
+            raise DataError(f"loader state: step {step!r} must be an int >= 0")
+        self._step = step
+        self._reset()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def eval_slice(num_samples: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank r's contiguous share [start, stop) of the eval samples (sizes differ by <= 1)."""
+    return rank * num_samples // world_size, (rank + 1) * num_samples // world_size
+
+
+class EvalLoader:
+    """Rank r's contiguous slice of the eval file, as SampleBlocks of ``batch_size`` (the
+    last one may be smaller; a rank may get no samples when there are fewer than ranks).
+
+    max_samples: evaluate only the file's first max_samples samples (None: all of them);
+    ``total_samples`` is the number evaluated over all ranks.
+    """
+
+    def __init__(self, path, batch_size: int, rank: int = 0, world_size: int = 1,
+                 vocab_size: int | None = None, backend: str = "torch", max_samples: int | None = None):
+        if batch_size < 1:
+            raise ValueError(f"batch_size {batch_size}: must be >= 1")
+        if max_samples is not None and max_samples < 1:
+            raise ValueError(f"max_samples {max_samples}: must be >= 1")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+        self.path = Path(path)
+        self.batch_size, self.backend = batch_size, backend
+        if vocab_size is None:
+            vocab_size = dataset_vocab_size(self.path.parent)
+        self.total_samples = inspect(self.path).num_samples
+        if max_samples is not None:  # evaluate on the file's first max_samples samples only
+            self.total_samples = min(self.total_samples, max_samples)
+        self.start, self.stop = eval_slice(self.total_samples, rank, world_size)
+        self.block = read_file(self.path, vocab_size=vocab_size, start=self.start, stop=self.stop)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.block)
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def __iter__(self):
+        for i in range(0, self.num_samples, self.batch_size):
+            yield self.block.select(np.arange(i, min(i + self.batch_size, self.num_samples)))
+
+    def batches(self, layout: str = "unpadded", seq_len: int | None = None, device_id: int | None = None):
+        collate = make_collator(self.backend, layout, seq_len, device_id, max_batch_size=self.batch_size)
+        for block in self:
+            yield collate(block)

@@ -1,0 +1,738 @@
+"""Text -> MLPerf BERT pretraining shards: ``python -m data.prepare``.
+
+The semantics are Google's ``create_pretraining_data`` with MLPerf's parameters: documents
+of sentences, ``dupe_factor`` passes over the documents, each cutting a document into
+chunks of about ``max_seq_length - 3`` tokens (a random shorter target with probability
+``short_seq_prob``), each chunk split at a random sentence into segment A and segment B,
+where B is the actual continuation or (always for a one-sentence chunk, otherwise half of
+the time) a random stretch of another document; the pair truncated by removing tokens from
+the front or back of the longer segment; then ``masked_lm_prob`` of the tokens (at least
+one, at most ``max_predictions``, never [CLS] or [SEP]) chosen for prediction: 80% become
+[MASK], 10% a random vocabulary entry, 10% stay.
+
+Stages (each runs in ``--workers`` processes; none depends on how work is split):
+1. tokenise: input files are cut into chunks at document boundaries, parsed and tokenised;
+   the token ids go to one array on disk, read by the later stages through a memory map.
+2. split: documents are shuffled by the seed; a prefix is held out for the eval set (or the
+   eval set is made from the separate ``--eval-input`` documents, as MLPerf's ``eval.txt``),
+   so no eval document (not even as a random next segment) appears in training.
+3. pairs: each (pass, document) draws from its own random stream, seeded by the seed, the
+   pass and the document, and gives every pair a 64-bit random key; the key's top bits pick
+   the shard. Task files hold the pairs grouped by shard.
+4. shards: shard j gathers its pairs from every task file, orders them by key (a uniform
+   shuffle), masks them with a stream seeded by (seed, j), and is written. The eval set is
+   the held-out pairs ordered by key, picked at stride ``int(i*N/K)``, masked likewise.
+Because every random draw is tied to a document or a shard and never to a worker, the output
+is byte-identical for any ``--workers``.
+
+Outputs under ``--output-dir``: ``train/part_%05d_of_%05d.hdf5``, ``eval/part_eval_10k.hdf5``,
+``vocab.txt`` (a copy of ``--vocab`` or the one learnt with ``--train-vocab``) and
+``manifest.json`` (every parameter, counts, md5 of each file). Everything is written under a
+temporary directory inside ``--output-dir`` and renamed into place when complete.
+
+A document needs ``--min-sentences`` sentences (default 2: a one-sentence document can only
+give random-next pairs, which skews the NSP labels); shorter ones are skipped and counted.
+``--min-sentences 1`` keeps them, as the reference script does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from itertools import chain
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+
+from data.errors import DataError, cli_main
+from data.hdf5io import LAYOUTS, md5sum, write_file
+from data.samples import SampleBlock, _gather_ranges, _offsets
+from data import text
+from data.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
+from data.tokenization import Vocab, load_vocab, make_tokenizer, train_wordpiece, write_vocab
+
+EVAL_FILE = "part_eval_10k.hdf5"
+TRAIN_TAG, EVAL_TAG = 0, 1
+MASK_ROWS = 4096  # rows masked at once (bounds the [rows, S] scratch arrays)
+# Work size (like data.text.CHUNK_BYTES): it changes how work is split, never the output.
+PAIR_TASK_TOKENS = (100_000, 8_000_000)  # document tokens per pairing task: min, max
+
+
+@dataclass
+class PrepareConfig:
+    """Every parameter of a preparation run (the manifest records them all but ``workers``,
+    which never changes the output)."""
+
+    inputs: list[str]
+    output_dir: str
+    input_format: str = "bert"
+    eval_inputs: list[str] | None = None  # eval documents kept apart from --input (else held out of it)
+    vocab: str | None = None  # a BERT vocab.txt ...
+    train_vocab: int | None = None  # ... or learn one of this size from the input
+    max_seq_length: int = 512
+    max_predictions: int = 76
+    masked_lm_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    dupe_factor: int = 10
+    seed: int = 12345
+    shards: int = 1
+    eval_samples: int = 10000
+    format: str = "fixed"
+    min_sentences: int = 2
+    workers: int = 1
+
+    def __post_init__(self):
+        def need(ok: bool, flag: str, what: str):
+            if not ok:
+                raise DataError(f"--{flag.replace('_', '-')} {getattr(self, flag)}: {what}")
+
+        if not self.inputs:
+            raise DataError("--input: give at least one file or directory")
+        need(self.input_format in FORMATS, "input_format", f"expected one of {', '.join(FORMATS)}")
+        if (self.vocab is None) == (self.train_vocab is None):
+            raise DataError("give exactly one of --vocab FILE and --train-vocab SIZE")
+        need(5 <= self.max_seq_length <= 32767, "max_seq_length", "must lie in [5, 32767]")
+        need(1 <= self.max_predictions <= self.max_seq_length, "max_predictions", "must lie in [1, max_seq_length]")
+        need(0.0 < self.masked_lm_prob <= 1.0, "masked_lm_prob", "must lie in (0, 1]")
+        need(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", "must lie in [0, 1]")
+        need(1 <= self.dupe_factor <= 255, "dupe_factor", "must lie in [1, 255]")
+        need(self.seed >= 0, "seed", "must be >= 0")
+        need(self.shards >= 1, "shards", "must be >= 1")
+        need(self.eval_samples >= 0, "eval_samples", "must be >= 0")
+        need(self.eval_samples > 0 or not self.eval_inputs, "eval_samples", "must be > 0 with --eval-input")
+        need(self.format in LAYOUTS, "format", f"expected one of {', '.join(LAYOUTS)}")
+        need(self.min_sentences >= 1, "min_sentences", "must be >= 1")
+        need(self.workers >= 1, "workers", "must be >= 1")
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.max_seq_length - 3
+
+
+@dataclass
+class PrepareResult:
+    manifest: dict
+    seconds: dict = field(default_factory=dict)  # wall time per stage
+
+
+# ----------------------------------------------------------------------------- workers
+
+_worker_cache: dict = {}
+
+
+def _init_worker() -> None:
+    # Parallelism comes from --workers; the tokenizer's own thread pool would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _cached(key, make):
+    if key not in _worker_cache:
+        _worker_cache[key] = make()
+    return _worker_cache[key]
+
+
+class _Workers:
+    """``map`` in ``workers`` processes (started once, on first use, and kept for every
+    stage), or in this process when workers == 1 or there is a single task."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def map(self, fn, tasks: list):
+        if self.workers == 1 or len(tasks) <= 1:
+            return map(fn, tasks)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init_worker)
+        return self._pool.map(fn, tasks)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+# ------------------------------------------------------------------ stage 1: tokenise
+
+
+@dataclass(frozen=True)
+class _TokenizeTask:
+    chunk: Chunk
+    fmt: str
+    vocab_path: str
+    min_sentences: int
+
+
+def _tokenize_chunk(task: _TokenizeTask) -> dict:
+    lines, bad_utf8, first_bad_line = read_chunk(task.chunk)
+    docs = parse_documents(lines, task.fmt)
+    tok = _cached(("tok", task.vocab_path), lambda: make_tokenizer(load_vocab(task.vocab_path)))
+    sentences = [s for d in docs for s in d]
+    encoded = tok.encode_batch_fast(sentences, add_special_tokens=False) if sentences else []
+    sent_lens = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))
+    ids = [e.ids for e in encoded]
+    keep_tokens: list[list[int]] = []
+    kept_lens: list[int] = []
+    doc_nsent: list[int] = []
+    short = 0
+    i = 0
+    for d in docs:
+        n = 0
+        start = len(kept_lens)
+        for k in range(i, i + len(d)):
+            if sent_lens[k]:
+                keep_tokens.append(ids[k])
+                kept_lens.append(int(sent_lens[k]))
+                n += 1
+        i += len(d)
+        if n >= task.min_sentences:
+            doc_nsent.append(n)
+        else:
+            short += 1
+            del keep_tokens[start:], kept_lens[start:]
+    flat = np.fromiter(chain.from_iterable(keep_tokens), dtype=np.uint16, count=sum(kept_lens))
+    return {"tokens": flat, "sent_lens": np.array(kept_lens, np.int64), "doc_nsent": np.array(doc_nsent, np.int64),
+            "docs_read": len(docs), "docs_short": short, "sentences": len(sentences),
+            "bad_utf8": bad_utf8, "first_bad_line": first_bad_line, "path": task.chunk.path}
+
+
+# --------------------------------------------------------------------- stage 3: pairs
+
+
+@dataclass(frozen=True)
+class _PairTask:
+    task_id: int
+    tmp: str
+    pool_file: str  # .npy of document indices (the train or the eval pool)
+    lo: int  # pool positions [lo, hi) of the documents this task starts pairs from
+    hi: int
+    tag: int
+    num_buckets: int
+    seed: int
+    dupe_factor: int
+    max_num_tokens: int
+    short_seq_prob: float
+
+
+def _arrays(tmp: str):
+    return _cached(("arrays", tmp), lambda: (
+        np.memmap(os.path.join(tmp, "tokens.u16"), dtype=np.uint16, mode="r"),
+        np.load(os.path.join(tmp, "sent_off.npy"), mmap_mode="r"),
+        np.load(os.path.join(tmp, "doc_sent_off.npy"), mmap_mode="r")))
+
+
+def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: random.Random):
+    """``truncate_seq_pair``: drop tokens one at a time from the longer segment (B on ties),
+    each from the front or the back with probability 1/2. The counts per segment follow from
+    the lengths; the front/back split of each is binomial, drawn from random bits."""
+    la, lb = a1 - a0, b1 - b0
+    excess = la + lb - max_num_tokens
+    if excess <= 0:
+        return a0, a1, b0, b1
+    if la - lb >= excess:
+        ra, rb = excess, 0
+    elif lb - la >= excess:
+        ra, rb = 0, excess
+    else:  # both shrink until they meet; odd totals leave A one longer
+        ra, rb = la - (max_num_tokens + 1) // 2, lb - max_num_tokens // 2
+    fa = bin(rng.getrandbits(ra)).count("1") if ra else 0
+    fb = bin(rng.getrandbits(rb)).count("1") if rb else 0
+    return a0 + fa, a1 - (ra - fa), b0 + fb, b1 - (rb - fb)
+
+
+def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, max_num_tokens: int,
+               short_seq_prob: float, canon_base: int, out: list) -> None:
+    """The pairs of one pass over the document at pool position ``pos`` (appended to out as
+    (a0, a1, b0, b1, is_random_next, 63-bit random key, canonical id); a/b are token offsets)."""
+    d = int(pool[pos])
+    s0, s1 = int(doc_sent_off[d]), int(doc_sent_off[d + 1])
+    offs = sent_off[s0:s1 + 1].tolist()  # offs[k]: first token of sentence k
+    n = s1 - s0
+    target = max_num_tokens
+    if rng.random() < short_seq_prob:
+        target = rng.randint(2, max_num_tokens)
+    chunk_start = 0
+    i = 0
+    inst = 0
+    while i < n:
+        if i == n - 1 or offs[i + 1] - offs[chunk_start] >= target:
+            n_chunk = i - chunk_start + 1
+            a_end = chunk_start + (rng.randint(1, n_chunk - 1) if n_chunk >= 2 else 1)
+            a0, a1 = offs[chunk_start], offs[a_end]
+            if n_chunk == 1 or rng.random() < 0.5:
+                is_random = 1
+                target_b = target - (a1 - a0)
+                for _ in range(10):
+                    r = rng.randrange(len(pool))
+                    if r != pos:
+                        break
+                rd = int(pool[r])
+                r0, r1 = int(doc_sent_off[rd]), int(doc_sent_off[rd + 1])
+                roffs = sent_off[r0:r1 + 1]
+                j = rng.randrange(r1 - r0)
+                b0 = int(roffs[j])
+                # Whole sentences from j on, until B reaches target_b or the document ends.
+                k = min(j + 1 + int(np.searchsorted(roffs[j + 1:], b0 + target_b)), r1 - r0)
+                b1 = int(roffs[k])
+                i = a_end - 1  # the chunk's unused sentences start the next chunk
+            else:
+                is_random = 0
+                b0, b1 = offs[a_end], offs[i + 1]
+            a0, a1, b0, b1 = _truncate(a0, a1, b0, b1, max_num_tokens, rng)
+            out.append((a0, a1, b0, b1, is_random, rng.getrandbits(63), canon_base + inst))
+            inst += 1
+            chunk_start = i + 1
+        i += 1
+    if inst >= 1 << 20:
+        raise DataError(f"document {d} gives {inst} pairs in one pass, more than the 2^20 supported")
+
+
+def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, seed: int, dupe_factor: int, max_num_tokens: int,
+           short_seq_prob: float, cls_id: int = 2, sep_id: int = 3) -> dict:
+    """All pairs started from pool positions [lo, hi), every pass; sequences built with
+    [CLS] A [SEP] B [SEP]. The special ids are patched in by the caller's vocabulary."""
+    toks, sent_off, doc_sent_off = _arrays(tmp)
+    if len(pool) >= 1 << 36:
+        raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
+    rows: list = []
+    for dupe in range(dupe_factor):
+        for pos in range(lo, hi):
+            rng = random.Random((seed << 96) | (tag << 88) | (dupe << 64) | pos)
+            _doc_pairs(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, short_seq_prob,
+                       (dupe << 56) | (pos << 20), rows)
+    if not rows:
+        return {"tokens": np.zeros(0, np.uint16), "seq_len": np.zeros(0, np.int32), "len_a": np.zeros(0, np.int32),
+                "nsp": np.zeros(0, np.int8), "key": np.zeros(0, np.int64), "canon": np.zeros(0, np.int64)}
+    a0, a1, b0, b1, nsp, key, canon = (np.array(c) for c in zip(*rows))
+    la, lb = a1 - a0, b1 - b0
+    seq_len = la + lb + 3
+    starts = _offsets(seq_len)
+    out = np.empty(int(starts[-1]), np.uint16)
+    out[starts[:-1]] = cls_id
+    out[starts[:-1] + la + 1] = sep_id
+    out[starts[1:] - 1] = sep_id
+    idx = np.arange(len(rows))
+    a_dest = _gather_ranges(np.arange(len(out)), starts[:-1] + 1, la, idx)
+    b_dest = _gather_ranges(np.arange(len(out)), starts[:-1] + la + 2, lb, idx)
+    out[a_dest] = _gather_ranges(toks, a0, la, idx)
+    out[b_dest] = _gather_ranges(toks, b0, lb, idx)
+    return {"tokens": out, "seq_len": seq_len.astype(np.int32), "len_a": la.astype(np.int32),
+            "nsp": nsp.astype(np.int8), "key": key.astype(np.int64), "canon": canon.astype(np.int64)}
+
+
+def _bucket_of(key: np.ndarray, num_buckets: int) -> np.ndarray:
+    """The shard of each 63-bit key: floor(key * num_buckets / 2^63) from its top 32 bits."""
+    return ((key >> 31) * num_buckets) >> 32
+
+
+def _make_pairs(task: _PairTask) -> dict:
+    pool = _cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
+    p = _pairs(task.tmp, pool, task.lo, task.hi, task.tag, task.seed, task.dupe_factor, task.max_num_tokens,
+               task.short_seq_prob, *_cached(("specials", task.tmp), lambda: tuple(
+                   np.load(os.path.join(task.tmp, "specials.npy")).tolist())))
+    bucket = _bucket_of(p["key"], task.num_buckets)
+    order = np.argsort(bucket, kind="stable")
+    counts = np.bincount(bucket[order].astype(np.int64), minlength=task.num_buckets)
+    tok_counts = np.bincount(bucket.astype(np.int64), weights=p["seq_len"], minlength=task.num_buckets)
+    base = os.path.join(task.tmp, "pairs", f"t{task.task_id:06d}")
+    tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
+    np.save(base + ".tok.npy", tokens)
+    for name in ("seq_len", "len_a", "nsp", "key", "canon"):
+        np.save(f"{base}.{name}.npy", p[name][order])
+    np.save(base + ".off.npy", _offsets(counts))
+    np.save(base + ".tokoff.npy", _offsets(tok_counts.astype(np.int64)))
+    return {"counts": counts, "pairs": len(order), "random_next": int(p["nsp"].sum())}
+
+
+# -------------------------------------------------------------------- stage 4: shards
+
+
+def mask_pairs(tokens: np.ndarray, seq_lens: np.ndarray, len_a: np.ndarray, nsp: np.ndarray,
+               rng: np.random.Generator, masked_lm_prob: float, max_predictions: int, vocab_size: int,
+               mask_id: int) -> SampleBlock:
+    """Choose and replace the masked tokens of whole pairs, vectorised.
+
+    tokens: [sum L] ids of [CLS] A [SEP] B [SEP] sequences; seq_lens [n]; len_a [n].
+    Per sample, k = min(max_predictions, max(1, round(L * masked_lm_prob))) positions are a
+    uniform random subset of the non-special ones (the k smallest of iid uniform keys);
+    each is replaced by [MASK] with probability 0.8, a uniformly random vocabulary id with
+    0.1, or kept with 0.1.
+    """
+    n = len(seq_lens)
+    lens = seq_lens.astype(np.int64)
+    la = len_a.astype(np.int64)
+    starts = _offsets(lens)
+    chosen_rows = []
+    for r0 in range(0, n, MASK_ROWS):
+        r1 = min(n, r0 + MASK_ROWS)
+        ln, a = lens[r0:r1, None], la[r0:r1, None]
+        width = int(ln.max())
+        j = np.arange(width)[None, :]
+        cand = (j >= 1) & (j < ln - 1) & (j != a + 1)  # not [CLS], either [SEP], or padding
+        keys = rng.random((r1 - r0, width))
+        keys[~cand] = 2.0
+        k = np.minimum(np.minimum(max_predictions, np.maximum(1, np.rint(lens[r0:r1] * masked_lm_prob))),
+                       cand.sum(1)).astype(np.int64)
+        kmax = int(k.max())
+        part = np.argpartition(keys, kmax - 1, axis=1)[:, :kmax] if kmax < width else np.argsort(keys, axis=1)
+        ranked = np.take_along_axis(part, np.argsort(np.take_along_axis(keys, part, 1), axis=1), 1)[:, :kmax]
+        used = np.arange(kmax)[None, :] < k[:, None]
+        picked = np.sort(np.where(used, ranked, width + 1), axis=1)  # positions ascending, unused last
+        chosen_rows.append((picked[used], k))
+    positions = np.concatenate([c[0] for c in chosen_rows]).astype(np.int64)
+    counts = np.concatenate([c[1] for c in chosen_rows])
+    flat = np.repeat(starts[:-1], counts) + positions
+    original = tokens[flat].astype(np.int32)
+    u = rng.random(len(flat))
+    random_ids = rng.integers(0, vocab_size, len(flat))
+    out = tokens.astype(np.int32)
+    out[flat] = np.where(u < 0.8, mask_id, np.where(u < 0.9, original, random_ids))
+    within = np.arange(len(tokens)) - np.repeat(starts[:-1], lens)
+    segment = (within >= np.repeat(la + 2, lens)).astype(np.int8)
+    return SampleBlock(input_ids=out, segment_ids=segment, seq_lens=lens.astype(np.int32),
+                       masked_positions=positions.astype(np.int32), masked_ids=original,
+                       masked_counts=counts.astype(np.int32), nsp_labels=nsp.astype(np.int8))
+
+
+@dataclass(frozen=True)
+class _ShardTask:
+    index: int
+    num_shards: int
+    num_tasks: int
+    tmp: str
+    out_path: str
+    seed: int
+    layout: str
+    max_seq_length: int
+    max_predictions: int
+    masked_lm_prob: float
+    vocab_size: int
+    mask_id: int
+
+
+def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
+    parts = {k: [] for k in ("tokens", "seq_len", "len_a", "nsp", "key", "canon")}
+    for t in range(num_tasks):
+        base = os.path.join(tmp, "pairs", f"t{t:06d}")
+        off, tokoff = _cached(("off", base), lambda: (np.load(base + ".off.npy"), np.load(base + ".tokoff.npy")))
+        lo, hi = int(off[j]), int(off[j + 1])
+        if lo == hi:
+            continue
+        parts["tokens"].append(np.load(base + ".tok.npy", mmap_mode="r")[tokoff[j]:tokoff[j + 1]])
+        for name in ("seq_len", "len_a", "nsp", "key", "canon"):
+            parts[name].append(np.load(f"{base}.{name}.npy", mmap_mode="r")[lo:hi])
+    return {k: (np.concatenate(v) if v else None) for k, v in parts.items()}
+
+
+def _shuffled(p: dict) -> dict:
+    """Pairs in key order (ties, practically impossible, by canonical id)."""
+    order = np.lexsort((p["canon"], p["key"]))
+    tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
+    return {"tokens": tokens, **{k: p[k][order] for k in ("seq_len", "len_a", "nsp", "key", "canon")}}
+
+
+def _write_shard(task: _ShardTask) -> dict:
+    p = _load_bucket(task.tmp, task.num_tasks, task.index)
+    if p["seq_len"] is None:
+        raise DataError(f"shard {task.index} of {task.num_shards} got no samples: too little text for "
+                        f"--shards {task.num_shards}")
+    p = _shuffled(p)
+    rng = np.random.default_rng([task.seed, 2, task.index])
+    block = mask_pairs(p["tokens"], p["seq_len"], p["len_a"], p["nsp"], rng, task.masked_lm_prob,
+                       task.max_predictions, task.vocab_size, task.mask_id)
+    write_file(task.out_path, block, task.layout, task.max_seq_length, task.max_predictions)
+    return _describe(task.out_path, block)
+
+
+def _describe(path: str, block: SampleBlock) -> dict:
+    return {"samples": len(block), "tokens": block.num_tokens, "masked": int(block.masked_counts.sum()),
+            "random_next": int(block.nsp_labels.sum()), "md5": md5sum(path), "bytes": os.path.getsize(path)}
+
+
+# ---------------------------------------------------------------------- orchestration
+
+
+def _log(msg: str) -> None:
+    print(f"prepare: {msg}", file=sys.stderr, flush=True)
+
+
+def _prepare_output_dir(out: Path) -> Path:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".prepare-tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "pairs").mkdir(parents=True)
+        (tmp / "train").mkdir()
+        (tmp / "eval").mkdir()
+        return tmp
+    except OSError as e:
+        raise DataError(f"{out}: the output directory cannot be written ({e.strerror or e})") from None
+
+
+def _split_tasks(doc_tokens: np.ndarray, pool: np.ndarray, target_tokens: int) -> list[tuple[int, int]]:
+    """Pool positions cut into ranges of about target_tokens tokens."""
+    cum = np.cumsum(doc_tokens[pool])
+    cuts = np.searchsorted(cum, np.arange(target_tokens, int(cum[-1]), target_tokens), side="right")
+    edges = np.unique(np.concatenate([[0], cuts, [len(pool)]]))
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+def _eval_pairs(cfg: PrepareConfig, tmp: str, pool: np.ndarray, vocab: Vocab) -> dict:
+    return _pairs(tmp, pool, 0, len(pool), EVAL_TAG, cfg.seed, cfg.dupe_factor, cfg.max_num_tokens,
+                  cfg.short_seq_prob, vocab.cls_id, vocab.sep_id)
+
+
+def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.ndarray, vocab: Vocab):
+    """The fewest leading documents of ``order`` whose pairs number at least eval_samples.
+    Returns (their count, their pairs)."""
+    k = cfg.eval_samples
+    per_doc = np.maximum(1, np.ceil(doc_tokens[order] / cfg.max_num_tokens)).astype(np.int64) * cfg.dupe_factor
+    held = int(np.searchsorted(np.cumsum(per_doc), k)) + 1
+    limit = len(order) // 2
+    while True:
+        held = min(held, limit)
+        if held < 2:
+            raise DataError(f"too little text for --eval-samples {k}: {len(order)} documents")
+        p = _eval_pairs(cfg, tmp, np.ascontiguousarray(order[:held]), vocab)
+        n = len(p["seq_len"])
+        if n >= k:
+            return held, p
+        if held == limit:
+            raise DataError(f"too little text for --eval-samples {k}: holding out half of the {len(order)} "
+                            f"documents gives only {n} pairs")
+        held = int(held * 1.2 * k / max(n, 1)) + 1
+
+
+def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
+    """The eval samples: the pairs in key order, picked at stride int(i * N / K), masked."""
+    k, n = cfg.eval_samples, len(p["seq_len"])
+    p = _shuffled(p)
+    pick = (np.arange(k, dtype=np.int64) * n) // k
+    tok = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], pick)
+    return mask_pairs(tok, p["seq_len"][pick], p["len_a"][pick], p["nsp"][pick], np.random.default_rng([cfg.seed, 3]),
+                      cfg.masked_lm_prob, cfg.max_predictions, len(vocab), vocab.mask_id)
+
+
+def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
+    """Run all stages; returns the manifest (also written to output_dir/manifest.json)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    files = list_inputs(cfg.inputs)
+    eval_files = list_inputs(cfg.eval_inputs) if cfg.eval_inputs else []
+    if set(files) & set(eval_files):
+        raise DataError(f"{sorted(set(files) & set(eval_files))[0]}: given both as --input and as --eval-input")
+    out = Path(cfg.output_dir)
+    tmp_path = _prepare_output_dir(out)
+    tmp = str(tmp_path)
+    workers = _Workers(cfg.workers)
+    try:
+        # Vocabulary: a copy of the given file, or one learnt from the input.
+        vocab_tmp = tmp_path / "vocab.txt"
+        if cfg.vocab is not None:
+            vocab = load_vocab(cfg.vocab)
+            shutil.copyfile(cfg.vocab, vocab_tmp)
+        else:
+            tokens = train_wordpiece(iter_sentences(files, cfg.input_format), cfg.train_vocab)
+            write_vocab(vocab_tmp, tokens)
+            vocab = load_vocab(vocab_tmp)
+            log(f"learnt a vocabulary of {len(vocab)} pieces (asked for {cfg.train_vocab})")
+            seconds["train_vocab"] = time.perf_counter() - t
+            t = time.perf_counter()
+        np.save(tmp_path / "specials.npy", np.array([vocab.cls_id, vocab.sep_id]))
+
+        # Stage 1: tokenise (the --eval-input documents, if any, come after the others).
+        chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
+        n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
+        tasks = [_TokenizeTask(c, cfg.input_format, str(vocab_tmp), cfg.min_sentences) for c in chunks]
+        sent_lens, doc_nsent = [], []
+        stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
+        bad_utf8: dict[str, list[int]] = {}
+        n_train_docs = 0
+        with open(tmp_path / "tokens.u16", "wb") as fh:
+            for i, r in enumerate(workers.map(_tokenize_chunk, tasks)):
+                fh.write(r["tokens"].tobytes())
+                sent_lens.append(r["sent_lens"])
+                doc_nsent.append(r["doc_nsent"])
+                if i < n_train_chunks:
+                    n_train_docs += len(r["doc_nsent"])
+                for k in stats:
+                    stats[k] += r[k]
+                if r["bad_utf8"]:
+                    entry = bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])
+                    entry[0] += r["bad_utf8"]
+        for path, (count, line) in bad_utf8.items():
+            log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD "
+                f"(first at line {line})")
+        sent_lens = np.concatenate(sent_lens)
+        doc_nsent = np.concatenate(doc_nsent)
+        n_docs = len(doc_nsent)
+        for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
+            if names and n < 2:
+                raise DataError(f"{', '.join(names)}: {n} usable {what}document(s) (need 2; "
+                                f"{stats['docs_short']} had fewer than {cfg.min_sentences} sentences)")
+        if stats["docs_short"]:
+            log(f"skipped {stats['docs_short']} of {stats['docs_read']} documents with fewer than "
+                f"{cfg.min_sentences} sentences")
+        sent_off = _offsets(sent_lens)
+        doc_sent_off = _offsets(doc_nsent)
+        np.save(tmp_path / "sent_off.npy", sent_off)
+        np.save(tmp_path / "doc_sent_off.npy", doc_sent_off)
+        doc_tokens = sent_off[doc_sent_off[1:]] - sent_off[doc_sent_off[:-1]]
+        seconds["tokenize"] = time.perf_counter() - t
+        log(f"{n_docs} documents, {len(sent_lens)} sentences, {int(sent_off[-1])} tokens "
+            f"({len(tasks)} chunk(s), {seconds['tokenize']:.1f} s)")
+        t = time.perf_counter()
+
+        # Stage 2: shuffle documents; the eval set comes from --eval-input or held-out documents.
+        order = np.random.default_rng([cfg.seed, 0]).permutation(n_train_docs)
+        held, eval_docs, eval_pool_pairs, eval_block = 0, 0, 0, None
+        if cfg.eval_samples:
+            if eval_files:
+                eval_docs = n_docs - n_train_docs
+                p = _eval_pairs(cfg, tmp, n_train_docs + np.random.default_rng([cfg.seed, 4]).permutation(eval_docs),
+                                vocab)
+                if len(p["seq_len"]) < cfg.eval_samples:
+                    raise DataError(f"{', '.join(cfg.eval_inputs)}: gives {len(p['seq_len'])} pairs, fewer than "
+                                    f"--eval-samples {cfg.eval_samples}")
+            else:
+                held, p = _hold_out(cfg, tmp, order, doc_tokens, vocab)
+                eval_docs = held
+            eval_pool_pairs = len(p["seq_len"])
+            eval_block = _pick_eval(cfg, p, vocab)
+            write_file(tmp_path / "eval" / EVAL_FILE, eval_block, cfg.format, cfg.max_seq_length, cfg.max_predictions)
+            seconds["eval"] = time.perf_counter() - t
+            log(f"eval: {cfg.eval_samples} samples from {eval_pool_pairs} pairs of {eval_docs} "
+                f"{'--eval-input' if eval_files else 'held-out'} documents")
+            t = time.perf_counter()
+        pool = np.ascontiguousarray(order[held:])
+        pool_file = str(tmp_path / "train_pool.npy")
+        np.save(pool_file, pool)
+
+        # Stage 3: pairs, grouped by shard.
+        target = int(np.clip(int(doc_tokens[pool].sum()) // 64, PAIR_TASK_TOKENS[0], PAIR_TASK_TOKENS[1]))
+        ranges = _split_tasks(doc_tokens, pool, target)
+        pair_tasks = [_PairTask(i, tmp, pool_file, lo, hi, TRAIN_TAG, cfg.shards, cfg.seed, cfg.dupe_factor,
+                                cfg.max_num_tokens, cfg.short_seq_prob) for i, (lo, hi) in enumerate(ranges)]
+        shard_counts = np.zeros(cfg.shards, np.int64)
+        for r in workers.map(_make_pairs, pair_tasks):
+            shard_counts += r["counts"]
+        seconds["pairs"] = time.perf_counter() - t
+        log(f"train: {int(shard_counts.sum())} pairs from {len(pool)} documents ({len(pair_tasks)} task(s), "
+            f"{seconds['pairs']:.1f} s)")
+        t = time.perf_counter()
+        if int(shard_counts.min()) == 0:
+            raise DataError(f"only {int(shard_counts.sum())} training samples for --shards {cfg.shards}: "
+                            f"shard {int(np.argmin(shard_counts))} would be empty")
+
+        # Stage 4: shuffle, mask and write each shard.
+        names = [f"part_{j:05d}_of_{cfg.shards:05d}.hdf5" for j in range(cfg.shards)]
+        shard_tasks = [_ShardTask(j, cfg.shards, len(pair_tasks), tmp, str(tmp_path / "train" / names[j]), cfg.seed,
+                                  cfg.format, cfg.max_seq_length, cfg.max_predictions, cfg.masked_lm_prob,
+                                  len(vocab), vocab.mask_id) for j in range(cfg.shards)]
+        shard_info = list(workers.map(_write_shard, shard_tasks))
+        seconds["shards"] = time.perf_counter() - t
+        t = time.perf_counter()
+
+        train_samples = sum(s["samples"] for s in shard_info)
+        manifest = {
+            "version": 1,
+            "parameters": {k: v for k, v in asdict(cfg).items() if k not in ("workers", "output_dir")},
+            "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files + eval_files],
+            "vocab": {"file": "vocab.txt", "size": len(vocab), "md5": md5sum(vocab_tmp)},
+            "documents": {"read": stats["docs_read"], "skipped_short": stats["docs_short"], "usable": n_docs,
+                          "eval": eval_docs, "train": len(pool)},
+            "sentences": len(sent_lens),
+            "tokens": int(sent_off[-1]),
+            "invalid_utf8_replaced": {p: c for p, (c, _) in sorted(bad_utf8.items())},
+            "train": {"samples": train_samples, "tokens": sum(s["tokens"] for s in shard_info),
+                      "masked": sum(s["masked"] for s in shard_info),
+                      "random_next": sum(s["random_next"] for s in shard_info),
+                      "files": [{"name": f"train/{n}", **s} for n, s in zip(names, shard_info)]},
+        }
+        if eval_block is not None:
+            manifest["eval"] = {"file": f"eval/{EVAL_FILE}", "pool_samples": eval_pool_pairs, "documents": eval_docs,
+                                **_describe(str(tmp_path / "eval" / EVAL_FILE), eval_block)}
+        _install(out, tmp_path, names, eval_block is not None, manifest)
+        seconds["install"] = time.perf_counter() - t
+        return PrepareResult(manifest, seconds)
+    finally:
+        workers.close()
+        _worker_cache.clear()  # memory maps and tokenizer of this run's temporary files
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _install(out: Path, tmp: Path, names: list[str], has_eval: bool, manifest: dict) -> None:
+    """Move the finished files into place; remove shards of an earlier run that do not belong."""
+    try:
+        (out / "train").mkdir(exist_ok=True)
+        for old in (out / "train").glob("part_*_of_*.hdf5"):
+            if old.name not in names:
+                old.unlink()
+        for n in names:
+            os.replace(tmp / "train" / n, out / "train" / n)
+        if has_eval:
+            (out / "eval").mkdir(exist_ok=True)
+            os.replace(tmp / "eval" / EVAL_FILE, out / "eval" / EVAL_FILE)
+        os.replace(tmp / "vocab.txt", out / "vocab.txt")
+        text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+        (tmp / "manifest.json").write_text(text)
+        os.replace(tmp / "manifest.json", out / "manifest.json")
+    except OSError as e:
+        raise DataError(f"{out}: cannot install the prepared files ({e.strerror or e})") from None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--input", nargs="+", action="extend", required=True, help="text files or directories")
+    ap.add_argument("--input-format", choices=FORMATS, default="bert",
+                    help="bert: a sentence per line, blank line between documents; wikitext: a document per "
+                         "section; text: a document per paragraph")
+    ap.add_argument("--eval-input", nargs="+", action="extend",
+                    help="make the eval set from these documents, e.g. MLPerf's eval.txt (without it: hold "
+                         "documents out of --input)")
+    voc = ap.add_mutually_exclusive_group(required=True)
+    voc.add_argument("--vocab", help="WordPiece vocab.txt (must hold [PAD] [UNK] [CLS] [SEP] [MASK])")
+    voc.add_argument("--train-vocab", type=int, metavar="SIZE", help="learn a WordPiece vocabulary of SIZE first")
+    ap.add_argument("--output-dir", required=True, help="gets train/, eval/, vocab.txt, manifest.json")
+    ap.add_argument("--max-seq-length", type=int, default=512, help="tokens per sample, [CLS] and [SEP]s included")
+    ap.add_argument("--max-predictions", type=int, default=76, help="max_predictions_per_seq")
+    ap.add_argument("--masked-lm-prob", type=float, default=0.15, help="share of tokens to predict")
+    ap.add_argument("--short-seq-prob", type=float, default=0.1, help="chance of a shorter random target length")
+    ap.add_argument("--dupe-factor", type=int, default=10, help="passes over the text, each masked differently")
+    ap.add_argument("--seed", type=int, default=12345, help="fixes every random choice")
+    ap.add_argument("--shards", type=int, default=1, help="number of training files")
+    ap.add_argument("--eval-samples", type=int, default=10000, help="0: no eval file")
+    ap.add_argument("--format", choices=LAYOUTS, default="fixed", help="HDF5 layout")
+    ap.add_argument("--min-sentences", type=int, default=2, help="skip documents with fewer sentences")
+    ap.add_argument("--workers", type=int, default=1, help="processes (the output does not depend on it)")
+    args = ap.parse_args(argv)
+    cfg = PrepareConfig(inputs=args.input, output_dir=args.output_dir, input_format=args.input_format,
+                        eval_inputs=args.eval_input,
+                        vocab=args.vocab, train_vocab=args.train_vocab, max_seq_length=args.max_seq_length,
+                        max_predictions=args.max_predictions, masked_lm_prob=args.masked_lm_prob,
+                        short_seq_prob=args.short_seq_prob, dupe_factor=args.dupe_factor, seed=args.seed,
+                        shards=args.shards, eval_samples=args.eval_samples, format=args.format,
+                        min_sentences=args.min_sentences, workers=args.workers)
+    start = time.perf_counter()
+    result = prepare(cfg)
+    m = result.manifest
+    out = Path(cfg.output_dir)
+    evals = f", {m['eval']['samples']} eval samples to {out / 'eval' / EVAL_FILE}" if "eval" in m else ""
+    print(f"wrote {m['train']['samples']} training samples in {cfg.shards} file(s) to {out / 'train'}{evals} "
+          f"({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

@@ -1,0 +1,223 @@
+"""Raw text -> documents of sentences, the first step of ``data.prepare``.
+
+Input formats (``--input-format``):
+
+- ``bert``: one sentence per line, a blank line between documents (the format Google's
+  ``create_pretraining_data`` and MLPerf's Wikipedia text use).
+- ``wikitext``: WikiText files. Every heading (`` = Title = ``, `` = = Section = = ``, deeper)
+  starts a document, so a document is one section; each non-empty line is a paragraph, split
+  into sentences. WikiText's escapes are undone (`` @-@ `` -> ``-``, `` @,@ `` -> ``,``,
+  `` @.@ `` -> ``.``) and ``<unk>`` becomes ``[UNK]``.
+- ``text``: plain prose. Paragraphs separated by blank lines are documents; the lines of a
+  paragraph are joined and split into sentences.
+
+Files are read as bytes and decoded as UTF-8; invalid bytes become U+FFFD and are counted
+(with the first line that had one) rather than stopping the run. Large files are cut into
+chunks at document boundaries (``find_chunks``) so workers can parse them in parallel; the
+cut points depend only on the file's bytes, never on the number of workers.
+"""
+
+from __future__ import annotations
+
+import codecs
+import mmap
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from data.errors import DataError
+
+FORMATS = ("bert", "wikitext", "text")
+CHUNK_BYTES = 4 << 20
+
+_BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
+_HEADING_LINE_BYTES = re.compile(rb"\n[ \t]*=[^\n]*=[ \t\r]*\n")
+_HEADING = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
+_NON_SPACE = re.compile(rb"\S")
+
+# Sentence ends: ., ! or ? (optionally followed by closing quotes or brackets), whitespace,
+# then something that can start a sentence.
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+(?=[\"'(\[]?\s?[A-Z0-9])")
+_ABBREVIATIONS = frozenset("""mr mrs ms dr prof st jr sr vs etc e.g i.e no nos vol vols fig figs gen col lt
+sgt capt cpt rev inc ltd co corp dept est approx jan feb mar apr jun jul aug sep sept oct nov dec mt ft
+op cf al ed eds pp u.s u.k""".split())
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes [start, end) of a file, beginning at a document boundary on line ``first_line``."""
+
+    path: str
+    start: int
+    end: int
+    first_line: int
+
+
+class _ReplaceCounter:
+    """A codecs error handler that replaces invalid bytes with U+FFFD and counts them."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, err: UnicodeDecodeError):
+        self.count += 1
+        return "\ufffd", err.end
+
+
+_COUNTER = _ReplaceCounter()
+codecs.register_error("data.text.count_replace", _COUNTER)
+
+
+def decode_lines(raw: bytes) -> tuple[list[str], int, int]:
+    """Decode UTF-8 bytes into lines. Returns (lines, invalid sequences replaced, index of
+    the first line holding one or -1)."""
+    try:
+        text = raw.decode("utf-8")
+        return text.split("\n"), 0, -1
+    except UnicodeDecodeError:
+        pass
+    lines = []
+    bad = 0
+    first_bad = -1
+    for i, line in enumerate(raw.split(b"\n")):
+        before = _COUNTER.count
+        lines.append(line.decode("utf-8", errors="data.text.count_replace"))
+        n = _COUNTER.count - before
+        if n:
+            bad += n
+            if first_bad < 0:
+                first_bad = i
+    return lines, bad, first_bad
+
+
+def list_inputs(paths: list[str]) -> list[Path]:
+    """Files named, and every non-hidden file under directories named, in sorted order."""
+    files: list[Path] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            found = sorted(f for f in path.rglob("*")
+                           if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts))
+            if not found:
+                raise DataError(f"{path}: empty input (the directory holds no files)")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise DataError(f"{path}: no such file or directory")
+    return files
+
+
+def find_chunks(path: Path, fmt: str, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+    """Cut a file into chunks of about ``chunk_bytes`` at document boundaries."""
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            raise DataError(f"{path}: empty input (no text)")
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if _NON_SPACE.search(mm) is None:
+                raise DataError(f"{path}: empty input (only whitespace)")
+            boundary = _HEADING_LINE_BYTES if fmt == "wikitext" else _BLANK_LINE
+            chunks = []
+            start, line = 0, 1
+            while start < size:
+                end = size
+                if size - start > chunk_bytes:
+                    m = boundary.search(mm, start + chunk_bytes)
+                    if m is not None:
+                        # A blank line ends a document; a heading line starts one.
+                        end = m.start() + 1 if fmt == "wikitext" else m.end()
+                chunks.append(Chunk(str(path), start, end, line))
+                line += mm[start:end].count(b"\n")
+                start = end
+            return chunks
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def read_chunk(chunk: Chunk) -> tuple[list[str], int, int]:
+    """The chunk's lines, invalid UTF-8 sequences replaced, and the file line number of the
+    first line that had one (or -1)."""
+    try:
+        with open(chunk.path, "rb") as fh:
+            fh.seek(chunk.start)
+            raw = fh.read(chunk.end - chunk.start)
+    except OSError as e:
+        raise DataError(f"{chunk.path}: cannot read ({e.strerror or e})") from None
+    lines, bad, first = decode_lines(raw)
+    return lines, bad, (chunk.first_line + first if first >= 0 else -1)
+
+
+def split_sentences(paragraph: str) -> list[str]:
+    """Split prose into sentences at ., ! or ? followed by a capital letter or a digit,
+    except after common abbreviations and single initials."""
+    out = []
+    start = 0
+    for m in _SENTENCE_END.finditer(paragraph):
+        before = paragraph[start:m.start()].rstrip()
+        word = before.rsplit(None, 1)[-1].lower() if before else ""
+        if len(word) == 1 and word.isalpha() or word in _ABBREVIATIONS:
+            continue
+        piece = paragraph[start:m.end()].strip()
+        if piece:
+            out.append(piece)
+        start = m.end()
+    tail = paragraph[start:].strip()
+    if tail:
+        out.append(tail)
+    return out
+
+
+def _wikitext_detokenize(line: str) -> str:
+    return (line.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
+            .replace("<unk>", "[UNK]"))
+
+
+def parse_documents(lines: list[str], fmt: str) -> list[list[str]]:
+    """Documents as lists of sentences; empty documents are dropped here."""
+    docs: list[list[str]] = []
+    cur: list[str] = []
+    if fmt == "bert":
+        for line in lines:
+            s = line.strip()
+            if s:
+                cur.append(s)
+            elif cur:
+                docs.append(cur)
+                cur = []
+    elif fmt == "wikitext":
+        for line in lines:
+            if _HEADING.match(line):
+                if cur:
+                    docs.append(cur)
+                cur = []
+                continue
+            s = line.strip()
+            if s:
+                cur.extend(split_sentences(_wikitext_detokenize(s)))
+    elif fmt == "text":
+        para: list[str] = []
+        for line in lines:
+            s = line.strip()
+            if s:
+                para.append(s)
+            elif para:
+                docs.append(split_sentences(" ".join(para)))
+                para = []
+        if para:
+            cur = split_sentences(" ".join(para))
+    else:
+        raise DataError(f"--input-format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if cur:
+        docs.append(cur)
+    return docs
+
+
+def iter_sentences(files: list[Path], fmt: str):
+    """Every sentence of the input, in order (used to learn a vocabulary)."""
+    for path in files:
+        for chunk in find_chunks(path, fmt):
+            lines, _, _ = read_chunk(chunk)
+            for doc in parse_documents(lines, fmt):
+                yield from doc
+

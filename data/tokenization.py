@@ -1,0 +1,258 @@
+"""WordPiece vocabularies and the tokenizer that ``data.prepare`` runs on every sentence.
+
+Tokenisation is BERT's uncased WordPiece, run by the ``tokenizers`` library: BERT's
+normaliser (clean text, split CJK characters, lower case, strip accents), BERT's
+pre-tokeniser (split on whitespace and punctuation), then greedy longest-match WordPiece
+with ``##`` continuation pieces and [UNK] for words it cannot cover.
+
+``train_wordpiece`` learns a vocabulary from text when the user has none (``--train-vocab``).
+The ``tokenizers`` WordPiece trainer is not deterministic (its merge ties are broken in hash
+order, which changes from run to run), and prepared data must be byte-identical for the same
+input, so the merges are learnt here instead: BPE over word counts with ``##`` continuation
+symbols, ties broken by symbol id. The result is applied by the same greedy WordPiece model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+from data.errors import DataError
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# The fixed and varlength HDF5 layouts store token ids as int16.
+MAX_VOCAB_SIZE = 32768
+MAX_WORD_CHARS = 100
+
+
+class Vocab:
+    """A WordPiece vocabulary: ``tokens[i]`` is the piece with id i."""
+
+    def __init__(self, tokens: list[str], source: str):
+        self.tokens = tokens
+        self.source = source
+        self.ids = {t: i for i, t in enumerate(tokens)}
+        if len(self.ids) != len(tokens):
+            seen: set[str] = set()
+            for line, t in enumerate(tokens, 1):
+                if t in seen:
+                    raise DataError(f"{source}: line {line}: duplicate vocabulary entry {t!r}")
+                seen.add(t)
+        missing = [t for t in SPECIAL_TOKENS if t not in self.ids]
+        if missing:
+            raise DataError(f"{source}: vocabulary is missing {', '.join(missing)}")
+        if len(tokens) > MAX_VOCAB_SIZE:
+            raise DataError(f"{source}: {len(tokens)} entries, but the HDF5 layouts store ids as int16 "
+                            f"(at most {MAX_VOCAB_SIZE} entries)")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def pad_id(self) -> int:
+        return self.ids["[PAD]"]
+
+    @property
+    def unk_id(self) -> int:
+        return self.ids["[UNK]"]
+
+    @property
+    def cls_id(self) -> int:
+        return self.ids["[CLS]"]
+
+    @property
+    def sep_id(self) -> int:
+        return self.ids["[SEP]"]
+
+    @property
+    def mask_id(self) -> int:
+        return self.ids["[MASK]"]
+
+
+def load_vocab(path: str | os.PathLike) -> Vocab:
+    """Read a BERT ``vocab.txt`` (one piece per line, the line number is the id)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the vocabulary ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}: line {line}: vocabulary is not UTF-8") from None
+    tokens = text.split("\n")
+    if tokens and tokens[-1] == "":
+        tokens.pop()
+    tokens = [t.rstrip("\r") for t in tokens]
+    if not tokens:
+        raise DataError(f"{path}: the vocabulary is empty")
+    for line, t in enumerate(tokens, 1):
+        if not t.strip():
+            raise DataError(f"{path}: line {line}: empty vocabulary entry")
+    return Vocab(tokens, str(path))
+
+
+def write_vocab(path: str | os.PathLike, tokens: list[str]) -> None:
+    """Write ``vocab.txt`` under a temporary name, then rename it into place."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"{path}: cannot write the vocabulary ({e.strerror or e})") from None
+
+
+def _normalizer_and_pretokenizer():
+    from tokenizers import normalizers, pre_tokenizers
+
+    return (normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                       lowercase=True),
+            pre_tokenizers.BertPreTokenizer())
+
+
+def make_tokenizer(vocab: Vocab):
+    """A ``tokenizers.Tokenizer`` for BERT uncased WordPiece over ``vocab``.
+
+    ``[UNK]`` written in the text (WikiText's ``<unk>`` is rewritten to it) maps to the
+    [UNK] id instead of being split into ``[``, ``unk``, ``]``.
+    """
+    from tokenizers import AddedToken, Tokenizer, models
+
+    tok = Tokenizer(models.WordPiece(vocab=dict(vocab.ids), unk_token="[UNK]", continuing_subword_prefix="##",
+                                     max_input_chars_per_word=MAX_WORD_CHARS))
+    tok.normalizer, tok.pre_tokenizer = _normalizer_and_pretokenizer()
+    tok.add_special_tokens([AddedToken("[UNK]", normalized=False, special=True)])
+    return tok
+
+
+def _merge_symbols(a: str, b: str) -> str:
+    return a + (b[2:] if b.startswith("##") else b)
+
+
+def train_wordpiece(sentences: Iterable[str], vocab_size: int, min_frequency: int = 2,
+                    limit_alphabet: int = 1000) -> list[str]:
+    """Learn a WordPiece vocabulary of at most ``vocab_size`` pieces, deterministically.
+
+    Words come from BERT's normaliser and pre-tokeniser. The alphabet is the
+    ``limit_alphabet`` most frequent characters (words with other characters are left out,
+    they become [UNK]); every character gets a word-initial and a ``##`` form where seen.
+    Then the most frequent adjacent pair of symbols (at least ``min_frequency``) is merged
+    until the vocabulary is full or no pair is frequent enough, so a small corpus can give
+    fewer than ``vocab_size`` pieces. Ties go to the pair of lower symbol ids.
+    """
+    min_entries = len(SPECIAL_TOKENS) + 2
+    if vocab_size < min_entries or vocab_size > MAX_VOCAB_SIZE:
+        raise DataError(f"--train-vocab {vocab_size}: must lie in [{min_entries}, {MAX_VOCAB_SIZE}]")
+    normalizer, pre = _normalizer_and_pretokenizer()
+    words: Counter[str] = Counter()
+    pending: list[str] = []
+    pending_chars = 0
+
+    def flush() -> None:
+        nonlocal pending_chars
+        if pending:
+            text = normalizer.normalize_str("\n".join(pending))
+            words.update(w for w, _ in pre.pre_tokenize_str(text))
+            pending.clear()
+            pending_chars = 0
+
+    for s in sentences:
+        s = s.replace("[UNK]", " ")
+        pending.append(s)
+        pending_chars += len(s)
+        if pending_chars > 1 << 20:
+            flush()
+    flush()
+    if not words:
+        raise DataError("--train-vocab: the input holds no words to learn a vocabulary from")
+
+    chars: Counter[str] = Counter()
+    for w, c in words.items():
+        if len(w) <= MAX_WORD_CHARS:
+            for ch in w:
+                chars[ch] += c
+    room = vocab_size - len(SPECIAL_TOKENS)
+    alphabet = {ch for ch, _ in sorted(chars.items(), key=lambda kv: (-kv[1], kv[0]))[:limit_alphabet]}
+
+    # Symbols: the specials keep ids 0..4; the alphabet pieces follow in sorted order.
+    word_list = sorted(w for w in words if len(w) <= MAX_WORD_CHARS and set(w) <= alphabet)
+    initial: set[str] = set()
+    for w in word_list:
+        initial.add(w[0])
+        initial.update("##" + ch for ch in w[1:])
+    pieces = list(SPECIAL_TOKENS) + sorted(initial)
+    if len(pieces) > vocab_size:
+        # Word-initial forms first (they cover every word's start), then ## forms by frequency.
+        cont = sorted((p for p in initial if p.startswith("##")), key=lambda p: (-chars[p[2:]], p))
+        starts = sorted(p for p in initial if not p.startswith("##"))
+        keep = set(starts[:room]) | set(cont[:max(0, room - len(starts))])
+        pieces = list(SPECIAL_TOKENS) + sorted(keep)
+        word_list = [w for w in word_list if w[0] in keep and all("##" + ch in keep for ch in w[1:])]
+    ids = {p: i for i, p in enumerate(pieces)}
+    sym_str = list(pieces)
+
+    seqs = [[ids[w[0]]] + [ids["##" + ch] for ch in w[1:]] for w in word_list]
+    counts = [words[w] for w in word_list]
+    pair_count: dict[tuple[int, int], int] = {}
+    pair_words: dict[tuple[int, int], set[int]] = {}
+    for wi, seq in enumerate(seqs):
+        c = counts[wi]
+        for p in zip(seq, seq[1:]):
+            pair_count[p] = pair_count.get(p, 0) + c
+            pair_words.setdefault(p, set()).add(wi)
+    heap = [(-c, p) for p, c in pair_count.items()]
+    heapq.heapify(heap)
+    merged_id: dict[str, int] = dict(ids)
+
+    while len(pieces) < vocab_size and heap:
+        negc, pair = heapq.heappop(heap)
+        c = pair_count.get(pair, 0)
+        if c != -negc or c == 0:
+            continue  # stale heap entry; the current count was pushed when it changed
+        if c < min_frequency:
+            break
+        a, b = pair
+        new = _merge_symbols(sym_str[a], sym_str[b])
+        if new in merged_id:
+            nid = merged_id[new]
+        else:
+            nid = len(sym_str)
+            sym_str.append(new)
+            merged_id[new] = nid
+            pieces.append(new)
+        changed: dict[tuple[int, int], int] = {}
+        for wi in sorted(pair_words.pop(pair, ())):
+            seq = seqs[wi]
+            wc = counts[wi]
+            for p in zip(seq, seq[1:]):
+                changed[p] = changed.get(p, 0) - wc
+            out: list[int] = []
+            i = 0
+            while i < len(seq):
+                if i + 1 < len(seq) and seq[i] == a and seq[i + 1] == b:
+                    out.append(nid)
+                    i += 2
+                else:
+                    out.append(seq[i])
+                    i += 1
+            seqs[wi] = out
+            for p in zip(out, out[1:]):
+                changed[p] = changed.get(p, 0) + wc
+                pair_words.setdefault(p, set()).add(wi)
+        pair_count.pop(pair, None)
+        for p, d in changed.items():
+            if p == pair or d == 0:
+                continue
+            n = pair_count.get(p, 0) + d
+            if n > 0:
+                pair_count[p] = n
+                heapq.heappush(heap, (-n, p))
+            else:
+                pair_count.pop(p, None)
+    return pieces

@@ -1,0 +1,60 @@
+"""2 CPU ranks (gloo) under torchrun and under mpirun train exactly what 1 rank trains."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from tests.test_trainer import ROOT, TINY, losses, run_in_process
+
+pytestmark = pytest.mark.slow
+
+CONFIG = os.path.join(ROOT, "launch", "configs", "cpu_demo.yaml")
+STEPS = ["train.max_steps=5", "train.global_batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from tests.batches import write_dataset
+
+    return write_dataset(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="module")
+def single_rank(dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    run_in_process(dataset, out, *STEPS)
+    return losses(out)
+
+
+def launch(script, ranks, out, dataset, timeout=240):
+    train, eval_file = dataset
+    args = [os.path.join(ROOT, "launch", script), *(["1"] if script == "run_torchrun.sh" else []), str(ranks),
+            CONFIG, str(out), *TINY, *STEPS, f"data.train_dir={train}", f"data.eval_file={eval_file}"]
+    # The in-process single-rank run exported RANK/WORLD_SIZE (torchrun's variables, which take
+    # precedence over MPI's): the launched ranks must not inherit them.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{script} did not finish within {timeout} s:\n{output[-3000:]}")
+    assert proc.returncode == 0, output[-3000:]
+    return output
+
+
+@pytest.mark.parametrize("script", ["run_torchrun.sh", "run_mpirun.sh"])
+def test_two_ranks_match_one_rank(script, dataset, single_rank, tmp_path):
+    launch(script, 2, tmp_path, dataset)
+    two = losses(tmp_path)
+    assert len(two) == len(single_rank) == 5
+    assert two == pytest.approx(single_rank, rel=1e-5)
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["world_size"] == 2 and summary["samples"] == 40
