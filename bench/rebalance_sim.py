@@ -1,0 +1,248 @@
+"""Simulate cross-rank rebalancing at 8 to 4,096 ranks: imbalance, bytes moved, plan time.
+
+For each world size W and strategy (none / stripe / balanced / balanced/g8) it draws
+``--steps`` global batches of W x B sequence lengths, computes the plan with
+``data.rebalance`` (timed, one core) and reports, as medians over the steps:
+
+- imbalance: max rank cost / mean rank cost after the strategy (cost c(L) = a*L + b*L^2);
+- moved/rank: samples that change rank, per rank;
+- bytes/rank: bytes one rank receives per step, the most loaded rank (max over ranks).
+  ``none`` exchanges nothing. ``stripe`` is counted the way the MLPerf submissions move
+  data: every rank all-gathers every other rank's samples. ``balanced`` is this project's
+  exchange: the all-gathered header and lengths (4 * W * (7 + B) bytes) plus the samples it
+  receives in the all-to-all. Both count a sample in the exchange's packed int32 form,
+  4 * (1 + L + 2 * masked) bytes, which favours the all-gather (it would otherwise move
+  padded [B, 512] tensors);
+- assign_ms: the time one rank spends computing the plan (numpy, one thread). ``balanced``
+  computes the whole plan on every rank; ``balanced/g8`` is the hierarchical mode
+  (``group_size=8``), where a rank computes only what its group of 8 depends on
+  (``data.rebalance.plan_for_rank``), so its imbalance and bytes come from the whole plan
+  and its assign_ms from ``plan_for_rank`` of a few ranks.
+
+Lengths come from a prepared data directory (``--data-dir``: MLPerf's fixed HDF5 layout,
+lengths = sum of input_mask per row; or the varlength layout, lengths of input_ids) or from
+the built-in MLPerf-like distribution (``mlperf_like_lengths``).
+
+    python -m bench.rebalance_sim [--data-dir DIR] [--json FILE] [--png FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from data.rebalance import _HEADER, DEFAULT_COST, STRATEGIES, assign, plan_for_rank
+
+MAX_PREDICTIONS = 76  # MLPerf: max_predictions_per_seq
+MASKED_LM_PROB = 0.15
+
+
+def mlperf_like_lengths(rng: np.random.Generator, n: int, max_len: int = 512) -> np.ndarray:
+    """n sequence lengths shaped like MLPerf's Wikipedia data at max_seq_length 512.
+
+    A mixture built from how create_pretraining_data cuts documents, not fitted to the real
+    files (use --data-dir for those): 20% full-length chunks (a document's chunks are filled
+    to 512 until its end), 10% short_seq_prob chunks with a target drawn uniformly, and 70%
+    document ends and short articles, skewed short (8 + 504 * Beta(1.2, 2.4)). The mean is
+    about 250, i.e. just over 50% of a padded 512 batch is padding, as Krell et al. (2021)
+    report for this data set.
+    """
+    u = rng.random(n)
+    tail = 8 + np.floor((max_len - 8) * rng.beta(1.2, 2.4, n)).astype(np.int64)
+    short = rng.integers(8, max_len + 1, n)
+    return np.where(u < 0.2, max_len, np.where(u < 0.3, short, tail)).astype(np.int64)
+
+
+def masked_counts(lengths: np.ndarray) -> np.ndarray:
+    """create_pretraining_data's number of predictions per sequence."""
+    return np.minimum(MAX_PREDICTIONS, np.maximum(1, np.rint(lengths * MASKED_LM_PROB))).astype(np.int64)
+
+
+def lengths_from_dir(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, masked counts) of every sample in the HDF5 files of a prepared data directory."""
+    import h5py
+
+    if not os.path.isdir(path):
+        raise SystemExit(f"rebalance_sim: --data-dir {path}: not a directory")
+    files = sorted(glob.glob(os.path.join(path, "*.hdf5")) + glob.glob(os.path.join(path, "*.h5")))
+    if not files:
+        raise SystemExit(f"rebalance_sim: --data-dir {path}: no .hdf5 files")
+    lengths, masked = [], []
+    for f in files:
+        try:
+            with h5py.File(f, "r") as h:
+                if "input_mask" in h:  # fixed layout: padded rows
+                    lengths.append(h["input_mask"][:].astype(np.int64).sum(1))
+                    masked.append((h["masked_lm_positions"][:] != 0).sum(1))
+                elif "input_ids" in h:  # varlength layout: one array per sample
+                    lengths.append(np.fromiter((len(x) for x in h["input_ids"][:]), np.int64))
+                    masked.append(np.fromiter((len(x) for x in h["masked_lm_positions"][:]), np.int64))
+                else:
+                    raise SystemExit(f"rebalance_sim: {f}: neither input_mask (fixed layout) nor input_ids (varlength)")
+        except (OSError, KeyError) as e:
+            raise SystemExit(f"rebalance_sim: {f}: cannot read: {e}")
+    L, m = np.concatenate(lengths), np.concatenate(masked)
+    if len(L) == 0 or L.min() < 1:
+        raise SystemExit(f"rebalance_sim: --data-dir {path}: no samples, or a sample of length 0")
+    return L, m
+
+
+def bytes_received(strategy: str, plan, words: np.ndarray) -> np.ndarray:
+    """[W] bytes each rank receives in one step (``words``: [W, B] int32 words per sample)."""
+    W, B = words.shape
+    if strategy == "none":
+        return np.zeros(W, dtype=np.int64)
+    if strategy == "stripe":  # the submissions: all-gather everything
+        per_rank = words.sum(1)
+        return 4 * (per_rank.sum() - per_rank)
+    incoming = plan.src_rank != np.arange(W)[:, None]
+    recv_words = np.where(incoming, words[plan.src_rank, plan.src_index], 0).sum(1)
+    return 4 * (W * (_HEADER + B) + recv_words)
+
+
+def simulate(world_sizes, batch: int, steps: int, seed: int, cost, draw, group_size: int) -> list[dict]:
+    """One record per (W, variant); variants: none, stripe, balanced (flat), and balanced with
+    ``group_size`` (hierarchical, where W > group_size): its assign_ms is one rank's
+    ``plan_for_rank``, which is all a rank computes in that mode (the flat modes compute the
+    whole plan on every rank)."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for W in world_sizes:
+        variants = [(s, None) for s in STRATEGIES]
+        if W > group_size and W % group_size == 0:
+            variants.append(("balanced", group_size))
+        per = {v: dict(imb=[], before=[], moved=[], bytes=[], ms=[]) for v in variants}
+        for _ in range(steps):
+            L, m = draw(rng, W * batch)
+            L, words = L.reshape(W, batch), (1 + L + 2 * m).reshape(W, batch)
+            for s, g in variants:
+                t0 = time.perf_counter()
+                plan = assign(L, s, cost, group_size=g)
+                ms = (time.perf_counter() - t0) * 1e3
+                if g is not None:
+                    ms = []
+                    for r in (0, W // 2, W - 1):
+                        t0 = time.perf_counter()
+                        plan_for_rank(L, r, s, cost, group_size=g)
+                        ms.append((time.perf_counter() - t0) * 1e3)
+                    ms = float(np.median(ms))
+                p = per[(s, g)]
+                p["ms"].append(ms)
+                p["imb"].append(plan.imbalance_after)
+                p["before"].append(plan.imbalance_before)
+                p["moved"].append(plan.moved / W)
+                p["bytes"].append(int(bytes_received(s, plan, words).max()))
+        for (s, g), p in per.items():
+            records.append(dict(world_size=W, strategy=s, group_size=g, imbalance=float(np.median(p["imb"])),
+                                imbalance_before=float(np.median(p["before"])),
+                                moved_per_rank=float(np.median(p["moved"])),
+                                bytes_per_rank=int(np.median(p["bytes"])),
+                                assign_ms=float(np.median(p["ms"])), batch_per_rank=batch, steps=steps))
+    return records
+
+
+def _label(r: dict) -> str:
+    return r["strategy"] if r["group_size"] is None else f"{r['strategy']}/g{r['group_size']}"
+
+
+def print_table(records: list[dict]) -> None:
+    print(f"{'W':>5} {'strategy':>12} {'imbalance':>10} {'moved/rank':>11} {'bytes/rank':>12} {'assign_ms':>10}")
+    for r in records:
+        print(f"{r['world_size']:>5} {_label(r):>12} {r['imbalance']:>10.4f} {r['moved_per_rank']:>11.1f} "
+              f"{r['bytes_per_rank']:>12,} {r['assign_ms']:>10.2f}")
+    print()
+    by = {(r["world_size"], _label(r)): r for r in records}
+    for W in sorted({r["world_size"] for r in records}):
+        ag, ours = by[(W, "stripe")]["bytes_per_rank"], by[(W, "balanced")]["bytes_per_rank"]
+        stripe, balanced = by[(W, "stripe")]["imbalance"], by[(W, "balanced")]["imbalance"]
+        print(f"W={W}: all-gather-everything / balanced exchange = {ag / ours:,.0f}x the bytes; "
+              f"imbalance stripe {stripe:.4f} -> balanced {balanced:.4f}")
+
+
+def write_atomic(path: str, write) -> None:
+    tmp = f"{path}.tmp{os.getpid()}{os.path.splitext(path)[1]}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label in dict.fromkeys(_label(r) for r in records):
+        rs = [r for r in records if _label(r) == label]
+        ax1.plot([r["world_size"] for r in rs], [100 * (r["imbalance"] - 1) for r in rs], "o-", label=label)
+    ax1.axhline(1.0, color="gray", ls=":", label="goal (1.01)")
+    ax1.set(xscale="log", yscale="log", xlabel="ranks W", ylabel="max / mean rank cost - 1  (%)",
+            title="imbalance per step")
+    ax1.legend(loc="center right")
+    for s, label in (("stripe", "all-gather everything (submissions)"), ("balanced", "lengths + moved samples (ours)")):
+        rs = [r for r in records if _label(r) == s]
+        ax2.plot([r["world_size"] for r in rs], [r["bytes_per_rank"] for r in rs], "o-", label=label)
+    ax2.set(xscale="log", yscale="log", xlabel="ranks W", ylabel="bytes received per rank per step",
+            title="exchange volume")
+    ax2.legend()
+    fig.tight_layout()
+    write_atomic(path, lambda p: fig.savefig(p, dpi=100))
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-dir", help="prepared HDF5 directory (fixed or varlength layout); default: built-in")
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 512, 4096])
+    ap.add_argument("--batch", type=int, default=56, help="sequences per rank per step")
+    ap.add_argument("--steps", type=int, default=5, help="steps to take the median over")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cost", type=float, nargs=2, metavar=("A", "B"), default=list(DEFAULT_COST),
+                    help="c(L) = A*L + B*L^2 (default: BERT-large FLOPs)")
+    ap.add_argument("--group-size", type=int, default=8, help="ranks per group for the hierarchical variant")
+    ap.add_argument("--json", help="write one record per (world size, strategy, group size)")
+    ap.add_argument("--png", help="write the imbalance and bytes plots")
+    args = ap.parse_args(argv)
+    for name, v in (("--batch", args.batch), ("--steps", args.steps), ("--world-sizes", min(args.world_sizes)),
+                    ("--group-size", args.group_size)):
+        if v < 1:
+            ap.error(f"{name} must be >= 1")
+
+    if args.data_dir:
+        pool_L, pool_m = lengths_from_dir(args.data_dir)
+        source = f"{args.data_dir} ({len(pool_L):,} samples, mean length {pool_L.mean():.1f})"
+
+        def draw(rng, n):
+            i = rng.integers(0, len(pool_L), n)
+            return pool_L[i], pool_m[i]
+    else:
+        source = "built-in MLPerf-like distribution"
+
+        def draw(rng, n):
+            L = mlperf_like_lengths(rng, n)
+            return L, masked_counts(L)
+
+    print(f"lengths: {source}; B = {args.batch} per rank; cost a={args.cost[0]:g} b={args.cost[1]:.4g}; "
+          f"median over {args.steps} steps")
+    records = simulate(args.world_sizes, args.batch, args.steps, args.seed, tuple(args.cost), draw, args.group_size)
+    print_table(records)
+    if args.json:
+        def write_json(p):
+            with open(p, "w") as f:
+                json.dump(records, f, indent=1)
+                f.write("\n")
+
+        write_atomic(args.json, write_json)
+    if args.png:
+        plot(records, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

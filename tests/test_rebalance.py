@@ -1,0 +1,193 @@
+"""Pure tests of data.rebalance: the plan (assign, plan_for_rank), packing, input checks.
+
+The multi-process exchange is in test_rebalance_dist.py. Seeds are fixed in each test.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from bench.rebalance_sim import mlperf_like_lengths
+from data.rebalance import (DEFAULT_COST, STRATEGIES, assign, check_block, imbalance, pack_samples,
+                            plan_for_rank, sample_costs, unpack_samples)
+from data.samples import SampleBlock
+from tests.dist_scripts.rebalance_worker import random_block
+
+
+def mlperf_batch(W, B=56, seed=0):
+    return mlperf_like_lengths(np.random.default_rng(seed), W * B).reshape(W, B)
+
+
+def check_is_plan(A, L):
+    """Every rank holds B samples, together exactly the W*B inputs, rows in (rank, index) order."""
+    W, B = L.shape
+    assert A.src_rank.shape == A.src_index.shape == A.dest_rank.shape == (W, B)
+    gid = A.src_rank.astype(np.int64) * B + A.src_index
+    assert np.array_equal(np.sort(gid.ravel()), np.arange(W * B))
+    assert (np.diff(gid, axis=1) > 0).all()
+    for r in range(W):  # dest_rank is the inverse of (src_rank, src_index)
+        assert (A.dest_rank[A.src_rank[r], A.src_index[r]] == r).all()
+    costs = sample_costs(L)
+    np.testing.assert_allclose(A.costs_after.sum(), A.costs_before.sum(), rtol=1e-9)
+    np.testing.assert_allclose(A.costs_before, costs.sum(1), rtol=1e-4)
+    np.testing.assert_allclose(A.costs_after, costs.ravel()[gid].sum(1), rtol=1e-4)
+    assert A.moved == int((A.dest_rank != np.arange(W)[:, None]).sum())
+
+
+def test_default_cost_is_bert_large_flops_ratio():
+    # Written out independently of the module: per layer and token, forward FLOPs.
+    h = 1024
+    linear = 2 * h * (3 * h) + 2 * h * h + 2 * h * (4 * h) + 2 * (4 * h) * h  # QKV, out, FFN up, down
+    attention_per_key = 2 * h + 2 * h  # q.k over h dims, then p*v over h dims, for each of L keys
+    assert DEFAULT_COST.b / DEFAULT_COST.a == pytest.approx(attention_per_key / linear)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("W, B", [(1, 1), (1, 5), (2, 1), (3, 7), (7, 5), (16, 56)])
+def test_assign_is_a_plan(strategy, W, B):
+    L = np.random.default_rng(W * 100 + B).integers(1, 513, (W, B))
+    A = assign(L, strategy)
+    check_is_plan(A, L)
+    if strategy == "none":
+        assert A.moved == 0
+        assert (A.src_rank == np.arange(W)[:, None]).all() and (A.src_index == np.arange(B)).all()
+
+
+def test_stripe_is_the_submissions_sort_and_stride():
+    L = np.random.default_rng(1).integers(1, 513, (8, 13))
+    W, B = L.shape
+    order = sorted(range(W * B), key=lambda g: (-L.ravel()[g], g))  # longest first, ties by id
+    A = assign(L, "stripe")
+    for r in range(W):
+        assert sorted(order[r::W]) == list(A.src_rank[r].astype(int) * B + A.src_index[r])
+
+
+@pytest.mark.parametrize("group_size", [None, 4])
+def test_assign_is_deterministic_and_input_form_does_not_matter(group_size):
+    L = mlperf_batch(16, 20, seed=3)
+    A = assign(L, "balanced", group_size=group_size)
+    for other in (assign(L, "balanced", group_size=group_size),
+                  assign([row for row in L.astype(np.int16)], "balanced", group_size=group_size)):
+        assert np.array_equal(A.src_rank, other.src_rank) and np.array_equal(A.src_index, other.src_index)
+
+
+@pytest.mark.parametrize("W", [8, 64, 512])
+def test_balanced_meets_the_goal_and_beats_stripe(W):
+    for seed in range(2):
+        L = mlperf_batch(W, seed=seed)
+        stripe, balanced = assign(L, "stripe"), assign(L, "balanced")
+        check_is_plan(balanced, L)
+        assert balanced.imbalance_after <= 1.01
+        assert balanced.imbalance_after < stripe.imbalance_after
+        # keep-local: a few samples per rank move, the submissions' stride moves nearly all
+        assert balanced.moved < 0.25 * stripe.moved
+        if W >= 64:
+            hier = assign(L, "balanced", group_size=8)
+            check_is_plan(hier, L)
+            assert hier.imbalance_after <= 1.01
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.data())
+def test_balanced_properties(data):
+    W = data.draw(st.integers(1, 12), label="W")
+    B = data.draw(st.integers(1, 8), label="B")
+    L = np.array(data.draw(st.lists(st.integers(1, 512), min_size=W * B, max_size=W * B), label="L")).reshape(W, B)
+    G = data.draw(st.sampled_from([None] + [g for g in range(1, W + 1) if W % g == 0]), label="group_size")
+    tol = 1e-3
+    A = assign(L, "balanced", tol=tol, group_size=G)
+    check_is_plan(A, L)
+    assert A.imbalance_after <= A.imbalance_before * (1 + 1e-9)  # never worse
+    if A.imbalance_before <= 1 + tol / 2:  # already balanced: nothing moves
+        assert A.moved == 0
+
+
+@pytest.mark.parametrize("W, G", [(16, None), (16, 4), (64, 8)])
+def test_plan_for_rank_is_that_ranks_part_of_assign(W, G):
+    L = mlperf_batch(W, 24, seed=5)
+    B = L.shape[1]
+    A = assign(L, "balanced", group_size=G)
+    for r in range(W):
+        p = plan_for_rank(L, r, "balanced", group_size=G)
+        leaving = np.flatnonzero(A.dest_rank[r] != r)
+        assert sorted(zip(A.dest_rank[r][leaving], leaving)) == list(zip(p.send_dest, p.send_index))
+        incoming = A.src_rank[r] != r
+        assert np.array_equal(A.src_rank[r][incoming], p.recv_rank)
+        assert np.array_equal(A.src_index[r][incoming], p.recv_index)
+        assert p.imbalance_before == pytest.approx(A.imbalance_before)
+        assert p.moved == (None if G else A.moved)
+        assert len(p.send_index) + B - len(leaving) == B
+
+
+@pytest.mark.parametrize("args, message", [
+    (([[5, 6], [7, 8]], "greedy"), "strategy: expected one of none, stripe, balanced"),
+    (([[5, 6], [7]], "balanced"), "rank 1 has 1 samples, rank 0 has 2"),
+    (([[5, 6], [7, 0]], "balanced"), "rank 1: sample 1 has length 0"),
+    (([[5, 6], [-3, 1]], "stripe"), "rank 1: sample 0 has length -3"),
+    ((np.ones((2, 2)) * 5.0, "balanced"), "lengths must be integers"),
+    ((np.zeros((0, 3), int), "balanced"), "at least one rank and one sample"),
+])
+def test_assign_rejects_bad_input(args, message):
+    with pytest.raises(ValueError, match=message):
+        assign(*args)
+
+
+def test_assign_rejects_bad_settings():
+    L = np.full((4, 2), 9)
+    with pytest.raises(ValueError, match="cost: expected a >= 0, b >= 0"):
+        assign(L, "balanced", cost=(-1.0, 0.0))
+    with pytest.raises(ValueError, match="group_size: 3 does not divide the world size 4"):
+        assign(L, "balanced", group_size=3)
+    with pytest.raises(ValueError, match="tol"):
+        assign(L, "balanced", tol=1.5)
+
+
+def test_imbalance():
+    assert imbalance([1.0, 1.0, 4.0]) == 2.0
+    with pytest.raises(ValueError):
+        imbalance([])
+    with pytest.raises(ValueError):
+        imbalance([0.0, 0.0])
+
+
+def test_pack_unpack_round_trip():
+    block = random_block(0, 0, batch=30)
+    assert (block.masked_counts[block.seq_lens == 1] == 0).all()
+    for idx in (np.array([3, 0, 29, 7]), np.arange(30), np.zeros(0, np.int64)):
+        sel = block.select(idx)
+        words = pack_samples(block, idx)
+        assert words.dtype == np.int32 and len(words) == int((1 + sel.seq_lens + 2 * sel.masked_counts).sum())
+        assert unpack_samples(words, sel.seq_lens, sel.masked_counts, block).equals(sel)
+
+
+def _broken(field, fn):
+    block = random_block(1, 0, batch=6)
+    setattr(block, field, fn(getattr(block, field).copy()))
+    return block
+
+
+def _set(i, v):
+    def f(a):
+        a[i] = v
+        return a
+    return f
+
+
+@pytest.mark.parametrize("block, code, index", [
+    (SampleBlock.empty(), 1, 0),
+    (random_block(1, 0, batch=5), 2, 0),
+    (_broken("seq_lens", _set(2, 0)), 3, 2),
+    (_broken("seq_lens", _set(4, 513)), 3, 4),
+    (_broken("input_ids", lambda a: a[:-1]), 4, 0),
+    (_broken("masked_counts", lambda a: a * 0 + 600), 5, 0),
+    (_broken("masked_ids", lambda a: a[:-1]), 6, 0),
+    (_broken("masked_positions", lambda a: a + 600), 7, 0),
+    (_broken("input_ids", _set(-1, -5)), 8, 5),
+    (_broken("segment_ids", _set(0, 2)), 9, 0),
+    (_broken("nsp_labels", _set(3, 7)), 10, 3),
+    (_broken("nsp_labels", lambda a: a[:-1]), 11, 0),
+])
+def test_check_block_names_the_problem(block, code, index):
+    assert check_block(random_block(1, 0, batch=6), 6, 512) == (0, 0, 0)
+    got = check_block(block, 6, 512)
+    assert got[:2] == (code, index)
