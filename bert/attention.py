@@ -100,6 +100,10 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p:
 _LOADERS: dict[str, Callable[[], AttentionFn]] = {
     "reference": lambda: reference_attention,
     "padded": lambda: padded_attention,
+    "triton": lambda: __import__("kernels.backends", fromlist=["load"]).load("triton"),
+    "triton_grouped": lambda: __import__("kernels.backends", fromlist=["load"]).load("triton_grouped"),
+    "flash_attn": lambda: __import__("kernels.backends", fromlist=["load"]).load("flash_attn"),
+    "torch_varlen": lambda: __import__("kernels.backends", fromlist=["load"]).load("torch_varlen"),
 }
 
 

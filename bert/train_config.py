@@ -119,7 +119,12 @@ class DataSection:
     layout: str = opt("unpadded", "batch layout fed to the model", ("unpadded", "padded"))
     backend: str = opt("torch", "loader backend", ("torch", "dali"))
     max_seq_length: int = opt(512, "sequence length of the data; the padded layout pads to it")
-    vocab_file: str | None = opt(None, "vocabulary the data was made with (checked against the model)")
+    vocab_file: str | None = opt(None, "vocabulary the data was made with; sets the model's vocab_size")
+    rebalance: str = opt("balanced", "cross-rank sequence-length rebalancing each step (stripe: the MLPerf "
+                                     "submissions' sort-and-stride)", ("none", "stripe", "balanced"))
+    rebalance_cost: tuple[float, float] = opt((1.0, 1.0 / 6144), "(a, b) of the per-sample cost a*L + b*L^2")
+    rebalance_group_size: int | None = opt(None, "hierarchical rebalancing in groups of this many ranks "
+                                                 "(e.g. GPUs per node, for thousands of ranks)")
 
     def __post_init__(self):
         _check("data", self)

@@ -152,6 +152,14 @@ class Trainer:
             raise ConfigError(f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "
                               f"max_position_embeddings ({self.model_config.max_position_embeddings})")
 
+        self.rebalancer = None
+        if self.world > 1 and cfg.data.rebalance != "none":
+            from data.rebalance import Rebalancer
+
+            self.rebalancer = Rebalancer(cfg.data.rebalance, cfg.data.rebalance_cost, batch_size=self.local_batch,
+                                         max_len=cfg.data.max_seq_length, timeout_s=cfg.dist.timeout_s,
+                                         group_size=cfg.data.rebalance_group_size)
+
         # Counters; restored from a checkpoint when resuming.
         self.step = 0
         self.samples = 0
@@ -342,8 +350,17 @@ class Trainer:
         self.mllog.block_start(self.samples, interval - self.samples % interval)
         window_start, window_samples, window_tokens = time.time(), 0, 0
         batches = iter(self.train_loader)
+        if self.rebalancer:
+            self.rebalancer.start(next(batches), step=self.step)
         while status is None:
-            block = next(batches)
+            rebalance = None
+            if self.rebalancer:
+                # This step's samples, exchanged while the previous step computed; the next
+                # step's exchange now runs behind this one.
+                block, rebalance = self.rebalancer.wait()
+                self.rebalancer.start(next(batches), step=self.step + 1)
+            else:
+                block = next(batches)
             step_start = time.time()
             result = self.train_step(block)
             applied, grad_norm = self.optimizer_step()
@@ -365,6 +382,10 @@ class Trainer:
                        "lr": self.schedule.lr_at(max(self.schedule.step_count - 1, 0)), "grad_norm": grad_norm,
                        "seq_per_s": window_samples / elapsed, "tokens_per_s": window_tokens / elapsed,
                        "skipped_steps": self.skipped}
+                if rebalance is not None:
+                    rec["rebalance"] = {k: getattr(rebalance, k) for k in (
+                        "imbalance_before", "imbalance_after", "samples_moved", "samples_sent", "exchange_ms",
+                        "wait_ms", "hidden_fraction")}
                 self.metrics.write(rec)
                 self.progress.step(rec)
                 window_start, window_samples, window_tokens = time.time(), 0, 0
@@ -382,6 +403,7 @@ class Trainer:
             if status is None and (ckpt_due or self.stop_requested):
                 self.save_checkpoint()
                 if self.stop_requested:
+                    self._drain_rebalancer()
                     self.progress.message(f"stopping at step {self.step} as asked (SIGTERM); "
                                           f"checkpoint saved, rerun with the same --output-dir to resume")
                     self.mllog.close()
@@ -401,7 +423,13 @@ class Trainer:
         self.progress.message(f"eval  step {self.step:>6}  samples {self.samples:>9}  masked-LM accuracy {acc:.4f}"
                               f"  (target {self.cfg.eval.target_accuracy})")
 
+    def _drain_rebalancer(self) -> None:
+        """Collect the exchange started for a step that will not run (every rank started it)."""
+        if self.rebalancer and self.rebalancer.pending:
+            self.rebalancer.wait()
+
     def _finish(self, status: str, time_to_train: float) -> dict:
+        self._drain_rebalancer()
         log = self.mllog
         if "block" in log._open:
             log.block_stop(self.samples)

@@ -825,6 +825,11 @@ class Rebalancer:
             raise RuntimeError("Rebalancer.exchange: an exchange started with start() is pending; wait() first")
         return self._exchange(block, self._take_step(step))
 
+    @property
+    def pending(self) -> bool:
+        """An exchange was started and not yet collected with ``wait()``."""
+        return self._thread is not None
+
     def start(self, block: SampleBlock, step: int | None = None) -> None:
         """Begin rebalancing ``block`` in the background (e.g. the next step's, during this one)."""
         if self._thread is not None:

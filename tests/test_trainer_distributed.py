@@ -29,10 +29,10 @@ def single_rank(dataset, tmp_path_factory):
     return losses(out)
 
 
-def launch(script, ranks, out, dataset, timeout=240):
+def launch(script, ranks, out, dataset, *extra, timeout=240):
     train, eval_file = dataset
     args = [os.path.join(ROOT, "launch", script), *(["1"] if script == "run_torchrun.sh" else []), str(ranks),
-            CONFIG, str(out), *TINY, *STEPS, f"data.train_dir={train}", f"data.eval_file={eval_file}"]
+            CONFIG, str(out), *TINY, *STEPS, f"data.train_dir={train}", f"data.eval_file={eval_file}", *extra]
     # The in-process single-rank run exported RANK/WORLD_SIZE (torchrun's variables, which take
     # precedence over MPI's): the launched ranks must not inherit them.
     env = {k: v for k, v in os.environ.items()
@@ -50,11 +50,23 @@ def launch(script, ranks, out, dataset, timeout=240):
     return output
 
 
-@pytest.mark.parametrize("script", ["run_torchrun.sh", "run_mpirun.sh"])
-def test_two_ranks_match_one_rank(script, dataset, single_rank, tmp_path):
-    launch(script, 2, tmp_path, dataset)
+@pytest.mark.parametrize("script, strategy", [("run_torchrun.sh", "none"), ("run_mpirun.sh", "none"),
+                                              ("run_torchrun.sh", "balanced"), ("run_mpirun.sh", "balanced")])
+def test_two_ranks_match_one_rank(script, strategy, dataset, single_rank, tmp_path):
+    """Rebalancing moves samples between ranks; the global batch and so the loss stay the same."""
+    launch(script, 2, tmp_path, dataset, f"data.rebalance={strategy}")
     two = losses(tmp_path)
     assert len(two) == len(single_rank) == 5
     assert two == pytest.approx(single_rank, rel=1e-5)
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["world_size"] == 2 and summary["samples"] == 40
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in records if "loss" in r]
+    if strategy == "balanced":
+        for r in steps:
+            rb = r["rebalance"]
+            assert rb["imbalance_after"] <= rb["imbalance_before"]
+            assert 0.0 <= rb["hidden_fraction"] <= 1.0
+        assert any(r["rebalance"]["samples_moved"] > 0 for r in steps)
+    else:
+        assert all("rebalance" not in r for r in steps)
