@@ -6,7 +6,7 @@ OUTPUT ?= results/demo
 TEXT ?=
 
 DATA ?= $(OUTPUT)-data
-DEMO_STEPS ?= 600
+DEMO_STEPS ?= 1500
 
 .PHONY: setup test demo clean
 
