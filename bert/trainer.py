@@ -42,7 +42,7 @@ from bert.model import BertForPreTraining
 from bert.optim import build_optimizer
 from bert.schedule import PolyWarmupScheduler
 from bert.train_config import ConfigError, RunConfig
-from data.collate import collate_padded, collate_unpadded
+from data.collate import make_collator
 from data.samples import SampleBlock
 
 
@@ -152,6 +152,7 @@ class Trainer:
             raise ConfigError(f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "
                               f"max_position_embeddings ({self.model_config.max_position_embeddings})")
 
+        self._collator = None
         self.rebalancer = None
         if self.world > 1 and cfg.data.rebalance != "none":
             from data.rebalance import Rebalancer
@@ -205,9 +206,14 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _collate(self, block: SampleBlock):
-        if self.cfg.data.layout == "padded":
-            return collate_padded(block, self.cfg.data.max_seq_length)
-        return collate_unpadded(block)
+        """SampleBlock -> the configured batch layout, by the configured backend (torch, dali)."""
+        if self._collator is None:
+            # DALI collates on this rank's GPU when there is one; torch collates on the CPU
+            # and the batch is moved with a non-blocking copy.
+            device_id = self.device.index if self.cfg.data.backend == "dali" and self.device.type == "cuda" else None
+            self._collator = make_collator(self.cfg.data.backend, self.cfg.data.layout, self.cfg.data.max_seq_length,
+                                           device_id, max_batch_size=max(self.micro_batch, self.cfg.eval.batch_size))
+        return self._collator(block)
 
     # ---- the named steps -----------------------------------------------------------------
 

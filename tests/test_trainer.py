@@ -1,6 +1,7 @@
 """The trainer end to end on a tiny synthetic dataset (CPU, fp32)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -128,3 +129,44 @@ def test_help_lists_every_field():
     for key in ("model.preset", "data.layout", "train.grad_accum_steps", "optim.start_warmup_step",
                 "checkpoint.init", "log.division", "eval.target_accuracy"):
         assert key in r.stdout
+
+
+def test_padded_layout_and_dali_backend_train_the_same(dataset, tmp_path):
+    run_in_process(dataset, tmp_path / "unpadded", "train.max_steps=3")
+    run_in_process(dataset, tmp_path / "padded", "train.max_steps=3", "data.layout=padded")
+    run_in_process(dataset, tmp_path / "dali", "train.max_steps=3", "data.backend=dali")
+    ref = losses(tmp_path / "unpadded")
+    assert losses(tmp_path / "padded") == pytest.approx(ref, rel=1e-5)
+    assert losses(tmp_path / "dali") == ref
+
+
+def test_bf16_autocast_on_cpu(dataset, tmp_path):
+    summary = run_in_process(dataset, tmp_path, "train.max_steps=3", "train.precision=bf16")
+    assert summary["steps"] == 3
+    assert all(math.isfinite(x) for x in losses(tmp_path))
+
+
+def test_non_finite_steps_are_skipped_then_abort(dataset, tmp_path):
+    summary = run_in_process(dataset, tmp_path / "a", "train.max_steps=6", "debug.nonfinite_steps=[2]")
+    assert summary["status"] == "aborted" and summary["skipped_steps"] == 1 and summary["steps"] == 6
+    summary = run_in_process(dataset, tmp_path / "b", "train.max_steps=20", "train.max_nonfinite_steps=3",
+                             "debug.nonfinite_steps=[2,3,4,5,6]")
+    assert summary["status"] == "aborted" and summary["steps"] == 4 and summary["skipped_steps"] == 3
+    log = open(tmp_path / "b" / "mlperf.log").read()
+    assert '"key": "run_stop"' in log and '"status": "aborted"' in log
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
+    import signal as sig
+    import time
+
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "run_pretraining.py"), "--output-dir",
+                             str(tmp_path), *overrides(dataset, "train.max_steps=100000")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    proc.send_signal(sig.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "SIGTERM" in out and len(os.listdir(tmp_path / "checkpoints")) == 1
