@@ -1,0 +1,13 @@
+"""Triton kernels with their PyTorch references.
+
+- ``varlen_attention``: fused multi-head attention over unpadded batches (forward, backward,
+  Philox dropout), the ``triton`` and ``triton_grouped`` attention backends;
+- ``grouped``: length-bucket grouping and multi-stream dispatch;
+- ``fused_ops``: bias+GELU and bias+dropout+residual+LayerNorm;
+- ``library_backends``: ``flash_attn`` and ``torch_varlen`` for comparison;
+- ``runtime``: compiled (CUDA) or interpreted (CPU, TRITON_INTERPRET=1) execution;
+- ``jit_kernels``: the device code; ``compile_check``: compile it all for sm_90 anywhere.
+
+Importing the package imports neither Triton nor a kernel; ``backends.load(name)`` is what
+``bert.attention`` calls.
+"""

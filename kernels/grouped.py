@@ -1,0 +1,140 @@
+"""Grouped multi-stream dispatch: one attention launch per sequence-length bucket.
+
+A single varlen launch sizes its grid by the batch's longest sequence, so every short
+sequence's programs still exist (and exit at once) for the longest one's row blocks, and the
+whole launch waits on the longest sequences. Grouping (Baidu's MLPerf v2.0 FMHA) rounds each
+length up to a bucket (default 128, 256, 384, 512), launches each bucket's sequences as a
+separate kernel bounded by that bucket's longest sequence, and puts the launches on up to 4
+CUDA streams, forked from and joined back to the caller's stream with events, so the small
+groups run beside the large ones. On CPU (Triton's interpreter) the groups run one after
+another.
+
+The batch is never copied: a group is a contiguous slice of ``order`` (sequence indices
+sorted by bucket, largest bucket first) that the kernel reads to find its sequences in the
+flat ``[T, H, D]`` tensors.
+
+Planning needs the lengths on the host. ``cached_plan`` computes a plan once per
+``cu_seqlens`` tensor (one device-to-host copy per batch, not per layer) and reuses it while
+that same tensor object is alive and unmodified.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+DEFAULT_BUCKETS = (128, 256, 384, 512)
+MAX_STREAMS = 4
+
+
+@dataclass(frozen=True)
+class Group:
+    start: int  # first entry of the plan's order
+    count: int  # number of sequences
+    max_len: int  # longest sequence in the group (<= its bucket): the grid's row bound
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    order: Tensor | None  # [B] int32 sequence indices grouped by bucket; None = 0..B-1
+    groups: tuple[Group, ...]
+
+
+def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    b = tuple(int(x) for x in buckets)
+    if not b or any(x <= 0 for x in b) or list(b) != sorted(set(b)):
+        raise ValueError(f"attention buckets: expected strictly increasing positive lengths, got {list(buckets)}")
+    return b
+
+
+def plan_groups(seqlens: Sequence[int], buckets: Sequence[int], device=None) -> GroupPlan:
+    """Group sequence indices by the smallest bucket that holds them (longer ones: one extra group).
+
+    Groups come largest bucket first so that the longest kernels start first; inside a group
+    the sequences keep their batch order.
+    """
+    bounds = check_buckets(buckets)
+    members: dict[int, list[int]] = {}
+    for i, n in enumerate(seqlens):
+        key = next((j for j, b in enumerate(bounds) if n <= b), len(bounds))
+        members.setdefault(key, []).append(i)
+    order: list[int] = []
+    groups = []
+    for key in sorted(members, reverse=True):
+        idx = members[key]
+        groups.append(Group(len(order), len(idx), max(int(seqlens[i]) for i in idx)))
+        order.extend(idx)
+    if order == list(range(len(order))):
+        return GroupPlan(None, tuple(groups))
+    return GroupPlan(torch.tensor(order, dtype=torch.int32, device=device), tuple(groups))
+
+
+def single_plan(num_seqs: int, max_seqlen: int) -> GroupPlan:
+    return GroupPlan(None, (Group(0, num_seqs, max_seqlen),))
+
+
+_PLAN_CACHE: dict[tuple, tuple[weakref.ref, int, GroupPlan]] = {}
+_PLAN_CACHE_SIZE = 16
+
+
+def cached_plan(cu_seqlens: Tensor, max_seqlen: int, buckets: Sequence[int]) -> GroupPlan:
+    """The plan for this batch; without buckets, one launch over all sequences (no sync)."""
+    num_seqs = cu_seqlens.numel() - 1
+    if not buckets:
+        return single_plan(num_seqs, max_seqlen)
+    key = (id(cu_seqlens), tuple(buckets))
+    hit = _PLAN_CACHE.get(key)
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
+        return hit[2]
+    cu = cu_seqlens.tolist()  # the one host sync per batch
+    plan = plan_groups([b - a for a, b in zip(cu[:-1], cu[1:])], buckets, cu_seqlens.device)
+    if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
+    _PLAN_CACHE[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, plan)
+    return plan
+
+
+_SIDE_STREAMS: dict[int, list] = {}
+
+
+def _side_streams(device: torch.device, n: int) -> list:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    streams = _SIDE_STREAMS.setdefault(index, [])
+    while len(streams) < n:
+        streams.append(torch.cuda.Stream(device=index))
+    return streams[:n]
+
+
+Launch = Callable[[Tensor | None, int, int, int], None]  # (order, start, count, max_len)
+
+
+def run_groups(plan: GroupPlan, launch: Launch, device: torch.device, num_streams: int = MAX_STREAMS) -> None:
+    """Call launch once per group; on CUDA spread the groups over up to num_streams streams.
+
+    The first group runs on the caller's stream; the others on side streams that first wait
+    for everything the caller queued before (the inputs), and that the caller's stream waits
+    for afterwards, so the call behaves like one ordered launch to the code around it.
+    """
+    groups = plan.groups
+    n = max(1, min(num_streams, MAX_STREAMS, len(groups)))
+    if device.type != "cuda" or n == 1:
+        for g in groups:
+            launch(plan.order, g.start, g.count, g.max_len)
+        return
+    main = torch.cuda.current_stream(device)
+    streams = [main] + _side_streams(device, n - 1)
+    fork = torch.cuda.Event()
+    fork.record(main)
+    for s in streams[1:]:
+        s.wait_event(fork)
+    for i, g in enumerate(groups):
+        with torch.cuda.stream(streams[i % n]):
+            launch(plan.order, g.start, g.count, g.max_len)
+    for s in streams[1:]:
+        join = torch.cuda.Event()
+        join.record(s)
+        main.wait_event(join)

@@ -1,0 +1,73 @@
+"""Attention backends from libraries, for side-by-side comparison on the same batches.
+
+- ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` when the flash-attn package is
+  installed (CUDA, fp16/bf16, with attention dropout).
+- ``torch_varlen``: torch's own ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16).
+  It has no attention dropout, so a training call with dropout_p > 0 is refused rather
+  than silently run without dropout.
+
+Each loader raises ``BackendUnavailable`` with the reason when the backend cannot run here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from bert.attention import AttentionFn, BackendUnavailable, Layout, VarlenLayout
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _varlen(layout: Layout, name: str) -> VarlenLayout:
+    if not isinstance(layout, VarlenLayout):
+        raise BackendUnavailable(f"model.attention={name}: needs an unpadded batch (VarlenLayout), got "
+                                 f"{type(layout).__name__}; padded batches run with 'padded' or 'reference'")
+    return layout
+
+
+def _check_half(q: Tensor, name: str) -> None:
+    if q.dtype not in _HALF:
+        raise BackendUnavailable(f"model.attention={name}: runs in float16/bfloat16 only, got {q.dtype}; "
+                                 "train under autocast or in half precision")
+
+
+def _need_cuda(name: str) -> None:
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(f"model.attention={name}: needs a CUDA GPU and none is available")
+
+
+def load_flash_attn() -> AttentionFn:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as e:
+        raise BackendUnavailable(f"model.attention=flash_attn: the flash_attn package is not installed ({e})") from None
+    _need_cuda("flash_attn")
+
+    def flash_attn(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
+        lay = _varlen(layout, "flash_attn")
+        _check_half(q, "flash_attn")
+        return flash_attn_varlen_func(q, k, v, lay.cu_seqlens, lay.cu_seqlens, lay.max_seqlen, lay.max_seqlen,
+                                      dropout_p=dropout_p if training else 0.0)
+
+    return flash_attn
+
+
+def load_torch_varlen() -> AttentionFn:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        raise BackendUnavailable(f"model.attention=torch_varlen: this torch ({torch.__version__}) has no "
+                                 "torch.nn.attention.varlen.varlen_attn") from None
+    _need_cuda("torch_varlen")
+
+    def torch_varlen(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
+        lay = _varlen(layout, "torch_varlen")
+        _check_half(q, "torch_varlen")
+        if training and dropout_p > 0:
+            raise BackendUnavailable(
+                f"model.attention=torch_varlen: torch's varlen_attn has no attention dropout, asked for "
+                f"{dropout_p}; set the attention dropout to 0 or choose triton / flash_attn")
+        return varlen_attn(q, k, v, lay.cu_seqlens, lay.cu_seqlens, lay.max_seqlen, lay.max_seqlen)
+
+    return torch_varlen

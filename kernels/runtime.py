@@ -1,0 +1,125 @@
+"""Where the Triton kernels run: compiled for a CUDA GPU, or in Triton's interpreter on CPU.
+
+Triton fixes its mode for the whole process when it is first imported: with
+``TRITON_INTERPRET=1`` its own library functions (``tl.zeros``, ``tl.philox`` ...) are built
+for the interpreter, otherwise for compilation, and kernels of the other mode cannot call
+them. So the mode is read from Triton itself, ``kernels/jit_kernels.py`` (device code only)
+is loaded in that same mode, and ``jit_kernels(device)`` raises ``BackendUnavailable`` when
+the tensors' device does not fit the mode (CPU tensors with compiled Triton), saying what
+to change. It never falls back to another implementation.
+
+For CPU test runs, set ``TRITON_INTERPRET=1`` before anything imports Triton (the kernel
+test modules do so at import; torch.compile and inductor import Triton too).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from bert.attention import BackendUnavailable
+
+_SOURCE = Path(__file__).with_name("jit_kernels.py")
+_MODULE: list[ModuleType] = []
+
+
+def triton_available() -> str | None:
+    """None when Triton can be imported, else the reason it cannot."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:  # the package is optional on CPU-only installs
+        return f"the triton package cannot be imported ({e})"
+    return None
+
+
+def triton_interpreted() -> bool:
+    """Whether this process's Triton was imported in interpreter mode (imports it if needed)."""
+    import triton.language.random as random
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(random.philox, InterpretedFunction)
+
+
+def check_runnable(what: str) -> None:
+    """Raise BackendUnavailable when the Triton kernels cannot run on this machine at all."""
+    reason = triton_available()
+    if reason:
+        raise BackendUnavailable(f"{what}: {reason}")
+    if not torch.cuda.is_available() and not triton_interpreted():
+        raise BackendUnavailable(
+            f"{what}: no CUDA GPU here; set TRITON_INTERPRET=1 (before Python starts) to run the "
+            "Triton kernels in Triton's interpreter on CPU (slow: for tests), or run on a GPU")
+
+
+def jit_kernels(device: torch.device, what: str = "triton kernels") -> ModuleType:
+    """The kernels module, after checking that they can run on ``device`` in this process."""
+    reason = triton_available()
+    if reason:
+        raise BackendUnavailable(f"{what}: {reason}")
+    interpreted = triton_interpreted()
+    if device.type == "cpu" and not interpreted:
+        raise BackendUnavailable(
+            f"{what}: the tensors are on the CPU but Triton runs compiled in this process (it was "
+            "imported without TRITON_INTERPRET=1); set TRITON_INTERPRET=1 before Python starts to use "
+            "Triton's interpreter (slow: for tests), or move the tensors to a GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise BackendUnavailable(f"{what}: tensors on {device.type!r}; the Triton kernels need CUDA "
+                                 "(or CPU with TRITON_INTERPRET=1)")
+    if not _MODULE:
+        _MODULE.append(load(interpret=interpreted))
+    return _MODULE[0]
+
+
+def _fix_interpreter_scalars() -> None:
+    """Let Triton's interpreter use loaded scalars as loop bounds under NumPy >= 2.4.
+
+    The interpreter holds a scalar as a 1-element array and converts it with ``int(array)``
+    (``for n in range(0, seqlen, BLOCK)`` with a loaded ``seqlen``), which NumPy 2.4 turned
+    from a deprecation warning into a TypeError. This re-registers that one conversion to read
+    the element instead; it runs only when the conversion is found to fail.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.zeros(1, dtype=np.int32))
+        return
+    except TypeError:
+        pass
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_reads_scalar_element", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._reads_scalar_element = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def load(interpret: bool) -> ModuleType:
+    """Execute jit_kernels.py as a fresh module whose @triton.jit functions are built for the
+    interpreter or for compilation (the latter also on a machine without a GPU: see
+    kernels/compile_check.py). It must match the mode Triton itself was imported in."""
+    if interpret:
+        _fix_interpreter_scalars()
+    name = f"kernels._jit_{'interpreted' if interpret else 'compiled'}"
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        spec = importlib.util.spec_from_file_location(name, _SOURCE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # Triton resolves helper functions through the module
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return module

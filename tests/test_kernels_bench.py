@@ -1,0 +1,64 @@
+"""The kernel benchmarks run on CPU (correctness mode) and read lengths from prepared data."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
+
+import json  # noqa: E402
+
+import h5py  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from bench import attention as bench_attention  # noqa: E402
+from bench import train_step as bench_train_step  # noqa: E402
+from bench.lengths import LengthsError, LengthSampler, builtin_lengths, data_dir_lengths  # noqa: E402
+
+
+def test_builtin_distribution_is_mlperf_like():
+    lengths = builtin_lengths(np.random.default_rng(0), 50_000)
+    assert 1 <= lengths.min() and lengths.max() == 512
+    assert 230 < lengths.mean() < 270
+    assert 0.18 < (lengths == 512).mean() < 0.26
+
+
+def test_lengths_from_fixed_and_varlength_shards(tmp_path):
+    mask = np.zeros((3, 512), np.int8)
+    for i, n in enumerate([5, 512, 77]):
+        mask[i, :n] = 1
+    with h5py.File(tmp_path / "part_00000_of_00002.hdf5", "w") as f:
+        f["input_mask"] = mask
+    with h5py.File(tmp_path / "part_00001_of_00002.hdf5", "w") as f:
+        ds = f.create_dataset("input_ids", (2,), dtype=h5py.vlen_dtype(np.int16))
+        ds[0] = np.arange(1, 10, dtype=np.int16)
+        ds[1] = np.arange(1, 301, dtype=np.int16)
+    assert data_dir_lengths(str(tmp_path)).tolist() == [5, 512, 77, 9, 300]
+    sampler = LengthSampler(str(tmp_path), seed=1)
+    assert set(sampler.batch(20)) <= {5, 512, 77, 9, 300}
+
+    with h5py.File(tmp_path / "part_00002_of_00003.hdf5", "w") as f:
+        f["segment_ids"] = mask
+    with pytest.raises(LengthsError, match="part_00002_of_00003.hdf5: neither 'input_mask' nor 'input_ids'"):
+        data_dir_lengths(str(tmp_path))
+    with pytest.raises(LengthsError, match="no \\*.hdf5 files"):
+        data_dir_lengths(str(tmp_path / "missing"))
+
+
+def test_attention_bench_checks_correctness_on_cpu(tmp_path):
+    out = tmp_path / "attention.json"
+    assert bench_attention.main(["--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu"
+    for name in ("padded", "triton", "triton_grouped"):
+        assert report["results"][name]["status"] == "ok"
+        assert report["results"][name]["max_diff_vs_reference"] < 1e-4
+    assert bench_attention.main(["--data-dir", str(tmp_path / "missing")]) == 2
+
+
+def test_train_step_bench_smoke_runs_on_cpu(tmp_path):
+    out = tmp_path / "train.json"
+    assert bench_train_step.main(["--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert all(r["status"] == "ok" and r["seqs_per_s"] > 0 for r in results.values())
