@@ -29,8 +29,11 @@ def check_is_plan(A, L):
         assert (A.dest_rank[A.src_rank[r], A.src_index[r]] == r).all()
     costs = sample_costs(L)
     np.testing.assert_allclose(A.costs_after.sum(), A.costs_before.sum(), rtol=1e-9)
-    np.testing.assert_allclose(A.costs_before, costs.sum(1), rtol=1e-4)
-    np.testing.assert_allclose(A.costs_after, costs.ravel()[gid].sum(1), rtol=1e-4)
+    # Plans use integer costs quantised against the longest sequence's: the error of a rank's
+    # total is bounded by a step of that scale per sample, not relative to the total.
+    tol = dict(rtol=1e-4, atol=1e-4 * costs.max() * B)
+    np.testing.assert_allclose(A.costs_before, costs.sum(1), **tol)
+    np.testing.assert_allclose(A.costs_after, costs.ravel()[gid].sum(1), **tol)
     assert A.moved == int((A.dest_rank != np.arange(W)[:, None]).sum())
 
 
