@@ -6,6 +6,9 @@ tokens form sequences:
 
 - ``VarlenLayout``: N = T tokens of B sequences concatenated, ``cu_seqlens [B+1]`` int32.
 - ``PaddedLayout``: N = B*S tokens, rows of S with a ``[B, S]`` key mask (True = real).
+- ``PackedLayout``: N = R*S tokens, rows of S each holding whole sequences, kept apart by
+  FlashMask bounds ``[R, 1, S, 2]`` (``kernels.flashmask``); ``reference`` builds the dense
+  mask from them, ``flashmask`` runs the tile-skipping kernel.
 
 ``get_backend(name)`` returns the function or raises ``BackendUnavailable`` saying why the
 backend cannot run here; it never substitutes another backend.
@@ -37,7 +40,13 @@ class PaddedLayout:
     key_mask: Tensor  # [B, S] bool, True on real tokens
 
 
-Layout = Union[VarlenLayout, PaddedLayout]
+@dataclass(frozen=True)
+class PackedLayout:
+    startend_row_indices: Tensor  # [R, 1, S, n] int32 FlashMask bounds (packed BERT: n = 2, (LTS, UTE))
+    causal: bool = False
+
+
+Layout = Union[VarlenLayout, PaddedLayout, PackedLayout]
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Layout, float, bool], Tensor]
 
 
@@ -50,6 +59,10 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout
     """Softmax attention computed sequence by sequence in the input dtype."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     p = dropout_p if training else 0.0
+    if isinstance(layout, PackedLayout):
+        from kernels.flashmask import packed_reference  # PyTorch only: the dense mask of the bounds
+
+        return packed_reference(q, k, v, layout, p)
     if isinstance(layout, PaddedLayout):
         b, s = layout.key_mask.shape
         q_bhsd, k_bhsd, v_bhsd = (x.view(b, s, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
@@ -101,9 +114,10 @@ _LOADERS: dict[str, Callable[[], AttentionFn]] = {
     "reference": lambda: reference_attention,
     "padded": lambda: padded_attention,
     "triton": lambda: __import__("kernels.backends", fromlist=["load"]).load("triton"),
-    "triton_grouped": lambda: __import__("kernels.backends", fromlist=["load"]).load("triton_grouped"),
+    "triton_grouped": lambda **kw: __import__("kernels.backends", fromlist=["load"]).load("triton_grouped", **kw),
     "flash_attn": lambda: __import__("kernels.backends", fromlist=["load"]).load("flash_attn"),
     "torch_varlen": lambda: __import__("kernels.backends", fromlist=["load"]).load("torch_varlen"),
+    "flashmask": lambda: __import__("kernels.flashmask", fromlist=["load_backend"]).load_backend(),
 }
 
 
@@ -115,7 +129,9 @@ def backend_names() -> list[str]:
     return sorted(_LOADERS)
 
 
-def get_backend(name: str) -> AttentionFn:
+def get_backend(name: str, **options) -> AttentionFn:
+    """The backend ``name``; ``options`` go to backends that take some (``triton_grouped``:
+    ``buckets``, ``num_streams``)."""
     if name not in _LOADERS:
         raise BackendUnavailable(f"model.attention: unknown backend {name!r}; choose one of {backend_names()}")
-    return _LOADERS[name]()
+    return _LOADERS[name](**options)

@@ -2,7 +2,8 @@
 
 The model runs on a flat token dimension from the embeddings to the heads. For an
 ``UnpaddedBatch`` that is T real tokens and no padding is ever computed; for a
-``PaddedBatch`` (the baseline) it is B*S tokens, padding included. The attention backend,
+``PaddedBatch`` (the baseline) it is B*S tokens, padding included; for a ``PackedBatch`` it
+is R*S tokens of rows packed with whole sequences. The attention backend,
 chosen by name (``bert.attention``), is told which tokens form which sequence through a
 layout object.
 
@@ -13,7 +14,7 @@ Numerics match ``transformers.BertForPreTraining`` (post-LayerNorm BERT, erf GEL
 decoder) given the same weights; ``bert.checkpoint`` maps the state dicts both ways. The
 query, key and value projections are one fused ``[3*hidden, hidden]`` linear layer.
 
-Shape legend: N tokens the layers run on (T unpadded, B*S padded), B sequences,
+Shape legend: N tokens the layers run on (T unpadded, B*S padded, R*S packed), B sequences,
 M masked positions, H heads, D head dim, C hidden size, V vocabulary.
 """
 
@@ -25,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bert.attention import PaddedLayout, VarlenLayout, get_backend
+from bert.attention import PackedLayout, PaddedLayout, VarlenLayout, get_backend
 from bert.config import BertConfig
-from data.batch import PaddedBatch, UnpaddedBatch
+from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
 
 
 @dataclass
@@ -107,17 +108,19 @@ def _fused():
 class BertForPreTraining(nn.Module):
     """BERT with the masked-LM and next-sentence heads.
 
-    ``attention`` names the backend (``bert.attention.backend_names()``); ``fused_ops``
-    switches the bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on.
+    ``attention`` names the backend (``bert.attention.backend_names()``) and
+    ``attention_options`` are its settings, if it takes any; ``fused_ops`` switches the
+    bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on.
     """
 
-    def __init__(self, config: BertConfig, attention: str = "reference", fused_ops: bool = False):
+    def __init__(self, config: BertConfig, attention: str = "reference", fused_ops: bool = False,
+                 attention_options: dict | None = None):
         super().__init__()
         self.config = config
         self.attention = attention
         if config.hidden_act != "gelu" and fused_ops:
             raise ValueError(f"model.fused_ops: the fused kernels implement erf GELU, not {config.hidden_act!r}")
-        attention_fn = get_backend(attention)
+        attention_fn = get_backend(attention, **(attention_options or {}))
         c = config.hidden_size
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config, attention_fn, fused_ops) for _ in range(config.num_hidden_layers))
@@ -139,7 +142,7 @@ class BertForPreTraining(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    def forward(self, batch: UnpaddedBatch | PaddedBatch) -> PretrainingOutput:
+    def forward(self, batch: UnpaddedBatch | PaddedBatch | PackedBatch) -> PretrainingOutput:
         if isinstance(batch, UnpaddedBatch):
             ids, seg, pos = batch.input_ids, batch.segment_ids, batch.position_ids  # [T]
             layout = VarlenLayout(batch.cu_seqlens, batch.max_seqlen)
@@ -149,8 +152,12 @@ class BertForPreTraining(nn.Module):
             ids, seg, pos = (x.reshape(-1) for x in (batch.input_ids, batch.segment_ids, batch.position_ids))
             layout = PaddedLayout(batch.attention_mask)
             cls_index = torch.arange(b, device=ids.device) * s
+        elif isinstance(batch, PackedBatch):  # R*S tokens, several sequences per row
+            ids, seg, pos = (x.reshape(-1) for x in (batch.input_ids, batch.segment_ids, batch.position_ids))
+            layout = PackedLayout(batch.startend_row_indices)
+            cls_index = batch.cls_positions
         else:
-            raise TypeError(f"batch: expected UnpaddedBatch or PaddedBatch, got {type(batch).__name__}")
+            raise TypeError(f"batch: expected UnpaddedBatch, PaddedBatch or PackedBatch, got {type(batch).__name__}")
 
         x_NC = self.embeddings(ids, seg, pos)
         for layer in self.layers:

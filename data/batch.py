@@ -5,6 +5,8 @@ Every batch the model sees is one of these named types (never a positional tuple
 - ``UnpaddedBatch``: the tokens of all sequences concatenated into one flat tensor, with
   ``cu_seqlens`` marking where each sequence starts. Nothing downstream computes padding.
 - ``PaddedBatch``: the ``[B, S]`` baseline with an attention mask, for A/B comparisons.
+- ``PackedBatch``: rows of S tokens each holding several whole sequences, kept apart by
+  FlashMask bounds (``data.packing`` builds it; the ``flashmask`` backend runs it).
 
 Shape legend: T tokens in the flat batch, B sequences, S padded length, M masked positions.
 
@@ -265,3 +267,115 @@ def _as_tensor(x, field: str, ndim: int | None) -> Tensor:
     if ndim is not None:
         _require(t.dim() == ndim, field, f"expected {ndim} dimensions, got shape {tuple(t.shape)}")
     return t.long()
+
+
+@dataclass
+class PackedBatch:
+    """R rows of S tokens, each holding one or more whole sequences (B in all), then padding.
+
+    input_ids, segment_ids, position_ids: [R, S] int64, 0 on padding; positions restart at 0
+        per sequence.
+    startend_row_indices: [R, 1, S, 2] int32, FlashMask bounds (LTS, UTE) of the bidirectional
+        document mask: for a key of the sequence on row positions [a, e), rows >= e and rows
+        < a are masked, i.e. (LTS, UTE) = (e, a); a padding key has (0, S), masked for every
+        row, so padding rows see nothing (their attention output is 0).
+    cls_positions: [B] int64 flat indices into the R*S tokens of each sequence's [CLS]
+        (its first token); sequence b's tokens are cls_positions[b] + 0 .. seq_lens[b]-1.
+    seq_lens: [B] int32.
+    mlm_positions: [M] int64 flat indices into the R*S tokens; mlm_labels: [M] int64.
+    nsp_labels: [B] int64.
+    Sequences (and their masked positions) keep the order of the samples they came from.
+    """
+
+    input_ids: Tensor
+    segment_ids: Tensor
+    position_ids: Tensor
+    startend_row_indices: Tensor
+    cls_positions: Tensor
+    seq_lens: Tensor
+    mlm_positions: Tensor
+    mlm_labels: Tensor
+    nsp_labels: Tensor
+
+    def __post_init__(self):
+        for name in ("input_ids", "segment_ids", "position_ids"):
+            _check_int(getattr(self, name), name, 2)
+        shape = self.input_ids.shape
+        for name in ("segment_ids", "position_ids"):
+            _require(getattr(self, name).shape == shape, name,
+                     f"shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}")
+        _check_int(self.startend_row_indices, "startend_row_indices", 4)
+        _require(self.startend_row_indices.dtype == torch.int32, "startend_row_indices",
+                 f"expected torch.int32, got {self.startend_row_indices.dtype}")
+        want = (shape[0], 1, shape[1], 2)
+        _require(tuple(self.startend_row_indices.shape) == want, "startend_row_indices",
+                 f"shape {tuple(self.startend_row_indices.shape)} != {want}")
+        for name in ("cls_positions", "seq_lens", "mlm_positions", "mlm_labels", "nsp_labels"):
+            _check_int(getattr(self, name), name, 1)
+        b = self.nsp_labels.numel()
+        for name in ("cls_positions", "seq_lens"):
+            _require(getattr(self, name).numel() == b, name,
+                     f"length {getattr(self, name).numel()} != nsp_labels length {b}")
+        _require(self.mlm_labels.numel() == self.mlm_positions.numel(), "mlm_labels",
+                 f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}")
+
+    @property
+    def num_sequences(self) -> int:
+        return self.nsp_labels.numel()
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (unpadded) tokens, the count throughput is reported in."""
+        return int(self.seq_lens.sum())
+
+    def token_index(self) -> Tensor:
+        """[T] int64: the flat R*S index of each real token, sequence after sequence."""
+        lens = self.seq_lens.long()
+        starts = torch.repeat_interleave(self.cls_positions.long(), lens)
+        first = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        return starts + torch.arange(int(lens.sum()), device=lens.device) - first
+
+    def check_values(self, vocab_size: int | None = None) -> "PackedBatch":
+        """Check the contents against each other (reads values: call on the CPU)."""
+        r, s = self.input_ids.shape
+        lens = self.seq_lens.long()
+        cls = self.cls_positions.long()
+        _require(self.num_sequences > 0, "nsp_labels", "the batch holds no sequence")
+        _require(bool((lens >= 1).all()), "seq_lens", "every sequence needs at least one token")
+        start_col = cls % s
+        _require(bool((cls >= 0).all() and (start_col + lens <= s).all()), "cls_positions",
+                 "a sequence runs past the end of its row")
+        tokens = self.token_index()
+        used = torch.zeros(r * s, dtype=torch.int64)
+        used.index_add_(0, tokens, torch.ones_like(tokens))
+        _require(int(used.max()) <= 1, "cls_positions", "two sequences overlap")
+        within = tokens - torch.repeat_interleave(cls, lens)
+        _require(torch.equal(self.position_ids.reshape(-1)[tokens], within), "position_ids",
+                 "must count 0, 1, ... within each sequence")
+        bounds = self.startend_row_indices.reshape(r * s, 2).long()
+        first_col = torch.repeat_interleave(start_col, lens)
+        want = torch.stack([first_col + torch.repeat_interleave(lens, lens), first_col], 1)
+        _require(torch.equal(bounds[tokens], want), "startend_row_indices",
+                 "a real token's bounds must be (end, start) of its sequence in the row")
+        pad = used == 0
+        pad_want = torch.tensor([0, s], dtype=torch.int64)
+        _require(bool((bounds[pad] == pad_want).all()), "startend_row_indices", "padding keys must be (0, S)")
+        if self.mlm_positions.numel():
+            pos = self.mlm_positions.long()
+            _require(bool(used[pos.clamp(0, r * s - 1)].bool().all()) and int(pos.min()) >= 0
+                     and int(pos.max()) < r * s, "mlm_positions", "a masked position is not a real token")
+            _require(not bool(torch.isin(pos, cls).any()), "mlm_positions", "a [CLS] token is masked")
+        _require(bool(((self.nsp_labels == 0) | (self.nsp_labels == 1)).all()), "nsp_labels", "must be 0 or 1")
+        if vocab_size is not None:
+            for name, v in (("input_ids", self.input_ids.reshape(-1)[tokens]), ("mlm_labels", self.mlm_labels)):
+                if v.numel():
+                    _require(int(v.min()) >= 0 and int(v.max()) < vocab_size, name,
+                             f"token ids must lie in [0, {vocab_size}), got [{int(v.min())}, {int(v.max())}]")
+        return self
+
+    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
+        return _move(self, device, non_blocking)

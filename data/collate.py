@@ -20,7 +20,7 @@ from data.samples import SampleBlock, _offsets
 
 Batch = Union[UnpaddedBatch, PaddedBatch]
 BACKENDS = ("torch", "dali")
-LAYOUTS = ("unpadded", "padded")
+LAYOUTS = ("unpadded", "padded", "packed")
 
 
 def _long(a: np.ndarray) -> torch.Tensor:
@@ -88,18 +88,25 @@ def make_collator(backend: str = "torch", layout: str = "unpadded", seq_len: int
 
     backend: ``torch`` (this module) or ``dali`` (a DALI pipeline; ``device_id`` None runs
     it on the CPU, an int on that GPU, whose batches then live on that GPU).
-    layout: ``unpadded`` or ``padded`` (``seq_len`` required).
+    layout: ``unpadded``, ``padded`` or ``packed`` (``seq_len`` required: the padded length or
+    the row length; packing is first-fit decreasing, ``data.packing``, torch backend only).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
-    if layout == "padded" and seq_len is None:
-        raise ValueError("layout 'padded' needs seq_len")
+    if layout in ("padded", "packed") and seq_len is None:
+        raise ValueError(f"layout {layout!r} needs seq_len")
     if backend == "torch":
         if device_id is not None:
             raise ValueError("backend 'torch' collates on the CPU; move the batch with batch.to(device)")
         if layout == "unpadded":
             return collate_unpadded
+        if layout == "packed":
+            from data.packing import collate_packed
+
+            return lambda block: collate_packed(block, seq_len)
         return lambda block: collate_padded(block, seq_len)
+    if layout == "packed":
+        raise ValueError(f"layout 'packed' collates with backend 'torch' only, not {backend!r}")
     if backend == "dali":
         from data.dali_loader import DaliCollator
 

@@ -1,12 +1,17 @@
-"""Convert between the fixed and the varlength HDF5 layouts, losslessly: ``python -m data.convert``.
+"""Convert between the fixed, varlength and packed HDF5 layouts: ``python -m data.convert``.
 
     python -m data.convert IN OUT --to varlength      # IN, OUT: files, or directories of .hdf5
     python -m data.convert IN OUT --to fixed [--max-seq-length 512 --max-predictions 76]
+    python -m data.convert IN OUT --to packed [--max-seq-length 512]
 
 Every input file is read and validated, then written in the other layout under the same
 name in OUT. Varlength files written here record the fixed layout's row length and masked
 slots as attributes, so going back needs no flags; files without them need both flags.
 Fixed -> varlength -> fixed gives the same arrays (padding is 0 in both directions).
+
+``--to packed`` writes NVIDIA's packed layout: each file's sequences packed first-fit
+decreasing into packs of at most max_seq_length tokens (``data.packing``). The sequences are
+the same, in pack order; converting back keeps that order.
 """
 
 from __future__ import annotations
@@ -16,20 +21,22 @@ import sys
 from pathlib import Path
 
 from data.errors import DataError, cli_main
-from data.hdf5io import LAYOUTS, inspect, list_files, read_file, write_file
+from data.hdf5io import ALL_LAYOUTS, PACKED, inspect, list_files, read_file, write_file
 
 
 def convert_file(src, dst, to: str, max_seq_length: int | None = None, max_predictions: int | None = None,
                  vocab_size: int | None = None) -> int:
     """Convert one file; returns its sample count."""
-    if to not in LAYOUTS:
-        raise DataError(f"--to {to!r}: expected one of {', '.join(LAYOUTS)}")
+    if to not in ALL_LAYOUTS:
+        raise DataError(f"--to {to!r}: expected one of {', '.join(ALL_LAYOUTS)}")
     info = inspect(src)
     s = max_seq_length or info.max_seq_length
     p = max_predictions or info.max_predictions
     if to == "fixed" and (s is None or p is None):
         raise DataError(f"{src}: the file does not record max_seq_length / max_predictions; "
                         f"pass --max-seq-length and --max-predictions")
+    if to == PACKED and s is None:
+        raise DataError(f"{src}: the file does not record max_seq_length; pass --max-seq-length (the pack length)")
     block = read_file(src, vocab_size=vocab_size)
     write_file(dst, block, to, s, p)
     return len(block)
@@ -39,8 +46,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.convert", description=__doc__.split("\n\n")[0])
     ap.add_argument("input", help="an .hdf5 file or a directory of them")
     ap.add_argument("output", help="the output file, or directory (created) for a directory input")
-    ap.add_argument("--to", required=True, choices=LAYOUTS)
-    ap.add_argument("--max-seq-length", type=int, help="fixed layout row length (default: recorded in the file)")
+    ap.add_argument("--to", required=True, choices=ALL_LAYOUTS)
+    ap.add_argument("--max-seq-length", type=int,
+                    help="fixed layout row length / packed layout pack length (default: recorded in the file)")
     ap.add_argument("--max-predictions", type=int, help="fixed layout masked slots (default: recorded in the file)")
     ap.add_argument("--vocab-size", type=int, help="also check token ids against this vocabulary size")
     args = ap.parse_args(argv)

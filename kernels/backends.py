@@ -9,14 +9,15 @@ from __future__ import annotations
 from bert.attention import AttentionFn, BackendUnavailable
 
 
-def load(name: str) -> AttentionFn:
+def load(name: str, **options) -> AttentionFn:
+    """``options``: ``buckets`` and ``num_streams`` for ``triton_grouped``."""
     if name in ("triton", "triton_grouped"):
         from kernels.runtime import check_runnable
 
         check_runnable(f"model.attention={name}")
         from kernels import varlen_attention
 
-        return varlen_attention.triton_backend if name == "triton" else varlen_attention.grouped_backend()
+        return varlen_attention.triton_backend if name == "triton" else varlen_attention.grouped_backend(**options)
     if name == "flash_attn":
         from kernels.library_backends import load_flash_attn
 

@@ -394,9 +394,32 @@ def block_minmax(startend_row_indices: Tensor, block_n: int) -> Tensor:
     return torch.stack([x.amin(3), x.amax(3)], -1).contiguous()
 
 
+def key_block_size(head_dim: int, elt_size: int) -> int:
+    """BLOCK_N, the key-block size of all three kernels (the same compiled or interpreted, so
+    the shape of the block min/max is known when tracing for torch.compile)."""
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    return 32 if elt_size == 4 or block_d > 64 else 64
+
+
+def tile_sizes(head_dim: int, elt_size: int, interpreted: bool) -> dict[str, tuple[int, int, int, int]]:
+    """{kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)} for kernel in fwd, dkdv, dq.
+
+    A GPU gets the varlen kernels' sm_90 tiles (not yet tuned by timing on a GPU;
+    ``python -m kernels.flashmask --compile-check`` checks they compile and fit). The
+    interpreter gets BLOCK_M = 64 (tests cross block edges both ways with few tiles, as each
+    costs Python time)."""
+    bn = key_block_size(head_dim, elt_size)
+    if interpreted:
+        return {"fwd": (64, bn, 1, 1), "dkdv": (64, bn, 1, 1), "dq": (64, bn, 1, 1)}
+    if elt_size == 4:
+        return {"fwd": (64, bn, 8, 2), "dkdv": (32, bn, 8, 2), "dq": (32, bn, 4, 2)}
+    if bn == 64:
+        return {"fwd": (128, bn, 8, 3), "dkdv": (64, bn, 8, 2), "dq": (64, bn, 8, 2)}
+    return {"fwd": (128, bn, 8, 2), "dkdv": (64, bn, 8, 2), "dq": (64, bn, 8, 2)}
+
+
 def _tiles(q: Tensor, kern: ModuleType, block_m: int | None = None, block_n: int | None = None) -> dict:
-    block_d = max(16, 1 << (q.shape[-1] - 1).bit_length())
-    tiles = kern.blocks(block_d, q.element_size())
+    tiles = tile_sizes(q.shape[-1], q.element_size(), kern.INTERPRET)
     if block_m is None and block_n is None:
         return tiles
     return {name: (block_m or bm, block_n or bn, w, s) for name, (bm, bn, w, s) in tiles.items()}
@@ -446,8 +469,8 @@ def _fwd_op(q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, causal: bool, softm
 
 @_fwd_op.register_fake
 def _(q, k, v, bounds, causal, softmax_scale, dropout_p):
-    b, sq, h, _ = q.shape
-    key_blocks = torch.library.get_ctx().new_dynamic_size()  # depends on the tile size chosen at run time
+    b, sq, h, d = q.shape
+    key_blocks = -(-k.shape[1] // key_block_size(d, q.element_size()))
     return (q.new_empty(q.shape), q.new_empty((b, sq, h), dtype=torch.float32),
             torch.empty(2, dtype=torch.int64, device="cpu"),
             bounds.new_empty((bounds.shape[0], bounds.shape[1], key_blocks, bounds.shape[3], 2)))
@@ -530,18 +553,26 @@ def flashmask_attention(query: Tensor, key: Tensor, value: Tensor, startend_row_
 @torch.no_grad()
 def flashmask_tile_counts(query: Tensor, key: Tensor, value: Tensor, startend_row_indices: Tensor,
                           causal: bool = False, *, block_m: int | None = None, block_n: int | None = None,
+                          tiles: dict[str, tuple[int, int]] | None = None,
                           backward: bool = True) -> dict[str, tuple[TileCounts, tuple[int, int]]]:
     """Debug: run the kernels (forward, and with ``backward`` the dK/dV and dQ passes on a
     ones gradient) and report how each classified its tiles.
 
     Returns {pass: (TileCounts summed over batch and heads, (BLOCK_M, BLOCK_N))} for pass in
-    fwd, dkdv, dq. block_m / block_n override the kernels' tile sizes (BLOCK_N a multiple of 4).
+    fwd, dkdv, dq. The tile sizes are the kernels' own unless overridden: block_m / block_n
+    for every pass, or ``tiles`` {pass: (BLOCK_M, BLOCK_N)} (one BLOCK_N, a multiple of 4,
+    for all passes: they share the per-block min/max).
     """
     _check(query, key, value, startend_row_indices, causal, 0.0)
     q, k, v = (_last_dim_contiguous(x) for x in (query, key, value))
     bounds = startend_row_indices.contiguous()
     kern = _kernels(q.device)
-    tiles = _tiles(q, kern, block_m, block_n)
+    if tiles is not None:
+        if len({bn for _, bn in tiles.values()}) != 1 or set(tiles) != {"fwd", "dkdv", "dq"}:
+            raise ValueError(f"tiles: need fwd, dkdv and dq with one BLOCK_N, got {tiles}")
+        tiles = {name: (bm, bn, 1, 1) for name, (bm, bn) in tiles.items()}
+    else:
+        tiles = _tiles(q, kern, block_m, block_n)
     b, sq, h, _ = q.shape
     sk = k.shape[1]
     programs = {"fwd": -(-sq // tiles["fwd"][0]), "dkdv": -(-sk // tiles["dkdv"][1]), "dq": -(-sq // tiles["dq"][0])}
@@ -627,15 +658,14 @@ def compile_check() -> list[dict]:
     r, s, h = 56, 512, 16
     for dtype, dim, causal, n, p in [(torch.bfloat16, 64, False, 2, 0.1), (torch.bfloat16, 64, False, 4, 0.0),
                                      (torch.float16, 128, True, 2, 0.0), (torch.bfloat16, 64, True, 1, 0.1),
-                                     (torch.float32, 64, False, 2, 0.1), (torch.bfloat16, 32, False, 2, 0.0)]:
+                                     (torch.float32, 64, False, 2, 0.1)]:
         variant.clear()
         variant.update(dtype=str(dtype).removeprefix("torch."), head_dim=dim, causal=causal, n=n, dropout=p)
         q, k, v = meta(r * s, 3, h, dim, dtype=dtype).view(r, s, 3, h, dim).unbind(2)  # the model's projection
         out, dout = meta(r, s, h, dim, dtype=dtype), meta(r, s, h, dim, dtype=dtype)
         lse = meta(r, s, h, dtype=torch.float32)
         bounds = meta(r, 1, s, n, dtype=torch.int32)
-        block_d = max(16, triton.next_power_of_2(dim))
-        tiles = module.blocks(block_d, q.element_size())
+        tiles = tile_sizes(dim, q.element_size(), interpreted=False)
         bmm = meta(r, 1, s // tiles["fwd"][1], n, 2, dtype=torch.int32)
         module.fwd(q, k, v, out, lse, bounds, bmm, causal, dim ** -0.5, p, 2**40 + 3, 12345, tiles)
         grads = [meta(r, s, h, dim, dtype=dtype) for _ in range(3)]

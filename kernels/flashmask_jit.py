@@ -215,35 +215,33 @@ def _fm_fwd(Q, K, V, O, LSE, BND, BMM, CNT,
         cols = c0 + offs_n
         col_ok = cols < seqlen_k
         kv_mask = col_ok[:, None] & d_ok[None, :]
+        # One call of the step for all classes (not one per class) keeps the kernel small and
+        # its register use low; ``invalid`` collects what the step must mask.
+        invalid = tl.broadcast_to((cols >= seqlen_k)[None, :], [BLOCK_M, BLOCK_N])  # out of range, so far
         if skip:
             if COUNT:
                 n_skip += 1
-        elif unmasked:
-            m_i, l_i, acc = _fwd_step(q, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_vs,
-                                      (cols >= seqlen_k)[None, :], m_i, l_i, acc, qk_scale, p_drop, seed, offset,
-                                      row0, c0, h, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
-            if COUNT:
-                n_full += 1
-        else:  # the bounds' min/max cannot tell: look at the element mask
+        elif not unmasked:  # the bounds' min/max cannot tell: look at the element mask
             lts, lte, uts, ute = _load_bounds(BND, bnd_base, cols, col_ok, stride_bj, seqlen_q, CAUSAL, N_BOUNDS)
             masked = _element_mask(offs_m, cols, lts, lte, uts, ute, CAUSAL)
             all_masked, none_masked = _refine(masked, row_ok[:, None] & col_ok[None, :],
                                               (r_end - r0) * (c_last + 1 - c0))
+            invalid = invalid | masked
+            skip = all_masked
+            unmasked = none_masked
             if COUNT:
                 n_check += 1
-            if all_masked:
-                if COUNT:
+                if all_masked:
                     n_skip += 1
-            else:
-                m_i, l_i, acc = _fwd_step(q, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_vs,
-                                          masked | (cols >= seqlen_k)[None, :], m_i, l_i, acc, qk_scale, p_drop,
-                                          seed, offset, row0, c0, h, DROPOUT, INTERP, DOT_PRECISION,
-                                          BLOCK_M, BLOCK_N)
-                if COUNT:
-                    if none_masked:
-                        n_full += 1
-                    else:
-                        n_part += 1
+        if not skip:
+            m_i, l_i, acc = _fwd_step(q, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_vs,
+                                      invalid, m_i, l_i, acc, qk_scale, p_drop, seed, offset, row0, c0, h,
+                                      DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
+            if COUNT:
+                if unmasked:
+                    n_full += 1
+                else:
+                    n_part += 1
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     if DROPOUT:
@@ -360,36 +358,31 @@ def _fm_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, BND, BMM, CNT,
         qi = r0 + offs_m
         row_ok = qi < seqlen_q
         row0 = b * seqlen_q + r0
+        invalid_t = tl.broadcast_to(col_out, [BLOCK_N, BLOCK_M])  # out of range, so far
         if skip:
             if COUNT:
                 n_skip += 1
-        elif unmasked:
-            dk, dv = _dkdv_step(k, v, Q, DO, LSE, DELTA, q_base, do_base, l_base, qi, row_ok, d_ok, offs_d,
-                                stride_qs, stride_dos, stride_ls, col_out, dk, dv, qk_scale, p_drop, seed, offset,
-                                row0, c0, h, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
-            if COUNT:
-                n_full += 1
-        else:
-            # Bounds loaded per query block (not once per program) keep registers free on the
-            # paths that need no element mask.
+        elif not unmasked:  # the bounds' min/max cannot tell: look at the element mask
             lts, lte, uts, ute = _load_bounds(BND, bnd_base, offs_n, col_ok, stride_bj, seqlen_q, CAUSAL, N_BOUNDS)
             masked_t = _element_mask_t(qi, offs_n, lts, lte, uts, ute, CAUSAL)  # [BN, BM]
             all_masked, none_masked = _refine(masked_t, col_ok[:, None] & row_ok[None, :],
                                               (r_end - r0) * (c_last + 1 - c0))
+            invalid_t = invalid_t | masked_t
+            skip = all_masked
+            unmasked = none_masked
             if COUNT:
                 n_check += 1
-            if all_masked:
-                if COUNT:
+                if all_masked:
                     n_skip += 1
-            else:
-                dk, dv = _dkdv_step(k, v, Q, DO, LSE, DELTA, q_base, do_base, l_base, qi, row_ok, d_ok, offs_d,
-                                    stride_qs, stride_dos, stride_ls, masked_t | col_out, dk, dv, qk_scale, p_drop,
-                                    seed, offset, row0, c0, h, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
-                if COUNT:
-                    if none_masked:
-                        n_full += 1
-                    else:
-                        n_part += 1
+        if not skip:
+            dk, dv = _dkdv_step(k, v, Q, DO, LSE, DELTA, q_base, do_base, l_base, qi, row_ok, d_ok, offs_d,
+                                stride_qs, stride_dos, stride_ls, invalid_t, dk, dv, qk_scale, p_drop, seed, offset,
+                                row0, c0, h, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
+            if COUNT:
+                if unmasked:
+                    n_full += 1
+                else:
+                    n_part += 1
     dk = dk * sm_scale
     tl.store(DK + b.to(tl.int64) * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
              _cast(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
@@ -479,34 +472,31 @@ def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
         cols = c0 + offs_n
         col_ok = cols < seqlen_k
         kv_mask = col_ok[:, None] & d_ok[None, :]
+        invalid = tl.broadcast_to((cols >= seqlen_k)[None, :], [BLOCK_M, BLOCK_N])  # out of range, so far
         if skip:
             if COUNT:
                 n_skip += 1
-        elif unmasked:
-            dq = _dq_step(q, do, lse, delta, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_vs,
-                          (cols >= seqlen_k)[None, :], dq, qk_scale, p_drop, seed, offset, row0, c0, h,
-                          DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
-            if COUNT:
-                n_full += 1
-        else:
+        elif not unmasked:  # the bounds' min/max cannot tell: look at the element mask
             lts, lte, uts, ute = _load_bounds(BND, bnd_base, cols, col_ok, stride_bj, seqlen_q, CAUSAL, N_BOUNDS)
             masked = _element_mask(offs_m, cols, lts, lte, uts, ute, CAUSAL)
             all_masked, none_masked = _refine(masked, row_ok[:, None] & col_ok[None, :],
                                               (r_end - r0) * (c_last + 1 - c0))
+            invalid = invalid | masked
+            skip = all_masked
+            unmasked = none_masked
             if COUNT:
                 n_check += 1
-            if all_masked:
-                if COUNT:
+                if all_masked:
                     n_skip += 1
-            else:
-                dq = _dq_step(q, do, lse, delta, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_vs,
-                              masked | (cols >= seqlen_k)[None, :], dq, qk_scale, p_drop, seed, offset, row0, c0, h,
-                              DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
-                if COUNT:
-                    if none_masked:
-                        n_full += 1
-                    else:
-                        n_part += 1
+        if not skip:
+            dq = _dq_step(q, do, lse, delta, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_vs,
+                          invalid, dq, qk_scale, p_drop, seed, offset, row0, c0, h,
+                          DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
+            if COUNT:
+                if unmasked:
+                    n_full += 1
+                else:
+                    n_part += 1
     dq = dq * sm_scale
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
              _cast(dq, DQ.dtype.element_ty, INTERP), mask=q_mask)
@@ -515,8 +505,9 @@ def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
 
 
 # ---------------------------------------------------------------------------------------
-# Host-side launchers. One key-block size BLOCK_N serves all three kernels, so the per-block
-# min/max of the bounds is computed once per call and read by the forward and the backward.
+# Host-side launchers. The tile sizes come from ``kernels.flashmask.tile_sizes``: one key-block
+# size BLOCK_N serves all three kernels, so the per-block min/max of the bounds is computed
+# once per call and read by the forward and the backward.
 
 def _cdiv(a, b):
     return (a + b - 1) // b
@@ -529,22 +520,6 @@ def _launch(kernel, grid, *args, **kwargs):
 
 def _launch_opts(num_warps, num_stages):
     return {} if INTERPRET else {"num_warps": num_warps, "num_stages": num_stages}
-
-
-def blocks(block_d, elt_size):
-    """{kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)} for kernel in fwd, dkdv, dq.
-
-    The interpreter gets small, unequal blocks (tests cross block edges both ways); a GPU gets
-    the varlen kernels' sm_90 tiles with one BLOCK_N for all three kernels (not yet tuned by
-    timing on a GPU; ``python -m kernels.flashmask --compile-check`` checks they compile).
-    """
-    if INTERPRET:
-        return {"fwd": (64, 32, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 32, 1, 1)}
-    if elt_size == 4:
-        return {"fwd": (64, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (32, 32, 4, 2)}
-    if block_d <= 64:
-        return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 8, 2), "dq": (64, 64, 8, 2)}
-    return {"fwd": (128, 32, 8, 2), "dkdv": (64, 32, 8, 2), "dq": (64, 32, 8, 2)}
 
 
 def _common(q):

@@ -1,0 +1,115 @@
+"""Packing whole sequences into fixed-length rows: first-fit decreasing, and ``collate_packed``.
+
+The packed layout is the third way (after padded and unpadded) to feed the model: each row
+of ``seq_len`` tokens holds as many whole sequences as fit, and FlashMask bounds keep them
+from attending to each other (``kernels.flashmask``). ``first_fit_decreasing`` decides the
+rows: sequences longest first (ties in sample order), each into the lowest-numbered row with
+room, a new row when none has; no cap on sequences per row, never a split sequence, and the
+result depends only on the lengths. A segment tree over the rows' free space finds that row
+in O(log rows), so packing a whole HDF5 shard (``python -m data.convert --to packed``) is
+as cheap as packing one step's batch.
+
+``collate_packed(block, seq_len)`` turns a SampleBlock into a ``PackedBatch``: within a row,
+sequences sit in the order they were placed; everything indexed per sequence (NSP labels,
+[CLS] positions, masked positions and labels) keeps the block's sample order, so its MLM and
+NSP logits line up with ``collate_unpadded``'s for the same block. ``unpack`` goes back to
+that ``UnpaddedBatch`` (with the flat index of each of its tokens in the packed batch), for
+code that works on real tokens only, such as SimReg on the last hidden states.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from data.batch import PackedBatch, UnpaddedBatch
+from data.errors import DataError
+from data.samples import SampleBlock, _offsets
+
+
+def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Place sequences of ``lengths`` into rows of ``capacity`` tokens.
+
+    Returns (row [n] int64, offset [n] int64: where each sequence starts in its row, number of
+    rows). Raises DataError for a sequence longer than a row or of length < 1.
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    n = len(lens)
+    if capacity < 1:
+        raise DataError(f"seq_len {capacity}: must be >= 1")
+    if n and (int(lens.min()) < 1 or int(lens.max()) > capacity):
+        i = int(np.argmax(lens)) if int(lens.max()) > capacity else int(np.argmin(lens))
+        raise DataError(f"sample {i} has {int(lens[i])} tokens; packing needs 1 to seq_len {capacity}")
+    row = np.zeros(n, np.int64)
+    offset = np.zeros(n, np.int64)
+    if n == 0:
+        return row, offset, 0
+    size = 1 << (n - 1).bit_length()  # leaves: rows 0..size-1, never more rows than sequences
+    free = [capacity] * (2 * size)  # free[node] = the most free space of any row under node
+    used = 0
+    for i in np.argsort(-lens, kind="stable").tolist():
+        need = int(lens[i])
+        node = 1
+        while node < size:  # descend to the leftmost row with room
+            node = 2 * node if free[2 * node] >= need else 2 * node + 1
+        r = node - size
+        row[i] = r
+        offset[i] = capacity - free[node]
+        free[node] -= need
+        used = max(used, r + 1)
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
+    return row, offset, used
+
+
+def collate_packed(block: SampleBlock, seq_len: int) -> PackedBatch:
+    """The samples of ``block`` packed into rows of ``seq_len`` tokens (first-fit decreasing)."""
+    if len(block) == 0:
+        raise DataError("cannot collate an empty SampleBlock")
+    lens = block.seq_lens.astype(np.int64)
+    row, offset, num_rows = first_fit_decreasing(lens, seq_len)
+    start = row * seq_len + offset  # [B] flat index of each sequence's [CLS]
+    within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(_offsets(lens)[:-1], lens)  # [T]
+    dest = np.repeat(start, lens) + within  # [T] flat index of each token
+
+    def scatter(values: np.ndarray) -> torch.Tensor:
+        out = np.zeros(num_rows * seq_len, np.int64)
+        out[dest] = values
+        return torch.from_numpy(out.reshape(num_rows, seq_len))
+
+    bounds = np.empty((num_rows * seq_len, 2), np.int32)
+    bounds[:] = (0, seq_len)  # padding keys: masked for every query row
+    bounds[dest, 0] = np.repeat(offset + lens, lens)  # LTS: rows from the sequence's end on
+    bounds[dest, 1] = np.repeat(offset, lens)  # UTE: rows before its start
+    mlm = np.repeat(start, block.masked_counts.astype(np.int64)) + block.masked_positions
+    return PackedBatch(
+        input_ids=scatter(block.input_ids),
+        segment_ids=scatter(block.segment_ids),
+        position_ids=scatter(within),
+        startend_row_indices=torch.from_numpy(bounds.reshape(num_rows, 1, seq_len, 2)),
+        cls_positions=torch.from_numpy(start),
+        seq_lens=torch.from_numpy(lens.astype(np.int32)),
+        mlm_positions=torch.from_numpy(mlm.astype(np.int64)),
+        mlm_labels=torch.from_numpy(block.masked_ids.astype(np.int64)),
+        nsp_labels=torch.from_numpy(block.nsp_labels.astype(np.int64)),
+    )
+
+
+def unpack(batch: PackedBatch) -> tuple[UnpaddedBatch, torch.Tensor]:
+    """The same sequences unpadded, and ``token_index`` [T]: the flat R*S index of each of its
+    tokens, so ``hidden_states[token_index]`` are the unpadded batch's hidden states."""
+    tokens = batch.token_index()  # [T]
+    lens = batch.seq_lens.long()
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
+    torch.cumsum(lens, 0, out=cu[1:])
+    # A masked position's sequence is the last [CLS] at or before it, in flat R*S order.
+    order = torch.argsort(batch.cls_positions)
+    seq = order[torch.searchsorted(batch.cls_positions[order], batch.mlm_positions, right=True) - 1]
+    mlm = cu[seq] + batch.mlm_positions - batch.cls_positions[seq]
+    unpadded = UnpaddedBatch(
+        input_ids=batch.input_ids.reshape(-1)[tokens], segment_ids=batch.segment_ids.reshape(-1)[tokens],
+        position_ids=batch.position_ids.reshape(-1)[tokens], cu_seqlens=cu.to(torch.int32),
+        max_seqlen=int(lens.max()), mlm_positions=mlm, mlm_labels=batch.mlm_labels, nsp_labels=batch.nsp_labels)
+    return unpadded, tokens
