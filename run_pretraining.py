@@ -4,12 +4,19 @@
 
 Launch it with torchrun, mpirun or srun for several ranks (see launch/). `--help` lists
 every configuration field with its default and meaning.
+
+Exit status: 0 when the run ends (success, aborted at its limits, or interrupted by SIGTERM
+after a checkpoint); 2 for bad input (configuration, data, checkpoint), reported as one line
+naming the key, file or sample; 1 when the run fails on the way (a collective that times out
+or loses a peer, a checkpoint that cannot be written under checkpoint.on_error=stop, a file
+that cannot be written), also as one line. A traceback means a bug.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from bert.train_config import ConfigError, describe, load_config
 
@@ -35,7 +42,9 @@ def main(argv=None) -> int:
 
     # Imported after the config is valid, so a typo is reported before torch loads.
     from bert.checkpoint import CheckpointError
+    from bert.collectives import CollectiveError, announce_exit
     from bert.trainer import Trainer, TrainingError
+    from data.rebalance import RebalanceError
     from launch.distributed import LaunchError, destroy, init_distributed
 
     try:
@@ -43,6 +52,8 @@ def main(argv=None) -> int:
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    broken = False  # a failed collective leaves the process group unusable: do not tear it down
+    store = None  # set when this rank stops on its own error and told the others why
     try:
         from data.errors import DataError
 
@@ -55,10 +66,32 @@ def main(argv=None) -> int:
                   f"global batch: {cfg.train.global_batch_size}  precision: {cfg.train.precision}", flush=True)
         summary = trainer.train()
     except (ConfigError, CheckpointError, DataError, TrainingError, ValueError) as e:
-        print(f"error (rank {info.rank}): {e}", file=sys.stderr)
+        print(f"error (rank {info.rank}): {e}", file=sys.stderr, flush=True)
+        store = announce_exit(info.rank, info.world_size, str(e))
         return 2
+    except CollectiveError as e:  # names the rank, the collective and the ranks that did not answer
+        broken = True
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RebalanceError as e:
+        broken = True
+        print(f"error (rank {info.rank}): {e}", file=sys.stderr, flush=True)
+        store = announce_exit(info.rank, info.world_size, str(e))
+        return 1
+    except OSError as e:  # an output file that cannot be written: disk full, permissions
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error (rank {info.rank}): {where}{e.strerror or e}", file=sys.stderr, flush=True)
+        store = announce_exit(info.rank, info.world_size, f"{where}{e.strerror or e}")
+        return 1
     finally:
-        destroy()
+        if not broken:
+            destroy()  # the other ranks' pending collectives fail now, and they read why in the store
+        if store is not None and info.rank == 0:
+            time.sleep(3.0)  # rank 0 serves the store: keep it up while they look
+    if summary.get("error"):
+        if info.rank == 0:
+            print(f"error: {summary['error']}", file=sys.stderr, flush=True)
+        return 1
     return 0 if summary["status"] in ("success", "aborted", "interrupted") else 1
 
 

@@ -11,6 +11,7 @@ the valid choices, before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -75,7 +76,13 @@ def _coerce(key: str, value, hint):
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float range
+            number = math.inf
+        if not math.isfinite(number):  # YAML's .nan and .inf would pass every range check below
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -101,7 +108,10 @@ class ModelSection:
     preset: str = opt("large", "architecture preset (bert.config.PRESETS)", ("tiny", "small", "base", "large"))
     config_file: str | None = opt(None, "bert_config.json or transformers config.json; overrides preset")
     attention: str = opt("reference", "attention backend: reference, padded, triton, triton_grouped, "
-                                      "flash_attn, torch_varlen")
+                                      "flash_attn, torch_varlen (unpadded layout); flashmask (packed layout)")
+    grouped_buckets: list[int] = opt([128, 256, 384, 512], "triton_grouped: sequence-length buckets; each group "
+                                                           "of same-bucket sequences is one launch")
+    grouped_streams: int = opt(4, "triton_grouped: CUDA streams the groups are spread over")
     fused_ops: bool = opt(False, "fused Triton bias+GELU and bias+dropout+residual+LayerNorm")
     hidden_dropout_prob: float | None = opt(None, "override the architecture's hidden dropout")
     attention_probs_dropout_prob: float | None = opt(None, "override the architecture's attention dropout")
@@ -116,7 +126,10 @@ class ModelSection:
 class DataSection:
     train_dir: str = opt("", "directory of training shards (part_*.hdf5), fixed or varlength layout")
     eval_file: str = opt("", "the eval HDF5 file (MLPerf: 10,000 samples)")
-    layout: str = opt("unpadded", "batch layout fed to the model", ("unpadded", "padded"))
+    layout: str = opt("unpadded", "batch layout fed to the model: unpadded (flat tokens, cu_seqlens), padded "
+                                  "([B, max_seq_length], the baseline) or packed (rows of max_seq_length holding "
+                                  "several whole sequences; needs model.attention flashmask or reference)",
+                      ("unpadded", "padded", "packed"))
     backend: str = opt("torch", "loader backend", ("torch", "dali"))
     max_seq_length: int = opt(512, "sequence length of the data; the padded layout pads to it")
     vocab_file: str | None = opt(None, "vocabulary the data was made with; sets the model's vocab_size")
@@ -125,6 +138,9 @@ class DataSection:
     rebalance_cost: tuple[float, float] = opt((1.0, 1.0 / 6144), "(a, b) of the per-sample cost a*L + b*L^2")
     rebalance_group_size: int | None = opt(None, "hierarchical rebalancing in groups of this many ranks "
                                                  "(e.g. GPUs per node, for thousands of ranks)")
+    on_corrupt: str = opt("fail", "a training sample that fails validation or cannot be read: fail stops the run "
+                                  "naming file and sample; skip replaces it by the next good sample of the "
+                                  "epoch's stream and counts it (metrics corrupt_samples, summary)", ("fail", "skip"))
 
     def __post_init__(self):
         _check("data", self)
@@ -229,7 +245,9 @@ class DebugSection:
     spike_steps: list[int] = opt([], "optimizer steps (1-based) at which gradients are multiplied by spike_factor")
     spike_params: list[str] = opt([], "parameter-name substrings the spikes hit (empty: every parameter)")
     spike_factor: float = opt(100.0, "gradient multiplier at spike steps")
-    nonfinite_steps: list[int] = opt([], "optimizer steps at which a gradient is set to NaN (tests the skip)")
+    nonfinite_steps: list[int] = opt([], "optimizer steps at which a gradient entry is set to nonfinite_value "
+                                         "(tests the skip)")
+    nonfinite_value: str = opt("nan", "what debug.nonfinite_steps writes into the gradient", ("nan", "inf", "-inf"))
 
     def __post_init__(self):
         _check("debug", self)
@@ -251,6 +269,9 @@ class CheckpointSection:
     interval_steps: int = opt(0, "save every this many steps (0: only on SIGTERM)")
     init: str | None = opt(None, "initial weights: a transformers directory or NVIDIA's MLPerf .pt")
     keep: int = opt(2, "checkpoints kept in DIR/checkpoints")
+    on_error: str = opt("continue", "a checkpoint that cannot be written (no space, no permission): the error "
+                                    "is reported, the previous checkpoint kept, and the run goes on or stops "
+                                    "(status aborted, exit status 1)", ("continue", "stop"))
 
     def __post_init__(self):
         _check("checkpoint", self)
@@ -266,6 +287,20 @@ class DistSection:
     def __post_init__(self):
         _check("dist", self)
         _positive("dist.timeout_s", self.timeout_s)
+
+
+def check_cross_fields(cfg: "RunConfig") -> None:
+    """Constraints between sections (raised before any work)."""
+    layout, attention = cfg.data.layout, cfg.model.attention
+    if layout == "packed" and attention not in ("flashmask", "reference"):
+        raise ConfigError(f"model.attention: {attention!r} cannot run data.layout=packed; "
+                          "use flashmask (or reference)")
+    if attention == "flashmask" and layout != "packed":
+        raise ConfigError(f"model.attention: flashmask needs data.layout=packed, got {layout!r}")
+    if cfg.loss.simreg_weight > 0 and layout == "padded":
+        raise ConfigError("loss.simreg_weight: SimReg runs on the unpadded and packed layouts, not padded")
+    if layout == "packed" and cfg.data.backend != "torch":
+        raise ConfigError("data.backend: the packed layout collates with 'torch' only")
 
 
 @dataclass
@@ -306,7 +341,9 @@ def build_config(values: dict) -> RunConfig:
         if bad:
             raise ConfigError(f"{name}.{bad[0]}: unknown field; valid fields of {name}: {valid}")
         built[name] = cls(**given)
-    return RunConfig(**built)
+    cfg = RunConfig(**built)
+    check_cross_fields(cfg)
+    return cfg
 
 
 def apply_override(values: dict, override: str) -> None:

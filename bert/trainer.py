@@ -10,6 +10,11 @@ checkpoint is there, and runs:
         optimizer_step   clip -> non-finite check (skip and count) -> LAMB -> LR schedule
         evaluate         every eval.interval_samples: masked-LM accuracy over the eval set
         checkpoint       every checkpoint.interval_steps, and when SIGTERM asked to stop
+                         (bert.train_checkpoint: atomic, checksummed, the newest good one resumed)
+
+Every collective runs inside ``Collectives.guard``: a peer that dies or hangs turns into a
+``CollectiveError`` naming the collective, the step and the ranks that did not answer,
+within ``dist.timeout_s``, never a hang.
 
 Dropout randomness is re-seeded every step from (seed, step, rank), so a resumed run draws
 exactly the masks an uninterrupted one would without saving RNG states.
@@ -20,7 +25,6 @@ Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 from __future__ import annotations
 
 import contextlib
-import glob
 import math
 import os
 import signal
@@ -31,8 +35,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert.checkpoint import load_pretrained
+from bert import train_checkpoint
+from bert.checkpoint import CheckpointError, load_pretrained
 from bert.clipping import AdaGC, clip_global_
+from bert.collectives import Collectives
 from bert.config import BertConfig
 from bert.losses import pretraining_loss, simreg_anchor_count, simreg_loss
 from bert.metrics import (MetricsWriter, Progress, atomic_write_text, plot_curves, spike_score,
@@ -42,7 +48,9 @@ from bert.model import BertForPreTraining
 from bert.optim import build_optimizer
 from bert.schedule import PolyWarmupScheduler
 from bert.train_config import ConfigError, RunConfig
+from data.batch import PackedBatch
 from data.collate import make_collator
+from data.packing import unpack
 from data.samples import SampleBlock
 
 
@@ -55,6 +63,7 @@ class StepResult:
     loss_parts: torch.Tensor  # [4] local: loss, mlm loss, nsp loss, simreg (each / global count)
     samples: int  # global
     tokens: int  # global
+    corrupt: int = 0  # global: corrupt samples replaced in this step's batch (data.on_corrupt=skip)
 
 
 def build_model_config(cfg: RunConfig) -> BertConfig:
@@ -83,6 +92,7 @@ class Trainer:
         self.rank, self.world = dist_info.rank, dist_info.world_size
         self.is_main = self.rank == 0
         self.device = self._pick_device(dist_info)
+        self.coll = Collectives(self.rank, self.world, cfg.dist.timeout_s)
         t = cfg.train
         if t.global_batch_size % (self.world * t.grad_accum_steps):
             raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not divisible by ranks x "
@@ -105,15 +115,18 @@ class Trainer:
 
         self.model_config = build_model_config(cfg)
         torch.manual_seed(t.seed)  # same initial weights on every rank
+        options = ({"buckets": cfg.model.grouped_buckets, "num_streams": cfg.model.grouped_streams}
+                   if cfg.model.attention == "triton_grouped" else None)
         self.model = BertForPreTraining(self.model_config, attention=cfg.model.attention,
-                                        fused_ops=cfg.model.fused_ops)
+                                        fused_ops=cfg.model.fused_ops, attention_options=options)
         if cfg.checkpoint.init:
             load_pretrained(self.model, cfg.checkpoint.init)
         self.model.to(self.device)
         self.ddp = None
         if self.world > 1:
-            self.ddp = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            with self.coll.guard("the DDP setup (parameter broadcast)", -1):
+                self.ddp = torch.nn.parallel.DistributedDataParallel(
+                    self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.forward = self.ddp or self.model
         if cfg.model.compile:
             self.forward = torch.compile(self.forward)
@@ -139,7 +152,8 @@ class Trainer:
         vocab = self.model_config.vocab_size
         self.train_loader = PretrainingLoader(cfg.data.train_dir, global_batch_size=t.global_batch_size,
                                               rank=self.rank, world_size=self.world, seed=t.seed,
-                                              backend=cfg.data.backend, vocab_size=vocab)
+                                              backend=cfg.data.backend, vocab_size=vocab,
+                                              on_corrupt=cfg.data.on_corrupt, warn=self._warn)
         self.eval_loader = EvalLoader(cfg.data.eval_file, rank=self.rank, world_size=self.world,
                                       batch_size=cfg.eval.batch_size, max_samples=cfg.eval.max_samples,
                                       vocab_size=vocab, backend=cfg.data.backend)
@@ -157,9 +171,10 @@ class Trainer:
         if self.world > 1 and cfg.data.rebalance != "none":
             from data.rebalance import Rebalancer
 
-            self.rebalancer = Rebalancer(cfg.data.rebalance, cfg.data.rebalance_cost, batch_size=self.local_batch,
-                                         max_len=cfg.data.max_seq_length, timeout_s=cfg.dist.timeout_s,
-                                         group_size=cfg.data.rebalance_group_size)
+            with self.coll.guard("the rebalancer's settings check", -1):
+                self.rebalancer = Rebalancer(cfg.data.rebalance, cfg.data.rebalance_cost, batch_size=self.local_batch,
+                                             max_len=cfg.data.max_seq_length, timeout_s=cfg.dist.timeout_s,
+                                             group_size=cfg.data.rebalance_group_size)
 
         # Counters; restored from a checkpoint when resuming.
         self.step = 0
@@ -167,17 +182,18 @@ class Trainer:
         self.tokens = 0
         self.skipped = 0
         self.nonfinite_in_row = 0
+        self.corrupt_samples = 0
+        self.checkpoint_failures = 0
+        self.error: str | None = None  # why the run stopped early (summary "error", exit status 1)
         self.train_seconds = 0.0
         self.last_eval_samples = 0
         self.eval_accuracy: float | None = None
         self.stop_requested = False
 
-        resume = self._latest_checkpoint()
-        if resume:
-            self._load_checkpoint(resume)
+        self.progress = Progress(self.is_main, t.max_steps)
+        resume = self._resume()
         self.metrics = MetricsWriter(os.path.join(output_dir, "metrics.jsonl"), self.is_main,
                                      resume_step=self.step if resume else None)
-        self.progress = Progress(self.is_main, t.max_steps)
         platform = cfg.log.platform or (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                                         else "cpu")
         self.mllog = MLPerfLogger(os.path.join(output_dir, "mlperf.log"), self.rank, cfg.log.division,
@@ -195,10 +211,9 @@ class Trainer:
             raise ConfigError("train.device: 'cuda' asked for, but CUDA is not available")
         return dist_info.device if dist_info.device.type == "cuda" else torch.device("cuda", 0)
 
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t
+    def _warn(self, message: str) -> None:
+        """A warning every rank may have (a corrupt shard is found by the rank that reads it)."""
+        print(f"warning (rank {self.rank}): {message}" if self.world > 1 else f"warning: {message}", flush=True)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -227,10 +242,20 @@ class Trainer:
         anchors = simreg_anchor_count(block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids,
                                       block.masked_counts, self.cfg.loss.simreg_scope) if simreg else 0
         counts = torch.tensor([int(block.masked_counts.sum()), len(block), block.num_tokens,
-                               int(self.stop_requested), anchors], dtype=torch.int64)
-        counts = self._all_reduce(counts.to(self.device)).cpu()
-        num_masked, num_seqs, tokens, stops, num_anchors = (int(x) for x in counts)
+                               int(self.stop_requested), anchors, self.train_loader.pop_substituted(self.step)],
+                              dtype=torch.int64)
+        counts = self.coll.all_reduce(counts.to(self.device), "the step-counts all-reduce", self.step + 1).cpu()
+        num_masked, num_seqs, tokens, stops, num_anchors, corrupt = (int(x) for x in counts)
         self.stop_requested = stops > 0
+        # DDP all-reduces the gradients inside the last micro-batch's backward.
+        with self.coll.guard("the gradient all-reduce (DDP backward)", self.step + 1):
+            loss_parts = self.forward_backward(block, num_masked, num_seqs, num_anchors)
+        return StepResult(loss_parts, num_seqs, tokens, corrupt)
+
+    def forward_backward(self, block: SampleBlock, num_masked: int, num_seqs: int, num_anchors: int) -> torch.Tensor:
+        """This rank's micro-batches through forward and backward; returns the [4] loss parts."""
+        t = self.cfg.train
+        simreg = self.cfg.loss.simreg_weight > 0
         self.forward.train()
         loss_parts = torch.zeros(4, device=self.device)
         scale = float(self.world)  # DDP averages gradients over ranks; the losses are sums
@@ -244,7 +269,11 @@ class Trainer:
                                                num_masked, num_seqs)
                 simreg_part = torch.zeros((), device=self.device)
                 if simreg:
-                    reg_sum, _ = simreg_loss(out.hidden_states, batch, self.cfg.loss.simreg_temperature,
+                    hidden, sim_batch = out.hidden_states, batch
+                    if isinstance(batch, PackedBatch):  # SimReg looks at real tokens only
+                        sim_batch, index = unpack(batch)
+                        hidden = hidden[index]
+                    reg_sum, _ = simreg_loss(hidden, sim_batch, self.cfg.loss.simreg_temperature,
                                              self.cfg.loss.simreg_scope)
                     simreg_part = reg_sum / max(num_anchors, 1)
                     loss = loss + self.cfg.loss.simreg_weight * simreg_part
@@ -252,7 +281,7 @@ class Trainer:
             (self.scaler.scale(backward_loss) if self.scaler else backward_loss).backward()
             loss_parts += torch.stack([loss.detach(), stats["mlm_loss_sum"] / max(num_masked, 1),
                                        stats["nsp_loss_sum"] / max(num_seqs, 1), simreg_part.detach()])
-        return StepResult(loss_parts, num_seqs, tokens)
+        return loss_parts
 
     def optimizer_step(self) -> tuple[bool, float]:
         """Clip, skip a non-finite update, step LAMB and the schedule. Returns (applied, grad norm)."""
@@ -281,6 +310,10 @@ class Trainer:
         else:
             self.skipped += 1
             self.nonfinite_in_row += 1
+            if self.adagc is not None:
+                # AdaGC kept its thresholds on the non-finite step but counted it; the skipped
+                # step leaves all optimizer state as it was, its step count included.
+                self.adagc.step -= 1
         if self.scaler:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -296,7 +329,7 @@ class Trainer:
                 if p.grad is not None and (not d.spike_params or any(s in name for s in d.spike_params)):
                     p.grad.mul_(d.spike_factor)
         if step in d.nonfinite_steps:
-            next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+            next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = float(d.nonfinite_value)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -310,7 +343,7 @@ class Trainer:
                 out = self.model(batch)
             correct += (out.mlm_logits.argmax(-1) == batch.mlm_labels).sum()
             total += batch.mlm_labels.numel()
-        counts = self._all_reduce(torch.stack([correct, total]))
+        counts = self.coll.all_reduce(torch.stack([correct, total]), "the eval-accuracy all-reduce", self.step)
         return float(counts[0]) / max(int(counts[1]), 1)
 
     # ---- the loop ------------------------------------------------------------------------
@@ -363,7 +396,8 @@ class Trainer:
             if self.rebalancer:
                 # This step's samples, exchanged while the previous step computed; the next
                 # step's exchange now runs behind this one.
-                block, rebalance = self.rebalancer.wait()
+                with self.coll.guard("the rebalancing exchange", self.step + 1):
+                    block, rebalance = self.rebalancer.wait()
                 self.rebalancer.start(next(batches), step=self.step + 1)
             else:
                 block = next(batches)
@@ -373,6 +407,10 @@ class Trainer:
             self.step += 1
             self.samples += result.samples
             self.tokens += result.tokens
+            if result.corrupt:
+                self.corrupt_samples += result.corrupt
+                self.progress.message(f"warning: step {self.step}: {result.corrupt} corrupt sample(s) replaced by the "
+                                      f"next valid ones (data.on_corrupt=skip); {self.corrupt_samples} so far")
             self.train_seconds += time.time() - step_start
             window_samples += result.samples
             window_tokens += result.tokens
@@ -381,13 +419,14 @@ class Trainer:
                                       f"{self.step}; stopping (status aborted)")
                 status = "aborted"
             if self.step % t.log_interval_steps == 0 or self.step == 1:
-                parts = self._all_reduce(result.loss_parts.clone()).tolist()
+                parts = self.coll.all_reduce(result.loss_parts.clone(), "the loss all-reduce", self.step).tolist()
                 elapsed = max(time.time() - window_start, 1e-9)
                 rec = {"step": self.step, "samples": self.samples, "loss": parts[0], "mlm_loss": parts[1],
                        "nsp_loss": parts[2], **({"simreg_loss": parts[3]} if self.cfg.loss.simreg_weight else {}),
                        "lr": self.schedule.lr_at(max(self.schedule.step_count - 1, 0)), "grad_norm": grad_norm,
                        "seq_per_s": window_samples / elapsed, "tokens_per_s": window_tokens / elapsed,
-                       "skipped_steps": self.skipped}
+                       "skipped_steps": self.skipped,
+                       **({"corrupt_samples": self.corrupt_samples} if cfg.data.on_corrupt == "skip" else {})}
                 if rebalance is not None:
                     rec["rebalance"] = {k: getattr(rebalance, k) for k in (
                         "imbalance_before", "imbalance_after", "samples_moved", "samples_sent", "exchange_ms",
@@ -407,13 +446,18 @@ class Trainer:
                 status = "aborted"
             ckpt_due = cfg.checkpoint.interval_steps and self.step % cfg.checkpoint.interval_steps == 0
             if status is None and (ckpt_due or self.stop_requested):
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
                 if self.stop_requested:
                     self._drain_rebalancer()
                     self.progress.message(f"stopping at step {self.step} as asked (SIGTERM); "
-                                          f"checkpoint saved, rerun with the same --output-dir to resume")
+                                          + ("checkpoint saved, rerun with the same --output-dir to resume" if saved
+                                             else "rerun with the same --output-dir to resume from the latest "
+                                                  "checkpoint"))
                     self.mllog.close()
-                    return {"status": "interrupted", "steps": self.step, "samples": self.samples}
+                    return {"status": "interrupted", "steps": self.step, "samples": self.samples,
+                            **({"error": self.error} if self.error else {})}
+                if not saved and cfg.checkpoint.on_error == "stop":
+                    status = "aborted"
         return self._finish(status, time.time() - run_start)
 
     def _run_eval(self) -> None:
@@ -451,8 +495,10 @@ class Trainer:
             "tokens_per_s": self.tokens / max(self.train_seconds, 1e-9),
             "eval_accuracy": self.eval_accuracy, "time_to_train_s": time_to_train,
             "skipped_steps": self.skipped, "world_size": self.world,
+            "corrupt_samples_skipped": self.corrupt_samples, "checkpoint_failures": self.checkpoint_failures,
             "loss_spike_score": spike_score([r["loss"] for r in self.metrics.records if "loss" in r]),
             "grad_norm_spike_score": spike_score([r["grad_norm"] for r in self.metrics.records if "grad_norm" in r]),
+            **({"error": self.error} if self.error else {}),
         }
         if self.is_main:
             import json
@@ -468,43 +514,73 @@ class Trainer:
     def _checkpoint_dir(self) -> str:
         return os.path.join(self.out, "checkpoints")
 
-    def _latest_checkpoint(self) -> str | None:
-        paths = sorted(glob.glob(os.path.join(self._checkpoint_dir(), "step_*.pt")))
-        return paths[-1] if paths else None
+    def save_checkpoint(self) -> bool:
+        """Rank 0 writes the checkpoint; every rank learns whether it worked. Returns success.
 
-    def save_checkpoint(self) -> None:
+        A write the file system refuses is reported with the checkpoint that is kept instead;
+        the caller goes on or stops by checkpoint.on_error.
+        """
+        error = None
         if self.is_main:
-            state = {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "schedule": self.schedule.state_dict(),
-                "adagc": self.adagc.state_dict() if self.adagc else None,
-                "scaler": self.scaler.state_dict() if self.scaler else None,
-                "loader": self.train_loader.state_dict(),
-                "counters": {"step": self.step, "samples": self.samples, "tokens": self.tokens, "skipped": self.skipped,
-                             "nonfinite_in_row": self.nonfinite_in_row, "train_seconds": self.train_seconds,
-                             "last_eval_samples": self.last_eval_samples, "eval_accuracy": self.eval_accuracy},
-                "config": self.cfg.to_dict(),
-            }
-            path = os.path.join(self._checkpoint_dir(), f"step_{self.step:08d}.pt")
-            tmp = path + ".tmp"
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            dir_fd = os.open(self._checkpoint_dir(), os.O_RDONLY)
             try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-            for old in sorted(glob.glob(os.path.join(self._checkpoint_dir(), "step_*.pt")))[:-self.cfg.checkpoint.keep]:
-                os.remove(old)
-        if self.world > 1:
-            dist.barrier()
+                train_checkpoint.save(self._checkpoint_dir(), self.step, self._training_state(),
+                                      self.cfg.checkpoint.keep)
+            except train_checkpoint.CheckpointWriteError as e:
+                error = str(e)
+        failed = self.coll.all_reduce(torch.tensor([int(error is not None)], device=self.device),
+                                      "the checkpoint commit", self.step)
+        if not int(failed):
+            return True
+        self.checkpoint_failures += 1
+        if self.is_main:
+            kept = train_checkpoint.list_checkpoints(self._checkpoint_dir())
+            previous = os.path.basename(kept[-1][1]) if kept else "none"
+            action = "continuing" if self.cfg.checkpoint.on_error == "continue" else "stopping"
+            self.progress.message(f"error: step {self.step}: {error}; the previous checkpoint ({previous}) is kept; "
+                                  f"{action} (checkpoint.on_error={self.cfg.checkpoint.on_error})")
+        if self.cfg.checkpoint.on_error == "stop" or self.stop_requested:
+            self.error = f"the checkpoint of step {self.step} could not be written" + (f": {error}" if error else "")
+        return False
 
-    def _load_checkpoint(self, path: str) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+    def _training_state(self) -> dict:
+        # The rebalancer has already drawn the next step's samples from the loader: the
+        # position to resume at is the number of steps trained.
+        loader = {**self.train_loader.state_dict(), "step": self.step}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "adagc": self.adagc.state_dict() if self.adagc else None,
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "loader": loader,
+            "counters": {"step": self.step, "samples": self.samples, "tokens": self.tokens, "skipped": self.skipped,
+                         "nonfinite_in_row": self.nonfinite_in_row, "train_seconds": self.train_seconds,
+                         "last_eval_samples": self.last_eval_samples, "eval_accuracy": self.eval_accuracy,
+                         "corrupt_samples": self.corrupt_samples, "checkpoint_failures": self.checkpoint_failures},
+            "config": self.cfg.to_dict(),
+        }
+
+    def _resume(self) -> str | None:
+        """Load the newest checkpoint that verifies (damaged ones are named and passed over);
+        check that every rank resumed from the same step. Returns its path, None to start fresh."""
+        directory = self._checkpoint_dir()
+        if self.is_main and os.path.isdir(directory):
+            for name in train_checkpoint.remove_temporaries(directory):
+                self.progress.message(f"removed {name}, the unfinished write of a killed run")
+        found = train_checkpoint.load_latest(directory, warn=self.progress.message) if os.path.isdir(directory) \
+            else None
+        if found is not None:
+            self._load_checkpoint(found[1])
+        # Ranks that see different checkpoint directories (node-local disks) would diverge silently.
+        steps = self.coll.all_reduce(torch.tensor([self.step, -self.step], device=self.device), "the resume check",
+                                     self.step, op=dist.ReduceOp.MAX)
+        if int(steps[0]) != -int(steps[1]):
+            raise CheckpointError(f"{directory}: the ranks resumed from different steps ({-int(steps[1])} to "
+                                  f"{int(steps[0])}; rank {self.rank} from {self.step}): every rank must see the "
+                                  f"same checkpoints")
+        return found[0] if found else None
+
+    def _load_checkpoint(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
@@ -517,3 +593,5 @@ class Trainer:
         self.step, self.samples, self.tokens, self.skipped = c["step"], c["samples"], c["tokens"], c["skipped"]
         self.nonfinite_in_row, self.train_seconds = c["nonfinite_in_row"], c["train_seconds"]
         self.last_eval_samples, self.eval_accuracy = c["last_eval_samples"], c["eval_accuracy"]
+        self.corrupt_samples = c.get("corrupt_samples", 0)
+        self.checkpoint_failures = c.get("checkpoint_failures", 0)

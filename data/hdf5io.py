@@ -11,6 +11,15 @@ Varlength layout (MLPerf's ``convert_fixed2variable``): input_ids, segment_ids,
     Files written here also carry ``max_seq_length`` and ``max_predictions`` attributes so
     ``data.convert`` can go back to the fixed layout without being told them.
 
+Packed layout (NVIDIA's packed MLPerf data; ``python -m data.convert --to packed`` writes it),
+    R packs (rows) per file, each holding whole sequences: every key is an (R,) variable-length
+    array -- input_ids int16 and segment_ids int8 (the pack's tokens, sequence after sequence,
+    no padding), packed_input_len int16 (the sequences' lengths), masked_lm_positions int16
+    (positions within the pack) and masked_lm_ids int16, packed_masked_lm_len int16 (masked
+    slots per sequence), next_sentence_labels int8 (one per sequence). Reading unpacks: the
+    SampleBlock holds the sequences, pack after pack, and "sample k" / ``num_samples`` count
+    sequences, so loaders treat the file like the other layouts (and pack again per step).
+
 Readers return ``data.samples.SampleBlock``. Every check names the file and, for values, the
 first bad sample (its row in the file): keys, dtypes, shapes, token ids inside the
 vocabulary, the input_mask prefix, segment ids and labels in range, masked positions
@@ -38,15 +47,23 @@ VARLENGTH_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_
 FIXED_DTYPES = {"input_ids": np.int16, "input_mask": np.int8, "segment_ids": np.int8,
                 "masked_lm_positions": np.int16, "masked_lm_ids": np.int16, "next_sentence_labels": np.int8}
 LAYOUTS = ("fixed", "varlength")
+PACKED = "packed"
+PACKED_KEYS = ("input_ids", "segment_ids", "packed_input_len", "masked_lm_positions", "masked_lm_ids",
+               "packed_masked_lm_len", "next_sentence_labels")
+PACKED_DTYPES = {"input_ids": np.int16, "segment_ids": np.int8, "packed_input_len": np.int16,
+                 "masked_lm_positions": np.int16, "masked_lm_ids": np.int16, "packed_masked_lm_len": np.int16,
+                 "next_sentence_labels": np.int8}
+ALL_LAYOUTS = LAYOUTS + (PACKED,)  # what data.convert writes; LAYOUTS: what data.prepare writes
 
 
 @dataclass(frozen=True)
 class FileInfo:
     path: str
-    layout: str  # "fixed" | "varlength"
-    num_samples: int
-    max_seq_length: int | None  # S of the fixed layout (or the varlength file's attribute)
+    layout: str  # "fixed" | "varlength" | "packed"
+    num_samples: int  # sequences (a packed file: over all its packs)
+    max_seq_length: int | None  # S of the fixed layout (or the varlength / packed file's attribute)
     max_predictions: int | None
+    num_packs: int | None = None  # rows of a packed file
 
 
 def _fail(path, msg: str):
@@ -70,7 +87,9 @@ def _layout_of(path, f: h5py.File) -> str:
     if not isinstance(ds, h5py.Dataset):
         _fail(path, "'input_ids' is not a dataset")
     layout = "varlength" if h5py.check_vlen_dtype(ds.dtype) is not None else "fixed"
-    for key in FIXED_KEYS if layout == "fixed" else VARLENGTH_KEYS:
+    if "packed_input_len" in keys:
+        layout = PACKED
+    for key in {"fixed": FIXED_KEYS, "varlength": VARLENGTH_KEYS, PACKED: PACKED_KEYS}[layout]:
         if key not in keys:
             _fail(path, f"missing key {key!r} ({layout} layout)")
         if not isinstance(f[key], h5py.Dataset):
@@ -85,7 +104,19 @@ def _check_int_dtype(path, key: str, dtype: np.dtype, expected) -> None:
 
 
 def _info(path, f: h5py.File) -> FileInfo:
+    try:
+        return _read_info(path, f)
+    except DataError:
+        raise
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as e:  # damaged metadata h5py cannot parse
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        _fail(path, f"not a readable HDF5 file (truncated or corrupt?): {text}")
+
+
+def _read_info(path, f: h5py.File) -> FileInfo:
     layout = _layout_of(path, f)
+    if layout == PACKED:
+        return _packed_info(path, f)
     nsp = f["next_sentence_labels"]
     _check_int_dtype(path, "next_sentence_labels", nsp.dtype, np.int8)
     if not (nsp.ndim == 1 or (nsp.ndim == 2 and nsp.shape[1] == 1)):
@@ -115,9 +146,34 @@ def _info(path, f: h5py.File) -> FileInfo:
         _check_int_dtype(path, key, base, FIXED_DTYPES[key])
         if ds.shape != (n,):
             _fail(path, f"{key} has shape {ds.shape}, expected ({n},)")
+    s, p = (_int_attr(path, f, name) for name in ("max_seq_length", "max_predictions"))
+    return FileInfo(str(path), layout, n, s, p)
+
+
+def _int_attr(path, f: h5py.File, name: str) -> int | None:
+    value = f.attrs.get(name)
+    if value is None:
+        return None
+    if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.integer) or int(value) < 1:
+        _fail(path, f"attribute {name} is {value!r}, expected a positive integer")
+    return int(value)
+
+
+def _packed_info(path, f: h5py.File) -> FileInfo:
+    r = None
+    for key in PACKED_KEYS:
+        ds = f[key]
+        base = h5py.check_vlen_dtype(ds.dtype)
+        if base is None:
+            _fail(path, f"{key} has dtype {ds.dtype}, expected a variable-length integer array (packed layout)")
+        _check_int_dtype(path, key, base, PACKED_DTYPES[key])
+        r = ds.shape[0] if r is None else r
+        if ds.shape != (r,):
+            _fail(path, f"{key} has shape {ds.shape}, expected ({r},) like input_ids")
+    n = int(_lengths(f["packed_input_len"][:]).sum()) if r else 0
     s = f.attrs.get("max_seq_length")
     p = f.attrs.get("max_predictions")
-    return FileInfo(str(path), layout, n, None if s is None else int(s), None if p is None else int(p))
+    return FileInfo(str(path), PACKED, n, None if s is None else int(s), None if p is None else int(p), num_packs=r)
 
 
 def inspect(path) -> FileInfo:
@@ -127,19 +183,67 @@ def inspect(path) -> FileInfo:
 
 
 def read_file(path, vocab_size: int | None = None, start: int = 0, stop: int | None = None) -> SampleBlock:
-    """Read samples [start, stop) of a fixed or varlength file into a validated SampleBlock."""
+    """Read samples [start, stop) of a fixed, varlength or packed file (samples: sequences) into a
+    validated SampleBlock."""
+    with _open(path) as f:
+        info = _info(path, f)
+        stop = info.num_samples if stop is None else min(stop, info.num_samples)
+        return _read_range(path, f, info, vocab_size, min(start, stop), stop)
+
+
+def _read_range(path, f: h5py.File, info: FileInfo, vocab_size: int | None, start: int, stop: int) -> SampleBlock:
+    if info.layout == PACKED:
+        return _read_packed(path, f, info, vocab_size, start, stop)
+    keys = FIXED_KEYS if info.layout == "fixed" else VARLENGTH_KEYS
     try:
-        with _open(path) as f:
+        arrays = {k: f[k][start:stop] for k in keys}
+    except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        rows = f"sample {start}" if stop - start == 1 else f"samples {start}..{stop - 1}"
+        _fail(path, f"cannot read sample data (truncated or corrupt?) in {rows}: {text}")
+    if info.layout == "fixed":
+        return from_fixed_arrays(path, vocab_size=vocab_size, first_row=start, **arrays)
+    return _from_varlength(path, arrays, vocab_size, start)
+
+
+def read_valid(path, vocab_size: int | None = None) -> tuple[SampleBlock, np.ndarray, list[str]]:
+    """The samples of a file that can be read and pass validation, for ``data.on_corrupt=skip``.
+
+    Returns (block of the valid samples in file order, their rows in the file [n] int64, one
+    message per invalid sample, naming file and sample). Ranges that fail are halved until
+    the bad samples are single rows, so a few bad samples cost a few extra reads of their
+    neighbourhood. A file that cannot be opened at all gives no samples and one message.
+    """
+    try:
+        f = _open(path)
+    except DataError as e:
+        return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
+    with f:
+        try:
             info = _info(path, f)
-            stop = info.num_samples if stop is None else min(stop, info.num_samples)
-            start = min(start, stop)
-            if info.layout == "fixed":
-                arrays = {k: f[k][start:stop] for k in FIXED_KEYS}
-                return from_fixed_arrays(path, vocab_size=vocab_size, first_row=start, **arrays)
-            arrays = {k: f[k][start:stop] for k in VARLENGTH_KEYS}
-            return _from_varlength(path, arrays, vocab_size, start)
-    except OSError as e:  # a dataset that cannot be read: truncated file, damaged chunk
-        _fail(path, f"cannot read sample data (truncated or corrupt?): {str(e).splitlines()[0]}")
+        except DataError as e:
+            return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
+        parts: list[SampleBlock] = []
+        rows: list[np.ndarray] = []
+        problems: list[str] = []
+        todo = [(0, info.num_samples)]
+        while todo:
+            start, stop = todo.pop()
+            if start >= stop:
+                continue
+            try:
+                parts.append(_read_range(path, f, info, vocab_size, start, stop))
+                rows.append(np.arange(start, stop, dtype=np.int64))
+            except DataError as e:
+                if stop - start == 1:
+                    problems.append(str(e))
+                else:
+                    mid = (start + stop) // 2
+                    todo += [(mid, stop), (start, mid)]  # the lower half first: file order
+    if not parts:
+        return SampleBlock.empty(), np.zeros(0, np.int64), problems
+    return SampleBlock.concat(parts), np.concatenate(rows), problems
+
 
 
 def _first(bad: np.ndarray) -> int:
@@ -231,6 +335,83 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     _check_nsp(path, nsp, first_row)
     return SampleBlock(
         input_ids=flat_ids, segment_ids=flat_seg, seq_lens=lens.astype(np.int32),
+        masked_positions=positions.astype(np.int32), masked_ids=labels.astype(np.int32),
+        masked_counts=counts.astype(np.int32), nsp_labels=nsp.astype(np.int8))
+
+
+def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size: int | None, start: int, stop: int) -> SampleBlock:
+    """Unpack the packs holding sequences [start, stop) and return those sequences."""
+    try:
+        per_pack = _lengths(f["packed_input_len"][:])  # sequences in each pack
+        seq_off = _offsets(per_pack)  # [R+1]
+        p0 = max(int(np.searchsorted(seq_off, start, side="right")) - 1, 0)
+        p1 = max(int(np.searchsorted(seq_off, stop, side="left")), p0)
+        arrays = {k: f[k][p0:p1] for k in PACKED_KEYS}
+    except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        _fail(path, f"cannot read sample data (truncated or corrupt?) in samples {start}..{stop - 1}: {text}")
+    block = from_packed_arrays(path, vocab_size=vocab_size, max_seq_length=info.max_seq_length, first_pack=p0,
+                               first_sample=int(seq_off[p0]), **arrays)
+    lo = start - int(seq_off[p0])
+    return block.select(np.arange(lo, lo + stop - start))
+
+
+def from_packed_arrays(path, input_ids, segment_ids, packed_input_len, masked_lm_positions, masked_lm_ids,
+                       packed_masked_lm_len, next_sentence_labels, vocab_size: int | None = None,
+                       max_seq_length: int | None = None, first_pack: int = 0, first_sample: int = 0) -> SampleBlock:
+    """Packed-layout arrays (per key, an object array of one array per pack) -> validated
+    SampleBlock of the sequences; ``first_pack`` / ``first_sample`` number the errors."""
+    tokens_per_pack = _lengths(input_ids)
+    seqs_per_pack = _lengths(packed_input_len)
+    lens = _flat(packed_input_len, np.int64)  # [n] sequence lengths
+    seq_pack = np.repeat(np.arange(len(seqs_per_pack)), seqs_per_pack)  # [n] pack of each sequence
+
+    def pack_fail(bad: np.ndarray, what):
+        r = _first(bad)
+        _fail(path, f"pack {first_pack + r}: {what(r)}")
+
+    def per_pack_sum(values: np.ndarray) -> np.ndarray:
+        return np.bincount(seq_pack, weights=values, minlength=len(seqs_per_pack)).astype(np.int64)
+
+    bad = _lengths(segment_ids) != tokens_per_pack
+    if bad.any():
+        pack_fail(bad, lambda r: f"segment_ids has {len(segment_ids[r])} entries, input_ids has {tokens_per_pack[r]}")
+    summed = per_pack_sum(lens)
+    bad = summed != tokens_per_pack
+    if bad.any():
+        pack_fail(bad, lambda r: f"packed_input_len sums to {summed[r]}, input_ids has {tokens_per_pack[r]} tokens")
+    if max_seq_length is not None:
+        bad = tokens_per_pack > max_seq_length
+        if bad.any():
+            pack_fail(bad, lambda r: f"holds {tokens_per_pack[r]} tokens, more than max_seq_length {max_seq_length}")
+    for key, objs in (("packed_masked_lm_len", packed_masked_lm_len), ("next_sentence_labels", next_sentence_labels)):
+        bad = _lengths(objs) != seqs_per_pack
+        if bad.any():
+            pack_fail(bad, lambda r: f"{key} has {len(objs[r])} entries for {seqs_per_pack[r]} sequences")
+    bad = lens < 1
+    if bad.any():
+        _fail(path, f"sample {first_sample + _first(bad)}: the sequence is empty (packed_input_len 0)")
+    counts = _flat(packed_masked_lm_len, np.int64)
+    bad = counts < 0
+    if bad.any():
+        _fail(path, f"sample {first_sample + _first(bad)}: packed_masked_lm_len is negative")
+    slots = per_pack_sum(counts)
+    for key, objs in (("masked_lm_positions", masked_lm_positions), ("masked_lm_ids", masked_lm_ids)):
+        bad = _lengths(objs) != slots
+        if bad.any():
+            pack_fail(bad, lambda r: f"{key} has {len(objs[r])} entries, packed_masked_lm_len sums to {slots[r]}")
+    ids = _flat(input_ids, np.int32)
+    seg = _flat(segment_ids, np.int8)
+    _check_tokens(path, ids, seg, lens, vocab_size, first_sample)
+    # Positions within the pack -> within the sequence: subtract the sequence's start in its pack.
+    seq_start = _offsets(lens)[:-1] - np.repeat(_offsets(tokens_per_pack)[:-1], seqs_per_pack)
+    positions = _flat(masked_lm_positions, np.int64) - np.repeat(seq_start, counts)
+    labels = _flat(masked_lm_ids, np.int64)
+    _check_masked(path, positions, labels, counts, lens, vocab_size, first_sample)
+    nsp = _flat(next_sentence_labels, np.int64)
+    _check_nsp(path, nsp, first_sample)
+    return SampleBlock(
+        input_ids=ids, segment_ids=seg, seq_lens=lens.astype(np.int32),
         masked_positions=positions.astype(np.int32), masked_ids=labels.astype(np.int32),
         masked_counts=counts.astype(np.int32), nsp_labels=nsp.astype(np.int8))
 
@@ -388,13 +569,54 @@ def write_varlength(path, block: SampleBlock, max_seq_length: int | None = None,
             f.attrs["max_predictions"] = np.int32(max_predictions)
 
 
+def write_packed(path, block: SampleBlock, max_seq_length: int, max_predictions: int | None = None) -> None:
+    """Write ``block`` in the packed layout: its sequences packed first-fit decreasing into
+    packs of at most ``max_seq_length`` tokens (``data.packing``), pack after pack."""
+    from data.packing import first_fit_decreasing
+
+    counts = block.masked_counts.astype(np.int64)
+    if max_predictions is not None and len(block) and int(counts.max()) > max_predictions:
+        r = int(np.argmax(counts))
+        raise DataError(f"{path}: sample {r} has {int(counts[r])} masked positions, more than {max_predictions}")
+    try:
+        row, offset, num_packs = first_fit_decreasing(block.seq_lens, max_seq_length)
+    except DataError as e:
+        raise DataError(f"{path}: {e}") from None
+    order = np.lexsort((offset, row))  # sequences pack after pack, in their order within the pack
+    packed = block.select(order)
+    lens = packed.seq_lens.astype(np.int64)
+    counts = packed.masked_counts.astype(np.int64)
+    seqs_per_pack = np.bincount(row, minlength=num_packs).astype(np.int64)
+    pack_of_seq = np.repeat(np.arange(num_packs), seqs_per_pack)
+    tokens_per_pack = np.bincount(pack_of_seq, weights=lens, minlength=num_packs).astype(np.int64)
+    slots_per_pack = np.bincount(pack_of_seq, weights=counts, minlength=num_packs).astype(np.int64)
+    positions = packed.masked_positions.astype(np.int64) + np.repeat(offset[order], counts)  # within the pack
+    with _AtomicFile(path) as f:
+        for key, flat, cnt in (("input_ids", packed.input_ids, tokens_per_pack),
+                               ("segment_ids", packed.segment_ids, tokens_per_pack),
+                               ("packed_input_len", lens, seqs_per_pack),
+                               ("masked_lm_positions", positions, slots_per_pack),
+                               ("masked_lm_ids", packed.masked_ids, slots_per_pack),
+                               ("packed_masked_lm_len", counts, seqs_per_pack),
+                               ("next_sentence_labels", packed.nsp_labels, seqs_per_pack)):
+            dtype = PACKED_DTYPES[key]
+            ds = f.create_dataset(key, (num_packs,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
+            if num_packs:
+                ds[...] = _split(np.asarray(flat), cnt, dtype)
+        f.attrs["max_seq_length"] = np.int32(max_seq_length)
+        if max_predictions is not None:
+            f.attrs["max_predictions"] = np.int32(max_predictions)
+
+
 def write_file(path, block: SampleBlock, layout: str, max_seq_length: int, max_predictions: int) -> None:
     if layout == "fixed":
         write_fixed(path, block, max_seq_length, max_predictions)
     elif layout == "varlength":
         write_varlength(path, block, max_seq_length, max_predictions)
+    elif layout == PACKED:
+        write_packed(path, block, max_seq_length, max_predictions)
     else:
-        raise DataError(f"--format {layout!r}: expected one of {', '.join(LAYOUTS)}")
+        raise DataError(f"--format {layout!r}: expected one of {', '.join(ALL_LAYOUTS)}")
 
 
 def md5sum(path) -> str:

@@ -22,6 +22,16 @@ background thread reads and validates the next shard while the current one is us
 drops a shard after its last step. ``state_dict()`` is the step counter plus what identifies
 the plan; ``load_state_dict`` on a loader of any W resumes at that step.
 
+Corrupt samples (``on_corrupt``): ``fail`` raises the reader's DataError, which names the
+file and the sample, when the step that needs the shard comes. ``skip`` reads a bad shard's
+valid samples (``hdf5io.read_valid``) and replaces each invalid one by the next valid sample
+of the epoch's stream (the same file's row order, then the next files). That choice depends
+only on the files and the plan, so every rank keeps its G / W samples per step, the ranks
+never disagree on the global batch, and a run on any W (or resumed) trains on the same
+samples. ``pop_substituted(step)`` says how many samples of a step were replaced; a file
+whose metadata cannot be read at all is left out of the plan at start (every rank sees the
+same files, so every rank leaves it out).
+
 ``global_batch(step)`` gives the whole global batch on one process (tests and the
 rebalancer compare against it). ``EvalLoader`` gives rank r a contiguous slice of the eval
 file. Both iterate ``SampleBlock``s; ``batches()`` collates them with the chosen backend
@@ -39,10 +49,11 @@ import numpy as np
 
 from data.collate import BACKENDS, make_collator
 from data.errors import DataError
-from data.hdf5io import inspect, list_files, read_file
+from data.hdf5io import inspect, list_files, read_file, read_valid
 from data.samples import SampleBlock, _gather_ranges, _offsets
 
 STATE_FORMAT = "PretrainingLoader/1"
+ON_CORRUPT = ("fail", "skip")
 
 
 def default_lanes(global_batch_size: int, cap: int = 16) -> int:
@@ -144,13 +155,24 @@ class _Plan:
 class _Loaded:
     """A shard's samples with their offsets precomputed for fast selection."""
 
-    def __init__(self, block: SampleBlock):
+    def __init__(self, block: SampleBlock, index_of_row: np.ndarray | None = None):
         self.block = block
         self.tok_off = _offsets(block.seq_lens)
         self.msk_off = _offsets(block.masked_counts)
         self.rows: np.ndarray | None = None  # the epoch's row order, set on first use
+        self.rows_epoch = -1
+        # [rows in the file] -> index into block, -1 for a corrupt row; None: every row is there.
+        self.index_of_row = index_of_row
+
+    def valid(self, rows: np.ndarray) -> np.ndarray:
+        if self.index_of_row is None:
+            return np.ones(len(rows), dtype=bool)
+        return self.index_of_row[rows] >= 0
 
     def select(self, idx: np.ndarray) -> SampleBlock:
+        """The samples at file rows ``idx`` (all valid)."""
+        if self.index_of_row is not None:
+            idx = self.index_of_row[idx]
         b = self.block
         return SampleBlock(
             input_ids=_gather_ranges(b.input_ids, self.tok_off, b.seq_lens, idx),
@@ -174,11 +196,21 @@ class PretrainingLoader:
     prefetch: read the next shard in a background thread (False: read when needed).
     prefetch_files: how many shards to read ahead (default: one per lane of this rank).
     vocab_size: token ids are checked against it (default: from the dataset's manifest).
+    on_corrupt: ``fail`` (raise on a corrupt sample) or ``skip`` (replace and count it; see the
+        module docstring). warn: called with a one-line message for each corrupt file (skip).
     """
 
     def __init__(self, train_dir_or_files, global_batch_size: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, *, lanes: int | None = None, backend: str = "torch", prefetch: bool = True,
-                 prefetch_files: int | None = None, vocab_size: int | None = None):
+                 prefetch_files: int | None = None, vocab_size: int | None = None, on_corrupt: str = "fail",
+                 warn=None):
+        if on_corrupt not in ON_CORRUPT:
+            raise ValueError(f"on_corrupt {on_corrupt!r}: expected one of {', '.join(ON_CORRUPT)}")
+        self.on_corrupt = on_corrupt
+        self._warn = warn or (lambda message: None)
+        self.corrupt_found = 0  # corrupt samples met in the shards read so far (skip)
+        self._substituted: dict[int, int] = {}  # step -> samples of this rank's block replaced
+        self._spares: dict[int, _Loaded] = {}  # shards read only to take replacements from
         self.files = list_files(train_dir_or_files)
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size {global_batch_size}: must be >= 1")
@@ -199,7 +231,20 @@ class PretrainingLoader:
         if vocab_size is None and isinstance(train_dir_or_files, (str, Path)):
             vocab_size = dataset_vocab_size(train_dir_or_files)
         self.vocab_size = vocab_size
-        self.sizes = np.array([inspect(f).num_samples for f in self.files], dtype=np.int64)
+        sizes = []
+        readable = []
+        for f in self.files:
+            try:
+                sizes.append(inspect(f).num_samples)
+                readable.append(f)
+            except DataError as e:
+                if on_corrupt == "fail":
+                    raise
+                self._warn(f"{e}; leaving the file out (data.on_corrupt=skip)")
+        if not readable:
+            raise DataError(f"{self.files[0].parent}: none of the {len(self.files)} training files can be read")
+        self.files = readable
+        self.sizes = np.array(sizes, dtype=np.int64)
         if int(self.sizes.sum()) < global_batch_size:
             raise DataError(f"{self.files[0].parent}: {int(self.sizes.sum())} samples in {len(self.files)} file(s) "
                             f"cannot fill one global batch of {global_batch_size}")
@@ -247,7 +292,78 @@ class PretrainingLoader:
 
     # ---------------------------------------------------------------------- loading
     def _read(self, file: int) -> _Loaded:
-        return _Loaded(read_file(self.files[file], vocab_size=self.vocab_size))
+        path, n = self.files[file], int(self.sizes[file])
+        if self.on_corrupt == "fail":
+            block = read_file(path, vocab_size=self.vocab_size)
+            if len(block) != n:
+                raise DataError(f"{path}: holds {len(block)} samples, {n} when the run started")
+            return _Loaded(block)
+        block, rows, problems = read_valid(path, vocab_size=self.vocab_size)
+        if not problems and len(rows) == n:
+            return _Loaded(block)
+        index = np.full(n, -1, dtype=np.int64)
+        inside = rows < n
+        index[rows[inside]] = np.flatnonzero(inside)
+        bad = int((index < 0).sum())
+        self.corrupt_found += bad
+        prefix = f"{path}: "
+        shown = "; ".join(p[len(prefix):] if p.startswith(prefix) else p for p in problems[:3])
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        self._warn(f"{path}: {bad} of {n} samples corrupt, skipped (data.on_corrupt=skip): {shown}{more}")
+        return _Loaded(block, index)
+
+    def _row_order(self, loaded: _Loaded, epoch: int, file: int) -> np.ndarray:
+        if loaded.rows_epoch != epoch:
+            loaded.rows, loaded.rows_epoch = self._plan.row_order(epoch, file), epoch
+        return loaded.rows
+
+    def _spare(self, file: int) -> _Loaded:
+        if file not in self._spares:
+            if len(self._spares) >= 2:
+                self._spares.pop(next(iter(self._spares)))
+            self._spares[file] = self._read(file)
+        return self._spares[file]
+
+    def _gather(self, epoch: int, files: np.ndarray, offsets: np.ndarray, get) -> tuple[SampleBlock, int]:
+        """The samples at (file, offset in the epoch's row order), in order; ``get(file)`` gives a
+        shard. Returns the block and how many corrupt samples were replaced."""
+        files = files.copy()
+        rows = np.empty_like(offsets)
+        for f in np.unique(files):
+            sel = files == f
+            rows[sel] = self._row_order(get(int(f)), epoch, int(f))[offsets[sel]]
+        replaced = 0
+        if self.on_corrupt == "skip":
+            for f in np.unique(files):
+                sel = np.flatnonzero(files == f)
+                bad = sel[~get(int(f)).valid(rows[sel])]
+                for i in bad:
+                    files[i], rows[i] = self._next_valid(epoch, int(files[i]), int(offsets[i]), get)
+                replaced += len(bad)
+        # Runs of consecutive samples from the same file, in batch order.
+        cut = np.flatnonzero(files[1:] != files[:-1]) + 1
+        parts = [get(int(files[lo])).select(rows[lo:hi])
+                 for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(files)]]))]
+        return (parts[0] if len(parts) == 1 else SampleBlock.concat(parts)), replaced
+
+    def _next_valid(self, epoch: int, file: int, offset: int, get) -> tuple[int, int]:
+        """(file, row) of the first valid sample after stream position (file, offset)."""
+        perm, _ = self._plan.epoch_order(epoch)
+        i = int(np.flatnonzero(perm == file)[0])
+        start = offset + 1
+        for _ in range(len(perm) + 1):
+            f = int(perm[i])
+            loaded = get(f)
+            order = self._row_order(loaded, epoch, f)[start:]
+            ok = loaded.valid(order)
+            if ok.any():
+                return f, int(order[int(np.argmax(ok))])
+            i, start = (i + 1) % len(perm), 0
+        raise DataError(f"{self.files[0].parent}: no valid training sample left to replace the corrupt ones")
+
+    def pop_substituted(self, step: int) -> int:
+        """Corrupt samples replaced in this rank's block of ``step`` (0 when none or not yet read)."""
+        return self._substituted.pop(step, 0)
 
     def _reset(self) -> None:
         """Forget loaded shards and restart the reading queue at self._step."""
@@ -299,17 +415,16 @@ class PretrainingLoader:
         self._shards_for(epoch, s)
         _, pos = self._plan.positions(step)
         files, offsets = self._plan.locate(epoch, pos)
-        # Runs of consecutive positions in the same file, in batch order.
-        cut = np.flatnonzero(files[1:] != files[:-1]) + 1
-        parts = []
-        for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(files)]])):
-            f = int(files[lo])
-            loaded: _Loaded = self._loaded[(epoch, f)].result()
-            if loaded.rows is None:
-                loaded.rows = self._plan.row_order(epoch, f)
-            parts.append(loaded.select(loaded.rows[offsets[lo:hi]]))
+
+        def get(f: int) -> _Loaded:
+            fut = self._loaded.get((epoch, f))
+            return fut.result() if fut is not None else self._spare(f)
+
+        block, replaced = self._gather(epoch, files, offsets, get)
+        if replaced:
+            self._substituted[step] = replaced
         self._evict(epoch, s)
-        return parts[0] if len(parts) == 1 else SampleBlock.concat(parts)
+        return block
 
     # -------------------------------------------------------------------- iteration
     def __iter__(self):
@@ -320,25 +435,26 @@ class PretrainingLoader:
             yield block
 
     def batches(self, layout: str = "unpadded", seq_len: int | None = None, device_id: int | None = None):
-        """Iterate collated batches (``UnpaddedBatch`` or ``PaddedBatch``) with this loader's backend."""
+        """Iterate collated batches (``UnpaddedBatch``, ``PaddedBatch`` or, layout ``packed``,
+        ``PackedBatch`` with rows of seq_len) with this loader's backend."""
         collate = make_collator(self.backend, layout, seq_len, device_id, max_batch_size=self.local_batch_size)
         for block in self:
             yield collate(block)
 
     def global_batch(self, step: int) -> SampleBlock:
         """The whole global batch of ``step`` (all ranks' samples in rank order), read here."""
-        ids = self.sample_ids(step, world_size=1)
-        epoch = self.epoch_of(step)
-        parts = []
-        cut = np.flatnonzero(ids[1:, 0] != ids[:-1, 0]) + 1
+        plan = self._plan_for(None, 1)
+        epoch, pos = plan.positions(step)
+        files, offsets = plan.locate(epoch, pos)
         cache: dict[int, _Loaded] = {}
-        for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(ids)]])):
-            f = int(ids[lo, 0])
+
+        def get(f: int) -> _Loaded:
             if f not in cache:
                 fut = self._loaded.get((epoch, f))
                 cache[f] = fut.result() if fut is not None and fut.done() else self._read(f)
-            parts.append(cache[f].select(ids[lo:hi, 1]))
-        return SampleBlock.concat(parts)
+            return cache[f]
+
+        return self._gather(epoch, files, offsets, get)[0]
 
     # ------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -360,6 +476,7 @@ class PretrainingLoader:
         if not isinstance(step, int) or step < 0:
             raise DataError(f"loader state: step {step!r} must be an int >= 0")
         self._step = step
+        self._substituted.clear()
         self._reset()
 
     def close(self) -> None:

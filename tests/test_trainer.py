@@ -108,6 +108,7 @@ def cli(*args, timeout=300, **kw):
     ("train.grad_accum_steps=3", "train.global_batch_size: 8 is not divisible"),
     ("data.eval_file=/nonexistent.hdf5", "data.eval_file: '/nonexistent.hdf5' does not exist"),
     ("model.vocab_size=50", "outside the vocabulary"),
+    ("model.attention=flashmask", "model.attention: flashmask needs data.layout=packed"),
 ])
 def test_bad_config_is_one_line(dataset, tmp_path, override, message):
     r = cli("--output-dir", str(tmp_path / "out"), *overrides(dataset, "train.max_steps=2", override))
@@ -131,12 +132,15 @@ def test_help_lists_every_field():
         assert key in r.stdout
 
 
-def test_padded_layout_and_dali_backend_train_the_same(dataset, tmp_path):
+def test_layouts_and_dali_backend_train_the_same(dataset, tmp_path):
     run_in_process(dataset, tmp_path / "unpadded", "train.max_steps=3")
     run_in_process(dataset, tmp_path / "padded", "train.max_steps=3", "data.layout=padded")
     run_in_process(dataset, tmp_path / "dali", "train.max_steps=3", "data.backend=dali")
+    run_in_process(dataset, tmp_path / "packed", "train.max_steps=3", "data.layout=packed",
+                   "model.attention=flashmask")
     ref = losses(tmp_path / "unpadded")
     assert losses(tmp_path / "padded") == pytest.approx(ref, rel=1e-5)
+    assert losses(tmp_path / "packed") == pytest.approx(ref, rel=1e-5)
     assert losses(tmp_path / "dali") == ref
 
 

@@ -1,0 +1,164 @@
+"""The trainer's collectives, wrapped so that a failure says which one, at which step, and who is missing.
+
+A rank that dies or stops responding leaves the others blocked in the next collective until
+the process group's timeout (``dist.timeout_s``) expires, or failing at once when the peer's
+connection closes. The backend's error then names a socket or a source file, not the
+collective or the rank. ``Collectives.guard(what, step)`` turns it into a
+``CollectiveError`` such as
+
+    rank 0: the loss all-reduce at step 3 failed after 8.0 s (dist.timeout_s=8): no report from
+    rank 1 (killed, stopped or hung); gloo: Timed out waiting 8000ms for recv operation to complete
+
+Which ranks are missing is found after the failure, through the rendezvous store: each
+failing rank writes ``fault/<rank>``, waits a few seconds for the others' reports, and names
+those that did not report. A rank that stops on an error of its own (bad data, say) leaves
+its message there first (``announce_exit``), so the others name the cause. The happy path
+costs nothing. If the store itself does not answer, its host (rank 0) is the one that is
+gone, and the message says so.
+
+With NCCL, a timed-out collective is normally caught by the NCCL watchdog, which ends the
+process with its own message (naming the operation and its sequence number); the guard
+covers what surfaces as a Python exception (gloo, and NCCL errors raised on ``wait``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# What backends put in the messages of communication failures (gloo raises plain RuntimeErrors).
+_COMM_PATTERNS = ("gloo", "Connection closed", "Connection reset", "Timed out", "timed out", "NCCL", "Broken pipe")
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (timeout, or a peer went away); the message names it, the step and the ranks."""
+
+
+def is_comm_error(e: BaseException) -> bool:
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    if type(e).__name__ == "RebalanceError":  # its own failures (bad input) are not; what it wraps may be
+        return e.__cause__ is not None and is_comm_error(e.__cause__)
+    return isinstance(e, RuntimeError) and any(p in str(e) for p in _COMM_PATTERNS)
+
+
+def backend_reason(e: BaseException) -> str:
+    """The first sentence of a backend error, without its source-file prefix."""
+    if type(e).__name__ == "RebalanceError" and e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = _SOURCE_PREFIX.sub("", text)
+    return text.split(". ")[0]
+
+
+class Collectives:
+    """All-reduce and guards for one process group (the default one).
+
+    rank, world_size: this process's place; timeout_s: the group's collective timeout, quoted
+    in messages; report_window_s: how long a failing rank waits for the others' reports.
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, report_window_s: float | None = None):
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.report_window_s = report_window_s if report_window_s is not None else min(10.0, max(2.0, timeout_s / 5))
+
+    @contextlib.contextmanager
+    def guard(self, what: str, step: int):
+        """Turn a communication failure inside the block into a CollectiveError."""
+        start = time.monotonic()
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except Exception as e:
+            if self.world_size == 1 or not is_comm_error(e):
+                raise
+            raise self.error(what, step, e, time.monotonic() - start) from e
+
+    def all_reduce(self, t: torch.Tensor, what: str, step: int, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Reduce ``t`` over ranks in place (no-op on one rank)."""
+        if self.world_size > 1:
+            with self.guard(what, step):
+                dist.all_reduce(t, op=op)
+        return t
+
+    def error(self, what: str, step: int, cause: BaseException, elapsed: float) -> CollectiveError:
+        where = f"{what} at step {step}" if step >= 0 else what
+        return CollectiveError(f"rank {self.rank}: {where} failed after {elapsed:.1f} s "
+                               f"(dist.timeout_s={self.timeout_s:g}): {self._missing_ranks(where)}; "
+                               f"{dist.get_backend() if dist.is_initialized() else 'backend'}: "
+                               f"{backend_reason(cause)}")
+
+    def _missing_ranks(self, where: str) -> str:
+        """Ask the store what the other ranks reported: who stopped first, and who is silent."""
+        reports: dict[int, str] = {}
+        others = [r for r in range(self.world_size) if r != self.rank]
+        # A launcher that saw a rank die sends SIGTERM to the others and SIGKILL soon after
+        # (mpirun): stop waiting at SIGTERM and report what is known by then.
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _stop_waiting) if on_main else None
+        try:
+            store = _store(self.report_window_s)
+            store.set(f"fault/{self.rank}", f"failed:{where}")
+            deadline = time.monotonic() + self.report_window_s
+            while True:
+                for r in others:
+                    if r not in reports and store.check([f"fault/{r}"]):
+                        reports[r] = store.get(f"fault/{r}").decode(errors="replace")
+                if len(reports) == len(others) or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.1)
+        except _StopWaiting:
+            pass
+        except Exception:  # noqa: BLE001 - the store is served by rank 0; no answer means rank 0 is gone
+            if self.rank == 0:
+                return "the rendezvous store did not answer"
+            return "the rendezvous store on rank 0 does not answer: rank 0 was killed, stopped or hangs"
+        finally:
+            if on_main:
+                signal.signal(signal.SIGTERM, previous)
+        parts = [f"rank {r} stopped first: {text[len('exit:'):]}" for r, text in sorted(reports.items())
+                 if text.startswith("exit:")][:3]
+        silent = [r for r in others if r not in reports]
+        if silent:
+            names = ", ".join(map(str, silent[:8])) + (f" and {len(silent) - 8} more" if len(silent) > 8 else "")
+            parts.append(f"no report from rank{'s' if len(silent) > 1 else ''} {names} (killed, stopped or hung)")
+        return "; ".join(parts) or "every other rank reported the same failure (a network problem?)"
+
+
+class _StopWaiting(Exception):
+    pass
+
+
+def _stop_waiting(signum, frame):
+    raise _StopWaiting
+
+
+def _store(timeout_s: float):
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def announce_exit(rank: int, world_size: int, message: str):
+    """Leave ``message`` (why this rank stops) where the other ranks' post-mortem finds it.
+
+    Returns the store (or None). Rank 0 serves it: holding the returned object for a few
+    seconds after the process group is torn down lets the others read the message.
+    """
+    if world_size == 1 or not dist.is_initialized():
+        return None
+    try:
+        store = _store(2.0)
+        store.set(f"fault/{rank}", f"exit:{message}")
+        return store
+    except Exception:  # noqa: BLE001 - best effort: the others still report this rank as silent
+        return None

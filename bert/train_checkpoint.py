@@ -1,0 +1,219 @@
+"""Training checkpoints on disk: written atomically, checksummed, verified on load.
+
+The trainer (rank 0) saves ``DIR/checkpoints/step_%08d.pt`` every ``checkpoint.interval_steps``
+and on SIGTERM; every rank resumes from the newest one that verifies. A file is the
+``torch.save`` of the training state followed by a fixed-size trailer,
+
+    \\nBERT-CHECKPOINT sha256=<64 hex digits> size=<16 digits>\\n
+
+the SHA-256 and byte count of everything before it (``torch.load`` reads the file as it is;
+``head -c -111 FILE | sha256sum`` checks it by hand).
+
+Writing: the state is streamed to ``.step_%08d.pt.tmp`` while it is hashed, the trailer is
+appended, the file fsynced, renamed into place and the directory fsynced; only then are
+checkpoints beyond ``keep`` removed, oldest first. So a file under a final name is always
+complete, a kill at any moment leaves at most a temporary file (removed at the next start),
+and the previous checkpoints are never touched by a write that does not finish. A write that
+fails (no space, no permission, an I/O error) removes its temporary file and raises
+``CheckpointWriteError``; the trainer reports it and goes on or stops (``checkpoint.on_error``).
+
+Loading: newest first. A file without a valid trailer (cut short), whose checksum does not
+match (damaged), or that torch cannot read is named in a warning and the next older one is
+tried; when every checkpoint is damaged the run stops with ``CheckpointError`` rather than
+silently starting over.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import re
+
+import torch
+
+from bert.checkpoint import CheckpointError
+
+_TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
+_TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
+TRAILER_BYTES = len(_TRAILER_PREFIX) + 64 + len(b" size=") + 16 + 1
+_NAME_RE = re.compile(r"step_(\d{8,})\.pt\Z")
+_READ_CHUNK = 1 << 22
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message names the file and the OS error."""
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step_{step:08d}.pt")
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of every ``step_*.pt`` under its final name, oldest first."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(directory), "step_*.pt")):
+        m = _NAME_RE.match(os.path.basename(path))
+        if m:
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def remove_temporaries(directory: str) -> list[str]:
+    """Delete the temporary files of writes that were killed; returns their names."""
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.pt.tmp")):
+        try:
+            os.remove(path)
+            removed.append(os.path.basename(path))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+class _HashingSink:
+    """A write-only file for ``torch.save`` that hashes what passes through it."""
+
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path = fd, path
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.error: OSError | None = None  # torch.save turns it into a RuntimeError; keep the cause
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        n = len(view)
+        try:
+            while view:
+                written = os.write(self.fd, view)
+                view = view[written:]
+        except OSError as e:
+            self.error = e
+            raise
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _trailer(sha_hex: str, size: int) -> bytes:
+    return _TRAILER_PREFIX + sha_hex.encode() + b" size=" + f"{size:016d}".encode() + b"\n"
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(directory: str, step: int, state: dict, keep: int) -> str:
+    """Write ``state`` as the checkpoint of ``step`` and keep the newest ``keep``; returns its path.
+
+    Raises CheckpointWriteError (the temporary file removed, older checkpoints untouched) when
+    the file system refuses the write.
+    """
+    path = checkpoint_path(directory, step)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
+    fd = -1
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sink = _HashingSink(fd, tmp)
+        try:
+            torch.save(state, sink)
+        except RuntimeError:
+            if sink.error is None:
+                raise  # not the file system: a bug to see
+            raise sink.error from None
+        trailer = _trailer(sink.sha.hexdigest(), sink.size)
+        view = memoryview(trailer)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+        _fsync_dir(directory)
+    except OSError as e:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        what = e.strerror or str(e)
+        raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({what})") from None
+    for _, old in list_checkpoints(directory)[:-keep]:
+        try:
+            os.remove(old)
+        except OSError:
+            pass  # an old file that cannot be removed costs space, not correctness
+    return path
+
+
+def verify(path: str) -> None:
+    """Check the trailer and the SHA-256 of ``path``; raises CheckpointError saying what is wrong."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            total = f.tell()
+            if total < TRAILER_BYTES:
+                raise CheckpointError(f"{path}: {total} bytes, too short to be a checkpoint (cut short?)")
+            f.seek(total - TRAILER_BYTES)
+            m = _TRAILER_RE.match(f.read(TRAILER_BYTES))
+            if m is None:
+                raise CheckpointError(f"{path}: no checksum trailer at the end (cut short, or not written by "
+                                      f"this trainer)")
+            want, size = m.group(1).decode(), int(m.group(2))
+            if size != total - TRAILER_BYTES:
+                raise CheckpointError(f"{path}: the trailer records {size} bytes of state, the file holds "
+                                      f"{total - TRAILER_BYTES}")
+            f.seek(0)
+            sha = hashlib.sha256()
+            left = size
+            while left:
+                piece = f.read(min(_READ_CHUNK, left))
+                if not piece:
+                    raise CheckpointError(f"{path}: ended early while reading")
+                sha.update(piece)
+                left -= len(piece)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    if sha.hexdigest() != want:
+        raise CheckpointError(f"{path}: checksum mismatch (damaged: SHA-256 {sha.hexdigest()[:12]}..., "
+                              f"recorded {want[:12]}...)")
+
+
+def read(path: str) -> dict:
+    """Verify and load one checkpoint (on the CPU)."""
+    verify(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a file that verifies but does not unpickle is still damaged
+        raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or "counters" not in state:
+        raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
+    return state
+
+
+def load_latest(directory: str, warn=print) -> tuple[str, dict] | None:
+    """(path, state) of the newest checkpoint that verifies; None when there is none at all.
+
+    Each damaged one is reported through ``warn`` before the next older one is tried; if all
+    are damaged, CheckpointError names them.
+    """
+    found = list_checkpoints(directory)
+    problems = []
+    for _, path in reversed(found):
+        try:
+            return path, read(path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            warn(f"warning: {e}; trying the previous checkpoint")
+    if problems:
+        raise CheckpointError(f"every checkpoint in {directory} is damaged ({'; '.join(problems)}); move them "
+                              f"away to start the run over")
+    return None

@@ -1,0 +1,69 @@
+"""``run_pretraining.py`` with faults injected from the environment; the tests in tests/faults
+start it as the training script (directly, under torchrun or under mpirun).
+
+FAULT_MARK_DIR            write ``rank<R>.pid`` there at start, so a test can signal one rank
+FAULT_STEP_DELAY_S        sleep this long after each optimizer step: a window to kill or stop a
+                          rank in, on a machine of any speed
+FAULT_STALL_CHECKPOINT    when writing the checkpoint of this step, stop after its first bytes,
+                          write ``stalled`` to FAULT_MARK_DIR and wait to be killed
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def _rank() -> str:
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if var in os.environ:
+            return os.environ[var]
+    return "0"
+
+
+def _install_faults() -> None:
+    mark_dir = os.environ.get("FAULT_MARK_DIR")
+    if mark_dir:
+        with open(os.path.join(mark_dir, f"rank{_rank()}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+
+    delay = float(os.environ.get("FAULT_STEP_DELAY_S", "0"))
+    if delay:
+        from bert.trainer import Trainer
+
+        step = Trainer.optimizer_step
+
+        def optimizer_step(self):
+            result = step(self)
+            time.sleep(delay)
+            return result
+
+        Trainer.optimizer_step = optimizer_step
+
+    stall = os.environ.get("FAULT_STALL_CHECKPOINT")
+    if stall:
+        from bert import train_checkpoint
+
+        write = train_checkpoint._HashingSink.write
+        name = f".step_{int(stall):08d}.pt.tmp"
+
+        def stalling_write(self, data):
+            n = write(self, data)
+            if os.path.basename(self.path) == name and self.size > 4096:
+                os.fsync(self.fd)  # the partial file is on disk, as a real kill would leave it
+                open(os.path.join(mark_dir, "stalled"), "w").close()
+                time.sleep(3600)
+            return n
+
+        train_checkpoint._HashingSink.write = stalling_write
+
+
+if __name__ == "__main__":
+    _install_faults()
+    from run_pretraining import main
+
+    sys.exit(main())
