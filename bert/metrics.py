@@ -82,6 +82,10 @@ def summary_table(summary: dict) -> str:
             ("eval accuracy", "n/a" if summary["eval_accuracy"] is None else f"{summary['eval_accuracy']:.4f}"),
             ("time to train", f"{summary['time_to_train_s']:.1f} s"),
             ("skipped steps", summary["skipped_steps"])]
+    for key, label in (("corrupt_samples_skipped", "corrupt samples skipped"),
+                       ("checkpoint_failures", "checkpoint failures")):
+        if summary.get(key):
+            rows.append((label, summary[key]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
