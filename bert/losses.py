@@ -29,7 +29,7 @@ def _per_count(loss_sum: Tensor, count) -> Tensor:
 
 
 def pretraining_loss(mlm_logits: Tensor, mlm_labels: Tensor, nsp_logits: Tensor, nsp_labels: Tensor,
-                     num_masked_global, num_seqs_global) -> tuple[Tensor, dict]:
+                     num_masked_global, num_seqs_global, with_accuracy: bool = False) -> tuple[Tensor, dict]:
     """MLM + NSP loss of this rank's share of the global batch.
 
     mlm_logits [M, V], mlm_labels [M], nsp_logits [B, 2], nsp_labels [B];
@@ -37,8 +37,9 @@ def pretraining_loss(mlm_logits: Tensor, mlm_labels: Tensor, nsp_logits: Tensor,
     (ints or 0-d tensors). Cross-entropies are computed in float32 (float64 stays float64).
 
     Returns (loss, stats); stats holds detached 0-d tensors (no sync): ``mlm_loss_sum``,
-    ``nsp_loss_sum``, ``mlm_correct``, ``nsp_correct``; and the local ``num_masked``,
-    ``num_seqs`` as Python ints (known on the host; a tensor would need a copy).
+    ``nsp_loss_sum``, and with ``with_accuracy`` ``mlm_correct``, ``nsp_correct`` (an argmax
+    over the [M, V] logits: a few percent of a small model's step, so only when asked); and
+    the local ``num_masked``, ``num_seqs`` as Python ints (known on the host).
     """
     dtype = torch.promote_types(mlm_logits.dtype, torch.float32)
     mlm_sum = F.cross_entropy(mlm_logits.to(dtype), mlm_labels, reduction="sum")
@@ -48,11 +49,12 @@ def pretraining_loss(mlm_logits: Tensor, mlm_labels: Tensor, nsp_logits: Tensor,
         stats: dict = {
             "mlm_loss_sum": mlm_sum.detach(),
             "nsp_loss_sum": nsp_sum.detach(),
-            "mlm_correct": (mlm_logits.argmax(-1) == mlm_labels).sum(),
-            "nsp_correct": (nsp_logits.argmax(-1) == nsp_labels).sum(),
             "num_masked": mlm_labels.numel(),
             "num_seqs": nsp_labels.numel(),
         }
+        if with_accuracy:
+            stats["mlm_correct"] = (mlm_logits.argmax(-1) == mlm_labels).sum()
+            stats["nsp_correct"] = (nsp_logits.argmax(-1) == nsp_labels).sum()
     return loss, stats
 
 

@@ -156,6 +156,7 @@ def no_launcher_env():
     for k in list(os.environ):
         if _is_launch_var(k):
             del os.environ[k]
+    destroy()  # an earlier in-process test (the trainer's) may have left a group behind
     yield
     destroy()
     os.environ.clear()

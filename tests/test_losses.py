@@ -176,7 +176,8 @@ def _heads(m=13, b=5, v=17, seed=0):
 
 def test_pretraining_loss_is_the_mean_with_local_counts():
     mlm, mlm_y, nsp, nsp_y = _heads()
-    loss, stats = pretraining_loss(mlm, mlm_y, nsp, nsp_y, 13, torch.tensor(5))
+    loss, stats = pretraining_loss(mlm, mlm_y, nsp, nsp_y, 13, torch.tensor(5), with_accuracy=True)
+    assert "mlm_correct" not in pretraining_loss(mlm, mlm_y, nsp, nsp_y, 13, 5)[1]
     expected = F.cross_entropy(mlm, mlm_y) + F.cross_entropy(nsp, nsp_y)
     torch.testing.assert_close(loss, expected)
     assert int(stats["mlm_correct"]) == int((mlm.argmax(-1) == mlm_y).sum())
