@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(REPO))
 
+from bert.metrics import atomic_write_text  # noqa: E402
 from bert.train_config import ConfigError, load_config  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "launch" / "configs" / "cpu_demo.yaml"
@@ -255,12 +256,6 @@ def plot(runs: dict[str, dict], spike_steps: list[int], global_batch: int, path:
     os.replace(tmp, path)
 
 
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 # ---- CLI --------------------------------------------------------------------------------
 
 
@@ -370,7 +365,7 @@ def _main(args) -> int:
              "simreg_scope": args.simreg_scope, "spike_steps": spike_steps,
              "spike_params": args.spike_params if spike_steps else [], "spike_factor": args.spike_factor,
              "overrides": overrides, "wall_seconds": wall}
-    atomic_write(out / "ablation.json", json.dumps({"setup": setup, "table": rows, "runs": runs}, indent=1) + "\n")
+    atomic_write_text(out / "ablation.json", json.dumps({"setup": setup, "table": rows, "runs": runs}, indent=1) + "\n")
     title = (f"{cfg.model.preset} BERT, {args.steps} steps x {global_batch}, {cfg.optim.name}; SimReg w="
              f"{args.simreg_weight} T={args.simreg_temperature}; AdaGC warm-up {cfg.optim.adagc.warmup_steps}"
              + (f"; {len(spike_steps)} spikes x{args.spike_factor:g} on {','.join(args.spike_params)} "

@@ -300,11 +300,11 @@ def main(argv=None) -> int:
         print_cpu(report)
         ok = report["exact"]
     if args.json:
+        from bert.metrics import atomic_write_text
+
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(path)
+        atomic_write_text(path, json.dumps(report, indent=1))
     return 0 if ok else 1
 
 

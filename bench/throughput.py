@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bert.attention import BackendUnavailable, backend_names, get_backend  # noqa: E402
+from bert.metrics import atomic_write_text  # noqa: E402
 from bert.config import PRESETS, BertConfig  # noqa: E402
 
 GOAL_VS_LIMIT = 0.9  # unpadded / padded >= 0.9 x padding limit
@@ -346,12 +347,6 @@ def plot(res: dict, path: Path, title: str) -> None:
     os.replace(tmp, path)
 
 
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 # ---- CLI --------------------------------------------------------------------------------
 
 
@@ -468,7 +463,7 @@ def _main(args) -> int:
                 print(f"\nprofile of one step: {v.name}\n{profile(v, device, args.precision)}")
     out = Path(args.json) if args.json else REPO / "results" / "throughput.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, json.dumps(res, indent=1) + "\n")
+    atomic_write_text(out, json.dumps(res, indent=1) + "\n")
     png = Path(args.png) if args.png else out.with_suffix(".png")
     title = (f"{device} {args.precision}: {config.num_hidden_layers}x{config.hidden_size} BERT, batch "
              f"{args.batch_size}, padded to {seq_len}, transformers attention {args.hf_attention}")
