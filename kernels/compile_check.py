@@ -56,21 +56,14 @@ def _ptxas_report(ptx: str) -> dict:
     return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None}
 
 
-def run_all(registers: bool = False) -> list[dict]:
-    """Compile all variants; returns one record per kernel compiled."""
-    import torch
+def compiling_launcher(records: list[dict], variant: dict, registers: bool = True):
+    """A stand-in for ``jit_kernels._launch`` that compiles each kernel for sm_90 instead of
+    running it, appending one record per kernel (with ``variant``'s current labels)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import runtime
-
-    if runtime.triton_interpreted():
-        raise RuntimeError("Triton was imported in interpreter mode; run with TRITON_INTERPRET=0")
-    module = runtime.load(interpret=False)
     target = GPUTarget("cuda", 90, 32)
-    records: list[dict] = []
-    variant: dict = {}
 
     def compile_launch(kernel, grid, *args, num_warps=4, num_stages=3, **kwargs):
         values = dict(zip(kernel.arg_names, args), **kwargs)
@@ -83,7 +76,21 @@ def run_all(registers: bool = False) -> list[dict]:
                         "num_stages": num_stages, "shared_bytes": binary.metadata.shared,
                         **(_ptxas_report(binary.asm["ptx"]) if registers else {})})
 
-    module._launch = compile_launch
+    return compile_launch
+
+
+def run_all(registers: bool = False) -> list[dict]:
+    """Compile all variants; returns one record per kernel compiled."""
+    import torch
+    from kernels import runtime
+
+    if runtime.triton_interpreted():
+        raise RuntimeError("Triton was imported in interpreter mode; run with TRITON_INTERPRET=0")
+    module = runtime.load(interpret=False)
+    records: list[dict] = []
+    variant: dict = {}
+
+    module._launch = compiling_launcher(records, variant, registers)
 
     def meta(*shape, dtype):
         return torch.empty(*shape, dtype=dtype, device="meta")

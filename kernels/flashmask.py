@@ -625,32 +625,16 @@ def load_backend():
 def compile_check() -> list[dict]:
     """Compile every kernel variant for sm_90 with Triton's whole pipeline (no GPU needed; run
     with Triton imported in compiled mode). Returns one record per kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels import compile_check as cc
     from kernels import runtime
 
     if runtime.triton_interpreted():
         raise RuntimeError("Triton was imported in interpreter mode; run with TRITON_INTERPRET=0")
     module = load_jit(runtime.load(interpret=False))
-    target = GPUTarget("cuda", 90, 32)
     records: list[dict] = []
     variant: dict = {}
 
-    def compile_launch(kernel, grid, *args, num_warps=4, num_stages=3, **kwargs):
-        values = dict(zip(kernel.arg_names, args), **kwargs)
-        constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
-        signature = {n: "constexpr" if n in constexprs else cc._arg_type(values[n]) for n in kernel.arg_names}
-        binary = triton.compile(ASTSource(kernel, signature, constexprs), target=target,
-                                options={"num_warps": num_warps, "num_stages": num_stages})
-        blocks = {k: v for k, v in constexprs.items() if k.startswith("BLOCK")}
-        records.append({"kernel": kernel.fn.__name__, **variant, "blocks": blocks, "num_warps": num_warps,
-                        "num_stages": num_stages, "shared_bytes": binary.metadata.shared,
-                        **cc._ptxas_report(binary.asm["ptx"])})
-
-    module._launch = compile_launch
+    module._launch = cc.compiling_launcher(records, variant)
 
     def meta(*shape, dtype):
         return torch.empty(*shape, dtype=dtype, device="meta")
