@@ -28,7 +28,9 @@ else
 fi
 
 # --oversubscribe: allow more ranks than cores (CPU runs); root needs explicit permission.
-args=(-np "$np" --oversubscribe)
+# --enable-recovery: when a rank dies, the others are not killed at once but fail their next
+# collective and exit by themselves, naming the collective, the step and the missing rank.
+args=(-np "$np" --oversubscribe --enable-recovery)
 if (( EUID == 0 )); then args+=(--allow-run-as-root); fi
 # Forward the environment training reads to every rank, also on other nodes.
 for var in $(compgen -e); do

@@ -56,7 +56,10 @@ def test_mpirun_survivor_exits_with_a_message_when_a_rank_is_killed(dataset, tmp
     out, marks = tmp_path / "out", tmp_path / "marks"
     marks.mkdir()
     mpirun = os.path.join(os.path.dirname(PYTHON), "mpirun")
-    args = [mpirun, "-np", "2", "--oversubscribe", *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
+    # --enable-recovery (as launch/run_mpirun.sh passes it): mpirun lets the survivor report
+    # and exit by itself instead of killing it the moment a rank dies, which raced the report.
+    args = [mpirun, "-np", "2", "--oversubscribe", "--enable-recovery",
+            *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
     env = clean_env(FAULT_MARK_DIR=marks, FAULT_STEP_DELAY_S=DELAY_S)
     for var in ("PYTHONPATH", "OMP_NUM_THREADS", "FAULT_MARK_DIR", "FAULT_STEP_DELAY_S", "PYTHONUNBUFFERED"):
         args += ["-x", var]
