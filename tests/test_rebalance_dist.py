@@ -36,7 +36,8 @@ def run(cmd, nranks):
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-4000:]}"
     for r in range(nranks):
         assert f"REBALANCE-OK rank {r}" in out, out[-4000:]
-    hidden = [line for line in out.splitlines() if line.startswith("HIDDEN ")]
+    # Ranks share one stdout, so another rank's line can land in the middle of this one.
+    hidden = re.findall(r"HIDDEN \{[^}]*\}", out)
     assert hidden, out[-4000:]
     print(hidden[0])  # the measured overlap, shown with pytest -s
     return out
