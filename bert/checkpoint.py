@@ -3,8 +3,11 @@
 - ``to_hf_state_dict(model)`` / ``load_hf_state_dict(model, state_dict)``: the mapping,
   exact both ways (the fused QKV weight is split into query/key/value and concatenated back).
 - ``load_pretrained(model, path)``: a transformers directory (``config.json`` with
-  ``model.safetensors`` or ``pytorch_model.bin``) or NVIDIA's MLPerf checkpoint
-  (``model.ckpt-28252.pt``: a dict whose ``model`` entry holds transformers-style names).
+  ``model.safetensors`` or ``pytorch_model.bin``), NVIDIA's MLPerf checkpoint
+  (``model.ckpt-28252.pt``: a dict whose ``model`` entry holds transformers-style names, its
+  vocabulary padded to a multiple of 8), or MLPerf's TensorFlow phase-1 checkpoint given by
+  its prefix (``model.ckpt-28252``, read by ``bert.tf_checkpoint`` without TensorFlow).
+- ``read_tf_checkpoint(prefix)``: every variable of a TF V2 checkpoint, bitwise.
 - ``export_hf(model, directory)``: a directory ``transformers.BertForPreTraining.from_pretrained``
   loads.
 
@@ -22,6 +25,11 @@ import torch
 from torch import Tensor
 
 from bert.config import BertConfig
+from bert.tf_checkpoint import (TFCheckpointError, google_bert_to_hf, is_slot_or_counter, is_tf_checkpoint,
+                                read_tf_checkpoint)
+
+__all__ = ["CheckpointError", "to_hf_state_dict", "load_hf_state_dict", "read_config_and_weights",
+           "read_tf_checkpoint", "load_pretrained", "export_hf", "drop_vocab_padding"]
 
 
 class CheckpointError(ValueError):
@@ -129,9 +137,44 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
             ours[name].copy_(tensor)
 
 
+# The tensors whose first dimension is the vocabulary.
+_VOCAB_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias",
+               "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+
+
+def drop_vocab_padding(state_dict: dict[str, Tensor], vocab_size: int) -> dict[str, Tensor]:
+    """Cut the vocabulary padding of NVIDIA's converted checkpoint.
+
+    NVIDIA's converter rounds the vocabulary up to a multiple of 8 (30,522 -> 30,528) for
+    tensor-core-friendly GEMMs. The padding rows belong to no token: no input id reaches them
+    and no label names them, so dropping them gives the reference model (MLCommons' TF model
+    has 30,522 rows). The one difference is in the MLM softmax, whose denominator NVIDIA's
+    padded model also sums over the 6 padding logits. Only padding to the next multiple of 8
+    is accepted; any other size is a different vocabulary and stays a shape mismatch.
+    """
+    padded = -(-vocab_size // 8) * 8
+    out = dict(state_dict)
+    for name in _VOCAB_ROWS:
+        t = out.get(name)
+        if t is not None and t.shape[0] == padded != vocab_size:
+            out[name] = t[:vocab_size]
+    return out
+
+
+def _read_tf(prefix: str) -> dict[str, Tensor]:
+    try:
+        variables = read_tf_checkpoint(prefix, include=lambda name: not is_slot_or_counter(name))
+        weights, _ = google_bert_to_hf(variables)
+    except TFCheckpointError as e:
+        raise CheckpointError(str(e) if str(e).startswith(prefix) else f"{prefix}: {e}") from None
+    return {k: torch.from_numpy(v) for k, v in weights.items()}
+
+
 def read_config_and_weights(path: str) -> tuple[BertConfig | None, dict[str, Tensor]]:
-    """Read a transformers directory or NVIDIA's MLPerf ``.pt``; the config is None for the
-    latter (it ships a separate ``bert_config.json``)."""
+    """Read a transformers directory, NVIDIA's MLPerf ``.pt`` or a TensorFlow checkpoint
+    prefix; the config is None for the latter two (they ship a separate ``bert_config.json``)."""
+    if is_tf_checkpoint(path):
+        return None, _read_tf(path)
     if os.path.isdir(path):
         config = BertConfig.from_json(os.path.join(path, "config.json"))
         st = os.path.join(path, "model.safetensors")
@@ -144,7 +187,8 @@ def read_config_and_weights(path: str) -> tuple[BertConfig | None, dict[str, Ten
             return config, torch.load(bin_, map_location="cpu", weights_only=True)
         raise CheckpointError(f"{path}: holds neither model.safetensors nor pytorch_model.bin")
     if not os.path.exists(path):
-        raise CheckpointError(f"{path}: no such file or directory")
+        raise CheckpointError(f"{path}: no such file or directory, nor a TensorFlow checkpoint prefix "
+                              f"({os.path.basename(path)}.index)")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad checkpoint
@@ -157,6 +201,7 @@ def read_config_and_weights(path: str) -> tuple[BertConfig | None, dict[str, Ten
 def load_pretrained(model, path: str) -> None:
     """Initialise ``model`` from a transformers directory or NVIDIA's MLPerf checkpoint."""
     config, state_dict = read_config_and_weights(path)
+    state_dict = drop_vocab_padding(state_dict, model.config.vocab_size)
     if config is not None and config != model.config:
         diff = {k: (v, getattr(model.config, k)) for k, v in config.to_dict().items() if getattr(model.config, k) != v}
         raise CheckpointError(f"{path}: config differs from the model's (checkpoint, model): {diff}")

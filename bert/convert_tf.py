@@ -1,0 +1,84 @@
+"""MLPerf's TensorFlow starting point -> this project's checkpoint or a transformers directory.
+
+    python -m bert.convert_tf --tf-checkpoint model.ckpt-28252 --bert-config bert_config.json \\
+        --output phase1.pt          # NVIDIA-style {"model": transformers names}, for checkpoint.init
+    python -m bert.convert_tf ... --output phase1-hf/   # BertForPreTraining.from_pretrained loads it
+
+Reads the checkpoint without TensorFlow (``bert.tf_checkpoint``), maps Google BERT's names
+onto the model and skips the LAMB slots (``adam_m``, ``adam_v``) and ``global_step``. Every
+weight must find its place: a missing or misshapen one stops the conversion naming it.
+``checkpoint.init`` also takes the prefix directly, so converting is optional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, to_hf_state_dict
+from bert.config import BertConfig, ConfigError
+from bert.model import BertForPreTraining
+from bert.tf_checkpoint import TFCheckpointError, google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
+
+
+def convert(prefix: str, config: BertConfig) -> tuple[BertForPreTraining, list[str]]:
+    """The model with the checkpoint's weights, and the variables skipped (slots, counters)."""
+    model = BertForPreTraining(config)
+    skipped_slots = []
+
+    def wanted(name: str) -> bool:  # the slots are two thirds of the bytes: never read them
+        if is_slot_or_counter(name):
+            skipped_slots.append(name)
+            return False
+        return True
+
+    variables = read_tf_checkpoint(prefix, include=wanted)
+    weights, skipped = google_bert_to_hf(variables)
+    load_hf_state_dict(model, {k: torch.from_numpy(v) for k, v in weights.items()})
+    return model, sorted(skipped_slots + skipped)
+
+
+def save_pt(model: BertForPreTraining, path: str) -> None:
+    """NVIDIA's MLPerf layout ({"model": transformers names}), written under a temporary name."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    state = {k: v.detach().clone().contiguous() for k, v in to_hf_state_dict(model).items()}
+    fd, tmp = tempfile.mkstemp(prefix=".convert-", suffix=".pt", dir=parent)
+    os.close(fd)
+    try:
+        torch.save({"model": state}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bert.convert_tf", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tf-checkpoint", required=True, metavar="PREFIX",
+                   help="TensorFlow checkpoint prefix (PREFIX.index and PREFIX.data-* exist)")
+    p.add_argument("--bert-config", required=True, help="Google BERT's bert_config.json")
+    p.add_argument("--output", required=True,
+                   help="ending in .pt: the project's checkpoint for checkpoint.init; else a transformers directory")
+    args = p.parse_args(argv)
+    try:
+        config = BertConfig.from_json(args.bert_config)
+        model, skipped = convert(args.tf_checkpoint, config)
+        if args.output.endswith(".pt"):
+            save_pt(model, args.output)
+        else:
+            export_hf(model, args.output)
+    except (TFCheckpointError, CheckpointError, ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.output}: {n:,} parameters; skipped {len(skipped)} variables (optimizer slots, counters)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
