@@ -16,13 +16,18 @@ import argparse
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
-from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, to_hf_state_dict
-from bert.config import BertConfig, ConfigError
-from bert.model import BertForPreTraining
-from bert.tf_checkpoint import TFCheckpointError, google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, to_hf_state_dict  # noqa: E402
+from bert.config import BertConfig, ConfigError  # noqa: E402
+from bert.model import BertForPreTraining  # noqa: E402
+from bert.tf_checkpoint import (TFCheckpointError, google_bert_to_hf, is_slot_or_counter,  # noqa: E402
+                                read_tf_checkpoint)
 
 
 def convert(prefix: str, config: BertConfig) -> tuple[BertForPreTraining, list[str]]:
