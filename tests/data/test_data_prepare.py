@@ -21,6 +21,7 @@ from data.hdf5io import md5sum, read_file
 from data.prepare import PrepareConfig, main as prepare_main, prepare
 from data.synthetic import corpus, word_vocab, write_bert_text
 from data.text import parse_documents, split_sentences
+from tests.helpers import REPO
 
 NUM_DOCS, NUM_WORDS, MAX_SENT = 300, 200, 12
 SEQ, PRED = 64, 10
@@ -28,7 +29,6 @@ VOCAB = word_vocab(NUM_WORDS, NUM_DOCS, MAX_SENT)
 S_BASE = VOCAB.index("s0")
 DOC_BASE = VOCAB.index("doc0")
 MASK_ID, CLS_ID, SEP_ID = VOCAB.index("[MASK]"), VOCAB.index("[CLS]"), VOCAB.index("[SEP]")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _write_vocab(path: Path, tokens=VOCAB) -> Path:
