@@ -93,24 +93,43 @@ class Layout:
 _cache: dict = {}
 
 
-def _map(fn, tasks: list, workers: int, desc: str, unit: str = "file"):
-    """``fn`` over ``tasks`` in ``workers`` processes (in order), with a progress bar on a terminal."""
-    from tqdm import tqdm
+class Pool:
+    """``workers`` processes, started on first use and kept for every stage (or none: the
+    work runs in this process when workers == 1)."""
 
-    bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=None, leave=True)
-    try:
-        if workers == 1 or len(tasks) <= 1:
-            for t in tasks:
-                yield fn(t)
+    def __init__(self, workers: int = 1):
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def map(self, fn, tasks: list, desc: str, unit: str = "file"):
+        """``fn`` over ``tasks`` (results in order), with a progress bar on a terminal."""
+        from tqdm import tqdm
+
+        with tqdm(total=len(tasks), desc=desc, unit=unit, disable=None) as bar:
+            if self.workers == 1 or len(tasks) <= 1:
+                results = map(fn, tasks)
+            else:
+                if self._pool is None:
+                    self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"),
+                                                     initializer=_init_worker)
+                results = self._pool.map(fn, tasks)
+            out = []
+            for r in results:
+                out.append(r)
                 bar.update()
-            return
-        ctx = get_context("spawn")
-        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx, initializer=_init_worker) as pool:
-            for r in pool.map(fn, tasks):
-                yield r
-                bar.update()
-    finally:
-        bar.close()
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
 
 def _init_worker() -> None:
@@ -137,18 +156,19 @@ def _file_task(t: _FileTask) -> int:
     return prepare_file(t.src, t.dst, vocab, t.params, tok)
 
 
-def prepare_files(inputs: list[Path], out_dir: Path, vocab: str, params: RefParams, workers: int = 1,
-                  desc: str = "per-file samples") -> list[Path]:
-    """The reference ``create_pretraining_data.py`` output of each input file (skipping files
-    already there): ``out_dir/<input name>.hdf5``. Returns the output paths in input order."""
+def prepare_files(inputs: list[Path], out_dir: Path, vocab: str, params: RefParams, pool: Pool,
+                  skip_existing: bool = True, desc: str = "per-file samples") -> list[Path]:
+    """The reference ``create_pretraining_data.py`` output of each input file:
+    ``out_dir/<input name>.hdf5`` (files already there are kept when ``skip_existing``).
+    Returns the output paths in input order."""
     RefVocab(vocab)  # fail early on a bad vocabulary
     outs = [out_dir / output_name(f) for f in inputs]
     if len({o.name for o in outs}) != len(outs):
         raise DataError(f"{out_dir}: two inputs have the same file name; their outputs would collide")
-    todo = [_FileTask(str(f), str(o), vocab, params) for f, o in zip(inputs, outs) if not o.exists()]
+    todo = [_FileTask(str(f), str(o), vocab, params) for f, o in zip(inputs, outs)
+            if not (skip_existing and o.exists())]
     todo.sort(key=lambda t: -os.path.getsize(t.src))  # largest first: better balance across workers
-    for _ in _map(_file_task, todo, workers, desc):
-        pass
+    pool.map(_file_task, todo, desc)
     return outs
 
 
@@ -198,7 +218,7 @@ def _chop_task(t: _ChopTask) -> None:
     write_fixed_arrays(t.dst, {k: np.concatenate(v) for k, v in parts.items()})
 
 
-def chop(files: list[Path], layout: Layout, workers: int = 1) -> np.ndarray:
+def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
     """The reference chop of the per-part files (in name order); returns the shard sizes."""
     files = sorted(files, key=lambda p: p.name)
     counts = [_num_samples(f) for f in files]
@@ -207,8 +227,7 @@ def chop(files: list[Path], layout: Layout, workers: int = 1) -> np.ndarray:
     out = layout.stage_dir("chop")
     tasks = [_ChopTask(tuple(map(str, files)), tuple(int(x) for x in in_off), int(out_off[j]), int(out_off[j + 1]),
                        str(out / name)) for j, name in enumerate(layout.shard_names()) if not (out / name).exists()]
-    for _ in _map(_chop_task, tasks, workers, "chop"):
-        pass
+    pool.map(_chop_task, tasks, "chop")
     return sizes
 
 
@@ -228,10 +247,9 @@ def _varlength_task(pair: tuple[str, str]) -> None:
     write_varlength(dst, read_fixed_block(src), s, p)
 
 
-def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], workers: int = 1, desc: str = "varlength") -> None:
+def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], pool: Pool, desc: str = "varlength") -> None:
     todo = [(str(src_dir / n), str(dst_dir / n)) for n in names if not (dst_dir / n).exists()]
-    for _ in _map(_varlength_task, todo, workers, desc):
-        pass
+    pool.map(_varlength_task, todo, desc)
 
 
 # -------------------------------------------------------------------- stage 4: shuffle
@@ -339,7 +357,7 @@ def _groups(sizes: np.ndarray, rows: int) -> list[tuple[int, int]]:
     return out
 
 
-def shuffle(layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predictions: int, workers: int = 1,
+def shuffle(layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predictions: int, pool: Pool,
             group_rows: int = 1_000_000, log=print) -> None:
     """The reference shuffle of the varlength shards into the shuffled directory."""
     names = layout.shard_names()
@@ -365,16 +383,14 @@ def shuffle(layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predicti
     scatter_dir = work / "scatter"
     tasks = [_ScatterTask(k, tuple(str(src / names[j]) for j in range(a, b)), int(off[a]), str(inverse),
                           str(scatter_dir)) for k, (a, b) in enumerate(groups)]
-    for _ in _map(_scatter_task, [t for t in tasks if not (scatter_dir / f"task_{t.task:05d}").exists()],
-                  workers, "shuffle: scatter"):
-        pass
+    pool.map(_scatter_task, [t for t in tasks if not (scatter_dir / f"task_{t.task:05d}").exists()],
+             "shuffle: scatter")
     gathers = [_GatherTask(len(tasks), str(scatter_dir), int(off[a]), int(off[b]),
                            tuple(int(x) for x in off[a:b + 1]), tuple(str(dst / names[j]) for j in range(a, b)),
                            max_seq_length, max_predictions)
                for a, b in groups if not all((dst / names[j]).exists() for j in range(a, b))]
     dst.mkdir(parents=True, exist_ok=True)
-    for _ in _map(_gather_task, gathers, workers, "shuffle: gather"):
-        pass
+    pool.map(_gather_task, gathers, "shuffle: gather")
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -489,24 +505,25 @@ def build(cfg: DatasetConfig, log=print) -> dict:
         log(f"{stage}: done ({seconds[stage]:.1f} s)")
         t = time.perf_counter()
 
-    files = prepare_files(parts, layout.training, cfg.vocab, cfg.params, cfg.workers)
-    lap("per-file samples")
-    sizes = chop(files, layout, cfg.workers)
-    lap("chop")
-    names = layout.shard_names()
-    to_varlength(layout.stage_dir("chop"), layout.stage_dir("varlength"), names, cfg.workers)
-    lap("varlength")
-    shuffle(layout, sizes, cfg.params.max_seq_length, cfg.params.max_predictions, cfg.workers, cfg.group_rows, log)
-    lap("shuffle")
-    eval_dir = layout.root / "eval"
-    if not (layout.root / "eval_varlength" / EVAL_FILE).exists():
-        if not (eval_dir / EVAL_FILE).exists():
-            if not (eval_dir / EVAL_ALL).exists():
-                vocab = RefVocab(cfg.vocab)
-                prepare_file(eval_text, eval_dir / EVAL_ALL, vocab, cfg.params, RefTokenizer(vocab))
-            pick_eval(eval_dir / EVAL_ALL, eval_dir / EVAL_FILE, cfg.eval_samples)
-        to_varlength(eval_dir, layout.root / "eval_varlength", [EVAL_FILE], 1, "eval varlength")
-    lap("eval")
+    with Pool(cfg.workers) as pool:
+        files = prepare_files(parts, layout.training, cfg.vocab, cfg.params, pool)
+        lap("per-file samples")
+        sizes = chop(files, layout, pool)
+        lap("chop")
+        names = layout.shard_names()
+        to_varlength(layout.stage_dir("chop"), layout.stage_dir("varlength"), names, pool)
+        lap("varlength")
+        shuffle(layout, sizes, cfg.params.max_seq_length, cfg.params.max_predictions, pool, cfg.group_rows, log)
+        lap("shuffle")
+        eval_dir = layout.root / "eval"
+        if not (layout.root / "eval_varlength" / EVAL_FILE).exists():
+            if not (eval_dir / EVAL_FILE).exists():
+                if not (eval_dir / EVAL_ALL).exists():
+                    vocab = RefVocab(cfg.vocab)
+                    prepare_file(eval_text, eval_dir / EVAL_ALL, vocab, cfg.params, RefTokenizer(vocab))
+                pick_eval(eval_dir / EVAL_ALL, eval_dir / EVAL_FILE, cfg.eval_samples)
+            to_varlength(eval_dir, layout.root / "eval_varlength", [EVAL_FILE], Pool(1), "eval varlength")
+        lap("eval")
 
     dirs = {"varlength": layout.stage_dir("varlength"), "shuffled": layout.stage_dir("shuffled"),
             "eval": layout.root / "eval_varlength"}
