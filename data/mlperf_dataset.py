@@ -264,7 +264,7 @@ def shuffle_permutation(total: int, seed: int = SHUFFLE_SEED) -> np.ndarray:
         raise DataError(f"{total} samples: the shuffle supports fewer than 2^31")
     idx = array.array("i", range(total))
     random.Random(seed).shuffle(idx)
-    return np.frombuffer(idx, dtype=np.int32).copy()
+    return np.frombuffer(idx, dtype=np.int32)  # a view: the array stays alive through it
 
 
 _SCATTER_KEYS = ("pos", "tok_off", "m_off", "nsp", "tok", "seg", "mpos", "mids")
@@ -358,7 +358,7 @@ def _groups(sizes: np.ndarray, rows: int) -> list[tuple[int, int]]:
 
 
 def shuffle(layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predictions: int, pool: Pool,
-            group_rows: int = 1_000_000, log=print) -> None:
+            group_rows: int = 250_000, log=print) -> None:
     """The reference shuffle of the varlength shards into the shuffled directory."""
     names = layout.shard_names()
     src, dst = layout.stage_dir("varlength"), layout.stage_dir("shuffled")
@@ -421,7 +421,7 @@ class DatasetConfig:
     params: RefParams = RefParams()
     eval_samples: int = 10000
     workers: int = 1
-    group_rows: int = 1_000_000  # samples a shuffle worker holds at once
+    group_rows: int = 250_000  # samples a shuffle worker holds at once
     checksums: str | None = None  # a directory of checksum lists (default: the shipped ones)
 
     def __post_init__(self):
@@ -553,7 +553,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=MLPERF_PARAMS.seed, help="create_pretraining_data's random_seed")
     ap.add_argument("--eval-samples", type=int, default=10000)
     ap.add_argument("--workers", type=int, default=1, help="processes")
-    ap.add_argument("--group-rows", type=int, default=1_000_000,
+    ap.add_argument("--group-rows", type=int, default=250_000,
                     help="samples a shuffle worker holds at once (about 1.5 kB each at 512/76)")
     ap.add_argument("--checksums", help="directory of checksum lists to verify against (default: the published "
                                         "ones shipped in data/checksums, when the shard count and parameters match)")
