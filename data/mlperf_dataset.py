@@ -51,11 +51,14 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from data.errors import DataError, cli_main
-from data.hdf5io import FIXED_KEYS, from_fixed_arrays, write_fixed_arrays, write_varlength
-from data.reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file
-from data.samples import SampleBlock, _offsets
-from data.verify import published_list, read_checksums, verify
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from data.errors import DataError, cli_main  # noqa: E402
+from data.hdf5io import FIXED_KEYS, from_fixed_arrays, write_fixed_arrays, write_varlength  # noqa: E402
+from data.reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file  # noqa: E402
+from data.samples import SampleBlock, _offsets  # noqa: E402
+from data.verify import published_list, read_checksums, verify  # noqa: E402
 
 SHUFFLE_SEED = 24  # the reference shuffle's fixed seed
 EVAL_ALL, EVAL_FILE = "eval_all.hdf5", "part_eval_10k.hdf5"
