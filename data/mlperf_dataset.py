@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -486,6 +487,13 @@ def _checks(cfg: DatasetConfig) -> list[tuple[str, Path]]:
     return [(w, p) for w, p in cand if p.is_file()]
 
 
+def _remove_temporaries(root: Path) -> None:
+    """What a killed run left under temporary names (never a finished file)."""
+    for p in sorted(root.rglob("*.tmp*"), reverse=True):
+        if re.search(r"\.tmp\d+(\.npy)?$", p.name):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
 def build(cfg: DatasetConfig, log=print) -> dict:
     """Run (or resume) every stage; returns {stage: seconds} and the verification results."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -499,6 +507,7 @@ def build(cfg: DatasetConfig, log=print) -> dict:
                                "inputs": [[p.name, p.stat().st_size] for p in parts],
                                "eval_text": [eval_text.name, eval_text.stat().st_size],
                                "eval_samples": cfg.eval_samples})
+    _remove_temporaries(layout.root)
     seconds: dict[str, float] = {}
     t = time.perf_counter()
 

@@ -102,6 +102,21 @@ def test_restart_redoes_only_what_is_missing_and_in_parallel(s128, tmp_path):
     build(_config("s128", out, workers=2, group_rows=700), log=lambda m: None)
     assert _mismatches("s128", out) == []
     assert kept.stat().st_mtime_ns == before  # finished files are not redone
+    assert not stray.exists()
+
+
+def test_a_finished_file_that_changed_fails_the_checksums(s128, tmp_path):
+    src, _ = s128
+    out = tmp_path / "run"
+    shutil.copytree(src, out)
+    shard = Layout(out / "hdf5", 7).stage_dir("shuffled") / "part_00003_of_00007.hdf5"
+    with h5py.File(shard, "r+") as f:
+        row = f["input_ids"][0]
+        row[1] ^= 1
+        f["input_ids"][0] = row
+    with pytest.raises(DataError, match=r"1 file\(s\) differ from the published checksums:\n  shuffled: .*"
+                                        r"part_00003_of_00007.hdf5: checksum"):
+        build(_config("s128", out), log=lambda m: None)
 
 
 def test_a_restart_with_other_parameters_is_refused(s128, tmp_path):
