@@ -45,7 +45,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -56,7 +56,12 @@ if __package__ in (None, ""):  # run by path: import the project from the reposi
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from data.errors import DataError, cli_main  # noqa: E402
-from data.hdf5io import FIXED_KEYS, from_fixed_arrays, write_fixed_arrays, write_varlength  # noqa: E402
+from data.hdf5io import (  # noqa: E402
+    FIXED_KEYS,
+    from_fixed_arrays,
+    write_fixed_arrays,
+    write_varlength,
+)
 from data.reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file  # noqa: E402
 from data.samples import SampleBlock, _offsets  # noqa: E402
 from data.verify import published_list, read_checksums, verify  # noqa: E402
@@ -229,8 +234,15 @@ def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
     sizes = chop_sizes(sum(counts), layout.shards)
     in_off, out_off = _offsets(np.array(counts)), _offsets(sizes)
     out = layout.stage_dir("chop")
-    tasks = [_ChopTask(tuple(map(str, files)), tuple(int(x) for x in in_off), int(out_off[j]), int(out_off[j + 1]),
-                       str(out / name)) for j, name in enumerate(layout.shard_names()) if not (out / name).exists()]
+    tasks = []
+    for j, name in enumerate(layout.shard_names()):
+        if (out / name).exists():
+            continue
+        lo, hi = int(out_off[j]), int(out_off[j + 1])
+        a = int(np.searchsorted(in_off, lo, side="right")) - 1  # the input files this shard's samples come from
+        b = int(np.searchsorted(in_off, hi, side="left"))
+        tasks.append(_ChopTask(tuple(str(f) for f in files[a:b]), tuple(int(x) for x in in_off[a:b + 1]), lo, hi,
+                               str(out / name)))
     pool.map(_chop_task, tasks, "chop")
     return sizes
 
@@ -422,7 +434,7 @@ class DatasetConfig:
     vocab: str
     output_dir: str
     shards: int
-    params: RefParams = RefParams()
+    params: RefParams = field(default_factory=RefParams)
     eval_samples: int = 10000
     workers: int = 1
     group_rows: int = 250_000  # samples a shuffle worker holds at once

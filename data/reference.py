@@ -379,7 +379,7 @@ class _Maker:
         # Masking: candidates are every position but [CLS] and the two [SEP]s.
         cand = list(range(1, la + 1)) + list(range(la + 2, la + 2 + lb))
         rng.shuffle(cand)
-        num = min(self.prm.max_predictions, max(1, int(round(len(ids) * self.prm.masked_lm_prob))))
+        num = min(self.prm.max_predictions, max(1, round(len(ids) * self.prm.masked_lm_prob)))
         picked = []
         for pos in cand[:num]:
             label = int(ids[pos])

@@ -21,9 +21,17 @@ import numpy as np
 import pytest
 
 from data.errors import DataError, cli_main
-from data.mlperf_dataset import DatasetConfig, Layout, _checks, build, chop_sizes, shuffle_permutation
+from data.mlperf_dataset import (
+    DatasetConfig,
+    Layout,
+    _checks,
+    build,
+    chop_sizes,
+    shuffle_permutation,
+)
 from data.reference import RefParams, RefTokenizer, RefVocab
-from data.verify import content_digest, main as verify_main, shard_checksum
+from data.verify import content_digest, shard_checksum
+from data.verify import main as verify_main
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "mlperf_reference"
 TEXT, VOCAB = FIX / "text", FIX / "vocab.txt"
@@ -37,10 +45,9 @@ def _config(name: str, out: Path, **kw) -> DatasetConfig:
     c = _expected(name)["config"]
     params = RefParams(max_seq_length=c["max_seq_length"], max_predictions=c["max_predictions"],
                        dupe_factor=c["dupe_factor"])
-    args = dict(text_dir=str(TEXT), eval_text=str(TEXT / "eval.txt"), vocab=str(VOCAB), output_dir=str(out),
-                shards=c["shards"], params=params, eval_samples=c["eval_samples"], checksums=str(FIX / name))
-    args.update(kw)
-    return DatasetConfig(**args)
+    args = {"text_dir": str(TEXT), "eval_text": str(TEXT / "eval.txt"), "vocab": str(VOCAB), "output_dir": str(out),
+            "shards": c["shards"], "params": params, "eval_samples": c["eval_samples"], "checksums": str(FIX / name)}
+    return DatasetConfig(**(args | kw))
 
 
 def _mismatches(name: str, out: Path) -> list[str]:
