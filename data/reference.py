@@ -222,6 +222,16 @@ class Documents:
         return len(self.tokens)
 
 
+def _first_bad_line(path) -> int:
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return n
+    return 0
+
+
 def read_documents(path: str | os.PathLike, tokenizer: RefTokenizer) -> Documents:
     """The reference's document list for one text file, in file order (before the shuffle)."""
     try:
@@ -229,8 +239,8 @@ def read_documents(path: str | os.PathLike, tokenizer: RefTokenizer) -> Document
             lines = [line.strip() for line in fh]
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 (byte {e.start} of a read block: {e.reason})") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: line {_first_bad_line(path)}: not UTF-8") from None
     docs: list[list[list[int]]] = [[]]
     encoded = tokenizer.encode_many([s for s in lines if s])
     k = 0

@@ -29,7 +29,7 @@ from data.mlperf_dataset import (
     chop_sizes,
     shuffle_permutation,
 )
-from data.reference import RefParams, RefTokenizer, RefVocab
+from data.reference import RefParams, RefTokenizer, RefVocab, read_documents
 from data.verify import content_digest, shard_checksum
 from data.verify import main as verify_main
 
@@ -207,6 +207,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert cli_main(dataset_main, ["--text-dir", str(TEXT)] + base[:2] + ["--vocab", str(tmp_path / "bad.txt")]
                     + base[4:]) == 2
     assert "vocabulary is missing [UNK], [SEP], [MASK]" in capsys.readouterr().err
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("one line.\n\ncaf\xe9 au lait.\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.txt: line 3: not UTF-8$"):
+        read_documents(bad, RefTokenizer(RefVocab(VOCAB)))
 
 
 def test_ascii_lines_tokenize_the_same_through_tokenizers_and_python():
