@@ -378,17 +378,20 @@ def shuffle(layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predicti
     """The reference shuffle of the varlength shards into the shuffled directory."""
     names = layout.shard_names()
     src, dst = layout.stage_dir("varlength"), layout.stage_dir("shuffled")
+    work = layout.work / f"shuffle-{layout.shards}"
     if all((dst / n).exists() for n in names):
+        shutil.rmtree(work, ignore_errors=True)
         return
     total = int(sizes.sum())
-    work = layout.work / f"shuffle-{layout.shards}"
     work.mkdir(parents=True, exist_ok=True)
     inverse = work / "inverse.npy"
     if not inverse.exists():
         t = time.perf_counter()
         perm = shuffle_permutation(total)
         inv = np.empty(total, np.int32)
-        inv[perm] = np.arange(total, dtype=np.int32)
+        for a in range(0, total, 1 << 24):  # in pieces: no third array of the full size
+            b = min(a + (1 << 24), total)
+            inv[perm[a:b]] = np.arange(a, b, dtype=np.int32)
         del perm
         tmp = work / f"inverse.tmp{os.getpid()}.npy"
         np.save(tmp, inv)
@@ -396,7 +399,7 @@ def shuffle(layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predicti
         log(f"shuffle: permutation of {total} samples ({time.perf_counter() - t:.1f} s)")
     off = _offsets(sizes)
     groups = _groups(sizes, group_rows)
-    scatter_dir = work / "scatter"
+    scatter_dir = work / f"scatter-{group_rows}"  # a restart with other groups starts its own
     tasks = [_ScatterTask(k, tuple(str(src / names[j]) for j in range(a, b)), int(off[a]), str(inverse),
                           str(scatter_dir)) for k, (a, b) in enumerate(groups)]
     pool.map(_scatter_task, [t for t in tasks if not (scatter_dir / f"task_{t.task:05d}").exists()],
