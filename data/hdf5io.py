@@ -538,6 +538,13 @@ def write_fixed(path, block: SampleBlock, max_seq_length: int, max_predictions: 
             _dataset(f, key, arrays[key])
 
 
+def write_fixed_arrays(path, arrays: dict) -> None:
+    """Write the six fixed-layout arrays as given (cast to MLPerf's dtypes), in MLPerf's key order."""
+    with _AtomicFile(path) as f:
+        for key in FIXED_KEYS:
+            _dataset(f, key, np.asarray(arrays[key]).astype(FIXED_DTYPES[key], copy=False))
+
+
 def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
     out = np.empty(len(counts), dtype=object)
     out[:] = np.split(flat.astype(dtype), _offsets(counts)[1:-1]) if len(counts) else []

@@ -694,13 +694,21 @@ def _install(out: Path, tmp: Path, names: list[str], has_eval: bool, manifest: d
         raise DataError(f"{out}: cannot install the prepared files ({e.strerror or e})") from None
 
 
+_NOT_REFERENCE = {"input_format": "bert", "eval_input": None, "train_vocab": None, "shards": 1, "eval_samples": 10000,
+                  "format": "fixed", "min_sentences": 2}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--input", nargs="+", action="extend", required=True, help="text files or directories")
-    ap.add_argument("--input-format", choices=FORMATS, default="bert",
-                    help="bert: a sentence per line, blank line between documents; wikitext: a document per "
-                         "section; text: a document per paragraph")
+    ap.add_argument("--reference", action="store_true",
+                    help="MLPerf's reference create_pretraining_data.py, sample for sample: one fixed-layout "
+                         "OUTPUT_DIR/<input name>.hdf5 per input file, each made with a fresh random.Random(seed) "
+                         "(data.reference); takes --vocab, the sizes, --dupe-factor, --seed and --workers only")
+    ap.add_argument("--input-format", choices=FORMATS, default=None,
+                    help="bert (default): a sentence per line, blank line between documents; wikitext: a document "
+                         "per section; text: a document per paragraph")
     ap.add_argument("--eval-input", nargs="+", action="extend",
                     help="make the eval set from these documents, e.g. MLPerf's eval.txt (without it: hold "
                          "documents out of --input)")
@@ -714,12 +722,17 @@ def main(argv=None) -> int:
     ap.add_argument("--short-seq-prob", type=float, default=0.1, help="chance of a shorter random target length")
     ap.add_argument("--dupe-factor", type=int, default=10, help="passes over the text, each masked differently")
     ap.add_argument("--seed", type=int, default=12345, help="fixes every random choice")
-    ap.add_argument("--shards", type=int, default=1, help="number of training files")
-    ap.add_argument("--eval-samples", type=int, default=10000, help="0: no eval file")
-    ap.add_argument("--format", choices=LAYOUTS, default="fixed", help="HDF5 layout")
-    ap.add_argument("--min-sentences", type=int, default=2, help="skip documents with fewer sentences")
+    ap.add_argument("--shards", type=int, default=None, help="number of training files (default 1)")
+    ap.add_argument("--eval-samples", type=int, default=None, help="0: no eval file (default 10000)")
+    ap.add_argument("--format", choices=LAYOUTS, default=None, help="HDF5 layout (default fixed)")
+    ap.add_argument("--min-sentences", type=int, default=None, help="skip documents with fewer sentences (default 2)")
     ap.add_argument("--workers", type=int, default=1, help="processes (the output does not depend on it)")
     args = ap.parse_args(argv)
+    if args.reference:
+        return _main_reference(args)
+    for k, v in _NOT_REFERENCE.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     cfg = PrepareConfig(inputs=args.input, output_dir=args.output_dir, input_format=args.input_format,
                         eval_inputs=args.eval_input,
                         vocab=args.vocab, train_vocab=args.train_vocab, max_seq_length=args.max_seq_length,
@@ -734,6 +747,28 @@ def main(argv=None) -> int:
     evals = f", {m['eval']['samples']} eval samples to {out / 'eval' / EVAL_FILE}" if "eval" in m else ""
     print(f"wrote {m['train']['samples']} training samples in {cfg.shards} file(s) to {out / 'train'}{evals} "
           f"({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _main_reference(args) -> int:
+    """``--reference``: one reference-identical fixed-layout file per input file."""
+    from data.mlperf_dataset import Pool, prepare_files
+    from data.reference import RefParams
+
+    given = [k for k in _NOT_REFERENCE if getattr(args, k) is not None]
+    if given:
+        raise DataError(f"--reference does not take --{given[0].replace('_', '-')} (it writes one fixed-layout file "
+                        f"per input file, as the reference script does)")
+    if args.workers < 1:
+        raise DataError(f"--workers {args.workers}: must be >= 1")
+    params = RefParams(max_seq_length=args.max_seq_length, max_predictions=args.max_predictions,
+                       masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
+                       dupe_factor=args.dupe_factor, seed=args.seed)
+    files = list_inputs(args.input)
+    start = time.perf_counter()
+    with Pool(args.workers) as pool:
+        outs = prepare_files(files, Path(args.output_dir), args.vocab, params, pool, skip_existing=False)
+    print(f"wrote {len(outs)} reference file(s) to {args.output_dir} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 

@@ -1,0 +1,180 @@
+"""NVIDIA's per-shard checksums of MLPerf BERT data: ``python -m data.verify``.
+
+    python -m data.verify OUT/hdf5/training-4320/hdf5_4320_shards_varlength \\
+        --checksums data/checksums/4320_shards_varlength.chk
+
+A shard's checksum (NVIDIA's ``hdf5_md5.py``): the md5 of each row's ``input_ids`` written
+as ``str(row.tolist())`` (``"[101, 2023, ...]"``), then the md5 of ``str()`` of that list of
+hex digests. A checksum list has one ``name<TAB>md5`` line per file. Every listed file is
+looked up by name in the given directories (or is a given file); the command exits non-zero
+naming every file whose checksum differs and every file that is missing.
+
+The published lists (``data/checksums/``, from NVIDIA's MLPerf v4.0 submission):
+``2048_shards_varlength.chk``, ``4320_shards_varlength.chk``,
+``4320_shards_varlength_shuffled.chk`` and ``eval_varlength.chk``.
+
+``content_digest`` is a stronger check used by the tests: the md5 over every dataset of a
+file (names, dtypes, shapes, values), so two files with equal digests hold the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from data.errors import DataError, cli_main  # noqa: E402
+
+CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"
+PUBLISHED = {  # (what, shard count) -> published list
+    ("varlength", 2048): "2048_shards_varlength.chk",
+    ("varlength", 4320): "4320_shards_varlength.chk",
+    ("shuffled", 4320): "4320_shards_varlength_shuffled.chk",
+    ("eval", 1): "eval_varlength.chk",
+}
+
+
+def published_list(what: str, shards: int) -> Path | None:
+    """The shipped checksum list for this stage and shard count, if NVIDIA published one."""
+    name = PUBLISHED.get((what, shards))
+    return CHECKSUM_DIR / name if name else None
+
+
+def _open(path) -> h5py.File:
+    try:
+        return h5py.File(path, "r")
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as e:
+        raise DataError(f"{path}: not a readable HDF5 file (truncated or corrupt?): {str(e).splitlines()[0]}") from None
+
+
+def shard_checksum(path) -> str:
+    """NVIDIA's checksum of one HDF5 file (fixed or varlength layout)."""
+    with _open(path) as f:
+        if "input_ids" not in f:
+            raise DataError(f"{path}: missing key 'input_ids'")
+        try:
+            rows = f["input_ids"][:]
+        except (OSError, RuntimeError, ValueError, TypeError) as e:
+            raise DataError(f"{path}: cannot read input_ids (truncated or corrupt?): {str(e).splitlines()[0]}") \
+                from None
+    digests = [hashlib.md5(str(row.tolist()).encode()).hexdigest() for row in rows]
+    return hashlib.md5(str(digests).encode()).hexdigest()
+
+
+def content_digest(path) -> str:
+    """md5 over every dataset of an HDF5 file: name, dtype, shape and values (row by row for
+    variable-length data), in name order."""
+    h = hashlib.md5()
+    with _open(path) as f:
+        for name in sorted(f.keys()):
+            ds = f[name]
+            base = h5py.check_vlen_dtype(ds.dtype)
+            h.update(f"{name}|{(base or ds.dtype).str}|{'vlen' if base is not None else ''}|{ds.shape}|".encode())
+            data = ds[()]
+            if base is not None:
+                for row in data:
+                    row = np.ascontiguousarray(row, dtype=base)
+                    h.update(len(row).to_bytes(8, "little"))
+                    h.update(row.tobytes())
+            else:
+                h.update(np.ascontiguousarray(data).tobytes())
+    return h.hexdigest()
+
+
+def read_checksums(path) -> dict[str, str]:
+    """A checksum list: ``name<TAB>md5`` (any whitespace) per line -> {name: md5}."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the checksum list ({e.strerror or e})") from None
+    out: dict[str, str] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        if len(parts) != 2 or len(parts[1]) != 32:
+            raise DataError(f"{path}: line {n}: expected 'name<TAB>md5', got {line!r}")
+        out[parts[0]] = parts[1].lower()
+    if not out:
+        raise DataError(f"{path}: the checksum list is empty")
+    return out
+
+
+def _checksum_task(path: str) -> tuple[str, str | None, str | None]:
+    try:
+        return path, shard_checksum(path), None
+    except DataError as e:
+        return path, None, str(e)
+
+
+def verify(paths: list, checksums: dict[str, str], workers: int = 1, progress=None) -> list[str]:
+    """Problems (one line each) of the files named in ``checksums`` found under ``paths``
+    (directories, or files); an empty list means every listed file is there and matches."""
+    found: dict[str, Path] = {}
+    for p in map(Path, paths):
+        if p.is_dir():
+            for name in checksums:
+                if name not in found and (p / name).is_file():
+                    found[name] = p / name
+        elif p.is_file():
+            found.setdefault(p.name, p)
+        else:
+            raise DataError(f"{p}: no such file or directory")
+    problems = [f"{name}: missing" for name in checksums if name not in found]
+    todo = [str(found[name]) for name in checksums if name in found]
+    if workers > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            results = list(_progress(pool.map(_checksum_task, todo, chunksize=4), len(todo), progress))
+    else:
+        results = list(_progress(map(_checksum_task, todo), len(todo), progress))
+    for path, got, error in results:
+        name = Path(path).name
+        if error is not None:
+            problems.append(error)
+        elif got != checksums[name]:
+            problems.append(f"{path}: checksum {got}, expected {checksums[name]}")
+    return problems
+
+
+def _progress(it, total: int, desc: str | None):
+    if desc is None:
+        return it
+    from tqdm import tqdm
+
+    return tqdm(it, total=total, desc=desc, unit="file", disable=None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m data.verify", description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="+", help="directories holding the files, or the files")
+    ap.add_argument("--checksums", required=True,
+                    help=f"a checksum list (name<TAB>md5 lines), e.g. one of {CHECKSUM_DIR}/*.chk")
+    ap.add_argument("--workers", type=int, default=1, help="processes computing checksums")
+    args = ap.parse_args(argv)
+    if args.workers < 1:
+        raise DataError(f"--workers {args.workers}: must be >= 1")
+    expected = read_checksums(args.checksums)
+    problems = verify(args.paths, expected, args.workers, progress="checksums")
+    for p in problems:
+        print(f"mismatch: {p}" if "checksum" in p else f"error: {p}", file=sys.stderr)
+    if problems:
+        print(f"error: {len(problems)} of {len(expected)} file(s) failed the checks in {args.checksums}",
+              file=sys.stderr)
+        return 1
+    print(f"ok: {len(expected)} file(s) match {args.checksums}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))
