@@ -18,7 +18,7 @@ from bert.convert_tf import main as convert_main
 from bert.model import BertForPreTraining
 from bert.tf_checkpoint import TFCheckpointError
 from tests.batches import random_batch
-from tests.test_model import hf_logits, hf_model
+from tests.bert.test_model import hf_logits, hf_model
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tf_bert_tiny")
 PREFIX = os.path.join(FIXTURE, "model.ckpt-7")
