@@ -8,7 +8,7 @@ TEXT ?=
 DATA ?= $(OUTPUT)-data
 DEMO_STEPS ?= 1500
 
-.PHONY: setup test demo clean
+.PHONY: setup test lint demo clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,11 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
 
 test: setup
 	$(PY) -m pytest -q
+
+# ruff, configured in pyproject.toml (the rules and every ignored one, explained there).
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # The main job on the embedded default: CPython's bundled documentation text (or TEXT=dir,
 # plain text with a blank line between documents) -> WordPiece vocab + MLPerf-format HDF5

@@ -31,8 +31,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 
 # Fenced blocks in these languages are not shell; every other fence (bash, sh, console, none) is.
@@ -102,8 +100,9 @@ def shell_snippets(text: str) -> list[tuple[int, str, bool]]:
             for span in INLINE_CODE.findall(raw):
                 span = span.strip()
                 # A command, or a lone file name; `file.py` alone is a reference, not a command.
-                if COMMAND_START.match(span) and (" " in span or not span.endswith(PATH_SUFFIXES)) \
-                        or re.fullmatch(r"[\w./-]+(::[\w\[\]-]+)?", span) and span.split("::")[0].endswith(PATH_SUFFIXES):
+                command = COMMAND_START.match(span) and (" " in span or not span.endswith(PATH_SUFFIXES))
+                file_name = re.fullmatch(r"[\w./-]+(::[\w\[\]-]+)?", span)
+                if command or file_name and span.split("::")[0].endswith(PATH_SUFFIXES):
                     snippets.append((number, span, False))
             continue
         if match and match.group(1).startswith(fence) and not match.group(2):
@@ -176,85 +175,80 @@ def _tool_arguments(target_words: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
+def _make_targets_named(words: list[str]) -> list[str]:
+    """The targets of a `make ...` command line (options, their values and VAR=value skipped)."""
+    if any(w in ("-C", "--directory", "-f", "--file") for w in words):
+        return []  # another Makefile
+    targets, skip_next = [], False
+    for word in words[1:]:
+        if skip_next:
+            skip_next = False
+        elif word in MAKE_VALUE_FLAGS:
+            skip_next = True
+        elif not word.startswith("-") and "=" not in word and _clean(word) == word:
+            targets.append(word)
+    return targets
+
+
+def _find_tool(words: list[str]) -> tuple[str, str, int] | None:
+    """(kind, target, index of the target word) of the tool a command runs: after a python
+    interpreter and its options, after a launcher and its options, or the command itself when
+    it is a script path; None for anything else."""
+    for j, word in enumerate(words):
+        base = word.rsplit("/", 1)[-1]
+        if PYTHON.match(base):
+            k = j + 1
+            while k < len(words) and words[k].startswith("-") and words[k] != "-m":
+                if words[k] == "-c":
+                    return None
+                k += 2 if words[k] in ("-X", "-W") else 1
+            if k + 1 < len(words) and words[k] == "-m":
+                return "module", words[k + 1], k + 1
+            return ("script", words[k], k) if k < len(words) else None
+        if base in LAUNCHERS:
+            for k in range(j + 1, len(words)):
+                if words[k] in ("-m", "--module") and k + 1 < len(words) and base == "torchrun":
+                    return "module", words[k + 1], k + 1
+                if PYTHON.match(words[k].rsplit("/", 1)[-1]):
+                    break  # the interpreter comes next: the outer loop finds it
+                if words[k].endswith(".py"):
+                    return "script", words[k], k
+            continue
+        if j == 0 and word.endswith(".py") and len(words) > 1:
+            return "script", word, 0
+    return None
+
+
 def invocations(doc: str, line: int, text: str, repo: Path) -> list[Invocation]:
     """What one documented shell line asks of this project."""
     found: list[Invocation] = []
     for words in split_commands(text):
         if words[0] == "cd":  # later relative paths are relative to somewhere else
             break
-        i = 0
-        while i < len(words) and ENV_ASSIGNMENT.match(words[i]):
-            i += 1
-        words = words[i:]
+        while words and ENV_ASSIGNMENT.match(words[0]):
+            words = words[1:]
         if not words:
             continue
-        made = lambda kind, target, rest=(): Invocation(doc, line, text, kind, target,  # noqa: E731
-                                                         *_tool_arguments(list(rest)))
-        head = words[0].rsplit("/", 1)[-1]
-        if head == "make":
-            if any(w in ("-C", "--directory", "-f", "--file") for w in words):
-                continue  # another Makefile
-            skip_next = False
-            for word in words[1:]:
-                if skip_next:
-                    skip_next = False
-                elif word in MAKE_VALUE_FLAGS:
-                    skip_next = True
-                elif not word.startswith("-") and "=" not in word and _clean(word) == word:
-                    found.append(made("make", word))
+        if words[0].rsplit("/", 1)[-1] == "make":
+            found += [Invocation(doc, line, text, "make", t) for t in _make_targets_named(words)]
             continue
-        # The project's own tool: after a python interpreter (and its options), after a
-        # launcher and its options, or the command itself when it is a script path.
-        position = None
-        for j, word in enumerate(words):
-            base = word.rsplit("/", 1)[-1]
-            if PYTHON.match(base):
-                k = j + 1
-                while k < len(words) and words[k].startswith("-") and words[k] != "-m":
-                    if words[k] == "-c":
-                        k = len(words)
-                        break
-                    k += 2 if words[k] in ("-X", "-W") else 1
-                if k + 1 < len(words) and words[k] == "-m":
-                    position = ("module", words[k + 1], k + 2)
-                elif k < len(words):
-                    position = ("script", words[k], k + 1)
-                break
-            if base in LAUNCHERS:
-                rest = words[j + 1:]
-                for k, candidate in enumerate(rest):
-                    if candidate in ("-m", "--module") and k + 1 < len(rest) and base == "torchrun":
-                        position = ("module", rest[k + 1], j + k + 3)
-                        break
-                    if PYTHON.match(candidate.rsplit("/", 1)[-1]):
-                        break  # the interpreter comes next: found in the outer loop
-                    if candidate.endswith(".py"):
-                        position = ("script", candidate, j + k + 2)
-                        break
-                if position:
-                    break
-                continue
-            if j == 0 and word.endswith(".py") and len(words) > 1:
-                position = ("script", word, 1)
-                break
-        target_word = None
-        if position and PLACEHOLDER.search(position[1]):
-            position = None  # `python -m bench.NAME`: a pattern, not a command
-        if position:
-            kind, target, after = position
-            target_word = after - 1
+        tool = _find_tool(words)
+        if tool and PLACEHOLDER.search(tool[1]):
+            tool = None  # `python -m bench.NAME`: a pattern, not a command
+        if tool:
+            kind, target, at = tool
             top = target.split(".")[0]
-            if kind == "module" and ((repo / top).is_dir() or (repo / f"{top}.py").is_file()):
-                found.append(made("module", target, words[after:]))
-            elif kind == "script" and "$" not in target and not target.startswith(("/", "~", "..")) and (
-                    (repo / target).is_file() or "/" not in target or _is_project_path(target, repo)):
-                found.append(made("script", target, words[after:]))
+            ours = ((repo / top).is_dir() or (repo / f"{top}.py").is_file()) if kind == "module" else (
+                "$" not in target and not target.startswith(("/", "~", ".."))
+                and ((repo / target).is_file() or "/" not in target or _is_project_path(target, repo)))
+            if ours:
+                found.append(Invocation(doc, line, text, kind, target, *_tool_arguments(words[at + 1:])))
         for j, word in enumerate(words):
-            if j == target_word:
-                continue  # checked above as the tool itself
             path = _clean(word).split("::", 1)[0].split("=", 1)[-1]
-            if path.endswith(PATH_SUFFIXES) and _is_project_path(path, repo) and not re.search(r"[*?<>${]", path) \
-                    and not PLACEHOLDER.search(path):
+            if tool and j == tool[2]:
+                continue  # checked above as the tool itself
+            if path.endswith(PATH_SUFFIXES) and _is_project_path(path, repo) \
+                    and not re.search(r"[*?<>${]", path) and not PLACEHOLDER.search(path):
                 found.append(Invocation(doc, line, text, "path", path))
     return found
 
