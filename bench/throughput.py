@@ -53,7 +53,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bert.attention import BackendUnavailable, backend_names, get_backend  # noqa: E402
+from kernels.attention import BackendUnavailable, backend_names, get_backend  # noqa: E402
 from bert.metrics import atomic_write_text  # noqa: E402
 from bert.config import PRESETS, BertConfig  # noqa: E402
 

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    from bert.attention import BackendUnavailable
+    from kernels.attention import BackendUnavailable
     from bert.config import BertConfig
 
     gpu = torch.cuda.is_available()

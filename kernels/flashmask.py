@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert.attention import BackendUnavailable, Layout, PackedLayout
+from kernels.attention import BackendUnavailable, Layout, PackedLayout
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
