@@ -90,12 +90,13 @@ def shell_snippets(text: str) -> list[tuple[int, str, bool]]:
     `$ ` prompts removed), and inline code spans elsewhere that start like a command."""
     snippets: list[tuple[int, str, bool]] = []
     lines = text.splitlines()
-    fence, shell, pending, start, heredoc = None, False, "", 0, None
+    fence, shell, prompts, pending, start, heredoc = None, False, False, "", 0, None
     for number, raw in enumerate(lines, 1):
         match = FENCE.match(raw)
         if fence is None:
             if match:
                 fence, shell = match.group(1), match.group(2).lower() not in NOT_SHELL
+                prompts = match.group(2).lower() in ("console", "shell-session")  # `$ command`, then output
                 continue
             for span in INLINE_CODE.findall(raw):
                 span = span.strip()
@@ -119,6 +120,8 @@ def shell_snippets(text: str) -> list[tuple[int, str, bool]]:
         line = raw.strip()
         if line.startswith("$ "):
             line = line[2:]
+        elif prompts and not pending:
+            continue  # output of the command above
         if not pending:
             start = number
         if line.endswith("\\"):
@@ -387,6 +390,11 @@ tool/launch.sh 2 conf/a.yaml tool/missing.yaml
 ```python
 python -m tool.not_shell
 ```
+
+```console
+$ python -m tool.run --fast
+usage: python -m tool.gone --output-line
+```
 """
 
 
@@ -416,6 +424,7 @@ def test_the_checker_finds_what_is_missing_and_skips_what_is_not_ours(tmp_path):
     assert ("module", "tool.run", 3) in listed and ("make", "build", 3) in listed  # inline code
     assert ("module", "tool.run", 7) in listed  # continuation joined, env assignment skipped
     assert ("script", "tool/script.py", 9) in listed  # after torchrun and its flags
+    assert ("module", "tool.run", 25) in listed  # a console prompt; the output line after it is skipped
     assert not any("heredoc" in t or "not_shell" in t or t == "pytest" for _, t, _ in listed)
     assert sorted(errors) == sorted([
         "docs/page.md:7: `FOO=1 .venv/bin/python -m tool.run --depth 3 --missing-flag x sec.known=1 sec.unknown=2`: "
