@@ -205,8 +205,8 @@ def _find_tool(words: list[str]) -> tuple[str, str, int] | None:
                 if words[k] == "-c":
                     return None
                 k += 2 if words[k] in ("-X", "-W") else 1
-            if k + 1 < len(words) and words[k] == "-m":
-                return "module", words[k + 1], k + 1
+            if k < len(words) and words[k] == "-m":
+                return ("module", words[k + 1], k + 1) if k + 1 < len(words) else None
             return ("script", words[k], k) if k < len(words) else None
         if base in LAUNCHERS:
             for k in range(j + 1, len(words)):
@@ -370,7 +370,7 @@ def test_every_documented_command_exists_with_its_flags(tmp_path):
 SAMPLE = """\
 # A page
 
-Run `python -m tool.run DIR --fast` or `make build`; `--not-a-command 3` is prose.
+Run `python -m tool.run DIR --fast` or `make build`; `--not-a-command 3` and `python -m` are prose.
 
 ```bash
 # a comment with python -m tool.gone
