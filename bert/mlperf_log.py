@@ -75,8 +75,8 @@ class MLPerfLogger:
         rank: this process's global rank; only rank 0 opens or writes anything.
         division: ``"open"`` or ``"closed"``; decides which checker rules apply.
         submitter: the ``submission_org`` value.
-        platform: the ``submission_platform`` value, e.g. ``"1xNVIDIA DGX A100"``; should be
-            the system name of the system description.
+        platform: the ``submission_platform`` value, ``<nodes>x<system>`` as in MLPerf logs,
+            e.g. ``"1xNVIDIA DGX A100"``; the system is the system description's name.
         status: the ``submission_status`` value: onprem, cloud, research or preview.
         echo: also print the lines to stdout when ``path`` is a file.
         resume: continue an interrupted run's log at ``path``: it must hold ``run_start`` and
@@ -151,11 +151,12 @@ class MLPerfLogger:
 
     # -- initialisation: before run_start ------------------------------------------------
 
-    def cache_clear(self) -> None:
-        """Logs that the file-system caches were dropped (required once; before init_start in
-        submissions, where the launcher clears them)."""
+    def cache_clear(self, cleared: bool = True) -> None:
+        """Logs whether the file-system caches were dropped before the run (required once;
+        before init_start in submissions, where the launcher clears them). Log the truth:
+        ``launch/run_and_time.sh`` says whether it could."""
         self._expect(C.CACHE_CLEAR, (_NEW, _INIT, _READY), once=True)
-        self._emit("event", C.CACHE_CLEAR, True)
+        self._emit("event", C.CACHE_CLEAR, bool(cleared))
 
     def init_start(self) -> None:
         """Starts the untimed initialisation (model build, data set up, compilation)."""
@@ -190,7 +191,7 @@ class MLPerfLogger:
             max_predictions_per_seq: masked positions per sequence at most (76).
             learning_rate: peak LR (``opt_base_learning_rate``).
             betas: LAMB (beta1, beta2).
-            epsilon: LAMB epsilon (``opt_lamb_epsilon``).
+            epsilon: LAMB epsilon (``opt_lamb_epsilon`` and ``opt_epsilon``).
             weight_decay: LAMB weight decay rate.
             warmup_steps: linear warmup length in optimizer steps (logged as both
                 ``opt_learning_rate_warmup_steps`` and ``num_warmup_steps``).
@@ -212,6 +213,9 @@ class MLPerfLogger:
             (C.OPT_NAME, C.LAMB),
             (C.OPT_BASE_LR, _float(C.OPT_BASE_LR, learning_rate)),
             (C.OPT_LAMB_EPSILON, _float(C.OPT_LAMB_EPSILON, epsilon)),
+            # The RCP records and the rules' hyper-parameter table name it opt_epsilon;
+            # NVIDIA's logs carry both.
+            ("opt_epsilon", _float("opt_epsilon", epsilon)),
             (C.OPT_LAMB_BETA_1, _float(C.OPT_LAMB_BETA_1, beta_1)),
             (C.OPT_LAMB_BETA_2, _float(C.OPT_LAMB_BETA_2, beta_2)),
             (C.OPT_LAMB_WEIGHT_DECAY, _float(C.OPT_LAMB_WEIGHT_DECAY, weight_decay)),
