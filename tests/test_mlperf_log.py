@@ -138,8 +138,8 @@ def test_lines_carry_samples_and_the_callers_location(tmp_path):
     assert by_key["eval_samples"]["value"] == EVAL_SET
     assert by_key["opt_lamb_epsilon"]["value"] == HPARAMS["epsilon"]
     assert by_key["opt_learning_rate_training_steps"]["value"] == HPARAMS["train_steps"]
+    assert by_key["opt_epsilon"]["value"] == HPARAMS["epsilon"]  # the RCP records' name
     # file/lineno name the trainer's call (here: this file), not the logger's internals.
-        assert by_key["opt_epsilon"]["value"] == HPARAMS["epsilon"]  # the RCP records' name
     source = Path(__file__).read_text().splitlines()
     for e in events:
         assert e["metadata"]["file"] == "tests/test_mlperf_log.py", e
