@@ -50,6 +50,8 @@ from typing import Any, Sequence
 from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
 
+from launch import system_desc
+
 DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 SUBMISSION_STATUSES = ("onprem", "cloud", "research", "preview")  # log values, as in NVIDIA's logs
@@ -404,22 +406,10 @@ def _check_resumable(path: Path) -> None:
                          f"(it has {', '.join(ended)})")
 
 
-# Fields the package checker requires in systems/<system_name>.json (system_desc_checker,
-# training rulesets), and the values it accepts for "status" from ruleset 4.0 on.
-SYSTEM_DESC_FIELDS = (
-    "submitter", "division", "status", "system_name", "number_of_nodes",
-    "host_processors_per_node", "host_processor_model_name", "host_processor_core_count",
-    "host_processor_vcpu_count", "host_processor_frequency", "host_processor_caches",
-    "host_processor_interconnect", "host_memory_capacity", "host_storage_type",
-    "host_storage_capacity", "host_networking", "host_networking_topology",
-    "host_memory_configuration", "accelerators_per_node", "accelerator_model_name",
-    "accelerator_host_interconnect", "accelerator_frequency", "accelerator_on-chip_memories",
-    "accelerator_memory_configuration", "accelerator_memory_capacity", "accelerator_interconnect",
-    "accelerator_interconnect_topology", "cooling", "hw_notes", "framework",
-    "other_software_stack", "operating_system", "sw_notes",
-)
-SYSTEM_DESC_STATUSES = ("Available on-premise", "Available cloud",
-                        "Research, Development, or Internal (RDI)", "Preview")
+# The fields systems/<system_name>.json must have and the "status" values the 5.0.0 package
+# checker accepts: launch.system_desc owns them (and fills them in from the machine).
+SYSTEM_DESC_FIELDS = system_desc.FIELDS
+SYSTEM_DESC_STATUSES = system_desc.STATUSES
 
 
 def write_system_desc(path: str | os.PathLike, *, submitter: str, division: str, status: str,
@@ -443,12 +433,5 @@ def write_system_desc(path: str | os.PathLike, *, submitter: str, division: str,
     desc = {name: "" for name in SYSTEM_DESC_FIELDS}
     desc.update(fields, submitter=submitter, division=division, status=status,
                 system_name=system_name)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(desc, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    system_desc.write(path, desc)
     return desc

@@ -321,13 +321,13 @@ def mlperf_eval_interval(global_batch_size: int) -> int:
     return math.floor(0.05 * (230.23 * global_batch_size + 3_000_000) / 25_000) * 25_000
 
 
-def eval_interval(cfg: "RunConfig") -> int:
+def eval_interval(cfg: RunConfig) -> int:
     """eval.interval_samples in samples (``auto`` resolved by the rule)."""
     value = cfg.eval.interval_samples
     return mlperf_eval_interval(cfg.train.global_batch_size) if value == "auto" else value
 
 
-def check_closed_division(cfg: "RunConfig") -> None:
+def check_closed_division(cfg: RunConfig) -> None:
     """log.division=closed: refuse what the MLPerf rules forbid or the benchmark fixes (one field per error)."""
     m, o = cfg.model, cfg.optim
     why = "the closed division"

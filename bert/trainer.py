@@ -240,7 +240,6 @@ class Trainer:
 
     def train_step(self, block: SampleBlock) -> StepResult:
         """Forward and backward over this rank's micro-batches of one global batch."""
-        t = self.cfg.train
         torch.manual_seed(step_seed(self.seed, self.step, self.rank))
         # One all-reduce gives the global counts the losses are normalised by, and lets any
         # rank's stop request (SIGTERM) reach all ranks at the same step.
