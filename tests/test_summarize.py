@@ -80,8 +80,11 @@ def test_ten_runs_one_failed_counts_as_slowest(tmp_path, capsys):
     [s] = summarize_json(tmp_path, d)
     kept = sorted(m for i, m in enumerate(minutes) if i != 2)[1:]
     assert s["olympic_score_minutes"] == pytest.approx(sum(kept) / 8, abs=1e-9)
-    assert s["official"] is True
-    assert "did not succeed" in s["note"]
+    # Not official: no compliance verdicts (--no-check), and 2M samples at batch 448 converge
+    # faster than the RCP allows (the raw mean is kept, unscaled).
+    assert s["official"] is False
+    assert "did not succeed" in s["note"] and "compliance checker was not run" in s["note"]
+    assert s["rcp"].startswith("RCP check failed") and s["rcp_factor"] == 1.0
     run = s["runs"][0]
     assert run["status"] == "success" and run["samples"] == 2_000_000
     assert run["time_to_train_s"] == pytest.approx(11.2 * 60)
