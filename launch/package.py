@@ -37,6 +37,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 from launch import system_desc
 from launch.summarize import SummaryError, find_logs, read_events
 
