@@ -136,3 +136,19 @@ def test_the_warm_up_does_not_change_training(dataset, tmp_path, monkeypatch):  
     monkeypatch.setattr(trainer_module.Trainer, "warm_up", lambda self: None)
     run_in_process(dataset, tmp_path / "cold", *dropout)
     assert losses(tmp_path / "warm") == losses(tmp_path / "cold")  # bitwise
+
+
+def test_closed_division_refuses_an_eval_set_that_is_not_10000(dataset, tmp_path):  # noqa: F811
+    """Checked when the data opens, after run_start (the file cannot be read before)."""
+    from bert.train_config import load_config as load
+    from bert.trainer import Trainer
+    from launch.distributed import init_distributed
+    from tests.test_trainer import overrides
+
+    trainer = Trainer(load(None, overrides(dataset)), str(tmp_path), init_distributed(backend="gloo"))
+    assert trainer.train_loader is None and trainer.eval_loader is None  # nothing read yet
+    trainer.cfg.log.division = "closed"  # as if the config had passed the guards
+    with pytest.raises(ConfigError, match=r"^data.eval_file: the closed division evaluates on exactly 10,000 "
+                                          r"samples; .* holds 40$"):
+        trainer._open_data()
+    trainer.train_loader.close()

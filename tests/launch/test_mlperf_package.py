@@ -167,7 +167,7 @@ def test_ten_tiny_runs_of_this_trainer(dataset, tmp_path, capsys):  # noqa: F811
     runs = tmp_path / "runs"
     for i in range(10):
         run_in_process(dataset, runs / f"run_{i}", "train.max_steps=1", f"train.seed={101 + i}",
-                       "model.attention=padded", "eval.target_accuracy=0.001", "eval.max_samples=8",
+                       "model.attention=padded", "eval.target_accuracy=0.001",
                        "log.submitter=tests")
     capsys.readouterr()
     out_dir = tmp_path / "pkg"
