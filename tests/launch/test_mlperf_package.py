@@ -163,11 +163,20 @@ def test_bad_input_is_one_line(tmp_path, capsys, problem, message):
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
-def test_ten_tiny_runs_of_this_trainer(dataset, tmp_path, capsys):  # noqa: F811 - the fixture
+@pytest.fixture(scope="module")
+def many_evals(tmp_path_factory):
+    """The tiny data set with 400 eval samples (~2,000 masked tokens): even an untrained model
+    gets some right, so every run reaches a tiny target and converges."""
+    from tests.batches import write_dataset
+
+    return write_dataset(str(tmp_path_factory.mktemp("data")), eval_samples=400)
+
+
+def test_ten_tiny_runs_of_this_trainer(many_evals, tmp_path, capsys):
     runs = tmp_path / "runs"
     for i in range(10):
-        run_in_process(dataset, runs / f"run_{i}", "train.max_steps=1", f"train.seed={101 + i}",
-                       "model.attention=padded", "eval.target_accuracy=0.001",
+        run_in_process(many_evals, runs / f"run_{i}", "train.max_steps=1", f"train.seed={101 + i}",
+                       "model.attention=padded", "eval.target_accuracy=0.001", "eval.batch_size=200",
                        "log.submitter=tests")
     capsys.readouterr()
     out_dir = tmp_path / "pkg"
