@@ -17,9 +17,10 @@ so a trainer bug shows up here rather than as a rejected log)::
     log.init_stop()
     log.run_start()
     log.epoch_start(0)
+    log.block_start(1, 1)   # the trainer: one block over the run, numbered as NVIDIA's v4.0 logs
     # per eval interval:
-    log.block_start(samples, block_samples); ...train...; log.block_stop(samples)
     log.eval_start(samples); log.eval_accuracy(samples, acc); log.eval_stop(samples)
+    log.block_stop(samples)
     # at the end (target reached, or max steps / samples / too many bad steps):
     log.epoch_stop(samples)
     log.train_samples(samples)
@@ -272,8 +273,8 @@ class MLPerfLogger:
         """Closes the open block at ``samples`` trained."""
         samples = _int("samples", samples)
         first = self._open.get("block")
-        self._stop_interval("block", C.BLOCK_STOP, samples,
-                            {C.FIRST_EPOCH_NUM: first, C.EPOCH_NUM: samples})
+        # As NVIDIA's v4.0 logs: block_stop carries first_epoch_num only.
+        self._stop_interval("block", C.BLOCK_STOP, samples, {C.FIRST_EPOCH_NUM: first})
 
     def eval_start(self, samples: int) -> None:
         """Opens an evaluation of the model trained on ``samples`` samples."""
@@ -315,7 +316,7 @@ class MLPerfLogger:
         if missing:
             raise RuntimeError(f"MLPerf log: call {'() and '.join(missing)}() before run_stop()")
         samples = self._advance(samples)
-        self._emit("end", C.RUN_STOP, None, {C.STATUS: status, C.EPOCH_NUM: samples})
+        self._emit("end", C.RUN_STOP, None, {C.STATUS: status})  # as NVIDIA's v4.0 logs
         self._phase = _STOPPED
 
     # -- helpers ---------------------------------------------------------------------------
