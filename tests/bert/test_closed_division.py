@@ -11,7 +11,7 @@ import run_pretraining
 from bert import trainer as trainer_module
 from bert.mlperf_log import MLPerfLogger
 from bert.train_config import ConfigError, load_config, mlperf_eval_interval
-from tests.test_trainer import dataset, losses, run_in_process  # noqa: F401 - dataset is a fixture
+from tests.bert.test_trainer import dataset, losses, run_in_process  # noqa: F401 - dataset is a fixture
 
 
 def log_events(out_dir) -> list[dict]:
@@ -143,7 +143,7 @@ def test_closed_division_refuses_an_eval_set_that_is_not_10000(dataset, tmp_path
     from bert.train_config import load_config as load
     from bert.trainer import Trainer
     from launch.distributed import init_distributed
-    from tests.test_trainer import overrides
+    from tests.bert.test_trainer import overrides
 
     trainer = Trainer(load(None, overrides(dataset)), str(tmp_path), init_distributed(backend="gloo"))
     assert trainer.train_loader is None and trainer.eval_loader is None  # nothing read yet

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from launch import package, summarize, system_desc
-from tests.test_trainer import dataset, run_in_process  # noqa: F401 - dataset is a fixture
+from tests.bert.test_trainer import dataset, run_in_process  # noqa: F401 - dataset is a fixture
 
 pytest.importorskip("mlperf_logging")
 
@@ -172,6 +172,7 @@ def many_evals(tmp_path_factory):
     return write_dataset(str(tmp_path_factory.mktemp("data")), eval_samples=400)
 
 
+@pytest.mark.slow  # ten trainings in a row
 def test_ten_tiny_runs_of_this_trainer(many_evals, tmp_path, capsys):
     runs = tmp_path / "runs"
     for i in range(10):

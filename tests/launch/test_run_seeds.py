@@ -5,7 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_distributed_init import FAKE_SCONTROL, FAKE_SRUN, clean_env
+from tests.helpers import clean_env
+from tests.launch.test_distributed_init import FAKE_SCONTROL, FAKE_SRUN
 
 REPO = Path(__file__).resolve().parents[2]
 
