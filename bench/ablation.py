@@ -122,7 +122,7 @@ def run_overrides(args, data: dict[str, str], global_batch: int) -> tuple[dict[s
         f"train.max_steps={steps}", "train.log_interval_steps=1", f"eval.interval_samples={interval}",
         f"eval.max_samples={args.eval_samples}", "checkpoint.interval_steps=0", "log.plot=false",
         f"optim.adagc.warmup_steps={warmup}", f"loss.simreg_temperature={args.simreg_temperature}",
-        f"loss.simreg_scope={args.simreg_scope}"]
+        f"loss.simreg_scope={args.simreg_scope}", f"train.seed={args.seed}"]
     spike_steps: list[int] = []
     if args.spikes:
         # Default: every --spike-every steps once AdaGC's warm-up is over (steady spikes are what
@@ -290,6 +290,7 @@ def parse_args(argv=None):
     ap.add_argument("--evals", type=int, default=6, help="evaluations per run (evenly spaced)")
     ap.add_argument("--eval-samples", type=int, default=1000, help="eval samples per evaluation")
     ap.add_argument("--runs", type=_names, default=list(RUNS), help=f"comma-separated, from {','.join(RUNS)}")
+    ap.add_argument("--seed", type=int, default=42, help="train.seed of every run (the runs share it)")
     ap.add_argument("--simreg-weight", type=float, default=0.1)
     ap.add_argument("--simreg-temperature", type=float, default=0.1)
     ap.add_argument("--simreg-scope", default="masked", choices=("masked", "all"))

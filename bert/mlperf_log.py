@@ -17,9 +17,10 @@ so a trainer bug shows up here rather than as a rejected log)::
     log.init_stop()
     log.run_start()
     log.epoch_start(0)
+    log.block_start(1, 1)   # the trainer: one block over the run, numbered as NVIDIA's v4.0 logs
     # per eval interval:
-    log.block_start(samples, block_samples); ...train...; log.block_stop(samples)
     log.eval_start(samples); log.eval_accuracy(samples, acc); log.eval_stop(samples)
+    log.block_stop(samples)
     # at the end (target reached, or max steps / samples / too many bad steps):
     log.epoch_stop(samples)
     log.train_samples(samples)
@@ -50,6 +51,8 @@ from typing import Any, Sequence
 from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
 
+from launch import system_desc
+
 DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 SUBMISSION_STATUSES = ("onprem", "cloud", "research", "preview")  # log values, as in NVIDIA's logs
@@ -75,8 +78,8 @@ class MLPerfLogger:
         rank: this process's global rank; only rank 0 opens or writes anything.
         division: ``"open"`` or ``"closed"``; decides which checker rules apply.
         submitter: the ``submission_org`` value.
-        platform: the ``submission_platform`` value, e.g. ``"1xNVIDIA DGX A100"``; should be
-            the system name of the system description.
+        platform: the ``submission_platform`` value, ``<nodes>x<system>`` as in MLPerf logs,
+            e.g. ``"1xNVIDIA DGX A100"``; the system is the system description's name.
         status: the ``submission_status`` value: onprem, cloud, research or preview.
         echo: also print the lines to stdout when ``path`` is a file.
         resume: continue an interrupted run's log at ``path``: it must hold ``run_start`` and
@@ -151,11 +154,12 @@ class MLPerfLogger:
 
     # -- initialisation: before run_start ------------------------------------------------
 
-    def cache_clear(self) -> None:
-        """Logs that the file-system caches were dropped (required once; before init_start in
-        submissions, where the launcher clears them)."""
+    def cache_clear(self, cleared: bool = True) -> None:
+        """Logs whether the file-system caches were dropped before the run (required once;
+        before init_start in submissions, where the launcher clears them). Log the truth:
+        ``launch/run_and_time.sh`` says whether it could."""
         self._expect(C.CACHE_CLEAR, (_NEW, _INIT, _READY), once=True)
-        self._emit("event", C.CACHE_CLEAR, True)
+        self._emit("event", C.CACHE_CLEAR, bool(cleared))
 
     def init_start(self) -> None:
         """Starts the untimed initialisation (model build, data set up, compilation)."""
@@ -190,7 +194,7 @@ class MLPerfLogger:
             max_predictions_per_seq: masked positions per sequence at most (76).
             learning_rate: peak LR (``opt_base_learning_rate``).
             betas: LAMB (beta1, beta2).
-            epsilon: LAMB epsilon (``opt_lamb_epsilon``).
+            epsilon: LAMB epsilon (``opt_lamb_epsilon`` and ``opt_epsilon``).
             weight_decay: LAMB weight decay rate.
             warmup_steps: linear warmup length in optimizer steps (logged as both
                 ``opt_learning_rate_warmup_steps`` and ``num_warmup_steps``).
@@ -212,6 +216,9 @@ class MLPerfLogger:
             (C.OPT_NAME, C.LAMB),
             (C.OPT_BASE_LR, _float(C.OPT_BASE_LR, learning_rate)),
             (C.OPT_LAMB_EPSILON, _float(C.OPT_LAMB_EPSILON, epsilon)),
+            # The RCP records and the rules' hyper-parameter table name it opt_epsilon;
+            # NVIDIA's logs carry both.
+            ("opt_epsilon", _float("opt_epsilon", epsilon)),
             (C.OPT_LAMB_BETA_1, _float(C.OPT_LAMB_BETA_1, beta_1)),
             (C.OPT_LAMB_BETA_2, _float(C.OPT_LAMB_BETA_2, beta_2)),
             (C.OPT_LAMB_WEIGHT_DECAY, _float(C.OPT_LAMB_WEIGHT_DECAY, weight_decay)),
@@ -266,8 +273,8 @@ class MLPerfLogger:
         """Closes the open block at ``samples`` trained."""
         samples = _int("samples", samples)
         first = self._open.get("block")
-        self._stop_interval("block", C.BLOCK_STOP, samples,
-                            {C.FIRST_EPOCH_NUM: first, C.EPOCH_NUM: samples})
+        # As NVIDIA's v4.0 logs: block_stop carries first_epoch_num only.
+        self._stop_interval("block", C.BLOCK_STOP, samples, {C.FIRST_EPOCH_NUM: first})
 
     def eval_start(self, samples: int) -> None:
         """Opens an evaluation of the model trained on ``samples`` samples."""
@@ -309,7 +316,7 @@ class MLPerfLogger:
         if missing:
             raise RuntimeError(f"MLPerf log: call {'() and '.join(missing)}() before run_stop()")
         samples = self._advance(samples)
-        self._emit("end", C.RUN_STOP, None, {C.STATUS: status, C.EPOCH_NUM: samples})
+        self._emit("end", C.RUN_STOP, None, {C.STATUS: status})  # as NVIDIA's v4.0 logs
         self._phase = _STOPPED
 
     # -- helpers ---------------------------------------------------------------------------
@@ -400,22 +407,10 @@ def _check_resumable(path: Path) -> None:
                          f"(it has {', '.join(ended)})")
 
 
-# Fields the package checker requires in systems/<system_name>.json (system_desc_checker,
-# training rulesets), and the values it accepts for "status" from ruleset 4.0 on.
-SYSTEM_DESC_FIELDS = (
-    "submitter", "division", "status", "system_name", "number_of_nodes",
-    "host_processors_per_node", "host_processor_model_name", "host_processor_core_count",
-    "host_processor_vcpu_count", "host_processor_frequency", "host_processor_caches",
-    "host_processor_interconnect", "host_memory_capacity", "host_storage_type",
-    "host_storage_capacity", "host_networking", "host_networking_topology",
-    "host_memory_configuration", "accelerators_per_node", "accelerator_model_name",
-    "accelerator_host_interconnect", "accelerator_frequency", "accelerator_on-chip_memories",
-    "accelerator_memory_configuration", "accelerator_memory_capacity", "accelerator_interconnect",
-    "accelerator_interconnect_topology", "cooling", "hw_notes", "framework",
-    "other_software_stack", "operating_system", "sw_notes",
-)
-SYSTEM_DESC_STATUSES = ("Available on-premise", "Available cloud",
-                        "Research, Development, or Internal (RDI)", "Preview")
+# The fields systems/<system_name>.json must have and the "status" values the 5.0.0 package
+# checker accepts: launch.system_desc owns them (and fills them in from the machine).
+SYSTEM_DESC_FIELDS = system_desc.FIELDS
+SYSTEM_DESC_STATUSES = system_desc.STATUSES
 
 
 def write_system_desc(path: str | os.PathLike, *, submitter: str, division: str, status: str,
@@ -439,12 +434,5 @@ def write_system_desc(path: str | os.PathLike, *, submitter: str, division: str,
     desc = {name: "" for name in SYSTEM_DESC_FIELDS}
     desc.update(fields, submitter=submitter, division=division, status=status,
                 system_name=system_name)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(desc, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    system_desc.write(path, desc)
     return desc

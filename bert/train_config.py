@@ -18,6 +18,9 @@ from dataclasses import dataclass, field, fields
 
 import yaml
 
+from bert.config import PRESETS, BertConfig
+from bert.config import ConfigError as BertConfigError
+
 
 class ConfigError(ValueError):
     """An invalid run configuration; the message names the key."""
@@ -59,6 +62,8 @@ def _coerce(key: str, value, hint):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if str in inner and isinstance(value, str) and len(inner) > 1:
+            return value  # a keyword such as eval.interval_samples=auto; the section checks which
         return _coerce(key, value, inner[0])
     if hint is bool:
         if not isinstance(value, bool):
@@ -133,6 +138,8 @@ class DataSection:
     backend: str = opt("torch", "loader backend", ("torch", "dali"))
     max_seq_length: int = opt(512, "sequence length of the data; the padded layout pads to it")
     vocab_file: str | None = opt(None, "vocabulary the data was made with; sets the model's vocab_size")
+    max_predictions_per_seq: int = opt(76, "masked positions per sequence at most (MLPerf data: 76); logged before "
+                                           "the data is opened, then checked against it")
     rebalance: str = opt("balanced", "cross-rank sequence-length rebalancing each step (stripe: the MLPerf "
                                      "submissions' sort-and-stride)", ("none", "stripe", "balanced"))
     rebalance_cost: tuple[float, float] = opt((1.0, 1.0 / 6144), "(a, b) of the per-sample cost a*L + b*L^2")
@@ -145,6 +152,7 @@ class DataSection:
     def __post_init__(self):
         _check("data", self)
         _positive("data.max_seq_length", self.max_seq_length)
+        _positive("data.max_predictions_per_seq", self.max_predictions_per_seq)
 
 
 @dataclass
@@ -153,7 +161,9 @@ class TrainSection:
     grad_accum_steps: int = opt(1, "micro-batches per optimizer step on each rank")
     max_steps: int = opt(6700, "stop (status aborted) after this many optimizer steps")
     max_samples: int = opt(4_500_000, "stop (status aborted) after this many training samples")
-    seed: int = opt(42, "seeds data order, initialisation and dropout")
+    seed: int | None = opt(None, "seeds data order, initialisation and dropout; unset (null): rank 0 draws "
+                                 "one from the OS and broadcasts it, so each run has its own (MLPerf closed "
+                                 "division); the seed used is logged and kept in checkpoints")
     precision: str = opt("fp32", "fp32; bf16 autocast (CPU, CUDA); fp16 with a gradient scaler (CUDA)",
                          ("fp32", "bf16", "fp16"))
     device: str = opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
@@ -165,18 +175,26 @@ class TrainSection:
         for name in ("global_batch_size", "grad_accum_steps", "max_steps", "max_samples", "log_interval_steps",
                      "max_nonfinite_steps"):
             _positive(f"train.{name}", getattr(self, name))
+        _positive("train.seed", self.seed, allow_zero=True)
 
 
 @dataclass
 class EvalSection:
-    interval_samples: int = opt(150_000, "evaluate every this many training samples")
+    interval_samples: int | str = opt("auto", "evaluate every this many training samples; auto: MLPerf's rule, "
+                                              "floor(0.05 x (230.23 x global batch + 3,000,000) / 25,000) x "
+                                              "25,000")
     target_accuracy: float = opt(0.720, "stop with status success at this masked-LM accuracy")
     batch_size: int = opt(125, "eval sequences per rank per batch")
     max_samples: int | None = opt(None, "evaluate on the first N eval samples only (MLPerf: all)")
 
     def __post_init__(self):
         _check("eval", self)
-        _positive("eval.interval_samples", self.interval_samples)
+        if isinstance(self.interval_samples, str):
+            if self.interval_samples != "auto":
+                raise ConfigError(f"eval.interval_samples: expected a number of samples or auto, "
+                                  f"got {self.interval_samples!r}")
+        else:
+            _positive("eval.interval_samples", self.interval_samples)
         _positive("eval.batch_size", self.batch_size)
         _positive("eval.max_samples", self.max_samples)
         if not 0.0 < self.target_accuracy <= 1.0:
@@ -256,7 +274,8 @@ class DebugSection:
 @dataclass
 class LogSection:
     division: str = opt("open", "MLPerf division written to the log", ("open", "closed"))
-    submitter: str = opt("unpadded-bert", "MLPerf submitter name")
+    submitter: str = opt("", "MLPerf submitter (submission_org): your organisation; the closed division "
+                             "needs it set, the open division logs unpadded-bert when it is empty")
     platform: str = opt("", "MLPerf platform name (default: the device)")
     plot: bool = opt(True, "write curves.png at the end")
 
@@ -289,6 +308,80 @@ class DistSection:
         _positive("dist.timeout_s", self.timeout_s)
 
 
+# MLPerf BERT (v5.0, its last round): what the closed division fixes.
+CLOSED_EVAL_SAMPLES = 10_000
+CLOSED_TARGET_ACCURACY = 0.720
+CLOSED_MAX_SEQ_LENGTH = 512
+CLOSED_MAX_GRAD_NORM = 1.0
+CLOSED_DROPOUT = 0.1
+
+
+def mlperf_eval_interval(global_batch_size: int) -> int:
+    """Samples between evaluations by the rule: floor(0.05 x (230.23 x GBS + 3,000,000) / 25,000) x 25,000."""
+    return math.floor(0.05 * (230.23 * global_batch_size + 3_000_000) / 25_000) * 25_000
+
+
+def eval_interval(cfg: RunConfig) -> int:
+    """eval.interval_samples in samples (``auto`` resolved by the rule)."""
+    value = cfg.eval.interval_samples
+    return mlperf_eval_interval(cfg.train.global_batch_size) if value == "auto" else value
+
+
+def check_closed_division(cfg: RunConfig) -> None:
+    """log.division=closed: refuse what the MLPerf rules forbid or the benchmark fixes (one field per error)."""
+    m, o = cfg.model, cfg.optim
+    why = "the closed division"
+    if cfg.log.submitter == "":
+        raise ConfigError(f"log.submitter: {why} logs your organisation as submission_org; set it")
+    if o.name != "lamb":
+        raise ConfigError(f"optim.name: {why} trains with LAMB, got {o.name!r}")
+    if o.clip != "global":
+        raise ConfigError(f"optim.clip: {why} clips by global norm as the reference does, got {o.clip!r}")
+    if o.max_grad_norm != CLOSED_MAX_GRAD_NORM:
+        raise ConfigError(f"optim.max_grad_norm: {why} clips at the reference's {CLOSED_MAX_GRAD_NORM}, "
+                          f"got {o.max_grad_norm}")
+    if cfg.loss.simreg_weight > 0:
+        raise ConfigError(f"loss.simreg_weight: {why} trains on the reference loss (MLM + NSP); SimReg must be 0")
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        value = getattr(m, name)
+        if value is not None and value != CLOSED_DROPOUT:
+            raise ConfigError(f"model.{name}: {why} keeps BERT-large's dropout {CLOSED_DROPOUT}, got {value}")
+    if m.preset != "large":
+        raise ConfigError(f"model.preset: {why} trains BERT-large, got {m.preset!r}")
+    if m.vocab_size is not None and m.vocab_size != PRESETS["large"].vocab_size:
+        raise ConfigError(f"model.vocab_size: {why} keeps BERT-large's {PRESETS['large'].vocab_size}, "
+                          f"got {m.vocab_size}")
+    if m.config_file:
+        try:
+            shape = BertConfig.from_json(m.config_file)
+        except (BertConfigError, OSError) as e:
+            raise ConfigError(f"model.config_file: {e}") from None
+        large = PRESETS["large"]
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "max_position_embeddings", "type_vocab_size", "hidden_dropout_prob",
+                     "attention_probs_dropout_prob"):
+            if getattr(shape, name) != getattr(large, name):
+                raise ConfigError(f"model.config_file: {why} trains BERT-large, but {m.config_file} sets {name} "
+                                  f"{getattr(shape, name)} (BERT-large: {getattr(large, name)})")
+    if cfg.data.max_seq_length != CLOSED_MAX_SEQ_LENGTH:
+        raise ConfigError(f"data.max_seq_length: {why} uses {CLOSED_MAX_SEQ_LENGTH}, got {cfg.data.max_seq_length}")
+    if not cfg.checkpoint.init:
+        raise ConfigError(f"checkpoint.init: {why} starts from the phase-1 checkpoint (model.ckpt-28252); set its path")
+    rule = mlperf_eval_interval(cfg.train.global_batch_size)
+    if cfg.eval.interval_samples not in ("auto", rule):
+        raise ConfigError(f"eval.interval_samples: {why} evaluates every {rule:,} samples at global batch "
+                          f"{cfg.train.global_batch_size} (auto), got {cfg.eval.interval_samples}")
+    if cfg.eval.max_samples is not None:
+        raise ConfigError(f"eval.max_samples: {why} evaluates on all {CLOSED_EVAL_SAMPLES:,} eval samples; "
+                          "leave it unset")
+    if cfg.eval.target_accuracy != CLOSED_TARGET_ACCURACY:
+        raise ConfigError(f"eval.target_accuracy: {why} stops at masked-LM accuracy {CLOSED_TARGET_ACCURACY}, "
+                          f"got {cfg.eval.target_accuracy}")
+    for name in ("spike_steps", "nonfinite_steps"):
+        if getattr(cfg.debug, name):
+            raise ConfigError(f"debug.{name}: {why} trains without injected faults; leave it empty")
+
+
 def check_cross_fields(cfg: "RunConfig") -> None:
     """Constraints between sections (raised before any work)."""
     layout, attention = cfg.data.layout, cfg.model.attention
@@ -301,6 +394,8 @@ def check_cross_fields(cfg: "RunConfig") -> None:
         raise ConfigError("loss.simreg_weight: SimReg runs on the unpadded and packed layouts, not padded")
     if layout == "packed" and cfg.data.backend != "torch":
         raise ConfigError("data.backend: the packed layout collates with 'torch' only")
+    if cfg.log.division == "closed":
+        check_closed_division(cfg)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import secrets
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -47,11 +48,16 @@ from bert.mlperf_log import MLPerfLogger
 from bert.model import BertForPreTraining
 from bert.optim import build_optimizer
 from bert.schedule import PolyWarmupScheduler
-from bert.train_config import ConfigError, RunConfig
+from bert.train_config import CLOSED_EVAL_SAMPLES, ConfigError, RunConfig, eval_interval
 from data.batch import PackedBatch
 from data.collate import make_collator
 from data.packing import unpack
 from data.samples import SampleBlock
+from data.synthetic import random_block
+
+# Set to 1 by launch/run_and_time.sh when it dropped the page cache before this run (the
+# log's cache_clear says what really happened).
+CACHE_CLEARED_ENV = "MLPERF_CACHE_CLEARED"
 
 
 class TrainingError(RuntimeError):
@@ -87,6 +93,8 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, output_dir: str, dist_info):
+        """Builds every part but the data loaders: MLPerf's clock (``run_start``) starts
+        before anything touches the dataset, so ``train()`` opens the data after it."""
         self.cfg = cfg
         self.out = output_dir
         self.rank, self.world = dist_info.rank, dist_info.world_size
@@ -101,8 +109,9 @@ class Trainer:
             raise ConfigError("train.precision: fp16 needs CUDA (use bf16 or fp32 on the CPU)")
         self.local_batch = t.global_batch_size // self.world
         self.micro_batch = self.local_batch // t.grad_accum_steps
+        self.eval_interval = eval_interval(cfg)
         for key, path in (("data.train_dir", cfg.data.train_dir), ("data.eval_file", cfg.data.eval_file)):
-            if not path or not os.path.exists(path):
+            if not path or not os.path.exists(path):  # a stat, not a read: the data stays untouched
                 raise ConfigError(f"{key}: {path!r} does not exist")
         if self.is_main:
             try:
@@ -113,8 +122,43 @@ class Trainer:
             except OSError as e:
                 raise ConfigError(f"--output-dir: {output_dir!r} is not writable ({e.strerror})") from None
 
+        # Counters; restored from a checkpoint when resuming.
+        self.step = 0
+        self.samples = 0
+        self.tokens = 0
+        self.skipped = 0
+        self.nonfinite_in_row = 0
+        self.corrupt_samples = 0
+        self.checkpoint_failures = 0
+        self.error: str | None = None  # why the run stopped early (summary "error", exit status 1)
+        self.train_seconds = 0.0
+        self.last_eval_samples = 0
+        self.eval_accuracy: float | None = None
+        self.stop_requested = False
+        self.train_loader = None  # opened by train(), after run_start
+        self.eval_loader = None
+        self._loader_state: dict | None = None  # a resumed loader position, applied when the data opens
+
+        self.progress = Progress(self.is_main, t.max_steps)
+        found = self._find_checkpoint()
+        self.resumed = found is not None
+        # The run's seed: the config's, else one rank 0 draws from the OS; a resumed run keeps its own.
+        self.seed = self._resolve_seed(found[1] if found else None)
+        nodes = self._count_nodes(dist_info)
+        platform = cfg.log.platform or (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                                        else "cpu")
+        submitter = cfg.log.submitter or "unpadded-bert"  # only the open division may leave it empty
+        self.mllog = MLPerfLogger(os.path.join(output_dir, "mlperf.log"), self.rank, cfg.log.division,
+                                  submitter=submitter, platform=f"{nodes}x{platform}", resume=self.resumed)
+        if not self.resumed:
+            # Initialisation (untimed, at most 30 minutes by the rules) starts here, before the
+            # model is built; it ends after the warm-up in train().
+            self.mllog.cache_clear(os.environ.get(CACHE_CLEARED_ENV) == "1")
+            self.mllog.init_start()
+            self._log_hyperparameters()
+
         self.model_config = build_model_config(cfg)
-        torch.manual_seed(t.seed)  # same initial weights on every rank
+        torch.manual_seed(self.seed)  # same initial weights on every rank
         options = ({"buckets": cfg.model.grouped_buckets, "num_streams": cfg.model.grouped_streams}
                    if cfg.model.attention == "triton_grouped" else None)
         self.model = BertForPreTraining(self.model_config, attention=cfg.model.attention,
@@ -144,24 +188,6 @@ class Trainer:
                                warmup_steps=a.warmup_steps, lambda_abs=a.lambda_abs, eps=a.eps)
         self.scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
-
-        from data.hdf5io import inspect
-        from data.loader import EvalLoader, PretrainingLoader
-
-        # Both loaders check every token id against the model's vocabulary as they read.
-        vocab = self.model_config.vocab_size
-        self.train_loader = PretrainingLoader(cfg.data.train_dir, global_batch_size=t.global_batch_size,
-                                              rank=self.rank, world_size=self.world, seed=t.seed,
-                                              backend=cfg.data.backend, vocab_size=vocab,
-                                              on_corrupt=cfg.data.on_corrupt, warn=self._warn)
-        self.eval_loader = EvalLoader(cfg.data.eval_file, rank=self.rank, world_size=self.world,
-                                      batch_size=cfg.eval.batch_size, max_samples=cfg.eval.max_samples,
-                                      vocab_size=vocab, backend=cfg.data.backend)
-        self.data_info = inspect(self.train_loader.files[0])
-        seq = self.data_info.max_seq_length
-        if seq is not None and seq > cfg.data.max_seq_length:
-            raise ConfigError(f"data.max_seq_length: {cfg.data.max_seq_length}, but {self.data_info.path} holds "
-                              f"sequences of up to {seq} tokens")
         if cfg.data.max_seq_length > self.model_config.max_position_embeddings:
             raise ConfigError(f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "
                               f"max_position_embeddings ({self.model_config.max_position_embeddings})")
@@ -176,30 +202,10 @@ class Trainer:
                                              max_len=cfg.data.max_seq_length, timeout_s=cfg.dist.timeout_s,
                                              group_size=cfg.data.rebalance_group_size)
 
-        # Counters; restored from a checkpoint when resuming.
-        self.step = 0
-        self.samples = 0
-        self.tokens = 0
-        self.skipped = 0
-        self.nonfinite_in_row = 0
-        self.corrupt_samples = 0
-        self.checkpoint_failures = 0
-        self.error: str | None = None  # why the run stopped early (summary "error", exit status 1)
-        self.train_seconds = 0.0
-        self.last_eval_samples = 0
-        self.eval_accuracy: float | None = None
-        self.stop_requested = False
-
-        self.progress = Progress(self.is_main, t.max_steps)
-        resume = self._resume()
+        if found is not None:
+            self._load_checkpoint(found[1])
         self.metrics = MetricsWriter(os.path.join(output_dir, "metrics.jsonl"), self.is_main,
-                                     resume_step=self.step if resume else None)
-        platform = cfg.log.platform or (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
-                                        else "cpu")
-        self.mllog = MLPerfLogger(os.path.join(output_dir, "mlperf.log"), self.rank, cfg.log.division,
-                                  submitter=cfg.log.submitter, platform=f"{self.world}x{platform}",
-                                  resume=bool(resume))
-        self.resumed = bool(resume)
+                                     resume_step=self.step if self.resumed else None)
 
     # ---- setup helpers -------------------------------------------------------------------
 
@@ -234,8 +240,7 @@ class Trainer:
 
     def train_step(self, block: SampleBlock) -> StepResult:
         """Forward and backward over this rank's micro-batches of one global batch."""
-        t = self.cfg.train
-        torch.manual_seed(step_seed(t.seed, self.step, self.rank))
+        torch.manual_seed(step_seed(self.seed, self.step, self.rank))
         # One all-reduce gives the global counts the losses are normalised by, and lets any
         # rank's stop request (SIGTERM) reach all ranks at the same step.
         simreg = self.cfg.loss.simreg_weight > 0
@@ -354,39 +359,113 @@ class Trainer:
             return self._train()
         finally:
             signal.signal(signal.SIGTERM, previous)
-            self.train_loader.close()
+            if self.train_loader is not None:
+                self.train_loader.close()
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
 
-    def _log_start(self) -> None:
+    def _log_hyperparameters(self) -> None:
         cfg, t, o = self.cfg, self.cfg.train, self.cfg.optim
+        self.mllog.submission_info()
+        self.mllog.hyperparameters(
+            seed=self.seed, global_batch_size=t.global_batch_size, local_batch_size=self.micro_batch,
+            gradient_accumulation_steps=t.grad_accum_steps, max_sequence_length=cfg.data.max_seq_length,
+            max_predictions_per_seq=cfg.data.max_predictions_per_seq, learning_rate=o.lr, betas=o.betas,
+            epsilon=o.eps, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps,
+            start_warmup_step=o.start_warmup_step, train_steps=o.total_steps or t.max_steps, poly_power=o.poly_power)
+
+    def _log_start(self) -> None:
+        """Warm up, end initialisation, start the clock, then open the data."""
         log = self.mllog
         if self.resumed:
+            self._clock_started = time.time()
+            self._open_data()
             self.progress.message(f"resumed from step {self.step} ({self.samples} samples)")
             log.epoch_start(self.samples)
             return
-        log.cache_clear()
-        log.init_start()
-        log.submission_info()
-        log.hyperparameters(seed=t.seed, global_batch_size=t.global_batch_size, local_batch_size=self.micro_batch,
-                            gradient_accumulation_steps=t.grad_accum_steps,
-                            max_sequence_length=cfg.data.max_seq_length,
-                            max_predictions_per_seq=self.data_info.max_predictions or 76,
-                            learning_rate=o.lr, betas=o.betas, epsilon=o.eps, weight_decay=o.weight_decay,
-                            warmup_steps=o.warmup_steps, start_warmup_step=o.start_warmup_step,
-                            train_steps=o.total_steps or t.max_steps, poly_power=o.poly_power)
+        self.warm_up()
         log.init_stop()
         log.run_start()
+        self._clock_started = time.time()  # the summary's time to train counts from here, as MLPerf's
+        self._open_data()
         log.epoch_start(0)
+
+    def warm_up(self) -> None:
+        """Forward and backward on synthetic batches before the clock starts, so that kernel
+        compilation and autotuning (Triton, torch.compile) and the allocator's first growth
+        are not timed. It leaves no trace: no optimizer step, gradients dropped, RNG states
+        restored. On a GPU: one micro-batch at full length (the allocator's worst case) and
+        one of mixed lengths (the other length buckets' kernels); on a CPU one tiny step."""
+        cuda = self.device.type == "cuda"
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
+        vocab, seq = self.model_config.vocab_size, self.cfg.data.max_seq_length
+        predictions = min(self.cfg.data.max_predictions_per_seq, max(1, seq // 8))
+        if cuda:
+            n = self.micro_batch
+            blocks = [random_block(n, seed=0, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab,
+                                   min_len=seq),
+                      random_block(n, seed=1, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab)]
+        else:
+            short = min(seq, 16)
+            blocks = [random_block(2, seed=0, max_seq_length=short, max_predictions=min(predictions, 2),
+                                   vocab_size=vocab, min_len=min(8, short))]
+        self.forward.train()
+        for block in blocks:
+            batch = self._collate(block).to(self.device, non_blocking=True)
+            with self._autocast():
+                out = self.forward(batch)
+                loss, _ = pretraining_loss(out.mlm_logits, batch.mlm_labels, out.nsp_logits, batch.nsp_labels,
+                                           int(block.masked_counts.sum()), len(block))
+            with self.coll.guard("the warm-up's gradient all-reduce", 0):
+                loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.set_rng_state(cuda_rng, self.device)
+        torch.set_rng_state(cpu_rng)
+
+    def _open_data(self) -> None:
+        """The loaders: the first reads of the dataset, after run_start."""
+        from data.hdf5io import inspect
+        from data.loader import EvalLoader, PretrainingLoader
+
+        cfg, t = self.cfg, self.cfg.train
+        # Both loaders check every token id against the model's vocabulary as they read.
+        vocab = self.model_config.vocab_size
+        self.train_loader = PretrainingLoader(cfg.data.train_dir, global_batch_size=t.global_batch_size,
+                                              rank=self.rank, world_size=self.world, seed=self.seed,
+                                              backend=cfg.data.backend, vocab_size=vocab,
+                                              on_corrupt=cfg.data.on_corrupt, warn=self._warn)
+        if self._loader_state is not None:
+            self.train_loader.load_state_dict(self._loader_state)
+        self.eval_loader = EvalLoader(cfg.data.eval_file, rank=self.rank, world_size=self.world,
+                                      batch_size=cfg.eval.batch_size, max_samples=cfg.eval.max_samples,
+                                      vocab_size=vocab, backend=cfg.data.backend)
+        if cfg.log.division == "closed" and self.eval_loader.total_samples != CLOSED_EVAL_SAMPLES:
+            raise ConfigError(f"data.eval_file: the closed division evaluates on exactly {CLOSED_EVAL_SAMPLES:,} "
+                              f"samples; {cfg.data.eval_file} holds {self.eval_loader.total_samples:,}")
+        self.data_info = inspect(self.train_loader.files[0])
+        seq = self.data_info.max_seq_length
+        if seq is not None and seq > cfg.data.max_seq_length:
+            raise ConfigError(f"data.max_seq_length: {cfg.data.max_seq_length}, but {self.data_info.path} holds "
+                              f"sequences of up to {seq} tokens")
+        predictions = self.data_info.max_predictions
+        if predictions is not None and predictions > cfg.data.max_predictions_per_seq:
+            raise ConfigError(f"data.max_predictions_per_seq: {cfg.data.max_predictions_per_seq}, but "
+                              f"{self.data_info.path} holds up to {predictions} masked positions per sequence")
 
     def _train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         self._log_start()
-        interval = cfg.eval.interval_samples
+        interval = self.eval_interval
         status = None
-        run_start = time.time() - self.train_seconds
-        self.mllog.block_start(self.samples, interval - self.samples % interval)
+        run_start = self._clock_started - self.train_seconds
+        # NVIDIA's v4.0 numbering: one block over the whole run, first_epoch_num 1 and
+        # epoch_count 1; evaluations inside it carry the samples trained as epoch_num.
+        self.mllog.block_start(self.samples if self.resumed else 1, 1)
         window_start, window_samples, window_tokens = time.time(), 0, 0
         batches = iter(self.train_loader)
         if self.rebalancer:
@@ -440,8 +519,6 @@ class Trainer:
                 self._run_eval()
                 if self.eval_accuracy >= cfg.eval.target_accuracy:
                     status = "success"
-                elif not at_limit and status is None:
-                    self.mllog.block_start(self.samples, interval - self.samples % interval)
             if status is None and at_limit:
                 status = "aborted"
             ckpt_due = cfg.checkpoint.interval_steps and self.step % cfg.checkpoint.interval_steps == 0
@@ -461,8 +538,6 @@ class Trainer:
         return self._finish(status, time.time() - run_start)
 
     def _run_eval(self) -> None:
-        if "block" in self.mllog._open:
-            self.mllog.block_stop(self.samples)
         self.mllog.eval_start(self.samples)
         acc = self.evaluate()
         self.eval_accuracy = acc
@@ -556,29 +631,46 @@ class Trainer:
             "counters": {"step": self.step, "samples": self.samples, "tokens": self.tokens, "skipped": self.skipped,
                          "nonfinite_in_row": self.nonfinite_in_row, "train_seconds": self.train_seconds,
                          "last_eval_samples": self.last_eval_samples, "eval_accuracy": self.eval_accuracy,
-                         "corrupt_samples": self.corrupt_samples, "checkpoint_failures": self.checkpoint_failures},
+                         "corrupt_samples": self.corrupt_samples, "checkpoint_failures": self.checkpoint_failures,
+                         "seed": self.seed},
             "config": self.cfg.to_dict(),
         }
 
-    def _resume(self) -> str | None:
-        """Load the newest checkpoint that verifies (damaged ones are named and passed over);
-        check that every rank resumed from the same step. Returns its path, None to start fresh."""
+    def _find_checkpoint(self) -> tuple[str, dict] | None:
+        """The newest checkpoint that verifies (damaged ones are named and passed over), as
+        (path, state); checks that every rank found the same step. None: start fresh."""
         directory = self._checkpoint_dir()
         if self.is_main and os.path.isdir(directory):
             for name in train_checkpoint.remove_temporaries(directory):
                 self.progress.message(f"removed {name}, the unfinished write of a killed run")
         found = train_checkpoint.load_latest(directory, warn=self.progress.message) if os.path.isdir(directory) \
             else None
-        if found is not None:
-            self._load_checkpoint(found[1])
+        step = found[1]["counters"]["step"] if found is not None else 0
         # Ranks that see different checkpoint directories (node-local disks) would diverge silently.
-        steps = self.coll.all_reduce(torch.tensor([self.step, -self.step], device=self.device), "the resume check",
-                                     self.step, op=dist.ReduceOp.MAX)
+        steps = self.coll.all_reduce(torch.tensor([step, -step], device=self.device), "the resume check",
+                                     step, op=dist.ReduceOp.MAX)
         if int(steps[0]) != -int(steps[1]):
             raise CheckpointError(f"{directory}: the ranks resumed from different steps ({-int(steps[1])} to "
-                                  f"{int(steps[0])}; rank {self.rank} from {self.step}): every rank must see the "
+                                  f"{int(steps[0])}; rank {self.rank} from {step}): every rank must see the "
                                   f"same checkpoints")
-        return found[0] if found else None
+        return found
+
+    def _resolve_seed(self, state: dict | None) -> int:
+        """train.seed, or (unset) a seed rank 0 draws from the OS, the same on every rank; a
+        resumed run keeps the seed it started with."""
+        if state is not None and state["counters"].get("seed") is not None:
+            return int(state["counters"]["seed"])
+        if self.cfg.train.seed is not None:
+            return self.cfg.train.seed
+        drawn = secrets.randbits(31) if self.is_main else 0
+        drawn = self.coll.all_reduce(torch.tensor([drawn], dtype=torch.int64, device=self.device),
+                                     "the seed broadcast", 0)
+        return int(drawn)
+
+    def _count_nodes(self, dist_info) -> int:
+        """Nodes in the job (for submission_platform): ranks with local rank 0."""
+        first = torch.tensor([int(dist_info.local_rank == 0)], dtype=torch.int64, device=self.device)
+        return max(1, int(self.coll.all_reduce(first, "the node count", 0)))
 
     def _load_checkpoint(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -588,7 +680,7 @@ class Trainer:
             self.adagc.load_state_dict(state["adagc"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        self.train_loader.load_state_dict(state["loader"])
+        self._loader_state = state["loader"]  # the data opens after run_start
         c = state["counters"]
         self.step, self.samples, self.tokens, self.skipped = c["step"], c["samples"], c["tokens"], c["skipped"]
         self.nonfinite_in_row, self.train_seconds = c["nonfinite_in_row"], c["train_seconds"]

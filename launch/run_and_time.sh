@@ -9,8 +9,11 @@
 #   OUTPUT_DIR    directory of this set of runs (default results/<config name>); run N trains
 #                 into OUTPUT_DIR/run_N and its log becomes OUTPUT_DIR/result_N.txt
 #   RUN_INDEX     N (required with more than one rank; default: the first unused N)
-#   SEED          passed as train.seed (default: the config's seed)
-#   CLEAR_CACHES  1 (default): local rank 0 drops the page cache when the kernel lets it
+#   SEED          passed as train.seed; unset: train.seed=null, so rank 0 draws a fresh seed from
+#                 the OS and broadcasts it (MLPerf's closed division wants a distinct seed per run;
+#                 the seed used is in the log and on the RESULT line)
+#   CLEAR_CACHES  1 (default): local rank 0 drops the page cache when the kernel lets it; the
+#                 log's cache_clear says whether it did (MLPERF_CACHE_CLEARED=1/0 to the trainer)
 #   NPROC_PER_NODE  start this many ranks on this node with torchrun (for a single node or a
 #                 container run); unset: this script is one rank, started by srun or mpirun
 #   PYTHON, TRAIN_SCRIPT  interpreter (default .venv/bin/python, else python) and entry point
@@ -47,20 +50,28 @@ fi
 run_dir=$output_dir/run_$RUN_INDEX
 mkdir -p "$output_dir"
 
-if [[ ${CLEAR_CACHES:-1} != 0 && $local_rank == 0 ]]; then
-    if [[ -w /proc/sys/vm/drop_caches ]] && sync && { echo 3 > /proc/sys/vm/drop_caches; } 2>/dev/null; then
+# Rank 0 (local rank 0 of the first node) writes the log, so its own drop is what it reports.
+MLPERF_CACHE_CLEARED=0
+if [[ ${CLEAR_CACHES:-1} == 0 ]]; then
+    (( local_rank != 0 )) || echo "run_and_time.sh: page cache not cleared (CLEAR_CACHES=0)"
+elif [[ $local_rank == 0 ]]; then
+    if [[ ! -w /proc/sys/vm/drop_caches ]]; then
+        echo "run_and_time.sh: page cache not cleared (/proc/sys/vm/drop_caches not writable here: not root, or a container without it)"
+    elif sync && { echo 3 > /proc/sys/vm/drop_caches; } 2>/dev/null; then
+        MLPERF_CACHE_CLEARED=1
         echo "run_and_time.sh: page cache cleared"
     else
-        echo "run_and_time.sh: page cache not cleared (/proc/sys/vm/drop_caches not writable here)"
+        echo "run_and_time.sh: page cache not cleared (the kernel refused the write to /proc/sys/vm/drop_caches)"
     fi
 fi
+export MLPERF_CACHE_CLEARED
 
 start=$(date +%s)
 start_fmt=$(date +'%Y-%m-%d %r')
 echo "STARTING TIMING RUN $RUN_INDEX AT $start_fmt"
 
 status=0
-"${launcher[@]}" "$train_script" --config "$CONFIG" --output-dir "$run_dir" ${SEED:+train.seed=$SEED} "$@" || status=$?
+"${launcher[@]}" "$train_script" --config "$CONFIG" --output-dir "$run_dir" "train.seed=${SEED:-null}" "$@" || status=$?
 
 end=$(date +%s)
 if (( rank == 0 )); then

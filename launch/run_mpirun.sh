@@ -7,6 +7,8 @@
 # container's). Rank 0 picks the rendezvous and broadcasts it with mpi4py unless
 # MASTER_ADDR/MASTER_PORT are exported. Several nodes: MPIRUN_ARGS="--hostfile FILE
 # --map-by ppr:8:node" (more options, e.g. NIC selection, go there too).
+# SEED=N trains with seed N; unset, the config's train.seed, and without one there each run
+# draws its own from the OS (rank 0, broadcast), as MLPerf's closed division wants.
 # PYTHON and TRAIN_SCRIPT override the interpreter and the entry point (run_pretraining.py).
 set -euo pipefail
 
@@ -41,4 +43,4 @@ done
 
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of options
 exec "$mpirun" "${args[@]}" ${MPIRUN_ARGS:-} \
-    "$python" "$train_script" --config "$config" --output-dir "$output_dir" "$@"
+    "$python" "$train_script" --config "$config" --output-dir "$output_dir" ${SEED:+"train.seed=$SEED"} "$@"

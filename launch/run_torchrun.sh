@@ -6,6 +6,8 @@
 # One node: a standalone rendezvous on a free port. Several nodes: run the same command on
 # every node with NODE_RANK=0..NNODES-1 and MASTER_ADDR=<node 0's address> [MASTER_PORT=29500].
 # On CPU, GPUS_PER_NODE is the number of ranks (gloo).
+# SEED=N trains with seed N; unset, the config's train.seed, and without one there each run
+# draws its own from the OS (rank 0, broadcast), as MLPerf's closed division wants.
 # PYTHON and TRAIN_SCRIPT override the interpreter and the entry point (run_pretraining.py);
 # MAX_RESTARTS (default 0) is torchrun's --max-restarts.
 set -euo pipefail
@@ -35,4 +37,4 @@ fi
 # must not reuse the dead generation's store address (pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 exec "$python" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-0}" \
-    "$train_script" --config "$config" --output-dir "$output_dir" "$@"
+    "$train_script" --config "$config" --output-dir "$output_dir" ${SEED:+"train.seed=$SEED"} "$@"

@@ -13,8 +13,19 @@ Per run: status (``run_stop``'s ``metadata.status``), time to train (``run_stop`
 content because it is slow.
 
 Per directory: the olympic score, MLPerf's way of scoring BERT: of 10 runs, drop the fastest
-and the slowest and average the other 8; a run that did not succeed counts as infinitely
-slow. With 3 to 9 runs the same mean is printed, marked as not an official score.
+and the slowest and average the other 8; a run that did not succeed, or that the compliance
+checker rejects, counts as infinitely slow (``result_summarizer`` drops it). Then the RCP
+normalisation of ``mlperf_logging``'s ``rcp_checker`` and ``result_summarizer``: the runs'
+samples to converge (a failed run counts as 1e9; the last ``eval_accuracy``'s ``epoch_num``,
+or ``train_samples`` where logged, as with the checker's ``--rcp-bert-train-samples``),
+olympic-averaged, are compared with the reference convergence point (RCP) of their global
+batch size (interpolated between neighbours when there is none); a set faster than the RCP
+mean but within its allowed speed-up has its score multiplied by RCP mean / its mean, a set
+faster still fails the RCP check. The RCPs are ruleset 5.0.0's (``--rcp-ruleset``), BERT's
+last round, also for older sets, whose logs are checked with their own ``--ruleset``. The score is "official" only for ten closed-division runs
+that the compliance checker was run on and accepts (one may fail, as the package checker
+allows), with unique seeds, one global batch size and a passed RCP check; otherwise the same
+numbers are printed with the reason they are not official.
 """
 
 from __future__ import annotations
@@ -33,8 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 TOKEN = ":::MLLOG"
 DEFAULT_RULESET = "5.0.0"
+DEFAULT_RCP_RULESET = "5.0.0"  # BERT's last round: its RCPs score any set, older ones included
 OFFICIAL_RUNS = 10
 
 
@@ -58,10 +72,14 @@ class RunResult:
     seconds: float  # time to train: run_stop - run_start
     samples: Optional[int]
     compliance: Optional[str] = None  # "pass", "fail: <reasons>", or None when not checked
+    seed: Optional[int] = None
+    batch_size: Optional[int] = None  # global_batch_size
+    division: Optional[str] = None  # submission_division
 
     @property
     def success(self) -> bool:
-        return self.status == "success"
+        """Converged, and not rejected by the compliance checker (when it ran)."""
+        return self.status == "success" and (self.compliance is None or self.compliance == "pass")
 
     @property
     def minutes(self) -> float:
@@ -79,10 +97,13 @@ class RunResult:
 class DirectorySummary:
     directory: Path
     runs: list[RunResult]
-    score_minutes: Optional[float]  # olympic mean, None when there is none
-    official: bool  # exactly 10 runs and a finite score
+    score_minutes: Optional[float]  # olympic mean x RCP factor, None when there is none
+    official: bool  # see the module docstring
     note: str
     throughput: Optional[float]  # mean samples/s of the runs in the score
+    rcp: Optional[str] = None  # the RCP check's verdict, in words
+    rcp_factor: float = 1.0  # the score's RCP normalisation (1: none)
+    raw_score_minutes: Optional[float] = None  # the olympic mean before normalisation
 
 
 def read_events(path: Path) -> list[Event]:
@@ -130,6 +151,9 @@ def summarize_run(path: Path) -> RunResult:
     if not isinstance(status, str):
         raise SummaryError(f"{path}:{stop.lineno}: run_stop has no metadata.status")
 
+    def first(key):
+        return next((e.value for e in events if e.key == key), None)
+
     during = events[start_i:]
     samples: Optional[int] = None
     trained = [e.value for e in during if e.key == "train_samples" and isinstance(e.value, int)]
@@ -140,7 +164,11 @@ def summarize_run(path: Path) -> RunResult:
                  if e.key == "eval_accuracy" and isinstance(e.metadata.get("epoch_num"), int)]
         if evals:
             samples = evals[-1]
-    return RunResult(path, status, (stop.time_ms - start.time_ms) / 1000.0, samples)
+    seed, batch = first("seed"), first("global_batch_size")
+    return RunResult(path, status, (stop.time_ms - start.time_ms) / 1000.0, samples,
+                     seed=seed if isinstance(seed, int) else None,
+                     batch_size=batch if isinstance(batch, int) else None,
+                     division=first("submission_division"))
 
 
 def _natural_key(path: Path):
@@ -182,6 +210,81 @@ def olympic_score(runs: list[RunResult]) -> tuple[Optional[float], bool, str, li
         return (score, False, f"{what}; not an official score: MLPerf BERT needs "
                 f"{OFFICIAL_RUNS} runs", kept)
     return score, True, what, kept
+
+
+# ---------------------------------------------------------------------------------------
+# RCP normalisation and the official flag
+
+
+@dataclass
+class RCPResult:
+    passed: bool
+    factor: float  # >= 1; the score is multiplied by it
+    verdict: str
+
+
+def rcp_check(runs: list[RunResult], ruleset: str) -> RCPResult:
+    """The RCP checker's verdict and normalisation factor for a set of runs (as
+    ``rcp_checker.check_directory`` decides them, on these runs' logs)."""
+    try:
+        from mlperf_logging.rcp_checker import rcp_checker as rc
+    except ImportError:
+        return RCPResult(False, 1.0, "RCP check not run: mlperf-logging is not installed")
+    sizes = {r.batch_size for r in runs}
+    if len(sizes) != 1 or None in sizes:
+        return RCPResult(False, 1.0, "RCP check failed: the runs do not share one global_batch_size "
+                         f"({', '.join(str(b) for b in sorted(sizes, key=str))})")
+    (bs,) = sizes
+    # A run that did not converge, or that the compliance checker rejects, counts as 1e9 samples.
+    # Samples are train_samples where logged (rcp_checker's --rcp-bert-train-samples: some
+    # submitters log epoch_num 1 on every eval), else the last eval's epoch_num.
+    samples = [float(r.samples) if r.success and r.samples is not None else 1e9 for r in runs]
+    if sum(x == 1e9 for x in samples) > 1:
+        return RCPResult(False, 1.0, "RCP check failed: insufficient convergence (more than one run failed)")
+    try:
+        checker = rc.RCP_Checker("training", ruleset, "bert", False)
+    except Exception as e:  # noqa: BLE001 - the checker raises a bare Exception for rulesets without RCPs
+        return RCPResult(False, 1.0, f"RCP check not run: {e}")
+    record = checker._find_rcp(bs, "pruned_rcps")
+    how = "found"
+    if record is None:
+        low, high = checker._find_top_min_rcp(bs, "pruned_rcps"), checker._find_bottom_max_rcp(bs, "pruned_rcps")
+        if low is not None and high is not None:
+            _, record = checker._create_interp_rcp(bs, low, high)
+            how = f"interpolated between batch sizes {low['BS']} and {high['BS']}"
+        elif low is None and high is not None:
+            record = checker._find_min_rcp("pruned_rcps")
+            how = f"the smallest batch size's ({record['BS']})"
+        else:
+            return RCPResult(False, 1.0, f"RCP missing for global batch size {bs} (ruleset {ruleset})")
+    passed, factor = checker._eval_submission_record(record, samples, "")
+    mean = float(np.mean(sorted(samples)[1:-1]))
+    where = f"RCP {how}: mean {record['RCP Mean']:,.0f} samples, runs' mean {mean:,.0f}"
+    if not passed:
+        return RCPResult(False, 1.0, f"RCP check failed ({where}: faster than the allowed "
+                         f"{record['RCP Mean'] / record['Max Speedup']:,.0f})")
+    if factor > 1.0:
+        return RCPResult(True, float(factor), f"{where}: score scaled by {factor:.4f}")
+    return RCPResult(True, 1.0, where)
+
+
+def official_problems(runs: list[RunResult]) -> list[str]:
+    """Why a set of runs cannot be an official score (empty: it can)."""
+    problems = []
+    if len(runs) != OFFICIAL_RUNS:
+        problems.append(f"MLPerf BERT needs {OFFICIAL_RUNS} runs")
+    if any(r.compliance is None for r in runs):
+        problems.append("the compliance checker was not run")
+    elif sum(r.compliance != "pass" for r in runs) > 1:
+        problems.append(f"{sum(r.compliance != 'pass' for r in runs)} runs fail the compliance check (at most 1)")
+    if any(r.division != "closed" for r in runs):
+        problems.append("not every run is in the closed division")
+    seeds = [r.seed for r in runs]
+    if None in seeds or len(set(seeds)) != len(seeds):
+        problems.append("the seeds are not unique")
+    if len({r.batch_size for r in runs}) != 1:
+        problems.append("the runs do not share one global batch size")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------
@@ -278,12 +381,28 @@ def check_runs(runs: list[RunResult], ruleset: str, cache: ComplianceCache, work
 # Output
 
 
-def summarize_directory(directory: Path) -> DirectorySummary:
-    runs = [summarize_run(p) for p in find_logs(directory)]
-    score, official, note, kept = olympic_score(runs)
+def collect_runs(directory: Path) -> list[RunResult]:
+    return [summarize_run(p) for p in find_logs(directory)]
+
+
+def summarize_directory(directory: Path, runs: Optional[list[RunResult]] = None,
+                        rcp_ruleset: str = DEFAULT_RCP_RULESET) -> DirectorySummary:
+    """The directory's score; pass ``runs`` once their compliance verdicts are filled in."""
+    runs = collect_runs(directory) if runs is None else runs
+    raw, complete, note, kept = olympic_score(runs)
     rates = [r.throughput for r in kept]
     throughput = sum(rates) / len(rates) if rates and None not in rates else None
-    return DirectorySummary(directory, runs, score, official, note, throughput)
+    rcp = rcp_check(runs, rcp_ruleset) if len(runs) >= 3 else None
+    score = raw * rcp.factor if raw is not None and rcp is not None else raw
+    problems = official_problems(runs)
+    if rcp is not None and not rcp.passed:
+        problems.append(rcp.verdict)
+    official = complete and not problems
+    if complete and problems:
+        note += "; not an official score: " + "; ".join(problems)
+    return DirectorySummary(directory, runs, score, official, note, throughput,
+                            rcp=rcp.verdict if rcp else None, rcp_factor=rcp.factor if rcp else 1.0,
+                            raw_score_minutes=raw)
 
 
 def format_table(summaries: list[DirectorySummary], ruleset: str) -> str:
@@ -302,6 +421,8 @@ def format_table(summaries: list[DirectorySummary], ruleset: str) -> str:
             out.append(f"  {name:<16} {r.status:<9} {r.minutes:>8.2f} {samples:>11} {tput:>10}  {verdict}")
         score = f"{s.score_minutes:.2f} min" if s.score_minutes is not None else "none"
         out.append(f"  olympic score: {score} ({s.note})")
+        if s.rcp:
+            out.append(f"  {s.rcp}")
         if s.throughput is not None:
             out.append(f"  throughput of the scored runs: {s.throughput:.1f} samples/s")
         out.append("")
@@ -325,6 +446,9 @@ def to_json(summaries: list[DirectorySummary], ruleset: Optional[str]) -> dict:
         "directories": [{
             "directory": str(s.directory),
             "olympic_score_minutes": _finite(s.score_minutes),
+            "raw_olympic_score_minutes": _finite(s.raw_score_minutes),
+            "rcp": s.rcp,
+            "rcp_factor": s.rcp_factor,
             "official": s.official,
             "note": s.note,
             "throughput_samples_per_s": s.throughput,
@@ -335,6 +459,8 @@ def to_json(summaries: list[DirectorySummary], ruleset: Optional[str]) -> dict:
                 "time_to_train_min": r.minutes,
                 "samples": r.samples,
                 "samples_per_s": r.throughput,
+                "seed": r.seed,
+                "global_batch_size": r.batch_size,
                 "compliance": r.compliance,
             } for r in s.runs],
         } for s in summaries],
@@ -394,6 +520,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="skip the compliance checker (it takes about a second per log)")
     parser.add_argument("--ruleset", default=DEFAULT_RULESET,
                         help="compliance checker ruleset (default %(default)s)")
+    parser.add_argument("--rcp-ruleset", default=DEFAULT_RCP_RULESET,
+                        help="ruleset whose reference convergence points normalise the scores (default "
+                             "%(default)s, BERT's last; older sets are checked with their own --ruleset)")
     parser.add_argument("--cache", type=Path, default=None, metavar="FILE",
                         help=f"verdict cache (default {default_cache_file()})")
     parser.add_argument("--no-cache", action="store_true", help="always run the checker")
@@ -402,10 +531,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        summaries = [summarize_directory(d) for d in args.dirs]
+        runs = [collect_runs(d) for d in args.dirs]
         if not args.no_check:
             cache = ComplianceCache(None if args.no_cache else (args.cache or default_cache_file()))
-            check_runs([r for s in summaries for r in s.runs], args.ruleset, cache, args.jobs)
+            check_runs([r for rs in runs for r in rs], args.ruleset, cache, args.jobs)
+        summaries = [summarize_directory(d, rs, args.rcp_ruleset) for d, rs in zip(args.dirs, runs)]
         ruleset = None if args.no_check else args.ruleset
         print(format_table(summaries, args.ruleset if ruleset else "not checked"), end="")
         if args.json:

@@ -30,7 +30,7 @@ TARGET_COMPLAINT = "Failed checks for eval_accuracy : (v['value'] >= 0.720) and 
 SEPARATOR = "\n" + "-" * 30 + "\n"  # between the checker's messages
 HPARAM_KEYS = {"seed", "global_batch_size", "d_batch_size", "gradient_accumulation_steps",
                "max_sequence_length", "max_predictions_per_seq", "opt_name",
-               "opt_base_learning_rate", "opt_lamb_epsilon", "opt_lamb_beta_1", "opt_lamb_beta_2",
+               "opt_base_learning_rate", "opt_lamb_epsilon", "opt_epsilon", "opt_lamb_beta_1", "opt_lamb_beta_2",
                "opt_lamb_weight_decay_rate", "opt_learning_rate_training_steps",
                "opt_learning_rate_warmup_steps", "num_warmup_steps", "start_warmup_step",
                "opt_lamb_learning_rate_decay_poly_power"}
@@ -138,6 +138,7 @@ def test_lines_carry_samples_and_the_callers_location(tmp_path):
     assert by_key["eval_samples"]["value"] == EVAL_SET
     assert by_key["opt_lamb_epsilon"]["value"] == HPARAMS["epsilon"]
     assert by_key["opt_learning_rate_training_steps"]["value"] == HPARAMS["train_steps"]
+    assert by_key["opt_epsilon"]["value"] == HPARAMS["epsilon"]  # the RCP records' name
     # file/lineno name the trainer's call (here: this file), not the logger's internals.
     source = Path(__file__).read_text().splitlines()
     for e in events:

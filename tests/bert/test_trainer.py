@@ -18,7 +18,7 @@ ROOT = str(REPO)
 TINY = ["model.preset=tiny", "model.vocab_size=96", "model.hidden_dropout_prob=0",
         "model.attention_probs_dropout_prob=0", "data.max_seq_length=64", "train.global_batch_size=8",
         "train.device=cpu", "train.log_interval_steps=1", "eval.interval_samples=32", "eval.batch_size=16",
-        "optim.lr=1e-3", "optim.warmup_steps=2", "log.plot=false"]
+        "optim.lr=1e-3", "optim.warmup_steps=2", "log.plot=false", "train.seed=42"]
 
 
 @pytest.fixture(scope="module")

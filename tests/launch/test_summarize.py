@@ -79,8 +79,11 @@ def test_ten_runs_one_failed_counts_as_slowest(tmp_path, capsys):
     [s] = summarize_json(tmp_path, d)
     kept = sorted(m for i, m in enumerate(minutes) if i != 2)[1:]
     assert s["olympic_score_minutes"] == pytest.approx(sum(kept) / 8, abs=1e-9)
-    assert s["official"] is True
-    assert "did not succeed" in s["note"]
+    # Not official: no compliance verdicts (--no-check), and 2M samples at batch 448 converge
+    # faster than the RCP allows (the raw mean is kept, unscaled).
+    assert s["official"] is False
+    assert "did not succeed" in s["note"] and "compliance checker was not run" in s["note"]
+    assert s["rcp"].startswith("RCP check failed") and s["rcp_factor"] == 1.0
     run = s["runs"][0]
     assert run["status"] == "success" and run["samples"] == 2_000_000
     assert run["time_to_train_s"] == pytest.approx(11.2 * 60)
@@ -205,7 +208,9 @@ if os.environ.get("RANK", "0") != "0":
 seed = 42
 for o in a.overrides:
     if o.startswith("train.seed="):
-        seed = int(o.split("=", 1)[1])
+        value = o.split("=", 1)[1]
+        # null: the real trainer draws a seed from the OS
+        seed = int(value) if value != "null" else 1000 + int.from_bytes(os.urandom(2), "big")
 os.makedirs(a.output_dir, exist_ok=True)
 def line(key, value=None, **metadata):
     return ":::MLLOG " + json.dumps({"namespace": "", "time_ms": 1000, "event_type": "POINT_IN_TIME",
@@ -239,7 +244,10 @@ def test_run_and_time_writes_result_files_and_result_lines(tmp_path):
         "train.seed=123 optim.lr=1e-3" in first.stdout
     pattern = r"^RESULT,bert,{},\d+,[^,]+,\d{{4}}-\d\d-\d\d .+$"
     assert re.search(pattern.format(123), first.stdout, re.M)
-    assert re.search(pattern.format(42), second.stdout, re.M)  # seed read back from the log
+    # Without SEED the trainer drew one (train.seed=null); the RESULT line reads it back from the log.
+    assert "train.seed=null" in second.stdout
+    drawn = re.search(r'"key": "seed", "value": (\d+)', (res / "result_1.txt").read_text()).group(1)
+    assert int(drawn) >= 1000 and re.search(pattern.format(drawn), second.stdout, re.M)
     [s] = summarize_json(tmp_path, res)
     assert [r["samples"] for r in s["runs"]] == [64, 64] and "2 run(s)" in s["note"]
 
@@ -257,4 +265,4 @@ def test_run_and_time_starts_ranks_itself_with_nproc_per_node(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("world 2") == 2
     assert (tmp_path / "res" / "result_3.txt").is_file()
-    assert len(re.findall(r"^RESULT,bert,42,", proc.stdout, re.M)) == 1
+    assert len(re.findall(r"^RESULT,bert,\d+,", proc.stdout, re.M)) == 1

@@ -1,0 +1,258 @@
+"""MLPerf's system description, ``systems/<system_name>.json``, filled in from this machine.
+
+    python -m launch.system_desc --output FILE.json [--nodes N] [--field key=value ...]
+
+An MLPerf submission describes each system it ran on in a JSON file with the fields below
+(``mlperf_logging.system_desc_checker`` requires every one, and from ruleset 4.0 on it accepts
+only the four ``status`` values of ``STATUSES``). This module fills in what the machine can
+tell: GPUs, their memory, clocks and links (``nvidia-smi``), CPUs and caches (``lscpu``),
+memory and disk, the operating system, and the versions of torch, CUDA, cuDNN, NCCL, Triton
+and DALI, and the container image (``CONT`` or ``CONTAINER_IMAGE``, as ``launch/slurm.sub``
+names it). What it cannot know (cooling, the network between nodes, notes) stays ``""`` for
+a person to fill in with ``--field``; ``--field`` also overrides anything measured.
+``launch.package`` calls ``describe`` when no description is given.
+
+Sits beside the results: the trainer's logs name the system in ``submission_platform``
+(``<nodes>x<system_name>``) and the package puts this file at ``ORG/systems/<system>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# The fields the 5.0.0 package checker requires, in the order MLPerf's own files list them.
+FIELDS = (
+    "submitter", "division", "status", "system_name", "number_of_nodes",
+    "host_processors_per_node", "host_processor_model_name", "host_processor_core_count",
+    "host_processor_vcpu_count", "host_processor_frequency", "host_processor_caches",
+    "host_processor_interconnect", "host_memory_capacity", "host_storage_type",
+    "host_storage_capacity", "host_networking", "host_networking_topology",
+    "host_memory_configuration", "accelerators_per_node", "accelerator_model_name",
+    "accelerator_host_interconnect", "accelerator_frequency", "accelerator_on-chip_memories",
+    "accelerator_memory_configuration", "accelerator_memory_capacity", "accelerator_interconnect",
+    "accelerator_interconnect_topology", "cooling", "hw_notes", "framework",
+    "other_software_stack", "operating_system", "sw_notes",
+)
+# system_desc_checker (training, ruleset >= 4.0): the only values "status" may take.
+STATUSES = ("Available on-premise", "Available cloud", "Research, Development, or Internal (RDI)", "Preview")
+DIVISIONS = ("closed", "open")
+
+
+class SystemDescError(ValueError):
+    """Bad input for a system description; the message names the field."""
+
+
+def _run(*cmd: str) -> str:
+    """stdout of a command, "" when it is missing or fails (a CPU machine has no nvidia-smi)."""
+    if shutil.which(cmd[0]) is None:
+        return ""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:.0f} GB"
+
+
+def gpu_fields() -> dict[str, Any]:
+    query = "name,memory.total,clocks.max.sm,pcie.link.gen.max,pcie.link.width.max"
+    rows = [[c.strip() for c in line.split(",")] for line in
+            _run("nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits").splitlines() if line.strip()]
+    if not rows:
+        return {"accelerators_per_node": 0}
+    name, mem_mib, sm_mhz, gen, width = rows[0]
+    fields: dict[str, Any] = {
+        "accelerators_per_node": len(rows),
+        "accelerator_model_name": name,
+        "accelerator_memory_capacity": f"{float(mem_mib) / 1024:.0f} GB",
+        "accelerator_frequency": f"{sm_mhz} MHz" if sm_mhz.isdigit() else "",
+        "accelerator_host_interconnect": f"PCIe Gen{gen} x{width}" if gen.isdigit() else "",
+        "accelerator_memory_configuration": "HBM" if re.search(r"[AHB]\d{3}|GH200|GB200", name) else "",
+    }
+    links = _run("nvidia-smi", "nvlink", "--status", "-i", "0")
+    speeds = re.findall(r"Link \d+: ([\d.]+) GB/s", links)
+    if speeds:
+        total = sum(float(s) for s in speeds)
+        fields["accelerator_interconnect"] = f"{len(speeds)}x NVLink, {total:.0f} GB/s per GPU"
+        topo = _run("nvidia-smi", "topo", "-m")
+        fields["accelerator_interconnect_topology"] = ("NVSwitch" if "NV" in topo and len(rows) > 2 else
+                                                       "NVLink")
+    else:
+        fields["accelerator_interconnect"] = "PCIe"
+        fields["accelerator_interconnect_topology"] = "PCIe"
+    return fields
+
+
+def cpu_fields() -> dict[str, Any]:
+    info = {}
+    for line in _run("lscpu").splitlines():
+        key, _, value = line.partition(":")
+        info[key.strip()] = value.strip()
+    fields: dict[str, Any] = {"host_processor_vcpu_count": os.cpu_count() or ""}
+    if not info:
+        fields["host_processor_model_name"] = platform.processor() or platform.machine()
+        return fields
+    sockets = int(info.get("Socket(s)", "1") or 1)
+    cores = int(info.get("Core(s) per socket", "0") or 0)
+    fields.update({
+        "host_processors_per_node": sockets,
+        "host_processor_model_name": info.get("Model name", ""),
+        "host_processor_core_count": cores or "",
+        "host_processor_vcpu_count": int(info.get("CPU(s)", fields["host_processor_vcpu_count"]) or 0),
+    })
+    mhz = info.get("CPU max MHz") or info.get("CPU MHz")
+    if mhz:
+        fields["host_processor_frequency"] = f"{float(mhz):.0f} MHz"
+    caches = [f"{name} {info[key]}" for key, name in (("L1d cache", "L1d"), ("L1i cache", "L1i"),
+                                                       ("L2 cache", "L2"), ("L3 cache", "L3")) if info.get(key)]
+    fields["host_processor_caches"] = ", ".join(caches)
+    return fields
+
+
+def host_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        kib = int(re.search(r"MemTotal:\s+(\d+)", meminfo).group(1))
+        fields["host_memory_capacity"] = _gib(kib * 1024)
+    except (OSError, AttributeError):
+        pass
+    try:
+        fields["host_storage_capacity"] = _gib(shutil.disk_usage(os.getcwd()).total)
+    except OSError:
+        pass
+    os_name = platform.system()
+    try:
+        release = Path("/etc/os-release").read_text()
+        os_name = re.search(r'^PRETTY_NAME="?([^"\n]*)', release, re.MULTILINE).group(1)
+    except (OSError, AttributeError):
+        pass
+    fields["operating_system"] = f"{os_name} (kernel {platform.release()})"
+    return fields
+
+
+def software_fields() -> dict[str, Any]:
+    import torch
+
+    parts = [f"Python {platform.python_version()}"]
+    if torch.version.cuda:
+        parts.append(f"CUDA {torch.version.cuda}")
+    if torch.backends.cudnn.is_available():
+        parts.append(f"cuDNN {torch.backends.cudnn.version()}")
+    try:
+        nccl = torch.cuda.nccl.version()
+        parts.append("NCCL " + (".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)))
+    except (AttributeError, RuntimeError):
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist, name in (("triton", "Triton"), ("nvidia-dali-cuda120", "DALI"), ("nvidia-dali-cuda110", "DALI"),
+                       ("mlperf-logging", "mlperf-logging")):
+        try:
+            parts.append(f"{name} {version(dist)}")
+        except PackageNotFoundError:
+            pass
+    image = os.environ.get("CONT") or os.environ.get("CONTAINER_IMAGE")
+    if image:
+        parts.append(f"container {image}")
+    elif Path("/.dockerenv").exists():
+        parts.append("container (image not named: set CONT)")
+    return {"framework": f"PyTorch {torch.__version__}", "other_software_stack": ", ".join(parts)}
+
+
+def describe(*, nodes: int = 1, fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every field of ``FIELDS``: measured here, then ``fields`` on top; checked by ``check``."""
+    desc: dict[str, Any] = {name: "" for name in FIELDS}
+    desc.update(division="closed", status=STATUSES[0], number_of_nodes=nodes)
+    for part in (cpu_fields, host_fields, gpu_fields, software_fields):
+        desc.update({k: v for k, v in part().items() if str(v)})
+    desc.update(fields or {})
+    # The checker joins some fields into a CSV line: every value is a string, as in MLPerf's files.
+    desc = {k: str(v) for k, v in desc.items()}
+    check(desc)
+    return desc
+
+
+def check(desc: dict[str, Any]) -> None:
+    """What the 5.0.0 checker would refuse, as a SystemDescError naming the field."""
+    unknown = sorted(set(desc) - set(FIELDS))
+    if unknown:
+        raise SystemDescError(f"{unknown[0]}: not a system-description field (valid: {', '.join(FIELDS)})")
+    missing = [name for name in FIELDS if name not in desc]
+    if missing:
+        raise SystemDescError(f"{missing[0]}: missing")
+    if desc["status"] not in STATUSES:
+        raise SystemDescError(f"status: {desc['status']!r} is not one the 5.0.0 checker accepts: "
+                              f"{', '.join(repr(s) for s in STATUSES)}")
+    if desc["division"] not in DIVISIONS:
+        raise SystemDescError(f"division: {desc['division']!r} is not one of {', '.join(DIVISIONS)}")
+    for name in ("submitter", "system_name"):
+        if not str(desc[name]).strip():
+            raise SystemDescError(f"{name}: empty; give it with --field {name}=...")
+
+
+def write(path: str | os.PathLike, desc: dict[str, Any]) -> None:
+    """Writes ``desc`` as JSON to a temporary name, then renames it to ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(desc, f, indent=4)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def parse_fields(items: list[str]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemDescError(f"--field {item!r}: expected key=value")
+        if key not in FIELDS:
+            raise SystemDescError(f"--field {key}: not a system-description field (valid: {', '.join(FIELDS)})")
+        fields[key] = value
+    return fields
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launch.system_desc", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--output", required=True, help="the JSON file to write (systems/<system_name>.json)")
+    ap.add_argument("--nodes", type=int, default=1, help="number_of_nodes (default 1)")
+    ap.add_argument("--field", action="append", default=[], metavar="key=value",
+                    help="set a field (submitter, system_name and division at least); repeatable")
+    args = ap.parse_args(argv)
+    try:
+        if args.nodes < 1:
+            raise SystemDescError(f"--nodes: must be >= 1, got {args.nodes}")
+        desc = describe(nodes=args.nodes, fields=parse_fields(args.field))
+        write(args.output, desc)
+    except SystemDescError as e:
+        print(f"system_desc: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"system_desc: {e.filename or args.output}: {e.strerror}", file=sys.stderr)
+        return 2
+    empty = [k for k, v in desc.items() if not v]
+    print(f"wrote {args.output}" + (f"; left empty for you to fill in: {', '.join(empty)}" if empty else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
