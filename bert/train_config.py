@@ -186,6 +186,10 @@ class EvalSection:
     target_accuracy: float = opt(0.720, "stop with status success at this masked-LM accuracy")
     batch_size: int = opt(125, "eval sequences per rank per batch")
     max_samples: int | None = opt(None, "evaluate on the first N eval samples only (MLPerf: all)")
+    at_start: bool = opt(False, "evaluate the initial weights before training, during initialisation (untimed, "
+                                "not an MLPerf eval_accuracy event): MLPerf's phase-1 checkpoint scores about "
+                                "0.34, which checks that it loaded right. Not in the closed division, where "
+                                "nothing may read the dataset before run_start")
 
     def __post_init__(self):
         _check("eval", self)
@@ -340,6 +344,9 @@ def check_closed_division(cfg: RunConfig) -> None:
     if o.max_grad_norm != CLOSED_MAX_GRAD_NORM:
         raise ConfigError(f"optim.max_grad_norm: {why} clips at the reference's {CLOSED_MAX_GRAD_NORM}, "
                           f"got {o.max_grad_norm}")
+    if cfg.eval.at_start:
+        raise ConfigError(f"eval.at_start: {why} starts the clock before anything reads the dataset; "
+                          "evaluate the initial checkpoint in an open-division run")
     if cfg.loss.simreg_weight > 0:
         raise ConfigError(f"loss.simreg_weight: {why} trains on the reference loss (MLM + NSP); SimReg must be 0")
     for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):

@@ -385,6 +385,8 @@ class Trainer:
             log.epoch_start(self.samples)
             return
         self.warm_up()
+        if self.cfg.eval.at_start:
+            self.evaluate_at_start()
         log.init_stop()
         log.run_start()
         self._clock_started = time.time()  # the summary's time to train counts from here, as MLPerf's
@@ -427,10 +429,24 @@ class Trainer:
             torch.cuda.set_rng_state(cuda_rng, self.device)
         torch.set_rng_state(cpu_rng)
 
+    def evaluate_at_start(self) -> None:
+        """eval.at_start: the initial weights' accuracy, before the clock (open division only)."""
+        self.eval_loader = self._eval_loader()
+        acc = self.evaluate()
+        self.metrics.write({"step": 0, "samples": 0, "eval_at_start_accuracy": acc})
+        self.progress.message(f"eval at start (initial weights, not timed)  masked-LM accuracy {acc:.4f}")
+
+    def _eval_loader(self):
+        from data.loader import EvalLoader
+
+        return EvalLoader(self.cfg.data.eval_file, rank=self.rank, world_size=self.world,
+                          batch_size=self.cfg.eval.batch_size, max_samples=self.cfg.eval.max_samples,
+                          vocab_size=self.model_config.vocab_size, backend=self.cfg.data.backend)
+
     def _open_data(self) -> None:
         """The loaders: the first reads of the dataset, after run_start."""
         from data.hdf5io import inspect
-        from data.loader import EvalLoader, PretrainingLoader
+        from data.loader import PretrainingLoader
 
         cfg, t = self.cfg, self.cfg.train
         # Both loaders check every token id against the model's vocabulary as they read.
@@ -441,9 +457,8 @@ class Trainer:
                                               on_corrupt=cfg.data.on_corrupt, warn=self._warn)
         if self._loader_state is not None:
             self.train_loader.load_state_dict(self._loader_state)
-        self.eval_loader = EvalLoader(cfg.data.eval_file, rank=self.rank, world_size=self.world,
-                                      batch_size=cfg.eval.batch_size, max_samples=cfg.eval.max_samples,
-                                      vocab_size=vocab, backend=cfg.data.backend)
+        if self.eval_loader is None:  # eval.at_start opened it already
+            self.eval_loader = self._eval_loader()
         if cfg.log.division == "closed" and self.eval_loader.total_samples != CLOSED_EVAL_SAMPLES:
             raise ConfigError(f"data.eval_file: the closed division evaluates on exactly {CLOSED_EVAL_SAMPLES:,} "
                               f"samples; {cfg.data.eval_file} holds {self.eval_loader.total_samples:,}")

@@ -50,6 +50,7 @@ def test_a_closed_config_with_the_rules_values_is_accepted():
     ("checkpoint.init=null", "checkpoint.init"),
     ("eval.interval_samples=100000", "eval.interval_samples"),
     ("eval.max_samples=1000", "eval.max_samples"),
+    ("eval.at_start=true", "eval.at_start"),
     ("eval.target_accuracy=0.5", "eval.target_accuracy"),
     ("debug.spike_steps=[3]", "debug.spike_steps"),
 ])

@@ -72,6 +72,22 @@ def test_run_writes_every_output(dataset, tmp_path):
     assert checker.returncode == 0, checker.stdout + checker.stderr
 
 
+def test_eval_at_start_scores_the_initial_weights_and_changes_nothing(dataset, tmp_path):
+    run_in_process(dataset, tmp_path / "plain", "train.max_steps=2")
+    run_in_process(dataset, tmp_path / "at_start", "train.max_steps=2", "eval.at_start=true")
+    assert losses(tmp_path / "at_start") == losses(tmp_path / "plain")
+    records = [json.loads(line) for line in open(tmp_path / "at_start" / "metrics.jsonl")]
+    assert records[0]["samples"] == 0 and set(records[0]) == {"step", "samples", "eval_at_start_accuracy"}
+    # The same number as evaluating a freshly built model with the same seed.
+    fresh = Trainer(load_config(None, overrides(dataset)), str(tmp_path / "fresh"), init_distributed(backend="gloo"))
+    fresh.eval_loader = fresh._eval_loader()
+    assert records[0]["eval_at_start_accuracy"] == fresh.evaluate()
+    # Not an MLPerf evaluation: the log has the plain run's eval_accuracy events only.
+    def evals(d):
+        return sum('"key": "eval_accuracy"' in line for line in open(d / "mlperf.log"))
+    assert evals(tmp_path / "at_start") == evals(tmp_path / "plain")
+
+
 def test_resume_is_bitwise_identical(dataset, tmp_path):
     whole = tmp_path / "whole"
     run_in_process(dataset, whole, "train.max_steps=8", "model.hidden_dropout_prob=0.1",
