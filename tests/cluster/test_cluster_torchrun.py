@@ -1,0 +1,32 @@
+"""torchrun across 2 hosts x 2 ranks (network namespaces): the static rendezvous of
+launch/run_torchrun.sh and an elastic c10d one train exactly what 1 rank trains."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.cluster.common import CONFIG, LAUNCH, train_args
+from tests.faults.common import losses
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def torchrun_on(host_jobs, host: int, nnodes: str, out, dataset, *extra, **env):
+    c = host_jobs.cluster
+    return host_jobs.start(host, [os.path.join(LAUNCH, "run_torchrun.sh"), nnodes, "2", CONFIG, str(out),
+                                  *train_args(dataset, *extra)], f"host{host}.log",
+                           MASTER_ADDR=c.address(0), MASTER_PORT=29500, SOCKET_IFNAME="cl0", **env)
+
+
+@pytest.mark.timeout(240)
+def test_static_rendezvous_two_hosts_match_one_rank(host_jobs, cluster_dataset, reference, tmp_path):
+    out = tmp_path / "out"
+    jobs = [torchrun_on(host_jobs, h, "2", out, cluster_dataset, NODE_RANK=h) for h in (0, 1)]
+    for h, job in enumerate(jobs):
+        assert job.wait(180, f"torchrun on host {h}") == 0, job.output()[-3000:]
+    assert losses(out) == pytest.approx(reference, rel=1e-5)
+    summary = json.load(open(out / "summary.json"))
+    assert summary["world_size"] == 4 and summary["steps"] == len(reference)
