@@ -3,11 +3,13 @@ multi-node launch paths (torchrun, mpirun, Slurm) and lost or slow nodes without
 
 Host i is a network namespace ``<name>-node<i>`` with one interface ``cl0`` at
 ``<subnet>.<i+1>/24``, loopback up, and its own hostname (each command runs in a fresh UTS
-namespace whose hostname is the host's name, so Open MPI and Slurm see different nodes).
+namespace whose hostname is the host's name, so Open MPI and Slurm see different nodes,
+and a mount namespace of its own).
 The hosts' ``cl0`` links are veth pairs onto a bridge that lives in a namespace of its own
 (``<name>-hub``): nothing is added to the machine's own network namespace, and packets
-can only travel between the hosts. Each host's ``/etc/hosts`` (``ip netns exec`` mounts
-``/etc/netns/<ns>/hosts`` over it) names every host of the cluster, as on a real one.
+can only travel between the hosts. Each host's ``/etc/hosts`` (``/etc/netns/<ns>/hosts``
+mounted over it) names every host of the cluster, as on a real one; its resolv.conf is
+empty, so no name is ever looked up outside.
 
     python -m launch.netns_cluster up --hosts 2          # prints the hosts and addresses
     python -m launch.netns_cluster exec bcl-node1 -- hostname -I
@@ -17,13 +19,14 @@ can only travel between the hosts. Each host's ``/etc/hosts`` (``ip netns exec``
 COMMAND with a shell on HOST) for Open MPI's ``plm_ssh_agent``. ``down`` kills every
 process inside the hosts' namespaces and deletes the namespaces, the links and the state
 directory; ``up`` first does the same to anything left over under the same name.
-Needs root and iproute2 (``ip``, ``tc``) and util-linux (``unshare``).
+Needs root, iproute2 (``ip``, ``tc``) and util-linux (``unshare``, ``nsenter``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 IFNAME = "cl0"  # each host's cluster interface
 STATE_ROOT = "/run/netns-cluster"
 NETNS_ETC = "/etc/netns"
+NETNS_RUN = "/run/netns"  # where `ip netns add` mounts the namespaces
 
 
 class ClusterError(RuntimeError):
@@ -44,7 +48,7 @@ def missing_requirements() -> str | None:
     """Why a cluster cannot be built here (None: it can)."""
     if os.geteuid() != 0:
         return "needs root (network namespaces)"
-    missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter") if shutil.which(tool) is None]
     if missing:
         return f"needs {', '.join(missing)} (apt-get install iproute2 util-linux)"
     probe = f"nscprobe{os.getpid()}"
@@ -182,10 +186,9 @@ class Cluster:
         lines = ["#!/bin/sh", f"# ssh stand-in for the netns cluster {self.name!r} (launch/netns_cluster.py)",
                  'host=$1; shift', 'case $host in']
         for i in range(self.hosts):
-            lines.append(f"    {self.hostname(i)}|{self.address(i)}) ns={self.hostname(i)} name={self.hostname(i)} ;;")
-        lines += ['    *) echo "rsh: unknown host $host" >&2; exit 255 ;;', 'esac',
-                  'exec ip netns exec "$ns" unshare --uts -- sh -c '
-                  '\'echo "$0" > /proc/sys/kernel/hostname && exec sh -c "$*"\' "$name" "$@"', ""]
+            prefix = " ".join(shlex.quote(a) for a in self.command(i, ["sh", "-c"]))
+            lines.append(f"    {self.hostname(i)}|{self.address(i)}) exec {prefix} \"$*\" ;;")
+        lines += ['    *) echo "rsh: unknown host $host" >&2; exit 255 ;;', 'esac', ""]
         tmp = self.rsh_agent + ".tmp"
         with open(tmp, "w") as f:
             f.write("\n".join(lines))
@@ -196,8 +199,12 @@ class Cluster:
     def command(self, host: int | str, argv: list[str]) -> list[str]:
         """The argv that runs ``argv`` on ``host`` (its namespace, its hostname)."""
         name = self.hostname(self.index(host))
-        return ["ip", "netns", "exec", name, "unshare", "--uts", "--", "sh", "-c",
-                'echo "$0" > /proc/sys/kernel/hostname && exec "$@"', name, *argv]
+        etc = os.path.join(NETNS_ETC, name)
+        # Not `ip netns exec`: it remounts /sys, hiding the cgroup mounts slurmd needs. The
+        # private mount namespace gives the host its own /etc/hosts and resolv.conf.
+        return ["nsenter", f"--net={NETNS_RUN}/{name}", "unshare", "--uts", "--mount", "--", "sh", "-c",
+                'mount --bind "$1/hosts" /etc/hosts && mount --bind "$1/resolv.conf" /etc/resolv.conf && '
+                'echo "$0" > /proc/sys/kernel/hostname && shift && exec "$@"', name, etc, *argv]
 
     def popen(self, host: int | str, argv: list[str], **kw) -> subprocess.Popen:
         """Start ``argv`` on ``host`` in a new session (kill it with ``os.killpg``)."""

@@ -21,8 +21,8 @@ if (( $# < 4 )); then
 fi
 nnodes=$1 nproc=$2 config=$3 output_dir=$4
 shift 4
-[[ $nnodes =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] || { echo "$0: NNODES must be a positive integer or MIN:MAX, got '$nnodes'" >&2; exit 2; }
-[[ $nproc =~ ^[1-9][0-9]*$ ]] || { echo "$0: GPUS_PER_NODE must be a positive integer, got '$nproc'" >&2; exit 2; }
+[[ $nnodes =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ && $nproc =~ ^[1-9][0-9]*$ ]] ||
+    { echo "$0: NNODES (or MIN:MAX) and GPUS_PER_NODE must be positive integers, got '$nnodes' and '$nproc'" >&2; exit 2; }
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -x $repo/.venv/bin/python ]]; then python=${PYTHON:-$repo/.venv/bin/python}; else python=${PYTHON:-python}; fi
