@@ -42,6 +42,14 @@ class HostJobs:
             self.cluster.unshape(host)
 
 
+def torchrun_on(host_jobs: "HostJobs", host: int, nnodes: str, out, dataset, *extra, **env) -> Job:
+    """launch/run_torchrun.sh NNODES 2 on ``host``; the rendezvous is on host 0, the NIC cl0."""
+    c = host_jobs.cluster
+    return host_jobs.start(host, [os.path.join(LAUNCH, "run_torchrun.sh"), nnodes, "2", CONFIG, str(out),
+                                  *train_args(dataset, *extra)], f"host{host}-{len(host_jobs.jobs)}.log",
+                           MASTER_ADDR=c.address(0), MASTER_PORT=29500, SOCKET_IFNAME="cl0", **env)
+
+
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol")
 
 

@@ -4,21 +4,13 @@ launch/run_torchrun.sh and an elastic c10d one train exactly what 1 rank trains.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from tests.cluster.common import CONFIG, LAUNCH, train_args
+from tests.cluster.common import torchrun_on
 from tests.faults.common import losses
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-
-
-def torchrun_on(host_jobs, host: int, nnodes: str, out, dataset, *extra, **env):
-    c = host_jobs.cluster
-    return host_jobs.start(host, [os.path.join(LAUNCH, "run_torchrun.sh"), nnodes, "2", CONFIG, str(out),
-                                  *train_args(dataset, *extra)], f"host{host}.log",
-                           MASTER_ADDR=c.address(0), MASTER_PORT=29500, SOCKET_IFNAME="cl0", **env)
 
 
 @pytest.mark.timeout(240)
