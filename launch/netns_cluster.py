@@ -25,10 +25,14 @@ Needs root, iproute2 (``ip``, ``tc``) and util-linux (``unshare``, ``nsenter``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import heapq
 import os
+import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -106,6 +110,7 @@ class Cluster:
         if len(octets) != 3 or not all(o.isdigit() and int(o) < 256 for o in octets):
             raise ClusterError(f"subnet {self.subnet!r}: give three octets, e.g. 10.231.0")
         self.state_dir = os.path.join(STATE_ROOT, self.name)
+        self._relay: subprocess.Popen | None = None  # the delaying hub process (shape)
 
     # -- names ---------------------------------------------------------------------------
     def hostname(self, i: int) -> str:
@@ -221,23 +226,103 @@ class Cluster:
         """Plug ``host``'s cable in or out (its interface keeps its address)."""
         _ip("-n", self.hub, "link", "set", f"h{self.index(host)}", "up" if up else "down")
 
-    def shape(self, host: int | str, delay_ms: float, rate: str | None = None) -> None:
-        """Delay (and rate-limit, e.g. ``rate="100mbit"``) everything ``host`` sends."""
-        args = ["tc", "-n", self.hostname(self.index(host)), "qdisc", "replace", "dev", IFNAME, "root",
-                "netem", "delay", f"{delay_ms:g}ms"]
-        if rate:
-            args += ["rate", rate]
-        done = subprocess.run(args, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise ClusterError(f"{' '.join(args)}: {done.stderr.strip()}")
+    def shape(self, delay_ms: float, rate_mbit: float | None = None) -> None:
+        """Delay every frame between hosts by ``delay_ms`` (one way) and limit each host's
+        link to ``rate_mbit``, like ``tc netem delay ... rate ...`` on every host.
 
-    def unshape(self, host: int | str) -> None:
-        subprocess.run(["tc", "-n", self.hostname(self.index(host)), "qdisc", "del", "dev", IFNAME, "root"],
-                       capture_output=True)
+        The hub forwards frames itself (``relay``, in a process in the hub's namespace)
+        instead of the bridge: kernels without sch_netem (VMs, containers) get the same
+        delay. Offloads are switched off on the hosts' interfaces so that every frame the
+        relay reads fits the wire as it is. ``unshape`` puts the bridge back.
+        """
+        self.unshape()
+        for i in range(self.hosts):
+            done = subprocess.run(self.command(i, ["ethtool", "-K", IFNAME, "tso", "off", "gso", "off", "gro", "off",
+                                                   "tx", "off"]), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise ClusterError(f"ethtool -K {IFNAME} on {self.hostname(i)} (apt-get install ethtool): "
+                                   f"{done.stderr.strip()}")
+            done = subprocess.run(["ip", "netns", "exec", self.hub, "ethtool", "-K", f"h{i}", "gro", "off"],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise ClusterError(f"ethtool -K h{i} gro off in {self.hub}: {done.stderr.strip()}")
+            _ip("-n", self.hub, "link", "set", f"h{i}", "nomaster")
+        argv = [sys.executable, "-m", "launch.netns_cluster", "--name", self.name, "relay",
+                "--delay-ms", f"{delay_ms:g}", *(["--rate-mbit", f"{rate_mbit:g}"] if rate_mbit else []),
+                *(f"h{i}" for i in range(self.hosts))]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self._relay = subprocess.Popen(["ip", "netns", "exec", self.hub, *argv], cwd=root, start_new_session=True,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        ready = os.path.join(self.state_dir, "relay.ready")
+        deadline = time.monotonic() + 30
+        while not os.path.exists(ready):
+            if self._relay.poll() is not None or time.monotonic() > deadline:
+                why = self._relay.stderr.read() if self._relay.poll() is not None else "no sign of life in 30 s"
+                self.unshape()
+                raise ClusterError(f"the delaying hub did not start: {why}")
+            time.sleep(0.05)
+
+    def unshape(self) -> None:
+        """Back to the plain bridge (no delay)."""
+        kill_namespace_processes(self.hub)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.state_dir, "relay.ready"))
+        for i in range(self.hosts):
+            _ip("-n", self.hub, "link", "set", f"h{i}", "master", "br0")
 
     def describe(self) -> str:
         return "\n".join(f"{self.hostname(i)}  {self.address(i)}  ({IFNAME})" for i in range(self.hosts)) + \
             f"\nssh stand-in (Open MPI plm_ssh_agent): {self.rsh_agent}"
+
+
+def relay(ports: list[str], delay_ms: float, rate_mbit: float | None, ready_file: str) -> None:
+    """Forward Ethernet frames between ``ports`` (a learning switch), each one ``delay_ms``
+    late and, with ``rate_mbit``, no faster than that rate per destination port. Runs until
+    killed; writes ``ready_file`` once its sockets are open."""
+    socks, socks_by_port = {}, {}
+    for port in ports:
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
+        s.bind((port, 0))
+        s.setblocking(False)
+        socks[s.fileno()] = (port, s)
+        socks_by_port[port] = s
+    where: dict[bytes, str] = {}  # source MAC -> port it was seen on
+    link_free = dict.fromkeys(ports, 0.0)  # when each port's wire is free again
+    queue: list[tuple[float, int, str, bytes]] = []
+    seq = 0
+    delay = delay_ms / 1e3
+    with open(ready_file, "w"):
+        pass
+    poller = select.poll()
+    for fd in socks:
+        poller.register(fd, select.POLLIN)
+    # (the heap orders frames by departure; seq keeps equal times in arrival order)
+    while True:
+        now = time.monotonic()
+        while queue and queue[0][0] <= now:
+            _, _, port, frame = heapq.heappop(queue)
+            with contextlib.suppress(OSError):
+                socks_by_port[port].send(frame)
+        timeout = max(0.0, queue[0][0] - time.monotonic()) * 1e3 if queue else 1000
+        for fd, _ in poller.poll(timeout):
+            port, s = socks[fd]
+            while True:
+                try:
+                    frame, addr = s.recvfrom(65536)
+                except BlockingIOError:
+                    break
+                if addr[2] == socket.PACKET_OUTGOING:  # what this relay itself sent
+                    continue
+                where[frame[6:12]] = port
+                dest = where.get(frame[0:6])
+                arrived = time.monotonic()
+                for out in ([dest] if dest and dest != port else [p for p in ports if p != port]):
+                    depart = arrived + delay
+                    if rate_mbit:
+                        link_free[out] = max(link_free[out], arrived) + len(frame) * 8 / (rate_mbit * 1e6)
+                        depart = max(depart, link_free[out] + delay)
+                    seq += 1
+                    heapq.heappush(queue, (depart, seq, out, frame))
 
 
 def _existing_hosts(name: str) -> int:
@@ -252,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--hosts", type=int, default=2)
     up.add_argument("--subnet", default="10.231.0", help="first three octets (default 10.231.0)")
     sub.add_parser("down", help="kill its processes, delete namespaces, links and state")
+    sh = sub.add_parser("shape", help="delay (and rate-limit) the network until Ctrl-C")
+    sh.add_argument("--delay-ms", type=float, required=True)
+    sh.add_argument("--rate-mbit", type=float)
+    rl = sub.add_parser("relay", help=argparse.SUPPRESS)  # the hub's forwarding process (shape)
+    rl.add_argument("--delay-ms", type=float, required=True)
+    rl.add_argument("--rate-mbit", type=float)
+    rl.add_argument("ports", nargs="+")
     ex = sub.add_parser("exec", help="run a command on a host: exec HOST -- CMD ...")
     ex.add_argument("host")
     ex.add_argument("argv", nargs=argparse.REMAINDER)
@@ -266,6 +358,20 @@ def main(argv: list[str] | None = None) -> int:
             print(Cluster(args.hosts, args.name, args.subnet).up().describe())
         elif args.cmd == "down":
             Cluster(1, args.name).down()
+        elif args.cmd == "relay":
+            relay(args.ports, args.delay_ms, args.rate_mbit,
+                  os.path.join(STATE_ROOT, args.name, "relay.ready"))
+        elif args.cmd == "shape":
+            cluster = Cluster(max(1, _existing_hosts(args.name)), args.name)
+            cluster.shape(args.delay_ms, args.rate_mbit)
+            print(f"{cluster.hosts} hosts: {args.delay_ms:g} ms each way"
+                  + (f", {args.rate_mbit:g} Mbit/s" if args.rate_mbit else "") + "; Ctrl-C ends it")
+            try:
+                cluster._relay.wait()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                cluster.unshape()
         else:
             command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
             if not command:

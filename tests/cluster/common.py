@@ -39,7 +39,7 @@ class HostJobs:
         for host in range(self.cluster.hosts):
             self.cluster.kill_host(host)
             self.cluster.set_link(host, True)
-            self.cluster.unshape(host)
+        self.cluster.unshape()
 
 
 def torchrun_on(host_jobs: "HostJobs", host: int, nnodes: str, out, dataset, *extra, **env) -> Job:
