@@ -47,7 +47,8 @@ for var in $(compgen -e); do
 done
 
 # Open MPI 5 ends a job whose node was lost (PRTE "lost communication with a remote daemon")
-# with exit status 0: a run counts as finished only if rank 0 wrote its summary.json.
+# with exit status 0: a run of run_pretraining.py (no TRAIN_SCRIPT) counts as finished only if
+# rank 0 wrote its summary.json.
 mkdir -p "$output_dir"
 started=$(mktemp "$output_dir/.mpirun-started.XXXXXX")
 trap 'rm -f "$started"' EXIT
@@ -55,7 +56,7 @@ status=0
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of options
 "$mpirun" "${args[@]}" ${MPIRUN_ARGS:-} \
     "$python" "$train_script" --config "$config" --output-dir "$output_dir" "$@" || status=$?
-if (( status == 0 )) && [[ -z $(find "$output_dir/summary.json" -newer "$started" 2>/dev/null) ]]; then
+if [[ -z ${TRAIN_SCRIPT:-} ]] && (( status == 0 )) && [[ -z $(find "$output_dir/summary.json" -newer "$started" 2>/dev/null) ]]; then
     echo "$0: mpirun exited with status 0 but the run wrote no $output_dir/summary.json: it was ended early (a lost node?)" >&2
     status=1
 fi
