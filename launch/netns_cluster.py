@@ -13,13 +13,14 @@ empty, so no name is ever looked up outside.
 
     python -m launch.netns_cluster up --hosts 2          # prints the hosts and addresses
     python -m launch.netns_cluster exec bcl-node1 -- hostname -I
+    python -m launch.netns_cluster shape --delay-ms 20 --rate-mbit 100   # a slow network, until Ctrl-C
     python -m launch.netns_cluster down
 
 ``up`` also writes an ssh stand-in (``<state dir>/rsh``: ``rsh HOST COMMAND...`` runs
 COMMAND with a shell on HOST) for Open MPI's ``plm_ssh_agent``. ``down`` kills every
 process inside the hosts' namespaces and deletes the namespaces, the links and the state
 directory; ``up`` first does the same to anything left over under the same name.
-Needs root, iproute2 (``ip``, ``tc``) and util-linux (``unshare``, ``nsenter``).
+Needs root, iproute2 (``ip``) and util-linux (``unshare``, ``nsenter``); ``shape`` needs ethtool.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def missing_requirements() -> str | None:
     """Why a cluster cannot be built here (None: it can)."""
     if os.geteuid() != 0:
         return "needs root (network namespaces)"
-    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "unshare", "nsenter") if shutil.which(tool) is None]
     if missing:
         return f"needs {', '.join(missing)} (apt-get install iproute2 util-linux)"
     probe = f"nscprobe{os.getpid()}"
@@ -228,7 +229,7 @@ class Cluster:
 
     def shape(self, delay_ms: float, rate_mbit: float | None = None) -> None:
         """Delay every frame between hosts by ``delay_ms`` (one way) and limit each host's
-        link to ``rate_mbit``, like ``tc netem delay ... rate ...`` on every host.
+        link to ``rate_mbit``, as ``tc netem delay ... rate ...`` on every host would.
 
         The hub forwards frames itself (``relay``, in a process in the hub's namespace)
         instead of the bridge: kernels without sch_netem (VMs, containers) get the same
