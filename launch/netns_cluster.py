@@ -57,21 +57,21 @@ def missing_requirements() -> str | None:
     if missing:
         return f"needs {', '.join(missing)} (apt-get install iproute2 util-linux)"
     probe = f"nscprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    made = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True)
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True)
     return None
 
 
 def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    done = subprocess.run(["ip", *args], check=False, capture_output=True, text=True)
     if done.returncode != 0:
         raise ClusterError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
 def _namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
@@ -79,7 +79,7 @@ def kill_namespace_processes(netns: str, timeout_s: float = 10.0) -> None:
     """SIGKILL every process whose network namespace is ``netns`` (repeat while they fork)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout
+        out = subprocess.run(["ip", "netns", "pids", netns], check=False, capture_output=True, text=True).stdout
         pids = [int(p) for p in out.split()]
         if not pids:
             return
@@ -142,7 +142,7 @@ class Cluster:
         return self.hostnames.index(host)
 
     # -- life cycle ----------------------------------------------------------------------
-    def up(self) -> "Cluster":
+    def up(self) -> Cluster:
         """Build the cluster (after removing leftovers of one with the same name)."""
         self.down()
         try:
@@ -178,7 +178,7 @@ class Cluster:
         for ns in _namespaces():
             if ns.startswith(prefix):
                 kill_namespace_processes(ns)
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+                subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
                 shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
         if os.path.isdir(NETNS_ETC):
             for ns in os.listdir(NETNS_ETC):
@@ -208,16 +208,10 @@ class Cluster:
         etc = os.path.join(NETNS_ETC, name)
         # Not `ip netns exec`: it remounts /sys, hiding the cgroup mounts slurmd needs. The
         # private mount namespace gives the host its own /etc/hosts and resolv.conf.
-        return ["nsenter", f"--net={NETNS_RUN}/{name}", "unshare", "--uts", "--mount", "--", "sh", "-c",
-                'mount --bind "$1/hosts" /etc/hosts && mount --bind "$1/resolv.conf" /etc/resolv.conf && '
-                'echo "$0" > /proc/sys/kernel/hostname && shift && exec "$@"', name, etc, *argv]
-
-    def popen(self, host: int | str, argv: list[str], **kw) -> subprocess.Popen:
-        """Start ``argv`` on ``host`` in a new session (kill it with ``os.killpg``)."""
-        return subprocess.Popen(self.command(host, argv), start_new_session=True, **kw)
-
-    def run(self, host: int | str, argv: list[str], **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(host, argv), **kw)
+        script = ('mount --bind "$1/hosts" /etc/hosts && mount --bind "$1/resolv.conf" /etc/resolv.conf && '
+                  'echo "$0" > /proc/sys/kernel/hostname && shift && exec "$@"')
+        return ["nsenter", f"--net={NETNS_RUN}/{name}", "unshare", "--uts", "--mount", "--", "sh", "-c", script,
+                name, etc, *argv]
 
     def kill_host(self, host: int | str) -> None:
         """Every process on ``host`` dies at once, as when the machine loses power."""
@@ -239,12 +233,12 @@ class Cluster:
         self.unshape()
         for i in range(self.hosts):
             done = subprocess.run(self.command(i, ["ethtool", "-K", IFNAME, "tso", "off", "gso", "off", "gro", "off",
-                                                   "tx", "off"]), capture_output=True, text=True)
+                                                   "tx", "off"]), check=False, capture_output=True, text=True)
             if done.returncode != 0:
                 raise ClusterError(f"ethtool -K {IFNAME} on {self.hostname(i)} (apt-get install ethtool): "
                                    f"{done.stderr.strip()}")
             done = subprocess.run(["ip", "netns", "exec", self.hub, "ethtool", "-K", f"h{i}", "gro", "off"],
-                                  capture_output=True, text=True)
+                                  check=False, capture_output=True, text=True)
             if done.returncode != 0:
                 raise ClusterError(f"ethtool -K h{i} gro off in {self.hub}: {done.stderr.strip()}")
             _ip("-n", self.hub, "link", "set", f"h{i}", "nomaster")

@@ -42,7 +42,7 @@ class HostJobs:
         self.cluster.unshape()
 
 
-def torchrun_on(host_jobs: "HostJobs", host: int, nnodes: str, out, dataset, *extra, **env) -> Job:
+def torchrun_on(host_jobs: HostJobs, host: int, nnodes: str, out, dataset, *extra, **env) -> Job:
     """launch/run_torchrun.sh NNODES 2 on ``host``; the rendezvous is on host 0, the NIC cl0."""
     c = host_jobs.cluster
     return host_jobs.start(host, [os.path.join(LAUNCH, "run_torchrun.sh"), nnodes, "2", CONFIG, str(out),
@@ -121,7 +121,7 @@ SlurmdParameters=config_overrides
             daemon(i, ["slurmd", "-D", "-f", self.conf, "-N", c.hostname(i)], f"slurmd{i}.out")
         while True:
             done = subprocess.run(c.command(0, ["sinfo", "-h", "-o", "%T %D"]), env=self.env(),
-                                  capture_output=True, text=True)
+                                  check=False, capture_output=True, text=True)
             if done.stdout.split() == ["idle", str(c.hosts)]:
                 return
             if time.monotonic() > deadline or any(j.proc.poll() is not None for j in self.jobs):

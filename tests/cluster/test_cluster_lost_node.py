@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 # Fast failure detection for the test (defaults: 30 s, 5 s x 3).
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
-FAULTS = dict(TRAIN_SCRIPT=WORKER, FAULT_STEP_DELAY_S=0.3)  # a window to lose the host in
+FAULTS = {"TRAIN_SCRIPT": WORKER, "FAULT_STEP_DELAY_S": 0.3}  # a window to lose the host in
 
 
 def checkpointed(out, step):

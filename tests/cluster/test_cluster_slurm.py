@@ -41,7 +41,7 @@ def check_compliance(path) -> None:
     report = f"{path}.checker"
     done = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
                            "--ruleset", "5.0.0", "--log_output", report, str(path)],
-                          capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 

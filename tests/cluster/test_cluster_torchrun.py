@@ -20,5 +20,5 @@ def test_static_rendezvous_two_hosts_match_one_rank(host_jobs, cluster_dataset, 
     for h, job in enumerate(jobs):
         assert job.wait(180, f"torchrun on host {h}") == 0, job.output()[-3000:]
     assert losses(out) == pytest.approx(reference, rel=1e-5)
-    summary = json.load(open(out / "summary.json"))
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["steps"] == len(reference)
