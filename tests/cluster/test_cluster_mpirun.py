@@ -50,8 +50,9 @@ def test_mpirun_lost_host_is_a_clean_named_failure(host_jobs, cluster_dataset, t
     log = job.output()
     assert rc != 0
     assert time.monotonic() - start < 40, log[-3000:]
-    # Open MPI names the node it lost (and ends the job at once, before the ranks report)
-    assert re.search(r"lost communication with a remote daemon.*\n(.*\n){0,3}.*Remote daemon: .* on node bct-node1", log), \
-        log[-3000:]
+    # Open MPI names the node it lost (and ends the job at once, before the ranks report), in
+    # one of two messages depending on which of its connections notices first.
+    assert re.search(r"(lost communication with a remote daemon|daemon failed to report back)[\s\S]{0,600}"
+                     r"(on node|Remote host:) +bct-node1", log), log[-3000:]
     assert "run_mpirun.sh: mpirun exited with status 0 but the run wrote no" in log, log[-3000:]
     assert "Traceback" not in log
