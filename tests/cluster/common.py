@@ -7,8 +7,7 @@ import subprocess
 import time
 
 from launch.netns_cluster import Cluster
-from tests.faults.common import Job, clean_env, run_args
-from tests.test_trainer import ROOT
+from tests.faults.common import ROOT, Job, clean_env, run_args
 
 NAME = "bct"  # prefix of the test cluster's namespaces (`python -m launch.netns_cluster` uses bcl)
 SUBNET = "10.231.7"
