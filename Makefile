@@ -8,7 +8,7 @@ TEXT ?=
 DATA ?= $(OUTPUT)-data
 DEMO_STEPS ?= 1500
 
-.PHONY: setup test demo clean
+.PHONY: setup test lint demo clean
 
 setup: $(VENV)/.installed
 
@@ -40,6 +40,11 @@ test: setup
 .PHONY: test-fast
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not gpu and not cluster" --durations=20
+
+# ruff, configured in pyproject.toml (the rules and every ignored one, explained there).
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # The main job on the embedded default: CPython's bundled documentation text (or TEXT=dir,
 # plain text with a blank line between documents) -> WordPiece vocab + MLPerf-format HDF5
