@@ -11,7 +11,8 @@ collective or the rank. ``Collectives.guard(what, step)`` turns it into a
 
 Which ranks are missing is found after the failure, through the rendezvous store: each
 failing rank writes ``fault/<rank>``, waits a few seconds for the others' reports, and names
-those that did not report. A rank that stops on an error of its own (bad data, say) leaves
+those that did not report (and, on a cluster, the host they run on: each rank leaves its
+hostname in the store when the group is built). A rank that stops on an error of its own (bad data, say) leaves
 its message there first (``announce_exit``), so the others name the cause. The happy path
 costs nothing. If the store itself does not answer, its host (rank 0) is the one that is
 gone, and the message says so.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -69,6 +71,10 @@ class Collectives:
     def __init__(self, rank: int, world_size: int, timeout_s: float, report_window_s: float | None = None):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.report_window_s = report_window_s if report_window_s is not None else min(10.0, max(2.0, timeout_s / 5))
+        self.hostname = socket.gethostname()
+        if world_size > 1 and dist.is_initialized():
+            # Read back only after a failure, to name the host of ranks that went silent.
+            dist.distributed_c10d._get_default_store().set(f"host/{rank}", self.hostname)
 
     @contextlib.contextmanager
     def guard(self, what: str, step: int):
@@ -128,10 +134,24 @@ class Collectives:
         parts = [f"rank {r} stopped first: {text[len('exit:'):]}" for r, text in sorted(reports.items())
                  if text.startswith("exit:")][:3]
         silent = [r for r in others if r not in reports]
-        if silent:
-            names = ", ".join(map(str, silent[:8])) + (f" and {len(silent) - 8} more" if len(silent) > 8 else "")
-            parts.append(f"no report from rank{'s' if len(silent) > 1 else ''} {names} (killed, stopped or hung)")
+        by_host: dict[str, list[int]] = {}
+        for r in silent:
+            by_host.setdefault(self._host_of(store, r), []).append(r)
+        for host, ranks in sorted(by_host.items(), key=lambda item: item[1][0])[:4]:
+            names = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+            if host in ("", self.hostname):
+                parts.append(f"no report from rank{'s' if len(ranks) > 1 else ''} {names} (killed, stopped or hung)")
+            else:
+                parts.append(f"no report from rank{'s' if len(ranks) > 1 else ''} {names} on host {host} "
+                             f"(unreachable, killed, stopped or hung)")
         return "; ".join(parts) or "every other rank reported the same failure (a network problem?)"
+
+    @staticmethod
+    def _host_of(store, rank: int) -> str:
+        try:
+            return store.get(f"host/{rank}").decode(errors="replace") if store.check([f"host/{rank}"]) else ""
+        except Exception:  # noqa: BLE001 - the host is a detail of the message; the ranks are what matter
+            return ""
 
 
 class _StopWaiting(Exception):

@@ -8,8 +8,10 @@ launcher    rank / world size / local rank        rendezvous (MASTER_ADDR, MASTE
 ==========  ===================================  ==========================================
 torchrun    RANK, WORLD_SIZE, LOCAL_RANK          set by torchrun
 OpenMPI     OMPI_COMM_WORLD_RANK / _SIZE /        from the environment if exported, else rank 0
-            _LOCAL_RANK                           picks its hostname and a free port and
-MPICH,      PMI_RANK, PMI_SIZE, MPI_LOCALRANKID   broadcasts them with mpi4py
+            _LOCAL_RANK                           picks its address and a free port and
+MPICH,      PMI_RANK, PMI_SIZE, MPI_LOCALRANKID   broadcasts them with mpi4py (the address
+                                                  of the interface in GLOO_SOCKET_IFNAME /
+                                                  NCCL_SOCKET_IFNAME, else its hostname)
 Intel MPI
 Slurm       SLURM_PROCID, SLURM_NTASKS,           from the environment if exported (as
             SLURM_LOCALID                         ``launch/slurm.sub`` does), else the first
@@ -34,9 +36,11 @@ what the tests exercise on fake environments.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import socket
+import struct
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping, Optional
@@ -156,6 +160,28 @@ def detect_launcher(env: Mapping[str, str]) -> LaunchEnv:
     return LaunchEnv("single", 0, 1, 0, None, None)
 
 
+def chosen_interface(env: Mapping[str, str]) -> Optional[str]:
+    """The NIC the user chose for the ranks' traffic: GLOO_SOCKET_IFNAME, else
+    NCCL_SOCKET_IFNAME (its first name; NCCL's ``^exclude`` lists choose none), else None."""
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        value = env.get(var, "").split(",")[0].strip()
+        if value and not value.startswith("^"):
+            return value.lstrip("=")
+    return None
+
+
+def interface_address(ifname: str) -> str:
+    """The IPv4 address of network interface ``ifname`` (Linux: the SIOCGIFADDR ioctl)."""
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", ifname.encode()[:15]))
+        except OSError as e:
+            raise LaunchError(f"network interface {ifname!r} (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) "
+                              f"has no IPv4 address here: {e.strerror}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -178,8 +204,11 @@ def _resolve_with_mpi(launch: LaunchEnv) -> LaunchEnv:
     addr, port = launch.master_addr, launch.master_port
     if addr is None or port is None:
         if comm.Get_rank() == 0:
-            # The store server runs on rank 0, so the address and the port are rank 0's.
-            addr = addr or socket.gethostname()
+            # The store server runs on rank 0, so the address and the port are rank 0's. Its
+            # hostname may resolve to another network (or 127.0.1.1) than the chosen NIC's.
+            if addr is None:
+                ifname = chosen_interface(os.environ)
+                addr = interface_address(ifname) if ifname else socket.gethostname()
             port = port or _free_port()
         addr, port = comm.bcast((addr, port), root=0)
     local_rank = launch.local_rank

