@@ -284,12 +284,14 @@ def module_file(repo: Path, module: str) -> Path | None:
     return None
 
 
+# A tool with subcommands (argparse's usage shows them as {up,down,...}) has the help of each
+# subcommand appended to its own, so the subcommands' flags count as the tool's.
 HELPER = r"""
-import contextlib, io, json, runpy, sys
-results = {}
-for kind, target in json.loads(sys.argv[1]):
+import contextlib, io, json, re, runpy, sys
+
+def run(kind, target, argv):
     out = io.StringIO()
-    sys.argv = [target, "--help"]
+    sys.argv = [target, *argv]
     ok, error = True, ""
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
@@ -302,7 +304,16 @@ for kind, target in json.loads(sys.argv[1]):
             error = "" if ok else f"exit status {e.code}"
         except BaseException as e:
             ok, error = False, f"{type(e).__name__}: {e}"
-    results[f"{kind}:{target}"] = {"ok": ok, "error": error, "text": out.getvalue()}
+    return ok, error, out.getvalue()
+
+results = {}
+for kind, target in json.loads(sys.argv[1]):
+    ok, error, text = run(kind, target, ["--help"])
+    usage = text.split("\n\n", 1)[0]
+    subcommands = re.search(r"\{([\w-]+(?:,[\w-]+)+)\}", usage) if ok else None
+    for sub in subcommands.group(1).split(",") if subcommands else ():
+        text += "\n" + run(kind, target, [sub, "--help"])[2]
+    results[f"{kind}:{target}"] = {"ok": ok, "error": error, "text": text}
 sys.stdout.write("\n@@HELP@@" + json.dumps(results))
 """
 
