@@ -259,6 +259,7 @@ class LogSection:
     submitter: str = opt("unpadded-bert", "MLPerf submitter name")
     platform: str = opt("", "MLPerf platform name (default: the device)")
     plot: bool = opt(True, "write curves.png at the end")
+    tensorboard: bool = opt(False, "write TensorBoard events to OUTPUT_DIR/tensorboard/ (rank 0)")
 
     def __post_init__(self):
         _check("log", self)
