@@ -132,7 +132,7 @@ def run_overrides(args, data: dict[str, str], global_batch: int) -> tuple[dict[s
     warmup = args.adagc_warmup_steps if args.adagc_warmup_steps is not None else min(100, steps // 5)
     common = [f"{k}={v}" for k, v in data.items()] + [
         f"train.max_steps={steps}", "train.log_interval_steps=1", f"eval.interval_samples={interval}",
-        f"eval.max_samples={args.eval_samples}", "checkpoint.interval_steps=0", "log.plot=false",
+        f"eval.max_samples={args.eval_samples}", "checkpoint.interval_steps=0", "checkpoint.at_end=false", "log.plot=false",
         f"optim.adagc.warmup_steps={warmup}", f"loss.simreg_temperature={args.simreg_temperature}",
         f"loss.simreg_scope={args.simreg_scope}"]
     spike_steps: list[int] = []

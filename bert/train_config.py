@@ -270,6 +270,7 @@ class CheckpointSection:
     interval_steps: int = opt(0, "save every this many steps (0: only on SIGTERM)")
     init: str | None = opt(None, "initial weights: a transformers directory or NVIDIA's MLPerf .pt")
     keep: int = opt(2, "checkpoints kept in DIR/checkpoints")
+    at_end: bool = opt(False, "also save when the run ends (the final weights, for python -m bert.export)")
     on_error: str = opt("continue", "a checkpoint that cannot be written (no space, no permission): the error "
                                     "is reported, the previous checkpoint kept, and the run goes on or stops "
                                     "(status aborted, exit status 1)", ("continue", "stop"))

@@ -466,7 +466,10 @@ class Trainer:
                             **({"error": self.error} if self.error else {})}
                 if not saved and cfg.checkpoint.on_error == "stop":
                     status = "aborted"
-        return self._finish(status, time.time() - run_start)
+        time_to_train = time.time() - run_start
+        if cfg.checkpoint.at_end:
+            self.save_checkpoint()
+        return self._finish(status, time_to_train)
 
     def _adagc_record(self) -> dict:
         """The last AdaGC step's share of clipped tensors and mean clip factor (for the logs)."""

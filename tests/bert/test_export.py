@@ -71,3 +71,29 @@ def test_export_bad_input_is_one_line(exported, tmp_path, capsys):
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
     assert "--checkpoint" in err[1]
     assert not (tmp_path / "hf").exists()
+
+
+def test_finetune_task_is_balanced_and_held_out():
+    from bench.finetune import make_task
+
+    names, train, test = make_task(3, 12, 1 / 3, seed=0)
+    assert len(names) == 3
+    for label in range(3):
+        assert sum(1 for _, y in test if y == label) == len(test) // 3
+        assert sum(1 for _, y in train if y == label) == len(train) // 3
+    assert not {t for t, _ in train} & {t for t, _ in test}
+    assert make_task(3, 12, 1 / 3, seed=0) == (names, train, test)  # seeded
+
+
+def test_finetune_compares_both_arms_on_the_export(exported, tmp_path, capsys):
+    from bench.finetune import main as finetune_main
+
+    root, _ = exported
+    out = tmp_path / "ft.json"
+    assert finetune_main([str(root / "hf"), "--topics", "2", "--epochs", "1", "--max-length", "32",
+                          "--threads", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["results"]) == {"pretrained", "random init"}
+    assert all(0 <= r["test_accuracy"] <= 1 for r in result["results"].values())
+    assert "fine-tuning comparison: pretrained" in capsys.readouterr().out
+    assert finetune_main([str(tmp_path), "--epochs", "1"]) == 2
