@@ -238,7 +238,7 @@ def mean_std(values: list) -> dict:
 
     x = np.asarray([v for v in values if v is not None], dtype=np.float64)
     return {"mean": float(x.mean()) if len(x) else None, "std": float(x.std(ddof=1)) if len(x) > 1 else None,
-            "n": int(len(x))}
+            "n": len(x)}
 
 
 def arm_rows(arms: dict[str, list[dict]], target: float, spike_steps: list[int]) -> list[dict]:

@@ -34,7 +34,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from bert.metrics import atomic_write_text  # noqa: E402
+from bert.metrics import atomic_write_text
 
 
 class FinetuneError(RuntimeError):
@@ -142,7 +142,11 @@ def _main(args) -> int:
         raise FinetuneError(f"{hf}: no config.json and vocab.txt (write it with python -m bert.export RUN_DIR "
                             f"--output {hf})")
     import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # "newly initialized classifier weights" is the point here

@@ -64,7 +64,7 @@ def test_export_loads_with_auto_classes(exported):
 
 
 def test_export_bad_input_is_one_line(exported, tmp_path, capsys):
-    root, run = exported
+    _, run = exported
     assert export_main([str(tmp_path), "--output", str(tmp_path / "hf")]) == 2
     assert export_main([str(run), "--output", str(tmp_path / "hf"), "--checkpoint", "7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

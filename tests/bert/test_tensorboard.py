@@ -9,7 +9,7 @@ from launch.distributed import init_distributed
 from tests.test_trainer import dataset, overrides, run_in_process  # noqa: F401 (dataset is a fixture)
 
 pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 RUN = ["log.tensorboard=true", "optim.clip=adagc", "optim.adagc.warmup_steps=2", "loss.simreg_weight=0.1",
        "optim.total_steps=6", "model.hidden_dropout_prob=0.1"]
