@@ -36,9 +36,13 @@ SCALARS = {"loss": "loss/total", "mlm_loss": "loss/mlm", "nsp_loss": "loss/nsp",
 
 class TensorBoardSink:
     def __init__(self, log_dir: str, config: dict, resume_step: int | None = None, history: list[dict] = ()):
-        from torch.utils.tensorboard import SummaryWriter
-
         from bert.metrics import SpikeCounter
+        from bert.train_config import ConfigError
+
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("log.tensorboard: needs the tensorboard package (in requirements.txt)") from None
 
         self.spikes = {"loss": SpikeCounter(), "grad_norm": SpikeCounter()}
         for record in history:  # the records before the checkpoint, for the running spike scores
