@@ -150,6 +150,7 @@ def _main(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # "newly initialized classifier weights" is the point here
+    hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     names, train, test = make_task(args.topics, args.min_words, args.test_share, args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(hf), local_files_only=True)
