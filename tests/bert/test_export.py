@@ -9,7 +9,7 @@ import torch
 from bert import train_checkpoint
 from bert.export import main as export_main
 from data.tokenization import load_vocab, make_tokenizer
-from tests.test_trainer import dataset, run_in_process  # noqa: F401 (dataset is a fixture)
+from tests.bert.test_trainer import dataset, run_in_process  # noqa: F401 (dataset is a fixture)
 
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "fast", "and", "ran", "far", "away", "big", "small", "red",
          "house", "tree", "river", "over", ".", ","]

@@ -6,7 +6,7 @@ import pytest
 from bert.train_config import load_config
 from bert.trainer import Trainer
 from launch.distributed import init_distributed
-from tests.test_trainer import dataset, overrides, run_in_process  # noqa: F401 (dataset is a fixture)
+from tests.bert.test_trainer import dataset, overrides, run_in_process  # noqa: F401 (dataset is a fixture)
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
