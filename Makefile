@@ -61,7 +61,9 @@ demo: setup
 	    data.vocab_file=$(DATA)/vocab.txt train.max_steps=$(DEMO_STEPS); \
 	echo; echo "MLPerf log:  $(OUTPUT)/mlperf.log"; echo "metrics:     $(OUTPUT)/metrics.jsonl"; \
 	echo "summary:     $(OUTPUT)/summary.json"; echo "curves:      $(OUTPUT)/curves.png"; \
-	echo "check the log: $(PY) -m mlperf_logging.compliance_checker --usage training --ruleset 5.0.0 $(OUTPUT)/mlperf.log"
+	echo "check the log: $(PY) -m mlperf_logging.compliance_checker --usage training --ruleset 5.0.0 $(OUTPUT)/mlperf.log"; \
+	echo; $(PY) -m bert.export $(OUTPUT) --output $(OUTPUT)-hf; \
+	$(PY) bench/finetune.py $(OUTPUT)-hf --json $(OUTPUT)/finetune.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache

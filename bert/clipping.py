@@ -64,6 +64,8 @@ class ClipStats:
 
     global_norm: Tensor | None  # float32 0-d, before clipping; None after warm-up unless asked for
     num_clipped: Tensor  # int64 0-d: tensors whose gradient was scaled down
+    num_tensors: int = 0  # tensors that had a gradient
+    clip_ratio: Tensor | None = None  # float32 0-d: mean over those tensors of the factor applied (1: none)
 
 
 class AdaGC:
@@ -125,6 +127,7 @@ class AdaGC:
             clipped = norms * coef
             new_gamma = torch.where(has, torch.minimum(gamma, clipped), clipped)
             num_clipped = (coef < 1).long() * len(grads)
+            clip_ratio = coef
         else:
             if compute_global_norm:
                 global_norm = torch.linalg.vector_norm(norms)
@@ -134,6 +137,7 @@ class AdaGC:
             torch._foreach_mul_(grads, list(h.unbind(0)))
             new_gamma = self.beta * gamma + (1 - self.beta) * torch.minimum(norms, self.lambda_rel * gamma)
             num_clipped = (h < 1).sum()
+            clip_ratio = h.mean()
 
         finite = torch.isfinite(norms).all()
         new_gamma = torch.where(finite, new_gamma, gamma)
@@ -143,7 +147,7 @@ class AdaGC:
         else:
             self.gamma = self.gamma.index_copy(0, idx, new_gamma)
             self.has_gamma = self.has_gamma.index_copy(0, idx, new_has)
-        return ClipStats(global_norm, num_clipped)
+        return ClipStats(global_norm, num_clipped, len(grads), clip_ratio)
 
     def _index(self, present: list[int], device) -> Tensor:
         key = tuple(present)

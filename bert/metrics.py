@@ -27,6 +27,7 @@ class MetricsWriter:
         self.path = path
         self.enabled = enabled
         self.records: list[dict] = []
+        self.sinks: list = []  # more receivers of every record (``write(record)``, ``close()``)
         if not enabled:
             return
         if resume_step is not None and os.path.exists(path):
@@ -48,6 +49,13 @@ class MetricsWriter:
         self.records.append(record)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 class Progress:
@@ -114,16 +122,44 @@ def plot_curves(records: list[dict], path: str) -> None:
     os.replace(tmp, path)
 
 
+class SpikeCounter:
+    """Running spike score: a value is a spike when it is at least ``sigmas`` standard
+    deviations above the mean of the previous ``window`` finite values (a non-finite value
+    always is; the first two never are)."""
+
+    def __init__(self, sigmas: float = 7.0, window: int = 1000):
+        from collections import deque
+
+        self.sigmas = sigmas
+        self.previous: deque = deque(maxlen=window)
+        self.count = 0
+        self.spikes = 0
+
+    def add(self, value: float) -> bool:
+        import numpy as np
+
+        spike = False
+        if self.count >= 2:
+            prev = np.asarray(self.previous, dtype=np.float64)
+            prev = prev[np.isfinite(prev)]
+            if len(prev) >= 2:
+                mean = prev.mean()
+                spike = not np.isfinite(value) or (value > mean and value >= mean + self.sigmas * prev.std())
+        self.previous.append(value)
+        self.count += 1
+        self.spikes += bool(spike)
+        return bool(spike)
+
+    @property
+    def score(self) -> float:
+        """Percentage of the values so far that were spikes."""
+        return 100.0 * self.spikes / self.count if self.count else 0.0
+
+
 def spike_score(values: list[float], sigmas: float = 7.0, window: int = 1000) -> float:
     """Percentage of values at least ``sigmas`` standard deviations above the mean of the
     previous ``window`` values (all previous ones when fewer; the first two are never spikes)."""
-    import numpy as np
-
-    x = np.asarray(values, dtype=np.float64)
-    spikes = 0
-    for i in range(2, len(x)):
-        prev = x[max(0, i - window):i]
-        prev = prev[np.isfinite(prev)]
-        if len(prev) >= 2 and (not np.isfinite(x[i]) or (x[i] > prev.mean() and x[i] >= prev.mean() + sigmas * prev.std())):
-            spikes += 1
-    return 100.0 * spikes / len(x) if len(x) else 0.0
+    counter = SpikeCounter(sigmas, window)
+    for v in values:
+        counter.add(v)
+    return counter.score

@@ -282,6 +282,7 @@ class LogSection:
                              "needs it set, the open division logs unpadded-bert when it is empty")
     platform: str = opt("", "MLPerf platform name (default: the device)")
     plot: bool = opt(True, "write curves.png at the end")
+    tensorboard: bool = opt(False, "write TensorBoard events to OUTPUT_DIR/tensorboard/ (rank 0)")
 
     def __post_init__(self):
         _check("log", self)
@@ -292,6 +293,7 @@ class CheckpointSection:
     interval_steps: int = opt(0, "save every this many steps (0: only on SIGTERM)")
     init: str | None = opt(None, "initial weights: a transformers directory or NVIDIA's MLPerf .pt")
     keep: int = opt(2, "checkpoints kept in DIR/checkpoints")
+    at_end: bool = opt(False, "also save when the run ends (the final weights, for python -m bert.export)")
     on_error: str = opt("continue", "a checkpoint that cannot be written (no space, no permission): the error "
                                     "is reported, the previous checkpoint kept, and the run goes on or stops "
                                     "(status aborted, exit status 1)", ("continue", "stop"))

@@ -186,6 +186,7 @@ class Trainer:
             a = o.adagc
             self.adagc = AdaGC(self.model.named_parameters(), lambda_rel=a.lambda_rel, beta=a.beta,
                                warmup_steps=a.warmup_steps, lambda_abs=a.lambda_abs, eps=a.eps)
+        self.clip_stats = None  # the last AdaGC step's, for the logs
         self.scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
         if cfg.data.max_seq_length > self.model_config.max_position_embeddings:
@@ -206,6 +207,11 @@ class Trainer:
             self._load_checkpoint(found[1])
         self.metrics = MetricsWriter(os.path.join(output_dir, "metrics.jsonl"), self.is_main,
                                      resume_step=self.step if self.resumed else None)
+        if cfg.log.tensorboard and self.is_main:
+            from bert.tensorboard_sink import TensorBoardSink
+
+            self.metrics.sinks.append(TensorBoardSink(os.path.join(output_dir, "tensorboard"), cfg.to_dict(),
+                                                      self.step if self.resumed else None, self.metrics.records))
 
     # ---- setup helpers -------------------------------------------------------------------
 
@@ -297,7 +303,8 @@ class Trainer:
         if self.adagc is not None:
             # AdaGC needs no global norm to clip; the sum of its per-tensor norms is kept for
             # the non-finite check and the logs.
-            norm = self.adagc.clip_(compute_global_norm=True).global_norm
+            self.clip_stats = self.adagc.clip_(compute_global_norm=True)
+            norm = self.clip_stats.global_norm
         elif self.cfg.optim.clip == "global":
             norm = clip_global_(params, self.cfg.optim.max_grad_norm)
         else:
@@ -361,6 +368,7 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous)
             if self.train_loader is not None:
                 self.train_loader.close()
+            self.metrics.close()
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
@@ -519,7 +527,7 @@ class Trainer:
                        "nsp_loss": parts[2], **({"simreg_loss": parts[3]} if self.cfg.loss.simreg_weight else {}),
                        "lr": self.schedule.lr_at(max(self.schedule.step_count - 1, 0)), "grad_norm": grad_norm,
                        "seq_per_s": window_samples / elapsed, "tokens_per_s": window_tokens / elapsed,
-                       "skipped_steps": self.skipped,
+                       "skipped_steps": self.skipped, **self._adagc_record(),
                        **({"corrupt_samples": self.corrupt_samples} if cfg.data.on_corrupt == "skip" else {})}
                 if rebalance is not None:
                     rec["rebalance"] = {k: getattr(rebalance, k) for k in (
@@ -550,7 +558,17 @@ class Trainer:
                             **({"error": self.error} if self.error else {})}
                 if not saved and cfg.checkpoint.on_error == "stop":
                     status = "aborted"
-        return self._finish(status, time.time() - run_start)
+        time_to_train = time.time() - run_start
+        if cfg.checkpoint.at_end:
+            self.save_checkpoint()
+        return self._finish(status, time_to_train)
+
+    def _adagc_record(self) -> dict:
+        """The last AdaGC step's share of clipped tensors and mean clip factor (for the logs)."""
+        c = self.clip_stats
+        if c is None or not c.num_tensors:
+            return {}
+        return {"adagc_clipped_share": int(c.num_clipped) / c.num_tensors, "adagc_clip_ratio": float(c.clip_ratio)}
 
     def _run_eval(self) -> None:
         self.mllog.eval_start(self.samples)

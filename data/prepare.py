@@ -57,6 +57,7 @@ if __package__ in (None, ""):  # run by path: import the project from the reposi
 
 from data.errors import DataError, cli_main  # noqa: E402
 from data.hdf5io import LAYOUTS, md5sum, write_file  # noqa: E402
+from data.progress import progress  # noqa: E402
 from data.samples import SampleBlock, _gather_ranges, _offsets  # noqa: E402
 from data import text  # noqa: E402
 from data.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk  # noqa: E402
@@ -547,7 +548,9 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
             vocab = load_vocab(cfg.vocab)
             shutil.copyfile(cfg.vocab, vocab_tmp)
         else:
-            tokens = train_wordpiece(iter_sentences(files, cfg.input_format), cfg.train_vocab)
+            sentences = progress(iter_sentences(files, cfg.input_format), desc="vocabulary", unit=" sentences")
+            tokens = train_wordpiece(sentences, cfg.train_vocab)
+            sentences.close()
             write_vocab(vocab_tmp, tokens)
             vocab = load_vocab(vocab_tmp)
             log(f"learnt a vocabulary of {len(vocab)} pieces (asked for {cfg.train_vocab})")
@@ -563,8 +566,10 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
         bad_utf8: dict[str, list[int]] = {}
         n_train_docs = 0
-        with open(tmp_path / "tokens.u16", "wb") as fh:
+        with open(tmp_path / "tokens.u16", "wb") as fh, \
+                progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar:
             for i, r in enumerate(workers.map(_tokenize_chunk, tasks)):
+                bar.update(chunks[i].end - chunks[i].start)
                 fh.write(r["tokens"].tobytes())
                 sent_lens.append(r["sent_lens"])
                 doc_nsent.append(r["doc_nsent"])
@@ -629,7 +634,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         pair_tasks = [_PairTask(i, tmp, pool_file, lo, hi, TRAIN_TAG, cfg.shards, cfg.seed, cfg.dupe_factor,
                                 cfg.max_num_tokens, cfg.short_seq_prob) for i, (lo, hi) in enumerate(ranges)]
         shard_counts = np.zeros(cfg.shards, np.int64)
-        for r in workers.map(_make_pairs, pair_tasks):
+        for r in progress(workers.map(_make_pairs, pair_tasks), total=len(pair_tasks), desc="pairs", unit=" task"):
             shard_counts += r["counts"]
         seconds["pairs"] = time.perf_counter() - t
         log(f"train: {int(shard_counts.sum())} pairs from {len(pool)} documents ({len(pair_tasks)} task(s), "
@@ -644,7 +649,8 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         shard_tasks = [_ShardTask(j, cfg.shards, len(pair_tasks), tmp, str(tmp_path / "train" / names[j]), cfg.seed,
                                   cfg.format, cfg.max_seq_length, cfg.max_predictions, cfg.masked_lm_prob,
                                   len(vocab), vocab.mask_id) for j in range(cfg.shards)]
-        shard_info = list(workers.map(_write_shard, shard_tasks))
+        shard_info = list(progress(workers.map(_write_shard, shard_tasks), total=len(shard_tasks), desc="shards",
+                                   unit=" shard"))
         seconds["shards"] = time.perf_counter() - t
         t = time.perf_counter()
 

@@ -19,26 +19,64 @@ def data_dir(tmp_path_factory):
     return root
 
 
-def test_ablation_runs_four_variants(data_dir, tmp_path, capsys):
+def test_ablation_runs_four_variants_over_seeds(data_dir, tmp_path, capsys):
     out = tmp_path / "abl"
-    code = ablation.main(["--data", str(data_dir), "--out", str(out), "--steps", "2", "--evals", "1",
-                          "--eval-samples", "16", "--spikes", "--spike-steps", "2", "--adagc-warmup-steps", "1", "--threads", "1",
-                          *TINY])
+    code = ablation.main(["--data", str(data_dir), "--out", str(out), "--steps", "2", "--evals", "2",
+                          "--eval-samples", "16", "--spikes", "--spike-steps", "2", "--adagc-warmup-steps", "1",
+                          "--threads", "1", "--seeds", "2", "--arm", "lowlr optim.lr=1e-4", *TINY])
     printed = capsys.readouterr().out
     assert code == 0
     result = json.loads((out / "ablation.json").read_text())
-    assert [r["run"] for r in result["table"]] == list(ablation.RUNS)
-    for name in ablation.RUNS:
-        run = result["runs"][name]
-        assert run["summary"]["steps"] == 2 and run["train"]["step"] == [1, 2]
-        assert run["eval"]["accuracy"], name
-        assert f"| {name} |" in printed
+    names = [*ablation.RUNS, "lowlr"]
+    assert [r["arm"] for r in result["table"]] == names
+    seeds = result["setup"]["seeds"]
+    assert len(seeds) == 2 and seeds[1] == seeds[0] + 1
+    for name in names:
+        runs = result["arms"][name]
+        assert len(runs) == 2
+        for run in runs:
+            assert run["summary"]["steps"] == 2 and run["train"]["step"] == [1, 2]
+            assert len(run["eval"]["accuracy"]) == 2, name
+        assert f"| {name} | 2 |" in printed
         overrides = result["setup"]["overrides"][name]
         assert ("optim.clip=adagc" in overrides) == ("adagc" in name)
         assert any(o.startswith("loss.simreg_weight=") for o in overrides) == ("simreg" in name)
         assert "debug.spike_steps=[2]" in overrides
-    assert result["table"][0]["delta_accuracy"] == 0.0
+        assert ("optim.lr=1e-4" in overrides) == (name == "lowlr")
+        # The two seeds are different runs (different data order and weights).
+        assert runs[0]["train"]["loss"] != runs[1]["train"]["loss"]
+    row = result["table"][0]
+    accs = [r["summary"]["eval_accuracy"] for r in result["arms"]["baseline"]]
+    assert row["eval_accuracy"]["mean"] == pytest.approx(sum(accs) / 2)
+    assert row["eval_accuracy"]["std"] == pytest.approx(abs(accs[0] - accs[1]) / 2 ** 0.5)
+    assert result["setup"]["target_accuracy"] == pytest.approx(0.9 * sum(accs) / 2)
+    assert row["samples_to_target_vs_base"] == 1.0
+    assert (out / "baseline" / f"seed{seeds[1]}" / "summary.json").is_file()
     assert (out / "ablation.png").stat().st_size > 1000
+
+    # --compare on the finished runs gives the same statistics for the same target.
+    cmp_out = tmp_path / "cmp"
+    assert ablation.main(["--compare", f"base={out / 'baseline'}", str(out / "simreg"), "--out", str(cmp_out),
+                          "--target-accuracy", str(result["setup"]["target_accuracy"])]) == 0
+    compared = json.loads((cmp_out / "ablation.json").read_text())
+    assert [r["arm"] for r in compared["table"]] == ["base", "simreg"]
+    for key in ("eval_accuracy", "final_mlm_loss", "samples_to_target", "loss_spike_score"):
+        assert compared["table"][0][key] == pytest.approx(result["table"][0][key])
+        assert compared["table"][1][key] == pytest.approx(result["table"][2][key])
+    assert (cmp_out / "ablation.png").stat().st_size > 1000
+
+
+def test_samples_to_target_interpolates_between_evals():
+    evals = {"samples": [100, 200, 300], "accuracy": [0.1, 0.3, 0.5]}
+    assert ablation.samples_to_target(evals, 0.05) == 100
+    assert ablation.samples_to_target(evals, 0.4) == pytest.approx(250)
+    assert ablation.samples_to_target(evals, 0.6) is None
+
+
+def test_compare_bad_dir_is_one_line(tmp_path, capsys):
+    assert ablation.main(["--compare", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --compare:")
 
 
 def test_ablation_bad_data_is_one_line(tmp_path, capsys):

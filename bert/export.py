@@ -1,0 +1,153 @@
+"""A run's checkpoint -> a transformers directory: ``python -m bert.export RUN_DIR --output HF_DIR``.
+
+The hand-off from pretraining to fine-tuning. Reads the newest checkpoint of
+``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint NAME``: a file name there such as
+``step_00001500.pt``, a step number, or a path), rebuilds the model from the config stored in
+it, and writes:
+
+    config.json, model.safetensors        bert.checkpoint.export_hf (BertForPreTraining names)
+    vocab.txt                             the run's data.vocab_file (or --vocab)
+    tokenizer_config.json                 BertTokenizer, lower case, model_max_length
+    special_tokens_map.json               [UNK] [SEP] [PAD] [CLS] [MASK]
+
+so that ``AutoTokenizer.from_pretrained(HF_DIR)`` and ``AutoModel*.from_pretrained(HF_DIR)``
+(e.g. ``AutoModelForSequenceClassification``, which adds a new classifier head) load it
+offline. The directory is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                  "mask_token": "[MASK]"}
+
+
+class ExportError(RuntimeError):
+    """Bad input; the message is the one line the CLI prints."""
+
+
+def find_checkpoint(run_dir: str, name: str | None) -> str:
+    """The checkpoint file to export: ``name`` (file name, step number or path) or the newest."""
+    from bert import train_checkpoint
+
+    directory = os.path.join(run_dir, "checkpoints")
+    if name is None:
+        found = train_checkpoint.list_checkpoints(directory) if os.path.isdir(directory) else []
+        if not found:
+            raise ExportError(f"{run_dir}: no checkpoints/step_*.pt (train with checkpoint.interval_steps > 0)")
+        return found[-1][1]
+    candidates = [name, os.path.join(directory, name)]
+    if name.isdigit():
+        candidates.append(train_checkpoint.checkpoint_path(directory, int(name)))
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    raise ExportError(f"--checkpoint: {name!r} is neither a file nor a step in {directory}")
+
+
+def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str | None = None):
+    """(model with the checkpoint's weights, vocab.txt path, max_seq_length, checkpoint path).
+
+    With ``checkpoint`` None the newest checkpoint that verifies is used; a damaged newest one
+    is reported and the previous tried (bert.train_checkpoint.load_latest)."""
+    from bert import train_checkpoint
+    from bert.checkpoint import CheckpointError
+    from bert.model import BertForPreTraining
+    from bert.train_config import ConfigError, build_config
+    from bert.trainer import build_model_config
+
+    path = find_checkpoint(run_dir, checkpoint)
+    try:
+        if checkpoint is None:
+            path, state = train_checkpoint.load_latest(os.path.dirname(path),
+                                                       warn=lambda m: print(m, file=sys.stderr))
+        else:
+            state = train_checkpoint.read(path)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    if "config" not in state:
+        raise ExportError(f"{path}: holds no run config (written by an older trainer)")
+    values = dict(state["config"])
+    if vocab_file is not None:
+        values["data"] = {**values.get("data", {}), "vocab_file": vocab_file}
+    try:
+        cfg = build_config(values)
+        model_config = build_model_config(cfg)
+    except ConfigError as e:
+        raise ExportError(f"{path}: its config: {e}") from None
+    vocab = cfg.data.vocab_file
+    if not vocab or not os.path.isfile(vocab):
+        raise ExportError(f"the run's data.vocab_file {vocab!r} is not a file here: give --vocab PATH")
+    model = BertForPreTraining(model_config)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise ExportError(f"{path}: the weights do not fit the model its config describes "
+                          f"({str(e).splitlines()[0]})") from None
+    return model, vocab, cfg.data.max_seq_length, path
+
+
+def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> None:
+    """vocab.txt, tokenizer_config.json, special_tokens_map.json for transformers' BertTokenizer
+    with the normalisation of data.tokenization (uncased: lower case, accents stripped)."""
+    shutil.copyfile(vocab_file, os.path.join(directory, "vocab.txt"))
+    with open(vocab_file, encoding="utf-8") as f:
+        tokens = {line.rstrip("\n") for line in f}
+    missing = [t for t in SPECIAL_TOKENS.values() if t not in tokens]
+    if missing:
+        raise ExportError(f"{vocab_file}: the vocabulary lacks {missing}")
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "strip_accents": None,
+              "tokenize_chinese_chars": True, "model_max_length": max_length,
+              "clean_up_tokenization_spaces": True, **SPECIAL_TOKENS}
+    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", SPECIAL_TOKENS)):
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
+            f.write("\n")
+
+
+def export_run(run_dir: str, output: str, checkpoint: str | None = None, vocab_file: str | None = None) -> str:
+    """Write ``output`` (see the module docstring); returns the checkpoint exported."""
+    from bert.checkpoint import export_hf
+
+    model, vocab, max_length, path = load_run_model(run_dir, checkpoint, vocab_file)
+    output = os.path.abspath(output)
+    staging = f"{output}.tmp-export{os.getpid()}"
+    try:
+        export_hf(model, staging)
+        write_tokenizer_files(staging, vocab, max_length)
+        if os.path.exists(output):
+            shutil.rmtree(output)
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bert.export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", metavar="RUN_DIR", help="a training run's --output-dir")
+    ap.add_argument("--output", required=True, metavar="HF_DIR", help="the transformers directory to write")
+    ap.add_argument("--checkpoint", metavar="NAME", help="step_XXXXXXXX.pt, a step number or a path (default: newest)")
+    ap.add_argument("--vocab", help="vocab.txt (default: the run's data.vocab_file)")
+    args = ap.parse_args(argv)
+    try:
+        path = export_run(args.run_dir, args.output, args.checkpoint, args.vocab)
+    except (ExportError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {path} -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

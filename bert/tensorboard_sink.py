@@ -1,0 +1,77 @@
+"""TensorBoard event files for a run (``log.tensorboard: true``): OUTPUT_DIR/tensorboard/.
+
+A sink of ``bert.metrics.MetricsWriter``: every record the trainer writes to
+``metrics.jsonl`` (rank 0 only) becomes scalars at the record's global step:
+
+    loss/total loss/mlm loss/nsp loss/simreg       training losses (simreg with SimReg on)
+    optim/lr optim/grad_norm                        learning rate, gradient norm before clipping
+    adagc/clipped_share adagc/clip_ratio            with AdaGC: share of tensors scaled down,
+                                                    mean scale factor over tensors (1: none)
+    throughput/seq_per_s throughput/tokens_per_s    since the previous logged step
+    rebalance/<field>                               with the rebalancer: imbalance_before/after,
+                                                    hidden_fraction, samples_moved, ...
+    train/samples train/skipped_steps data/corrupt_samples
+    spikes/loss_score spikes/grad_norm_score        running spike scores (bert.metrics.SpikeCounter)
+    eval/mlm_accuracy                               at every evaluation
+
+and the resolved config as text (tag ``config``, step 0; on a resume only when the directory
+had no events). A resumed run opens a new event
+file with ``purge_step`` = the checkpoint's step + 1, so TensorBoard drops what the killed
+run logged past the checkpoint and the curves continue without duplicated steps; the spike
+counters are replayed from the records kept in ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+SCALARS = {"loss": "loss/total", "mlm_loss": "loss/mlm", "nsp_loss": "loss/nsp", "simreg_loss": "loss/simreg",
+           "lr": "optim/lr", "grad_norm": "optim/grad_norm", "adagc_clipped_share": "adagc/clipped_share",
+           "adagc_clip_ratio": "adagc/clip_ratio", "seq_per_s": "throughput/seq_per_s",
+           "tokens_per_s": "throughput/tokens_per_s", "samples": "train/samples",
+           "skipped_steps": "train/skipped_steps", "corrupt_samples": "data/corrupt_samples",
+           "eval_accuracy": "eval/mlm_accuracy"}
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: str, config: dict, resume_step: int | None = None, history: list[dict] = ()):
+        from bert.metrics import SpikeCounter
+        from bert.train_config import ConfigError
+
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("log.tensorboard: needs the tensorboard package (in requirements.txt)") from None
+
+        self.spikes = {"loss": SpikeCounter(), "grad_norm": SpikeCounter()}
+        for record in history:  # the records before the checkpoint, for the running spike scores
+            self._count_spikes(record)
+        os.makedirs(log_dir, exist_ok=True)
+        fresh = resume_step is None or not os.listdir(log_dir)
+        self.writer = SummaryWriter(log_dir, purge_step=None if resume_step is None else resume_step + 1,
+                                    flush_secs=30)
+        if fresh:
+            text = json.dumps(config, indent=2, sort_keys=True, default=str)
+            # Indented: TensorBoard renders text as markdown, and this keeps it verbatim.
+            self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), 0)
+
+    def _count_spikes(self, record: dict) -> dict[str, float]:
+        return {f"spikes/{key}_score": (counter.add(record[key]), counter.score)[1]
+                for key, counter in self.spikes.items() if key in record}
+
+    def write(self, record: dict) -> None:
+        step = record["step"]
+        if "eval_accuracy" in record:  # an eval record repeats the step's samples: only the accuracy
+            self.writer.add_scalar(SCALARS["eval_accuracy"], record["eval_accuracy"], step)
+            return
+        for key, tag in SCALARS.items():
+            if key in record:
+                self.writer.add_scalar(tag, record[key], step)
+        for key, value in record.get("rebalance", {}).items():
+            self.writer.add_scalar(f"rebalance/{key}", value, step)
+        for tag, value in self._count_spikes(record).items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
