@@ -10,7 +10,7 @@ Attention layout (flash-attention's "unpadded" one): q, k, v, o are ``[T, H, D]`
 token and head strides (head dim contiguous), sequence b is tokens
 ``cu_seqlens[b]:cu_seqlens[b+1]``. A program handles one block of rows of one (sequence,
 head); a launch covers the sequences ``order[order_start : order_start + grid[1]]`` (or
-0..grid[1]-1 without an order), which is how grouped dispatch launches one length bucket
+order_start .. order_start + grid[1] - 1 without an order), which is how grouped dispatch launches one length bucket
 without copying the batch. ``lse`` is the softmax's log-sum-exp per (token, head), in base 2.
 
 Dropout: the keep decision for (query token t, key j of its sequence, head h) is output
@@ -59,10 +59,13 @@ def _cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def _seq_bounds(CU, ORDER, order_start, pid_b, HAS_ORDER: tl.constexpr):
+    # A launch covers entries order_start .. order_start + grid[1] - 1 of the order (the
+    # identity order when HAS_ORDER is false: a grouped plan whose batch is already in bucket
+    # order still launches each group from its own start).
     if HAS_ORDER:
         seq = tl.load(ORDER + order_start + pid_b)
     else:
-        seq = pid_b
+        seq = order_start + pid_b
     start = tl.load(CU + seq)
     end = tl.load(CU + seq + 1)
     return seq, start, end - start
