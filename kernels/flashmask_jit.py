@@ -524,7 +524,7 @@ def _launch_opts(num_warps, num_stages):
 
 def _common(q):
     block_d = max(16, triton.next_power_of_2(q.shape[-1]))
-    return block_d, ("ieee" if q.element_size() == 4 else "tf32")
+    return block_d, BASE.dot_precision(q)
 
 
 def _bound_strides(bounds, block_minmax):

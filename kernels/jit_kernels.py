@@ -401,9 +401,20 @@ def attention_blocks(kernel, block_d, elt_size):
     return {"fwd": (128, 32, 8, 2), "dkdv": (32, 64, 8, 2), "dq": (64, 32, 8, 2)}[kernel]
 
 
+def dot_precision(q):
+    """``tl.dot``'s input precision for q's dtype: fp16/bf16 multiply natively; fp32 uses TF32
+    tensor cores exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch's own
+    fp32 matmuls do), else full-precision fp32 ("ieee"). Read at each launch."""
+    import torch
+
+    if q.element_size() != 4:
+        return "tf32"  # unused for 16-bit inputs
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
 def _attn_common(q):
     block_d = max(16, triton.next_power_of_2(q.shape[-1]))
-    return block_d, ("ieee" if q.element_size() == 4 else "tf32")
+    return block_d, dot_precision(q)
 
 
 def _check_grid(n_seqs, heads):
