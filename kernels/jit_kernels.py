@@ -13,6 +13,12 @@ head); a launch covers the sequences ``order[order_start : order_start + grid[1]
 order_start .. order_start + grid[1] - 1 without an order), which is how grouped dispatch launches one length bucket
 without copying the batch. ``lse`` is the softmax's log-sum-exp per (token, head), in base 2.
 
+Backward with dropout, as FlashAttention-2: with keep mask Z and P~ = P o Z / (1-p), the
+loops use the unscaled P o Z and dP o Z with delta_i * (1-p) (delta_i = rowsum(dO o O)), so
+every tile is (1-p) times its exact value, and dQ, dK, dV are scaled by 1/(1-p) once, in
+fp32, after the loop: the low-precision casts of P and dS inside the loop see no extra
+rounding from the scale.
+
 Dropout: the keep decision for (query token t, key j of its sequence, head h) is output
 j % 4 of ``philox(seed; t, j // 4, h, offset)``, as a uniform float, ``>= p``. It depends on
 nothing else (not the block sizes, not the grouping), so the backward regenerates the
@@ -184,11 +190,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU, ORDER, order_start,
         p_t = tl.exp2(s_t - lse[None, :])
         p_t = tl.where(col_ok[:, None] & row_ok[None, :], p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
-        if DROPOUT:
+        if DROPOUT:  # unscaled: 1/(1-p) is applied to dK, dV after the loop
             keep_t = tl.trans(_keep(seed, offset, start + m0, pid_n * BLOCK_N, head, p_drop, BLOCK_M, BLOCK_N))
-            inv_keep = 1.0 / (1.0 - p_drop)
-            pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
-            dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+            pd_t = tl.where(keep_t, p_t, 0.0)
+            dp_t = tl.where(keep_t, dp_t, 0.0)
+            delta = delta * (1.0 - p_drop)
         else:
             pd_t = p_t
         pd_lo = _cast(pd_t, DO.dtype.element_ty, INTERP)
@@ -200,7 +206,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU, ORDER, order_start,
         if INTERP:
             ds_lo = ds_lo.to(tl.float32)
         dk += tl.dot(ds_lo, q, input_precision=DOT_PRECISION)
-    dk = dk * sm_scale
+    if DROPOUT:
+        dv = dv * (1.0 / (1.0 - p_drop))
+        dk = dk * (sm_scale / (1.0 - p_drop))
+    else:
+        dk = dk * sm_scale
     tl.store(DK + kv_rows[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
              _cast(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
     tl.store(DV + kv_rows[:, None] * stride_dvt + head * stride_dvh + offs_d[None, :],
@@ -240,6 +250,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU, ORDER, order_start,
     if INTERP:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
+    if DROPOUT:
+        delta = delta * (1.0 - p_drop)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, seqlen, BLOCK_N):
         cols = n0 + offs_n
@@ -255,15 +267,18 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU, ORDER, order_start,
         p = tl.exp2(s - lse[:, None])
         p = tl.where(row_ok[:, None] & col_ok[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if DROPOUT:
+        if DROPOUT:  # unscaled: 1/(1-p) is applied to dQ after the loop
             keep = _keep(seed, offset, start + pid_m * BLOCK_M, n0, head, p_drop, BLOCK_M, BLOCK_N)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
+            dp = tl.where(keep, dp, 0.0)
         ds = p * (dp - delta[:, None])
         ds_lo = _cast(ds, K.dtype.element_ty, INTERP)
         if INTERP:
             ds_lo = ds_lo.to(tl.float32)
         dq += tl.dot(ds_lo, k, input_precision=DOT_PRECISION)
-    dq = dq * sm_scale
+    if DROPOUT:
+        dq = dq * (sm_scale / (1.0 - p_drop))
+    else:
+        dq = dq * sm_scale
     tl.store(DQ + rows[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
              _cast(dq, DQ.dtype.element_ty, INTERP), mask=q_mask)
 
