@@ -388,6 +388,8 @@ def _fm_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, BND, BMM, CNT,
         dk = dk * (sm_scale / (1.0 - p_drop))
     else:
         dk = dk * sm_scale
+    if seqlen_k == 1:  # one key: zero score gradient, exactly (see the varlen _attn_bwd_dq)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     tl.store(DK + b.to(tl.int64) * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
              _cast(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
     tl.store(DV + b.to(tl.int64) * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
@@ -507,6 +509,8 @@ def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
         dq = dq * (sm_scale / (1.0 - p_drop))
     else:
         dq = dq * sm_scale
+    if seqlen_k == 1:  # one key: zero score gradient, exactly (see the varlen _attn_bwd_dq)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
              _cast(dq, DQ.dtype.element_ty, INTERP), mask=q_mask)
     if COUNT:

@@ -211,6 +211,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU, ORDER, order_start,
         dk = dk * (sm_scale / (1.0 - p_drop))
     else:
         dk = dk * sm_scale
+    if seqlen == 1:  # see _attn_bwd_dq
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     tl.store(DK + kv_rows[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
              _cast(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
     tl.store(DV + kv_rows[:, None] * stride_dvt + head * stride_dvh + offs_d[None, :],
@@ -279,6 +281,11 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU, ORDER, order_start,
         dq = dq * (sm_scale / (1.0 - p_drop))
     else:
         dq = dq * sm_scale
+    if seqlen == 1:
+        # One key: the softmax is constant, so the score gets exactly zero gradient. The
+        # formula's delta comes from the rounded output and would leave a rounding residue
+        # (with dropout, O = V / (1-p) is not exact in fp16/bf16).
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     tl.store(DQ + rows[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
              _cast(dq, DQ.dtype.element_ty, INTERP), mask=q_mask)
 
