@@ -30,6 +30,8 @@ import os
 import triton
 import triton.language as tl
 
+from kernels import tiles
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set by kernels.runtime before loading
 LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2, log2)
 
@@ -394,10 +396,14 @@ def _bdaln_bwd(DY, H, W, MEAN, RSTD, DX, DRES, DW_PART, DLB_PART, DB_PART, n_row
 
 
 # ---------------------------------------------------------------------------------------
-# Host-side launchers. Block sizes are fixed per (head dim, element size): the interpreter
-# gets small, unequal blocks (so that tests cross block edges both ways); a GPU gets tiles
-# chosen from ptxas's report for sm_90 (no register spills at head dim 64, with and without
-# dropout; tests/test_kernels_compile.py compiles them). Not yet tuned by timing on a GPU.
+# Host-side launchers. Block sizes: the interpreter gets small, unequal blocks (so that tests
+# cross block edges both ways); a GPU gets ``kernels.tiles``' table, per (dtype, head dim,
+# dropout), every entry free of register spills on sm_90 (kernels/compile_check.py builds
+# them all), in the preset KERNELS_ATTENTION_TILES names (read when this module loads; the
+# compile check sets TILE_PRESET directly).
+
+TILE_PRESET = tiles.preset_from_env()
+
 
 def _cdiv(a, b):
     return (a + b - 1) // b
@@ -412,15 +418,11 @@ def _launch_opts(num_warps, num_stages):
     return {} if INTERPRET else {"num_warps": num_warps, "num_stages": num_stages}
 
 
-def attention_blocks(kernel, block_d, elt_size):
+def attention_blocks(kernel, block_d, elt_size, dropout=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel in {'fwd', 'dkdv', 'dq'}."""
     if INTERPRET:
         return {"fwd": (32, 64, 1, 1), "dkdv": (32, 64, 1, 1), "dq": (64, 32, 1, 1)}[kernel]
-    if elt_size == 4:  # fp32 tiles need twice the shared memory
-        return {"fwd": (64, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (32, 32, 4, 2)}[kernel]
-    if block_d <= 64:
-        return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 8, 2), "dq": (64, 64, 8, 2)}[kernel]
-    return {"fwd": (128, 32, 8, 2), "dkdv": (32, 64, 8, 2), "dq": (64, 32, 8, 2)}[kernel]
+    return tiles.attention_tiles(kernel, block_d, elt_size, dropout, TILE_PRESET)
 
 
 def dot_precision(q):
@@ -454,7 +456,7 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens, order, order_start, n_seqs, max_len,
     heads = q.shape[1]
     _check_grid(n_seqs, heads)
     block_d, precision = _attn_common(q)
-    bm, bn, warps, stages = attention_blocks("fwd", block_d, q.element_size())
+    bm, bn, warps, stages = attention_blocks("fwd", block_d, q.element_size(), p_drop > 0)
     _launch(_attn_fwd, (_cdiv(max_len, bm), n_seqs, heads),
             q, k, v, out, lse, out if keep is None else keep, cu_seqlens,
             cu_seqlens if order is None else order, order_start,
@@ -481,12 +483,12 @@ def attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens, order, order_sta
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                dout.stride(0), dout.stride(1))
     tail = (lse.stride(0), q.shape[2], softmax_scale * LOG2E, softmax_scale, p_drop, seed, offset)
-    bm, bn, warps, stages = attention_blocks("dkdv", block_d, q.element_size())
+    bm, bn, warps, stages = attention_blocks("dkdv", block_d, q.element_size(), p_drop > 0)
     _launch(_attn_bwd_dkdv, (_cdiv(max_len, bn), n_seqs, heads),
             q, k, v, dout, lse, delta, dk, dv, cu_seqlens, order_arg, order_start, *strides,
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *tail,
             BLOCK_M=bm, BLOCK_N=bn, **common, **_launch_opts(warps, stages))
-    bm, bn, warps, stages = attention_blocks("dq", block_d, q.element_size())
+    bm, bn, warps, stages = attention_blocks("dq", block_d, q.element_size(), p_drop > 0)
     _launch(_attn_bwd_dq, (_cdiv(max_len, bm), n_seqs, heads),
             q, k, v, dout, lse, delta, dq, cu_seqlens, order_arg, order_start, *strides,
             dq.stride(0), dq.stride(1), *tail,
