@@ -48,8 +48,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert.attention import BackendUnavailable, Layout, PackedLayout
-from kernels.runtime import seeded_op_tags
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from kernels.attention import BackendUnavailable, Layout, PackedLayout  # noqa: E402
+from kernels.runtime import seeded_op_tags  # noqa: E402
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
