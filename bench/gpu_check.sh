@@ -39,7 +39,6 @@ mkdir -p "$OUT" || { echo "gpu_check: cannot create $OUT" >&2; exit 2; }
 OUT="$(cd "$OUT" && pwd)"
 cd "$ROOT" || exit 2
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export TRITON_INTERPRET=0           # compiled kernels: Triton reads this when first imported
 export PYTHONUNBUFFERED=1
 DATA_ARGS=()
 if [ -n "${DATA_DIR:-}" ]; then DATA_ARGS=(--data-dir "$DATA_DIR"); fi
@@ -78,6 +77,13 @@ if ! command -v "$PYTHON" >/dev/null 2>&1; then
     echo "gpu_check: no '$PYTHON' on PATH; set PYTHON=/path/to/python" >&2
     exit 2
 fi
+
+# Compiled kernels on a GPU; without one, Triton's interpreter (the CPU correctness modes).
+# Triton reads this when it is first imported, in each stage's process.
+if [ -z "${TRITON_INTERPRET:-}" ]; then
+    TRITON_INTERPRET=$("$PYTHON" -c "import torch; print(0 if torch.cuda.is_available() else 1)" 2>/dev/null || echo 0)
+fi
+export TRITON_INTERPRET
 
 # --- env -------------------------------------------------------------------------------
 run_stage env 30 "$PYTHON" - "$OUT/env.json" <<'EOF'

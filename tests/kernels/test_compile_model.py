@@ -1,13 +1,15 @@
 """``model.compile=true`` (``torch.compile`` of the model, as the trainer does) trains exactly
-like eager on the unpadded layout, for the attention backends that run on CPU (``reference``,
-``padded``, and the Triton ones in Triton's interpreter), without graph breaks around the
-custom ops and with a bounded number of compilations as the token count changes.
+like eager on the unpadded layout with the Triton attention (run here in Triton's
+interpreter), without graph breaks around its custom ops and with a bounded number of
+compilations as the token count changes. (The ``reference`` and ``padded`` backends read the
+lengths on the host, ``cu_seqlens.tolist()`` / ``nonzero()``, and so break the graph there
+by design; they are not what a compiled run should use.)
 
 How the token count is handled: torch.compile's automatic dynamic shapes. The first batch
 compiles with static shapes; the first batch with another token count (and another
 ``max_seqlen``) recompiles once with the token count, the sequence count and ``max_seqlen``
-symbolic, and that graph serves every later batch. The test counts frames compiled
-(``torch._dynamo.utils.counters``) and graph breaks over batches of five different sizes.
+symbolic, and that graph serves every later batch. The test counts graphs compiled
+(``torch._dynamo.utils.counters``) and graph breaks over batches of three different sizes.
 
 Compiled with the ``aot_eager`` backend: dynamo's graph capture and AOTAutograd's joint
 forward/backward tracing are what decide graph breaks and recompilations; inductor's code
@@ -28,7 +30,7 @@ from bert.config import BertConfig  # noqa: E402
 from bert.model import BertForPreTraining  # noqa: E402
 from tests.batches import random_batch  # noqa: E402
 
-BATCHES = ([1, 40, 17], [9, 33, 5, 28], [50, 2, 31], [12, 7], [44, 3, 19, 8, 25])  # T = 58, 75, 83, 19, 99
+BATCHES = ([1, 40, 17], [9, 33, 5, 28], [12, 7, 50])  # T = 58, 75, 69: static, then dynamic, then reused
 
 
 def _train(model, step_fn, batches):
@@ -45,7 +47,7 @@ def _train(model, step_fn, batches):
     return torch.stack(losses)
 
 
-@pytest.mark.parametrize("attention", ["triton", "triton_grouped"])
+@pytest.mark.parametrize("attention", ["triton_grouped"])  # the grouped path covers the plain one's ops
 def test_compiled_model_trains_like_eager(attention):
     from torch._dynamo.utils import counters
 
