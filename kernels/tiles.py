@@ -22,8 +22,9 @@ _16BIT = {  # block_d <= 64 | 128
     ("small", 64): {"fwd": (64, 32, 4, 2), "dkdv": (32, 32, 4, 2), "dq": (32, 32, 4, 2)},
     ("default", 128): {"fwd": (64, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (32, 32, 8, 2)},
 }
-_FP32 = {  # fp32 tiles need twice the shared memory and registers
-    64: {"fwd": (64, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (32, 32, 4, 2)},
+_FP32 = {  # block_d <= 32 | 64 | 128; fp32 tiles need twice the shared memory and registers
+    32: {"fwd": (64, 32, 8, 2), "dkdv": (32, 16, 8, 2), "dq": (32, 32, 4, 2)},
+    64: {"fwd": (32, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (32, 32, 4, 2)},
     128: {"fwd": (64, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (32, 32, 8, 2)},
 }
 
@@ -43,7 +44,7 @@ def attention_tiles(kernel: str, block_d: int, elt_size: int, dropout: bool,
         raise ValueError(f"attention tiles: unknown preset {preset!r}, expected one of {list(TILE_PRESETS)}")
     width = 64 if block_d <= 64 else 128
     if elt_size == 4:
-        return _FP32[width][kernel]
+        return _FP32[32 if block_d <= 32 else width][kernel]
     if preset == "small" and width == 64:
         return _16BIT[("small", 64)][kernel]
     return _16BIT[("default", width)][kernel]
