@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: every GPU claim measured on one GPU in at most 8 minutes (the sum of the
-# stage limits below: 440 s), with the Python already on the machine, so a rerun fits in a
+# stage limits below: 470 s), with the Python already on the machine, so a rerun fits in a
 # 15-minute GPU window.
 #
 #   bash bench/gpu_check.sh [RESULTS_DIR]        (default results/gpu_check)
@@ -9,6 +9,7 @@
 # others, and each writes its JSON itself (atomically) before the next starts:
 #   env              versions, GPU name, driver                            -> env.json
 #   gpu_tests        pytest -m gpu: the kernels compiled on the GPU         -> gpu_tests.xml
+#   peer_tests       the peer suite's default subset on the GPU             -> peer_tests.xml
 #   attention        bench/attention.py: fwd+bwd per backend at BERT-large shapes
 #                    (triton, triton_grouped vs torch_varlen / flash_attn)  -> attention.json
 #   attention_small  the same with KERNELS_ATTENTION_TILES=small (4-warp tiles) -> attention_small.json
@@ -119,10 +120,14 @@ EOF
 if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     PARALLEL=()  # Triton compiles each kernel variant on one core: spread the tests over 4 workers
     if "$PYTHON" -c "import xdist" >/dev/null 2>&1; then PARALLEL=(-n 4); else echo "pytest-xdist not installed: tests run serially"; fi
-    run_stage gpu_tests 100 "$PYTHON" -m pytest tests/test_kernels_gpu.py -m gpu -q -rs -p no:cacheprovider \
-        ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=90
+    run_stage gpu_tests 90 "$PYTHON" -m pytest tests/test_kernels_gpu.py tests/test_flashmask_gpu.py -m gpu -q -rs \
+        -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=80
+    # The peer suite's default subset (flash-attention's error rule) on the compiled kernels.
+    run_stage peer_tests 40 "$PYTHON" -m pytest tests/kernels/test_attention_peer.py -q -rs -p no:cacheprovider \
+        ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/peer_tests.xml" -o timeout=35
 else
     skip_stage gpu_tests "pytest is not installed"
+    skip_stage peer_tests "pytest is not installed"
 fi
 
 # --- attention benchmark, and the tile presets at BERT-large's shape -----------------------
