@@ -18,7 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.rebalance import Rebalancer, RebalanceError, assign
+from data.rebalance import Rebalancer, RebalanceError
+from data.rebalance_plan import assign
 from data.samples import SampleBlock
 
 B = 12  # samples per rank per step
