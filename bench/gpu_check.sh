@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: every GPU claim measured on one GPU in at most 8 minutes (the sum of the
-# stage limits below: 470 s), with the Python already on the machine, so a rerun fits in a
+# stage limits below: 480 s), with the Python already on the machine, so a rerun fits in a
 # 15-minute GPU window.
 #
 #   bash bench/gpu_check.sh [RESULTS_DIR]        (default results/gpu_check)
@@ -16,8 +16,9 @@
 #   tiles            which preset ran triton_grouped faster                -> tiles.json
 #   flashmask        bench/flashmask.py: FlashMask vs flex_attention and dense SDPA on packed
 #                    rows                                                  -> flashmask.json
-#   train_step       bench/train_step.py, 30 steps: BERT-large seq/s, unpadded + triton_grouped
-#                    + fused vs padded (and the other variants)             -> train_step.json
+#   fused_ops        bench/fused_ops.py: bias+GELU, bias+dropout+residual+LayerNorm vs eager -> fused_ops.json
+#   train_step       bench/train_step.py, 30 steps: BERT-large seq/s and MFU, unpadded +
+#                    triton_grouped + fused, padded, packed (FlashMask), others -> train_step.json
 # and summary.json with every stage's exit status and seconds. Installs nothing and needs no
 # network; a missing optional package (flash_attn, h5py, pytest) is reported and skipped.
 # Environment: PYTHON (default python3), DATA_DIR (lengths for the benchmarks; default the
@@ -142,8 +143,11 @@ run_stage tiles 10 "$PYTHON" bench/pick_tiles.py "$OUT/attention.json" "$OUT/att
 # --- FlashMask on packed rows ----------------------------------------------------------------
 run_stage flashmask 45 "$PYTHON" bench/flashmask.py --json "$OUT/flashmask.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
+# --- fused elementwise ops vs eager ----------------------------------------------------------
+run_stage fused_ops 20 "$PYTHON" bench/fused_ops.py --json "$OUT/fused_ops.json"
+
 # --- BERT-large training steps ---------------------------------------------------------------
-run_stage train_step 150 "$PYTHON" bench/train_step.py --steps 30 --json "$OUT/train_step.json" \
+run_stage train_step 140 "$PYTHON" bench/train_step.py --steps 30 --json "$OUT/train_step.json" \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
 # --- summary ---------------------------------------------------------------------------------

@@ -6,14 +6,18 @@ docs/kernels.md; each benchmark's CPU mode has its own test.)"""
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-from pathlib import Path
+import os
 
-import pytest
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.pick_tiles import main as pick_tiles
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from bench.pick_tiles import main as pick_tiles  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
@@ -30,7 +34,7 @@ def test_bad_stage_scale_is_refused_before_any_stage(tmp_path, scale):
 def test_stage_limits_fit_in_eight_minutes_and_scale_by_fractions():
     text = SCRIPT.read_text()
     limits = [int(n) for n in re.findall(r"^\s*(?:[A-Z_]+=\S+ )?run_stage \w+ (\d+) ", text, re.M)]
-    assert len(limits) == 8 and sum(limits) <= 8 * 60, limits
+    assert len(limits) == 9 and sum(limits) <= 8 * 60, limits
     body = re.search(r"limit=\$\(awk .*\)$", text, re.M).group(0)
     for scale, want in (("0.5", "30"), ("1", "60"), ("0.01", "5")):
         got = subprocess.run(["bash", "-c", f"limit=60; SCALE={scale}; {body}; echo $limit"], capture_output=True,
@@ -53,3 +57,13 @@ def test_pick_tiles_names_the_faster_preset(tmp_path, capsys):
     cpu.write_text(json.dumps({"results": {"triton": {"status": "ok"}}}))
     assert pick_tiles([str(cpu), str(cpu)]) == 0 and "nothing to pick" in capsys.readouterr().out
     assert pick_tiles([str(tmp_path / "missing.json"), str(cpu)]) == 2
+
+
+def test_fused_ops_bench_checks_correctness_on_cpu(tmp_path):
+    from bench import fused_ops
+
+    out = tmp_path / "fused.json"
+    assert fused_ops.main(["--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"bias_gelu", "bias_dropout_add_layer_norm"}
+    assert all(r["status"] == "ok" for r in results.values())
