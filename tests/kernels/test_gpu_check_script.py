@@ -13,13 +13,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import json  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 from bench.pick_tiles import main as pick_tiles  # noqa: E402
+from tests.helpers import REPO as ROOT  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 
 

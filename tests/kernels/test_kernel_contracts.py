@@ -10,16 +10,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import flashmask as fm  # noqa: E402
+from tests.helpers import REPO as ROOT  # noqa: E402
 from kernels.runtime import jit_kernels  # noqa: E402
 from kernels.varlen_attention import grouped_varlen_attention, varlen_attention  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _qkv(t, heads=1, dim=16, dtype=torch.float32):

@@ -7,7 +7,7 @@ import pytest
 
 from data.rebalance import check_block, pack_samples, unpack_samples
 from data.samples import SampleBlock
-from tests.dist_scripts.rebalance_worker import random_block
+from tests.data.rebalance_worker import random_block
 
 
 def test_pack_unpack_round_trip():
