@@ -10,7 +10,13 @@ step time as sequences/s and real tokens/s:
 - ``padded``: the MLPerf fixed layout, every sequence padded to 512 tokens, SDPA attention
   with a key mask (``attention=padded``);
 - ``unpadded:<backend>``: the flat ``UnpaddedBatch`` with that attention backend, and
-  ``+fused`` for the fused bias+GELU and bias+dropout+residual+LayerNorm kernels.
+  ``+fused`` for the fused bias+GELU and bias+dropout+residual+LayerNorm kernels;
+- ``packed:<backend>``: the same sequences packed into rows of 512 (``PackedBatch``,
+  first-fit decreasing), e.g. ``packed:flashmask``.
+
+Each result also gives the model FLOP utilisation (MFU): the real tokens' training FLOPs
+(``model_flops``) per second over the GPU's dense bf16 peak (H100/H200 989 TFLOP/s, A100
+312). The JSON is rewritten after every variant, so a timeout keeps the finished ones.
 
 Ratios are against ``padded``. Without a GPU it says so and only runs two steps of a tiny
 model on CPU, to check that the script works (no numbers worth reporting).
@@ -35,8 +41,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.lengths import LengthsError, LengthSampler  # noqa: E402
 
-DEFAULT_VARIANTS = ("padded", "unpadded:padded", "unpadded:triton", "unpadded:triton_grouped",
-                    "unpadded:triton_grouped+fused", "unpadded:flash_attn")
+DEFAULT_VARIANTS = ("unpadded:triton_grouped+fused", "padded", "packed:flashmask", "unpadded:triton",
+                    "unpadded:triton_grouped", "unpadded:padded", "unpadded:flash_attn")
+# Dense bf16 tensor-core peak per GPU (TFLOP/s), for model FLOP utilisation (MFU).
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 MAX_PREDICTIONS = 76
 
 
@@ -63,13 +71,42 @@ def make_batch(lengths, vocab_size: int, seed: int):
 
 
 def parse_variant(v: str):
+    """(attention backend, fused ops, layout) of 'padded', 'unpadded:<backend>[+fused]' or
+    'packed:<backend>[+fused]' (packed: rows of 512 holding whole sequences, first-fit)."""
     if v == "padded":
-        return "padded", False, True
-    if not v.startswith("unpadded:"):
-        raise ValueError(f"--variants: {v!r} is neither 'padded' nor 'unpadded:<backend>[+fused]'")
-    backend = v.removeprefix("unpadded:")
+        return "padded", False, "padded"
+    layout, _, backend = v.partition(":")
+    if layout not in ("unpadded", "packed") or not backend:
+        raise ValueError(f"--variants: {v!r} is not 'padded', 'unpadded:<backend>[+fused]' or 'packed:<backend>[+fused]'")
     fused = backend.endswith("+fused")
-    return backend.removesuffix("+fused"), fused, False
+    return backend.removesuffix("+fused"), fused, layout
+
+
+def to_packed(batch, seq_len: int = 512):
+    """The same sequences as a PackedBatch (data.packing's first-fit-decreasing rows)."""
+    from data.packing import collate_packed
+    from data.samples import SampleBlock
+
+    cu = batch.cu_seqlens.long()
+    lens = (cu[1:] - cu[:-1]).numpy()
+    seq_of_mask = torch.searchsorted(cu, batch.mlm_positions, right=True) - 1  # [M] owning sequence
+    counts = np.bincount(seq_of_mask.numpy(), minlength=len(lens))
+    block = SampleBlock(input_ids=batch.input_ids.numpy(), segment_ids=batch.segment_ids.numpy(), seq_lens=lens,
+                        masked_positions=(batch.mlm_positions - cu[seq_of_mask]).numpy(),
+                        masked_ids=batch.mlm_labels.numpy(), masked_counts=counts, nsp_labels=batch.nsp_labels.numpy())
+    return collate_packed(block, seq_len)
+
+
+def model_flops(config, batch) -> float:
+    """Training FLOPs of one step (forward + backward = 3x forward) on the real tokens only:
+    the encoder's matmuls (2 x weights per token), attention (4 x L^2 x hidden per layer and
+    sequence), and the MLM head on the masked positions. Padding is never counted."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).double()
+    tokens, masked = float(lens.sum()), batch.mlm_positions.numel()
+    encoder = layers * (2 * (4 * h * h + 2 * h * i) * tokens + 4 * h * float((lens ** 2).sum()))
+    head = 2 * (h * h + h * config.vocab_size) * masked
+    return 3.0 * (encoder + head)
 
 
 def run_variant(variant, config, batches, args, device):
@@ -77,12 +114,13 @@ def run_variant(variant, config, batches, args, device):
     from bert.optim import build_optimizer
     from data.batch import pad
 
-    backend, fused, padded = parse_variant(variant)
+    backend, fused, layout = parse_variant(variant)
     with torch.device(device):
         model = BertForPreTraining(config, attention=backend, fused_ops=fused)
     model.train()
     optimizer = build_optimizer(args.optimizer, model, lr=4.25e-4)
-    inputs = [(pad(b, 512) if padded else b).to(device) for b in batches]
+    convert = {"padded": lambda b: pad(b, 512), "packed": to_packed, "unpadded": lambda b: b}[layout]
+    inputs = [convert(b).to(device) for b in batches]
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def step(batch):
@@ -114,6 +152,14 @@ def run_variant(variant, config, batches, args, device):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(times)
+
+
+def write_report(report: dict, path: str | None) -> None:
+    if path:
+        from bert.metrics import atomic_write_text
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(path), json.dumps(report, indent=1))
 
 
 def main(argv=None) -> int:
@@ -152,7 +198,7 @@ def main(argv=None) -> int:
         print("No CUDA GPU here: a two-step CPU smoke run of a tiny model, not a measurement.")
         config = BertConfig.preset("tiny", vocab_size=1024)
         args.seqs, args.steps, args.warmup, args.batches = 4, 2, 0, 1
-        variants = ["padded", "unpadded:reference"]
+        variants = ["padded", "unpadded:reference", "packed:reference"]
         sampler.rng = np.random.default_rng(args.seed)
     batches = []
     for i in range(args.batches):
@@ -161,15 +207,19 @@ def main(argv=None) -> int:
             lengths = [max(2, n // 16) for n in lengths]
         batches.append(make_batch(lengths, config.vocab_size, args.seed + i))
     real_tokens = statistics.mean(b.num_tokens for b in batches)
+    flops = statistics.mean(model_flops(config, b) for b in batches)
+    peak = next((v for k, v in PEAK_TFLOPS.items() if gpu and k in torch.cuda.get_device_name()), None)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if gpu else "cpu", "preset": args.preset if gpu else "tiny",
               "layers": config.num_hidden_layers, "seqs_per_step": args.seqs, "mean_real_tokens": real_tokens,
-              "lengths": sampler.source, "optimizer": args.optimizer, "results": {}}
+              "lengths": sampler.source, "optimizer": args.optimizer, "model_tflop_per_step": flops / 1e12,
+              "peak_tflops": peak, "results": {}}
     for v in variants:
         try:
             seconds = run_variant(v, config, batches, args, device)
             report["results"][v] = {"status": "ok", "step_s": seconds, "seqs_per_s": args.seqs / seconds,
-                                    "real_tokens_per_s": real_tokens / seconds}
+                                    "real_tokens_per_s": real_tokens / seconds,
+                                    "mfu": (flops / seconds / 1e12 / peak) if peak else None}
         except BackendUnavailable as e:
             report["results"][v] = {"status": "unavailable", "reason": str(e)}
         except Exception as e:  # one variant failing (say, out of memory) must not stop the others
@@ -177,21 +227,18 @@ def main(argv=None) -> int:
             report["results"][v] = {"status": "error", "reason": f"{type(e).__name__}: {msg}"}
             if gpu:
                 torch.cuda.empty_cache()
+        write_report(report, args.json)  # after every variant: a timeout keeps what has run
     base = report["results"].get("padded", {}).get("step_s")
     for v, r in report["results"].items():
         if r["status"] == "ok":
             r["speedup_vs_padded"] = base / r["step_s"] if base else None
             ratio = f"{r['speedup_vs_padded']:.2f}x" if base else "-"
+            mfu = f"MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
             print(f"  {v:32s} {r['step_s'] * 1e3:9.1f} ms/step  {r['seqs_per_s']:8.1f} seq/s  "
-                  f"{r['real_tokens_per_s']:10.0f} tok/s  {ratio:>6s} vs padded")
+                  f"{r['real_tokens_per_s']:10.0f} tok/s  {ratio:>6s} vs padded  {mfu}")
         else:
             print(f"  {v:32s} {r['status']}: {r['reason']}")
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(path)
+    write_report(report, args.json)
     return 0 if all(r["status"] in ("ok", "unavailable") for r in report["results"].values()) else 1
 
 

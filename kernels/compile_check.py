@@ -1,14 +1,16 @@
 """Compile every kernel variant for a Hopper GPU (sm_90) on any machine, GPU or not.
 
-    python -m kernels.compile_check [--registers] [--json PATH]
+    python -m kernels.compile_check [--registers] [--jobs N] [--head-dims 64 128] [--json PATH]
 
 The interpreter tests check the kernels' arithmetic, not that Triton can compile them
 (types, layouts, shared memory). Here each launcher runs with its launch swapped for
 ``triton.compile(..., target=sm_90)``, Triton's whole pipeline down to ptxas and a cubin,
-on BERT-large shapes and the other supported head dims and dtypes. Prints one line per
-kernel: tiles, warps, stages, shared memory, and with ``--registers`` (running the ptxas
-that Triton ships once more per kernel) the registers and spill bytes. Exits 1 if a kernel does not compile or needs more shared memory
-than a Hopper block can have. Runs in a process of its own: Triton must be imported in
+for every supported combination of dtype (fp32 both with and without TF32), head dim
+(32, 64, 128), dropout (off, on) and tile preset. Prints one line per kernel: tiles, warps,
+stages, shared memory, and with ``--registers`` (running the ptxas that Triton ships once
+more per kernel) the registers, spill bytes and resident blocks and warps per SM. Exits 1
+if a kernel does not compile, needs more shared memory than a Hopper block can have, or
+spills registers. ``--jobs N`` compiles on N processes. Runs in a process of its own: Triton must be imported in
 compiled mode, so TRITON_INTERPRET is cleared before it is.
 """
 
@@ -82,38 +84,76 @@ def compiling_launcher(records: list[dict], variant: dict, registers: bool = Tru
     return compile_launch
 
 
-def run_all(registers: bool = False) -> list[dict]:
-    """Compile all variants; returns one record per kernel compiled."""
+def occupancy(registers: int | None, num_warps: int, shared_bytes: int) -> dict:
+    """Resident blocks and warps per SM on sm_90 (64K registers allocated per warp in units of
+    256, 228 KB shared memory with 1 KB reserved per block, 64 warps, 32 blocks)."""
+    if registers is None:
+        return {}
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * num_warps)
+    by_smem = (228 * 1024) // (shared_bytes + 1024) if shared_bytes else 32
+    blocks = max(0, min(by_regs, by_smem, 64 // num_warps, 32))
+    return {"blocks_per_sm": blocks, "warps_per_sm": blocks * num_warps}
+
+
+def attention_variants() -> list[tuple]:
+    """Every supported (dtype, head dim, dropout, fp32 precision, tile preset, grouped) combination."""
+    variants = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        for dim in (32, 64, 128):
+            for p in (0.0, 0.1):
+                for precision in (("ieee", "tf32") if dtype == "float32" else ("-",)):
+                    variants.append((dtype, dim, p, precision, "default", dtype == "bfloat16" and dim == 64 and p))
+    from kernels.tiles import TILE_PRESETS
+
+    for preset in TILE_PRESETS:  # the alternatives bench/gpu_check.sh times at BERT-large's shape
+        if preset != "default":
+            for dtype in ("bfloat16", "float16"):
+                for p in (0.0, 0.1):
+                    variants.append((dtype, 64, p, "-", preset, False))
+    return variants
+
+
+def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
     import torch
     from kernels import runtime
 
-    if runtime.triton_interpreted():
-        raise RuntimeError("Triton was imported in interpreter mode; run with TRITON_INTERPRET=0")
+    dtype_name, dim, p, precision, preset, grouped = variant
     module = runtime.load(interpret=False)
     records: list[dict] = []
-    variant: dict = {}
-
-    module._launch = compiling_launcher(records, variant, registers)
+    module._launch = compiling_launcher(records, dict(dtype=dtype_name, head_dim=dim, dropout=p, precision=precision,
+                                                      tiles=preset, grouped=bool(grouped)), registers)
+    module.TILE_PRESET = preset
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    dtype = getattr(torch, dtype_name)
 
     def meta(*shape, dtype):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
     t, h, b, seed, offset = 4096, 16, 8, 2**40 + 3, 12345
-    for dtype, dim, p, grouped in [(torch.bfloat16, 64, 0.1, True), (torch.bfloat16, 64, 0.0, False),
-                                   (torch.float16, 64, 0.1, False), (torch.float16, 128, 0.0, False),
-                                   (torch.bfloat16, 32, 0.1, False), (torch.float32, 64, 0.1, False)]:
-        variant.clear()
-        variant.update(dtype=str(dtype).removeprefix("torch."), head_dim=dim, dropout=p, grouped=grouped)
-        q, k, v = meta(t, 3, h, dim, dtype=dtype).unbind(1)  # the model's packed projection
-        out, dout = meta(t, h, dim, dtype=dtype), meta(t, h, dim, dtype=dtype)
-        lse = meta(t, h, dtype=torch.float32)
-        cu = meta(b + 1, dtype=torch.int32)
-        order = meta(b, dtype=torch.int32) if grouped else None
-        module.attn_fwd(q, k, v, out, lse, cu, order, 0, b, 512, dim ** -0.5, p, seed, offset)
-        grads = [meta(t, h, dim, dtype=dtype) for _ in range(3)]
-        module.attn_bwd(dout, q, k, v, lse, lse, *grads, cu, order, 0, b, 512, dim ** -0.5, p, seed, offset)
-    variant.clear()
-    variant.update(dtype="bfloat16 in, float32 params", dropout=0.1)
+    q, k, v = meta(t, 3, h, dim, dtype=dtype).unbind(1)  # the model's packed projection
+    out, dout = meta(t, h, dim, dtype=dtype), meta(t, h, dim, dtype=dtype)
+    lse = meta(t, h, dtype=torch.float32)
+    cu = meta(b + 1, dtype=torch.int32)
+    order = meta(b, dtype=torch.int32) if grouped else None
+    module.attn_fwd(q, k, v, out, lse, cu, order, 0, b, 512, dim ** -0.5, p, seed, offset)
+    grads = [meta(t, h, dim, dtype=dtype) for _ in range(3)]
+    module.attn_bwd(dout, q, k, v, lse, lse, *grads, cu, order, 0, b, 512, dim ** -0.5, p, seed, offset)
+    return records
+
+
+def _compile_fused(registers: bool) -> list[dict]:
+    import torch
+    from kernels import runtime
+
+    module = runtime.load(interpret=False)
+    records: list[dict] = []
+    module._launch = compiling_launcher(records, {"dtype": "bfloat16 in, float32 params", "dropout": 0.1}, registers)
+
+    def meta(*shape, dtype):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    seed = 2**40 + 3
     r, n, i = 4096, 1024, 4096
     x_i, b_i = meta(r, i, dtype=torch.bfloat16), meta(i, dtype=torch.float32)
     module.bias_gelu_fwd(x_i, b_i, meta(r, i, dtype=torch.bfloat16))
@@ -126,31 +166,72 @@ def run_all(registers: bool = False) -> list[dict]:
     return records
 
 
+def _job(item: tuple, registers: bool) -> list[dict]:
+    os.environ["TRITON_INTERPRET"] = "0"  # a spawned worker: before it imports Triton
+    return _compile_fused(registers) if item == ("fused",) else _compile_attention(item, registers)
+
+
+def run_all(registers: bool = False, jobs: int = 1, head_dims: tuple[int, ...] | None = None) -> list[dict]:
+    """Compile all variants (those of ``head_dims`` only, if given; then no fused ops), on
+    ``jobs`` processes; returns one record per kernel compiled, in a fixed order."""
+    from kernels import runtime
+
+    if runtime.triton_interpreted():
+        raise RuntimeError("Triton was imported in interpreter mode; run with TRITON_INTERPRET=0")
+    items = [v for v in attention_variants() if head_dims is None or v[1] in head_dims]
+    if head_dims is None:
+        items.append(("fused",))
+    if jobs <= 1:
+        results = [_job(item, registers) for item in items]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_job, items, [registers] * len(items)))
+    records = [r for batch in results for r in batch]
+    for r in records:
+        r.update(occupancy(r.get("registers"), r["num_warps"], r["shared_bytes"]))
+    return records
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the records here as JSON")
-    parser.add_argument("--registers", action="store_true", help="report registers and spills (ptxas -v)")
+    parser.add_argument("--registers", action="store_true",
+                        help="report registers, spills and occupancy (ptxas -v); any spill fails the check")
+    parser.add_argument("--jobs", type=int, default=1, help="compile on this many processes (default 1)")
+    parser.add_argument("--head-dims", type=int, nargs="+", help="only the attention variants of these head dims")
     args = parser.parse_args(argv)
     try:
-        records = run_all(args.registers)
+        records = run_all(args.registers, max(1, args.jobs), tuple(args.head_dims) if args.head_dims else None)
     except Exception as e:  # a compile error: one line, non-zero exit
         print(f"compile_check: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
               file=sys.stderr)
         return 1
-    bad = [r for r in records if r["shared_bytes"] > MAX_SHARED]
     for r in records:
-        extra = "" if r.get("registers") is None else f" regs {r['registers']} spill {r['spill_bytes']}B"
-        print(f"{r['kernel']:16s} {r.get('dtype', ''):28s} D={r.get('head_dim', '-')!s:4s} p={r['dropout']} "
+        extra = "" if r.get("registers") is None else \
+            f" regs {r['registers']} spill {r['spill_bytes']}B blocks/SM {r['blocks_per_sm']} warps/SM {r['warps_per_sm']}"
+        label = f"{r.get('dtype', '')}{'/' + r['precision'] if r.get('precision', '-') != '-' else ''}"
+        tiles = f" tiles={r['tiles']}" if r.get("tiles", "default") != "default" else ""
+        print(f"{r['kernel']:16s} {label:28s} D={r.get('head_dim', '-')!s:4s} p={r['dropout']}{tiles} "
               f"{r['blocks']} warps {r['num_warps']} stages {r['num_stages']} shared {r['shared_bytes']}B{extra}")
     if args.json:
         path = Path(args.json)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(records, indent=1))
         tmp.rename(path)
-    if bad:
-        print(f"compile_check: {len(bad)} kernel(s) need more than {MAX_SHARED} bytes of shared memory", file=sys.stderr)
-        return 1
-    return 0
+    failed = 0
+    big = [r for r in records if r["shared_bytes"] > MAX_SHARED]
+    if big:
+        print(f"compile_check: {len(big)} kernel(s) need more than {MAX_SHARED} bytes of shared memory", file=sys.stderr)
+        failed = 1
+    spills = [r for r in records if r.get("spill_bytes")]
+    if spills:
+        names = ", ".join(f"{r['kernel']} {r['dtype']} D={r.get('head_dim')} p={r['dropout']}" for r in spills)
+        print(f"compile_check: {len(spills)} kernel(s) spill registers: {names}", file=sys.stderr)
+        failed = 1
+    return failed
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ if __package__ in (None, ""):  # run by path: import the project from the reposi
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from kernels.attention import BackendUnavailable, Layout, PackedLayout  # noqa: E402
+from kernels.runtime import seeded_op_tags  # noqa: E402
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
@@ -459,10 +460,7 @@ def _bwd_impl(dout, q, k, v, out, lse, rng, bounds, bmm, causal, softmax_scale, 
     return dq, dk, dv
 
 
-_OP_TAGS = (torch.Tag.nondeterministic_seeded,)
-
-
-@torch.library.custom_op("bert_kernels::flashmask_fwd", mutates_args=(), tags=_OP_TAGS)
+@torch.library.custom_op("bert_kernels::flashmask_fwd", mutates_args=(), **seeded_op_tags())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, causal: bool, softmax_scale: float,
             dropout_p: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rng = _draw_rng(dropout_p)

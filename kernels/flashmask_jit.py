@@ -283,11 +283,11 @@ def _dkdv_step(k, v, Q, DO, LSE, DELTA, q_base, do_base, l_base, qi, row_ok, d_o
     p_t = tl.exp2(s_t - lse[None, :])  # 0 for padding rows and rows that saw nothing (lse = inf)
     p_t = tl.where(invalid_t, 0.0, p_t)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
-    if DROPOUT:
+    if DROPOUT:  # unscaled, as in the varlen kernels: 1/(1-p) is applied to dK, dV after the loop
         keep_t = tl.trans(_keep(seed, offset, row0, c0, h, p_drop, BLOCK_M, BLOCK_N))
-        inv_keep = 1.0 / (1.0 - p_drop)
-        pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
-        dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+        pd_t = tl.where(keep_t, p_t, 0.0)
+        dp_t = tl.where(keep_t, dp_t, 0.0)
+        delta = delta * (1.0 - p_drop)
     else:
         pd_t = p_t
     pd_lo = _cast(pd_t, DO.dtype.element_ty, INTERP)
@@ -383,7 +383,13 @@ def _fm_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, BND, BMM, CNT,
                     n_full += 1
                 else:
                     n_part += 1
-    dk = dk * sm_scale
+    if DROPOUT:
+        dv = dv * (1.0 / (1.0 - p_drop))
+        dk = dk * (sm_scale / (1.0 - p_drop))
+    else:
+        dk = dk * sm_scale
+    if seqlen_k == 1:  # one key: zero score gradient, exactly (see the varlen _attn_bwd_dq)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     tl.store(DK + b.to(tl.int64) * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
              _cast(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
     tl.store(DV + b.to(tl.int64) * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
@@ -408,7 +414,7 @@ def _dq_step(q, do, lse, delta, K, V, k_base, v_base, cols, kv_mask, offs_d, str
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if DROPOUT:
         keep = _keep(seed, offset, row0, c0, h, p_drop, BLOCK_M, BLOCK_N)
-        dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
+        dp = tl.where(keep, dp, 0.0)  # unscaled; delta arrives times (1-p), dQ is scaled after
     ds = p * (dp - delta[:, None])
     ds_lo = _cast(ds, K.dtype.element_ty, INTERP)
     if INTERP:
@@ -455,6 +461,8 @@ def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
     if INTERP:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
+    if DROPOUT:
+        delta = delta * (1.0 - p_drop)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
     n_end = n_blocks
@@ -497,7 +505,12 @@ def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
                     n_full += 1
                 else:
                     n_part += 1
-    dq = dq * sm_scale
+    if DROPOUT:
+        dq = dq * (sm_scale / (1.0 - p_drop))
+    else:
+        dq = dq * sm_scale
+    if seqlen_k == 1:  # one key: zero score gradient, exactly (see the varlen _attn_bwd_dq)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
              _cast(dq, DQ.dtype.element_ty, INTERP), mask=q_mask)
     if COUNT:
@@ -524,7 +537,7 @@ def _launch_opts(num_warps, num_stages):
 
 def _common(q):
     block_d = max(16, triton.next_power_of_2(q.shape[-1]))
-    return block_d, ("ieee" if q.element_size() == 4 else "tf32")
+    return block_d, BASE.dot_precision(q)
 
 
 def _bound_strides(bounds, block_minmax):

@@ -73,6 +73,20 @@ def plan_groups(seqlens: Sequence[int], buckets: Sequence[int], device=None) -> 
     return GroupPlan(torch.tensor(order, dtype=torch.int32, device=device), tuple(groups))
 
 
+def host_seqlens(cu_seqlens: Tensor) -> list[int]:
+    """The sequence lengths as Python ints (a device-to-host copy when cu_seqlens is on a GPU)."""
+    cu = cu_seqlens.tolist()
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+def check_max_seqlen(seqlens: Sequence[int], max_seqlen: int) -> None:
+    """max_seqlen sizes the launch grid: rows past it would never be written."""
+    longest = max(seqlens, default=0)
+    if longest > max_seqlen:
+        raise ValueError(f"varlen attention: max_seqlen={max_seqlen} is smaller than the longest sequence "
+                         f"({longest} tokens, sequence {list(seqlens).index(longest)} of cu_seqlens)")
+
+
 def single_plan(num_seqs: int, max_seqlen: int) -> GroupPlan:
     return GroupPlan(None, (Group(0, num_seqs, max_seqlen),))
 
@@ -86,12 +100,13 @@ def cached_plan(cu_seqlens: Tensor, max_seqlen: int, buckets: Sequence[int]) -> 
     num_seqs = cu_seqlens.numel() - 1
     if not buckets:
         return single_plan(num_seqs, max_seqlen)
-    key = (id(cu_seqlens), tuple(buckets))
+    key = (id(cu_seqlens), int(max_seqlen), tuple(buckets))
     hit = _PLAN_CACHE.get(key)
     if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
         return hit[2]
-    cu = cu_seqlens.tolist()  # the one host sync per batch
-    plan = plan_groups([b - a for a, b in zip(cu[:-1], cu[1:])], buckets, cu_seqlens.device)
+    seqlens = host_seqlens(cu_seqlens)  # the one host sync per batch
+    check_max_seqlen(seqlens, max_seqlen)
+    plan = plan_groups(seqlens, buckets, cu_seqlens.device)
     if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
         _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
     _PLAN_CACHE[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, plan)

@@ -10,8 +10,14 @@ Attention layout (flash-attention's "unpadded" one): q, k, v, o are ``[T, H, D]`
 token and head strides (head dim contiguous), sequence b is tokens
 ``cu_seqlens[b]:cu_seqlens[b+1]``. A program handles one block of rows of one (sequence,
 head); a launch covers the sequences ``order[order_start : order_start + grid[1]]`` (or
-0..grid[1]-1 without an order), which is how grouped dispatch launches one length bucket
+order_start .. order_start + grid[1] - 1 without an order), which is how grouped dispatch launches one length bucket
 without copying the batch. ``lse`` is the softmax's log-sum-exp per (token, head), in base 2.
+
+Backward with dropout, as FlashAttention-2: with keep mask Z and P~ = P o Z / (1-p), the
+loops use the unscaled P o Z and dP o Z with delta_i * (1-p) (delta_i = rowsum(dO o O)), so
+every tile is (1-p) times its exact value, and dQ, dK, dV are scaled by 1/(1-p) once, in
+fp32, after the loop: the low-precision casts of P and dS inside the loop see no extra
+rounding from the scale.
 
 Dropout: the keep decision for (query token t, key j of its sequence, head h) is output
 j % 4 of ``philox(seed; t, j // 4, h, offset)``, as a uniform float, ``>= p``. It depends on
@@ -23,6 +29,8 @@ import os
 
 import triton
 import triton.language as tl
+
+from kernels import tiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set by kernels.runtime before loading
 LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2, log2)
@@ -59,10 +67,13 @@ def _cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def _seq_bounds(CU, ORDER, order_start, pid_b, HAS_ORDER: tl.constexpr):
+    # A launch covers entries order_start .. order_start + grid[1] - 1 of the order (the
+    # identity order when HAS_ORDER is false: a grouped plan whose batch is already in bucket
+    # order still launches each group from its own start).
     if HAS_ORDER:
         seq = tl.load(ORDER + order_start + pid_b)
     else:
-        seq = pid_b
+        seq = order_start + pid_b
     start = tl.load(CU + seq)
     end = tl.load(CU + seq + 1)
     return seq, start, end - start
@@ -181,11 +192,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU, ORDER, order_start,
         p_t = tl.exp2(s_t - lse[None, :])
         p_t = tl.where(col_ok[:, None] & row_ok[None, :], p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
-        if DROPOUT:
+        if DROPOUT:  # unscaled: 1/(1-p) is applied to dK, dV after the loop
             keep_t = tl.trans(_keep(seed, offset, start + m0, pid_n * BLOCK_N, head, p_drop, BLOCK_M, BLOCK_N))
-            inv_keep = 1.0 / (1.0 - p_drop)
-            pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
-            dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+            pd_t = tl.where(keep_t, p_t, 0.0)
+            dp_t = tl.where(keep_t, dp_t, 0.0)
+            delta = delta * (1.0 - p_drop)
         else:
             pd_t = p_t
         pd_lo = _cast(pd_t, DO.dtype.element_ty, INTERP)
@@ -197,7 +208,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU, ORDER, order_start,
         if INTERP:
             ds_lo = ds_lo.to(tl.float32)
         dk += tl.dot(ds_lo, q, input_precision=DOT_PRECISION)
-    dk = dk * sm_scale
+    if DROPOUT:
+        dv = dv * (1.0 / (1.0 - p_drop))
+        dk = dk * (sm_scale / (1.0 - p_drop))
+    else:
+        dk = dk * sm_scale
+    if seqlen == 1:  # see _attn_bwd_dq
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     tl.store(DK + kv_rows[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
              _cast(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
     tl.store(DV + kv_rows[:, None] * stride_dvt + head * stride_dvh + offs_d[None, :],
@@ -237,6 +254,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU, ORDER, order_start,
     if INTERP:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
+    if DROPOUT:
+        delta = delta * (1.0 - p_drop)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, seqlen, BLOCK_N):
         cols = n0 + offs_n
@@ -252,15 +271,23 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU, ORDER, order_start,
         p = tl.exp2(s - lse[:, None])
         p = tl.where(row_ok[:, None] & col_ok[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if DROPOUT:
+        if DROPOUT:  # unscaled: 1/(1-p) is applied to dQ after the loop
             keep = _keep(seed, offset, start + pid_m * BLOCK_M, n0, head, p_drop, BLOCK_M, BLOCK_N)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
+            dp = tl.where(keep, dp, 0.0)
         ds = p * (dp - delta[:, None])
         ds_lo = _cast(ds, K.dtype.element_ty, INTERP)
         if INTERP:
             ds_lo = ds_lo.to(tl.float32)
         dq += tl.dot(ds_lo, k, input_precision=DOT_PRECISION)
-    dq = dq * sm_scale
+    if DROPOUT:
+        dq = dq * (sm_scale / (1.0 - p_drop))
+    else:
+        dq = dq * sm_scale
+    if seqlen == 1:
+        # One key: the softmax is constant, so the score gets exactly zero gradient. The
+        # formula's delta comes from the rounded output and would leave a rounding residue
+        # (with dropout, O = V / (1-p) is not exact in fp16/bf16).
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     tl.store(DQ + rows[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
              _cast(dq, DQ.dtype.element_ty, INTERP), mask=q_mask)
 
@@ -369,10 +396,14 @@ def _bdaln_bwd(DY, H, W, MEAN, RSTD, DX, DRES, DW_PART, DLB_PART, DB_PART, n_row
 
 
 # ---------------------------------------------------------------------------------------
-# Host-side launchers. Block sizes are fixed per (head dim, element size): the interpreter
-# gets small, unequal blocks (so that tests cross block edges both ways); a GPU gets tiles
-# chosen from ptxas's report for sm_90 (no register spills at head dim 64, with and without
-# dropout; tests/test_kernels_compile.py compiles them). Not yet tuned by timing on a GPU.
+# Host-side launchers. Block sizes: the interpreter gets small, unequal blocks (so that tests
+# cross block edges both ways); a GPU gets ``kernels.tiles``' table, per (dtype, head dim,
+# dropout), every entry free of register spills on sm_90 (kernels/compile_check.py builds
+# them all), in the preset KERNELS_ATTENTION_TILES names (read when this module loads; the
+# compile check sets TILE_PRESET directly).
+
+TILE_PRESET = tiles.preset_from_env()
+
 
 def _cdiv(a, b):
     return (a + b - 1) // b
@@ -387,20 +418,27 @@ def _launch_opts(num_warps, num_stages):
     return {} if INTERPRET else {"num_warps": num_warps, "num_stages": num_stages}
 
 
-def attention_blocks(kernel, block_d, elt_size):
+def attention_blocks(kernel, block_d, elt_size, dropout=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel in {'fwd', 'dkdv', 'dq'}."""
     if INTERPRET:
         return {"fwd": (32, 64, 1, 1), "dkdv": (32, 64, 1, 1), "dq": (64, 32, 1, 1)}[kernel]
-    if elt_size == 4:  # fp32 tiles need twice the shared memory
-        return {"fwd": (64, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (32, 32, 4, 2)}[kernel]
-    if block_d <= 64:
-        return {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 8, 2), "dq": (64, 64, 8, 2)}[kernel]
-    return {"fwd": (128, 32, 8, 2), "dkdv": (32, 64, 8, 2), "dq": (64, 32, 8, 2)}[kernel]
+    return tiles.attention_tiles(kernel, block_d, elt_size, dropout, TILE_PRESET)
+
+
+def dot_precision(q):
+    """``tl.dot``'s input precision for q's dtype: fp16/bf16 multiply natively; fp32 uses TF32
+    tensor cores exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch's own
+    fp32 matmuls do), else full-precision fp32 ("ieee"). Read at each launch."""
+    import torch
+
+    if q.element_size() != 4:
+        return "tf32"  # unused for 16-bit inputs
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def _attn_common(q):
     block_d = max(16, triton.next_power_of_2(q.shape[-1]))
-    return block_d, ("ieee" if q.element_size() == 4 else "tf32")
+    return block_d, dot_precision(q)
 
 
 def _check_grid(n_seqs, heads):
@@ -418,7 +456,7 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens, order, order_start, n_seqs, max_len,
     heads = q.shape[1]
     _check_grid(n_seqs, heads)
     block_d, precision = _attn_common(q)
-    bm, bn, warps, stages = attention_blocks("fwd", block_d, q.element_size())
+    bm, bn, warps, stages = attention_blocks("fwd", block_d, q.element_size(), p_drop > 0)
     _launch(_attn_fwd, (_cdiv(max_len, bm), n_seqs, heads),
             q, k, v, out, lse, out if keep is None else keep, cu_seqlens,
             cu_seqlens if order is None else order, order_start,
@@ -445,12 +483,12 @@ def attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens, order, order_sta
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                dout.stride(0), dout.stride(1))
     tail = (lse.stride(0), q.shape[2], softmax_scale * LOG2E, softmax_scale, p_drop, seed, offset)
-    bm, bn, warps, stages = attention_blocks("dkdv", block_d, q.element_size())
+    bm, bn, warps, stages = attention_blocks("dkdv", block_d, q.element_size(), p_drop > 0)
     _launch(_attn_bwd_dkdv, (_cdiv(max_len, bn), n_seqs, heads),
             q, k, v, dout, lse, delta, dk, dv, cu_seqlens, order_arg, order_start, *strides,
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *tail,
             BLOCK_M=bm, BLOCK_N=bn, **common, **_launch_opts(warps, stages))
-    bm, bn, warps, stages = attention_blocks("dq", block_d, q.element_size())
+    bm, bn, warps, stages = attention_blocks("dq", block_d, q.element_size(), p_drop > 0)
     _launch(_attn_bwd_dq, (_cdiv(max_len, bm), n_seqs, heads),
             q, k, v, dout, lse, delta, dq, cu_seqlens, order_arg, order_start, *strides,
             dq.stride(0), dq.stride(1), *tail,

@@ -15,6 +15,7 @@ test modules do so at import; torch.compile and inductor import Triton too).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,15 @@ from kernels.attention import BackendUnavailable
 
 _SOURCE = Path(__file__).with_name("jit_kernels.py")
 _MODULE: list[ModuleType] = []
+
+
+def seeded_op_tags() -> dict:
+    """Keyword arguments for ``torch.library.custom_op`` marking an op that draws random
+    numbers (so torch.compile neither merges nor replays it): ``tags=`` where this torch's
+    custom_op takes it, nothing where it does not (it is newer than torch 2.7)."""
+    if "tags" in inspect.signature(torch.library.custom_op).parameters:
+        return {"tags": (torch.Tag.nondeterministic_seeded,)}
+    return {}
 
 
 def triton_available() -> str | None:

@@ -23,15 +23,15 @@ Shape legend: T tokens, B sequences, H heads, D head dim, S = max_seqlen.
 
 from __future__ import annotations
 
-import inspect
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from kernels.attention import BackendUnavailable, Layout, VarlenLayout
-from kernels.grouped import DEFAULT_BUCKETS, MAX_STREAMS, cached_plan, check_buckets, run_groups, single_plan
-from kernels.runtime import jit_kernels
+from kernels.grouped import (DEFAULT_BUCKETS, MAX_STREAMS, cached_plan, check_buckets, check_max_seqlen, host_seqlens,
+                             run_groups, single_plan)
+from kernels.runtime import jit_kernels, seeded_op_tags
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
@@ -52,6 +52,8 @@ def _fwd_impl(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets
     t, h, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
     lse = torch.empty(t, h, dtype=torch.float32, device=q.device)  # [T, H], base-2
+    if cu_seqlens.device.type == "cpu":  # lengths on the host: check max_seqlen without a sync
+        check_max_seqlen(host_seqlens(cu_seqlens), max_seqlen)
     plan = single_plan(cu_seqlens.numel() - 1, max_seqlen) if keep is not None else \
         cached_plan(cu_seqlens, max_seqlen, buckets)
 
@@ -63,13 +65,7 @@ def _fwd_impl(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets
     return out, lse
 
 
-# The forward draws random numbers: tell torch.compile not to merge or replay it (where this
-# torch's custom_op takes tags).
-_FWD_TAGS = {"tags": (torch.Tag.nondeterministic_seeded,)} \
-    if "tags" in inspect.signature(torch.library.custom_op).parameters else {}
-
-
-@torch.library.custom_op("bert_kernels::varlen_attn_fwd", mutates_args=(), **_FWD_TAGS)
+@torch.library.custom_op("bert_kernels::varlen_attn_fwd", mutates_args=(), **seeded_op_tags())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float,
             dropout_p: float, buckets: list[int], num_streams: int) -> tuple[Tensor, Tensor, Tensor]:
     rng = _draw_rng(dropout_p)
@@ -154,7 +150,12 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
         D <= 128 (32, 64 and 128 are the tested ones).
     cu_seqlens: [B+1] int32 on the same device; sequence b is tokens cu_seqlens[b]:cu_seqlens[b+1]
         (any length >= 1; empty sequences produce nothing).
-    max_seqlen: Python int >= the longest sequence (sizes the grid).
+    max_seqlen: Python int >= the longest sequence (sizes the grid); a smaller one is a
+        ValueError wherever the lengths are on the host (cu_seqlens on the CPU, or grouped
+        dispatch, which reads them anyway); with cu_seqlens on a GPU and one launch it is
+        not checked (that would cost a device-to-host sync per call).
+    fp32 inputs multiply in TF32 on tensor cores when ``torch.backends.cuda.matmul.allow_tf32``
+        is set, else in full fp32.
     dropout_p: attention-probability dropout (0 in evaluation); the mask is Philox from a seed
         drawn from torch's default generator.
     softmax_scale: default 1/sqrt(D).

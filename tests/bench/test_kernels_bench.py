@@ -11,6 +11,7 @@ import json  # noqa: E402
 import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from bench import attention as bench_attention  # noqa: E402
 from bench import train_step as bench_train_step  # noqa: E402
@@ -62,3 +63,30 @@ def test_train_step_bench_smoke_runs_on_cpu(tmp_path):
     assert bench_train_step.main(["--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert all(r["status"] == "ok" and r["seqs_per_s"] > 0 for r in results.values())
+    assert set(results) == {"padded", "unpadded:reference", "packed:reference"}
+
+
+def test_model_flops_count_real_tokens_only():
+    from bert.config import BertConfig
+    from tests.batches import random_batch
+
+    config = BertConfig.preset("large")
+    batch = random_batch([100, 28], config.vocab_size, seed=0)
+    h, i, n = 1024, 4096, 128
+    encoder = 24 * (2 * (4 * h * h + 2 * h * i) * n + 4 * h * (100 ** 2 + 28 ** 2))
+    head = 2 * (h * h + h * config.vocab_size) * batch.mlm_positions.numel()
+    assert bench_train_step.model_flops(config, batch) == 3.0 * (encoder + head)
+
+
+def test_packed_variant_holds_the_same_sequences():
+    from tests.batches import random_batch
+
+    batch = random_batch([300, 200, 100, 400], 512, seed=1)
+    packed = bench_train_step.to_packed(batch)
+    assert packed.seq_lens.tolist() == [300, 200, 100, 400]
+    flat = packed.input_ids.flatten()
+    for b, start in enumerate(packed.cls_positions.tolist()):
+        lo, hi = batch.cu_seqlens[b].item(), batch.cu_seqlens[b + 1].item()
+        assert torch.equal(flat[start:start + hi - lo], batch.input_ids[lo:hi])
+    assert torch.equal(packed.mlm_labels, batch.mlm_labels)
+    assert torch.equal(flat[packed.mlm_positions], batch.input_ids[batch.mlm_positions])  # same masked tokens
