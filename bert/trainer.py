@@ -567,10 +567,10 @@ class Trainer:
         if self.is_main and os.path.isdir(directory):
             for name in train_checkpoint.remove_temporaries(directory):
                 self.progress.message(f"removed {name}, the unfinished write of a killed run")
-        found = train_checkpoint.load_latest(directory, warn=self.progress.message) if os.path.isdir(directory) \
-            else None
-        if found is not None:
-            self._load_checkpoint(found[1])
+        # A checkpoint that does not fit this model is refused like a damaged one: the next
+        # older one is tried.
+        found = train_checkpoint.load_latest(directory, warn=self.progress.message, accept=self._load_checkpoint) \
+            if os.path.isdir(directory) else None
         # Ranks that see different checkpoint directories (node-local disks) would diverge silently.
         steps = self.coll.all_reduce(torch.tensor([self.step, -self.step], device=self.device), "the resume check",
                                      self.step, op=dist.ReduceOp.MAX)
@@ -580,18 +580,69 @@ class Trainer:
                                   f"same checkpoints")
         return found[0] if found else None
 
+    def _check_checkpoint(self, state: dict) -> None:
+        """Refuse (CheckpointError) a state whose tensors do not fit this model and optimizer,
+        before anything is loaded: load_state_dict would copy other dtypes silently, and a
+        moment of the wrong shape would only fail at the next step."""
+        for key in ("model", "optimizer", "schedule", "loader", "counters"):
+            if not isinstance(state.get(key), dict):
+                raise CheckpointError(f"no {key!r} state")
+        ours, theirs = self.model.state_dict(), state["model"]
+        problems = [f"missing {k}" for k in ours if k not in theirs] + [f"unexpected {k}" for k in theirs if k not in ours]
+        for k, t in theirs.items():
+            want = ours.get(k)
+            if want is not None and (not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype):
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                problems.append(f"{k} is {got}, the model has {want.dtype} {tuple(want.shape)}")
+        if problems:
+            raise CheckpointError(f"the model weights do not fit this model ({'; '.join(problems[:4])}"
+                                  + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + ")")
+        groups, saved = self.optimizer.param_groups, state["optimizer"]
+        try:
+            saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
+            sizes = [len(g["params"]) for g in saved["param_groups"]]
+            moments = saved["state"]
+        except (KeyError, TypeError):
+            raise CheckpointError("the optimizer state lacks param_groups/params/state") from None
+        if sizes != [len(g["params"]) for g in groups]:
+            raise CheckpointError(f"the optimizer state has parameter groups of sizes {sizes}, this optimizer "
+                                  f"{[len(g['params']) for g in groups]}")
+        params = dict(zip(saved_ids, (p for g in groups for p in g["params"])))
+        for i, entry in moments.items():
+            if i not in params or not isinstance(entry, dict):
+                raise CheckpointError(f"the optimizer state names parameter {i!r}, which it has no group for")
+            for name, t in entry.items():
+                if isinstance(t, torch.Tensor) and t.dim() and (t.shape != params[i].shape
+                                                                or not t.is_floating_point()):
+                    raise CheckpointError(f"the optimizer's {name} of parameter {i} is {t.dtype} {tuple(t.shape)}, "
+                                          f"the parameter {params[i].dtype} {tuple(params[i].shape)}")
+        c = state["counters"]
+        for key in ("step", "samples", "tokens", "skipped", "nonfinite_in_row", "last_eval_samples"):
+            if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or c[key] < 0:
+                raise CheckpointError(f"counter {key!r} is {c.get(key)!r}, not an integer >= 0")
+        if not isinstance(c.get("train_seconds"), (int, float)):
+            raise CheckpointError(f"counter 'train_seconds' is {c.get('train_seconds')!r}, not a number")
+
     def _load_checkpoint(self, state: dict) -> None:
+        """Check the state against this run, then load it; CheckpointError when it does not fit
+        (parts loaded before the failing one are overwritten by the next checkpoint tried)."""
+        self._check_checkpoint(state)
+        try:
+            # Each part's load_state_dict checks its input before changing anything.
+            self.train_loader.load_state_dict(state["loader"])
+            if self.adagc is not None and state.get("adagc"):
+                self.adagc.load_state_dict(state["adagc"])
+            if self.scaler and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            self.schedule.load_state_dict(state["schedule"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:  # DataError is a ValueError
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(f"does not fit this run ({first})") from None
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        if self.adagc is not None and state.get("adagc"):
-            self.adagc.load_state_dict(state["adagc"])
-        if self.scaler and state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
-        self.train_loader.load_state_dict(state["loader"])
         c = state["counters"]
         self.step, self.samples, self.tokens, self.skipped = c["step"], c["samples"], c["tokens"], c["skipped"]
         self.nonfinite_in_row, self.train_seconds = c["nonfinite_in_row"], c["train_seconds"]
-        self.last_eval_samples, self.eval_accuracy = c["last_eval_samples"], c["eval_accuracy"]
+        self.last_eval_samples, self.eval_accuracy = c["last_eval_samples"], c.get("eval_accuracy")
         self.corrupt_samples = c.get("corrupt_samples", 0)
         self.checkpoint_failures = c.get("checkpoint_failures", 0)
