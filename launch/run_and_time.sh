@@ -60,7 +60,7 @@ start_fmt=$(date +'%Y-%m-%d %r')
 echo "STARTING TIMING RUN $RUN_INDEX AT $start_fmt"
 
 status=0
-"${launcher[@]}" "$train_script" --config "$CONFIG" --output-dir "$run_dir" ${SEED:+train.seed=$SEED} "$@" || status=$?
+"${launcher[@]}" "$train_script" --config "$CONFIG" --output-dir "$run_dir" ${SEED:+"train.seed=$SEED"} "$@" || status=$?
 
 end=$(date +%s)
 if (( rank == 0 )); then

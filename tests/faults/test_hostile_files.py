@@ -292,3 +292,20 @@ def test_hostile_initial_checkpoint_through_the_cli(dataset, tmp_path, capsys):
     err = one_line(capsys.readouterr().err)
     assert code == 2 and err.startswith(f"error (rank 0): {tmp_path / 'init.pt'}: refers to io.open")
     assert not marker.exists()
+
+
+# ---- configuration files -----------------------------------------------------------------------
+
+
+def test_a_config_with_a_python_tag_is_refused(dataset, tmp_path, capsys):
+    marker = tmp_path / "MARKER"
+    config = tmp_path / "evil.yaml"
+    config.write_text(f"train:\n  max_steps: !!python/object/apply:builtins.open ['{marker}', 'w']\n")
+    code = run_pretraining.main(["--config", str(config), "--output-dir", str(tmp_path / "out"), *run_args(dataset)])
+    err = one_line(capsys.readouterr().err)
+    assert code == 2 and err.startswith(f"error: {config}: not valid YAML (could not determine a constructor")
+    # an override is YAML too: a tag there is not constructed either
+    code = run_pretraining.main(["--output-dir", str(tmp_path / "out"),
+                                 *run_args(dataset, f"train.max_steps=!!python/object/apply:builtins.open ['{marker}']")])
+    assert code == 2 and "train.max_steps: expected an integer" in one_line(capsys.readouterr().err)
+    assert not marker.exists()

@@ -180,3 +180,18 @@ def test_a_real_run_with_every_path_odd(odd):
     assert os.listdir(results / "run_0" / "checkpoints") == ["step_00000002.pt"]
     log = (results / "result_0.txt").read_text(encoding="utf-8")
     assert '"key": "submission_org", "value": "it\'s \\"me\\""' in log
+
+
+def test_slurm_sub_refuses_a_logdir_container_mounts_cannot_express(odd):
+    r = subprocess.run(["bash", str(odd / "repo é" / "launch" / "slurm.sub")], check=False, capture_output=True,
+                       text=True, timeout=60, cwd=odd / "repo é",
+                       env=script_env(odd, CONFIG=odd / "config 'é'.yaml", LOGDIR=odd / "a:b", CONT="image.sqsh",
+                                      SLURM_JOB_ID=1, SLURM_JOB_NODELIST="node1",
+                                      PATH=f"{odd / 'bin'}{os.pathsep}{os.environ['PATH']}"))
+    assert r.returncode == 2 and "which --container-mounts cannot express" in one_line(r.stderr)
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    return lines[0]
