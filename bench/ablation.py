@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(REPO))
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bert.metrics import atomic_write_text  # noqa: E402
 from bert.train_config import ConfigError, load_config  # noqa: E402

@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
@@ -62,7 +62,7 @@ def fwd_bwd(fn, qkv, dout, layout, dropout):
 
 
 def load_backends(names):
-    from bert.attention import BackendUnavailable, get_backend
+    from kernels.attention import BackendUnavailable, get_backend
 
     loaded, unavailable = {}, {}
     for name in names:
@@ -81,7 +81,7 @@ def max_diff(a, b) -> float:
 
 
 def gpu_benchmark(args, sampler) -> dict:
-    from bert.attention import VarlenLayout
+    from kernels.attention import VarlenLayout
 
     device = torch.device("cuda")
     dtype = DTYPES[args.dtype]
@@ -140,7 +140,7 @@ def gpu_benchmark(args, sampler) -> dict:
 
 def cpu_correctness(args, sampler) -> dict:
     """No GPU: compare backends on small shapes in Triton's interpreter."""
-    from bert.attention import VarlenLayout
+    from kernels.attention import VarlenLayout
 
     lengths = [max(1, n // 8) for n in sampler.batch(6)]  # the distribution, scaled down
     qkv, dout, cu = make_batch(lengths, 2, 64, torch.float32, torch.device("cpu"), seed=args.seed)

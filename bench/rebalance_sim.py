@@ -34,10 +34,14 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from data.rebalance import _HEADER, DEFAULT_COST, STRATEGIES, assign, plan_for_rank
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from data.rebalance import _HEADER, DEFAULT_COST, STRATEGIES, assign, plan_for_rank  # noqa: E402
 
 MAX_PREDICTIONS = 76  # MLPerf: max_predictions_per_seq
 MASKED_LM_PROB = 0.15

@@ -47,13 +47,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(REPO))
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bert.attention import BackendUnavailable, backend_names, get_backend  # noqa: E402
+from kernels.attention import BackendUnavailable, backend_names, get_backend  # noqa: E402
 from bert.metrics import atomic_write_text  # noqa: E402
 from bert.config import PRESETS, BertConfig  # noqa: E402
 

@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    from bert.attention import BackendUnavailable
+    from kernels.attention import BackendUnavailable
     from bert.config import BertConfig
 
     gpu = torch.cuda.is_available()

@@ -42,13 +42,14 @@ def write_corpus(path: str) -> int:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m data.demo_corpus OUT.txt", file=sys.stderr)
-        return 2
-    os.makedirs(os.path.dirname(os.path.abspath(argv[0])), exist_ok=True)
-    n = write_corpus(argv[0])
-    print(f"wrote {n} documents of CPython's documentation to {argv[0]}")
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m data.demo_corpus", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", metavar="OUT.txt", help="the corpus file to write (its directory is created)")
+    out = ap.parse_args(argv).out
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    n = write_corpus(out)
+    print(f"wrote {n} documents of CPython's documentation to {out}")
     return 0
 
 

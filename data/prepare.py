@@ -52,12 +52,15 @@ from pathlib import Path
 
 import numpy as np
 
-from data.errors import DataError, cli_main
-from data.hdf5io import LAYOUTS, md5sum, write_file
-from data.samples import SampleBlock, _gather_ranges, _offsets
-from data import text
-from data.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
-from data.tokenization import Vocab, load_vocab, make_tokenizer, train_wordpiece, write_vocab
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from data.errors import DataError, cli_main  # noqa: E402
+from data.hdf5io import LAYOUTS, md5sum, write_file  # noqa: E402
+from data.samples import SampleBlock, _gather_ranges, _offsets  # noqa: E402
+from data import text  # noqa: E402
+from data.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk  # noqa: E402
+from data.tokenization import Vocab, load_vocab, make_tokenizer, train_wordpiece, write_vocab  # noqa: E402
 
 EVAL_FILE = "part_eval_10k.hdf5"
 TRAIN_TAG, EVAL_TAG = 0, 1

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from data.errors import DataError, cli_main
-from data.hdf5io import inspect, list_files, read_file
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from data.errors import DataError, cli_main  # noqa: E402
+from data.hdf5io import inspect, list_files, read_file  # noqa: E402
 
 
 def _manifest_near(path: Path) -> dict | None:

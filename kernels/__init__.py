@@ -1,5 +1,8 @@
-"""Triton kernels with their PyTorch references.
+"""The attention interface and the Triton kernels with their PyTorch references.
 
+- ``attention``: the one attention call, its layouts (``VarlenLayout``, ``PaddedLayout``,
+  ``PackedLayout``), ``BackendUnavailable``, the backend registry and the ``reference`` and
+  ``padded`` backends; the model (``bert/``) picks a backend from it by name;
 - ``varlen_attention``: fused multi-head attention over unpadded batches (forward, backward,
   Philox dropout), the ``triton`` and ``triton_grouped`` attention backends;
 - ``grouped``: length-bucket grouping and multi-stream dispatch;
@@ -9,5 +12,6 @@
 - ``jit_kernels``: the device code; ``compile_check``: compile it all for sm_90 anywhere.
 
 Importing the package imports neither Triton nor a kernel; ``backends.load(name)`` is what
-``bert.attention`` calls.
+``attention.get_backend`` calls. Nothing here imports ``bert/``: the interface lives below the
+model so that the kernels never import the model.
 """

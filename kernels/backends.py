@@ -1,4 +1,4 @@
-"""Loaders for the attention backends that live in ``kernels/`` (called by ``bert.attention``).
+"""Loaders for the attention backends that live in ``kernels/`` (called by ``kernels.attention``).
 
 Each returns the backend function or raises ``BackendUnavailable`` with the reason it
 cannot run here; importing this module imports neither Triton nor any library.
@@ -6,7 +6,7 @@ cannot run here; importing this module imports neither Triton nor any library.
 
 from __future__ import annotations
 
-from bert.attention import AttentionFn, BackendUnavailable
+from kernels.attention import AttentionFn, BackendUnavailable
 
 
 def load(name: str, **options) -> AttentionFn:

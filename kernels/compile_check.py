@@ -23,6 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 MAX_SHARED = 227 * 1024  # bytes of shared memory a Hopper block can opt into
 
 

@@ -48,7 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert.attention import BackendUnavailable, Layout, PackedLayout
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from kernels.attention import BackendUnavailable, Layout, PackedLayout  # noqa: E402
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bert.attention import AttentionFn, BackendUnavailable, Layout, VarlenLayout
+from kernels.attention import AttentionFn, BackendUnavailable, Layout, VarlenLayout
 
 _HALF = (torch.float16, torch.bfloat16)
 

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from bert.attention import BackendUnavailable
+from kernels.attention import BackendUnavailable
 
 _SOURCE = Path(__file__).with_name("jit_kernels.py")
 _MODULE: list[ModuleType] = []

@@ -11,7 +11,7 @@ Layers, from the bottom:
 3. ``_VarlenAttention``, a ``torch.autograd.Function`` joining the two ops.
 4. Public functions: ``varlen_attention``, ``varlen_attention_qkvpacked``,
    ``grouped_varlen_attention``, and ``varlen_attention_with_dropout_mask`` (debug).
-5. The backends (``triton_backend``, ``grouped_backend``) with the ``bert.attention`` call.
+5. The backends (``triton_backend``, ``grouped_backend``) with the ``kernels.attention`` call.
 
 Dropout uses Philox keyed by (seed, offset) and the element's coordinates (see
 ``jit_kernels``); seed and offset are drawn from torch's default CPU generator, so
@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from bert.attention import BackendUnavailable, Layout, VarlenLayout
+from kernels.attention import BackendUnavailable, Layout, VarlenLayout
 from kernels.grouped import DEFAULT_BUCKETS, MAX_STREAMS, cached_plan, check_buckets, run_groups, single_plan
 from kernels.runtime import jit_kernels
 

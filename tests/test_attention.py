@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bert.attention import (BackendUnavailable, PaddedLayout, VarlenLayout, get_backend,
+from kernels.attention import (BackendUnavailable, PaddedLayout, VarlenLayout, get_backend,
                             padded_attention, reference_attention)
 
 

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bert.attention import BackendUnavailable, PackedLayout, VarlenLayout, get_backend  # noqa: E402
+from kernels.attention import BackendUnavailable, PackedLayout, VarlenLayout, get_backend  # noqa: E402
 from kernels import flashmask as fm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -441,7 +441,7 @@ def test_torch_compile_traces_through_the_op():
 def test_cpu_without_interpreter_is_a_clear_error():
     script = """
 import torch
-from bert.attention import BackendUnavailable, get_backend
+from kernels.attention import BackendUnavailable, get_backend
 from kernels.flashmask import causal_mask, flashmask_attention
 q = torch.zeros(1, 8, 1, 16)
 try:

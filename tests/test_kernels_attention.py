@@ -21,7 +21,7 @@ from pathlib import Path  # noqa: E402
 import pytest
 import torch  # noqa: E402
 
-from bert.attention import BackendUnavailable, PaddedLayout, VarlenLayout, get_backend, reference_attention
+from kernels.attention import BackendUnavailable, PaddedLayout, VarlenLayout, get_backend, reference_attention
 from kernels.grouped import Group, plan_groups
 from kernels.varlen_attention import (grouped_varlen_attention, varlen_attention, varlen_attention_qkvpacked,
                                       varlen_attention_with_dropout_mask)
@@ -197,7 +197,7 @@ def test_cpu_without_interpreter_is_a_clear_error():
     """With compiled Triton (no TRITON_INTERPRET), CPU tensors and GPU-less loads are refused."""
     script = """
 import torch
-from bert.attention import BackendUnavailable, get_backend
+from kernels.attention import BackendUnavailable, get_backend
 from kernels.varlen_attention import varlen_attention
 q = torch.zeros(9, 1, 32)
 try:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert.attention import VarlenLayout, get_backend, reference_attention
+from kernels.attention import VarlenLayout, get_backend, reference_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -140,7 +140,7 @@ def test_torch_compile_inductor_fullgraph():
 
 @pytest.mark.parametrize("name", ["torch_varlen", "flash_attn"])
 def test_library_backends_match_reference(name):
-    from bert.attention import BackendUnavailable
+    from kernels.attention import BackendUnavailable
 
     try:
         fn = get_backend(name)

@@ -15,7 +15,9 @@ backend cannot run here; it never substitutes another backend.
 
 Backends here: ``reference`` (pure PyTorch, loops over sequences for clarity, runs
 everywhere) and ``padded`` (pad -> ``scaled_dot_product_attention`` with a key mask -> unpad,
-the baseline). The Triton and library backends register themselves from ``kernels/``.
+the baseline). The Triton and library backends are loaded on demand from ``kernels.backends``
+and ``kernels.flashmask``. This module sits below the model (``bert.model`` picks a backend
+here by name) and imports nothing from ``bert/``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,19 @@
 """Data pipeline throughput: preparation samples/s per worker, loader + collation sequences/s.
 
-    python bench/data.py                                   # WikiText-2 from ../shared/data
-    python bench/data.py --input DIR --input-format bert --vocab VOCAB
-    python bench/data.py --data /tmp/wt2 --skip-prepare    # loader only, on prepared data
+    python -m bench.data_loading                                 # WikiText-2 from ../shared/data
+    python -m bench.data_loading --input DIR --input-format bert --vocab VOCAB
+    python -m bench.data_loading --data /tmp/wt2 --skip-prepare  # loader only, on prepared data
 
 Preparation runs ``data.prepare`` on the input with 1 worker and with ``--workers`` workers
 (same output, checked) and reports samples/s and samples/s per worker. The loader part
 runs one rank of a ``--world-size`` job with the MLPerf 8-GPU global batch (448) pinned to
 one CPU core (prefetch thread included), and reports sequences/s for the loader alone and
-with each collation, against the goal: 10x the ~1,000 sequences/s one H200 trains on.
+with each collation, against the goal: 10x the ~1,000 sequences/s one H200 trains on. The
+padded collation pads to the data's own max_seq_length (read from the shards), so the loader
+part runs on any prepared set; ``--max-seq-length`` is what preparation writes (default 128).
+
+(Named ``data_loading``, not ``data``: run by path, a ``bench/data.py`` shadowed the ``data``
+package.)
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # a script in bench/, run from anywhere
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 # Only light imports at the top: preparation's worker processes re-import this script.
+from data.errors import cli_main  # noqa: E402
 from data.prepare import PrepareConfig, prepare  # noqa: E402
 
 GOAL = 10_000  # sequences/s: 10x what one H200 consumes in the MLPerf recipe
@@ -55,7 +62,23 @@ def bench_prepare(args, out_root: Path) -> Path:
     return out_root / "prep_w1"
 
 
+def data_max_seq_length(train: Path) -> int:
+    """The longest sequence the shards in ``train`` may hold: their ``max_seq_length`` (the
+    fixed layout's row length, the varlength and packed files' attribute), or, for a file
+    without the attribute, its longest sample."""
+    from data.hdf5io import inspect, list_files, read_file
+
+    longest = 0
+    for path in list_files(train):  # a DataError naming the directory when it holds no shards
+        s = inspect(path).max_seq_length
+        longest = max(longest, s if s is not None else int(read_file(path).seq_lens.max(initial=0)))
+    return longest
+
+
 def bench_loader(args, data: Path) -> None:
+    train = data / "train"
+    seq_len = data_max_seq_length(train)  # before importing torch: bad data fails fast
+
     import torch
 
     from data.collate import make_collator
@@ -65,18 +88,18 @@ def bench_loader(args, data: Path) -> None:
     torch.set_num_threads(1)
     if args.one_core and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    train = data / "train"
     cases = [("loader only (SampleBlock)", None), ("loader + collate_unpadded", ("torch", "unpadded")),
              ("loader + collate_padded", ("torch", "padded")), ("loader + DALI (CPU pipeline)", ("dali", "unpadded"))]
     g, w = args.global_batch, args.world_size
     print(f"\nloader: {train}, global batch {g}, rank 0 of {w} ({g // w} sequences per step), "
-          f"{'one core' if args.one_core else 'all cores'}, {args.steps} steps (shard reads included)")
+          f"{'one core' if args.one_core else 'all cores'}, {args.steps} steps (shard reads included), "
+          f"max_seq_length {seq_len} (from the data)")
     print(f"{'what':<32} {'seq/s':>9} {'tokens/s':>11} {'vs goal':>8}")
     for name, coll in cases:
         if coll and coll[0] == "dali" and args.no_dali:
             continue
         loader = PretrainingLoader(train, g, 0, w, seed=1)
-        collate = make_collator(coll[0], coll[1], args.max_seq_length, max_batch_size=g // w) if coll else None
+        collate = make_collator(coll[0], coll[1], seq_len, max_batch_size=g // w) if coll else None
         it = iter(loader)
         next(it)  # the first shard read is start-up, not throughput
         seqs = toks = 0
@@ -107,12 +130,13 @@ def bench_loader(args, data: Path) -> None:
     print(f"{'world size 1 + collate_unpadded':<32} {seqs / dt:>9.0f} {'':>11} {seqs / dt / GOAL:>7.1f}x")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.data_loading", description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", nargs="+", default=[str(SHARED / "wikitext-2")])
     ap.add_argument("--input-format", default="wikitext")
     ap.add_argument("--vocab", default=str(SHARED / "vocab" / "bert-uncased-vocab.txt"))
-    ap.add_argument("--max-seq-length", type=int, default=128)
+    ap.add_argument("--max-seq-length", type=int, default=128,
+                    help="what preparation writes; the loader part reads the length from the data")
     ap.add_argument("--max-predictions", type=int, default=20)
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--eval-samples", type=int, default=1000)
@@ -124,7 +148,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--all-cores", dest="one_core", action="store_false")
     ap.add_argument("--no-dali", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         data = Path(args.data) if args.data else None
         if not args.skip_prepare:
@@ -137,4 +161,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli_main(main))

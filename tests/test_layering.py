@@ -1,0 +1,120 @@
+"""Imports run downhill only (DESIGN.md, "Layout").
+
+The allowed order is written once, in ``LAYERS``: a module may import its own package and
+any package in a LOWER layer, never one in its own layer or above. So:
+
+- ``bench/`` (benchmarks) may import everything below, ``run_pretraining`` included;
+- ``run_pretraining.py`` (the entry point) may import ``bert``, ``kernels``, ``data``, ``launch``;
+- ``bert/`` (the model, trainer, logging) may import ``kernels``, ``data``, ``launch``;
+- ``kernels/``, ``data/`` and ``launch/`` form the bottom layer and import NONE of each
+  other: the attention interface lives in ``kernels``, batch types in ``data``, process
+  setup in ``launch``, and the code that needs two of them lives in ``bert`` or above.
+
+Every import statement counts, wherever it is (lazy imports inside functions included), as do
+``__import__("pkg.mod")`` and ``importlib.import_module("pkg.mod")`` with a literal name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Top-level package (or module) -> layer. Higher layers may import lower ones only.
+LAYERS = {
+    "bench": 3,
+    "run_pretraining": 2,
+    "bert": 1,
+    "kernels": 0,
+    "data": 0,
+    "launch": 0,
+}
+
+# module path -> top-level modules it must not import at all (beyond the layer rule).
+FORBIDDEN = {
+    # The plan is pure: the simulator and the plan tests run without process groups.
+    "data/rebalance_plan.py": ("torch.distributed",),
+}
+
+
+def project_modules(root: Path) -> list[Path]:
+    files = [root / f"{name}.py" for name in LAYERS if (root / f"{name}.py").is_file()]
+    for name in LAYERS:
+        if (root / name).is_dir():
+            files += sorted((root / name).rglob("*.py"))
+    return files
+
+
+def imported_names(tree: ast.Module, package: str) -> list[tuple[int, str]]:
+    """(line, absolute dotted name) of every import in ``tree``; ``package`` resolves relative ones."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: stays inside the own package (or climbs out of it)
+                base = package.split(".")[: max(len(package.split(".")) - node.level + 1, 0)]
+                name = ".".join(base + ([node.module] if node.module else []))
+                found.append((node.lineno, name or "."))
+            else:
+                found.append((node.lineno, node.module))
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if called in ("__import__", "import_module"):
+                found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def violations(root: Path) -> list[str]:
+    problems = []
+    for path in project_modules(root):
+        rel = path.relative_to(root)
+        own = rel.parts[0].removesuffix(".py")
+        package = ".".join(rel.with_suffix("").parts[:-1]) or own
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, name in imported_names(tree, package):
+            top = name.split(".")[0]
+            if top in LAYERS and top != own and LAYERS[top] >= LAYERS[own]:
+                where = "the same layer" if LAYERS[top] == LAYERS[own] else "a higher layer"
+                problems.append(f"{rel}:{line}: {own} imports {name} ({where})")
+            for banned in FORBIDDEN.get(rel.as_posix(), ()):
+                if name == banned or name.startswith(banned + "."):
+                    problems.append(f"{rel}:{line}: imports {name}, which this module must not")
+    return problems
+
+
+def test_imports_run_downhill():
+    problems = violations(REPO)
+    assert not problems, "upward or sideways imports:\n" + "\n".join(problems)
+
+
+def test_every_package_has_a_layer():
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"}
+    assert packages <= set(LAYERS), f"packages without a layer in LAYERS: {sorted(packages - set(LAYERS))}"
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from bert.model import X\n", "kernels/bad.py:1: kernels imports bert.model (a higher layer)"),
+    ("def f():\n    import bench.data_loading\n", "kernels/bad.py:2: kernels imports bench.data_loading (a higher layer)"),
+    ("from data import batch\n", "kernels/bad.py:1: kernels imports data (the same layer)"),
+    ("x = __import__('bert.trainer')\n", "kernels/bad.py:1: kernels imports bert.trainer (a higher layer)"),
+    ("import importlib\nimportlib.import_module('run_pretraining')\n",
+     "kernels/bad.py:2: kernels imports run_pretraining (a higher layer)"),
+    ("from .attention import Layout\nimport torch\n", None),
+])
+def test_checker_names_file_and_line(tmp_path, source, expected):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    (tmp_path / "kernels" / "bad.py").write_text(source)
+    assert violations(tmp_path) == ([expected] if expected else [])
+
+
+def test_checker_catches_forbidden_module(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "rebalance_plan.py").write_text("import numpy\nimport torch.distributed as dist\n")
+    assert violations(tmp_path) == ["data/rebalance_plan.py:2: imports torch.distributed, which this module must not"]
