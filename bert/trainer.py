@@ -599,15 +599,15 @@ class Trainer:
                                   + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + ")")
         groups, saved = self.optimizer.param_groups, state["optimizer"]
         try:
-            saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
             sizes = [len(g["params"]) for g in saved["param_groups"]]
-            moments = saved["state"]
-        except (KeyError, TypeError):
-            raise CheckpointError("the optimizer state lacks param_groups/params/state") from None
+            params = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
+                              (p for g in groups for p in g["params"])))
+            moments = dict(saved["state"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError("the optimizer state is not param_groups with params, and state") from None
         if sizes != [len(g["params"]) for g in groups]:
             raise CheckpointError(f"the optimizer state has parameter groups of sizes {sizes}, this optimizer "
                                   f"{[len(g['params']) for g in groups]}")
-        params = dict(zip(saved_ids, (p for g in groups for p in g["params"])))
         for i, entry in moments.items():
             if i not in params or not isinstance(entry, dict):
                 raise CheckpointError(f"the optimizer state names parameter {i!r}, which it has no group for")
