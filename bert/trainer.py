@@ -25,6 +25,7 @@ Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -79,6 +80,27 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
         except OSError as e:
             raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from None
     return replace(base, **overrides)
+
+
+def release_free_heap() -> None:
+    """Give the heap pages that freed tensors left behind back to the OS (glibc's malloc_trim;
+    nothing where the C library has none).
+
+    Unpadded batches hold a different number of tokens every step, so on the CPU every step
+    allocates tensors of new sizes; glibc keeps the freed pages for reuse, and a long run's
+    resident memory crept up by a quarter over thousands of steps while its live memory stayed
+    flat (bench/soak.py, docs/reliability.md). Called after each eval and checkpoint.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    import ctypes
+
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -447,6 +469,7 @@ class Trainer:
             ckpt_due = cfg.checkpoint.interval_steps and self.step % cfg.checkpoint.interval_steps == 0
             if status is None and (ckpt_due or self.stop_requested):
                 saved = self.save_checkpoint()
+                release_free_heap()
                 if self.stop_requested:
                     self._drain_rebalancer()
                     self.progress.message(f"stopping at step {self.step} as asked (SIGTERM); "
@@ -472,6 +495,7 @@ class Trainer:
         self.metrics.write({"step": self.step, "samples": self.samples, "eval_accuracy": acc})
         self.progress.message(f"eval  step {self.step:>6}  samples {self.samples:>9}  masked-LM accuracy {acc:.4f}"
                               f"  (target {self.cfg.eval.target_accuracy})")
+        release_free_heap()
 
     def _drain_rebalancer(self) -> None:
         """Collect the exchange started for a step that will not run (every rank started it)."""
