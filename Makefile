@@ -8,7 +8,7 @@ TEXT ?=
 DATA ?= $(OUTPUT)-data
 DEMO_STEPS ?= 1500
 
-.PHONY: setup test demo clean
+.PHONY: setup test lint demo clean
 
 setup: $(VENV)/.installed
 
@@ -31,8 +31,20 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
 	fi; \
 	touch $@
 
+# Everything (unit, multi-process, GPU where there is one, cluster where root); the 20 slowest
+# tests are listed at the end so that a slow newcomer is seen.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
+
+# The edit-test loop: unit tests only, no multi-process, GPU or cluster runs (tests/README.md).
+.PHONY: test-fast
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not gpu and not cluster" --durations=20
+
+# ruff, configured in pyproject.toml (the rules and every ignored one, explained there).
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # The main job on the embedded default: CPython's bundled documentation text (or TEXT=dir,
 # plain text with a blank line between documents) -> WordPiece vocab + MLPerf-format HDF5

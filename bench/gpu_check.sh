@@ -5,7 +5,7 @@
 #
 # Stages, each with its own time limit; a failing stage does not stop the others:
 #   env         versions, GPU name, driver                     -> env.json
-#   gpu_tests   pytest -m gpu tests/test_kernels_gpu.py        -> gpu_tests.xml, gpu_tests.log
+#   gpu_tests   pytest -m gpu tests/kernels/test_kernels_gpu.py        -> gpu_tests.xml, gpu_tests.log
 #   attention   bench/attention.py (fwd+bwd per backend)       -> attention.json, attention.log
 #   train_step  bench/train_step.py (BERT-large seq/s)         -> train_step.json, train_step.log
 # and summary.json with every stage's exit status and seconds. Installs nothing and needs no
@@ -96,7 +96,7 @@ EOF
 if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     PARALLEL=()  # Triton compiles each kernel variant on one core: spread the tests over 4 workers
     if "$PYTHON" -c "import xdist" >/dev/null 2>&1; then PARALLEL=(-n 4); else echo "pytest-xdist not installed: tests run serially"; fi
-    run_stage gpu_tests 100 "$PYTHON" -m pytest tests/test_kernels_gpu.py -m gpu -q -rs -p no:cacheprovider \
+    run_stage gpu_tests 100 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py -m gpu -q -rs -p no:cacheprovider \
         ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=90
 else
     skip_stage gpu_tests "pytest is not installed"

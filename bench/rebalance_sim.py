@@ -2,7 +2,7 @@
 
 For each world size W and strategy (none / stripe / balanced / balanced/g8) it draws
 ``--steps`` global batches of W x B sequence lengths, computes the plan with
-``data.rebalance`` (timed, one core) and reports, as medians over the steps:
+``data.rebalance_plan`` (timed, one core) and reports, as medians over the steps:
 
 - imbalance: max rank cost / mean rank cost after the strategy (cost c(L) = a*L + b*L^2);
 - moved/rank: samples that change rank, per rank;
@@ -16,7 +16,7 @@ For each world size W and strategy (none / stripe / balanced / balanced/g8) it d
 - assign_ms: the time one rank spends computing the plan (numpy, one thread). ``balanced``
   computes the whole plan on every rank; ``balanced/g8`` is the hierarchical mode
   (``group_size=8``), where a rank computes only what its group of 8 depends on
-  (``data.rebalance.plan_for_rank``), so its imbalance and bytes come from the whole plan
+  (``data.rebalance_plan.plan_for_rank``), so its imbalance and bytes come from the whole plan
   and its assign_ms from ``plan_for_rank`` of a few ranks.
 
 Lengths come from a prepared data directory (``--data-dir``: MLPerf's fixed HDF5 layout,
@@ -41,7 +41,7 @@ import numpy as np
 if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from data.rebalance import _HEADER, DEFAULT_COST, STRATEGIES, assign, plan_for_rank  # noqa: E402
+from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, STRATEGIES, assign, plan_for_rank  # noqa: E402
 
 MAX_PREDICTIONS = 76  # MLPerf: max_predictions_per_seq
 MASKED_LM_PROB = 0.15
@@ -108,7 +108,7 @@ def bytes_received(strategy: str, plan, words: np.ndarray) -> np.ndarray:
         return 4 * (per_rank.sum() - per_rank)
     incoming = plan.src_rank != np.arange(W)[:, None]
     recv_words = np.where(incoming, words[plan.src_rank, plan.src_index], 0).sum(1)
-    return 4 * (W * (_HEADER + B) + recv_words)
+    return 4 * (W * (HEADER_WORDS + B) + recv_words)
 
 
 def simulate(world_sizes, batch: int, steps: int, seed: int, cost, draw, group_size: int) -> list[dict]:

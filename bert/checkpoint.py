@@ -242,8 +242,9 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
     not_float = sorted(k for k, v in state_dict.items() if k in wanted | set(_ALIASES)
                        and (not isinstance(v, Tensor) or not v.is_floating_point()))
     if not_float:
-        what = ", ".join(f"{k} ({state_dict[k].dtype if isinstance(state_dict[k], Tensor) else type(state_dict[k]).__name__})"
-                         for k in not_float[:5])
+        kinds = {k: state_dict[k].dtype if isinstance(state_dict[k], Tensor) else type(state_dict[k]).__name__
+                 for k in not_float[:5]}
+        what = ", ".join(f"{k} ({kind})" for k, kind in kinds.items())
         raise CheckpointError(f"not floating-point tensors: {what}" + (f" (+{len(not_float) - 5} more)"
                                                                        if len(not_float) > 5 else ""))
     new = {}

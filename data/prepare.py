@@ -495,16 +495,18 @@ def _eval_pairs(cfg: PrepareConfig, tmp: str, pool: np.ndarray, vocab: Vocab) ->
 
 
 def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.ndarray, vocab: Vocab):
-    """The fewest leading documents of ``order`` whose pairs number at least eval_samples.
-    Returns (their count, their pairs)."""
+    """The fewest leading documents of ``order`` whose pairs number at least eval_samples, and
+    at least two (a random next segment comes from another document), from at most half of
+    the documents. Returns (their count, their pairs)."""
     k = cfg.eval_samples
-    per_doc = np.maximum(1, np.ceil(doc_tokens[order] / cfg.max_num_tokens)).astype(np.int64) * cfg.dupe_factor
-    held = int(np.searchsorted(np.cumsum(per_doc), k)) + 1
     limit = len(order) // 2
+    if limit < 2:
+        raise DataError(f"too little text for --eval-samples {k}: the eval set is held out from at most half of "
+                        f"the documents and needs 2 of them, but there are {len(order)} usable documents")
+    per_doc = np.maximum(1, np.ceil(doc_tokens[order] / cfg.max_num_tokens)).astype(np.int64) * cfg.dupe_factor
+    held = max(2, int(np.searchsorted(np.cumsum(per_doc), k)) + 1)
     while True:
         held = min(held, limit)
-        if held < 2:
-            raise DataError(f"too little text for --eval-samples {k}: {len(order)} documents")
         p = _eval_pairs(cfg, tmp, np.ascontiguousarray(order[:held]), vocab)
         n = len(p["seq_len"])
         if n >= k:

@@ -17,6 +17,9 @@ Every import statement counts, wherever it is (lazy imports inside functions inc
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,7 +39,8 @@ LAYERS = {
 # module path -> top-level modules it must not import at all (beyond the layer rule).
 FORBIDDEN = {
     # The plan is pure: the simulator and the plan tests run without process groups.
-    "data/rebalance_plan.py": ("torch.distributed",),
+    "data/rebalance_plan.py": ("torch", "data.rebalance"),
+    "bench/rebalance_sim.py": ("torch", "data.rebalance"),
 }
 
 
@@ -118,3 +122,12 @@ def test_checker_catches_forbidden_module(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "rebalance_plan.py").write_text("import numpy\nimport torch.distributed as dist\n")
     assert violations(tmp_path) == ["data/rebalance_plan.py:2: imports torch.distributed, which this module must not"]
+
+
+def test_rebalance_plan_and_simulator_load_no_exchange_and_no_torch():
+    code = ("import sys, bench.rebalance_sim, data.rebalance_plan; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m == 'data.rebalance'))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -10,72 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.test_trainer import ROOT, TINY, losses, run_in_process  # noqa: F401 - re-exported
+from tests.bert.test_trainer import ROOT, TINY, losses, run_in_process  # noqa: F401 - re-exported
+from tests.helpers import Job, clean_env, free_port  # noqa: F401 - re-exported
 
 REFERENCE_STEPS = ("train.max_steps=12", "checkpoint.interval_steps=4")
 PYTHON = sys.executable
 WORKER = os.path.join(ROOT, "tests", "faults", "fault_worker.py")
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK",
-               "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
 def run_args(dataset, *extra) -> list[str]:
     train, eval_file = dataset
     return [*TINY, f"data.train_dir={train}", f"data.eval_file={eval_file}", *extra]
-
-
-def clean_env(**extra) -> dict:
-    """This environment without the launch variables an in-process run exported."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(("OMPI_", "PMI"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Job:
-    """A process (and its children) in a new session, its output in ``log``."""
-
-    def __init__(self, args: list[str], log: str, env: dict):
-        self.args, self.log = args, log
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                         start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def output(self) -> str:
-        with open(self.log, errors="replace") as f:
-            return f.read()
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-
-    def wait(self, timeout: float, what: str = "the job") -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"{what} did not finish within {timeout:g} s (killed):\n{self.output()[-4000:]}")
 
 
 def wait_for(predicate, timeout: float, jobs: list[Job], what: str) -> None:

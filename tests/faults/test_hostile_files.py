@@ -305,7 +305,7 @@ def test_a_config_with_a_python_tag_is_refused(dataset, tmp_path, capsys):
     err = one_line(capsys.readouterr().err)
     assert code == 2 and err.startswith(f"error: {config}: not valid YAML (could not determine a constructor")
     # an override is YAML too: a tag there is not constructed either
-    code = run_pretraining.main(["--output-dir", str(tmp_path / "out"),
-                                 *run_args(dataset, f"train.max_steps=!!python/object/apply:builtins.open ['{marker}']")])
+    tagged = f"train.max_steps=!!python/object/apply:builtins.open ['{marker}']"
+    code = run_pretraining.main(["--output-dir", str(tmp_path / "out"), *run_args(dataset, tagged)])
     assert code == 2 and "train.max_steps: expected an integer" in one_line(capsys.readouterr().err)
     assert not marker.exists()

@@ -12,6 +12,7 @@ import pytest
 
 from tests.faults.common import (PYTHON, REFERENCE_STEPS, WORKER, Job, clean_env, losses, metrics, read_pid,
                                  run_args, spawn_ranks, summary, wait_for)
+from tests.helpers import launcher
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,7 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(dataset, reference, tmp_pat
 def test_mpirun_survivor_exits_with_a_message_when_a_rank_is_killed(dataset, tmp_path):
     out, marks = tmp_path / "out", tmp_path / "marks"
     marks.mkdir()
-    mpirun = os.path.join(os.path.dirname(PYTHON), "mpirun")
+    mpirun = launcher("mpirun")
     # --enable-recovery (as launch/run_mpirun.sh passes it): mpirun lets the survivor report
     # and exit by itself instead of killing it the moment a rank dies, which raced the report.
     args = [mpirun, "-np", "2", "--oversubscribe", "--enable-recovery",

@@ -15,15 +15,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import yaml
 
 from bert.train_config import load_config
 from tests.batches import write_dataset
+from tests.helpers import REPO, clean_env, launcher, run_launched
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(REPO)
 ODD = "runs 'single' \"double\" é ü #3 [1] $HOME"
 
 RECORDER = '''import json, os, sys
@@ -89,19 +89,11 @@ def overrides(root) -> list[str]:
 
 
 def script_env(root, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith(("OMPI_", "PMI", "SLURM_"))}
-    env.update(TRAIN_SCRIPT=str(root / "record it's.py"), PYTHON=sys.executable, CLEAR_CACHES="0",
-               OMP_NUM_THREADS="1", **{k: str(v) for k, v in extra.items()})
-    return env
+    return clean_env(TRAIN_SCRIPT=root / "record it's.py", CLEAR_CACHES=0, **extra)
 
 
-def run(args, root, timeout=120, **env):
-    r = subprocess.run([str(a) for a in args], check=False, capture_output=True, text=True, timeout=timeout,
-                       cwd=root / "repo é", env=script_env(root, **env))
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r
+def run(args, root, timeout=120, **env) -> str:
+    return run_launched([str(a) for a in args], timeout, env=script_env(root, **env), cwd=root / "repo é")
 
 
 def recorded(out_dir, ranks=1) -> list[list[str]]:
@@ -123,8 +115,7 @@ def test_run_torchrun(odd):
     assert recorded(out, 2) == [["--config", str(config), "--output-dir", str(out), *overrides(odd)]] * 2
 
 
-@pytest.mark.skipif(not (shutil.which("mpirun") or os.path.exists(os.path.join(ROOT, ".venv", "bin", "mpirun"))),
-                    reason="no mpirun")
+@pytest.mark.skipif(launcher("mpirun") is None, reason="no mpirun")
 def test_run_mpirun(odd):
     config, out = odd / "config 'é'.yaml", odd / "out m"
     run([odd / "repo é" / "launch" / "run_mpirun.sh", 2, config, out, *overrides(odd)], odd)
@@ -134,12 +125,12 @@ def test_run_mpirun(odd):
 def test_run_and_time(odd):
     # (with NPROC_PER_NODE it puts torchrun before the same arguments: test_run_torchrun's path)
     config, results = odd / "config 'é'.yaml", odd / "results 'é'"
-    r = run([odd / "repo é" / "launch" / "run_and_time.sh", *overrides(odd)], odd, CONFIG=config, OUTPUT_DIR=results,
-            SEED=11)
+    printed = run([odd / "repo é" / "launch" / "run_and_time.sh", *overrides(odd)], odd, CONFIG=config,
+                  OUTPUT_DIR=results, SEED=11)
     want = ["--config", str(config), "--output-dir", str(results / "run_0"), "train.seed=11", *overrides(odd)]
     assert recorded(results / "run_0") == [want]
     assert (results / "result_0.txt").read_text().startswith(":::MLLOG")
-    assert "RESULT,bert,11," in r.stdout
+    assert "RESULT,bert,11," in printed
 
 
 def test_slurm_sub(odd):
@@ -156,7 +147,7 @@ def test_slurm_sub(odd):
 def test_a_real_run_with_every_path_odd(odd):
     """run_and_time.sh -> run_pretraining.py: config, data, output directory and checkpoints all
     under the odd path; keep=1 prunes the older checkpoint by listing the odd directory."""
-    from tests.test_trainer import TINY
+    from tests.bert.test_trainer import TINY
 
     data = odd / "data 'd' \"q\" ü [2]"
     train, eval_file = write_dataset(str(data))
@@ -169,12 +160,9 @@ def test_a_real_run_with_every_path_odd(odd):
         sections.setdefault(section, {})[name] = value if name.endswith(("_dir", "_file")) else yaml.safe_load(value)
     config.write_text(yaml.safe_dump(sections, allow_unicode=True), encoding="utf-8")
     results = odd / "real 'r' ü"
-    env = script_env(odd, CONFIG=config, OUTPUT_DIR=results)
-    del env["TRAIN_SCRIPT"]
-    r = subprocess.run([str(odd / "repo é" / "launch" / "run_and_time.sh"), "log.submitter=it's \"me\""],
-                       check=False, capture_output=True, text=True, timeout=300, cwd=odd / "repo é",
-                       env={**env, "TRAIN_SCRIPT": os.path.join(ROOT, "run_pretraining.py"), "PYTHONPATH": ROOT})
-    assert r.returncode == 0, r.stdout + r.stderr
+    run_launched([str(odd / "repo é" / "launch" / "run_and_time.sh"), "log.submitter=it's \"me\""], 300,
+                 env=clean_env(CONFIG=config, OUTPUT_DIR=results, CLEAR_CACHES=0,
+                               TRAIN_SCRIPT=os.path.join(ROOT, "run_pretraining.py")), cwd=odd / "repo é")
     summary = json.loads((results / "run_0" / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["status"] == "aborted"
     assert os.listdir(results / "run_0" / "checkpoints") == ["step_00000002.pt"]

@@ -12,8 +12,9 @@ from bert.train_config import load_config
 from bert.trainer import Trainer
 from launch.distributed import init_distributed
 from tests.batches import write_dataset
+from tests.helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 TINY = ["model.preset=tiny", "model.vocab_size=96", "model.hidden_dropout_prob=0",
         "model.attention_probs_dropout_prob=0", "data.max_seq_length=64", "train.global_batch_size=8",
         "train.device=cpu", "train.log_interval_steps=1", "eval.interval_samples=32", "eval.batch_size=16",

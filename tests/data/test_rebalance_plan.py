@@ -1,6 +1,7 @@
-"""Pure tests of data.rebalance: the plan (assign, plan_for_rank), packing, input checks.
+"""Pure tests of data.rebalance_plan: costs, strategies, assign, plan_for_rank.
 
-The multi-process exchange is in test_rebalance_dist.py. Seeds are fixed in each test.
+Packing and input checks of the exchange are in test_rebalance_packing.py, the
+multi-process exchange in test_rebalance_dist.py. Seeds are fixed in each test.
 """
 
 import numpy as np
@@ -8,10 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from bench.rebalance_sim import mlperf_like_lengths
-from data.rebalance import (DEFAULT_COST, STRATEGIES, assign, check_block, imbalance, pack_samples,
-                            plan_for_rank, sample_costs, unpack_samples)
-from data.samples import SampleBlock
-from tests.dist_scripts.rebalance_worker import random_block
+from data.rebalance_plan import DEFAULT_COST, STRATEGIES, assign, imbalance, plan_for_rank, sample_costs
 
 
 def mlperf_batch(W, B=56, seed=0):
@@ -151,46 +149,3 @@ def test_imbalance():
         imbalance([])
     with pytest.raises(ValueError):
         imbalance([0.0, 0.0])
-
-
-def test_pack_unpack_round_trip():
-    block = random_block(0, 0, batch=30)
-    assert (block.masked_counts[block.seq_lens == 1] == 0).all()
-    for idx in (np.array([3, 0, 29, 7]), np.arange(30), np.zeros(0, np.int64)):
-        sel = block.select(idx)
-        words = pack_samples(block, idx)
-        assert words.dtype == np.int32 and len(words) == int((1 + sel.seq_lens + 2 * sel.masked_counts).sum())
-        assert unpack_samples(words, sel.seq_lens, sel.masked_counts, block).equals(sel)
-
-
-def _broken(field, fn):
-    block = random_block(1, 0, batch=6)
-    setattr(block, field, fn(getattr(block, field).copy()))
-    return block
-
-
-def _set(i, v):
-    def f(a):
-        a[i] = v
-        return a
-    return f
-
-
-@pytest.mark.parametrize("block, code, index", [
-    (SampleBlock.empty(), 1, 0),
-    (random_block(1, 0, batch=5), 2, 0),
-    (_broken("seq_lens", _set(2, 0)), 3, 2),
-    (_broken("seq_lens", _set(4, 513)), 3, 4),
-    (_broken("input_ids", lambda a: a[:-1]), 4, 0),
-    (_broken("masked_counts", lambda a: a * 0 + 600), 5, 0),
-    (_broken("masked_ids", lambda a: a[:-1]), 6, 0),
-    (_broken("masked_positions", lambda a: a + 600), 7, 0),
-    (_broken("input_ids", _set(-1, -5)), 8, 5),
-    (_broken("segment_ids", _set(0, 2)), 9, 0),
-    (_broken("nsp_labels", _set(3, 7)), 10, 3),
-    (_broken("nsp_labels", lambda a: a[:-1]), 11, 0),
-])
-def test_check_block_names_the_problem(block, code, index):
-    assert check_block(random_block(1, 0, batch=6), 6, 512) == (0, 0, 0)
-    got = check_block(block, 6, 512)
-    assert got[:2] == (code, index)

@@ -11,7 +11,7 @@ from bert.checkpoint import (CheckpointError, export_hf, load_hf_state_dict, loa
 from bert.config import BertConfig
 from bert.model import BertForPreTraining
 from tests.batches import random_batch
-from tests.test_model import hf_logits, hf_model
+from tests.bert.test_model import hf_logits, hf_model
 
 CONFIG = BertConfig(vocab_size=120, hidden_size=36, num_hidden_layers=2, num_attention_heads=3,
                     intermediate_size=50, max_position_embeddings=64)

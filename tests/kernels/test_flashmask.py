@@ -18,7 +18,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -26,8 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kernels.attention import BackendUnavailable, PackedLayout, VarlenLayout, get_backend  # noqa: E402
 from kernels import flashmask as fm  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO as ROOT  # noqa: E402
 
 
 # --------------------------------------------------------------------- the masks, by definition

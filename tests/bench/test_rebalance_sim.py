@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench import rebalance_sim as sim
-from data.rebalance import assign
+from data.rebalance_plan import assign
 
 
 def write_fixed(path, lengths, masked):

@@ -16,8 +16,8 @@ from data.errors import DataError, cli_main
 from data.hdf5io import inspect, read_file, to_fixed_arrays, write_fixed, write_varlength
 from data.stats import describe, main as stats_main
 from data.synthetic import random_block
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 S, P, V = 48, 8, 500
 
 

@@ -21,6 +21,7 @@ from data.hdf5io import md5sum, read_file
 from data.prepare import PrepareConfig, main as prepare_main, prepare
 from data.synthetic import corpus, word_vocab, write_bert_text
 from data.text import parse_documents, split_sentences
+from tests.helpers import REPO
 
 NUM_DOCS, NUM_WORDS, MAX_SENT = 300, 200, 12
 SEQ, PRED = 64, 10
@@ -28,7 +29,6 @@ VOCAB = word_vocab(NUM_WORDS, NUM_DOCS, MAX_SENT)
 S_BASE = VOCAB.index("s0")
 DOC_BASE = VOCAB.index("doc0")
 MASK_ID, CLS_ID, SEP_ID = VOCAB.index("[MASK]"), VOCAB.index("[CLS]"), VOCAB.index("[SEP]")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _write_vocab(path: Path, tokens=VOCAB) -> Path:
@@ -315,6 +315,45 @@ def _run_cli(capsys, argv) -> tuple[int, str]:
 def _base_args(src, vocab, out):
     return ["--input", str(src), "--vocab", str(vocab), "--output-dir", str(out), "--max-seq-length", str(SEQ),
             "--max-predictions", str(PRED), "--dupe-factor", "1", "--shards", "1", "--eval-samples", "0"]
+
+
+def test_eval_held_out_from_few_short_documents(corpus_files, tmp_path, capsys):
+    """The new user's run: 201 two-sentence documents and 5 eval samples. One document's pairs
+    would do, but a random next segment needs a second document: two are held out."""
+    _, vocab = corpus_files
+    src = tmp_path / "in"
+    src.mkdir()
+    write_bert_text(src / "docs.txt", corpus(201, seed=8, num_words=NUM_WORDS, sentences=(2, 2)))
+    out = tmp_path / "o"
+    code, err = _run_cli(capsys, ["--input", str(src), "--vocab", str(vocab), "--output-dir", str(out),
+                                  "--max-seq-length", "64", "--max-predictions", "10", "--shards", "1",
+                                  "--eval-samples", "5"])
+    assert code == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["documents"]["eval"] == 2 and manifest["documents"]["train"] == 199
+    assert manifest["eval"]["samples"] == 5
+    eval_docs = set()
+    for orig, *_ in _originals(read_file(out / "eval" / "part_eval_10k.hdf5")):
+        eval_docs |= _docs_and_sentences(orig)[0]
+    train_docs = set()
+    for block in _all_train(out):
+        for orig, *_ in _originals(block):
+            train_docs |= _docs_and_sentences(orig)[0]
+    assert 1 <= len(eval_docs) <= 2 and not eval_docs & train_docs
+
+
+@pytest.mark.parametrize("num_docs, eval_samples, want", [
+    (3, 5, "too little text for --eval-samples 5: the eval set is held out from at most half of the documents "
+           "and needs 2 of them, but there are 3 usable documents"),
+    (8, 1000, "too little text for --eval-samples 1000: holding out half of the 8 documents gives only"),
+])
+def test_eval_hold_out_says_what_is_too_little(corpus_files, tmp_path, capsys, num_docs, eval_samples, want):
+    _, vocab = corpus_files
+    src = write_bert_text(tmp_path / "c.txt", corpus(num_docs, seed=9, num_words=NUM_WORDS, sentences=(2, 2)))
+    args = _base_args(src, vocab, tmp_path / "o")
+    args[args.index("--eval-samples") + 1] = str(eval_samples)
+    code, err = _run_cli(capsys, args)
+    assert code == 2 and err.splitlines()[-1].startswith(f"error: {want}") and "Traceback" not in err
 
 
 def test_invalid_utf8_is_replaced_counted_and_reported(corpus_files, tmp_path, capsys):

@@ -2,12 +2,11 @@
 
 import json
 import os
-import signal
-import subprocess
 
 import pytest
 
-from tests.test_trainer import ROOT, TINY, losses, run_in_process
+from tests.bert.test_trainer import ROOT, TINY, losses, run_in_process
+from tests.helpers import run_launched
 
 pytestmark = pytest.mark.slow
 
@@ -34,19 +33,8 @@ def launch(script, ranks, out, dataset, *extra, timeout=240):
     args = [os.path.join(ROOT, "launch", script), *(["1"] if script == "run_torchrun.sh" else []), str(ranks),
             CONFIG, str(out), *TINY, *STEPS, f"data.train_dir={train}", f"data.eval_file={eval_file}", *extra]
     # The in-process single-rank run exported RANK/WORLD_SIZE (torchrun's variables, which take
-    # precedence over MPI's): the launched ranks must not inherit them.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{script} did not finish within {timeout} s:\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-3000:]
+    # precedence over MPI's): the launched ranks must not inherit them (clean_env).
+    output = run_launched(args, timeout, what=script)
     return output
 
 

@@ -16,7 +16,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest
 import torch  # noqa: E402
@@ -25,11 +24,9 @@ from kernels.attention import BackendUnavailable, PaddedLayout, VarlenLayout, ge
 from kernels.grouped import Group, plan_groups
 from kernels.varlen_attention import (grouped_varlen_attention, varlen_attention, varlen_attention_qkvpacked,
                                       varlen_attention_with_dropout_mask)
+from tests.helpers import REPO as ROOT
 
 AWKWARD = [1, 2, 63, 64, 65, 97, 128, 200, 511, 512]
-
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_inputs(lengths, heads, dim, dtype, seed=0, packed=False):

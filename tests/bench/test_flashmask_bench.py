@@ -5,9 +5,7 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO as ROOT
 
 
 def test_cpu_run_reports_the_skipped_fraction(tmp_path):

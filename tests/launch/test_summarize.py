@@ -3,7 +3,6 @@ official compliance checker accepts, failed runs, fewer than 10 runs, broken log
 launch/run_and_time.sh producing result_N.txt for it."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,8 +12,8 @@ import pytest
 
 from launch import summarize
 from launch.summarize import RunResult, main, olympic_score
+from tests.helpers import REPO, clean_env
 
-REPO = Path(__file__).resolve().parent.parent
 T0 = 1_700_000_000_000  # ms; any fixed epoch time
 
 
@@ -220,9 +219,7 @@ with open(os.path.join(a.output_dir, "mlperf.log"), "w") as f:
 def run_and_time(tmp_path, args=(), **env):
     trainer = tmp_path / "trainer.py"
     trainer.write_text(FAKE_TRAINER)
-    full_env = {k: v for k, v in os.environ.items()
-                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SEED", "RUN_INDEX")
-                and not k.startswith(("OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_"))}
+    full_env = {k: v for k, v in clean_env().items() if k not in ("SEED", "RUN_INDEX")}
     full_env.update(CONFIG="launch/configs/cpu_demo.yaml", TRAIN_SCRIPT=str(trainer),
                     PYTHON=sys.executable, CLEAR_CACHES="0", OUTPUT_DIR=str(tmp_path / "res"),
                     **env)

@@ -10,13 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from tests.helpers import REPO as ROOT
 
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_flashmask_kernels_compile_for_hopper(tmp_path):

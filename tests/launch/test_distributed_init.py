@@ -4,12 +4,9 @@ fake srun/scontrol."""
 
 import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +14,8 @@ import torch.distributed as dist
 
 from launch.distributed import (DistInfo, LaunchEnv, LaunchError, destroy, detect_launcher,
                                 first_host, init_distributed)
+from tests.helpers import REPO, clean_env, free_port, is_launch_var, launcher, run_launched
 
-REPO = Path(__file__).resolve().parent.parent
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-               "MPI_LOCALRANKID")
-LAUNCH_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_", "PRTE_")
 TIMEOUT_S = 60
 
 # A stand-in for run_pretraining.py: same command line, initialises, all-reduces, reports.
@@ -49,31 +43,8 @@ destroy()
 """
 
 
-def _is_launch_var(name):
-    return name in LAUNCH_VARS or name.startswith(LAUNCH_PREFIXES)
-
-
-def clean_env(**extra):
-    """This process's environment without any launcher's variables (the test itself may run
-    under one), plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not _is_launch_var(k)}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHON=sys.executable)
-    env.update(extra)
-    return env
-
-
 def run_job(cmd, env, cwd=REPO):
-    """Run a launcher in its own process group; kill the whole group on timeout."""
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd[0]} did not finish in {TIMEOUT_S} s:\n{out[-3000:]}")
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{out[-3000:]}"
-    return out
+    return run_launched(cmd, TIMEOUT_S, env, cwd)
 
 
 def read_ranks(out_dir, n):
@@ -87,8 +58,7 @@ def read_ranks(out_dir, n):
 
 
 def mpirun_path():
-    path = Path(sys.executable).parent / "mpirun"
-    return str(path) if path.exists() else shutil.which("mpirun")
+    return launcher("mpirun")
 
 
 # --- launcher detection (pure) ------------------------------------------------------------
@@ -154,7 +124,7 @@ def test_first_host(nodelist, host):
 def no_launcher_env():
     saved = dict(os.environ)
     for k in list(os.environ):
-        if _is_launch_var(k):
+        if is_launch_var(k):
             del os.environ[k]
     destroy()  # an earlier in-process test (the trainer's) may have left a group behind
     yield
@@ -223,9 +193,7 @@ def test_mpirun_two_ranks_exported_rendezvous(tmp_path, worker):
     mpirun = mpirun_path()
     if mpirun is None:
         pytest.skip("no mpirun in the virtualenv or on PATH")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "out"
     cmd = [mpirun, "-np", "2", "--oversubscribe", "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
            "-x", "PYTHONPATH"]

@@ -141,7 +141,7 @@ def test_lines_carry_samples_and_the_callers_location(tmp_path):
     # file/lineno name the trainer's call (here: this file), not the logger's internals.
     source = Path(__file__).read_text().splitlines()
     for e in events:
-        assert e["metadata"]["file"] == "tests/test_mlperf_log.py", e
+        assert e["metadata"]["file"] == "tests/bert/test_mlperf_log.py", e
         method = "hyperparameters" if e["key"] in HPARAM_KEYS else \
             "submission_info" if e["key"].startswith("submission_") else e["key"]
         assert f"log.{method}(" in source[e["metadata"]["lineno"] - 1], e

@@ -1,4 +1,4 @@
-"""Multi-process check of data.rebalance.Rebalancer; launched by tests/test_rebalance_dist.py.
+"""Multi-process check of data.rebalance.Rebalancer; launched by tests/data/test_rebalance_dist.py.
 
 Run under torchrun or mpirun (``launch.distributed.init_distributed`` reads either). Every
 rank can rebuild every rank's input block from the seed, so each rank checks its output
@@ -18,7 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.rebalance import Rebalancer, RebalanceError, assign
+from data.rebalance import Rebalancer, RebalanceError
+from data.rebalance_plan import assign
 from data.samples import SampleBlock
 
 B = 12  # samples per rank per step

@@ -1,0 +1,496 @@
+"""Cross-rank rebalancing of sequence lengths, the plan: which rank holds which sample.
+
+Pure and deterministic: numpy only, no process group (``data.rebalance`` runs the exchange
+that carries the plan out, ``bench.rebalance_sim`` simulates it at thousands of ranks). Every
+rank computes the same plan from the lengths all ranks gathered: integer arithmetic and
+sorts on unique keys, so the results are bit-identical everywhere.
+
+Strategies: ``none`` (identity), ``stripe`` (the MLPerf submissions: sort all W*B sequences
+by length, rank r takes every W-th from offset r) and ``balanced``: samples stay where they
+are, then the most and least loaded ranks swap samples in pairs until max/mean cost is
+within ``tol`` of 1 (``_Swapper``). Each sample moves at most once. With ``group_size`` G it
+is hierarchical: a few rounds of pairs across the job, chosen from loads alone, then
+balancing inside groups of G ranks; a rank then computes only what its group depends on,
+O(G * 2**cross_rounds * B) instead of O(W * B) per round. Every rank keeps exactly B
+samples, so the global batch is the same set of samples, only placed differently.
+
+``assign`` gives the whole plan (``Assignment``); ``plan_for_rank`` one rank's part of it
+(``RankPlan``: what it sends and receives); the cost of a sample is c(L) = a*L + b*L^2
+(``Cost``, ``DEFAULT_COST`` from BERT-large's FLOPs).
+
+Shapes: W ranks, B samples per rank, N = W * B samples in the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from data.samples import _offsets
+
+# The exchange all-gathers, per rank, a header of HEADER_WORDS int32 words and one word per
+# sample (its length and masked count): the plan's input. Named here so that the simulator
+# counts the exchange's bytes without importing the exchange.
+HEADER_WORDS = 7
+
+STRATEGIES = ("none", "stripe", "balanced")
+
+
+class Cost(NamedTuple):
+    """Per-sample cost c(L) = a*L + b*L^2 (arbitrary units; only ratios matter)."""
+
+    a: float
+    b: float
+
+
+# BERT-large (24 layers, hidden h = 1024, intermediate 4h), FLOPs per token, fwd + bwd = 3x fwd:
+#   linear layers: QKV + output projection 4 * (2*h*h) + FFN 2 * (2*h*4h) = 24 h^2 per layer,
+#                  -> 24 layers * 3 * 24 h^2 = 1728 h^2 per token, independent of L;
+#   attention:     scores (2*L*h) + weighted sum of V (2*L*h) = 4 L h per layer,
+#                  -> 24 layers * 3 * 4 L h = 288 h L per token, so 288 h L^2 per sequence.
+# c(L) = 1728 h^2 L + 288 h L^2  ~  L + L^2 / (6 h): a = 1, b = 1 / 6144 (attention equals
+# the linear layers at L = 6144; at L = 512 it adds 8%). Embeddings and the MLM head (only at
+# masked positions) are left out: they are a few % and also linear in L. Kernels do not reach
+# equal FLOP/s on both parts, so measured step times can be fitted to a and b instead.
+BERT_LARGE_HIDDEN = 1024
+DEFAULT_COST = Cost(a=1.0, b=1.0 / (6 * BERT_LARGE_HIDDEN))
+
+# Integer costs: every rank must compute a bit-identical plan, and float sums may round
+# differently across CPUs (SIMD widths); integer sums cannot. A sample of maximal length
+# costs 2**20, so W*B*2**20 stays far inside int64 for any realistic W.
+_COST_SCALE_MAX = 1 << 20
+
+
+def sample_costs(lengths, cost: Cost = DEFAULT_COST) -> np.ndarray:
+    """c(L) = a*L + b*L^2 elementwise, float64."""
+    L = np.asarray(lengths, dtype=np.float64)
+    return cost[0] * L + cost[1] * L * L
+
+
+def imbalance(costs) -> float:
+    """max / mean of per-rank costs (1.0 is perfect; the step waits for the max)."""
+    c = np.asarray(costs, dtype=np.float64)
+    if c.ndim != 1 or c.size == 0:
+        raise ValueError(f"imbalance: expected a non-empty 1-D array of per-rank costs, got shape {c.shape}")
+    mean = c.mean()
+    if mean <= 0:
+        raise ValueError("imbalance: per-rank costs must have a positive mean")
+    return float(c.max() / mean)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Which samples each rank holds after the exchange.
+
+    src_rank, src_index: [W, B] int32; rank r's j-th sample is sample ``src_index[r, j]`` of
+        rank ``src_rank[r, j]``'s batch. Each row is sorted by (src_rank, src_index).
+    dest_rank: [W, B] int32; sample j of rank s goes to rank ``dest_rank[s, j]``.
+    costs_before, costs_after: [W] float64 per-rank costs.
+    """
+
+    strategy: str
+    src_rank: np.ndarray
+    src_index: np.ndarray
+    dest_rank: np.ndarray
+    costs_before: np.ndarray
+    costs_after: np.ndarray
+
+    @property
+    def world_size(self) -> int:
+        return self.src_rank.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.src_rank.shape[1]
+
+    @property
+    def moved(self) -> int:
+        """Samples that change rank (each is sent once and received once)."""
+        return int((self.dest_rank != np.arange(self.world_size)[:, None]).sum())
+
+    @property
+    def imbalance_before(self) -> float:
+        return imbalance(self.costs_before)
+
+    @property
+    def imbalance_after(self) -> float:
+        return imbalance(self.costs_after)
+
+
+def _as_matrix(lengths_per_rank) -> np.ndarray:
+    """[W, B] int64 lengths from a [W, B] array or a list of W 1-D arrays; validated."""
+    if isinstance(lengths_per_rank, np.ndarray) and lengths_per_rank.ndim == 2:
+        L = lengths_per_rank
+    else:
+        rows = [np.asarray(x) for x in lengths_per_rank]
+        if not rows:
+            raise ValueError("assign: no ranks given")
+        for r, x in enumerate(rows):
+            if x.ndim != 1:
+                raise ValueError(f"assign: rank {r}: expected a 1-D array of lengths, got shape {x.shape}")
+            if len(x) != len(rows[0]):
+                raise ValueError(f"assign: rank {r} has {len(x)} samples, rank 0 has {len(rows[0])}; "
+                                 "every rank must hold the same number")
+        L = np.stack(rows)
+    if L.shape[0] == 0 or L.shape[1] == 0:
+        raise ValueError(f"assign: expected at least one rank and one sample per rank, got shape {L.shape}")
+    if not np.issubdtype(L.dtype, np.integer):
+        raise ValueError(f"assign: lengths must be integers, got dtype {L.dtype}")
+    if L.min() < 1:
+        r, j = np.argwhere(L < 1)[0]
+        raise ValueError(f"assign: rank {r}: sample {j} has length {L[r, j]} (must be >= 1)")
+    return L
+
+
+def check_cost(cost) -> Cost:
+    """``cost`` (a pair (a, b)) as a Cost of floats; ValueError unless a, b >= 0, not both 0."""
+    a, b = float(cost[0]), float(cost[1])
+    if not (np.isfinite(a) and np.isfinite(b)) or a < 0 or b < 0 or a + b == 0:
+        raise ValueError(f"cost: expected a >= 0, b >= 0, not both 0, got a={a}, b={b}")
+    return Cost(a, b)
+
+
+def _cost_tables(lmax: int, cost) -> tuple[np.ndarray, np.ndarray]:
+    """(float64 c(L), int64 quantised c(L)) for L = 0..lmax; lookups beat math on [W, B]."""
+    a, b = check_cost(cost)
+    exact = sample_costs(np.arange(lmax + 1), (a, b))
+    quantised = np.maximum(np.rint(exact * (_COST_SCALE_MAX / exact[lmax])), 1).astype(np.int64)
+    return exact, quantised
+
+
+def _stripe(L: np.ndarray) -> np.ndarray:
+    """Global ids [W, B] per rank: sort all by length (longest first), deal round-robin."""
+    W, B = L.shape
+    # stable: ties keep global-id order (deterministic); int16 keys get numpy's radix sort
+    key = -L.ravel()
+    order = np.argsort(key.astype(np.int16) if L.max() < 1 << 15 else key, kind="stable")
+    return order.reshape(B, W).T
+
+
+class _Swapper:
+    """Pairwise swaps between ranks, on integer costs, where every sample moves at most once.
+
+    State, for the ranks whose samples are tracked (``rows``): ``K[x]`` holds one int64 key
+    per sample still at its own rank x, cost in the high bits and global id in the low bits,
+    sorted ascending when used (``swap``); positions of samples that left (or that x
+    received, which are frozen where they land) hold -1 and sort first. Moving each sample at most once is what lets a
+    rank compute only its part of the plan (``plan_for_rank``): a sender knows where its
+    samples end up without following them further.
+    """
+
+    def __init__(self, q: np.ndarray, L: np.ndarray, load: np.ndarray, rows: np.ndarray, fine_candidates: int = 8):
+        W, B = L.shape
+        self.W, self.B = W, B
+        self.shift = max(1, (W * B - 1).bit_length())
+        self.big = int(q.max()) + 2  # above every cost: marks "no sample here" for the light rank
+        self.K = np.empty((W, B), dtype=np.int64)
+        gid = rows[:, None].astype(np.int64) * B + np.arange(B)
+        self.K[rows] = (q[L[rows]] << self.shift) | gid  # rows are sorted when first used
+        self.nfz = np.zeros(W, dtype=np.int64)  # frozen (-1) entries per row
+        self.load = load.copy()
+        self.nf = min(fine_candidates, B)
+        self.moved_gid: list[np.ndarray] = []
+        self.moved_to: list[np.ndarray] = []
+
+    def swap(self, over: np.ndarray, under: np.ndarray, t: np.ndarray) -> int:
+        """Move about t[p] of cost from rank over[p] to rank under[p] for every pair p.
+
+        First whole swaps of the heavy rank's largest samples against the light rank's
+        smallest (most cost per moved pair, so fewest moves), then one "fine" swap whose cost
+        difference is nearest to what is left, among ``nf`` of the heavy rank's samples spread
+        over its row (equal costs, e.g. many L = 512, are no choice) and, for each, the light
+        rank's sample nearest to it (one vectorised searchsorted). Returns the samples moved.
+        """
+        B, sh, big = self.B, self.shift, self.big
+        P = len(over)
+        rows, cols = np.arange(P), np.arange(B)
+        # sort only the rows used in this round (they shrink fast) and keep them sorted
+        Ko = self.K[over] = np.sort(self.K[over], axis=1)
+        Ku = self.K[under] = np.sort(self.K[under], axis=1)
+        n_o = B - self.nfz[over]  # movable samples per heavy rank
+        n_u = B - self.nfz[under]
+        a = Ko[:, ::-1] >> sh  # [P, B] heavy costs, largest first; frozen (-1) last
+        # light costs, smallest first; frozen entries (first in the row) shifted out, "big" after
+        at_u = cols[None, :] + self.nfz[under][:, None]
+        b = Ku.ravel()[np.minimum(at_u, B - 1) + (rows * B)[:, None]] >> sh
+        b[at_u >= B] = big
+        d = a - b  # non-increasing along each row
+        S = np.cumsum(d, axis=1)
+        k = ((S <= t[:, None]) & (d > 0)).sum(1)  # whole swaps: a prefix of each row
+        r = t - np.where(k > 0, S[rows, np.maximum(k - 1, 0)], 0)  # what is left, >= 0
+
+        # fine swap; light rows are sorted and used positions get key 0, so row-offset keys
+        # are globally sorted, and the queries ascend too, which keeps searchsorted fast.
+        kc = np.minimum(k, np.maximum(n_o - 1, 0))
+        spread = np.arange(self.nf - 1, -1, -1)  # ascending queries need descending a
+        ci = kc[:, None] + (np.maximum(n_o - 1 - kc, 0)[:, None] * spread) // max(self.nf - 1, 1)
+        ai = a[rows[:, None], ci]  # [P, nf]
+        stride = big + 2
+        keys = (rows[:, None] * stride + np.where(cols < k[:, None], -1, b) + 1).ravel()
+        want = rows[:, None] * stride + np.minimum(np.maximum(ai - r[:, None], 0), big) + 1
+        pos = np.searchsorted(keys, want.ravel()).reshape(P, self.nf)
+        lo = (rows * B + np.minimum(k, B - 1))[:, None]
+        hi = (rows * B + np.maximum(n_u - 1, 0))[:, None]
+        bflat = b.ravel()
+        j1 = np.minimum(np.maximum(pos, lo), hi)
+        j0 = np.minimum(np.maximum(pos - 1, lo), hi)
+        err1 = np.abs(ai - bflat[j1] - r[:, None])
+        err0 = np.abs(ai - bflat[j0] - r[:, None])
+        jb = np.where(err0 <= err1, j0, j1) - (rows * B)[:, None]
+        err = np.minimum(err0, err1)
+        best = np.argmin(err, axis=1)
+        fine = (err[rows, best] < r) & (k < n_o) & (k < n_u)  # strictly better than not swapping
+
+        pr = np.repeat(rows, k)
+        pc = np.arange(len(pr)) - np.repeat(_offsets(k)[:-1], k)  # 0..k-1 per pair
+        pf = rows[fine]
+        i_o = np.concatenate([pc, ci[pf, best[pf]]])  # index into a (largest first)
+        j_u = np.concatenate([pc, jb[pf, best[pf]]])  # index into b (smallest movable first)
+        pp = np.concatenate([pr, pf])
+        if len(pp) == 0:
+            return 0
+        ro, ru = over[pp], under[pp]
+        co, cu = B - 1 - i_o, j_u + self.nfz[under][pp]
+        gid_o = self.K[ro, co] & ((1 << sh) - 1)
+        gid_u = self.K[ru, cu] & ((1 << sh) - 1)
+        self.moved_gid += [gid_o, gid_u]
+        self.moved_to += [ru, ro]
+        delta = np.bincount(pp, weights=(a[pp, i_o] - b[pp, j_u]), minlength=P).astype(np.int64)
+        self.load[over] -= delta
+        self.load[under] += delta
+        self.K[ro, co] = -1
+        self.K[ru, cu] = -1
+        n = np.bincount(pp, minlength=P)
+        self.nfz[over] += n
+        self.nfz[under] += n
+        return 2 * len(pp)
+
+    def balance_groups(self, groups: np.ndarray, tol: float, max_rounds: int) -> None:
+        """Balance the ranks within each row of ``groups`` [ng, G] towards their group's mean.
+
+        Each round pairs the i-th most loaded rank of a group with its i-th least loaded and
+        moves t = min(excess, half the gap): the pair ends equal, or the heavy one at the mean
+        when the light one has room to spare. Ranks within ``tol`` of the mean are left alone,
+        which is what keeps moves low.
+        """
+        ng, G = groups.shape
+        half = G // 2
+        gi = np.arange(ng)[:, None]
+        for _ in range(max_rounds):
+            lg = self.load[groups]
+            tot = lg.sum(1)
+            e = G * lg - tot[:, None]  # excess in units of 1/G cost; sums to 0 per group
+            slack = (tol * tot).astype(np.int64)
+            if G < 2 or (e.max(1) <= slack).all():
+                return
+            order = np.argsort(e, axis=1, kind="stable")
+            under_l, over_l = order[:, :half], order[:, ::-1][:, :half]
+            eo, eu = e[gi, over_l], e[gi, under_l]
+            t = np.minimum(eo, (eo - eu) // 2) // G
+            act = (eo > slack[:, None]) & (t > 0)
+            if not act.any():
+                return
+            over, under = groups[gi, over_l][act], groups[gi, under_l][act]
+            if self.swap(over, under, t[act]) == 0:
+                return
+
+    def dest(self) -> tuple[np.ndarray, np.ndarray]:
+        """(global ids, destination ranks) of every sample moved so far."""
+        if not self.moved_gid:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(self.moved_gid), np.concatenate(self.moved_to)
+
+
+def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The pairs (over, under, t) of each cross-group round, from loads alone.
+
+    Pairing uses loads *predicted* by assuming every pair moves exactly t, so it needs no
+    sample: every rank computes the same pairs in O(W log W) per round, and each pair's
+    actual swap depends only on the two ranks' histories (see ``plan_for_rank``).
+    """
+    W = len(load)
+    p = load.copy()
+    total = int(p.sum())
+    slack = int(tol * total)
+    out = []
+    for _ in range(rounds):
+        e = W * p - total
+        if W < 2 or e.max() <= slack:
+            break
+        order = np.argsort(e, kind="stable")
+        under, over = order[:W // 2], order[::-1][:W // 2]
+        t = np.minimum(e[over], (e[over] - e[under]) // 2) // W
+        act = (e[over] > slack) & (t > 0)
+        if not act.any():
+            break
+        over, under, t = over[act], under[act], t[act]
+        p[over] -= t
+        p[under] += t
+        out.append((over, under, t))
+    return out
+
+
+def _balanced_moves(L: np.ndarray, q: np.ndarray, tol: float, max_rounds: int, group_size: int | None,
+                    cross_rounds: int, only_group: int | None = None, load: np.ndarray | None = None):
+    """(moved global ids, their destinations, loads after, planned loads after) of ``balanced``.
+
+    Loads after are exact for the ranks whose samples were followed (all, unless
+    ``only_group``); planned loads assume every cross-group pair moved exactly its target and
+    every group then reached its mean (equal to the loads after for the flat plan).
+
+    Flat (``group_size`` None): all ranks form one group, balanced by ``_Swapper.balance_groups``.
+    Hierarchical: ``cross_rounds`` rounds of pairs across the whole job (``_cross_group_pairs``),
+    then balance within groups of ``group_size`` consecutive ranks (a node). With
+    ``only_group`` set, only the swaps that group's final samples depend on are computed: its
+    ranks' partners in the last cross round, their partners in the round before, and so on,
+    at most group_size * 2**cross_rounds ranks, whatever W is. The moves this returns for
+    pairs that touch that group are exactly those of the full computation.
+    """
+    W, B = L.shape
+    if load is None:
+        load = q[L].sum(1)  # one pass over W*B; everything else below is O(group) with only_group
+    if group_size is None or group_size >= W:
+        sw = _Swapper(q, L, load, np.arange(W))
+        sw.balance_groups(np.arange(W)[None, :], tol, max_rounds)
+        gid, to = sw.dest()
+        return gid, to, sw.load, sw.load
+    G = group_size
+    if W % G:
+        raise ValueError(f"group_size: {G} does not divide the world size {W}")
+    pairs = _cross_group_pairs(load, tol, cross_rounds)
+    if only_group is None:
+        needed = [np.ones(W, bool)] * (len(pairs) + 1)
+    else:
+        # needed[r]: ranks whose state after round r is needed; walk the rounds backwards
+        need = np.zeros(W, bool)
+        need[only_group * G:(only_group + 1) * G] = True
+        needed = [need]
+        for over, under, _ in reversed(pairs):
+            partner = np.full(W, -1)
+            partner[over], partner[under] = under, over
+            prev = need.copy()
+            prev[partner[need & (partner >= 0)]] = True
+            needed.insert(0, prev)
+            need = prev
+    sw = _Swapper(q, L, load, np.flatnonzero(needed[0]))
+    for r, (over, under, t) in enumerate(pairs):
+        keep = needed[r + 1][over] | needed[r + 1][under]
+        if keep.any():
+            sw.swap(over[keep], under[keep], t[keep])
+    groups = np.arange(W).reshape(W // G, G)
+    if only_group is not None:
+        groups = groups[only_group:only_group + 1]
+    sw.balance_groups(groups, tol, max_rounds)
+    gid, to = sw.dest()
+    planned = load.copy()
+    for over, under, t in pairs:
+        planned[over] -= t
+        planned[under] += t
+    planned = np.repeat(planned.reshape(W // G, G).sum(1) / G, G)
+    return gid, to, sw.load, planned
+
+
+def assign(lengths_per_rank, strategy: str = "balanced", cost: Cost | tuple = DEFAULT_COST,
+           tol: float = 1e-3, max_rounds: int = 32, group_size: int | None = None,
+           cross_rounds: int = 3) -> Assignment:
+    """The plan every rank computes identically from the all-gathered lengths.
+
+    lengths_per_rank: [W, B] integer array (or a list of W arrays of B lengths), all >= 1.
+    strategy: "none" | "stripe" | "balanced".
+    cost: (a, b) of c(L) = a*L + b*L^2; default from BERT-large FLOPs (``DEFAULT_COST``).
+    tol: ``balanced`` stops moving samples once max/mean cost <= 1 + tol; assignments within
+        tol count as equally balanced and the one with fewer moves is preferred.
+    group_size, cross_rounds: ``balanced`` only. None: one flat balancing over all ranks.
+        A number G (e.g. the GPUs of a node): ``cross_rounds`` rounds of pairs across the job,
+        then balancing within groups of G consecutive ranks, which lets each rank compute just
+        its own part (``plan_for_rank``); this function computes every part.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if not (0 <= tol < 1):
+        raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
+    if group_size is not None and group_size < 1:
+        raise ValueError(f"group_size: expected >= 1 or None, got {group_size}")
+    L = _as_matrix(lengths_per_rank)
+    W, B = L.shape
+    exact, q = _cost_tables(int(L.max()), cost)
+    unit = exact[-1] / q[-1]  # reported costs: quantised costs in the caller's units
+    load = q[L].sum(1)  # [W]
+    if strategy == "none":
+        ranks = np.broadcast_to(np.arange(W, dtype=np.int32)[:, None], (W, B))
+        before = load * unit
+        return Assignment(strategy, src_rank=ranks, src_index=np.broadcast_to(np.arange(B, dtype=np.int32), (W, B)),
+                          dest_rank=ranks, costs_before=before, costs_after=before)
+    if strategy == "stripe":
+        G = np.sort(_stripe(L), axis=1)  # deterministic order: by (source rank, source index)
+        after = q[L].ravel()[G].sum(1)
+        dest = np.empty(W * B, dtype=np.int32)
+        dest[G.ravel()] = np.repeat(np.arange(W, dtype=np.int32), B)
+    else:
+        gid, to, after, _ = _balanced_moves(L, q, tol, max_rounds, group_size, cross_rounds, load=load)
+        dest = np.repeat(np.arange(W, dtype=np.int32), B)
+        dest[gid] = to
+        # stable: within a rank, by global id = (source rank, source index); int16 sorts in O(N)
+        G = np.argsort(dest.astype(np.int16) if W < 1 << 15 else dest, kind="stable").reshape(W, B)
+    src_rank, src_index = np.divmod(G.astype(np.int32), np.int32(B))
+    return Assignment(strategy, src_rank=src_rank, src_index=src_index, dest_rank=dest.reshape(W, B),
+                      costs_before=load * unit, costs_after=after * unit)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of the plan: what it sends and what it receives.
+
+    send_index, send_dest: [S] the samples of this rank's batch that leave, and where to;
+        ordered by (destination, index), the order they are packed for the all-to-all.
+    recv_rank, recv_index: [R] the samples that arrive, ordered by (source rank, index).
+    imbalance_before: exact. imbalance_after: exact, except with ``group_size`` where each
+        rank follows only its own group: then it is planned (cross-group pairs assumed to
+        hit their targets, groups their means).
+    moved: samples that change rank, over all ranks; None where only planned.
+    """
+
+    rank: int
+    send_index: np.ndarray
+    send_dest: np.ndarray
+    recv_rank: np.ndarray
+    recv_index: np.ndarray
+    imbalance_before: float
+    imbalance_after: float
+    moved: int | None
+
+
+def plan_for_rank(lengths_per_rank, rank: int, strategy: str = "balanced", cost: Cost | tuple = DEFAULT_COST,
+                  tol: float = 1e-3, max_rounds: int = 32, group_size: int | None = None,
+                  cross_rounds: int = 3) -> RankPlan:
+    """This rank's part of ``assign(...)``, identical to it, computed in O(W*B) adds plus
+    O(group_size * 2**cross_rounds * B) with ``group_size`` (instead of the whole plan)."""
+    L = _as_matrix(lengths_per_rank)
+    W, B = L.shape
+    if not 0 <= rank < W:
+        raise ValueError(f"rank: expected 0..{W - 1}, got {rank}")
+    if strategy != "balanced" or group_size is None or group_size >= W:
+        A = assign(L, strategy, cost, tol, max_rounds, group_size, cross_rounds)
+        dest = A.dest_rank[rank]
+        send = np.argsort(dest, kind="stable")
+        send = send[dest[send] != rank]
+        incoming = A.src_rank[rank] != rank
+        return RankPlan(rank, send_index=send, send_dest=dest[send].astype(np.int64),
+                        recv_rank=A.src_rank[rank][incoming].astype(np.int64),
+                        recv_index=A.src_index[rank][incoming].astype(np.int64),
+                        imbalance_before=A.imbalance_before, imbalance_after=A.imbalance_after, moved=A.moved)
+    if not 0 <= tol < 1:
+        raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
+    _, q = _cost_tables(int(L.max()), cost)
+    load = q[L].sum(1)
+    gid, to, _, planned = _balanced_moves(L, q, tol, max_rounds, group_size, cross_rounds,
+                                          only_group=rank // group_size, load=load)
+    out = (gid // B == rank) & (to != rank)
+    send_dest, send_index = to[out], gid[out] % B
+    order = np.lexsort((send_index, send_dest))
+    recv = np.sort(gid[to == rank])
+    return RankPlan(rank, send_index=send_index[order], send_dest=send_dest[order],
+                    recv_rank=recv // B, recv_index=recv % B, imbalance_before=imbalance(load),
+                    imbalance_after=imbalance(planned), moved=None)
