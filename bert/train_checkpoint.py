@@ -243,6 +243,6 @@ def load_latest(directory: str, warn=print,
             problems.append(str(e))
             warn(f"warning: {e}; trying the previous checkpoint")
     if problems:
-        raise CheckpointError(f"every checkpoint in {directory} is damaged ({'; '.join(problems)}); move them "
-                              f"away to start the run over")
+        raise CheckpointError(f"every checkpoint in {directory} is damaged or refused ({'; '.join(problems)}); "
+                              f"move them away to start the run over")
     return None

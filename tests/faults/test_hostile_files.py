@@ -197,7 +197,7 @@ def test_only_hostile_checkpoints_stop_the_cli_with_one_line(dataset, tmp_path, 
     code = run_pretraining.main(["--output-dir", str(tmp_path / "out"), *run_args(dataset, *BASE)])
     err = one_line(capsys.readouterr().err)
     assert code == 2 and err.startswith(f"error (rank 0): every checkpoint in {tmp_path / 'out' / 'checkpoints'} "
-                                        f"is damaged ({bad}: refers to io.open")
+                                        f"is damaged or refused ({bad}: refers to io.open")
     assert not marker.exists()
 
 
