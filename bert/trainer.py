@@ -25,7 +25,6 @@ Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import signal
@@ -82,26 +81,24 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
     return replace(base, **overrides)
 
 
-def release_free_heap() -> None:
-    """Give the heap pages that freed tensors left behind back to the OS (glibc's malloc_trim;
-    nothing where the C library has none).
+def map_large_allocations() -> None:
+    """Give every allocation of 128 KiB or more its own mapping, returned to the OS when freed
+    (glibc's M_MMAP_THRESHOLD, fixed; nothing where the C library has no ``mallopt``).
 
-    Unpadded batches hold a different number of tokens every step, so on the CPU every step
-    allocates tensors of new sizes, and glibc keeps what they free: a 1-rank run held 90-130 MB
-    it gave back at once when asked, while Python's heap stayed flat. Called after each eval
-    and checkpoint; it lowers a long run's resident memory by a few percent
-    (docs/reliability.md, "Endurance").
+    Unpadded batches hold a different number of tokens every step, so every step allocates
+    tensors of new sizes. By default glibc raises its mmap threshold (up to 32 MiB) as such
+    blocks are freed, then serves them from the heap, whose freed pages it keeps: a 2-rank CPU
+    run's resident memory crept up by 5% after its warm-up while Python's heap stayed flat.
+    With the threshold fixed it stays flat (bench/soak.py; docs/reliability.md, "Endurance").
     """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():
     import ctypes
 
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(128 << 10))
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -136,6 +133,7 @@ class Trainer:
             except OSError as e:
                 raise ConfigError(f"--output-dir: {output_dir!r} is not writable ({e.strerror})") from None
 
+        map_large_allocations()
         self.model_config = build_model_config(cfg)
         torch.manual_seed(t.seed)  # same initial weights on every rank
         options = ({"buckets": cfg.model.grouped_buckets, "num_streams": cfg.model.grouped_streams}
@@ -470,7 +468,6 @@ class Trainer:
             ckpt_due = cfg.checkpoint.interval_steps and self.step % cfg.checkpoint.interval_steps == 0
             if status is None and (ckpt_due or self.stop_requested):
                 saved = self.save_checkpoint()
-                release_free_heap()
                 if self.stop_requested:
                     self._drain_rebalancer()
                     self.progress.message(f"stopping at step {self.step} as asked (SIGTERM); "
@@ -496,7 +493,6 @@ class Trainer:
         self.metrics.write({"step": self.step, "samples": self.samples, "eval_accuracy": acc})
         self.progress.message(f"eval  step {self.step:>6}  samples {self.samples:>9}  masked-LM accuracy {acc:.4f}"
                               f"  (target {self.cfg.eval.target_accuracy})")
-        release_free_heap()
 
     def _drain_rebalancer(self) -> None:
         """Collect the exchange started for a step that will not run (every rank started it)."""
