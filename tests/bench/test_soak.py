@@ -14,7 +14,7 @@ from bench import soak
 def test_short_soak_meets_the_goals(tmp_path, capsys):
     out = tmp_path / "soak"
     code = soak.main(["--steps", "200", "--ranks", "1", "--interval", "50", "--global-batch", "8", "--seq-len", "64",
-                      "--sample-every", "0.2", "--out", str(out)])
+                      "--sample-every", "0.05", "--out", str(out)])
     printed = capsys.readouterr()
     assert code == 0, printed.out + printed.err
     assert "all goals met" in printed.out
