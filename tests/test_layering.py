@@ -104,7 +104,8 @@ def test_every_package_has_a_layer():
 
 @pytest.mark.parametrize("source, expected", [
     ("from bert.model import X\n", "kernels/bad.py:1: kernels imports bert.model (a higher layer)"),
-    ("def f():\n    import bench.data_loading\n", "kernels/bad.py:2: kernels imports bench.data_loading (a higher layer)"),
+    ("def f():\n    import bench.data_loading\n",
+     "kernels/bad.py:2: kernels imports bench.data_loading (a higher layer)"),
     ("from data import batch\n", "kernels/bad.py:1: kernels imports data (the same layer)"),
     ("x = __import__('bert.trainer')\n", "kernels/bad.py:1: kernels imports bert.trainer (a higher layer)"),
     ("import importlib\nimportlib.import_module('run_pretraining')\n",

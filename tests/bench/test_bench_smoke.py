@@ -19,6 +19,7 @@ def data_dir(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_ablation_runs_four_variants(data_dir, tmp_path, capsys):
     out = tmp_path / "abl"
     code = ablation.main(["--data", str(data_dir), "--out", str(out), "--steps", "2", "--evals", "1",
@@ -47,6 +48,7 @@ def test_ablation_bad_data_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: --data:")
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_throughput_runs_every_cpu_variant(data_dir, tmp_path, capsys):
     out = tmp_path / "tp.json"
     code = throughput.main(["--data", str(data_dir), "--model", "tiny", "--vocab-size", "96", "--batch-size", "4",

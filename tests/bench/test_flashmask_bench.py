@@ -5,9 +5,13 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
+
 from tests.helpers import REPO as ROOT
 
 
+@pytest.mark.slow  # a benchmark subprocess in the interpreter
 def test_cpu_run_reports_the_skipped_fraction(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")

@@ -57,6 +57,7 @@ def test_attention_bench_checks_correctness_on_cpu(tmp_path):
     assert bench_attention.main(["--data-dir", str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_train_step_bench_smoke_runs_on_cpu(tmp_path):
     out = tmp_path / "train.json"
     assert bench_train_step.main(["--json", str(out)]) == 0

@@ -72,6 +72,7 @@ def test_run_writes_every_output(dataset, tmp_path):
     assert checker.returncode == 0, checker.stdout + checker.stderr
 
 
+@pytest.mark.slow  # three training runs and the compliance checker
 def test_resume_is_bitwise_identical(dataset, tmp_path):
     whole = tmp_path / "whole"
     run_in_process(dataset, whole, "train.max_steps=8", "model.hidden_dropout_prob=0.1",
@@ -133,6 +134,7 @@ def test_help_lists_every_field():
         assert key in r.stdout
 
 
+@pytest.mark.slow  # four training runs, one in the Triton interpreter
 def test_layouts_and_dali_backend_train_the_same(dataset, tmp_path):
     run_in_process(dataset, tmp_path / "unpadded", "train.max_steps=3")
     run_in_process(dataset, tmp_path / "padded", "train.max_steps=3", "data.layout=padded")
@@ -161,6 +163,7 @@ def test_non_finite_steps_are_skipped_then_abort(dataset, tmp_path):
     assert '"key": "run_stop"' in log and '"status": "aborted"' in log
 
 
+@pytest.mark.slow  # a training subprocess
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
     import signal as sig
     import time

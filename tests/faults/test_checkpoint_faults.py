@@ -79,6 +79,7 @@ def test_keep_prunes_the_oldest_only_after_a_successful_write(tmp_path):
 # ---- kill -9 in the middle of a write --------------------------------------------------------
 
 
+@pytest.mark.slow  # a training subprocess, killed
 @pytest.mark.timeout(180)
 def test_kill_during_a_checkpoint_write_keeps_the_previous_one(dataset, reference, tmp_path, capsys):
     out, marks = tmp_path / "out", tmp_path / "marks"

@@ -28,6 +28,8 @@ from data.prepare import PrepareConfig, prepare
 from data.rebalance import check_block
 from tests.batches import fixed_layout
 
+pytestmark = pytest.mark.slow  # 2,450 generated cases
+
 FUZZ = dict(derandomize=True, database=None, deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 V = 50  # vocabulary of the generated samples

@@ -436,6 +436,7 @@ def test_torch_compile_traces_through_the_op():
     assert_close_all(compiled, eager, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # a subprocess importing torch and Triton
 def test_cpu_without_interpreter_is_a_clear_error():
     script = """
 import torch

@@ -12,11 +12,13 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.helpers import REPO as ROOT
 
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow  # Triton's whole compiler on every variant
 def test_flashmask_kernels_compile_for_hopper(tmp_path):
     out = tmp_path / "compile.json"
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))

@@ -8,6 +8,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -28,6 +29,7 @@ def forward_backward(model, batch):
     return out.mlm_logits.detach(), out.nsp_logits.detach(), grads
 
 
+@pytest.mark.slow  # the whole model through the interpreted kernel
 def test_packed_flashmask_model_equals_reference_unpadded():
     torch.manual_seed(0)
     config = BertConfig.preset("tiny", vocab_size=512)  # 2 layers, 2 heads of 64
@@ -55,6 +57,7 @@ def test_packed_flashmask_model_equals_reference_unpadded():
     torch.testing.assert_close(nsp_dense, nsp_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the whole model through the interpreted kernel
 def test_packed_training_step_with_dropout_runs_and_is_seeded():
     torch.manual_seed(0)
     config = BertConfig.preset("tiny", vocab_size=256, num_hidden_layers=1)

@@ -190,6 +190,7 @@ def test_backends_through_the_registry():
             fn(q, k, v, PaddedLayout(torch.ones(1, sum(lengths), dtype=torch.bool)), 0.0, False)
 
 
+@pytest.mark.slow  # a subprocess importing torch and Triton
 def test_cpu_without_interpreter_is_a_clear_error():
     """With compiled Triton (no TRITON_INTERPRET), CPU tensors and GPU-less loads are refused."""
     script = """

@@ -24,6 +24,7 @@ def forward_backward(model, batch):
     return out.mlm_logits.detach(), out.nsp_logits.detach(), grads
 
 
+@pytest.mark.slow  # the whole model through the interpreted kernels
 @pytest.mark.parametrize("attention,fused_ops", [("triton", False), ("triton_grouped", True)])
 def test_model_matches_reference(attention, fused_ops):
     torch.manual_seed(0)
