@@ -109,12 +109,14 @@ def test_overrides_take_string_values_as_written():
     assert load_config(None, ["checkpoint.init=null"]).checkpoint.init is None
 
 
+@pytest.mark.slow
 def test_run_torchrun(odd):
     config, out = odd / "config 'é'.yaml", odd / "out t"
     run([odd / "repo é" / "launch" / "run_torchrun.sh", 1, 2, config, out, *overrides(odd)], odd)
     assert recorded(out, 2) == [["--config", str(config), "--output-dir", str(out), *overrides(odd)]] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(launcher("mpirun") is None, reason="no mpirun")
 def test_run_mpirun(odd):
     config, out = odd / "config 'é'.yaml", odd / "out m"
