@@ -74,7 +74,8 @@ def lengths_from_dir(path: str) -> tuple[np.ndarray, np.ndarray]:
 
     if not os.path.isdir(path):
         raise SystemExit(f"rebalance_sim: --data-dir {path}: not a directory")
-    files = sorted(glob.glob(os.path.join(path, "*.hdf5")) + glob.glob(os.path.join(path, "*.h5")))
+    pattern = os.path.join(glob.escape(path), "*")  # the directory's name may hold [ or *
+    files = sorted(glob.glob(pattern + ".hdf5") + glob.glob(pattern + ".h5"))
     if not files:
         raise SystemExit(f"rebalance_sim: --data-dir {path}: no .hdf5 files")
     lengths, masked = [], []

@@ -11,15 +11,24 @@
 - ``export_hf(model, directory)``: a directory ``transformers.BertForPreTraining.from_pretrained``
   loads.
 
-Mismatches are reported together: every missing key, unexpected key and shape mismatch in
-one ``CheckpointError``.
+Mismatches are reported together: every missing key, unexpected key, shape mismatch and
+tensor that is not floating point in one ``CheckpointError``.
+
+No file read here can run code: ``safetensors`` is read where a directory has it (it holds
+tensors only), and torch files go through ``safe_torch_load`` (``weights_only=True``, no
+compressed records). The training checkpoints (bert/train_checkpoint.py) use the same two
+helpers, ``safe_torch_load`` and ``plain_data_problem``.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
+import re
 import shutil
 import tempfile
+import zipfile
 
 import torch
 from torch import Tensor
@@ -33,7 +42,134 @@ __all__ = ["CheckpointError", "to_hf_state_dict", "load_hf_state_dict", "read_co
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model; the message lists every problem."""
+    """A checkpoint that does not fit the model, or that is refused; the message lists every problem."""
+
+
+# ---- reading files that may come from anyone --------------------------------------------------
+
+_PLAIN_SCALARS = (str, int, float, bool, type(None))
+_MAX_DEPTH = 32  # the trainer's state nests 5 deep; deeper is not ours
+
+
+def plain_data_problem(obj) -> str | None:
+    """None when ``obj`` is plain data (dense CPU tensors, numbers, strings, None, and lists,
+    tuples and dicts of those, dict keys strings or ints); else where the first other thing is
+    and what it is, e.g. ``"optimizer.param_groups[0].betas holds a torch.dtype"``."""
+    stack = [(obj, "state", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return f"{where} is nested more than {_MAX_DEPTH} levels deep"
+        if isinstance(value, Tensor):
+            if value.layout != torch.strided or value.device.type != "cpu" or value.is_quantized:
+                return f"{where} holds a {value.layout} {value.device.type} tensor (only dense CPU tensors are loaded)"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, (str, int)) or isinstance(key, bool):
+                    return f"{where} has a key of type {type(key).__module__}.{type(key).__qualname__}"
+                stack.append((item, f"{where}.{key}", depth + 1))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif not isinstance(value, _PLAIN_SCALARS):
+            return f"{where} holds a {type(value).__module__}.{type(value).__qualname__}"
+    return None
+
+
+class _Window(io.RawIOBase):
+    """The first ``size`` bytes of an open file, read-only and seekable (for ``zipfile``)."""
+
+    def __init__(self, f, size: int):
+        self.f, self.size, self.pos = f, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, min(self.size, {0: 0, 1: self.pos, 2: self.size}[whence] + offset))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self.size - self.pos)
+        self.f.seek(self.pos)
+        data = self.f.read(n)
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _check_archive(path: str, window: _Window) -> None:
+    """torch.save writes every record uncompressed: refuse compressed ones (a small file that
+    inflates to any size) and records that claim more bytes than the file has."""
+    try:
+        with zipfile.ZipFile(window) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError) as e:
+        raise CheckpointError(f"{path}: not a readable torch.save archive ({e})") from None
+    total = 0
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise CheckpointError(f"{path}: record {info.filename!r} is compressed ({info.compress_size} bytes "
+                                  f"declared to inflate to {info.file_size}); torch.save never compresses, so it "
+                                  f"is refused")
+        total += info.file_size
+    if total > window.size:
+        raise CheckpointError(f"{path}: its records declare {total} bytes, more than the {window.size} the file holds")
+
+
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _refusal(e: pickle.UnpicklingError) -> str:
+    """One line for what torch's weights-only unpickler refused (its message is a page)."""
+    text = str(e)
+    m = _REFUSED_GLOBAL.search(text)
+    if m:
+        return (f"refers to {m.group(1)}, which is not plain data (only tensors, numbers, strings, lists and "
+                f"dicts are loaded); refused without running it")
+    m = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+    detail = (m.group(1) if m else text.strip().splitlines()[-1] if text.strip() else type(e).__name__)
+    return f"refused by the weights-only unpickler ({detail.split('. ')[0].rstrip('.')})"
+
+
+def safe_torch_load(path: str, limit: int | None = None, archive_only: bool = False):
+    """``torch.load(path, weights_only=True)`` on the CPU, every failure one CheckpointError line.
+
+    ``limit``: the bytes of ``path`` that belong to the archive (default: all). A zip archive
+    is checked first (no compressed records); ``archive_only`` also refuses torch's legacy
+    (pre-1.6, non-zip) format, which nothing here writes.
+    """
+    try:
+        with open(path, "rb") as f:
+            window = _Window(f, os.path.getsize(path) if limit is None else limit)
+            if zipfile.is_zipfile(window):
+                _check_archive(path, window)
+            elif archive_only:
+                raise CheckpointError(f"{path}: not a torch.save zip archive")
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: {_refusal(e)}") from None
+    except Exception as e:  # noqa: BLE001 - whatever else a malformed file raises, it is a bad file
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {first})") from None
+
+
+def _read_safetensors(path: str) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device="cpu")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...: a bad file either way
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: cannot read safetensors ({type(e).__name__}: {first})") from None
 
 
 # Keys that transformers may store that carry no information of their own: tied copies
@@ -111,6 +247,14 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
         problems.append(f"missing keys {missing}")
     if unexpected:
         problems.append(f"unexpected keys {unexpected}")
+    not_float = sorted(k for k, v in state_dict.items() if k in wanted | set(_ALIASES)
+                       and (not isinstance(v, Tensor) or not v.is_floating_point()))
+    if not_float:
+        kinds = {k: state_dict[k].dtype if isinstance(state_dict[k], Tensor) else type(state_dict[k]).__name__
+                 for k in not_float[:5]}
+        what = ", ".join(f"{k} ({kind})" for k, kind in kinds.items())
+        raise CheckpointError(f"not floating-point tensors: {what}" + (f" (+{len(not_float) - 5} more)"
+                                                                       if len(not_float) > 5 else ""))
     new = {}
     for hf, name in names.items():
         if hf in state_dict:
@@ -171,8 +315,10 @@ def _read_tf(prefix: str) -> dict[str, Tensor]:
 
 
 def read_config_and_weights(path: str) -> tuple[BertConfig | None, dict[str, Tensor]]:
-    """Read a transformers directory, NVIDIA's MLPerf ``.pt`` or a TensorFlow checkpoint
-    prefix; the config is None for the latter two (they ship a separate ``bert_config.json``)."""
+    """Read a transformers directory (``model.safetensors`` preferred to ``pytorch_model.bin``),
+    a ``.safetensors`` file with transformers' names, NVIDIA's MLPerf ``.pt`` or a TensorFlow
+    checkpoint prefix; the config is None for all but the first (they ship a separate
+    ``bert_config.json``)."""
     if is_tf_checkpoint(path):
         return None, _read_tf(path)
     if os.path.isdir(path):
@@ -180,19 +326,19 @@ def read_config_and_weights(path: str) -> tuple[BertConfig | None, dict[str, Ten
         st = os.path.join(path, "model.safetensors")
         bin_ = os.path.join(path, "pytorch_model.bin")
         if os.path.exists(st):
-            from safetensors.torch import load_file
-
-            return config, load_file(st)
+            return config, _read_safetensors(st)
         if os.path.exists(bin_):
-            return config, torch.load(bin_, map_location="cpu", weights_only=True)
+            state_dict = safe_torch_load(bin_)
+            if not isinstance(state_dict, dict):
+                raise CheckpointError(f"{bin_}: expected a state dict, found a {type(state_dict).__name__}")
+            return config, state_dict
         raise CheckpointError(f"{path}: holds neither model.safetensors nor pytorch_model.bin")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory, nor a TensorFlow checkpoint prefix "
                               f"({os.path.basename(path)}.index)")
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad checkpoint
-        raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {e})") from None
+    if path.endswith(".safetensors"):
+        return None, _read_safetensors(path)
+    blob = safe_torch_load(path)
     if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict):
         raise CheckpointError(f"{path}: expected a dict with a 'model' state dict (NVIDIA's MLPerf format)")
     return None, blob["model"]

@@ -21,6 +21,16 @@ Loading: newest first. A file without a valid trailer (cut short), whose checksu
 match (damaged), or that torch cannot read is named in a warning and the next older one is
 tried; when every checkpoint is damaged the run stops with ``CheckpointError`` rather than
 silently starting over.
+
+Safety: a checksum detects damage, not intent, and checkpoints travel between people and
+clusters, so reading one never runs code. The state is plain data: tensors, numbers,
+strings, lists, tuples and dicts (``save`` refuses anything else), and ``read`` unpickles
+with ``torch.load(weights_only=True)``, which builds only those (and refuses, without
+calling it, any other global a file names). A file that needs anything else, compresses a
+record (a small file that inflates to gigabytes), or holds a value that is not plain data
+is refused like a damaged one: one line naming the file and what it holds, then the next
+older checkpoint. The caller's ``accept`` (the trainer's shape and dtype checks against the
+model) refuses the same way.
 """
 
 from __future__ import annotations
@@ -29,10 +39,11 @@ import glob
 import hashlib
 import os
 import re
+from collections.abc import Callable
 
 import torch
 
-from bert.checkpoint import CheckpointError
+from bert.checkpoint import CheckpointError, plain_data_problem, safe_torch_load
 
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
 _TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
@@ -113,9 +124,18 @@ def _fsync_dir(directory: str) -> None:
 def save(directory: str, step: int, state: dict, keep: int) -> str:
     """Write ``state`` as the checkpoint of ``step`` and keep the newest ``keep``; returns its path.
 
-    Raises CheckpointWriteError (the temporary file removed, older checkpoints untouched) when
-    the file system refuses the write.
+    ``state`` must be plain data (TypeError otherwise: a bug, since ``read`` would refuse the
+    file). Raises CheckpointWriteError (the temporary file removed, older checkpoints
+    untouched) when the file system refuses the write.
     """
+    problem = plain_data_problem(state)
+    if problem:
+        raise TypeError(f"checkpoint state of step {step}: {problem}")
+    return write(directory, step, state, keep)
+
+
+def write(directory: str, step: int, state, keep: int) -> str:
+    """``save`` without the plain-data check: the file format only (tests write hostile files with it)."""
     path = checkpoint_path(directory, step)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
     fd = -1
@@ -188,32 +208,45 @@ def verify(path: str) -> None:
 
 
 def read(path: str) -> dict:
-    """Verify and load one checkpoint (on the CPU)."""
+    """Verify and load one checkpoint (on the CPU) without running anything in it."""
     verify(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a file that verifies but does not unpickle is still damaged
-        raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from None
+    # Only the bytes before the trailer are the archive: records may not reach beyond them.
+    state = safe_torch_load(path, limit=os.path.getsize(path) - TRAILER_BYTES, archive_only=True)
+    problem = plain_data_problem(state)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; only tensors, numbers, strings, lists and dicts are loaded")
     if not isinstance(state, dict) or "counters" not in state:
         raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
     return state
 
 
-def load_latest(directory: str, warn=print) -> tuple[str, dict] | None:
-    """(path, state) of the newest checkpoint that verifies; None when there is none at all.
+def load_latest(directory: str, warn=print, accept: Callable[[dict], None] | None = None,
+                older_than: str | None = None) -> tuple[str, dict] | None:
+    """(path, state) of the newest checkpoint that verifies and that ``accept`` takes (it
+    raises CheckpointError to refuse one); None when there is none at all. ``older_than``
+    (a checkpoint's path) looks only at checkpoints of earlier steps.
 
-    Each damaged one is reported through ``warn`` before the next older one is tried; if all
-    are damaged, CheckpointError names them.
+    Each damaged or refused one is reported through ``warn`` before the next older one is
+    tried; if all are, CheckpointError names them.
     """
     found = list_checkpoints(directory)
+    if older_than is not None:
+        limit = next((step for step, path in found if path == older_than), None)
+        found = [(step, path) for step, path in found if limit is None or step < limit]
     problems = []
     for _, path in reversed(found):
         try:
-            return path, read(path)
+            state = read(path)
+            if accept is not None:
+                try:
+                    accept(state)
+                except CheckpointError as e:
+                    raise CheckpointError(f"{path}: {e}") from None
+            return path, state
         except CheckpointError as e:
             problems.append(str(e))
             warn(f"warning: {e}; trying the previous checkpoint")
     if problems:
-        raise CheckpointError(f"every checkpoint in {directory} is damaged ({'; '.join(problems)}); move them "
-                              f"away to start the run over")
+        raise CheckpointError(f"every checkpoint in {directory} is damaged or refused ({'; '.join(problems)}); "
+                              f"move them away to start the run over")
     return None

@@ -2,7 +2,9 @@
 
 ``load_config(path, overrides)`` reads ``launch/configs/*.yaml`` (a mapping of sections to
 fields) and applies command-line overrides ``section.field=value`` (values parsed as YAML,
-so ``optim.betas=[0.9,0.98]`` and ``checkpoint.init=null`` work). Every field has its
+so ``optim.betas=[0.9,0.98]`` and ``checkpoint.init=null`` work; a string field, a path
+for instance, takes the text after ``=`` as it is, so ``data.train_dir=/data/run #3`` or a
+directory named ``2024``, ``yes`` or ``"quoted"`` is not read as YAML). Every field has its
 default and its meaning here, once; ``describe()`` prints them for ``--help``. Unknown
 sections or fields and invalid values raise ``ConfigError`` naming ``section.field`` and
 the valid choices, before any work starts.
@@ -476,10 +478,16 @@ def apply_override(values: dict, override: str) -> None:
         if not isinstance(target.get(name), dict):
             target[name] = {}
         target = target[name]
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    hint = typing.get_type_hints(cls)[parts[-1]]
+    if hint is str:
         value = raw
+    elif typing.get_origin(hint) in (typing.Union, types.UnionType) and set(typing.get_args(hint)) == {str, type(None)}:
+        value = None if raw in ("null", "~") else raw
+    else:
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
     target[parts[-1]] = value
 
 

@@ -87,6 +87,26 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
     return replace(base, **overrides)
 
 
+def map_large_allocations() -> None:
+    """Give every allocation of 128 KiB or more its own mapping, returned to the OS when freed
+    (glibc's M_MMAP_THRESHOLD, fixed; nothing where the C library has no ``mallopt``).
+
+    Unpadded batches hold a different number of tokens every step, so every step allocates
+    tensors of new sizes. By default glibc raises its mmap threshold (up to 32 MiB) as such
+    blocks are freed, then serves them from the heap, whose freed pages it keeps: a 2-rank CPU
+    run's resident memory crept up by 5% after its warm-up while Python's heap stayed flat.
+    With the threshold fixed it stays flat (bench/soak.py; docs/reliability.md, "Endurance").
+    """
+    import ctypes
+
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(128 << 10))
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
 def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
@@ -157,6 +177,7 @@ class Trainer:
             self.mllog.init_start()
             self._log_hyperparameters()
 
+        map_large_allocations()
         self.model_config = build_model_config(cfg)
         torch.manual_seed(self.seed)  # same initial weights on every rank
         options = ({"buckets": cfg.model.grouped_buckets, "num_streams": cfg.model.grouped_streams}
@@ -204,7 +225,7 @@ class Trainer:
                                              group_size=cfg.data.rebalance_group_size)
 
         if found is not None:
-            self._load_checkpoint(found[1])
+            self._load_checkpoint_or_older(found)
         self.metrics = MetricsWriter(os.path.join(output_dir, "metrics.jsonl"), self.is_main,
                                      resume_step=self.step if self.resumed else None)
         if cfg.log.tensorboard and self.is_main:
@@ -676,6 +697,8 @@ class Trainer:
         if self.is_main and os.path.isdir(directory):
             for name in train_checkpoint.remove_temporaries(directory):
                 self.progress.message(f"removed {name}, the unfinished write of a killed run")
+        # The model does not exist yet (the seed it is built with may come from the checkpoint):
+        # whether the state fits it is checked when it is loaded (_load_checkpoint_or_older).
         found = train_checkpoint.load_latest(directory, warn=self.progress.message) if os.path.isdir(directory) \
             else None
         step = found[1]["counters"]["step"] if found is not None else 0
@@ -705,18 +728,85 @@ class Trainer:
         first = torch.tensor([int(dist_info.local_rank == 0)], dtype=torch.int64, device=self.device)
         return max(1, int(self.coll.all_reduce(first, "the node count", 0)))
 
+    def _check_checkpoint(self, state: dict) -> None:
+        """Refuse (CheckpointError) a state whose tensors do not fit this model and optimizer,
+        before anything is loaded: load_state_dict would copy other dtypes silently, and a
+        moment of the wrong shape would only fail at the next step."""
+        for key in ("model", "optimizer", "schedule", "loader", "counters"):
+            if not isinstance(state.get(key), dict):
+                raise CheckpointError(f"no {key!r} state")
+        ours, theirs = self.model.state_dict(), state["model"]
+        problems = [f"missing {k}" for k in ours if k not in theirs]
+        problems += [f"unexpected {k}" for k in theirs if k not in ours]
+        for k, t in theirs.items():
+            want = ours.get(k)
+            if want is not None and (not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype):
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                problems.append(f"{k} is {got}, the model has {want.dtype} {tuple(want.shape)}")
+        if problems:
+            raise CheckpointError(f"the model weights do not fit this model ({'; '.join(problems[:4])}"
+                                  + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + ")")
+        groups, saved = self.optimizer.param_groups, state["optimizer"]
+        try:
+            sizes = [len(g["params"]) for g in saved["param_groups"]]
+            params = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
+                              (p for g in groups for p in g["params"])))
+            moments = dict(saved["state"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError("the optimizer state is not param_groups with params, and state") from None
+        if sizes != [len(g["params"]) for g in groups]:
+            raise CheckpointError(f"the optimizer state has parameter groups of sizes {sizes}, this optimizer "
+                                  f"{[len(g['params']) for g in groups]}")
+        for i, entry in moments.items():
+            if i not in params or not isinstance(entry, dict):
+                raise CheckpointError(f"the optimizer state names parameter {i!r}, which it has no group for")
+            for name, t in entry.items():
+                if isinstance(t, torch.Tensor) and t.dim() and (t.shape != params[i].shape
+                                                                or not t.is_floating_point()):
+                    raise CheckpointError(f"the optimizer's {name} of parameter {i} is {t.dtype} {tuple(t.shape)}, "
+                                          f"the parameter {params[i].dtype} {tuple(params[i].shape)}")
+        c = state["counters"]
+        for key in ("step", "samples", "tokens", "skipped", "nonfinite_in_row", "last_eval_samples"):
+            if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or c[key] < 0:
+                raise CheckpointError(f"counter {key!r} is {c.get(key)!r}, not an integer >= 0")
+        if not isinstance(c.get("train_seconds"), (int, float)):
+            raise CheckpointError(f"counter 'train_seconds' is {c.get('train_seconds')!r}, not a number")
+
+    def _load_checkpoint_or_older(self, found: tuple[str, dict]) -> None:
+        """Load ``found``; a checkpoint that does not fit this run is refused like a damaged
+        one and the next older one is tried (CheckpointError when none is left)."""
+        path, state = found
+        try:
+            self._load_checkpoint(state)
+            return
+        except CheckpointError as e:
+            self.progress.message(f"warning: {path}: {e}; trying the previous checkpoint")
+        older = train_checkpoint.load_latest(self._checkpoint_dir(), warn=self.progress.message,
+                                             accept=self._load_checkpoint, older_than=path)
+        if older is None:
+            raise CheckpointError(f"every checkpoint in {self._checkpoint_dir()} is damaged or refused ({path} does "
+                                  f"not fit this run); move them away to start the run over")
+
     def _load_checkpoint(self, state: dict) -> None:
+        """Check the state against this run, then load it; CheckpointError when it does not fit
+        (parts loaded before the failing one are overwritten by the next checkpoint tried)."""
+        self._check_checkpoint(state)
+        try:
+            # Each part's load_state_dict checks its input before changing anything.
+            if self.adagc is not None and state.get("adagc"):
+                self.adagc.load_state_dict(state["adagc"])
+            if self.scaler and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            self.schedule.load_state_dict(state["schedule"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:  # DataError is a ValueError
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(f"does not fit this run ({first})") from None
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        if self.adagc is not None and state.get("adagc"):
-            self.adagc.load_state_dict(state["adagc"])
-        if self.scaler and state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
-        self._loader_state = state["loader"]  # the data opens after run_start
+        self._loader_state = state["loader"]  # checked when the data opens, after run_start
         c = state["counters"]
         self.step, self.samples, self.tokens, self.skipped = c["step"], c["samples"], c["tokens"], c["skipped"]
         self.nonfinite_in_row, self.train_seconds = c["nonfinite_in_row"], c["train_seconds"]
-        self.last_eval_samples, self.eval_accuracy = c["last_eval_samples"], c["eval_accuracy"]
+        self.last_eval_samples, self.eval_accuracy = c["last_eval_samples"], c.get("eval_accuracy")
         self.corrupt_samples = c.get("corrupt_samples", 0)
         self.checkpoint_failures = c.get("checkpoint_failures", 0)

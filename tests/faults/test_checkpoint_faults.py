@@ -192,5 +192,5 @@ def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(dataset, tmp_pat
     code = run_pretraining.main(["--output-dir", str(tmp_path), *run_args(dataset, *REFERENCE_STEPS)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0].startswith(f"error (rank 0): every checkpoint in {ckpt_dir(tmp_path)} is damaged ({path}: no "
-                             f"checksum trailer")
+    assert err[0].startswith(f"error (rank 0): every checkpoint in {ckpt_dir(tmp_path)} is damaged or refused "
+                             f"({path}: no checksum trailer")
