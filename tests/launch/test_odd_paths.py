@@ -5,7 +5,7 @@ The launch scripts are run from a copy of launch/ under such a path, with TRAIN_
 documented override of the entry point) pointing at a recorder that writes the argv it got:
 the test then compares it with what was asked, argument by argument. slurm.sub runs as a plain
 bash script with the variables a job has and stand-ins for ``srun`` (one task per
-``--ntasks-per-node``, here) and ``scontrol show hostnames`` first on PATH. One real training
+``--ntasks-per-node``, here) and ``scontrol show hostnames``/``show node`` first on PATH. One real training
 run goes through run_and_time.sh and run_pretraining.py with every path odd.
 """
 
@@ -60,8 +60,9 @@ exit "$status"
 '''
 
 SCONTROL = '''#!/usr/bin/env bash
-[[ $1 == show && $2 == hostnames ]] || { echo "scontrol stand-in: only 'show hostnames'" >&2; exit 2; }
-echo localhost
+if [[ $1 == show && $2 == hostnames ]]; then echo localhost
+elif [[ $1 == show && $2 == node ]]; then echo "NodeName=$3 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=$3"
+else echo "scontrol stand-in: only 'show hostnames' and 'show node'" >&2; exit 2; fi
 '''
 
 
