@@ -25,7 +25,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="MLPerf-style BERT pretraining on unpadded batches.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="configuration fields (override any as section.field=value):\n" + describe())
+        epilog="configuration fields (override any as section.field=value):\n" + describe(),
+    )
     parser.add_argument("--config", help="YAML file in launch/configs/")
     parser.add_argument("--output-dir", required=True, help="mlperf.log, metrics, summary, checkpoints go here")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
@@ -59,11 +60,14 @@ def main(argv=None) -> int:
 
         trainer = Trainer(cfg, args.output_dir, info)
         if info.rank == 0:
-            print(f"config: {args.config or '(defaults)'}  ranks: {info.world_size}  device: {trainer.device}  "
-                  f"model: {cfg.model.preset if not cfg.model.config_file else cfg.model.config_file} "
-                  f"({sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M parameters, "
-                  f"attention {cfg.model.attention})  layout: {cfg.data.layout}  "
-                  f"global batch: {cfg.train.global_batch_size}  precision: {cfg.train.precision}", flush=True)
+            print(
+                f"config: {args.config or '(defaults)'}  ranks: {info.world_size}  device: {trainer.device}  "
+                f"model: {cfg.model.preset if not cfg.model.config_file else cfg.model.config_file} "
+                f"({sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M parameters, "
+                f"attention {cfg.model.attention})  layout: {cfg.data.layout}  "
+                f"global batch: {cfg.train.global_batch_size}  precision: {cfg.train.precision}",
+                flush=True,
+            )
         summary = trainer.train()
     except (ConfigError, CheckpointError, DataError, TrainingError, ValueError) as e:
         print(f"error (rank {info.rank}): {e}", file=sys.stderr, flush=True)

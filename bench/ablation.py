@@ -63,11 +63,33 @@ from bert.train_config import ConfigError, load_config  # noqa: E402
 DEFAULT_CONFIG = REPO / "launch" / "configs" / "cpu_demo.yaml"
 RUNS = ("baseline", "adagc", "simreg", "adagc+simreg")
 # The demo preparation of the Makefile's `demo` target (max_seq_length 128, vocab of 8000).
-DEMO_PREPARE = ["--input-format", "bert", "--train-vocab", "8000", "--max-seq-length", "128",
-                "--max-predictions", "20", "--dupe-factor", "10", "--shards", "4", "--eval-samples", "1000",
-                "--workers", "2"]
-DEMO_PARAMETERS = {"input_format": "bert", "train_vocab": 8000, "max_seq_length": 128, "max_predictions": 20,
-                   "dupe_factor": 10, "eval_samples": 1000, "seed": 12345}
+DEMO_PREPARE = [
+    "--input-format",
+    "bert",
+    "--train-vocab",
+    "8000",
+    "--max-seq-length",
+    "128",
+    "--max-predictions",
+    "20",
+    "--dupe-factor",
+    "10",
+    "--shards",
+    "4",
+    "--eval-samples",
+    "1000",
+    "--workers",
+    "2",
+]
+DEMO_PARAMETERS = {
+    "input_format": "bert",
+    "train_vocab": 8000,
+    "max_seq_length": 128,
+    "max_predictions": 20,
+    "dupe_factor": 10,
+    "eval_samples": 1000,
+    "seed": 12345,
+}
 
 
 class AblationError(RuntimeError):
@@ -99,8 +121,12 @@ def _demo_prepared(cache: Path) -> bool:
     # The corpus must be the demo's own corpus.txt there (`make demo TEXT=...` prepares other text
     # with the same parameters); `make demo` records a path relative to the repository.
     inputs = [(REPO / p).resolve() for p in params.get("inputs", [])]
-    return (inputs == [(cache / "corpus.txt").resolve()] and all(params.get(k) == v for k, v in DEMO_PARAMETERS.items())
-            and (cache / "vocab.txt").is_file() and (cache / "eval" / "part_eval_10k.hdf5").is_file())
+    return (
+        inputs == [(cache / "corpus.txt").resolve()]
+        and all(params.get(k) == v for k, v in DEMO_PARAMETERS.items())
+        and (cache / "vocab.txt").is_file()
+        and (cache / "eval" / "part_eval_10k.hdf5").is_file()
+    )
 
 
 def prepare_demo(cache: Path) -> Path:
@@ -111,9 +137,10 @@ def prepare_demo(cache: Path) -> Path:
     print(f"data: preparing the demo corpus into {cache}", flush=True)
     cache.mkdir(parents=True, exist_ok=True)
     corpus = cache / "corpus.txt"
-    for cmd in ([sys.executable, "-m", "data.demo_corpus", str(corpus)],
-                [sys.executable, "-m", "data.prepare", "--input", str(corpus), "--output-dir", str(cache),
-                 *DEMO_PREPARE]):
+    for cmd in (
+        [sys.executable, "-m", "data.demo_corpus", str(corpus)],
+        [sys.executable, "-m", "data.prepare", "--input", str(corpus), "--output-dir", str(cache), *DEMO_PREPARE],
+    ):
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if r.returncode != 0:
             last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["(no output)"]
@@ -130,10 +157,17 @@ def run_overrides(args, data: dict[str, str], global_batch: int) -> tuple[dict[s
     interval = global_batch * max(1, steps // args.evals)
     warmup = args.adagc_warmup_steps if args.adagc_warmup_steps is not None else min(100, steps // 5)
     common = [f"{k}={v}" for k, v in data.items()] + [
-        f"train.max_steps={steps}", "train.log_interval_steps=1", f"eval.interval_samples={interval}",
-        f"eval.max_samples={args.eval_samples}", "checkpoint.interval_steps=0", "checkpoint.at_end=false", "log.plot=false",
-        f"optim.adagc.warmup_steps={warmup}", f"loss.simreg_temperature={args.simreg_temperature}",
-        f"loss.simreg_scope={args.simreg_scope}"]
+        f"train.max_steps={steps}",
+        "train.log_interval_steps=1",
+        f"eval.interval_samples={interval}",
+        f"eval.max_samples={args.eval_samples}",
+        "checkpoint.interval_steps=0",
+        "checkpoint.at_end=false",
+        "log.plot=false",
+        f"optim.adagc.warmup_steps={warmup}",
+        f"loss.simreg_temperature={args.simreg_temperature}",
+        f"loss.simreg_scope={args.simreg_scope}",
+    ]
     spike_steps: list[int] = []
     if args.spikes:
         # Default: every --spike-every steps once AdaGC's warm-up is over (steady spikes are what
@@ -142,15 +176,23 @@ def run_overrides(args, data: dict[str, str], global_batch: int) -> tuple[dict[s
         if any(s < 1 or s > steps for s in spike_steps):
             raise AblationError(f"--spike-steps: {spike_steps} must lie in [1, --steps={steps}]")
         params = "[" + ",".join(args.spike_params) + "]"
-        common += [f"debug.spike_steps=[{','.join(map(str, spike_steps))}]", f"debug.spike_params={params}",
-                   f"debug.spike_factor={args.spike_factor}"]
+        common += [
+            f"debug.spike_steps=[{','.join(map(str, spike_steps))}]",
+            f"debug.spike_params={params}",
+            f"debug.spike_factor={args.spike_factor}",
+        ]
     simreg = f"loss.simreg_weight={args.simreg_weight}"
-    per_run = {"baseline": [], "adagc": ["optim.clip=adagc"], "simreg": [simreg],
-               "adagc+simreg": ["optim.clip=adagc", simreg]}
+    per_run = {
+        "baseline": [],
+        "adagc": ["optim.clip=adagc"],
+        "simreg": [simreg],
+        "adagc+simreg": ["optim.clip=adagc", simreg],
+    }
     per_run.update(dict(args.arm))
     # The user's overrides come last, so they win over the ablation's.
-    return {name: common + per_run[name] + list(args.overrides)
-            for name in [*args.runs, *(n for n, _ in args.arm)]}, spike_steps
+    return {
+        name: common + per_run[name] + list(args.overrides) for name in [*args.runs, *(n for n, _ in args.arm)]
+    }, spike_steps
 
 
 def run_one(config: str, out_dir: Path, overrides: list[str]) -> float:
@@ -167,8 +209,9 @@ def run_one(config: str, out_dir: Path, overrides: list[str]) -> float:
         code = run_pretraining.main(["--config", config, "--output-dir", str(out_dir), *overrides])
     if code != 0 or not (out_dir / "summary.json").is_file():
         lines = log.read_text(encoding="utf-8").strip().splitlines()
-        raise AblationError(f"run {out_dir.name} failed (exit {code}): {lines[-1] if lines else 'no output'} "
-                            f"(see {log})")
+        raise AblationError(
+            f"run {out_dir.name} failed (exit {code}): {lines[-1] if lines else 'no output'} (see {log})"
+        )
     return time.time() - start
 
 
@@ -180,9 +223,11 @@ def read_run(out_dir: Path) -> dict:
     summary = json.loads((out_dir / "summary.json").read_text())
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_accuracy" in r]
-    return {"summary": summary,
-            "train": {k: [r[k] for r in train] for k in ("step", "samples", "loss", "mlm_loss", "grad_norm")},
-            "eval": {"samples": [r["samples"] for r in evals], "accuracy": [r["eval_accuracy"] for r in evals]}}
+    return {
+        "summary": summary,
+        "train": {k: [r[k] for r in train] for k in ("step", "samples", "loss", "mlm_loss", "grad_norm")},
+        "eval": {"samples": [r["samples"] for r in evals], "accuracy": [r["eval_accuracy"] for r in evals]},
+    }
 
 
 def loss_rise(losses: list[float], spike_steps: list[int], window: int = 5) -> float | None:
@@ -194,8 +239,8 @@ def loss_rise(losses: list[float], spike_steps: list[int], window: int = 5) -> f
     window = max(1, min([window, *gaps]))
     rises = []
     for s in spike_steps:
-        before = losses[max(0, s - window):s]  # steps s-window+1 .. s (1-based)
-        after = losses[s:s + window]  # steps s+1 .. s+window
+        before = losses[max(0, s - window) : s]  # steps s-window+1 .. s (1-based)
+        after = losses[s : s + window]  # steps s+1 .. s+window
         if before and after:
             rises.append(max(after) - sum(before) / len(before))
     return sum(rises) / len(rises) if rises else None
@@ -218,17 +263,27 @@ def samples_to_target(evals: dict, target: float) -> float | None:
 def run_metrics(run: dict, target: float, spike_steps: list[int]) -> dict:
     """One run's numbers; the MLM loss, not the total (a SimReg run's total includes the regulariser)."""
     s, mlm = run["summary"], run["train"]["mlm_loss"]
-    tail = mlm[-max(1, len(mlm) // 10):]
-    return {"final_mlm_loss": sum(tail) / len(tail) if tail else None,
-            "eval_accuracy": s["eval_accuracy"],
-            "samples_to_target": samples_to_target(run["eval"], target),
-            "loss_spike_score": s["loss_spike_score"], "grad_norm_spike_score": s["grad_norm_spike_score"],
-            "post_spike_loss_rise": loss_rise(mlm, spike_steps) if spike_steps else None,
-            "seq_per_s": s["seq_per_s"]}
+    tail = mlm[-max(1, len(mlm) // 10) :]
+    return {
+        "final_mlm_loss": sum(tail) / len(tail) if tail else None,
+        "eval_accuracy": s["eval_accuracy"],
+        "samples_to_target": samples_to_target(run["eval"], target),
+        "loss_spike_score": s["loss_spike_score"],
+        "grad_norm_spike_score": s["grad_norm_spike_score"],
+        "post_spike_loss_rise": loss_rise(mlm, spike_steps) if spike_steps else None,
+        "seq_per_s": s["seq_per_s"],
+    }
 
 
-METRICS = ("final_mlm_loss", "eval_accuracy", "samples_to_target", "loss_spike_score", "grad_norm_spike_score",
-           "post_spike_loss_rise", "seq_per_s")
+METRICS = (
+    "final_mlm_loss",
+    "eval_accuracy",
+    "samples_to_target",
+    "loss_spike_score",
+    "grad_norm_spike_score",
+    "post_spike_loss_rise",
+    "seq_per_s",
+)
 
 
 def mean_std(values: list) -> dict:
@@ -236,8 +291,11 @@ def mean_std(values: list) -> dict:
     import numpy as np
 
     x = np.asarray([v for v in values if v is not None], dtype=np.float64)
-    return {"mean": float(x.mean()) if len(x) else None, "std": float(x.std(ddof=1)) if len(x) > 1 else None,
-            "n": len(x)}
+    return {
+        "mean": float(x.mean()) if len(x) else None,
+        "std": float(x.std(ddof=1)) if len(x) > 1 else None,
+        "n": len(x),
+    }
 
 
 def arm_rows(arms: dict[str, list[dict]], target: float, spike_steps: list[int]) -> list[dict]:
@@ -245,8 +303,13 @@ def arm_rows(arms: dict[str, list[dict]], target: float, spike_steps: list[int])
     rows = []
     for name, runs in arms.items():
         per_seed = [run_metrics(r, target, spike_steps) for r in runs]
-        row = {"arm": name, "seeds": len(runs), "samples": [r["summary"]["samples"] for r in runs],
-               **{k: mean_std([m[k] for m in per_seed]) for k in METRICS}, "per_seed": per_seed}
+        row = {
+            "arm": name,
+            "seeds": len(runs),
+            "samples": [r["summary"]["samples"] for r in runs],
+            **{k: mean_std([m[k] for m in per_seed]) for k in METRICS},
+            "per_seed": per_seed,
+        }
         rows.append(row)
     base = next((r for r in rows if r["arm"] == "baseline"), rows[0])
     for row in rows:
@@ -262,17 +325,31 @@ def markdown_table(rows: list[dict], target: float, spikes: bool) -> str:
     def ms(stat, fmt):
         return f(stat["mean"], fmt) + ("" if stat["std"] is None else " ± " + f(stat["std"], fmt))
 
-    head = ["arm", "seeds", "final MLM loss", "eval MLM acc", f"samples to acc {target:.4f}", "vs base",
-            "loss spike %", "grad-norm spike %"]
+    head = [
+        "arm",
+        "seeds",
+        "final MLM loss",
+        "eval MLM acc",
+        f"samples to acc {target:.4f}",
+        "vs base",
+        "loss spike %",
+        "grad-norm spike %",
+    ]
     head += ["loss rise after spikes"] if spikes else []
     head += ["seq/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         reached = r["samples_to_target"]["n"]
-        cells = [r["arm"], str(r["seeds"]), ms(r["final_mlm_loss"], ".4f"), ms(r["eval_accuracy"], ".4f"),
-                 ms(r["samples_to_target"], ".0f") + f" ({reached}/{r['seeds']} reached)",
-                 f(r["samples_to_target_vs_base"], ".2f"),
-                 ms(r["loss_spike_score"], ".2f"), ms(r["grad_norm_spike_score"], ".2f")]
+        cells = [
+            r["arm"],
+            str(r["seeds"]),
+            ms(r["final_mlm_loss"], ".4f"),
+            ms(r["eval_accuracy"], ".4f"),
+            ms(r["samples_to_target"], ".0f") + f" ({reached}/{r['seeds']} reached)",
+            f(r["samples_to_target_vs_base"], ".2f"),
+            ms(r["loss_spike_score"], ".2f"),
+            ms(r["grad_norm_spike_score"], ".2f"),
+        ]
         cells += [ms(r["post_spike_loss_rise"], "+.4f")] if spikes else []
         cells += [ms(r["seq_per_s"], ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -306,8 +383,9 @@ def plot(arms: dict[str, list[dict]], target: float, spike_samples: list[int], p
     for i, (name, runs) in enumerate(arms.items()):
         color = f"C{i}"
         for ax, curves, marker in (
-                (ax1, [(r["train"]["samples"], r["train"]["mlm_loss"]) for r in runs], None),
-                (ax2, [(r["eval"]["samples"], r["eval"]["accuracy"]) for r in runs], "o")):
+            (ax1, [(r["train"]["samples"], r["train"]["mlm_loss"]) for r in runs], None),
+            (ax2, [(r["eval"]["samples"], r["eval"]["accuracy"]) for r in runs], "o"),
+        ):
             band = _band(curves)
             if band is None:
                 continue
@@ -342,20 +420,28 @@ def default_target(arms: dict[str, list[dict]]) -> float:
     return 0.9 * sum(accs) / len(accs)
 
 
-def report(arms: dict[str, list[dict]], out: Path, setup: dict, target: float | None, spike_steps: list[int],
-           global_batch: int | None, title: str) -> None:
+def report(
+    arms: dict[str, list[dict]],
+    out: Path,
+    setup: dict,
+    target: float | None,
+    spike_steps: list[int],
+    global_batch: int | None,
+    title: str,
+) -> None:
     """Stats, table, JSON and plot for arms of finished runs."""
     target = default_target(arms) if target is None else target
     rows = arm_rows(arms, target, spike_steps)
     setup = {**setup, "target_accuracy": target}
-    atomic_write_text(out / "ablation.json",
-                      json.dumps({"setup": setup, "table": rows, "arms": arms}, indent=1) + "\n")
+    atomic_write_text(out / "ablation.json", json.dumps({"setup": setup, "table": rows, "arms": arms}, indent=1) + "\n")
     spike_samples = [s * global_batch for s in spike_steps] if global_batch else []
     plot(arms, target, spike_samples, out / "ablation.png", title)
     print()
     print(markdown_table(rows, target, bool(spike_steps)))
-    print(f"\nsamples to target: linear between evals; 'vs base' = arm mean / baseline mean (SimReg's claim: "
-          f"< 0.70). wrote {out / 'ablation.json'}, {out / 'ablation.png'}")
+    print(
+        f"\nsamples to target: linear between evals; 'vs base' = arm mean / baseline mean (SimReg's claim: "
+        f"< 0.70). wrote {out / 'ablation.json'}, {out / 'ablation.png'}"
+    )
 
 
 # ---- CLI --------------------------------------------------------------------------------
@@ -388,41 +474,77 @@ def _arm(text: str) -> tuple[str, list[str]]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="run configuration (YAML)")
     ap.add_argument("--data", help="a prepared data directory (train/, eval/, vocab.txt); default: the demo corpus")
-    ap.add_argument("--data-cache", default=str(REPO / "results" / "demo-data"),
-                    help="where the demo corpus is prepared when --data is not given")
+    ap.add_argument(
+        "--data-cache",
+        default=str(REPO / "results" / "demo-data"),
+        help="where the demo corpus is prepared when --data is not given",
+    )
     ap.add_argument("--out", default=str(REPO / "results" / "ablation"), help="output directory")
-    ap.add_argument("--compare", nargs="+", metavar="[LABEL=]RUN_DIR",
-                    help="report on finished runs instead of training: a RUN_DIR with summary.json is one run, "
-                         "else its subdirectories with one are the seeds of one arm (LABEL, default the name)")
-    ap.add_argument("--seeds", type=int, default=1,
-                    help="seeds per arm: train.seed = --seed + 0..N-1 (data order, weights, dropout)")
-    ap.add_argument("--target-accuracy", type=float,
-                    help="eval accuracy for samples-to-target (default: 0.9 x the baseline's mean final accuracy)")
+    ap.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="[LABEL=]RUN_DIR",
+        help="report on finished runs instead of training: a RUN_DIR with summary.json is one run, "
+        "else its subdirectories with one are the seeds of one arm (LABEL, default the name)",
+    )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="seeds per arm: train.seed = --seed + 0..N-1 (data order, weights, dropout)",
+    )
+    ap.add_argument(
+        "--target-accuracy",
+        type=float,
+        help="eval accuracy for samples-to-target (default: 0.9 x the baseline's mean final accuracy)",
+    )
     ap.add_argument("--steps", type=int, default=250, help="optimizer steps per run")
     ap.add_argument("--evals", type=int, default=6, help="evaluations per run (evenly spaced)")
     ap.add_argument("--eval-samples", type=int, default=1000, help="eval samples per evaluation")
     ap.add_argument("--runs", type=_names, default=list(RUNS), help=f"comma-separated, from {','.join(RUNS)}")
-    ap.add_argument("--seed", type=int, default=42,
-                    help="first seed: seed k of --seeds N trains with train.seed = SEED + k (every arm shares it)")
-    ap.add_argument("--arm", type=_arm, action="append", default=[], metavar="'NAME section.field=value ...'",
-                    help="an extra arm: a name and its overrides (repeatable)")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=42,
+        help="first seed: seed k of --seeds N trains with train.seed = SEED + k (every arm shares it)",
+    )
+    ap.add_argument(
+        "--arm",
+        type=_arm,
+        action="append",
+        default=[],
+        metavar="'NAME section.field=value ...'",
+        help="an extra arm: a name and its overrides (repeatable)",
+    )
     ap.add_argument("--simreg-weight", type=float, default=0.1)
     ap.add_argument("--simreg-temperature", type=float, default=0.1)
     ap.add_argument("--simreg-scope", default="masked", choices=("masked", "all"))
     ap.add_argument("--adagc-warmup-steps", type=int, help="default: min(100, steps // 5)")
     ap.add_argument("--spikes", action="store_true", help="inject gradient spikes (debug.*)")
-    ap.add_argument("--spike-steps", type=_ints, help="comma-separated 1-based steps (default: every --spike-every "
-                    "steps after AdaGC's warm-up)")
+    ap.add_argument(
+        "--spike-steps",
+        type=_ints,
+        help="comma-separated 1-based steps (default: every --spike-every steps after AdaGC's warm-up)",
+    )
     ap.add_argument("--spike-every", type=int, default=5)
-    ap.add_argument("--spike-params", type=_strings, default=["layers.0."],
-                    help="comma-separated parameter-name substrings the spikes hit")
+    ap.add_argument(
+        "--spike-params",
+        type=_strings,
+        default=["layers.0."],
+        help="comma-separated parameter-name substrings the spikes hit",
+    )
     ap.add_argument("--spike-factor", type=float, default=1000.0)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (1 keeps OpenMP from spinning on a shared, loaded CPU)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1 keeps OpenMP from spinning on a shared, loaded CPU)",
+    )
     ap.add_argument("overrides", nargs="*", metavar="section.field=value", help="applied to every run, last")
     args = ap.parse_args(argv)
     for name in ("steps", "evals", "eval_samples", "threads", "spike_every", "seeds"):
@@ -477,8 +599,15 @@ def _compare(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     setup = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "compare": args.compare}
-    report(arms, out, setup, args.target_accuracy, [], None,
-           "compared runs: " + ", ".join(f"{k} (n={len(v)})" for k, v in arms.items()))
+    report(
+        arms,
+        out,
+        setup,
+        args.target_accuracy,
+        [],
+        None,
+        "compared runs: " + ", ".join(f"{k} (n={len(v)})" for k, v in arms.items()),
+    )
     return 0
 
 
@@ -502,9 +631,12 @@ def _main(args) -> int:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    print(f"ablation: {len(plan)} arms x {len(seeds)} seed(s) x {args.steps} steps, global batch {global_batch}, "
-          f"config {args.config}, data {data_dir}, {args.threads} thread(s)"
-          + (f", spikes at steps {spike_steps}" if spike_steps else ""), flush=True)
+    print(
+        f"ablation: {len(plan)} arms x {len(seeds)} seed(s) x {args.steps} steps, global batch {global_batch}, "
+        f"config {args.config}, data {data_dir}, {args.threads} thread(s)"
+        + (f", spikes at steps {spike_steps}" if spike_steps else ""),
+        flush=True,
+    )
     arms: dict[str, list[dict]] = {name: [] for name in plan}
     wall: dict[str, dict[int, float]] = {name: {} for name in plan}
     start = time.time()
@@ -515,25 +647,49 @@ def _main(args) -> int:
                 arms[name].append(read_run(out / name / f"seed{seed}"))
                 s = arms[name][-1]["summary"]
                 acc = "n/a" if s["eval_accuracy"] is None else f"{s['eval_accuracy']:.4f}"
-                print(f"  {name:<13} seed {seed}: {s['steps']} steps in {wall[name][seed]:.0f} s, "
-                      f"eval masked-LM accuracy {acc}", flush=True)
+                print(
+                    f"  {name:<13} seed {seed}: {s['steps']} steps in {wall[name][seed]:.0f} s, "
+                    f"eval masked-LM accuracy {acc}",
+                    flush=True,
+                )
     finally:
         torch.set_num_threads(threads)  # main() may run inside a longer-lived process (tests)
 
     cfg = load_config(args.config, plan[next(iter(plan))][seeds[0]])
-    setup = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "config": args.config,
-             "data": str(data_dir), "steps": args.steps, "global_batch_size": global_batch, "seeds": seeds,
-             "model_preset": cfg.model.preset, "attention": cfg.model.attention, "optimizer": cfg.optim.name,
-             "lr": cfg.optim.lr, "clip_baseline": cfg.optim.clip, "adagc_warmup_steps": cfg.optim.adagc.warmup_steps,
-             "simreg_weight": args.simreg_weight, "simreg_temperature": args.simreg_temperature,
-             "simreg_scope": args.simreg_scope, "spike_steps": spike_steps,
-             "spike_params": args.spike_params if spike_steps else [], "spike_factor": args.spike_factor,
-             "overrides": overrides, "wall_seconds": wall, "total_wall_seconds": time.time() - start}
-    title = (f"{cfg.model.preset} BERT, {args.steps} steps x {global_batch}, {len(seeds)} seed(s), {cfg.optim.name}; "
-             f"SimReg w={args.simreg_weight} T={args.simreg_temperature}; AdaGC warm-up "
-             f"{cfg.optim.adagc.warmup_steps}"
-             + (f"; {len(spike_steps)} spikes x{args.spike_factor:g} on {','.join(args.spike_params)} "
-                f"(steps {spike_steps[0]}-{spike_steps[-1]}, dotted)" if spike_steps else ""))
+    setup = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "config": args.config,
+        "data": str(data_dir),
+        "steps": args.steps,
+        "global_batch_size": global_batch,
+        "seeds": seeds,
+        "model_preset": cfg.model.preset,
+        "attention": cfg.model.attention,
+        "optimizer": cfg.optim.name,
+        "lr": cfg.optim.lr,
+        "clip_baseline": cfg.optim.clip,
+        "adagc_warmup_steps": cfg.optim.adagc.warmup_steps,
+        "simreg_weight": args.simreg_weight,
+        "simreg_temperature": args.simreg_temperature,
+        "simreg_scope": args.simreg_scope,
+        "spike_steps": spike_steps,
+        "spike_params": args.spike_params if spike_steps else [],
+        "spike_factor": args.spike_factor,
+        "overrides": overrides,
+        "wall_seconds": wall,
+        "total_wall_seconds": time.time() - start,
+    }
+    title = (
+        f"{cfg.model.preset} BERT, {args.steps} steps x {global_batch}, {len(seeds)} seed(s), {cfg.optim.name}; "
+        f"SimReg w={args.simreg_weight} T={args.simreg_temperature}; AdaGC warm-up "
+        f"{cfg.optim.adagc.warmup_steps}"
+        + (
+            f"; {len(spike_steps)} spikes x{args.spike_factor:g} on {','.join(args.spike_params)} "
+            f"(steps {spike_steps[0]}-{spike_steps[-1]}, dotted)"
+            if spike_steps
+            else ""
+        )
+    )
     report(arms, out, setup, args.target_accuracy, spike_steps, global_batch, title)
     return 0
 

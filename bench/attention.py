@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run by path: import the project from the reposi
 
 import torch  # noqa: E402
 
-from bench.lengths import LengthsError, LengthSampler  # noqa: E402
+from bench.lengths import LengthSampler, LengthsError  # noqa: E402
 
 BACKENDS = ("reference", "padded", "torch_varlen", "flash_attn", "triton", "triton_grouped")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -76,8 +76,9 @@ def load_backends(names):
 def max_diff(a, b) -> float:
     out, grads = a
     out_r, grads_r = b
-    return max(float((x.detach().float() - y.detach().float()).abs().max())
-               for x, y in zip((out, *grads), (out_r, *grads_r)))
+    return max(
+        float((x.detach().float() - y.detach().float()).abs().max()) for x, y in zip((out, *grads), (out_r, *grads_r))
+    )
 
 
 def gpu_benchmark(args, sampler) -> dict:
@@ -132,9 +133,13 @@ def gpu_benchmark(args, sampler) -> dict:
             results[name] = {"status": "error", "reason": errors[name]}
         else:
             ms = statistics.median(times[name])
-            results[name] = {"status": "ok", "median_ms": ms, "tflops": statistics.median(flops[name]),
-                             "speedup_vs_padded": (base / ms) if base else None,
-                             "max_diff_vs_reference": diffs.get(name)}
+            results[name] = {
+                "status": "ok",
+                "median_ms": ms,
+                "tflops": statistics.median(flops[name]),
+                "speedup_vs_padded": (base / ms) if base else None,
+                "max_diff_vs_reference": diffs.get(name),
+            }
     return {"batches": batches, "results": results}
 
 
@@ -154,8 +159,11 @@ def cpu_correctness(args, sampler) -> dict:
         elif name in backends:
             t0 = time.perf_counter()
             diff = max_diff(fwd_bwd(backends[name], qkv, dout, layout, 0.0), ref)
-            results[name] = {"status": "ok" if diff <= 1e-4 else "mismatch", "max_diff_vs_reference": diff,
-                             "seconds": time.perf_counter() - t0}
+            results[name] = {
+                "status": "ok" if diff <= 1e-4 else "mismatch",
+                "max_diff_vs_reference": diff,
+                "seconds": time.perf_counter() - t0,
+            }
     return {"lengths": lengths, "results": results}
 
 
@@ -166,8 +174,10 @@ def print_table(report: dict) -> None:
         elif "median_ms" in r:
             ratio = f"{r['speedup_vs_padded']:.2f}x" if r["speedup_vs_padded"] else "-"
             diff = "-" if r["max_diff_vs_reference"] is None else f"{r['max_diff_vs_reference']:.2e}"
-            print(f"  {name:15s} {r['median_ms']:9.3f} ms  {r['tflops']:7.1f} TFLOP/s  {ratio:>7s} vs padded  "
-                  f"max diff vs reference {diff}")
+            print(
+                f"  {name:15s} {r['median_ms']:9.3f} ms  {r['tflops']:7.1f} TFLOP/s  {ratio:>7s} vs padded  "
+                f"max diff vs reference {diff}"
+            )
         else:
             diff = r.get("max_diff_vs_reference")
             print(f"  {name:15s} ok" + ("" if diff is None else f"  max diff vs reference {diff:.2e}"))
@@ -183,8 +193,12 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--dropout", type=float, default=0.0,
-                        help="attention dropout while timing (torch_varlen has none: it refuses p > 0)")
+    parser.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="attention dropout while timing (torch_varlen has none: it refuses p > 0)",
+    )
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
@@ -198,9 +212,15 @@ def main(argv=None) -> int:
         print(f"bench/attention.py: {e}", file=sys.stderr)
         return 2
     gpu = torch.cuda.is_available()
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "torch": torch.__version__,
-              "lengths": sampler.source, "dtype": args.dtype, "dropout": args.dropout,
-              "shape": {"seqs": args.seqs, "heads": args.heads, "dim": args.dim}}
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "lengths": sampler.source,
+        "dtype": args.dtype,
+        "dropout": args.dropout,
+        "shape": {"seqs": args.seqs, "heads": args.heads, "dim": args.dim},
+    }
     try:
         import triton
 
@@ -209,8 +229,10 @@ def main(argv=None) -> int:
         report["triton"] = None
     if gpu:
         report["device"] = torch.cuda.get_device_name()
-        print(f"{report['device']}: {args.batches} batches x {args.seqs} sequences x {args.heads} heads x "
-              f"{args.dim} dims, {args.dtype}, lengths from the {sampler.source}")
+        print(
+            f"{report['device']}: {args.batches} batches x {args.seqs} sequences x {args.heads} heads x "
+            f"{args.dim} dims, {args.dtype}, lengths from the {sampler.source}"
+        )
         report.update(gpu_benchmark(args, sampler))
         ok = all(r["status"] in ("ok", "unavailable") for r in report["results"].values())
     else:

@@ -42,9 +42,17 @@ def bench_prepare(args, out_root: Path) -> Path:
     trees = []
     for workers in sorted({1, args.workers}):
         out = out_root / f"prep_w{workers}"
-        cfg = PrepareConfig(inputs=args.input, output_dir=str(out), input_format=args.input_format, vocab=args.vocab,
-                            max_seq_length=args.max_seq_length, max_predictions=args.max_predictions,
-                            shards=args.shards, eval_samples=args.eval_samples, workers=workers)
+        cfg = PrepareConfig(
+            inputs=args.input,
+            output_dir=str(out),
+            input_format=args.input_format,
+            vocab=args.vocab,
+            max_seq_length=args.max_seq_length,
+            max_predictions=args.max_predictions,
+            shards=args.shards,
+            eval_samples=args.eval_samples,
+            workers=workers,
+        )
         t = time.perf_counter()
         r = prepare(cfg, log=lambda m: None)
         total = time.perf_counter() - t
@@ -52,8 +60,10 @@ def bench_prepare(args, out_root: Path) -> Path:
         rows.append((workers, n, total, r.seconds))
         trees.append({p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()})
     same = all(t == trees[0] for t in trees)
-    print(f"\npreparation: {', '.join(args.input)} ({args.input_format}), max_seq_length {args.max_seq_length}, "
-          f"dupe_factor 10, {args.shards} shards")
+    print(
+        f"\npreparation: {', '.join(args.input)} ({args.input_format}), max_seq_length {args.max_seq_length}, "
+        f"dupe_factor 10, {args.shards} shards"
+    )
     print(f"{'workers':>8} {'samples':>9} {'seconds':>8} {'samples/s':>10} {'per worker':>11}   stages (s)")
     for workers, n, total, sec in rows:
         stages = ", ".join(f"{k} {v:.1f}" for k, v in sec.items())
@@ -88,12 +98,18 @@ def bench_loader(args, data: Path) -> None:
     torch.set_num_threads(1)
     if args.one_core and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    cases = [("loader only (SampleBlock)", None), ("loader + collate_unpadded", ("torch", "unpadded")),
-             ("loader + collate_padded", ("torch", "padded")), ("loader + DALI (CPU pipeline)", ("dali", "unpadded"))]
+    cases = [
+        ("loader only (SampleBlock)", None),
+        ("loader + collate_unpadded", ("torch", "unpadded")),
+        ("loader + collate_padded", ("torch", "padded")),
+        ("loader + DALI (CPU pipeline)", ("dali", "unpadded")),
+    ]
     g, w = args.global_batch, args.world_size
-    print(f"\nloader: {train}, global batch {g}, rank 0 of {w} ({g // w} sequences per step), "
-          f"{'one core' if args.one_core else 'all cores'}, {args.steps} steps (shard reads included), "
-          f"max_seq_length {seq_len} (from the data)")
+    print(
+        f"\nloader: {train}, global batch {g}, rank 0 of {w} ({g // w} sequences per step), "
+        f"{'one core' if args.one_core else 'all cores'}, {args.steps} steps (shard reads included), "
+        f"max_seq_length {seq_len} (from the data)"
+    )
     print(f"{'what':<32} {'seq/s':>9} {'tokens/s':>11} {'vs goal':>8}")
     for name, coll in cases:
         if coll and coll[0] == "dali" and args.no_dali:
@@ -135,8 +151,12 @@ def main(argv=None) -> int:
     ap.add_argument("--input", nargs="+", default=[str(SHARED / "wikitext-2")])
     ap.add_argument("--input-format", default="wikitext")
     ap.add_argument("--vocab", default=str(SHARED / "vocab" / "bert-uncased-vocab.txt"))
-    ap.add_argument("--max-seq-length", type=int, default=128,
-                    help="what preparation writes; the loader part reads the length from the data")
+    ap.add_argument(
+        "--max-seq-length",
+        type=int,
+        default=128,
+        help="what preparation writes; the loader part reads the length from the data",
+    )
     ap.add_argument("--max-predictions", type=int, default=20)
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--eval-samples", type=int, default=1000)

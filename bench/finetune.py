@@ -72,7 +72,7 @@ def make_task(num_topics: int, min_words: int, test_share: float, seed: int):
 
 def _batches(items, batch_size):
     for i in range(0, len(items), batch_size):
-        yield items[i:i + batch_size]
+        yield items[i : i + batch_size]
 
 
 def finetune(model, tokenizer, train, test, args) -> float:
@@ -80,8 +80,9 @@ def finetune(model, tokenizer, train, test, args) -> float:
     import torch
 
     def encode(batch):
-        return tokenizer([t for t, _ in batch], padding=True, truncation=True, max_length=args.max_length,
-                         return_tensors="pt")
+        return tokenizer(
+            [t for t, _ in batch], padding=True, truncation=True, max_length=args.max_length, return_tensors="pt"
+        )
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     torch.manual_seed(args.seed)  # dropout masks: the same draws for both arms
@@ -103,8 +104,9 @@ def finetune(model, tokenizer, train, test, args) -> float:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("hf_dir", metavar="HF_DIR", help="a directory written by python -m bert.export")
     ap.add_argument("--topics", type=int, default=4, help="classes: the topics with the most paragraphs")
     ap.add_argument("--min-words", type=int, default=12, help="shorter paragraphs are left out")
@@ -139,8 +141,9 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     hf = Path(args.hf_dir)
     if not (hf / "config.json").is_file() or not (hf / "vocab.txt").is_file():
-        raise FinetuneError(f"{hf}: no config.json and vocab.txt (write it with python -m bert.export RUN_DIR "
-                            f"--output {hf})")
+        raise FinetuneError(
+            f"{hf}: no config.json and vocab.txt (write it with python -m bert.export RUN_DIR --output {hf})"
+        )
     import torch
     from transformers import (
         AutoConfig,
@@ -155,17 +158,20 @@ def _main(args) -> int:
     names, train, test = make_task(args.topics, args.min_words, args.test_share, args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(hf), local_files_only=True)
     config = AutoConfig.from_pretrained(str(hf), num_labels=len(names), local_files_only=True)
-    print(f"task: which of {len(names)} pydoc topics ({', '.join(names)}) a paragraph comes from; "
-          f"{len(train)} fine-tuning / {len(test)} held-out paragraphs, balanced (chance {1 / len(names):.3f})")
-    print(f"budget (both arms): {args.epochs} epochs x batch {args.batch_size}, AdamW lr {args.lr}, "
-          f"max length {args.max_length}, seed {args.seed}")
+    print(
+        f"task: which of {len(names)} pydoc topics ({', '.join(names)}) a paragraph comes from; "
+        f"{len(train)} fine-tuning / {len(test)} held-out paragraphs, balanced (chance {1 / len(names):.3f})"
+    )
+    print(
+        f"budget (both arms): {args.epochs} epochs x batch {args.batch_size}, AdamW lr {args.lr}, "
+        f"max length {args.max_length}, seed {args.seed}"
+    )
     results = {}
     for arm in ("pretrained", "random init"):
         start = time.time()
         torch.manual_seed(args.seed)  # the classifier head (and, for random init, every weight)
         if arm == "pretrained":
-            model = AutoModelForSequenceClassification.from_pretrained(str(hf), config=config,
-                                                                       local_files_only=True)
+            model = AutoModelForSequenceClassification.from_pretrained(str(hf), config=config, local_files_only=True)
         else:
             model = AutoModelForSequenceClassification.from_config(config)
         # The same new head in both arms: transformers' init (normal, initializer_range), seeded.
@@ -178,13 +184,27 @@ def _main(args) -> int:
         results[arm] = {"test_accuracy": acc, "seconds": time.time() - start}
         print(f"  {arm:<12} held-out accuracy {acc:.3f}  ({time.time() - start:.1f} s)", flush=True)
     gain = results["pretrained"]["test_accuracy"] - results["random init"]["test_accuracy"]
-    print(f"fine-tuning comparison: pretrained {results['pretrained']['test_accuracy']:.3f} vs random init "
-          f"{results['random init']['test_accuracy']:.3f} ({gain:+.3f}; chance {1 / len(names):.3f})")
+    print(
+        f"fine-tuning comparison: pretrained {results['pretrained']['test_accuracy']:.3f} vs random init "
+        f"{results['random init']['test_accuracy']:.3f} ({gain:+.3f}; chance {1 / len(names):.3f})"
+    )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        atomic_write_text(args.json, json.dumps({"hf_dir": str(hf), "topics": names, "train": len(train),
-                                                 "test": len(test), "args": vars(args), "results": results},
-                                                indent=2) + "\n")
+        atomic_write_text(
+            args.json,
+            json.dumps(
+                {
+                    "hf_dir": str(hf),
+                    "topics": names,
+                    "train": len(train),
+                    "test": len(test),
+                    "args": vars(args),
+                    "results": results,
+                },
+                indent=2,
+            )
+            + "\n",
+        )
     return 0
 
 

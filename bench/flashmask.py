@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.attention import attention_flops  # noqa: E402
-from bench.lengths import LengthsError, LengthSampler  # noqa: E402
+from bench.lengths import LengthSampler, LengthsError  # noqa: E402
 from data.packing import first_fit_decreasing  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -67,7 +67,7 @@ def pack(lengths: list[int], seq_len: int) -> tuple[list[list[int]], torch.Tenso
     for r, lens in enumerate(per_row):
         at = 0
         for d, n in enumerate(lens):
-            doc[r, at:at + n] = d
+            doc[r, at : at + n] = d
             at += n
     return per_row, doc
 
@@ -79,14 +79,22 @@ def tile_report(per_row, seq_len, tiles: dict, backward: bool, device) -> dict:
     spec = document_mask(per_row, seq_len)
     bounds = spec.startend_row_indices.to(device)
     q = torch.zeros(bounds.shape[0], seq_len, 1, 16, device=device)  # one head: the mask is shared by all
-    counts = flashmask_tile_counts(q, q, q, bounds, False, tiles={n: t[:2] for n, t in tiles.items()},
-                                   backward=backward)
+    counts = flashmask_tile_counts(
+        q, q, q, bounds, False, tiles={n: t[:2] for n, t in tiles.items()}, backward=backward
+    )
     out = {}
     for name, (got, (bm, bn)) in counts.items():
         want = reference_tile_counts(spec.startend_row_indices, False, seq_len, 1, bm, bn)
-        out[name] = {"tiles": [bm, bn], "skipped": got.skipped, "partial": got.partial, "unmasked": got.unmasked,
-                     "checked": got.checked, "total": got.total, "skipped_fraction": got.skipped / got.total,
-                     "exact": tuple(got[:3]) == tuple(want[:3])}
+        out[name] = {
+            "tiles": [bm, bn],
+            "skipped": got.skipped,
+            "partial": got.partial,
+            "unmasked": got.unmasked,
+            "checked": got.checked,
+            "total": got.total,
+            "skipped_fraction": got.skipped / got.total,
+            "exact": tuple(got[:3]) == tuple(want[:3]),
+        }
     return out
 
 
@@ -97,23 +105,37 @@ def cpu_report(args, sampler) -> dict:
     tiles = tile_sizes(args.dim, DTYPES[args.dtype].itemsize, interpreted=False)
     batches = []
     totals: dict[str, list[int]] = {}
-    for b in range(args.batches):
+    for _ in range(args.batches):
         lengths = draw(sampler, args.seqs, args.seq_len)
         per_row, _ = pack(lengths, args.seq_len)
         t0 = time.perf_counter()
         counts = tile_report(per_row, args.seq_len, tiles, not args.forward_only, torch.device("cpu"))
         rows = len(per_row)
-        batches.append({"sequences": len(lengths), "rows": rows, "tokens": sum(lengths),
-                        "packing_density": sum(lengths) / (rows * args.seq_len),
-                        "mask_density": sum(n * n for n in lengths) / (rows * args.seq_len ** 2),
-                        "counts": counts, "seconds": time.perf_counter() - t0})
+        batches.append(
+            {
+                "sequences": len(lengths),
+                "rows": rows,
+                "tokens": sum(lengths),
+                "packing_density": sum(lengths) / (rows * args.seq_len),
+                "mask_density": sum(n * n for n in lengths) / (rows * args.seq_len**2),
+                "counts": counts,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
         for name, c in counts.items():
             t = totals.setdefault(name, [0, 0, 0, 0, 0])
             for i, key in enumerate(("skipped", "partial", "unmasked", "checked", "total")):
                 t[i] += c[key]
-    summary = {name: {"tiles": tiles[name][:2], "skipped_fraction": t[0] / t[4], "partial_fraction": t[1] / t[4],
-                      "unmasked_fraction": t[2] / t[4], "decided_by_min_max": 1 - (t[3] - t[1]) / t[4]}
-               for name, t in totals.items()}
+    summary = {
+        name: {
+            "tiles": tiles[name][:2],
+            "skipped_fraction": t[0] / t[4],
+            "partial_fraction": t[1] / t[4],
+            "unmasked_fraction": t[2] / t[4],
+            "decided_by_min_max": 1 - (t[3] - t[1]) / t[4],
+        }
+        for name, t in totals.items()
+    }
     exact = all(c["exact"] for b in batches for c in b["counts"].values())
     return {"batches": batches, "summary": summary, "exact": exact}
 
@@ -166,15 +188,17 @@ def gpu_report(args, sampler) -> dict:
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         bounds = document_mask(per_row, s).startend_row_indices.to(device)
         doc = doc.to(device)
-        real = (doc >= 0)  # [R, S]
+        real = doc >= 0  # [R, S]
         same = (doc[:, :, None] == doc[:, None, :]) & real[:, None, :]  # [R, S, S] visible
         dense = (same | torch.eye(s, dtype=torch.bool, device=device))[:, None]  # padding rows see themselves
         work = attention_flops(lengths, h, d)
-        batches.append({"sequences": len(lengths), "rows": r, "tokens": sum(lengths),
-                        "packing_density": sum(lengths) / (r * s)})
+        batches.append(
+            {"sequences": len(lengths), "rows": r, "tokens": sum(lengths), "packing_density": sum(lengths) / (r * s)}
+        )
         fns = {}
         fns["flashmask"] = lambda q_, k_, v_: flashmask_attention(q_, k_, v_, bounds)
         if flex is not None:
+
             def mask_mod(b, hh, qi, ki):
                 return (doc[b, qi] == doc[b, ki]) & (doc[b, ki] >= 0)
 
@@ -183,15 +207,19 @@ def gpu_report(args, sampler) -> dict:
             block_mask = create_block_mask(mask_mod, r, None, s, s, device=device)
             torch.cuda.synchronize()
             mask_ms.append((time.perf_counter() - t0) * 1e3)
-            fns["flex_attention"] = lambda q_, k_, v_: flex(q_.transpose(1, 2), k_.transpose(1, 2),
-                                                           v_.transpose(1, 2), block_mask=block_mask).transpose(1, 2)
+            fns["flex_attention"] = lambda q_, k_, v_: flex(
+                q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), block_mask=block_mask
+            ).transpose(1, 2)
         fns["sdpa_dense"] = lambda q_, k_, v_: F.scaled_dot_product_attention(
-            q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), attn_mask=dense).transpose(1, 2)
+            q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), attn_mask=dense
+        ).transpose(1, 2)
         flat_index = real.reshape(-1).nonzero().squeeze(1)
-        cu = torch.tensor([0] + np.cumsum([n for row in per_row for n in row]).tolist(), dtype=torch.int32,
-                          device=device)
+        cu = torch.tensor(
+            [0] + np.cumsum([n for row in per_row for n in row]).tolist(), dtype=torch.int32, device=device
+        )
         fns["triton_varlen"] = lambda q_, k_, v_: varlen_attention(
-            *(x.reshape(r * s, h, d)[flat_index] for x in (q_, k_, v_)), cu, max(lengths))
+            *(x.reshape(r * s, h, d)[flat_index] for x in (q_, k_, v_)), cu, max(lengths)
+        )
         ref = None
         for name in args.backends:
             if name in errors or name not in fns:
@@ -218,9 +246,13 @@ def gpu_report(args, sampler) -> dict:
             results[name] = {"status": "error", "reason": errors[name]}
         elif times.get(name):
             ms = statistics.median(times[name])
-            results[name] = {"status": "ok", "median_ms": ms, "tflops": statistics.median(flops[name]),
-                             "ratio_vs_flex": (flex_ms / ms) if flex_ms else None,
-                             "max_diff_vs_sdpa_dense": diffs.get(name)}
+            results[name] = {
+                "status": "ok",
+                "median_ms": ms,
+                "tflops": statistics.median(flops[name]),
+                "ratio_vs_flex": (flex_ms / ms) if flex_ms else None,
+                "max_diff_vs_sdpa_dense": diffs.get(name),
+            }
     tiles = tile_sizes(d, dtype.itemsize, interpreted=False)
     per_row, _ = pack(draw(sampler, args.seqs, s), s)
     counts = tile_report(per_row, s, tiles, True, device)
@@ -229,12 +261,16 @@ def gpu_report(args, sampler) -> dict:
 
 def print_cpu(report: dict) -> None:
     dens = [b["packing_density"] for b in report["batches"]]
-    print(f"  {len(report['batches'])} batches, packing density (real tokens / R*S) {statistics.mean(dens):.3f}, "
-          f"dense-mask density {statistics.mean(b['mask_density'] for b in report['batches']):.3f}")
+    print(
+        f"  {len(report['batches'])} batches, packing density (real tokens / R*S) {statistics.mean(dens):.3f}, "
+        f"dense-mask density {statistics.mean(b['mask_density'] for b in report['batches']):.3f}"
+    )
     for name, s in report["summary"].items():
-        print(f"  {name:5s} tiles {s['tiles'][0]}x{s['tiles'][1]}: skipped {s['skipped_fraction']:.1%}  "
-              f"partial {s['partial_fraction']:.1%}  unmasked {s['unmasked_fraction']:.1%}  "
-              f"classified by the bounds' min/max alone {s['decided_by_min_max']:.1%}")
+        print(
+            f"  {name:5s} tiles {s['tiles'][0]}x{s['tiles'][1]}: skipped {s['skipped_fraction']:.1%}  "
+            f"partial {s['partial_fraction']:.1%}  unmasked {s['unmasked_fraction']:.1%}  "
+            f"classified by the bounds' min/max alone {s['decided_by_min_max']:.1%}"
+        )
     print(f"  counts equal the dense mask's: {'yes' if report['exact'] else 'NO'}")
 
 
@@ -245,14 +281,20 @@ def print_gpu(report: dict) -> None:
             continue
         ratio = "-" if r["ratio_vs_flex"] is None else f"{r['ratio_vs_flex']:.2f}x"
         diff = "-" if r["max_diff_vs_sdpa_dense"] is None else f"{r['max_diff_vs_sdpa_dense']:.2e}"
-        print(f"  {name:15s} {r['median_ms']:9.3f} ms  {r['tflops']:7.1f} TFLOP/s  {ratio:>7s} vs flex_attention  "
-              f"max diff vs sdpa_dense {diff}")
+        print(
+            f"  {name:15s} {r['median_ms']:9.3f} ms  {r['tflops']:7.1f} TFLOP/s  {ratio:>7s} vs flex_attention  "
+            f"max diff vs sdpa_dense {diff}"
+        )
     if report["flex_block_mask_ms"]:
-        print(f"  flex_attention's create_block_mask: {statistics.median(report['flex_block_mask_ms']):.2f} ms "
-              f"per batch (not in its time)")
+        print(
+            f"  flex_attention's create_block_mask: {statistics.median(report['flex_block_mask_ms']):.2f} ms "
+            f"per batch (not in its time)"
+        )
     for name, c in report["tile_counts"].items():
-        print(f"  flashmask {name:5s} tiles {c['tiles'][0]}x{c['tiles'][1]}: skipped {c['skipped_fraction']:.1%} "
-              f"(exact: {c['exact']})")
+        print(
+            f"  flashmask {name:5s} tiles {c['tiles'][0]}x{c['tiles'][1]}: skipped {c['skipped_fraction']:.1%} "
+            f"(exact: {c['exact']})"
+        )
 
 
 def main(argv=None) -> int:
@@ -280,22 +322,32 @@ def main(argv=None) -> int:
     if args.seq_len < 1 or args.seqs < 1 or args.batches < 1:
         print("bench/flashmask.py: --seq-len, --seqs and --batches must be >= 1", file=sys.stderr)
         return 2
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "torch": torch.__version__,
-              "lengths": sampler.source, "dtype": args.dtype,
-              "shape": {"seqs": args.seqs, "seq_len": args.seq_len, "heads": args.heads, "dim": args.dim}}
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "lengths": sampler.source,
+        "dtype": args.dtype,
+        "shape": {"seqs": args.seqs, "seq_len": args.seq_len, "heads": args.heads, "dim": args.dim},
+    }
     if torch.cuda.is_available():
         report["device"] = torch.cuda.get_device_name()
-        print(f"{report['device']}: {args.batches} batches of {args.seqs} sequences packed into rows of "
-              f"{args.seq_len}, {args.heads} heads x {args.dim} dims, {args.dtype}, lengths from the {sampler.source}")
+        print(
+            f"{report['device']}: {args.batches} batches of {args.seqs} sequences packed into rows of "
+            f"{args.seq_len}, {args.heads} heads x {args.dim} dims, {args.dtype}, lengths from the {sampler.source}"
+        )
         report.update(gpu_report(args, sampler))
         print_gpu(report)
-        ok = all(r["status"] in ("ok", "unavailable") for r in report["results"].values()) and \
-            all(c["exact"] for c in report["tile_counts"].values())
+        ok = all(r["status"] in ("ok", "unavailable") for r in report["results"].values()) and all(
+            c["exact"] for c in report["tile_counts"].values()
+        )
     else:
         report["device"] = "cpu"
-        print(f"No CUDA GPU here: tile counts only (the kernels in Triton's interpreter, debug mode), "
-              f"{args.batches} batches of {args.seqs} sequences from the {sampler.source}, rows of {args.seq_len}, "
-              f"GPU tiles for {args.dtype} x {args.dim} dims.")
+        print(
+            f"No CUDA GPU here: tile counts only (the kernels in Triton's interpreter, debug mode), "
+            f"{args.batches} batches of {args.seqs} sequences from the {sampler.source}, rows of {args.seq_len}, "
+            f"GPU tiles for {args.dtype} x {args.dim} dims."
+        )
         report.update(cpu_report(args, sampler))
         print_cpu(report)
         ok = report["exact"]

@@ -36,12 +36,16 @@ def _ops(hidden: int, inter: int, dropout: float):
     from kernels import fused_ops as fo
 
     return {
-        "bias_gelu": (lambda x, b, r, w, lb: fo.bias_gelu(x, b), lambda x, b, r, w, lb: fo.bias_gelu_reference(x, b),
-                      inter),
+        "bias_gelu": (
+            lambda x, b, r, w, lb: fo.bias_gelu(x, b),
+            lambda x, b, r, w, lb: fo.bias_gelu_reference(x, b),
+            inter,
+        ),
         "bias_dropout_add_layer_norm": (
             lambda x, b, r, w, lb: fo.bias_dropout_add_layer_norm(x, b, r, w, lb, dropout, 1e-12, True),
             lambda x, b, r, w, lb: fo.bias_dropout_add_layer_norm_reference(x, b, r, w, lb, dropout, 1e-12, True),
-            hidden),
+            hidden,
+        ),
     }
 
 
@@ -73,8 +77,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name() if gpu else "cpu",
-              "rows": args.rows if gpu else 40, "results": {}}
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "rows": args.rows if gpu else 40,
+        "results": {},
+    }
     ok = True
     if not gpu:
         print("No CUDA GPU here: checking correctness only (small shapes in Triton's interpreter), no timings.")

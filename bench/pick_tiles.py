@@ -30,8 +30,11 @@ def pick(reports: dict[str, dict]) -> dict:
         times = {p: reports[p].get("results", {}).get(backend, {}).get("median_ms") for p in PRESETS}
         timed = {p: t for p, t in times.items() if t is not None}
         faster = min(timed, key=timed.get) if len(timed) == len(PRESETS) else None
-        out[backend] = {"median_ms": times, "faster": faster,
-                        "speedup_small_vs_default": (times["default"] / times["small"]) if faster else None}
+        out[backend] = {
+            "median_ms": times,
+            "faster": faster,
+            "speedup_small_vs_default": (times["default"] / times["small"]) if faster else None,
+        }
     return out
 
 
@@ -53,8 +56,10 @@ def main(argv=None) -> int:
         if r["faster"] is None:
             print(f"{backend:15s} no timings in both reports (CPU run?): nothing to pick")
         else:
-            print(f"{backend:15s} default {r['median_ms']['default']:.3f} ms, small {r['median_ms']['small']:.3f} ms: "
-                  f"faster = {r['faster']} (KERNELS_ATTENTION_TILES={r['faster']})")
+            print(
+                f"{backend:15s} default {r['median_ms']['default']:.3f} ms, small {r['median_ms']['small']:.3f} ms: "
+                f"faster = {r['faster']} (KERNELS_ATTENTION_TILES={r['faster']})"
+            )
     if args.json:
         atomic_write_text(Path(args.json), json.dumps(result, indent=1))
     return 0

@@ -91,7 +91,7 @@ def lengths_from_dir(path: str) -> tuple[np.ndarray, np.ndarray]:
                 else:
                     raise SystemExit(f"rebalance_sim: {f}: neither input_mask (fixed layout) nor input_ids (varlength)")
         except (OSError, KeyError) as e:
-            raise SystemExit(f"rebalance_sim: {f}: cannot read: {e}")
+            raise SystemExit(f"rebalance_sim: {f}: cannot read: {e}") from None
     L, m = np.concatenate(lengths), np.concatenate(masked)
     if len(L) == 0 or L.min() < 1:
         raise SystemExit(f"rebalance_sim: --data-dir {path}: no samples, or a sample of length 0")
@@ -144,11 +144,20 @@ def simulate(world_sizes, batch: int, steps: int, seed: int, cost, draw, group_s
                 p["moved"].append(plan.moved / W)
                 p["bytes"].append(int(bytes_received(s, plan, words).max()))
         for (s, g), p in per.items():
-            records.append(dict(world_size=W, strategy=s, group_size=g, imbalance=float(np.median(p["imb"])),
-                                imbalance_before=float(np.median(p["before"])),
-                                moved_per_rank=float(np.median(p["moved"])),
-                                bytes_per_rank=int(np.median(p["bytes"])),
-                                assign_ms=float(np.median(p["ms"])), batch_per_rank=batch, steps=steps))
+            records.append(
+                dict(
+                    world_size=W,
+                    strategy=s,
+                    group_size=g,
+                    imbalance=float(np.median(p["imb"])),
+                    imbalance_before=float(np.median(p["before"])),
+                    moved_per_rank=float(np.median(p["moved"])),
+                    bytes_per_rank=int(np.median(p["bytes"])),
+                    assign_ms=float(np.median(p["ms"])),
+                    batch_per_rank=batch,
+                    steps=steps,
+                )
+            )
     return records
 
 
@@ -159,15 +168,19 @@ def _label(r: dict) -> str:
 def print_table(records: list[dict]) -> None:
     print(f"{'W':>5} {'strategy':>12} {'imbalance':>10} {'moved/rank':>11} {'bytes/rank':>12} {'assign_ms':>10}")
     for r in records:
-        print(f"{r['world_size']:>5} {_label(r):>12} {r['imbalance']:>10.4f} {r['moved_per_rank']:>11.1f} "
-              f"{r['bytes_per_rank']:>12,} {r['assign_ms']:>10.2f}")
+        print(
+            f"{r['world_size']:>5} {_label(r):>12} {r['imbalance']:>10.4f} {r['moved_per_rank']:>11.1f} "
+            f"{r['bytes_per_rank']:>12,} {r['assign_ms']:>10.2f}"
+        )
     print()
     by = {(r["world_size"], _label(r)): r for r in records}
     for W in sorted({r["world_size"] for r in records}):
         ag, ours = by[(W, "stripe")]["bytes_per_rank"], by[(W, "balanced")]["bytes_per_rank"]
         stripe, balanced = by[(W, "stripe")]["imbalance"], by[(W, "balanced")]["imbalance"]
-        print(f"W={W}: all-gather-everything / balanced exchange = {ag / ours:,.0f}x the bytes; "
-              f"imbalance stripe {stripe:.4f} -> balanced {balanced:.4f}")
+        print(
+            f"W={W}: all-gather-everything / balanced exchange = {ag / ours:,.0f}x the bytes; "
+            f"imbalance stripe {stripe:.4f} -> balanced {balanced:.4f}"
+        )
 
 
 def write_atomic(path: str, write) -> None:
@@ -187,14 +200,16 @@ def plot(records: list[dict], path: str) -> None:
         rs = [r for r in records if _label(r) == label]
         ax1.plot([r["world_size"] for r in rs], [100 * (r["imbalance"] - 1) for r in rs], "o-", label=label)
     ax1.axhline(1.0, color="gray", ls=":", label="goal (1.01)")
-    ax1.set(xscale="log", yscale="log", xlabel="ranks W", ylabel="max / mean rank cost - 1  (%)",
-            title="imbalance per step")
+    ax1.set(
+        xscale="log", yscale="log", xlabel="ranks W", ylabel="max / mean rank cost - 1  (%)", title="imbalance per step"
+    )
     ax1.legend(loc="center right")
     for s, label in (("stripe", "all-gather everything (submissions)"), ("balanced", "lengths + moved samples (ours)")):
         rs = [r for r in records if _label(r) == s]
         ax2.plot([r["world_size"] for r in rs], [r["bytes_per_rank"] for r in rs], "o-", label=label)
-    ax2.set(xscale="log", yscale="log", xlabel="ranks W", ylabel="bytes received per rank per step",
-            title="exchange volume")
+    ax2.set(
+        xscale="log", yscale="log", xlabel="ranks W", ylabel="bytes received per rank per step", title="exchange volume"
+    )
     ax2.legend()
     fig.tight_layout()
     write_atomic(path, lambda p: fig.savefig(p, dpi=100))
@@ -208,14 +223,24 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=56, help="sequences per rank per step")
     ap.add_argument("--steps", type=int, default=5, help="steps to take the median over")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cost", type=float, nargs=2, metavar=("A", "B"), default=list(DEFAULT_COST),
-                    help="c(L) = A*L + B*L^2 (default: BERT-large FLOPs)")
+    ap.add_argument(
+        "--cost",
+        type=float,
+        nargs=2,
+        metavar=("A", "B"),
+        default=list(DEFAULT_COST),
+        help="c(L) = A*L + B*L^2 (default: BERT-large FLOPs)",
+    )
     ap.add_argument("--group-size", type=int, default=8, help="ranks per group for the hierarchical variant")
     ap.add_argument("--json", help="write one record per (world size, strategy, group size)")
     ap.add_argument("--png", help="write the imbalance and bytes plots")
     args = ap.parse_args(argv)
-    for name, v in (("--batch", args.batch), ("--steps", args.steps), ("--world-sizes", min(args.world_sizes)),
-                    ("--group-size", args.group_size)):
+    for name, v in (
+        ("--batch", args.batch),
+        ("--steps", args.steps),
+        ("--world-sizes", min(args.world_sizes)),
+        ("--group-size", args.group_size),
+    ):
         if v < 1:
             ap.error(f"{name} must be >= 1")
 
@@ -233,11 +258,14 @@ def main(argv=None) -> int:
             L = mlperf_like_lengths(rng, n)
             return L, masked_counts(L)
 
-    print(f"lengths: {source}; B = {args.batch} per rank; cost a={args.cost[0]:g} b={args.cost[1]:.4g}; "
-          f"median over {args.steps} steps")
+    print(
+        f"lengths: {source}; B = {args.batch} per rank; cost a={args.cost[0]:g} b={args.cost[1]:.4g}; "
+        f"median over {args.steps} steps"
+    )
     records = simulate(args.world_sizes, args.batch, args.steps, args.seed, tuple(args.cost), draw, args.group_size)
     print_table(records)
     if args.json:
+
         def write_json(p):
             with open(p, "w") as f:
                 json.dump(records, f, indent=1)

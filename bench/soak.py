@@ -142,14 +142,30 @@ def free_port() -> int:
 
 def run_overrides(args, train: str, eval_file: str) -> list[str]:
     return [
-        "model.preset=tiny", "model.attention=padded", f"model.vocab_size={args.vocab}",
-        "data.layout=unpadded", f"data.max_seq_length={args.seq_len}", f"data.rebalance={args.rebalance}",
-        f"data.train_dir={train}", f"data.eval_file={eval_file}",
-        f"train.global_batch_size={args.global_batch}", f"train.max_steps={args.steps}",
-        "train.max_samples=1000000000", "train.device=cpu", f"train.log_interval_steps={args.log_every}",
-        f"eval.interval_samples={args.interval * args.global_batch}", "eval.max_samples=256", "eval.batch_size=64",
-        "eval.target_accuracy=0.99", f"checkpoint.interval_steps={args.interval}", "checkpoint.keep=2",
-        "optim.clip=adagc", "optim.warmup_steps=10", "log.plot=false", *args.overrides]
+        "model.preset=tiny",
+        "model.attention=padded",
+        f"model.vocab_size={args.vocab}",
+        "data.layout=unpadded",
+        f"data.max_seq_length={args.seq_len}",
+        f"data.rebalance={args.rebalance}",
+        f"data.train_dir={train}",
+        f"data.eval_file={eval_file}",
+        f"train.global_batch_size={args.global_batch}",
+        f"train.max_steps={args.steps}",
+        "train.max_samples=1000000000",
+        "train.device=cpu",
+        f"train.log_interval_steps={args.log_every}",
+        f"eval.interval_samples={args.interval * args.global_batch}",
+        "eval.max_samples=256",
+        "eval.batch_size=64",
+        "eval.target_accuracy=0.99",
+        f"checkpoint.interval_steps={args.interval}",
+        "checkpoint.keep=2",
+        "optim.clip=adagc",
+        "optim.warmup_steps=10",
+        "log.plot=false",
+        *args.overrides,
+    ]
 
 
 def start_ranks(args, run_dir: Path, overrides: list[str], logs: Path) -> list[subprocess.Popen]:
@@ -157,13 +173,22 @@ def start_ranks(args, run_dir: Path, overrides: list[str], logs: Path) -> list[s
     procs = []
     for rank in range(args.ranks):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "SLURM_"))}
-        env.update(RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.ranks),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(args.threads),
-                   PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(args.ranks),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(args.ranks),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS=str(args.threads),
+            PYTHONPATH=str(REPO),
+            PYTHONUNBUFFERED="1",
+        )
         cmd = [sys.executable, str(REPO / "run_pretraining.py"), "--output-dir", str(run_dir), *overrides]
         with open(logs / f"rank{rank}.log", "w", encoding="utf-8") as log:  # the rank keeps its own copy
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+            )
     return procs
 
 
@@ -198,17 +223,26 @@ def report(samples: list[Sample], ranks: int, warmup_steps: int, last_step: int)
         # Samples at the last step see the process tearing down (threads and files closing).
         after = [s for s in samples if s.rank == rank and warmup_steps < s.step < last_step]
         if len(after) < 20:
-            raise SoakError(f"rank {rank}: only {len(after)} samples after the warm-up of {warmup_steps} steps; "
-                            f"run more steps or sample more often (--sample-every)")
+            raise SoakError(
+                f"rank {rank}: only {len(after)} samples after the warm-up of {warmup_steps} steps; "
+                f"run more steps or sample more often (--sample-every)"
+            )
         tenth = max(len(after) // 10, 2)
         first, last = after[:tenth], after[-tenth:]
         rss0 = statistics.median(s.rss_kb for s in first)
         rss1 = statistics.median(s.rss_kb for s in last)
-        r = RankReport(rank=rank, samples=len(after), rss_start_mb=rss0 / 1024, rss_end_mb=rss1 / 1024,
-                       rss_max_mb=max(s.rss_kb for s in after) / 1024, rss_growth=(rss1 - rss0) / rss0,
-                       fds=(min(s.fds for s in first), min(s.fds for s in last)),
-                       threads=(min(s.threads for s in first), min(s.threads for s in last)),
-                       fds_max=max(s.fds for s in after), threads_max=max(s.threads for s in after))
+        r = RankReport(
+            rank=rank,
+            samples=len(after),
+            rss_start_mb=rss0 / 1024,
+            rss_end_mb=rss1 / 1024,
+            rss_max_mb=max(s.rss_kb for s in after) / 1024,
+            rss_growth=(rss1 - rss0) / rss0,
+            fds=(min(s.fds for s in first), min(s.fds for s in last)),
+            threads=(min(s.threads for s in first), min(s.threads for s in last)),
+            fds_max=max(s.fds for s in after),
+            threads_max=max(s.threads for s in after),
+        )
         if r.rss_growth > RSS_GOAL:
             r.problems.append(f"RSS grew {100 * r.rss_growth:.1f}% (goal <= {100 * RSS_GOAL:.0f}%)")
         if r.fds[1] > r.fds[0]:
@@ -233,23 +267,35 @@ def rss_curve(samples: list[Sample], ranks: int, last_step: int, points: int = 1
 
 
 def table(reports: list[RankReport]) -> str:
-    rows = [("| rank | samples | RSS after warm-up (MB) | RSS at end (MB) | growth | max RSS (MB) "
-             "| fds: start -> end (max) | threads: start -> end (max) |"), "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        (
+            "| rank | samples | RSS after warm-up (MB) | RSS at end (MB) | growth | max RSS (MB) "
+            "| fds: start -> end (max) | threads: start -> end (max) |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in reports:
-        rows.append(f"| {r.rank} | {r.samples} | {r.rss_start_mb:.1f} | {r.rss_end_mb:.1f} | "
-                    f"{100 * r.rss_growth:+.2f}% | {r.rss_max_mb:.1f} | {r.fds[0]} -> {r.fds[1]} ({r.fds_max}) | "
-                    f"{r.threads[0]} -> {r.threads[1]} ({r.threads_max}) |")
+        rows.append(
+            f"| {r.rank} | {r.samples} | {r.rss_start_mb:.1f} | {r.rss_end_mb:.1f} | "
+            f"{100 * r.rss_growth:+.2f}% | {r.rss_max_mb:.1f} | {r.fds[0]} -> {r.fds[1]} ({r.fds_max}) | "
+            f"{r.threads[0]} -> {r.threads[1]} ({r.threads_max}) |"
+        )
     return "\n".join(rows)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=4000, help="training steps (default 4000)")
     p.add_argument("--ranks", type=int, default=2, help="ranks on this machine (default 2)")
     p.add_argument("--interval", type=int, default=400, help="an eval and a checkpoint every this many steps")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="steps left out of the comparison (default: max(2 x --interval, --steps / 5))")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="steps left out of the comparison (default: max(2 x --interval, --steps / 5))",
+    )
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab", type=int, default=1000)
@@ -259,8 +305,12 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10, help="train.log_interval_steps")
     p.add_argument("--sample-every", type=float, default=1.0, help="seconds between samples")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each rank")
-    p.add_argument("--max-minutes", type=float, default=24 * 60,
-                   help="stop the ranks (SIGTERM: checkpoint, clean exit) after this long and report the steps done")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=24 * 60,
+        help="stop the ranks (SIGTERM: checkpoint, clean exit) after this long and report the steps done",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     p.add_argument("--out", default="results/soak", help="output directory (replaced)")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="more run_pretraining.py overrides")
@@ -280,15 +330,17 @@ def soak(args) -> tuple[list[RankReport], dict]:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    train, eval_file = write_data(out / "data", args.shards * args.ranks, args.per_shard, args.seq_len, args.vocab,
-                                  args.seed)
+    train, eval_file = write_data(
+        out / "data", args.shards * args.ranks, args.per_shard, args.seq_len, args.vocab, args.seed
+    )
     run_dir = out / "run"
     overrides = run_overrides(args, train, eval_file)
     procs = start_ranks(args, run_dir, overrides, out)
     started = time.time()
     try:
-        samples, stopped = watch(procs, StepFollower(run_dir / "metrics.jsonl"), args.sample_every,
-                                 args.max_minutes * 60)
+        samples, stopped = watch(
+            procs, StepFollower(run_dir / "metrics.jsonl"), args.sample_every, args.max_minutes * 60
+        )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -299,16 +351,23 @@ def soak(args) -> tuple[list[RankReport], dict]:
     if any(codes):
         bad = codes.index(next(c for c in codes if c))
         lines = (out / f"rank{bad}.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()
-        raise SoakError(f"rank {bad} exited with {codes[bad]}: {lines[-1] if lines else 'no output'} "
-                        f"(see {out / f'rank{bad}.log'})")
+        raise SoakError(
+            f"rank {bad} exited with {codes[bad]}: {lines[-1] if lines else 'no output'} (see {out / f'rank{bad}.log'})"
+        )
     status = json.loads((run_dir / "summary.json").read_text()) if not stopped else None
     last_step = status["steps"] if status else max(s.step for s in samples)
     if not stopped and last_step != args.steps:
         raise SoakError(f"the run stopped at step {last_step} of {args.steps} (status {status['status']})")
-    result = {"settings": {**vars(args), "warmup_steps": warmup, "overrides": overrides},
-              "wall_seconds": wall, "steps_done": last_step, "stopped_by_time_limit": stopped,
-              "train_summary": status, "rss_curve": rss_curve(samples, args.ranks, last_step),
-              "reports": None, "samples": [vars(s) for s in samples]}
+    result = {
+        "settings": {**vars(args), "warmup_steps": warmup, "overrides": overrides},
+        "wall_seconds": wall,
+        "steps_done": last_step,
+        "stopped_by_time_limit": stopped,
+        "train_summary": status,
+        "rss_curve": rss_curve(samples, args.ranks, last_step),
+        "reports": None,
+        "samples": [vars(s) for s in samples],
+    }
     try:
         reports = report(samples, args.ranks, warmup, last_step)
         result["reports"] = [vars(r) for r in reports]
@@ -327,15 +386,17 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, SoakArgumentError) else 1
     limit = f" (stopped by --max-minutes {args.max_minutes:g})" if result["stopped_by_time_limit"] else ""
-    print(f"soak: {result['steps_done']} of {args.steps} steps{limit} on {args.ranks} rank(s) in "
-          f"{result['wall_seconds']:.0f} s; warm-up {result['settings']['warmup_steps']} steps, then "
-          f"{sum(r.samples for r in reports)} samples")
+    print(
+        f"soak: {result['steps_done']} of {args.steps} steps{limit} on {args.ranks} rank(s) in "
+        f"{result['wall_seconds']:.0f} s; warm-up {result['settings']['warmup_steps']} steps, then "
+        f"{sum(r.samples for r in reports)} samples"
+    )
     print(table(reports))
     print("\nmedian RSS (MB) per tenth of the run, warm-up included:")
     ranks = range(args.ranks)
     print("| steps | " + " | ".join(f"rank {r}" for r in ranks) + " |\n|---|" + "---|" * args.ranks)
     for row in result["rss_curve"]:
-        print(f"| {row['steps']} | " + " | ".join(str(row[f'rank{r}_mb']) for r in ranks) + " |")
+        print(f"| {row['steps']} | " + " | ".join(str(row[f"rank{r}_mb"]) for r in ranks) + " |")
     problems = [f"rank {r.rank}: {p}" for r in reports for p in r.problems]
     for p in problems:
         print(f"MISSED: {p}")

@@ -42,9 +42,10 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
@@ -53,9 +54,9 @@ if __package__ in (None, ""):  # run by path: import the project from the reposi
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.attention import BackendUnavailable, backend_names, get_backend  # noqa: E402
-from bert.metrics import atomic_write_text  # noqa: E402
 from bert.config import PRESETS, BertConfig  # noqa: E402
+from bert.metrics import atomic_write_text  # noqa: E402
+from kernels.attention import BackendUnavailable, backend_names, get_backend  # noqa: E402
 
 GOAL_VS_LIMIT = 0.9  # unpadded / padded >= 0.9 x padding limit
 GOAL_VS_HF = 8.0  # unpadded >= 8 x transformers
@@ -111,8 +112,14 @@ def our_loss(model, batch):
     from bert.losses import pretraining_loss
 
     out = model(batch)
-    loss, _ = pretraining_loss(out.mlm_logits, batch.mlm_labels, out.nsp_logits, batch.nsp_labels,
-                               batch.mlm_labels.numel(), batch.nsp_labels.numel())
+    loss, _ = pretraining_loss(
+        out.mlm_logits,
+        batch.mlm_labels,
+        out.nsp_logits,
+        batch.nsp_labels,
+        batch.mlm_labels.numel(),
+        batch.nsp_labels.numel(),
+    )
     return loss
 
 
@@ -121,9 +128,13 @@ def hf_inputs(padded, device) -> dict:
     b, s = padded.input_ids.shape
     labels = torch.full((b * s,), -100, dtype=torch.long)
     labels[padded.mlm_positions] = padded.mlm_labels
-    return {"input_ids": padded.input_ids.to(device), "token_type_ids": padded.segment_ids.to(device),
-            "attention_mask": padded.attention_mask.long().to(device), "labels": labels.view(b, s).to(device),
-            "next_sentence_label": padded.nsp_labels.to(device)}
+    return {
+        "input_ids": padded.input_ids.to(device),
+        "token_type_ids": padded.segment_ids.to(device),
+        "attention_mask": padded.attention_mask.long().to(device),
+        "labels": labels.view(b, s).to(device),
+        "next_sentence_label": padded.nsp_labels.to(device),
+    }
 
 
 def default_variants(device: torch.device) -> list[str]:
@@ -134,8 +145,9 @@ def default_variants(device: torch.device) -> list[str]:
     return names
 
 
-def build_variants(names: list[str], explicit: bool, config: BertConfig, blocks, seq_len: int, device,
-                   hf_attention: str, seed: int) -> list[Variant]:
+def build_variants(
+    names: list[str], explicit: bool, config: BertConfig, blocks, seq_len: int, device, hf_attention: str, seed: int
+) -> list[Variant]:
     import transformers
 
     from bert.checkpoint import load_hf_state_dict
@@ -173,8 +185,10 @@ def build_variants(names: list[str], explicit: bool, config: BertConfig, blocks,
                 v.model, v.loss_fn = BertForPreTraining(config, attention=backend), our_loss
                 v.inputs = [collate_packed(b).to(device) for b in blocks]
             else:
-                raise BenchError(f"--variants: unknown variant {name!r}; choose from transformers, padded, "
-                                 f"unpadded/BACKEND, packed/BACKEND (backends: {', '.join(backend_names())})")
+                raise BenchError(
+                    f"--variants: unknown variant {name!r}; choose from transformers, padded, "
+                    f"unpadded/BACKEND, packed/BACKEND (backends: {', '.join(backend_names())})"
+                )
         except BackendUnavailable as e:
             if explicit:
                 raise BenchError(f"--variants {name}: {e}") from None
@@ -230,8 +244,10 @@ def check_same_function(variants: list[Variant], device, precision: str) -> None
     tol = 1e-4 if precision == "fp32" else 2e-2
     for v in variants:
         if v.check_loss is not None and ref is not None and abs(v.check_loss - ref) > tol * abs(ref):
-            raise BenchError(f"variant {v.name}: first-batch loss {v.check_loss:.6f} differs from transformers' "
-                             f"{ref:.6f} by more than {tol:g} relative; the variants do not compute the same thing")
+            raise BenchError(
+                f"variant {v.name}: first-batch loss {v.check_loss:.6f} differs from transformers' "
+                f"{ref:.6f} by more than {tol:g} relative; the variants do not compute the same thing"
+            )
 
 
 def measure(variants: list[Variant], rounds: int, warmup_rounds: int, device, precision: str, log) -> None:
@@ -250,11 +266,15 @@ def measure(variants: list[Variant], rounds: int, warmup_rounds: int, device, pr
         if r < warmup_rounds:
             log(f"  warm-up round {r + 1}/{warmup_rounds} done")
         else:
-            log(f"  round {r - warmup_rounds + 1}/{rounds}: " + ", ".join(f"{v.name} {v.times[-1]:.2f}s" for v in active))
+            log(
+                f"  round {r - warmup_rounds + 1}/{rounds}: "
+                + ", ".join(f"{v.name} {v.times[-1]:.2f}s" for v in active)
+            )
 
 
 def profile(v: Variant, device, precision: str, rows: int = 15) -> str:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
@@ -279,22 +299,42 @@ def results(variants: list[Variant], blocks, seq_len: int) -> dict:
         row = {"variant": v.name, "skipped": v.skipped, "check_loss": v.check_loss}
         if v.name in timed:
             t = timed[v.name]
-            row.update(seconds_median=t, seconds_min=min(v.times), seconds_max=max(v.times),
-                       seq_per_s=seqs / t, tokens_per_s=real / t,
-                       vs_transformers=hf / t if hf else None, vs_padded=padded / t if padded else None)
+            row.update(
+                seconds_median=t,
+                seconds_min=min(v.times),
+                seconds_max=max(v.times),
+                seq_per_s=seqs / t,
+                tokens_per_s=real / t,
+                vs_transformers=hf / t if hf else None,
+                vs_padded=padded / t if padded else None,
+            )
         rows.append(row)
     goals = {}
     unpadded = [r for r in rows if r["variant"].startswith("unpadded/") and "seq_per_s" in r]
     if unpadded and padded:
         best = max(unpadded, key=lambda r: r["seq_per_s"])
-        goals["unpadded_vs_padded"] = {"variant": best["variant"], "measured": best["vs_padded"],
-                                       "goal": GOAL_VS_LIMIT * limit, "met": best["vs_padded"] >= GOAL_VS_LIMIT * limit}
+        goals["unpadded_vs_padded"] = {
+            "variant": best["variant"],
+            "measured": best["vs_padded"],
+            "goal": GOAL_VS_LIMIT * limit,
+            "met": best["vs_padded"] >= GOAL_VS_LIMIT * limit,
+        }
     if unpadded and hf:
         best = max(unpadded, key=lambda r: r["seq_per_s"])
-        goals["unpadded_vs_transformers"] = {"variant": best["variant"], "measured": best["vs_transformers"],
-                                             "goal": GOAL_VS_HF, "met": best["vs_transformers"] >= GOAL_VS_HF}
-    return {"sequences": seqs, "real_tokens": real, "padded_tokens": seqs * seq_len, "padding_limit": limit,
-            "rows": rows, "goals": goals}
+        goals["unpadded_vs_transformers"] = {
+            "variant": best["variant"],
+            "measured": best["vs_transformers"],
+            "goal": GOAL_VS_HF,
+            "met": best["vs_transformers"] >= GOAL_VS_HF,
+        }
+    return {
+        "sequences": seqs,
+        "real_tokens": real,
+        "padded_tokens": seqs * seq_len,
+        "padding_limit": limit,
+        "rows": rows,
+        "goals": goals,
+    }
 
 
 def table(res: dict) -> str:
@@ -307,14 +347,21 @@ def table(res: dict) -> str:
         spread = (r["seconds_max"] - r["seconds_min"]) / r["seconds_median"]
         vs_hf = "n/a" if r["vs_transformers"] is None else f"{r['vs_transformers']:.2f}x"
         vs_p = "n/a" if r["vs_padded"] is None else f"{r['vs_padded']:.2f}x"
-        lines.append(f"{r['variant']:<22} {r['seq_per_s']:>8.2f} {r['tokens_per_s']:>9.0f} {vs_hf:>16} {vs_p:>10} "
-                     f"{100 * spread:>7.0f}%")
+        lines.append(
+            f"{r['variant']:<22} {r['seq_per_s']:>8.2f} {r['tokens_per_s']:>9.0f} {vs_hf:>16} {vs_p:>10} "
+            f"{100 * spread:>7.0f}%"
+        )
     lines.append(f"padding limit (padded / real tokens of these batches): {res['padding_limit']:.3f}")
     for key, g in res["goals"].items():
-        what = ("vs this project's padded, goal >= 0.9 x padding limit" if key == "unpadded_vs_padded"
-                else "vs transformers, goal >= 8x")
-        lines.append(f"goal {g['variant']} {what}: measured {g['measured']:.2f}x, goal {g['goal']:.2f}x -> "
-                     f"{'met' if g['met'] else 'MISSED'}")
+        what = (
+            "vs this project's padded, goal >= 0.9 x padding limit"
+            if key == "unpadded_vs_padded"
+            else "vs transformers, goal >= 8x"
+        )
+        lines.append(
+            f"goal {g['variant']} {what}: measured {g['measured']:.2f}x, goal {g['goal']:.2f}x -> "
+            f"{'met' if g['met'] else 'MISSED'}"
+        )
     return "\n".join(lines)
 
 
@@ -332,8 +379,9 @@ def plot(res: dict, path: Path, title: str) -> None:
     ax1.set_ylabel("training sequences/s vs transformers")
     ax2.bar(names, [r["vs_padded"] or 0 for r in rows], color="tab:green")
     ax2.axhline(res["padding_limit"], color="black", linestyle="--", label=f"padding limit {res['padding_limit']:.2f}")
-    ax2.axhline(GOAL_VS_LIMIT * res["padding_limit"], color="tab:red", linestyle=":",
-                label=f"goal {GOAL_VS_LIMIT:g} x limit")
+    ax2.axhline(
+        GOAL_VS_LIMIT * res["padding_limit"], color="tab:red", linestyle=":", label=f"goal {GOAL_VS_LIMIT:g} x limit"
+    )
     ax2.set_ylabel("vs this project's padded layout")
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", rotation=30)
@@ -351,8 +399,9 @@ def plot(res: dict, path: Path, title: str) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--data", required=True, help="a prepared data directory (with train/) or a shard directory")
     ap.add_argument("--model", default="small", choices=sorted(PRESETS), help="bert.config preset")
     ap.add_argument("--model-config", help="bert_config.json / config.json (overrides --model)")
@@ -362,11 +411,16 @@ def parse_args(argv=None):
     ap.add_argument("--batches", type=int, default=4, help="distinct batches, each trained on once per round")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (the median is reported)")
     ap.add_argument("--warmup-rounds", type=int, default=1)
-    ap.add_argument("--variants", nargs="+", help="default: transformers padded unpadded/reference "
-                    "(+ unpadded/padded unpadded/triton unpadded/triton_grouped on CUDA) packed/flashmask; "
-                    "also packed/reference")
-    ap.add_argument("--hf-attention", default="sdpa", choices=("sdpa", "eager"),
-                    help="transformers' attention implementation")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        help="default: transformers padded unpadded/reference "
+        "(+ unpadded/padded unpadded/triton unpadded/triton_grouped on CUDA) packed/flashmask; "
+        "also packed/reference",
+    )
+    ap.add_argument(
+        "--hf-attention", default="sdpa", choices=("sdpa", "eager"), help="transformers' attention implementation"
+    )
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="bf16: autocast for all")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
@@ -405,8 +459,9 @@ def _main(args) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: CUDA is not available here")
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = torch.device(
+        "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
     try:
         config = BertConfig.from_json(args.model_config) if args.model_config else BertConfig.preset(args.model)
         if args.vocab_size:
@@ -419,8 +474,10 @@ def _main(args) -> int:
     blocks, info, lengths = load_blocks(data, args.batch_size, args.batches, args.seed, config.vocab_size)
     seq_len = args.max_seq_length or info.max_seq_length or int(lengths.max())
     if seq_len > config.max_position_embeddings:
-        raise BenchError(f"--max-seq-length: {seq_len} exceeds the model's max_position_embeddings "
-                         f"({config.max_position_embeddings})")
+        raise BenchError(
+            f"--max-seq-length: {seq_len} exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
     if int(max(b.seq_lens.max() for b in blocks)) > seq_len:
         raise BenchError(f"--max-seq-length: {seq_len} is shorter than the longest sequence of the batches")
     data_limit = len(lengths) * seq_len / int(lengths.sum())
@@ -428,35 +485,53 @@ def _main(args) -> int:
     explicit = args.variants is not None
     names = args.variants or default_variants(device)
     load_start = os.getloadavg()
-    log(f"throughput: {device}{'' if device.type == 'cuda' else f' ({torch.get_num_threads()} threads)'}, "
+    log(
+        f"throughput: {device}{'' if device.type == 'cuda' else f' ({torch.get_num_threads()} threads)'}, "
         f"{args.precision}, model {args.model_config or args.model} ({config.num_hidden_layers} layers, hidden "
         f"{config.hidden_size}, {config.num_attention_heads} heads, intermediate {config.intermediate_size}, vocab "
         f"{config.vocab_size}), batch {args.batch_size} x {args.batches} batches, padded to {seq_len}, "
-        f"{args.rounds} rounds + {args.warmup_rounds} warm-up; load average {load_start[0]:.1f}")
+        f"{args.rounds} rounds + {args.warmup_rounds} warm-up; load average {load_start[0]:.1f}"
+    )
     variants = build_variants(names, explicit, config, blocks, seq_len, device, args.hf_attention, args.seed)
     if not any(v.name == "transformers" and not v.skipped for v in variants):
         log("note: transformers is not among the variants; the vs-transformers column stays empty")
     check_same_function(variants, device, args.precision)
-    log("check: every variant's first-batch loss matches transformers' ("
-        + ", ".join(f"{v.name} {v.check_loss:.5f}" for v in variants if v.check_loss is not None) + ")")
+    log(
+        "check: every variant's first-batch loss matches transformers' ("
+        + ", ".join(f"{v.name} {v.check_loss:.5f}" for v in variants if v.check_loss is not None)
+        + ")"
+    )
     measure(variants, args.rounds, args.warmup_rounds, device, args.precision, log)
     load_end = os.getloadavg()
 
     res = results(variants, blocks, seq_len)
     res["data_padding_limit"] = data_limit
-    res["setup"] = {"command": " ".join(["python", "bench/throughput.py", *sys.argv[1:]]), "data": str(data),
-                    "device": str(device),
-                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "precision": args.precision,
-                    "model": config.to_dict(), "batch_size": args.batch_size, "batches": args.batches,
-                    "seq_len": seq_len, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
-                    "hf_attention": args.hf_attention, "transformers_version": __import__("transformers").__version__,
-                    "torch_version": torch.__version__, "load_average_start": load_start,
-                    "load_average_end": load_end}
+    res["setup"] = {
+        "command": " ".join(["python", "bench/throughput.py", *sys.argv[1:]]),
+        "data": str(data),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "precision": args.precision,
+        "model": config.to_dict(),
+        "batch_size": args.batch_size,
+        "batches": args.batches,
+        "seq_len": seq_len,
+        "rounds": args.rounds,
+        "warmup_rounds": args.warmup_rounds,
+        "hf_attention": args.hf_attention,
+        "transformers_version": __import__("transformers").__version__,
+        "torch_version": torch.__version__,
+        "load_average_start": load_start,
+        "load_average_end": load_end,
+    }
     print()
     print(table(res))
-    print(f"padding limit of the whole training set: {data_limit:.3f}; load average (1 min) {load_start[0]:.1f} at "
-          f"start, {load_end[0]:.1f} at end on {os.cpu_count()} CPUs")
+    print(
+        f"padding limit of the whole training set: {data_limit:.3f}; load average (1 min) {load_start[0]:.1f} at "
+        f"start, {load_end[0]:.1f} at end on {os.cpu_count()} CPUs"
+    )
     if args.profile:
         for v in variants:
             if not v.skipped:
@@ -465,8 +540,10 @@ def _main(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(res, indent=1) + "\n")
     png = Path(args.png) if args.png else out.with_suffix(".png")
-    title = (f"{device} {args.precision}: {config.num_hidden_layers}x{config.hidden_size} BERT, batch "
-             f"{args.batch_size}, padded to {seq_len}, transformers attention {args.hf_attention}")
+    title = (
+        f"{device} {args.precision}: {config.num_hidden_layers}x{config.hidden_size} BERT, batch "
+        f"{args.batch_size}, padded to {seq_len}, transformers attention {args.hf_attention}"
+    )
     plot(res, png, title)
     print(f"wrote {out}, {png}")
     return 0

@@ -39,10 +39,17 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.lengths import LengthsError, LengthSampler  # noqa: E402
+from bench.lengths import LengthSampler, LengthsError  # noqa: E402
 
-DEFAULT_VARIANTS = ("unpadded:triton_grouped+fused", "padded", "packed:flashmask", "unpadded:triton",
-                    "unpadded:triton_grouped", "unpadded:padded", "unpadded:flash_attn")
+DEFAULT_VARIANTS = (
+    "unpadded:triton_grouped+fused",
+    "padded",
+    "packed:flashmask",
+    "unpadded:triton",
+    "unpadded:triton_grouped",
+    "unpadded:padded",
+    "unpadded:flash_attn",
+)
 # Dense bf16 tensor-core peak per GPU (TFLOP/s), for model FLOP utilisation (MFU).
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 MAX_PREDICTIONS = 76
@@ -61,7 +68,7 @@ def make_batch(lengths, vocab_size: int, seed: int):
     mids = np.zeros((b, MAX_PREDICTIONS), np.int64)
     for i, n in enumerate(lengths):
         ids[i, :n] = rng.integers(1, vocab_size, n)
-        seg[i, n // 2:n] = 1
+        seg[i, n // 2 : n] = 1
         mask[i, :n] = 1
         k = min(MAX_PREDICTIONS, max(1, round(0.15 * (n - 1)))) if n > 1 else 0
         if k:
@@ -77,7 +84,9 @@ def parse_variant(v: str):
         return "padded", False, "padded"
     layout, _, backend = v.partition(":")
     if layout not in ("unpadded", "packed") or not backend:
-        raise ValueError(f"--variants: {v!r} is not 'padded', 'unpadded:<backend>[+fused]' or 'packed:<backend>[+fused]'")
+        raise ValueError(
+            f"--variants: {v!r} is not 'padded', 'unpadded:<backend>[+fused]' or 'packed:<backend>[+fused]'"
+        )
     fused = backend.endswith("+fused")
     return backend.removesuffix("+fused"), fused, layout
 
@@ -91,9 +100,15 @@ def to_packed(batch, seq_len: int = 512):
     lens = (cu[1:] - cu[:-1]).numpy()
     seq_of_mask = torch.searchsorted(cu, batch.mlm_positions, right=True) - 1  # [M] owning sequence
     counts = np.bincount(seq_of_mask.numpy(), minlength=len(lens))
-    block = SampleBlock(input_ids=batch.input_ids.numpy(), segment_ids=batch.segment_ids.numpy(), seq_lens=lens,
-                        masked_positions=(batch.mlm_positions - cu[seq_of_mask]).numpy(),
-                        masked_ids=batch.mlm_labels.numpy(), masked_counts=counts, nsp_labels=batch.nsp_labels.numpy())
+    block = SampleBlock(
+        input_ids=batch.input_ids.numpy(),
+        segment_ids=batch.segment_ids.numpy(),
+        seq_lens=lens,
+        masked_positions=(batch.mlm_positions - cu[seq_of_mask]).numpy(),
+        masked_ids=batch.mlm_labels.numpy(),
+        masked_counts=counts,
+        nsp_labels=batch.nsp_labels.numpy(),
+    )
     return collate_packed(block, seq_len)
 
 
@@ -104,7 +119,7 @@ def model_flops(config, batch) -> float:
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).double()
     tokens, masked = float(lens.sum()), batch.mlm_positions.numel()
-    encoder = layers * (2 * (4 * h * h + 2 * h * i) * tokens + 4 * h * float((lens ** 2).sum()))
+    encoder = layers * (2 * (4 * h * h + 2 * h * i) * tokens + 4 * h * float((lens**2).sum()))
     head = 2 * (h * h + h * config.vocab_size) * masked
     return 3.0 * (encoder + head)
 
@@ -126,8 +141,9 @@ def run_variant(variant, config, batches, args, device):
     def step(batch):
         with amp:
             out = model(batch)
-            loss = F.cross_entropy(out.mlm_logits.float(), batch.mlm_labels) + \
-                F.cross_entropy(out.nsp_logits.float(), batch.nsp_labels)
+            loss = F.cross_entropy(out.mlm_logits.float(), batch.mlm_labels) + F.cross_entropy(
+                out.nsp_logits.float(), batch.nsp_labels
+            )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -148,7 +164,7 @@ def run_variant(variant, config, batches, args, device):
             t0 = time.perf_counter()
             step(batch)
             times.append(time.perf_counter() - t0)
-    del model, optimizer
+    del step  # the closure holds the model and optimizer: free them before emptying the cache
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(times)
@@ -176,8 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    from kernels.attention import BackendUnavailable
     from bert.config import BertConfig
+    from kernels.attention import BackendUnavailable
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
@@ -192,8 +208,10 @@ def main(argv=None) -> int:
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
     if gpu:
         config = BertConfig.preset(args.preset, **overrides)
-        print(f"{torch.cuda.get_device_name()}: {args.preset} ({config.num_hidden_layers} layers), "
-              f"{args.seqs} sequences per step, bf16 autocast, {args.optimizer}, lengths from the {sampler.source}")
+        print(
+            f"{torch.cuda.get_device_name()}: {args.preset} ({config.num_hidden_layers} layers), "
+            f"{args.seqs} sequences per step, bf16 autocast, {args.optimizer}, lengths from the {sampler.source}"
+        )
     else:
         print("No CUDA GPU here: a two-step CPU smoke run of a tiny model, not a measurement.")
         config = BertConfig.preset("tiny", vocab_size=1024)
@@ -209,17 +227,31 @@ def main(argv=None) -> int:
     real_tokens = statistics.mean(b.num_tokens for b in batches)
     flops = statistics.mean(model_flops(config, b) for b in batches)
     peak = next((v for k, v in PEAK_TFLOPS.items() if gpu and k in torch.cuda.get_device_name()), None)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "torch": torch.__version__,
-              "device": torch.cuda.get_device_name() if gpu else "cpu", "preset": args.preset if gpu else "tiny",
-              "layers": config.num_hidden_layers, "seqs_per_step": args.seqs, "mean_real_tokens": real_tokens,
-              "lengths": sampler.source, "optimizer": args.optimizer, "model_tflop_per_step": flops / 1e12,
-              "peak_tflops": peak, "results": {}}
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "preset": args.preset if gpu else "tiny",
+        "layers": config.num_hidden_layers,
+        "seqs_per_step": args.seqs,
+        "mean_real_tokens": real_tokens,
+        "lengths": sampler.source,
+        "optimizer": args.optimizer,
+        "model_tflop_per_step": flops / 1e12,
+        "peak_tflops": peak,
+        "results": {},
+    }
     for v in variants:
         try:
             seconds = run_variant(v, config, batches, args, device)
-            report["results"][v] = {"status": "ok", "step_s": seconds, "seqs_per_s": args.seqs / seconds,
-                                    "real_tokens_per_s": real_tokens / seconds,
-                                    "mfu": (flops / seconds / 1e12 / peak) if peak else None}
+            report["results"][v] = {
+                "status": "ok",
+                "step_s": seconds,
+                "seqs_per_s": args.seqs / seconds,
+                "real_tokens_per_s": real_tokens / seconds,
+                "mfu": (flops / seconds / 1e12 / peak) if peak else None,
+            }
         except BackendUnavailable as e:
             report["results"][v] = {"status": "unavailable", "reason": str(e)}
         except Exception as e:  # one variant failing (say, out of memory) must not stop the others
@@ -234,8 +266,10 @@ def main(argv=None) -> int:
             r["speedup_vs_padded"] = base / r["step_s"] if base else None
             ratio = f"{r['speedup_vs_padded']:.2f}x" if base else "-"
             mfu = f"MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
-            print(f"  {v:32s} {r['step_s'] * 1e3:9.1f} ms/step  {r['seqs_per_s']:8.1f} seq/s  "
-                  f"{r['real_tokens_per_s']:10.0f} tok/s  {ratio:>6s} vs padded  {mfu}")
+            print(
+                f"  {v:32s} {r['step_s'] * 1e3:9.1f} ms/step  {r['seqs_per_s']:8.1f} seq/s  "
+                f"{r['real_tokens_per_s']:10.0f} tok/s  {ratio:>6s} vs padded  {mfu}"
+            )
         else:
             print(f"  {v:32s} {r['status']}: {r['reason']}")
     write_report(report, args.json)

@@ -34,11 +34,24 @@ import torch
 from torch import Tensor
 
 from bert.config import BertConfig
-from bert.tf_checkpoint import (TFCheckpointError, google_bert_to_hf, is_slot_or_counter, is_tf_checkpoint,
-                                read_tf_checkpoint)
+from bert.tf_checkpoint import (
+    TFCheckpointError,
+    google_bert_to_hf,
+    is_slot_or_counter,
+    is_tf_checkpoint,
+    read_tf_checkpoint,
+)
 
-__all__ = ["CheckpointError", "to_hf_state_dict", "load_hf_state_dict", "read_config_and_weights",
-           "read_tf_checkpoint", "load_pretrained", "export_hf", "drop_vocab_padding"]
+__all__ = [
+    "CheckpointError",
+    "to_hf_state_dict",
+    "load_hf_state_dict",
+    "read_config_and_weights",
+    "read_tf_checkpoint",
+    "load_pretrained",
+    "export_hf",
+    "drop_vocab_padding",
+]
 
 
 class CheckpointError(ValueError):
@@ -98,7 +111,7 @@ class _Window(io.RawIOBase):
         n = min(len(buffer), self.size - self.pos)
         self.f.seek(self.pos)
         data = self.f.read(n)
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
@@ -114,9 +127,11 @@ def _check_archive(path: str, window: _Window) -> None:
     total = 0
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-            raise CheckpointError(f"{path}: record {info.filename!r} is compressed ({info.compress_size} bytes "
-                                  f"declared to inflate to {info.file_size}); torch.save never compresses, so it "
-                                  f"is refused")
+            raise CheckpointError(
+                f"{path}: record {info.filename!r} is compressed ({info.compress_size} bytes "
+                f"declared to inflate to {info.file_size}); torch.save never compresses, so it "
+                f"is refused"
+            )
         total += info.file_size
     if total > window.size:
         raise CheckpointError(f"{path}: its records declare {total} bytes, more than the {window.size} the file holds")
@@ -130,10 +145,12 @@ def _refusal(e: pickle.UnpicklingError) -> str:
     text = str(e)
     m = _REFUSED_GLOBAL.search(text)
     if m:
-        return (f"refers to {m.group(1)}, which is not plain data (only tensors, numbers, strings, lists and "
-                f"dicts are loaded); refused without running it")
+        return (
+            f"refers to {m.group(1)}, which is not plain data (only tensors, numbers, strings, lists and "
+            f"dicts are loaded); refused without running it"
+        )
     m = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
-    detail = (m.group(1) if m else text.strip().splitlines()[-1] if text.strip() else type(e).__name__)
+    detail = m.group(1) if m else text.strip().splitlines()[-1] if text.strip() else type(e).__name__
     return f"refused by the weights-only unpickler ({detail.split('. ')[0].rstrip('.')})"
 
 
@@ -239,7 +256,9 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
     cfg = model.config
     ours = model.state_dict()
     names = _name_map(cfg.num_hidden_layers)
-    wanted = set(names) | {n for i in range(cfg.num_hidden_layers) for p in ("weight", "bias") for n in _qkv_names(i, p)}
+    wanted = set(names) | {
+        n for i in range(cfg.num_hidden_layers) for p in ("weight", "bias") for n in _qkv_names(i, p)
+    }
     missing = sorted(wanted - set(state_dict))
     unexpected = sorted(set(state_dict) - wanted - set(_ALIASES) - _IGNORED)
     problems = []
@@ -247,14 +266,20 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
         problems.append(f"missing keys {missing}")
     if unexpected:
         problems.append(f"unexpected keys {unexpected}")
-    not_float = sorted(k for k, v in state_dict.items() if k in wanted | set(_ALIASES)
-                       and (not isinstance(v, Tensor) or not v.is_floating_point()))
+    not_float = sorted(
+        k
+        for k, v in state_dict.items()
+        if k in wanted | set(_ALIASES) and (not isinstance(v, Tensor) or not v.is_floating_point())
+    )
     if not_float:
-        kinds = {k: state_dict[k].dtype if isinstance(state_dict[k], Tensor) else type(state_dict[k]).__name__
-                 for k in not_float[:5]}
+        kinds = {
+            k: state_dict[k].dtype if isinstance(state_dict[k], Tensor) else type(state_dict[k]).__name__
+            for k in not_float[:5]
+        }
         what = ", ".join(f"{k} ({kind})" for k, kind in kinds.items())
-        raise CheckpointError(f"not floating-point tensors: {what}" + (f" (+{len(not_float) - 5} more)"
-                                                                       if len(not_float) > 5 else ""))
+        raise CheckpointError(
+            f"not floating-point tensors: {what}" + (f" (+{len(not_float) - 5} more)" if len(not_float) > 5 else "")
+        )
     new = {}
     for hf, name in names.items():
         if hf in state_dict:
@@ -282,8 +307,12 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
 
 
 # The tensors whose first dimension is the vocabulary.
-_VOCAB_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias",
-               "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+_VOCAB_ROWS = (
+    "bert.embeddings.word_embeddings.weight",
+    "cls.predictions.bias",
+    "cls.predictions.decoder.weight",
+    "cls.predictions.decoder.bias",
+)
 
 
 def drop_vocab_padding(state_dict: dict[str, Tensor], vocab_size: int) -> dict[str, Tensor]:
@@ -334,8 +363,9 @@ def read_config_and_weights(path: str) -> tuple[BertConfig | None, dict[str, Ten
             return config, state_dict
         raise CheckpointError(f"{path}: holds neither model.safetensors nor pytorch_model.bin")
     if not os.path.exists(path):
-        raise CheckpointError(f"{path}: no such file or directory, nor a TensorFlow checkpoint prefix "
-                              f"({os.path.basename(path)}.index)")
+        raise CheckpointError(
+            f"{path}: no such file or directory, nor a TensorFlow checkpoint prefix ({os.path.basename(path)}.index)"
+        )
     if path.endswith(".safetensors"):
         return None, _read_safetensors(path)
     blob = safe_torch_load(path)

@@ -24,8 +24,8 @@ still counts towards t (counting it conditionally would need a sync).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -75,20 +75,35 @@ class AdaGC:
     the state). Call ``clip_()`` once per optimizer step, after the gradients are final.
     """
 
-    def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]], lambda_rel: float = 1.04,
-                 beta: float = 0.99, warmup_steps: int = 100, lambda_abs: float = 1.0, eps: float = 1e-6):
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, nn.Parameter]],
+        lambda_rel: float = 1.04,
+        beta: float = 0.99,
+        warmup_steps: int = 100,
+        lambda_abs: float = 1.0,
+        eps: float = 1e-6,
+    ):
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("AdaGC: no trainable parameters")
         _check(math.isfinite(lambda_rel) and lambda_rel > 0, "optim.adagc.lambda_rel", f"must be > 0, got {lambda_rel}")
         _check(0.0 <= beta < 1.0, "optim.adagc.beta", f"must lie in [0, 1), got {beta}")
-        _check(isinstance(warmup_steps, int) and warmup_steps >= 0, "optim.adagc.warmup_steps",
-               f"must be an integer >= 0, got {warmup_steps!r}")
+        _check(
+            isinstance(warmup_steps, int) and warmup_steps >= 0,
+            "optim.adagc.warmup_steps",
+            f"must be an integer >= 0, got {warmup_steps!r}",
+        )
         _check(math.isfinite(lambda_abs) and lambda_abs > 0, "optim.adagc.lambda_abs", f"must be > 0, got {lambda_abs}")
         _check(math.isfinite(eps) and eps > 0, "optim.adagc.eps", f"must be > 0, got {eps}")
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.lambda_rel, self.beta, self.lambda_abs, self.eps = float(lambda_rel), float(beta), float(lambda_abs), float(eps)
+        self.lambda_rel, self.beta, self.lambda_abs, self.eps = (
+            float(lambda_rel),
+            float(beta),
+            float(lambda_abs),
+            float(eps),
+        )
         self.warmup_steps = warmup_steps
         self.step = 0  # optimizer steps clipped so far
         n = len(self.params)
@@ -158,8 +173,12 @@ class AdaGC:
         return idx
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "names": list(self.names), "gamma": self.gamma.detach().cpu().clone(),
-                "has_gamma": self.has_gamma.detach().cpu().clone()}
+        return {
+            "step": self.step,
+            "names": list(self.names),
+            "gamma": self.gamma.detach().cpu().clone(),
+            "has_gamma": self.has_gamma.detach().cpu().clone(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore by parameter name; tensors the state does not know start without state."""
@@ -168,13 +187,17 @@ class AdaGC:
                 raise ValueError(f"AdaGC state: missing key {key!r}")
         names, gamma, has = list(state["names"]), state["gamma"], state["has_gamma"]
         if gamma.shape != (len(names),) or has.shape != (len(names),):
-            raise ValueError(f"AdaGC state: gamma/has_gamma shapes {tuple(gamma.shape)}/{tuple(has.shape)} "
-                             f"do not match {len(names)} names")
+            raise ValueError(
+                f"AdaGC state: gamma/has_gamma shapes {tuple(gamma.shape)}/{tuple(has.shape)} "
+                f"do not match {len(names)} names"
+            )
         position = {n: i for i, n in enumerate(self.names)}
         unknown = [n for n in names if n not in position]
         if unknown:
-            raise ValueError(f"AdaGC state: parameters not in this model: {', '.join(unknown[:5])}"
-                             + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""))
+            raise ValueError(
+                f"AdaGC state: parameters not in this model: {', '.join(unknown[:5])}"
+                + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else "")
+            )
         device = self.gamma.device
         new_gamma = torch.zeros(len(self.names), dtype=torch.float32)
         new_has = torch.zeros(len(self.names), dtype=torch.bool)

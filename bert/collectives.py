@@ -98,10 +98,12 @@ class Collectives:
 
     def error(self, what: str, step: int, cause: BaseException, elapsed: float) -> CollectiveError:
         where = f"{what} at step {step}" if step >= 0 else what
-        return CollectiveError(f"rank {self.rank}: {where} failed after {elapsed:.1f} s "
-                               f"(dist.timeout_s={self.timeout_s:g}): {self._missing_ranks(where)}; "
-                               f"{dist.get_backend() if dist.is_initialized() else 'backend'}: "
-                               f"{backend_reason(cause)}")
+        return CollectiveError(
+            f"rank {self.rank}: {where} failed after {elapsed:.1f} s "
+            f"(dist.timeout_s={self.timeout_s:g}): {self._missing_ranks(where)}; "
+            f"{dist.get_backend() if dist.is_initialized() else 'backend'}: "
+            f"{backend_reason(cause)}"
+        )
 
     def _missing_ranks(self, where: str) -> str:
         """Ask the store what the other ranks reported: who stopped first, and who is silent."""
@@ -131,8 +133,11 @@ class Collectives:
         finally:
             if on_main:
                 signal.signal(signal.SIGTERM, previous)
-        parts = [f"rank {r} stopped first: {text[len('exit:'):]}" for r, text in sorted(reports.items())
-                 if text.startswith("exit:")][:3]
+        parts = [
+            f"rank {r} stopped first: {text[len('exit:') :]}"
+            for r, text in sorted(reports.items())
+            if text.startswith("exit:")
+        ][:3]
         silent = [r for r in others if r not in reports]
         by_host: dict[str, list[int]] = {}
         for r in silent:
@@ -142,8 +147,10 @@ class Collectives:
             if host in ("", self.hostname):
                 parts.append(f"no report from rank{'s' if len(ranks) > 1 else ''} {names} (killed, stopped or hung)")
             else:
-                parts.append(f"no report from rank{'s' if len(ranks) > 1 else ''} {names} on host {host} "
-                             f"(unreachable, killed, stopped or hung)")
+                parts.append(
+                    f"no report from rank{'s' if len(ranks) > 1 else ''} {names} on host {host} "
+                    f"(unreachable, killed, stopped or hung)"
+                )
         return "; ".join(parts) or "every other rank reported the same failure (a network problem?)"
 
     @staticmethod

@@ -19,12 +19,34 @@ ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 # Keys transformers writes into config.json that describe its own bookkeeping, not the
 # architecture. Any other unknown key is an error.
 _HF_METADATA = {
-    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "pad_token_id",
-    "use_cache", "classifier_dropout", "gradient_checkpointing", "directionality", "pooler_fc_size",
-    "pooler_num_attention_heads", "pooler_num_fc_layers", "pooler_size_per_head", "pooler_type",
-    "output_past", "bos_token_id", "eos_token_id", "id2label", "label2id", "output_hidden_states",
-    "output_attentions", "return_dict", "is_decoder", "add_cross_attention", "tie_word_embeddings",
-    "position_embedding_type", "problem_type",
+    "architectures",
+    "model_type",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "pad_token_id",
+    "use_cache",
+    "classifier_dropout",
+    "gradient_checkpointing",
+    "directionality",
+    "pooler_fc_size",
+    "pooler_num_attention_heads",
+    "pooler_num_fc_layers",
+    "pooler_size_per_head",
+    "pooler_type",
+    "output_past",
+    "bos_token_id",
+    "eos_token_id",
+    "id2label",
+    "label2id",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "is_decoder",
+    "add_cross_attention",
+    "tie_word_embeddings",
+    "position_embedding_type",
+    "problem_type",
 }
 
 
@@ -48,14 +70,22 @@ class BertConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"hidden_size: {self.hidden_size} is not divisible by "
-                              f"num_attention_heads={self.num_attention_heads}")
+            raise ConfigError(
+                f"hidden_size: {self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
+            )
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -72,13 +102,13 @@ class BertConfig:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "BertConfig":
+    def preset(cls, name: str, **overrides) -> BertConfig:
         if name not in PRESETS:
             raise ConfigError(f"preset: unknown {name!r}; choose one of {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
 
     @classmethod
-    def from_dict(cls, values: dict, source: str = "config") -> "BertConfig":
+    def from_dict(cls, values: dict, source: str = "config") -> BertConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known - _HF_METADATA)
         if unknown:
@@ -90,7 +120,7 @@ class BertConfig:
         return cls(**{k: v for k, v in values.items() if k in known})
 
     @classmethod
-    def from_json(cls, path: str) -> "BertConfig":
+    def from_json(cls, path: str) -> BertConfig:
         """Read BERT's ``bert_config.json`` or transformers' ``config.json``."""
         try:
             with open(path, encoding="utf-8") as f:
@@ -107,8 +137,13 @@ class BertConfig:
     def to_dict(self, transformers: bool = False) -> dict:
         out = asdict(self)
         if transformers:
-            out.update(architectures=["BertForPreTraining"], model_type="bert", pad_token_id=0,
-                       position_embedding_type="absolute", tie_word_embeddings=True)
+            out.update(
+                architectures=["BertForPreTraining"],
+                model_type="bert",
+                pad_token_id=0,
+                position_embedding_type="absolute",
+                tie_word_embeddings=True,
+            )
         return out
 
     def to_json(self, path: str, transformers: bool = False) -> None:

@@ -26,8 +26,7 @@ if __package__ in (None, ""):  # run by path: import the project from the reposi
 from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, to_hf_state_dict  # noqa: E402
 from bert.config import BertConfig, ConfigError  # noqa: E402
 from bert.model import BertForPreTraining  # noqa: E402
-from bert.tf_checkpoint import (TFCheckpointError, google_bert_to_hf, is_slot_or_counter,  # noqa: E402
-                                read_tf_checkpoint)
+from bert.tf_checkpoint import TFCheckpointError, google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint  # noqa: E402
 
 
 def convert(prefix: str, config: BertConfig) -> tuple[BertForPreTraining, list[str]]:
@@ -64,11 +63,18 @@ def save_pt(model: BertForPreTraining, path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bert.convert_tf", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tf-checkpoint", required=True, metavar="PREFIX",
-                   help="TensorFlow checkpoint prefix (PREFIX.index and PREFIX.data-* exist)")
+    p.add_argument(
+        "--tf-checkpoint",
+        required=True,
+        metavar="PREFIX",
+        help="TensorFlow checkpoint prefix (PREFIX.index and PREFIX.data-* exist)",
+    )
     p.add_argument("--bert-config", required=True, help="Google BERT's bert_config.json")
-    p.add_argument("--output", required=True,
-                   help="ending in .pt: the project's checkpoint for checkpoint.init; else a transformers directory")
+    p.add_argument(
+        "--output",
+        required=True,
+        help="ending in .pt: the project's checkpoint for checkpoint.init; else a transformers directory",
+    )
     args = p.parse_args(argv)
     try:
         config = BertConfig.from_json(args.bert_config)

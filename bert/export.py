@@ -27,8 +27,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
-                  "mask_token": "[MASK]"}
+SPECIAL_TOKENS = {
+    "unk_token": "[UNK]",
+    "sep_token": "[SEP]",
+    "pad_token": "[PAD]",
+    "cls_token": "[CLS]",
+    "mask_token": "[MASK]",
+}
 
 
 class ExportError(RuntimeError):
@@ -68,8 +73,7 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     path = find_checkpoint(run_dir, checkpoint)
     try:
         if checkpoint is None:
-            path, state = train_checkpoint.load_latest(os.path.dirname(path),
-                                                       warn=lambda m: print(m, file=sys.stderr))
+            path, state = train_checkpoint.load_latest(os.path.dirname(path), warn=lambda m: print(m, file=sys.stderr))
         else:
             state = train_checkpoint.read(path)
     except CheckpointError as e:
@@ -91,8 +95,9 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
-        raise ExportError(f"{path}: the weights do not fit the model its config describes "
-                          f"({str(e).splitlines()[0]})") from None
+        raise ExportError(
+            f"{path}: the weights do not fit the model its config describes ({str(e).splitlines()[0]})"
+        ) from None
     return model, vocab, cfg.data.max_seq_length, path
 
 
@@ -105,9 +110,15 @@ def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> N
     missing = [t for t in SPECIAL_TOKENS.values() if t not in tokens]
     if missing:
         raise ExportError(f"{vocab_file}: the vocabulary lacks {missing}")
-    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "strip_accents": None,
-              "tokenize_chinese_chars": True, "model_max_length": max_length,
-              "clean_up_tokenization_spaces": True, **SPECIAL_TOKENS}
+    config = {
+        "tokenizer_class": "BertTokenizer",
+        "do_lower_case": True,
+        "strip_accents": None,
+        "tokenize_chinese_chars": True,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": True,
+        **SPECIAL_TOKENS,
+    }
     for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", SPECIAL_TOKENS)):
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2)

@@ -28,8 +28,15 @@ def _per_count(loss_sum: Tensor, count) -> Tensor:
     return loss_sum / max(float(count), 1.0)
 
 
-def pretraining_loss(mlm_logits: Tensor, mlm_labels: Tensor, nsp_logits: Tensor, nsp_labels: Tensor,
-                     num_masked_global, num_seqs_global, with_accuracy: bool = False) -> tuple[Tensor, dict]:
+def pretraining_loss(
+    mlm_logits: Tensor,
+    mlm_labels: Tensor,
+    nsp_logits: Tensor,
+    nsp_labels: Tensor,
+    num_masked_global,
+    num_seqs_global,
+    with_accuracy: bool = False,
+) -> tuple[Tensor, dict]:
     """MLM + NSP loss of this rank's share of the global batch.
 
     mlm_logits [M, V], mlm_labels [M], nsp_logits [B, 2], nsp_labels [B];
@@ -61,8 +68,9 @@ def pretraining_loss(mlm_logits: Tensor, mlm_labels: Tensor, nsp_logits: Tensor,
 SIMREG_SCOPES = ("masked", "all")
 
 
-def simreg_loss(hidden_states: Tensor, batch: UnpaddedBatch, temperature: float = 0.1, scope: str = "masked",
-                bucket_width: int = 64) -> tuple[Tensor, Tensor]:
+def simreg_loss(
+    hidden_states: Tensor, batch: UnpaddedBatch, temperature: float = 0.1, scope: str = "masked", bucket_width: int = 64
+) -> tuple[Tensor, Tensor]:
     """SimReg: supervised contrastive loss between tokens of the same sequence.
 
     hidden_states: [T, C], the last encoder layer. Tokens: the masked positions labelled by
@@ -137,7 +145,7 @@ def simreg_loss(hidden_states: Tensor, batch: UnpaddedBatch, temperature: float 
         first = 0
         for seqs in blocks:
             length = max(counts[b] for b in seqs)
-            part = meta[:, first:first + len(seqs)]
+            part = meta[:, first : first + len(seqs)]
             first += len(seqs)
             block_loss, block_anchors = _block_loss(z_NC, labels_N, part[0], part[1], length, temperature)
             loss_sum = loss_sum + block_loss
@@ -145,8 +153,9 @@ def simreg_loss(hidden_states: Tensor, batch: UnpaddedBatch, temperature: float 
     return loss_sum, num_anchors
 
 
-def _block_loss(z_NC: Tensor, labels_N: Tensor, starts_S: Tensor, counts_S: Tensor, length: int,
-                temperature: float) -> tuple[Tensor, Tensor]:
+def _block_loss(
+    z_NC: Tensor, labels_N: Tensor, starts_S: Tensor, counts_S: Tensor, length: int, temperature: float
+) -> tuple[Tensor, Tensor]:
     """SimReg over S sequences padded to ``length``: rows starts[s] .. starts[s]+counts[s]."""
     ar_L = torch.arange(length, device=z_NC.device)
     valid_SL = ar_L < counts_S[:, None]

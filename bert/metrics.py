@@ -70,8 +70,10 @@ class Progress:
     def step(self, rec: dict) -> None:
         if not self.enabled:
             return
-        line = (f"step {rec['step']:>6}  samples {rec['samples']:>9}  loss {rec['loss']:.4f}  "
-                f"lr {rec['lr']:.3e}  {rec['seq_per_s']:8.1f} seq/s  {rec['tokens_per_s']:10.0f} tok/s")
+        line = (
+            f"step {rec['step']:>6}  samples {rec['samples']:>9}  loss {rec['loss']:.4f}  "
+            f"lr {rec['lr']:.3e}  {rec['seq_per_s']:8.1f} seq/s  {rec['tokens_per_s']:10.0f} tok/s"
+        )
         if self.tty:
             frac = min(rec["step"] / self.total, 1.0)
             bar = "#" * int(24 * frac)
@@ -84,14 +86,21 @@ class Progress:
 
 
 def summary_table(summary: dict) -> str:
-    rows = [("status", summary["status"]), ("steps", summary["steps"]), ("samples", summary["samples"]),
-            ("train seconds", f"{summary['train_seconds']:.1f}"),
-            ("sequences/s", f"{summary['seq_per_s']:.1f}"), ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
-            ("eval accuracy", "n/a" if summary["eval_accuracy"] is None else f"{summary['eval_accuracy']:.4f}"),
-            ("time to train", f"{summary['time_to_train_s']:.1f} s"),
-            ("skipped steps", summary["skipped_steps"])]
-    for key, label in (("corrupt_samples_skipped", "corrupt samples skipped"),
-                       ("checkpoint_failures", "checkpoint failures")):
+    rows = [
+        ("status", summary["status"]),
+        ("steps", summary["steps"]),
+        ("samples", summary["samples"]),
+        ("train seconds", f"{summary['train_seconds']:.1f}"),
+        ("sequences/s", f"{summary['seq_per_s']:.1f}"),
+        ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
+        ("eval accuracy", "n/a" if summary["eval_accuracy"] is None else f"{summary['eval_accuracy']:.4f}"),
+        ("time to train", f"{summary['time_to_train_s']:.1f} s"),
+        ("skipped steps", summary["skipped_steps"]),
+    ]
+    for key, label in (
+        ("corrupt_samples_skipped", "corrupt samples skipped"),
+        ("checkpoint_failures", "checkpoint failures"),
+    ):
         if summary.get(key):
             rows.append((label, summary[key]))
     width = max(len(k) for k, _ in rows)

@@ -45,11 +45,12 @@ import operator
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
+from mlperf_logging.mllog.mllog import MLLogger
 
 from launch import system_desc
 
@@ -87,14 +88,21 @@ class MLPerfLogger:
             partial last line (the writer was killed) is cut off.
     """
 
-    def __init__(self, path: str | os.PathLike | None, rank: int, division: str,
-                 submitter: str = "unspecified", platform: str = "unspecified",
-                 status: str = "onprem", echo: bool = False, resume: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike | None,
+        rank: int,
+        division: str,
+        submitter: str = "unspecified",
+        platform: str = "unspecified",
+        status: str = "onprem",
+        echo: bool = False,
+        resume: bool = False,
+    ):
         if division not in DIVISIONS:
             raise ValueError(f"MLPerf log: division must be one of {DIVISIONS}, got {division!r}")
         if status not in SUBMISSION_STATUSES:
-            raise ValueError(f"MLPerf log: submission status must be one of "
-                             f"{SUBMISSION_STATUSES}, got {status!r}")
+            raise ValueError(f"MLPerf log: submission status must be one of {SUBMISSION_STATUSES}, got {status!r}")
         if resume and path is None:
             raise ValueError("MLPerf log: resume needs a log file path, got None")
         self.rank = rank
@@ -122,16 +130,14 @@ class MLPerfLogger:
             # Rank 0 checked the file; other ranks follow the same state so that the same
             # calls are valid everywhere.
             self._phase = _RUNNING
-            self._done |= {C.CACHE_CLEAR, C.INIT_START, "submission_info", "hyperparameters",
-                           C.INIT_STOP, C.RUN_START}
+            self._done |= {C.CACHE_CLEAR, C.INIT_START, "submission_info", "hyperparameters", C.INIT_STOP, C.RUN_START}
 
     def _add_handlers(self, path: Path | None, echo: bool, mode: str) -> None:
         if path is not None:
             try:
                 handler: logging.Handler = logging.FileHandler(path, mode=mode, encoding="utf-8")
             except OSError as e:
-                raise ValueError(f"MLPerf log: cannot open {path} for writing: "
-                                 f"{e.strerror or e}") from None
+                raise ValueError(f"MLPerf log: cannot open {path} for writing: {e.strerror or e}") from None
             self._handlers.append(handler)
         if path is None or echo:
             self._handlers.append(logging.StreamHandler(sys.stdout))
@@ -177,12 +183,24 @@ class MLPerfLogger:
         self._emit("event", C.SUBMISSION_STATUS, self.status)
         self._emit("event", C.SUBMISSION_PLATFORM, self.platform)
 
-    def hyperparameters(self, *, seed: int, global_batch_size: int, local_batch_size: int,
-                        gradient_accumulation_steps: int, max_sequence_length: int,
-                        max_predictions_per_seq: int, learning_rate: float,
-                        betas: Sequence[float], epsilon: float, weight_decay: float,
-                        warmup_steps: int, start_warmup_step: int, train_steps: int,
-                        poly_power: float) -> None:
+    def hyperparameters(
+        self,
+        *,
+        seed: int,
+        global_batch_size: int,
+        local_batch_size: int,
+        gradient_accumulation_steps: int,
+        max_sequence_length: int,
+        max_predictions_per_seq: int,
+        learning_rate: float,
+        betas: Sequence[float],
+        epsilon: float,
+        weight_decay: float,
+        warmup_steps: int,
+        start_warmup_step: int,
+        train_steps: int,
+        poly_power: float,
+    ) -> None:
         """Logs the run's hyper-parameters under their MLPerf keys (BERT uses LAMB).
 
         Args:
@@ -208,11 +226,9 @@ class MLPerfLogger:
             (C.SEED, _int(C.SEED, seed)),
             (C.GLOBAL_BATCH_SIZE, _int(C.GLOBAL_BATCH_SIZE, global_batch_size, least=1)),
             ("d_batch_size", _int("d_batch_size", local_batch_size, least=1)),
-            (C.GRADIENT_ACCUMULATION_STEPS,
-             _int(C.GRADIENT_ACCUMULATION_STEPS, gradient_accumulation_steps, least=1)),
+            (C.GRADIENT_ACCUMULATION_STEPS, _int(C.GRADIENT_ACCUMULATION_STEPS, gradient_accumulation_steps, least=1)),
             (C.MAX_SEQUENCE_LENGTH, _int(C.MAX_SEQUENCE_LENGTH, max_sequence_length, least=1)),
-            ("max_predictions_per_seq",
-             _int("max_predictions_per_seq", max_predictions_per_seq, least=1)),
+            ("max_predictions_per_seq", _int("max_predictions_per_seq", max_predictions_per_seq, least=1)),
             (C.OPT_NAME, C.LAMB),
             (C.OPT_BASE_LR, _float(C.OPT_BASE_LR, learning_rate)),
             (C.OPT_LAMB_EPSILON, _float(C.OPT_LAMB_EPSILON, epsilon)),
@@ -234,8 +250,7 @@ class MLPerfLogger:
     def init_stop(self) -> None:
         """Ends initialisation; ``submission_info`` and ``hyperparameters`` must be logged."""
         self._expect(C.INIT_STOP, (_INIT,))
-        missing = [name for name in ("submission_info", "hyperparameters")
-                   if name not in self._done]
+        missing = [name for name in ("submission_info", "hyperparameters") if name not in self._done]
         if missing:
             raise RuntimeError(f"MLPerf log: call {' and '.join(missing)}() before init_stop()")
         self._emit("end", C.INIT_STOP)
@@ -266,8 +281,7 @@ class MLPerfLogger:
         samples the block is planned to train (``epoch_count``, > 0).
         """
         samples, count = _int("samples", samples), _int("block_samples", block_samples, least=1)
-        self._start_interval("block", C.BLOCK_START, samples,
-                             {C.FIRST_EPOCH_NUM: samples, C.EPOCH_COUNT: count})
+        self._start_interval("block", C.BLOCK_START, samples, {C.FIRST_EPOCH_NUM: samples, C.EPOCH_COUNT: count})
 
     def block_stop(self, samples: int) -> None:
         """Closes the open block at ``samples`` trained."""
@@ -292,8 +306,7 @@ class MLPerfLogger:
         samples = self._advance(samples)
         accuracy = _float(C.EVAL_ACCURACY, accuracy)
         if not 0.0 <= accuracy <= 1.0:
-            raise ValueError(f"MLPerf log: eval_accuracy must be a fraction in [0, 1], "
-                             f"got {accuracy}")
+            raise ValueError(f"MLPerf log: eval_accuracy must be a fraction in [0, 1], got {accuracy}")
         self._emit("event", C.EVAL_ACCURACY, accuracy, {C.EPOCH_NUM: samples})
 
     def train_samples(self, samples: int) -> None:
@@ -310,8 +323,7 @@ class MLPerfLogger:
         """Ends the run: ``status`` is ``"success"`` (target reached) or ``"aborted"``."""
         self._expect(C.RUN_STOP, (_RUNNING,))
         if status not in RUN_STATUSES:
-            raise ValueError(f"MLPerf log: run_stop status must be one of {RUN_STATUSES}, "
-                             f"got {status!r}")
+            raise ValueError(f"MLPerf log: run_stop status must be one of {RUN_STATUSES}, got {status!r}")
         missing = [key for key in (C.TRAIN_SAMPLES, C.EVAL_SAMPLES) if key not in self._done]
         if missing:
             raise RuntimeError(f"MLPerf log: call {'() and '.join(missing)}() before run_stop()")
@@ -336,18 +348,15 @@ class MLPerfLogger:
         self._samples = samples
         return samples
 
-    def _start_interval(self, name: str, key: str, samples: int, metadata: dict,
-                        value: Any = None) -> None:
+    def _start_interval(self, name: str, key: str, samples: int, metadata: dict, value: Any = None) -> None:
         self._expect(key, (_RUNNING,))
         if name in self._open:
-            raise RuntimeError(f"MLPerf log: {key} while the {name} opened at "
-                               f"{self._open[name]} samples is still open")
+            raise RuntimeError(f"MLPerf log: {key} while the {name} opened at {self._open[name]} samples is still open")
         samples = self._advance(samples)
         self._open[name] = samples
         self._emit("start", key, value, metadata, helper_frames=1)
 
-    def _stop_interval(self, name: str, key: str, samples: int, metadata: dict,
-                       value: Any = None) -> None:
+    def _stop_interval(self, name: str, key: str, samples: int, metadata: dict, value: Any = None) -> None:
         self._expect(key, (_RUNNING,))
         if name not in self._open:
             raise RuntimeError(f"MLPerf log: {key} without an open {name}")
@@ -355,15 +364,14 @@ class MLPerfLogger:
         del self._open[name]
         self._emit("end", key, value, metadata, helper_frames=1)
 
-    def _emit(self, kind: str, key: str, value: Any = None, metadata: dict | None = None,
-              helper_frames: int = 0) -> None:
+    def _emit(
+        self, kind: str, key: str, value: Any = None, metadata: dict | None = None, helper_frames: int = 0
+    ) -> None:
         """Writes one line; ``helper_frames``: calls between the public method and here."""
         if self._mllog is None:  # not rank 0, or closed
             return
-        log_fn = {"start": self._mllog.start, "end": self._mllog.end,
-                  "event": self._mllog.event}[kind]
-        log_fn(key=key, value=value, metadata=metadata,
-               stack_offset=_STACK_OFFSET + helper_frames)
+        log_fn = {"start": self._mllog.start, "end": self._mllog.end, "event": self._mllog.event}[kind]
+        log_fn(key=key, value=value, metadata=metadata, stack_offset=_STACK_OFFSET + helper_frames)
 
 
 def _int(name: str, value: Any, least: int = 0) -> int:
@@ -393,7 +401,7 @@ def _check_resumable(path: Path) -> None:
         # Killed while writing a line: drop the fragment, which the checker cannot parse.
         with open(path, "r+b") as f:
             f.truncate(data.rfind(b"\n") + 1)
-        data = data[:data.rfind(b"\n") + 1]
+        data = data[: data.rfind(b"\n") + 1]
     keys = set()
     for line in data.decode("utf-8", errors="replace").splitlines():
         _, found, payload = line.partition(":::MLLOG ")
@@ -403,8 +411,7 @@ def _check_resumable(path: Path) -> None:
         raise ValueError(f"MLPerf log: cannot resume {path}: it has no run_start")
     ended = sorted(keys & {C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.RUN_STOP})
     if ended:
-        raise ValueError(f"MLPerf log: cannot resume {path}: the run already ended "
-                         f"(it has {', '.join(ended)})")
+        raise ValueError(f"MLPerf log: cannot resume {path}: the run already ended (it has {', '.join(ended)})")
 
 
 # The fields systems/<system_name>.json must have and the "status" values the 5.0.0 package
@@ -413,8 +420,9 @@ SYSTEM_DESC_FIELDS = system_desc.FIELDS
 SYSTEM_DESC_STATUSES = system_desc.STATUSES
 
 
-def write_system_desc(path: str | os.PathLike, *, submitter: str, division: str, status: str,
-                      system_name: str, **fields: Any) -> dict:
+def write_system_desc(
+    path: str | os.PathLike, *, submitter: str, division: str, status: str, system_name: str, **fields: Any
+) -> dict:
     """Writes an MLPerf system description (``systems/<system_name>.json``) and returns it.
 
     ``fields`` sets any other field of ``SYSTEM_DESC_FIELDS`` (spell ``accelerator_on-chip_
@@ -426,13 +434,10 @@ def write_system_desc(path: str | os.PathLike, *, submitter: str, division: str,
     if unknown:
         raise ValueError(f"system description: unknown field(s) {unknown}")
     if division not in DIVISIONS:
-        raise ValueError(f"system description: division must be one of {DIVISIONS}, "
-                         f"got {division!r}")
+        raise ValueError(f"system description: division must be one of {DIVISIONS}, got {division!r}")
     if status not in SYSTEM_DESC_STATUSES:
-        raise ValueError(f"system description: status must be one of {SYSTEM_DESC_STATUSES}, "
-                         f"got {status!r}")
+        raise ValueError(f"system description: status must be one of {SYSTEM_DESC_STATUSES}, got {status!r}")
     desc = {name: "" for name in SYSTEM_DESC_FIELDS}
-    desc.update(fields, submitter=submitter, division=division, status=status,
-                system_name=system_name)
+    desc.update(fields, submitter=submitter, division=division, status=status, system_name=system_name)
     system_desc.write(path, desc)
     return desc

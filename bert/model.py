@@ -94,8 +94,15 @@ class BertLayer(nn.Module):
         """LayerNorm(residual + dropout(proj(h)))."""
         if self.fused_ops:
             return _fused().bias_dropout_add_layer_norm(
-                F.linear(h, proj.weight), proj.bias, residual, norm.weight, norm.bias,
-                self.hidden_dropout, norm.eps, self.training)
+                F.linear(h, proj.weight),
+                proj.bias,
+                residual,
+                norm.weight,
+                norm.bias,
+                self.hidden_dropout,
+                norm.eps,
+                self.training,
+            )
         return norm(residual + F.dropout(proj(h), self.hidden_dropout, self.training))
 
 
@@ -113,8 +120,13 @@ class BertForPreTraining(nn.Module):
     bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on.
     """
 
-    def __init__(self, config: BertConfig, attention: str = "reference", fused_ops: bool = False,
-                 attention_options: dict | None = None):
+    def __init__(
+        self,
+        config: BertConfig,
+        attention: str = "reference",
+        fused_ops: bool = False,
+        attention_options: dict | None = None,
+    ):
         super().__init__()
         self.config = config
         self.attention = attention

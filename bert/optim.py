@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -54,8 +54,7 @@ def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict]:
     for p in model.parameters():  # de-duplicates tied parameters
         if p.requires_grad:
             (no_decay if id(p) in no_decay_ids else decay).append(p)
-    groups = [{"params": decay, "weight_decay": float(weight_decay)},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": float(weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
@@ -67,11 +66,18 @@ class Lamb(torch.optim.Optimizer):
     ``use_nvlamb`` (trust ratio also where weight decay is 0).
     """
 
-    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.01, bias_correction: bool = True, use_nvlamb: bool = False):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        bias_correction: bool = True,
+        use_nvlamb: bool = False,
+    ):
         _check_hparams(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.use_nvlamb = use_nvlamb
 
@@ -102,7 +108,7 @@ class Lamb(torch.optim.Optimizer):
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
         beta1, beta2 = group["betas"]
         step, lr, eps, wd = group["step"], group["lr"], group["eps"], group["weight_decay"]
-        bc1, bc2 = (1 - beta1 ** step, 1 - beta2 ** step) if group["bias_correction"] else (1.0, 1.0)
+        bc1, bc2 = (1 - beta1**step, 1 - beta2**step) if group["bias_correction"] else (1.0, 1.0)
 
         torch._foreach_mul_(exp_avgs, beta1)
         torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
@@ -134,15 +140,22 @@ def apex_lamb_available() -> bool:
     if importlib.util.find_spec("apex") is None or importlib.util.find_spec("amp_C") is None:
         return False
     try:
-        from apex.optimizers import FusedLAMB  # noqa: F401
         import amp_C  # noqa: F401
+        from apex.optimizers import FusedLAMB  # noqa: F401
     except ImportError:
         return False
     return True
 
 
-def build_optimizer(name: str, model: nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                    eps: float = 1e-6, weight_decay: float = 0.01, impl: str = "auto") -> torch.optim.Optimizer:
+def build_optimizer(
+    name: str,
+    model: nn.Module,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.01,
+    impl: str = "auto",
+) -> torch.optim.Optimizer:
     """``name``: ``lamb`` or ``adamw``; groups from ``param_groups_for(model, weight_decay)``.
 
     ``impl`` (LAMB only): ``auto`` = apex's FusedLAMB when ``apex_lamb_available()`` and the
@@ -163,13 +176,25 @@ def build_optimizer(name: str, model: nn.Module, lr: float, betas: tuple[float, 
     on_cuda = all(p.is_cuda for g in groups for p in g["params"])
     if impl == "apex" or (impl == "auto" and on_cuda and apex_lamb_available()):
         if not apex_lamb_available():
-            raise ValueError("optim.impl: 'apex' asked for, but apex.optimizers.FusedLAMB with its CUDA "
-                             "extension is not importable here")
+            raise ValueError(
+                "optim.impl: 'apex' asked for, but apex.optimizers.FusedLAMB with its CUDA "
+                "extension is not importable here"
+            )
         if not on_cuda:
             raise ValueError("optim.impl: 'apex' asked for, but the parameters are not on CUDA")
         from apex.optimizers import FusedLAMB
-        return FusedLAMB(groups, lr=lr, betas=tuple(betas), eps=eps, bias_correction=True,
-                         adam_w_mode=True, grad_averaging=True, max_grad_norm=float("inf"), use_nvlamb=False)
+
+        return FusedLAMB(
+            groups,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            bias_correction=True,
+            adam_w_mode=True,
+            grad_averaging=True,
+            max_grad_norm=float("inf"),
+            use_nvlamb=False,
+        )
     return Lamb(groups, lr=lr, betas=betas, eps=eps)
 
 

@@ -29,8 +29,16 @@ import math
 import torch
 
 
-def lr_at(step: int, *, base_lr: float, total_steps: int, warmup_steps: int = 0,
-          start_warmup_step: int = 0, power: float = 1.0, end_lr: float = 0.0) -> float:
+def lr_at(
+    step: int,
+    *,
+    base_lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    start_warmup_step: int = 0,
+    power: float = 1.0,
+    end_lr: float = 0.0,
+) -> float:
     """Learning rate of update ``step`` (0-based: the first update is step 0)."""
     if warmup_steps > 0:
         w = step - start_warmup_step
@@ -48,19 +56,36 @@ class PolyWarmupScheduler:
     the count: the hyper-parameters come from the configuration when a run resumes.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, total_steps: int,
-                 warmup_steps: int = 0, start_warmup_step: int = 0, power: float = 1.0,
-                 end_lr: float = 0.0):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        base_lr: float,
+        total_steps: int,
+        warmup_steps: int = 0,
+        start_warmup_step: int = 0,
+        power: float = 1.0,
+        end_lr: float = 0.0,
+    ):
         _check(math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}")
-        _check(isinstance(total_steps, int) and total_steps >= 1, "total_steps",
-               f"must be an integer >= 1, got {total_steps!r}")
-        _check(isinstance(warmup_steps, int) and warmup_steps >= 0, "warmup_steps",
-               f"must be an integer >= 0, got {warmup_steps!r}")
-        _check(isinstance(start_warmup_step, int), "start_warmup_step",
-               f"must be an integer, got {start_warmup_step!r}")
+        _check(
+            isinstance(total_steps, int) and total_steps >= 1,
+            "total_steps",
+            f"must be an integer >= 1, got {total_steps!r}",
+        )
+        _check(
+            isinstance(warmup_steps, int) and warmup_steps >= 0,
+            "warmup_steps",
+            f"must be an integer >= 0, got {warmup_steps!r}",
+        )
+        _check(
+            isinstance(start_warmup_step, int), "start_warmup_step", f"must be an integer, got {start_warmup_step!r}"
+        )
         _check(math.isfinite(power) and power >= 0, "power", f"must be finite and >= 0, got {power}")
-        _check(math.isfinite(end_lr) and 0 <= end_lr <= base_lr, "end_lr",
-               f"must lie in [0, base_lr={base_lr}], got {end_lr}")
+        _check(
+            math.isfinite(end_lr) and 0 <= end_lr <= base_lr,
+            "end_lr",
+            f"must lie in [0, base_lr={base_lr}], got {end_lr}",
+        )
         self.optimizer = optimizer
         self.base_lr = float(base_lr)
         self.total_steps = total_steps
@@ -72,9 +97,15 @@ class PolyWarmupScheduler:
         self._apply()
 
     def lr_at(self, step: int) -> float:
-        return lr_at(step, base_lr=self.base_lr, total_steps=self.total_steps,
-                     warmup_steps=self.warmup_steps, start_warmup_step=self.start_warmup_step,
-                     power=self.power, end_lr=self.end_lr)
+        return lr_at(
+            step,
+            base_lr=self.base_lr,
+            total_steps=self.total_steps,
+            warmup_steps=self.warmup_steps,
+            start_warmup_step=self.start_warmup_step,
+            power=self.power,
+            end_lr=self.end_lr,
+        )
 
     @property
     def last_lr(self) -> float:

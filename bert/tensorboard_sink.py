@@ -26,12 +26,22 @@ from __future__ import annotations
 import json
 import os
 
-SCALARS = {"loss": "loss/total", "mlm_loss": "loss/mlm", "nsp_loss": "loss/nsp", "simreg_loss": "loss/simreg",
-           "lr": "optim/lr", "grad_norm": "optim/grad_norm", "adagc_clipped_share": "adagc/clipped_share",
-           "adagc_clip_ratio": "adagc/clip_ratio", "seq_per_s": "throughput/seq_per_s",
-           "tokens_per_s": "throughput/tokens_per_s", "samples": "train/samples",
-           "skipped_steps": "train/skipped_steps", "corrupt_samples": "data/corrupt_samples",
-           "eval_accuracy": "eval/mlm_accuracy"}
+SCALARS = {
+    "loss": "loss/total",
+    "mlm_loss": "loss/mlm",
+    "nsp_loss": "loss/nsp",
+    "simreg_loss": "loss/simreg",
+    "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm",
+    "adagc_clipped_share": "adagc/clipped_share",
+    "adagc_clip_ratio": "adagc/clip_ratio",
+    "seq_per_s": "throughput/seq_per_s",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "samples": "train/samples",
+    "skipped_steps": "train/skipped_steps",
+    "corrupt_samples": "data/corrupt_samples",
+    "eval_accuracy": "eval/mlm_accuracy",
+}
 
 
 class TensorBoardSink:
@@ -49,16 +59,18 @@ class TensorBoardSink:
             self._count_spikes(record)
         os.makedirs(log_dir, exist_ok=True)
         fresh = resume_step is None or not os.listdir(log_dir)
-        self.writer = SummaryWriter(log_dir, purge_step=None if resume_step is None else resume_step + 1,
-                                    flush_secs=30)
+        self.writer = SummaryWriter(log_dir, purge_step=None if resume_step is None else resume_step + 1, flush_secs=30)
         if fresh:
             text = json.dumps(config, indent=2, sort_keys=True, default=str)
             # Indented: TensorBoard renders text as markdown, and this keeps it verbatim.
             self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), 0)
 
     def _count_spikes(self, record: dict) -> dict[str, float]:
-        return {f"spikes/{key}_score": (counter.add(record[key]), counter.score)[1]
-                for key, counter in self.spikes.items() if key in record}
+        return {
+            f"spikes/{key}_score": (counter.add(record[key]), counter.score)[1]
+            for key, counter in self.spikes.items()
+            if key in record
+        }
 
     def write(self, record: dict) -> None:
         step = record["step"]

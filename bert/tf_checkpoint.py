@@ -39,8 +39,18 @@ class TFCheckpointError(ValueError):
 
 # tensorflow/core/framework/types.proto: DataType -> numpy dtype (little-endian).
 _DTYPES = {
-    1: np.float32, 2: np.float64, 3: np.int32, 4: np.uint8, 5: np.int16, 6: np.int8, 9: np.int64,
-    10: np.bool_, 17: np.uint16, 19: np.float16, 22: np.uint32, 23: np.uint64,
+    1: np.float32,
+    2: np.float64,
+    3: np.int32,
+    4: np.uint8,
+    5: np.int16,
+    6: np.int8,
+    9: np.int64,
+    10: np.bool_,
+    17: np.uint16,
+    19: np.float16,
+    22: np.uint32,
+    23: np.uint64,
 }
 _DTYPE_NAMES = {7: "string", 14: "bfloat16", 8: "complex64", 18: "complex128"}
 _TABLE_MAGIC = 0xDB4775248B80FB57
@@ -61,6 +71,7 @@ def _unmask(masked: int) -> int:
 
 
 # ---- protobuf wire format: just what the two messages need ---------------------------------
+
 
 def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
@@ -91,7 +102,7 @@ def _fields(buf: bytes | memoryview):
             pos += 8
         elif wire == 2:
             n, pos = _varint(buf, pos)
-            value = bytes(buf[pos:pos + n])
+            value = bytes(buf[pos : pos + n])
             if len(value) != n:
                 raise ValueError("length-delimited field runs past the end")
             pos += n
@@ -142,20 +153,22 @@ def _parse_header(value: bytes) -> tuple[int, int]:
 
 # ---- the sorted table (LevelDB's format) ----------------------------------------------------
 
+
 def _read_block(data: bytes, offset: int, size: int, path: str) -> memoryview:
     """A block's contents after checking its 5-byte trailer (compression type, masked CRC)."""
     end = offset + size
     if end + 5 > len(data):
-        raise TFCheckpointError(f"{path}: truncated (a table block ends at byte {end + 5}, the file has "
-                                f"{len(data)})")
+        raise TFCheckpointError(f"{path}: truncated (a table block ends at byte {end + 5}, the file has {len(data)})")
     block = memoryview(data)[offset:end]
     kind = data[end]
     stored = struct.unpack_from("<I", data, end + 1)[0]
-    if _crc32c(memoryview(data)[offset:end + 1]) != _unmask(stored):
+    if _crc32c(memoryview(data)[offset : end + 1]) != _unmask(stored):
         raise TFCheckpointError(f"{path}: checksum mismatch in the table block at byte {offset}")
     if kind != 0:
-        raise TFCheckpointError(f"{path}: table block at byte {offset} is compressed (type {kind}); "
-                                "TensorFlow writes checkpoint indexes uncompressed")
+        raise TFCheckpointError(
+            f"{path}: table block at byte {offset} is compressed (type {kind}); "
+            "TensorFlow writes checkpoint indexes uncompressed"
+        )
     return block
 
 
@@ -168,9 +181,9 @@ def _block_entries(block: memoryview):
         shared, pos = _varint(block, pos)
         unshared, pos = _varint(block, pos)
         length, pos = _varint(block, pos)
-        key = key[:shared] + bytes(block[pos:pos + unshared])
+        key = key[:shared] + bytes(block[pos : pos + unshared])
         pos += unshared
-        yield key, bytes(block[pos:pos + length])
+        yield key, bytes(block[pos : pos + length])
         pos += length
 
 
@@ -204,6 +217,7 @@ def _read_index(path: str) -> dict[bytes, bytes]:
 
 
 # ---- public API --------------------------------------------------------------------------------
+
 
 def is_tf_checkpoint(path: str) -> bool:
     """True when ``path`` is a TensorFlow checkpoint prefix (``path.index`` exists)."""
@@ -245,8 +259,9 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
             shape = tuple(entry["shape"])
             expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
             if entry["size"] != expected:
-                raise TFCheckpointError(f"{where}: {entry['size']} bytes stored for shape {list(shape)} of "
-                                        f"{np.dtype(dtype).name}")
+                raise TFCheckpointError(
+                    f"{where}: {entry['size']} bytes stored for shape {list(shape)} of {np.dtype(dtype).name}"
+                )
             shard = entry["shard_id"]
             if shard not in shards:
                 if shard >= num_shards:
@@ -260,8 +275,9 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
             f.seek(entry["offset"])
             raw = f.read(entry["size"])
             if len(raw) != entry["size"]:
-                raise TFCheckpointError(f"{f.name}: truncated ({where} needs bytes {entry['offset']}.."
-                                        f"{entry['offset'] + entry['size']})")
+                raise TFCheckpointError(
+                    f"{f.name}: truncated ({where} needs bytes {entry['offset']}..{entry['offset'] + entry['size']})"
+                )
             if entry["crc32c"] is not None and _crc32c(raw) != _unmask(entry["crc32c"]):
                 raise TFCheckpointError(f"{f.name}: checksum mismatch in {where}")
             out[name] = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
@@ -339,9 +355,13 @@ def _hf_name(name: str) -> str | None:
     if m is None:
         return None
     inner = {
-        "attention/self/query": "attention.self.query", "attention/self/key": "attention.self.key",
-        "attention/self/value": "attention.self.value", "attention/output/dense": "attention.output.dense",
-        "attention/output/LayerNorm": "attention.output.LayerNorm", "intermediate/dense": "intermediate.dense",
-        "output/dense": "output.dense", "output/LayerNorm": "output.LayerNorm",
+        "attention/self/query": "attention.self.query",
+        "attention/self/key": "attention.self.key",
+        "attention/self/value": "attention.self.value",
+        "attention/output/dense": "attention.output.dense",
+        "attention/output/LayerNorm": "attention.output.LayerNorm",
+        "intermediate/dense": "intermediate.dense",
+        "output/dense": "output.dense",
+        "output/LayerNorm": "output.LayerNorm",
     }.get(m.group(2))
     return None if inner is None else f"bert.encoder.layer.{m.group(1)}.{inner}.{leaf}"

@@ -151,7 +151,7 @@ def write(directory: str, step: int, state, keep: int) -> str:
         trailer = _trailer(sink.sha.hexdigest(), sink.size)
         view = memoryview(trailer)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -185,12 +185,14 @@ def verify(path: str) -> None:
             f.seek(total - TRAILER_BYTES)
             m = _TRAILER_RE.match(f.read(TRAILER_BYTES))
             if m is None:
-                raise CheckpointError(f"{path}: no checksum trailer at the end (cut short, or not written by "
-                                      f"this trainer)")
+                raise CheckpointError(
+                    f"{path}: no checksum trailer at the end (cut short, or not written by this trainer)"
+                )
             want, size = m.group(1).decode(), int(m.group(2))
             if size != total - TRAILER_BYTES:
-                raise CheckpointError(f"{path}: the trailer records {size} bytes of state, the file holds "
-                                      f"{total - TRAILER_BYTES}")
+                raise CheckpointError(
+                    f"{path}: the trailer records {size} bytes of state, the file holds {total - TRAILER_BYTES}"
+                )
             f.seek(0)
             sha = hashlib.sha256()
             left = size
@@ -203,8 +205,9 @@ def verify(path: str) -> None:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
     if sha.hexdigest() != want:
-        raise CheckpointError(f"{path}: checksum mismatch (damaged: SHA-256 {sha.hexdigest()[:12]}..., "
-                              f"recorded {want[:12]}...)")
+        raise CheckpointError(
+            f"{path}: checksum mismatch (damaged: SHA-256 {sha.hexdigest()[:12]}..., recorded {want[:12]}...)"
+        )
 
 
 def read(path: str) -> dict:
@@ -220,8 +223,9 @@ def read(path: str) -> dict:
     return state
 
 
-def load_latest(directory: str, warn=print, accept: Callable[[dict], None] | None = None,
-                older_than: str | None = None) -> tuple[str, dict] | None:
+def load_latest(
+    directory: str, warn=print, accept: Callable[[dict], None] | None = None, older_than: str | None = None
+) -> tuple[str, dict] | None:
     """(path, state) of the newest checkpoint that verifies and that ``accept`` takes (it
     raises CheckpointError to refuse one); None when there is none at all. ``older_than``
     (a checkpoint's path) looks only at checkpoints of earlier steps.
@@ -247,6 +251,8 @@ def load_latest(directory: str, warn=print, accept: Callable[[dict], None] | Non
             problems.append(str(e))
             warn(f"warning: {e}; trying the previous checkpoint")
     if problems:
-        raise CheckpointError(f"every checkpoint in {directory} is damaged or refused ({'; '.join(problems)}); "
-                              f"move them away to start the run over")
+        raise CheckpointError(
+            f"every checkpoint in {directory} is damaged or refused ({'; '.join(problems)}); "
+            f"move them away to start the run over"
+        )
     return None

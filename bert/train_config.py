@@ -114,10 +114,15 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
 class ModelSection:
     preset: str = opt("large", "architecture preset (bert.config.PRESETS)", ("tiny", "small", "base", "large"))
     config_file: str | None = opt(None, "bert_config.json or transformers config.json; overrides preset")
-    attention: str = opt("reference", "attention backend: reference, padded, triton, triton_grouped, "
-                                      "flash_attn, torch_varlen (unpadded layout); flashmask (packed layout)")
-    grouped_buckets: list[int] = opt([128, 256, 384, 512], "triton_grouped: sequence-length buckets; each group "
-                                                           "of same-bucket sequences is one launch")
+    attention: str = opt(
+        "reference",
+        "attention backend: reference, padded, triton, triton_grouped, "
+        "flash_attn, torch_varlen (unpadded layout); flashmask (packed layout)",
+    )
+    grouped_buckets: list[int] = opt(
+        [128, 256, 384, 512],
+        "triton_grouped: sequence-length buckets; each group of same-bucket sequences is one launch",
+    )
     grouped_streams: int = opt(4, "triton_grouped: CUDA streams the groups are spread over")
     fused_ops: bool = opt(False, "fused Triton bias+GELU and bias+dropout+residual+LayerNorm")
     hidden_dropout_prob: float | None = opt(None, "override the architecture's hidden dropout")
@@ -133,23 +138,37 @@ class ModelSection:
 class DataSection:
     train_dir: str = opt("", "directory of training shards (part_*.hdf5), fixed or varlength layout")
     eval_file: str = opt("", "the eval HDF5 file (MLPerf: 10,000 samples)")
-    layout: str = opt("unpadded", "batch layout fed to the model: unpadded (flat tokens, cu_seqlens), padded "
-                                  "([B, max_seq_length], the baseline) or packed (rows of max_seq_length holding "
-                                  "several whole sequences; needs model.attention flashmask or reference)",
-                      ("unpadded", "padded", "packed"))
+    layout: str = opt(
+        "unpadded",
+        "batch layout fed to the model: unpadded (flat tokens, cu_seqlens), padded "
+        "([B, max_seq_length], the baseline) or packed (rows of max_seq_length holding "
+        "several whole sequences; needs model.attention flashmask or reference)",
+        ("unpadded", "padded", "packed"),
+    )
     backend: str = opt("torch", "loader backend", ("torch", "dali"))
     max_seq_length: int = opt(512, "sequence length of the data; the padded layout pads to it")
     vocab_file: str | None = opt(None, "vocabulary the data was made with; sets the model's vocab_size")
-    max_predictions_per_seq: int = opt(76, "masked positions per sequence at most (MLPerf data: 76); logged before "
-                                           "the data is opened, then checked against it")
-    rebalance: str = opt("balanced", "cross-rank sequence-length rebalancing each step (stripe: the MLPerf "
-                                     "submissions' sort-and-stride)", ("none", "stripe", "balanced"))
+    max_predictions_per_seq: int = opt(
+        76,
+        "masked positions per sequence at most (MLPerf data: 76); logged before "
+        "the data is opened, then checked against it",
+    )
+    rebalance: str = opt(
+        "balanced",
+        "cross-rank sequence-length rebalancing each step (stripe: the MLPerf submissions' sort-and-stride)",
+        ("none", "stripe", "balanced"),
+    )
     rebalance_cost: tuple[float, float] = opt((1.0, 1.0 / 6144), "(a, b) of the per-sample cost a*L + b*L^2")
-    rebalance_group_size: int | None = opt(None, "hierarchical rebalancing in groups of this many ranks "
-                                                 "(e.g. GPUs per node, for thousands of ranks)")
-    on_corrupt: str = opt("fail", "a training sample that fails validation or cannot be read: fail stops the run "
-                                  "naming file and sample; skip replaces it by the next good sample of the "
-                                  "epoch's stream and counts it (metrics corrupt_samples, summary)", ("fail", "skip"))
+    rebalance_group_size: int | None = opt(
+        None, "hierarchical rebalancing in groups of this many ranks (e.g. GPUs per node, for thousands of ranks)"
+    )
+    on_corrupt: str = opt(
+        "fail",
+        "a training sample that fails validation or cannot be read: fail stops the run "
+        "naming file and sample; skip replaces it by the next good sample of the "
+        "epoch's stream and counts it (metrics corrupt_samples, summary)",
+        ("fail", "skip"),
+    )
 
     def __post_init__(self):
         _check("data", self)
@@ -163,42 +182,59 @@ class TrainSection:
     grad_accum_steps: int = opt(1, "micro-batches per optimizer step on each rank")
     max_steps: int = opt(6700, "stop (status aborted) after this many optimizer steps")
     max_samples: int = opt(4_500_000, "stop (status aborted) after this many training samples")
-    seed: int | None = opt(None, "seeds data order, initialisation and dropout; unset (null): rank 0 draws "
-                                 "one from the OS and broadcasts it, so each run has its own (MLPerf closed "
-                                 "division); the seed used is logged and kept in checkpoints")
-    precision: str = opt("fp32", "fp32; bf16 autocast (CPU, CUDA); fp16 with a gradient scaler (CUDA)",
-                         ("fp32", "bf16", "fp16"))
+    seed: int | None = opt(
+        None,
+        "seeds data order, initialisation and dropout; unset (null): rank 0 draws "
+        "one from the OS and broadcasts it, so each run has its own (MLPerf closed "
+        "division); the seed used is logged and kept in checkpoints",
+    )
+    precision: str = opt(
+        "fp32", "fp32; bf16 autocast (CPU, CUDA); fp16 with a gradient scaler (CUDA)", ("fp32", "bf16", "fp16")
+    )
     device: str = opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
     log_interval_steps: int = opt(10, "steps between progress lines and metrics.jsonl records")
     max_nonfinite_steps: int = opt(10, "consecutive non-finite losses before the run stops")
 
     def __post_init__(self):
         _check("train", self)
-        for name in ("global_batch_size", "grad_accum_steps", "max_steps", "max_samples", "log_interval_steps",
-                     "max_nonfinite_steps"):
+        for name in (
+            "global_batch_size",
+            "grad_accum_steps",
+            "max_steps",
+            "max_samples",
+            "log_interval_steps",
+            "max_nonfinite_steps",
+        ):
             _positive(f"train.{name}", getattr(self, name))
         _positive("train.seed", self.seed, allow_zero=True)
 
 
 @dataclass
 class EvalSection:
-    interval_samples: int | str = opt("auto", "evaluate every this many training samples; auto: MLPerf's rule, "
-                                              "floor(0.05 x (230.23 x global batch + 3,000,000) / 25,000) x "
-                                              "25,000")
+    interval_samples: int | str = opt(
+        "auto",
+        "evaluate every this many training samples; auto: MLPerf's rule, "
+        "floor(0.05 x (230.23 x global batch + 3,000,000) / 25,000) x "
+        "25,000",
+    )
     target_accuracy: float = opt(0.720, "stop with status success at this masked-LM accuracy")
     batch_size: int = opt(125, "eval sequences per rank per batch")
     max_samples: int | None = opt(None, "evaluate on the first N eval samples only (MLPerf: all)")
-    at_start: bool = opt(False, "evaluate the initial weights before training, during initialisation (untimed, "
-                                "not an MLPerf eval_accuracy event): MLPerf's phase-1 checkpoint scores about "
-                                "0.34, which checks that it loaded right. Not in the closed division, where "
-                                "nothing may read the dataset before run_start")
+    at_start: bool = opt(
+        False,
+        "evaluate the initial weights before training, during initialisation (untimed, "
+        "not an MLPerf eval_accuracy event): MLPerf's phase-1 checkpoint scores about "
+        "0.34, which checks that it loaded right. Not in the closed division, where "
+        "nothing may read the dataset before run_start",
+    )
 
     def __post_init__(self):
         _check("eval", self)
         if isinstance(self.interval_samples, str):
             if self.interval_samples != "auto":
-                raise ConfigError(f"eval.interval_samples: expected a number of samples or auto, "
-                                  f"got {self.interval_samples!r}")
+                raise ConfigError(
+                    f"eval.interval_samples: expected a number of samples or auto, got {self.interval_samples!r}"
+                )
         else:
             _positive("eval.interval_samples", self.interval_samples)
         _positive("eval.batch_size", self.batch_size)
@@ -235,8 +271,9 @@ class OptimSection:
     start_warmup_step: int = opt(0, "step at which warm-up starts (MLPerf's start_warmup_step)")
     poly_power: float = opt(1.0, "power of the polynomial decay to 0")
     total_steps: int | None = opt(None, "steps of the decay (default: train.max_steps)")
-    clip: str = opt("global", "gradient clipping: global norm, AdaGC (per tensor, adaptive) or none",
-                    ("global", "adagc", "none"))
+    clip: str = opt(
+        "global", "gradient clipping: global norm, AdaGC (per tensor, adaptive) or none", ("global", "adagc", "none")
+    )
     max_grad_norm: float = opt(1.0, "global-norm clipping threshold")
     adagc: AdaGCSection = field(default_factory=AdaGCSection, metadata={"help": "AdaGC's parameters"})
 
@@ -269,8 +306,9 @@ class DebugSection:
     spike_steps: list[int] = opt([], "optimizer steps (1-based) at which gradients are multiplied by spike_factor")
     spike_params: list[str] = opt([], "parameter-name substrings the spikes hit (empty: every parameter)")
     spike_factor: float = opt(100.0, "gradient multiplier at spike steps")
-    nonfinite_steps: list[int] = opt([], "optimizer steps at which a gradient entry is set to nonfinite_value "
-                                         "(tests the skip)")
+    nonfinite_steps: list[int] = opt(
+        [], "optimizer steps at which a gradient entry is set to nonfinite_value (tests the skip)"
+    )
     nonfinite_value: str = opt("nan", "what debug.nonfinite_steps writes into the gradient", ("nan", "inf", "-inf"))
 
     def __post_init__(self):
@@ -280,8 +318,11 @@ class DebugSection:
 @dataclass
 class LogSection:
     division: str = opt("open", "MLPerf division written to the log", ("open", "closed"))
-    submitter: str = opt("", "MLPerf submitter (submission_org): your organisation; the closed division "
-                             "needs it set, the open division logs unpadded-bert when it is empty")
+    submitter: str = opt(
+        "",
+        "MLPerf submitter (submission_org): your organisation; the closed division "
+        "needs it set, the open division logs unpadded-bert when it is empty",
+    )
     platform: str = opt("", "MLPerf platform name (default: the device)")
     plot: bool = opt(True, "write curves.png at the end")
     tensorboard: bool = opt(False, "write TensorBoard events to OUTPUT_DIR/tensorboard/ (rank 0)")
@@ -296,9 +337,13 @@ class CheckpointSection:
     init: str | None = opt(None, "initial weights: a transformers directory or NVIDIA's MLPerf .pt")
     keep: int = opt(2, "checkpoints kept in DIR/checkpoints")
     at_end: bool = opt(False, "also save when the run ends (the final weights, for python -m bert.export)")
-    on_error: str = opt("continue", "a checkpoint that cannot be written (no space, no permission): the error "
-                                    "is reported, the previous checkpoint kept, and the run goes on or stops "
-                                    "(status aborted, exit status 1)", ("continue", "stop"))
+    on_error: str = opt(
+        "continue",
+        "a checkpoint that cannot be written (no space, no permission): the error "
+        "is reported, the previous checkpoint kept, and the run goes on or stops "
+        "(status aborted, exit status 1)",
+        ("continue", "stop"),
+    )
 
     def __post_init__(self):
         _check("checkpoint", self)
@@ -346,11 +391,14 @@ def check_closed_division(cfg: RunConfig) -> None:
     if o.clip != "global":
         raise ConfigError(f"optim.clip: {why} clips by global norm as the reference does, got {o.clip!r}")
     if o.max_grad_norm != CLOSED_MAX_GRAD_NORM:
-        raise ConfigError(f"optim.max_grad_norm: {why} clips at the reference's {CLOSED_MAX_GRAD_NORM}, "
-                          f"got {o.max_grad_norm}")
+        raise ConfigError(
+            f"optim.max_grad_norm: {why} clips at the reference's {CLOSED_MAX_GRAD_NORM}, got {o.max_grad_norm}"
+        )
     if cfg.eval.at_start:
-        raise ConfigError(f"eval.at_start: {why} starts the clock before anything reads the dataset; "
-                          "evaluate the initial checkpoint in an open-division run")
+        raise ConfigError(
+            f"eval.at_start: {why} starts the clock before anything reads the dataset; "
+            "evaluate the initial checkpoint in an open-division run"
+        )
     if cfg.loss.simreg_weight > 0:
         raise ConfigError(f"loss.simreg_weight: {why} trains on the reference loss (MLM + NSP); SimReg must be 0")
     for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
@@ -360,45 +408,60 @@ def check_closed_division(cfg: RunConfig) -> None:
     if m.preset != "large":
         raise ConfigError(f"model.preset: {why} trains BERT-large, got {m.preset!r}")
     if m.vocab_size is not None and m.vocab_size != PRESETS["large"].vocab_size:
-        raise ConfigError(f"model.vocab_size: {why} keeps BERT-large's {PRESETS['large'].vocab_size}, "
-                          f"got {m.vocab_size}")
+        raise ConfigError(
+            f"model.vocab_size: {why} keeps BERT-large's {PRESETS['large'].vocab_size}, got {m.vocab_size}"
+        )
     if m.config_file:
         try:
             shape = BertConfig.from_json(m.config_file)
         except (BertConfigError, OSError) as e:
             raise ConfigError(f"model.config_file: {e}") from None
         large = PRESETS["large"]
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                     "max_position_embeddings", "type_vocab_size", "hidden_dropout_prob",
-                     "attention_probs_dropout_prob"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+            "hidden_dropout_prob",
+            "attention_probs_dropout_prob",
+        ):
             if getattr(shape, name) != getattr(large, name):
-                raise ConfigError(f"model.config_file: {why} trains BERT-large, but {m.config_file} sets {name} "
-                                  f"{getattr(shape, name)} (BERT-large: {getattr(large, name)})")
+                raise ConfigError(
+                    f"model.config_file: {why} trains BERT-large, but {m.config_file} sets {name} "
+                    f"{getattr(shape, name)} (BERT-large: {getattr(large, name)})"
+                )
     if cfg.data.max_seq_length != CLOSED_MAX_SEQ_LENGTH:
         raise ConfigError(f"data.max_seq_length: {why} uses {CLOSED_MAX_SEQ_LENGTH}, got {cfg.data.max_seq_length}")
     if not cfg.checkpoint.init:
         raise ConfigError(f"checkpoint.init: {why} starts from the phase-1 checkpoint (model.ckpt-28252); set its path")
     rule = mlperf_eval_interval(cfg.train.global_batch_size)
     if cfg.eval.interval_samples not in ("auto", rule):
-        raise ConfigError(f"eval.interval_samples: {why} evaluates every {rule:,} samples at global batch "
-                          f"{cfg.train.global_batch_size} (auto), got {cfg.eval.interval_samples}")
+        raise ConfigError(
+            f"eval.interval_samples: {why} evaluates every {rule:,} samples at global batch "
+            f"{cfg.train.global_batch_size} (auto), got {cfg.eval.interval_samples}"
+        )
     if cfg.eval.max_samples is not None:
-        raise ConfigError(f"eval.max_samples: {why} evaluates on all {CLOSED_EVAL_SAMPLES:,} eval samples; "
-                          "leave it unset")
+        raise ConfigError(
+            f"eval.max_samples: {why} evaluates on all {CLOSED_EVAL_SAMPLES:,} eval samples; leave it unset"
+        )
     if cfg.eval.target_accuracy != CLOSED_TARGET_ACCURACY:
-        raise ConfigError(f"eval.target_accuracy: {why} stops at masked-LM accuracy {CLOSED_TARGET_ACCURACY}, "
-                          f"got {cfg.eval.target_accuracy}")
+        raise ConfigError(
+            f"eval.target_accuracy: {why} stops at masked-LM accuracy {CLOSED_TARGET_ACCURACY}, "
+            f"got {cfg.eval.target_accuracy}"
+        )
     for name in ("spike_steps", "nonfinite_steps"):
         if getattr(cfg.debug, name):
             raise ConfigError(f"debug.{name}: {why} trains without injected faults; leave it empty")
 
 
-def check_cross_fields(cfg: "RunConfig") -> None:
+def check_cross_fields(cfg: RunConfig) -> None:
     """Constraints between sections (raised before any work)."""
     layout, attention = cfg.data.layout, cfg.model.attention
     if layout == "packed" and attention not in ("flashmask", "reference"):
-        raise ConfigError(f"model.attention: {attention!r} cannot run data.layout=packed; "
-                          "use flashmask (or reference)")
+        raise ConfigError(f"model.attention: {attention!r} cannot run data.layout=packed; use flashmask (or reference)")
     if attention == "flashmask" and layout != "packed":
         raise ConfigError(f"model.attention: flashmask needs data.layout=packed, got {layout!r}")
     if cfg.loss.simreg_weight > 0 and layout == "padded":
@@ -467,14 +530,14 @@ def apply_override(values: dict, override: str) -> None:
         valid = [f.name for f in fields(cls)]
         if name not in valid:
             what = "section" if depth == 0 else "field"
-            raise ConfigError(f"{'.'.join(parts[:depth + 1])}: unknown {what}; valid {what}s of {where}: {valid}")
+            raise ConfigError(f"{'.'.join(parts[: depth + 1])}: unknown {what}; valid {what}s of {where}: {valid}")
         if depth == len(parts) - 1:
             break
         hint = hints[name]
         inner = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
         cls = hint if dataclasses.is_dataclass(hint) else (inner[0] if inner else None)
         if cls is None:
-            raise ConfigError(f"{key}: {'.'.join(parts[:depth + 1])} has no fields")
+            raise ConfigError(f"{key}: {'.'.join(parts[: depth + 1])} has no fields")
         if not isinstance(target.get(name), dict):
             target[name] = {}
         target = target[name]
@@ -526,9 +589,14 @@ def _describe_fields(prefix: str, cls) -> list[str]:
     lines = []
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]) or any(dataclasses.is_dataclass(a) for a in typing.get_args(hints[f.name])):
-            sub = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else \
-                [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)][0]
+        if dataclasses.is_dataclass(hints[f.name]) or any(
+            dataclasses.is_dataclass(a) for a in typing.get_args(hints[f.name])
+        ):
+            sub = (
+                hints[f.name]
+                if dataclasses.is_dataclass(hints[f.name])
+                else [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)][0]
+            )
             lines.extend(_describe_fields(f"{prefix}.{f.name}", sub))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

@@ -42,8 +42,7 @@ from bert.clipping import AdaGC, clip_global_
 from bert.collectives import Collectives
 from bert.config import BertConfig
 from bert.losses import pretraining_loss, simreg_anchor_count, simreg_loss
-from bert.metrics import (MetricsWriter, Progress, atomic_write_text, plot_curves, spike_score,
-                          summary_table)
+from bert.metrics import MetricsWriter, Progress, atomic_write_text, plot_curves, spike_score, summary_table
 from bert.mlperf_log import MLPerfLogger
 from bert.model import BertForPreTraining
 from bert.optim import build_optimizer
@@ -75,8 +74,11 @@ class StepResult:
 def build_model_config(cfg: RunConfig) -> BertConfig:
     m = cfg.model
     base = BertConfig.from_json(m.config_file) if m.config_file else BertConfig.preset(m.preset)
-    overrides = {k: getattr(m, k) for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "vocab_size")
-                 if getattr(m, k) is not None}
+    overrides = {
+        k: getattr(m, k)
+        for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "vocab_size")
+        if getattr(m, k) is not None
+    }
     if m.vocab_size is None and cfg.data.vocab_file:
         # A vocabulary trained with the data (the demo's) sets the model's size.
         try:
@@ -123,8 +125,10 @@ class Trainer:
         self.coll = Collectives(self.rank, self.world, cfg.dist.timeout_s)
         t = cfg.train
         if t.global_batch_size % (self.world * t.grad_accum_steps):
-            raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not divisible by ranks x "
-                              f"train.grad_accum_steps = {self.world} x {t.grad_accum_steps}")
+            raise ConfigError(
+                f"train.global_batch_size: {t.global_batch_size} is not divisible by ranks x "
+                f"train.grad_accum_steps = {self.world} x {t.grad_accum_steps}"
+            )
         if t.precision == "fp16" and self.device.type != "cuda":
             raise ConfigError("train.precision: fp16 needs CUDA (use bf16 or fp32 on the CPU)")
         self.local_batch = t.global_batch_size // self.world
@@ -165,11 +169,18 @@ class Trainer:
         # The run's seed: the config's, else one rank 0 draws from the OS; a resumed run keeps its own.
         self.seed = self._resolve_seed(found[1] if found else None)
         nodes = self._count_nodes(dist_info)
-        platform = cfg.log.platform or (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
-                                        else "cpu")
+        platform = cfg.log.platform or (
+            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        )
         submitter = cfg.log.submitter or "unpadded-bert"  # only the open division may leave it empty
-        self.mllog = MLPerfLogger(os.path.join(output_dir, "mlperf.log"), self.rank, cfg.log.division,
-                                  submitter=submitter, platform=f"{nodes}x{platform}", resume=self.resumed)
+        self.mllog = MLPerfLogger(
+            os.path.join(output_dir, "mlperf.log"),
+            self.rank,
+            cfg.log.division,
+            submitter=submitter,
+            platform=f"{nodes}x{platform}",
+            resume=self.resumed,
+        )
         if not self.resumed:
             # Initialisation (untimed, at most 30 minutes by the rules) starts here, before the
             # model is built; it ends after the warm-up in train().
@@ -180,10 +191,14 @@ class Trainer:
         map_large_allocations()
         self.model_config = build_model_config(cfg)
         torch.manual_seed(self.seed)  # same initial weights on every rank
-        options = ({"buckets": cfg.model.grouped_buckets, "num_streams": cfg.model.grouped_streams}
-                   if cfg.model.attention == "triton_grouped" else None)
-        self.model = BertForPreTraining(self.model_config, attention=cfg.model.attention,
-                                        fused_ops=cfg.model.fused_ops, attention_options=options)
+        options = (
+            {"buckets": cfg.model.grouped_buckets, "num_streams": cfg.model.grouped_streams}
+            if cfg.model.attention == "triton_grouped"
+            else None
+        )
+        self.model = BertForPreTraining(
+            self.model_config, attention=cfg.model.attention, fused_ops=cfg.model.fused_ops, attention_options=options
+        )
         if cfg.checkpoint.init:
             load_pretrained(self.model, cfg.checkpoint.init)
         self.model.to(self.device)
@@ -191,28 +206,43 @@ class Trainer:
         if self.world > 1:
             with self.coll.guard("the DDP setup (parameter broadcast)", -1):
                 self.ddp = torch.nn.parallel.DistributedDataParallel(
-                    self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                    self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+                )
         self.forward = self.ddp or self.model
         if cfg.model.compile:
             self.forward = torch.compile(self.forward)
 
         o = cfg.optim
-        self.optimizer = build_optimizer(o.name, self.model, lr=o.lr, betas=o.betas, eps=o.eps,
-                                         weight_decay=o.weight_decay)
-        self.schedule = PolyWarmupScheduler(self.optimizer, base_lr=o.lr, total_steps=o.total_steps or t.max_steps,
-                                            warmup_steps=o.warmup_steps, start_warmup_step=o.start_warmup_step,
-                                            power=o.poly_power)
+        self.optimizer = build_optimizer(
+            o.name, self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.schedule = PolyWarmupScheduler(
+            self.optimizer,
+            base_lr=o.lr,
+            total_steps=o.total_steps or t.max_steps,
+            warmup_steps=o.warmup_steps,
+            start_warmup_step=o.start_warmup_step,
+            power=o.poly_power,
+        )
         self.adagc = None
         if o.clip == "adagc":
             a = o.adagc
-            self.adagc = AdaGC(self.model.named_parameters(), lambda_rel=a.lambda_rel, beta=a.beta,
-                               warmup_steps=a.warmup_steps, lambda_abs=a.lambda_abs, eps=a.eps)
+            self.adagc = AdaGC(
+                self.model.named_parameters(),
+                lambda_rel=a.lambda_rel,
+                beta=a.beta,
+                warmup_steps=a.warmup_steps,
+                lambda_abs=a.lambda_abs,
+                eps=a.eps,
+            )
         self.clip_stats = None  # the last AdaGC step's, for the logs
         self.scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
         if cfg.data.max_seq_length > self.model_config.max_position_embeddings:
-            raise ConfigError(f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "
-                              f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+            raise ConfigError(
+                f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "
+                f"max_position_embeddings ({self.model_config.max_position_embeddings})"
+            )
 
         self._collator = None
         self.rebalancer = None
@@ -220,19 +250,31 @@ class Trainer:
             from data.rebalance import Rebalancer
 
             with self.coll.guard("the rebalancer's settings check", -1):
-                self.rebalancer = Rebalancer(cfg.data.rebalance, cfg.data.rebalance_cost, batch_size=self.local_batch,
-                                             max_len=cfg.data.max_seq_length, timeout_s=cfg.dist.timeout_s,
-                                             group_size=cfg.data.rebalance_group_size)
+                self.rebalancer = Rebalancer(
+                    cfg.data.rebalance,
+                    cfg.data.rebalance_cost,
+                    batch_size=self.local_batch,
+                    max_len=cfg.data.max_seq_length,
+                    timeout_s=cfg.dist.timeout_s,
+                    group_size=cfg.data.rebalance_group_size,
+                )
 
         if found is not None:
             self._load_checkpoint_or_older(found)
-        self.metrics = MetricsWriter(os.path.join(output_dir, "metrics.jsonl"), self.is_main,
-                                     resume_step=self.step if self.resumed else None)
+        self.metrics = MetricsWriter(
+            os.path.join(output_dir, "metrics.jsonl"), self.is_main, resume_step=self.step if self.resumed else None
+        )
         if cfg.log.tensorboard and self.is_main:
             from bert.tensorboard_sink import TensorBoardSink
 
-            self.metrics.sinks.append(TensorBoardSink(os.path.join(output_dir, "tensorboard"), cfg.to_dict(),
-                                                      self.step if self.resumed else None, self.metrics.records))
+            self.metrics.sinks.append(
+                TensorBoardSink(
+                    os.path.join(output_dir, "tensorboard"),
+                    cfg.to_dict(),
+                    self.step if self.resumed else None,
+                    self.metrics.records,
+                )
+            )
 
     # ---- setup helpers -------------------------------------------------------------------
 
@@ -259,8 +301,13 @@ class Trainer:
             # DALI collates on this rank's GPU when there is one; torch collates on the CPU
             # and the batch is moved with a non-blocking copy.
             device_id = self.device.index if self.cfg.data.backend == "dali" and self.device.type == "cuda" else None
-            self._collator = make_collator(self.cfg.data.backend, self.cfg.data.layout, self.cfg.data.max_seq_length,
-                                           device_id, max_batch_size=max(self.micro_batch, self.cfg.eval.batch_size))
+            self._collator = make_collator(
+                self.cfg.data.backend,
+                self.cfg.data.layout,
+                self.cfg.data.max_seq_length,
+                device_id,
+                max_batch_size=max(self.micro_batch, self.cfg.eval.batch_size),
+            )
         return self._collator(block)
 
     # ---- the named steps -----------------------------------------------------------------
@@ -271,11 +318,29 @@ class Trainer:
         # One all-reduce gives the global counts the losses are normalised by, and lets any
         # rank's stop request (SIGTERM) reach all ranks at the same step.
         simreg = self.cfg.loss.simreg_weight > 0
-        anchors = simreg_anchor_count(block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids,
-                                      block.masked_counts, self.cfg.loss.simreg_scope) if simreg else 0
-        counts = torch.tensor([int(block.masked_counts.sum()), len(block), block.num_tokens,
-                               int(self.stop_requested), anchors, self.train_loader.pop_substituted(self.step)],
-                              dtype=torch.int64)
+        anchors = (
+            simreg_anchor_count(
+                block.seq_lens,
+                block.input_ids,
+                block.masked_positions,
+                block.masked_ids,
+                block.masked_counts,
+                self.cfg.loss.simreg_scope,
+            )
+            if simreg
+            else 0
+        )
+        counts = torch.tensor(
+            [
+                int(block.masked_counts.sum()),
+                len(block),
+                block.num_tokens,
+                int(self.stop_requested),
+                anchors,
+                self.train_loader.pop_substituted(self.step),
+            ],
+            dtype=torch.int64,
+        )
         counts = self.coll.all_reduce(counts.to(self.device), "the step-counts all-reduce", self.step + 1).cpu()
         num_masked, num_seqs, tokens, stops, num_anchors, corrupt = (int(x) for x in counts)
         self.stop_requested = stops > 0
@@ -295,24 +360,32 @@ class Trainer:
             mb = block.select(np.arange(i * self.micro_batch, (i + 1) * self.micro_batch))
             batch = self._collate(mb).to(self.device, non_blocking=True)
             sync = self.ddp is None or i == t.grad_accum_steps - 1
-            with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self._autocast():
+            with contextlib.nullcontext() if sync else self.ddp.no_sync(), self._autocast():
                 out = self.forward(batch)
-                loss, stats = pretraining_loss(out.mlm_logits, batch.mlm_labels, out.nsp_logits, batch.nsp_labels,
-                                               num_masked, num_seqs)
+                loss, stats = pretraining_loss(
+                    out.mlm_logits, batch.mlm_labels, out.nsp_logits, batch.nsp_labels, num_masked, num_seqs
+                )
                 simreg_part = torch.zeros((), device=self.device)
                 if simreg:
                     hidden, sim_batch = out.hidden_states, batch
                     if isinstance(batch, PackedBatch):  # SimReg looks at real tokens only
                         sim_batch, index = unpack(batch)
                         hidden = hidden[index]
-                    reg_sum, _ = simreg_loss(hidden, sim_batch, self.cfg.loss.simreg_temperature,
-                                             self.cfg.loss.simreg_scope)
+                    reg_sum, _ = simreg_loss(
+                        hidden, sim_batch, self.cfg.loss.simreg_temperature, self.cfg.loss.simreg_scope
+                    )
                     simreg_part = reg_sum / max(num_anchors, 1)
                     loss = loss + self.cfg.loss.simreg_weight * simreg_part
             backward_loss = loss * scale
             (self.scaler.scale(backward_loss) if self.scaler else backward_loss).backward()
-            loss_parts += torch.stack([loss.detach(), stats["mlm_loss_sum"] / max(num_masked, 1),
-                                       stats["nsp_loss_sum"] / max(num_seqs, 1), simreg_part.detach()])
+            loss_parts += torch.stack(
+                [
+                    loss.detach(),
+                    stats["mlm_loss_sum"] / max(num_masked, 1),
+                    stats["nsp_loss_sum"] / max(num_seqs, 1),
+                    simreg_part.detach(),
+                ]
+            )
         return loss_parts
 
     def optimizer_step(self) -> tuple[bool, float]:
@@ -398,11 +471,21 @@ class Trainer:
         cfg, t, o = self.cfg, self.cfg.train, self.cfg.optim
         self.mllog.submission_info()
         self.mllog.hyperparameters(
-            seed=self.seed, global_batch_size=t.global_batch_size, local_batch_size=self.micro_batch,
-            gradient_accumulation_steps=t.grad_accum_steps, max_sequence_length=cfg.data.max_seq_length,
-            max_predictions_per_seq=cfg.data.max_predictions_per_seq, learning_rate=o.lr, betas=o.betas,
-            epsilon=o.eps, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps,
-            start_warmup_step=o.start_warmup_step, train_steps=o.total_steps or t.max_steps, poly_power=o.poly_power)
+            seed=self.seed,
+            global_batch_size=t.global_batch_size,
+            local_batch_size=self.micro_batch,
+            gradient_accumulation_steps=t.grad_accum_steps,
+            max_sequence_length=cfg.data.max_seq_length,
+            max_predictions_per_seq=cfg.data.max_predictions_per_seq,
+            learning_rate=o.lr,
+            betas=o.betas,
+            epsilon=o.eps,
+            weight_decay=o.weight_decay,
+            warmup_steps=o.warmup_steps,
+            start_warmup_step=o.start_warmup_step,
+            train_steps=o.total_steps or t.max_steps,
+            poly_power=o.poly_power,
+        )
 
     def _log_start(self) -> None:
         """Warm up, end initialisation, start the clock, then open the data."""
@@ -435,20 +518,35 @@ class Trainer:
         predictions = min(self.cfg.data.max_predictions_per_seq, max(1, seq // 8))
         if cuda:
             n = self.micro_batch
-            blocks = [random_block(n, seed=0, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab,
-                                   min_len=seq),
-                      random_block(n, seed=1, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab)]
+            blocks = [
+                random_block(n, seed=0, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab, min_len=seq),
+                random_block(n, seed=1, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab),
+            ]
         else:
             short = min(seq, 16)
-            blocks = [random_block(2, seed=0, max_seq_length=short, max_predictions=min(predictions, 2),
-                                   vocab_size=vocab, min_len=min(8, short))]
+            blocks = [
+                random_block(
+                    2,
+                    seed=0,
+                    max_seq_length=short,
+                    max_predictions=min(predictions, 2),
+                    vocab_size=vocab,
+                    min_len=min(8, short),
+                )
+            ]
         self.forward.train()
         for block in blocks:
             batch = self._collate(block).to(self.device, non_blocking=True)
             with self._autocast():
                 out = self.forward(batch)
-                loss, _ = pretraining_loss(out.mlm_logits, batch.mlm_labels, out.nsp_logits, batch.nsp_labels,
-                                           int(block.masked_counts.sum()), len(block))
+                loss, _ = pretraining_loss(
+                    out.mlm_logits,
+                    batch.mlm_labels,
+                    out.nsp_logits,
+                    batch.nsp_labels,
+                    int(block.masked_counts.sum()),
+                    len(block),
+                )
             with self.coll.guard("the warm-up's gradient all-reduce", 0):
                 loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
@@ -468,9 +566,15 @@ class Trainer:
     def _eval_loader(self):
         from data.loader import EvalLoader
 
-        return EvalLoader(self.cfg.data.eval_file, rank=self.rank, world_size=self.world,
-                          batch_size=self.cfg.eval.batch_size, max_samples=self.cfg.eval.max_samples,
-                          vocab_size=self.model_config.vocab_size, backend=self.cfg.data.backend)
+        return EvalLoader(
+            self.cfg.data.eval_file,
+            rank=self.rank,
+            world_size=self.world,
+            batch_size=self.cfg.eval.batch_size,
+            max_samples=self.cfg.eval.max_samples,
+            vocab_size=self.model_config.vocab_size,
+            backend=self.cfg.data.backend,
+        )
 
     def _open_data(self) -> None:
         """The loaders: the first reads of the dataset, after run_start."""
@@ -480,26 +584,39 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         # Both loaders check every token id against the model's vocabulary as they read.
         vocab = self.model_config.vocab_size
-        self.train_loader = PretrainingLoader(cfg.data.train_dir, global_batch_size=t.global_batch_size,
-                                              rank=self.rank, world_size=self.world, seed=self.seed,
-                                              backend=cfg.data.backend, vocab_size=vocab,
-                                              on_corrupt=cfg.data.on_corrupt, warn=self._warn)
+        self.train_loader = PretrainingLoader(
+            cfg.data.train_dir,
+            global_batch_size=t.global_batch_size,
+            rank=self.rank,
+            world_size=self.world,
+            seed=self.seed,
+            backend=cfg.data.backend,
+            vocab_size=vocab,
+            on_corrupt=cfg.data.on_corrupt,
+            warn=self._warn,
+        )
         if self._loader_state is not None:
             self.train_loader.load_state_dict(self._loader_state)
         if self.eval_loader is None:  # eval.at_start opened it already
             self.eval_loader = self._eval_loader()
         if cfg.log.division == "closed" and self.eval_loader.total_samples != CLOSED_EVAL_SAMPLES:
-            raise ConfigError(f"data.eval_file: the closed division evaluates on exactly {CLOSED_EVAL_SAMPLES:,} "
-                              f"samples; {cfg.data.eval_file} holds {self.eval_loader.total_samples:,}")
+            raise ConfigError(
+                f"data.eval_file: the closed division evaluates on exactly {CLOSED_EVAL_SAMPLES:,} "
+                f"samples; {cfg.data.eval_file} holds {self.eval_loader.total_samples:,}"
+            )
         self.data_info = inspect(self.train_loader.files[0])
         seq = self.data_info.max_seq_length
         if seq is not None and seq > cfg.data.max_seq_length:
-            raise ConfigError(f"data.max_seq_length: {cfg.data.max_seq_length}, but {self.data_info.path} holds "
-                              f"sequences of up to {seq} tokens")
+            raise ConfigError(
+                f"data.max_seq_length: {cfg.data.max_seq_length}, but {self.data_info.path} holds "
+                f"sequences of up to {seq} tokens"
+            )
         predictions = self.data_info.max_predictions
         if predictions is not None and predictions > cfg.data.max_predictions_per_seq:
-            raise ConfigError(f"data.max_predictions_per_seq: {cfg.data.max_predictions_per_seq}, but "
-                              f"{self.data_info.path} holds up to {predictions} masked positions per sequence")
+            raise ConfigError(
+                f"data.max_predictions_per_seq: {cfg.data.max_predictions_per_seq}, but "
+                f"{self.data_info.path} holds up to {predictions} masked positions per sequence"
+            )
 
     def _train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -532,28 +649,50 @@ class Trainer:
             self.tokens += result.tokens
             if result.corrupt:
                 self.corrupt_samples += result.corrupt
-                self.progress.message(f"warning: step {self.step}: {result.corrupt} corrupt sample(s) replaced by the "
-                                      f"next valid ones (data.on_corrupt=skip); {self.corrupt_samples} so far")
+                self.progress.message(
+                    f"warning: step {self.step}: {result.corrupt} corrupt sample(s) replaced by the "
+                    f"next valid ones (data.on_corrupt=skip); {self.corrupt_samples} so far"
+                )
             self.train_seconds += time.time() - step_start
             window_samples += result.samples
             window_tokens += result.tokens
             if self.nonfinite_in_row >= t.max_nonfinite_steps:
-                self.progress.message(f"error: {self.nonfinite_in_row} non-finite losses in a row at step "
-                                      f"{self.step}; stopping (status aborted)")
+                self.progress.message(
+                    f"error: {self.nonfinite_in_row} non-finite losses in a row at step "
+                    f"{self.step}; stopping (status aborted)"
+                )
                 status = "aborted"
             if self.step % t.log_interval_steps == 0 or self.step == 1:
                 parts = self.coll.all_reduce(result.loss_parts.clone(), "the loss all-reduce", self.step).tolist()
                 elapsed = max(time.time() - window_start, 1e-9)
-                rec = {"step": self.step, "samples": self.samples, "loss": parts[0], "mlm_loss": parts[1],
-                       "nsp_loss": parts[2], **({"simreg_loss": parts[3]} if self.cfg.loss.simreg_weight else {}),
-                       "lr": self.schedule.lr_at(max(self.schedule.step_count - 1, 0)), "grad_norm": grad_norm,
-                       "seq_per_s": window_samples / elapsed, "tokens_per_s": window_tokens / elapsed,
-                       "skipped_steps": self.skipped, **self._adagc_record(),
-                       **({"corrupt_samples": self.corrupt_samples} if cfg.data.on_corrupt == "skip" else {})}
+                rec = {
+                    "step": self.step,
+                    "samples": self.samples,
+                    "loss": parts[0],
+                    "mlm_loss": parts[1],
+                    "nsp_loss": parts[2],
+                    **({"simreg_loss": parts[3]} if self.cfg.loss.simreg_weight else {}),
+                    "lr": self.schedule.lr_at(max(self.schedule.step_count - 1, 0)),
+                    "grad_norm": grad_norm,
+                    "seq_per_s": window_samples / elapsed,
+                    "tokens_per_s": window_tokens / elapsed,
+                    "skipped_steps": self.skipped,
+                    **self._adagc_record(),
+                    **({"corrupt_samples": self.corrupt_samples} if cfg.data.on_corrupt == "skip" else {}),
+                }
                 if rebalance is not None:
-                    rec["rebalance"] = {k: getattr(rebalance, k) for k in (
-                        "imbalance_before", "imbalance_after", "samples_moved", "samples_sent", "exchange_ms",
-                        "wait_ms", "hidden_fraction")}
+                    rec["rebalance"] = {
+                        k: getattr(rebalance, k)
+                        for k in (
+                            "imbalance_before",
+                            "imbalance_after",
+                            "samples_moved",
+                            "samples_sent",
+                            "exchange_ms",
+                            "wait_ms",
+                            "hidden_fraction",
+                        )
+                    }
                 self.metrics.write(rec)
                 self.progress.step(rec)
                 window_start, window_samples, window_tokens = time.time(), 0, 0
@@ -570,13 +709,21 @@ class Trainer:
                 saved = self.save_checkpoint()
                 if self.stop_requested:
                     self._drain_rebalancer()
-                    self.progress.message(f"stopping at step {self.step} as asked (SIGTERM); "
-                                          + ("checkpoint saved, rerun with the same --output-dir to resume" if saved
-                                             else "rerun with the same --output-dir to resume from the latest "
-                                                  "checkpoint"))
+                    self.progress.message(
+                        f"stopping at step {self.step} as asked (SIGTERM); "
+                        + (
+                            "checkpoint saved, rerun with the same --output-dir to resume"
+                            if saved
+                            else "rerun with the same --output-dir to resume from the latest checkpoint"
+                        )
+                    )
                     self.mllog.close()
-                    return {"status": "interrupted", "steps": self.step, "samples": self.samples,
-                            **({"error": self.error} if self.error else {})}
+                    return {
+                        "status": "interrupted",
+                        "steps": self.step,
+                        "samples": self.samples,
+                        **({"error": self.error} if self.error else {}),
+                    }
                 if not saved and cfg.checkpoint.on_error == "stop":
                     status = "aborted"
         time_to_train = time.time() - run_start
@@ -599,8 +746,10 @@ class Trainer:
         self.mllog.eval_accuracy(self.samples, acc)
         self.mllog.eval_stop(self.samples)
         self.metrics.write({"step": self.step, "samples": self.samples, "eval_accuracy": acc})
-        self.progress.message(f"eval  step {self.step:>6}  samples {self.samples:>9}  masked-LM accuracy {acc:.4f}"
-                              f"  (target {self.cfg.eval.target_accuracy})")
+        self.progress.message(
+            f"eval  step {self.step:>6}  samples {self.samples:>9}  masked-LM accuracy {acc:.4f}"
+            f"  (target {self.cfg.eval.target_accuracy})"
+        )
 
     def _drain_rebalancer(self) -> None:
         """Collect the exchange started for a step that will not run (every rank started it)."""
@@ -618,13 +767,18 @@ class Trainer:
         log.run_stop(self.samples, status)
         log.close()
         summary = {
-            "status": status, "steps": self.step, "samples": self.samples,
+            "status": status,
+            "steps": self.step,
+            "samples": self.samples,
             "train_seconds": self.train_seconds,
             "seq_per_s": self.samples / max(self.train_seconds, 1e-9),
             "tokens_per_s": self.tokens / max(self.train_seconds, 1e-9),
-            "eval_accuracy": self.eval_accuracy, "time_to_train_s": time_to_train,
-            "skipped_steps": self.skipped, "world_size": self.world,
-            "corrupt_samples_skipped": self.corrupt_samples, "checkpoint_failures": self.checkpoint_failures,
+            "eval_accuracy": self.eval_accuracy,
+            "time_to_train_s": time_to_train,
+            "skipped_steps": self.skipped,
+            "world_size": self.world,
+            "corrupt_samples_skipped": self.corrupt_samples,
+            "checkpoint_failures": self.checkpoint_failures,
             "loss_spike_score": spike_score([r["loss"] for r in self.metrics.records if "loss" in r]),
             "grad_norm_spike_score": spike_score([r["grad_norm"] for r in self.metrics.records if "grad_norm" in r]),
             **({"error": self.error} if self.error else {}),
@@ -652,12 +806,14 @@ class Trainer:
         error = None
         if self.is_main:
             try:
-                train_checkpoint.save(self._checkpoint_dir(), self.step, self._training_state(),
-                                      self.cfg.checkpoint.keep)
+                train_checkpoint.save(
+                    self._checkpoint_dir(), self.step, self._training_state(), self.cfg.checkpoint.keep
+                )
             except train_checkpoint.CheckpointWriteError as e:
                 error = str(e)
-        failed = self.coll.all_reduce(torch.tensor([int(error is not None)], device=self.device),
-                                      "the checkpoint commit", self.step)
+        failed = self.coll.all_reduce(
+            torch.tensor([int(error is not None)], device=self.device), "the checkpoint commit", self.step
+        )
         if not int(failed):
             return True
         self.checkpoint_failures += 1
@@ -665,8 +821,10 @@ class Trainer:
             kept = train_checkpoint.list_checkpoints(self._checkpoint_dir())
             previous = os.path.basename(kept[-1][1]) if kept else "none"
             action = "continuing" if self.cfg.checkpoint.on_error == "continue" else "stopping"
-            self.progress.message(f"error: step {self.step}: {error}; the previous checkpoint ({previous}) is kept; "
-                                  f"{action} (checkpoint.on_error={self.cfg.checkpoint.on_error})")
+            self.progress.message(
+                f"error: step {self.step}: {error}; the previous checkpoint ({previous}) is kept; "
+                f"{action} (checkpoint.on_error={self.cfg.checkpoint.on_error})"
+            )
         if self.cfg.checkpoint.on_error == "stop" or self.stop_requested:
             self.error = f"the checkpoint of step {self.step} could not be written" + (f": {error}" if error else "")
         return False
@@ -682,11 +840,19 @@ class Trainer:
             "adagc": self.adagc.state_dict() if self.adagc else None,
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "loader": loader,
-            "counters": {"step": self.step, "samples": self.samples, "tokens": self.tokens, "skipped": self.skipped,
-                         "nonfinite_in_row": self.nonfinite_in_row, "train_seconds": self.train_seconds,
-                         "last_eval_samples": self.last_eval_samples, "eval_accuracy": self.eval_accuracy,
-                         "corrupt_samples": self.corrupt_samples, "checkpoint_failures": self.checkpoint_failures,
-                         "seed": self.seed},
+            "counters": {
+                "step": self.step,
+                "samples": self.samples,
+                "tokens": self.tokens,
+                "skipped": self.skipped,
+                "nonfinite_in_row": self.nonfinite_in_row,
+                "train_seconds": self.train_seconds,
+                "last_eval_samples": self.last_eval_samples,
+                "eval_accuracy": self.eval_accuracy,
+                "corrupt_samples": self.corrupt_samples,
+                "checkpoint_failures": self.checkpoint_failures,
+                "seed": self.seed,
+            },
             "config": self.cfg.to_dict(),
         }
 
@@ -699,16 +865,20 @@ class Trainer:
                 self.progress.message(f"removed {name}, the unfinished write of a killed run")
         # The model does not exist yet (the seed it is built with may come from the checkpoint):
         # whether the state fits it is checked when it is loaded (_load_checkpoint_or_older).
-        found = train_checkpoint.load_latest(directory, warn=self.progress.message) if os.path.isdir(directory) \
-            else None
+        found = (
+            train_checkpoint.load_latest(directory, warn=self.progress.message) if os.path.isdir(directory) else None
+        )
         step = found[1]["counters"]["step"] if found is not None else 0
         # Ranks that see different checkpoint directories (node-local disks) would diverge silently.
-        steps = self.coll.all_reduce(torch.tensor([step, -step], device=self.device), "the resume check",
-                                     step, op=dist.ReduceOp.MAX)
+        steps = self.coll.all_reduce(
+            torch.tensor([step, -step], device=self.device), "the resume check", step, op=dist.ReduceOp.MAX
+        )
         if int(steps[0]) != -int(steps[1]):
-            raise CheckpointError(f"{directory}: the ranks resumed from different steps ({-int(steps[1])} to "
-                                  f"{int(steps[0])}; rank {self.rank} from {step}): every rank must see the "
-                                  f"same checkpoints")
+            raise CheckpointError(
+                f"{directory}: the ranks resumed from different steps ({-int(steps[1])} to "
+                f"{int(steps[0])}; rank {self.rank} from {step}): every rank must see the "
+                f"same checkpoints"
+            )
         return found
 
     def _resolve_seed(self, state: dict | None) -> int:
@@ -719,8 +889,9 @@ class Trainer:
         if self.cfg.train.seed is not None:
             return self.cfg.train.seed
         drawn = secrets.randbits(31) if self.is_main else 0
-        drawn = self.coll.all_reduce(torch.tensor([drawn], dtype=torch.int64, device=self.device),
-                                     "the seed broadcast", 0)
+        drawn = self.coll.all_reduce(
+            torch.tensor([drawn], dtype=torch.int64, device=self.device), "the seed broadcast", 0
+        )
         return int(drawn)
 
     def _count_nodes(self, dist_info) -> int:
@@ -744,27 +915,38 @@ class Trainer:
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 problems.append(f"{k} is {got}, the model has {want.dtype} {tuple(want.shape)}")
         if problems:
-            raise CheckpointError(f"the model weights do not fit this model ({'; '.join(problems[:4])}"
-                                  + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + ")")
+            raise CheckpointError(
+                f"the model weights do not fit this model ({'; '.join(problems[:4])}"
+                + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "")
+                + ")"
+            )
         groups, saved = self.optimizer.param_groups, state["optimizer"]
         try:
             sizes = [len(g["params"]) for g in saved["param_groups"]]
-            params = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
-                              (p for g in groups for p in g["params"])))
+            params = dict(
+                zip((i for g in saved["param_groups"] for i in g["params"]), (p for g in groups for p in g["params"]))
+            )
             moments = dict(saved["state"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError("the optimizer state is not param_groups with params, and state") from None
         if sizes != [len(g["params"]) for g in groups]:
-            raise CheckpointError(f"the optimizer state has parameter groups of sizes {sizes}, this optimizer "
-                                  f"{[len(g['params']) for g in groups]}")
+            raise CheckpointError(
+                f"the optimizer state has parameter groups of sizes {sizes}, this optimizer "
+                f"{[len(g['params']) for g in groups]}"
+            )
         for i, entry in moments.items():
             if i not in params or not isinstance(entry, dict):
                 raise CheckpointError(f"the optimizer state names parameter {i!r}, which it has no group for")
             for name, t in entry.items():
-                if isinstance(t, torch.Tensor) and t.dim() and (t.shape != params[i].shape
-                                                                or not t.is_floating_point()):
-                    raise CheckpointError(f"the optimizer's {name} of parameter {i} is {t.dtype} {tuple(t.shape)}, "
-                                          f"the parameter {params[i].dtype} {tuple(params[i].shape)}")
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.dim()
+                    and (t.shape != params[i].shape or not t.is_floating_point())
+                ):
+                    raise CheckpointError(
+                        f"the optimizer's {name} of parameter {i} is {t.dtype} {tuple(t.shape)}, "
+                        f"the parameter {params[i].dtype} {tuple(params[i].shape)}"
+                    )
         c = state["counters"]
         for key in ("step", "samples", "tokens", "skipped", "nonfinite_in_row", "last_eval_samples"):
             if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or c[key] < 0:
@@ -781,11 +963,14 @@ class Trainer:
             return
         except CheckpointError as e:
             self.progress.message(f"warning: {path}: {e}; trying the previous checkpoint")
-        older = train_checkpoint.load_latest(self._checkpoint_dir(), warn=self.progress.message,
-                                             accept=self._load_checkpoint, older_than=path)
+        older = train_checkpoint.load_latest(
+            self._checkpoint_dir(), warn=self.progress.message, accept=self._load_checkpoint, older_than=path
+        )
         if older is None:
-            raise CheckpointError(f"every checkpoint in {self._checkpoint_dir()} is damaged or refused ({path} does "
-                                  f"not fit this run); move them away to start the run over")
+            raise CheckpointError(
+                f"every checkpoint in {self._checkpoint_dir()} is damaged or refused ({path} does "
+                f"not fit this run); move them away to start the run over"
+            )
 
     def _load_checkpoint(self, state: dict) -> None:
         """Check the state against this run, then load it; CheckpointError when it does not fit

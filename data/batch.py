@@ -73,17 +73,29 @@ class UnpaddedBatch:
         for name in ("input_ids", "segment_ids", "position_ids", "mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
         _check_int(self.cu_seqlens, "cu_seqlens", 1)
-        _require(self.cu_seqlens.dtype == torch.int32, "cu_seqlens", f"expected torch.int32, got {self.cu_seqlens.dtype}")
-        _require(isinstance(self.max_seqlen, int) and not isinstance(self.max_seqlen, bool),
-                 "max_seqlen", f"expected a Python int, got {type(self.max_seqlen).__name__}")
+        _require(
+            self.cu_seqlens.dtype == torch.int32, "cu_seqlens", f"expected torch.int32, got {self.cu_seqlens.dtype}"
+        )
+        _require(
+            isinstance(self.max_seqlen, int) and not isinstance(self.max_seqlen, bool),
+            "max_seqlen",
+            f"expected a Python int, got {type(self.max_seqlen).__name__}",
+        )
         n = self.input_ids.numel()
         for name in ("segment_ids", "position_ids"):
-            _require(getattr(self, name).numel() == n, name,
-                     f"length {getattr(self, name).numel()} != input_ids length {n}")
-        _require(self.mlm_labels.numel() == self.mlm_positions.numel(), "mlm_labels",
-                 f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}")
-        _require(self.cu_seqlens.numel() == self.nsp_labels.numel() + 1, "cu_seqlens",
-                 f"length {self.cu_seqlens.numel()} != nsp_labels length {self.nsp_labels.numel()} + 1")
+            _require(
+                getattr(self, name).numel() == n, name, f"length {getattr(self, name).numel()} != input_ids length {n}"
+            )
+        _require(
+            self.mlm_labels.numel() == self.mlm_positions.numel(),
+            "mlm_labels",
+            f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}",
+        )
+        _require(
+            self.cu_seqlens.numel() == self.nsp_labels.numel() + 1,
+            "cu_seqlens",
+            f"length {self.cu_seqlens.numel()} != nsp_labels length {self.nsp_labels.numel()} + 1",
+        )
 
     @property
     def num_sequences(self) -> int:
@@ -98,7 +110,7 @@ class UnpaddedBatch:
         """[B] int32 sequence lengths."""
         return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
 
-    def check_values(self, vocab_size: int | None = None) -> "UnpaddedBatch":
+    def check_values(self, vocab_size: int | None = None) -> UnpaddedBatch:
         """Check the contents (reads values: call on the CPU, where batches are made)."""
         t = self.num_tokens
         cu = self.cu_seqlens.long()
@@ -107,26 +119,38 @@ class UnpaddedBatch:
         _require(int(cu[-1]) == t, "cu_seqlens", f"ends at {int(cu[-1])} but the batch has {t} tokens")
         lens = cu[1:] - cu[:-1]
         _require(bool((lens >= 1).all()), "cu_seqlens", "every sequence needs at least one token")
-        _require(int(lens.max()) == self.max_seqlen, "max_seqlen",
-                 f"is {self.max_seqlen} but the longest sequence has {int(lens.max())} tokens")
+        _require(
+            int(lens.max()) == self.max_seqlen,
+            "max_seqlen",
+            f"is {self.max_seqlen} but the longest sequence has {int(lens.max())} tokens",
+        )
         starts = torch.repeat_interleave(cu[:-1], lens)
-        _require(torch.equal(self.position_ids.long(), torch.arange(t) - starts), "position_ids",
-                 "must count 0, 1, ... within each sequence")
+        _require(
+            torch.equal(self.position_ids.long(), torch.arange(t) - starts),
+            "position_ids",
+            "must count 0, 1, ... within each sequence",
+        )
         if self.mlm_positions.numel():
             pos = self.mlm_positions.long()
-            _require(int(pos.min()) >= 0 and int(pos.max()) < t, "mlm_positions",
-                     f"indices must lie in [0, {t}), got [{int(pos.min())}, {int(pos.max())}]")
+            _require(
+                int(pos.min()) >= 0 and int(pos.max()) < t,
+                "mlm_positions",
+                f"indices must lie in [0, {t}), got [{int(pos.min())}, {int(pos.max())}]",
+            )
             _require(not bool(torch.isin(pos, cu[:-1]).any()), "mlm_positions", "a [CLS] token is masked")
         _require(bool(((self.nsp_labels == 0) | (self.nsp_labels == 1)).all()), "nsp_labels", "must be 0 or 1")
         if vocab_size is not None:
             for name in ("input_ids", "mlm_labels"):
                 v = getattr(self, name)
                 if v.numel():
-                    _require(int(v.min()) >= 0 and int(v.max()) < vocab_size, name,
-                             f"token ids must lie in [0, {vocab_size}), got [{int(v.min())}, {int(v.max())}]")
+                    _require(
+                        int(v.min()) >= 0 and int(v.max()) < vocab_size,
+                        name,
+                        f"token ids must lie in [0, {vocab_size}), got [{int(v.min())}, {int(v.max())}]",
+                    )
         return self
 
-    def to(self, device, non_blocking: bool = False) -> "UnpaddedBatch":
+    def to(self, device, non_blocking: bool = False) -> UnpaddedBatch:
         return _move(self, device, non_blocking)
 
 
@@ -150,18 +174,30 @@ class PaddedBatch:
     def __post_init__(self):
         for name in ("input_ids", "segment_ids", "position_ids"):
             _check_int(getattr(self, name), name, 2)
-        _require(isinstance(self.attention_mask, Tensor) and self.attention_mask.dtype == torch.bool,
-                 "attention_mask", "expected a bool tensor")
+        _require(
+            isinstance(self.attention_mask, Tensor) and self.attention_mask.dtype == torch.bool,
+            "attention_mask",
+            "expected a bool tensor",
+        )
         shape = self.input_ids.shape
         for name in ("segment_ids", "position_ids", "attention_mask"):
-            _require(getattr(self, name).shape == shape, name,
-                     f"shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}")
+            _require(
+                getattr(self, name).shape == shape,
+                name,
+                f"shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}",
+            )
         for name in ("mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
-        _require(self.mlm_labels.numel() == self.mlm_positions.numel(), "mlm_labels",
-                 f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}")
-        _require(self.nsp_labels.numel() == shape[0], "nsp_labels",
-                 f"length {self.nsp_labels.numel()} != batch size {shape[0]}")
+        _require(
+            self.mlm_labels.numel() == self.mlm_positions.numel(),
+            "mlm_labels",
+            f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}",
+        )
+        _require(
+            self.nsp_labels.numel() == shape[0],
+            "nsp_labels",
+            f"length {self.nsp_labels.numel()} != batch size {shape[0]}",
+        )
 
     @property
     def num_sequences(self) -> int:
@@ -172,12 +208,13 @@ class PaddedBatch:
         """Real (unpadded) tokens, the count throughput is reported in."""
         return int(self.attention_mask.sum())
 
-    def to(self, device, non_blocking: bool = False) -> "PaddedBatch":
+    def to(self, device, non_blocking: bool = False) -> PaddedBatch:
         return _move(self, device, non_blocking)
 
 
-def unpad(input_ids, segment_ids, input_mask, masked_lm_positions, masked_lm_ids,
-          next_sentence_labels) -> UnpaddedBatch:
+def unpad(
+    input_ids, segment_ids, input_mask, masked_lm_positions, masked_lm_ids, next_sentence_labels
+) -> UnpaddedBatch:
     """MLPerf's fixed layout -> UnpaddedBatch.
 
     input_ids, segment_ids, input_mask: [B, S]; input_mask is 1 on real tokens, which form a
@@ -194,8 +231,11 @@ def unpad(input_ids, segment_ids, input_mask, masked_lm_positions, masked_lm_ids
     b, s = ids.shape
     for name, t in (("segment_ids", seg), ("input_mask", mask)):
         _require(t.shape == ids.shape, name, f"shape {tuple(t.shape)} != input_ids shape {(b, s)}")
-    _require(mids.shape == mpos.shape, "masked_lm_ids",
-             f"shape {tuple(mids.shape)} != masked_lm_positions shape {tuple(mpos.shape)}")
+    _require(
+        mids.shape == mpos.shape,
+        "masked_lm_ids",
+        f"shape {tuple(mids.shape)} != masked_lm_positions shape {tuple(mpos.shape)}",
+    )
     _require(mpos.shape[0] == b, "masked_lm_positions", f"has {mpos.shape[0]} rows, input_ids has {b}")
     _require(nsp.numel() == b, "next_sentence_labels", f"has {nsp.numel()} entries, input_ids has {b} rows")
     _require(b > 0, "input_ids", "the batch holds no sequence")
@@ -214,8 +254,10 @@ def unpad(input_ids, segment_ids, input_mask, masked_lm_positions, masked_lm_ids
     past = used & (mpos >= lens.unsqueeze(1))
     if bool(past.any()):
         row, col = (int(x) for x in past.nonzero()[0])
-        raise ValueError(f"masked_lm_positions: row {row} slot {col} is position {int(mpos[row, col])}, "
-                         f"past the sequence's end ({int(lens[row])} tokens)")
+        raise ValueError(
+            f"masked_lm_positions: row {row} slot {col} is position {int(mpos[row, col])}, "
+            f"past the sequence's end ({int(lens[row])} tokens)"
+        )
     _require(not bool((mpos < 0).any()), "masked_lm_positions", "negative position")
     flat_pos = (mpos + cu[:-1].unsqueeze(1))[used]  # [M] indices into T
     position_ids = prefix.long().cumsum(1).sub_(1)[real]
@@ -302,22 +344,35 @@ class PackedBatch:
             _check_int(getattr(self, name), name, 2)
         shape = self.input_ids.shape
         for name in ("segment_ids", "position_ids"):
-            _require(getattr(self, name).shape == shape, name,
-                     f"shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}")
+            _require(
+                getattr(self, name).shape == shape,
+                name,
+                f"shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}",
+            )
         _check_int(self.startend_row_indices, "startend_row_indices", 4)
-        _require(self.startend_row_indices.dtype == torch.int32, "startend_row_indices",
-                 f"expected torch.int32, got {self.startend_row_indices.dtype}")
+        _require(
+            self.startend_row_indices.dtype == torch.int32,
+            "startend_row_indices",
+            f"expected torch.int32, got {self.startend_row_indices.dtype}",
+        )
         want = (shape[0], 1, shape[1], 2)
-        _require(tuple(self.startend_row_indices.shape) == want, "startend_row_indices",
-                 f"shape {tuple(self.startend_row_indices.shape)} != {want}")
+        _require(
+            tuple(self.startend_row_indices.shape) == want,
+            "startend_row_indices",
+            f"shape {tuple(self.startend_row_indices.shape)} != {want}",
+        )
         for name in ("cls_positions", "seq_lens", "mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
         b = self.nsp_labels.numel()
         for name in ("cls_positions", "seq_lens"):
-            _require(getattr(self, name).numel() == b, name,
-                     f"length {getattr(self, name).numel()} != nsp_labels length {b}")
-        _require(self.mlm_labels.numel() == self.mlm_positions.numel(), "mlm_labels",
-                 f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}")
+            _require(
+                getattr(self, name).numel() == b, name, f"length {getattr(self, name).numel()} != nsp_labels length {b}"
+            )
+        _require(
+            self.mlm_labels.numel() == self.mlm_positions.numel(),
+            "mlm_labels",
+            f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}",
+        )
 
     @property
     def num_sequences(self) -> int:
@@ -339,7 +394,7 @@ class PackedBatch:
         first = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
         return starts + torch.arange(int(lens.sum()), device=lens.device) - first
 
-    def check_values(self, vocab_size: int | None = None) -> "PackedBatch":
+    def check_values(self, vocab_size: int | None = None) -> PackedBatch:
         """Check the contents against each other (reads values: call on the CPU)."""
         r, s = self.input_ids.shape
         lens = self.seq_lens.long()
@@ -347,35 +402,50 @@ class PackedBatch:
         _require(self.num_sequences > 0, "nsp_labels", "the batch holds no sequence")
         _require(bool((lens >= 1).all()), "seq_lens", "every sequence needs at least one token")
         start_col = cls % s
-        _require(bool((cls >= 0).all() and (start_col + lens <= s).all()), "cls_positions",
-                 "a sequence runs past the end of its row")
+        _require(
+            bool((cls >= 0).all() and (start_col + lens <= s).all()),
+            "cls_positions",
+            "a sequence runs past the end of its row",
+        )
         tokens = self.token_index()
         used = torch.zeros(r * s, dtype=torch.int64)
         used.index_add_(0, tokens, torch.ones_like(tokens))
         _require(int(used.max()) <= 1, "cls_positions", "two sequences overlap")
         within = tokens - torch.repeat_interleave(cls, lens)
-        _require(torch.equal(self.position_ids.reshape(-1)[tokens], within), "position_ids",
-                 "must count 0, 1, ... within each sequence")
+        _require(
+            torch.equal(self.position_ids.reshape(-1)[tokens], within),
+            "position_ids",
+            "must count 0, 1, ... within each sequence",
+        )
         bounds = self.startend_row_indices.reshape(r * s, 2).long()
         first_col = torch.repeat_interleave(start_col, lens)
         want = torch.stack([first_col + torch.repeat_interleave(lens, lens), first_col], 1)
-        _require(torch.equal(bounds[tokens], want), "startend_row_indices",
-                 "a real token's bounds must be (end, start) of its sequence in the row")
+        _require(
+            torch.equal(bounds[tokens], want),
+            "startend_row_indices",
+            "a real token's bounds must be (end, start) of its sequence in the row",
+        )
         pad = used == 0
         pad_want = torch.tensor([0, s], dtype=torch.int64)
         _require(bool((bounds[pad] == pad_want).all()), "startend_row_indices", "padding keys must be (0, S)")
         if self.mlm_positions.numel():
             pos = self.mlm_positions.long()
-            _require(bool(used[pos.clamp(0, r * s - 1)].bool().all()) and int(pos.min()) >= 0
-                     and int(pos.max()) < r * s, "mlm_positions", "a masked position is not a real token")
+            _require(
+                bool(used[pos.clamp(0, r * s - 1)].bool().all()) and int(pos.min()) >= 0 and int(pos.max()) < r * s,
+                "mlm_positions",
+                "a masked position is not a real token",
+            )
             _require(not bool(torch.isin(pos, cls).any()), "mlm_positions", "a [CLS] token is masked")
         _require(bool(((self.nsp_labels == 0) | (self.nsp_labels == 1)).all()), "nsp_labels", "must be 0 or 1")
         if vocab_size is not None:
             for name, v in (("input_ids", self.input_ids.reshape(-1)[tokens]), ("mlm_labels", self.mlm_labels)):
                 if v.numel():
-                    _require(int(v.min()) >= 0 and int(v.max()) < vocab_size, name,
-                             f"token ids must lie in [0, {vocab_size}), got [{int(v.min())}, {int(v.max())}]")
+                    _require(
+                        int(v.min()) >= 0 and int(v.max()) < vocab_size,
+                        name,
+                        f"token ids must lie in [0, {vocab_size}), got [{int(v.min())}, {int(v.max())}]",
+                    )
         return self
 
-    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
+    def to(self, device, non_blocking: bool = False) -> PackedBatch:
         return _move(self, device, non_blocking)

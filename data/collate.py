@@ -9,7 +9,7 @@ take); ``collate_padded`` builds the ``[B, S]`` baseline. Both give exactly what
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ from data.batch import PaddedBatch, UnpaddedBatch
 from data.errors import DataError
 from data.samples import SampleBlock, _offsets
 
-Batch = Union[UnpaddedBatch, PaddedBatch]
+Batch = UnpaddedBatch | PaddedBatch
 BACKENDS = ("torch", "dali")
 LAYOUTS = ("unpadded", "padded", "packed")
 
@@ -82,8 +82,13 @@ def collate_padded(block: SampleBlock, seq_len: int) -> PaddedBatch:
     )
 
 
-def make_collator(backend: str = "torch", layout: str = "unpadded", seq_len: int | None = None,
-                  device_id: int | None = None, max_batch_size: int = 1024) -> Callable[[SampleBlock], Batch]:
+def make_collator(
+    backend: str = "torch",
+    layout: str = "unpadded",
+    seq_len: int | None = None,
+    device_id: int | None = None,
+    max_batch_size: int = 1024,
+) -> Callable[[SampleBlock], Batch]:
     """A function SampleBlock -> batch.
 
     backend: ``torch`` (this module) or ``dali`` (a DALI pipeline; ``device_id`` None runs

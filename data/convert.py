@@ -27,8 +27,14 @@ from data.errors import DataError, cli_main  # noqa: E402
 from data.hdf5io import ALL_LAYOUTS, PACKED, inspect, list_files, read_file, write_file  # noqa: E402
 
 
-def convert_file(src, dst, to: str, max_seq_length: int | None = None, max_predictions: int | None = None,
-                 vocab_size: int | None = None) -> int:
+def convert_file(
+    src,
+    dst,
+    to: str,
+    max_seq_length: int | None = None,
+    max_predictions: int | None = None,
+    vocab_size: int | None = None,
+) -> int:
     """Convert one file; returns its sample count."""
     if to not in ALL_LAYOUTS:
         raise DataError(f"--to {to!r}: expected one of {', '.join(ALL_LAYOUTS)}")
@@ -36,8 +42,10 @@ def convert_file(src, dst, to: str, max_seq_length: int | None = None, max_predi
     s = max_seq_length or info.max_seq_length
     p = max_predictions or info.max_predictions
     if to == "fixed" and (s is None or p is None):
-        raise DataError(f"{src}: the file does not record max_seq_length / max_predictions; "
-                        f"pass --max-seq-length and --max-predictions")
+        raise DataError(
+            f"{src}: the file does not record max_seq_length / max_predictions; "
+            f"pass --max-seq-length and --max-predictions"
+        )
     if to == PACKED and s is None:
         raise DataError(f"{src}: the file does not record max_seq_length; pass --max-seq-length (the pack length)")
     block = read_file(src, vocab_size=vocab_size)
@@ -50,8 +58,11 @@ def main(argv=None) -> int:
     ap.add_argument("input", help="an .hdf5 file or a directory of them")
     ap.add_argument("output", help="the output file, or directory (created) for a directory input")
     ap.add_argument("--to", required=True, choices=ALL_LAYOUTS)
-    ap.add_argument("--max-seq-length", type=int,
-                    help="fixed layout row length / packed layout pack length (default: recorded in the file)")
+    ap.add_argument(
+        "--max-seq-length",
+        type=int,
+        help="fixed layout row length / packed layout pack length (default: recorded in the file)",
+    )
     ap.add_argument("--max-predictions", type=int, help="fixed layout masked slots (default: recorded in the file)")
     ap.add_argument("--vocab-size", type=int, help="also check token ids against this vocabulary size")
     args = ap.parse_args(argv)

@@ -23,9 +23,13 @@ from data.batch import PaddedBatch, UnpaddedBatch
 from data.errors import DataError
 from data.samples import SampleBlock, _offsets
 
-_FIELDS = (("input_ids", "INT32", np.int32), ("segment_ids", "INT8", np.int8),
-           ("masked_positions", "INT32", np.int32), ("masked_ids", "INT32", np.int32),
-           ("nsp_labels", "INT8", np.int8))
+_FIELDS = (
+    ("input_ids", "INT32", np.int32),
+    ("segment_ids", "INT8", np.int8),
+    ("masked_positions", "INT32", np.int32),
+    ("masked_ids", "INT32", np.int32),
+    ("nsp_labels", "INT8", np.int8),
+)
 
 
 def _import_dali():
@@ -46,8 +50,14 @@ class DaliCollator:
     max_batch_size: the most samples one block may hold (blocks may be smaller).
     """
 
-    def __init__(self, layout: str = "unpadded", seq_len: int | None = None, device_id: int | None = None,
-                 max_batch_size: int = 1024, num_threads: int = 1):
+    def __init__(
+        self,
+        layout: str = "unpadded",
+        seq_len: int | None = None,
+        device_id: int | None = None,
+        max_batch_size: int = 1024,
+        num_threads: int = 1,
+    ):
         if layout not in ("unpadded", "padded"):
             raise ValueError(f"layout {layout!r}: expected 'unpadded' or 'padded'")
         if layout == "padded" and not seq_len:
@@ -58,20 +68,32 @@ class DaliCollator:
         self.device_id = device_id
         self.max_batch_size = max_batch_size
         self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
-        pipe = Pipeline(batch_size=max_batch_size, num_threads=num_threads, device_id=device_id,
-                        exec_async=False, exec_pipelined=False, prefetch_queue_depth=1)
+        pipe = Pipeline(
+            batch_size=max_batch_size,
+            num_threads=num_threads,
+            device_id=device_id,
+            exec_async=False,
+            exec_pipelined=False,
+            prefetch_queue_depth=1,
+        )
         with pipe:
-            src = {name: fn.external_source(name=name, dtype=getattr(types, dt), ndim=1, device="cpu")
-                   for name, dt, _ in _FIELDS}
+            src = {
+                name: fn.external_source(name=name, dtype=getattr(types, dt), ndim=1, device="cpu")
+                for name, dt, _ in _FIELDS
+            }
             lens = src["input_ids"].shape()
             mcounts = src["masked_positions"].shape()
             data = {k: (v.gpu() if device_id is not None else v) for k, v in src.items()}
             row = {"shape": [seq_len]} if layout == "padded" else {}
-            pipe.set_outputs(fn.pad(data["input_ids"], fill_value=0, **row),
-                             fn.pad(data["segment_ids"], fill_value=0, **row),
-                             fn.pad(data["masked_positions"], fill_value=0),
-                             fn.pad(data["masked_ids"], fill_value=0),
-                             data["nsp_labels"], lens, mcounts)
+            pipe.set_outputs(
+                fn.pad(data["input_ids"], fill_value=0, **row),
+                fn.pad(data["segment_ids"], fill_value=0, **row),
+                fn.pad(data["masked_positions"], fill_value=0),
+                fn.pad(data["masked_ids"], fill_value=0),
+                data["nsp_labels"],
+                lens,
+                mcounts,
+            )
         pipe.build()
         self._pipe = pipe
 
@@ -125,9 +147,14 @@ class DaliCollator:
             pos = torch.arange(s, device=self.device).unsqueeze(0)
             mask = pos < torch.from_numpy(lens_h).to(self.device).unsqueeze(1)  # [B, S]
             return PaddedBatch(
-                input_ids=ids_p.long(), segment_ids=seg_p.long(),
-                position_ids=torch.where(mask, pos, 0), attention_mask=mask,
-                mlm_positions=m_rows * s + mlm_pos, mlm_labels=mlm_labels, nsp_labels=nsp_labels)
+                input_ids=ids_p.long(),
+                segment_ids=seg_p.long(),
+                position_ids=torch.where(mask, pos, 0),
+                attention_mask=mask,
+                mlm_positions=m_rows * s + mlm_pos,
+                mlm_labels=mlm_labels,
+                nsp_labels=nsp_labels,
+            )
         index = torch.from_numpy(tok_index).to(self.device, non_blocking=True)
         starts = torch.from_numpy(cu[:-1]).to(self.device)
         return UnpaddedBatch(

@@ -41,18 +41,36 @@ import numpy as np
 from data.errors import DataError
 from data.samples import SampleBlock, _offsets
 
-FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
-              "next_sentence_labels")
+FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 VARLENGTH_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
-FIXED_DTYPES = {"input_ids": np.int16, "input_mask": np.int8, "segment_ids": np.int8,
-                "masked_lm_positions": np.int16, "masked_lm_ids": np.int16, "next_sentence_labels": np.int8}
+FIXED_DTYPES = {
+    "input_ids": np.int16,
+    "input_mask": np.int8,
+    "segment_ids": np.int8,
+    "masked_lm_positions": np.int16,
+    "masked_lm_ids": np.int16,
+    "next_sentence_labels": np.int8,
+}
 LAYOUTS = ("fixed", "varlength")
 PACKED = "packed"
-PACKED_KEYS = ("input_ids", "segment_ids", "packed_input_len", "masked_lm_positions", "masked_lm_ids",
-               "packed_masked_lm_len", "next_sentence_labels")
-PACKED_DTYPES = {"input_ids": np.int16, "segment_ids": np.int8, "packed_input_len": np.int16,
-                 "masked_lm_positions": np.int16, "masked_lm_ids": np.int16, "packed_masked_lm_len": np.int16,
-                 "next_sentence_labels": np.int8}
+PACKED_KEYS = (
+    "input_ids",
+    "segment_ids",
+    "packed_input_len",
+    "masked_lm_positions",
+    "masked_lm_ids",
+    "packed_masked_lm_len",
+    "next_sentence_labels",
+)
+PACKED_DTYPES = {
+    "input_ids": np.int16,
+    "segment_ids": np.int8,
+    "packed_input_len": np.int16,
+    "masked_lm_positions": np.int16,
+    "masked_lm_ids": np.int16,
+    "packed_masked_lm_len": np.int16,
+    "next_sentence_labels": np.int8,
+}
 ALL_LAYOUTS = LAYOUTS + (PACKED,)  # what data.convert writes; LAYOUTS: what data.prepare writes
 
 
@@ -99,8 +117,9 @@ def _layout_of(path, f: h5py.File) -> str:
 
 def _check_int_dtype(path, key: str, dtype: np.dtype, expected) -> None:
     if not np.issubdtype(dtype, np.integer):
-        _fail(path, f"{key} has dtype {dtype}, expected an integer type "
-                    f"({np.dtype(expected).name} in the MLPerf layout)")
+        _fail(
+            path, f"{key} has dtype {dtype}, expected an integer type ({np.dtype(expected).name} in the MLPerf layout)"
+        )
 
 
 def _info(path, f: h5py.File) -> FileInfo:
@@ -245,13 +264,21 @@ def read_valid(path, vocab_size: int | None = None) -> tuple[SampleBlock, np.nda
     return SampleBlock.concat(parts), np.concatenate(rows), problems
 
 
-
 def _first(bad: np.ndarray) -> int:
     return int(np.flatnonzero(bad)[0])
 
 
-def from_fixed_arrays(path, input_ids, input_mask, segment_ids, masked_lm_positions, masked_lm_ids,
-                      next_sentence_labels, vocab_size: int | None = None, first_row: int = 0) -> SampleBlock:
+def from_fixed_arrays(
+    path,
+    input_ids,
+    input_mask,
+    segment_ids,
+    masked_lm_positions,
+    masked_lm_ids,
+    next_sentence_labels,
+    vocab_size: int | None = None,
+    first_row: int = 0,
+) -> SampleBlock:
     """Fixed-layout arrays -> validated SampleBlock (``path`` and ``first_row`` name errors)."""
     ids = np.asarray(input_ids)
     mask = np.asarray(input_mask)
@@ -292,10 +319,14 @@ def from_fixed_arrays(path, input_ids, input_mask, segment_ids, masked_lm_positi
     _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
     _check_nsp(path, nsp, first_row)
     return SampleBlock(
-        input_ids=ids_real.astype(np.int32), segment_ids=seg_real.astype(np.int8),
-        seq_lens=lens.astype(np.int32), masked_positions=positions.astype(np.int32),
-        masked_ids=labels.astype(np.int32), masked_counts=counts.astype(np.int32),
-        nsp_labels=nsp.astype(np.int8))
+        input_ids=ids_real.astype(np.int32),
+        segment_ids=seg_real.astype(np.int8),
+        seq_lens=lens.astype(np.int32),
+        masked_positions=positions.astype(np.int32),
+        masked_ids=labels.astype(np.int32),
+        masked_counts=counts.astype(np.int32),
+        nsp_labels=nsp.astype(np.int8),
+    )
 
 
 def _lengths(objs: np.ndarray) -> np.ndarray:
@@ -324,8 +355,10 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     bad = _lengths(mids) != counts
     if bad.any():
         r = _first(bad)
-        _fail(path, f"sample {first_row + r}: masked_lm_ids has {len(mids[r])} entries, "
-                    f"masked_lm_positions has {counts[r]}")
+        _fail(
+            path,
+            f"sample {first_row + r}: masked_lm_ids has {len(mids[r])} entries, masked_lm_positions has {counts[r]}",
+        )
     flat_ids = _flat(ids, np.int32)
     flat_seg = _flat(seg, np.int8)
     _check_tokens(path, flat_ids, flat_seg, lens, vocab_size, first_row)
@@ -334,9 +367,14 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
     _check_nsp(path, nsp, first_row)
     return SampleBlock(
-        input_ids=flat_ids, segment_ids=flat_seg, seq_lens=lens.astype(np.int32),
-        masked_positions=positions.astype(np.int32), masked_ids=labels.astype(np.int32),
-        masked_counts=counts.astype(np.int32), nsp_labels=nsp.astype(np.int8))
+        input_ids=flat_ids,
+        segment_ids=flat_seg,
+        seq_lens=lens.astype(np.int32),
+        masked_positions=positions.astype(np.int32),
+        masked_ids=labels.astype(np.int32),
+        masked_counts=counts.astype(np.int32),
+        nsp_labels=nsp.astype(np.int8),
+    )
 
 
 def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size: int | None, start: int, stop: int) -> SampleBlock:
@@ -350,15 +388,32 @@ def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size: int | None, sta
     except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         _fail(path, f"cannot read sample data (truncated or corrupt?) in samples {start}..{stop - 1}: {text}")
-    block = from_packed_arrays(path, vocab_size=vocab_size, max_seq_length=info.max_seq_length, first_pack=p0,
-                               first_sample=int(seq_off[p0]), **arrays)
+    block = from_packed_arrays(
+        path,
+        vocab_size=vocab_size,
+        max_seq_length=info.max_seq_length,
+        first_pack=p0,
+        first_sample=int(seq_off[p0]),
+        **arrays,
+    )
     lo = start - int(seq_off[p0])
     return block.select(np.arange(lo, lo + stop - start))
 
 
-def from_packed_arrays(path, input_ids, segment_ids, packed_input_len, masked_lm_positions, masked_lm_ids,
-                       packed_masked_lm_len, next_sentence_labels, vocab_size: int | None = None,
-                       max_seq_length: int | None = None, first_pack: int = 0, first_sample: int = 0) -> SampleBlock:
+def from_packed_arrays(
+    path,
+    input_ids,
+    segment_ids,
+    packed_input_len,
+    masked_lm_positions,
+    masked_lm_ids,
+    packed_masked_lm_len,
+    next_sentence_labels,
+    vocab_size: int | None = None,
+    max_seq_length: int | None = None,
+    first_pack: int = 0,
+    first_sample: int = 0,
+) -> SampleBlock:
     """Packed-layout arrays (per key, an object array of one array per pack) -> validated
     SampleBlock of the sequences; ``first_pack`` / ``first_sample`` number the errors."""
     tokens_per_pack = _lengths(input_ids)
@@ -411,9 +466,14 @@ def from_packed_arrays(path, input_ids, segment_ids, packed_input_len, masked_lm
     nsp = _flat(next_sentence_labels, np.int64)
     _check_nsp(path, nsp, first_sample)
     return SampleBlock(
-        input_ids=ids, segment_ids=seg, seq_lens=lens.astype(np.int32),
-        masked_positions=positions.astype(np.int32), masked_ids=labels.astype(np.int32),
-        masked_counts=counts.astype(np.int32), nsp_labels=nsp.astype(np.int8))
+        input_ids=ids,
+        segment_ids=seg,
+        seq_lens=lens.astype(np.int32),
+        masked_positions=positions.astype(np.int32),
+        masked_ids=labels.astype(np.int32),
+        masked_counts=counts.astype(np.int32),
+        nsp_labels=nsp.astype(np.int8),
+    )
 
 
 def _sample_of(flat_index: int, counts: np.ndarray) -> int:
@@ -442,9 +502,12 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
     if bad.any():
         i = _first(bad)
         r = int(owner[i])
-        _fail(path, f"sample {first_row + r}: masked position {int(positions[i])} is "
-                    f"{'[CLS] or negative' if positions[i] < 1 else 'past the sequence end'} "
-                    f"({int(lens[r])} tokens)")
+        _fail(
+            path,
+            f"sample {first_row + r}: masked position {int(positions[i])} is "
+            f"{'[CLS] or negative' if positions[i] < 1 else 'past the sequence end'} "
+            f"({int(lens[r])} tokens)",
+        )
     same = owner[1:] == owner[:-1]
     bad = same & (positions[1:] <= positions[:-1])
     if bad.any():
@@ -454,8 +517,11 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
     bad = (labels < 0) | (labels >= hi)
     if bad.any():
         i = _first(bad)
-        _fail(path, f"sample {first_row + int(owner[i])}: masked_lm_ids holds {int(labels[i])}, outside "
-                    f"{'the vocabulary' if vocab_size is not None else '[0, 32768)'}")
+        _fail(
+            path,
+            f"sample {first_row + int(owner[i])}: masked_lm_ids holds {int(labels[i])}, outside "
+            f"{'the vocabulary' if vocab_size is not None else '[0, 32768)'}",
+        )
 
 
 def _check_nsp(path, nsp, first_row) -> None:
@@ -475,8 +541,9 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
         raise DataError(f"{where}sample {r} has {int(lens[r])} tokens, more than max_seq_length {max_seq_length}")
     if n and int(counts.max()) > max_predictions:
         r = int(np.argmax(counts))
-        raise DataError(f"{where}sample {r} has {int(counts[r])} masked positions, more than max_predictions "
-                        f"{max_predictions}")
+        raise DataError(
+            f"{where}sample {r} has {int(counts[r])} masked positions, more than max_predictions {max_predictions}"
+        )
     rows = np.repeat(np.arange(n), lens)
     cols = np.arange(len(rows)) - np.repeat(_offsets(lens)[:-1], lens)
     out = {
@@ -551,8 +618,9 @@ def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def write_varlength(path, block: SampleBlock, max_seq_length: int | None = None,
-                    max_predictions: int | None = None) -> None:
+def write_varlength(
+    path, block: SampleBlock, max_seq_length: int | None = None, max_predictions: int | None = None
+) -> None:
     """Write ``block`` in MLPerf's variable-length layout."""
     n = len(block)
     lens = block.seq_lens.astype(np.int64)
@@ -562,10 +630,12 @@ def write_varlength(path, block: SampleBlock, max_seq_length: int | None = None,
             r = int(np.argmax(values))
             raise DataError(f"{path}: sample {r} has {int(values[r])} {what}, more than {limit}")
     with _AtomicFile(path) as f:
-        for key, flat, cnt, dtype in (("input_ids", block.input_ids, lens, np.int16),
-                                      ("segment_ids", block.segment_ids, lens, np.int8),
-                                      ("masked_lm_positions", block.masked_positions, counts, np.int16),
-                                      ("masked_lm_ids", block.masked_ids, counts, np.int16)):
+        for key, flat, cnt, dtype in (
+            ("input_ids", block.input_ids, lens, np.int16),
+            ("segment_ids", block.segment_ids, lens, np.int8),
+            ("masked_lm_positions", block.masked_positions, counts, np.int16),
+            ("masked_lm_ids", block.masked_ids, counts, np.int16),
+        ):
             ds = f.create_dataset(key, (n,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
             if n:
                 ds[...] = _split(flat, cnt, dtype)
@@ -599,13 +669,15 @@ def write_packed(path, block: SampleBlock, max_seq_length: int, max_predictions:
     slots_per_pack = np.bincount(pack_of_seq, weights=counts, minlength=num_packs).astype(np.int64)
     positions = packed.masked_positions.astype(np.int64) + np.repeat(offset[order], counts)  # within the pack
     with _AtomicFile(path) as f:
-        for key, flat, cnt in (("input_ids", packed.input_ids, tokens_per_pack),
-                               ("segment_ids", packed.segment_ids, tokens_per_pack),
-                               ("packed_input_len", lens, seqs_per_pack),
-                               ("masked_lm_positions", positions, slots_per_pack),
-                               ("masked_lm_ids", packed.masked_ids, slots_per_pack),
-                               ("packed_masked_lm_len", counts, seqs_per_pack),
-                               ("next_sentence_labels", packed.nsp_labels, seqs_per_pack)):
+        for key, flat, cnt in (
+            ("input_ids", packed.input_ids, tokens_per_pack),
+            ("segment_ids", packed.segment_ids, tokens_per_pack),
+            ("packed_input_len", lens, seqs_per_pack),
+            ("masked_lm_positions", positions, slots_per_pack),
+            ("masked_lm_ids", packed.masked_ids, slots_per_pack),
+            ("packed_masked_lm_len", counts, seqs_per_pack),
+            ("next_sentence_labels", packed.nsp_labels, seqs_per_pack),
+        ):
             dtype = PACKED_DTYPES[key]
             ds = f.create_dataset(key, (num_packs,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
             if num_packs:

@@ -200,10 +200,22 @@ class PretrainingLoader:
         module docstring). warn: called with a one-line message for each corrupt file (skip).
     """
 
-    def __init__(self, train_dir_or_files, global_batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, *, lanes: int | None = None, backend: str = "torch", prefetch: bool = True,
-                 prefetch_files: int | None = None, vocab_size: int | None = None, on_corrupt: str = "fail",
-                 warn=None):
+    def __init__(
+        self,
+        train_dir_or_files,
+        global_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        *,
+        lanes: int | None = None,
+        backend: str = "torch",
+        prefetch: bool = True,
+        prefetch_files: int | None = None,
+        vocab_size: int | None = None,
+        on_corrupt: str = "fail",
+        warn=None,
+    ):
         if on_corrupt not in ON_CORRUPT:
             raise ValueError(f"on_corrupt {on_corrupt!r}: expected one of {', '.join(ON_CORRUPT)}")
         self.on_corrupt = on_corrupt
@@ -246,8 +258,10 @@ class PretrainingLoader:
         self.files = readable
         self.sizes = np.array(sizes, dtype=np.int64)
         if int(self.sizes.sum()) < global_batch_size:
-            raise DataError(f"{self.files[0].parent}: {int(self.sizes.sum())} samples in {len(self.files)} file(s) "
-                            f"cannot fill one global batch of {global_batch_size}")
+            raise DataError(
+                f"{self.files[0].parent}: {int(self.sizes.sum())} samples in {len(self.files)} file(s) "
+                f"cannot fill one global batch of {global_batch_size}"
+            )
         self._plan = _Plan(self.sizes, global_batch_size, self.lanes, seed, rank, world_size)
         self.prefetch_files = len(self._plan.parts) if prefetch_files is None else prefetch_files
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="data-prefetch") if prefetch else None
@@ -307,7 +321,7 @@ class PretrainingLoader:
         bad = int((index < 0).sum())
         self.corrupt_found += bad
         prefix = f"{path}: "
-        shown = "; ".join(p[len(prefix):] if p.startswith(prefix) else p for p in problems[:3])
+        shown = "; ".join(p[len(prefix) :] if p.startswith(prefix) else p for p in problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         self._warn(f"{path}: {bad} of {n} samples corrupt, skipped (data.on_corrupt=skip): {shown}{more}")
         return _Loaded(block, index)
@@ -342,8 +356,10 @@ class PretrainingLoader:
                 replaced += len(bad)
         # Runs of consecutive samples from the same file, in batch order.
         cut = np.flatnonzero(files[1:] != files[:-1]) + 1
-        parts = [get(int(files[lo])).select(rows[lo:hi])
-                 for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(files)]]))]
+        parts = [
+            get(int(files[lo])).select(rows[lo:hi])
+            for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(files)]]))
+        ]
         return (parts[0] if len(parts) == 1 else SampleBlock.concat(parts)), replaced
 
     def _next_valid(self, epoch: int, file: int, offset: int, get) -> tuple[int, int]:
@@ -458,9 +474,15 @@ class PretrainingLoader:
 
     # ------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "step": self._step, "seed": self.seed,
-                "global_batch_size": self.global_batch_size, "lanes": self.lanes,
-                "files": [f.name for f in self.files], "sizes": self.sizes.tolist()}
+        return {
+            "format": STATE_FORMAT,
+            "step": self._step,
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "lanes": self.lanes,
+            "files": [f.name for f in self.files],
+            "sizes": self.sizes.tolist(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved step (any world_size); the plan must be the same."""
@@ -470,8 +492,10 @@ class PretrainingLoader:
         for key in ("seed", "global_batch_size", "lanes", "files", "sizes"):
             if state.get(key) != mine[key]:
                 what = mine[key] if key not in ("files", "sizes") else f"{len(mine[key])} entries"
-                raise DataError(f"loader state: {key} differs from this loader's ({what}); "
-                                f"the saved position belongs to another sample order")
+                raise DataError(
+                    f"loader state: {key} differs from this loader's ({what}); "
+                    f"the saved position belongs to another sample order"
+                )
         step = state["step"]
         if not isinstance(step, int) or step < 0:
             raise DataError(f"loader state: step {step!r} must be an int >= 0")
@@ -505,8 +529,16 @@ class EvalLoader:
     ``total_samples`` is the number evaluated over all ranks.
     """
 
-    def __init__(self, path, batch_size: int, rank: int = 0, world_size: int = 1,
-                 vocab_size: int | None = None, backend: str = "torch", max_samples: int | None = None):
+    def __init__(
+        self,
+        path,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        vocab_size: int | None = None,
+        backend: str = "torch",
+        max_samples: int | None = None,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size {batch_size}: must be >= 1")
         if max_samples is not None and max_samples < 1:

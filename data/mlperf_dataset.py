@@ -85,9 +85,15 @@ class Layout:
 
     def stage_dir(self, kind: str) -> Path:
         n = self.shards
-        return self.root / f"training-{n}" / {"chop": f"hdf5_{n}_shards_uncompressed",
-                                               "varlength": f"hdf5_{n}_shards_varlength",
-                                               "shuffled": f"hdf5_{n}_shards_varlength_shuffled"}[kind]
+        return (
+            self.root
+            / f"training-{n}"
+            / {
+                "chop": f"hdf5_{n}_shards_uncompressed",
+                "varlength": f"hdf5_{n}_shards_varlength",
+                "shuffled": f"hdf5_{n}_shards_varlength_shuffled",
+            }[kind]
+        )
 
     def shard_names(self) -> list[str]:
         return [f"part_{i:05d}_of_{self.shards:05d}.hdf5" for i in range(self.shards)]
@@ -119,8 +125,9 @@ class Pool:
                 results = map(fn, tasks)
             else:
                 if self._pool is None:
-                    self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"),
-                                                     initializer=_init_worker)
+                    self._pool = ProcessPoolExecutor(
+                        self.workers, mp_context=get_context("spawn"), initializer=_init_worker
+                    )
                 results = self._pool.map(fn, tasks)
             out = []
             for r in results:
@@ -165,8 +172,15 @@ def _file_task(t: _FileTask) -> int:
     return prepare_file(t.src, t.dst, vocab, t.params, tok)
 
 
-def prepare_files(inputs: list[Path], out_dir: Path, vocab: str, params: RefParams, pool: Pool,
-                  skip_existing: bool = True, desc: str = "per-file samples") -> list[Path]:
+def prepare_files(
+    inputs: list[Path],
+    out_dir: Path,
+    vocab: str,
+    params: RefParams,
+    pool: Pool,
+    skip_existing: bool = True,
+    desc: str = "per-file samples",
+) -> list[Path]:
     """The reference ``create_pretraining_data.py`` output of each input file:
     ``out_dir/<input name>.hdf5`` (files already there are kept when ``skip_existing``).
     Returns the output paths in input order."""
@@ -174,8 +188,9 @@ def prepare_files(inputs: list[Path], out_dir: Path, vocab: str, params: RefPara
     outs = [out_dir / output_name(f) for f in inputs]
     if len({o.name for o in outs}) != len(outs):
         raise DataError(f"{out_dir}: two inputs have the same file name; their outputs would collide")
-    todo = [_FileTask(str(f), str(o), vocab, params) for f, o in zip(inputs, outs)
-            if not (skip_existing and o.exists())]
+    todo = [
+        _FileTask(str(f), str(o), vocab, params) for f, o in zip(inputs, outs) if not (skip_existing and o.exists())
+    ]
     todo.sort(key=lambda t: -os.path.getsize(t.src))  # largest first: better balance across workers
     pool.map(_file_task, todo, desc)
     return outs
@@ -223,7 +238,7 @@ def _chop_task(t: _ChopTask) -> None:
             continue
         with h5py.File(src, "r") as f:
             for k in FIXED_KEYS:
-                parts[k].append(f[k][a - t.input_offsets[i]:b - t.input_offsets[i]])
+                parts[k].append(f[k][a - t.input_offsets[i] : b - t.input_offsets[i]])
     write_fixed_arrays(t.dst, {k: np.concatenate(v) for k, v in parts.items()})
 
 
@@ -241,8 +256,11 @@ def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
         lo, hi = int(out_off[j]), int(out_off[j + 1])
         a = int(np.searchsorted(in_off, lo, side="right")) - 1  # the input files this shard's samples come from
         b = int(np.searchsorted(in_off, hi, side="left"))
-        tasks.append(_ChopTask(tuple(str(f) for f in files[a:b]), tuple(int(x) for x in in_off[a:b + 1]), lo, hi,
-                               str(out / name)))
+        tasks.append(
+            _ChopTask(
+                tuple(str(f) for f in files[a:b]), tuple(int(x) for x in in_off[a : b + 1]), lo, hi, str(out / name)
+            )
+        )
     pool.map(_chop_task, tasks, "chop")
     return sizes
 
@@ -276,7 +294,7 @@ def shuffle_permutation(total: int, seed: int = SHUFFLE_SEED) -> np.ndarray:
     reference shuffle puts at output position p: ``random.Random(seed).shuffle`` of the
     (shard, index) pairs. The draws of ``shuffle`` depend only on the length, so shuffling
     the indices 0..total-1 (4 bytes each, not a list of tuples) gives the same order."""
-    if total >= 2 ** 31:
+    if total >= 2**31:
         raise DataError(f"{total} samples: the shuffle supports fewer than 2^31")
     idx = array.array("i", range(total))
     random.Random(seed).shuffle(idx)
@@ -305,12 +323,19 @@ def _scatter_task(t: _ScatterTask) -> None:
     """Write this group's samples sorted by output position, as flat .npy arrays."""
     block = SampleBlock.concat([_read_varlength(p) for p in t.inputs])
     inv = np.load(t.inverse, mmap_mode="r")
-    pos = np.asarray(inv[t.first_global:t.first_global + len(block)], dtype=np.int64)
+    pos = np.asarray(inv[t.first_global : t.first_global + len(block)], dtype=np.int64)
     order = np.argsort(pos, kind="stable")
     b = block.select(order)
-    arrays = {"pos": pos[order], "tok_off": _offsets(b.seq_lens), "m_off": _offsets(b.masked_counts),
-              "nsp": b.nsp_labels, "tok": b.input_ids.astype(np.int16), "seg": b.segment_ids.astype(np.int8),
-              "mpos": b.masked_positions.astype(np.int16), "mids": b.masked_ids.astype(np.int16)}
+    arrays = {
+        "pos": pos[order],
+        "tok_off": _offsets(b.seq_lens),
+        "m_off": _offsets(b.masked_counts),
+        "nsp": b.nsp_labels,
+        "tok": b.input_ids.astype(np.int16),
+        "seg": b.segment_ids.astype(np.int8),
+        "mpos": b.masked_positions.astype(np.int16),
+        "mids": b.masked_ids.astype(np.int16),
+    }
     final = Path(t.out_dir) / f"task_{t.task:05d}"
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -342,12 +367,17 @@ def _gather_task(t: _GatherTask) -> None:
             continue
         t0, t1 = int(a["tok_off"][r0]), int(a["tok_off"][r1])
         m0, m1 = int(a["m_off"][r0]), int(a["m_off"][r1])
-        pieces.append(SampleBlock(
-            input_ids=np.array(a["tok"][t0:t1], np.int32), segment_ids=np.array(a["seg"][t0:t1], np.int8),
-            seq_lens=np.diff(np.asarray(a["tok_off"][r0:r1 + 1])).astype(np.int32),
-            masked_positions=np.array(a["mpos"][m0:m1], np.int32), masked_ids=np.array(a["mids"][m0:m1], np.int32),
-            masked_counts=np.diff(np.asarray(a["m_off"][r0:r1 + 1])).astype(np.int32),
-            nsp_labels=np.array(a["nsp"][r0:r1], np.int8)))
+        pieces.append(
+            SampleBlock(
+                input_ids=np.array(a["tok"][t0:t1], np.int32),
+                segment_ids=np.array(a["seg"][t0:t1], np.int8),
+                seq_lens=np.diff(np.asarray(a["tok_off"][r0 : r1 + 1])).astype(np.int32),
+                masked_positions=np.array(a["mpos"][m0:m1], np.int32),
+                masked_ids=np.array(a["mids"][m0:m1], np.int32),
+                masked_counts=np.diff(np.asarray(a["m_off"][r0 : r1 + 1])).astype(np.int32),
+                nsp_labels=np.array(a["nsp"][r0:r1], np.int8),
+            )
+        )
         pos.append(np.array(a["pos"][r0:r1]))
         del a
     block = SampleBlock.concat(pieces)
@@ -373,8 +403,15 @@ def _groups(sizes: np.ndarray, rows: int) -> list[tuple[int, int]]:
     return out
 
 
-def shuffle(layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predictions: int, pool: Pool,
-            group_rows: int = 250_000, log=print) -> None:
+def shuffle(
+    layout: Layout,
+    sizes: np.ndarray,
+    max_seq_length: int,
+    max_predictions: int,
+    pool: Pool,
+    group_rows: int = 250_000,
+    log=print,
+) -> None:
     """The reference shuffle of the varlength shards into the shuffled directory."""
     names = layout.shard_names()
     src, dst = layout.stage_dir("varlength"), layout.stage_dir("shuffled")
@@ -400,14 +437,25 @@ def shuffle(layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predicti
     off = _offsets(sizes)
     groups = _groups(sizes, group_rows)
     scatter_dir = work / f"scatter-{group_rows}"  # a restart with other groups starts its own
-    tasks = [_ScatterTask(k, tuple(str(src / names[j]) for j in range(a, b)), int(off[a]), str(inverse),
-                          str(scatter_dir)) for k, (a, b) in enumerate(groups)]
-    pool.map(_scatter_task, [t for t in tasks if not (scatter_dir / f"task_{t.task:05d}").exists()],
-             "shuffle: scatter")
-    gathers = [_GatherTask(len(tasks), str(scatter_dir), int(off[a]), int(off[b]),
-                           tuple(int(x) for x in off[a:b + 1]), tuple(str(dst / names[j]) for j in range(a, b)),
-                           max_seq_length, max_predictions)
-               for a, b in groups if not all((dst / names[j]).exists() for j in range(a, b))]
+    tasks = [
+        _ScatterTask(k, tuple(str(src / names[j]) for j in range(a, b)), int(off[a]), str(inverse), str(scatter_dir))
+        for k, (a, b) in enumerate(groups)
+    ]
+    pool.map(_scatter_task, [t for t in tasks if not (scatter_dir / f"task_{t.task:05d}").exists()], "shuffle: scatter")
+    gathers = [
+        _GatherTask(
+            len(tasks),
+            str(scatter_dir),
+            int(off[a]),
+            int(off[b]),
+            tuple(int(x) for x in off[a : b + 1]),
+            tuple(str(dst / names[j]) for j in range(a, b)),
+            max_seq_length,
+            max_predictions,
+        )
+        for a, b in groups
+        if not all((dst / names[j]).exists() for j in range(a, b))
+    ]
     dst.mkdir(parents=True, exist_ok=True)
     pool.map(_gather_task, gathers, "shuffle: gather")
     shutil.rmtree(work, ignore_errors=True)
@@ -458,8 +506,11 @@ def text_parts(text_dir: Path, eval_text: Path) -> list[Path]:
     """The ``part-*`` files of the text directory (not the eval text), sorted by name."""
     if not text_dir.is_dir():
         raise DataError(f"{text_dir}: no such directory")
-    parts = sorted(p for p in text_dir.iterdir() if p.name.startswith("part-") and p.is_file()
-                   and p.resolve() != eval_text.resolve())
+    parts = sorted(
+        p
+        for p in text_dir.iterdir()
+        if p.name.startswith("part-") and p.is_file() and p.resolve() != eval_text.resolve()
+    )
     if not parts:
         raise DataError(f"{text_dir}: no part-* text files")
     return parts
@@ -497,8 +548,11 @@ def _checks(cfg: DatasetConfig) -> list[tuple[str, Path]]:
     d = Path(cfg.checksums)
     if not d.is_dir():
         raise DataError(f"--checksums {d}: no such directory")
-    cand = [("varlength", d / f"{cfg.shards}_shards_varlength.chk"),
-            ("shuffled", d / f"{cfg.shards}_shards_varlength_shuffled.chk"), ("eval", d / "eval_varlength.chk")]
+    cand = [
+        ("varlength", d / f"{cfg.shards}_shards_varlength.chk"),
+        ("shuffled", d / f"{cfg.shards}_shards_varlength_shuffled.chk"),
+        ("eval", d / "eval_varlength.chk"),
+    ]
     return [(w, p) for w, p in cand if p.is_file()]
 
 
@@ -518,10 +572,16 @@ def build(cfg: DatasetConfig, log=print) -> dict:
     parts = text_parts(text_dir, eval_text)
     RefVocab(cfg.vocab)
     layout = Layout(Path(cfg.output_dir) / "hdf5", cfg.shards)
-    _check_state(layout.root, {"params": asdict(cfg.params), "vocab_md5": _md5(cfg.vocab),
-                               "inputs": [[p.name, p.stat().st_size] for p in parts],
-                               "eval_text": [eval_text.name, eval_text.stat().st_size],
-                               "eval_samples": cfg.eval_samples})
+    _check_state(
+        layout.root,
+        {
+            "params": asdict(cfg.params),
+            "vocab_md5": _md5(cfg.vocab),
+            "inputs": [[p.name, p.stat().st_size] for p in parts],
+            "eval_text": [eval_text.name, eval_text.stat().st_size],
+            "eval_samples": cfg.eval_samples,
+        },
+    )
     _remove_temporaries(layout.root)
     seconds: dict[str, float] = {}
     t = time.perf_counter()
@@ -552,8 +612,11 @@ def build(cfg: DatasetConfig, log=print) -> dict:
             to_varlength(eval_dir, layout.root / "eval_varlength", [EVAL_FILE], Pool(1), "eval varlength")
         lap("eval")
 
-    dirs = {"varlength": layout.stage_dir("varlength"), "shuffled": layout.stage_dir("shuffled"),
-            "eval": layout.root / "eval_varlength"}
+    dirs = {
+        "varlength": layout.stage_dir("varlength"),
+        "shuffled": layout.stage_dir("shuffled"),
+        "eval": layout.root / "eval_varlength",
+    }
     problems, verified = [], []
     for stage, chk in _checks(cfg):
         bad = verify([dirs[stage]], read_checksums(chk), cfg.workers, progress=f"verify {stage}")
@@ -567,8 +630,11 @@ def build(cfg: DatasetConfig, log=print) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m data.mlperf_dataset", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m data.mlperf_dataset",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--text-dir", required=True, help="MLCommons' results4 folder (part-XXXXX-of-00500 files)")
     ap.add_argument("--eval-text", required=True, help="eval.txt")
     ap.add_argument("--vocab", required=True, help="the phase-1 vocab.txt")
@@ -580,23 +646,47 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=MLPERF_PARAMS.seed, help="create_pretraining_data's random_seed")
     ap.add_argument("--eval-samples", type=int, default=10000)
     ap.add_argument("--workers", type=int, default=1, help="processes")
-    ap.add_argument("--group-rows", type=int, default=250_000,
-                    help="samples a shuffle worker holds at once (about 1.5 kB each at 512/76)")
-    ap.add_argument("--checksums", help="directory of checksum lists to verify against (default: the published "
-                                        "ones shipped in data/checksums, when the shard count and parameters match)")
+    ap.add_argument(
+        "--group-rows",
+        type=int,
+        default=250_000,
+        help="samples a shuffle worker holds at once (about 1.5 kB each at 512/76)",
+    )
+    ap.add_argument(
+        "--checksums",
+        help="directory of checksum lists to verify against (default: the published "
+        "ones shipped in data/checksums, when the shard count and parameters match)",
+    )
     args = ap.parse_args(argv)
-    params = RefParams(max_seq_length=args.max_seq_length, max_predictions=args.max_predictions,
-                       dupe_factor=args.dupe_factor, seed=args.seed)
-    cfg = DatasetConfig(text_dir=args.text_dir, eval_text=args.eval_text, vocab=args.vocab,
-                        output_dir=args.output_dir, shards=args.shards, params=params,
-                        eval_samples=args.eval_samples, workers=args.workers, group_rows=args.group_rows,
-                        checksums=args.checksums)
+    params = RefParams(
+        max_seq_length=args.max_seq_length,
+        max_predictions=args.max_predictions,
+        dupe_factor=args.dupe_factor,
+        seed=args.seed,
+    )
+    cfg = DatasetConfig(
+        text_dir=args.text_dir,
+        eval_text=args.eval_text,
+        vocab=args.vocab,
+        output_dir=args.output_dir,
+        shards=args.shards,
+        params=params,
+        eval_samples=args.eval_samples,
+        workers=args.workers,
+        group_rows=args.group_rows,
+        checksums=args.checksums,
+    )
     start = time.perf_counter()
     result = build(cfg, log=lambda m: print(f"mlperf_dataset: {m}", file=sys.stderr, flush=True))
-    checked = (f"; checked against {', '.join(Path(p).name for p in result['verified'])}" if result["verified"]
-               else "; no published checksums for these parameters")
-    print(f"wrote {result['samples']} training samples in {cfg.shards} shards under "
-          f"{Path(cfg.output_dir) / 'hdf5'} ({time.perf_counter() - start:.1f} s){checked}")
+    checked = (
+        f"; checked against {', '.join(Path(p).name for p in result['verified'])}"
+        if result["verified"]
+        else "; no published checksums for these parameters"
+    )
+    print(
+        f"wrote {result['samples']} training samples in {cfg.shards} shards under "
+        f"{Path(cfg.output_dir) / 'hdf5'} ({time.perf_counter() - start:.1f} s){checked}"
+    )
     return 0
 
 

@@ -109,7 +109,13 @@ def unpack(batch: PackedBatch) -> tuple[UnpaddedBatch, torch.Tensor]:
     seq = order[torch.searchsorted(batch.cls_positions[order], batch.mlm_positions, right=True) - 1]
     mlm = cu[seq] + batch.mlm_positions - batch.cls_positions[seq]
     unpadded = UnpaddedBatch(
-        input_ids=batch.input_ids.reshape(-1)[tokens], segment_ids=batch.segment_ids.reshape(-1)[tokens],
-        position_ids=batch.position_ids.reshape(-1)[tokens], cu_seqlens=cu.to(torch.int32),
-        max_seqlen=int(lens.max()), mlm_positions=mlm, mlm_labels=batch.mlm_labels, nsp_labels=batch.nsp_labels)
+        input_ids=batch.input_ids.reshape(-1)[tokens],
+        segment_ids=batch.segment_ids.reshape(-1)[tokens],
+        position_ids=batch.position_ids.reshape(-1)[tokens],
+        cu_seqlens=cu.to(torch.int32),
+        max_seqlen=int(lens.max()),
+        mlm_positions=mlm,
+        mlm_labels=batch.mlm_labels,
+        nsp_labels=batch.nsp_labels,
+    )
     return unpadded, tokens

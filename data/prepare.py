@@ -55,11 +55,11 @@ import numpy as np
 if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from data import text  # noqa: E402
 from data.errors import DataError, cli_main  # noqa: E402
 from data.hdf5io import LAYOUTS, md5sum, write_file  # noqa: E402
 from data.progress import progress  # noqa: E402
 from data.samples import SampleBlock, _gather_ranges, _offsets  # noqa: E402
-from data import text  # noqa: E402
 from data.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk  # noqa: E402
 from data.tokenization import Vocab, load_vocab, make_tokenizer, train_wordpiece, write_vocab  # noqa: E402
 
@@ -203,9 +203,17 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
             short += 1
             del keep_tokens[start:], kept_lens[start:]
     flat = np.fromiter(chain.from_iterable(keep_tokens), dtype=np.uint16, count=sum(kept_lens))
-    return {"tokens": flat, "sent_lens": np.array(kept_lens, np.int64), "doc_nsent": np.array(doc_nsent, np.int64),
-            "docs_read": len(docs), "docs_short": short, "sentences": len(sentences),
-            "bad_utf8": bad_utf8, "first_bad_line": first_bad_line, "path": task.chunk.path}
+    return {
+        "tokens": flat,
+        "sent_lens": np.array(kept_lens, np.int64),
+        "doc_nsent": np.array(doc_nsent, np.int64),
+        "docs_read": len(docs),
+        "docs_short": short,
+        "sentences": len(sentences),
+        "bad_utf8": bad_utf8,
+        "first_bad_line": first_bad_line,
+        "path": task.chunk.path,
+    }
 
 
 # --------------------------------------------------------------------- stage 3: pairs
@@ -227,10 +235,14 @@ class _PairTask:
 
 
 def _arrays(tmp: str):
-    return _cached(("arrays", tmp), lambda: (
-        np.memmap(os.path.join(tmp, "tokens.u16"), dtype=np.uint16, mode="r"),
-        np.load(os.path.join(tmp, "sent_off.npy"), mmap_mode="r"),
-        np.load(os.path.join(tmp, "doc_sent_off.npy"), mmap_mode="r")))
+    return _cached(
+        ("arrays", tmp),
+        lambda: (
+            np.memmap(os.path.join(tmp, "tokens.u16"), dtype=np.uint16, mode="r"),
+            np.load(os.path.join(tmp, "sent_off.npy"), mmap_mode="r"),
+            np.load(os.path.join(tmp, "doc_sent_off.npy"), mmap_mode="r"),
+        ),
+    )
 
 
 def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: random.Random):
@@ -252,13 +264,22 @@ def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: rand
     return a0 + fa, a1 - (ra - fa), b0 + fb, b1 - (rb - fb)
 
 
-def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, max_num_tokens: int,
-               short_seq_prob: float, canon_base: int, out: list) -> None:
+def _doc_pairs(
+    pos: int,
+    pool,
+    sent_off,
+    doc_sent_off,
+    rng: random.Random,
+    max_num_tokens: int,
+    short_seq_prob: float,
+    canon_base: int,
+    out: list,
+) -> None:
     """The pairs of one pass over the document at pool position ``pos`` (appended to out as
     (a0, a1, b0, b1, is_random_next, 63-bit random key, canonical id); a/b are token offsets)."""
     d = int(pool[pos])
     s0, s1 = int(doc_sent_off[d]), int(doc_sent_off[d + 1])
-    offs = sent_off[s0:s1 + 1].tolist()  # offs[k]: first token of sentence k
+    offs = sent_off[s0 : s1 + 1].tolist()  # offs[k]: first token of sentence k
     n = s1 - s0
     target = max_num_tokens
     if rng.random() < short_seq_prob:
@@ -280,11 +301,11 @@ def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, max_n
                         break
                 rd = int(pool[r])
                 r0, r1 = int(doc_sent_off[rd]), int(doc_sent_off[rd + 1])
-                roffs = sent_off[r0:r1 + 1]
+                roffs = sent_off[r0 : r1 + 1]
                 j = rng.randrange(r1 - r0)
                 b0 = int(roffs[j])
                 # Whole sentences from j on, until B reaches target_b or the document ends.
-                k = min(j + 1 + int(np.searchsorted(roffs[j + 1:], b0 + target_b)), r1 - r0)
+                k = min(j + 1 + int(np.searchsorted(roffs[j + 1 :], b0 + target_b)), r1 - r0)
                 b1 = int(roffs[k])
                 i = a_end - 1  # the chunk's unused sentences start the next chunk
             else:
@@ -299,8 +320,19 @@ def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, max_n
         raise DataError(f"document {d} gives {inst} pairs in one pass, more than the 2^20 supported")
 
 
-def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, seed: int, dupe_factor: int, max_num_tokens: int,
-           short_seq_prob: float, cls_id: int = 2, sep_id: int = 3) -> dict:
+def _pairs(
+    tmp: str,
+    pool,
+    lo: int,
+    hi: int,
+    tag: int,
+    seed: int,
+    dupe_factor: int,
+    max_num_tokens: int,
+    short_seq_prob: float,
+    cls_id: int = 2,
+    sep_id: int = 3,
+) -> dict:
     """All pairs started from pool positions [lo, hi), every pass; sequences built with
     [CLS] A [SEP] B [SEP]. The special ids are patched in by the caller's vocabulary."""
     toks, sent_off, doc_sent_off = _arrays(tmp)
@@ -310,11 +342,18 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, seed: int, dupe_factor: i
     for dupe in range(dupe_factor):
         for pos in range(lo, hi):
             rng = random.Random((seed << 96) | (tag << 88) | (dupe << 64) | pos)
-            _doc_pairs(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, short_seq_prob,
-                       (dupe << 56) | (pos << 20), rows)
+            _doc_pairs(
+                pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, short_seq_prob, (dupe << 56) | (pos << 20), rows
+            )
     if not rows:
-        return {"tokens": np.zeros(0, np.uint16), "seq_len": np.zeros(0, np.int32), "len_a": np.zeros(0, np.int32),
-                "nsp": np.zeros(0, np.int8), "key": np.zeros(0, np.int64), "canon": np.zeros(0, np.int64)}
+        return {
+            "tokens": np.zeros(0, np.uint16),
+            "seq_len": np.zeros(0, np.int32),
+            "len_a": np.zeros(0, np.int32),
+            "nsp": np.zeros(0, np.int8),
+            "key": np.zeros(0, np.int64),
+            "canon": np.zeros(0, np.int64),
+        }
     a0, a1, b0, b1, nsp, key, canon = (np.array(c) for c in zip(*rows))
     la, lb = a1 - a0, b1 - b0
     seq_len = la + lb + 3
@@ -328,8 +367,14 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, seed: int, dupe_factor: i
     b_dest = _gather_ranges(np.arange(len(out)), starts[:-1] + la + 2, lb, idx)
     out[a_dest] = _gather_ranges(toks, a0, la, idx)
     out[b_dest] = _gather_ranges(toks, b0, lb, idx)
-    return {"tokens": out, "seq_len": seq_len.astype(np.int32), "len_a": la.astype(np.int32),
-            "nsp": nsp.astype(np.int8), "key": key.astype(np.int64), "canon": canon.astype(np.int64)}
+    return {
+        "tokens": out,
+        "seq_len": seq_len.astype(np.int32),
+        "len_a": la.astype(np.int32),
+        "nsp": nsp.astype(np.int8),
+        "key": key.astype(np.int64),
+        "canon": canon.astype(np.int64),
+    }
 
 
 def _bucket_of(key: np.ndarray, num_buckets: int) -> np.ndarray:
@@ -339,9 +384,18 @@ def _bucket_of(key: np.ndarray, num_buckets: int) -> np.ndarray:
 
 def _make_pairs(task: _PairTask) -> dict:
     pool = _cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
-    p = _pairs(task.tmp, pool, task.lo, task.hi, task.tag, task.seed, task.dupe_factor, task.max_num_tokens,
-               task.short_seq_prob, *_cached(("specials", task.tmp), lambda: tuple(
-                   np.load(os.path.join(task.tmp, "specials.npy")).tolist())))
+    p = _pairs(
+        task.tmp,
+        pool,
+        task.lo,
+        task.hi,
+        task.tag,
+        task.seed,
+        task.dupe_factor,
+        task.max_num_tokens,
+        task.short_seq_prob,
+        *_cached(("specials", task.tmp), lambda: tuple(np.load(os.path.join(task.tmp, "specials.npy")).tolist())),
+    )
     bucket = _bucket_of(p["key"], task.num_buckets)
     order = np.argsort(bucket, kind="stable")
     counts = np.bincount(bucket[order].astype(np.int64), minlength=task.num_buckets)
@@ -359,9 +413,17 @@ def _make_pairs(task: _PairTask) -> dict:
 # -------------------------------------------------------------------- stage 4: shards
 
 
-def mask_pairs(tokens: np.ndarray, seq_lens: np.ndarray, len_a: np.ndarray, nsp: np.ndarray,
-               rng: np.random.Generator, masked_lm_prob: float, max_predictions: int, vocab_size: int,
-               mask_id: int) -> SampleBlock:
+def mask_pairs(
+    tokens: np.ndarray,
+    seq_lens: np.ndarray,
+    len_a: np.ndarray,
+    nsp: np.ndarray,
+    rng: np.random.Generator,
+    masked_lm_prob: float,
+    max_predictions: int,
+    vocab_size: int,
+    mask_id: int,
+) -> SampleBlock:
     """Choose and replace the masked tokens of whole pairs, vectorised.
 
     tokens: [sum L] ids of [CLS] A [SEP] B [SEP] sequences; seq_lens [n]; len_a [n].
@@ -383,8 +445,9 @@ def mask_pairs(tokens: np.ndarray, seq_lens: np.ndarray, len_a: np.ndarray, nsp:
         cand = (j >= 1) & (j < ln - 1) & (j != a + 1)  # not [CLS], either [SEP], or padding
         keys = rng.random((r1 - r0, width))
         keys[~cand] = 2.0
-        k = np.minimum(np.minimum(max_predictions, np.maximum(1, np.rint(lens[r0:r1] * masked_lm_prob))),
-                       cand.sum(1)).astype(np.int64)
+        k = np.minimum(
+            np.minimum(max_predictions, np.maximum(1, np.rint(lens[r0:r1] * masked_lm_prob))), cand.sum(1)
+        ).astype(np.int64)
         kmax = int(k.max())
         part = np.argpartition(keys, kmax - 1, axis=1)[:, :kmax] if kmax < width else np.argsort(keys, axis=1)
         ranked = np.take_along_axis(part, np.argsort(np.take_along_axis(keys, part, 1), axis=1), 1)[:, :kmax]
@@ -401,9 +464,15 @@ def mask_pairs(tokens: np.ndarray, seq_lens: np.ndarray, len_a: np.ndarray, nsp:
     out[flat] = np.where(u < 0.8, mask_id, np.where(u < 0.9, original, random_ids))
     within = np.arange(len(tokens)) - np.repeat(starts[:-1], lens)
     segment = (within >= np.repeat(la + 2, lens)).astype(np.int8)
-    return SampleBlock(input_ids=out, segment_ids=segment, seq_lens=lens.astype(np.int32),
-                       masked_positions=positions.astype(np.int32), masked_ids=original,
-                       masked_counts=counts.astype(np.int32), nsp_labels=nsp.astype(np.int8))
+    return SampleBlock(
+        input_ids=out,
+        segment_ids=segment,
+        seq_lens=lens.astype(np.int32),
+        masked_positions=positions.astype(np.int32),
+        masked_ids=original,
+        masked_counts=counts.astype(np.int32),
+        nsp_labels=nsp.astype(np.int8),
+    )
 
 
 @dataclass(frozen=True)
@@ -430,7 +499,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
         lo, hi = int(off[j]), int(off[j + 1])
         if lo == hi:
             continue
-        parts["tokens"].append(np.load(base + ".tok.npy", mmap_mode="r")[tokoff[j]:tokoff[j + 1]])
+        parts["tokens"].append(np.load(base + ".tok.npy", mmap_mode="r")[tokoff[j] : tokoff[j + 1]])
         for name in ("seq_len", "len_a", "nsp", "key", "canon"):
             parts[name].append(np.load(f"{base}.{name}.npy", mmap_mode="r")[lo:hi])
     return {k: (np.concatenate(v) if v else None) for k, v in parts.items()}
@@ -446,19 +515,35 @@ def _shuffled(p: dict) -> dict:
 def _write_shard(task: _ShardTask) -> dict:
     p = _load_bucket(task.tmp, task.num_tasks, task.index)
     if p["seq_len"] is None:
-        raise DataError(f"shard {task.index} of {task.num_shards} got no samples: too little text for "
-                        f"--shards {task.num_shards}")
+        raise DataError(
+            f"shard {task.index} of {task.num_shards} got no samples: too little text for --shards {task.num_shards}"
+        )
     p = _shuffled(p)
     rng = np.random.default_rng([task.seed, 2, task.index])
-    block = mask_pairs(p["tokens"], p["seq_len"], p["len_a"], p["nsp"], rng, task.masked_lm_prob,
-                       task.max_predictions, task.vocab_size, task.mask_id)
+    block = mask_pairs(
+        p["tokens"],
+        p["seq_len"],
+        p["len_a"],
+        p["nsp"],
+        rng,
+        task.masked_lm_prob,
+        task.max_predictions,
+        task.vocab_size,
+        task.mask_id,
+    )
     write_file(task.out_path, block, task.layout, task.max_seq_length, task.max_predictions)
     return _describe(task.out_path, block)
 
 
 def _describe(path: str, block: SampleBlock) -> dict:
-    return {"samples": len(block), "tokens": block.num_tokens, "masked": int(block.masked_counts.sum()),
-            "random_next": int(block.nsp_labels.sum()), "md5": md5sum(path), "bytes": os.path.getsize(path)}
+    return {
+        "samples": len(block),
+        "tokens": block.num_tokens,
+        "masked": int(block.masked_counts.sum()),
+        "random_next": int(block.nsp_labels.sum()),
+        "md5": md5sum(path),
+        "bytes": os.path.getsize(path),
+    }
 
 
 # ---------------------------------------------------------------------- orchestration
@@ -491,8 +576,19 @@ def _split_tasks(doc_tokens: np.ndarray, pool: np.ndarray, target_tokens: int) -
 
 
 def _eval_pairs(cfg: PrepareConfig, tmp: str, pool: np.ndarray, vocab: Vocab) -> dict:
-    return _pairs(tmp, pool, 0, len(pool), EVAL_TAG, cfg.seed, cfg.dupe_factor, cfg.max_num_tokens,
-                  cfg.short_seq_prob, vocab.cls_id, vocab.sep_id)
+    return _pairs(
+        tmp,
+        pool,
+        0,
+        len(pool),
+        EVAL_TAG,
+        cfg.seed,
+        cfg.dupe_factor,
+        cfg.max_num_tokens,
+        cfg.short_seq_prob,
+        vocab.cls_id,
+        vocab.sep_id,
+    )
 
 
 def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.ndarray, vocab: Vocab):
@@ -502,8 +598,10 @@ def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.nd
     k = cfg.eval_samples
     limit = len(order) // 2
     if limit < 2:
-        raise DataError(f"too little text for --eval-samples {k}: the eval set is held out from at most half of "
-                        f"the documents and needs 2 of them, but there are {len(order)} usable documents")
+        raise DataError(
+            f"too little text for --eval-samples {k}: the eval set is held out from at most half of "
+            f"the documents and needs 2 of them, but there are {len(order)} usable documents"
+        )
     per_doc = np.maximum(1, np.ceil(doc_tokens[order] / cfg.max_num_tokens)).astype(np.int64) * cfg.dupe_factor
     held = max(2, int(np.searchsorted(np.cumsum(per_doc), k)) + 1)
     while True:
@@ -513,8 +611,10 @@ def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.nd
         if n >= k:
             return held, p
         if held == limit:
-            raise DataError(f"too little text for --eval-samples {k}: holding out half of the {len(order)} "
-                            f"documents gives only {n} pairs")
+            raise DataError(
+                f"too little text for --eval-samples {k}: holding out half of the {len(order)} "
+                f"documents gives only {n} pairs"
+            )
         held = int(held * 1.2 * k / max(n, 1)) + 1
 
 
@@ -524,8 +624,17 @@ def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
     p = _shuffled(p)
     pick = (np.arange(k, dtype=np.int64) * n) // k
     tok = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], pick)
-    return mask_pairs(tok, p["seq_len"][pick], p["len_a"][pick], p["nsp"][pick], np.random.default_rng([cfg.seed, 3]),
-                      cfg.masked_lm_prob, cfg.max_predictions, len(vocab), vocab.mask_id)
+    return mask_pairs(
+        tok,
+        p["seq_len"][pick],
+        p["len_a"][pick],
+        p["nsp"][pick],
+        np.random.default_rng([cfg.seed, 3]),
+        cfg.masked_lm_prob,
+        cfg.max_predictions,
+        len(vocab),
+        vocab.mask_id,
+    )
 
 
 def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
@@ -566,8 +675,10 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
         bad_utf8: dict[str, list[int]] = {}
         n_train_docs = 0
-        with open(tmp_path / "tokens.u16", "wb") as fh, \
-                progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar:
+        with (
+            open(tmp_path / "tokens.u16", "wb") as fh,
+            progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar,
+        ):
             for i, r in enumerate(workers.map(_tokenize_chunk, tasks)):
                 bar.update(chunks[i].end - chunks[i].start)
                 fh.write(r["tokens"].tobytes())
@@ -581,26 +692,31 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
                     entry = bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])
                     entry[0] += r["bad_utf8"]
         for path, (count, line) in bad_utf8.items():
-            log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD "
-                f"(first at line {line})")
+            log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
         sent_lens = np.concatenate(sent_lens)
         doc_nsent = np.concatenate(doc_nsent)
         n_docs = len(doc_nsent)
         for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
             if names and n < 2:
-                raise DataError(f"{', '.join(names)}: {n} usable {what}document(s) (need 2; "
-                                f"{stats['docs_short']} had fewer than {cfg.min_sentences} sentences)")
+                raise DataError(
+                    f"{', '.join(names)}: {n} usable {what}document(s) (need 2; "
+                    f"{stats['docs_short']} had fewer than {cfg.min_sentences} sentences)"
+                )
         if stats["docs_short"]:
-            log(f"skipped {stats['docs_short']} of {stats['docs_read']} documents with fewer than "
-                f"{cfg.min_sentences} sentences")
+            log(
+                f"skipped {stats['docs_short']} of {stats['docs_read']} documents with fewer than "
+                f"{cfg.min_sentences} sentences"
+            )
         sent_off = _offsets(sent_lens)
         doc_sent_off = _offsets(doc_nsent)
         np.save(tmp_path / "sent_off.npy", sent_off)
         np.save(tmp_path / "doc_sent_off.npy", doc_sent_off)
         doc_tokens = sent_off[doc_sent_off[1:]] - sent_off[doc_sent_off[:-1]]
         seconds["tokenize"] = time.perf_counter() - t
-        log(f"{n_docs} documents, {len(sent_lens)} sentences, {int(sent_off[-1])} tokens "
-            f"({len(tasks)} chunk(s), {seconds['tokenize']:.1f} s)")
+        log(
+            f"{n_docs} documents, {len(sent_lens)} sentences, {int(sent_off[-1])} tokens "
+            f"({len(tasks)} chunk(s), {seconds['tokenize']:.1f} s)"
+        )
         t = time.perf_counter()
 
         # Stage 2: shuffle documents; the eval set comes from --eval-input or held-out documents.
@@ -609,11 +725,14 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         if cfg.eval_samples:
             if eval_files:
                 eval_docs = n_docs - n_train_docs
-                p = _eval_pairs(cfg, tmp, n_train_docs + np.random.default_rng([cfg.seed, 4]).permutation(eval_docs),
-                                vocab)
+                p = _eval_pairs(
+                    cfg, tmp, n_train_docs + np.random.default_rng([cfg.seed, 4]).permutation(eval_docs), vocab
+                )
                 if len(p["seq_len"]) < cfg.eval_samples:
-                    raise DataError(f"{', '.join(cfg.eval_inputs)}: gives {len(p['seq_len'])} pairs, fewer than "
-                                    f"--eval-samples {cfg.eval_samples}")
+                    raise DataError(
+                        f"{', '.join(cfg.eval_inputs)}: gives {len(p['seq_len'])} pairs, fewer than "
+                        f"--eval-samples {cfg.eval_samples}"
+                    )
             else:
                 held, p = _hold_out(cfg, tmp, order, doc_tokens, vocab)
                 eval_docs = held
@@ -621,8 +740,10 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
             eval_block = _pick_eval(cfg, p, vocab)
             write_file(tmp_path / "eval" / EVAL_FILE, eval_block, cfg.format, cfg.max_seq_length, cfg.max_predictions)
             seconds["eval"] = time.perf_counter() - t
-            log(f"eval: {cfg.eval_samples} samples from {eval_pool_pairs} pairs of {eval_docs} "
-                f"{'--eval-input' if eval_files else 'held-out'} documents")
+            log(
+                f"eval: {cfg.eval_samples} samples from {eval_pool_pairs} pairs of {eval_docs} "
+                f"{'--eval-input' if eval_files else 'held-out'} documents"
+            )
             t = time.perf_counter()
         pool = np.ascontiguousarray(order[held:])
         pool_file = str(tmp_path / "train_pool.npy")
@@ -631,26 +752,59 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         # Stage 3: pairs, grouped by shard.
         target = int(np.clip(int(doc_tokens[pool].sum()) // 64, PAIR_TASK_TOKENS[0], PAIR_TASK_TOKENS[1]))
         ranges = _split_tasks(doc_tokens, pool, target)
-        pair_tasks = [_PairTask(i, tmp, pool_file, lo, hi, TRAIN_TAG, cfg.shards, cfg.seed, cfg.dupe_factor,
-                                cfg.max_num_tokens, cfg.short_seq_prob) for i, (lo, hi) in enumerate(ranges)]
+        pair_tasks = [
+            _PairTask(
+                i,
+                tmp,
+                pool_file,
+                lo,
+                hi,
+                TRAIN_TAG,
+                cfg.shards,
+                cfg.seed,
+                cfg.dupe_factor,
+                cfg.max_num_tokens,
+                cfg.short_seq_prob,
+            )
+            for i, (lo, hi) in enumerate(ranges)
+        ]
         shard_counts = np.zeros(cfg.shards, np.int64)
         for r in progress(workers.map(_make_pairs, pair_tasks), total=len(pair_tasks), desc="pairs", unit=" task"):
             shard_counts += r["counts"]
         seconds["pairs"] = time.perf_counter() - t
-        log(f"train: {int(shard_counts.sum())} pairs from {len(pool)} documents ({len(pair_tasks)} task(s), "
-            f"{seconds['pairs']:.1f} s)")
+        log(
+            f"train: {int(shard_counts.sum())} pairs from {len(pool)} documents ({len(pair_tasks)} task(s), "
+            f"{seconds['pairs']:.1f} s)"
+        )
         t = time.perf_counter()
         if int(shard_counts.min()) == 0:
-            raise DataError(f"only {int(shard_counts.sum())} training samples for --shards {cfg.shards}: "
-                            f"shard {int(np.argmin(shard_counts))} would be empty")
+            raise DataError(
+                f"only {int(shard_counts.sum())} training samples for --shards {cfg.shards}: "
+                f"shard {int(np.argmin(shard_counts))} would be empty"
+            )
 
         # Stage 4: shuffle, mask and write each shard.
         names = [f"part_{j:05d}_of_{cfg.shards:05d}.hdf5" for j in range(cfg.shards)]
-        shard_tasks = [_ShardTask(j, cfg.shards, len(pair_tasks), tmp, str(tmp_path / "train" / names[j]), cfg.seed,
-                                  cfg.format, cfg.max_seq_length, cfg.max_predictions, cfg.masked_lm_prob,
-                                  len(vocab), vocab.mask_id) for j in range(cfg.shards)]
-        shard_info = list(progress(workers.map(_write_shard, shard_tasks), total=len(shard_tasks), desc="shards",
-                                   unit=" shard"))
+        shard_tasks = [
+            _ShardTask(
+                j,
+                cfg.shards,
+                len(pair_tasks),
+                tmp,
+                str(tmp_path / "train" / names[j]),
+                cfg.seed,
+                cfg.format,
+                cfg.max_seq_length,
+                cfg.max_predictions,
+                cfg.masked_lm_prob,
+                len(vocab),
+                vocab.mask_id,
+            )
+            for j in range(cfg.shards)
+        ]
+        shard_info = list(
+            progress(workers.map(_write_shard, shard_tasks), total=len(shard_tasks), desc="shards", unit=" shard")
+        )
         seconds["shards"] = time.perf_counter() - t
         t = time.perf_counter()
 
@@ -660,19 +814,31 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
             "parameters": {k: v for k, v in asdict(cfg).items() if k not in ("workers", "output_dir")},
             "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files + eval_files],
             "vocab": {"file": "vocab.txt", "size": len(vocab), "md5": md5sum(vocab_tmp)},
-            "documents": {"read": stats["docs_read"], "skipped_short": stats["docs_short"], "usable": n_docs,
-                          "eval": eval_docs, "train": len(pool)},
+            "documents": {
+                "read": stats["docs_read"],
+                "skipped_short": stats["docs_short"],
+                "usable": n_docs,
+                "eval": eval_docs,
+                "train": len(pool),
+            },
             "sentences": len(sent_lens),
             "tokens": int(sent_off[-1]),
             "invalid_utf8_replaced": {p: c for p, (c, _) in sorted(bad_utf8.items())},
-            "train": {"samples": train_samples, "tokens": sum(s["tokens"] for s in shard_info),
-                      "masked": sum(s["masked"] for s in shard_info),
-                      "random_next": sum(s["random_next"] for s in shard_info),
-                      "files": [{"name": f"train/{n}", **s} for n, s in zip(names, shard_info)]},
+            "train": {
+                "samples": train_samples,
+                "tokens": sum(s["tokens"] for s in shard_info),
+                "masked": sum(s["masked"] for s in shard_info),
+                "random_next": sum(s["random_next"] for s in shard_info),
+                "files": [{"name": f"train/{n}", **s} for n, s in zip(names, shard_info)],
+            },
         }
         if eval_block is not None:
-            manifest["eval"] = {"file": f"eval/{EVAL_FILE}", "pool_samples": eval_pool_pairs, "documents": eval_docs,
-                                **_describe(str(tmp_path / "eval" / EVAL_FILE), eval_block)}
+            manifest["eval"] = {
+                "file": f"eval/{EVAL_FILE}",
+                "pool_samples": eval_pool_pairs,
+                "documents": eval_docs,
+                **_describe(str(tmp_path / "eval" / EVAL_FILE), eval_block),
+            }
         _install(out, tmp_path, names, eval_block is not None, manifest)
         seconds["install"] = time.perf_counter() - t
         return PrepareResult(manifest, seconds)
@@ -702,24 +868,45 @@ def _install(out: Path, tmp: Path, names: list[str], has_eval: bool, manifest: d
         raise DataError(f"{out}: cannot install the prepared files ({e.strerror or e})") from None
 
 
-_NOT_REFERENCE = {"input_format": "bert", "eval_input": None, "train_vocab": None, "shards": 1, "eval_samples": 10000,
-                  "format": "fixed", "min_sentences": 2}
+_NOT_REFERENCE = {
+    "input_format": "bert",
+    "eval_input": None,
+    "train_vocab": None,
+    "shards": 1,
+    "eval_samples": 10000,
+    "format": "fixed",
+    "min_sentences": 2,
+}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m data.prepare",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--input", nargs="+", action="extend", required=True, help="text files or directories")
-    ap.add_argument("--reference", action="store_true",
-                    help="MLPerf's reference create_pretraining_data.py, sample for sample: one fixed-layout "
-                         "OUTPUT_DIR/<input name>.hdf5 per input file, each made with a fresh random.Random(seed) "
-                         "(data.reference); takes --vocab, the sizes, --dupe-factor, --seed and --workers only")
-    ap.add_argument("--input-format", choices=FORMATS, default=None,
-                    help="bert (default): a sentence per line, blank line between documents; wikitext: a document "
-                         "per section; text: a document per paragraph")
-    ap.add_argument("--eval-input", nargs="+", action="extend",
-                    help="make the eval set from these documents, e.g. MLPerf's eval.txt (without it: hold "
-                         "documents out of --input)")
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="MLPerf's reference create_pretraining_data.py, sample for sample: one fixed-layout "
+        "OUTPUT_DIR/<input name>.hdf5 per input file, each made with a fresh random.Random(seed) "
+        "(data.reference); takes --vocab, the sizes, --dupe-factor, --seed and --workers only",
+    )
+    ap.add_argument(
+        "--input-format",
+        choices=FORMATS,
+        default=None,
+        help="bert (default): a sentence per line, blank line between documents; wikitext: a document "
+        "per section; text: a document per paragraph",
+    )
+    ap.add_argument(
+        "--eval-input",
+        nargs="+",
+        action="extend",
+        help="make the eval set from these documents, e.g. MLPerf's eval.txt (without it: hold "
+        "documents out of --input)",
+    )
     voc = ap.add_mutually_exclusive_group(required=True)
     voc.add_argument("--vocab", help="WordPiece vocab.txt (must hold [PAD] [UNK] [CLS] [SEP] [MASK])")
     voc.add_argument("--train-vocab", type=int, metavar="SIZE", help="learn a WordPiece vocabulary of SIZE first")
@@ -741,20 +928,34 @@ def main(argv=None) -> int:
     for k, v in _NOT_REFERENCE.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    cfg = PrepareConfig(inputs=args.input, output_dir=args.output_dir, input_format=args.input_format,
-                        eval_inputs=args.eval_input,
-                        vocab=args.vocab, train_vocab=args.train_vocab, max_seq_length=args.max_seq_length,
-                        max_predictions=args.max_predictions, masked_lm_prob=args.masked_lm_prob,
-                        short_seq_prob=args.short_seq_prob, dupe_factor=args.dupe_factor, seed=args.seed,
-                        shards=args.shards, eval_samples=args.eval_samples, format=args.format,
-                        min_sentences=args.min_sentences, workers=args.workers)
+    cfg = PrepareConfig(
+        inputs=args.input,
+        output_dir=args.output_dir,
+        input_format=args.input_format,
+        eval_inputs=args.eval_input,
+        vocab=args.vocab,
+        train_vocab=args.train_vocab,
+        max_seq_length=args.max_seq_length,
+        max_predictions=args.max_predictions,
+        masked_lm_prob=args.masked_lm_prob,
+        short_seq_prob=args.short_seq_prob,
+        dupe_factor=args.dupe_factor,
+        seed=args.seed,
+        shards=args.shards,
+        eval_samples=args.eval_samples,
+        format=args.format,
+        min_sentences=args.min_sentences,
+        workers=args.workers,
+    )
     start = time.perf_counter()
     result = prepare(cfg)
     m = result.manifest
     out = Path(cfg.output_dir)
     evals = f", {m['eval']['samples']} eval samples to {out / 'eval' / EVAL_FILE}" if "eval" in m else ""
-    print(f"wrote {m['train']['samples']} training samples in {cfg.shards} file(s) to {out / 'train'}{evals} "
-          f"({time.perf_counter() - start:.1f} s)")
+    print(
+        f"wrote {m['train']['samples']} training samples in {cfg.shards} file(s) to {out / 'train'}{evals} "
+        f"({time.perf_counter() - start:.1f} s)"
+    )
     return 0
 
 
@@ -765,13 +966,20 @@ def _main_reference(args) -> int:
 
     given = [k for k in _NOT_REFERENCE if getattr(args, k) is not None]
     if given:
-        raise DataError(f"--reference does not take --{given[0].replace('_', '-')} (it writes one fixed-layout file "
-                        f"per input file, as the reference script does)")
+        raise DataError(
+            f"--reference does not take --{given[0].replace('_', '-')} (it writes one fixed-layout file "
+            f"per input file, as the reference script does)"
+        )
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be >= 1")
-    params = RefParams(max_seq_length=args.max_seq_length, max_predictions=args.max_predictions,
-                       masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
-                       dupe_factor=args.dupe_factor, seed=args.seed)
+    params = RefParams(
+        max_seq_length=args.max_seq_length,
+        max_predictions=args.max_predictions,
+        masked_lm_prob=args.masked_lm_prob,
+        short_seq_prob=args.short_seq_prob,
+        dupe_factor=args.dupe_factor,
+        seed=args.seed,
+    )
     files = list_inputs(args.input)
     start = time.perf_counter()
     with Pool(args.workers) as pool:

@@ -18,5 +18,15 @@ def progress(iterable=None, *, total: int | None = None, desc: str = "", unit: s
     from tqdm import tqdm
 
     stream = sys.stderr if stream is None else stream
-    return tqdm(iterable, total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=stream,
-                disable=not stream.isatty(), dynamic_ncols=True, leave=False, mininterval=0.5)
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit == "B",
+        file=stream,
+        disable=not stream.isatty(),
+        dynamic_ncols=True,
+        leave=False,
+        mininterval=0.5,
+    )

@@ -125,8 +125,9 @@ def pack_samples(block: SampleBlock, idx: np.ndarray) -> np.ndarray:
     return out
 
 
-def unpack_samples(words: np.ndarray, seq_lens: np.ndarray, masked_counts: np.ndarray,
-                   like: SampleBlock) -> SampleBlock:
+def unpack_samples(
+    words: np.ndarray, seq_lens: np.ndarray, masked_counts: np.ndarray, like: SampleBlock
+) -> SampleBlock:
     """Inverse of ``pack_samples`` given each sample's length and masked count; dtypes of ``like``."""
     L = seq_lens.astype(np.int64)
     m = masked_counts.astype(np.int64)
@@ -192,9 +193,20 @@ class Rebalancer:
     background thread and ``wait()`` returns ``(block, ExchangeStats)``.
     """
 
-    def __init__(self, strategy: str = "balanced", cost: Cost | tuple = DEFAULT_COST, *, batch_size: int,
-                 max_len: int = 512, world_size: int | None = None, group=None, timeout_s: float = 120.0,
-                 tol: float = 1e-3, group_size: int | None = None, cross_rounds: int = 3):
+    def __init__(
+        self,
+        strategy: str = "balanced",
+        cost: Cost | tuple = DEFAULT_COST,
+        *,
+        batch_size: int,
+        max_len: int = 512,
+        world_size: int | None = None,
+        group=None,
+        timeout_s: float = 120.0,
+        tol: float = 1e-3,
+        group_size: int | None = None,
+        cross_rounds: int = 3,
+    ):
         import torch.distributed as dist
 
         if strategy not in STRATEGIES:
@@ -214,8 +226,9 @@ class Rebalancer:
         if group is None:
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         elif dist.get_backend(group) != "gloo":
-            raise ValueError("group: the exchange moves CPU arrays and needs a gloo group, "
-                             f"got {dist.get_backend(group)}")
+            raise ValueError(
+                f"group: the exchange moves CPU arrays and needs a gloo group, got {dist.get_backend(group)}"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -240,7 +253,8 @@ class Rebalancer:
         except Exception as e:  # gloo reports timeouts and lost peers as RuntimeError
             raise RebalanceError(
                 f"rebalance step {step}: rank {self.rank}: {what} failed (group timeout "
-                f"{self.timeout_s:g} s; did another rank stop calling the exchange?): {e}") from e
+                f"{self.timeout_s:g} s; did another rank stop calling the exchange?): {e}"
+            ) from e
 
     def _all_gather(self, words: np.ndarray, step: int, what: str) -> np.ndarray:
         import torch
@@ -252,10 +266,21 @@ class Rebalancer:
 
     def _check_settings_agree(self) -> None:
         # Ranks with different settings would compute different plans; catch it once, here.
-        cost_tol = zlib.crc32(repr((self.cost.a, self.cost.b, self.tol, self.group_size,
-                                    self.cross_rounds)).encode()) & 0x7FFFFFFF
-        mine = np.array([_MAGIC, STRATEGIES.index(self.strategy), cost_tol, self.batch_size, self.max_len,
-                         self.expected_world_size], dtype=np.int32)
+        cost_tol = (
+            zlib.crc32(repr((self.cost.a, self.cost.b, self.tol, self.group_size, self.cross_rounds)).encode())
+            & 0x7FFFFFFF
+        )
+        mine = np.array(
+            [
+                _MAGIC,
+                STRATEGIES.index(self.strategy),
+                cost_tol,
+                self.batch_size,
+                self.max_len,
+                self.expected_world_size,
+            ],
+            dtype=np.int32,
+        )
         allv = self._all_gather(mine, -1, "the settings check")
         problems = []
         for r in range(self.world_size):
@@ -263,8 +288,9 @@ class Rebalancer:
                 problems.append(f"rank {r}: sent a header that is not a Rebalancer's")
                 continue
             if allv[r, 1] != allv[0, 1]:
-                problems.append(f"rank {r}: strategy {STRATEGIES[allv[r, 1]]!r} differs from rank 0's "
-                                f"{STRATEGIES[allv[0, 1]]!r}")
+                problems.append(
+                    f"rank {r}: strategy {STRATEGIES[allv[r, 1]]!r} differs from rank 0's {STRATEGIES[allv[0, 1]]!r}"
+                )
             if allv[r, 2] != allv[0, 2]:
                 problems.append(f"rank {r}: cost (a, b), tol, group_size or cross_rounds differ from rank 0's")
             for f, name in ((3, "batch_size"), (4, "max_len")):
@@ -295,12 +321,14 @@ class Rebalancer:
                 problems.append(f"rank {r}: expects world size {hdr[r, 2]}, the group has {self.world_size} ranks")
             elif hdr[r, 4] != 0:
                 text = _ERRORS.get(int(hdr[r, 4]), "error code {code}").format(
-                    index=hdr[r, 5], value=hdr[r, 6], batch_size=self.batch_size,
-                    max_len=self.max_len, code=hdr[r, 4])
+                    index=hdr[r, 5], value=hdr[r, 6], batch_size=self.batch_size, max_len=self.max_len, code=hdr[r, 4]
+                )
                 problems.append(f"rank {r}: {text}")
         if len(set(steps.tolist())) > 1:
-            problems.append("ranks disagree on the step: " + ", ".join(
-                f"rank {r} at step {s}" for r, s in enumerate(steps.tolist())))
+            problems.append(
+                "ranks disagree on the step: "
+                + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps.tolist()))
+            )
         if problems:
             more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
             raise RebalanceError(f"rebalance step {step}: " + "; ".join(problems[:4]) + more)
@@ -315,8 +343,15 @@ class Rebalancer:
         self._raise_bad_input(hdr, step)
         words = hdr[:, HEADER_WORDS:].astype(np.int64)  # [W, B]
         lengths, masked = words & 0xFFFF, words >> 16
-        plan = plan_for_rank(lengths, me, self.strategy, self.cost, tol=self.tol,
-                             group_size=self.group_size, cross_rounds=self.cross_rounds)
+        plan = plan_for_rank(
+            lengths,
+            me,
+            self.strategy,
+            self.cost,
+            tol=self.tol,
+            group_size=self.group_size,
+            cross_rounds=self.cross_rounds,
+        )
         t2 = time.perf_counter()
 
         sizes = 1 + lengths + 2 * masked  # [W, B] int32 words per packed sample
@@ -327,8 +362,13 @@ class Rebalancer:
         if self.strategy != "none":  # every rank takes part, even with nothing to send
             send = torch.from_numpy(pack_samples(block, send_idx))
             recv = torch.empty(int(out_splits.sum()), dtype=torch.int32)
-            self._collective("the sample all-to-all", step, lambda: self._dist.all_to_all_single(
-                recv, send, out_splits.tolist(), in_splits.tolist(), group=self.group))
+            self._collective(
+                "the sample all-to-all",
+                step,
+                lambda: self._dist.all_to_all_single(
+                    recv, send, out_splits.tolist(), in_splits.tolist(), group=self.group
+                ),
+            )
             received = unpack_samples(recv.numpy(), lengths[recv_r, recv_i], masked[recv_r, recv_i], block)
         t3 = time.perf_counter()
 
@@ -339,13 +379,23 @@ class Rebalancer:
         t4 = time.perf_counter()
         ms = lambda a, b: (b - a) * 1e3  # noqa: E731
         stats = ExchangeStats(
-            step=step, strategy=self.strategy,
-            imbalance_before=plan.imbalance_before, imbalance_after=plan.imbalance_after,
-            samples_moved=plan.moved, samples_sent=len(send_idx), samples_received=len(recv_r),
-            gather_bytes_received=int(hdr.size * 4), payload_bytes_sent=int(in_splits.sum() * 4),
+            step=step,
+            strategy=self.strategy,
+            imbalance_before=plan.imbalance_before,
+            imbalance_after=plan.imbalance_after,
+            samples_moved=plan.moved,
+            samples_sent=len(send_idx),
+            samples_received=len(recv_r),
+            gather_bytes_received=int(hdr.size * 4),
+            payload_bytes_sent=int(in_splits.sum() * 4),
             payload_bytes_received=int(out_splits.sum() * 4),
-            gather_ms=ms(t0, t1), assign_ms=ms(t1, t2), all_to_all_ms=ms(t2, t3), exchange_ms=ms(t0, t4),
-            wait_ms=ms(t0, t4), hidden_fraction=0.0)
+            gather_ms=ms(t0, t1),
+            assign_ms=ms(t1, t2),
+            all_to_all_ms=ms(t2, t3),
+            exchange_ms=ms(t0, t4),
+            wait_ms=ms(t0, t4),
+            hidden_fraction=0.0,
+        )
         return out, stats
 
     def _take_step(self, step: int | None) -> int:
@@ -390,8 +440,9 @@ class Rebalancer:
         self._thread.join(timeout=4 * self.timeout_s + 30)
         waited = (time.perf_counter() - t0) * 1e3
         if self._thread.is_alive():
-            raise RebalanceError(f"rebalance: rank {self.rank}: the exchange thread did not finish "
-                                 f"within {4 * self.timeout_s + 30:g} s")
+            raise RebalanceError(
+                f"rebalance: rank {self.rank}: the exchange thread did not finish within {4 * self.timeout_s + 30:g} s"
+            )
         self._thread, result, self._result = None, self._result, None
         if isinstance(result, BaseException):
             raise result

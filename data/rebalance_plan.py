@@ -131,8 +131,10 @@ def _as_matrix(lengths_per_rank) -> np.ndarray:
             if x.ndim != 1:
                 raise ValueError(f"assign: rank {r}: expected a 1-D array of lengths, got shape {x.shape}")
             if len(x) != len(rows[0]):
-                raise ValueError(f"assign: rank {r} has {len(x)} samples, rank 0 has {len(rows[0])}; "
-                                 "every rank must hold the same number")
+                raise ValueError(
+                    f"assign: rank {r} has {len(x)} samples, rank 0 has {len(rows[0])}; "
+                    "every rank must hold the same number"
+                )
         L = np.stack(rows)
     if L.shape[0] == 0 or L.shape[1] == 0:
         raise ValueError(f"assign: expected at least one rank and one sample per rank, got shape {L.shape}")
@@ -320,7 +322,7 @@ def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int) -> list[tuple[
         if W < 2 or e.max() <= slack:
             break
         order = np.argsort(e, kind="stable")
-        under, over = order[:W // 2], order[::-1][:W // 2]
+        under, over = order[: W // 2], order[::-1][: W // 2]
         t = np.minimum(e[over], (e[over] - e[under]) // 2) // W
         act = (e[over] > slack) & (t > 0)
         if not act.any():
@@ -332,8 +334,16 @@ def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int) -> list[tuple[
     return out
 
 
-def _balanced_moves(L: np.ndarray, q: np.ndarray, tol: float, max_rounds: int, group_size: int | None,
-                    cross_rounds: int, only_group: int | None = None, load: np.ndarray | None = None):
+def _balanced_moves(
+    L: np.ndarray,
+    q: np.ndarray,
+    tol: float,
+    max_rounds: int,
+    group_size: int | None,
+    cross_rounds: int,
+    only_group: int | None = None,
+    load: np.ndarray | None = None,
+):
     """(moved global ids, their destinations, loads after, planned loads after) of ``balanced``.
 
     Loads after are exact for the ranks whose samples were followed (all, unless
@@ -365,7 +375,7 @@ def _balanced_moves(L: np.ndarray, q: np.ndarray, tol: float, max_rounds: int, g
     else:
         # needed[r]: ranks whose state after round r is needed; walk the rounds backwards
         need = np.zeros(W, bool)
-        need[only_group * G:(only_group + 1) * G] = True
+        need[only_group * G : (only_group + 1) * G] = True
         needed = [need]
         for over, under, _ in reversed(pairs):
             partner = np.full(W, -1)
@@ -381,7 +391,7 @@ def _balanced_moves(L: np.ndarray, q: np.ndarray, tol: float, max_rounds: int, g
             sw.swap(over[keep], under[keep], t[keep])
     groups = np.arange(W).reshape(W // G, G)
     if only_group is not None:
-        groups = groups[only_group:only_group + 1]
+        groups = groups[only_group : only_group + 1]
     sw.balance_groups(groups, tol, max_rounds)
     gid, to = sw.dest()
     planned = load.copy()
@@ -392,9 +402,15 @@ def _balanced_moves(L: np.ndarray, q: np.ndarray, tol: float, max_rounds: int, g
     return gid, to, sw.load, planned
 
 
-def assign(lengths_per_rank, strategy: str = "balanced", cost: Cost | tuple = DEFAULT_COST,
-           tol: float = 1e-3, max_rounds: int = 32, group_size: int | None = None,
-           cross_rounds: int = 3) -> Assignment:
+def assign(
+    lengths_per_rank,
+    strategy: str = "balanced",
+    cost: Cost | tuple = DEFAULT_COST,
+    tol: float = 1e-3,
+    max_rounds: int = 32,
+    group_size: int | None = None,
+    cross_rounds: int = 3,
+) -> Assignment:
     """The plan every rank computes identically from the all-gathered lengths.
 
     lengths_per_rank: [W, B] integer array (or a list of W arrays of B lengths), all >= 1.
@@ -421,8 +437,14 @@ def assign(lengths_per_rank, strategy: str = "balanced", cost: Cost | tuple = DE
     if strategy == "none":
         ranks = np.broadcast_to(np.arange(W, dtype=np.int32)[:, None], (W, B))
         before = load * unit
-        return Assignment(strategy, src_rank=ranks, src_index=np.broadcast_to(np.arange(B, dtype=np.int32), (W, B)),
-                          dest_rank=ranks, costs_before=before, costs_after=before)
+        return Assignment(
+            strategy,
+            src_rank=ranks,
+            src_index=np.broadcast_to(np.arange(B, dtype=np.int32), (W, B)),
+            dest_rank=ranks,
+            costs_before=before,
+            costs_after=before,
+        )
     if strategy == "stripe":
         G = np.sort(_stripe(L), axis=1)  # deterministic order: by (source rank, source index)
         after = q[L].ravel()[G].sum(1)
@@ -435,8 +457,14 @@ def assign(lengths_per_rank, strategy: str = "balanced", cost: Cost | tuple = DE
         # stable: within a rank, by global id = (source rank, source index); int16 sorts in O(N)
         G = np.argsort(dest.astype(np.int16) if W < 1 << 15 else dest, kind="stable").reshape(W, B)
     src_rank, src_index = np.divmod(G.astype(np.int32), np.int32(B))
-    return Assignment(strategy, src_rank=src_rank, src_index=src_index, dest_rank=dest.reshape(W, B),
-                      costs_before=load * unit, costs_after=after * unit)
+    return Assignment(
+        strategy,
+        src_rank=src_rank,
+        src_index=src_index,
+        dest_rank=dest.reshape(W, B),
+        costs_before=load * unit,
+        costs_after=after * unit,
+    )
 
 
 @dataclass(frozen=True)
@@ -462,9 +490,16 @@ class RankPlan:
     moved: int | None
 
 
-def plan_for_rank(lengths_per_rank, rank: int, strategy: str = "balanced", cost: Cost | tuple = DEFAULT_COST,
-                  tol: float = 1e-3, max_rounds: int = 32, group_size: int | None = None,
-                  cross_rounds: int = 3) -> RankPlan:
+def plan_for_rank(
+    lengths_per_rank,
+    rank: int,
+    strategy: str = "balanced",
+    cost: Cost | tuple = DEFAULT_COST,
+    tol: float = 1e-3,
+    max_rounds: int = 32,
+    group_size: int | None = None,
+    cross_rounds: int = 3,
+) -> RankPlan:
     """This rank's part of ``assign(...)``, identical to it, computed in O(W*B) adds plus
     O(group_size * 2**cross_rounds * B) with ``group_size`` (instead of the whole plan)."""
     L = _as_matrix(lengths_per_rank)
@@ -477,20 +512,34 @@ def plan_for_rank(lengths_per_rank, rank: int, strategy: str = "balanced", cost:
         send = np.argsort(dest, kind="stable")
         send = send[dest[send] != rank]
         incoming = A.src_rank[rank] != rank
-        return RankPlan(rank, send_index=send, send_dest=dest[send].astype(np.int64),
-                        recv_rank=A.src_rank[rank][incoming].astype(np.int64),
-                        recv_index=A.src_index[rank][incoming].astype(np.int64),
-                        imbalance_before=A.imbalance_before, imbalance_after=A.imbalance_after, moved=A.moved)
+        return RankPlan(
+            rank,
+            send_index=send,
+            send_dest=dest[send].astype(np.int64),
+            recv_rank=A.src_rank[rank][incoming].astype(np.int64),
+            recv_index=A.src_index[rank][incoming].astype(np.int64),
+            imbalance_before=A.imbalance_before,
+            imbalance_after=A.imbalance_after,
+            moved=A.moved,
+        )
     if not 0 <= tol < 1:
         raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
     _, q = _cost_tables(int(L.max()), cost)
     load = q[L].sum(1)
-    gid, to, _, planned = _balanced_moves(L, q, tol, max_rounds, group_size, cross_rounds,
-                                          only_group=rank // group_size, load=load)
+    gid, to, _, planned = _balanced_moves(
+        L, q, tol, max_rounds, group_size, cross_rounds, only_group=rank // group_size, load=load
+    )
     out = (gid // B == rank) & (to != rank)
     send_dest, send_index = to[out], gid[out] % B
     order = np.lexsort((send_index, send_dest))
     recv = np.sort(gid[to == rank])
-    return RankPlan(rank, send_index=send_index[order], send_dest=send_dest[order],
-                    recv_rank=recv // B, recv_index=recv % B, imbalance_before=imbalance(load),
-                    imbalance_after=imbalance(planned), moved=None)
+    return RankPlan(
+        rank,
+        send_index=send_index[order],
+        send_dest=send_dest[order],
+        recv_rank=recv // B,
+        recv_index=recv % B,
+        imbalance_before=imbalance(load),
+        imbalance_after=imbalance(planned),
+        moved=None,
+    )

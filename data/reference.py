@@ -96,8 +96,16 @@ def _is_punctuation(ch: str) -> bool:
     return unicodedata.category(ch).startswith("P")
 
 
-_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
-               (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+_CJK_RANGES = (
+    (0x4E00, 0x9FFF),
+    (0x3400, 0x4DBF),
+    (0x20000, 0x2A6DF),
+    (0x2A700, 0x2B73F),
+    (0x2B740, 0x2B81F),
+    (0x2B820, 0x2CEAF),
+    (0xF900, 0xFAFF),
+    (0x2F800, 0x2FA1F),
+)
 
 
 def _is_cjk(ch: str) -> bool:
@@ -118,10 +126,17 @@ class RefTokenizer:
         if self._hf is None:
             from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-            tok = Tokenizer(models.WordPiece(vocab=dict(self.vocab.ids), unk_token="[UNK]",
-                                             continuing_subword_prefix="##", max_input_chars_per_word=MAX_WORD_CHARS))
-            tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True,
-                                                        lowercase=True)
+            tok = Tokenizer(
+                models.WordPiece(
+                    vocab=dict(self.vocab.ids),
+                    unk_token="[UNK]",
+                    continuing_subword_prefix="##",
+                    max_input_chars_per_word=MAX_WORD_CHARS,
+                )
+            )
+            tok.normalizer = normalizers.BertNormalizer(
+                clean_text=True, handle_chinese_chars=True, strip_accents=True, lowercase=True
+            )
             tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
             self._hf = tok
         return self._hf
@@ -198,7 +213,7 @@ class RefTokenizer:
         ascii_idx = [i for i, s in enumerate(lines) if s.isascii()]
         hf = self._hf_tokenizer() if ascii_idx else None
         for b in range(0, len(ascii_idx), _HF_BATCH):
-            idx = ascii_idx[b:b + _HF_BATCH]
+            idx = ascii_idx[b : b + _HF_BATCH]
             for i, enc in zip(idx, hf.encode_batch_fast([lines[i] for i in idx], add_special_tokens=False)):
                 out[i] = enc.ids
         for i, s in enumerate(lines):
@@ -291,23 +306,28 @@ class _Rows:
 
     def _alloc(self, cap: int):
         old = getattr(self, "a", None)
-        new = {"input_ids": np.zeros((cap, self.s), np.int16), "len_a": np.zeros(cap, np.int32),
-               "len": np.zeros(cap, np.int32), "masked_lm_positions": np.zeros((cap, self.p), np.int16),
-               "masked_lm_ids": np.zeros((cap, self.p), np.int16), "next_sentence_labels": np.zeros(cap, np.int8)}
+        new = {
+            "input_ids": np.zeros((cap, self.s), np.int16),
+            "len_a": np.zeros(cap, np.int32),
+            "len": np.zeros(cap, np.int32),
+            "masked_lm_positions": np.zeros((cap, self.p), np.int16),
+            "masked_lm_ids": np.zeros((cap, self.p), np.int16),
+            "next_sentence_labels": np.zeros(cap, np.int8),
+        }
         if old is not None:
             for k, v in old.items():
-                new[k][:self.n] = v[:self.n]
+                new[k][: self.n] = v[: self.n]
         self.a = new
 
     def add(self, ids: np.ndarray, len_a: int, positions: list[int], labels: list[int], is_random: bool):
         if self.n == len(self.a["len"]):
             self._alloc(2 * self.n)
         a, r = self.a, self.n
-        a["input_ids"][r, :len(ids)] = ids
+        a["input_ids"][r, : len(ids)] = ids
         a["len_a"][r] = len_a
         a["len"][r] = len(ids)
-        a["masked_lm_positions"][r, :len(positions)] = positions
-        a["masked_lm_ids"][r, :len(labels)] = labels
+        a["masked_lm_positions"][r, : len(positions)] = positions
+        a["masked_lm_ids"][r, : len(labels)] = labels
         a["next_sentence_labels"][r] = is_random
         self.n += 1
 
@@ -317,12 +337,14 @@ class _Rows:
         a = self.a
         lens, len_a = a["len"][idx], a["len_a"][idx]
         col = np.arange(self.s)[None, :]
-        return {"input_ids": a["input_ids"][idx],
-                "input_mask": (col < lens[:, None]).astype(np.int8),
-                "segment_ids": ((col >= len_a[:, None] + 2) & (col < lens[:, None])).astype(np.int8),
-                "masked_lm_positions": a["masked_lm_positions"][idx],
-                "masked_lm_ids": a["masked_lm_ids"][idx],
-                "next_sentence_labels": a["next_sentence_labels"][idx]}
+        return {
+            "input_ids": a["input_ids"][idx],
+            "input_mask": (col < lens[:, None]).astype(np.int8),
+            "segment_ids": ((col >= len_a[:, None] + 2) & (col < lens[:, None])).astype(np.int8),
+            "masked_lm_positions": a["masked_lm_positions"][idx],
+            "masked_lm_ids": a["masked_lm_ids"][idx],
+            "next_sentence_labels": a["next_sentence_labels"][idx],
+        }
 
 
 class _Maker:
@@ -382,9 +404,9 @@ class _Maker:
         la, lb = a1 - a0, b1 - b0
         ids = np.empty(la + lb + 3, np.int32)
         ids[0] = self.cls
-        ids[1:la + 1] = self.docs.tokens[da][a0:a1]
+        ids[1 : la + 1] = self.docs.tokens[da][a0:a1]
         ids[la + 1] = self.sep
-        ids[la + 2:la + 2 + lb] = self.docs.tokens[db][b0:b1]
+        ids[la + 2 : la + 2 + lb] = self.docs.tokens[db][b0:b1]
         ids[-1] = self.sep
         # Masking: candidates are every position but [CLS] and the two [SEP]s.
         cand = list(range(1, la + 1)) + list(range(la + 2, la + 2 + lb))
@@ -417,8 +439,13 @@ def make_instances(docs: Documents, vocab: RefVocab, prm: RefParams) -> dict:
     return maker.rows.fixed_arrays(out_order)
 
 
-def prepare_file(src: str | os.PathLike, dst: str | os.PathLike, vocab: RefVocab, prm: RefParams,
-                 tokenizer: RefTokenizer | None = None) -> int:
+def prepare_file(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    vocab: RefVocab,
+    prm: RefParams,
+    tokenizer: RefTokenizer | None = None,
+) -> int:
     """Text file -> the reference's fixed-layout HDF5 (written atomically); returns its sample count."""
     docs = read_documents(src, tokenizer or RefTokenizer(vocab))  # none: an empty file, as the reference writes
     arrays = make_instances(docs, vocab, prm)

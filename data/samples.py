@@ -55,7 +55,7 @@ class SampleBlock:
     def num_tokens(self) -> int:
         return int(self.seq_lens.sum())
 
-    def select(self, idx) -> "SampleBlock":
+    def select(self, idx) -> SampleBlock:
         """The samples at ``idx`` (any integer index array), in that order."""
         idx = np.asarray(idx, dtype=np.int64)
         tok_off = _offsets(self.seq_lens)
@@ -71,21 +71,24 @@ class SampleBlock:
         )
 
     @staticmethod
-    def concat(blocks: list["SampleBlock"]) -> "SampleBlock":
+    def concat(blocks: list[SampleBlock]) -> SampleBlock:
         if not blocks:
             return SampleBlock.empty()
         return SampleBlock(*(np.concatenate([getattr(b, f) for b in blocks]) for f in _FIELDS))
 
     @staticmethod
-    def empty() -> "SampleBlock":
+    def empty() -> SampleBlock:
         return SampleBlock(
-            input_ids=np.zeros(0, np.int32), segment_ids=np.zeros(0, np.int8),
-            seq_lens=np.zeros(0, np.int32), masked_positions=np.zeros(0, np.int32),
-            masked_ids=np.zeros(0, np.int32), masked_counts=np.zeros(0, np.int32),
+            input_ids=np.zeros(0, np.int32),
+            segment_ids=np.zeros(0, np.int8),
+            seq_lens=np.zeros(0, np.int32),
+            masked_positions=np.zeros(0, np.int32),
+            masked_ids=np.zeros(0, np.int32),
+            masked_counts=np.zeros(0, np.int32),
             nsp_labels=np.zeros(0, np.int8),
         )
 
-    def equals(self, other: "SampleBlock") -> bool:
+    def equals(self, other: SampleBlock) -> bool:
         return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _FIELDS)
 
 

@@ -34,8 +34,9 @@ def _manifest_near(path: Path) -> dict | None:
     return None
 
 
-def describe(files: list[Path], max_seq_length: int | None = None, vocab_size: int | None = None,
-             bins: int = 16) -> dict:
+def describe(
+    files: list[Path], max_seq_length: int | None = None, vocab_size: int | None = None, bins: int = 16
+) -> dict:
     """Statistics over all samples of ``files`` (each read and validated)."""
     lens, masked, nsp = [], [], []
     layouts = set()
@@ -63,10 +64,17 @@ def describe(files: list[Path], max_seq_length: int | None = None, vocab_size: i
     edges = np.linspace(0, max_seq_length, bins + 1).round().astype(np.int64)
     counts = np.histogram(lens, bins=edges + 0.5)[0] if max_seq_length >= bins else np.bincount(lens)[1:]
     return {
-        "files": len(files), "layouts": sorted(layouts), "samples": n, "tokens": tokens,
+        "files": len(files),
+        "layouts": sorted(layouts),
+        "samples": n,
+        "tokens": tokens,
         "max_seq_length": int(max_seq_length),
-        "length": {"mean": float(lens.mean()), "median": float(np.median(lens)), "min": int(lens.min()),
-                   "max": int(lens.max())},
+        "length": {
+            "mean": float(lens.mean()),
+            "median": float(np.median(lens)),
+            "min": int(lens.min()),
+            "max": int(lens.max()),
+        },
         "padding_ratio": max_seq_length * n / tokens,
         "masked_per_sample": {"mean": float(masked.mean()), "min": int(masked.min()), "max": int(masked.max())},
         "masked_fraction": float(masked.sum() / tokens),
@@ -106,8 +114,10 @@ def plot(s: dict, png: str, title: str) -> None:
     ax.bar(edges[:-1] + 0.5, counts, width=np.diff(edges), align="edge", edgecolor="black", linewidth=0.4)
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("samples")
-    ax.set_title(f"{title}: {s['samples']} samples, mean {s['length']['mean']:.1f}, "
-                 f"padding ratio {s['padding_ratio']:.2f}", fontsize=9)
+    ax.set_title(
+        f"{title}: {s['samples']} samples, mean {s['length']['mean']:.1f}, padding ratio {s['padding_ratio']:.2f}",
+        fontsize=9,
+    )
     fig.tight_layout()
     out = Path(png)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}.png")

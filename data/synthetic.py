@@ -12,8 +12,9 @@ import numpy as np
 from data.samples import SampleBlock
 
 
-def random_block(n: int, seed: int, max_seq_length: int = 128, max_predictions: int = 20,
-                 vocab_size: int = 1000, min_len: int = 5) -> SampleBlock:
+def random_block(
+    n: int, seed: int, max_seq_length: int = 128, max_predictions: int = 20, vocab_size: int = 1000, min_len: int = 5
+) -> SampleBlock:
     """n samples shaped like prepared data: [CLS] A [SEP] B [SEP], sorted masked positions
     that avoid the special tokens, lengths uniform in [min_len, max_seq_length]."""
     rng = np.random.default_rng(seed)
@@ -24,7 +25,7 @@ def random_block(n: int, seed: int, max_seq_length: int = 128, max_predictions: 
         tok = rng.integers(5, vocab_size, ln).astype(np.int32)
         tok[0], tok[la + 1], tok[ln - 1] = 2, 3, 3
         seg = np.zeros(ln, np.int8)
-        seg[la + 2:] = 1
+        seg[la + 2 :] = 1
         cand = np.setdiff1d(np.arange(1, ln - 1), [la + 1])
         k = int(min(max_predictions, max(1, round(ln * 0.15)), len(cand)))
         pos = np.sort(rng.choice(cand, k, replace=False)).astype(np.int32)
@@ -34,13 +35,25 @@ def random_block(n: int, seed: int, max_seq_length: int = 128, max_predictions: 
         labels.append(rng.integers(5, vocab_size, k).astype(np.int32))
         counts.append(k)
     return SampleBlock(
-        input_ids=np.concatenate(ids), segment_ids=np.concatenate(segs), seq_lens=lens,
-        masked_positions=np.concatenate(positions), masked_ids=np.concatenate(labels),
-        masked_counts=np.array(counts, np.int32), nsp_labels=rng.integers(0, 2, n).astype(np.int8))
+        input_ids=np.concatenate(ids),
+        segment_ids=np.concatenate(segs),
+        seq_lens=lens,
+        masked_positions=np.concatenate(positions),
+        masked_ids=np.concatenate(labels),
+        masked_counts=np.array(counts, np.int32),
+        nsp_labels=rng.integers(0, 2, n).astype(np.int8),
+    )
 
 
-def write_shards(directory, sizes: list[int], seed: int, layout: str = "fixed", max_seq_length: int = 64,
-                 max_predictions: int = 10, vocab_size: int = 1000) -> list[Path]:
+def write_shards(
+    directory,
+    sizes: list[int],
+    seed: int,
+    layout: str = "fixed",
+    max_seq_length: int = 64,
+    max_predictions: int = 10,
+    vocab_size: int = 1000,
+) -> list[Path]:
     """HDF5 files ``part_%05d_of_%05d.hdf5`` with the given sample counts."""
     from data.hdf5io import write_file
 
@@ -59,8 +72,14 @@ def word_vocab(num_words: int, num_docs: int, max_sentences: int = 12) -> list[s
     ``doc0``.. (in that order, so a token's kind and number follow from its id)."""
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)] + ["."]
     cont = ["##" + c for c in letters]
-    return (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + letters + cont + [f"w{i}" for i in range(num_words)]
-            + [f"s{i}" for i in range(max_sentences)] + [f"doc{i}" for i in range(num_docs)])
+    return (
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        + letters
+        + cont
+        + [f"w{i}" for i in range(num_words)]
+        + [f"s{i}" for i in range(max_sentences)]
+        + [f"doc{i}" for i in range(num_docs)]
+    )
 
 
 def corpus(num_docs: int, seed: int, num_words: int = 200, sentences=(1, 12), words=(3, 30)) -> list[list[str]]:

@@ -38,9 +38,11 @@ _NON_SPACE = re.compile(rb"\S")
 # Sentence ends: ., ! or ? (optionally followed by closing quotes or brackets), whitespace,
 # then something that can start a sentence.
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+(?=[\"'(\[]?\s?[A-Z0-9])")
-_ABBREVIATIONS = frozenset("""mr mrs ms dr prof st jr sr vs etc e.g i.e no nos vol vols fig figs gen col lt
+_ABBREVIATIONS = frozenset(
+    """mr mrs ms dr prof st jr sr vs etc e.g i.e no nos vol vols fig figs gen col lt
 sgt capt cpt rev inc ltd co corp dept est approx jan feb mar apr jun jul aug sep sept oct nov dec mt ft
-op cf al ed eds pp u.s u.k""".split())
+op cf al ed eds pp u.s u.k""".split()
+)
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,11 @@ def list_inputs(paths: list[str]) -> list[Path]:
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            found = sorted(f for f in path.rglob("*")
-                           if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts))
+            found = sorted(
+                f
+                for f in path.rglob("*")
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)
+            )
             if not found:
                 raise DataError(f"{path}: empty input (the directory holds no files)")
             files.extend(found)
@@ -154,11 +159,11 @@ def split_sentences(paragraph: str) -> list[str]:
     out = []
     start = 0
     for m in _SENTENCE_END.finditer(paragraph):
-        before = paragraph[start:m.start()].rstrip()
+        before = paragraph[start : m.start()].rstrip()
         word = before.rsplit(None, 1)[-1].lower() if before else ""
         if len(word) == 1 and word.isalpha() or word in _ABBREVIATIONS:
             continue
-        piece = paragraph[start:m.end()].strip()
+        piece = paragraph[start : m.end()].strip()
         if piece:
             out.append(piece)
         start = m.end()
@@ -169,8 +174,7 @@ def split_sentences(paragraph: str) -> list[str]:
 
 
 def _wikitext_detokenize(line: str) -> str:
-    return (line.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
-            .replace("<unk>", "[UNK]"))
+    return line.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".").replace("<unk>", "[UNK]")
 
 
 def parse_documents(lines: list[str], fmt: str) -> list[list[str]]:
@@ -220,4 +224,3 @@ def iter_sentences(files: list[Path], fmt: str):
             lines, _, _ = read_chunk(chunk)
             for doc in parse_documents(lines, fmt):
                 yield from doc
-

@@ -17,8 +17,8 @@ from __future__ import annotations
 import heapq
 import os
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from data.errors import DataError
 
@@ -45,8 +45,10 @@ class Vocab:
         if missing:
             raise DataError(f"{source}: vocabulary is missing {', '.join(missing)}")
         if len(tokens) > MAX_VOCAB_SIZE:
-            raise DataError(f"{source}: {len(tokens)} entries, but the HDF5 layouts store ids as int16 "
-                            f"(at most {MAX_VOCAB_SIZE} entries)")
+            raise DataError(
+                f"{source}: {len(tokens)} entries, but the HDF5 layouts store ids as int16 "
+                f"(at most {MAX_VOCAB_SIZE} entries)"
+            )
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -111,9 +113,10 @@ def write_vocab(path: str | os.PathLike, tokens: list[str]) -> None:
 def _normalizer_and_pretokenizer():
     from tokenizers import normalizers, pre_tokenizers
 
-    return (normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
-                                       lowercase=True),
-            pre_tokenizers.BertPreTokenizer())
+    return (
+        normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True),
+        pre_tokenizers.BertPreTokenizer(),
+    )
 
 
 def make_tokenizer(vocab: Vocab):
@@ -124,8 +127,14 @@ def make_tokenizer(vocab: Vocab):
     """
     from tokenizers import AddedToken, Tokenizer, models
 
-    tok = Tokenizer(models.WordPiece(vocab=dict(vocab.ids), unk_token="[UNK]", continuing_subword_prefix="##",
-                                     max_input_chars_per_word=MAX_WORD_CHARS))
+    tok = Tokenizer(
+        models.WordPiece(
+            vocab=dict(vocab.ids),
+            unk_token="[UNK]",
+            continuing_subword_prefix="##",
+            max_input_chars_per_word=MAX_WORD_CHARS,
+        )
+    )
     tok.normalizer, tok.pre_tokenizer = _normalizer_and_pretokenizer()
     tok.add_special_tokens([AddedToken("[UNK]", normalized=False, special=True)])
     return tok
@@ -135,8 +144,9 @@ def _merge_symbols(a: str, b: str) -> str:
     return a + (b[2:] if b.startswith("##") else b)
 
 
-def train_wordpiece(sentences: Iterable[str], vocab_size: int, min_frequency: int = 2,
-                    limit_alphabet: int = 1000) -> list[str]:
+def train_wordpiece(
+    sentences: Iterable[str], vocab_size: int, min_frequency: int = 2, limit_alphabet: int = 1000
+) -> list[str]:
     """Learn a WordPiece vocabulary of at most ``vocab_size`` pieces, deterministically.
 
     Words come from BERT's normaliser and pre-tokeniser. The alphabet is the
@@ -191,7 +201,7 @@ def train_wordpiece(sentences: Iterable[str], vocab_size: int, min_frequency: in
         # Word-initial forms first (they cover every word's start), then ## forms by frequency.
         cont = sorted((p for p in initial if p.startswith("##")), key=lambda p: (-chars[p[2:]], p))
         starts = sorted(p for p in initial if not p.startswith("##"))
-        keep = set(starts[:room]) | set(cont[:max(0, room - len(starts))])
+        keep = set(starts[:room]) | set(cont[: max(0, room - len(starts))])
         pieces = list(SPECIAL_TOKENS) + sorted(keep)
         word_list = [w for w in word_list if w[0] in keep and all("##" + ch in keep for ch in w[1:])]
     ids = {p: i for i, p in enumerate(pieces)}

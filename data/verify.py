@@ -66,8 +66,9 @@ def shard_checksum(path) -> str:
         try:
             rows = f["input_ids"][:]
         except (OSError, RuntimeError, ValueError, TypeError) as e:
-            raise DataError(f"{path}: cannot read input_ids (truncated or corrupt?): {str(e).splitlines()[0]}") \
-                from None
+            raise DataError(
+                f"{path}: cannot read input_ids (truncated or corrupt?): {str(e).splitlines()[0]}"
+            ) from None
     digests = [hashlib.md5(str(row.tolist()).encode()).hexdigest() for row in rows]
     return hashlib.md5(str(digests).encode()).hexdigest()
 
@@ -158,8 +159,9 @@ def _progress(it, total: int, desc: str | None):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", help="directories holding the files, or the files")
-    ap.add_argument("--checksums", required=True,
-                    help=f"a checksum list (name<TAB>md5 lines), e.g. one of {CHECKSUM_DIR}/*.chk")
+    ap.add_argument(
+        "--checksums", required=True, help=f"a checksum list (name<TAB>md5 lines), e.g. one of {CHECKSUM_DIR}/*.chk"
+    )
     ap.add_argument("--workers", type=int, default=1, help="processes computing checksums")
     args = ap.parse_args(argv)
     if args.workers < 1:
@@ -169,8 +171,9 @@ def main(argv=None) -> int:
     for p in problems:
         print(f"mismatch: {p}" if "checksum" in p else f"error: {p}", file=sys.stderr)
     if problems:
-        print(f"error: {len(problems)} of {len(expected)} file(s) failed the checks in {args.checksums}",
-              file=sys.stderr)
+        print(
+            f"error: {len(problems)} of {len(expected)} file(s) failed the checks in {args.checksums}", file=sys.stderr
+        )
         return 1
     print(f"ok: {len(expected)} file(s) match {args.checksums}")
     return 0

@@ -23,8 +23,8 @@ here by name) and imports nothing from ``bert/``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ class PackedLayout:
     causal: bool = False
 
 
-Layout = Union[VarlenLayout, PaddedLayout, PackedLayout]
+Layout = VarlenLayout | PaddedLayout | PackedLayout
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Layout, float, bool], Tensor]
 
 
@@ -56,8 +56,7 @@ class BackendUnavailable(RuntimeError):
     """The configured attention backend cannot run on this machine or layout."""
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float,
-                        training: bool) -> Tensor:
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
     """Softmax attention computed sequence by sequence in the input dtype."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     p = dropout_p if training else 0.0
@@ -81,8 +80,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout
     return out
 
 
-def padded_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float,
-                     training: bool) -> Tensor:
+def padded_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
     """The baseline: pad to [B, H, S, D], run SDPA with a key-padding mask, unpad."""
     p = dropout_p if training else 0.0
     h, d = q.shape[1:]
@@ -104,8 +102,9 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p:
         buf[dest] = x
         return buf.view(b, s, h, d).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(to_padded(q), to_padded(k), to_padded(v),
-                                         attn_mask=mask[:, None, None, :], dropout_p=p)
+    out = F.scaled_dot_product_attention(
+        to_padded(q), to_padded(k), to_padded(v), attn_mask=mask[:, None, None, :], dropout_p=p
+    )
     return out.transpose(1, 2).reshape(b * s, h, d)[dest]
 
 

@@ -34,14 +34,20 @@ MAX_SHARED = 227 * 1024  # bytes of shared memory a Hopper block can opt into
 def _arg_type(value) -> str:
     import torch
 
-    ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
-           torch.int8: "*i8", torch.int64: "*i64"}
+    ptr = {
+        torch.float16: "*fp16",
+        torch.bfloat16: "*bf16",
+        torch.float32: "*fp32",
+        torch.int32: "*i32",
+        torch.int8: "*i8",
+        torch.int64: "*i64",
+    }
     if isinstance(value, torch.Tensor):
         return ptr[value.dtype]
     if isinstance(value, float):
         return "fp32"
     if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
     raise TypeError(f"unexpected kernel argument {value!r}")
 
 
@@ -54,8 +60,12 @@ def _ptxas_report(ptx: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        out = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                             capture_output=True, text=True, timeout=120).stderr
+        out = subprocess.run(
+            [str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
     return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None}
@@ -74,12 +84,23 @@ def compiling_launcher(records: list[dict], variant: dict, registers: bool = Tru
         values = dict(zip(kernel.arg_names, args), **kwargs)
         constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
         signature = {n: "constexpr" if n in constexprs else _arg_type(values[n]) for n in kernel.arg_names}
-        binary = triton.compile(ASTSource(kernel, signature, constexprs), target=target,
-                                options={"num_warps": num_warps, "num_stages": num_stages})
+        binary = triton.compile(
+            ASTSource(kernel, signature, constexprs),
+            target=target,
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
         blocks = {k: v for k, v in constexprs.items() if k.startswith("BLOCK")}
-        records.append({"kernel": kernel.fn.__name__, **variant, "blocks": blocks, "num_warps": num_warps,
-                        "num_stages": num_stages, "shared_bytes": binary.metadata.shared,
-                        **(_ptxas_report(binary.asm["ptx"]) if registers else {})})
+        records.append(
+            {
+                "kernel": kernel.fn.__name__,
+                **variant,
+                "blocks": blocks,
+                "num_warps": num_warps,
+                "num_stages": num_stages,
+                "shared_bytes": binary.metadata.shared,
+                **(_ptxas_report(binary.asm["ptx"]) if registers else {}),
+            }
+        )
 
     return compile_launch
 
@@ -102,7 +123,7 @@ def attention_variants() -> list[tuple]:
     for dtype in ("bfloat16", "float16", "float32"):
         for dim in (32, 64, 128):
             for p in (0.0, 0.1):
-                for precision in (("ieee", "tf32") if dtype == "float32" else ("-",)):
+                for precision in ("ieee", "tf32") if dtype == "float32" else ("-",):
                     variants.append((dtype, dim, p, precision, "default", dtype == "bfloat16" and dim == 64 and p))
     from kernels.tiles import TILE_PRESETS
 
@@ -116,13 +137,17 @@ def attention_variants() -> list[tuple]:
 
 def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
     import torch
+
     from kernels import runtime
 
     dtype_name, dim, p, precision, preset, grouped = variant
     module = runtime.load(interpret=False)
     records: list[dict] = []
-    module._launch = compiling_launcher(records, dict(dtype=dtype_name, head_dim=dim, dropout=p, precision=precision,
-                                                      tiles=preset, grouped=bool(grouped)), registers)
+    module._launch = compiling_launcher(
+        records,
+        dict(dtype=dtype_name, head_dim=dim, dropout=p, precision=precision, tiles=preset, grouped=bool(grouped)),
+        registers,
+    )
     module.TILE_PRESET = preset
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     dtype = getattr(torch, dtype_name)
@@ -136,14 +161,15 @@ def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
     lse = meta(t, h, dtype=torch.float32)
     cu = meta(b + 1, dtype=torch.int32)
     order = meta(b, dtype=torch.int32) if grouped else None
-    module.attn_fwd(q, k, v, out, lse, cu, order, 0, b, 512, dim ** -0.5, p, seed, offset)
+    module.attn_fwd(q, k, v, out, lse, cu, order, 0, b, 512, dim**-0.5, p, seed, offset)
     grads = [meta(t, h, dim, dtype=dtype) for _ in range(3)]
-    module.attn_bwd(dout, q, k, v, lse, lse, *grads, cu, order, 0, b, 512, dim ** -0.5, p, seed, offset)
+    module.attn_bwd(dout, q, k, v, lse, lse, *grads, cu, order, 0, b, 512, dim**-0.5, p, seed, offset)
     return records
 
 
 def _compile_fused(registers: bool) -> list[dict]:
     import torch
+
     from kernels import runtime
 
     module = runtime.load(interpret=False)
@@ -161,8 +187,9 @@ def _compile_fused(registers: bool) -> list[dict]:
     x, res, vec = meta(r, n, dtype=torch.bfloat16), meta(r, n, dtype=torch.float32), meta(n, dtype=torch.float32)
     y, hid, stats = meta(r, n, dtype=torch.float32), meta(r, n, dtype=torch.float32), meta(r, dtype=torch.float32)
     module.bdaln_fwd(x, vec, res, vec, vec, y, hid, stats, stats, 1e-12, 0.1, seed, 7)
-    module.bdaln_bwd(y, hid, vec, stats, stats, meta(r, n, dtype=torch.bfloat16), meta(r, n, dtype=torch.float32),
-                     0.1, seed, 7)
+    module.bdaln_bwd(
+        y, hid, vec, stats, stats, meta(r, n, dtype=torch.bfloat16), meta(r, n, dtype=torch.float32), 0.1, seed, 7
+    )
     return records
 
 
@@ -198,24 +225,35 @@ def run_all(registers: bool = False, jobs: int = 1, head_dims: tuple[int, ...] |
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the records here as JSON")
-    parser.add_argument("--registers", action="store_true",
-                        help="report registers, spills and occupancy (ptxas -v); any spill fails the check")
+    parser.add_argument(
+        "--registers",
+        action="store_true",
+        help="report registers, spills and occupancy (ptxas -v); any spill fails the check",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="compile on this many processes (default 1)")
     parser.add_argument("--head-dims", type=int, nargs="+", help="only the attention variants of these head dims")
     args = parser.parse_args(argv)
     try:
         records = run_all(args.registers, max(1, args.jobs), tuple(args.head_dims) if args.head_dims else None)
     except Exception as e:  # a compile error: one line, non-zero exit
-        print(f"compile_check: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
-              file=sys.stderr)
+        print(
+            f"compile_check: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
+            file=sys.stderr,
+        )
         return 1
     for r in records:
-        extra = "" if r.get("registers") is None else \
-            f" regs {r['registers']} spill {r['spill_bytes']}B blocks/SM {r['blocks_per_sm']} warps/SM {r['warps_per_sm']}"
+        extra = (
+            ""
+            if r.get("registers") is None
+            else f" regs {r['registers']} spill {r['spill_bytes']}B"
+            f" blocks/SM {r['blocks_per_sm']} warps/SM {r['warps_per_sm']}"
+        )
         label = f"{r.get('dtype', '')}{'/' + r['precision'] if r.get('precision', '-') != '-' else ''}"
         tiles = f" tiles={r['tiles']}" if r.get("tiles", "default") != "default" else ""
-        print(f"{r['kernel']:16s} {label:28s} D={r.get('head_dim', '-')!s:4s} p={r['dropout']}{tiles} "
-              f"{r['blocks']} warps {r['num_warps']} stages {r['num_stages']} shared {r['shared_bytes']}B{extra}")
+        print(
+            f"{r['kernel']:16s} {label:28s} D={r.get('head_dim', '-')!s:4s} p={r['dropout']}{tiles} "
+            f"{r['blocks']} warps {r['num_warps']} stages {r['num_stages']} shared {r['shared_bytes']}B{extra}"
+        )
     if args.json:
         path = Path(args.json)
         tmp = path.with_name(path.name + ".tmp")
@@ -224,7 +262,9 @@ def main(argv=None) -> int:
     failed = 0
     big = [r for r in records if r["shared_bytes"] > MAX_SHARED]
     if big:
-        print(f"compile_check: {len(big)} kernel(s) need more than {MAX_SHARED} bytes of shared memory", file=sys.stderr)
+        print(
+            f"compile_check: {len(big)} kernel(s) need more than {MAX_SHARED} bytes of shared memory", file=sys.stderr
+        )
         failed = 1
     spills = [r for r in records if r.get("spill_bytes")]
     if spills:

@@ -40,9 +40,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +84,14 @@ class TileCounts(NamedTuple):
 
 # ------------------------------------------------------------------------------ semantics
 
-def check_startend_row_indices(startend_row_indices: Tensor, causal: bool, batch: int | None = None,
-                               heads: int | None = None, seqlen_k: int | None = None) -> int:
+
+def check_startend_row_indices(
+    startend_row_indices: Tensor,
+    causal: bool,
+    batch: int | None = None,
+    heads: int | None = None,
+    seqlen_k: int | None = None,
+) -> int:
     """Check dtype and shape (never values); returns n, the bounds per column."""
     t = startend_row_indices
     if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 4:
@@ -93,8 +100,9 @@ def check_startend_row_indices(startend_row_indices: Tensor, causal: bool, batch
     b, h, s, n = t.shape
     allowed = (1, 2) if causal else (2, 4)
     if n not in allowed:
-        raise ValueError(f"startend_row_indices: n = {n} bounds per column with causal={causal}; "
-                         f"expected one of {allowed}")
+        raise ValueError(
+            f"startend_row_indices: n = {n} bounds per column with causal={causal}; expected one of {allowed}"
+        )
     if batch is not None and b != batch:
         raise ValueError(f"startend_row_indices: batch {b} != the query's batch {batch}")
     if heads is not None and h not in (1, heads):
@@ -130,14 +138,21 @@ def to_dense(startend_row_indices: Tensor, causal: bool, seqlen_q: int) -> Tenso
     return masked
 
 
-def flashmask_reference(query: Tensor, key: Tensor, value: Tensor, startend_row_indices: Tensor,
-                        causal: bool = False, dropout_p: float = 0.0, softmax_scale: float | None = None,
-                        dropout_keep: Tensor | None = None) -> Tensor:
+def flashmask_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    startend_row_indices: Tensor,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    dropout_keep: Tensor | None = None,
+) -> Tensor:
     """Attention with the dense mask, in PyTorch and in the inputs' dtype; same arguments as
     ``flashmask_attention``. ``dropout_keep`` [B, H, Sq, Sk] bool replaces the random dropout
     mask (True = kept). Rows with every key masked give zeros."""
     b, sq, h, d = query.shape
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
     mask = to_dense(startend_row_indices, causal, sq)  # [B, H or 1, Sq, Sk]
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, H, S, D]
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
@@ -151,8 +166,9 @@ def flashmask_reference(query: Tensor, key: Tensor, value: Tensor, startend_row_
     return (probs @ v).transpose(1, 2)
 
 
-def reference_tile_counts(startend_row_indices: Tensor, causal: bool, seqlen_q: int, heads: int,
-                          block_m: int, block_n: int) -> TileCounts:
+def reference_tile_counts(
+    startend_row_indices: Tensor, causal: bool, seqlen_q: int, heads: int, block_m: int, block_n: int
+) -> TileCounts:
     """Tiles of block_m queries x block_n keys, over the batch and ``heads`` heads, whose
     dense mask is all masked / mixed / all unmasked (edge tiles: their in-range part)."""
     mask = to_dense(startend_row_indices, causal, seqlen_q)  # [B, Hm, Sq, Sk]
@@ -176,6 +192,7 @@ def reference_tile_counts(startend_row_indices: Tensor, causal: bool, seqlen_q: 
 # Each returns a FlashMaskSpec with bounds [batch, 1, seqlen, n]. Builders that take lengths
 # per row (documents, blocks) accept rows that do not fill seqlen where the mask can express
 # it: the remaining tokens are padding, masked for every query (their own rows output zeros).
+
 
 def _spec(columns: list[Tensor], causal: bool) -> FlashMaskSpec:
     """columns: per row a [S, n] tensor of bounds."""
@@ -205,8 +222,7 @@ def _segments(lens: Tensor, seqlen: int) -> tuple[Tensor, Tensor, Tensor, Tensor
     pad = seqlen - int(ends[-1])
     real = torch.cat([torch.ones(seg.numel(), dtype=torch.bool), torch.zeros(pad, dtype=torch.bool)])
     zeros = torch.zeros(pad, dtype=torch.int64)
-    return (torch.cat([starts[seg], zeros + seqlen]), torch.cat([ends[seg], zeros]),
-            torch.cat([seg, zeros - 1]), real)
+    return (torch.cat([starts[seg], zeros + seqlen]), torch.cat([ends[seg], zeros]), torch.cat([seg, zeros - 1]), real)
 
 
 def causal_mask(batch: int, seqlen: int) -> FlashMaskSpec:
@@ -304,8 +320,9 @@ def prefix_lm_causal_mask(prefix_lens: Sequence[int], seqlen: int) -> FlashMaskS
     return _spec(rows, causal=False)
 
 
-def prefix_lm_document_mask(seq_lens: Sequence[Sequence[int]], prefix_lens: Sequence[Sequence[int]],
-                            seqlen: int) -> FlashMaskSpec:
+def prefix_lm_document_mask(
+    seq_lens: Sequence[Sequence[int]], prefix_lens: Sequence[Sequence[int]], seqlen: int
+) -> FlashMaskSpec:
     """Documents packed in rows, each a prefix-LM: within its document, query i sees key j when
     j is in the document's prefix or j <= i."""
     rows = []
@@ -313,8 +330,10 @@ def prefix_lm_document_mask(seq_lens: Sequence[Sequence[int]], prefix_lens: Sequ
         lens = _row_lengths(lengths, seqlen, "seq_lens", r)
         pre = torch.as_tensor(list(prefixes), dtype=torch.int64)
         if pre.shape != lens.shape or bool((pre < 0).any() | (pre > lens).any()):
-            raise ValueError(f"prefix_lens: row {r} needs one prefix in [0, length] per document, got "
-                             f"{pre.tolist()} for lengths {lens.tolist()}")
+            raise ValueError(
+                f"prefix_lens: row {r} needs one prefix in [0, length] per document, got "
+                f"{pre.tolist()} for lengths {lens.tolist()}"
+            )
         start, end, seg, real = _segments(lens, seqlen)
         j = torch.arange(seqlen)
         in_prefix = real & (j < start + pre[seg.clamp(min=0)])
@@ -350,12 +369,23 @@ def random_eviction_mask(batch: int, seqlen: int, generator: torch.Generator | N
     return _spec(rows, causal=True)
 
 
-MASK_BUILDERS = ("causal_mask", "sliding_window_mask", "causal_document_mask", "document_mask",
-                 "shared_question_mask", "global_sliding_window_mask", "causal_blockwise_mask",
-                 "prefix_lm_causal_mask", "prefix_lm_document_mask", "qk_sparse_mask", "random_eviction_mask")
+MASK_BUILDERS = (
+    "causal_mask",
+    "sliding_window_mask",
+    "causal_document_mask",
+    "document_mask",
+    "shared_question_mask",
+    "global_sliding_window_mask",
+    "causal_blockwise_mask",
+    "prefix_lm_causal_mask",
+    "prefix_lm_document_mask",
+    "qk_sparse_mask",
+    "random_eviction_mask",
+)
 
 
 # ------------------------------------------------------------------------------- the kernel
+
 
 def _kernels(device: torch.device) -> ModuleType:
     """The FlashMask kernels module, after checking they can run on ``device`` here."""
@@ -447,22 +477,57 @@ def _fwd_impl(q, k, v, bounds, causal, softmax_scale, dropout_p, rng, tiles=None
     return out, lse, bmm
 
 
-def _bwd_impl(dout, q, k, v, out, lse, rng, bounds, bmm, causal, softmax_scale, dropout_p, tiles=None,
-              counts_dkdv=None, counts_dq=None):
+def _bwd_impl(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    rng,
+    bounds,
+    bmm,
+    causal,
+    softmax_scale,
+    dropout_p,
+    tiles=None,
+    counts_dkdv=None,
+    counts_dq=None,
+):
     kern = _kernels(q.device)
     tiles = tiles or _tiles(q, kern)
     seed, offset = (int(x) for x in rng.tolist())
     # delta_i = sum_j P~_ij dP~_ij = rowsum(dO * O), also with dropout (O holds the dropped P~).
     delta = (dout.float() * out.float()).sum(-1)  # [B, Sq, H]
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    kern.bwd(dout, q, k, v, lse, delta, dq, dk, dv, bounds, bmm, causal, softmax_scale, dropout_p, seed, offset,
-             tiles, counts_dkdv, counts_dq)
+    kern.bwd(
+        dout,
+        q,
+        k,
+        v,
+        lse,
+        delta,
+        dq,
+        dk,
+        dv,
+        bounds,
+        bmm,
+        causal,
+        softmax_scale,
+        dropout_p,
+        seed,
+        offset,
+        tiles,
+        counts_dkdv,
+        counts_dq,
+    )
     return dq, dk, dv
 
 
 @torch.library.custom_op("bert_kernels::flashmask_fwd", mutates_args=(), **seeded_op_tags())
-def _fwd_op(q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, causal: bool, softmax_scale: float,
-            dropout_p: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, causal: bool, softmax_scale: float, dropout_p: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rng = _draw_rng(dropout_p)
     out, lse, bmm = _fwd_impl(q, k, v, bounds, causal, softmax_scale, dropout_p, rng)
     return out, lse, rng, bmm
@@ -472,14 +537,29 @@ def _fwd_op(q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, causal: bool, softm
 def _(q, k, v, bounds, causal, softmax_scale, dropout_p):
     b, sq, h, d = q.shape
     key_blocks = -(-k.shape[1] // key_block_size(d, q.element_size()))
-    return (q.new_empty(q.shape), q.new_empty((b, sq, h), dtype=torch.float32),
-            torch.empty(2, dtype=torch.int64, device="cpu"),
-            bounds.new_empty((bounds.shape[0], bounds.shape[1], key_blocks, bounds.shape[3], 2)))
+    return (
+        q.new_empty(q.shape),
+        q.new_empty((b, sq, h), dtype=torch.float32),
+        torch.empty(2, dtype=torch.int64, device="cpu"),
+        bounds.new_empty((bounds.shape[0], bounds.shape[1], key_blocks, bounds.shape[3], 2)),
+    )
 
 
 @torch.library.custom_op("bert_kernels::flashmask_bwd", mutates_args=())
-def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng: Tensor, bounds: Tensor,
-            bmm: Tensor, causal: bool, softmax_scale: float, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd_op(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    rng: Tensor,
+    bounds: Tensor,
+    bmm: Tensor,
+    causal: bool,
+    softmax_scale: float,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     return _bwd_impl(dout, q, k, v, out, lse, rng, bounds, bmm, causal, softmax_scale, dropout_p)
 
 
@@ -503,24 +583,35 @@ class _FlashMaskAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, rng, bounds, bmm = ctx.saved_tensors
-        dq, dk, dv = torch.ops.bert_kernels.flashmask_bwd(_last_dim_contiguous(dout), q, k, v, out, lse, rng,
-                                                          bounds, bmm, *ctx.args)
+        dq, dk, dv = torch.ops.bert_kernels.flashmask_bwd(
+            _last_dim_contiguous(dout), q, k, v, out, lse, rng, bounds, bmm, *ctx.args
+        )
         return dq, dk, dv, None, None, None, None
 
 
 def _check(query: Tensor, key: Tensor, value: Tensor, bounds: Tensor, causal: bool, dropout_p: float) -> None:
-    if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape or \
-            query.shape[0] != key.shape[0] or query.shape[2:] != key.shape[2:]:
-        raise ValueError(f"flashmask attention: query [B, Sq, H, D] and key, value [B, Sk, H, D] expected; got "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if (
+        query.dim() != 4
+        or key.dim() != 4
+        or value.shape != key.shape
+        or query.shape[0] != key.shape[0]
+        or query.shape[2:] != key.shape[2:]
+    ):
+        raise ValueError(
+            f"flashmask attention: query [B, Sq, H, D] and key, value [B, Sk, H, D] expected; got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
     if query.dtype not in _DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
-        raise ValueError(f"flashmask attention: query, key, value must share one dtype of "
-                         f"{[str(d) for d in _DTYPES]}; got {query.dtype}, {key.dtype}, {value.dtype}")
+        raise ValueError(
+            f"flashmask attention: query, key, value must share one dtype of "
+            f"{[str(d) for d in _DTYPES]}; got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
     if query.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"flashmask attention: head dim {query.shape[-1]} > {MAX_HEAD_DIM} is not supported")
     if causal and query.shape[1] != key.shape[1]:
-        raise ValueError(f"flashmask attention: causal needs seqlen_q == seqlen_k, got {query.shape[1]} and "
-                         f"{key.shape[1]}")
+        raise ValueError(
+            f"flashmask attention: causal needs seqlen_q == seqlen_k, got {query.shape[1]} and {key.shape[1]}"
+        )
     if min(query.shape[:3]) < 1 or key.shape[1] < 1:
         raise ValueError(f"flashmask attention: empty input {tuple(query.shape)}, {tuple(key.shape)}")
     check_startend_row_indices(bounds, causal, query.shape[0], query.shape[2], key.shape[1])
@@ -530,8 +621,15 @@ def _check(query: Tensor, key: Tensor, value: Tensor, bounds: Tensor, causal: bo
         raise ValueError(f"flashmask attention: dropout_p must lie in [0, 1), got {dropout_p}")
 
 
-def flashmask_attention(query: Tensor, key: Tensor, value: Tensor, startend_row_indices: Tensor,
-                        causal: bool = False, dropout_p: float = 0.0, softmax_scale: float | None = None) -> Tensor:
+def flashmask_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    startend_row_indices: Tensor,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> Tensor:
     """softmax(q k^T * scale + M) v with FlashMask's column-wise mask M, differentiable.
 
     query: [B, Sq, H, D]; key, value: [B, Sk, H, D]; one dtype of float16, bfloat16, float32,
@@ -547,15 +645,30 @@ def flashmask_attention(query: Tensor, key: Tensor, value: Tensor, startend_row_
     _check(query, key, value, startend_row_indices, causal, dropout_p)
     scale = float(softmax_scale) if softmax_scale is not None else query.shape[-1] ** -0.5
     bounds = startend_row_indices if startend_row_indices.stride(-1) == 1 else startend_row_indices.contiguous()
-    return _FlashMaskAttention.apply(_last_dim_contiguous(query), _last_dim_contiguous(key),
-                                     _last_dim_contiguous(value), bounds, bool(causal), scale, float(dropout_p))
+    return _FlashMaskAttention.apply(
+        _last_dim_contiguous(query),
+        _last_dim_contiguous(key),
+        _last_dim_contiguous(value),
+        bounds,
+        bool(causal),
+        scale,
+        float(dropout_p),
+    )
 
 
 @torch.no_grad()
-def flashmask_tile_counts(query: Tensor, key: Tensor, value: Tensor, startend_row_indices: Tensor,
-                          causal: bool = False, *, block_m: int | None = None, block_n: int | None = None,
-                          tiles: dict[str, tuple[int, int]] | None = None,
-                          backward: bool = True) -> dict[str, tuple[TileCounts, tuple[int, int]]]:
+def flashmask_tile_counts(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    startend_row_indices: Tensor,
+    causal: bool = False,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    tiles: dict[str, tuple[int, int]] | None = None,
+    backward: bool = True,
+) -> dict[str, tuple[TileCounts, tuple[int, int]]]:
     """Debug: run the kernels (forward, and with ``backward`` the dK/dV and dQ passes on a
     ones gradient) and report how each classified its tiles.
 
@@ -583,24 +696,48 @@ def flashmask_tile_counts(query: Tensor, key: Tensor, value: Tensor, startend_ro
     out, lse, bmm = _fwd_impl(q, k, v, bounds, causal, scale, 0.0, rng, tiles, counts["fwd"])
     result = {"fwd": counts["fwd"]}
     if backward:
-        _bwd_impl(torch.ones_like(out), q, k, v, out, lse, rng, bounds, bmm, causal, scale, 0.0, tiles,
-                  counts["dkdv"], counts["dq"])
+        _bwd_impl(
+            torch.ones_like(out),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            rng,
+            bounds,
+            bmm,
+            causal,
+            scale,
+            0.0,
+            tiles,
+            counts["dkdv"],
+            counts["dq"],
+        )
         result.update(dkdv=counts["dkdv"], dq=counts["dq"])
     return {name: (TileCounts(*(int(x) for x in c.sum(0).tolist())), tiles[name][:2]) for name, c in result.items()}
 
 
 # ------------------------------------------------------------------------------ the backend
 
+
 def flashmask_backend(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
     """The ``flashmask`` attention backend: q, k, v [R*S, H, D] of a packed batch."""
     if not isinstance(layout, PackedLayout):
-        raise BackendUnavailable(f"model.attention=flashmask: needs a packed batch (PackedLayout, data.layout=packed), "
-                                 f"got {type(layout).__name__}")
+        raise BackendUnavailable(
+            f"model.attention=flashmask: needs a packed batch (PackedLayout, data.layout=packed), "
+            f"got {type(layout).__name__}"
+        )
     bounds = layout.startend_row_indices
     r, _, s, _ = bounds.shape
     n, h, d = q.shape
-    out = flashmask_attention(q.view(r, s, h, d), k.view(r, s, h, d), v.view(r, s, h, d), bounds,
-                              causal=layout.causal, dropout_p=dropout_p if training else 0.0)
+    out = flashmask_attention(
+        q.view(r, s, h, d),
+        k.view(r, s, h, d),
+        v.view(r, s, h, d),
+        bounds,
+        causal=layout.causal,
+        dropout_p=dropout_p if training else 0.0,
+    )
     return out.view(n, h, d)
 
 
@@ -609,8 +746,9 @@ def packed_reference(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, drop
     bounds = layout.startend_row_indices
     r, _, s, _ = bounds.shape
     n, h, d = q.shape
-    out = flashmask_reference(q.view(r, s, h, d), k.view(r, s, h, d), v.view(r, s, h, d), bounds,
-                              causal=layout.causal, dropout_p=dropout_p)
+    out = flashmask_reference(
+        q.view(r, s, h, d), k.view(r, s, h, d), v.view(r, s, h, d), bounds, causal=layout.causal, dropout_p=dropout_p
+    )
     return out.reshape(n, h, d)
 
 
@@ -622,6 +760,7 @@ def load_backend():
 
 
 # -------------------------------------------------------------------------- compile check
+
 
 def compile_check() -> list[dict]:
     """Compile every kernel variant for sm_90 with Triton's whole pipeline (no GPU needed; run
@@ -641,9 +780,13 @@ def compile_check() -> list[dict]:
         return torch.empty(*shape, dtype=dtype, device="meta")
 
     r, s, h = 56, 512, 16
-    for dtype, dim, causal, n, p in [(torch.bfloat16, 64, False, 2, 0.1), (torch.bfloat16, 64, False, 4, 0.0),
-                                     (torch.float16, 128, True, 2, 0.0), (torch.bfloat16, 64, True, 1, 0.1),
-                                     (torch.float32, 64, False, 2, 0.1)]:
+    for dtype, dim, causal, n, p in [
+        (torch.bfloat16, 64, False, 2, 0.1),
+        (torch.bfloat16, 64, False, 4, 0.0),
+        (torch.float16, 128, True, 2, 0.0),
+        (torch.bfloat16, 64, True, 1, 0.1),
+        (torch.float32, 64, False, 2, 0.1),
+    ]:
         variant.clear()
         variant.update(dtype=str(dtype).removeprefix("torch."), head_dim=dim, causal=causal, n=n, dropout=p)
         q, k, v = meta(r * s, 3, h, dim, dtype=dtype).view(r, s, 3, h, dim).unbind(2)  # the model's projection
@@ -652,9 +795,9 @@ def compile_check() -> list[dict]:
         bounds = meta(r, 1, s, n, dtype=torch.int32)
         tiles = tile_sizes(dim, q.element_size(), interpreted=False)
         bmm = meta(r, 1, s // tiles["fwd"][1], n, 2, dtype=torch.int32)
-        module.fwd(q, k, v, out, lse, bounds, bmm, causal, dim ** -0.5, p, 2**40 + 3, 12345, tiles)
+        module.fwd(q, k, v, out, lse, bounds, bmm, causal, dim**-0.5, p, 2**40 + 3, 12345, tiles)
         grads = [meta(r, s, h, dim, dtype=dtype) for _ in range(3)]
-        module.bwd(dout, q, k, v, lse, lse, *grads, bounds, bmm, causal, dim ** -0.5, p, 2**40 + 3, 12345, tiles)
+        module.bwd(dout, q, k, v, lse, lse, *grads, bounds, bmm, causal, dim**-0.5, p, 2**40 + 3, 12345, tiles)
     return records
 
 
@@ -663,8 +806,12 @@ def _main(argv=None) -> int:
     import json
 
     parser = argparse.ArgumentParser(prog="python -m kernels.flashmask", description="FlashMask kernel checks")
-    parser.add_argument("--compile-check", action="store_true", required=True,
-                        help="compile every kernel variant for sm_90 (no GPU needed) and print the resources")
+    parser.add_argument(
+        "--compile-check",
+        action="store_true",
+        required=True,
+        help="compile every kernel variant for sm_90 (no GPU needed) and print the resources",
+    )
     parser.add_argument("--json", help="write the records here as JSON")
     args = parser.parse_args(argv)
     from kernels.compile_check import MAX_SHARED
@@ -677,9 +824,11 @@ def _main(argv=None) -> int:
         return 1
     for r in records:
         extra = "" if r.get("registers") is None else f" regs {r['registers']} spill {r['spill_bytes']}B"
-        print(f"{r['kernel']:14s} {r['dtype']:9s} D={r['head_dim']:<4d} causal={r['causal']!s:5s} n={r['n']} "
-              f"p={r['dropout']} {r['blocks']} warps {r['num_warps']} stages {r['num_stages']} "
-              f"shared {r['shared_bytes']}B{extra}")
+        print(
+            f"{r['kernel']:14s} {r['dtype']:9s} D={r['head_dim']:<4d} causal={r['causal']!s:5s} n={r['n']} "
+            f"p={r['dropout']} {r['blocks']} warps {r['num_warps']} stages {r['num_stages']} "
+            f"shared {r['shared_bytes']}B{extra}"
+        )
     if args.json:
         path = Path(args.json)
         tmp = path.with_name(path.name + ".tmp")
@@ -687,8 +836,10 @@ def _main(argv=None) -> int:
         tmp.replace(path)
     bad = [r for r in records if r["shared_bytes"] > MAX_SHARED]
     if bad:
-        print(f"flashmask compile check: {len(bad)} kernel(s) need more than {MAX_SHARED} bytes of shared memory",
-              file=sys.stderr)
+        print(
+            f"flashmask compile check: {len(bad)} kernel(s) need more than {MAX_SHARED} bytes of shared memory",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -56,8 +56,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _classify(BMM, mm_base, nb, stride_mmn, r0, r_end, c0, c_last,
-              CAUSAL: tl.constexpr, N_BOUNDS: tl.constexpr):
+def _classify(BMM, mm_base, nb, stride_mmn, r0, r_end, c0, c_last, CAUSAL: tl.constexpr, N_BOUNDS: tl.constexpr):
     """(skip, unmasked) for query rows [r0, r_end) against the key block nb = [c0, c_last]."""
     p = BMM + mm_base + nb * stride_mmn  # [N_BOUNDS, 2] int32: (min, max) of each bound
     lts_min = tl.load(p)
@@ -90,8 +89,7 @@ def _classify(BMM, mm_base, nb, stride_mmn, r0, r_end, c0, c_last,
 
 
 @triton.jit
-def _load_bounds(BND, bnd_base, cols, col_ok, stride_bj, seqlen_q,
-                 CAUSAL: tl.constexpr, N_BOUNDS: tl.constexpr):
+def _load_bounds(BND, bnd_base, cols, col_ok, stride_bj, seqlen_q, CAUSAL: tl.constexpr, N_BOUNDS: tl.constexpr):
     """The four interval ends of the columns ``cols`` [BLOCK_N] (implicit ones filled in)."""
     ptr = BND + bnd_base + cols * stride_bj
     lts = tl.load(ptr, mask=col_ok, other=0)
@@ -139,10 +137,34 @@ def _refine(masked, valid, n_valid):
 
 
 @triton.jit
-def _fwd_step(q, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_vs, invalid,
-              m_i, l_i, acc, qk_scale, p_drop, seed, offset, row0, c0, h,
-              DROPOUT: tl.constexpr, INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fwd_step(
+    q,
+    K,
+    V,
+    k_base,
+    v_base,
+    cols,
+    kv_mask,
+    offs_d,
+    stride_ks,
+    stride_vs,
+    invalid,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    p_drop,
+    seed,
+    offset,
+    row0,
+    c0,
+    h,
+    DROPOUT: tl.constexpr,
+    INTERP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """One key block of the online softmax; ``invalid`` ([BM, BN] or [1, BN]) is what to mask."""
     k = tl.load(K + k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -167,14 +189,53 @@ def _fwd_step(q, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads", "seed", "offset"])
-def _fm_fwd(Q, K, V, O, LSE, BND, BMM, CNT,
-            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-            stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-            stride_lb, stride_ls, stride_bb, stride_bh, stride_bj, stride_mmb, stride_mmh, stride_mmn,
-            seqlen_q, seqlen_k, heads, head_dim, qk_scale, p_drop, seed, offset,
-            CAUSAL: tl.constexpr, N_BOUNDS: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr,
-            INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _fm_fwd(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    BND,
+    BMM,
+    CNT,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_lb,
+    stride_ls,
+    stride_bb,
+    stride_bh,
+    stride_bj,
+    stride_mmb,
+    stride_mmh,
+    stride_mmn,
+    seqlen_q,
+    seqlen_k,
+    heads,
+    head_dim,
+    qk_scale,
+    p_drop,
+    seed,
+    offset,
+    CAUSAL: tl.constexpr,
+    N_BOUNDS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    COUNT: tl.constexpr,
+    INTERP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads
@@ -192,8 +253,11 @@ def _fm_fwd(Q, K, V, O, LSE, BND, BMM, CNT,
     mm_base = b.to(tl.int64) * stride_mmb + h * stride_mmh
     row0 = b * seqlen_q + r0  # token index of the first row, for dropout
 
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if INTERP:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -224,8 +288,9 @@ def _fm_fwd(Q, K, V, O, LSE, BND, BMM, CNT,
         elif not unmasked:  # the bounds' min/max cannot tell: look at the element mask
             lts, lte, uts, ute = _load_bounds(BND, bnd_base, cols, col_ok, stride_bj, seqlen_q, CAUSAL, N_BOUNDS)
             masked = _element_mask(offs_m, cols, lts, lte, uts, ute, CAUSAL)
-            all_masked, none_masked = _refine(masked, row_ok[:, None] & col_ok[None, :],
-                                              (r_end - r0) * (c_last + 1 - c0))
+            all_masked, none_masked = _refine(
+                masked, row_ok[:, None] & col_ok[None, :], (r_end - r0) * (c_last + 1 - c0)
+            )
             invalid = invalid | masked
             skip = all_masked
             unmasked = none_masked
@@ -234,9 +299,34 @@ def _fm_fwd(Q, K, V, O, LSE, BND, BMM, CNT,
                 if all_masked:
                     n_skip += 1
         if not skip:
-            m_i, l_i, acc = _fwd_step(q, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_vs,
-                                      invalid, m_i, l_i, acc, qk_scale, p_drop, seed, offset, row0, c0, h,
-                                      DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
+            m_i, l_i, acc = _fwd_step(
+                q,
+                K,
+                V,
+                k_base,
+                v_base,
+                cols,
+                kv_mask,
+                offs_d,
+                stride_ks,
+                stride_vs,
+                invalid,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                p_drop,
+                seed,
+                offset,
+                row0,
+                c0,
+                h,
+                DROPOUT,
+                INTERP,
+                DOT_PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+            )
             if COUNT:
                 if unmasked:
                     n_full += 1
@@ -248,8 +338,11 @@ def _fm_fwd(Q, K, V, O, LSE, BND, BMM, CNT,
         acc = acc / (l_safe[:, None] * (1.0 - p_drop))
     else:
         acc = acc / l_safe[:, None]  # rows that saw no key keep acc = 0
-    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-             _cast(acc, O.dtype.element_ty, INTERP), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+        _cast(acc, O.dtype.element_ty, INTERP),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("inf"))  # of the undropped probabilities
     tl.store(LSE + b.to(tl.int64) * stride_lb + offs_m * stride_ls + h, lse, mask=row_ok)
     if COUNT:
@@ -266,10 +359,39 @@ def _store_counts(CNT, program, n_skip, n_part, n_full, n_check):
 
 
 @triton.jit
-def _dkdv_step(k, v, Q, DO, LSE, DELTA, q_base, do_base, l_base, qi, row_ok, d_ok, offs_d,
-               stride_qs, stride_dos, stride_ls, invalid_t, dk, dv, qk_scale, p_drop, seed, offset, row0, c0, h,
-               DROPOUT: tl.constexpr, INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dkdv_step(
+    k,
+    v,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    q_base,
+    do_base,
+    l_base,
+    qi,
+    row_ok,
+    d_ok,
+    offs_d,
+    stride_qs,
+    stride_dos,
+    stride_ls,
+    invalid_t,
+    dk,
+    dv,
+    qk_scale,
+    p_drop,
+    seed,
+    offset,
+    row0,
+    c0,
+    h,
+    DROPOUT: tl.constexpr,
+    INTERP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """One query block's contribution to dK, dV; ``invalid_t`` ([BN, BM] or [BN, 1]) is what to mask."""
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + q_base + qi[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
@@ -303,15 +425,63 @@ def _dkdv_step(k, v, Q, DO, LSE, DELTA, q_base, do_base, l_base, qi, row_ok, d_o
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads", "seed", "offset"])
-def _fm_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, BND, BMM, CNT,
-                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                 stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-                 stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                 stride_lb, stride_ls, stride_bb, stride_bh, stride_bj, stride_mmb, stride_mmh, stride_mmn,
-                 seqlen_q, seqlen_k, heads, head_dim, qk_scale, sm_scale, p_drop, seed, offset,
-                 CAUSAL: tl.constexpr, N_BOUNDS: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr,
-                 INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _fm_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    BND,
+    BMM,
+    CNT,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    stride_lb,
+    stride_ls,
+    stride_bb,
+    stride_bh,
+    stride_bj,
+    stride_mmb,
+    stride_mmh,
+    stride_mmn,
+    seqlen_q,
+    seqlen_k,
+    heads,
+    head_dim,
+    qk_scale,
+    sm_scale,
+    p_drop,
+    seed,
+    offset,
+    CAUSAL: tl.constexpr,
+    N_BOUNDS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    COUNT: tl.constexpr,
+    INTERP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One block of BLOCK_N keys: loop over the query blocks, accumulate dK and dV.
 
     Works in the transposed orientation ([keys, queries]) so no [BM, BN] tile is transposed.
@@ -333,10 +503,16 @@ def _fm_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, BND, BMM, CNT,
     l_base = b.to(tl.int64) * stride_lb + h
     bnd_base = b.to(tl.int64) * stride_bb + h * stride_bh
     mm_base = b.to(tl.int64) * stride_mmb + h * stride_mmh
-    k = tl.load(K + b.to(tl.int64) * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b.to(tl.int64) * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    k = tl.load(
+        K + b.to(tl.int64) * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + b.to(tl.int64) * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
     if INTERP:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -365,8 +541,9 @@ def _fm_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, BND, BMM, CNT,
         elif not unmasked:  # the bounds' min/max cannot tell: look at the element mask
             lts, lte, uts, ute = _load_bounds(BND, bnd_base, offs_n, col_ok, stride_bj, seqlen_q, CAUSAL, N_BOUNDS)
             masked_t = _element_mask_t(qi, offs_n, lts, lte, uts, ute, CAUSAL)  # [BN, BM]
-            all_masked, none_masked = _refine(masked_t, col_ok[:, None] & row_ok[None, :],
-                                              (r_end - r0) * (c_last + 1 - c0))
+            all_masked, none_masked = _refine(
+                masked_t, col_ok[:, None] & row_ok[None, :], (r_end - r0) * (c_last + 1 - c0)
+            )
             invalid_t = invalid_t | masked_t
             skip = all_masked
             unmasked = none_masked
@@ -375,9 +552,39 @@ def _fm_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, BND, BMM, CNT,
                 if all_masked:
                     n_skip += 1
         if not skip:
-            dk, dv = _dkdv_step(k, v, Q, DO, LSE, DELTA, q_base, do_base, l_base, qi, row_ok, d_ok, offs_d,
-                                stride_qs, stride_dos, stride_ls, invalid_t, dk, dv, qk_scale, p_drop, seed, offset,
-                                row0, c0, h, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
+            dk, dv = _dkdv_step(
+                k,
+                v,
+                Q,
+                DO,
+                LSE,
+                DELTA,
+                q_base,
+                do_base,
+                l_base,
+                qi,
+                row_ok,
+                d_ok,
+                offs_d,
+                stride_qs,
+                stride_dos,
+                stride_ls,
+                invalid_t,
+                dk,
+                dv,
+                qk_scale,
+                p_drop,
+                seed,
+                offset,
+                row0,
+                c0,
+                h,
+                DROPOUT,
+                INTERP,
+                DOT_PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+            )
             if COUNT:
                 if unmasked:
                     n_full += 1
@@ -390,19 +597,50 @@ def _fm_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, BND, BMM, CNT,
         dk = dk * sm_scale
     if seqlen_k == 1:  # one key: zero score gradient, exactly (see the varlen _attn_bwd_dq)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    tl.store(DK + b.to(tl.int64) * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
-             _cast(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
-    tl.store(DV + b.to(tl.int64) * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
-             _cast(dv, DV.dtype.element_ty, INTERP), mask=kv_mask)
+    tl.store(
+        DK + b.to(tl.int64) * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
+        _cast(dk, DK.dtype.element_ty, INTERP),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + b.to(tl.int64) * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
+        _cast(dv, DV.dtype.element_ty, INTERP),
+        mask=kv_mask,
+    )
     if COUNT:
         _store_counts(CNT, bh * tl.num_programs(0) + pid_n, n_skip, n_part, n_full, n_check)
 
 
 @triton.jit
-def _dq_step(q, do, lse, delta, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_vs, invalid, dq,
-             qk_scale, p_drop, seed, offset, row0, c0, h,
-             DROPOUT: tl.constexpr, INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dq_step(
+    q,
+    do,
+    lse,
+    delta,
+    K,
+    V,
+    k_base,
+    v_base,
+    cols,
+    kv_mask,
+    offs_d,
+    stride_ks,
+    stride_vs,
+    invalid,
+    dq,
+    qk_scale,
+    p_drop,
+    seed,
+    offset,
+    row0,
+    c0,
+    h,
+    DROPOUT: tl.constexpr,
+    INTERP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """One key block's contribution to dQ; ``invalid`` ([BM, BN] or [1, BN]) is what to mask."""
     k = tl.load(K + k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -423,15 +661,59 @@ def _dq_step(q, do, lse, delta, K, V, k_base, v_base, cols, kv_mask, offs_d, str
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads", "seed", "offset"])
-def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
-               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-               stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-               stride_dqb, stride_dqs, stride_dqh,
-               stride_lb, stride_ls, stride_bb, stride_bh, stride_bj, stride_mmb, stride_mmh, stride_mmn,
-               seqlen_q, seqlen_k, heads, head_dim, qk_scale, sm_scale, p_drop, seed, offset,
-               CAUSAL: tl.constexpr, N_BOUNDS: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr,
-               INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _fm_bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    BND,
+    BMM,
+    CNT,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_lb,
+    stride_ls,
+    stride_bb,
+    stride_bh,
+    stride_bj,
+    stride_mmb,
+    stride_mmh,
+    stride_mmn,
+    seqlen_q,
+    seqlen_k,
+    heads,
+    head_dim,
+    qk_scale,
+    sm_scale,
+    p_drop,
+    seed,
+    offset,
+    CAUSAL: tl.constexpr,
+    N_BOUNDS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    COUNT: tl.constexpr,
+    INTERP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One block of BLOCK_M queries: loop over the key blocks, accumulate dQ (a separate pass
     from dK/dV, recomputing the scores, so no atomics are needed and gradients are deterministic)."""
     pid_m = tl.program_id(0)
@@ -452,10 +734,16 @@ def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
     bnd_base = b.to(tl.int64) * stride_bb + h * stride_bh
     mm_base = b.to(tl.int64) * stride_mmb + h * stride_mmh
     row0 = b * seqlen_q + r0
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                 mask=q_mask, other=0.0)
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b.to(tl.int64) * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
     lse = tl.load(LSE + l_base + offs_m * stride_ls, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + l_base + offs_m * stride_ls, mask=row_ok, other=0.0)
     if INTERP:
@@ -487,8 +775,9 @@ def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
         elif not unmasked:  # the bounds' min/max cannot tell: look at the element mask
             lts, lte, uts, ute = _load_bounds(BND, bnd_base, cols, col_ok, stride_bj, seqlen_q, CAUSAL, N_BOUNDS)
             masked = _element_mask(offs_m, cols, lts, lte, uts, ute, CAUSAL)
-            all_masked, none_masked = _refine(masked, row_ok[:, None] & col_ok[None, :],
-                                              (r_end - r0) * (c_last + 1 - c0))
+            all_masked, none_masked = _refine(
+                masked, row_ok[:, None] & col_ok[None, :], (r_end - r0) * (c_last + 1 - c0)
+            )
             invalid = invalid | masked
             skip = all_masked
             unmasked = none_masked
@@ -497,9 +786,35 @@ def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
                 if all_masked:
                     n_skip += 1
         if not skip:
-            dq = _dq_step(q, do, lse, delta, K, V, k_base, v_base, cols, kv_mask, offs_d, stride_ks, stride_vs,
-                          invalid, dq, qk_scale, p_drop, seed, offset, row0, c0, h,
-                          DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
+            dq = _dq_step(
+                q,
+                do,
+                lse,
+                delta,
+                K,
+                V,
+                k_base,
+                v_base,
+                cols,
+                kv_mask,
+                offs_d,
+                stride_ks,
+                stride_vs,
+                invalid,
+                dq,
+                qk_scale,
+                p_drop,
+                seed,
+                offset,
+                row0,
+                c0,
+                h,
+                DROPOUT,
+                INTERP,
+                DOT_PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+            )
             if COUNT:
                 if unmasked:
                     n_full += 1
@@ -511,8 +826,11 @@ def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
         dq = dq * sm_scale
     if seqlen_k == 1:  # one key: zero score gradient, exactly (see the varlen _attn_bwd_dq)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    tl.store(DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
-             _cast(dq, DQ.dtype.element_ty, INTERP), mask=q_mask)
+    tl.store(
+        DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
+        _cast(dq, DQ.dtype.element_ty, INTERP),
+        mask=q_mask,
+    )
     if COUNT:
         _store_counts(CNT, bh * tl.num_programs(0) + pid_m, n_skip, n_part, n_full, n_check)
 
@@ -521,6 +839,7 @@ def _fm_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, BND, BMM, CNT,
 # Host-side launchers. The tile sizes come from ``kernels.flashmask.tile_sizes``: one key-block
 # size BLOCK_N serves all three kernels, so the per-block min/max of the bounds is computed
 # once per call and read by the forward and the backward.
+
 
 def _cdiv(a, b):
     return (a + b - 1) // b
@@ -542,8 +861,14 @@ def _common(q):
 
 def _bound_strides(bounds, block_minmax):
     hb = bounds.shape[1] > 1  # per-head bounds, else broadcast over heads (stride 0)
-    return (bounds.stride(0), bounds.stride(1) if hb else 0, bounds.stride(2),
-            block_minmax.stride(0), block_minmax.stride(1) if hb else 0, block_minmax.stride(2))
+    return (
+        bounds.stride(0),
+        bounds.stride(1) if hb else 0,
+        bounds.stride(2),
+        block_minmax.stride(0),
+        block_minmax.stride(1) if hb else 0,
+        block_minmax.stride(2),
+    )
 
 
 def _grid_check(batch, heads):
@@ -551,8 +876,7 @@ def _grid_check(batch, heads):
         raise ValueError(f"flashmask launch: batch {batch} x heads {heads} exceeds CUDA's grid limit 65535")
 
 
-def fwd(q, k, v, out, lse, bounds, block_minmax, causal, softmax_scale, p_drop, seed, offset, tiles,
-        counts=None):
+def fwd(q, k, v, out, lse, bounds, block_minmax, causal, softmax_scale, p_drop, seed, offset, tiles, counts=None):
     """Forward launch. q, out [B, Sq, H, D]; k, v [B, Sk, H, D]; lse [B, Sq, H] fp32 (written);
     tiles = {kernel: (BLOCK_M, BLOCK_N, warps, stages)}; counts: optional int32 tensor of
     [B*H*cdiv(Sq, BLOCK_M), 4] (debug: skipped, partial, unmasked, checked per program)."""
@@ -560,36 +884,140 @@ def fwd(q, k, v, out, lse, bounds, block_minmax, causal, softmax_scale, p_drop, 
     _grid_check(batch, heads)
     block_d, precision = _common(q)
     bm, bn, warps, stages = tiles["fwd"]
-    _launch(_fm_fwd, (_cdiv(sq, bm), batch * heads),
-            q, k, v, out, lse, bounds, block_minmax, lse if counts is None else counts,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], lse.stride(0), lse.stride(1),
-            *_bound_strides(bounds, block_minmax),
-            sq, k.shape[1], heads, dim, softmax_scale * LOG2E, p_drop, seed, offset,
-            CAUSAL=causal, N_BOUNDS=bounds.shape[-1], DROPOUT=p_drop > 0, COUNT=counts is not None,
-            INTERP=INTERPRET, DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
-            **_launch_opts(warps, stages))
+    _launch(
+        _fm_fwd,
+        (_cdiv(sq, bm), batch * heads),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        bounds,
+        block_minmax,
+        lse if counts is None else counts,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *out.stride()[:3],
+        lse.stride(0),
+        lse.stride(1),
+        *_bound_strides(bounds, block_minmax),
+        sq,
+        k.shape[1],
+        heads,
+        dim,
+        softmax_scale * LOG2E,
+        p_drop,
+        seed,
+        offset,
+        CAUSAL=causal,
+        N_BOUNDS=bounds.shape[-1],
+        DROPOUT=p_drop > 0,
+        COUNT=counts is not None,
+        INTERP=INTERPRET,
+        DOT_PRECISION=precision,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=block_d,
+        **_launch_opts(warps, stages),
+    )
 
 
-def bwd(dout, q, k, v, lse, delta, dq, dk, dv, bounds, block_minmax, causal, softmax_scale, p_drop, seed, offset,
-        tiles, counts_dkdv=None, counts_dq=None):
+def bwd(
+    dout,
+    q,
+    k,
+    v,
+    lse,
+    delta,
+    dq,
+    dk,
+    dv,
+    bounds,
+    block_minmax,
+    causal,
+    softmax_scale,
+    p_drop,
+    seed,
+    offset,
+    tiles,
+    counts_dkdv=None,
+    counts_dq=None,
+):
     """The backward launches (dK/dV, then dQ). dout, dq like q; dk, dv like k; lse, delta
     [B, Sq, H] fp32; counts_*: optional debug outputs as for ``fwd``."""
     batch, sq, heads, dim = q.shape
     sk = k.shape[1]
     _grid_check(batch, heads)
     block_d, precision = _common(q)
-    common = dict(CAUSAL=causal, N_BOUNDS=bounds.shape[-1], DROPOUT=p_drop > 0, INTERP=INTERPRET,
-                  DOT_PRECISION=precision, BLOCK_D=block_d)
+    common = dict(
+        CAUSAL=causal,
+        N_BOUNDS=bounds.shape[-1],
+        DROPOUT=p_drop > 0,
+        INTERP=INTERPRET,
+        DOT_PRECISION=precision,
+        BLOCK_D=block_d,
+    )
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    tail = (lse.stride(0), lse.stride(1), *_bound_strides(bounds, block_minmax),
-            sq, sk, heads, dim, softmax_scale * LOG2E, softmax_scale, p_drop, seed, offset)
+    tail = (
+        lse.stride(0),
+        lse.stride(1),
+        *_bound_strides(bounds, block_minmax),
+        sq,
+        sk,
+        heads,
+        dim,
+        softmax_scale * LOG2E,
+        softmax_scale,
+        p_drop,
+        seed,
+        offset,
+    )
     bm, bn, warps, stages = tiles["dkdv"]
-    _launch(_fm_bwd_dkdv, (_cdiv(sk, bn), batch * heads),
-            q, k, v, dout, lse, delta, dk, dv, bounds, block_minmax, lse if counts_dkdv is None else counts_dkdv,
-            *strides, *dk.stride()[:3], *dv.stride()[:3], *tail,
-            COUNT=counts_dkdv is not None, BLOCK_M=bm, BLOCK_N=bn, **common, **_launch_opts(warps, stages))
+    _launch(
+        _fm_bwd_dkdv,
+        (_cdiv(sk, bn), batch * heads),
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        bounds,
+        block_minmax,
+        lse if counts_dkdv is None else counts_dkdv,
+        *strides,
+        *dk.stride()[:3],
+        *dv.stride()[:3],
+        *tail,
+        COUNT=counts_dkdv is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        **common,
+        **_launch_opts(warps, stages),
+    )
     bm, bn, warps, stages = tiles["dq"]
-    _launch(_fm_bwd_dq, (_cdiv(sq, bm), batch * heads),
-            q, k, v, dout, lse, delta, dq, bounds, block_minmax, lse if counts_dq is None else counts_dq,
-            *strides, *dq.stride()[:3], *tail,
-            COUNT=counts_dq is not None, BLOCK_M=bm, BLOCK_N=bn, **common, **_launch_opts(warps, stages))
+    _launch(
+        _fm_bwd_dq,
+        (_cdiv(sq, bm), batch * heads),
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq,
+        bounds,
+        block_minmax,
+        lse if counts_dq is None else counts_dq,
+        *strides,
+        *dq.stride()[:3],
+        *tail,
+        COUNT=counts_dq is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        **common,
+        **_launch_opts(warps, stages),
+    )

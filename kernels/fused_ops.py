@@ -84,10 +84,34 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         mean = torch.empty(r, dtype=torch.float32, device=x.device)
         rstd = torch.empty(r, dtype=torch.float32, device=x.device)
         seed, offset = _draw_rng(dropout_p)
-        kern.bdaln_fwd(x_RN, bias.contiguous(), res_RN, weight.contiguous(), ln_bias.contiguous(), y_RN, h_RN,
-                       mean, rstd, eps, dropout_p, seed, offset, keep_out)
+        kern.bdaln_fwd(
+            x_RN,
+            bias.contiguous(),
+            res_RN,
+            weight.contiguous(),
+            ln_bias.contiguous(),
+            y_RN,
+            h_RN,
+            mean,
+            rstd,
+            eps,
+            dropout_p,
+            seed,
+            offset,
+            keep_out,
+        )
         ctx.save_for_backward(h_RN, weight, mean, rstd)
-        ctx.meta = (x.shape, x.dtype, residual.shape, residual.dtype, bias.dtype, ln_bias.dtype, dropout_p, seed, offset)
+        ctx.meta = (
+            x.shape,
+            x.dtype,
+            residual.shape,
+            residual.dtype,
+            bias.dtype,
+            ln_bias.dtype,
+            dropout_p,
+            seed,
+            offset,
+        )
         return y_RN.view(x.shape)
 
     @staticmethod
@@ -97,25 +121,44 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         kern = jit_kernels(h_RN.device, "fused bias_dropout_add_layer_norm")
         dx_RN = torch.empty(h_RN.shape, dtype=x_dtype, device=h_RN.device)
         dres_RN = torch.empty(h_RN.shape, dtype=res_dtype, device=h_RN.device)
-        dw_part, dlb_part, db_part = kern.bdaln_bwd(_rows(dy, h_RN.shape[1]), h_RN, weight.contiguous(), mean, rstd,
-                                           dx_RN, dres_RN, dropout_p, seed, offset)
-        return (dx_RN.view(x_shape), db_part.sum(0).to(bias_dtype), dres_RN.view(res_shape), dw_part.sum(0).to(weight.dtype),
-                dlb_part.sum(0).to(lb_dtype), None, None, None)
+        dw_part, dlb_part, db_part = kern.bdaln_bwd(
+            _rows(dy, h_RN.shape[1]), h_RN, weight.contiguous(), mean, rstd, dx_RN, dres_RN, dropout_p, seed, offset
+        )
+        return (
+            dx_RN.view(x_shape),
+            db_part.sum(0).to(bias_dtype),
+            dres_RN.view(res_shape),
+            dw_part.sum(0).to(weight.dtype),
+            dlb_part.sum(0).to(lb_dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def _check_ln(x, bias, residual, weight, ln_bias, dropout_p):
     n = x.shape[-1]
     if residual.shape != x.shape or residual.device != x.device:
-        raise ValueError(f"bias_dropout_add_layer_norm: residual {tuple(residual.shape)} on {residual.device} "
-                         f"must match x {tuple(x.shape)} on {x.device}")
+        raise ValueError(
+            f"bias_dropout_add_layer_norm: residual {tuple(residual.shape)} on {residual.device} "
+            f"must match x {tuple(x.shape)} on {x.device}"
+        )
     for name, t in (("bias", bias), ("weight", weight), ("ln_bias", ln_bias)):
         _check_vec(t, n, f"bias_dropout_add_layer_norm: {name}", x.device)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"bias_dropout_add_layer_norm: dropout_p must lie in [0, 1), got {dropout_p}")
 
 
-def bias_dropout_add_layer_norm(x: Tensor, bias: Tensor, residual: Tensor, weight: Tensor, ln_bias: Tensor,
-                                dropout_p: float, eps: float, training: bool) -> Tensor:
+def bias_dropout_add_layer_norm(
+    x: Tensor,
+    bias: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    ln_bias: Tensor,
+    dropout_p: float,
+    eps: float,
+    training: bool,
+) -> Tensor:
     """LayerNorm(residual + dropout(x + bias)) * weight + ln_bias over the last dim.
 
     x, residual: [..., N]; bias, weight, ln_bias: [N]. Dropout only when training. Returns the
@@ -128,14 +171,23 @@ def bias_dropout_add_layer_norm(x: Tensor, bias: Tensor, residual: Tensor, weigh
     return _BiasDropoutAddLayerNorm.apply(x, bias, residual, weight, ln_bias, p, float(eps), None)
 
 
-def bias_dropout_add_layer_norm_reference(x: Tensor, bias: Tensor, residual: Tensor, weight: Tensor,
-                                          ln_bias: Tensor, dropout_p: float, eps: float, training: bool) -> Tensor:
+def bias_dropout_add_layer_norm_reference(
+    x: Tensor,
+    bias: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    ln_bias: Tensor,
+    dropout_p: float,
+    eps: float,
+    training: bool,
+) -> Tensor:
     return F.layer_norm(residual + F.dropout(x + bias, dropout_p, training), (x.shape[-1],), weight, ln_bias, eps)
 
 
 @torch.no_grad()
-def bias_dropout_add_layer_norm_with_mask(x: Tensor, bias: Tensor, residual: Tensor, weight: Tensor,
-                                          ln_bias: Tensor, dropout_p: float, eps: float) -> tuple[Tensor, Tensor]:
+def bias_dropout_add_layer_norm_with_mask(
+    x: Tensor, bias: Tensor, residual: Tensor, weight: Tensor, ln_bias: Tensor, dropout_p: float, eps: float
+) -> tuple[Tensor, Tensor]:
     """Debug: the training forward and the keep mask [..., N] bool it applied to x + bias.
 
     Draws its seed as ``bias_dropout_add_layer_norm`` does, so after the same
@@ -143,6 +195,7 @@ def bias_dropout_add_layer_norm_with_mask(x: Tensor, bias: Tensor, residual: Ten
     """
     _check_ln(x, bias, residual, weight, ln_bias, dropout_p)
     keep = torch.ones(x.shape, dtype=torch.int8, device=x.device)
-    y = _BiasDropoutAddLayerNorm.apply(x, bias, residual, weight, ln_bias, float(dropout_p), float(eps),
-                                       keep.view(-1, x.shape[-1]))
+    y = _BiasDropoutAddLayerNorm.apply(
+        x, bias, residual, weight, ln_bias, float(dropout_p), float(eps), keep.view(-1, x.shape[-1])
+    )
     return y, keep.bool()

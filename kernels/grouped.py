@@ -21,8 +21,8 @@ that same tensor object is alive and unmodified.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -83,8 +83,10 @@ def check_max_seqlen(seqlens: Sequence[int], max_seqlen: int) -> None:
     """max_seqlen sizes the launch grid: rows past it would never be written."""
     longest = max(seqlens, default=0)
     if longest > max_seqlen:
-        raise ValueError(f"varlen attention: max_seqlen={max_seqlen} is smaller than the longest sequence "
-                         f"({longest} tokens, sequence {list(seqlens).index(longest)} of cu_seqlens)")
+        raise ValueError(
+            f"varlen attention: max_seqlen={max_seqlen} is smaller than the longest sequence "
+            f"({longest} tokens, sequence {list(seqlens).index(longest)} of cu_seqlens)"
+        )
 
 
 def single_plan(num_seqs: int, max_seqlen: int) -> GroupPlan:

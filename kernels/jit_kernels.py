@@ -80,13 +80,40 @@ def _seq_bounds(CU, ORDER, order_start, pid_b, HAS_ORDER: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["order_start", "seed", "offset"])
-def _attn_fwd(Q, K, V, O, LSE, KEEP, CU, ORDER, order_start,
-              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-              stride_ot, stride_oh, stride_lt, head_dim, keep_max,
-              qk_scale, p_drop, seed, offset,
-              HAS_ORDER: tl.constexpr, DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr,
-              INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_fwd(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    KEEP,
+    CU,
+    ORDER,
+    order_start,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    head_dim,
+    keep_max,
+    qk_scale,
+    p_drop,
+    seed,
+    offset,
+    HAS_ORDER: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    STORE_KEEP: tl.constexpr,
+    INTERP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     head = tl.program_id(2)
@@ -100,8 +127,11 @@ def _attn_fwd(Q, K, V, O, LSE, KEEP, CU, ORDER, order_start,
     d_ok = offs_d < head_dim
     rows = (start + offs_m).to(tl.int64)
 
-    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if INTERP:  # the interpreter has no bf16 arithmetic: multiply the same values in fp32
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -126,8 +156,11 @@ def _attn_fwd(Q, K, V, O, LSE, KEEP, CU, ORDER, order_start,
             keep = _keep(seed, offset, start + pid_m * BLOCK_M, n0, head, p_drop, BLOCK_M, BLOCK_N)
             if STORE_KEEP:  # debug: report the mask, [B, H, S, S] with S = keep_max
                 base = (seq * tl.num_programs(2) + head).to(tl.int64) * keep_max * keep_max
-                tl.store(KEEP + base + offs_m[:, None] * keep_max + cols[None, :], keep.to(tl.int8),
-                         mask=row_ok[:, None] & col_ok[None, :])
+                tl.store(
+                    KEEP + base + offs_m[:, None] * keep_max + cols[None, :],
+                    keep.to(tl.int8),
+                    mask=row_ok[:, None] & col_ok[None, :],
+                )
             p = tl.where(keep, p, 0.0)
         pv = _cast(p, V.dtype.element_ty, INTERP)
         if INTERP:
@@ -139,19 +172,54 @@ def _attn_fwd(Q, K, V, O, LSE, KEEP, CU, ORDER, order_start,
         acc = acc / (l_i[:, None] * (1.0 - p_drop))
     else:
         acc = acc / l_i[:, None]
-    tl.store(O + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             _cast(acc, O.dtype.element_ty, INTERP), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        O + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        _cast(acc, O.dtype.element_ty, INTERP),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
     tl.store(LSE + rows * stride_lt + head, m_i + tl.log2(l_i), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["order_start", "seed", "offset"])
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU, ORDER, order_start,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                   stride_lt, head_dim, qk_scale, sm_scale, p_drop, seed, offset,
-                   HAS_ORDER: tl.constexpr, DROPOUT: tl.constexpr, INTERP: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    CU,
+    ORDER,
+    order_start,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    stride_lt,
+    head_dim,
+    qk_scale,
+    sm_scale,
+    p_drop,
+    seed,
+    offset,
+    HAS_ORDER: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    INTERP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One block of BLOCK_N keys: loop over the sequence's queries, accumulate dK and dV.
 
     Works in the transposed orientation ([keys, queries]) so no [BM, BN] tile is transposed.
@@ -215,20 +283,55 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU, ORDER, order_start,
         dk = dk * sm_scale
     if seqlen == 1:  # see _attn_bwd_dq
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    tl.store(DK + kv_rows[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
-             _cast(dk, DK.dtype.element_ty, INTERP), mask=kv_mask)
-    tl.store(DV + kv_rows[:, None] * stride_dvt + head * stride_dvh + offs_d[None, :],
-             _cast(dv, DV.dtype.element_ty, INTERP), mask=kv_mask)
+    tl.store(
+        DK + kv_rows[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
+        _cast(dk, DK.dtype.element_ty, INTERP),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + kv_rows[:, None] * stride_dvt + head * stride_dvh + offs_d[None, :],
+        _cast(dv, DV.dtype.element_ty, INTERP),
+        mask=kv_mask,
+    )
 
 
 @triton.jit(do_not_specialize=["order_start", "seed", "offset"])
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU, ORDER, order_start,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                 stride_dot, stride_doh, stride_dqt, stride_dqh,
-                 stride_lt, head_dim, qk_scale, sm_scale, p_drop, seed, offset,
-                 HAS_ORDER: tl.constexpr, DROPOUT: tl.constexpr, INTERP: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    CU,
+    ORDER,
+    order_start,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_lt,
+    head_dim,
+    qk_scale,
+    sm_scale,
+    p_drop,
+    seed,
+    offset,
+    HAS_ORDER: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    INTERP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One block of BLOCK_M queries: loop over the sequence's keys, accumulate dQ.
 
     A separate pass from dK/dV (recomputing the scores) so that no atomics are needed and the
@@ -288,12 +391,16 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU, ORDER, order_start,
         # formula's delta comes from the rounded output and would leave a rounding residue
         # (with dropout, O = V / (1-p) is not exact in fp16/bf16).
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    tl.store(DQ + rows[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
-             _cast(dq, DQ.dtype.element_ty, INTERP), mask=q_mask)
+    tl.store(
+        DQ + rows[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
+        _cast(dq, DQ.dtype.element_ty, INTERP),
+        mask=q_mask,
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # Fused elementwise ops. Rows of N features, contiguous; math in fp32.
+
 
 @triton.jit
 def _gelu_parts(z):
@@ -309,8 +416,10 @@ def _bias_gelu_fwd(X, B, Y, n_rows, n_cols, INTERP: tl.constexpr, BLOCK_R: tl.co
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
     idx = r.to(tl.int64)[:, None] * n_cols + c[None, :]
-    z = tl.load(X + idx, mask=mask, other=0.0).to(tl.float32) + \
-        tl.load(B + c, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+    z = (
+        tl.load(X + idx, mask=mask, other=0.0).to(tl.float32)
+        + tl.load(B + c, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+    )
     y, _ = _gelu_parts(z)
     tl.store(Y + idx, _cast(y, Y.dtype.element_ty, INTERP), mask=mask)
 
@@ -321,16 +430,38 @@ def _bias_gelu_bwd(DY, X, B, DX, n_rows, n_cols, INTERP: tl.constexpr, BLOCK_R: 
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
     idx = r.to(tl.int64)[:, None] * n_cols + c[None, :]
-    z = tl.load(X + idx, mask=mask, other=0.0).to(tl.float32) + \
-        tl.load(B + c, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+    z = (
+        tl.load(X + idx, mask=mask, other=0.0).to(tl.float32)
+        + tl.load(B + c, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+    )
     _, dgelu = _gelu_parts(z)
     dy = tl.load(DY + idx, mask=mask, other=0.0).to(tl.float32)
     tl.store(DX + idx, _cast(dy * dgelu, DX.dtype.element_ty, INTERP), mask=mask)
 
 
 @triton.jit(do_not_specialize=["seed", "offset"])
-def _bdaln_fwd(X, B, R, W, LB, Y, H, MEAN, RSTD, KEEP, n_rows, n_cols, eps, p_drop, seed, offset,
-               DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr, INTERP: tl.constexpr, BLOCK_C: tl.constexpr):
+def _bdaln_fwd(
+    X,
+    B,
+    R,
+    W,
+    LB,
+    Y,
+    H,
+    MEAN,
+    RSTD,
+    KEEP,
+    n_rows,
+    n_cols,
+    eps,
+    p_drop,
+    seed,
+    offset,
+    DROPOUT: tl.constexpr,
+    STORE_KEEP: tl.constexpr,
+    INTERP: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Row-wise: h = residual + dropout(x + bias); y = LayerNorm(h) * weight + ln_bias."""
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
@@ -357,8 +488,27 @@ def _bdaln_fwd(X, B, R, W, LB, Y, H, MEAN, RSTD, KEEP, n_rows, n_cols, eps, p_dr
 
 
 @triton.jit(do_not_specialize=["seed", "offset"])
-def _bdaln_bwd(DY, H, W, MEAN, RSTD, DX, DRES, DW_PART, DLB_PART, DB_PART, n_rows, n_cols, rows_per_prog,
-               p_drop, seed, offset, DROPOUT: tl.constexpr, INTERP: tl.constexpr, BLOCK_C: tl.constexpr):
+def _bdaln_bwd(
+    DY,
+    H,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DRES,
+    DW_PART,
+    DLB_PART,
+    DB_PART,
+    n_rows,
+    n_cols,
+    rows_per_prog,
+    p_drop,
+    seed,
+    offset,
+    DROPOUT: tl.constexpr,
+    INTERP: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Gradients of the fused op for rows_per_prog rows; per-program partial sums (fp32) of the
     gradients of weight, ln_bias and bias."""
     pid = tl.program_id(0)
@@ -446,8 +596,9 @@ def _check_grid(n_seqs, heads):
         raise ValueError(f"attention launch: {n_seqs} sequences x {heads} heads exceeds CUDA's grid limit 65535")
 
 
-def attn_fwd(q, k, v, out, lse, cu_seqlens, order, order_start, n_seqs, max_len, softmax_scale,
-             p_drop, seed, offset, keep=None):
+def attn_fwd(
+    q, k, v, out, lse, cu_seqlens, order, order_start, n_seqs, max_len, softmax_scale, p_drop, seed, offset, keep=None
+):
     """One forward launch over n_seqs sequences (order[order_start:] or 0..n_seqs-1).
 
     q, k, v, out: [T, H, D]; lse: [T, H] fp32 (written); keep: optional [B, H, S, S] int8
@@ -457,19 +608,65 @@ def attn_fwd(q, k, v, out, lse, cu_seqlens, order, order_start, n_seqs, max_len,
     _check_grid(n_seqs, heads)
     block_d, precision = _attn_common(q)
     bm, bn, warps, stages = attention_blocks("fwd", block_d, q.element_size(), p_drop > 0)
-    _launch(_attn_fwd, (_cdiv(max_len, bm), n_seqs, heads),
-            q, k, v, out, lse, out if keep is None else keep, cu_seqlens,
-            cu_seqlens if order is None else order, order_start,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0), q.shape[2], 0 if keep is None else keep.shape[-1],
-            softmax_scale * LOG2E, p_drop, seed, offset,
-            HAS_ORDER=order is not None, DROPOUT=p_drop > 0, STORE_KEEP=keep is not None,
-            INTERP=INTERPRET, DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
-            **_launch_opts(warps, stages))
+    _launch(
+        _attn_fwd,
+        (_cdiv(max_len, bm), n_seqs, heads),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        out if keep is None else keep,
+        cu_seqlens,
+        cu_seqlens if order is None else order,
+        order_start,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        q.shape[2],
+        0 if keep is None else keep.shape[-1],
+        softmax_scale * LOG2E,
+        p_drop,
+        seed,
+        offset,
+        HAS_ORDER=order is not None,
+        DROPOUT=p_drop > 0,
+        STORE_KEEP=keep is not None,
+        INTERP=INTERPRET,
+        DOT_PRECISION=precision,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=block_d,
+        **_launch_opts(warps, stages),
+    )
 
 
-def attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens, order, order_start, n_seqs, max_len,
-             softmax_scale, p_drop, seed, offset):
+def attn_bwd(
+    dout,
+    q,
+    k,
+    v,
+    lse,
+    delta,
+    dq,
+    dk,
+    dv,
+    cu_seqlens,
+    order,
+    order_start,
+    n_seqs,
+    max_len,
+    softmax_scale,
+    p_drop,
+    seed,
+    offset,
+):
     """The backward launches (dK/dV, then dQ) over the same sequences as attn_fwd.
 
     dout: [T, H, D]; lse, delta: [T, H] fp32; dq, dk, dv: [T, H, D] (written).
@@ -477,22 +674,70 @@ def attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens, order, order_sta
     heads = q.shape[1]
     _check_grid(n_seqs, heads)
     block_d, precision = _attn_common(q)
-    common = dict(HAS_ORDER=order is not None, DROPOUT=p_drop > 0, INTERP=INTERPRET,
-                  DOT_PRECISION=precision, BLOCK_D=block_d)
+    common = dict(
+        HAS_ORDER=order is not None, DROPOUT=p_drop > 0, INTERP=INTERPRET, DOT_PRECISION=precision, BLOCK_D=block_d
+    )
     order_arg = cu_seqlens if order is None else order
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               dout.stride(0), dout.stride(1))
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        dout.stride(0),
+        dout.stride(1),
+    )
     tail = (lse.stride(0), q.shape[2], softmax_scale * LOG2E, softmax_scale, p_drop, seed, offset)
     bm, bn, warps, stages = attention_blocks("dkdv", block_d, q.element_size(), p_drop > 0)
-    _launch(_attn_bwd_dkdv, (_cdiv(max_len, bn), n_seqs, heads),
-            q, k, v, dout, lse, delta, dk, dv, cu_seqlens, order_arg, order_start, *strides,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *tail,
-            BLOCK_M=bm, BLOCK_N=bn, **common, **_launch_opts(warps, stages))
+    _launch(
+        _attn_bwd_dkdv,
+        (_cdiv(max_len, bn), n_seqs, heads),
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        cu_seqlens,
+        order_arg,
+        order_start,
+        *strides,
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        *tail,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        **common,
+        **_launch_opts(warps, stages),
+    )
     bm, bn, warps, stages = attention_blocks("dq", block_d, q.element_size(), p_drop > 0)
-    _launch(_attn_bwd_dq, (_cdiv(max_len, bm), n_seqs, heads),
-            q, k, v, dout, lse, delta, dq, cu_seqlens, order_arg, order_start, *strides,
-            dq.stride(0), dq.stride(1), *tail,
-            BLOCK_M=bm, BLOCK_N=bn, **common, **_launch_opts(warps, stages))
+    _launch(
+        _attn_bwd_dq,
+        (_cdiv(max_len, bm), n_seqs, heads),
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq,
+        cu_seqlens,
+        order_arg,
+        order_start,
+        *strides,
+        dq.stride(0),
+        dq.stride(1),
+        *tail,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        **common,
+        **_launch_opts(warps, stages),
+    )
 
 
 def _eltwise_grid(n_rows, n_cols):
@@ -525,10 +770,31 @@ def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop,
     """
     r, n = x.shape
     block_c = triton.next_power_of_2(n)
-    _launch(_bdaln_fwd, (r,), x, bias, residual, weight, ln_bias, y, h, mean, rstd,
-            y if keep is None else keep, r, n, eps, p_drop, seed, offset,
-            DROPOUT=p_drop > 0, STORE_KEEP=keep is not None, INTERP=INTERPRET, BLOCK_C=block_c,
-            **_row_opts(block_c))
+    _launch(
+        _bdaln_fwd,
+        (r,),
+        x,
+        bias,
+        residual,
+        weight,
+        ln_bias,
+        y,
+        h,
+        mean,
+        rstd,
+        y if keep is None else keep,
+        r,
+        n,
+        eps,
+        p_drop,
+        seed,
+        offset,
+        DROPOUT=p_drop > 0,
+        STORE_KEEP=keep is not None,
+        INTERP=INTERPRET,
+        BLOCK_C=block_c,
+        **_row_opts(block_c),
+    )
 
 
 def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, seed, offset):
@@ -543,6 +809,28 @@ def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, seed, offset):
     dlb = torch.empty(programs, n, dtype=torch.float32, device=dy.device)
     db = torch.empty(programs, n, dtype=torch.float32, device=dy.device)
     block_c = triton.next_power_of_2(n)
-    _launch(_bdaln_bwd, (programs,), dy, h, weight, mean, rstd, dx, dres, dw, dlb, db, r, n, rows_per_prog,
-            p_drop, seed, offset, DROPOUT=p_drop > 0, INTERP=INTERPRET, BLOCK_C=block_c, **_row_opts(block_c))
+    _launch(
+        _bdaln_bwd,
+        (programs,),
+        dy,
+        h,
+        weight,
+        mean,
+        rstd,
+        dx,
+        dres,
+        dw,
+        dlb,
+        db,
+        r,
+        n,
+        rows_per_prog,
+        p_drop,
+        seed,
+        offset,
+        DROPOUT=p_drop > 0,
+        INTERP=INTERPRET,
+        BLOCK_C=block_c,
+        **_row_opts(block_c),
+    )
     return dw, dlb, db

@@ -21,15 +21,19 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def _varlen(layout: Layout, name: str) -> VarlenLayout:
     if not isinstance(layout, VarlenLayout):
-        raise BackendUnavailable(f"model.attention={name}: needs an unpadded batch (VarlenLayout), got "
-                                 f"{type(layout).__name__}; padded batches run with 'padded' or 'reference'")
+        raise BackendUnavailable(
+            f"model.attention={name}: needs an unpadded batch (VarlenLayout), got "
+            f"{type(layout).__name__}; padded batches run with 'padded' or 'reference'"
+        )
     return layout
 
 
 def _check_half(q: Tensor, name: str) -> None:
     if q.dtype not in _HALF:
-        raise BackendUnavailable(f"model.attention={name}: runs in float16/bfloat16 only, got {q.dtype}; "
-                                 "train under autocast or in half precision")
+        raise BackendUnavailable(
+            f"model.attention={name}: runs in float16/bfloat16 only, got {q.dtype}; "
+            "train under autocast or in half precision"
+        )
 
 
 def _need_cuda(name: str) -> None:
@@ -47,8 +51,16 @@ def load_flash_attn() -> AttentionFn:
     def flash_attn(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
         lay = _varlen(layout, "flash_attn")
         _check_half(q, "flash_attn")
-        return flash_attn_varlen_func(q, k, v, lay.cu_seqlens, lay.cu_seqlens, lay.max_seqlen, lay.max_seqlen,
-                                      dropout_p=dropout_p if training else 0.0)
+        return flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            lay.cu_seqlens,
+            lay.cu_seqlens,
+            lay.max_seqlen,
+            lay.max_seqlen,
+            dropout_p=dropout_p if training else 0.0,
+        )
 
     return flash_attn
 
@@ -57,8 +69,10 @@ def load_torch_varlen() -> AttentionFn:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        raise BackendUnavailable(f"model.attention=torch_varlen: this torch ({torch.__version__}) has no "
-                                 "torch.nn.attention.varlen.varlen_attn") from None
+        raise BackendUnavailable(
+            f"model.attention=torch_varlen: this torch ({torch.__version__}) has no "
+            "torch.nn.attention.varlen.varlen_attn"
+        ) from None
     _need_cuda("torch_varlen")
 
     def torch_varlen(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
@@ -67,7 +81,8 @@ def load_torch_varlen() -> AttentionFn:
         if training and dropout_p > 0:
             raise BackendUnavailable(
                 f"model.attention=torch_varlen: torch's varlen_attn has no attention dropout, asked for "
-                f"{dropout_p}; set the attention dropout to 0 or choose triton / flash_attn")
+                f"{dropout_p}; set the attention dropout to 0 or choose triton / flash_attn"
+            )
         return varlen_attn(q, k, v, lay.cu_seqlens, lay.cu_seqlens, lay.max_seqlen, lay.max_seqlen)
 
     return torch_varlen

@@ -63,7 +63,8 @@ def check_runnable(what: str) -> None:
     if not torch.cuda.is_available() and not triton_interpreted():
         raise BackendUnavailable(
             f"{what}: no CUDA GPU here; set TRITON_INTERPRET=1 (before Python starts) to run the "
-            "Triton kernels in Triton's interpreter on CPU (slow: for tests), or run on a GPU")
+            "Triton kernels in Triton's interpreter on CPU (slow: for tests), or run on a GPU"
+        )
 
 
 def jit_kernels(device: torch.device, what: str = "triton kernels") -> ModuleType:
@@ -76,10 +77,12 @@ def jit_kernels(device: torch.device, what: str = "triton kernels") -> ModuleTyp
         raise BackendUnavailable(
             f"{what}: the tensors are on the CPU but Triton runs compiled in this process (it was "
             "imported without TRITON_INTERPRET=1); set TRITON_INTERPRET=1 before Python starts to use "
-            "Triton's interpreter (slow: for tests), or move the tensors to a GPU")
+            "Triton's interpreter (slow: for tests), or move the tensors to a GPU"
+        )
     if device.type not in ("cpu", "cuda"):
-        raise BackendUnavailable(f"{what}: tensors on {device.type!r}; the Triton kernels need CUDA "
-                                 "(or CPU with TRITON_INTERPRET=1)")
+        raise BackendUnavailable(
+            f"{what}: tensors on {device.type!r}; the Triton kernels need CUDA (or CPU with TRITON_INTERPRET=1)"
+        )
     if not _MODULE:
         _MODULE.append(load(interpret=interpreted))
     return _MODULE[0]

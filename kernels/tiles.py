@@ -36,8 +36,9 @@ def preset_from_env() -> str:
     return preset
 
 
-def attention_tiles(kernel: str, block_d: int, elt_size: int, dropout: bool,
-                    preset: str = "default") -> tuple[int, int, int, int]:
+def attention_tiles(
+    kernel: str, block_d: int, elt_size: int, dropout: bool, preset: str = "default"
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); ``dropout`` is part of the key because the
     Philox mask costs registers (today's table happens to need no separate entries)."""
     if preset not in TILE_PRESETS:

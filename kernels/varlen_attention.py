@@ -23,14 +23,22 @@ Shape legend: T tokens, B sequences, H heads, D head dim, S = max_seqlen.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from kernels.attention import BackendUnavailable, Layout, VarlenLayout
-from kernels.grouped import (DEFAULT_BUCKETS, MAX_STREAMS, cached_plan, check_buckets, check_max_seqlen, host_seqlens,
-                             run_groups, single_plan)
+from kernels.grouped import (
+    DEFAULT_BUCKETS,
+    MAX_STREAMS,
+    cached_plan,
+    check_buckets,
+    check_max_seqlen,
+    host_seqlens,
+    run_groups,
+    single_plan,
+)
 from kernels.runtime import jit_kernels, seeded_op_tags
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -54,20 +62,33 @@ def _fwd_impl(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets
     lse = torch.empty(t, h, dtype=torch.float32, device=q.device)  # [T, H], base-2
     if cu_seqlens.device.type == "cpu":  # lengths on the host: check max_seqlen without a sync
         check_max_seqlen(host_seqlens(cu_seqlens), max_seqlen)
-    plan = single_plan(cu_seqlens.numel() - 1, max_seqlen) if keep is not None else \
-        cached_plan(cu_seqlens, max_seqlen, buckets)
+    plan = (
+        single_plan(cu_seqlens.numel() - 1, max_seqlen)
+        if keep is not None
+        else cached_plan(cu_seqlens, max_seqlen, buckets)
+    )
 
     def launch(order, start, count, max_len):
-        kern.attn_fwd(q, k, v, out, lse, cu_seqlens, order, start, count, max_len, softmax_scale,
-                      dropout_p, seed, offset, keep)
+        kern.attn_fwd(
+            q, k, v, out, lse, cu_seqlens, order, start, count, max_len, softmax_scale, dropout_p, seed, offset, keep
+        )
 
     run_groups(plan, launch, q.device, num_streams)
     return out, lse
 
 
 @torch.library.custom_op("bert_kernels::varlen_attn_fwd", mutates_args=(), **seeded_op_tags())
-def _fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float,
-            dropout_p: float, buckets: list[int], num_streams: int) -> tuple[Tensor, Tensor, Tensor]:
+def _fwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    softmax_scale: float,
+    dropout_p: float,
+    buckets: list[int],
+    num_streams: int,
+) -> tuple[Tensor, Tensor, Tensor]:
     rng = _draw_rng(dropout_p)
     out, lse = _fwd_impl(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams, rng)
     return out, lse, rng
@@ -75,14 +96,29 @@ def _fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int
 
 @_fwd_op.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams):
-    return (q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32),
-            torch.empty(2, dtype=torch.int64, device="cpu"))
+    return (
+        q.new_empty(q.shape),
+        q.new_empty(q.shape[:2], dtype=torch.float32),
+        torch.empty(2, dtype=torch.int64, device="cpu"),
+    )
 
 
 @torch.library.custom_op("bert_kernels::varlen_attn_bwd", mutates_args=())
-def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng: Tensor,
-            cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float, dropout_p: float, buckets: list[int],
-            num_streams: int) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd_op(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    rng: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    softmax_scale: float,
+    dropout_p: float,
+    buckets: list[int],
+    num_streams: int,
+) -> tuple[Tensor, Tensor, Tensor]:
     kern = jit_kernels(q.device, "triton attention")
     seed, offset = (int(x) for x in rng.tolist())
     # delta_i = sum_j P~_ij dP~_ij = rowsum(dO * O) also with dropout (O holds the dropped P~).
@@ -91,8 +127,26 @@ def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     plan = cached_plan(cu_seqlens, max_seqlen, buckets)
 
     def launch(order, start, count, max_len):
-        kern.attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens, order, start, count, max_len,
-                      softmax_scale, dropout_p, seed, offset)
+        kern.attn_bwd(
+            dout,
+            q,
+            k,
+            v,
+            lse,
+            delta,
+            dq,
+            dk,
+            dv,
+            cu_seqlens,
+            order,
+            start,
+            count,
+            max_len,
+            softmax_scale,
+            dropout_p,
+            seed,
+            offset,
+        )
 
     run_groups(plan, launch, q.device, num_streams)
     return dq, dk, dv
@@ -111,7 +165,8 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams):
         out, lse, rng = torch.ops.bert_kernels.varlen_attn_fwd(
-            q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams)
+            q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams
+        )
         ctx.save_for_backward(q, k, v, out, lse, rng, cu_seqlens)
         ctx.args = (max_seqlen, softmax_scale, dropout_p, buckets, num_streams)
         return out
@@ -120,29 +175,44 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, rng, cu_seqlens = ctx.saved_tensors
         dq, dk, dv = torch.ops.bert_kernels.varlen_attn_bwd(
-            _last_dim_contiguous(dout), q, k, v, out, lse, rng, cu_seqlens, *ctx.args)
+            _last_dim_contiguous(dout), q, k, v, out, lse, rng, cu_seqlens, *ctx.args
+        )
         return dq, dk, dv, None, None, None, None, None, None
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, dropout_p: float) -> None:
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"varlen attention: q, k, v must all be [T, H, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"varlen attention: q, k, v must all be [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"varlen attention: q, k, v must share one dtype of {[str(d) for d in _DTYPES]}; "
-                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"varlen attention: q, k, v must share one dtype of {[str(d) for d in _DTYPES]}; "
+            f"got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"varlen attention: head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.device != q.device:
-        raise ValueError(f"varlen attention: cu_seqlens must be a 1-D int32 tensor on {q.device}; got "
-                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)} on {cu_seqlens.device}")
+        raise ValueError(
+            f"varlen attention: cu_seqlens must be a 1-D int32 tensor on {q.device}; got "
+            f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)} on {cu_seqlens.device}"
+        )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"varlen attention: dropout_p must lie in [0, 1), got {dropout_p}")
 
 
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                     dropout_p: float = 0.0, softmax_scale: float | None = None, *,
-                     buckets: Sequence[int] | None = None, num_streams: int = MAX_STREAMS) -> Tensor:
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    *,
+    buckets: Sequence[int] | None = None,
+    num_streams: int = MAX_STREAMS,
+) -> Tensor:
     """softmax(q k^T * scale) v within each sequence, with attention dropout, differentiable.
 
     q, k, v: [T, H, D], one dtype of float16, bfloat16, float32, on CUDA (or CPU with
@@ -166,25 +236,48 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
     _check(q, k, v, cu_seqlens, dropout_p)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     bucket_list = list(check_buckets(buckets)) if buckets else []
-    return _VarlenAttention.apply(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
-                                  cu_seqlens, int(max_seqlen), scale, float(dropout_p), bucket_list,
-                                  int(num_streams))
+    return _VarlenAttention.apply(
+        _last_dim_contiguous(q),
+        _last_dim_contiguous(k),
+        _last_dim_contiguous(v),
+        cu_seqlens,
+        int(max_seqlen),
+        scale,
+        float(dropout_p),
+        bucket_list,
+        int(num_streams),
+    )
 
 
-def grouped_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                             dropout_p: float = 0.0, softmax_scale: float | None = None,
-                             buckets: Sequence[int] = DEFAULT_BUCKETS, num_streams: int = MAX_STREAMS) -> Tensor:
+def grouped_varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    buckets: Sequence[int] = DEFAULT_BUCKETS,
+    num_streams: int = MAX_STREAMS,
+) -> Tensor:
     """``varlen_attention`` with one launch per length bucket on up to num_streams CUDA streams.
 
     Same arguments and result as ``varlen_attention`` (bitwise: each sequence is computed by
     the same programs, and the dropout mask does not depend on the grouping).
     """
-    return varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
-                            buckets=buckets, num_streams=num_streams)
+    return varlen_attention(
+        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, buckets=buckets, num_streams=num_streams
+    )
 
 
-def varlen_attention_qkvpacked(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
-                               softmax_scale: float | None = None, **kwargs) -> Tensor:
+def varlen_attention_qkvpacked(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    **kwargs,
+) -> Tensor:
     """``varlen_attention`` on a packed projection qkv [T, 3, H, D] (no copy of q, k, v)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"varlen attention: qkv must be [T, 3, H, D], got {tuple(qkv.shape)}")
@@ -193,8 +286,15 @@ def varlen_attention_qkvpacked(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int,
 
 
 @torch.no_grad()
-def varlen_attention_with_dropout_mask(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                                       dropout_p: float, softmax_scale: float | None = None) -> tuple[Tensor, Tensor]:
+def varlen_attention_with_dropout_mask(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float,
+    softmax_scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """Debug: the forward (no autograd) plus the dropout mask the kernel applied.
 
     Draws the seed exactly as ``varlen_attention`` does, so after the same
@@ -219,8 +319,10 @@ def varlen_attention_with_dropout_mask(q: Tensor, k: Tensor, v: Tensor, cu_seqle
 
 def _varlen_layout(layout: Layout, name: str) -> VarlenLayout:
     if not isinstance(layout, VarlenLayout):
-        raise BackendUnavailable(f"model.attention={name}: needs an unpadded batch (VarlenLayout), got "
-                                 f"{type(layout).__name__}; padded batches run with 'padded' or 'reference'")
+        raise BackendUnavailable(
+            f"model.attention={name}: needs an unpadded batch (VarlenLayout), got "
+            f"{type(layout).__name__}; padded batches run with 'padded' or 'reference'"
+        )
     return layout
 
 
@@ -238,7 +340,15 @@ def grouped_backend(buckets: Sequence[int] = DEFAULT_BUCKETS, num_streams: int =
 
     def triton_grouped(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
         lay = _varlen_layout(layout, "triton_grouped")
-        return varlen_attention(q, k, v, lay.cu_seqlens, lay.max_seqlen, dropout_p if training else 0.0,
-                                buckets=bucket_list, num_streams=num_streams)
+        return varlen_attention(
+            q,
+            k,
+            v,
+            lay.cu_seqlens,
+            lay.max_seqlen,
+            dropout_p if training else 0.0,
+            buckets=bucket_list,
+            num_streams=num_streams,
+        )
 
     return triton_grouped

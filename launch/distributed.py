@@ -41,9 +41,9 @@ import os
 import re
 import socket
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ _LAUNCHERS = (
 )
 MPI_LAUNCHERS = ("openmpi", "mpich")
 
-_initialised: Optional["DistInfo"] = None  # what init_distributed set up in this process
+_initialised: DistInfo | None = None  # what init_distributed set up in this process
 
 
 class LaunchError(RuntimeError):
@@ -73,9 +73,9 @@ class LaunchEnv:
     launcher: str  # "torchrun" | "openmpi" | "mpich" | "slurm" | "single"
     rank: int
     world_size: int
-    local_rank: Optional[int]  # None: the launcher did not say (resolved via MPI)
-    master_addr: Optional[str]  # None: rank 0 picks it (MPI launchers only)
-    master_port: Optional[int]
+    local_rank: int | None  # None: the launcher did not say (resolved via MPI)
+    master_addr: str | None  # None: rank 0 picks it (MPI launchers only)
+    master_port: int | None
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,7 @@ def detect_launcher(env: Mapping[str, str]) -> LaunchEnv:
             raise LaunchError(f"{rank_var} is set ({name} launch) but {size_var} is not")
         rank, world_size = _int_var(env, rank_var), _int_var(env, size_var)
         if world_size < 1 or not 0 <= rank < world_size:
-            raise LaunchError(
-                f"{rank_var}={rank} is not a rank of {size_var}={world_size}")
+            raise LaunchError(f"{rank_var}={rank} is not a rank of {size_var}={world_size}")
         local_rank = next((_int_var(env, v) for v in local_vars if v in env), None)
         if local_rank is None and world_size == 1:
             local_rank = 0
@@ -151,7 +150,8 @@ def detect_launcher(env: Mapping[str, str]) -> LaunchEnv:
                 if not nodelist:
                     raise LaunchError(
                         "Slurm launch without MASTER_ADDR and without SLURM_STEP_NODELIST / "
-                        "SLURM_JOB_NODELIST to derive it from")
+                        "SLURM_JOB_NODELIST to derive it from"
+                    )
                 addr = first_host(nodelist)
             if port is None and world_size > 1:
                 job_id = _int_var(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
@@ -160,7 +160,7 @@ def detect_launcher(env: Mapping[str, str]) -> LaunchEnv:
     return LaunchEnv("single", 0, 1, 0, None, None)
 
 
-def chosen_interface(env: Mapping[str, str]) -> Optional[str]:
+def chosen_interface(env: Mapping[str, str]) -> str | None:
     """The NIC the user chose for the ranks' traffic: GLOO_SOCKET_IFNAME, else
     NCCL_SOCKET_IFNAME (its first name; NCCL's ``^exclude`` lists choose none), else None."""
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -177,8 +177,10 @@ def interface_address(ifname: str) -> str:
         try:
             packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", ifname.encode()[:15]))
         except OSError as e:
-            raise LaunchError(f"network interface {ifname!r} (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) "
-                              f"has no IPv4 address here: {e.strerror}") from None
+            raise LaunchError(
+                f"network interface {ifname!r} (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) "
+                f"has no IPv4 address here: {e.strerror}"
+            ) from None
     return socket.inet_ntoa(packed[20:24])
 
 
@@ -195,12 +197,14 @@ def _resolve_with_mpi(launch: LaunchEnv) -> LaunchEnv:
     except ImportError as e:
         raise LaunchError(
             f"launched by {launch.launcher} without MASTER_ADDR/MASTER_PORT (or local rank): "
-            f"install mpi4py, or export them to every rank ({e})") from None
+            f"install mpi4py, or export them to every rank ({e})"
+        ) from None
     comm = MPI.COMM_WORLD
     if comm.Get_rank() != launch.rank or comm.Get_size() != launch.world_size:
         raise LaunchError(
             f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the environment says "
-            f"{launch.rank} of {launch.world_size}")
+            f"{launch.rank} of {launch.world_size}"
+        )
     addr, port = launch.master_addr, launch.master_port
     if addr is None or port is None:
         if comm.Get_rank() == 0:
@@ -230,8 +234,7 @@ def _pick_device(local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_distributed(backend: Optional[str] = None,
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
+def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
     """Initialise the default process group from the launcher's environment.
 
     ``backend``: ``"nccl"``, ``"gloo"`` or None (NCCL when CUDA is available, else gloo).
@@ -246,8 +249,11 @@ def init_distributed(backend: Optional[str] = None,
         return _initialised
 
     launch = detect_launcher(os.environ)
-    if launch.launcher in MPI_LAUNCHERS and launch.world_size > 1 and (
-            launch.master_addr is None or launch.master_port is None or launch.local_rank is None):
+    if (
+        launch.launcher in MPI_LAUNCHERS
+        and launch.world_size > 1
+        and (launch.master_addr is None or launch.master_port is None or launch.local_rank is None)
+    ):
         launch = _resolve_with_mpi(launch)
     assert launch.local_rank is not None  # every launcher path above has set it
 
@@ -259,19 +265,17 @@ def init_distributed(backend: Optional[str] = None,
         raise LaunchError("backend 'nccl' needs CUDA, which is not available here; use 'gloo'")
     device = _pick_device(launch.local_rank)
 
-    os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
-                      LOCAL_RANK=str(launch.local_rank))
+    os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank))
     timeout = timedelta(seconds=timeout_s)
     if launch.world_size == 1:
         # No rendezvous to wait for: an in-memory store, no port opened.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         os.environ.update(MASTER_ADDR=launch.master_addr, MASTER_PORT=str(launch.master_port))
-        dist.init_process_group(backend, init_method="env://", rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout)
-    _initialised = DistInfo(launch.rank, launch.world_size, launch.local_rank, device, backend,
-                            launch.launcher)
+        dist.init_process_group(
+            backend, init_method="env://", rank=launch.rank, world_size=launch.world_size, timeout=timeout
+        )
+    _initialised = DistInfo(launch.rank, launch.world_size, launch.local_rank, device, backend, launch.launcher)
     return _initialised
 
 

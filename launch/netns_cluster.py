@@ -151,7 +151,8 @@ class Cluster:
             _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.hub, "link", "set", "br0", "up")
             hosts_file = "127.0.0.1 localhost\n" + "".join(
-                f"{self.address(i)} {self.hostname(i)}\n" for i in range(self.hosts))
+                f"{self.address(i)} {self.hostname(i)}\n" for i in range(self.hosts)
+            )
             for i in range(self.hosts):
                 ns = self.hostname(i)
                 os.makedirs(os.path.join(NETNS_ETC, ns), exist_ok=True)
@@ -189,12 +190,16 @@ class Cluster:
     def _write_rsh_agent(self) -> None:
         # ssh's contract: `rsh HOST ARGS...` runs the words ARGS joined by spaces with a shell
         # on HOST. Here HOST's namespace and hostname stand for the remote machine.
-        lines = ["#!/bin/sh", f"# ssh stand-in for the netns cluster {self.name!r} (launch/netns_cluster.py)",
-                 'host=$1; shift', 'case $host in']
+        lines = [
+            "#!/bin/sh",
+            f"# ssh stand-in for the netns cluster {self.name!r} (launch/netns_cluster.py)",
+            "host=$1; shift",
+            "case $host in",
+        ]
         for i in range(self.hosts):
             prefix = " ".join(shlex.quote(a) for a in self.command(i, ["sh", "-c"]))
-            lines.append(f"    {self.hostname(i)}|{self.address(i)}) exec {prefix} \"$*\" ;;")
-        lines += ['    *) echo "rsh: unknown host $host" >&2; exit 255 ;;', 'esac', ""]
+            lines.append(f'    {self.hostname(i)}|{self.address(i)}) exec {prefix} "$*" ;;')
+        lines += ['    *) echo "rsh: unknown host $host" >&2; exit 255 ;;', "esac", ""]
         tmp = self.rsh_agent + ".tmp"
         with open(tmp, "w") as f:
             f.write("\n".join(lines))
@@ -208,10 +213,24 @@ class Cluster:
         etc = os.path.join(NETNS_ETC, name)
         # Not `ip netns exec`: it remounts /sys, hiding the cgroup mounts slurmd needs. The
         # private mount namespace gives the host its own /etc/hosts and resolv.conf.
-        script = ('mount --bind "$1/hosts" /etc/hosts && mount --bind "$1/resolv.conf" /etc/resolv.conf && '
-                  'echo "$0" > /proc/sys/kernel/hostname && shift && exec "$@"')
-        return ["nsenter", f"--net={NETNS_RUN}/{name}", "unshare", "--uts", "--mount", "--", "sh", "-c", script,
-                name, etc, *argv]
+        script = (
+            'mount --bind "$1/hosts" /etc/hosts && mount --bind "$1/resolv.conf" /etc/resolv.conf && '
+            'echo "$0" > /proc/sys/kernel/hostname && shift && exec "$@"'
+        )
+        return [
+            "nsenter",
+            f"--net={NETNS_RUN}/{name}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--",
+            "sh",
+            "-c",
+            script,
+            name,
+            etc,
+            *argv,
+        ]
 
     def kill_host(self, host: int | str) -> None:
         """Every process on ``host`` dies at once, as when the machine loses power."""
@@ -232,22 +251,46 @@ class Cluster:
         """
         self.unshape()
         for i in range(self.hosts):
-            done = subprocess.run(self.command(i, ["ethtool", "-K", IFNAME, "tso", "off", "gso", "off", "gro", "off",
-                                                   "tx", "off"]), check=False, capture_output=True, text=True)
+            done = subprocess.run(
+                self.command(i, ["ethtool", "-K", IFNAME, "tso", "off", "gso", "off", "gro", "off", "tx", "off"]),
+                check=False,
+                capture_output=True,
+                text=True,
+            )
             if done.returncode != 0:
-                raise ClusterError(f"ethtool -K {IFNAME} on {self.hostname(i)} (apt-get install ethtool): "
-                                   f"{done.stderr.strip()}")
-            done = subprocess.run(["ip", "netns", "exec", self.hub, "ethtool", "-K", f"h{i}", "gro", "off"],
-                                  check=False, capture_output=True, text=True)
+                raise ClusterError(
+                    f"ethtool -K {IFNAME} on {self.hostname(i)} (apt-get install ethtool): {done.stderr.strip()}"
+                )
+            done = subprocess.run(
+                ["ip", "netns", "exec", self.hub, "ethtool", "-K", f"h{i}", "gro", "off"],
+                check=False,
+                capture_output=True,
+                text=True,
+            )
             if done.returncode != 0:
                 raise ClusterError(f"ethtool -K h{i} gro off in {self.hub}: {done.stderr.strip()}")
             _ip("-n", self.hub, "link", "set", f"h{i}", "nomaster")
-        argv = [sys.executable, "-m", "launch.netns_cluster", "--name", self.name, "relay",
-                "--delay-ms", f"{delay_ms:g}", *(["--rate-mbit", f"{rate_mbit:g}"] if rate_mbit else []),
-                *(f"h{i}" for i in range(self.hosts))]
+        argv = [
+            sys.executable,
+            "-m",
+            "launch.netns_cluster",
+            "--name",
+            self.name,
+            "relay",
+            "--delay-ms",
+            f"{delay_ms:g}",
+            *(["--rate-mbit", f"{rate_mbit:g}"] if rate_mbit else []),
+            *(f"h{i}" for i in range(self.hosts)),
+        ]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self._relay = subprocess.Popen(["ip", "netns", "exec", self.hub, *argv], cwd=root, start_new_session=True,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self._relay = subprocess.Popen(
+            ["ip", "netns", "exec", self.hub, *argv],
+            cwd=root,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         ready = os.path.join(self.state_dir, "relay.ready")
         deadline = time.monotonic() + 30
         while not os.path.exists(ready):
@@ -266,8 +309,10 @@ class Cluster:
             _ip("-n", self.hub, "link", "set", f"h{i}", "master", "br0")
 
     def describe(self) -> str:
-        return "\n".join(f"{self.hostname(i)}  {self.address(i)}  ({IFNAME})" for i in range(self.hosts)) + \
-            f"\nssh stand-in (Open MPI plm_ssh_agent): {self.rsh_agent}"
+        return (
+            "\n".join(f"{self.hostname(i)}  {self.address(i)}  ({IFNAME})" for i in range(self.hosts))
+            + f"\nssh stand-in (Open MPI plm_ssh_agent): {self.rsh_agent}"
+        )
 
 
 def relay(ports: list[str], delay_ms: float, rate_mbit: float | None, ready_file: str) -> None:
@@ -311,7 +356,7 @@ def relay(ports: list[str], delay_ms: float, rate_mbit: float | None, ready_file
                 where[frame[6:12]] = port
                 dest = where.get(frame[0:6])
                 arrived = time.monotonic()
-                for out in ([dest] if dest and dest != port else [p for p in ports if p != port]):
+                for out in [dest] if dest and dest != port else [p for p in ports if p != port]:
                     depart = arrived + delay
                     if rate_mbit:
                         link_free[out] = max(link_free[out], arrived) + len(frame) * 8 / (rate_mbit * 1e6)
@@ -354,13 +399,15 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "down":
             Cluster(1, args.name).down()
         elif args.cmd == "relay":
-            relay(args.ports, args.delay_ms, args.rate_mbit,
-                  os.path.join(STATE_ROOT, args.name, "relay.ready"))
+            relay(args.ports, args.delay_ms, args.rate_mbit, os.path.join(STATE_ROOT, args.name, "relay.ready"))
         elif args.cmd == "shape":
             cluster = Cluster(max(1, _existing_hosts(args.name)), args.name)
             cluster.shape(args.delay_ms, args.rate_mbit)
-            print(f"{cluster.hosts} hosts: {args.delay_ms:g} ms each way"
-                  + (f", {args.rate_mbit:g} Mbit/s" if args.rate_mbit else "") + "; Ctrl-C ends it")
+            print(
+                f"{cluster.hosts} hosts: {args.delay_ms:g} ms each way"
+                + (f", {args.rate_mbit:g} Mbit/s" if args.rate_mbit else "")
+                + "; Ctrl-C ends it"
+            )
             try:
                 cluster._relay.wait()
             except KeyboardInterrupt:
@@ -382,4 +429,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -152,8 +152,7 @@ def check_name(option: str, value: str) -> None:
 def code_files(root: Path) -> list[Path]:
     """The implementation's files, relative to root: git's tracked files in a checkout, else a walk."""
     try:
-        proc = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, timeout=60,
-                              check=False)
+        proc = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         proc = None
     if proc is not None and proc.returncode == 0 and proc.stdout:
@@ -169,8 +168,9 @@ def code_files(root: Path) -> list[Path]:
     return files
 
 
-def build_tree(staging: Path, org: str, system: str, logs: list[Path], desc: dict, code: Path,
-               implementation: str) -> Path:
+def build_tree(
+    staging: Path, org: str, system: str, logs: list[Path], desc: dict, code: Path, implementation: str
+) -> Path:
     """Writes the package under staging/ORG; returns the results directory of the benchmark."""
     results = staging / org / "results" / system / BENCHMARK
     results.mkdir(parents=True)
@@ -239,9 +239,16 @@ def run_package_checker(package: Path) -> Verdict:
 
     def both():
         systems_ok = pc.check_systems(str(package), USAGE, RULESET)
-        results_ok = pc.check_training_result_files(str(package), USAGE, RULESET, quiet=False, werror=False,
-                                                    rcp_bypass=False, rcp_bert_train_samples=False,
-                                                    seed_checker_bypass=False)
+        results_ok = pc.check_training_result_files(
+            str(package),
+            USAGE,
+            RULESET,
+            quiet=False,
+            werror=False,
+            rcp_bypass=False,
+            rcp_bert_train_samples=False,
+            seed_checker_bypass=False,
+        )
         return systems_ok, results_ok
 
     with warnings.catch_warnings():
@@ -254,8 +261,11 @@ def run_package_checker(package: Path) -> Verdict:
             finally:
                 os.chdir(cwd)
     lines = _messages(records)
-    lines += [f"INFO: {' '.join(r.getMessage().split())}" for r in records
-              if r.levelno == logging.INFO and "RCP Test Passed" in r.getMessage()]
+    lines += [
+        f"INFO: {' '.join(r.getMessage().split())}"
+        for r in records
+        if r.levelno == logging.INFO and "RCP Test Passed" in r.getMessage()
+    ]
     if not systems_ok:
         lines.insert(0, "system description: FAILED")
     return Verdict("package checker", systems_ok and results_ok, lines)
@@ -268,15 +278,26 @@ def run_rcp_checker(results: Path, division: str) -> tuple[Verdict, float]:
     from mlperf_logging.rcp_checker import rcp_checker
 
     (passed, message, norm), records = _captured(
-        rcp_checker.check_directory, str(results), USAGE, RULESET, verbose=False, bert_train_samples=False,
-        rcp_pass="pruned_rcps", rcp_bypass=False, set_scaling=division == "closed")
+        rcp_checker.check_directory,
+        str(results),
+        USAGE,
+        RULESET,
+        verbose=False,
+        bert_train_samples=False,
+        rcp_pass="pruned_rcps",
+        rcp_bypass=False,
+        set_scaling=division == "closed",
+    )
     lines = [message]
     if message.startswith("Missing RCP"):
-        known = sorted(r["BS"] for r in rcp_checker.RCP_Checker(USAGE, RULESET, BENCHMARK, False)
-                       .pruned_rcp_data.values())
-        lines.append(f"RCP missing: no reference convergence point covers this batch size in ruleset {RULESET} "
-                     f"(pruned RCP batch sizes: {', '.join(map(str, known))}); expected for batch sizes "
-                     "no reference run used")
+        known = sorted(
+            r["BS"] for r in rcp_checker.RCP_Checker(USAGE, RULESET, BENCHMARK, False).pruned_rcp_data.values()
+        )
+        lines.append(
+            f"RCP missing: no reference convergence point covers this batch size in ruleset {RULESET} "
+            f"(pruned RCP batch sizes: {', '.join(map(str, known))}); expected for batch sizes "
+            "no reference run used"
+        )
     elif message == "Insufficient convergence":
         lines.append("more than one run did not converge (run_stop status not success)")
     lines += [m for m in _messages(records) if "infinite" not in m]
@@ -309,8 +330,10 @@ def make_package(args) -> tuple[Path, list[Verdict]]:
         desc = load_system_desc(args.system_desc, args.org, args.system, args.division)
     else:
         try:
-            desc = system_desc.describe(nodes=int(nodes_of(logs)), fields={
-                "submitter": args.org, "division": args.division, "system_name": args.system})
+            desc = system_desc.describe(
+                nodes=int(nodes_of(logs)),
+                fields={"submitter": args.org, "division": args.division, "system_name": args.system},
+            )
         except system_desc.SystemDescError as e:
             raise PackageError(f"system description: {e}") from None
 
@@ -341,15 +364,21 @@ def report(package: Path, verdicts: list[Verdict], logs: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launch.package", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m launch.package",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--org", required=True, help="submitting organisation (the package's top directory)")
     ap.add_argument("--system", required=True, help="system name (results/SYSTEM, systems/SYSTEM.json)")
     ap.add_argument("--system-desc", help="system description JSON; default: made here by launch.system_desc")
     ap.add_argument("--division", required=True, choices=("closed", "open"))
     ap.add_argument("--output", required=True, help="new directory for the package")
-    ap.add_argument("--implementation", default=DEFAULT_IMPLEMENTATION,
-                    help=f"benchmarks/bert/implementations/<name> (default {DEFAULT_IMPLEMENTATION})")
+    ap.add_argument(
+        "--implementation",
+        default=DEFAULT_IMPLEMENTATION,
+        help=f"benchmarks/bert/implementations/<name> (default {DEFAULT_IMPLEMENTATION})",
+    )
     ap.add_argument("--code", help="the implementation's source directory (default: this repository)")
     ap.add_argument("inputs", nargs="+", metavar="INPUT", help="result logs or directories of them")
     args = ap.parse_args(argv)

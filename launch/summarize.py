@@ -22,10 +22,11 @@ olympic-averaged, are compared with the reference convergence point (RCP) of the
 batch size (interpolated between neighbours when there is none); a set faster than the RCP
 mean but within its allowed speed-up has its score multiplied by RCP mean / its mean, a set
 faster still fails the RCP check. The RCPs are ruleset 5.0.0's (``--rcp-ruleset``), BERT's
-last round, also for older sets, whose logs are checked with their own ``--ruleset``. The score is "official" only for ten closed-division runs
-that the compliance checker was run on and accepts (one may fail, as the package checker
-allows), with unique seeds, one global batch size and a passed RCP check; otherwise the same
-numbers are printed with the reason they are not official.
+last round, also for older sets, whose logs are checked with their own ``--ruleset``. The
+score is "official" only for ten closed-division runs that the compliance checker was run
+on and accepts (one may fail, as the package checker allows), with unique seeds, one global
+batch size and a passed RCP check; otherwise the same numbers are printed with the reason
+they are not official.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -70,11 +70,11 @@ class RunResult:
     path: Path
     status: str
     seconds: float  # time to train: run_stop - run_start
-    samples: Optional[int]
-    compliance: Optional[str] = None  # "pass", "fail: <reasons>", or None when not checked
-    seed: Optional[int] = None
-    batch_size: Optional[int] = None  # global_batch_size
-    division: Optional[str] = None  # submission_division
+    samples: int | None
+    compliance: str | None = None  # "pass", "fail: <reasons>", or None when not checked
+    seed: int | None = None
+    batch_size: int | None = None  # global_batch_size
+    division: str | None = None  # submission_division
 
     @property
     def success(self) -> bool:
@@ -86,7 +86,7 @@ class RunResult:
         return self.seconds / 60.0
 
     @property
-    def throughput(self) -> Optional[float]:
+    def throughput(self) -> float | None:
         """Samples per second over the time to train."""
         if self.samples is None or self.seconds <= 0:
             return None
@@ -97,13 +97,13 @@ class RunResult:
 class DirectorySummary:
     directory: Path
     runs: list[RunResult]
-    score_minutes: Optional[float]  # olympic mean x RCP factor, None when there is none
+    score_minutes: float | None  # olympic mean x RCP factor, None when there is none
     official: bool  # see the module docstring
     note: str
-    throughput: Optional[float]  # mean samples/s of the runs in the score
-    rcp: Optional[str] = None  # the RCP check's verdict, in words
+    throughput: float | None  # mean samples/s of the runs in the score
+    rcp: str | None = None  # the RCP check's verdict, in words
     rcp_factor: float = 1.0  # the score's RCP normalisation (1: none)
-    raw_score_minutes: Optional[float] = None  # the olympic mean before normalisation
+    raw_score_minutes: float | None = None  # the olympic mean before normalisation
 
 
 def read_events(path: Path) -> list[Event]:
@@ -119,7 +119,7 @@ def read_events(path: Path) -> list[Event]:
         if at < 0:
             continue
         try:
-            record = json.loads(line[at + len(TOKEN):])
+            record = json.loads(line[at + len(TOKEN) :])
         except json.JSONDecodeError as e:
             raise SummaryError(f"{path}:{lineno}: cannot parse {TOKEN} line ({e.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("key"), str):
@@ -155,20 +155,28 @@ def summarize_run(path: Path) -> RunResult:
         return next((e.value for e in events if e.key == key), None)
 
     during = events[start_i:]
-    samples: Optional[int] = None
+    samples: int | None = None
     trained = [e.value for e in during if e.key == "train_samples" and isinstance(e.value, int)]
     if trained:
         samples = trained[-1]
     else:
-        evals = [e.metadata["epoch_num"] for e in during
-                 if e.key == "eval_accuracy" and isinstance(e.metadata.get("epoch_num"), int)]
+        evals = [
+            e.metadata["epoch_num"]
+            for e in during
+            if e.key == "eval_accuracy" and isinstance(e.metadata.get("epoch_num"), int)
+        ]
         if evals:
             samples = evals[-1]
     seed, batch = first("seed"), first("global_batch_size")
-    return RunResult(path, status, (stop.time_ms - start.time_ms) / 1000.0, samples,
-                     seed=seed if isinstance(seed, int) else None,
-                     batch_size=batch if isinstance(batch, int) else None,
-                     division=first("submission_division"))
+    return RunResult(
+        path,
+        status,
+        (stop.time_ms - start.time_ms) / 1000.0,
+        samples,
+        seed=seed if isinstance(seed, int) else None,
+        batch_size=batch if isinstance(batch, int) else None,
+        division=first("submission_division"),
+    )
 
 
 def _natural_key(path: Path):
@@ -192,12 +200,16 @@ def find_logs(directory: Path) -> list[Path]:
     raise SummaryError(f"{directory}: no result_*.txt, mlperf.log or */mlperf.log")
 
 
-def olympic_score(runs: list[RunResult]) -> tuple[Optional[float], bool, str, list[RunResult]]:
+def olympic_score(runs: list[RunResult]) -> tuple[float | None, bool, str, list[RunResult]]:
     """(olympic mean in minutes or None, official?, note, runs in the mean)."""
     n = len(runs)
     if n < 3:
-        return (None, False, f"{n} run(s): an olympic mean needs at least 3 "
-                f"({OFFICIAL_RUNS} for an official score)", [])
+        return (
+            None,
+            False,
+            f"{n} run(s): an olympic mean needs at least 3 ({OFFICIAL_RUNS} for an official score)",
+            [],
+        )
     kept = sorted(runs, key=lambda r: r.minutes if r.success else math.inf)[1:-1]
     failed = sum(not r.success for r in runs)
     if not kept[-1].success:
@@ -207,8 +219,7 @@ def olympic_score(runs: list[RunResult]) -> tuple[Optional[float], bool, str, li
     if failed:
         what += f"; {failed} run did not succeed and counts as the slowest"
     if n != OFFICIAL_RUNS:
-        return (score, False, f"{what}; not an official score: MLPerf BERT needs "
-                f"{OFFICIAL_RUNS} runs", kept)
+        return (score, False, f"{what}; not an official score: MLPerf BERT needs {OFFICIAL_RUNS} runs", kept)
     return score, True, what, kept
 
 
@@ -232,8 +243,12 @@ def rcp_check(runs: list[RunResult], ruleset: str) -> RCPResult:
         return RCPResult(False, 1.0, "RCP check not run: mlperf-logging is not installed")
     sizes = {r.batch_size for r in runs}
     if len(sizes) != 1 or None in sizes:
-        return RCPResult(False, 1.0, "RCP check failed: the runs do not share one global_batch_size "
-                         f"({', '.join(str(b) for b in sorted(sizes, key=str))})")
+        return RCPResult(
+            False,
+            1.0,
+            "RCP check failed: the runs do not share one global_batch_size "
+            f"({', '.join(str(b) for b in sorted(sizes, key=str))})",
+        )
     (bs,) = sizes
     # A run that did not converge, or that the compliance checker rejects, counts as 1e9 samples.
     # Samples are train_samples where logged (rcp_checker's --rcp-bert-train-samples: some
@@ -261,8 +276,11 @@ def rcp_check(runs: list[RunResult], ruleset: str) -> RCPResult:
     mean = float(np.mean(sorted(samples)[1:-1]))
     where = f"RCP {how}: mean {record['RCP Mean']:,.0f} samples, runs' mean {mean:,.0f}"
     if not passed:
-        return RCPResult(False, 1.0, f"RCP check failed ({where}: faster than the allowed "
-                         f"{record['RCP Mean'] / record['Max Speedup']:,.0f})")
+        return RCPResult(
+            False,
+            1.0,
+            f"RCP check failed ({where}: faster than the allowed {record['RCP Mean'] / record['Max Speedup']:,.0f})",
+        )
     if factor > 1.0:
         return RCPResult(True, float(factor), f"{where}: score scaled by {factor:.4f}")
     return RCPResult(True, 1.0, where)
@@ -293,11 +311,13 @@ def official_problems(runs: list[RunResult]) -> list[str]:
 
 def _checker_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("mlperf-logging")
     except PackageNotFoundError:
-        raise SummaryError("mlperf-logging is not installed: install it (requirements.txt) "
-                           "or pass --no-check") from None
+        raise SummaryError(
+            "mlperf-logging is not installed: install it (requirements.txt) or pass --no-check"
+        ) from None
 
 
 def _checker_reasons(log_text: str) -> str:
@@ -315,8 +335,18 @@ def run_compliance_checker(path: Path, ruleset: str) -> str:
     """'pass' or 'fail: <reasons>' from the official checker, run as a subprocess."""
     with tempfile.TemporaryDirectory(prefix="mlperf-check-") as tmp:
         out = Path(tmp) / "checker.log"
-        cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
-               "--ruleset", ruleset, "--log_output", str(out), str(path.resolve())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlperf_logging.compliance_checker",
+            "--usage",
+            "training",
+            "--ruleset",
+            ruleset,
+            "--log_output",
+            str(out),
+            str(path.resolve()),
+        ]
         # cwd=tmp: the checker writes files into its working directory.
         proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600)
         if proc.returncode == 0:
@@ -324,15 +354,14 @@ def run_compliance_checker(path: Path, ruleset: str) -> str:
         text = out.read_text(errors="replace") if out.exists() else ""
         if proc.returncode != 1 or not text:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise SummaryError(f"{path}: the compliance checker crashed "
-                               f"(exit {proc.returncode}): {last}")
+            raise SummaryError(f"{path}: the compliance checker crashed (exit {proc.returncode}): {last}")
         return "fail: " + _checker_reasons(text)
 
 
 class ComplianceCache:
     """Checker verdicts by (ruleset, checker version, file content), in a JSON file."""
 
-    def __init__(self, file: Optional[Path]):
+    def __init__(self, file: Path | None):
         self.file = file
         self.entries: dict[str, str] = {}
         if file is not None and file.is_file():
@@ -385,8 +414,9 @@ def collect_runs(directory: Path) -> list[RunResult]:
     return [summarize_run(p) for p in find_logs(directory)]
 
 
-def summarize_directory(directory: Path, runs: Optional[list[RunResult]] = None,
-                        rcp_ruleset: str = DEFAULT_RCP_RULESET) -> DirectorySummary:
+def summarize_directory(
+    directory: Path, runs: list[RunResult] | None = None, rcp_ruleset: str = DEFAULT_RCP_RULESET
+) -> DirectorySummary:
     """The directory's score; pass ``runs`` once their compliance verdicts are filled in."""
     runs = collect_runs(directory) if runs is None else runs
     raw, complete, note, kept = olympic_score(runs)
@@ -400,17 +430,26 @@ def summarize_directory(directory: Path, runs: Optional[list[RunResult]] = None,
     official = complete and not problems
     if complete and problems:
         note += "; not an official score: " + "; ".join(problems)
-    return DirectorySummary(directory, runs, score, official, note, throughput,
-                            rcp=rcp.verdict if rcp else None, rcp_factor=rcp.factor if rcp else 1.0,
-                            raw_score_minutes=raw)
+    return DirectorySummary(
+        directory,
+        runs,
+        score,
+        official,
+        note,
+        throughput,
+        rcp=rcp.verdict if rcp else None,
+        rcp_factor=rcp.factor if rcp else 1.0,
+        raw_score_minutes=raw,
+    )
 
 
 def format_table(summaries: list[DirectorySummary], ruleset: str) -> str:
     out = []
     for s in summaries:
         out.append(f"{s.directory}")
-        out.append(f"  {'run':<16} {'status':<9} {'minutes':>8} {'samples':>11} {'samples/s':>10}  "
-                   f"compliance ({ruleset})")
+        out.append(
+            f"  {'run':<16} {'status':<9} {'minutes':>8} {'samples':>11} {'samples/s':>10}  compliance ({ruleset})"
+        )
         for r in s.runs:
             samples = f"{r.samples:,}" if r.samples is not None else "-"
             tput = f"{r.throughput:.1f}" if r.throughput is not None else "-"
@@ -436,34 +475,40 @@ def format_table(summaries: list[DirectorySummary], ruleset: str) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def _finite(x: Optional[float]) -> Optional[float]:
+def _finite(x: float | None) -> float | None:
     return None if x is None or math.isinf(x) else x
 
 
-def to_json(summaries: list[DirectorySummary], ruleset: Optional[str]) -> dict:
+def to_json(summaries: list[DirectorySummary], ruleset: str | None) -> dict:
     return {
         "ruleset": ruleset,
-        "directories": [{
-            "directory": str(s.directory),
-            "olympic_score_minutes": _finite(s.score_minutes),
-            "raw_olympic_score_minutes": _finite(s.raw_score_minutes),
-            "rcp": s.rcp,
-            "rcp_factor": s.rcp_factor,
-            "official": s.official,
-            "note": s.note,
-            "throughput_samples_per_s": s.throughput,
-            "runs": [{
-                "file": str(r.path),
-                "status": r.status,
-                "time_to_train_s": r.seconds,
-                "time_to_train_min": r.minutes,
-                "samples": r.samples,
-                "samples_per_s": r.throughput,
-                "seed": r.seed,
-                "global_batch_size": r.batch_size,
-                "compliance": r.compliance,
-            } for r in s.runs],
-        } for s in summaries],
+        "directories": [
+            {
+                "directory": str(s.directory),
+                "olympic_score_minutes": _finite(s.score_minutes),
+                "raw_olympic_score_minutes": _finite(s.raw_score_minutes),
+                "rcp": s.rcp,
+                "rcp_factor": s.rcp_factor,
+                "official": s.official,
+                "note": s.note,
+                "throughput_samples_per_s": s.throughput,
+                "runs": [
+                    {
+                        "file": str(r.path),
+                        "status": r.status,
+                        "time_to_train_s": r.seconds,
+                        "time_to_train_min": r.minutes,
+                        "samples": r.samples,
+                        "samples_per_s": r.throughput,
+                        "seed": r.seed,
+                        "global_batch_size": r.batch_size,
+                        "compliance": r.compliance,
+                    }
+                    for r in s.runs
+                ],
+            }
+            for s in summaries
+        ],
     }
 
 
@@ -480,54 +525,69 @@ def _write_atomic(path: Path, write) -> None:
 def write_png(path: Path, summaries: list[DirectorySummary]) -> None:
     """Bar chart of olympic scores, with every successful run as a dot."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(summaries) + 2), 4))
     names = [s.directory.name for s in summaries]
     scores = [s.score_minutes or 0.0 for s in summaries]
-    bars = ax.bar(range(len(summaries)), scores, width=0.6, color="#4c72b0", alpha=0.8,
-                  label="olympic score")
+    bars = ax.bar(range(len(summaries)), scores, width=0.6, color="#4c72b0", alpha=0.8, label="olympic score")
     for i, s in enumerate(summaries):
         times = [r.minutes for r in s.runs if r.success]
-        ax.scatter([i + 0.38] * len(times), times, color="black", s=10, zorder=3,
-                   label="successful runs" if i == 0 else None)
+        ax.scatter(
+            [i + 0.38] * len(times), times, color="black", s=10, zorder=3, label="successful runs" if i == 0 else None
+        )
         label = f"{s.score_minutes:.2f}" if s.score_minutes is not None else "no score"
         if s.score_minutes is not None and not s.official:
             label += "*"
-        ax.annotate(label, (bars[i].get_x() + bars[i].get_width() / 2, scores[i]),
-                    ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
+        ax.annotate(
+            label,
+            (bars[i].get_x() + bars[i].get_width() / 2, scores[i]),
+            ha="center",
+            va="bottom",
+            xytext=(0, 3),
+            textcoords="offset points",
+        )
     ax.set_xticks(range(len(summaries)), names, rotation=15, ha="right")
     ax.set_ylabel("time to train (minutes)")
-    ax.set_title("MLPerf BERT olympic time to train" +
-                 (" (* not official)" if any(not s.official for s in summaries) else ""))
+    ax.set_title(
+        "MLPerf BERT olympic time to train" + (" (* not official)" if any(not s.official for s in summaries) else "")
+    )
     ax.legend(loc="best")
     fig.tight_layout()
     _write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m launch.summarize",
         description="Scores of MLPerf BERT runs: time to train, samples, throughput, "
-                    "compliance, and the olympic score per directory.")
-    parser.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
-                        help="directory of result_*.txt or mlperf.log (or one log file)")
+        "compliance, and the olympic score per directory.",
+    )
+    parser.add_argument(
+        "dirs", nargs="+", type=Path, metavar="DIR", help="directory of result_*.txt or mlperf.log (or one log file)"
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the summary as JSON")
     parser.add_argument("--png", type=Path, metavar="FILE", help="also draw a bar chart")
-    parser.add_argument("--no-check", action="store_true",
-                        help="skip the compliance checker (it takes about a second per log)")
-    parser.add_argument("--ruleset", default=DEFAULT_RULESET,
-                        help="compliance checker ruleset (default %(default)s)")
-    parser.add_argument("--rcp-ruleset", default=DEFAULT_RCP_RULESET,
-                        help="ruleset whose reference convergence points normalise the scores (default "
-                             "%(default)s, BERT's last; older sets are checked with their own --ruleset)")
-    parser.add_argument("--cache", type=Path, default=None, metavar="FILE",
-                        help=f"verdict cache (default {default_cache_file()})")
+    parser.add_argument(
+        "--no-check", action="store_true", help="skip the compliance checker (it takes about a second per log)"
+    )
+    parser.add_argument("--ruleset", default=DEFAULT_RULESET, help="compliance checker ruleset (default %(default)s)")
+    parser.add_argument(
+        "--rcp-ruleset",
+        default=DEFAULT_RCP_RULESET,
+        help="ruleset whose reference convergence points normalise the scores (default "
+        "%(default)s, BERT's last; older sets are checked with their own --ruleset)",
+    )
+    parser.add_argument(
+        "--cache", type=Path, default=None, metavar="FILE", help=f"verdict cache (default {default_cache_file()})"
+    )
     parser.add_argument("--no-cache", action="store_true", help="always run the checker")
-    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
-                        help="checker processes at once (default %(default)s)")
+    parser.add_argument(
+        "--jobs", type=int, default=min(4, os.cpu_count() or 1), help="checker processes at once (default %(default)s)"
+    )
     args = parser.parse_args(argv)
 
     try:

@@ -31,16 +31,39 @@ from typing import Any
 
 # The fields the 5.0.0 package checker requires, in the order MLPerf's own files list them.
 FIELDS = (
-    "submitter", "division", "status", "system_name", "number_of_nodes",
-    "host_processors_per_node", "host_processor_model_name", "host_processor_core_count",
-    "host_processor_vcpu_count", "host_processor_frequency", "host_processor_caches",
-    "host_processor_interconnect", "host_memory_capacity", "host_storage_type",
-    "host_storage_capacity", "host_networking", "host_networking_topology",
-    "host_memory_configuration", "accelerators_per_node", "accelerator_model_name",
-    "accelerator_host_interconnect", "accelerator_frequency", "accelerator_on-chip_memories",
-    "accelerator_memory_configuration", "accelerator_memory_capacity", "accelerator_interconnect",
-    "accelerator_interconnect_topology", "cooling", "hw_notes", "framework",
-    "other_software_stack", "operating_system", "sw_notes",
+    "submitter",
+    "division",
+    "status",
+    "system_name",
+    "number_of_nodes",
+    "host_processors_per_node",
+    "host_processor_model_name",
+    "host_processor_core_count",
+    "host_processor_vcpu_count",
+    "host_processor_frequency",
+    "host_processor_caches",
+    "host_processor_interconnect",
+    "host_memory_capacity",
+    "host_storage_type",
+    "host_storage_capacity",
+    "host_networking",
+    "host_networking_topology",
+    "host_memory_configuration",
+    "accelerators_per_node",
+    "accelerator_model_name",
+    "accelerator_host_interconnect",
+    "accelerator_frequency",
+    "accelerator_on-chip_memories",
+    "accelerator_memory_configuration",
+    "accelerator_memory_capacity",
+    "accelerator_interconnect",
+    "accelerator_interconnect_topology",
+    "cooling",
+    "hw_notes",
+    "framework",
+    "other_software_stack",
+    "operating_system",
+    "sw_notes",
 )
 # system_desc_checker (training, ruleset >= 4.0): the only values "status" may take.
 STATUSES = ("Available on-premise", "Available cloud", "Research, Development, or Internal (RDI)", "Preview")
@@ -68,8 +91,11 @@ def _gib(n_bytes: float) -> str:
 
 def gpu_fields() -> dict[str, Any]:
     query = "name,memory.total,clocks.max.sm,pcie.link.gen.max,pcie.link.width.max"
-    rows = [[c.strip() for c in line.split(",")] for line in
-            _run("nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits").splitlines() if line.strip()]
+    rows = [
+        [c.strip() for c in line.split(",")]
+        for line in _run("nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits").splitlines()
+        if line.strip()
+    ]
     if not rows:
         return {"accelerators_per_node": 0}
     name, mem_mib, sm_mhz, gen, width = rows[0]
@@ -87,8 +113,7 @@ def gpu_fields() -> dict[str, Any]:
         total = sum(float(s) for s in speeds)
         fields["accelerator_interconnect"] = f"{len(speeds)}x NVLink, {total:.0f} GB/s per GPU"
         topo = _run("nvidia-smi", "topo", "-m")
-        fields["accelerator_interconnect_topology"] = ("NVSwitch" if "NV" in topo and len(rows) > 2 else
-                                                       "NVLink")
+        fields["accelerator_interconnect_topology"] = "NVSwitch" if "NV" in topo and len(rows) > 2 else "NVLink"
     else:
         fields["accelerator_interconnect"] = "PCIe"
         fields["accelerator_interconnect_topology"] = "PCIe"
@@ -106,17 +131,22 @@ def cpu_fields() -> dict[str, Any]:
         return fields
     sockets = int(info.get("Socket(s)", "1") or 1)
     cores = int(info.get("Core(s) per socket", "0") or 0)
-    fields.update({
-        "host_processors_per_node": sockets,
-        "host_processor_model_name": info.get("Model name", ""),
-        "host_processor_core_count": cores or "",
-        "host_processor_vcpu_count": int(info.get("CPU(s)", fields["host_processor_vcpu_count"]) or 0),
-    })
+    fields.update(
+        {
+            "host_processors_per_node": sockets,
+            "host_processor_model_name": info.get("Model name", ""),
+            "host_processor_core_count": cores or "",
+            "host_processor_vcpu_count": int(info.get("CPU(s)", fields["host_processor_vcpu_count"]) or 0),
+        }
+    )
     mhz = info.get("CPU max MHz") or info.get("CPU MHz")
     if mhz:
         fields["host_processor_frequency"] = f"{float(mhz):.0f} MHz"
-    caches = [f"{name} {info[key]}" for key, name in (("L1d cache", "L1d"), ("L1i cache", "L1i"),
-                                                       ("L2 cache", "L2"), ("L3 cache", "L3")) if info.get(key)]
+    caches = [
+        f"{name} {info[key]}"
+        for key, name in (("L1d cache", "L1d"), ("L1i cache", "L1i"), ("L2 cache", "L2"), ("L3 cache", "L3"))
+        if info.get(key)
+    ]
     fields["host_processor_caches"] = ", ".join(caches)
     return fields
 
@@ -158,8 +188,12 @@ def software_fields() -> dict[str, Any]:
         pass
     from importlib.metadata import PackageNotFoundError, version
 
-    for dist, name in (("triton", "Triton"), ("nvidia-dali-cuda120", "DALI"), ("nvidia-dali-cuda110", "DALI"),
-                       ("mlperf-logging", "mlperf-logging")):
+    for dist, name in (
+        ("triton", "Triton"),
+        ("nvidia-dali-cuda120", "DALI"),
+        ("nvidia-dali-cuda110", "DALI"),
+        ("mlperf-logging", "mlperf-logging"),
+    ):
         try:
             parts.append(f"{name} {version(dist)}")
         except PackageNotFoundError:
@@ -194,8 +228,9 @@ def check(desc: dict[str, Any]) -> None:
     if missing:
         raise SystemDescError(f"{missing[0]}: missing")
     if desc["status"] not in STATUSES:
-        raise SystemDescError(f"status: {desc['status']!r} is not one the 5.0.0 checker accepts: "
-                              f"{', '.join(repr(s) for s in STATUSES)}")
+        raise SystemDescError(
+            f"status: {desc['status']!r} is not one the 5.0.0 checker accepts: {', '.join(repr(s) for s in STATUSES)}"
+        )
     if desc["division"] not in DIVISIONS:
         raise SystemDescError(f"division: {desc['division']!r} is not one of {', '.join(DIVISIONS)}")
     for name in ("submitter", "system_name"):
@@ -235,8 +270,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.system_desc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--output", required=True, help="the JSON file to write (systems/<system_name>.json)")
     ap.add_argument("--nodes", type=int, default=1, help="number_of_nodes (default 1)")
-    ap.add_argument("--field", action="append", default=[], metavar="key=value",
-                    help="set a field (submitter, system_name and division at least); repeatable")
+    ap.add_argument(
+        "--field",
+        action="append",
+        default=[],
+        metavar="key=value",
+        help="set a field (submitter, system_name and division at least); repeatable",
+    )
     args = ap.parse_args(argv)
     try:
         if args.nodes < 1:

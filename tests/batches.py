@@ -7,8 +7,9 @@ import numpy as np
 from data.batch import UnpaddedBatch, unpad
 
 
-def fixed_layout(lengths, vocab_size: int, seq_len: int | None = None, max_predictions: int = 20,
-                 seed: int = 0) -> dict[str, np.ndarray]:
+def fixed_layout(
+    lengths, vocab_size: int, seq_len: int | None = None, max_predictions: int = 20, seed: int = 0
+) -> dict[str, np.ndarray]:
     """Arrays of the fixed layout for sequences of the given lengths.
 
     Real tokens avoid id 0 ([PAD]); about 15% of each sequence's non-[CLS] positions are
@@ -24,15 +25,21 @@ def fixed_layout(lengths, vocab_size: int, seq_len: int | None = None, max_predi
     mids = np.zeros((b, max_predictions), np.int64)
     for i, n in enumerate(lengths):
         ids[i, :n] = rng.integers(1, vocab_size, n)
-        seg[i, n // 2:n] = 1
+        seg[i, n // 2 : n] = 1
         mask[i, :n] = 1
         k = min(max_predictions, max(1, round(0.15 * (n - 1)))) if n > 1 else 0
         pos = np.sort(rng.choice(np.arange(1, n), size=k, replace=False)) if k else np.zeros(0, np.int64)
         mpos[i, :k] = pos
         mids[i, :k] = rng.integers(1, vocab_size, k)
     nsp = rng.integers(0, 2, b)
-    return dict(input_ids=ids, segment_ids=seg, input_mask=mask, masked_lm_positions=mpos,
-                masked_lm_ids=mids, next_sentence_labels=nsp)
+    return dict(
+        input_ids=ids,
+        segment_ids=seg,
+        input_mask=mask,
+        masked_lm_positions=mpos,
+        masked_lm_ids=mids,
+        next_sentence_labels=nsp,
+    )
 
 
 def random_batch(lengths, vocab_size: int, seed: int = 0, **kw) -> UnpaddedBatch:
@@ -53,8 +60,15 @@ def write_fixed_file(path, lengths, vocab_size: int, seq_len: int, max_predictio
         f.create_dataset("next_sentence_labels", data=a["next_sentence_labels"].astype(np.int8))
 
 
-def write_dataset(root, num_files: int = 4, per_file: int = 48, eval_samples: int = 40, vocab_size: int = 96,
-                  seq_len: int = 64, seed: int = 0):
+def write_dataset(
+    root,
+    num_files: int = 4,
+    per_file: int = 48,
+    eval_samples: int = 40,
+    vocab_size: int = 96,
+    seq_len: int = 64,
+    seed: int = 0,
+):
     """A tiny training set (train/part_*.hdf5) and eval file; returns (train_dir, eval_file)."""
     import os
 
@@ -64,8 +78,13 @@ def write_dataset(root, num_files: int = 4, per_file: int = 48, eval_samples: in
     os.makedirs(os.path.join(root, "eval"), exist_ok=True)
     for i in range(num_files):
         lengths = rng.integers(8, seq_len + 1, per_file)
-        write_fixed_file(os.path.join(train, f"part_{i:05d}_of_{num_files:05d}.hdf5"), lengths, vocab_size,
-                         seq_len, seed=seed * 1000 + i)
+        write_fixed_file(
+            os.path.join(train, f"part_{i:05d}_of_{num_files:05d}.hdf5"),
+            lengths,
+            vocab_size,
+            seq_len,
+            seed=seed * 1000 + i,
+        )
     eval_file = os.path.join(root, "eval", "part_eval_10k.hdf5")
     write_fixed_file(eval_file, rng.integers(8, seq_len + 1, eval_samples), vocab_size, seq_len, seed=seed + 999)
     return train, eval_file

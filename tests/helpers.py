@@ -23,8 +23,17 @@ PYTHON = sys.executable
 
 # Variables a launcher sets for its ranks. The test process may itself run under a launcher,
 # and in-process runs export torchrun's variables: launched processes must inherit none.
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-               "MASTER_ADDR", "MASTER_PORT", "MPI_LOCALRANKID")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MPI_LOCALRANKID",
+)
 LAUNCH_PREFIXES = ("OMPI_", "PMI", "PRTE_", "SLURM_", "TORCHELASTIC_")
 
 
@@ -59,8 +68,15 @@ def run_launched(cmd: list[str], timeout: float, env: dict | None = None, cwd=RE
     (stdout and stderr together). Fails the test, killing the whole process group, when it
     runs past ``timeout`` seconds; fails with the output's tail when it exits non-zero."""
     what = what or os.path.basename(cmd[0])
-    proc = subprocess.Popen(cmd, cwd=cwd, env=clean_env() if env is None else env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=clean_env() if env is None else env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -78,8 +94,9 @@ class Job:
     def __init__(self, args: list[str], log: str, env: dict):
         self.args, self.log = args, log
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+            )
 
     @property
     def pid(self) -> int:

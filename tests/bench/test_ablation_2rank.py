@@ -17,9 +17,15 @@ pytestmark = pytest.mark.slow
 # AdaGC's warm-up ends after step 2, so steps 3-5 clip per tensor; the spike at step 4 makes
 # sure some tensor is clipped. SimReg over all tokens: the random tiny vocabulary repeats
 # tokens within a sequence, so every step has anchors.
-FEATURES = ["optim.clip=adagc", "optim.adagc.warmup_steps=2",
-            "debug.spike_steps=[4]", "debug.spike_params=[layers.0.]", "debug.spike_factor=1000",
-            "loss.simreg_weight=0.5", "loss.simreg_scope=all"]
+FEATURES = [
+    "optim.clip=adagc",
+    "optim.adagc.warmup_steps=2",
+    "debug.spike_steps=[4]",
+    "debug.spike_params=[layers.0.]",
+    "debug.spike_factor=1000",
+    "loss.simreg_weight=0.5",
+    "loss.simreg_scope=all",
+]
 
 
 @pytest.fixture(scope="module")

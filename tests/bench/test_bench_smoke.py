@@ -8,8 +8,14 @@ import pytest
 from bench import ablation, throughput
 from tests.batches import write_dataset
 
-TINY = ["model.preset=tiny", "model.vocab_size=96", "data.max_seq_length=64", "train.global_batch_size=8",
-        "eval.batch_size=16", "optim.warmup_steps=1"]
+TINY = [
+    "model.preset=tiny",
+    "model.vocab_size=96",
+    "data.max_seq_length=64",
+    "train.global_batch_size=8",
+    "eval.batch_size=16",
+    "optim.warmup_steps=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +28,32 @@ def data_dir(tmp_path_factory):
 @pytest.mark.slow  # a benchmark end to end
 def test_ablation_runs_four_variants_over_seeds(data_dir, tmp_path, capsys):
     out = tmp_path / "abl"
-    code = ablation.main(["--data", str(data_dir), "--out", str(out), "--steps", "2", "--evals", "2",
-                          "--eval-samples", "16", "--spikes", "--spike-steps", "2", "--adagc-warmup-steps", "1",
-                          "--threads", "1", "--seeds", "2", "--arm", "lowlr optim.lr=1e-4", *TINY])
+    code = ablation.main(
+        [
+            "--data",
+            str(data_dir),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--evals",
+            "2",
+            "--eval-samples",
+            "16",
+            "--spikes",
+            "--spike-steps",
+            "2",
+            "--adagc-warmup-steps",
+            "1",
+            "--threads",
+            "1",
+            "--seeds",
+            "2",
+            "--arm",
+            "lowlr optim.lr=1e-4",
+            *TINY,
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     result = json.loads((out / "ablation.json").read_text())
@@ -49,7 +78,7 @@ def test_ablation_runs_four_variants_over_seeds(data_dir, tmp_path, capsys):
     row = result["table"][0]
     accs = [r["summary"]["eval_accuracy"] for r in result["arms"]["baseline"]]
     assert row["eval_accuracy"]["mean"] == pytest.approx(sum(accs) / 2)
-    assert row["eval_accuracy"]["std"] == pytest.approx(abs(accs[0] - accs[1]) / 2 ** 0.5)
+    assert row["eval_accuracy"]["std"] == pytest.approx(abs(accs[0] - accs[1]) / 2**0.5)
     assert result["setup"]["target_accuracy"] == pytest.approx(0.9 * sum(accs) / 2)
     assert row["samples_to_target_vs_base"] == 1.0
     assert (out / "baseline" / f"seed{seeds[1]}" / "summary.json").is_file()
@@ -57,8 +86,20 @@ def test_ablation_runs_four_variants_over_seeds(data_dir, tmp_path, capsys):
 
     # --compare on the finished runs gives the same statistics for the same target.
     cmp_out = tmp_path / "cmp"
-    assert ablation.main(["--compare", f"base={out / 'baseline'}", str(out / "simreg"), "--out", str(cmp_out),
-                          "--target-accuracy", str(result["setup"]["target_accuracy"])]) == 0
+    assert (
+        ablation.main(
+            [
+                "--compare",
+                f"base={out / 'baseline'}",
+                str(out / "simreg"),
+                "--out",
+                str(cmp_out),
+                "--target-accuracy",
+                str(result["setup"]["target_accuracy"]),
+            ]
+        )
+        == 0
+    )
     compared = json.loads((cmp_out / "ablation.json").read_text())
     assert [r["arm"] for r in compared["table"]] == ["base", "simreg"]
     for key in ("eval_accuracy", "final_mlm_loss", "samples_to_target", "loss_spike_score"):
@@ -89,8 +130,28 @@ def test_ablation_bad_data_is_one_line(tmp_path, capsys):
 @pytest.mark.slow  # a benchmark end to end
 def test_throughput_runs_every_cpu_variant(data_dir, tmp_path, capsys):
     out = tmp_path / "tp.json"
-    code = throughput.main(["--data", str(data_dir), "--model", "tiny", "--vocab-size", "96", "--batch-size", "4",
-                            "--batches", "1", "--rounds", "1", "--warmup-rounds", "0", "--threads", "1", "--json", str(out)])
+    code = throughput.main(
+        [
+            "--data",
+            str(data_dir),
+            "--model",
+            "tiny",
+            "--vocab-size",
+            "96",
+            "--batch-size",
+            "4",
+            "--batches",
+            "1",
+            "--rounds",
+            "1",
+            "--warmup-rounds",
+            "0",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
@@ -110,9 +171,31 @@ def test_throughput_runs_every_cpu_variant(data_dir, tmp_path, capsys):
 
 def test_throughput_packed_and_padded_attention_without_transformers(data_dir, tmp_path):
     out = tmp_path / "tp.json"
-    code = throughput.main(["--data", str(data_dir), "--model", "tiny", "--vocab-size", "96", "--batch-size", "4",
-                            "--batches", "1", "--rounds", "1", "--warmup-rounds", "0", "--threads", "1", "--json", str(out),
-                            "--variants", "unpadded/padded", "packed/reference"])
+    code = throughput.main(
+        [
+            "--data",
+            str(data_dir),
+            "--model",
+            "tiny",
+            "--vocab-size",
+            "96",
+            "--batch-size",
+            "4",
+            "--batches",
+            "1",
+            "--rounds",
+            "1",
+            "--warmup-rounds",
+            "0",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+            "--variants",
+            "unpadded/padded",
+            "packed/reference",
+        ]
+    )
     assert code == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"unpadded/padded", "packed/reference"}
@@ -121,8 +204,20 @@ def test_throughput_packed_and_padded_attention_without_transformers(data_dir, t
 
 
 def test_throughput_asked_for_backend_that_cannot_run_is_an_error(data_dir, tmp_path, capsys):
-    code = throughput.main(["--data", str(data_dir), "--model", "tiny", "--vocab-size", "96",
-                            "--variants", "unpadded/no_such_backend", "--json", str(tmp_path / "x.json")])
+    code = throughput.main(
+        [
+            "--data",
+            str(data_dir),
+            "--model",
+            "tiny",
+            "--vocab-size",
+            "96",
+            "--variants",
+            "unpadded/no_such_backend",
+            "--json",
+            str(tmp_path / "x.json"),
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unpadded/no_such_backend" in err[0]

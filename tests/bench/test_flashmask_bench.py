@@ -16,8 +16,25 @@ def test_cpu_run_reports_the_skipped_fraction(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "bench/flashmask.py", "--batches", "1", "--seqs", "12", "--seq-len", "256",
-                           "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/flashmask.py",
+            "--batches",
+            "1",
+            "--seqs",
+            "12",
+            "--seq-len",
+            "256",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "skipped" in proc.stdout and "counts equal the dense mask's: yes" in proc.stdout
     report = json.loads(out.read_text())

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from bench import attention as bench_attention  # noqa: E402
 from bench import train_step as bench_train_step  # noqa: E402
-from bench.lengths import LengthsError, LengthSampler, builtin_lengths, data_dir_lengths  # noqa: E402
+from bench.lengths import LengthSampler, LengthsError, builtin_lengths, data_dir_lengths  # noqa: E402
 
 
 def test_builtin_distribution_is_mlperf_like():
@@ -74,7 +74,7 @@ def test_model_flops_count_real_tokens_only():
     config = BertConfig.preset("large")
     batch = random_batch([100, 28], config.vocab_size, seed=0)
     h, i, n = 1024, 4096, 128
-    encoder = 24 * (2 * (4 * h * h + 2 * h * i) * n + 4 * h * (100 ** 2 + 28 ** 2))
+    encoder = 24 * (2 * (4 * h * h + 2 * h * i) * n + 4 * h * (100**2 + 28**2))
     head = 2 * (h * h + h * config.vocab_size) * batch.mlm_positions.numel()
     assert bench_train_step.model_flops(config, batch) == 3.0 * (encoder + head)
 
@@ -88,6 +88,6 @@ def test_packed_variant_holds_the_same_sequences():
     flat = packed.input_ids.flatten()
     for b, start in enumerate(packed.cls_positions.tolist()):
         lo, hi = batch.cu_seqlens[b].item(), batch.cu_seqlens[b + 1].item()
-        assert torch.equal(flat[start:start + hi - lo], batch.input_ids[lo:hi])
+        assert torch.equal(flat[start : start + hi - lo], batch.input_ids[lo:hi])
     assert torch.equal(packed.mlm_labels, batch.mlm_labels)
     assert torch.equal(flat[packed.mlm_positions], batch.input_ids[batch.mlm_positions])  # same masked tokens

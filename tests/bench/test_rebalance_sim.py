@@ -70,11 +70,14 @@ def test_bytes_received():
 
 def test_cli_writes_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    assert sim.main(["--world-sizes", "8", "16", "--batch", "12", "--steps", "2", "--json", str(out),
-                     "--png", str(png)]) == 0
+    assert (
+        sim.main(["--world-sizes", "8", "16", "--batch", "12", "--steps", "2", "--json", str(out), "--png", str(png)])
+        == 0
+    )
     records = json.loads(out.read_text())
     assert {(r["world_size"], r["strategy"], r["group_size"]) for r in records} == {
-        (w, s, None) for w in (8, 16) for s in ("none", "stripe", "balanced")} | {(16, "balanced", 8)}
+        (w, s, None) for w in (8, 16) for s in ("none", "stripe", "balanced")
+    } | {(16, "balanced", 8)}
     for r in records:
         assert {"world_size", "strategy", "imbalance", "bytes_per_rank", "assign_ms"} <= r.keys()
         assert r["imbalance"] >= 1.0

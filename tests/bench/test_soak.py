@@ -13,8 +13,24 @@ from bench import soak
 @pytest.mark.slow
 def test_short_soak_meets_the_goals(tmp_path, capsys):
     out = tmp_path / "soak"
-    code = soak.main(["--steps", "200", "--ranks", "1", "--interval", "50", "--global-batch", "8", "--seq-len", "64",
-                      "--sample-every", "0.05", "--out", str(out)])
+    code = soak.main(
+        [
+            "--steps",
+            "200",
+            "--ranks",
+            "1",
+            "--interval",
+            "50",
+            "--global-batch",
+            "8",
+            "--seq-len",
+            "64",
+            "--sample-every",
+            "0.05",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr()
     assert code == 0, printed.out + printed.err
     assert "all goals met" in printed.out
@@ -24,8 +40,7 @@ def test_short_soak_meets_the_goals(tmp_path, capsys):
     assert r["samples"] >= 20 and result["steps_done"] == 200
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum("eval_accuracy" in m for m in metrics) == 4
-    assert sorted(p.name for p in (out / "run" / "checkpoints").iterdir()) == ["step_00000100.pt",
-                                                                               "step_00000150.pt"]
+    assert sorted(p.name for p in (out / "run" / "checkpoints").iterdir()) == ["step_00000100.pt", "step_00000150.pt"]
 
 
 def _samples(rss, fds, threads, steps=100):

@@ -6,15 +6,20 @@ import pytest
 import torch
 import transformers
 
-from bert.checkpoint import (CheckpointError, export_hf, load_hf_state_dict, load_pretrained,
-                             to_hf_state_dict)
+from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
 from bert.config import BertConfig
 from bert.model import BertForPreTraining
 from tests.batches import random_batch
 from tests.bert.test_model import hf_logits, hf_model
 
-CONFIG = BertConfig(vocab_size=120, hidden_size=36, num_hidden_layers=2, num_attention_heads=3,
-                    intermediate_size=50, max_position_embeddings=64)
+CONFIG = BertConfig(
+    vocab_size=120,
+    hidden_size=36,
+    num_hidden_layers=2,
+    num_attention_heads=3,
+    intermediate_size=50,
+    max_position_embeddings=64,
+)
 
 
 def test_round_trip_is_bit_identical():

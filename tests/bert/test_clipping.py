@@ -128,8 +128,12 @@ def test_adagc_matches_reference_across_warmup_and_checkpoint():
             assert stats.global_norm is None
             clipped_after_warmup += n_clipped
         known = [i for i, g in enumerate(ref.gamma) if g is not None]
-        torch.testing.assert_close(adagc.gamma[known].double(), torch.tensor([ref.gamma[i] for i in known], dtype=torch.float64),
-                                   rtol=2e-6, atol=0)
+        torch.testing.assert_close(
+            adagc.gamma[known].double(),
+            torch.tensor([ref.gamma[i] for i in known], dtype=torch.float64),
+            rtol=2e-6,
+            atol=0,
+        )
         assert adagc.has_gamma.tolist() == [g is not None for g in ref.gamma]
     # The stream exercised both regimes (the test is not vacuous).
     assert clipped_after_warmup > 5 and ref.gamma[3] is not None
@@ -139,7 +143,7 @@ def test_adagc_global_norm_on_request_and_bf16():
     params = _params(torch.bfloat16)
     adagc = AdaGC([(f"p{i}", p) for i, p in enumerate(params)], warmup_steps=1)
     g = torch.Generator().manual_seed(3)
-    for t in range(3):
+    for _ in range(3):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
         expected = math.sqrt(sum(float((p.grad.float() ** 2).sum()) for p in params))

@@ -35,25 +35,28 @@ def test_a_closed_config_with_the_rules_values_is_accepted():
     assert cfg.log.division == "closed"
 
 
-@pytest.mark.parametrize("override, field", [
-    ("log.submitter=", "log.submitter"),
-    ("optim.name=adamw", "optim.name"),
-    ("optim.clip=adagc", "optim.clip"),
-    ("optim.clip=none", "optim.clip"),
-    ("optim.max_grad_norm=2.0", "optim.max_grad_norm"),
-    ("loss.simreg_weight=0.1", "loss.simreg_weight"),
-    ("model.hidden_dropout_prob=0.0", "model.hidden_dropout_prob"),
-    ("model.attention_probs_dropout_prob=0.2", "model.attention_probs_dropout_prob"),
-    ("model.preset=base", "model.preset"),
-    ("model.vocab_size=32000", "model.vocab_size"),
-    ("data.max_seq_length=128", "data.max_seq_length"),
-    ("checkpoint.init=null", "checkpoint.init"),
-    ("eval.interval_samples=100000", "eval.interval_samples"),
-    ("eval.max_samples=1000", "eval.max_samples"),
-    ("eval.at_start=true", "eval.at_start"),
-    ("eval.target_accuracy=0.5", "eval.target_accuracy"),
-    ("debug.spike_steps=[3]", "debug.spike_steps"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("log.submitter=", "log.submitter"),
+        ("optim.name=adamw", "optim.name"),
+        ("optim.clip=adagc", "optim.clip"),
+        ("optim.clip=none", "optim.clip"),
+        ("optim.max_grad_norm=2.0", "optim.max_grad_norm"),
+        ("loss.simreg_weight=0.1", "loss.simreg_weight"),
+        ("model.hidden_dropout_prob=0.0", "model.hidden_dropout_prob"),
+        ("model.attention_probs_dropout_prob=0.2", "model.attention_probs_dropout_prob"),
+        ("model.preset=base", "model.preset"),
+        ("model.vocab_size=32000", "model.vocab_size"),
+        ("data.max_seq_length=128", "data.max_seq_length"),
+        ("checkpoint.init=null", "checkpoint.init"),
+        ("eval.interval_samples=100000", "eval.interval_samples"),
+        ("eval.max_samples=1000", "eval.max_samples"),
+        ("eval.at_start=true", "eval.at_start"),
+        ("eval.target_accuracy=0.5", "eval.target_accuracy"),
+        ("debug.spike_steps=[3]", "debug.spike_steps"),
+    ],
+)
 def test_closed_division_refuses_each_forbidden_setting(tmp_path, capsys, override, field):
     with pytest.raises(ConfigError, match=rf"^{field}: .*closed division"):
         load_config(None, CLOSED + [override])
@@ -69,8 +72,17 @@ def test_closed_division_refuses_each_forbidden_setting(tmp_path, capsys, overri
 
 def test_closed_division_checks_a_config_file_is_bert_large(tmp_path):
     small = tmp_path / "bert_config.json"
-    small.write_text(json.dumps({"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-                                 "intermediate_size": 1024, "vocab_size": 30522}))
+    small.write_text(
+        json.dumps(
+            {
+                "hidden_size": 256,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "intermediate_size": 1024,
+                "vocab_size": 30522,
+            }
+        )
+    )
     with pytest.raises(ConfigError, match=r"^model.config_file: .*hidden_size 256"):
         load_config(None, CLOSED + [f"model.config_file={small}"])
 
@@ -111,8 +123,14 @@ def test_the_clock_and_the_seed(dataset, tmp_path, monkeypatch):  # noqa: F811 -
     fast = ["model.attention=padded", "eval.max_samples=8"]
     run_in_process(dataset, tmp_path / "a", "train.max_steps=1", "train.seed=null", *fast)
     first = order.index
-    assert first("init_start") < first("model build") < first("warm-up") < first("init_stop") \
-        < first("run_start") < first("dataset read")
+    assert (
+        first("init_start")
+        < first("model build")
+        < first("warm-up")
+        < first("init_stop")
+        < first("run_start")
+        < first("dataset read")
+    )
 
     monkeypatch.delenv(trainer_module.CACHE_CLEARED_ENV)
     run_in_process(dataset, tmp_path / "b", "train.max_steps=1", "train.seed=null", *fast)
@@ -131,8 +149,13 @@ def test_the_clock_and_the_seed(dataset, tmp_path, monkeypatch):  # noqa: F811 -
 
 
 def test_the_warm_up_does_not_change_training(dataset, tmp_path, monkeypatch):  # noqa: F811
-    dropout = ["model.hidden_dropout_prob=0.1", "model.attention_probs_dropout_prob=0.1", "train.max_steps=2",
-               "model.attention=padded", "eval.max_samples=8"]
+    dropout = [
+        "model.hidden_dropout_prob=0.1",
+        "model.attention_probs_dropout_prob=0.1",
+        "train.max_steps=2",
+        "model.attention=padded",
+        "eval.max_samples=8",
+    ]
     run_in_process(dataset, tmp_path / "warm", *dropout)
     monkeypatch.setattr(trainer_module.Trainer, "warm_up", lambda self: None)
     run_in_process(dataset, tmp_path / "cold", *dropout)
@@ -149,7 +172,10 @@ def test_closed_division_refuses_an_eval_set_that_is_not_10000(dataset, tmp_path
     trainer = Trainer(load(None, overrides(dataset)), str(tmp_path), init_distributed(backend="gloo"))
     assert trainer.train_loader is None and trainer.eval_loader is None  # nothing read yet
     trainer.cfg.log.division = "closed"  # as if the config had passed the guards
-    with pytest.raises(ConfigError, match=r"^data.eval_file: the closed division evaluates on exactly 10,000 "
-                                          r"samples; .* holds 40$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.eval_file: the closed division evaluates on exactly 10,000 "
+        r"samples; .* holds 40$",
+    ):
         trainer._open_data()
     trainer.train_loader.close()

@@ -11,15 +11,35 @@ from bert.export import main as export_main
 from data.tokenization import load_vocab, make_tokenizer
 from tests.bert.test_trainer import dataset, run_in_process  # noqa: F401 (dataset is a fixture)
 
-WORDS = ["the", "cat", "dog", "sat", "on", "mat", "fast", "and", "ran", "far", "away", "big", "small", "red",
-         "house", "tree", "river", "over", ".", ","]
+WORDS = [
+    "the",
+    "cat",
+    "dog",
+    "sat",
+    "on",
+    "mat",
+    "fast",
+    "and",
+    "ran",
+    "far",
+    "away",
+    "big",
+    "small",
+    "red",
+    "house",
+    "tree",
+    "river",
+    "over",
+    ".",
+    ",",
+]
 TEXT = "The big cat sat on the red mat, and the dogs ran far away."
 
 
 def write_vocab(path):
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + letters + ["##" + c for c in letters]
-    tokens += [f"##{w}" for w in WORDS[:96 - len(tokens)]]
+    tokens += [f"##{w}" for w in WORDS[: 96 - len(tokens)]]
     assert len(tokens) == 96  # the tiny model's vocabulary size
     path.write_text("".join(t + "\n" for t in tokens))
     return path
@@ -40,8 +60,9 @@ def test_export_loads_with_auto_classes(exported):
     transformers = pytest.importorskip("transformers")
     root, run = exported
     hf = root / "hf"
-    assert {"config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json",
-            "special_tokens_map.json"} <= {p.name for p in hf.iterdir()}
+    assert {"config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"} <= {
+        p.name for p in hf.iterdir()
+    }
     tok = transformers.AutoTokenizer.from_pretrained(str(hf), local_files_only=True)
     ours = make_tokenizer(load_vocab(root / "vocab.txt"))
     assert tok(TEXT, add_special_tokens=False)["input_ids"] == ours.encode(TEXT).ids
@@ -49,8 +70,9 @@ def test_export_loads_with_auto_classes(exported):
     assert ids[0] == tok.cls_token_id == 2 and ids[-1] == tok.sep_token_id == 3
     assert tok.mask_token == "[MASK]" and tok.pad_token_id == 0
 
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(hf), num_labels=3,
-                                                                            local_files_only=True)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(hf), num_labels=3, local_files_only=True
+    )
     state = train_checkpoint.read(train_checkpoint.checkpoint_path(str(run / "checkpoints"), 2))["model"]
     emb = state["embeddings.word.weight"]
     assert torch.equal(model.bert.embeddings.word_embeddings.weight.detach(), emb)
@@ -90,8 +112,24 @@ def test_finetune_compares_both_arms_on_the_export(exported, tmp_path, capsys):
 
     root, _ = exported
     out = tmp_path / "ft.json"
-    assert finetune_main([str(root / "hf"), "--topics", "2", "--epochs", "1", "--max-length", "32",
-                          "--threads", "1", "--json", str(out)]) == 0
+    assert (
+        finetune_main(
+            [
+                str(root / "hf"),
+                "--topics",
+                "2",
+                "--epochs",
+                "1",
+                "--max-length",
+                "32",
+                "--threads",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert set(result["results"]) == {"pretrained", "random init"}
     assert all(0 <= r["test_accuracy"] <= 1 for r in result["results"].values())

@@ -6,7 +6,6 @@ import functools
 import math
 
 import numpy as np
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,10 +75,10 @@ def _case(seed=0):
     # Lengths span several 64-token buckets; label collisions are frequent (6 ids).
     seqs = [rand_ids(1), rand_ids(2), rand_ids(5), list(range(9)), rand_ids(70), rand_ids(130)]
     masked = [
-        {},                               # nothing masked
-        {1: 3},                           # one masked token: never an anchor
-        {1: 2, 2: 2, 4: 5},               # one pair of positives
-        {1: 1, 2: 2, 3: 3, 4: 4},         # masked, but no positives; scope all: distinct ids too
+        {},  # nothing masked
+        {1: 3},  # one masked token: never an anchor
+        {1: 2, 2: 2, 4: 5},  # one pair of positives
+        {1: 1, 2: 2, 3: 3, 4: 4},  # masked, but no positives; scope all: distinct ids too
         {i: int(t) for i, t in zip(range(3, 70, 4), rand_ids(17, vocab=4))},
         {i: int(t) for i, t in zip(range(1, 130, 5), rand_ids(26, vocab=5))},
     ]
@@ -88,7 +87,7 @@ def _case(seed=0):
     return batch, hidden
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_on_case(scope):
     """(loss, anchors, d loss / d hidden) of the reference on _case(): slow, so computed once."""
     batch, hidden = _case()
@@ -115,8 +114,9 @@ def test_simreg_matches_per_sequence_reference(scope, bucket_width):
 def test_simreg_masked_order_does_not_matter():
     batch, hidden = _case(seed=1)
     perm = torch.randperm(batch.mlm_positions.numel(), generator=torch.Generator().manual_seed(2))
-    shuffled = UnpaddedBatch(**{**batch.__dict__, "mlm_positions": batch.mlm_positions[perm],
-                                "mlm_labels": batch.mlm_labels[perm]})
+    shuffled = UnpaddedBatch(
+        **{**batch.__dict__, "mlm_positions": batch.mlm_positions[perm], "mlm_labels": batch.mlm_labels[perm]}
+    )
     a = simreg_loss(hidden, batch, scope="masked")
     b = simreg_loss(hidden, shuffled, scope="masked")
     torch.testing.assert_close(a[0], b[0], rtol=1e-12, atol=1e-12)
@@ -126,8 +126,7 @@ def test_simreg_masked_order_does_not_matter():
 @pytest.mark.parametrize("scope", ["masked", "all"])
 def test_simreg_without_anchors_is_zero_not_nan(scope):
     # Every label distinct within its sequence; the second batch masks nothing at all.
-    for batch in (make_batch([[1, 2, 3], [4, 5]], [{1: 3, 2: 0}, {1: 2}]),
-                  make_batch([[1, 2, 3], [4]], [{}, {}])):
+    for batch in (make_batch([[1, 2, 3], [4, 5]], [{1: 3, 2: 0}, {1: 2}]), make_batch([[1, 2, 3], [4]], [{}, {}])):
         hidden = torch.randn(batch.num_tokens, 4, requires_grad=True)
         loss, anchors = simreg_loss(hidden, batch, scope=scope)
         assert loss.item() == 0.0 and int(anchors) == 0
@@ -149,8 +148,9 @@ def test_simreg_rows_without_candidates_give_finite_gradients():
 @pytest.mark.parametrize("scope", ["masked", "all"])
 def test_simreg_gradcheck(scope):
     batch = make_batch([[1, 2, 1, 3], [2, 2, 5]], [{1: 2, 2: 2, 3: 1}, {0: 4, 2: 4}])
-    hidden = torch.randn(batch.num_tokens, 3, dtype=torch.float64,
-                         generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+    hidden = torch.randn(
+        batch.num_tokens, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5)
+    ).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda h: simreg_loss(h, batch, temperature=0.3, scope=scope)[0], (hidden,))
 
 
@@ -166,12 +166,15 @@ def test_simreg_bad_arguments():
 
 # ---- MLM + NSP ---------------------------------------------------------------------------
 
+
 def _heads(m=13, b=5, v=17, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(m, v, generator=g, dtype=torch.float64, requires_grad=True),
-            torch.randint(0, v, (m,), generator=g),
-            torch.randn(b, 2, generator=g, dtype=torch.float64, requires_grad=True),
-            torch.randint(0, 2, (b,), generator=g))
+    return (
+        torch.randn(m, v, generator=g, dtype=torch.float64, requires_grad=True),
+        torch.randint(0, v, (m,), generator=g),
+        torch.randn(b, 2, generator=g, dtype=torch.float64, requires_grad=True),
+        torch.randint(0, 2, (b,), generator=g),
+    )
 
 
 def test_pretraining_loss_is_the_mean_with_local_counts():
@@ -201,8 +204,14 @@ def test_pretraining_loss_does_not_depend_on_the_split():
 
 
 def test_pretraining_loss_empty_and_low_precision():
-    loss, _ = pretraining_loss(torch.zeros(0, 7), torch.zeros(0, dtype=torch.long),
-                               torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), 0, torch.tensor(0))
+    loss, _ = pretraining_loss(
+        torch.zeros(0, 7),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, 2),
+        torch.zeros(0, dtype=torch.long),
+        0,
+        torch.tensor(0),
+    )
     assert float(loss) == 0.0
     mlm, mlm_y, nsp, nsp_y = _heads()
     loss, _ = pretraining_loss(mlm.detach().bfloat16(), mlm_y, nsp.detach().bfloat16(), nsp_y, 13, 5)
@@ -218,14 +227,19 @@ def test_anchor_count_on_the_host_matches_simreg_loss():
     lens = rng.integers(2, 40, 12).astype(np.int32)
     counts = np.minimum(lens - 1, rng.integers(0, 8, 12)).astype(np.int32)
     positions = np.concatenate([np.sort(rng.choice(np.arange(1, n), c, replace=False)) for n, c in zip(lens, counts)])
-    block = SampleBlock(input_ids=rng.integers(1, 6, lens.sum()).astype(np.int32),
-                        segment_ids=np.zeros(lens.sum(), np.int8), seq_lens=lens,
-                        masked_positions=positions.astype(np.int32),
-                        masked_ids=rng.integers(1, 6, counts.sum()).astype(np.int32), masked_counts=counts,
-                        nsp_labels=np.zeros(12, np.int8))
+    block = SampleBlock(
+        input_ids=rng.integers(1, 6, lens.sum()).astype(np.int32),
+        segment_ids=np.zeros(lens.sum(), np.int8),
+        seq_lens=lens,
+        masked_positions=positions.astype(np.int32),
+        masked_ids=rng.integers(1, 6, counts.sum()).astype(np.int32),
+        masked_counts=counts,
+        nsp_labels=np.zeros(12, np.int8),
+    )
     batch = collate_unpadded(block)
     hidden = torch.randn(batch.num_tokens, 8)
     for scope in ("masked", "all"):
         _, anchors = simreg_loss(hidden, batch, scope=scope)
-        assert simreg_anchor_count(block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids,
-                                   block.masked_counts, scope) == int(anchors)
+        assert simreg_anchor_count(
+            block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids, block.masked_counts, scope
+        ) == int(anchors)

@@ -21,19 +21,45 @@ TARGET = 0.720  # MLPerf BERT's masked-LM accuracy target
 GLOBAL_BATCH = 448
 BLOCK_SAMPLES = 3 * GLOBAL_BATCH  # an eval every 3 steps
 EVAL_SET = 10_000
-HPARAMS = dict(seed=12345, global_batch_size=GLOBAL_BATCH, local_batch_size=56,
-               gradient_accumulation_steps=1, max_sequence_length=512, max_predictions_per_seq=76,
-               learning_rate=4.25e-4, betas=(0.9, 0.999), epsilon=1e-6, weight_decay=0.01,
-               warmup_steps=0, start_warmup_step=0, train_steps=6700, poly_power=1.0)
+HPARAMS = dict(
+    seed=12345,
+    global_batch_size=GLOBAL_BATCH,
+    local_batch_size=56,
+    gradient_accumulation_steps=1,
+    max_sequence_length=512,
+    max_predictions_per_seq=76,
+    learning_rate=4.25e-4,
+    betas=(0.9, 0.999),
+    epsilon=1e-6,
+    weight_decay=0.01,
+    warmup_steps=0,
+    start_warmup_step=0,
+    train_steps=6700,
+    poly_power=1.0,
+)
 # The closed-division checker's complaint when no eval_accuracy reaches the target.
 TARGET_COMPLAINT = "Failed checks for eval_accuracy : (v['value'] >= 0.720) and v['value'] < 1.0"
 SEPARATOR = "\n" + "-" * 30 + "\n"  # between the checker's messages
-HPARAM_KEYS = {"seed", "global_batch_size", "d_batch_size", "gradient_accumulation_steps",
-               "max_sequence_length", "max_predictions_per_seq", "opt_name",
-               "opt_base_learning_rate", "opt_lamb_epsilon", "opt_epsilon", "opt_lamb_beta_1", "opt_lamb_beta_2",
-               "opt_lamb_weight_decay_rate", "opt_learning_rate_training_steps",
-               "opt_learning_rate_warmup_steps", "num_warmup_steps", "start_warmup_step",
-               "opt_lamb_learning_rate_decay_poly_power"}
+HPARAM_KEYS = {
+    "seed",
+    "global_batch_size",
+    "d_batch_size",
+    "gradient_accumulation_steps",
+    "max_sequence_length",
+    "max_predictions_per_seq",
+    "opt_name",
+    "opt_base_learning_rate",
+    "opt_lamb_epsilon",
+    "opt_epsilon",
+    "opt_lamb_beta_1",
+    "opt_lamb_beta_2",
+    "opt_lamb_weight_decay_rate",
+    "opt_learning_rate_training_steps",
+    "opt_learning_rate_warmup_steps",
+    "num_warmup_steps",
+    "start_warmup_step",
+    "opt_lamb_learning_rate_decay_poly_power",
+}
 
 
 def start_run(path, division, rank=0) -> MLPerfLogger:
@@ -80,8 +106,18 @@ def simulate_run(path, division, accuracies) -> str:
 def check(log_path: Path, werror: bool = True) -> tuple[int, list[str], str]:
     """Runs the compliance checker; returns its exit code, its messages and its whole output."""
     report = log_path.with_suffix(".checker.txt")
-    cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
-           "--ruleset", "5.0.0", "--log_output", str(report), str(log_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlperf_logging.compliance_checker",
+        "--usage",
+        "training",
+        "--ruleset",
+        "5.0.0",
+        "--log_output",
+        str(report),
+        str(log_path),
+    ]
     if werror:
         cmd.append("--werror")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -97,20 +133,23 @@ def check(log_path: Path, werror: bool = True) -> tuple[int, list[str], str]:
 def read_lines(path: Path) -> list[dict]:
     lines = path.read_text().splitlines()
     assert all(line.startswith(":::MLLOG {") for line in lines)
-    return [json.loads(line[len(":::MLLOG "):]) for line in lines]
+    return [json.loads(line[len(":::MLLOG ") :]) for line in lines]
 
 
-@pytest.mark.parametrize("division,accuracies,status", [
-    ("open", [0.31, 0.55, 0.70, 0.7204], "success"),
-    ("open", [0.31, 0.55, 0.70], "aborted"),
-    ("closed", [0.31, 0.55, 0.70, 0.7204], "success"),
-])
+@pytest.mark.parametrize(
+    "division,accuracies,status",
+    [
+        ("open", [0.31, 0.55, 0.70, 0.7204], "success"),
+        ("open", [0.31, 0.55, 0.70], "aborted"),
+        ("closed", [0.31, 0.55, 0.70, 0.7204], "success"),
+    ],
+)
 def test_checker_accepts_run(tmp_path, division, accuracies, status):
     log_path = tmp_path / "mlperf.log"
     assert simulate_run(log_path, division, accuracies) == status
     rc, messages, output = check(log_path)
     assert rc == 0 and messages == [], output
-    assert "training_5.0.0/%s_bert.yaml" % division in output  # the BERT rules were applied
+    assert f"training_5.0.0/{division}_bert.yaml" in output  # the BERT rules were applied
     assert output.rstrip().endswith("SUCCESS")
 
 
@@ -130,8 +169,10 @@ def test_lines_carry_samples_and_the_callers_location(tmp_path):
     assert keys[:3] == ["cache_clear", "init_start", "submission_benchmark"]
     assert keys[-4:] == ["epoch_stop", "train_samples", "eval_samples", "run_stop"]
     accuracy = [e for e in events if e["key"] == "eval_accuracy"]
-    assert [(e["value"], e["metadata"]["epoch_num"]) for e in accuracy] == \
-        [(0.4, BLOCK_SAMPLES), (0.73, 2 * BLOCK_SAMPLES)]
+    assert [(e["value"], e["metadata"]["epoch_num"]) for e in accuracy] == [
+        (0.4, BLOCK_SAMPLES),
+        (0.73, 2 * BLOCK_SAMPLES),
+    ]
     by_key = {e["key"]: e for e in events}
     assert by_key["run_stop"]["metadata"]["status"] == "success"
     assert by_key["train_samples"]["value"] == 2 * BLOCK_SAMPLES
@@ -143,8 +184,13 @@ def test_lines_carry_samples_and_the_callers_location(tmp_path):
     source = Path(__file__).read_text().splitlines()
     for e in events:
         assert e["metadata"]["file"] == "tests/bert/test_mlperf_log.py", e
-        method = "hyperparameters" if e["key"] in HPARAM_KEYS else \
-            "submission_info" if e["key"].startswith("submission_") else e["key"]
+        method = (
+            "hyperparameters"
+            if e["key"] in HPARAM_KEYS
+            else "submission_info"
+            if e["key"].startswith("submission_")
+            else e["key"]
+        )
         assert f"log.{method}(" in source[e["metadata"]["lineno"] - 1], e
 
 
@@ -156,8 +202,11 @@ def test_numpy_numbers_are_written_as_json_numbers(tmp_path):
     log.eval_accuracy(np.int64(BLOCK_SAMPLES), np.float32(0.5))
     log.close()
     events = read_lines(log_path)[-3:]
-    assert [e["metadata"]["epoch_num" if i != 1 else "epoch_count"] for i, e in enumerate(events)] \
-        == [0, BLOCK_SAMPLES, BLOCK_SAMPLES]
+    assert [e["metadata"]["epoch_num" if i != 1 else "epoch_count"] for i, e in enumerate(events)] == [
+        0,
+        BLOCK_SAMPLES,
+        BLOCK_SAMPLES,
+    ]
     assert events[2]["value"] == 0.5
 
 
@@ -176,7 +225,7 @@ def test_stdout_when_no_path(capsys):
     log.cache_clear()
     log.close()
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 1 and json.loads(out[0][len(":::MLLOG "):])["key"] == "cache_clear"
+    assert len(out) == 1 and json.loads(out[0][len(":::MLLOG ") :])["key"] == "cache_clear"
 
 
 def _init_without_hparams(log):
@@ -213,19 +262,21 @@ def _float_batch(log):
     log.hyperparameters(**{**HPARAMS, "global_batch_size": 448.0})
 
 
-@pytest.mark.parametrize("misuse,started,error,match", [
-    (lambda log: log.run_start(), False, RuntimeError, "not allowed before init_start"),
-    (_init_without_hparams, False, RuntimeError, r"call hyperparameters\(\) before init_stop"),
-    (lambda log: (log.init_start(), _float_batch(log)), False, TypeError, "global_batch_size"),
-    (_samples_go_back, True, ValueError, "samples went back from 100 to 50"),
-    (_accuracy_in_percent, True, ValueError, r"fraction in \[0, 1\]"),
-    (_stop_without_counts, True, RuntimeError, "call train_samples"),
-    (_block_twice, True, RuntimeError, "block opened at 0 samples is still open"),
-    (lambda log: log.eval_stop(0), True, RuntimeError, "without an open eval"),
-    (_bad_status, True, ValueError, "status must be one of"),
-    (lambda log: log.cache_clear(), True, RuntimeError,
-     "cache_clear is not allowed after run_start"),
-])
+@pytest.mark.parametrize(
+    "misuse,started,error,match",
+    [
+        (lambda log: log.run_start(), False, RuntimeError, "not allowed before init_start"),
+        (_init_without_hparams, False, RuntimeError, r"call hyperparameters\(\) before init_stop"),
+        (lambda log: (log.init_start(), _float_batch(log)), False, TypeError, "global_batch_size"),
+        (_samples_go_back, True, ValueError, "samples went back from 100 to 50"),
+        (_accuracy_in_percent, True, ValueError, r"fraction in \[0, 1\]"),
+        (_stop_without_counts, True, RuntimeError, "call train_samples"),
+        (_block_twice, True, RuntimeError, "block opened at 0 samples is still open"),
+        (lambda log: log.eval_stop(0), True, RuntimeError, "without an open eval"),
+        (_bad_status, True, ValueError, "status must be one of"),
+        (lambda log: log.cache_clear(), True, RuntimeError, "cache_clear is not allowed after run_start"),
+    ],
+)
 def test_misuse_is_an_error(tmp_path, misuse, started, error, match):
     path = tmp_path / "mlperf.log"
     log = start_run(path, "closed") if started else MLPerfLogger(path, 0, "closed")
@@ -252,8 +303,7 @@ def test_resumed_run_passes(tmp_path):
     with open(log_path, "a") as f:
         f.write(':::MLLOG {"namespace": "", "time_')  # ... while writing a line
 
-    resumed = MLPerfLogger(log_path, 0, "closed", submitter="tests", platform="1xCPU",
-                           resume=True)
+    resumed = MLPerfLogger(log_path, 0, "closed", submitter="tests", platform="1xCPU", resume=True)
     resumed.epoch_start(samples)  # from the last checkpoint
     samples, status = train_and_eval(resumed, samples, [0.70, 0.7204])
     finish_run(resumed, samples, status)
@@ -270,14 +320,19 @@ def test_system_description_passes_its_checker(tmp_path):
     from mlperf_logging.system_desc_checker.system_desc_checker import check_system_desc
 
     path = tmp_path / "1xCPU.json"
-    desc = write_system_desc(path, submitter="tests", division="open",
-                             status="Research, Development, or Internal (RDI)",
-                             system_name="1xCPU", number_of_nodes="1", framework="PyTorch")
+    desc = write_system_desc(
+        path,
+        submitter="tests",
+        division="open",
+        status="Research, Development, or Internal (RDI)",
+        system_name="1xCPU",
+        number_of_nodes="1",
+        framework="PyTorch",
+    )
     assert json.loads(path.read_text()) == desc and set(desc) == set(SYSTEM_DESC_FIELDS)
     valid, name, _, _ = check_system_desc(str(path), "training", "5.0.0")
     assert valid and name == "1xCPU"
     with pytest.raises(ValueError, match="status must be one of"):
         write_system_desc(path, submitter="t", division="open", status="onprem", system_name="x")
     with pytest.raises(ValueError, match="unknown field"):
-        write_system_desc(path, submitter="t", division="open", status="Preview",
-                          system_name="x", gpus=8)
+        write_system_desc(path, submitter="t", division="open", status="Preview", system_name="x", gpus=8)

@@ -13,13 +13,41 @@ from tests.batches import random_batch
 
 CASES = [
     # (config, lengths): the maximum length is the config's max_position_embeddings.
-    (BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=128, max_position_embeddings=512), [1, 2, 97, 128, 512]),
-    (BertConfig(vocab_size=101, hidden_size=36, num_hidden_layers=2, num_attention_heads=3,
-                intermediate_size=50, max_position_embeddings=200), [97, 1, 200, 2, 128]),
-    (BertConfig(vocab_size=257, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
-                intermediate_size=96, max_position_embeddings=130, hidden_act="gelu_new",
-                layer_norm_eps=1e-5), [2, 130, 1, 97, 128, 130]),
+    (
+        BertConfig(
+            vocab_size=30522,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=512,
+        ),
+        [1, 2, 97, 128, 512],
+    ),
+    (
+        BertConfig(
+            vocab_size=101,
+            hidden_size=36,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            intermediate_size=50,
+            max_position_embeddings=200,
+        ),
+        [97, 1, 200, 2, 128],
+    ),
+    (
+        BertConfig(
+            vocab_size=257,
+            hidden_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            intermediate_size=96,
+            max_position_embeddings=130,
+            hidden_act="gelu_new",
+            layer_norm_eps=1e-5,
+        ),
+        [2, 130, 1, 97, 128, 130],
+    ),
 ]
 
 
@@ -37,8 +65,12 @@ def hf_model(config: BertConfig, seed: int):
 
 def hf_logits(model, batch):
     pb = pad(batch)
-    out = model(input_ids=pb.input_ids, token_type_ids=pb.segment_ids, attention_mask=pb.attention_mask.long(),
-                position_ids=pb.position_ids)
+    out = model(
+        input_ids=pb.input_ids,
+        token_type_ids=pb.segment_ids,
+        attention_mask=pb.attention_mask.long(),
+        position_ids=pb.position_ids,
+    )
     mlm = out.prediction_logits.reshape(-1, out.prediction_logits.shape[-1])[pb.mlm_positions]
     return mlm, out.seq_relationship_logits
 
@@ -98,7 +130,8 @@ def test_initialisation_and_tied_decoder():
     # The decoder is the word-embedding matrix: MLM gradients reach it.
     assert model.embeddings.word.weight.grad.abs().sum() > 0
     assert sum(p.numel() for p in model.parameters()) == sum(
-        p.numel() for n, p in model.named_parameters())  # no duplicated decoder matrix
+        p.numel() for n, p in model.named_parameters()
+    )  # no duplicated decoder matrix
 
 
 def test_dropout_active_only_in_training():

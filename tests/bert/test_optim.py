@@ -41,8 +41,8 @@ def reference_lamb_step(params, grads, states, step, lr, betas, eps, wd, adapt):
             continue
         st["m"] = b1 * st["m"] + (1 - b1) * g
         st["v"] = b2 * st["v"] + (1 - b2) * g * g
-        m_hat = st["m"] / (1 - b1 ** step)
-        v_hat = st["v"] / (1 - b2 ** step)
+        m_hat = st["m"] / (1 - b1**step)
+        v_hat = st["v"] / (1 - b2**step)
         u = m_hat / (v_hat.sqrt() + eps) + wd * p
         ratio = 1.0
         if adapt:
@@ -79,8 +79,17 @@ def test_lamb_matches_per_tensor_reference(use_nvlamb):
         opt.step()
         with torch.no_grad():
             for g, states in zip(ref_groups, ref_states):
-                reference_lamb_step(g["params"], [p.grad for p in g["params"]], states, step, lr, betas, eps,
-                                    g["weight_decay"], adapt=g["weight_decay"] != 0 or use_nvlamb)
+                reference_lamb_step(
+                    g["params"],
+                    [p.grad for p in g["params"]],
+                    states,
+                    step,
+                    lr,
+                    betas,
+                    eps,
+                    g["weight_decay"],
+                    adapt=g["weight_decay"] != 0 or use_nvlamb,
+                )
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14, msg=name)
     assert model.unused.weight.grad is None and model.unused.weight not in opt.state
@@ -137,8 +146,14 @@ def test_param_groups_by_module_type_and_rank():
     assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
     expect_decay = {model.emb.weight, model.fc.weight, model.zero_fc.weight, model.unused.weight}
     assert decay == set(map(id, expect_decay))
-    expect_no = {model.norm.weight, model.norm.bias, model.fc.bias, model.zero_fc.bias, model.out_bias,
-                 model.unused.bias}
+    expect_no = {
+        model.norm.weight,
+        model.norm.bias,
+        model.fc.bias,
+        model.zero_fc.bias,
+        model.out_bias,
+        model.unused.bias,
+    }
     assert no_decay == set(map(id, expect_no))
     # A tied parameter appears once; a frozen one not at all.
     model.fc.weight.requires_grad_(False)
@@ -182,18 +197,21 @@ def test_build_optimizer_choices():
 
 # ---- schedule -------------------------------------------------------------------------
 
+
 def test_lr_hand_computed_values():
     kw = dict(base_lr=4.0, total_steps=10, warmup_steps=4)
     # Warm-up 0, 1, 2, 3 -> base * g / 4; then 4 * (1 - g/10); constant 0 past the end.
     assert [lr_at(g, **kw) for g in range(13)] == pytest.approx(
-        [0.0, 1.0, 2.0, 3.0, 2.4, 2.0, 1.6, 1.2, 0.8, 0.4, 0.0, 0.0, 0.0])
+        [0.0, 1.0, 2.0, 3.0, 2.4, 2.0, 1.6, 1.2, 0.8, 0.4, 0.0, 0.0, 0.0]
+    )
     # start_warmup_step = -2: the ramp starts two steps in (w = g + 2); decay still from step 0.
     assert [lr_at(g, start_warmup_step=-2, **kw) for g in range(4)] == pytest.approx([2.0, 3.0, 3.2, 2.8])
     # A positive start keeps the rate at 0 until the ramp begins.
     assert [lr_at(g, start_warmup_step=3, **kw) for g in (0, 2, 3, 4, 7)] == pytest.approx([0.0, 0.0, 0.0, 1.0, 1.2])
     # No warm-up, power 2, end_lr 1: (4 - 1) * (1 - g/10)^2 + 1.
-    assert [lr_at(g, base_lr=4.0, total_steps=10, power=2.0, end_lr=1.0) for g in (0, 5, 10)] == \
-        pytest.approx([4.0, 1.75, 1.0])
+    assert [lr_at(g, base_lr=4.0, total_steps=10, power=2.0, end_lr=1.0) for g in (0, 5, 10)] == pytest.approx(
+        [4.0, 1.75, 1.0]
+    )
     # The v2.0 8-GPU recipe: no warm-up, linear decay over 6700 steps from 4.25e-4.
     recipe = dict(base_lr=4.25e-4, total_steps=6700)
     assert lr_at(0, **recipe) == 4.25e-4 and lr_at(6700, **recipe) == 0.0

@@ -11,11 +11,31 @@ from tests.bert.test_trainer import dataset, overrides, run_in_process  # noqa: 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-RUN = ["log.tensorboard=true", "optim.clip=adagc", "optim.adagc.warmup_steps=2", "loss.simreg_weight=0.1",
-       "optim.total_steps=6", "model.hidden_dropout_prob=0.1"]
-TAGS = {"loss/total", "loss/mlm", "loss/nsp", "loss/simreg", "optim/lr", "optim/grad_norm", "adagc/clipped_share",
-        "adagc/clip_ratio", "throughput/seq_per_s", "throughput/tokens_per_s", "train/samples",
-        "train/skipped_steps", "spikes/loss_score", "spikes/grad_norm_score", "eval/mlm_accuracy"}
+RUN = [
+    "log.tensorboard=true",
+    "optim.clip=adagc",
+    "optim.adagc.warmup_steps=2",
+    "loss.simreg_weight=0.1",
+    "optim.total_steps=6",
+    "model.hidden_dropout_prob=0.1",
+]
+TAGS = {
+    "loss/total",
+    "loss/mlm",
+    "loss/nsp",
+    "loss/simreg",
+    "optim/lr",
+    "optim/grad_norm",
+    "adagc/clipped_share",
+    "adagc/clip_ratio",
+    "throughput/seq_per_s",
+    "throughput/tokens_per_s",
+    "train/samples",
+    "train/skipped_steps",
+    "spikes/loss_score",
+    "spikes/grad_norm_score",
+    "eval/mlm_accuracy",
+}
 TIMING = {"throughput/seq_per_s", "throughput/tokens_per_s"}
 
 

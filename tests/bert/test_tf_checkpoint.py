@@ -47,13 +47,17 @@ def test_converted_model_matches_transformers(tmp_path):
     tf = expected()
     hf = to_hf_state_dict(ours)
     # Google's names, independently: dense kernels are [in, out] in TensorFlow.
-    assert torch.equal(hf["bert.encoder.layer.1.attention.self.value.weight"],
-                       torch.from_numpy(tf["bert/encoder/layer_1/attention/self/value/kernel"].T))
+    assert torch.equal(
+        hf["bert.encoder.layer.1.attention.self.value.weight"],
+        torch.from_numpy(tf["bert/encoder/layer_1/attention/self/value/kernel"].T),
+    )
     assert torch.equal(hf["cls.seq_relationship.weight"], torch.from_numpy(tf["cls/seq_relationship/output_weights"]))
     assert torch.equal(hf["cls.predictions.bias"], torch.from_numpy(tf["cls/predictions/output_bias"]))
     assert torch.equal(hf["bert.embeddings.LayerNorm.weight"], torch.from_numpy(tf["bert/embeddings/LayerNorm/gamma"]))
 
-    assert convert_main(["--tf-checkpoint", PREFIX, "--bert-config", CONFIG_JSON, "--output", str(tmp_path / "hf")]) == 0
+    assert (
+        convert_main(["--tf-checkpoint", PREFIX, "--bert-config", CONFIG_JSON, "--output", str(tmp_path / "hf")]) == 0
+    )
     theirs = transformers.BertForPreTraining.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
     batch = random_batch([5, 32, 17], config.vocab_size, seed=3)
     with torch.no_grad():
@@ -62,7 +66,9 @@ def test_converted_model_matches_transformers(tmp_path):
     assert (out.mlm_logits - mlm).abs().max() <= 1e-5
     assert (out.nsp_logits - nsp).abs().max() <= 1e-5
 
-    assert convert_main(["--tf-checkpoint", PREFIX, "--bert-config", CONFIG_JSON, "--output", str(tmp_path / "p.pt")]) == 0
+    assert (
+        convert_main(["--tf-checkpoint", PREFIX, "--bert-config", CONFIG_JSON, "--output", str(tmp_path / "p.pt")]) == 0
+    )
     again = BertForPreTraining(config)
     load_pretrained(again, str(tmp_path / "p.pt"))
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
@@ -110,20 +116,43 @@ def test_damaged_checkpoints_give_clean_errors(tmp_path):
 def test_cli_reports_one_line_and_fails(tmp_path):
     prefix = copy_fixture(tmp_path)
     os.remove(prefix + ".data-00000-of-00001")
-    r = subprocess.run([sys.executable, "-m", "bert.convert_tf", "--tf-checkpoint", prefix, "--bert-config",
-                        CONFIG_JSON, "--output", str(tmp_path / "out.pt")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bert.convert_tf",
+            "--tf-checkpoint",
+            prefix,
+            "--bert-config",
+            CONFIG_JSON,
+            "--output",
+            str(tmp_path / "out.pt"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1
     assert r.stderr.strip().count("\n") == 0 and "missing data shard" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out.pt").exists()
 
 
 def test_nvidia_checkpoint_with_padded_vocabulary(tmp_path):
-    config = BertConfig(vocab_size=61, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=24, max_position_embeddings=32)
+    config = BertConfig(
+        vocab_size=61,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=32,
+    )
     theirs = hf_model(config, seed=7)
     sd = dict(theirs.state_dict())
-    for name in ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias", "cls.predictions.decoder.weight",
-                 "cls.predictions.decoder.bias"):
+    for name in (
+        "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.bias",
+        "cls.predictions.decoder.weight",
+        "cls.predictions.decoder.bias",
+    ):
         pad_rows = torch.randn((64 - 61, *sd[name].shape[1:]))  # NVIDIA pads 61 -> 64 rows
         sd[name] = torch.cat([sd[name], pad_rows])
     sd["cls.predictions.decoder.weight"] = sd["bert.embeddings.word_embeddings.weight"]

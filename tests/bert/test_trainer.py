@@ -15,10 +15,22 @@ from tests.batches import write_dataset
 from tests.helpers import REPO
 
 ROOT = str(REPO)
-TINY = ["model.preset=tiny", "model.vocab_size=96", "model.hidden_dropout_prob=0",
-        "model.attention_probs_dropout_prob=0", "data.max_seq_length=64", "train.global_batch_size=8",
-        "train.device=cpu", "train.log_interval_steps=1", "eval.interval_samples=32", "eval.batch_size=16",
-        "optim.lr=1e-3", "optim.warmup_steps=2", "log.plot=false", "train.seed=42"]
+TINY = [
+    "model.preset=tiny",
+    "model.vocab_size=96",
+    "model.hidden_dropout_prob=0",
+    "model.attention_probs_dropout_prob=0",
+    "data.max_seq_length=64",
+    "train.global_batch_size=8",
+    "train.device=cpu",
+    "train.log_interval_steps=1",
+    "eval.interval_samples=32",
+    "eval.batch_size=16",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=2",
+    "log.plot=false",
+    "train.seed=42",
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +74,26 @@ def test_run_writes_every_output(dataset, tmp_path):
     evals = [r for r in records if "eval_accuracy" in r]
     assert [r["samples"] for r in evals] == [32, 48]  # at the interval and at the end
     saved = json.load(open(tmp_path / "summary.json"))
-    for key in ("status", "samples", "train_seconds", "seq_per_s", "tokens_per_s", "eval_accuracy",
-                "time_to_train_s"):
+    for key in ("status", "samples", "train_seconds", "seq_per_s", "tokens_per_s", "eval_accuracy", "time_to_train_s"):
         assert key in saved
     assert (tmp_path / "curves.png").stat().st_size > 1000
-    checker = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
-                              "--ruleset", "5.0.0", "--log_output", str(tmp_path / "cc.log"),
-                              str(tmp_path / "mlperf.log")], capture_output=True, text=True, timeout=120)
+    checker = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlperf_logging.compliance_checker",
+            "--usage",
+            "training",
+            "--ruleset",
+            "5.0.0",
+            "--log_output",
+            str(tmp_path / "cc.log"),
+            str(tmp_path / "mlperf.log"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert checker.returncode == 0, checker.stdout + checker.stderr
 
 
@@ -83,29 +108,53 @@ def test_eval_at_start_scores_the_initial_weights_and_changes_nothing(dataset, t
     fresh = Trainer(load_config(None, overrides(dataset)), str(tmp_path / "fresh"), init_distributed(backend="gloo"))
     fresh.eval_loader = fresh._eval_loader()
     assert records[0]["eval_at_start_accuracy"] == fresh.evaluate()
+
     # Not an MLPerf evaluation: the log has the plain run's eval_accuracy events only.
     def evals(d):
         return sum('"key": "eval_accuracy"' in line for line in open(d / "mlperf.log"))
+
     assert evals(tmp_path / "at_start") == evals(tmp_path / "plain")
 
 
 @pytest.mark.slow  # three training runs and the compliance checker
 def test_resume_is_bitwise_identical(dataset, tmp_path):
     whole = tmp_path / "whole"
-    run_in_process(dataset, whole, "train.max_steps=8", "model.hidden_dropout_prob=0.1",
-                   "model.attention_probs_dropout_prob=0.1")
+    run_in_process(
+        dataset, whole, "train.max_steps=8", "model.hidden_dropout_prob=0.1", "model.attention_probs_dropout_prob=0.1"
+    )
     parts = tmp_path / "parts"
-    first = run_in_process(dataset, parts, "train.max_steps=8", "model.hidden_dropout_prob=0.1",
-                           "model.attention_probs_dropout_prob=0.1", stop_after=3)
+    first = run_in_process(
+        dataset,
+        parts,
+        "train.max_steps=8",
+        "model.hidden_dropout_prob=0.1",
+        "model.attention_probs_dropout_prob=0.1",
+        stop_after=3,
+    )
     assert first["status"] == "interrupted" and first["steps"] == 4
     assert os.listdir(parts / "checkpoints") == ["step_00000004.pt"]
-    second = run_in_process(dataset, parts, "train.max_steps=8", "model.hidden_dropout_prob=0.1",
-                            "model.attention_probs_dropout_prob=0.1")
+    second = run_in_process(
+        dataset, parts, "train.max_steps=8", "model.hidden_dropout_prob=0.1", "model.attention_probs_dropout_prob=0.1"
+    )
     assert second["steps"] == 8
     assert losses(parts) == losses(whole)  # bitwise: the same floats
-    checker = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
-                              "--ruleset", "5.0.0", "--log_output", str(tmp_path / "cc.log"),
-                              str(parts / "mlperf.log")], capture_output=True, text=True, timeout=120)
+    checker = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlperf_logging.compliance_checker",
+            "--usage",
+            "training",
+            "--ruleset",
+            "5.0.0",
+            "--log_output",
+            str(tmp_path / "cc.log"),
+            str(parts / "mlperf.log"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert checker.returncode == 0, checker.stdout + checker.stderr
 
 
@@ -116,19 +165,28 @@ def test_grad_accumulation_gives_the_same_losses(dataset, tmp_path):
 
 
 def cli(*args, timeout=300, **kw):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "run_pretraining.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, **kw)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "run_pretraining.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("override, message", [
-    ("optim.lr=-1", "optim.lr: must be positive"),
-    ("train.precision=fp8", "train.precision: 'fp8' is not one of"),
-    ("optim.lrr=1", "optim.lrr: unknown field"),
-    ("train.grad_accum_steps=3", "train.global_batch_size: 8 is not divisible"),
-    ("data.eval_file=/nonexistent.hdf5", "data.eval_file: '/nonexistent.hdf5' does not exist"),
-    ("model.vocab_size=50", "outside the vocabulary"),
-    ("model.attention=flashmask", "model.attention: flashmask needs data.layout=packed"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=-1", "optim.lr: must be positive"),
+        ("train.precision=fp8", "train.precision: 'fp8' is not one of"),
+        ("optim.lrr=1", "optim.lrr: unknown field"),
+        ("train.grad_accum_steps=3", "train.global_batch_size: 8 is not divisible"),
+        ("data.eval_file=/nonexistent.hdf5", "data.eval_file: '/nonexistent.hdf5' does not exist"),
+        ("model.vocab_size=50", "outside the vocabulary"),
+        ("model.attention=flashmask", "model.attention: flashmask needs data.layout=packed"),
+    ],
+)
 def test_bad_config_is_one_line(dataset, tmp_path, override, message):
     r = cli("--output-dir", str(tmp_path / "out"), *overrides(dataset, "train.max_steps=2", override))
     assert r.returncode == 2
@@ -146,8 +204,15 @@ def test_unwritable_output_dir(dataset, tmp_path):
 def test_help_lists_every_field():
     r = cli("--help")
     assert r.returncode == 0
-    for key in ("model.preset", "data.layout", "train.grad_accum_steps", "optim.start_warmup_step",
-                "checkpoint.init", "log.division", "eval.target_accuracy"):
+    for key in (
+        "model.preset",
+        "data.layout",
+        "train.grad_accum_steps",
+        "optim.start_warmup_step",
+        "checkpoint.init",
+        "log.division",
+        "eval.target_accuracy",
+    ):
         assert key in r.stdout
 
 
@@ -156,8 +221,7 @@ def test_layouts_and_dali_backend_train_the_same(dataset, tmp_path):
     run_in_process(dataset, tmp_path / "unpadded", "train.max_steps=3")
     run_in_process(dataset, tmp_path / "padded", "train.max_steps=3", "data.layout=padded")
     run_in_process(dataset, tmp_path / "dali", "train.max_steps=3", "data.backend=dali")
-    run_in_process(dataset, tmp_path / "packed", "train.max_steps=3", "data.layout=packed",
-                   "model.attention=flashmask")
+    run_in_process(dataset, tmp_path / "packed", "train.max_steps=3", "data.layout=packed", "model.attention=flashmask")
     ref = losses(tmp_path / "unpadded")
     assert losses(tmp_path / "padded") == pytest.approx(ref, rel=1e-5)
     assert losses(tmp_path / "packed") == pytest.approx(ref, rel=1e-5)
@@ -173,8 +237,13 @@ def test_bf16_autocast_on_cpu(dataset, tmp_path):
 def test_non_finite_steps_are_skipped_then_abort(dataset, tmp_path):
     summary = run_in_process(dataset, tmp_path / "a", "train.max_steps=6", "debug.nonfinite_steps=[2]")
     assert summary["status"] == "aborted" and summary["skipped_steps"] == 1 and summary["steps"] == 6
-    summary = run_in_process(dataset, tmp_path / "b", "train.max_steps=20", "train.max_nonfinite_steps=3",
-                             "debug.nonfinite_steps=[2,3,4,5,6]")
+    summary = run_in_process(
+        dataset,
+        tmp_path / "b",
+        "train.max_steps=20",
+        "train.max_nonfinite_steps=3",
+        "debug.nonfinite_steps=[2,3,4,5,6]",
+    )
     assert summary["status"] == "aborted" and summary["steps"] == 4 and summary["skipped_steps"] == 3
     log = open(tmp_path / "b" / "mlperf.log").read()
     assert '"key": "run_stop"' in log and '"status": "aborted"' in log
@@ -185,9 +254,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
     import signal as sig
     import time
 
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "run_pretraining.py"), "--output-dir",
-                             str(tmp_path), *overrides(dataset, "train.max_steps=100000")], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "run_pretraining.py"),
+            "--output-dir",
+            str(tmp_path),
+            *overrides(dataset, "train.max_steps=100000"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists():
         time.sleep(0.2)

@@ -30,16 +30,33 @@ def single_rank(dataset, tmp_path_factory):
 
 def launch(script, ranks, out, dataset, *extra, timeout=240):
     train, eval_file = dataset
-    args = [os.path.join(ROOT, "launch", script), *(["1"] if script == "run_torchrun.sh" else []), str(ranks),
-            CONFIG, str(out), *TINY, *STEPS, f"data.train_dir={train}", f"data.eval_file={eval_file}", *extra]
+    args = [
+        os.path.join(ROOT, "launch", script),
+        *(["1"] if script == "run_torchrun.sh" else []),
+        str(ranks),
+        CONFIG,
+        str(out),
+        *TINY,
+        *STEPS,
+        f"data.train_dir={train}",
+        f"data.eval_file={eval_file}",
+        *extra,
+    ]
     # The in-process single-rank run exported RANK/WORLD_SIZE (torchrun's variables, which take
     # precedence over MPI's): the launched ranks must not inherit them (clean_env).
     output = run_launched(args, timeout, what=script)
     return output
 
 
-@pytest.mark.parametrize("script, strategy", [("run_torchrun.sh", "none"), ("run_mpirun.sh", "none"),
-                                              ("run_torchrun.sh", "balanced"), ("run_mpirun.sh", "balanced")])
+@pytest.mark.parametrize(
+    "script, strategy",
+    [
+        ("run_torchrun.sh", "none"),
+        ("run_mpirun.sh", "none"),
+        ("run_torchrun.sh", "balanced"),
+        ("run_mpirun.sh", "balanced"),
+    ],
+)
 def test_two_ranks_match_one_rank(script, strategy, dataset, single_rank, tmp_path):
     """Rebalancing moves samples between ranks; the global batch and so the loss stay the same."""
     launch(script, 2, tmp_path, dataset, f"data.rebalance={strategy}")

@@ -44,9 +44,15 @@ class HostJobs:
 def torchrun_on(host_jobs: HostJobs, host: int, nnodes: str, out, dataset, *extra, **env) -> Job:
     """launch/run_torchrun.sh NNODES 2 on ``host``; the rendezvous is on host 0, the NIC cl0."""
     c = host_jobs.cluster
-    return host_jobs.start(host, [os.path.join(LAUNCH, "run_torchrun.sh"), nnodes, "2", CONFIG, str(out),
-                                  *train_args(dataset, *extra)], f"host{host}-{len(host_jobs.jobs)}.log",
-                           MASTER_ADDR=c.address(0), MASTER_PORT=29500, SOCKET_IFNAME="cl0", **env)
+    return host_jobs.start(
+        host,
+        [os.path.join(LAUNCH, "run_torchrun.sh"), nnodes, "2", CONFIG, str(out), *train_args(dataset, *extra)],
+        f"host{host}-{len(host_jobs.jobs)}.log",
+        MASTER_ADDR=c.address(0),
+        MASTER_PORT=29500,
+        SOCKET_IFNAME="cl0",
+        **env,
+    )
 
 
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol")
@@ -71,8 +77,9 @@ class SlurmCluster:
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(key, 0o400)
-        nodes = "".join(f"NodeName={c.hostname(i)} NodeAddr={c.address(i)} CPUs=2 State=UNKNOWN\n"
-                        for i in range(c.hosts))
+        nodes = "".join(
+            f"NodeName={c.hostname(i)} NodeAddr={c.address(i)} CPUs=2 State=UNKNOWN\n" for i in range(c.hosts)
+        )
         with open(self.conf, "w") as f:
             f.write(f"""ClusterName={c.name}
 SlurmctldHost={c.hostname(0)}({c.address(0)})
@@ -107,9 +114,20 @@ SlurmdParameters=config_overrides
         def daemon(host: int, argv: list[str], log: str) -> None:
             self.jobs.append(Job(c.command(host, argv), os.path.join(d, log), self.env()))
 
-        daemon(0, ["munged", "-F", "--force", f"--key-file={d}/munge.key", f"--socket={d}/munge.socket",
-                   f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"],
-               "munged.out")
+        daemon(
+            0,
+            [
+                "munged",
+                "-F",
+                "--force",
+                f"--key-file={d}/munge.key",
+                f"--socket={d}/munge.socket",
+                f"--pid-file={d}/munged.pid",
+                f"--log-file={d}/munged.log",
+                f"--seed-file={d}/munged.seed",
+            ],
+            "munged.out",
+        )
         deadline = time.monotonic() + timeout
         while not os.path.exists(f"{d}/munge.socket"):
             if time.monotonic() > deadline or self.jobs[0].proc.poll() is not None:
@@ -119,13 +137,20 @@ SlurmdParameters=config_overrides
         for i in range(c.hosts):
             daemon(i, ["slurmd", "-D", "-f", self.conf, "-N", c.hostname(i)], f"slurmd{i}.out")
         while True:
-            done = subprocess.run(c.command(0, ["sinfo", "-h", "-o", "%T %D"]), env=self.env(),
-                                  check=False, capture_output=True, text=True)
+            done = subprocess.run(
+                c.command(0, ["sinfo", "-h", "-o", "%T %D"]),
+                env=self.env(),
+                check=False,
+                capture_output=True,
+                text=True,
+            )
             if done.stdout.split() == ["idle", str(c.hosts)]:
                 return
             if time.monotonic() > deadline or any(j.proc.poll() is not None for j in self.jobs):
-                raise RuntimeError(f"Slurm did not come up (sinfo: {done.stdout.strip()} {done.stderr.strip()}):\n"
-                                   + "\n".join(j.output()[-1500:] for j in self.jobs))
+                raise RuntimeError(
+                    f"Slurm did not come up (sinfo: {done.stdout.strip()} {done.stderr.strip()}):\n"
+                    + "\n".join(j.output()[-1500:] for j in self.jobs)
+                )
             time.sleep(0.3)
 
     def stop(self) -> None:

@@ -69,4 +69,3 @@ def reference(cluster, cluster_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("cluster-reference")
     run_in_process(cluster_dataset, out, *STEPS)
     return losses(out)
-

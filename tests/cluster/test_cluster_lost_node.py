@@ -27,8 +27,19 @@ def checkpointed(out, step):
 @pytest.mark.timeout(200)
 def test_a_cut_off_host_is_named_within_the_timeout(host_jobs, cluster_dataset, tmp_path):
     out, timeout_s = tmp_path / "out", 6
-    jobs = [torchrun_on(host_jobs, h, "2", out, cluster_dataset, "train.max_steps=100000",
-                        f"dist.timeout_s={timeout_s}", NODE_RANK=h) for h in (0, 1)]
+    jobs = [
+        torchrun_on(
+            host_jobs,
+            h,
+            "2",
+            out,
+            cluster_dataset,
+            "train.max_steps=100000",
+            f"dist.timeout_s={timeout_s}",
+            NODE_RANK=h,
+        )
+        for h in (0, 1)
+    ]
     wait_for(lambda: any(r.get("step", 0) >= 2 for r in metrics(out)), 150, jobs, "step 2")
     host_jobs.cluster.set_link(1, False)
     start = time.monotonic()
@@ -38,9 +49,11 @@ def test_a_cut_off_host_is_named_within_the_timeout(host_jobs, cluster_dataset, 
     assert rc != 0
     lines = [x for x in log.splitlines() if x.startswith("error: rank 0:")]
     assert len(lines) == 1, log[-3000:]
-    assert re.match(rf"error: rank 0: the [\w\- ()]+ at step \d+ failed after [\d.]+ s \(dist.timeout_s={timeout_s}\): "
-                    r"no report from ranks 2, 3 on host bct-node1 \(unreachable, killed, stopped or hung\)", lines[0]), \
-        lines[0]
+    assert re.match(
+        rf"error: rank 0: the [\w\- ()]+ at step \d+ failed after [\d.]+ s \(dist.timeout_s={timeout_s}\): "
+        r"no report from ranks 2, 3 on host bct-node1 \(unreachable, killed, stopped or hung\)",
+        lines[0],
+    ), lines[0]
     assert timeout_s - 1 <= elapsed <= timeout_s + 30, (elapsed, lines[0])
 
 
@@ -49,8 +62,7 @@ def test_elastic_job_waits_for_the_host_to_come_back(host_jobs, cluster_dataset,
     out = tmp_path / "out"
 
     def start(host):
-        return torchrun_on(host_jobs, host, "2:2", out, cluster_dataset, MAX_RESTARTS=1, RDZV_CONF=RDZV_CONF,
-                           **FAULTS)
+        return torchrun_on(host_jobs, host, "2:2", out, cluster_dataset, MAX_RESTARTS=1, RDZV_CONF=RDZV_CONF, **FAULTS)
 
     first = start(0), start(1)
     wait_for(checkpointed(out, 3), 150, list(first), "the checkpoint of step 3")
@@ -68,8 +80,10 @@ def test_elastic_job_waits_for_the_host_to_come_back(host_jobs, cluster_dataset,
 @pytest.mark.timeout(300)
 def test_elastic_job_shrinks_to_the_surviving_host(host_jobs, cluster_dataset, reference, tmp_path):
     out = tmp_path / "out"
-    jobs = [torchrun_on(host_jobs, h, "1:2", out, cluster_dataset, MAX_RESTARTS=1, RDZV_CONF=RDZV_CONF, **FAULTS)
-            for h in (0, 1)]
+    jobs = [
+        torchrun_on(host_jobs, h, "1:2", out, cluster_dataset, MAX_RESTARTS=1, RDZV_CONF=RDZV_CONF, **FAULTS)
+        for h in (0, 1)
+    ]
     wait_for(checkpointed(out, 3), 150, jobs, "the checkpoint of step 3")
     first_summary = [r for r in metrics(out) if "loss" in r]
     host_jobs.cluster.kill_host(1)

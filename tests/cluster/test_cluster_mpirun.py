@@ -25,10 +25,14 @@ def mpirun_job(host_jobs, out, dataset, *extra, **env):
     hostfile = os.path.join(host_jobs.log_dir, "hostfile")
     with open(hostfile, "w") as f:
         f.writelines(f"{h} slots=2\n" for h in c.hostnames)
-    return host_jobs.start(0, [os.path.join(LAUNCH, "run_mpirun.sh"), "4", CONFIG, str(out),
-                               *train_args(dataset, *extra)], "mpirun.log",
-                           MPIRUN_ARGS=f"--hostfile {hostfile} --map-by ppr:2:node --mca plm_ssh_agent {c.rsh_agent}",
-                           SOCKET_IFNAME="cl0", **env)
+    return host_jobs.start(
+        0,
+        [os.path.join(LAUNCH, "run_mpirun.sh"), "4", CONFIG, str(out), *train_args(dataset, *extra)],
+        "mpirun.log",
+        MPIRUN_ARGS=f"--hostfile {hostfile} --map-by ppr:2:node --mca plm_ssh_agent {c.rsh_agent}",
+        SOCKET_IFNAME="cl0",
+        **env,
+    )
 
 
 @pytest.mark.timeout(240)
@@ -52,7 +56,10 @@ def test_mpirun_lost_host_is_a_clean_named_failure(host_jobs, cluster_dataset, t
     assert time.monotonic() - start < 40, log[-3000:]
     # Open MPI names the node it lost (and ends the job at once, before the ranks report), in
     # one of two messages depending on which of its connections notices first.
-    assert re.search(r"(lost communication with a remote daemon|daemon failed to report back)[\s\S]{0,600}"
-                     r"(on node|Remote host:) +bct-node1", log), log[-3000:]
+    assert re.search(
+        r"(lost communication with a remote daemon|daemon failed to report back)[\s\S]{0,600}"
+        r"(on node|Remote host:) +bct-node1",
+        log,
+    ), log[-3000:]
     assert "run_mpirun.sh: mpirun exited with status 0 but the run wrote no" in log, log[-3000:]
     assert "Traceback" not in log

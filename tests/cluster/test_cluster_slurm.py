@@ -39,9 +39,24 @@ def on_host0(slurm, argv, log, timeout, **env) -> Job:
 
 def check_compliance(path) -> None:
     report = f"{path}.checker"
-    done = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
-                           "--ruleset", "5.0.0", "--log_output", report, str(path)],
-                          check=False, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlperf_logging.compliance_checker",
+            "--usage",
+            "training",
+            "--ruleset",
+            "5.0.0",
+            "--log_output",
+            report,
+            str(path),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
@@ -53,9 +68,23 @@ def seed_of(path) -> int:
 @pytest.mark.timeout(300)
 def test_sbatch_slurm_sub_two_runs_on_two_nodes(slurm, cluster_dataset, tmp_path):
     logdir = tmp_path / "results"
-    on_host0(slurm, ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", f"--output={tmp_path}/job.out",
-                     os.path.join(LAUNCH, "slurm.sub"), *train_args(cluster_dataset, "train.max_steps=4")],
-             str(tmp_path / "sbatch.log"), 240, CONFIG=CONFIG, LOGDIR=logdir, NEXP=2)
+    on_host0(
+        slurm,
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=2",
+            "--ntasks-per-node=2",
+            f"--output={tmp_path}/job.out",
+            os.path.join(LAUNCH, "slurm.sub"),
+            *train_args(cluster_dataset, "train.max_steps=4"),
+        ],
+        str(tmp_path / "sbatch.log"),
+        240,
+        CONFIG=CONFIG,
+        LOGDIR=logdir,
+        NEXP=2,
+    )
     out = (tmp_path / "job.out").read_text()
     results = [logdir / f"result_{i}.txt" for i in range(2)]
     assert all(r.exists() for r in results), out[-4000:]
@@ -67,9 +96,22 @@ def test_sbatch_slurm_sub_two_runs_on_two_nodes(slurm, cluster_dataset, tmp_path
 
 @pytest.mark.timeout(240)
 def test_srun_two_nodes_match_one_rank(slurm, cluster_dataset, reference, tmp_path):
-    on_host0(slurm, ["srun", "--nodes=2", "--ntasks-per-node=2", "--kill-on-bad-exit=1",
-                     os.path.join(LAUNCH, "run_and_time.sh"), *train_args(cluster_dataset)],
-             str(tmp_path / "srun.log"), 180, CONFIG=CONFIG, OUTPUT_DIR=tmp_path, RUN_INDEX=0,
-             GLOO_SOCKET_IFNAME="cl0")
+    on_host0(
+        slurm,
+        [
+            "srun",
+            "--nodes=2",
+            "--ntasks-per-node=2",
+            "--kill-on-bad-exit=1",
+            os.path.join(LAUNCH, "run_and_time.sh"),
+            *train_args(cluster_dataset),
+        ],
+        str(tmp_path / "srun.log"),
+        180,
+        CONFIG=CONFIG,
+        OUTPUT_DIR=tmp_path,
+        RUN_INDEX=0,
+        GLOO_SOCKET_IFNAME="cl0",
+    )
     assert losses(tmp_path / "run_0") == pytest.approx(reference, rel=1e-5)
     check_compliance(tmp_path / "result_0.txt")

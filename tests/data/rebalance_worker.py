@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.rebalance import Rebalancer, RebalanceError
+from data.rebalance import RebalanceError, Rebalancer
 from data.rebalance_plan import assign
 from data.samples import SampleBlock
 
@@ -31,12 +31,15 @@ def random_block(step: int, rank: int, batch: int = B, seed: int = SEED) -> Samp
     """A valid block with skewed lengths (some ranks much heavier than others)."""
     rng = np.random.default_rng([seed, step, rank])
     heavy = rank % 3 == 0  # makes the imbalance large, so ``balanced`` has to move samples
-    L = np.where(rng.random(batch) < (0.6 if heavy else 0.15), MAX_LEN,
-                 rng.integers(1, MAX_LEN, batch)).astype(np.int32)
+    L = np.where(rng.random(batch) < (0.6 if heavy else 0.15), MAX_LEN, rng.integers(1, MAX_LEN, batch)).astype(
+        np.int32
+    )
     m = np.minimum(L - 1, np.maximum(1, np.rint(0.15 * L))).astype(np.int32)
     m[L == 1] = 0
-    pos = [np.sort(rng.choice(np.arange(1, n), size=k, replace=False)) if k else np.zeros(0, np.int64)
-           for n, k in zip(L, m)]
+    pos = [
+        np.sort(rng.choice(np.arange(1, n), size=k, replace=False)) if k else np.zeros(0, np.int64)
+        for n, k in zip(L, m)
+    ]
     return SampleBlock(
         input_ids=rng.integers(0, 30522, int(L.sum())).astype(np.int32),
         segment_ids=rng.integers(0, 2, int(L.sum())).astype(np.int8),
@@ -52,10 +55,18 @@ def sample_keys(block: SampleBlock) -> list[bytes]:
     """One byte string per sample holding everything in it, to compare sets of samples."""
     tok = np.concatenate([[0], np.cumsum(block.seq_lens)])
     msk = np.concatenate([[0], np.cumsum(block.masked_counts)])
-    return [b"|".join([block.input_ids[tok[i]:tok[i + 1]].tobytes(), block.segment_ids[tok[i]:tok[i + 1]].tobytes(),
-                       block.masked_positions[msk[i]:msk[i + 1]].tobytes(),
-                       block.masked_ids[msk[i]:msk[i + 1]].tobytes(), bytes([int(block.nsp_labels[i])])])
-            for i in range(len(block))]
+    return [
+        b"|".join(
+            [
+                block.input_ids[tok[i] : tok[i + 1]].tobytes(),
+                block.segment_ids[tok[i] : tok[i + 1]].tobytes(),
+                block.masked_positions[msk[i] : msk[i + 1]].tobytes(),
+                block.masked_ids[msk[i] : msk[i + 1]].tobytes(),
+                bytes([int(block.nsp_labels[i])]),
+            ]
+        )
+        for i in range(len(block))
+    ]
 
 
 def init() -> tuple[int, int]:
@@ -88,8 +99,9 @@ def check_strategies(rank: int, world: int) -> None:
             out, stats = rb.exchange(blocks[rank])
             assert stats.step == step, (stats.step, step)
             plan = assign([b.seq_lens for b in blocks], strategy, group_size=group_size)
-            expected = SampleBlock.concat([blocks[s].select([i])
-                                           for s, i in zip(plan.src_rank[rank], plan.src_index[rank])])
+            expected = SampleBlock.concat(
+                [blocks[s].select([i]) for s, i in zip(plan.src_rank[rank], plan.src_index[rank])]
+            )
             where = f"{strategy} group_size={group_size} step {step}"
             assert len(out) == B and out.equals(expected), f"{where}: output differs from the plan"
             assert stats.samples_moved == (None if group_size else plan.moved), where
@@ -130,8 +142,13 @@ def check_overlap(rank: int, world: int) -> dict:
         raise AssertionError("wait() without start() did not raise")
     except RuntimeError:
         pass
-    return dict(world_size=world, steps=steps, hidden_fraction_median=float(np.median(hidden)),
-                exchange_ms_median=float(np.median(exchange_ms)), wait_ms_median=float(np.median(wait_ms)))
+    return dict(
+        world_size=world,
+        steps=steps,
+        hidden_fraction_median=float(np.median(hidden)),
+        exchange_ms_median=float(np.median(exchange_ms)),
+        wait_ms_median=float(np.median(wait_ms)),
+    )
 
 
 def check_bad_input(rank: int, world: int) -> None:
@@ -153,18 +170,27 @@ def check_bad_input(rank: int, world: int) -> None:
         block.seq_lens[0] = 0
     expect_error(lambda: rb.exchange(block, step=9), "rank 1: sample 0 has length 0")
     # Ranks disagreeing on the step.
-    expect_error(lambda: rb.exchange(random_block(10, rank), step=10 + (rank == 1)),
-                 "ranks disagree on the step", "rank 1 at step 11")
+    expect_error(
+        lambda: rb.exchange(random_block(10, rank), step=10 + (rank == 1)),
+        "ranks disagree on the step",
+        "rank 1 at step 11",
+    )
     # The group still works after all of these.
     out, _ = rb.exchange(random_block(12, rank), step=12)
     assert len(out) == B
     # A rank expecting another world size, and one with other settings: fail at construction.
-    expect_error(lambda: Rebalancer("balanced", batch_size=B, world_size=world + (rank == 1), timeout_s=30),
-                 f"rank 1: expects world size {world + 1}")
-    expect_error(lambda: Rebalancer("balanced" if rank != 1 else "stripe", batch_size=B, timeout_s=30),
-                 "rank 1: strategy 'stripe' differs from rank 0's 'balanced'")
-    expect_error(lambda: Rebalancer("balanced", batch_size=B + (rank == 1), timeout_s=30),
-                 f"rank 1: batch_size {B + 1} differs from rank 0's {B}")
+    expect_error(
+        lambda: Rebalancer("balanced", batch_size=B, world_size=world + (rank == 1), timeout_s=30),
+        f"rank 1: expects world size {world + 1}",
+    )
+    expect_error(
+        lambda: Rebalancer("balanced" if rank != 1 else "stripe", batch_size=B, timeout_s=30),
+        "rank 1: strategy 'stripe' differs from rank 0's 'balanced'",
+    )
+    expect_error(
+        lambda: Rebalancer("balanced", batch_size=B + (rank == 1), timeout_s=30),
+        f"rank 1: batch_size {B + 1} differs from rank 0's {B}",
+    )
 
 
 def check_timeout(rank: int, world: int) -> None:

@@ -14,8 +14,14 @@ def hand_case():
     seg = np.array([[0, 0, 0, 1, 0, 0], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
     mpos = np.array([[2, 1], [1, 0], [0, 0]])
     mids = np.array([[30, 31], [32, 0], [0, 0]])
-    return dict(input_ids=ids, segment_ids=seg, input_mask=mask, masked_lm_positions=mpos,
-                masked_lm_ids=mids, next_sentence_labels=np.array([1, 0, 1]))
+    return dict(
+        input_ids=ids,
+        segment_ids=seg,
+        input_mask=mask,
+        masked_lm_positions=mpos,
+        masked_lm_ids=mids,
+        next_sentence_labels=np.array([1, 0, 1]),
+    )
 
 
 def test_unpad_hand_computed():
@@ -41,8 +47,14 @@ def test_pad_unpad_round_trip():
     assert torch.equal(p.input_ids, torch.as_tensor(arrays["input_ids"]))
     assert torch.equal(p.attention_mask, torch.as_tensor(arrays["input_mask"]).bool())
     assert torch.equal(p.input_ids.view(-1)[p.mlm_positions], b.mlm_labels * 0 + b.input_ids[b.mlm_positions])
-    again = unpad(p.input_ids, p.segment_ids, p.attention_mask.long(), arrays["masked_lm_positions"],
-                  arrays["masked_lm_ids"], p.nsp_labels)
+    again = unpad(
+        p.input_ids,
+        p.segment_ids,
+        p.attention_mask.long(),
+        arrays["masked_lm_positions"],
+        arrays["masked_lm_ids"],
+        p.nsp_labels,
+    )
     for f in ("input_ids", "segment_ids", "position_ids", "cu_seqlens", "mlm_positions", "mlm_labels", "nsp_labels"):
         assert torch.equal(getattr(again, f), getattr(b, f)), f
     assert p.num_tokens == b.num_tokens == 233

@@ -104,8 +104,10 @@ def test_loader_backends_give_identical_batches(tmp_path):
     for a, b in zip(runs["torch"], runs["dali"]):
         assert_same_batch(a, b)
     write_shards(tmp_path / "eval", [29], seed=3, max_seq_length=S, max_predictions=P, vocab_size=V)
-    ev = {b: list(EvalLoader(next((tmp_path / "eval").iterdir()), 8, 0, 2, backend=b).batches("padded", S))
-          for b in ("torch", "dali")}
+    ev = {
+        b: list(EvalLoader(next((tmp_path / "eval").iterdir()), 8, 0, 2, backend=b).batches("padded", S))
+        for b in ("torch", "dali")
+    }
     assert len(ev["torch"]) == 2
     for a, b in zip(ev["torch"], ev["dali"]):
         assert_same_batch(a, b)

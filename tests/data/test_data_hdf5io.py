@@ -14,7 +14,8 @@ import pytest
 from data.convert import main as convert_main
 from data.errors import DataError, cli_main
 from data.hdf5io import inspect, read_file, to_fixed_arrays, write_fixed, write_varlength
-from data.stats import describe, main as stats_main
+from data.stats import describe
+from data.stats import main as stats_main
 from data.synthetic import random_block
 from tests.helpers import REPO
 
@@ -31,9 +32,15 @@ def test_fixed_round_trip_and_mlperf_arrays(block, tmp_path):
     write_fixed(path, block, S, P)
     got = read_file(path, vocab_size=V)
     assert got.equals(block)
-    for name, dtype in (("input_ids", np.int32), ("segment_ids", np.int8), ("seq_lens", np.int32),
-                        ("masked_positions", np.int32), ("masked_ids", np.int32), ("masked_counts", np.int32),
-                        ("nsp_labels", np.int8)):
+    for name, dtype in (
+        ("input_ids", np.int32),
+        ("segment_ids", np.int8),
+        ("seq_lens", np.int32),
+        ("masked_positions", np.int32),
+        ("masked_ids", np.int32),
+        ("masked_counts", np.int32),
+        ("nsp_labels", np.int8),
+    ):
         assert getattr(got, name).dtype == dtype
     with h5py.File(path) as f:
         mask = f["input_mask"][...]
@@ -51,8 +58,12 @@ def test_varlength_round_trip(block, tmp_path):
     assert read_file(path, vocab_size=V).equals(block)
     with h5py.File(path) as f:
         assert "input_mask" not in f
-        for key, base in (("input_ids", np.int16), ("segment_ids", np.int8), ("masked_lm_positions", np.int16),
-                          ("masked_lm_ids", np.int16)):
+        for key, base in (
+            ("input_ids", np.int16),
+            ("segment_ids", np.int8),
+            ("masked_lm_positions", np.int16),
+            ("masked_lm_ids", np.int16),
+        ):
             assert h5py.check_vlen_dtype(f[key].dtype) == base
         assert f["next_sentence_labels"].dtype == np.int8
     info = inspect(path)
@@ -83,11 +94,23 @@ def test_convert_round_trip_is_lossless(block, tmp_path, capsys):
     # Without recorded sizes the fixed layout needs them on the command line.
     with h5py.File(tmp_path / "var" / "part_00000_of_00002.hdf5", "a") as h:
         del h.attrs["max_seq_length"]
-    code = cli_main(convert_main, [str(tmp_path / "var" / "part_00000_of_00002.hdf5"), str(tmp_path / "x.hdf5"),
-                                   "--to", "fixed"])
+    code = cli_main(
+        convert_main, [str(tmp_path / "var" / "part_00000_of_00002.hdf5"), str(tmp_path / "x.hdf5"), "--to", "fixed"]
+    )
     assert code == 2 and "pass --max-seq-length and --max-predictions" in capsys.readouterr().err
-    code = cli_main(convert_main, [str(tmp_path / "var" / "part_00000_of_00002.hdf5"), str(tmp_path / "x.hdf5"),
-                                   "--to", "fixed", "--max-seq-length", "30", "--max-predictions", str(P)])
+    code = cli_main(
+        convert_main,
+        [
+            str(tmp_path / "var" / "part_00000_of_00002.hdf5"),
+            str(tmp_path / "x.hdf5"),
+            "--to",
+            "fixed",
+            "--max-seq-length",
+            "30",
+            "--max-predictions",
+            str(P),
+        ],
+    )
     err = capsys.readouterr().err
     assert code == 2 and "tokens, more than max_seq_length 30" in err and not (tmp_path / "x.hdf5").exists()
 
@@ -117,6 +140,7 @@ def _bad_cases():
     def retype(key, dtype):
         def f(a):
             a[key] = a[key].astype(dtype)
+
         return f
 
     def set_id(a):
@@ -204,8 +228,9 @@ def test_truncated_or_corrupt_files(block, tmp_path, capsys, damage):
     write_fixed(good, block, S, P)
     raw = good.read_bytes()
     path = tmp_path / "part_00000_of_00001.hdf5"
-    path.write_bytes({"truncated": raw[: len(raw) // 2], "garbage": b"\x89HDF\r\n" + bytes(range(256)) * 8,
-                      "empty": b""}[damage])
+    path.write_bytes(
+        {"truncated": raw[: len(raw) // 2], "garbage": b"\x89HDF\r\n" + bytes(range(256)) * 8, "empty": b""}[damage]
+    )
     with pytest.raises(DataError, match=rf"^{path}: (not a readable HDF5 file|cannot read sample data)"):
         read_file(path)
     assert cli_main(stats_main, [str(tmp_path / "part_00000_of_00001.hdf5")]) == 2
@@ -232,8 +257,9 @@ def test_stats_cli_process(tmp_path):
     write_fixed(d / "part_00000_of_00002.hdf5", blk.select(np.arange(30)), S, P)
     write_varlength(d / "part_00001_of_00002.hdf5", blk.select(np.arange(30, 64)), S, P)
     png = tmp_path / "h.png"
-    p = subprocess.run([sys.executable, "-m", "data.stats", str(d), "--png", str(png)], cwd=REPO,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "data.stats", str(d), "--png", str(png)], cwd=REPO, capture_output=True, text=True
+    )
     assert p.returncode == 0, p.stderr
     assert f"{d}: 2 file(s), fixed/varlength layout, 64 samples, {blk.num_tokens} tokens" in p.stdout
     ratio = S * 64 / blk.num_tokens

@@ -62,7 +62,7 @@ def test_samples_are_the_ones_named_and_an_epoch_covers_every_sample_once(shards
     spe = loaders[0].steps_per_epoch
     assert spe == sum(SIZES) // G
     seen = []
-    for r, x in enumerate(loaders):
+    for x in loaders:
         blocks = _take(x, spe)
         for t, b in enumerate(blocks):
             ids = x.sample_ids(t)

@@ -18,7 +18,8 @@ import pytest
 
 from data.errors import DataError, cli_main
 from data.hdf5io import md5sum, read_file
-from data.prepare import PrepareConfig, main as prepare_main, prepare
+from data.prepare import PrepareConfig, prepare
+from data.prepare import main as prepare_main
 from data.synthetic import corpus, word_vocab, write_bert_text
 from data.text import parse_documents, split_sentences
 from tests.helpers import REPO
@@ -37,8 +38,19 @@ def _write_vocab(path: Path, tokens=VOCAB) -> Path:
 
 
 def _config(src: Path, vocab: Path, out: Path, **kw) -> PrepareConfig:
-    args = dict(inputs=[str(src)], output_dir=str(out), input_format="bert", vocab=str(vocab), max_seq_length=SEQ,
-                max_predictions=PRED, dupe_factor=5, seed=7, shards=3, eval_samples=200, workers=1)
+    args = dict(
+        inputs=[str(src)],
+        output_dir=str(out),
+        input_format="bert",
+        vocab=str(vocab),
+        max_seq_length=SEQ,
+        max_predictions=PRED,
+        dupe_factor=5,
+        seed=7,
+        shards=3,
+        eval_samples=200,
+        workers=1,
+    )
     args.update(kw)
     return PrepareConfig(**args)
 
@@ -68,11 +80,11 @@ def _originals(block):
     tok_off = np.concatenate([[0], np.cumsum(block.seq_lens)])
     msk_off = np.concatenate([[0], np.cumsum(block.masked_counts)])
     for i in range(len(block)):
-        ids = block.input_ids[tok_off[i]:tok_off[i + 1]]
-        seg = block.segment_ids[tok_off[i]:tok_off[i + 1]]
-        pos = block.masked_positions[msk_off[i]:msk_off[i + 1]]
+        ids = block.input_ids[tok_off[i] : tok_off[i + 1]]
+        seg = block.segment_ids[tok_off[i] : tok_off[i + 1]]
+        pos = block.masked_positions[msk_off[i] : msk_off[i + 1]]
         orig = ids.copy()
-        orig[pos] = block.masked_ids[msk_off[i]:msk_off[i + 1]]
+        orig[pos] = block.masked_ids[msk_off[i] : msk_off[i + 1]]
         la = int((seg == 0).sum()) - 2
         yield orig, ids, pos, la
 
@@ -81,9 +93,14 @@ def test_mlperf_layout(prepared):
     out, manifest = prepared
     files = sorted((out / "train").glob("*.hdf5"))
     assert [f.name for f in files] == [f"part_{i:05d}_of_00003.hdf5" for i in range(3)]
-    want = {"input_ids": ((SEQ,), np.int16), "input_mask": ((SEQ,), np.int8), "segment_ids": ((SEQ,), np.int8),
-            "masked_lm_positions": ((PRED,), np.int16), "masked_lm_ids": ((PRED,), np.int16),
-            "next_sentence_labels": ((), np.int8)}
+    want = {
+        "input_ids": ((SEQ,), np.int16),
+        "input_mask": ((SEQ,), np.int8),
+        "segment_ids": ((SEQ,), np.int8),
+        "masked_lm_positions": ((PRED,), np.int16),
+        "masked_lm_ids": ((PRED,), np.int16),
+        "next_sentence_labels": ((), np.int8),
+    }
     for f in files + [out / "eval" / "part_eval_10k.hdf5"]:
         with h5py.File(f) as h:
             assert set(h.keys()) == set(want)
@@ -106,7 +123,7 @@ def test_mlperf_layout(prepared):
 def test_sequences_are_cls_a_sep_b_sep(prepared):
     out, _ = prepared
     for block in _all_train(out):
-        for orig, ids, pos, la in _originals(block):
+        for orig, _ids, pos, la in _originals(block):
             n = len(orig)
             assert orig[0] == CLS_ID and orig[la + 1] == SEP_ID and orig[n - 1] == SEP_ID
             assert la >= 1 and n - la - 3 >= 1 and n <= SEQ
@@ -150,8 +167,8 @@ def test_next_sentence_pairs(prepared):
     for block in _all_train(out):
         labels.append(block.nsp_labels)
         for (orig, _, _, la), nsp in zip(_originals(block), block.nsp_labels):
-            docs_a, sent_a = _docs_and_sentences(orig[1:la + 1])
-            docs_b, sent_b = _docs_and_sentences(orig[la + 2:-1])
+            docs_a, sent_a = _docs_and_sentences(orig[1 : la + 1])
+            docs_b, sent_b = _docs_and_sentences(orig[la + 2 : -1])
             assert len(docs_a) <= 1 and len(docs_b) <= 1
             if not docs_a or not docs_b:
                 continue  # truncation removed the markers
@@ -225,8 +242,9 @@ def test_eval_from_a_separate_input(corpus_files, tmp_path):
     train_corpus = corpus(200, seed=8, num_words=NUM_WORDS)  # documents doc0..doc199
     src = write_bert_text(tmp_path / "train.txt", train_corpus)
     eval_corpus = corpus(50, seed=9, num_words=NUM_WORDS)  # documents doc0..doc49, renamed doc250..doc299
-    eval_src = write_bert_text(tmp_path / "eval.txt", [[f"doc{250 + k}" + s[s.index(" "):] for s in d]
-                                                       for k, d in enumerate(eval_corpus)])
+    eval_src = write_bert_text(
+        tmp_path / "eval.txt", [[f"doc{250 + k}" + s[s.index(" ") :] for s in d] for k, d in enumerate(eval_corpus)]
+    )
     out = tmp_path / "o"
     r = prepare(_config(src, vocab, out, eval_inputs=[str(eval_src)], eval_samples=150, shards=1), log=lambda m: None)
     eval_docs = set()
@@ -257,20 +275,44 @@ def test_rerun_replaces_shards_of_an_earlier_run(corpus_files, tmp_path):
 
 
 def test_wikitext_sections_are_documents():
-    lines = [" ", " = Lobster = ", " ", " The lobster is blue . It is 60 @.@ 5 cm long @-@ ish , or <unk> . ",
-             " ", " = = Description = = ", " Mr. Smith saw H. gammarus . Then he left . ", " = = Empty = = ", " "]
+    lines = [
+        " ",
+        " = Lobster = ",
+        " ",
+        " The lobster is blue . It is 60 @.@ 5 cm long @-@ ish , or <unk> . ",
+        " ",
+        " = = Description = = ",
+        " Mr. Smith saw H. gammarus . Then he left . ",
+        " = = Empty = = ",
+        " ",
+    ]
     docs = parse_documents(lines, "wikitext")
-    assert docs == [["The lobster is blue .", "It is 60.5 cm long-ish , or [UNK] ."],
-                    ["Mr. Smith saw H. gammarus .", "Then he left ."]]
+    assert docs == [
+        ["The lobster is blue .", "It is 60.5 cm long-ish , or [UNK] ."],
+        ["Mr. Smith saw H. gammarus .", "Then he left ."],
+    ]
 
 
 def test_text_paragraphs_are_documents():
-    lines = ["First line of a", "paragraph. Second sentence!", "", "", "Only one here.", "",
-             "Dr. No met 3 people. Yes."]
-    assert parse_documents(lines, "text") == [["First line of a paragraph.", "Second sentence!"], ["Only one here."],
-                                               ["Dr. No met 3 people.", "Yes."]]
+    lines = [
+        "First line of a",
+        "paragraph. Second sentence!",
+        "",
+        "",
+        "Only one here.",
+        "",
+        "Dr. No met 3 people. Yes.",
+    ]
+    assert parse_documents(lines, "text") == [
+        ["First line of a paragraph.", "Second sentence!"],
+        ["Only one here."],
+        ["Dr. No met 3 people.", "Yes."],
+    ]
     assert split_sentences('He said "Go." Then "Stop." e.g. this. 2 more.') == [
-        'He said "Go."', 'Then "Stop." e.g. this.', "2 more."]
+        'He said "Go."',
+        'Then "Stop." e.g. this.',
+        "2 more.",
+    ]
 
 
 def test_bert_format_documents():
@@ -291,9 +333,20 @@ def test_train_vocab_on_plain_text(tmp_path):
     outs = []
     for k in range(2):
         out = tmp_path / f"o{k}"
-        r = prepare(PrepareConfig(inputs=[str(src)], output_dir=str(out), input_format="text", train_vocab=300,
-                                  max_seq_length=32, max_predictions=5, dupe_factor=2, shards=2, eval_samples=20),
-                    log=lambda m: None)
+        r = prepare(
+            PrepareConfig(
+                inputs=[str(src)],
+                output_dir=str(out),
+                input_format="text",
+                train_vocab=300,
+                max_seq_length=32,
+                max_predictions=5,
+                dupe_factor=2,
+                shards=2,
+                eval_samples=20,
+            ),
+            log=lambda m: None,
+        )
         outs.append(_tree(out))
     assert outs[0] == outs[1]
     vocab = outs[0]["vocab.txt"].decode().split("\n")[:-1]
@@ -313,8 +366,24 @@ def _run_cli(capsys, argv) -> tuple[int, str]:
 
 
 def _base_args(src, vocab, out):
-    return ["--input", str(src), "--vocab", str(vocab), "--output-dir", str(out), "--max-seq-length", str(SEQ),
-            "--max-predictions", str(PRED), "--dupe-factor", "1", "--shards", "1", "--eval-samples", "0"]
+    return [
+        "--input",
+        str(src),
+        "--vocab",
+        str(vocab),
+        "--output-dir",
+        str(out),
+        "--max-seq-length",
+        str(SEQ),
+        "--max-predictions",
+        str(PRED),
+        "--dupe-factor",
+        "1",
+        "--shards",
+        "1",
+        "--eval-samples",
+        "0",
+    ]
 
 
 def test_eval_held_out_from_few_short_documents(corpus_files, tmp_path, capsys):
@@ -325,9 +394,25 @@ def test_eval_held_out_from_few_short_documents(corpus_files, tmp_path, capsys):
     src.mkdir()
     write_bert_text(src / "docs.txt", corpus(201, seed=8, num_words=NUM_WORDS, sentences=(2, 2)))
     out = tmp_path / "o"
-    code, err = _run_cli(capsys, ["--input", str(src), "--vocab", str(vocab), "--output-dir", str(out),
-                                  "--max-seq-length", "64", "--max-predictions", "10", "--shards", "1",
-                                  "--eval-samples", "5"])
+    code, err = _run_cli(
+        capsys,
+        [
+            "--input",
+            str(src),
+            "--vocab",
+            str(vocab),
+            "--output-dir",
+            str(out),
+            "--max-seq-length",
+            "64",
+            "--max-predictions",
+            "10",
+            "--shards",
+            "1",
+            "--eval-samples",
+            "5",
+        ],
+    )
     assert code == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["documents"]["eval"] == 2 and manifest["documents"]["train"] == 199
@@ -342,11 +427,18 @@ def test_eval_held_out_from_few_short_documents(corpus_files, tmp_path, capsys):
     assert 1 <= len(eval_docs) <= 2 and not eval_docs & train_docs
 
 
-@pytest.mark.parametrize("num_docs, eval_samples, want", [
-    (3, 5, "too little text for --eval-samples 5: the eval set is held out from at most half of the documents "
-           "and needs 2 of them, but there are 3 usable documents"),
-    (8, 1000, "too little text for --eval-samples 1000: holding out half of the 8 documents gives only"),
-])
+@pytest.mark.parametrize(
+    "num_docs, eval_samples, want",
+    [
+        (
+            3,
+            5,
+            "too little text for --eval-samples 5: the eval set is held out from at most half of the documents "
+            "and needs 2 of them, but there are 3 usable documents",
+        ),
+        (8, 1000, "too little text for --eval-samples 1000: holding out half of the 8 documents gives only"),
+    ],
+)
 def test_eval_hold_out_says_what_is_too_little(corpus_files, tmp_path, capsys, num_docs, eval_samples, want):
     _, vocab = corpus_files
     src = write_bert_text(tmp_path / "c.txt", corpus(num_docs, seed=9, num_words=NUM_WORDS, sentences=(2, 2)))
@@ -437,10 +529,15 @@ def test_failed_run_leaves_no_files_under_final_names(corpus_files, tmp_path, ca
     assert sorted(p.name for p in out.iterdir()) == []
 
 
-@pytest.mark.parametrize("flag,value,want", [("--max-seq-length", "4", "must lie in [5, 32767]"),
-                                             ("--max-predictions", "0", "must lie in [1, max_seq_length]"),
-                                             ("--masked-lm-prob", "0", "must lie in (0, 1]"),
-                                             ("--dupe-factor", "0", "must lie in [1, 255]")])
+@pytest.mark.parametrize(
+    "flag,value,want",
+    [
+        ("--max-seq-length", "4", "must lie in [5, 32767]"),
+        ("--max-predictions", "0", "must lie in [1, max_seq_length]"),
+        ("--masked-lm-prob", "0", "must lie in (0, 1]"),
+        ("--dupe-factor", "0", "must lie in [1, 255]"),
+    ],
+)
 def test_bad_parameters(corpus_files, tmp_path, capsys, flag, value, want):
     src, vocab = corpus_files
     args = _base_args(src, vocab, tmp_path / "o")
@@ -458,8 +555,22 @@ def test_cli_process_exit_code_and_one_line(tmp_path):
     src = tmp_path / "empty.txt"
     src.write_text("")
     vocab = _write_vocab(tmp_path / "v.txt")
-    p = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(src), "--vocab", str(vocab),
-                        "--output-dir", str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data.prepare",
+            "--input",
+            str(src),
+            "--vocab",
+            str(vocab),
+            "--output-dir",
+            str(tmp_path / "o"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 2
     assert p.stderr == f"error: {src}: empty input (no text)\n"
 

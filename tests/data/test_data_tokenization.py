@@ -13,8 +13,9 @@ SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 def test_tokenizer_is_bert_uncased_wordpiece(tmp_path):
     path = tmp_path / "vocab.txt"
-    path.write_text("\n".join(SPECIALS + ["the", "lob", "##ster", "##s", "is", "blue", ",", ".", "cafe", "un",
-                                          "##k"]) + "\n")
+    path.write_text(
+        "\n".join(SPECIALS + ["the", "lob", "##ster", "##s", "is", "blue", ",", ".", "cafe", "un", "##k"]) + "\n"
+    )
     vocab = load_vocab(path)
     tok = make_tokenizer(vocab)
     enc = tok.encode("The LOBSTERS, Café is [UNK] unk blue.", add_special_tokens=False)
@@ -55,7 +56,7 @@ def test_train_wordpiece_merges_frequent_pairs_deterministically():
     assert {"low", "new", "lowest", "newest", "wider"} <= set(a)
     # A larger budget only adds pieces after the same first ones.
     b = train_wordpiece(iter(text), 80)
-    assert b[:len(a)] == a
+    assert b[: len(a)] == a
     # Covered words tokenise to known pieces.
     tok = make_tokenizer(Vocab(b, "trained"))
     assert "[UNK]" not in tok.encode("lowest newer", add_special_tokens=False).tokens
@@ -74,16 +75,62 @@ def test_train_wordpiece_bounds():
 def test_same_ids_as_transformers_bert_tokenizer(tmp_path):
     """Our tokenizer against transformers' pure-Python BertTokenizer (do_lower_case=True)."""
     transformers = pytest.importorskip("transformers")
-    pieces = ["the", "quick", "brown", "fox", "jump", "##s", "##ed", "over", "lazy", "dog", "cafe", "naive", "a",
-              "##b", "##c", "b", "c", ",", ".", "!", "'", "(", ")", "-", "1", "##2", "##3", "2", "3", "中", "文",
-              "resume", "##s", "x", "##x", "e", "##e", "un", "##believ", "##able"]
+    pieces = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jump",
+        "##s",
+        "##ed",
+        "over",
+        "lazy",
+        "dog",
+        "cafe",
+        "naive",
+        "a",
+        "##b",
+        "##c",
+        "b",
+        "c",
+        ",",
+        ".",
+        "!",
+        "'",
+        "(",
+        ")",
+        "-",
+        "1",
+        "##2",
+        "##3",
+        "2",
+        "3",
+        "中",
+        "文",
+        "resume",
+        "##s",
+        "x",
+        "##x",
+        "e",
+        "##e",
+        "un",
+        "##believ",
+        "##able",
+    ]
     vocab_list = SPECIALS + list(dict.fromkeys(pieces))
     path = tmp_path / "vocab.txt"
     path.write_text("\n".join(vocab_list) + "\n")
     ref = transformers.BertTokenizer(str(path), do_lower_case=True)
     ours = make_tokenizer(load_vocab(path))
-    texts = ["The QUICK brown fox jumps over the lazy dog.", "Café naïve résumés!", "unbelievable, (abc) 123-321",
-             "中文 x xxx eee", "  tabs\tand\nnewlines  ", "zzz unknownword fox's", "a" * 120 + " fox"]
+    texts = [
+        "The QUICK brown fox jumps over the lazy dog.",
+        "Café naïve résumés!",
+        "unbelievable, (abc) 123-321",
+        "中文 x xxx eee",
+        "  tabs\tand\nnewlines  ",
+        "zzz unknownword fox's",
+        "a" * 120 + " fox",
+    ]
     for t in texts:
         want = ref.convert_tokens_to_ids(ref.tokenize(t))
         assert ours.encode(t, add_special_tokens=False).ids == want, t

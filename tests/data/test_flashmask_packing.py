@@ -46,7 +46,7 @@ def test_first_fit_decreasing_is_first_fit_decreasing(case):
     assert bool((offset + lens <= capacity).all()) if len(lens) else rows == 0
     used = np.zeros((rows, capacity), np.int64)
     for r, o, n in zip(row, offset, lens):
-        used[r, o:o + n] += 1
+        used[r, o : o + n] += 1
     assert used.max(initial=0) <= 1 and int(used.sum()) == int(lens.sum())
 
 
@@ -87,20 +87,34 @@ def test_collate_packed_against_the_unpadded_batch(block):
     from kernels.flashmask import document_mask
 
     rows = packed.cls_positions // S
-    per_row = [[int(n) for _, n in sorted(zip((packed.cls_positions[rows == r] % S).tolist(),
-                                              packed.seq_lens[rows == r].tolist()))] for r in range(packed.num_rows)]
+    per_row = [
+        [
+            int(n)
+            for _, n in sorted(zip((packed.cls_positions[rows == r] % S).tolist(), packed.seq_lens[rows == r].tolist()))
+        ]
+        for r in range(packed.num_rows)
+    ]
     assert torch.equal(packed.startend_row_indices, document_mask(per_row, S).startend_row_indices)
     # unpack() gives back the unpadded batch and where its tokens sit.
     back, index = unpack(packed)
     assert torch.equal(index, tokens)
-    for field in ("input_ids", "segment_ids", "position_ids", "cu_seqlens", "mlm_positions", "mlm_labels",
-                  "nsp_labels"):
+    for field in (
+        "input_ids",
+        "segment_ids",
+        "position_ids",
+        "cu_seqlens",
+        "mlm_positions",
+        "mlm_labels",
+        "nsp_labels",
+    ):
         assert torch.equal(getattr(back, field), getattr(unpadded, field)), field
     assert back.max_seqlen == unpadded.max_seqlen
     # Deterministic.
     again = collate_packed(block, S)
-    assert all(torch.equal(getattr(packed, f), getattr(again, f)) for f in ("input_ids", "startend_row_indices",
-                                                                            "cls_positions", "mlm_positions"))
+    assert all(
+        torch.equal(getattr(packed, f), getattr(again, f))
+        for f in ("input_ids", "startend_row_indices", "cls_positions", "mlm_positions")
+    )
 
 
 def test_packed_batch_checks_name_the_field(block):
@@ -131,12 +145,22 @@ def test_packed_hdf5_layout_round_trip(block, tmp_path):
     write_file(path, block, "packed", S, P)
     with h5py.File(path) as f:
         assert sorted(f.keys()) == sorted(PACKED_KEYS)
-        for key, dtype in (("input_ids", np.int16), ("segment_ids", np.int8), ("packed_input_len", np.int16),
-                           ("masked_lm_positions", np.int16), ("masked_lm_ids", np.int16),
-                           ("packed_masked_lm_len", np.int16), ("next_sentence_labels", np.int8)):
+        for key, dtype in (
+            ("input_ids", np.int16),
+            ("segment_ids", np.int8),
+            ("packed_input_len", np.int16),
+            ("masked_lm_positions", np.int16),
+            ("masked_lm_ids", np.int16),
+            ("packed_masked_lm_len", np.int16),
+            ("next_sentence_labels", np.int8),
+        ):
             assert h5py.check_vlen_dtype(f[key].dtype) == np.dtype(dtype), key
-        packs = [(ids, lens, pos, mids) for ids, lens, pos, mids in
-                 zip(f["input_ids"][:], f["packed_input_len"][:], f["masked_lm_positions"][:], f["masked_lm_ids"][:])]
+        packs = [
+            (ids, lens, pos, mids)
+            for ids, lens, pos, mids in zip(
+                f["input_ids"][:], f["packed_input_len"][:], f["masked_lm_positions"][:], f["masked_lm_ids"][:]
+            )
+        ]
     assert all(len(ids) == int(lens.sum()) <= S for ids, lens, _, _ in packs)
     # Masked positions index the pack: the token there is the sequence's token at that slot.
     order = _pack_order(block, S)
@@ -146,12 +170,12 @@ def test_packed_hdf5_layout_round_trip(block, tmp_path):
     got = read_file(path, vocab_size=V)
     assert got.equals(expect)
     flat_pos = np.concatenate([p for _, _, p, _ in packs]).astype(np.int64)
-    starts = np.repeat(np.concatenate([[0], np.cumsum([len(ids) for ids, *_ in packs])[:-1]]),
-                       [len(p) for _, _, p, _ in packs])
+    starts = np.repeat(
+        np.concatenate([[0], np.cumsum([len(ids) for ids, *_ in packs])[:-1]]), [len(p) for _, _, p, _ in packs]
+    )
     all_ids = np.concatenate([ids for ids, *_ in packs])
     seq_starts = np.repeat(np.concatenate([[0], np.cumsum(expect.seq_lens)[:-1]]), expect.masked_counts)
-    np.testing.assert_array_equal(all_ids[starts + flat_pos],
-                                  expect.input_ids[seq_starts + expect.masked_positions])
+    np.testing.assert_array_equal(all_ids[starts + flat_pos], expect.input_ids[seq_starts + expect.masked_positions])
     # Ranges of samples cut across packs.
     for start, stop in ((0, 30), (3, 17), (29, 30), (11, 11)):
         assert read_file(path, start=start, stop=stop).equals(expect.select(np.arange(start, stop)))
@@ -166,11 +190,14 @@ def _rewrite(path, key, edit):
         f.create_dataset(key, data=values, dtype=dtype)
 
 
-@pytest.mark.parametrize("key,edit,want", [
-    ("packed_input_len", lambda v: v.__setitem__(1, v[1] + np.int16(1)), "pack 1: packed_input_len sums to"),
-    ("masked_lm_positions", lambda v: v.__setitem__(0, v[0] + np.int16(S)), "masked position"),
-    ("next_sentence_labels", lambda v: v.__setitem__(2, v[2][:-1]), "pack 2: next_sentence_labels has"),
-])
+@pytest.mark.parametrize(
+    "key,edit,want",
+    [
+        ("packed_input_len", lambda v: v.__setitem__(1, v[1] + np.int16(1)), "pack 1: packed_input_len sums to"),
+        ("masked_lm_positions", lambda v: v.__setitem__(0, v[0] + np.int16(S)), "masked position"),
+        ("next_sentence_labels", lambda v: v.__setitem__(2, v[2][:-1]), "pack 2: next_sentence_labels has"),
+    ],
+)
 def test_bad_packed_files_name_the_pack_or_sample(block, tmp_path, key, edit, want):
     path = tmp_path / "bad.hdf5"
     write_file(path, block, "packed", S, P)
@@ -189,8 +216,10 @@ def test_convert_to_packed_and_back(block, tmp_path, capsys):
     assert inspect(packed).layout == "packed"
     assert cli_main(convert_main, [str(packed), str(tmp_path / "var.hdf5"), "--to", "varlength"]) == 0
     assert read_file(tmp_path / "var.hdf5").equals(block.select(_pack_order(block, S)))
-    assert cli_main(convert_main, [str(packed), str(tmp_path / "p2.hdf5"), "--to", "packed",
-                                   "--max-seq-length", "40"]) == 2
+    assert (
+        cli_main(convert_main, [str(packed), str(tmp_path / "p2.hdf5"), "--to", "packed", "--max-seq-length", "40"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "packing needs 1 to seq_len 40" in err
 

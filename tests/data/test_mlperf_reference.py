@@ -43,10 +43,19 @@ def _expected(name: str) -> dict:
 
 def _config(name: str, out: Path, **kw) -> DatasetConfig:
     c = _expected(name)["config"]
-    params = RefParams(max_seq_length=c["max_seq_length"], max_predictions=c["max_predictions"],
-                       dupe_factor=c["dupe_factor"])
-    args = {"text_dir": str(TEXT), "eval_text": str(TEXT / "eval.txt"), "vocab": str(VOCAB), "output_dir": str(out),
-            "shards": c["shards"], "params": params, "eval_samples": c["eval_samples"], "checksums": str(FIX / name)}
+    params = RefParams(
+        max_seq_length=c["max_seq_length"], max_predictions=c["max_predictions"], dupe_factor=c["dupe_factor"]
+    )
+    args = {
+        "text_dir": str(TEXT),
+        "eval_text": str(TEXT / "eval.txt"),
+        "vocab": str(VOCAB),
+        "output_dir": str(out),
+        "shards": c["shards"],
+        "params": params,
+        "eval_samples": c["eval_samples"],
+        "checksums": str(FIX / name),
+    }
     return DatasetConfig(**(args | kw))
 
 
@@ -74,12 +83,19 @@ def test_every_file_equals_the_reference_pipelines_at_128(s128):
     assert _mismatches("s128", out) == []
     # The reference's checksum lists were checked by build itself.
     assert sorted(Path(p).name for p in result["verified"]) == [
-        "7_shards_varlength.chk", "7_shards_varlength_shuffled.chk", "eval_varlength.chk"]
+        "7_shards_varlength.chk",
+        "7_shards_varlength_shuffled.chk",
+        "eval_varlength.chk",
+    ]
     with h5py.File(out / "hdf5/training/part-00000-of-00500.hdf5") as f:
         assert {k: (f[k].dtype.str, f[k].shape[1:]) for k in f} == {
-            "input_ids": ("<i2", (128,)), "input_mask": ("|i1", (128,)), "segment_ids": ("|i1", (128,)),
-            "masked_lm_positions": ("<i2", (20,)), "masked_lm_ids": ("<i2", (20,)),
-            "next_sentence_labels": ("|i1", ())}
+            "input_ids": ("<i2", (128,)),
+            "input_mask": ("|i1", (128,)),
+            "segment_ids": ("|i1", (128,)),
+            "masked_lm_positions": ("<i2", (20,)),
+            "masked_lm_ids": ("<i2", (20,)),
+            "next_sentence_labels": ("|i1", ()),
+        }
 
 
 def test_every_file_equals_the_reference_pipelines_at_512(tmp_path):
@@ -94,11 +110,15 @@ def test_restart_redoes_only_what_is_missing_and_in_parallel(s128, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(src, out)
     layout = Layout(out / "hdf5", 7)
-    removed = [layout.training / "part-00001-of-00500.hdf5", layout.stage_dir("chop") / "part_00003_of_00007.hdf5",
-               layout.stage_dir("varlength") / "part_00006_of_00007.hdf5",
-               layout.stage_dir("shuffled") / "part_00000_of_00007.hdf5",
-               layout.stage_dir("shuffled") / "part_00004_of_00007.hdf5",
-               out / "hdf5/eval_varlength/part_eval_10k.hdf5", out / "hdf5/eval/part_eval_10k.hdf5"]
+    removed = [
+        layout.training / "part-00001-of-00500.hdf5",
+        layout.stage_dir("chop") / "part_00003_of_00007.hdf5",
+        layout.stage_dir("varlength") / "part_00006_of_00007.hdf5",
+        layout.stage_dir("shuffled") / "part_00000_of_00007.hdf5",
+        layout.stage_dir("shuffled") / "part_00004_of_00007.hdf5",
+        out / "hdf5/eval_varlength/part_eval_10k.hdf5",
+        out / "hdf5/eval/part_eval_10k.hdf5",
+    ]
     for p in removed:
         p.unlink()
     # What a killed writer leaves behind is a temporary name, never the final one.
@@ -121,8 +141,11 @@ def test_a_finished_file_that_changed_fails_the_checksums(s128, tmp_path):
         row = f["input_ids"][0]
         row[1] ^= 1
         f["input_ids"][0] = row
-    with pytest.raises(DataError, match=r"1 file\(s\) differ from the published checksums:\n  shuffled: .*"
-                                        r"part_00003_of_00007.hdf5: checksum"):
+    with pytest.raises(
+        DataError,
+        match=r"1 file\(s\) differ from the published checksums:\n  shuffled: .*"
+        r"part_00003_of_00007.hdf5: checksum",
+    ):
         build(_config("s128", out), log=lambda m: None)
 
 
@@ -170,13 +193,15 @@ def test_published_checksums_apply_only_with_mlperfs_shards_and_parameters(tmp_p
         cfg = DatasetConfig(text_dir="t", eval_text="e", vocab="v", output_dir=str(tmp_path), **kw)
         return sorted(p.name for _, p in _checks(cfg))
 
-    assert names(shards=4320) == ["4320_shards_varlength.chk", "4320_shards_varlength_shuffled.chk",
-                                  "eval_varlength.chk"]
+    assert names(shards=4320) == [
+        "4320_shards_varlength.chk",
+        "4320_shards_varlength_shuffled.chk",
+        "eval_varlength.chk",
+    ]
     assert names(shards=2048) == ["2048_shards_varlength.chk", "eval_varlength.chk"]
     assert names(shards=100) == ["eval_varlength.chk"]
     assert names(shards=4320, params=RefParams(dupe_factor=5)) == []
-    assert names(shards=4320, eval_samples=500) == ["4320_shards_varlength.chk",
-                                                    "4320_shards_varlength_shuffled.chk"]
+    assert names(shards=4320, eval_samples=500) == ["4320_shards_varlength.chk", "4320_shards_varlength_shuffled.chk"]
     lines = (Path(__file__).resolve().parents[2] / "data/checksums/4320_shards_varlength_shuffled.chk").read_text()
     assert len(lines.splitlines()) == 4320
 
@@ -185,27 +210,52 @@ def test_prepare_reference_cli_writes_the_reference_file(tmp_path, capsys):
     from data.prepare import main as prepare_main
 
     part = TEXT / "part-00001-of-00500"
-    args = ["--reference", "--input", str(part), "--vocab", str(VOCAB), "--output-dir", str(tmp_path),
-            "--max-seq-length", "128", "--max-predictions", "20"]
+    args = [
+        "--reference",
+        "--input",
+        str(part),
+        "--vocab",
+        str(VOCAB),
+        "--output-dir",
+        str(tmp_path),
+        "--max-seq-length",
+        "128",
+        "--max-predictions",
+        "20",
+    ]
     assert cli_main(prepare_main, args) == 0
-    assert content_digest(tmp_path / (part.name + ".hdf5")) == \
-        _expected("s128")["files"]["training/part-00001-of-00500.hdf5"]
+    assert (
+        content_digest(tmp_path / (part.name + ".hdf5"))
+        == _expected("s128")["files"]["training/part-00001-of-00500.hdf5"]
+    )
     capsys.readouterr()
     assert cli_main(prepare_main, args + ["--shards", "3"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: --reference does not take --shards (it writes one "
-                                               "fixed-layout file per input file, as the reference script does)")
+    assert capsys.readouterr().err.strip() == (
+        "error: --reference does not take --shards (it writes one "
+        "fixed-layout file per input file, as the reference script does)"
+    )
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     from data.mlperf_dataset import main as dataset_main
 
-    base = ["--eval-text", str(TEXT / "eval.txt"), "--vocab", str(VOCAB), "--output-dir", str(tmp_path),
-            "--shards", "4"]
+    base = [
+        "--eval-text",
+        str(TEXT / "eval.txt"),
+        "--vocab",
+        str(VOCAB),
+        "--output-dir",
+        str(tmp_path),
+        "--shards",
+        "4",
+    ]
     assert cli_main(dataset_main, ["--text-dir", str(tmp_path / "nope")] + base) == 2
     assert capsys.readouterr().err == f"error: {tmp_path / 'nope'}: no such directory\n"
     (tmp_path / "bad.txt").write_text("[PAD]\n[CLS]\n")
-    assert cli_main(dataset_main, ["--text-dir", str(TEXT)] + base[:2] + ["--vocab", str(tmp_path / "bad.txt")]
-                    + base[4:]) == 2
+    assert (
+        cli_main(dataset_main, ["--text-dir", str(TEXT)] + base[:2] + ["--vocab", str(tmp_path / "bad.txt")] + base[4:])
+        == 2
+    )
     assert "vocabulary is missing [UNK], [SEP], [MASK]" in capsys.readouterr().err
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("one line.\n\ncaf\xe9 au lait.\n".encode("latin-1"))
@@ -221,8 +271,9 @@ def test_ascii_lines_tokenize_the_same_through_tokenizers_and_python():
     alphabet = [chr(c) for c in range(128)]
     lines = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(1500)]
     lines += ["a" * 199 + " " + "b" * 200 + " " + "c" * 201, "[UNK] [CLS] [SEP] [MASK] ##s", "U.S.A. 3.14 it's"]
-    lines += [s.strip() for f in sorted(TEXT.iterdir()) for s in f.read_text(encoding="utf-8").splitlines()
-              if s.isascii()]
+    lines += [
+        s.strip() for f in sorted(TEXT.iterdir()) for s in f.read_text(encoding="utf-8").splitlines() if s.isascii()
+    ]
     hf = tok.encode_many(lines)
     assert [tok.encode_python(s) for s in lines] == hf
     # ...and not on all text: tokenizers drops private-use characters, the reference keeps them.
@@ -277,5 +328,6 @@ def test_the_trainer_loaders_read_the_pipeline_output_unpadded_and_packed(s128, 
     ploader = PretrainingLoader(packed, g, prefetch=False, seed=1)
     assert ploader.steps_per_epoch == steps and len(ploader.global_batch(0)) == g
     ev = EvalLoader(out / "hdf5/eval_varlength/part_eval_10k.hdf5", batch_size=64)
-    assert ev.num_samples == 300 and np.array_equal(ev.block.seq_lens, read_file(
-        out / "hdf5/eval_varlength/part_eval_10k.hdf5").seq_lens)
+    assert ev.num_samples == 300 and np.array_equal(
+        ev.block.seq_lens, read_file(out / "hdf5/eval_varlength/part_eval_10k.hdf5").seq_lens
+    )

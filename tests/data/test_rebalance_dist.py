@@ -41,5 +41,19 @@ def test_exchange_under_mpirun():
     mpirun = launcher("mpirun")
     if mpirun is None:
         pytest.skip("no mpirun in the virtualenv or on PATH")
-    run([mpirun, "-np", "2", "--oversubscribe", "--allow-run-as-root", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-         sys.executable, str(WORKER)], 2)
+    run(
+        [
+            mpirun,
+            "-np",
+            "2",
+            "--oversubscribe",
+            "--allow-run-as-root",
+            "-x",
+            "PYTHONPATH",
+            "-x",
+            "OMP_NUM_THREADS",
+            sys.executable,
+            str(WORKER),
+        ],
+        2,
+    )

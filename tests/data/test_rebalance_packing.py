@@ -30,23 +30,27 @@ def _set(i, v):
     def f(a):
         a[i] = v
         return a
+
     return f
 
 
-@pytest.mark.parametrize("block, code, index", [
-    (SampleBlock.empty(), 1, 0),
-    (random_block(1, 0, batch=5), 2, 0),
-    (_broken("seq_lens", _set(2, 0)), 3, 2),
-    (_broken("seq_lens", _set(4, 513)), 3, 4),
-    (_broken("input_ids", lambda a: a[:-1]), 4, 0),
-    (_broken("masked_counts", lambda a: a * 0 + 600), 5, 0),
-    (_broken("masked_ids", lambda a: a[:-1]), 6, 0),
-    (_broken("masked_positions", lambda a: a + 600), 7, 0),
-    (_broken("input_ids", _set(-1, -5)), 8, 5),
-    (_broken("segment_ids", _set(0, 2)), 9, 0),
-    (_broken("nsp_labels", _set(3, 7)), 10, 3),
-    (_broken("nsp_labels", lambda a: a[:-1]), 11, 0),
-])
+@pytest.mark.parametrize(
+    "block, code, index",
+    [
+        (SampleBlock.empty(), 1, 0),
+        (random_block(1, 0, batch=5), 2, 0),
+        (_broken("seq_lens", _set(2, 0)), 3, 2),
+        (_broken("seq_lens", _set(4, 513)), 3, 4),
+        (_broken("input_ids", lambda a: a[:-1]), 4, 0),
+        (_broken("masked_counts", lambda a: a * 0 + 600), 5, 0),
+        (_broken("masked_ids", lambda a: a[:-1]), 6, 0),
+        (_broken("masked_positions", lambda a: a + 600), 7, 0),
+        (_broken("input_ids", _set(-1, -5)), 8, 5),
+        (_broken("segment_ids", _set(0, 2)), 9, 0),
+        (_broken("nsp_labels", _set(3, 7)), 10, 3),
+        (_broken("nsp_labels", lambda a: a[:-1]), 11, 0),
+    ],
+)
 def test_check_block_names_the_problem(block, code, index):
     assert check_block(random_block(1, 0, batch=6), 6, 512) == (0, 0, 0)
     got = check_block(block, 6, 512)

@@ -6,7 +6,8 @@ multi-process exchange in test_rebalance_dist.py. Seeds are fixed in each test.
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.rebalance_sim import mlperf_like_lengths
 from data.rebalance_plan import DEFAULT_COST, STRATEGIES, assign, imbalance, plan_for_rank, sample_costs
@@ -67,8 +68,10 @@ def test_stripe_is_the_submissions_sort_and_stride():
 def test_assign_is_deterministic_and_input_form_does_not_matter(group_size):
     L = mlperf_batch(16, 20, seed=3)
     A = assign(L, "balanced", group_size=group_size)
-    for other in (assign(L, "balanced", group_size=group_size),
-                  assign([row for row in L.astype(np.int16)], "balanced", group_size=group_size)):
+    for other in (
+        assign(L, "balanced", group_size=group_size),
+        assign([row for row in L.astype(np.int16)], "balanced", group_size=group_size),
+    ):
         assert np.array_equal(A.src_rank, other.src_rank) and np.array_equal(A.src_index, other.src_index)
 
 
@@ -120,14 +123,17 @@ def test_plan_for_rank_is_that_ranks_part_of_assign(W, G):
         assert len(p.send_index) + B - len(leaving) == B
 
 
-@pytest.mark.parametrize("args, message", [
-    (([[5, 6], [7, 8]], "greedy"), "strategy: expected one of none, stripe, balanced"),
-    (([[5, 6], [7]], "balanced"), "rank 1 has 1 samples, rank 0 has 2"),
-    (([[5, 6], [7, 0]], "balanced"), "rank 1: sample 1 has length 0"),
-    (([[5, 6], [-3, 1]], "stripe"), "rank 1: sample 0 has length -3"),
-    ((np.ones((2, 2)) * 5.0, "balanced"), "lengths must be integers"),
-    ((np.zeros((0, 3), int), "balanced"), "at least one rank and one sample"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (([[5, 6], [7, 8]], "greedy"), "strategy: expected one of none, stripe, balanced"),
+        (([[5, 6], [7]], "balanced"), "rank 1 has 1 samples, rank 0 has 2"),
+        (([[5, 6], [7, 0]], "balanced"), "rank 1: sample 1 has length 0"),
+        (([[5, 6], [-3, 1]], "stripe"), "rank 1: sample 0 has length -3"),
+        ((np.ones((2, 2)) * 5.0, "balanced"), "lengths must be integers"),
+        ((np.zeros((0, 3), int), "balanced"), "at least one rank and one sample"),
+    ],
+)
 def test_assign_rejects_bad_input(args, message):
     with pytest.raises(ValueError, match=message):
         assign(*args)

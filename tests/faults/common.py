@@ -46,10 +46,16 @@ def spawn_ranks(n: int, out_dir, dataset, *extra, log_dir, **fault_env) -> list[
     port = free_port()
     jobs = []
     for rank in range(n):
-        env = clean_env(RANK=rank, WORLD_SIZE=n, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                        **fault_env)
-        jobs.append(Job([PYTHON, WORKER, "--output-dir", str(out_dir), *run_args(dataset, *extra)],
-                        os.path.join(log_dir, f"rank{rank}.log"), env))
+        env = clean_env(
+            RANK=rank, WORLD_SIZE=n, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **fault_env
+        )
+        jobs.append(
+            Job(
+                [PYTHON, WORKER, "--output-dir", str(out_dir), *run_args(dataset, *extra)],
+                os.path.join(log_dir, f"rank{rank}.log"),
+                env,
+            )
+        )
     return jobs
 
 

@@ -14,8 +14,18 @@ import torch
 import run_pretraining
 from bert import train_checkpoint
 from bert.checkpoint import CheckpointError
-from tests.faults.common import (PYTHON, REFERENCE_STEPS, WORKER, Job, clean_env, losses, run_args,
-                                 run_in_process, summary, wait_for)
+from tests.faults.common import (
+    PYTHON,
+    REFERENCE_STEPS,
+    WORKER,
+    Job,
+    clean_env,
+    losses,
+    run_args,
+    run_in_process,
+    summary,
+    wait_for,
+)
 
 
 def ckpt_dir(out):
@@ -39,26 +49,29 @@ def saved(tmp_path):
 def test_checksum_trailer_is_what_sha256sum_gives(saved):
     path, state = saved
     raw = open(path, "rb").read()
-    body, trailer = raw[:-train_checkpoint.TRAILER_BYTES], raw[-train_checkpoint.TRAILER_BYTES:]
-    assert trailer == (f"\nBERT-CHECKPOINT sha256={hashlib.sha256(body).hexdigest()} "
-                       f"size={len(body):016d}\n").encode()
+    body, trailer = raw[: -train_checkpoint.TRAILER_BYTES], raw[-train_checkpoint.TRAILER_BYTES :]
+    assert trailer == (f"\nBERT-CHECKPOINT sha256={hashlib.sha256(body).hexdigest()} size={len(body):016d}\n").encode()
     assert torch.equal(train_checkpoint.read(path)["model"]["w"], state["model"]["w"])
 
 
 def _flip(raw: bytes, at: int) -> bytes:
-    return raw[:at] + bytes([raw[at] ^ 0x40]) + raw[at + 1:]
+    return raw[:at] + bytes([raw[at] ^ 0x40]) + raw[at + 1 :]
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda raw: _flip(raw, len(raw) // 2), "checksum mismatch"),
-    (lambda raw: _flip(raw, 100), "checksum mismatch"),
-    (lambda raw: raw[:len(raw) // 2], "no checksum trailer"),
-    (lambda raw: raw[:-1], "no checksum trailer"),
-    (lambda raw: raw[:50], "too short"),
-    (lambda raw: b"", "too short"),
-    (lambda raw: raw[:-train_checkpoint.TRAILER_BYTES], "no checksum trailer"),
-    (lambda raw: raw[:1000] + raw[1001:], "trailer records"),
-], ids=["flip-middle", "flip-header", "half", "minus-one-byte", "50-bytes", "empty", "no-trailer", "byte-removed"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda raw: _flip(raw, len(raw) // 2), "checksum mismatch"),
+        (lambda raw: _flip(raw, 100), "checksum mismatch"),
+        (lambda raw: raw[: len(raw) // 2], "no checksum trailer"),
+        (lambda raw: raw[:-1], "no checksum trailer"),
+        (lambda raw: raw[:50], "too short"),
+        (lambda raw: b"", "too short"),
+        (lambda raw: raw[: -train_checkpoint.TRAILER_BYTES], "no checksum trailer"),
+        (lambda raw: raw[:1000] + raw[1001:], "trailer records"),
+    ],
+    ids=["flip-middle", "flip-header", "half", "minus-one-byte", "50-bytes", "empty", "no-trailer", "byte-removed"],
+)
 def test_damage_is_detected_and_named(saved, damage, message):
     path, _ = saved
     with open(path, "rb") as f:
@@ -84,8 +97,11 @@ def test_keep_prunes_the_oldest_only_after_a_successful_write(tmp_path):
 def test_kill_during_a_checkpoint_write_keeps_the_previous_one(dataset, reference, tmp_path, capsys):
     out, marks = tmp_path / "out", tmp_path / "marks"
     marks.mkdir()
-    job = Job([PYTHON, WORKER, "--output-dir", str(out), *run_args(dataset, *REFERENCE_STEPS)],
-              str(tmp_path / "run.log"), clean_env(FAULT_MARK_DIR=marks, FAULT_STALL_CHECKPOINT=8))
+    job = Job(
+        [PYTHON, WORKER, "--output-dir", str(out), *run_args(dataset, *REFERENCE_STEPS)],
+        str(tmp_path / "run.log"),
+        clean_env(FAULT_MARK_DIR=marks, FAULT_STALL_CHECKPOINT=8),
+    )
     wait_for(lambda: (marks / "stalled").exists(), 120, [job], "the write of the step-8 checkpoint")
     job.kill()  # SIGKILL, half-way through the file
     tmp = os.path.join(ckpt_dir(out), ".step_00000008.pt.tmp")
@@ -139,8 +155,10 @@ def test_a_refused_write_is_reported_and_the_run_continues(dataset, reference, t
     s = run_in_process(dataset, tmp_path, *REFERENCE_STEPS)
     printed = capsys.readouterr().out
     path = os.path.join(ckpt_dir(tmp_path), "step_00000008.pt")
-    assert (f"error: step 8: {path}: cannot write the checkpoint ({os.strerror(err)}); the previous checkpoint "
-            f"(step_00000004.pt) is kept; continuing (checkpoint.on_error=continue)") in printed
+    assert (
+        f"error: step 8: {path}: cannot write the checkpoint ({os.strerror(err)}); the previous checkpoint "
+        f"(step_00000004.pt) is kept; continuing (checkpoint.on_error=continue)"
+    ) in printed
     assert names(tmp_path) == ["step_00000004.pt"]  # no temporary file left behind
     assert s["status"] == "aborted" and s["steps"] == 12 and s["checkpoint_failures"] == 1 and "error" not in s
     assert losses(tmp_path) == reference
@@ -148,20 +166,22 @@ def test_a_refused_write_is_reported_and_the_run_continues(dataset, reference, t
 
 def test_a_refused_write_stops_the_run_when_configured(dataset, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train_checkpoint, "os", RefusingOs(os, errno.ENOSPC, step=8))
-    code = run_pretraining.main(["--output-dir", str(tmp_path),
-                                 *run_args(dataset, *REFERENCE_STEPS, "checkpoint.on_error=stop")])
+    code = run_pretraining.main(
+        ["--output-dir", str(tmp_path), *run_args(dataset, *REFERENCE_STEPS, "checkpoint.on_error=stop")]
+    )
     captured = capsys.readouterr()
     assert code == 1
     assert "stopping (checkpoint.on_error=stop)" in captured.out
     err = captured.err.strip().splitlines()
-    assert err == [f"error: the checkpoint of step 8 could not be written: "
-                   f"{os.path.join(ckpt_dir(tmp_path), 'step_00000008.pt')}: cannot write the checkpoint "
-                   f"(No space left on device)"]
+    assert err == [
+        f"error: the checkpoint of step 8 could not be written: "
+        f"{os.path.join(ckpt_dir(tmp_path), 'step_00000008.pt')}: cannot write the checkpoint "
+        f"(No space left on device)"
+    ]
     assert names(tmp_path) == ["step_00000004.pt"]
     s = summary(tmp_path)
     assert s["status"] == "aborted" and s["steps"] == 8 and s["error"].startswith("the checkpoint of step 8")
-    stop = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in open(tmp_path / "mlperf.log")
-            if '"run_stop"' in line]
+    stop = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in open(tmp_path / "mlperf.log") if '"run_stop"' in line]
     assert stop and stop[-1]["metadata"]["status"] == "aborted"
 
 
@@ -192,5 +212,6 @@ def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(dataset, tmp_pat
     code = run_pretraining.main(["--output-dir", str(tmp_path), *run_args(dataset, *REFERENCE_STEPS)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0].startswith(f"error (rank 0): every checkpoint in {ckpt_dir(tmp_path)} is damaged or refused "
-                             f"({path}: no checksum trailer")
+    assert err[0].startswith(
+        f"error (rank 0): every checkpoint in {ckpt_dir(tmp_path)} is damaged or refused ({path}: no checksum trailer"
+    )

@@ -57,8 +57,10 @@ def test_fail_stops_mid_epoch_naming_file_and_sample(corrupt, tmp_path, capsys):
     assert code == 2 and len(err) == 1, err
     m = re.match(rf"error \(rank 0\): {re.escape(path)}: sample (\d+): (.*)$", err[0])
     assert m and int(m.group(1)) in rows, err[0]
-    assert m.group(2) in ("input_mask holds values other than 0 and 1",
-                          "input_ids holds 30000, outside the vocabulary's 96 entries")
+    assert m.group(2) in (
+        "input_mask holds values other than 0 and 1",
+        "input_ids holds 30000, outside the vocabulary's 96 entries",
+    )
     assert max(r["step"] for r in metrics(tmp_path) if "loss" in r) == USED_AT[0]  # the steps before it ran
 
 
@@ -67,8 +69,11 @@ def test_skip_replaces_counts_and_reports(corrupt, tmp_path, capsys):
     s = run_in_process(dataset, tmp_path, *STEPS, "data.on_corrupt=skip")
     printed = capsys.readouterr().out
     assert s["steps"] == 16 and s["corrupt_samples_skipped"] == 2
-    assert re.search(rf"warning: {re.escape(path)}: 2 of 12 samples corrupt, skipped \(data.on_corrupt=skip\): "
-                     rf"sample {rows[0]}: .*; sample {rows[1]}: ", printed), printed
+    assert re.search(
+        rf"warning: {re.escape(path)}: 2 of 12 samples corrupt, skipped \(data.on_corrupt=skip\): "
+        rf"sample {rows[0]}: .*; sample {rows[1]}: ",
+        printed,
+    ), printed
     counted = {r["step"]: r["corrupt_samples"] for r in metrics(tmp_path) if "loss" in r}
     assert [counted[i] for i in (12, 13, 14, 15, 16)] == [0, 1, 1, 2, 2]
     assert "step 13: 1 corrupt sample(s) replaced" in printed and "step 15: 1 corrupt sample(s)" in printed
@@ -123,8 +128,9 @@ def test_skip_leaves_out_a_file_that_cannot_be_opened(corrupt, tmp_path):
 def test_skip_on_two_ranks_trains_what_one_rank_trains(corrupt, tmp_path):
     dataset = corrupt[0]
     run_in_process(dataset, tmp_path / "one", *STEPS, "data.on_corrupt=skip")
-    jobs = spawn_ranks(2, tmp_path / "two", dataset, *STEPS, "data.on_corrupt=skip", "data.rebalance=balanced",
-                       log_dir=str(tmp_path))
+    jobs = spawn_ranks(
+        2, tmp_path / "two", dataset, *STEPS, "data.on_corrupt=skip", "data.rebalance=balanced", log_dir=str(tmp_path)
+    )
     try:
         for j in jobs:
             assert j.wait(120, "a rank") == 0, j.output()[-3000:]
@@ -132,8 +138,11 @@ def test_skip_on_two_ranks_trains_what_one_rank_trains(corrupt, tmp_path):
         for j in jobs:
             j.kill()
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
-    assert summary(tmp_path / "two")["corrupt_samples_skipped"] == summary(tmp_path / "one")[
-        "corrupt_samples_skipped"] == 2
+    assert (
+        summary(tmp_path / "two")["corrupt_samples_skipped"]
+        == summary(tmp_path / "one")["corrupt_samples_skipped"]
+        == 2
+    )
 
 
 @pytest.mark.slow
@@ -150,6 +159,10 @@ def test_fail_on_two_ranks_the_other_rank_names_the_cause(corrupt, tmp_path):
     logs = [j.output() for j in jobs]
     assert codes == [2, 1], logs
     assert re.search(rf"^error \(rank 0\): {re.escape(path)}: sample \d+: ", logs[0], re.M), logs[0][-2000:]
-    assert re.search(rf"^error: rank 1: the [\w\- ()]+ at step 13 failed .*: rank 0 stopped first: "
-                     rf"{re.escape(path)}: sample \d+: ", logs[1], re.M), logs[1][-2000:]
+    assert re.search(
+        rf"^error: rank 1: the [\w\- ()]+ at step 13 failed .*: rank 0 stopped first: "
+        rf"{re.escape(path)}: sample \d+: ",
+        logs[1],
+        re.M,
+    ), logs[1][-2000:]
     assert "Traceback" not in logs[0] + logs[1]

@@ -10,7 +10,6 @@ the readers' success paths as well as their errors. Cases: 500 + 400 HDF5, 250 p
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
@@ -30,8 +29,12 @@ from tests.batches import fixed_layout
 
 pytestmark = pytest.mark.slow  # 2,450 generated cases
 
-FUZZ = dict(derandomize=True, database=None, deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+FUZZ = dict(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 V = 50  # vocabulary of the generated samples
 
 
@@ -83,8 +86,21 @@ def _valid_arrays(draw, n: int) -> dict:
     return fixed_layout(lengths, V, seq_len=12, max_predictions=4, seed=draw(st.integers(0, 1000)))
 
 
-MUTATIONS = ("drop", "group", "float", "uint8", "bool", "bytes", "extra_dim", "no_dim", "short", "value", "value",
-             "value", "attr")
+MUTATIONS = (
+    "drop",
+    "group",
+    "float",
+    "uint8",
+    "bool",
+    "bytes",
+    "extra_dim",
+    "no_dim",
+    "short",
+    "value",
+    "value",
+    "value",
+    "attr",
+)
 
 
 @st.composite
@@ -94,8 +110,14 @@ def built_files(draw):
     a = {k: v.astype(np.int64) for k, v in _valid_arrays(draw, n).items()}
     varlength = draw(st.booleans())
     keys = list(VARLENGTH_KEYS if varlength else FIXED_KEYS)
-    mutations = draw(st.lists(st.tuples(st.sampled_from(MUTATIONS), st.sampled_from(keys),
-                                        st.integers(-40000, 40000), st.integers(0, 100)), max_size=3))
+    mutations = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(MUTATIONS), st.sampled_from(keys), st.integers(-40000, 40000), st.integers(0, 100)
+            ),
+            max_size=3,
+        )
+    )
     return varlength, a, mutations
 
 
@@ -103,16 +125,27 @@ def write_built(path: Path, varlength: bool, a: dict, mutations) -> None:
     lens = a["input_mask"].sum(1)
     counts = (a["masked_lm_positions"] != 0).sum(1)
     if varlength:
-        data = {"input_ids": [a["input_ids"][i, :lens[i]] for i in range(len(lens))],
-                "segment_ids": [a["segment_ids"][i, :lens[i]] for i in range(len(lens))],
-                "masked_lm_positions": [a["masked_lm_positions"][i, :counts[i]] for i in range(len(lens))],
-                "masked_lm_ids": [a["masked_lm_ids"][i, :counts[i]] for i in range(len(lens))]}
-        dtypes = {"input_ids": np.int16, "segment_ids": np.int8, "masked_lm_positions": np.int16,
-                  "masked_lm_ids": np.int16}
+        data = {
+            "input_ids": [a["input_ids"][i, : lens[i]] for i in range(len(lens))],
+            "segment_ids": [a["segment_ids"][i, : lens[i]] for i in range(len(lens))],
+            "masked_lm_positions": [a["masked_lm_positions"][i, : counts[i]] for i in range(len(lens))],
+            "masked_lm_ids": [a["masked_lm_ids"][i, : counts[i]] for i in range(len(lens))],
+        }
+        dtypes = {
+            "input_ids": np.int16,
+            "segment_ids": np.int8,
+            "masked_lm_positions": np.int16,
+            "masked_lm_ids": np.int16,
+        }
     else:
         data = {k: a[k] for k in FIXED_KEYS[:-1]}
-        dtypes = {"input_ids": np.int16, "input_mask": np.int8, "segment_ids": np.int8,
-                  "masked_lm_positions": np.int16, "masked_lm_ids": np.int16}
+        dtypes = {
+            "input_ids": np.int16,
+            "input_mask": np.int8,
+            "segment_ids": np.int8,
+            "masked_lm_positions": np.int16,
+            "masked_lm_ids": np.int16,
+        }
     data["next_sentence_labels"] = a["next_sentence_labels"]
     dtypes["next_sentence_labels"] = np.int8
     attrs = {}
@@ -184,8 +217,10 @@ def originals(scratch):
     a = fixed_layout(list(range(1, 25)), V, seq_len=24, max_predictions=4, seed=3)
     block = from_fixed_arrays("x", **a)
     out = {}
-    for name, write in (("fixed", lambda p: write_fixed(p, block, 24, 4)),
-                        ("varlength", lambda p: write_varlength(p, block, 24, 4))):
+    for name, write in (
+        ("fixed", lambda p: write_fixed(p, block, 24, 4)),
+        ("varlength", lambda p: write_varlength(p, block, 24, 4)),
+    ):
         write(scratch / f"{name}.hdf5")
         out[name] = (scratch / f"{name}.hdf5").read_bytes()
     return out
@@ -196,8 +231,9 @@ def test_hdf5_readers_on_damaged_bytes(scratch, originals):
     @given(layout=st.sampled_from(["fixed", "varlength"]), data=st.data())
     def one(counts, layout, data):
         raw = bytearray(originals[layout])
-        edits = data.draw(st.lists(st.tuples(st.integers(0, len(raw) - 1), st.integers(0, 255)), min_size=1,
-                                   max_size=8))
+        edits = data.draw(
+            st.lists(st.tuples(st.integers(0, len(raw) - 1), st.integers(0, 255)), min_size=1, max_size=8)
+        )
         for at, byte in edits:
             raw[at] = byte
         cut = data.draw(st.one_of(st.none(), st.none(), st.integers(0, len(raw))))
@@ -212,14 +248,50 @@ def test_hdf5_readers_on_damaged_bytes(scratch, originals):
 
 # ---- data.prepare's text input ---------------------------------------------------------------
 
-WORDS = ["the", "cat", "sat", "on", "mat", "Dr.", "U.S.", "e.g.", "=", "= = Title = =", "@-@", "@,@", "<unk>",
-         ".", "!", "?", "\"", "(", ")", "1999", "A", "B", "\u00e9t\u00e9", "\u4e2d\u6587", "\U0001f600", "\t",
-         "\r", "\x00", "\ufeff", "\u2028"]
-LINES = st.lists(st.one_of(st.lists(st.sampled_from(WORDS), max_size=12).map(" ".join), st.just(""),
-                           st.text(max_size=30)), max_size=40).map("\n".join).map(lambda t: t.encode("utf-8"))
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    "Dr.",
+    "U.S.",
+    "e.g.",
+    "=",
+    "= = Title = =",
+    "@-@",
+    "@,@",
+    "<unk>",
+    ".",
+    "!",
+    "?",
+    '"',
+    "(",
+    ")",
+    "1999",
+    "A",
+    "B",
+    "\u00e9t\u00e9",
+    "\u4e2d\u6587",
+    "\U0001f600",
+    "\t",
+    "\r",
+    "\x00",
+    "\ufeff",
+    "\u2028",
+]
+LINES = (
+    st.lists(
+        st.one_of(st.lists(st.sampled_from(WORDS), max_size=12).map(" ".join), st.just(""), st.text(max_size=30)),
+        max_size=40,
+    )
+    .map("\n".join)
+    .map(lambda t: t.encode("utf-8"))
+)
 SENTENCE = st.lists(st.sampled_from(WORDS), min_size=1, max_size=10).map(lambda ws: "The " + " ".join(ws) + ".")
 DOCS = st.lists(st.lists(SENTENCE, min_size=1, max_size=5).map("\n".join), min_size=2, max_size=6).map(
-    lambda docs: "\n\n = Title = \n\n".join(docs).encode("utf-8"))
+    lambda docs: "\n\n = Title = \n\n".join(docs).encode("utf-8")
+)
 
 
 def _noisy(text_and_noise) -> bytes:
@@ -230,11 +302,16 @@ def _noisy(text_and_noise) -> bytes:
     return text
 
 
-RAW = st.one_of(DOCS, st.tuples(DOCS, st.lists(st.tuples(st.integers(0, 10 ** 4), st.binary(max_size=6)),
-                                                min_size=1, max_size=4)).map(_noisy),
-                LINES, st.binary(max_size=300),
-                LINES.map(lambda b: b[: len(b) // 2] + b"\xff\xfe\xc0" + b[len(b) // 2:]))
-PIECES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz.!?\"()", "the", "cat", "##s"]
+RAW = st.one_of(
+    DOCS,
+    st.tuples(DOCS, st.lists(st.tuples(st.integers(0, 10**4), st.binary(max_size=6)), min_size=1, max_size=4)).map(
+        _noisy
+    ),
+    LINES,
+    st.binary(max_size=300),
+    LINES.map(lambda b: b[: len(b) // 2] + b"\xff\xfe\xc0" + b[len(b) // 2 :]),
+)
+PIECES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *'abcdefghijklmnopqrstuvwxyz.!?"()', "the", "cat", "##s"]
 
 
 def test_prepare_on_any_text(scratch):
@@ -242,16 +319,31 @@ def test_prepare_on_any_text(scratch):
     vocab.write_text("\n".join(PIECES) + "\n")
 
     @settings(max_examples=250, **FUZZ)
-    @given(raw=RAW, fmt=st.sampled_from(["bert", "wikitext", "text"]), eval_samples=st.sampled_from([0, 3]),
-           train_vocab=st.sampled_from([None, None, 60]), min_sentences=st.sampled_from([1, 2]))
+    @given(
+        raw=RAW,
+        fmt=st.sampled_from(["bert", "wikitext", "text"]),
+        eval_samples=st.sampled_from([0, 3]),
+        train_vocab=st.sampled_from([None, None, 60]),
+        min_sentences=st.sampled_from([1, 2]),
+    )
     def one(counts, raw, fmt, eval_samples, train_vocab, min_sentences):
         src = scratch / "input.txt"
         src.write_bytes(raw)
         out = scratch / "prepared"
-        cfg = PrepareConfig(inputs=[str(src)], output_dir=str(out), input_format=fmt, max_seq_length=16,
-                            max_predictions=3, dupe_factor=1, shards=1, eval_samples=eval_samples, workers=1,
-                            min_sentences=min_sentences, vocab=None if train_vocab else str(vocab),
-                            train_vocab=train_vocab)
+        cfg = PrepareConfig(
+            inputs=[str(src)],
+            output_dir=str(out),
+            input_format=fmt,
+            max_seq_length=16,
+            max_predictions=3,
+            dupe_factor=1,
+            shards=1,
+            eval_samples=eval_samples,
+            workers=1,
+            min_sentences=min_sentences,
+            vocab=None if train_vocab else str(vocab),
+            train_vocab=train_vocab,
+        )
         try:
             manifest = prepare(cfg, log=lambda m: None).manifest
         except DataError as e:
@@ -307,14 +399,29 @@ def _plausible() -> st.SearchStrategy:
                 values = st.lists(st.integers(0, 9), max_size=3)
             else:
                 values = st.one_of(st.none(), st.text(max_size=5))
-            options.append(values.map(lambda v, k=f"{section.name}.{f.name}": f"{k}={yaml.safe_dump(v).strip()}"
-                                      .replace("\n...", "")))
+            options.append(
+                values.map(
+                    lambda v, k=f"{section.name}.{f.name}": f"{k}={yaml.safe_dump(v).strip()}".replace("\n...", "")
+                )
+            )
     return st.one_of(options)
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 70), 2 ** 70), st.floats(),
-                    st.text(max_size=12), st.sampled_from(["tiny", "global", "adagc", "fp32", "skip", "stop", "gloo",
-                                                           "1e-3", ".nan", "-.inf", "[0.9, 0.98]", "{a: 1}"]))
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                          max_size=3), max_leaves=6)
+
+
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=12),
+    st.sampled_from(
+        ["tiny", "global", "adagc", "fp32", "skip", "stop", "gloo", "1e-3", ".nan", "-.inf", "[0.9, 0.98]", "{a: 1}"]
+    ),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 @st.composite
@@ -335,11 +442,14 @@ def documents(draw):
 
 
 OVERRIDE = st.one_of(
-    _plausible(), _plausible(),
-    st.tuples(st.sampled_from(KEYS), SCALARS).map(lambda kv: f"{kv[0]}={yaml.safe_dump(kv[1]).strip()}"
-                                                 .replace("\n...", "")),
+    _plausible(),
+    _plausible(),
+    st.tuples(st.sampled_from(KEYS), SCALARS).map(
+        lambda kv: f"{kv[0]}={yaml.safe_dump(kv[1]).strip()}".replace("\n...", "")
+    ),
     st.tuples(st.sampled_from(KEYS), st.text(max_size=10)).map(lambda kv: f"{kv[0]}={kv[1]}"),
-    st.text(max_size=20))
+    st.text(max_size=20),
+)
 OVERRIDES = st.one_of(st.lists(OVERRIDE, min_size=1, max_size=1), st.lists(OVERRIDE, max_size=4))
 
 

@@ -89,15 +89,18 @@ def test_payload_under_a_valid_checksum_never_runs(tmp_path):
     train_checkpoint.verify(path)  # the checksum is valid: it detects damage, not intent
     with pytest.raises(CheckpointError) as e:
         train_checkpoint.read(path)
-    assert one_line(str(e.value)) == (f"{path}: refers to io.open, which is not plain data (only tensors, numbers, "
-                                      f"strings, lists and dicts are loaded); refused without running it")
+    assert one_line(str(e.value)) == (
+        f"{path}: refers to io.open, which is not plain data (only tensors, numbers, "
+        f"strings, lists and dicts are loaded); refused without running it"
+    )
     assert not marker.exists()
     assert payload_works(path, marker)
 
 
 def test_a_value_that_is_not_plain_data_is_refused(tmp_path):
-    path = train_checkpoint.write(str(tmp_path), 3, {"counters": {"step": 3}, "optimizer": {"dtype": torch.float16}},
-                                  keep=2)
+    path = train_checkpoint.write(
+        str(tmp_path), 3, {"counters": {"step": 3}, "optimizer": {"dtype": torch.float16}}, keep=2
+    )
     with pytest.raises(CheckpointError, match=r"state\.optimizer\.dtype holds a torch\.dtype; only tensors"):
         train_checkpoint.read(path)
 
@@ -111,7 +114,7 @@ def test_save_refuses_a_state_that_read_would_refuse(tmp_path):
 def _storage_numel_huge(pkl: bytes) -> bytes:
     # ('storage', FloatStorage, '0', 'cpu', 4): the element count 4 becomes 2**30.
     at = pkl.index(b"K\x04t")
-    return pkl[:at] + b"J" + struct.pack("<i", 2 ** 30) + b"t" + pkl[at + 3:]
+    return pkl[:at] + b"J" + struct.pack("<i", 2**30) + b"t" + pkl[at + 3 :]
 
 
 @pytest.mark.parametrize("kind", ["trailer-size", "storage-size", "compressed-record"])
@@ -127,8 +130,9 @@ def test_huge_declared_sizes_are_refused_without_allocating(tmp_path, kind):
         raw = with_trailer(rezip(str(plain), str(tmp_path / "z"), patch_pickle=_storage_numel_huge))
         message = "cannot be loaded (RuntimeError: record size (16 bytes) does not match expected size"
     else:  # 64 MiB of zeros deflated to 64 KiB: torch would inflate it into memory
-        raw = with_trailer(rezip(str(plain), str(tmp_path / "z"), compression=zipfile.ZIP_DEFLATED,
-                                 data=bytes(64 << 20)))
+        raw = with_trailer(
+            rezip(str(plain), str(tmp_path / "z"), compression=zipfile.ZIP_DEFLATED, data=bytes(64 << 20))
+        )
         message = "is compressed ("
     path.write_bytes(raw)
     with pytest.raises(CheckpointError) as e:
@@ -165,13 +169,22 @@ def _hostile_state(kind: str, good: dict, marker) -> dict:
     return state
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("payload", "refers to io.open, which is not plain data"),
-    ("shapes", ("the model weights do not fit this model (layers.0.ffn_in.weight is torch.float32 (128, 512), "
-                "the model has torch.float32 (512, 128))")),
-    ("dtypes", "layers.0.ffn_in.weight is torch.float64 (512, 128), the model has torch.float32 (512, 128)"),
-    ("optimizer-shapes", "the optimizer's exp_avg of parameter 0 is torch.float32 (3,)"),
-], ids=["payload", "shapes", "dtypes", "optimizer-shapes"])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("payload", "refers to io.open, which is not plain data"),
+        (
+            "shapes",
+            (
+                "the model weights do not fit this model (layers.0.ffn_in.weight is torch.float32 (128, 512), "
+                "the model has torch.float32 (512, 128))"
+            ),
+        ),
+        ("dtypes", "layers.0.ffn_in.weight is torch.float64 (512, 128), the model has torch.float32 (512, 128)"),
+        ("optimizer-shapes", "the optimizer's exp_avg of parameter 0 is torch.float32 (3,)"),
+    ],
+    ids=["payload", "shapes", "dtypes", "optimizer-shapes"],
+)
 def test_a_hostile_newest_checkpoint_is_passed_over(dataset, good_run, tmp_path, capsys, kind, message):
     out, marker = tmp_path / "out", tmp_path / "MARKER"
     shutil.copytree(good_run, out)
@@ -192,12 +205,15 @@ def test_a_hostile_newest_checkpoint_is_passed_over(dataset, good_run, tmp_path,
 def test_only_hostile_checkpoints_stop_the_cli_with_one_line(dataset, tmp_path, capsys):
     marker = tmp_path / "MARKER"
     os.makedirs(tmp_path / "out" / "checkpoints")
-    bad = train_checkpoint.write(str(tmp_path / "out" / "checkpoints"), 2,
-                                 {"counters": {"step": 2}, "x": Payload(marker)}, keep=2)
+    bad = train_checkpoint.write(
+        str(tmp_path / "out" / "checkpoints"), 2, {"counters": {"step": 2}, "x": Payload(marker)}, keep=2
+    )
     code = run_pretraining.main(["--output-dir", str(tmp_path / "out"), *run_args(dataset, *BASE)])
     err = one_line(capsys.readouterr().err)
-    assert code == 2 and err.startswith(f"error (rank 0): every checkpoint in {tmp_path / 'out' / 'checkpoints'} "
-                                        f"is damaged or refused ({bad}: refers to io.open")
+    assert code == 2 and err.startswith(
+        f"error (rank 0): every checkpoint in {tmp_path / 'out' / 'checkpoints'} "
+        f"is damaged or refused ({bad}: refers to io.open"
+    )
     assert not marker.exists()
 
 
@@ -206,20 +222,38 @@ def test_a_checkpoint_of_the_previous_code_resumes(dataset, tmp_path):
     (commit 59dbb48): BERT of hidden 16 and 1 layer with AdaGC, stopped after step 2 of 4.
     Resuming it trains steps 3 and 4 as that code did (the losses it printed then)."""
     micro = tmp_path / "micro.json"
-    micro.write_text(json.dumps({"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                 "intermediate_size": 32, "max_position_embeddings": 64, "vocab_size": 96}))
+    micro.write_text(
+        json.dumps(
+            {
+                "hidden_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 32,
+                "max_position_embeddings": 64,
+                "vocab_size": 96,
+            }
+        )
+    )
     shutil.copytree(os.path.join(FIXTURES, "run_v1_micro"), tmp_path / "out")
-    s = run_in_process(dataset, tmp_path / "out", *BASE, "optim.clip=adagc", "optim.adagc.warmup_steps=1",
-                       f"model.config_file={micro}")
+    s = run_in_process(
+        dataset, tmp_path / "out", *BASE, "optim.clip=adagc", "optim.adagc.warmup_steps=1", f"model.config_file={micro}"
+    )
     assert s["steps"] == 4
-    assert losses(tmp_path / "out") == pytest.approx([5.263164520263672, 5.243893623352051, 5.257051467895508,
-                                                      5.270761013031006], rel=1e-5)
+    assert losses(tmp_path / "out") == pytest.approx(
+        [5.263164520263672, 5.243893623352051, 5.257051467895508, 5.270761013031006], rel=1e-5
+    )
 
 
 # ---- initial checkpoints (checkpoint.init) -----------------------------------------------------
 
-CONFIG = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                    max_position_embeddings=32)
+CONFIG = BertConfig(
+    vocab_size=40,
+    hidden_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=32,
+    max_position_embeddings=32,
+)
 
 
 def _model(seed=0):
@@ -257,8 +291,11 @@ def test_safetensors_is_preferred_to_a_pickle_beside_it(tmp_path):
 
 def test_initial_checkpoint_that_does_not_fit_is_one_line(tmp_path):
     sd = to_hf_state_dict(_model())
-    bad = {**sd, "bert.pooler.dense.weight": sd["bert.pooler.dense.weight"].to(torch.int32),
-           "cls.seq_relationship.weight": torch.zeros(3, 16)}
+    bad = {
+        **sd,
+        "bert.pooler.dense.weight": sd["bert.pooler.dense.weight"].to(torch.int32),
+        "cls.seq_relationship.weight": torch.zeros(3, 16),
+    }
     torch.save({"model": bad}, tmp_path / "m.pt")
     with pytest.raises(CheckpointError) as e:
         load_pretrained(_model(), str(tmp_path / "m.pt"))
@@ -272,14 +309,13 @@ def test_initial_checkpoint_that_does_not_fit_is_one_line(tmp_path):
 def test_initial_checkpoint_huge_declared_sizes(tmp_path):
     # safetensors: an 8-byte header length of 2**60
     st = tmp_path / "big.safetensors"
-    st.write_bytes(struct.pack("<Q", 2 ** 60) + b"{}")
+    st.write_bytes(struct.pack("<Q", 2**60) + b"{}")
     with pytest.raises(CheckpointError) as e:
         load_pretrained(_model(), str(st))
     assert one_line(str(e.value)).startswith(f"{st}: cannot read safetensors")
     # torch: a deflated record that would inflate to 64 MiB
     torch.save({"model": {"w": torch.zeros(4)}}, tmp_path / "plain.pt")
-    rezip(str(tmp_path / "plain.pt"), str(tmp_path / "bomb.pt"), compression=zipfile.ZIP_DEFLATED,
-          data=bytes(64 << 20))
+    rezip(str(tmp_path / "plain.pt"), str(tmp_path / "bomb.pt"), compression=zipfile.ZIP_DEFLATED, data=bytes(64 << 20))
     with pytest.raises(CheckpointError, match="is compressed"):
         load_pretrained(_model(), str(tmp_path / "bomb.pt"))
 
@@ -287,8 +323,9 @@ def test_initial_checkpoint_huge_declared_sizes(tmp_path):
 def test_hostile_initial_checkpoint_through_the_cli(dataset, tmp_path, capsys):
     marker = tmp_path / "MARKER"
     torch.save({"model": {}, "x": Payload(marker)}, tmp_path / "init.pt")
-    code = run_pretraining.main(["--output-dir", str(tmp_path / "out"),
-                                 *run_args(dataset, *BASE, f"checkpoint.init={tmp_path / 'init.pt'}")])
+    code = run_pretraining.main(
+        ["--output-dir", str(tmp_path / "out"), *run_args(dataset, *BASE, f"checkpoint.init={tmp_path / 'init.pt'}")]
+    )
     err = one_line(capsys.readouterr().err)
     assert code == 2 and err.startswith(f"error (rank 0): {tmp_path / 'init.pt'}: refers to io.open")
     assert not marker.exists()

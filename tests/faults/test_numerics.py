@@ -19,12 +19,14 @@ BAD_STEPS = (2, 4)  # with optim.adagc.warmup_steps=3: one in AdaGC's warm-up, o
 
 
 def snapshot(trainer: Trainer) -> dict:
-    return copy.deepcopy({
-        "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-        "optimizer": trainer.optimizer.state_dict(),
-        "schedule": trainer.schedule.state_dict(),
-        "adagc": trainer.adagc.state_dict() if trainer.adagc else None,
-    })
+    return copy.deepcopy(
+        {
+            "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            "optimizer": trainer.optimizer.state_dict(),
+            "schedule": trainer.schedule.state_dict(),
+            "adagc": trainer.adagc.state_dict() if trainer.adagc else None,
+        }
+    )
 
 
 def same(a, b) -> bool:
@@ -40,8 +42,17 @@ def same(a, b) -> bool:
 @pytest.mark.parametrize("clip", ["global", "adagc"])
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_a_non_finite_gradient_skips_the_update_and_leaves_the_state(dataset, tmp_path, clip, value):
-    cfg = load_config(None, run_args(dataset, "train.max_steps=6", f"optim.clip={clip}", "optim.adagc.warmup_steps=3",
-                                     f"debug.nonfinite_steps={list(BAD_STEPS)}", f"debug.nonfinite_value={value}"))
+    cfg = load_config(
+        None,
+        run_args(
+            dataset,
+            "train.max_steps=6",
+            f"optim.clip={clip}",
+            "optim.adagc.warmup_steps=3",
+            f"debug.nonfinite_steps={list(BAD_STEPS)}",
+            f"debug.nonfinite_value={value}",
+        ),
+    )
     trainer = Trainer(cfg, str(tmp_path), init_distributed(backend="gloo"))
     seen = {}
     optimizer_step = trainer.optimizer_step

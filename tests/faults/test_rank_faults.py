@@ -10,8 +10,20 @@ import time
 
 import pytest
 
-from tests.faults.common import (PYTHON, REFERENCE_STEPS, WORKER, Job, clean_env, losses, metrics, read_pid,
-                                 run_args, spawn_ranks, summary, wait_for)
+from tests.faults.common import (
+    PYTHON,
+    REFERENCE_STEPS,
+    WORKER,
+    Job,
+    clean_env,
+    losses,
+    metrics,
+    read_pid,
+    run_args,
+    spawn_ranks,
+    summary,
+    wait_for,
+)
 from tests.helpers import launcher
 
 pytestmark = pytest.mark.slow
@@ -28,12 +40,28 @@ def checkpoint_exists(out, step: int):
 def test_torchrun_restarts_a_killed_rank_and_resumes(dataset, reference, tmp_path):
     out, marks = tmp_path / "out", tmp_path / "marks"
     marks.mkdir()
-    job = Job([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-               "--monitor-interval", "0.2", WORKER, "--output-dir", str(out), *run_args(dataset, *STEPS)],
-              str(tmp_path / "torchrun.log"),
-              # torchrun's shared rendezvous store keeps the first generation's keys, so restarted
-              # ranks connect to the dead ones' addresses (pytorch/pytorch#135712); see the README.
-              clean_env(FAULT_MARK_DIR=marks, FAULT_STEP_DELAY_S=DELAY_S, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
+    job = Job(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "0.2",
+            WORKER,
+            "--output-dir",
+            str(out),
+            *run_args(dataset, *STEPS),
+        ],
+        str(tmp_path / "torchrun.log"),
+        # torchrun's shared rendezvous store keeps the first generation's keys, so restarted
+        # ranks connect to the dead ones' addresses (pytorch/pytorch#135712); see the README.
+        clean_env(FAULT_MARK_DIR=marks, FAULT_STEP_DELAY_S=DELAY_S, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
+    )
     wait_for(checkpoint_exists(out, 4), 150, [job], "the checkpoint of step 4")
     victim = read_pid(marks, 1)
     os.kill(victim, signal.SIGKILL)
@@ -59,14 +87,29 @@ def test_mpirun_survivor_exits_with_a_message_when_a_rank_is_killed(dataset, tmp
     mpirun = launcher("mpirun")
     # --enable-recovery (as launch/run_mpirun.sh passes it): mpirun lets the survivor report
     # and exit by itself instead of killing it the moment a rank dies, which raced the report.
-    args = [mpirun, "-np", "2", "--oversubscribe", "--enable-recovery",
-            *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
+    args = [
+        mpirun,
+        "-np",
+        "2",
+        "--oversubscribe",
+        "--enable-recovery",
+        *(["--allow-run-as-root"] if os.geteuid() == 0 else []),
+    ]
     env = clean_env(FAULT_MARK_DIR=marks, FAULT_STEP_DELAY_S=DELAY_S)
     for var in ("PYTHONPATH", "OMP_NUM_THREADS", "FAULT_MARK_DIR", "FAULT_STEP_DELAY_S", "PYTHONUNBUFFERED"):
         args += ["-x", var]
-    job = Job([*args, PYTHON, WORKER, "--output-dir", str(out), *run_args(dataset, "train.max_steps=1000",
-                                                                          "dist.timeout_s=60")],
-              str(tmp_path / "mpirun.log"), env)
+    job = Job(
+        [
+            *args,
+            PYTHON,
+            WORKER,
+            "--output-dir",
+            str(out),
+            *run_args(dataset, "train.max_steps=1000", "dist.timeout_s=60"),
+        ],
+        str(tmp_path / "mpirun.log"),
+        env,
+    )
     wait_for(lambda: any(r.get("step", 0) >= 2 for r in metrics(out)), 120, [job], "step 2")
     os.kill(read_pid(marks, 1), signal.SIGKILL)
     start = time.monotonic()
@@ -83,8 +126,16 @@ def test_a_stopped_peer_makes_the_others_fail_within_the_timeout(dataset, tmp_pa
     out, marks = tmp_path / "out", tmp_path / "marks"
     marks.mkdir()
     timeout_s = 8
-    jobs = spawn_ranks(2, out, dataset, "train.max_steps=1000", f"dist.timeout_s={timeout_s}",
-                       log_dir=str(tmp_path), FAULT_MARK_DIR=marks, FAULT_STEP_DELAY_S=0.2)
+    jobs = spawn_ranks(
+        2,
+        out,
+        dataset,
+        "train.max_steps=1000",
+        f"dist.timeout_s={timeout_s}",
+        log_dir=str(tmp_path),
+        FAULT_MARK_DIR=marks,
+        FAULT_STEP_DELAY_S=0.2,
+    )
     try:
         wait_for(lambda: any(r.get("step", 0) >= 2 for r in metrics(out)), 120, jobs, "step 2")
         os.kill(read_pid(marks, 1), signal.SIGSTOP)
@@ -95,9 +146,11 @@ def test_a_stopped_peer_makes_the_others_fail_within_the_timeout(dataset, tmp_pa
         assert rc == 1, log[-3000:]
         line = [x for x in log.splitlines() if x.startswith("error:")]
         assert len(line) == 1, log[-3000:]
-        assert re.match(rf"error: rank 0: the [\w\- ()]+ at step \d+ failed after [\d.]+ s "
-                        rf"\(dist.timeout_s={timeout_s}\): no report from rank 1 \(killed, stopped or hung\)",
-                        line[0]), line[0]
+        assert re.match(
+            rf"error: rank 0: the [\w\- ()]+ at step \d+ failed after [\d.]+ s "
+            rf"\(dist.timeout_s={timeout_s}\): no report from rank 1 \(killed, stopped or hung\)",
+            line[0],
+        ), line[0]
         assert timeout_s - 1 <= elapsed <= timeout_s + 20, (elapsed, line[0])
         assert "Traceback" not in log
     finally:
@@ -109,8 +162,10 @@ def test_backend_errors_are_recognised_and_shortened():
     from bert.collectives import backend_reason, is_comm_error
     from data.rebalance import RebalanceError
 
-    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
-                        "peer [127.0.0.1]:17065. This is typically caused by a remote worker crashing. GLHF!")
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+        "peer [127.0.0.1]:17065. This is typically caused by a remote worker crashing. GLHF!"
+    )
     assert is_comm_error(gloo) and backend_reason(gloo) == "Connection closed by peer [127.0.0.1]:17065"
     assert not is_comm_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     try:

@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from kernels.attention import (BackendUnavailable, PaddedLayout, VarlenLayout, get_backend,
-                            padded_attention, reference_attention)
+from kernels.attention import (
+    BackendUnavailable,
+    PaddedLayout,
+    VarlenLayout,
+    get_backend,
+    padded_attention,
+    reference_attention,
+)
 
 
 def varlen_inputs(lengths, heads=3, dim=16, seed=0):

@@ -69,8 +69,7 @@ def random_batch(seqlen: int, dim: int, dtype: torch.dtype, seed: int, device: s
     lengths = torch.randint(max(1, seqlen - 20), seqlen + 1, (BATCH,), generator=g)
     lengths[0], lengths[-1] = seqlen, 1
     key_mask = torch.arange(seqlen)[None, :] < lengths[:, None]  # [B, S]
-    q, k, v, dout = (torch.randn(BATCH, seqlen, HEADS, dim, generator=g) * key_mask[:, :, None, None]
-                     for _ in range(4))
+    q, k, v, dout = (torch.randn(BATCH, seqlen, HEADS, dim, generator=g) * key_mask[:, :, None, None] for _ in range(4))
     return Batch(*(x.to(device=device, dtype=dtype) for x in (q, k, v, dout)), key_mask.to(device))
 
 
@@ -110,7 +109,7 @@ def _run_varlen(kernel, batch: Batch, dropout_p: float, seed: int):
     got = _grads(fn, batch[:3], batch.dout)
     torch.manual_seed(seed)  # the same seed draw: the mask the kernel applied
     _, keep = varlen_attention_with_dropout_mask(batch.q[mask], batch.k[mask], batch.v[mask], cu, seqlen, dropout_p)
-    allowed = (mask[:, None, :, None] & mask[:, None, None, :])  # [B, 1, S, S]
+    allowed = mask[:, None, :, None] & mask[:, None, None, :]  # [B, 1, S, S]
     return got, keep, allowed
 
 
@@ -127,13 +126,13 @@ def _run_flashmask(kind: str, batch: Batch, dropout_p: float, seed: int):
         allowed = mask[:, None, :, None] & mask[:, None, None, :]
     bounds = spec.startend_row_indices.to(mask.device)
     torch.manual_seed(seed)
-    got = _grads(lambda q, k, v: fm.flashmask_attention(q, k, v, bounds, spec.causal, dropout_p),
-                 batch[:3], batch.dout)
+    got = _grads(lambda q, k, v: fm.flashmask_attention(q, k, v, bounds, spec.causal, dropout_p), batch[:3], batch.dout)
     # FlashMask drops what the varlen kernels drop for token b * S + i: read that mask back.
     torch.manual_seed(seed)
     cu = torch.arange(0, (b + 1) * seqlen, seqlen, dtype=torch.int32, device=mask.device)
-    _, keep = varlen_attention_with_dropout_mask(*(x.reshape(b * seqlen, h, d) for x in batch[:3]), cu, seqlen,
-                                                 dropout_p)
+    _, keep = varlen_attention_with_dropout_mask(
+        *(x.reshape(b * seqlen, h, d) for x in batch[:3]), cu, seqlen, dropout_p
+    )
     return got, keep, allowed.expand(b, 1, seqlen, seqlen)
 
 
@@ -158,8 +157,10 @@ def check_case(kernel: str, seqlen: int, dim: int, dtype: torch.dtype, dropout_p
     for name, factor, a, r, p in zip(("out", "dq", "dk", "dv"), (2, 3, 3, 3), got, ref, pt):
         err = float(((a.double() - r.double()) * row_ok).abs().max())
         bar = float(((p.double() - r.double()) * row_ok).abs().max())
-        assert err <= factor * bar + atol, (f"{kernel} S={seqlen} D={dim} {dtype} p={dropout_p}: {name} error "
-                                            f"{err:.3g} > {factor} x PyTorch's {bar:.3g} + {atol}")
+        assert err <= factor * bar + atol, (
+            f"{kernel} S={seqlen} D={dim} {dtype} p={dropout_p}: {name} error "
+            f"{err:.3g} > {factor} x PyTorch's {bar:.3g} + {atol}"
+        )
 
 
 # A default subset that touches every kernel, dtype, head dim, dropout setting and the short

@@ -23,12 +23,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.attention import BackendUnavailable, PackedLayout, VarlenLayout, get_backend  # noqa: E402
 from kernels import flashmask as fm  # noqa: E402
+from kernels.attention import BackendUnavailable, PackedLayout, VarlenLayout, get_backend  # noqa: E402
 from tests.helpers import REPO as ROOT  # noqa: E402
 
-
 # --------------------------------------------------------------------- the masks, by definition
+
 
 def _doc_ids(lens, seqlen):
     """Per position: document index (-1 on padding) and the document's start."""
@@ -36,8 +36,8 @@ def _doc_ids(lens, seqlen):
     start = torch.zeros(seqlen, dtype=torch.long)
     at = 0
     for d, n in enumerate(lens):
-        doc[at:at + n] = d
-        start[at:at + n] = at
+        doc[at : at + n] = d
+        start[at : at + n] = at
         at += n
     return doc, start
 
@@ -68,7 +68,7 @@ def dense_definition(name, args, seqlen):
             sample, part, at = torch.full((seqlen,), -1), torch.full((seqlen,), -1), 0
             for s, parts in enumerate(samples):
                 for p, n in enumerate(parts):
-                    sample[at:at + n], part[at:at + n] = s, p
+                    sample[at : at + n], part[at : at + n] = s, p
                     at += n
             same = (sample.view(-1, 1) == sample.view(1, -1)) & (sample.view(1, -1) >= 0)
             seen = (part.view(-1, 1) == part.view(1, -1)) | (part.view(1, -1) == 0)
@@ -148,6 +148,7 @@ def assert_close_all(got, want, rtol=1e-5, atol=1e-5):
 
 # ---------------------------------------------------------------------------------- semantics
 
+
 def test_to_dense_follows_the_bounds_table():
     s = 6
     # Column j: (LTS, LTE, UTS, UTE) = rows [3, 5) and [0, 2) masked, the rest visible.
@@ -193,14 +194,16 @@ def test_reference_matches_torch_sdpa_and_zeroes_empty_rows():
     mask = fm.to_dense(*spec, s)  # [B, 1, S, S]
     empty = mask.all(-1)  # [B, 1, S]
     assert bool(empty[0, 0, 60:].all()) and not bool(empty[:, :, :60].any())
-    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          attn_mask=~mask | empty.unsqueeze(-1)).transpose(1, 2)
+    sdpa = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=~mask | empty.unsqueeze(-1)
+    ).transpose(1, 2)
     visible = ~empty.squeeze(1)  # [B, S]
     torch.testing.assert_close(out[visible], sdpa[visible], rtol=1e-10, atol=1e-10)
     assert bool((out[~visible] == 0).all())
 
 
 # ------------------------------------------------------------------------- kernel numerics
+
 
 @pytest.mark.parametrize("name,make,seqlen,batch,heads,dim", CASES, ids=[c[0] for c in CASES])
 def test_kernel_matches_dense_reference(name, make, seqlen, batch, heads, dim):
@@ -215,13 +218,19 @@ def test_kernel_matches_dense_reference(name, make, seqlen, batch, heads, dim):
 
 
 def tiny_args(name, s):
-    return {"causal_mask": (1, s), "sliding_window_mask": (1, s, 5), "causal_document_mask": ([[s]], s),
-            "document_mask": ([[s]] if s < 3 else [[1, s - 3]], s),
-            "shared_question_mask": ([[[1, 1]]] if s < 3 else [[[10, 20], [3, 2, 11]]], s),
-            "global_sliding_window_mask": (1, s, 1, 3), "causal_blockwise_mask": ([[s]] if s < 3 else [[7, s - 7]], s),
-            "prefix_lm_causal_mask": ([s // 2], s), "prefix_lm_document_mask": ([[s]], [[s // 3]], s),
-            "qk_sparse_mask": ([(0, 0, 0, 0)] if s < 3 else [(3, 9, 30, 40)], s),
-            "random_eviction_mask": (1, s, torch.Generator().manual_seed(2))}[name]
+    return {
+        "causal_mask": (1, s),
+        "sliding_window_mask": (1, s, 5),
+        "causal_document_mask": ([[s]], s),
+        "document_mask": ([[s]] if s < 3 else [[1, s - 3]], s),
+        "shared_question_mask": ([[[1, 1]]] if s < 3 else [[[10, 20], [3, 2, 11]]], s),
+        "global_sliding_window_mask": (1, s, 1, 3),
+        "causal_blockwise_mask": ([[s]] if s < 3 else [[7, s - 7]], s),
+        "prefix_lm_causal_mask": ([s // 2], s),
+        "prefix_lm_document_mask": ([[s]], [[s // 3]], s),
+        "qk_sparse_mask": ([(0, 0, 0, 0)] if s < 3 else [(3, 9, 30, 40)], s),
+        "random_eviction_mask": (1, s, torch.Generator().manual_seed(2)),
+    }[name]
 
 
 @pytest.mark.parametrize("seqlen", [1, 63])
@@ -263,8 +272,9 @@ def test_cross_attention_lengths_and_strided_inputs():
     assert_close_all(got, want)
 
 
-@pytest.mark.parametrize("dtype,name,seqlen", [(torch.bfloat16, "document_mask", 200),
-                                               (torch.float16, "causal_blockwise_mask", 65)])
+@pytest.mark.parametrize(
+    "dtype,name,seqlen", [(torch.bfloat16, "document_mask", 200), (torch.float16, "causal_blockwise_mask", 65)]
+)
 def test_low_precision_error_within_twice_pytorch(dtype, name, seqlen):
     args = ([[60, 90, 30], [seqlen]], seqlen) if name == "document_mask" else ([[20, 45], [5, 30, 30]], seqlen)
     spec = build(name, args)
@@ -316,8 +326,11 @@ def test_dropout_is_the_varlen_kernels_mask():
     flat = [x.reshape(b * s, h, 32) for x in qkv]
     cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)
     _, keep = varlen_attention_with_dropout_mask(*flat, cu, s, p)  # [B, H, S, S]
-    want = run(lambda q, k, v: fm.flashmask_reference(q, k, v, *spec, dropout_p=p, dropout_keep=keep),
-               tuple(x.double() for x in qkv), dout.double())
+    want = run(
+        lambda q, k, v: fm.flashmask_reference(q, k, v, *spec, dropout_p=p, dropout_keep=keep),
+        tuple(x.double() for x in qkv),
+        dout.double(),
+    )
     assert_close_all((got[0].double(), [g.double() for g in got[1]]), want)
     torch.manual_seed(1234)
     again = fm.flashmask_attention(*qkv, *spec, dropout_p=p)
@@ -333,10 +346,12 @@ COUNT_CASES = [(name, make, 130) for name, make, *_ in CASES]
 
 @pytest.mark.parametrize("name,make,seqlen", COUNT_CASES, ids=[c[0] for c in COUNT_CASES])
 def test_skipped_tiles_are_exactly_the_fully_masked_ones(name, make, seqlen):
-    args = {"causal_blockwise_mask": ([[50, 40, 40], [13, 87, 30]], seqlen),
-            "document_mask": ([[30, 1, 70, 20], [seqlen]], seqlen),
-            "shared_question_mask": ([[[30, 20, 25], [20, 15, 10]], [[50, 40, 40]]], seqlen),
-            "prefix_lm_document_mask": ([[60, 40, 30], [seqlen]], [[10, 0, 30], [77]], seqlen)}.get(name)
+    args = {
+        "causal_blockwise_mask": ([[50, 40, 40], [13, 87, 30]], seqlen),
+        "document_mask": ([[30, 1, 70, 20], [seqlen]], seqlen),
+        "shared_question_mask": ([[[30, 20, 25], [20, 15, 10]], [[50, 40, 40]]], seqlen),
+        "prefix_lm_document_mask": ([[60, 40, 30], [seqlen]], [[10, 0, 30], [77]], seqlen),
+    }.get(name)
     args = args or make(seqlen)
     spec = build(name, args)
     qkv, _ = inputs(spec.startend_row_indices.shape[0], seqlen, 1, 16, seed=11)
@@ -385,6 +400,7 @@ def test_packed_bert_batches_skip_most_tiles_of_padding_and_other_sequences():
 
 
 # ---------------------------------------------------------------------- API, errors, backend
+
 
 def test_bad_arguments_are_named():
     (q, k, v), _ = inputs(1, 8, 2, 16)
@@ -454,8 +470,9 @@ if not torch.cuda.is_available():
         print("load:", e)
 """
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("call: flashmask attention:") and "TRITON_INTERPRET=1" in lines[0], proc.stdout

@@ -22,12 +22,19 @@ pytest.importorskip("triton")
 def test_flashmask_kernels_compile_for_hopper(tmp_path):
     out = tmp_path / "compile.json"
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "kernels.flashmask", "--compile-check", "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.flashmask", "--compile-check", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())
     assert [r["kernel"] for r in records] == ["_fm_fwd", "_fm_bwd_dkdv", "_fm_bwd_dq"] * 5
     assert all(0 < r["shared_bytes"] <= 227 * 1024 for r in records)
     # The packed BERT-large case (bf16, head dim 64, bidirectional document mask, dropout).
-    assert {(r["dtype"], r["head_dim"], r["causal"], r["n"], r["dropout"]) for r in records[:3]} == \
-        {("bfloat16", 64, False, 2, 0.1)}
+    assert {(r["dtype"], r["head_dim"], r["causal"], r["n"], r["dropout"]) for r in records[:3]} == {
+        ("bfloat16", 64, False, 2, 0.1)
+    }

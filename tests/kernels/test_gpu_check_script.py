@@ -24,8 +24,13 @@ SCRIPT = ROOT / "bench" / "gpu_check.sh"
 
 @pytest.mark.parametrize("scale", ["0", "-1", "abc", "1/2"])
 def test_bad_stage_scale_is_refused_before_any_stage(tmp_path, scale):
-    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], env={"STAGE_SCALE": scale, "PATH": "/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        env={"STAGE_SCALE": scale, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and f"STAGE_SCALE={scale} is not a positive number" in proc.stderr
     assert "== env" not in proc.stdout
 
@@ -36,16 +41,18 @@ def test_stage_limits_fit_in_eight_minutes_and_scale_by_fractions():
     assert len(limits) == 9 and sum(limits) <= 8 * 60, limits
     body = re.search(r"limit=\$\(awk .*\)$", text, re.M).group(0)
     for scale, want in (("0.5", "30"), ("1", "60"), ("0.01", "5")):
-        got = subprocess.run(["bash", "-c", f"limit=60; SCALE={scale}; {body}; echo $limit"], capture_output=True,
-                             text=True, timeout=30).stdout.strip()
+        got = subprocess.run(
+            ["bash", "-c", f"limit=60; SCALE={scale}; {body}; echo $limit"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
         assert got == want, (scale, got)
 
 
 def test_pick_tiles_names_the_faster_preset(tmp_path, capsys):
     def report(name, grouped_ms, triton_ms):
         path = tmp_path / name
-        path.write_text(json.dumps({"results": {"triton_grouped": {"median_ms": grouped_ms},
-                                                "triton": {"median_ms": triton_ms}}}))
+        path.write_text(
+            json.dumps({"results": {"triton_grouped": {"median_ms": grouped_ms}, "triton": {"median_ms": triton_ms}}})
+        )
         return str(path)
 
     out = tmp_path / "tiles.json"

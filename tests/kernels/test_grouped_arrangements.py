@@ -43,9 +43,12 @@ def _buckets():
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, database=None)
-@given(lengths=st.lists(st.integers(1, 48), min_size=1, max_size=5), buckets=_buckets(),
-       arrangement=st.sampled_from(["as drawn", "ascending", "descending"]),
-       dropout_p=st.sampled_from([0.0, 0.3]))
+@given(
+    lengths=st.lists(st.integers(1, 48), min_size=1, max_size=5),
+    buckets=_buckets(),
+    arrangement=st.sampled_from(["as drawn", "ascending", "descending"]),
+    dropout_p=st.sampled_from([0.0, 0.3]),
+)
 @example(lengths=[40, 30, 9, 5], buckets=[8, 16, 32, 64], arrangement="as drawn", dropout_p=0.0)  # issue 13
 @example(lengths=[5, 9, 30, 40], buckets=[8, 16, 32, 64], arrangement="as drawn", dropout_p=0.0)  # ascending
 @example(lengths=[7, 3, 5], buckets=[8, 16], arrangement="as drawn", dropout_p=0.3)  # one group

@@ -15,10 +15,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import flashmask as fm  # noqa: E402
-from tests.helpers import REPO as ROOT  # noqa: E402
 from kernels.runtime import jit_kernels  # noqa: E402
 from kernels.varlen_attention import grouped_varlen_attention, varlen_attention  # noqa: E402
-
+from tests.helpers import REPO as ROOT  # noqa: E402
 
 
 def _qkv(t, heads=1, dim=16, dtype=torch.float32):
@@ -31,8 +30,11 @@ def test_max_seqlen_below_the_longest_sequence_is_an_error(grouped):
     q, k, v = _qkv(40)
     cu = torch.tensor([0, 10, 40], dtype=torch.int32)  # lengths 10, 30
     fn = grouped_varlen_attention if grouped else varlen_attention
-    with pytest.raises(ValueError, match=r"max_seqlen=29 is smaller than the longest sequence \(30 tokens, "
-                                         r"sequence 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_seqlen=29 is smaller than the longest sequence \(30 tokens, "
+        r"sequence 1",
+    ):
         fn(q, k, v, cu, 29)
     assert fn(q, k, v, cu, 30).shape == q.shape  # exactly the longest: fine
 
@@ -64,13 +66,15 @@ def test_fp32_dot_precision_follows_torch_tf32_switch(monkeypatch, tf32_switch, 
     want = "tf32" if allow_tf32 else "ieee"
     q, k, v = (x.requires_grad_() for x in _qkv(8))
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    seen = _recorded_precisions(monkeypatch, jit_kernels(q.device), lambda: varlen_attention(q, k, v, cu, 8).sum()
-                                .backward())
+    seen = _recorded_precisions(
+        monkeypatch, jit_kernels(q.device), lambda: varlen_attention(q, k, v, cu, 8).sum().backward()
+    )
     assert seen == [want] * 3  # forward, dK/dV, dQ
     qb, kb, vb = (x.detach().view(1, 8, 1, 16).requires_grad_() for x in (q, k, v))
     spec = fm.causal_mask(1, 8)
-    seen = _recorded_precisions(monkeypatch, fm._kernels(q.device),
-                                lambda: fm.flashmask_attention(qb, kb, vb, *spec).sum().backward())
+    seen = _recorded_precisions(
+        monkeypatch, fm._kernels(q.device), lambda: fm.flashmask_attention(qb, kb, vb, *spec).sum().backward()
+    )
     assert seen == [want] * 3
 
 
@@ -95,7 +99,6 @@ def test_kernel_modules_import_without_custom_op_tags():
     """Feature detection, not version strings: on a custom_op without ``tags=`` every kernel
     module still imports (the seeded ops just go untagged)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", SHIM], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", SHIM], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert {"flashmask", "varlen_attention", "fused_ops", "grouped"} <= set(proc.stdout.split())

@@ -22,8 +22,12 @@ import torch  # noqa: E402
 
 from kernels.attention import BackendUnavailable, PaddedLayout, VarlenLayout, get_backend, reference_attention
 from kernels.grouped import Group, plan_groups
-from kernels.varlen_attention import (grouped_varlen_attention, varlen_attention, varlen_attention_qkvpacked,
-                                      varlen_attention_with_dropout_mask)
+from kernels.varlen_attention import (
+    grouped_varlen_attention,
+    varlen_attention,
+    varlen_attention_qkvpacked,
+    varlen_attention_with_dropout_mask,
+)
 from tests.helpers import REPO as ROOT
 
 AWKWARD = [1, 2, 63, 64, 65, 97, 128, 200, 511, 512]
@@ -61,28 +65,37 @@ def max_errors(out, grads, out_ref, grads_ref):
     return [float((a.double() - b.double()).abs().max()) for a, b in zip((out, *grads), (out_ref, *grads_ref))]
 
 
-@pytest.mark.parametrize("lengths,heads,dim,packed", [
-    (AWKWARD, 2, 64, False),
-    ([1, 65, 97, 130], 3, 32, True),
-    ([2, 64, 97], 1, 128, False),
-])
+@pytest.mark.parametrize(
+    "lengths,heads,dim,packed",
+    [
+        (AWKWARD, 2, 64, False),
+        ([1, 65, 97, 130], 3, 32, True),
+        ([2, 64, 97], 1, 128, False),
+    ],
+)
 def test_fp32_matches_reference(lengths, heads, dim, packed):
     qkv, dout, cu = make_inputs(lengths, heads, dim, torch.float32, seed=len(lengths))
     s = max(lengths)
-    kernel = (lambda x: varlen_attention_qkvpacked(x, cu, s)) if packed else \
-        (lambda q, k, v: varlen_attention(q, k, v, cu, s))
+    kernel = (
+        (lambda x: varlen_attention_qkvpacked(x, cu, s))
+        if packed
+        else (lambda q, k, v: varlen_attention(q, k, v, cu, s))
+    )
     out, grads = run(kernel, qkv, dout, packed)
     out_ref, grads_ref = run(reference_fn(cu, lengths), qkv, dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_ref, *grads_ref)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("dtype,dim,lengths", [
-    (torch.float16, 64, [1, 63, 97, 200]),
-    (torch.bfloat16, 64, [1, 63, 97, 200]),
-    (torch.bfloat16, 32, [2, 64, 65]),
-    (torch.float16, 128, [3, 64, 100]),
-])
+@pytest.mark.parametrize(
+    "dtype,dim,lengths",
+    [
+        (torch.float16, 64, [1, 63, 97, 200]),
+        (torch.bfloat16, 64, [1, 63, 97, 200]),
+        (torch.bfloat16, 32, [2, 64, 65]),
+        (torch.float16, 128, [3, 64, 100]),
+    ],
+)
 def test_low_precision_error_within_twice_pytorch(dtype, dim, lengths):
     heads = 2
     qkv, dout, cu = make_inputs(lengths, heads, dim, dtype, seed=dim)
@@ -148,8 +161,9 @@ def test_dropout_seed_reproduces_and_differs():
     assert torch.equal(outs[0], outs[1])
     assert not torch.equal(outs[0], outs[2])
     no_drop = varlen_attention(q, k, v, cu, max(lengths))
-    torch.testing.assert_close(no_drop, reference_attention(q, k, v, VarlenLayout(cu, max(lengths)), 0.0, False),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        no_drop, reference_attention(q, k, v, VarlenLayout(cu, max(lengths)), 0.0, False), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_plan_groups_by_bucket_largest_first():
@@ -169,8 +183,9 @@ def test_grouped_equals_single_launch():
     torch.manual_seed(99)
     single = run(lambda q, k, v: varlen_attention(q, k, v, cu, s, dropout_p=p), qkv, dout)
     torch.manual_seed(99)
-    grouped = run(lambda q, k, v: grouped_varlen_attention(q, k, v, cu, s, dropout_p=p, buckets=(16, 32, 64)),
-                  qkv, dout)
+    grouped = run(
+        lambda q, k, v: grouped_varlen_attention(q, k, v, cu, s, dropout_p=p, buckets=(16, 32, 64)), qkv, dout
+    )
     for name, a, b in zip(("out", "dq", "dk", "dv"), (single[0], *single[1]), (grouped[0], *grouped[1])):
         assert torch.equal(a, b), f"{name} differs between grouped and single launch"
 
@@ -210,8 +225,9 @@ if not torch.cuda.is_available():
             print("load:", e)
 """
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("call:") and "TRITON_INTERPRET=1" in lines[0], proc.stdout

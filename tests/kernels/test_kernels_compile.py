@@ -25,8 +25,14 @@ pytest.importorskip("triton")
 def test_every_kernel_compiles_for_hopper_without_spills(tmp_path):
     out = tmp_path / "compile.json"
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--registers", "--jobs", "2",
-                           "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.compile_check", "--registers", "--jobs", "2", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())
     attention = [r for r in records if r["kernel"].startswith("_attn")]
@@ -38,8 +44,12 @@ def test_every_kernel_compiles_for_hopper_without_spills(tmp_path):
                     assert (dtype, dim, p, precision, "default") in combos, (dtype, dim, p, precision)
     assert ("bfloat16", 64, 0.1, "-", "small") in combos
     assert len(attention) == 3 * len(combos)  # forward, dK/dV, dQ each
-    assert [r["kernel"] for r in records[len(attention):]] == ["_bias_gelu_fwd", "_bias_gelu_bwd", "_bdaln_fwd",
-                                                               "_bdaln_bwd"]
+    assert [r["kernel"] for r in records[len(attention) :]] == [
+        "_bias_gelu_fwd",
+        "_bias_gelu_bwd",
+        "_bdaln_fwd",
+        "_bdaln_bwd",
+    ]
     if any(r.get("registers") is None for r in records):
         pytest.skip("this Triton ships no ptxas: registers and spills not measured")
     assert all(r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1 for r in records)

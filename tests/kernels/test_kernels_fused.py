@@ -14,8 +14,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.fused_ops import (bias_dropout_add_layer_norm, bias_dropout_add_layer_norm_reference,  # noqa: E402
-                               bias_dropout_add_layer_norm_with_mask, bias_gelu, bias_gelu_reference)
+from kernels.fused_ops import (  # noqa: E402
+    bias_dropout_add_layer_norm,
+    bias_dropout_add_layer_norm_reference,
+    bias_dropout_add_layer_norm_with_mask,
+    bias_gelu,
+    bias_gelu_reference,
+)
 
 R, N = 37, 96  # odd row count, a width that is not a power of two
 EPS = 1e-12
@@ -72,11 +77,13 @@ def test_low_precision_within_twice_pytorch(dtype):
         assert ek <= 2 * et + 1e-6, f"bias_gelu {dtype} {name}: {ek:.3g} > 2 x {et:.3g}"
 
     inputs, dout = ln_inputs(dtype, 3)
-    fn = lambda impl: (lambda *t: impl(*t, 0.0, 1e-5, True))  # noqa: E731
+    fn = lambda impl: lambda *t: impl(*t, 0.0, 1e-5, True)  # noqa: E731
     got = run(fn(bias_dropout_add_layer_norm), inputs, dout)
     pt = run(fn(bias_dropout_add_layer_norm_reference), inputs, dout)
     f64 = run(fn(bias_dropout_add_layer_norm_reference), [t.double() for t in inputs], dout.double())
-    for name, ek, et in zip(("y", "dx", "dbias", "dresidual", "dweight", "dln_bias"), errors(got, f64), errors(pt, f64)):
+    for name, ek, et in zip(
+        ("y", "dx", "dbias", "dresidual", "dweight", "dln_bias"), errors(got, f64), errors(pt, f64)
+    ):
         assert ek <= 2 * et + 1e-6, f"layer_norm {dtype} {name}: {ek:.3g} > 2 x {et:.3g}"
 
 

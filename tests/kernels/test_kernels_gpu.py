@@ -29,13 +29,15 @@ def compiled_triton_on_cuda():
     if triton_available():
         pytest.skip(triton_available())
     if triton_interpreted():
-        pytest.skip("Triton runs in interpreter mode in this process; set TRITON_INTERPRET=0 to test the "
-                    "compiled kernels")
+        pytest.skip(
+            "Triton runs in interpreter mode in this process; set TRITON_INTERPRET=0 to test the compiled kernels"
+        )
 
 
 def mlperf_like_lengths(n, seed):
-    from bench.lengths import builtin_lengths
     import numpy as np
+
+    from bench.lengths import builtin_lengths
 
     return [int(x) for x in builtin_lengths(np.random.default_rng(seed), n)]
 
@@ -60,9 +62,16 @@ def errors(got, ref):
     return [float((a.double() - b.double()).abs().max()) for a, b in zip(got, ref)]
 
 
-@pytest.mark.parametrize("backend,dtype,dim", [
-    ("triton", torch.bfloat16, 64), ("triton_grouped", torch.bfloat16, 64), ("triton", torch.float16, 64),
-    ("triton", torch.bfloat16, 128), ("triton", torch.float16, 32)])
+@pytest.mark.parametrize(
+    "backend,dtype,dim",
+    [
+        ("triton", torch.bfloat16, 64),
+        ("triton_grouped", torch.bfloat16, 64),
+        ("triton", torch.float16, 64),
+        ("triton", torch.bfloat16, 128),
+        ("triton", torch.float16, 32),
+    ],
+)
 def test_low_precision_within_twice_pytorch(backend, dtype, dim):
     lengths = AWKWARD + mlperf_like_lengths(10, seed=dim)
     qkv, dout, cu = inputs(lengths, 16 if dim == 64 else 4, dim, dtype, seed=dim)
@@ -87,8 +96,7 @@ def test_fp32_within_1e5():
 
 
 def test_dropout_mask_consistent_and_grouped_identical():
-    from kernels.varlen_attention import (grouped_varlen_attention, varlen_attention,
-                                          varlen_attention_with_dropout_mask)
+    from kernels.varlen_attention import grouped_varlen_attention, varlen_attention, varlen_attention_with_dropout_mask
 
     p = 0.1
     lengths = [1, 97, 200, 300, 511, 512, 64, 130]
@@ -158,8 +166,12 @@ def test_library_backends_match_reference(name):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_ops_within_twice_pytorch(dtype):
-    from kernels.fused_ops import (bias_dropout_add_layer_norm, bias_dropout_add_layer_norm_reference, bias_gelu,
-                                   bias_gelu_reference)
+    from kernels.fused_ops import (
+        bias_dropout_add_layer_norm,
+        bias_dropout_add_layer_norm_reference,
+        bias_gelu,
+        bias_gelu_reference,
+    )
 
     g = torch.Generator().manual_seed(6)
     r, n, i = 3000, 1024, 4096
@@ -180,7 +192,7 @@ def test_fused_ops_within_twice_pytorch(dtype):
         assert ek <= 2 * et + 1e-6
     ln = [make(r, n), make(n), make(r, n), 1 + 0.1 * make(n), make(n)]
     d = make(r, n)
-    fn = lambda impl: (lambda *t: impl(*t, 0.0, 1e-12, True))  # noqa: E731
+    fn = lambda impl: lambda *t: impl(*t, 0.0, 1e-12, True)  # noqa: E731
     got, pt = grads(fn(bias_dropout_add_layer_norm), ln, d), grads(fn(bias_dropout_add_layer_norm_reference), ln, d)
     f64 = grads(fn(bias_dropout_add_layer_norm_reference), [t.double() for t in ln], d.double())
     for ek, et in zip(errors(got, f64), errors(pt, f64)):

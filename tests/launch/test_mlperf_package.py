@@ -16,30 +16,56 @@ T0 = 1_715_252_818_435  # ms, as in NVIDIA's logs
 STATUS = "Available on-premise"
 
 
-def nvidia_style_log(seed: int, samples: int, batch: int = 768, minutes: float = 5.2, division: str = "closed",
-                     status: str = "success") -> str:
+def nvidia_style_log(
+    seed: int, samples: int, batch: int = 768, minutes: float = 5.2, division: str = "closed", status: str = "success"
+) -> str:
     """A closed-division BERT log as NVIDIA's v4.0 H200 logs are written: their namespace, source
     file names, keys and numbering (one block, first_epoch_num 1; eval epoch_num = samples)."""
     lines = []
 
     def log(key, value=None, t=T0, event="POINT_IN_TIME", lineno=1277, **metadata):
-        lines.append(":::MLLOG " + json.dumps({
-            "namespace": "", "time_ms": t, "event_type": event, "key": key, "value": value,
-            "metadata": {"file": "/workspace/bert/run_pretraining.py", "lineno": lineno, **metadata}}))
+        lines.append(
+            ":::MLLOG "
+            + json.dumps(
+                {
+                    "namespace": "",
+                    "time_ms": t,
+                    "event_type": event,
+                    "key": key,
+                    "value": value,
+                    "metadata": {"file": "/workspace/bert/run_pretraining.py", "lineno": lineno, **metadata},
+                }
+            )
+        )
 
     log("cache_clear", True, lineno=3)
     log("init_start", event="INTERVAL_START", lineno=1270)
-    for key, value in [("submission_benchmark", "bert"), ("submission_org", "Acme"),
-                       ("submission_division", division), ("submission_status", "onprem"),
-                       ("submission_platform", "1xAcme H200")]:
+    for key, value in [
+        ("submission_benchmark", "bert"),
+        ("submission_org", "Acme"),
+        ("submission_division", division),
+        ("submission_status", "onprem"),
+        ("submission_platform", "1xAcme H200"),
+    ]:
         log(key, value)
     log("seed", seed, lineno=1279)  # the same line in every run, as the seed checker compares
-    for key, value in [("global_batch_size", batch), ("d_batch_size", batch // 8), ("gradient_accumulation_steps", 1),
-                       ("max_predictions_per_seq", 76), ("opt_learning_rate_training_steps", 3680.0),
-                       ("num_warmup_steps", 0), ("opt_base_learning_rate", 0.00096), ("opt_lamb_epsilon", 1e-06),
-                       ("opt_epsilon", 1e-06), ("opt_lamb_beta_1", 0.60466), ("opt_lamb_beta_2", 0.85437),
-                       ("opt_lamb_weight_decay_rate", 0.1), ("opt_learning_rate_warmup_steps", 0),
-                       ("opt_lamb_learning_rate_decay_poly_power", 1.0), ("start_warmup_step", 0)]:
+    for key, value in [
+        ("global_batch_size", batch),
+        ("d_batch_size", batch // 8),
+        ("gradient_accumulation_steps", 1),
+        ("max_predictions_per_seq", 76),
+        ("opt_learning_rate_training_steps", 3680.0),
+        ("num_warmup_steps", 0),
+        ("opt_base_learning_rate", 0.00096),
+        ("opt_lamb_epsilon", 1e-06),
+        ("opt_epsilon", 1e-06),
+        ("opt_lamb_beta_1", 0.60466),
+        ("opt_lamb_beta_2", 0.85437),
+        ("opt_lamb_weight_decay_rate", 0.1),
+        ("opt_learning_rate_warmup_steps", 0),
+        ("opt_lamb_learning_rate_decay_poly_power", 1.0),
+        ("start_warmup_step", 0),
+    ]:
         log(key, value, t=T0 + 1000)
     start = T0 + 40_000
     log("init_stop", t=start - 1, event="INTERVAL_END", lineno=1621)
@@ -64,10 +90,18 @@ def nvidia_style_log(seed: int, samples: int, batch: int = 768, minutes: float =
 
 def their_system_desc(path, status=STATUS):
     desc = {name: "" for name in system_desc.FIELDS}
-    desc.update(submitter="Acme", division="closed", status=status, system_name="Acme H200 (8x H200)",
-                number_of_nodes="1", accelerators_per_node="8", accelerator_model_name="H200-SXM5-141GB",
-                host_processor_core_count="56", framework="PyTorch 23.09",
-                other_software_stack={"cuda_version": "12.2", "nccl_version": "2.18.5"})
+    desc.update(
+        submitter="Acme",
+        division="closed",
+        status=status,
+        system_name="Acme H200 (8x H200)",
+        number_of_nodes="1",
+        accelerators_per_node="8",
+        accelerator_model_name="H200-SXM5-141GB",
+        host_processor_core_count="56",
+        framework="PyTorch 23.09",
+        other_software_stack={"cuda_version": "12.2", "nccl_version": "2.18.5"},
+    )
     path.write_text(json.dumps(desc))
     return path
 
@@ -80,16 +114,26 @@ def write_logs(directory, samples, seeds=None, **kw):
 
 
 # Samples to converge of ten made-up runs at batch 768 (RCP: interpolated, mean 2,443,934).
-SLOWER = [2_398_552, 2_547_243, 2_401_034, 2_699_309, 2_548_073, 2_550_140, 2_548_840, 2_249_099, 2_398_630,
-          2_547_991]
-FASTER = [2_350_000, 2_340_000, 2_400_000, 2_330_000, 2_360_000, 2_300_000, 2_450_000, 2_320_000, 2_380_000,
-          2_390_000]  # olympic mean 2,358,750: faster than the RCP mean, within its speed-up
+SLOWER = [2_398_552, 2_547_243, 2_401_034, 2_699_309, 2_548_073, 2_550_140, 2_548_840, 2_249_099, 2_398_630, 2_547_991]
+FASTER = [
+    2_350_000,
+    2_340_000,
+    2_400_000,
+    2_330_000,
+    2_360_000,
+    2_300_000,
+    2_450_000,
+    2_320_000,
+    2_380_000,
+    2_390_000,
+]  # olympic mean 2,358,750: faster than the RCP mean, within its speed-up
 
 
 def pack(tmp_path, logs, *extra, name="pkg"):
     out = tmp_path / name
-    code = package.main(["--org", "Acme", "--system", "acme_h200", "--division", "closed", "--output", str(out),
-                         *extra, str(logs)])
+    code = package.main(
+        ["--org", "Acme", "--system", "acme_h200", "--division", "closed", "--output", str(out), *extra, str(logs)]
+    )
     return code, out / "Acme"
 
 
@@ -144,12 +188,15 @@ def test_repeated_seeds_fail_the_package_checker(tmp_path, capsys):
     assert "seeds are not unique" in json.loads(summary.read_text())["directories"][0]["note"]
 
 
-@pytest.mark.parametrize("problem, message", [
-    ("status", "status: 'onprem' is not one the 5.0.0 checker accepts"),
-    ("division", "submission_division is 'open', but --division is 'closed'"),
-    ("not a log", "no :::MLLOG lines"),
-    ("exists", "already exists and is not empty"),
-])
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        ("status", "status: 'onprem' is not one the 5.0.0 checker accepts"),
+        ("division", "submission_division is 'open', but --division is 'closed'"),
+        ("not a log", "no :::MLLOG lines"),
+        ("exists", "already exists and is not empty"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, capsys, problem, message):
     logs = write_logs(tmp_path / "logs", SLOWER[:2], division="open" if problem == "division" else "closed")
     if problem == "not a log":
@@ -176,13 +223,21 @@ def many_evals(tmp_path_factory):
 def test_ten_tiny_runs_of_this_trainer(many_evals, tmp_path, capsys):
     runs = tmp_path / "runs"
     for i in range(10):
-        run_in_process(many_evals, runs / f"run_{i}", "train.max_steps=1", f"train.seed={101 + i}",
-                       "model.attention=padded", "eval.target_accuracy=0.001", "eval.batch_size=200",
-                       "log.submitter=tests")
+        run_in_process(
+            many_evals,
+            runs / f"run_{i}",
+            "train.max_steps=1",
+            f"train.seed={101 + i}",
+            "model.attention=padded",
+            "eval.target_accuracy=0.001",
+            "eval.batch_size=200",
+            "log.submitter=tests",
+        )
     capsys.readouterr()
     out_dir = tmp_path / "pkg"
-    code = package.main(["--org", "tests", "--system", "cpu", "--division", "open", "--output", str(out_dir),
-                         str(runs)])
+    code = package.main(
+        ["--org", "tests", "--system", "cpu", "--division", "open", "--output", str(out_dir), str(runs)]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "package checker: PASS" in out
@@ -198,8 +253,12 @@ def test_system_desc_cli(tmp_path, capsys):
     from mlperf_logging.system_desc_checker.system_desc_checker import check_system_desc
 
     out = tmp_path / "box.json"
-    assert system_desc.main(["--output", str(out), "--field", "submitter=tests", "--field", "system_name=box",
-                             "--field", "cooling=air"]) == 0
+    assert (
+        system_desc.main(
+            ["--output", str(out), "--field", "submitter=tests", "--field", "system_name=box", "--field", "cooling=air"]
+        )
+        == 0
+    )
     desc = json.loads(out.read_text())
     assert list(desc) == list(system_desc.FIELDS) and desc["cooling"] == "air"
     assert desc["host_processor_vcpu_count"] and desc["host_memory_capacity"].endswith("GB")
@@ -208,10 +267,12 @@ def test_system_desc_cli(tmp_path, capsys):
     assert valid and name == "box"
     assert not list(tmp_path.glob(".*tmp*"))
     capsys.readouterr()
-    for bad, message in ((["--field", "status=onprem"], "status: 'onprem'"),
-                         (["--field", "nonsense=1"], "--field nonsense: not a system-description field"),
-                         (["--field", "novalue"], "expected key=value"),
-                         ([], "submitter: empty")):
+    for bad, message in (
+        (["--field", "status=onprem"], "status: 'onprem'"),
+        (["--field", "nonsense=1"], "--field nonsense: not a system-description field"),
+        (["--field", "novalue"], "expected key=value"),
+        ([], "submitter: empty"),
+    ):
         fields = ["--field", "submitter=tests", "--field", "system_name=box"] if bad else []
         assert system_desc.main(["--output", str(tmp_path / "x.json"), *fields, *bad]) == 2
         err = capsys.readouterr().err

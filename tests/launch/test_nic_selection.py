@@ -9,14 +9,17 @@ from launch.distributed import LaunchError, chosen_interface, interface_address
 from launch.netns_cluster import Cluster, ClusterError
 
 
-@pytest.mark.parametrize("env, ifname", [
-    ({}, None),
-    ({"GLOO_SOCKET_IFNAME": "eth1"}, "eth1"),
-    ({"NCCL_SOCKET_IFNAME": "ib0,eth1"}, "ib0"),
-    ({"NCCL_SOCKET_IFNAME": "=eth2"}, "eth2"),
-    ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, None),  # an exclusion list names no interface
-    ({"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "ib0"}, "eth1"),
-])
+@pytest.mark.parametrize(
+    "env, ifname",
+    [
+        ({}, None),
+        ({"GLOO_SOCKET_IFNAME": "eth1"}, "eth1"),
+        ({"NCCL_SOCKET_IFNAME": "ib0,eth1"}, "ib0"),
+        ({"NCCL_SOCKET_IFNAME": "=eth2"}, "eth2"),
+        ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, None),  # an exclusion list names no interface
+        ({"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "ib0"}, "eth1"),
+    ],
+)
 def test_chosen_interface(env, ifname):
     assert chosen_interface(env) == ifname
 
@@ -32,15 +35,24 @@ def test_cluster_names_and_commands():
     assert c.hostnames == ["bx-node0", "bx-node1", "bx-node2"]
     assert [c.address(i) for i in range(3)] == ["10.231.5.1", "10.231.5.2", "10.231.5.3"]
     argv = c.command("bx-node2", ["hostname"])
-    assert argv[:2] == ["nsenter", "--net=/run/netns/bx-node2"] and argv[-3:] == ["bx-node2", "/etc/netns/bx-node2",
-                                                                                 "hostname"]
+    assert argv[:2] == ["nsenter", "--net=/run/netns/bx-node2"] and argv[-3:] == [
+        "bx-node2",
+        "/etc/netns/bx-node2",
+        "hostname",
+    ]
     assert c.command(1, ["x"])[1] == "--net=/run/netns/bx-node1"
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"hosts": 0}, "hosts=0"), ({"name": "a-b"}, "name 'a-b'"), ({"name": "toolongname"}, "up to 8"),
-    ({"subnet": "10.231"}, "three octets"), ({"subnet": "10.300.0"}, "three octets"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"hosts": 0}, "hosts=0"),
+        ({"name": "a-b"}, "name 'a-b'"),
+        ({"name": "toolongname"}, "up to 8"),
+        ({"subnet": "10.231"}, "three octets"),
+        ({"subnet": "10.300.0"}, "three octets"),
+    ],
+)
 def test_cluster_rejects_bad_settings(kw, message):
     with pytest.raises(ClusterError, match=message):
         Cluster(**kw)

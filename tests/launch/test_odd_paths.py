@@ -26,7 +26,7 @@ from tests.helpers import REPO, clean_env, launcher, run_launched
 ROOT = str(REPO)
 ODD = "runs 'single' \"double\" é ü #3 [1] $HOME"
 
-RECORDER = '''import json, os, sys
+RECORDER = """import json, os, sys
 args = sys.argv[1:]
 out = args[args.index("--output-dir") + 1]
 os.makedirs(out, exist_ok=True)
@@ -35,9 +35,9 @@ with open(os.path.join(out, f"argv.{rank}.json"), "w", encoding="utf-8") as f:
     json.dump({"argv": args, "cwd": os.getcwd()}, f)
 with open(os.path.join(out, "mlperf.log"), "w", encoding="utf-8") as f:  # what run_and_time.sh keeps
     f.write(':::MLLOG {"key": "seed", "value": 7}\\n')
-'''
+"""
 
-SRUN = r'''#!/usr/bin/env bash
+SRUN = r"""#!/usr/bin/env bash
 # Stand-in for srun on one node: the command once per task, with the variables srun sets.
 ntasks=${SLURM_NTASKS_PER_NODE:-1} chdir=
 while (( $# )) && [[ $1 == --* ]]; do
@@ -57,13 +57,13 @@ done
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 exit "$status"
-'''
+"""
 
-SCONTROL = '''#!/usr/bin/env bash
+SCONTROL = """#!/usr/bin/env bash
 if [[ $1 == show && $2 == hostnames ]]; then echo localhost
 elif [[ $1 == show && $2 == node ]]; then echo "NodeName=$3 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=$3"
 else echo "scontrol stand-in: only 'show hostnames' and 'show node'" >&2; exit 2; fi
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def odd(tmp_path_factory):
 
 
 def overrides(root) -> list[str]:
-    return [f"data.train_dir={root}/train 'x' \"y\" é", "log.submitter=it's \"me\" # not a comment"]
+    return [f"data.train_dir={root}/train 'x' \"y\" é", 'log.submitter=it\'s "me" # not a comment']
 
 
 def script_env(root, **extra) -> dict:
@@ -102,7 +102,7 @@ def recorded(out_dir, ranks=1) -> list[list[str]]:
 
 
 def test_overrides_take_string_values_as_written():
-    odd_values = ["/data/run #3/x", '"quoted"', "'a b'/c", "/data/a: b", "2024", "yes", "~", "[1]", "é ü/it's \"q\""]
+    odd_values = ["/data/run #3/x", '"quoted"', "'a b'/c", "/data/a: b", "2024", "yes", "~", "[1]", 'é ü/it\'s "q"']
     for value in odd_values:
         cfg = load_config(None, [f"data.train_dir={value}", f"checkpoint.init={value}"])
         assert cfg.data.train_dir == value
@@ -128,8 +128,13 @@ def test_run_mpirun(odd):
 def test_run_and_time(odd):
     # (with NPROC_PER_NODE it puts torchrun before the same arguments: test_run_torchrun's path)
     config, results = odd / "config 'é'.yaml", odd / "results 'é'"
-    printed = run([odd / "repo é" / "launch" / "run_and_time.sh", *overrides(odd)], odd, CONFIG=config,
-                  OUTPUT_DIR=results, SEED=11)
+    printed = run(
+        [odd / "repo é" / "launch" / "run_and_time.sh", *overrides(odd)],
+        odd,
+        CONFIG=config,
+        OUTPUT_DIR=results,
+        SEED=11,
+    )
     want = ["--config", str(config), "--output-dir", str(results / "run_0"), "train.seed=11", *overrides(odd)]
     assert recorded(results / "run_0") == [want]
     assert (results / "result_0.txt").read_text().startswith(":::MLLOG")
@@ -138,9 +143,17 @@ def test_run_and_time(odd):
 
 def test_slurm_sub(odd):
     config, logs = odd / "config 'é'.yaml", odd / "slurm logs ü"
-    run(["bash", odd / "repo é" / "launch" / "slurm.sub", *overrides(odd)], odd, CONFIG=config, LOGDIR=logs,
-        SLURM_JOB_ID=4242, SLURM_JOB_NODELIST="node1", SLURM_NTASKS_PER_NODE=2, SEED=5,
-        PATH=f"{odd / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    run(
+        ["bash", odd / "repo é" / "launch" / "slurm.sub", *overrides(odd)],
+        odd,
+        CONFIG=config,
+        LOGDIR=logs,
+        SLURM_JOB_ID=4242,
+        SLURM_JOB_NODELIST="node1",
+        SLURM_NTASKS_PER_NODE=2,
+        SEED=5,
+        PATH=f"{odd / 'bin'}{os.pathsep}{os.environ['PATH']}",
+    )
     want = ["--config", str(config), "--output-dir", str(logs / "run_0"), "train.seed=5", *overrides(odd)]
     assert recorded(logs / "run_0", 2) == [want] * 2
     assert (logs / "result_0.txt").is_file()
@@ -154,18 +167,28 @@ def test_a_real_run_with_every_path_odd(odd):
 
     data = odd / "data 'd' \"q\" ü [2]"
     train, eval_file = write_dataset(str(data))
-    config = odd / "tiny é \"x\".yaml"
+    config = odd / 'tiny é "x".yaml'
     sections: dict = {}
-    for item in TINY + [f"data.train_dir={train}", f"data.eval_file={eval_file}", "train.max_steps=3",
-                        "checkpoint.interval_steps=1", "checkpoint.keep=1"]:
+    for item in TINY + [
+        f"data.train_dir={train}",
+        f"data.eval_file={eval_file}",
+        "train.max_steps=3",
+        "checkpoint.interval_steps=1",
+        "checkpoint.keep=1",
+    ]:
         key, value = item.split("=", 1)
         section, name = key.split(".")
         sections.setdefault(section, {})[name] = value if name.endswith(("_dir", "_file")) else yaml.safe_load(value)
     config.write_text(yaml.safe_dump(sections, allow_unicode=True), encoding="utf-8")
     results = odd / "real 'r' ü"
-    run_launched([str(odd / "repo é" / "launch" / "run_and_time.sh"), "log.submitter=it's \"me\""], 300,
-                 env=clean_env(CONFIG=config, OUTPUT_DIR=results, CLEAR_CACHES=0,
-                               TRAIN_SCRIPT=os.path.join(ROOT, "run_pretraining.py")), cwd=odd / "repo é")
+    run_launched(
+        [str(odd / "repo é" / "launch" / "run_and_time.sh"), 'log.submitter=it\'s "me"'],
+        300,
+        env=clean_env(
+            CONFIG=config, OUTPUT_DIR=results, CLEAR_CACHES=0, TRAIN_SCRIPT=os.path.join(ROOT, "run_pretraining.py")
+        ),
+        cwd=odd / "repo é",
+    )
     summary = json.loads((results / "run_0" / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["status"] == "aborted"
     assert os.listdir(results / "run_0" / "checkpoints") == ["step_00000002.pt"]
@@ -174,11 +197,23 @@ def test_a_real_run_with_every_path_odd(odd):
 
 
 def test_slurm_sub_refuses_a_logdir_container_mounts_cannot_express(odd):
-    r = subprocess.run(["bash", str(odd / "repo é" / "launch" / "slurm.sub")], check=False, capture_output=True,
-                       text=True, timeout=60, cwd=odd / "repo é",
-                       env=script_env(odd, CONFIG=odd / "config 'é'.yaml", LOGDIR=odd / "a:b", CONT="image.sqsh",
-                                      SLURM_JOB_ID=1, SLURM_JOB_NODELIST="node1",
-                                      PATH=f"{odd / 'bin'}{os.pathsep}{os.environ['PATH']}"))
+    r = subprocess.run(
+        ["bash", str(odd / "repo é" / "launch" / "slurm.sub")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=odd / "repo é",
+        env=script_env(
+            odd,
+            CONFIG=odd / "config 'é'.yaml",
+            LOGDIR=odd / "a:b",
+            CONT="image.sqsh",
+            SLURM_JOB_ID=1,
+            SLURM_JOB_NODELIST="node1",
+            PATH=f"{odd / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        ),
+    )
     assert r.returncode == 2 and "which --container-mounts cannot express" in one_line(r.stderr)
 
 

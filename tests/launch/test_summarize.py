@@ -18,32 +18,54 @@ T0 = 1_700_000_000_000  # ms; any fixed epoch time
 
 
 def mllog(key, value=None, t=T0, event="POINT_IN_TIME", **metadata):
-    record = {"namespace": "", "time_ms": t, "event_type": event, "key": key, "value": value,
-              "metadata": {"file": "test", "lineno": 1, **metadata}}
+    record = {
+        "namespace": "",
+        "time_ms": t,
+        "event_type": event,
+        "key": key,
+        "value": value,
+        "metadata": {"file": "test", "lineno": 1, **metadata},
+    }
     return ":::MLLOG " + json.dumps(record)
 
 
-def bert_log(minutes, status="success", samples=2_000_000, accuracy=0.7205, seed=1,
-             prefix="", train_samples=True):
+def bert_log(minutes, status="success", samples=2_000_000, accuracy=0.7205, seed=1, prefix="", train_samples=True):
     """Lines of a closed-division MLPerf BERT run lasting ``minutes``: every key the 5.0.0
     rules require, 4 evals with the last at ``samples``."""
     start = T0 + 60_000
     stop = start + round(minutes * 60_000)
-    lines = [mllog(k, v) for k, v in [
-        ("submission_benchmark", "bert"), ("submission_division", "closed"),
-        ("submission_org", "test"), ("submission_platform", "cpu"),
-        ("submission_status", "onprem"), ("cache_clear", True)]]
+    lines = [
+        mllog(k, v)
+        for k, v in [
+            ("submission_benchmark", "bert"),
+            ("submission_division", "closed"),
+            ("submission_org", "test"),
+            ("submission_platform", "cpu"),
+            ("submission_status", "onprem"),
+            ("cache_clear", True),
+        ]
+    ]
     lines.append(mllog("init_start", t=T0, event="INTERVAL_START"))
-    lines += [mllog(k, v, t=T0 + 10) for k, v in [
-        ("seed", seed), ("global_batch_size", 448), ("gradient_accumulation_steps", 1),
-        ("opt_base_learning_rate", 4.25e-4), ("opt_lamb_epsilon", 1e-6),
-        ("opt_learning_rate_training_steps", 6700), ("opt_learning_rate_warmup_steps", 0),
-        ("num_warmup_steps", 0), ("start_warmup_step", 0), ("opt_lamb_beta_1", 0.9),
-        ("opt_lamb_beta_2", 0.999), ("opt_lamb_weight_decay_rate", 0.01)]]
+    lines += [
+        mllog(k, v, t=T0 + 10)
+        for k, v in [
+            ("seed", seed),
+            ("global_batch_size", 448),
+            ("gradient_accumulation_steps", 1),
+            ("opt_base_learning_rate", 4.25e-4),
+            ("opt_lamb_epsilon", 1e-6),
+            ("opt_learning_rate_training_steps", 6700),
+            ("opt_learning_rate_warmup_steps", 0),
+            ("num_warmup_steps", 0),
+            ("start_warmup_step", 0),
+            ("opt_lamb_beta_1", 0.9),
+            ("opt_lamb_beta_2", 0.999),
+            ("opt_lamb_weight_decay_rate", 0.01),
+        ]
+    ]
     lines.append(mllog("init_stop", t=start - 1000, event="INTERVAL_END"))
     lines.append(mllog("run_start", t=start, event="INTERVAL_START"))
-    lines.append(mllog("block_start", t=start, event="INTERVAL_START", first_epoch_num=0,
-                       epoch_count=samples))
+    lines.append(mllog("block_start", t=start, event="INTERVAL_START", first_epoch_num=0, epoch_count=samples))
     lines.append(mllog("epoch_start", t=start, event="INTERVAL_START", epoch_num=0))
     for i in range(1, 5):
         t = start + (stop - start) * i // 4
@@ -103,8 +125,7 @@ def test_fewer_than_ten_runs_is_not_official(tmp_path):
 
 
 def test_two_failed_runs_give_no_score():
-    runs = [RunResult(Path(f"r{i}"), "aborted" if i < 2 else "success", 60.0 * (i + 1), 10)
-            for i in range(10)]
+    runs = [RunResult(Path(f"r{i}"), "aborted" if i < 2 else "success", 60.0 * (i + 1), 10) for i in range(10)]
     score, official, note, kept = olympic_score(runs)
     assert score is None and not official and "2 of 10" in note and kept == []
 
@@ -115,7 +136,8 @@ def test_prefixes_samples_fallback_and_file_discovery(tmp_path):
         (d / f"run_{i}").mkdir(parents=True)
     # mpirun --tag-output style prefixes; no train_samples: the last eval's epoch_num counts
     (d / "run_0" / "mlperf.log").write_text(
-        "starting\n" + bert_log(2.0, samples=1000, prefix="[1,0]<stdout>: ", train_samples=False))
+        "starting\n" + bert_log(2.0, samples=1000, prefix="[1,0]<stdout>: ", train_samples=False)
+    )
     (d / "run_1" / "mlperf.log").write_text(bert_log(3.0, samples=3000))
     [s] = summarize_json(tmp_path, d)
     assert [r["samples"] for r in s["runs"]] == [1000, 3000]
@@ -123,21 +145,23 @@ def test_prefixes_samples_fallback_and_file_discovery(tmp_path):
     # result_*.txt take precedence, in numeric order
     write_runs(d, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
     [s] = summarize_json(tmp_path, d)
-    assert [Path(r["file"]).name for r in s["runs"]][-3:] == ["result_8.txt", "result_9.txt",
-                                                              "result_10.txt"]
+    assert [Path(r["file"]).name for r in s["runs"]][-3:] == ["result_8.txt", "result_9.txt", "result_10.txt"]
 
 
-@pytest.mark.parametrize("content, where, message", [
-    (None, "", "no such directory"),
-    ("", "", "no result_*.txt"),
-    ("x\n" + mllog("run_start") + "\n:::MLLOG {\"key\": oops}\n", ":3", "cannot parse"),
-    (":::MLLOG {\"time_ms\": 1}\n", ":1", "no 'key'"),
-    (mllog("run_start", t="soon") + "\n", ":1", "time_ms"),
-    (mllog("init_start") + "\n", "", "no run_start"),
-    (mllog("run_start") + "\n", "", "no run_stop"),
-    (mllog("run_start") + "\n" + mllog("run_stop") + "\n", ":2", "status"),
-    ("just text\n", "", "no :::MLLOG lines"),
-])
+@pytest.mark.parametrize(
+    "content, where, message",
+    [
+        (None, "", "no such directory"),
+        ("", "", "no result_*.txt"),
+        ("x\n" + mllog("run_start") + '\n:::MLLOG {"key": oops}\n', ":3", "cannot parse"),
+        (':::MLLOG {"time_ms": 1}\n', ":1", "no 'key'"),
+        (mllog("run_start", t="soon") + "\n", ":1", "time_ms"),
+        (mllog("init_start") + "\n", "", "no run_start"),
+        (mllog("run_start") + "\n", "", "no run_stop"),
+        (mllog("run_start") + "\n" + mllog("run_stop") + "\n", ":2", "status"),
+        ("just text\n", "", "no :::MLLOG lines"),
+    ],
+)
 def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys, content, where, message):
     d = tmp_path / "d"
     if content is not None:
@@ -169,6 +193,7 @@ def test_compliance_checker_verdicts_and_cache(tmp_path, monkeypatch, capsys):
     # The second time the verdicts come from the cache: the checker must not run.
     def no_checker(path, ruleset):
         raise AssertionError("the checker ran despite the cache")
+
     monkeypatch.setattr(summarize, "run_compliance_checker", no_checker)
     capsys.readouterr()
     assert main([str(d), "--cache", str(cache)]) == 0
@@ -181,9 +206,13 @@ def test_cli_writes_json_and_png(tmp_path):
     a = write_runs(tmp_path / "a", [3, 4, 5, 6])
     b = write_runs(tmp_path / "b", [1, 2, 3], failed={0})
     png, js = tmp_path / "s.png", tmp_path / "s.json"
-    proc = subprocess.run([sys.executable, "-m", "launch.summarize", str(a), str(b), "--no-check",
-                           "--png", str(png), "--json", str(js)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.summarize", str(a), str(b), "--no-check", "--png", str(png), "--json", str(js)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     scores = [s["olympic_score_minutes"] for s in json.loads(js.read_text())["directories"]]
@@ -225,11 +254,17 @@ def run_and_time(tmp_path, args=(), **env):
     trainer = tmp_path / "trainer.py"
     trainer.write_text(FAKE_TRAINER)
     full_env = {k: v for k, v in clean_env().items() if k not in ("SEED", "RUN_INDEX")}
-    full_env.update(CONFIG="launch/configs/cpu_demo.yaml", TRAIN_SCRIPT=str(trainer),
-                    PYTHON=sys.executable, CLEAR_CACHES="0", OUTPUT_DIR=str(tmp_path / "res"),
-                    **env)
-    return subprocess.run(["bash", "launch/run_and_time.sh", *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=120)
+    full_env.update(
+        CONFIG="launch/configs/cpu_demo.yaml",
+        TRAIN_SCRIPT=str(trainer),
+        PYTHON=sys.executable,
+        CLEAR_CACHES="0",
+        OUTPUT_DIR=str(tmp_path / "res"),
+        **env,
+    )
+    return subprocess.run(
+        ["bash", "launch/run_and_time.sh", *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_run_and_time_writes_result_files_and_result_lines(tmp_path):
@@ -240,8 +275,7 @@ def test_run_and_time_writes_result_files_and_result_lines(tmp_path):
     res = tmp_path / "res"
     assert (res / "result_0.txt").read_text() == (res / "run_0" / "mlperf.log").read_text()
     assert (res / "result_1.txt").is_file()
-    assert "optim.lr=1e-3 train.seed=123" in first.stdout or \
-        "train.seed=123 optim.lr=1e-3" in first.stdout
+    assert "optim.lr=1e-3 train.seed=123" in first.stdout or "train.seed=123 optim.lr=1e-3" in first.stdout
     pattern = r"^RESULT,bert,{},\d+,[^,]+,\d{{4}}-\d\d-\d\d .+$"
     assert re.search(pattern.format(123), first.stdout, re.M)
     # Without SEED the trainer drew one (train.seed=null); the RESULT line reads it back from the log.
