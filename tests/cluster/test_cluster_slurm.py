@@ -77,7 +77,8 @@ def test_sbatch_slurm_sub_two_runs_on_two_nodes(slurm, cluster_dataset, tmp_path
             "--ntasks-per-node=2",
             f"--output={tmp_path}/job.out",
             os.path.join(LAUNCH, "slurm.sub"),
-            *train_args(cluster_dataset, "train.max_steps=4"),
+            # No fixed seed: each run draws its own (slurm.sub without SEED), as MLPerf wants.
+            *train_args(cluster_dataset, "train.max_steps=4", "train.seed=null"),
         ],
         str(tmp_path / "sbatch.log"),
         240,

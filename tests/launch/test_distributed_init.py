@@ -295,6 +295,6 @@ def test_slurm_sub_starts_one_srun_per_run_in_the_container(tmp_path):
         assert f"--container-mounts={logdir}:/results,/lustre/data:/data" in args
         assert args[-2:] == ["./launch/run_and_time.sh", "data.train_dir=/data/hdf5"]
         fields = dict(kv.split("=", 1) for kv in env_line.split()[1:])
-        assert fields["MASTER_ADDR"] == "node17" and fields["MASTER_PORT"] == str(20000 + 4242)
+        assert fields["MASTER_ADDR"] == "node17" and fields["MASTER_PORT"] == str(20000 + 4242 + i)  # a port per run
         assert fields["RUN_INDEX"] == str(i) and fields["OUTPUT_DIR"] == "/results"
         assert "SEED" not in fields  # no SEED: each run's trainer draws its own from the OS
