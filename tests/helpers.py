@@ -37,6 +37,17 @@ LAUNCH_VARS = (
 LAUNCH_PREFIXES = ("OMPI_", "PMI", "PRTE_", "SLURM_", "TORCHELASTIC_")
 
 
+def compliance_check(log_path, werror: bool = False, timeout: float = 120) -> tuple[int, str, str]:
+    """MLPerf's compliance checker on ``log_path`` with ruleset 5.0.0 (BERT's last round; the
+    default ruleset no longer knows BERT). Returns (exit status, its report, stdout + stderr)."""
+    report = f"{log_path}.checker.txt"
+    cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training", "--ruleset", "5.0.0"]
+    cmd += ["--log_output", report, str(log_path)] + (["--werror"] if werror else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    text = Path(report).read_text() if os.path.exists(report) else ""
+    return proc.returncode, text, proc.stdout + proc.stderr
+
+
 def is_launch_var(name: str) -> bool:
     return name in LAUNCH_VARS or name.startswith(LAUNCH_PREFIXES)
 

@@ -8,14 +8,13 @@ that warnings (e.g. a key logged twice) count as failures too.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bert.mlperf_log import SYSTEM_DESC_FIELDS, MLPerfLogger, write_system_desc
+from tests.helpers import compliance_check
 
 TARGET = 0.720  # MLPerf BERT's masked-LM accuracy target
 GLOBAL_BATCH = 448
@@ -105,29 +104,13 @@ def simulate_run(path, division, accuracies) -> str:
 
 def check(log_path: Path, werror: bool = True) -> tuple[int, list[str], str]:
     """Runs the compliance checker; returns its exit code, its messages and its whole output."""
-    report = log_path.with_suffix(".checker.txt")
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlperf_logging.compliance_checker",
-        "--usage",
-        "training",
-        "--ruleset",
-        "5.0.0",
-        "--log_output",
-        str(report),
-        str(log_path),
-    ]
-    if werror:
-        cmd.append("--werror")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    text = report.read_text()
+    status, text, output = compliance_check(log_path, werror=werror, timeout=60)
     messages = []
     # Messages come as one WARNING record, separated by dashes, before "ERROR - FAILED".
     if "WARNING - " in text:
         body = text.split("WARNING - ", 1)[1].split("\nERROR - FAILED", 1)[0]
         messages = [m.strip() for m in body.split(SEPARATOR) if m.strip()]
-    return proc.returncode, messages, proc.stdout + proc.stderr
+    return status, messages, output
 
 
 def read_lines(path: Path) -> list[dict]:

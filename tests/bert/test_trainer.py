@@ -12,7 +12,7 @@ from bert.train_config import load_config
 from bert.trainer import Trainer
 from launch.distributed import init_distributed
 from tests.batches import write_dataset
-from tests.helpers import REPO
+from tests.helpers import REPO, compliance_check
 
 ROOT = str(REPO)
 TINY = [
@@ -77,24 +77,8 @@ def test_run_writes_every_output(dataset, tmp_path):
     for key in ("status", "samples", "train_seconds", "seq_per_s", "tokens_per_s", "eval_accuracy", "time_to_train_s"):
         assert key in saved
     assert (tmp_path / "curves.png").stat().st_size > 1000
-    checker = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlperf_logging.compliance_checker",
-            "--usage",
-            "training",
-            "--ruleset",
-            "5.0.0",
-            "--log_output",
-            str(tmp_path / "cc.log"),
-            str(tmp_path / "mlperf.log"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert checker.returncode == 0, checker.stdout + checker.stderr
+    status, _, output = compliance_check(tmp_path / "mlperf.log")
+    assert status == 0, output
 
 
 @pytest.mark.slow  # three training runs
@@ -138,24 +122,8 @@ def test_resume_is_bitwise_identical(dataset, tmp_path):
     )
     assert second["steps"] == 8
     assert losses(parts) == losses(whole)  # bitwise: the same floats
-    checker = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlperf_logging.compliance_checker",
-            "--usage",
-            "training",
-            "--ruleset",
-            "5.0.0",
-            "--log_output",
-            str(tmp_path / "cc.log"),
-            str(parts / "mlperf.log"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert checker.returncode == 0, checker.stdout + checker.stderr
+    status, _, output = compliance_check(parts / "mlperf.log")
+    assert status == 0, output
 
 
 def test_grad_accumulation_gives_the_same_losses(dataset, tmp_path):

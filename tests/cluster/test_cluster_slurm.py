@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from tests.cluster.common import CONFIG, LAUNCH, SLURM_TOOLS, SlurmCluster, train_args
 from tests.faults.common import Job, losses
+from tests.helpers import compliance_check
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -38,26 +37,8 @@ def on_host0(slurm, argv, log, timeout, **env) -> Job:
 
 
 def check_compliance(path) -> None:
-    report = f"{path}.checker"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlperf_logging.compliance_checker",
-            "--usage",
-            "training",
-            "--ruleset",
-            "5.0.0",
-            "--log_output",
-            report,
-            str(path),
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    status, _, output = compliance_check(path)
+    assert status == 0, output[-4000:]
 
 
 def seed_of(path) -> int:
