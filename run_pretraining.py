@@ -15,6 +15,7 @@ that cannot be written), also as one line. A traceback means a bug.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -100,4 +101,14 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is written and closed by now (logs, metrics, checkpoints, the process group).
+    # Skip the interpreter's teardown: on multi-node gloo jobs a rank was seen to abort there
+    # ("terminate called without an active exception", exit 134) after a finished run, which
+    # made srun cancel the job.
+    mpi = sys.modules.get("mpi4py.MPI")  # under mpirun: finalize as mpi4py's exit hook would
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
