@@ -127,29 +127,36 @@ def test_ablation_bad_data_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: --data:")
 
 
+def tiny_throughput_args(data_dir, out) -> list[str]:
+    """bench.throughput on the tiny model, one batch, one round, no warm-up, one thread."""
+    return [
+        "--data",
+        str(data_dir),
+        "--model",
+        "tiny",
+        "--vocab-size",
+        "96",
+        "--batch-size",
+        "4",
+        "--batches",
+        "1",
+        "--rounds",
+        "1",
+        "--warmup-rounds",
+        "0",
+        "--threads",
+        "1",
+        "--json",
+        str(out),
+    ]
+
+
 @pytest.mark.slow  # a benchmark end to end
 def test_throughput_runs_every_cpu_variant(data_dir, tmp_path, capsys):
     out = tmp_path / "tp.json"
     code = throughput.main(
         [
-            "--data",
-            str(data_dir),
-            "--model",
-            "tiny",
-            "--vocab-size",
-            "96",
-            "--batch-size",
-            "4",
-            "--batches",
-            "1",
-            "--rounds",
-            "1",
-            "--warmup-rounds",
-            "0",
-            "--threads",
-            "1",
-            "--json",
-            str(out),
+            *tiny_throughput_args(data_dir, out),
         ]
     )
     assert code == 0
@@ -173,24 +180,7 @@ def test_throughput_packed_and_padded_attention_without_transformers(data_dir, t
     out = tmp_path / "tp.json"
     code = throughput.main(
         [
-            "--data",
-            str(data_dir),
-            "--model",
-            "tiny",
-            "--vocab-size",
-            "96",
-            "--batch-size",
-            "4",
-            "--batches",
-            "1",
-            "--rounds",
-            "1",
-            "--warmup-rounds",
-            "0",
-            "--threads",
-            "1",
-            "--json",
-            str(out),
+            *tiny_throughput_args(data_dir, out),
             "--variants",
             "unpadded/padded",
             "packed/reference",
