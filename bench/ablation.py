@@ -2,14 +2,16 @@
 
     python bench/ablation.py                          # CPU demo corpus, prepared on first use
     python bench/ablation.py --seeds 3                # each arm for 3 seeds: mean ± std
+    python bench/ablation.py --seeds 3 --jobs 2       # two runs at a time (one CPU thread each)
     python bench/ablation.py --spikes                 # with gradient spikes injected (debug.*)
     python bench/ablation.py --data DIR --steps 400 --out results/abl optim.name=adamw
     python bench/ablation.py --arm "lr2e-3 optim.lr=2e-3" --runs baseline
     python bench/ablation.py --compare results/abl/baseline results/abl/simreg   # finished runs
 
 The arms (each run is ``run_pretraining.py`` called in this process with ``--config`` plus
-overrides; within one seed every arm shares the data order, initial weights and dropout
-masks, which the trainer derives from ``train.seed``; seed k of N is ``--seed`` + k):
+overrides, or with ``--jobs N`` in one of N worker processes, a fresh one per run; within one
+seed every arm shares the data order, initial weights and dropout masks, which the trainer
+derives from ``train.seed``; seed k of N is ``--seed`` + k):
 
     baseline       the config's clipping (the CPU demo's: global norm 1.0, as MLPerf)
     adagc          optim.clip=adagc
@@ -213,6 +215,51 @@ def run_one(config: str, out_dir: Path, overrides: list[str]) -> float:
             f"run {out_dir.name} failed (exit {code}): {lines[-1] if lines else 'no output'} (see {log})"
         )
     return time.time() - start
+
+
+def _report_run(out: Path, name: str, seed: int, seconds: float) -> None:
+    s = json.loads((out / name / f"seed{seed}" / "summary.json").read_text())
+    acc = "n/a" if s["eval_accuracy"] is None else f"{s['eval_accuracy']:.4f}"
+    print(f"  {name:<13} seed {seed}: {s['steps']} steps in {seconds:.0f} s, eval masked-LM accuracy {acc}", flush=True)
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _run_parallel(args, out: Path, plan: dict, order: list[tuple[str, int]], wall: dict) -> None:
+    """The runs on --jobs worker processes (a fresh one per run, --threads threads each), in order."""
+    import multiprocessing
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    with ProcessPoolExecutor(
+        max_workers=args.jobs,
+        mp_context=multiprocessing.get_context("spawn"),  # no forked torch thread pools
+        max_tasks_per_child=1,
+        initializer=_worker_init,
+        initargs=(args.threads,),
+    ) as pool:
+        futures = {
+            pool.submit(run_one, args.config, out / name / f"seed{seed}", plan[name][seed]): (name, seed)
+            for name, seed in order
+        }
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for f in sorted(done, key=lambda f: order.index(futures[f])):
+                name, seed = futures[f]
+                error = f.exception()
+                if error is not None:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    if isinstance(error, BrokenProcessPool):
+                        log = out / name / f"seed{seed}" / "train.log"
+                        raise AblationError(f"run {name} seed {seed}: its worker process died (see {log})")
+                    raise error
+                wall[name][seed] = f.result()
+                _report_run(out, name, seed, wall[name][seed])
 
 
 # ---- analysis ---------------------------------------------------------------------------
@@ -545,9 +592,15 @@ def parse_args(argv=None):
         default=1,
         help="torch CPU threads (1 keeps OpenMP from spinning on a shared, loaded CPU)",
     )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at a time, each in its own process with --threads threads (1: one after another, in this process)",
+    )
     ap.add_argument("overrides", nargs="*", metavar="section.field=value", help="applied to every run, last")
     args = ap.parse_args(argv)
-    for name in ("steps", "evals", "eval_samples", "threads", "spike_every", "seeds"):
+    for name in ("steps", "evals", "eval_samples", "threads", "jobs", "spike_every", "seeds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.simreg_weight <= 0:
@@ -630,30 +683,28 @@ def _main(args) -> int:
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
+    if args.jobs == 1:
+        torch.set_num_threads(args.threads)
     print(
         f"ablation: {len(plan)} arms x {len(seeds)} seed(s) x {args.steps} steps, global batch {global_batch}, "
-        f"config {args.config}, data {data_dir}, {args.threads} thread(s)"
+        f"config {args.config}, data {data_dir}, {args.jobs} job(s) x {args.threads} thread(s)"
         + (f", spikes at steps {spike_steps}" if spike_steps else ""),
         flush=True,
     )
-    arms: dict[str, list[dict]] = {name: [] for name in plan}
     wall: dict[str, dict[int, float]] = {name: {} for name in plan}
+    # Seed-major: a cut-short ablation still has every arm at the first seeds.
+    order = [(name, seed) for seed in seeds for name in plan]
     start = time.time()
-    try:
-        for seed in seeds:  # seed-major: a cut-short ablation still has every arm at the first seeds
-            for name, runs in plan.items():
-                wall[name][seed] = run_one(args.config, out / name / f"seed{seed}", runs[seed])
-                arms[name].append(read_run(out / name / f"seed{seed}"))
-                s = arms[name][-1]["summary"]
-                acc = "n/a" if s["eval_accuracy"] is None else f"{s['eval_accuracy']:.4f}"
-                print(
-                    f"  {name:<13} seed {seed}: {s['steps']} steps in {wall[name][seed]:.0f} s, "
-                    f"eval masked-LM accuracy {acc}",
-                    flush=True,
-                )
-    finally:
-        torch.set_num_threads(threads)  # main() may run inside a longer-lived process (tests)
+    if args.jobs == 1:
+        try:
+            for name, seed in order:
+                wall[name][seed] = run_one(args.config, out / name / f"seed{seed}", plan[name][seed])
+                _report_run(out, name, seed, wall[name][seed])
+        finally:
+            torch.set_num_threads(threads)  # main() may run inside a longer-lived process (tests)
+    else:
+        _run_parallel(args, out, plan, order, wall)
+    arms = {name: [read_run(out / name / f"seed{seed}") for seed in seeds] for name in plan}
 
     cfg = load_config(args.config, plan[next(iter(plan))][seeds[0]])
     setup = {

@@ -108,6 +108,24 @@ def test_ablation_runs_four_variants_over_seeds(data_dir, tmp_path, capsys):
     assert (cmp_out / "ablation.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # four tiny runs, two of them in spawned workers
+def test_ablation_jobs_run_in_workers_and_match_one_after_another(data_dir, tmp_path, capsys):
+    def run(jobs):
+        out = tmp_path / f"jobs{jobs}"
+        args = ["--data", str(data_dir), "--out", str(out), "--steps", "2", "--evals", "1", "--eval-samples", "16"]
+        args += ["--runs", "baseline,simreg", "--threads", "1", "--jobs", str(jobs), *TINY]
+        assert ablation.main(args) == 0
+        return json.loads((out / "ablation.json").read_text())
+
+    one, two = run(1), run(2)
+    assert "2 job(s) x 1 thread(s)" in capsys.readouterr().out
+    for name in ("baseline", "simreg"):
+        # Same seed, one thread each: a run in a worker process is the run in this one, bit for bit.
+        assert two["arms"][name][0]["train"]["loss"] == one["arms"][name][0]["train"]["loss"]
+        assert two["arms"][name][0]["eval"] == one["arms"][name][0]["eval"]
+    assert one["arms"]["baseline"][0]["train"]["loss"] != one["arms"]["simreg"][0]["train"]["loss"]
+
+
 def test_samples_to_target_interpolates_between_evals():
     evals = {"samples": [100, 200, 300], "accuracy": [0.1, 0.3, 0.5]}
     assert ablation.samples_to_target(evals, 0.05) == 100
