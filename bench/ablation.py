@@ -232,7 +232,7 @@ def _worker_init(threads: int) -> None:
 def _run_parallel(args, out: Path, plan: dict, order: list[tuple[str, int]], wall: dict) -> None:
     """The runs on --jobs worker processes (a fresh one per run, --threads threads each), in order."""
     import multiprocessing
-    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
     with ProcessPoolExecutor(
@@ -248,7 +248,7 @@ def _run_parallel(args, out: Path, plan: dict, order: list[tuple[str, int]], wal
         }
         pending = set(futures)
         while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)  # a line per run as it ends
             for f in sorted(done, key=lambda f: order.index(futures[f])):
                 name, seed = futures[f]
                 error = f.exception()

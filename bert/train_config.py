@@ -194,6 +194,11 @@ class TrainSection:
     device: str = opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
     log_interval_steps: int = opt(10, "steps between progress lines and metrics.jsonl records")
     max_nonfinite_steps: int = opt(10, "consecutive non-finite losses before the run stops")
+    flat_host_memory: bool = opt(
+        False,
+        "fix glibc's mmap threshold at 128 KiB: host memory stays flat over long CPU runs, "
+        "but CPU training is ~1.5x slower (docs/reliability.md)",
+    )
 
     def __post_init__(self):
         _check("train", self)

@@ -97,7 +97,9 @@ def map_large_allocations() -> None:
     tensors of new sizes. By default glibc raises its mmap threshold (up to 32 MiB) as such
     blocks are freed, then serves them from the heap, whose freed pages it keeps: a 2-rank CPU
     run's resident memory crept up by 5% after its warm-up while Python's heap stayed flat.
-    With the threshold fixed it stays flat (bench/soak.py; docs/reliability.md, "Endurance").
+    With the threshold fixed it stays flat (bench/soak.py; docs/reliability.md, "Endurance"),
+    but every step's large tensors then fault in fresh pages: CPU training runs ~1.5x slower,
+    so this is ``train.flat_host_memory``, off by default.
     """
     import ctypes
 
@@ -188,7 +190,8 @@ class Trainer:
             self.mllog.init_start()
             self._log_hyperparameters()
 
-        map_large_allocations()
+        if cfg.train.flat_host_memory:
+            map_large_allocations()
         self.model_config = build_model_config(cfg)
         torch.manual_seed(self.seed)  # same initial weights on every rank
         options = (

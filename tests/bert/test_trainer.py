@@ -82,6 +82,19 @@ def test_run_writes_every_output(dataset, tmp_path):
 
 
 @pytest.mark.slow  # three training runs
+@pytest.mark.parametrize("flat", [False, True])
+def test_flat_host_memory_fixes_the_mmap_threshold_only_when_asked(dataset, tmp_path, monkeypatch, flat):
+    # The threshold is process-wide and costs CPU throughput (docs/reliability.md): off by default.
+    import bert.trainer
+
+    calls = []
+    monkeypatch.setattr(bert.trainer, "map_large_allocations", lambda: calls.append(1))
+    assert load_config(None, overrides(dataset)).train.flat_host_memory is False
+    cfg = load_config(None, overrides(dataset, f"train.flat_host_memory={str(flat).lower()}"))
+    Trainer(cfg, str(tmp_path), init_distributed(backend="gloo"))
+    assert calls == ([1] if flat else [])
+
+
 def test_eval_at_start_scores_the_initial_weights_and_changes_nothing(dataset, tmp_path):
     run_in_process(dataset, tmp_path / "plain", "train.max_steps=2")
     run_in_process(dataset, tmp_path / "at_start", "train.max_steps=2", "eval.at_start=true")
