@@ -36,7 +36,16 @@ import torch
 import torch.distributed as dist
 
 # What backends put in the messages of communication failures (gloo raises plain RuntimeErrors).
-_COMM_PATTERNS = ("gloo", "Connection closed", "Connection reset", "Timed out", "timed out", "NCCL", "Broken pipe")
+_COMM_PATTERNS = (
+    "gloo",
+    "Connection closed",
+    "Connection reset",
+    "Timed out",
+    "timed out",
+    "NCCL",
+    "Broken pipe",
+    "pair closure",  # gloo, on a rank whose peer in the same process timed out first
+)
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
 
 

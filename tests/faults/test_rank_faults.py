@@ -168,6 +168,9 @@ def test_backend_errors_are_recognised_and_shortened():
     )
     assert is_comm_error(gloo) and backend_reason(gloo) == "Connection closed by peer [127.0.0.1]:17065"
     assert not is_comm_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    # Seen on rank 0 of a 2 x 2 job when host 1 was cut off and its local peer timed out first.
+    closure = RuntimeError("Application timeout caused pair closure")
+    assert is_comm_error(closure) and backend_reason(closure) == "Application timeout caused pair closure"
     try:
         raise RebalanceError("rebalance step 3: rank 1: the length all-gather failed") from gloo
     except RebalanceError as wrapped:
