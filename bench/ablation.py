@@ -211,9 +211,8 @@ def run_one(config: str, out_dir: Path, overrides: list[str]) -> float:
         code = run_pretraining.main(["--config", config, "--output-dir", str(out_dir), *overrides])
     if code != 0 or not (out_dir / "summary.json").is_file():
         lines = log.read_text(encoding="utf-8").strip().splitlines()
-        raise AblationError(
-            f"run {out_dir.name} failed (exit {code}): {lines[-1] if lines else 'no output'} (see {log})"
-        )
+        last = lines[-1] if lines else "no output"
+        raise AblationError(f"run {out_dir.parent.name}/{out_dir.name} failed (exit {code}): {last} (see {log})")
     return time.time() - start
 
 

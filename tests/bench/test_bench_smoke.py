@@ -126,6 +126,17 @@ def test_ablation_jobs_run_in_workers_and_match_one_after_another(data_dir, tmp_
     assert one["arms"]["baseline"][0]["train"]["loss"] != one["arms"]["simreg"][0]["train"]["loss"]
 
 
+@pytest.mark.slow  # spawned workers
+def test_ablation_a_failed_run_in_a_worker_is_one_line(data_dir, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = ["--data", str(data_dir), "--out", str(tmp_path / "out"), "--steps", "2", "--evals", "1"]
+    args += ["--eval-samples", "16", "--runs", "baseline", "--arm", f"bad data.train_dir={empty}", "--jobs", "2", *TINY]
+    assert ablation.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: run bad/seed42 failed (exit 2): ") and str(empty) in err[0]
+
+
 def test_samples_to_target_interpolates_between_evals():
     evals = {"samples": [100, 200, 300], "accuracy": [0.1, 0.3, 0.5]}
     assert ablation.samples_to_target(evals, 0.05) == 100
