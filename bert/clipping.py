@@ -24,7 +24,7 @@ still counts towards t (counting it conditionally would need a sync).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,24 +35,35 @@ def _grads(params: Iterable[Tensor]) -> list[Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def _norms(grads: list[Tensor]) -> Tensor:
+def tensor_norms(grads: list[Tensor]) -> Tensor:
     """[N] float32 L2 norms, one per tensor (fp16/bf16 gradients are reduced in fp32)."""
     return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
 
 
-def clip_global_(params: Iterable[Tensor], max_norm: float) -> Tensor:
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def clip_global_(
+    params: Iterable[Tensor],
+    max_norm: float,
+    local: Callable[[Tensor], Tensor] = _identity,
+    norms: Callable[[list[Tensor]], Tensor] = tensor_norms,
+) -> Tensor:
     """Scale all gradients so their global L2 norm is at most ``max_norm``, in place.
 
     Returns the global norm before clipping as a float32 0-d tensor on the gradients'
     device (no sync). A non-finite norm makes the gradients non-finite, for the trainer's
-    skip-the-step check to catch.
+    skip-the-step check to catch. Sharded gradients (``bert.sharded_optim``): ``local``
+    gives a gradient's shard on this rank and ``norms`` the whole tensors' norms from the
+    shards' partial norms (one small all-reduce); the scaling itself touches the shards only.
     """
     if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"optim.max_grad_norm: must be finite and > 0, got {max_norm}")
-    grads = _grads(params)
+    grads = [local(g) for g in _grads(params)]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    total = torch.linalg.vector_norm(_norms(grads))
+    total = torch.linalg.vector_norm(norms(grads))
     coef = max_norm / torch.clamp(total, min=max_norm)  # exactly 1 when total <= max_norm
     torch._foreach_mul_(grads, coef)
     return total
@@ -83,6 +94,8 @@ class AdaGC:
         warmup_steps: int = 100,
         lambda_abs: float = 1.0,
         eps: float = 1e-6,
+        local: Callable[[Tensor], Tensor] = _identity,
+        norms: Callable[[list[Tensor]], Tensor] = tensor_norms,
     ):
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
@@ -105,6 +118,8 @@ class AdaGC:
             float(eps),
         )
         self.warmup_steps = warmup_steps
+        # Sharded gradients: clip this rank's shards by thresholds on whole-tensor norms (as clip_global_).
+        self.local, self.norms = local, norms
         self.step = 0  # optimizer steps clipped so far
         n = len(self.params)
         self.gamma = torch.zeros(n, dtype=torch.float32)  # [N] per-tensor threshold state
@@ -122,7 +137,7 @@ class AdaGC:
         self.step += 1
         if not present:
             return ClipStats(None, torch.zeros((), dtype=torch.int64))
-        grads = [self.params[i].grad for i in present]
+        grads = [self.local(self.params[i].grad) for i in present]
         device = grads[0].device
         if self.gamma.device != device:
             self.gamma, self.has_gamma = self.gamma.to(device), self.has_gamma.to(device)
@@ -133,7 +148,7 @@ class AdaGC:
             idx = self._index(present, device)
             gamma, has = self.gamma[idx], self.has_gamma[idx]
 
-        norms = _norms(grads)  # [n] before clipping
+        norms = self.norms(grads)  # [n] before clipping
         global_norm = None
         if self.step <= self.warmup_steps:
             global_norm = torch.linalg.vector_norm(norms)

@@ -102,10 +102,20 @@ class Lamb(torch.optim.Optimizer):
             self._update(group, params)
         return loss
 
+    def _local(self, t: Tensor) -> Tensor:
+        """The tensor the update runs on: ``t`` itself here; a DTensor's local shard in
+        ``bert.sharded_optim.ShardedLamb`` (elementwise math needs no communication)."""
+        return t
+
+    def _trust_norms(self, params: list[Tensor], update: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """[N] whole-tensor L2 norms of the weights and of the updates (sharded: summed over shards)."""
+        return torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(update))
+
     def _update(self, group: dict, params: list[Tensor]) -> None:
-        grads = [p.grad for p in params]
-        exp_avgs = [self.state[p]["exp_avg"] for p in params]
-        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        grads = [self._local(p.grad) for p in params]
+        exp_avgs = [self._local(self.state[p]["exp_avg"]) for p in params]
+        exp_avg_sqs = [self._local(self.state[p]["exp_avg_sq"]) for p in params]
+        params = [self._local(p) for p in params]
         beta1, beta2 = group["betas"]
         step, lr, eps, wd = group["step"], group["lr"], group["eps"], group["weight_decay"]
         bc1, bc2 = (1 - beta1**step, 1 - beta2**step) if group["bias_correction"] else (1.0, 1.0)
@@ -125,8 +135,7 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_add_(update, params, alpha=wd)
 
         if wd != 0 or self.use_nvlamb:
-            w_norm = torch.stack(torch._foreach_norm(params))  # [N]
-            u_norm = torch.stack(torch._foreach_norm(update))  # [N]
+            w_norm, u_norm = self._trust_norms(params, update)  # [N] each
             ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
             # One scale per tensor, kept on the device (a Python list of floats would sync).
             torch._foreach_mul_(update, list((ratio * -lr).unbind(0)))

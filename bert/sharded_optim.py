@@ -1,0 +1,171 @@
+"""Sharded LAMB (``optim.shard``): optimizer state and update split over a group of ranks.
+
+Sits where DDP sits in the unsharded run, on PyTorch's own engine, FSDP2
+(``torch.distributed.fsdp.fully_shard``): every parameter becomes a DTensor split along its
+first dimension over the ranks of a shard group of G ranks. Backward reduce-scatters each
+encoder layer's gradients as soon as they are ready (overlapped with the rest of backward),
+so each rank holds 1/G of the gradients, of the fp32 master weights and of LAMB's two
+moments; the update runs on that 1/G only, and the next forward all-gathers the new weights
+layer by layer (in ``train.precision``'s dtype: bf16 or fp16 compute copies of fp32 masters).
+
+A group smaller than the world (``optim.shard: 4`` on 16 ranks, NVIDIA's ``--dwu-group-size``)
+is HSDP: a 2-D mesh (replicate x shard) on which gradients are reduce-scattered inside the
+group and all-reduced across the W/G groups that hold the same shard; the replicas of a shard
+stay bitwise identical because they compute the same update from the same reduced gradient.
+
+What stays exact (the same LAMB as ``bert.optim.Lamb`` on whole tensors): every per-tensor norm
+(LAMB's trust ratio ||w|| / ||u||, global-norm clipping, AdaGC's per-tensor thresholds) is the
+whole tensor's, from the shards' partial sums of squares summed over the shard group in one
+small all-reduce of a [N] or [2N] vector (N: the tensors). Weight-decay exclusions are
+``bert.optim.param_groups_for``'s, decided on the module types and tensor ranks as today.
+
+Why FSDP2 rather than DDP + ``ZeroRedundancyOptimizer``: ZeRO gives each rank whole tensors,
+so per-tensor norms would need no communication, but DDP still all-reduces (and every rank
+keeps) the whole gradient, the update is balanced only as well as 340 tensors of very different
+sizes pack into G bins (the word embeddings alone are 9% of BERT-large), and the new weights
+are broadcast tensor by tensor after the step instead of gathered layer by layer inside the next
+forward. FSDP2 splits every tensor evenly, holds 1/G of the gradients too, and its per-layer
+collectives run behind compute; the price, one all-reduce of per-tensor partial norms, is a
+few kilobytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from bert.optim import Lamb, param_groups_for
+
+SHARD, REPLICATE = "shard", "replicate"  # the mesh's dimension names
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def shard_group_size(shard: str | int, world: int) -> int | None:
+    """``optim.shard`` -> ranks per shard group (None: not sharded); ValueError naming the field."""
+    if shard == "none":
+        return None
+    if shard == "dp":
+        return world
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
+        raise ValueError(f"optim.shard: expected none, dp or a group size >= 1, got {shard!r}")
+    if world % shard:
+        raise ValueError(f"optim.shard: a group of {shard} ranks does not divide the {world} ranks")
+    return shard
+
+
+def build_mesh(world: int, group: int, device_type: str) -> DeviceMesh:
+    """(replicate x shard) = (world / group, group) ranks; 1-D (shard) when one group spans the world."""
+    if group == world:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=(SHARD,))
+    return init_device_mesh(device_type, (world // group, group), mesh_dim_names=(REPLICATE, SHARD))
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: str = "fp32", reduce_dtype: str = "fp32") -> None:
+    """Apply FSDP2 in place: one unit per encoder layer, the rest (embeddings, heads) in the root.
+
+    ``compute_dtype``: the dtype of the all-gathered weights forward and backward run on (the
+    sharded masters stay fp32); ``reduce_dtype``: the dtype gradients are reduce-scattered
+    (and, across groups, all-reduced) in. Weights stay gathered from forward to backward
+    (``reshard_after_forward=False``): one all-gather per layer per step instead of two, at the
+    cost of holding every layer's gathered weights from its forward to its backward, as the
+    unsharded run holds them anyway.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(
+        param_dtype=_DTYPES[compute_dtype] if compute_dtype != "fp32" else None,
+        reduce_dtype=_DTYPES[reduce_dtype],
+        output_dtype=None,
+        cast_forward_inputs=False,  # the batch holds integer ids only
+    )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """This rank's part of a DTensor (sharing its storage), a plain tensor as it is."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+class WholeNorms:
+    """Whole-tensor L2 norms from local shards: one all-reduce of the partial sums of squares.
+
+    ``group``: the shard group's process group (None: the tensors are whole, nothing to sum).
+    Called with lists of the shards of the same N tensors on every rank of the group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+
+    def squares(self, tensors: list[Tensor]) -> Tensor:
+        """[N] float32 partial sums of squares (an empty shard contributes 0)."""
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
+
+    def reduce(self, squares: Tensor) -> Tensor:
+        if self.group is not None:
+            dist.all_reduce(squares, group=self.group)
+        return squares.sqrt()
+
+    def __call__(self, tensors: list[Tensor]) -> Tensor:
+        return self.reduce(self.squares(tensors))
+
+
+class ShardedLamb(Lamb):
+    """``Lamb`` on DTensor parameters: the same update, on this rank's shards.
+
+    Moments are DTensors shaped like their parameters (so ``torch.distributed.checkpoint``
+    reshards them), the math runs on the local shards, and the trust ratio's two norms per
+    tensor come from one all-reduce of a [2N] vector over the shard group.
+    """
+
+    def __init__(self, params, norms: WholeNorms, **kwargs):
+        super().__init__(params, **kwargs)
+        self.whole_norms = norms
+
+    def _local(self, t: Tensor) -> Tensor:
+        return local_shard(t)
+
+    def _trust_norms(self, params: list[Tensor], update: list[Tensor]) -> tuple[Tensor, Tensor]:
+        n = len(params)
+        both = self.whole_norms.reduce(
+            torch.cat([self.whole_norms.squares(params), self.whole_norms.squares(update)])
+        )  # [2N]
+        return both[:n], both[n:]
+
+
+def shard_process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    return mesh[SHARD].get_group() if mesh.mesh_dim_names != (SHARD,) else mesh.get_group()
+
+
+def build_sharded_lamb(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.01,
+) -> ShardedLamb:
+    """``ShardedLamb`` over ``model`` (already ``shard_model``-ed), grouped as ``build_optimizer`` groups."""
+    groups = param_groups_for(model, weight_decay)
+    if not groups:
+        raise ValueError("model: has no trainable parameters")
+    return ShardedLamb(groups, WholeNorms(shard_process_group(mesh)), lr=lr, betas=betas, eps=eps)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer-state tensors held by this rank (a DTensor counts its local shard)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, Tensor):
+                t = local_shard(value)
+                total += t.numel() * t.element_size()
+    return total
