@@ -95,12 +95,17 @@ class Lamb(torch.optim.Optimizer):
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("Lamb: sparse gradients are not supported")
             for p in params:
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.init_state(p)
             self._update(group, params)
         return loss
+
+    def init_state(self, p: Tensor) -> dict:
+        """``p``'s moments, created (zeros) if it has none yet; a checkpoint is loaded into them."""
+        state = self.state[p]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
 
     def _local(self, t: Tensor) -> Tensor:
         """The tensor the update runs on: ``t`` itself here; a DTensor's local shard in

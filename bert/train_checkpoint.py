@@ -39,6 +39,7 @@ import glob
 import hashlib
 import os
 import re
+import shutil
 from collections.abc import Callable
 
 import torch
@@ -48,7 +49,7 @@ from bert.checkpoint import CheckpointError, plain_data_problem, safe_torch_load
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
 _TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
 TRAILER_BYTES = len(_TRAILER_PREFIX) + 64 + len(b" size=") + 16 + 1
-_NAME_RE = re.compile(r"step_(\d{8,})\.pt\Z")
+_NAME_RE = re.compile(r"step_(\d{8,})(\.pt)?\Z")  # a file, or a sharded checkpoint's directory
 _READ_CHUNK = 1 << 22
 
 
@@ -61,21 +62,26 @@ def checkpoint_path(directory: str, step: int) -> str:
 
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
-    """(step, path) of every ``step_*.pt`` under its final name, oldest first."""
+    """(step, path) of every ``step_*.pt`` file and sharded ``step_*`` directory under its final
+    name, oldest first (a step saved both ways, by runs with different ``optim.shard``: the
+    directory sorts after the file, so it is the one tried first)."""
     found = []
-    for path in glob.glob(os.path.join(glob.escape(directory), "step_*.pt")):
+    for path in glob.glob(os.path.join(glob.escape(directory), "step_*")):
         m = _NAME_RE.match(os.path.basename(path))
-        if m:
-            found.append((int(m.group(1)), path))
-    return sorted(found)
+        if m and (m.group(2) is None) == os.path.isdir(path):
+            found.append((int(m.group(1)), m.group(2) is None, path))
+    return [(step, path) for step, _, path in sorted(found)]
 
 
 def remove_temporaries(directory: str) -> list[str]:
-    """Delete the temporary files of writes that were killed; returns their names."""
+    """Delete the temporary files and directories of writes that were killed; returns their names."""
     removed = []
-    for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.pt.tmp")):
+    for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.tmp")):
         try:
-            os.remove(path)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
             removed.append(os.path.basename(path))
         except FileNotFoundError:
             pass
@@ -136,7 +142,26 @@ def save(directory: str, step: int, state: dict, keep: int) -> str:
 
 def write(directory: str, step: int, state, keep: int) -> str:
     """``save`` without the plain-data check: the file format only (tests write hostile files with it)."""
-    path = checkpoint_path(directory, step)
+    path = write_file(checkpoint_path(directory, step), state)
+    prune(directory, keep)
+    return path
+
+
+def prune(directory: str, keep: int) -> None:
+    """Remove the checkpoints (files and sharded directories) beyond the newest ``keep``."""
+    for _, old in list_checkpoints(directory)[:-keep]:
+        try:
+            if os.path.isdir(old):
+                shutil.rmtree(old)
+            else:
+                os.remove(old)
+        except OSError:
+            pass  # an old checkpoint that cannot be removed costs space, not correctness
+
+
+def write_file(path: str, state) -> str:
+    """One checksummed file at ``path``: streamed to ``.NAME.tmp`` beside it, fsynced, renamed."""
+    directory = os.path.dirname(path)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
     fd = -1
     try:
@@ -166,11 +191,6 @@ def write(directory: str, step: int, state, keep: int) -> str:
             pass
         what = e.strerror or str(e)
         raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({what})") from None
-    for _, old in list_checkpoints(directory)[:-keep]:
-        try:
-            os.remove(old)
-        except OSError:
-            pass  # an old file that cannot be removed costs space, not correctness
     return path
 
 
@@ -211,15 +231,33 @@ def verify(path: str) -> None:
 
 
 def read(path: str) -> dict:
-    """Verify and load one checkpoint (on the CPU) without running anything in it."""
+    """Verify and load one checkpoint (on the CPU) without running anything in it.
+
+    A sharded checkpoint (a directory, bert.distributed_checkpoint) gives its ``state.pt``
+    with ``"sharded": path`` added: its tensors are read into the resuming run's layout by
+    ``distributed_checkpoint.load_tensors``.
+    """
+    if os.path.isdir(path):
+        from bert import distributed_checkpoint
+
+        state = distributed_checkpoint.read_state(path)
+        if not isinstance(state, dict) or "counters" not in state:
+            raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
+        return {**state, "sharded": path}
+    state = read_file(path)
+    if not isinstance(state, dict) or "counters" not in state:
+        raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
+    return state
+
+
+def read_file(path: str):
+    """Verify and load one checksummed file of plain data."""
     verify(path)
     # Only the bytes before the trailer are the archive: records may not reach beyond them.
     state = safe_torch_load(path, limit=os.path.getsize(path) - TRAILER_BYTES, archive_only=True)
     problem = plain_data_problem(state)
     if problem:
         raise CheckpointError(f"{path}: {problem}; only tensors, numbers, strings, lists and dicts are loaded")
-    if not isinstance(state, dict) or "counters" not in state:
-        raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
     return state
 
 

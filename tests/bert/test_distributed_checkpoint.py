@@ -1,0 +1,146 @@
+"""bert.distributed_checkpoint in one process: round trip, manifest checks, and files that must not run code."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from bert import distributed_checkpoint as dc
+from bert import train_checkpoint as tc
+from bert.checkpoint import CheckpointError
+from bert.config import BertConfig
+from bert.model import BertForPreTraining
+from bert.optim import Lamb, param_groups_for
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def model_and_optimizer(seed: int):
+    torch.manual_seed(seed)
+    model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=96))
+    optimizer = Lamb(param_groups_for(model, 0.01), lr=1e-3)
+    return model, optimizer
+
+
+def trained(seed: int = 0):
+    model, optimizer = model_and_optimizer(seed)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    return model, optimizer
+
+
+def save(directory, step, model, optimizer):
+    state = {"counters": {"step": step}, "optimizer_groups": dc.optimizer_groups(optimizer)}
+    return dc.save(str(directory), step, dc.training_tensors(model, optimizer), state, is_main=True)
+
+
+def rewrite_manifest(path):
+    """What someone who edits a file can also do: make the manifest match it again."""
+    with open(os.path.join(path, dc.MANIFEST)) as f:
+        manifest = json.load(f)
+    for name, entry in manifest["files"].items():
+        entry["bytes"] = os.path.getsize(os.path.join(path, name))
+        entry["sha256"] = dc._sha256(os.path.join(path, name))
+    with open(os.path.join(path, dc.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+
+
+def test_round_trip_restores_every_tensor_and_the_step_count(tmp_path):
+    model, optimizer = trained()
+    path = save(tmp_path, 3, model, optimizer)
+    assert sorted(os.listdir(path)) == sorted([".metadata", "__0_0.distcp", dc.STATE, dc.MANIFEST])
+    assert tc.list_checkpoints(str(tmp_path)) == [(3, path)]
+    state = tc.read(path)
+    assert state["sharded"] == path and state["counters"]["step"] == 3
+    other, other_opt = model_and_optimizer(seed=1)
+    targets = dc.training_tensors(other, other_opt)
+    dc.load_tensors(path, targets)
+    dc.load_optimizer_groups(other_opt, state["optimizer_groups"])
+    saved = dc.training_tensors(model, optimizer)
+    assert saved.keys() == targets.keys() and any(k.endswith("/exp_avg_sq") for k in saved)
+    for key, value in saved.items():
+        assert torch.equal(value, targets[key]), key
+    assert [g["step"] for g in other_opt.param_groups] == [1, 1]
+    shapes = dc.tensor_shapes(path)
+    assert shapes["model/embeddings.word.weight"] == ((96, 128), torch.float32)
+
+
+def test_a_file_and_a_directory_are_listed_and_pruned_together(tmp_path):
+    model, optimizer = trained()
+    tc.save(str(tmp_path), 1, {"counters": {"step": 1}}, keep=5)
+    save(tmp_path, 2, model, optimizer)
+    save(tmp_path, 3, model, optimizer)
+    assert [s for s, _ in tc.list_checkpoints(str(tmp_path))] == [1, 2, 3]
+    tc.prune(str(tmp_path), keep=1)
+    assert [s for s, _ in tc.list_checkpoints(str(tmp_path))] == [3]
+
+
+def test_an_unfinished_write_is_not_a_checkpoint_and_is_removed(tmp_path):
+    model, optimizer = trained()
+    path = save(tmp_path, 2, model, optimizer)
+    os.rename(path, dc.temporary_dir(str(tmp_path), 2))
+    assert tc.list_checkpoints(str(tmp_path)) == []
+    assert tc.remove_temporaries(str(tmp_path)) == [".step_00000002.tmp"]
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: os.remove(os.path.join(p, dc.MANIFEST)), "no MANIFEST.json"),
+        (lambda p: os.remove(os.path.join(p, "__0_0.distcp")), "__0_0.distcp is missing"),
+        (lambda p: open(os.path.join(p, "__0_0.distcp"), "r+b").write(b"\0\0\0\0"), "checksum mismatch"),
+        (lambda p: open(os.path.join(p, dc.STATE), "ab").write(b"x"), "the manifest records"),
+    ],
+)
+def test_damage_is_detected_and_named(tmp_path, damage, message):
+    model, optimizer = trained()
+    path = save(tmp_path, 2, model, optimizer)
+    damage(path)
+    with pytest.raises(CheckpointError, match=message):
+        tc.read(path)
+
+
+def test_metadata_that_would_run_code_is_refused_without_running_it(tmp_path):
+    model, optimizer = trained()
+    path = save(tmp_path, 2, model, optimizer)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(Payload(), f)
+    rewrite_manifest(path)
+    tc.read(path)  # the manifest and state.pt are fine: the metadata is only unpickled on load
+    with pytest.raises(CheckpointError, match=r"refused posix\.system"):
+        dc.load_tensors(path, dc.training_tensors(*model_and_optimizer(1)))
+    with pytest.raises(CheckpointError, match="refused"):
+        dc.tensor_shapes(path)
+    assert not marker.exists()
+
+
+def test_an_object_entry_is_refused(tmp_path):
+    """DCP would unpickle a non-tensor entry with weights_only=False: never read one."""
+    path = str(tmp_path / "objects")
+    dcp.save({"model/x": torch.ones(2), "extra": {"a": 1}}, storage_writer=dcp.FileSystemWriter(path))
+    with pytest.raises(
+        CheckpointError, match=r"refused torch\.distributed\.checkpoint\.metadata\.BytesStorageMetadata"
+    ):
+        dc.load_tensors(path, {"model/x": torch.zeros(2)})
