@@ -17,8 +17,11 @@ global norm n exceeds ``max_norm``, every gradient is multiplied by ``max_norm /
 
 Choices the definition leaves open: a tensor whose ``.grad`` is None in a step is left out of
 that step (its gamma is kept); a step in which any gradient norm is inf or NaN leaves every
-gamma unchanged (the trainer skips such a step; one bad step must not poison the state), and
-still counts towards t (counting it conditionally would need a sync).
+gamma unchanged (the trainer skips such a step; one bad step must not poison the state).
+``clip_()`` counts the step towards t; a step the optimizer then skips is taken back with
+``unstep_(found_inf)``, on the device. t is a device tensor, so which regime a step is in is
+decided on the device too: both factors are formed (from the [N] norms, cheap) and selected
+with ``torch.where``, and the gradients are scaled once; the host reads nothing.
 """
 
 from __future__ import annotations
@@ -120,27 +123,44 @@ class AdaGC:
         self.warmup_steps = warmup_steps
         # Sharded gradients: clip this rank's shards by thresholds on whole-tensor norms (as clip_global_).
         self.local, self.norms = local, norms
-        self.step = 0  # optimizer steps clipped so far
+        self._step = torch.zeros((), dtype=torch.int64)  # t: steps clipped and not taken back
+        self._calls = 0  # clip_() calls: t on the host when no step was taken back
         n = len(self.params)
         self.gamma = torch.zeros(n, dtype=torch.float32)  # [N] per-tensor threshold state
         self.has_gamma = torch.zeros(n, dtype=torch.bool)  # [N] False: no state yet
         self._index_cache: dict[tuple[int, ...], Tensor] = {}
 
+    @property
+    def step(self) -> int:
+        """t, the steps clipped and not taken back (reading it syncs)."""
+        return int(self._step)
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = torch.full((), int(value), dtype=torch.int64, device=self._step.device)
+        self._calls = int(value)
+
+    def unstep_(self, found_inf: Tensor) -> None:
+        """Take back this step's count when the optimizer skipped it (``found_inf`` nonzero), on the device."""
+        self._step = self._step - (found_inf != 0).to(torch.int64)
+
     @torch.no_grad()
     def clip_(self, compute_global_norm: bool = False) -> ClipStats:
         """Clip the gradients in place and update the state.
 
-        The global norm is computed during warm-up (clipping needs it) and otherwise only
-        when ``compute_global_norm`` is True (for logging).
+        The global norm is returned during warm-up as the host counts it (``clip_()``
+        calls; clipping needs it) and otherwise only when ``compute_global_norm`` is True.
         """
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
-        self.step += 1
+        self._calls += 1
         if not present:
+            self._step = self._step + 1
             return ClipStats(None, torch.zeros((), dtype=torch.int64))
         grads = [self.local(self.params[i].grad) for i in present]
         device = grads[0].device
         if self.gamma.device != device:
             self.gamma, self.has_gamma = self.gamma.to(device), self.has_gamma.to(device)
+        self._step = self._step.to(device) + 1
         if len(present) == len(self.params):
             idx = None
             gamma, has = self.gamma, self.has_gamma
@@ -149,35 +169,33 @@ class AdaGC:
             gamma, has = self.gamma[idx], self.has_gamma[idx]
 
         norms = self.norms(grads)  # [n] before clipping
-        global_norm = None
-        if self.step <= self.warmup_steps:
-            global_norm = torch.linalg.vector_norm(norms)
-            coef = torch.clamp(self.lambda_abs / (global_norm + self.eps), max=1.0)
-            torch._foreach_mul_(grads, coef)
-            clipped = norms * coef
-            new_gamma = torch.where(has, torch.minimum(gamma, clipped), clipped)
-            num_clipped = (coef < 1).long() * len(grads)
-            clip_ratio = coef
-        else:
-            if compute_global_norm:
-                global_norm = torch.linalg.vector_norm(norms)
-            gamma = torch.where(has, gamma, norms)
-            h = torch.clamp(self.lambda_rel * gamma / (norms + self.eps), max=1.0)  # [n]
-            # A different factor per tensor, kept on the device (no list of Python floats).
-            torch._foreach_mul_(grads, list(h.unbind(0)))
-            new_gamma = self.beta * gamma + (1 - self.beta) * torch.minimum(norms, self.lambda_rel * gamma)
-            num_clipped = (h < 1).sum()
-            clip_ratio = h.mean()
+        warm = self._step <= self.warmup_steps  # 0-dim bool, on the device
+        global_norm = torch.linalg.vector_norm(norms)
+        # Warm-up: one factor for all tensors, from the global norm.
+        coef = torch.clamp(self.lambda_abs / (global_norm + self.eps), max=1.0)
+        clipped = norms * coef
+        warm_gamma = torch.where(has, torch.minimum(gamma, clipped), clipped)
+        # After warm-up: a factor per tensor, from its own threshold.
+        start = torch.where(has, gamma, norms)
+        h = torch.clamp(self.lambda_rel * start / (norms + self.eps), max=1.0)  # [n]
+        late_gamma = self.beta * start + (1 - self.beta) * torch.minimum(norms, self.lambda_rel * start)
+        factor = torch.where(warm, coef.expand_as(h), h)
+        # A different factor per tensor, kept on the device (no list of Python floats).
+        torch._foreach_mul_(grads, list(factor.unbind(0)))
+        new_gamma = torch.where(warm, warm_gamma, late_gamma)
+        num_clipped = torch.where(warm, (coef < 1).long() * len(grads), (h < 1).sum())
+        clip_ratio = torch.where(warm, coef, h.mean())
 
         finite = torch.isfinite(norms).all()
-        new_gamma = torch.where(finite, new_gamma, gamma)
+        new_gamma = torch.where(finite, new_gamma, torch.where(warm, gamma, start))
         new_has = has | finite
         if idx is None:
             self.gamma, self.has_gamma = new_gamma, new_has
         else:
             self.gamma = self.gamma.index_copy(0, idx, new_gamma)
             self.has_gamma = self.has_gamma.index_copy(0, idx, new_has)
-        return ClipStats(global_norm, num_clipped, len(grads), clip_ratio)
+        shown = global_norm if compute_global_norm or self._calls <= self.warmup_steps else None
+        return ClipStats(shown, num_clipped, len(grads), clip_ratio)
 
     def _index(self, present: list[int], device) -> Tensor:
         key = tuple(present)

@@ -21,6 +21,16 @@ importable and the parameters are on CUDA, and this module's multi-tensor ``Lamb
 (``impl='apex'`` or ``impl='torch'`` force one; asking for apex where it cannot run is an
 error). Both keep the same state layout (``exp_avg``, ``exp_avg_sq`` per parameter, ``step``
 per group), so a checkpoint moves between them.
+
+The device-side skip (shared by every optimizer of this project, the sharded ones included):
+``step(found_inf=t)`` takes a 0-dim tensor on the parameters' device, nonzero (True) when the
+gradients are not finite. The update is then computed as usual and selected per tensor with
+``torch.where``, so on a skipped step the parameters, moments and step counts stay bitwise as
+they were, and the host never reads the flag (no sync; a CUDA graph can hold the step). It
+costs the moments' copies and one ``where`` per state tensor, on every step, skipped or not.
+The step count then becomes a 0-dim float64 tensor on the device (``Lamb``'s group ``step``;
+``AdamW``'s per-parameter ``step`` stays torch's float32 tensor), and the learning rate may
+be a 0-dim device tensor (``bert.schedule`` on the device), read by no one but the kernels.
 """
 
 from __future__ import annotations
@@ -82,21 +92,26 @@ class Lamb(torch.optim.Optimizer):
         self.use_nvlamb = use_nvlamb
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, found_inf: Tensor | None = None):
+        """One update; ``found_inf`` (0-dim device tensor, nonzero = skip): see the module docstring."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1  # per group, as apex keeps it
             params = [p for p in group["params"] if p.grad is not None]
+            step = group.get("step", 0)  # per group, as apex keeps it
+            if found_inf is None:
+                group["step"] = step + 1
+            else:
+                group["step"] = _device_step(step, found_inf) + _kept(found_inf).double()
             if not params:
                 continue
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("Lamb: sparse gradients are not supported")
             for p in params:
                 self.init_state(p)
-            self._update(group, params)
+            self._update(group, params, found_inf)
         return loss
 
     def init_state(self, p: Tensor) -> dict:
@@ -116,18 +131,24 @@ class Lamb(torch.optim.Optimizer):
         """[N] whole-tensor L2 norms of the weights and of the updates (sharded: summed over shards)."""
         return torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(update))
 
-    def _update(self, group: dict, params: list[Tensor]) -> None:
+    def _update(self, group: dict, params: list[Tensor], found_inf: Tensor | None) -> None:
         grads = [self._local(p.grad) for p in params]
-        exp_avgs = [self._local(self.state[p]["exp_avg"]) for p in params]
-        exp_avg_sqs = [self._local(self.state[p]["exp_avg_sq"]) for p in params]
+        state_avgs = [self._local(self.state[p]["exp_avg"]) for p in params]
+        state_avg_sqs = [self._local(self.state[p]["exp_avg_sq"]) for p in params]
         params = [self._local(p) for p in params]
         beta1, beta2 = group["betas"]
         step, lr, eps, wd = group["step"], group["lr"], group["eps"], group["weight_decay"]
         bc1, bc2 = (1 - beta1**step, 1 - beta2**step) if group["bias_correction"] else (1.0, 1.0)
+        if isinstance(bc1, Tensor):  # the device step: cast as a Python float would be
+            bc1, bc2 = bc1.to(params[0].dtype), bc2.to(params[0].dtype)
 
-        torch._foreach_mul_(exp_avgs, beta1)
+        if found_inf is None:
+            exp_avgs, exp_avg_sqs = state_avgs, state_avg_sqs
+            torch._foreach_mul_(exp_avgs, beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+        else:  # new moments beside the old ones, selected at the end
+            exp_avgs, exp_avg_sqs = torch._foreach_mul(state_avgs, beta1), torch._foreach_mul(state_avg_sqs, beta2)
         torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
 
         denom = torch._foreach_div(exp_avg_sqs, bc2)
@@ -144,9 +165,109 @@ class Lamb(torch.optim.Optimizer):
             ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
             # One scale per tensor, kept on the device (a Python list of floats would sync).
             torch._foreach_mul_(update, list((ratio * -lr).unbind(0)))
-            torch._foreach_add_(params, update)
+            alpha = 1.0
+        elif isinstance(lr, Tensor):
+            torch._foreach_mul_(update, -lr.to(params[0].dtype))
+            alpha = 1.0
         else:
-            torch._foreach_add_(params, update, alpha=-lr)
+            alpha = -lr
+        if found_inf is None:
+            torch._foreach_add_(params, update, alpha=alpha)
+        else:
+            new_params = torch._foreach_add(params, update, alpha=alpha)
+            del update
+            skip = found_inf != 0
+            _keep_where_skipped(skip, state_avgs, exp_avgs)
+            _keep_where_skipped(skip, state_avg_sqs, exp_avg_sqs)
+            _keep_where_skipped(skip, params, new_params)
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW that also takes ``step(found_inf=...)`` and a device-tensor learning rate.
+
+    Without either, ``step()`` is torch's own. With them, the same update (decoupled weight
+    decay, torch's ``eps`` outside the square root, bias correction from the per-parameter
+    ``step``) is written with ``torch._foreach_*`` ops that read nothing back, and skipped on
+    the device as the module docstring says; torch's state layout is kept, so a checkpoint
+    moves between the two paths. ``amsgrad``, ``maximize`` and complex parameters are torch's only.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None, found_inf: Tensor | None = None):
+        if found_inf is None and not any(isinstance(g["lr"], Tensor) for g in self.param_groups):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise RuntimeError("AdamW: amsgrad/maximize are not supported with found_inf or a tensor lr")
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._update(group, params, found_inf)
+        return loss
+
+    def _update(self, group: dict, params: list[Tensor], found_inf: Tensor | None) -> None:
+        device, dtype = params[0].device, params[0].dtype
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != device:  # torch's load_state_dict keeps steps on the CPU
+                state["step"] = state["step"].to(device)
+        grads = [p.grad for p in params]
+        steps = [self.state[p]["step"] for p in params]
+        state_avgs = [self.state[p]["exp_avg"] for p in params]
+        state_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        if found_inf is None:
+            torch._foreach_add_(steps, 1.0)
+        else:  # a list of tensors: the one-tensor overload reads its scalar on the host
+            torch._foreach_add_(steps, [_kept(found_inf).float()] * len(steps))
+        step = torch.stack(steps).double()  # [N]
+        bc1, bc2_sqrt = 1 - beta1**step, (1 - beta2**step).sqrt()  # [N] float64, as torch's Python floats
+
+        new_params = torch._foreach_mul(params, 1 - lr * wd)
+        exp_avgs = torch._foreach_lerp(state_avgs, grads, 1 - beta1)
+        exp_avg_sqs = torch._foreach_mul(state_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, list(bc2_sqrt.to(dtype).unbind(0)))
+        torch._foreach_add_(denom, eps)
+        update = torch._foreach_div(exp_avgs, denom)
+        del denom
+        torch._foreach_mul_(update, list((-lr / bc1).to(dtype).unbind(0)))
+        torch._foreach_add_(new_params, update)
+        del update
+        if found_inf is None:
+            for olds, news in ((params, new_params), (state_avgs, exp_avgs), (state_avg_sqs, exp_avg_sqs)):
+                torch._foreach_copy_(olds, news)
+        else:
+            skip = found_inf != 0
+            for olds, news in ((params, new_params), (state_avgs, exp_avgs), (state_avg_sqs, exp_avg_sqs)):
+                _keep_where_skipped(skip, olds, news)
+
+
+def _kept(found_inf: Tensor) -> Tensor:
+    """0-dim bool on the device: True when the update is applied."""
+    return found_inf == 0
+
+
+def _device_step(step, found_inf: Tensor) -> Tensor:
+    """A step count (int, or a tensor from a checkpoint) as a float64 0-dim tensor beside ``found_inf``."""
+    if isinstance(step, Tensor):
+        return step.to(device=found_inf.device, dtype=torch.float64)
+    return torch.tensor(float(step), dtype=torch.float64, device=found_inf.device)
+
+
+def _keep_where_skipped(skip: Tensor, olds: list[Tensor], news: list[Tensor]) -> None:
+    """olds[i] <- olds[i] if skip else news[i], in place, without reading ``skip`` on the host."""
+    for old, new in zip(olds, news):
+        torch.where(skip, old, new, out=old)
 
 
 def apex_lamb_available() -> bool:
@@ -182,7 +303,7 @@ def build_optimizer(
     if not groups:
         raise ValueError("model: has no trainable parameters")
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+        return AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
     if name != "lamb":
         raise ValueError(f"optim.name: unknown optimizer {name!r}; choose from 'lamb', 'adamw'")
     if impl not in ("auto", "apex", "torch"):

@@ -48,12 +48,39 @@ def lr_at(
     return (base_lr - end_lr) * (1.0 - progress) ** power + end_lr
 
 
+def lr_at_tensor(
+    step: torch.Tensor,
+    *,
+    base_lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    start_warmup_step: int = 0,
+    power: float = 1.0,
+    end_lr: float = 0.0,
+) -> torch.Tensor:
+    """``lr_at`` of a 0-dim step tensor, as a float64 tensor beside it (no host read): the same
+    double-precision operations in the same order, so the value equals ``lr_at``'s."""
+    g = step.to(torch.float64)
+    progress = torch.clamp(g, max=total_steps) / total_steps
+    lr = (base_lr - end_lr) * (1.0 - progress) ** power + end_lr
+    if warmup_steps > 0:
+        w = g - start_warmup_step
+        lr = torch.where(w < warmup_steps, base_lr * torch.clamp(w, min=0) / warmup_steps, lr)
+    return lr
+
+
 class PolyWarmupScheduler:
     """Sets ``lr_at(step)`` in every parameter group of ``optimizer``.
 
     At construction the groups get the rate of update 0; each ``step()`` (called after an
     applied update) advances the count and sets the next rate. ``state_dict()`` holds only
     the count: the hyper-parameters come from the configuration when a run resumes.
+
+    ``device`` given: the count and the rate live on that device, the rate as one 0-dim
+    float64 tensor that every group holds (``group["lr"]``, updated in place, so a captured
+    graph sees each new value), and ``step(found_inf)`` advances the count only where
+    ``found_inf`` is zero, without the host reading it. ``step_count`` and ``last_lr`` then
+    read the device (for logs and checkpoints, not inside a step).
     """
 
     def __init__(
@@ -65,6 +92,7 @@ class PolyWarmupScheduler:
         start_warmup_step: int = 0,
         power: float = 1.0,
         end_lr: float = 0.0,
+        device: torch.device | str | None = None,
     ):
         _check(math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}")
         _check(
@@ -93,8 +121,17 @@ class PolyWarmupScheduler:
         self.start_warmup_step = start_warmup_step
         self.power = float(power)
         self.end_lr = float(end_lr)
-        self.step_count = 0  # updates applied so far = the 0-based step of the next update
+        self.device = None if device is None else torch.device(device)
+        self._count = 0  # updates applied so far = the 0-based step of the next update
+        self.lr = None  # on the device: the rate of the next update, a 0-dim float64 tensor
+        if self.device is not None:
+            self._count = torch.zeros((), dtype=torch.int64, device=self.device)
+            self.lr = torch.zeros((), dtype=torch.float64, device=self.device)
         self._apply()
+
+    @property
+    def step_count(self) -> int:
+        return int(self._count)
 
     def lr_at(self, step: int) -> float:
         return lr_at(
@@ -112,12 +149,32 @@ class PolyWarmupScheduler:
         """The rate the next update will use (what the groups hold now)."""
         return self.lr_at(self.step_count)
 
-    def step(self) -> None:
-        self.step_count += 1
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """After an update; ``found_inf`` (device mode only, 0-dim, nonzero: the update was skipped)."""
+        if found_inf is None:
+            self._count = self._count + 1
+        elif self.device is None:
+            raise ValueError("PolyWarmupScheduler.step(found_inf): only a scheduler built with a device skips there")
+        else:
+            self._count = self._count + (found_inf == 0).to(torch.int64)
         self._apply()
 
     def _apply(self) -> None:
-        lr = self.lr_at(self.step_count)
+        if self.device is None:
+            lr = self.lr_at(self._count)
+        else:
+            lr = self.lr
+            lr.copy_(
+                lr_at_tensor(
+                    self._count,
+                    base_lr=self.base_lr,
+                    total_steps=self.total_steps,
+                    warmup_steps=self.warmup_steps,
+                    start_warmup_step=self.start_warmup_step,
+                    power=self.power,
+                    end_lr=self.end_lr,
+                )
+            )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -127,7 +184,8 @@ class PolyWarmupScheduler:
     def load_state_dict(self, state: dict) -> None:
         if "step_count" not in state:
             raise ValueError("scheduler state: missing key 'step_count'")
-        self.step_count = int(state["step_count"])
+        count = int(state["step_count"])
+        self._count = count if self.device is None else torch.full((), count, dtype=torch.int64, device=self.device)
         self._apply()
 
 

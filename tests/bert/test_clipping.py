@@ -178,3 +178,30 @@ def test_adagc_state_validation():
         adagc.load_state_dict({"step": 1, "names": [], "has_gamma": torch.zeros(0)})
     with pytest.raises(ValueError, match="optim.adagc.beta"):
         AdaGC([("p", params[0])], beta=1.0)
+
+
+def test_adagc_unstep_on_the_device_reads_nothing():
+    """A skipped step taken back with unstep_ leaves the warm-up where it was (the next step is
+    still a warm-up step), as today's host-side ``step -= 1``; no host read in either."""
+    from bert.device_reads import DeviceReads
+
+    params = _params()
+    adagc = AdaGC([(f"p{i}", p) for i, p in enumerate(params)], warmup_steps=2)
+    twin = AdaGC([(f"q{i}", nn.Parameter(p.detach().clone())) for i, p in enumerate(params)], warmup_steps=2)
+    g = torch.Generator().manual_seed(5)
+    stream = [[torch.randn(p.shape, generator=g) * 4 for p in params] for _ in range(5)]
+    stream[1][0][0] = float("nan")  # step 2 is skipped: step 3 is still in warm-up
+    for t, grads in enumerate(stream):
+        _set_grads(params, grads)
+        with DeviceReads(params + [adagc.gamma, adagc.has_gamma]) as reads:
+            stats = adagc.clip_(compute_global_norm=True)
+            found_inf = ~torch.isfinite(stats.global_norm)
+            adagc.unstep_(found_inf)
+        assert reads.total == 0, reads.report()
+        if t != 1:  # the twin never sees the skipped step
+            _set_grads(twin.params, grads)
+            twin.clip_()
+            for p, q in zip(params, twin.params):
+                assert torch.equal(p.grad, q.grad), t
+            assert torch.equal(adagc.gamma, twin.gamma) and torch.equal(adagc.has_gamma, twin.has_gamma)
+    assert adagc.step == twin.step == 4

@@ -237,3 +237,123 @@ def test_scheduler_drives_the_optimizer_and_resumes():
         PolyWarmupScheduler(opt, base_lr=1.0, total_steps=0)
     with pytest.raises(ValueError, match="warmup_steps"):
         PolyWarmupScheduler(opt, base_lr=1.0, total_steps=5, warmup_steps=-1)
+
+
+# ---- the device-side skip (step(found_inf=...)) -----------------------------------------
+
+
+def _optimizer(name, model, lr=0.02):
+    return build_optimizer(name, model, lr=lr, weight_decay=0.01)
+
+
+def _state(model, opt):
+    return copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()["state"]})
+
+
+def _steps(opt):
+    """The step counts as floats: LAMB's per group, AdamW's per parameter."""
+    if isinstance(opt, Lamb):
+        return [float(g.get("step", 0)) for g in opt.param_groups]
+    return [float(s["step"]) for s in opt.state.values()]
+
+
+def _equal_states(a, b):
+    flat_a, flat_b = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return len(flat_a) == len(flat_b) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(flat_a, flat_b)
+    )
+
+
+@pytest.mark.parametrize("name", ["lamb", "adamw"])
+def test_found_inf_skips_bitwise_and_reads_nothing(name):
+    """A flagged step leaves weights, moments and step counts bitwise; an unflagged one is the
+    update itself; a run with skipped steps equals one that never saw them; the host reads
+    neither the flag nor the device learning rate."""
+    from bert.device_reads import DeviceReads
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    twin = copy.deepcopy(model)
+    opt, twin_opt = _optimizer(name, model), _optimizer(name, twin)
+    sched = PolyWarmupScheduler(opt, base_lr=0.02, total_steps=20, warmup_steps=2, device="cpu")
+    twin_sched = PolyWarmupScheduler(twin_opt, base_lr=0.02, total_steps=20, warmup_steps=2, device="cpu")
+    skipped = 0
+    for step in range(6):
+        bad = step in (1, 3)
+        model.zero_grad(set_to_none=True)
+        _loss(model, step).backward()
+        if bad:  # what a non-finite step brings: NaN in one gradient, inf in another
+            model.fc.weight.grad[0, 0] = float("nan")
+            model.emb.weight.grad[1, 1] = float("inf")
+        finite = torch.stack([torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None]).all()
+        found_inf = ~finite
+        before = _state(model, opt)
+        counts = _steps(opt)
+        with DeviceReads(list(model.parameters()) + [sched.lr, found_inf]) as reads:
+            opt.step(found_inf=found_inf)
+            sched.step(found_inf)
+        assert reads.total == 0, reads.report()
+        if bad:
+            skipped += 1
+            assert _equal_states(before, _state(model, opt)), step
+            assert _steps(opt) == counts
+        else:
+            twin.zero_grad(set_to_none=True)
+            _loss(twin, step).backward()
+            twin_opt.step(found_inf=torch.tensor(False))
+            twin_sched.step(torch.tensor(False))
+            assert _equal_states(_state(twin, twin_opt), _state(model, opt)), step
+    assert sched.step_count == 6 - skipped == twin_sched.step_count
+    assert _steps(opt) == [6.0 - skipped] * len(_steps(opt))
+
+
+def test_lamb_found_inf_false_is_todays_update_bitwise():
+    torch.manual_seed(2)
+    a = TinyNet()
+    b = copy.deepcopy(a)
+    opt_a, opt_b = Lamb(param_groups_for(a, 0.01), lr=0.02), Lamb(param_groups_for(b, 0.01), lr=0.02)
+    for step in range(3):
+        for m in (a, b):
+            m.zero_grad()
+            _loss(m, step).backward()
+        opt_a.step()
+        opt_b.step(found_inf=torch.zeros((), dtype=torch.bool))
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    for sa, sb in zip(opt_a.state.values(), opt_b.state.values()):
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+
+
+def test_adamw_device_path_matches_torch():
+    """The no-read path (tensor lr, found_inf) against torch's own AdamW step."""
+    torch.manual_seed(3)
+    a = TinyNet().double()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.AdamW(param_groups_for(a, 0.1), lr=0.01, betas=(0.8, 0.99), eps=1e-8)
+    opt_b = build_optimizer("adamw", b, lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1)
+    for step in range(5):
+        for m in (a, b):
+            m.zero_grad()
+            _loss(m, step).backward()
+        opt_a.step()
+        for g in opt_b.param_groups:
+            g["lr"] = torch.tensor(0.01, dtype=torch.float64)
+        opt_b.step(found_inf=torch.tensor(0.0))
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_device_schedule_equals_host_schedule():
+    kw = dict(base_lr=4.25e-4, total_steps=30, warmup_steps=7, start_warmup_step=-2, power=2.0, end_lr=1e-6)
+    host = PolyWarmupScheduler(build_optimizer("lamb", TinyNet(), lr=1.0), **kw)
+    dev = PolyWarmupScheduler(build_optimizer("lamb", TinyNet(), lr=1.0), **kw, device="cpu")
+    for _ in range(35):
+        assert dev.lr.item() == host.optimizer.param_groups[0]["lr"]  # bitwise: same double operations
+        assert all(g["lr"] is dev.lr for g in dev.optimizer.param_groups)
+        host.step()
+        dev.step(torch.tensor(False))
+    other = PolyWarmupScheduler(build_optimizer("lamb", TinyNet(), lr=1.0), **kw, device="cpu")
+    other.load_state_dict(dev.state_dict())
+    assert other.step_count == 35 and other.lr.item() == host.last_lr
+    with pytest.raises(ValueError, match="found_inf"):
+        host.step(torch.tensor(True))
