@@ -281,9 +281,36 @@ class OptimSection:
     )
     max_grad_norm: float = opt(1.0, "global-norm clipping threshold")
     adagc: AdaGCSection = field(default_factory=AdaGCSection, metadata={"help": "AdaGC's parameters"})
+    shard: int | str = opt(
+        "none",
+        "split the optimizer state and update over a group of ranks (FSDP2, docs/sharding.md): "
+        "none (every rank updates everything, DDP), dp (all ranks), or a group size dividing the "
+        "ranks (HSDP: groups of that many ranks, replicated across groups)",
+    )
+    reduce_dtype: str = opt(
+        "fp32", "dtype gradients are reduce-scattered in (optim.shard only)", ("fp32", "bf16", "fp16")
+    )
+    impl: str = opt(
+        "auto",
+        "LAMB's implementation: auto (apex's fused kernel where importable on CUDA, else torch), "
+        "torch, or apex (FusedLAMB; with optim.shard, DistributedFusedLAMB; an error where apex "
+        "cannot run)",
+        ("auto", "torch", "apex"),
+    )
 
     def __post_init__(self):
         _check("optim", self)
+        if isinstance(self.shard, str) and self.shard not in ("none", "dp"):
+            raise ConfigError(f"optim.shard: expected none, dp or a group size, got {self.shard!r}")
+        if isinstance(self.shard, int) and self.shard < 1:
+            raise ConfigError(f"optim.shard: a group size must be >= 1, got {self.shard}")
+        if self.shard != "none" and self.name != "lamb":
+            raise ConfigError(f"optim.shard: sharding runs LAMB (optim.name=lamb), got optim.name={self.name!r}")
+        if self.shard == "none" and self.reduce_dtype != "fp32":
+            raise ConfigError(
+                f"optim.reduce_dtype: {self.reduce_dtype} applies to sharded gradients; set optim.shard "
+                "(unsharded DDP reduces in fp32)"
+            )
         _positive("optim.lr", self.lr)
         _positive("optim.eps", self.eps)
         _positive("optim.weight_decay", self.weight_decay, allow_zero=True)

@@ -1,0 +1,272 @@
+"""Sharded LAMB (``optim.shard``) against the unsharded optimizer, side by side on gloo CPU ranks.
+
+    python bench/optimizer.py [--preset base] [--ranks 4] [--step-ranks 2] [--steps 5] [--json PATH]
+
+Three measurements, each one torchrun launch of this script (``--worker``) that runs the
+unsharded and the sharded variant one after the other on the same ranks:
+
+- ``optimizer``: ``--ranks`` ranks, the preset's shapes (BERT-base by default), random
+  gradients: the median time per rank of the optimizer step (global-norm clipping + LAMB),
+  DDP-style (every rank updates every tensor) against ``ShardedLamb`` on 1/G of each tensor,
+  and the optimizer-state bytes per rank.
+- ``clipping``: the same ranks: the time of the norms' all-reduce that global clipping and
+  AdaGC need on shards (a [1] vector for the global norm, [N] per-tensor norms for AdaGC).
+- ``step``: ``--step-ranks`` ranks, the whole training step (forward, backward with the
+  gradient reduction, clipping, LAMB) of the same model on a small batch, DDP against FSDP2.
+
+It prints every ratio next to the issue's goal (optimizer step <= 0.35x, state <= 0.26x at 4
+ranks; whole step <= 1.02x at 2 ranks). Ranks share the machine's cores, so the unsharded
+variant's G copies of the update compete for them as they would for a node's memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+GOALS = {"optimizer_step": 0.35, "state_bytes": 0.26, "whole_step": 1.02}
+
+
+def _model(preset: str, vocab: int):
+    from bert.config import BertConfig
+    from bert.model import BertForPreTraining
+
+    torch.manual_seed(0)
+    config = BertConfig.preset(preset, vocab_size=vocab, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForPreTraining(config, attention="padded")
+
+
+def _engine(model, sharded: bool, lr: float = 1e-3):
+    """(optimizer, local, norms, forward) for the unsharded (DDP) or sharded (FSDP2) variant."""
+    from bert.optim import Lamb, param_groups_for
+    from bert.sharded_optim import WholeNorms, build_mesh, build_sharded_lamb, local_shard, shard_model
+    from bert.sharded_optim import shard_process_group as group_of
+
+    if not sharded:
+        forward = torch.nn.parallel.DistributedDataParallel(model) if dist.get_world_size() > 1 else model
+        return Lamb(param_groups_for(model, 0.01), lr=lr), local_shard, WholeNorms(None), forward
+    mesh = build_mesh(dist.get_world_size(), dist.get_world_size(), "cpu")
+    shard_model(model, mesh)
+    return build_sharded_lamb(model, mesh, lr=lr), local_shard, WholeNorms(group_of(mesh)), model
+
+
+def _median_ms(times: list[float]) -> float:
+    return 1000 * statistics.median(times)
+
+
+def worker_optimizer(args) -> dict:
+    from bert.clipping import clip_global_
+    from bert.sharded_optim import optimizer_state_bytes
+
+    out = {}
+    for name, sharded in (("unsharded", False), ("sharded", True)):
+        model = _model(args.preset, args.vocab)
+        optimizer, local, norms, _ = _engine(model, sharded)
+        params = list(model.parameters())
+        gen = torch.Generator().manual_seed(1)
+        times = []
+        for _ in range(args.warmup + args.steps):
+            for p in params:  # random gradients, the same on every rank (as after a reduction)
+                g = local(p)
+                grad = torch.randn(g.shape, generator=gen) * 1e-3
+                if sharded:
+                    from torch.distributed.tensor import DTensor
+
+                    p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                else:
+                    p.grad = grad
+            dist.barrier()
+            start = time.perf_counter()
+            clip_global_(params, 1.0, local=local, norms=norms)
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, (_median_ms(times[args.warmup :]), optimizer_state_bytes(optimizer)))
+        out[name] = {"step_ms": [t for t, _ in per_rank], "state_bytes": [b for _, b in per_rank]}
+        del model, optimizer, params
+    return out
+
+
+def worker_clipping(args) -> dict:
+    n = sum(1 for _ in _model(args.preset, args.vocab).parameters())
+    out = {"tensors": n}
+    for name, size in (("global_norm", 1), ("adagc_norms", n), ("lamb_trust_norms", 2 * n)):
+        buf = torch.ones(size)
+        times = []
+        for _ in range(args.warmup + 20 * args.steps):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buf)
+            times.append(time.perf_counter() - start)
+        medians = [None] * dist.get_world_size()
+        dist.all_gather_object(medians, _median_ms(times[args.warmup :]))
+        out[name] = {"bytes": 4 * size, "all_reduce_ms": max(medians)}
+    return out
+
+
+def worker_step(args) -> dict:
+    from bert.clipping import clip_global_
+    from bert.losses import pretraining_loss
+    from data.collate import make_collator
+    from data.synthetic import random_block
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    collate = make_collator("torch", "unpadded", args.seq)
+    out = {}
+    for name, sharded in (("unsharded", False), ("sharded", True)):
+        model = _model(args.preset, args.vocab)
+        optimizer, local, norms, forward = _engine(model, sharded)
+        params = list(model.parameters())
+        times = []
+        for step in range(args.warmup + args.steps):
+            block = random_block(args.batch * world, seed=step, max_seq_length=args.seq, vocab_size=args.vocab)
+            mine = collate(block.select(np.arange(rank * args.batch, (rank + 1) * args.batch)))
+            dist.barrier()
+            start = time.perf_counter()
+            out_ = forward(mine)
+            loss, _ = pretraining_loss(
+                out_.mlm_logits,
+                mine.mlm_labels,
+                out_.nsp_logits,
+                mine.nsp_labels,
+                int(block.masked_counts.sum()),
+                len(block),
+            )
+            (loss * world).backward()
+            clip_global_(params, 1.0, local=local, norms=norms)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        medians = [None] * world
+        dist.all_gather_object(medians, _median_ms(times[args.warmup :]))
+        out[name] = {"step_ms": medians}
+        del model, optimizer, params, forward
+    return out
+
+
+def _launch(part: str, ranks: int, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{part}.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone"]
+        cmd += [os.path.abspath(__file__), "--worker", part, "--out", path, "--preset", args.preset]
+        cmd += ["--vocab", str(args.vocab), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        cmd += ["--seq", str(args.seq), "--batch", str(args.batch)]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(args.threads),
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        }
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+            print(f"error: bench/optimizer.py: the {part} measurement on {ranks} ranks failed:\n" + "\n".join(tail))
+            sys.exit(1)
+        with open(path) as f:
+            return json.load(f)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="base", help="model shapes (bert.config presets)")
+    ap.add_argument("--vocab", type=int, default=30522)
+    ap.add_argument("--ranks", type=int, default=4, help="ranks of the optimizer and clipping measurements")
+    ap.add_argument("--step-ranks", type=int, default=2, help="ranks of the whole-step measurement")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=128, help="longest sequence of the whole-step batch")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per rank of the whole-step batch")
+    ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for name in ("ranks", "step_ranks", "steps", "seq", "batch", "threads", "vocab"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+            return 2
+
+    if args.worker:
+        torch.set_num_threads(args.threads)
+        dist.init_process_group("gloo")
+        result = {"optimizer": worker_optimizer, "clipping": worker_clipping, "step": worker_step}[args.worker](args)
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+
+    opt = _launch("optimizer", args.ranks, args)
+    clip = _launch("clipping", args.ranks, args)
+    step = _launch("step", args.step_ranks, args)
+    r_step = statistics.median(opt["sharded"]["step_ms"]) / statistics.median(opt["unsharded"]["step_ms"])
+    r_state = max(opt["sharded"]["state_bytes"]) / max(opt["unsharded"]["state_bytes"])
+    r_whole = statistics.median(step["sharded"]["step_ms"]) / statistics.median(step["unsharded"]["step_ms"])
+    rows = [
+        (
+            f"optimizer step per rank, {args.ranks} ranks",
+            opt["unsharded"]["step_ms"],
+            opt["sharded"]["step_ms"],
+            r_step,
+            "optimizer_step",
+        ),
+        (
+            f"optimizer state per rank (MB), {args.ranks} ranks",
+            [b / 1e6 for b in opt["unsharded"]["state_bytes"]],
+            [b / 1e6 for b in opt["sharded"]["state_bytes"]],
+            r_state,
+            "state_bytes",
+        ),
+        (
+            f"whole step, {args.step_ranks} ranks",
+            step["unsharded"]["step_ms"],
+            step["sharded"]["step_ms"],
+            r_whole,
+            "whole_step",
+        ),
+    ]
+    print(
+        f"sharded LAMB vs unsharded, {args.preset} shapes (vocab {args.vocab}), gloo CPU ranks, {args.threads} thread(s) each"
+    )
+    print(f"{'measure':44s} {'unsharded':>12s} {'sharded':>12s} {'ratio':>7s} {'goal':>7s}")
+    for label, a, b, ratio, goal in rows:
+        ok = "met" if ratio <= GOALS[goal] else "MISSED"
+        print(
+            f"{label:44s} {statistics.median(a):12.1f} {statistics.median(b):12.1f} {ratio:7.3f} {'<=' + str(GOALS[goal]):>7s} {ok}"
+        )
+    print(f"norm all-reduces on the shards, {args.ranks} ranks ({clip['tensors']} tensors):")
+    for name in ("global_norm", "adagc_norms", "lamb_trust_norms"):
+        c = clip[name]
+        print(f"  {name:18s} {c['bytes']:7d} bytes  {c['all_reduce_ms']:.3f} ms")
+    result = {
+        "args": vars(args),
+        "optimizer": opt,
+        "clipping": clip,
+        "step": step,
+        "ratios": {"optimizer_step": r_step, "state_bytes": r_state, "whole_step": r_whole},
+        "goals": GOALS,
+    }
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
