@@ -239,15 +239,13 @@ def main(argv=None) -> int:
             "whole_step",
         ),
     ]
-    print(
-        f"sharded LAMB vs unsharded, {args.preset} shapes (vocab {args.vocab}), gloo CPU ranks, {args.threads} thread(s) each"
-    )
+    shapes = f"{args.preset} shapes (vocab {args.vocab})"
+    print(f"sharded LAMB vs unsharded, {shapes}, gloo CPU ranks, {args.threads} thread(s) each")
     print(f"{'measure':44s} {'unsharded':>12s} {'sharded':>12s} {'ratio':>7s} {'goal':>7s}")
     for label, a, b, ratio, goal in rows:
         ok = "met" if ratio <= GOALS[goal] else "MISSED"
-        print(
-            f"{label:44s} {statistics.median(a):12.1f} {statistics.median(b):12.1f} {ratio:7.3f} {'<=' + str(GOALS[goal]):>7s} {ok}"
-        )
+        goal_text = f"<={GOALS[goal]}"
+        print(f"{label:44s} {statistics.median(a):12.1f} {statistics.median(b):12.1f} {ratio:7.3f} {goal_text:>7s} {ok}")
     print(f"norm all-reduces on the shards, {args.ranks} ranks ({clip['tensors']} tensors):")
     for name in ("global_norm", "adagc_norms", "lamb_trust_norms"):
         c = clip[name]
