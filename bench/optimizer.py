@@ -245,7 +245,8 @@ def main(argv=None) -> int:
     for label, a, b, ratio, goal in rows:
         ok = "met" if ratio <= GOALS[goal] else "MISSED"
         goal_text = f"<={GOALS[goal]}"
-        print(f"{label:44s} {statistics.median(a):12.1f} {statistics.median(b):12.1f} {ratio:7.3f} {goal_text:>7s} {ok}")
+        a, b = statistics.median(a), statistics.median(b)
+        print(f"{label:44s} {a:12.1f} {b:12.1f} {ratio:7.3f} {goal_text:>7s} {ok}")
     print(f"norm all-reduces on the shards, {args.ranks} ranks ({clip['tensors']} tensors):")
     for name in ("global_norm", "adagc_norms", "lamb_trust_norms"):
         c = clip[name]
