@@ -38,6 +38,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -254,7 +255,10 @@ def load_tensors(path: str, tensors: dict[str, Tensor]) -> None:
     default group calls it (or a single process without one)."""
     read_metadata(path)  # refused here, with its own message, rather than inside DCP's wrapping
     try:
-        dcp.load(tensors, storage_reader=_SafeReader(path), planner=DefaultLoadPlanner())
+        with warnings.catch_warnings():
+            # Without a process group (bert.export) DCP warns that it reads in one process: it does.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, storage_reader=_SafeReader(path), planner=DefaultLoadPlanner())
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure in one exception

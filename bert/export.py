@@ -1,8 +1,9 @@
 """A run's checkpoint -> a transformers directory: ``python -m bert.export RUN_DIR --output HF_DIR``.
 
 The hand-off from pretraining to fine-tuning. Reads the newest checkpoint of
-``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint NAME``: a file name there such as
-``step_00001500.pt``, a step number, or a path), rebuilds the model from the config stored in
+``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint NAME``: a name there such as
+``step_00001500.pt`` or, from a sharded run, the directory ``step_00001500``, a step number,
+or a path; a sharded checkpoint's shards are read into whole tensors), rebuilds the model from the config stored in
 it, and writes:
 
     config.json, model.safetensors        bert.checkpoint.export_hf (BertForPreTraining names)
@@ -41,20 +42,21 @@ class ExportError(RuntimeError):
 
 
 def find_checkpoint(run_dir: str, name: str | None) -> str:
-    """The checkpoint file to export: ``name`` (file name, step number or path) or the newest."""
-    from bert import train_checkpoint
+    """The checkpoint to export: ``name`` (file or directory name, step number or path) or the newest."""
+    from bert import distributed_checkpoint, train_checkpoint
 
     directory = os.path.join(run_dir, "checkpoints")
     if name is None:
         found = train_checkpoint.list_checkpoints(directory) if os.path.isdir(directory) else []
         if not found:
-            raise ExportError(f"{run_dir}: no checkpoints/step_*.pt (train with checkpoint.interval_steps > 0)")
+            raise ExportError(f"{run_dir}: no checkpoints/step_* (train with checkpoint.interval_steps > 0)")
         return found[-1][1]
     candidates = [name, os.path.join(directory, name)]
     if name.isdigit():
         candidates.append(train_checkpoint.checkpoint_path(directory, int(name)))
+        candidates.append(distributed_checkpoint.checkpoint_dir(directory, int(name)))
     for path in candidates:
-        if os.path.isfile(path):
+        if os.path.isfile(path) or os.path.isfile(os.path.join(path, distributed_checkpoint.MANIFEST)):
             return path
     raise ExportError(f"--checkpoint: {name!r} is neither a file nor a step in {directory}")
 
@@ -93,7 +95,14 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
         raise ExportError(f"the run's data.vocab_file {vocab!r} is not a file here: give --vocab PATH")
     model = BertForPreTraining(model_config)
     try:
-        model.load_state_dict(state["model"])
+        if "sharded" in state:  # a directory of shards (optim.shard): gathered into whole tensors here
+            from bert.distributed_checkpoint import load_tensors
+
+            load_tensors(state["sharded"], {f"model/{k}": v for k, v in model.state_dict().items()})
+        else:
+            model.load_state_dict(state["model"])
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
     except RuntimeError as e:
         raise ExportError(
             f"{path}: the weights do not fit the model its config describes ({str(e).splitlines()[0]})"
@@ -148,7 +157,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bert.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", metavar="RUN_DIR", help="a training run's --output-dir")
     ap.add_argument("--output", required=True, metavar="HF_DIR", help="the transformers directory to write")
-    ap.add_argument("--checkpoint", metavar="NAME", help="step_XXXXXXXX.pt, a step number or a path (default: newest)")
+    ap.add_argument(
+        "--checkpoint",
+        metavar="NAME",
+        help="step_XXXXXXXX.pt or step_XXXXXXXX, a step number, or a path (default: newest)",
+    )
     ap.add_argument("--vocab", help="vocab.txt (default: the run's data.vocab_file)")
     args = ap.parse_args(argv)
     try:
