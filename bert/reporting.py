@@ -41,6 +41,7 @@ def log_hyperparameters(mllog: MLPerfLogger, cfg: RunConfig, seed: int, micro_ba
         gradient_accumulation_steps=t.grad_accum_steps,
         max_sequence_length=cfg.data.max_seq_length,
         max_predictions_per_seq=cfg.data.max_predictions_per_seq,
+        optimizer=o.name,
         learning_rate=o.lr,
         betas=o.betas,
         epsilon=o.eps,

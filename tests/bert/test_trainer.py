@@ -96,6 +96,14 @@ def test_flat_host_memory_fixes_the_mmap_threshold_only_when_asked(dataset, tmp_
     assert calls == ([1] if flat else [])
 
 
+def test_the_mlperf_log_names_the_optimizer_that_runs(dataset, tmp_path):
+    run_in_process(dataset, tmp_path, "train.max_steps=1", "optim.name=adamw", "eval.max_samples=8")
+    lines = [json.loads(line.split(" ", 1)[1]) for line in open(tmp_path / "mlperf.log")]
+    logged = {e["key"]: e["value"] for e in lines}
+    assert logged["opt_name"] == "adamw" and logged["opt_adamw_weight_decay"] == 0.01
+    assert not [k for k in logged if k.startswith("opt_lamb_")]
+
+
 def test_eval_at_start_scores_the_initial_weights_and_changes_nothing(dataset, tmp_path):
     run_in_process(dataset, tmp_path / "plain", "train.max_steps=2")
     run_in_process(dataset, tmp_path / "at_start", "train.max_steps=2", "eval.at_start=true")
