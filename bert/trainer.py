@@ -162,7 +162,8 @@ class Trainer:
         """Forward and backward over this rank's micro-batches of one global batch."""
         torch.manual_seed(step_seed(self.state.seed, self.state.step, self.rank))
         # One all-reduce gives the global counts the losses are normalised by, and lets any
-        # rank's stop request (SIGTERM) reach all ranks at the same step.
+        # rank's stop request (SIGTERM) reach all ranks at the same step. Reading them back
+        # (Python numbers) is the step's first host sync.
         b, scope, anchors = block, self.cfg.loss.simreg_scope, 0
         if self.cfg.loss.simreg_weight > 0:
             anchors = simreg_anchor_count(
@@ -227,14 +228,12 @@ class Trainer:
             norm = clip_global_(params, self.cfg.optim.max_grad_norm)
         else:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
-        # The one host sync of the step: the update must not run on non-finite gradients.
+        # A host sync (the step's second, after train_step's counts; fp16's scaler.step reads
+        # the device once more): the update must not run on non-finite gradients.
         grad_norm = float(norm)
         applied = math.isfinite(grad_norm)
         if applied:
-            if self.scaler:
-                self.scaler.step(self.optimizer)
-            else:
-                self.optimizer.step()
+            self.scaler.step(self.optimizer) if self.scaler else self.optimizer.step()
             self.schedule.step()
             self.state.nonfinite_in_row = 0
         else:
