@@ -36,6 +36,7 @@ from bert.sharded_optim import (  # noqa: E402
     shard_model,
     shard_process_group,
 )
+from bert.train_config import AdaGCSection  # noqa: E402
 from data.collate import make_collator  # noqa: E402
 from data.synthetic import random_block  # noqa: E402
 
@@ -82,7 +83,7 @@ def run(shard: str, clip: str, grad_accum: int, steps: int, preset: str) -> dict
         local, norms = local_shard, WholeNorms(shard_process_group(mesh))
     adagc = None
     if clip == "adagc":
-        adagc = AdaGC(model.named_parameters(), warmup_steps=2, lambda_rel=1.0, local=local, norms=norms)
+        adagc = AdaGC(model.named_parameters(), AdaGCSection(warmup_steps=2, lambda_rel=1.0), local=local, norms=norms)
     collate = make_collator("torch", "unpadded", SEQ)
     params = [p for p in model.parameters()]
     losses, grad_norms = [], []
