@@ -17,6 +17,8 @@
 #   flashmask        bench/flashmask.py: FlashMask vs flex_attention and dense SDPA on packed
 #                    rows                                                  -> flashmask.json
 #   fused_ops        bench/fused_ops.py: bias+GELU, bias+dropout+residual+LayerNorm vs eager -> fused_ops.json
+#   optimizer        bench/optimizer.py on one GPU: optim.shard at group size 1 against unsharded
+#                    (LAMB step and whole BERT-large step), the per-tensor update time -> optimizer.json
 #   train_step       bench/train_step.py, 30 steps: BERT-large seq/s and MFU, unpadded +
 #                    triton_grouped + fused, padded, packed (FlashMask), others -> train_step.json
 # and summary.json with every stage's exit status and seconds. Installs nothing and needs no
@@ -149,8 +151,14 @@ run_stage flashmask 45 "$PYTHON" bench/flashmask.py --json "$OUT/flashmask.json"
 # --- fused elementwise ops vs eager ----------------------------------------------------------
 run_stage fused_ops 20 "$PYTHON" bench/fused_ops.py --json "$OUT/fused_ops.json"
 
+# --- sharded LAMB at group size 1 against unsharded (one GPU) ------------------------------
+OPTIMIZER_ARGS=(--device cuda --ranks 1 --step-ranks 1 --preset large --precision bf16 --seq 512 --batch 16)
+if [ "$TRITON_INTERPRET" = 1 ]; then OPTIMIZER_ARGS=(--ranks 1 --step-ranks 1 --preset tiny --vocab 96 --seq 32); fi
+run_stage optimizer 30 "$PYTHON" bench/optimizer.py "${OPTIMIZER_ARGS[@]}" --parts optimizer,step --steps 3 \
+    --json "$OUT/optimizer.json"
+
 # --- BERT-large training steps ---------------------------------------------------------------
-run_stage train_step 140 "$PYTHON" bench/train_step.py --steps 30 --json "$OUT/train_step.json" \
+run_stage train_step 110 "$PYTHON" bench/train_step.py --steps 30 --json "$OUT/train_step.json" \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
 # --- summary ---------------------------------------------------------------------------------

@@ -1,6 +1,11 @@
-"""Sharded LAMB (``optim.shard``) against the unsharded optimizer, side by side on gloo CPU ranks.
+"""Sharded LAMB (``optim.shard``) against the unsharded optimizer, side by side on the same ranks.
 
     python bench/optimizer.py [--preset base] [--ranks 4] [--step-ranks 2] [--steps 5] [--json PATH]
+    python bench/optimizer.py --device cuda --ranks 1 --step-ranks 1 --preset large --precision bf16
+
+The first form runs gloo CPU ranks (the issue's CPU goals); the second one GPU, NCCL, the
+sharded path at group size 1 against the unsharded one (bench/gpu_check.sh's ``optimizer``
+stage), and its per-tensor update time feeds the estimate in docs/sharding.md.
 
 Three measurements, each one torchrun launch of this script (``--worker``) that runs the
 unsharded and the sharded variant one after the other on the same ranks:
@@ -22,6 +27,7 @@ variant's G copies of the update compete for them as they would for a node's mem
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,6 +45,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 GOALS = {"optimizer_step": 0.35, "state_bytes": 0.26, "whole_step": 1.02}
+DEVICE, PRECISION = "cpu", "fp32"  # --device, --precision (set in main, for the workers)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available() and DEVICE == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _sync() -> None:
+    if _device().type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _model(preset: str, vocab: int):
@@ -47,21 +65,25 @@ def _model(preset: str, vocab: int):
 
     torch.manual_seed(0)
     config = BertConfig.preset(preset, vocab_size=vocab, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return BertForPreTraining(config, attention="padded")
+    return BertForPreTraining(config, attention="padded").to(_device())
 
 
-def _engine(model, sharded: bool, lr: float = 1e-3):
-    """(optimizer, local, norms, forward) for the unsharded (DDP) or sharded (FSDP2) variant."""
-    from bert.optim import Lamb, param_groups_for
-    from bert.sharded_optim import WholeNorms, build_mesh, build_sharded_lamb, local_shard, shard_model
-    from bert.sharded_optim import shard_process_group as group_of
+def _engine(model, sharded: bool):
+    """(optimizer, local, norms, forward) for the unsharded (DDP) or sharded (FSDP2, one group) variant."""
+    from bert.optim import build_optimizer
+    from bert.sharded_optim import WholeNorms, apply_sharding, build_sharded_lamb, local_shard
+    from bert.train_config import OptimSection
 
-    if not sharded:
-        forward = torch.nn.parallel.DistributedDataParallel(model) if dist.get_world_size() > 1 else model
-        return Lamb(param_groups_for(model, 0.01), lr=lr), local_shard, WholeNorms(None), forward
-    mesh = build_mesh(dist.get_world_size(), dist.get_world_size(), "cpu")
-    shard_model(model, mesh)
-    return build_sharded_lamb(model, mesh, lr=lr), local_shard, WholeNorms(group_of(mesh)), model
+    optim = OptimSection(lr=1e-3, shard="dp" if sharded else "none")
+    device = _device()
+    sharding = apply_sharding(model, optim, PRECISION, dist.get_world_size(), device.type)
+    if sharding is None:
+        ids = [device.index] if device.type == "cuda" else None
+        forward = (
+            torch.nn.parallel.DistributedDataParallel(model, device_ids=ids) if dist.get_world_size() > 1 else model
+        )
+        return build_optimizer(optim, model, impl="torch"), local_shard, WholeNorms(None), forward
+    return build_sharded_lamb(optim, model, sharding), sharding.local, sharding.norms, model
 
 
 def _median_ms(times: list[float]) -> float:
@@ -82,21 +104,24 @@ def worker_optimizer(args) -> dict:
         for _ in range(args.warmup + args.steps):
             for p in params:  # random gradients, the same on every rank (as after a reduction)
                 g = local(p)
-                grad = torch.randn(g.shape, generator=gen) * 1e-3
+                grad = (torch.randn(g.shape, generator=gen) * 1e-3).to(g.device)
                 if sharded:
                     from torch.distributed.tensor import DTensor
 
                     p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                 else:
                     p.grad = grad
+            _sync()
             dist.barrier()
             start = time.perf_counter()
             clip_global_(params, 1.0, local=local, norms=norms)
             optimizer.step()
+            _sync()
             times.append(time.perf_counter() - start)
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, (_median_ms(times[args.warmup :]), optimizer_state_bytes(optimizer)))
         out[name] = {"step_ms": [t for t, _ in per_rank], "state_bytes": [b for _, b in per_rank]}
+        out["tensors"] = len(params)
         del model, optimizer, params
     return out
 
@@ -105,12 +130,13 @@ def worker_clipping(args) -> dict:
     n = sum(1 for _ in _model(args.preset, args.vocab).parameters())
     out = {"tensors": n}
     for name, size in (("global_norm", 1), ("adagc_norms", n), ("lamb_trust_norms", 2 * n)):
-        buf = torch.ones(size)
+        buf = torch.ones(size, device=_device())
         times = []
         for _ in range(args.warmup + 20 * args.steps):
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(buf)
+            _sync()
             times.append(time.perf_counter() - start)
         medians = [None] * dist.get_world_size()
         dist.all_gather_object(medians, _median_ms(times[args.warmup :]))
@@ -126,6 +152,8 @@ def worker_step(args) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     collate = make_collator("torch", "unpadded", args.seq)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(PRECISION)
+    autocast = torch.autocast(_device().type, dtype=dtype) if dtype else contextlib.nullcontext()
     out = {}
     for name, sharded in (("unsharded", False), ("sharded", True)):
         model = _model(args.preset, args.vocab)
@@ -134,10 +162,12 @@ def worker_step(args) -> dict:
         times = []
         for step in range(args.warmup + args.steps):
             block = random_block(args.batch * world, seed=step, max_seq_length=args.seq, vocab_size=args.vocab)
-            mine = collate(block.select(np.arange(rank * args.batch, (rank + 1) * args.batch)))
+            mine = collate(block.select(np.arange(rank * args.batch, (rank + 1) * args.batch))).to(_device())
+            _sync()
             dist.barrier()
             start = time.perf_counter()
-            out_ = forward(mine)
+            with autocast:
+                out_ = forward(mine)
             loss, _ = pretraining_loss(
                 out_.mlm_logits,
                 mine.mlm_labels,
@@ -150,6 +180,7 @@ def worker_step(args) -> dict:
             clip_global_(params, 1.0, local=local, norms=norms)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            _sync()
             times.append(time.perf_counter() - start)
         medians = [None] * world
         dist.all_gather_object(medians, _median_ms(times[args.warmup :]))
@@ -164,7 +195,8 @@ def _launch(part: str, ranks: int, args) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone"]
         cmd += [os.path.abspath(__file__), "--worker", part, "--out", path, "--preset", args.preset]
         cmd += ["--vocab", str(args.vocab), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        cmd += ["--seq", str(args.seq), "--batch", str(args.batch)]
+        cmd += ["--seq", str(args.seq), "--batch", str(args.batch), "--device", args.device]
+        cmd += ["--precision", args.precision, "--parts", args.parts]
         env = {
             **os.environ,
             "OMP_NUM_THREADS": str(args.threads),
@@ -190,6 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128, help="longest sequence of the whole-step batch")
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank of the whole-step batch")
     ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU per rank, NCCL")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="compute dtype of the whole step")
+    ap.add_argument("--parts", default="optimizer,clipping,step", help="measurements to run (comma-separated)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -199,9 +234,14 @@ def main(argv=None) -> int:
             print(f"error: --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
             return 2
 
+    global DEVICE, PRECISION
+    DEVICE, PRECISION = args.device, args.precision
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: CUDA is not available here")
+        return 2
     if args.worker:
         torch.set_num_threads(args.threads)
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         result = {"optimizer": worker_optimizer, "clipping": worker_clipping, "step": worker_step}[args.worker](args)
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:
@@ -210,8 +250,12 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         return 0
 
+    parts = args.parts.split(",")
+    if set(parts) - {"optimizer", "clipping", "step"} or "optimizer" not in parts or "step" not in parts:
+        print(f"error: --parts: optimizer and step, and optionally clipping; got {args.parts!r}")
+        return 2
     opt = _launch("optimizer", args.ranks, args)
-    clip = _launch("clipping", args.ranks, args)
+    clip = _launch("clipping", args.ranks, args) if "clipping" in parts else None
     step = _launch("step", args.step_ranks, args)
     r_step = statistics.median(opt["sharded"]["step_ms"]) / statistics.median(opt["unsharded"]["step_ms"])
     r_state = max(opt["sharded"]["state_bytes"]) / max(opt["unsharded"]["state_bytes"])
@@ -247,8 +291,11 @@ def main(argv=None) -> int:
         goal_text = f"<={GOALS[goal]}"
         a, b = statistics.median(a), statistics.median(b)
         print(f"{label:44s} {a:12.1f} {b:12.1f} {ratio:7.3f} {goal_text:>7s} {ok}")
-    print(f"norm all-reduces on the shards, {args.ranks} ranks ({clip['tensors']} tensors):")
-    for name in ("global_norm", "adagc_norms", "lamb_trust_norms"):
+    per_tensor = statistics.median(opt["unsharded"]["step_ms"]) / opt["tensors"]
+    print(f"unsharded update time per tensor (mean over {opt['tensors']} tensors): {1000 * per_tensor:.1f} us")
+    if clip:
+        print(f"norm all-reduces on the shards, {args.ranks} ranks ({clip['tensors']} tensors):")
+    for name in ("global_norm", "adagc_norms", "lamb_trust_norms") if clip else ():
         c = clip[name]
         print(f"  {name:18s} {c['bytes']:7d} bytes  {c['all_reduce_ms']:.3f} ms")
     result = {

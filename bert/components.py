@@ -20,6 +20,8 @@ from bert.config import BertConfig
 from bert.metrics import MetricsWriter
 from bert.mlperf_log import MLPerfLogger
 from bert.model import BertForPreTraining
+from bert.optim import build_optimizer
+from bert.sharded_optim import Sharding, build_sharded_lamb, local_shard
 from bert.train_config import (
     CLOSED_EVAL_SAMPLES,
     ConfigError,
@@ -97,7 +99,10 @@ def inject_debug_faults(debug: DebugSection, model: torch.nn.Module, step: int) 
             if p.grad is not None and (not debug.spike_params or any(s in name for s in debug.spike_params)):
                 p.grad.mul_(debug.spike_factor)
     if step in debug.nonfinite_steps:
-        next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float(debug.nonfinite_value)
+        # Sharded: the rank holding the first element of the first gradient writes it.
+        grad = local_shard(next(p for p in model.parameters() if p.grad is not None).grad)
+        if grad.numel():
+            grad.view(-1)[0] = float(debug.nonfinite_value)
 
 
 def build_collator(data: DataSection, device: torch.device, max_batch_size: int):
@@ -109,11 +114,14 @@ def build_collator(data: DataSection, device: torch.device, max_batch_size: int)
     return make_collator(data.backend, data.layout, data.max_seq_length, device_id, max_batch_size=max_batch_size)
 
 
-def wrap_model(model: torch.nn.Module, section: ModelSection, device: torch.device, coll: Collectives):
+def wrap_model(
+    model: torch.nn.Module, section: ModelSection, device: torch.device, coll: Collectives, sharded: bool = False
+):
     """(DDP wrapper or None, the module the steps call): DDP when there are several ranks
-    (its parameter broadcast guarded), then torch.compile when model.compile is on."""
+    (its parameter broadcast guarded) and the model is not sharded (``apply_sharding`` made it
+    FSDP2's, which reduces the gradients itself), then torch.compile when model.compile is on."""
     ddp = None
-    if coll.world_size > 1:
+    if coll.world_size > 1 and not sharded:
         with coll.guard("the DDP setup (parameter broadcast)", -1):
             ddp = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None
@@ -128,10 +136,31 @@ def count_nodes(dist_info, coll: Collectives, device: torch.device) -> int:
     return max(1, int(coll.all_reduce(first, "the node count", 0)))
 
 
-def build_adagc(optim: OptimSection, model: torch.nn.Module) -> AdaGC | None:
+def build_adagc(optim: OptimSection, model: torch.nn.Module, sharding: Sharding | None = None) -> AdaGC | None:
     """AdaGC when optim.clip is adagc; None for global-norm clipping and none (the trainer's
-    optimizer_step clips by norm itself, clip_global_ being stateless)."""
-    return AdaGC(model.named_parameters(), optim.adagc) if optim.clip == "adagc" else None
+    optimizer_step clips by norm itself, clip_global_ being stateless). Sharded: its
+    thresholds are kept per tensor on every rank, its norms are the whole tensors'."""
+    if optim.clip != "adagc":
+        return None
+    view = {"local": sharding.local, "norms": sharding.norms} if sharding else {}
+    return AdaGC(model.named_parameters(), optim.adagc, **view)
+
+
+def build_lamb_or_adamw(optim: OptimSection, model: torch.nn.Module, sharding: Sharding | None):
+    """optim.name's optimizer (bert.optim.build_optimizer), or LAMB on the shards when sharded."""
+    return build_sharded_lamb(optim, model, sharding) if sharding else build_optimizer(optim, model)
+
+
+def build_grad_scaler(train: TrainSection, sharding: Sharding | None):
+    """fp16's loss scaler (None otherwise). Sharded, each rank sees only its shards' overflow:
+    FSDP's ShardedGradScaler all-reduces the overflow flag, so every rank skips and rescales alike."""
+    if train.precision != "fp16":
+        return None
+    if sharding is None:
+        return torch.amp.GradScaler("cuda")
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler("cuda")
 
 
 def build_rebalancer(data: DataSection, local_batch: int, timeout_s: float):

@@ -43,6 +43,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -104,7 +105,9 @@ def save(directory: str, step: int, tensors: dict[str, Tensor], state: dict, is_
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         dcp.save(tensors, storage_writer=_Writer(tmp, sync_files=True))
-    except Exception as e:  # DCP gathers every rank's write errors into one CheckpointException
+    except (CheckpointException, OSError) as e:
+        # DCP gathers every rank's write errors into one CheckpointException, raised on every
+        # rank; a peer that died is a communication failure instead, left to the caller's guard.
         raise CheckpointWriteError(f"{final}: cannot write the checkpoint's shards ({_first_line(e)})") from None
     if not is_main:
         return final
@@ -285,7 +288,11 @@ def training_tensors(model: torch.nn.Module, optimizer) -> dict[str, Tensor]:
 
 def optimizer_groups(optimizer) -> list[dict]:
     """The optimizer's hyperparameters and step counts per group (plain data, for ``state.pt``)."""
-    return [{k: v for k, v in g.items() if k != "params"} | {"size": len(g["params"])} for g in optimizer.param_groups]
+    return [
+        {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in g.items() if k != "params"}
+        | {"size": len(g["params"])}
+        for g in optimizer.param_groups
+    ]
 
 
 def load_optimizer_groups(optimizer, groups: list[dict]) -> None:

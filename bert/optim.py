@@ -284,16 +284,17 @@ def apex_lamb_available() -> bool:
     return True
 
 
-def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -> torch.optim.Optimizer:
+def build_optimizer(optim: OptimSection, model: nn.Module, impl: str | None = None) -> torch.optim.Optimizer:
     """``optim.name``: ``lamb`` or ``adamw``, with ``optim``'s lr, betas, eps and weight decay;
     groups from ``param_groups_for(model, optim.weight_decay)``.
 
-    ``impl`` (LAMB only): ``auto`` = apex's FusedLAMB when ``apex_lamb_available()`` and the
+    ``impl`` (LAMB only; default ``optim.impl``): ``auto`` = apex's FusedLAMB when ``apex_lamb_available()`` and the
     parameters are on CUDA, else ``Lamb``; ``apex`` = FusedLAMB or an error saying why not;
     ``torch`` = ``Lamb``. FusedLAMB's own global-norm clipping is switched off
     (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.clipping``.
     """
     name, lr, betas, eps = optim.name, optim.lr, tuple(optim.betas), optim.eps
+    impl = optim.impl if impl is None else impl
     groups = param_groups_for(model, optim.weight_decay)
     if not groups:
         raise ValueError("model: has no trainable parameters")

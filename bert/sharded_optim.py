@@ -31,6 +31,8 @@ few kilobytes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -38,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from bert.optim import Lamb, param_groups_for
+from bert.train_config import ConfigError, OptimSection
 
 SHARD, REPLICATE = "shard", "replicate"  # the mesh's dimension names
 
@@ -45,15 +48,15 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shard_group_size(shard: str | int, world: int) -> int | None:
-    """``optim.shard`` -> ranks per shard group (None: not sharded); ValueError naming the field."""
+    """``optim.shard`` -> ranks per shard group (None: not sharded); ConfigError naming the field."""
     if shard == "none":
         return None
     if shard == "dp":
         return world
     if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
-        raise ValueError(f"optim.shard: expected none, dp or a group size >= 1, got {shard!r}")
+        raise ConfigError(f"optim.shard: expected none, dp or a group size >= 1, got {shard!r}")
     if world % shard:
-        raise ValueError(f"optim.shard: a group of {shard} ranks does not divide the {world} ranks")
+        raise ConfigError(f"optim.shard: a group of {shard} ranks does not divide the {world} ranks")
     return shard
 
 
@@ -85,6 +88,18 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: str = "fp32",
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP2 unit of ``model`` back into its sharded parameters. A forward without
+    backward (evaluation) leaves them gathered (``reshard_after_forward=False``), and while
+    gathered the module's registered parameters are the whole tensors, not the DTensors the
+    optimizer holds: call this before naming parameters (checkpoints) and after evaluation."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def local_shard(t: Tensor) -> Tensor:
@@ -145,19 +160,46 @@ def shard_process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mesh[SHARD].get_group() if mesh.mesh_dim_names != (SHARD,) else mesh.get_group()
 
 
-def build_sharded_lamb(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-6,
-    weight_decay: float = 0.01,
-) -> ShardedLamb:
-    """``ShardedLamb`` over ``model`` (already ``shard_model``-ed), grouped as ``build_optimizer`` groups."""
-    groups = param_groups_for(model, weight_decay)
+@dataclass
+class Sharding:
+    """How the run is sharded (``apply_sharding``): the mesh, the ranks per shard group, and
+    what the clippers need to see gradients as whole tensors (``bert.clipping``'s ``local``
+    and ``norms`` arguments)."""
+
+    mesh: DeviceMesh
+    group_size: int
+    norms: WholeNorms
+
+    @staticmethod
+    def local(t: Tensor) -> Tensor:
+        return local_shard(t)
+
+
+def apply_sharding(
+    model: nn.Module, optim: OptimSection, precision: str, world: int, device_type: str
+) -> Sharding | None:
+    """``optim.shard`` applied to ``model`` in place (FSDP2 on the mesh it asks for); None for
+    ``none``. ``precision`` (``train.precision``) is the dtype of the gathered compute weights."""
+    group = shard_group_size(optim.shard, world)
+    if group is None:
+        return None
+    if optim.impl == "apex":
+        raise ConfigError(
+            "optim.impl: apex with optim.shard asks for apex's DistributedFusedLAMB, which this "
+            "trainer does not drive; use optim.impl=torch (FSDP2 + ShardedLamb) or optim.shard=none"
+        )
+    mesh = build_mesh(world, group, device_type)
+    shard_model(model, mesh, precision, optim.reduce_dtype)
+    return Sharding(mesh, group, WholeNorms(shard_process_group(mesh)))
+
+
+def build_sharded_lamb(optim: OptimSection, model: nn.Module, sharding: Sharding) -> ShardedLamb:
+    """``ShardedLamb`` with ``optim``'s hyperparameters over ``model`` (``apply_sharding``-ed),
+    grouped as ``bert.optim.build_optimizer`` groups (the same weight-decay exclusions)."""
+    groups = param_groups_for(model, optim.weight_decay)
     if not groups:
         raise ValueError("model: has no trainable parameters")
-    return ShardedLamb(groups, WholeNorms(shard_process_group(mesh)), lr=lr, betas=betas, eps=eps)
+    return ShardedLamb(groups, sharding.norms, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bert import train_checkpoint
+from bert import distributed_checkpoint, train_checkpoint
 from bert.checkpoint import CheckpointError
 from bert.collectives import Collectives
+from bert.sharded_optim import ShardedLamb, reshard
 
 # The entries a training checkpoint must hold (``to_checkpoint``).
 REQUIRED_PARTS = ("model", "optimizer", "schedule", "loader", "counters")
@@ -101,23 +102,115 @@ def to_checkpoint(state: TrainState, parts: dict, loader: dict, config: dict) ->
     return {**states, "loader": loader, "counters": state.counters(), "config": config}
 
 
+def to_sharded_checkpoint(state: TrainState, parts: dict, loader: dict, config: dict) -> tuple[dict, dict]:
+    """A sharded run's checkpoint (bert.distributed_checkpoint): (the big tensors by name,
+    each rank's shards; everything else as plain data, as ``to_checkpoint`` has it, with the
+    optimizer's hyperparameters and step counts in place of its state dict)."""
+    model, optimizer = parts["model"], parts["optimizer"]
+    reshard(model)  # the DTensors the optimizer holds are the model's parameters again
+    tensors = distributed_checkpoint.training_tensors(model, optimizer)
+    others = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
+    del others["model"], others["optimizer"]
+    plain = {**others, "optimizer_groups": distributed_checkpoint.optimizer_groups(optimizer)}
+    return tensors, {**plain, "loader": loader, "counters": state.counters(), "config": config}
+
+
 def restore(saved: dict, parts: dict) -> TrainState:
     """Check ``saved`` against this run's ``parts`` (as for ``to_checkpoint``), load it into
     them and return its counters; CheckpointError when it does not fit (parts loaded before
     the failing one are overwritten by the next checkpoint tried). The loader's position
-    (``saved["loader"]``) is the caller's to apply, once the data is open."""
+    (``saved["loader"]``) is the caller's to apply, once the data is open.
+
+    Any checkpoint resumes any run: a sharded one (a directory) is read into this run's
+    tensors, sharded or whole, in whatever layout they have; a single-file one into a sharded
+    run is cut into this rank's shards (``_load_whole_into_shards``)."""
+    if "sharded" in saved:
+        return _restore_sharded(saved, parts)
     state = check_fits(saved, parts["model"], parts["optimizer"])
+    sharded = isinstance(parts["optimizer"], ShardedLamb)
     try:
         # Each part's load_state_dict checks its input before changing anything.
-        for name in ("adagc", "scaler"):
-            if parts[name] is not None and saved.get(name):
-                parts[name].load_state_dict(saved[name])
-        parts["schedule"].load_state_dict(saved["schedule"])
-        parts["optimizer"].load_state_dict(saved["optimizer"])
+        _restore_small_parts(saved, parts)
+        if not sharded:
+            parts["optimizer"].load_state_dict(saved["optimizer"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # DataError is a ValueError
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"does not fit this run ({first})") from None
-    parts["model"].load_state_dict(saved["model"])
+    if sharded:
+        _load_whole_into_shards(saved, parts["model"], parts["optimizer"])
+    else:
+        parts["model"].load_state_dict(saved["model"])
+    return state
+
+
+def _restore_small_parts(saved: dict, parts: dict) -> None:
+    for name in ("adagc", "scaler"):
+        if parts[name] is not None and saved.get(name):
+            parts[name].load_state_dict(saved[name])
+    parts["schedule"].load_state_dict(saved["schedule"])
+
+
+def _load_whole_into_shards(saved: dict, model: torch.nn.Module, optimizer) -> None:
+    """A single-file checkpoint (whole tensors, moments keyed by index) into DTensor shards:
+    each rank keeps its own part of every tensor (no communication: every rank read the file)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    ordered = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    whole = {f"model/{k}": v for k, v in saved["model"].items()}
+    for index, moments in saved["optimizer"]["state"].items():
+        for key, value in moments.items():
+            whole[f"optim/{ordered[index]}/{key}"] = value
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | {"size": len(g["params"])}
+        for g in saved["optimizer"]["param_groups"]
+    ]
+    distributed_checkpoint.load_optimizer_groups(optimizer, groups)
+    with torch.no_grad():
+        for key, target in distributed_checkpoint.training_tensors(model, optimizer).items():
+            if key not in whole:
+                continue  # a moment the saved run had not created yet: zeros, as LAMB starts it
+            value = whole[key].to(target.device, target.dtype)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(value.to_local())
+            else:
+                target.copy_(value)
+
+
+def _restore_sharded(saved: dict, parts: dict) -> TrainState:
+    """A sharded checkpoint (bert.distributed_checkpoint) into this run: its shapes checked
+    against the model and optimizer first (from DCP's metadata), then read into their tensors."""
+    path = saved["sharded"]
+    for key in ("schedule", "loader", "counters"):
+        if not isinstance(saved.get(key), dict):
+            raise CheckpointError(f"no {key!r} state")
+    if not isinstance(saved.get("optimizer_groups"), list):
+        raise CheckpointError("no 'optimizer_groups' state")
+    model, optimizer = parts["model"], parts["optimizer"]
+    targets = distributed_checkpoint.training_tensors(model, optimizer)
+    shapes = distributed_checkpoint.tensor_shapes(path)
+    problems = [f"missing {k[6:]}" for k in targets if k.startswith("model/") and k not in shapes]
+    problems += [f"unexpected {k[6:]}" for k in shapes if k.startswith("model/") and k not in targets]
+    for key, target in targets.items():
+        if key in shapes and shapes[key] != (tuple(target.shape), target.dtype):
+            shape, dtype = shapes[key]
+            problems.append(f"{key} is {dtype} {shape}, this run has {target.dtype} {tuple(target.shape)}")
+    if problems:
+        raise CheckpointError(
+            f"the checkpoint's tensors do not fit this run ({'; '.join(problems[:4])}"
+            + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "")
+            + ")"
+        )
+    state = TrainState.from_counters(saved["counters"])
+    try:
+        _restore_small_parts(saved, parts)
+        distributed_checkpoint.load_optimizer_groups(optimizer, saved["optimizer_groups"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"does not fit this run ({first})") from None
+    # Moments the saved run had not created yet stay zeros, as LAMB starts them.
+    distributed_checkpoint.load_tensors(path, {k: v for k, v in targets.items() if k in shapes})
     return state
 
 

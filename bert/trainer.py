@@ -10,7 +10,8 @@
         optimizer_step   clip -> non-finite check (skip and count) -> LAMB -> LR schedule
         evaluate         every eval.interval_samples: masked-LM accuracy over the eval set
         save_checkpoint  every checkpoint.interval_steps, and when SIGTERM asked to stop
-                         (bert.train_checkpoint: atomic, checksummed, the newest good one resumed)
+                         (bert.train_checkpoint: atomic, checksummed, the newest good one resumed;
+                         with optim.shard every rank writes its shards, bert.distributed_checkpoint)
 
 reporting what it does through ``bert.reporting`` (MLPerf hyper-parameters, metrics records,
 the summary). Every collective runs inside ``Collectives.guard``: a peer that dies or hangs
@@ -34,16 +35,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bert import components, reporting, train_checkpoint
+from bert import components, distributed_checkpoint, reporting, train_checkpoint
 from bert.checkpoint import load_pretrained
-from bert.clipping import clip_global_
+from bert.clipping import clip_global_, tensor_norms
 from bert.collectives import Collectives
 from bert.losses import pretraining_loss, simreg_anchor_count, simreg_loss
 from bert.metrics import Progress
-from bert.optim import build_optimizer
 from bert.schedule import PolyWarmupScheduler
+from bert.sharded_optim import apply_sharding, reshard
 from bert.train_config import RunConfig, eval_interval
-from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, to_checkpoint
+from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, to_checkpoint, to_sharded_checkpoint
 from data.batch import PackedBatch
 from data.packing import unpack
 from data.samples import SampleBlock
@@ -114,14 +115,18 @@ class Trainer:
         if cfg.checkpoint.init:
             load_pretrained(self.model, cfg.checkpoint.init)
         self.model.to(self.device)
+        # optim.shard: FSDP2 splits the weights, gradients and LAMB's state (bert.sharded_optim).
+        with self.coll.guard("the shard groups' setup", -1):
+            self.sharding = apply_sharding(self.model, cfg.optim, t.precision, self.world, self.device.type)
         # forward: the model as the steps call it (DDP over ranks, torch.compile'd if asked).
-        self.ddp, self.forward = components.wrap_model(self.model, cfg.model, self.device, self.coll)
+        sharded = self.sharding is not None
+        self.ddp, self.forward = components.wrap_model(self.model, cfg.model, self.device, self.coll, sharded)
 
-        self.optimizer = build_optimizer(cfg.optim, self.model)
+        self.optimizer = components.build_lamb_or_adamw(cfg.optim, self.model, self.sharding)
         self.schedule = PolyWarmupScheduler(self.optimizer, cfg.optim, t.max_steps)
-        self.adagc = components.build_adagc(cfg.optim, self.model)
+        self.adagc = components.build_adagc(cfg.optim, self.model, self.sharding)
         self.clip_stats = None  # the last AdaGC step's, for the logs
-        self.scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
+        self.scaler = components.build_grad_scaler(t, self.sharding)
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
         self._collator = None
         self.rebalancer = None
@@ -175,8 +180,9 @@ class Trainer:
         counts = self.coll.all_reduce(counts.to(self.device), "the step-counts all-reduce", self.state.step + 1).cpu()
         num_masked, num_seqs, tokens, stops, num_anchors, corrupt = (int(x) for x in counts)
         self.stop_requested = stops > 0
-        # DDP all-reduces the gradients inside the last micro-batch's backward.
-        with self.coll.guard("the gradient all-reduce (DDP backward)", self.state.step + 1):
+        # DDP all-reduces (FSDP2 reduce-scatters) the gradients inside the last micro-batch's backward.
+        what = "the gradient " + ("reduce-scatter (FSDP2 backward)" if self.sharding else "all-reduce (DDP backward)")
+        with self.coll.guard(what, self.state.step + 1):
             loss_parts = self.forward_backward(block, num_masked, num_seqs, num_anchors)
         return StepResult(loss_parts, num_seqs, tokens, corrupt)
 
@@ -186,11 +192,13 @@ class Trainer:
         simreg = self.cfg.loss.simreg_weight > 0
         self.forward.train()
         loss_parts = torch.zeros(4, device=self.device)
-        scale = float(self.world)  # DDP averages gradients over ranks; the losses are sums
+        scale = float(self.world)  # DDP and FSDP2 average gradients over ranks; the losses are sums
         for i in range(t.grad_accum_steps):
             mb = block.select(np.arange(i * self.micro_batch, (i + 1) * self.micro_batch))
             batch = self._collate(mb).to(self.device, non_blocking=True)
             sync = self.ddp is None or i == t.grad_accum_steps - 1
+            if self.sharding:  # FSDP2 accumulates unsharded gradients until the last micro-batch
+                self.model.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
             with contextlib.nullcontext() if sync else self.ddp.no_sync(), self._autocast():
                 out = self.forward(batch)
                 loss, stats = pretraining_loss(
@@ -215,7 +223,15 @@ class Trainer:
 
     def optimizer_step(self) -> tuple[bool, float]:
         """Clip, skip a non-finite update, step LAMB and the schedule. Returns (applied, grad norm)."""
+        if self.sharding is None:
+            return self._optimizer_step()
+        # Sharded, the norms of the clipping and of LAMB's trust ratios are all-reduces.
+        with self.coll.guard("the optimizer's norm all-reduce (optim.shard)", self.state.step + 1):
+            return self._optimizer_step()
+
+    def _optimizer_step(self) -> tuple[bool, float]:
         params = [p for p in self.model.parameters() if p.grad is not None]
+        view = {"local": self.sharding.local, "norms": self.sharding.norms} if self.sharding else {}
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         components.inject_debug_faults(self.cfg.debug, self.model, self.state.step + 1)
@@ -225,9 +241,10 @@ class Trainer:
             self.clip_stats = self.adagc.clip_(compute_global_norm=True)
             norm = self.clip_stats.global_norm
         elif self.cfg.optim.clip == "global":
-            norm = clip_global_(params, self.cfg.optim.max_grad_norm)
+            norm = clip_global_(params, self.cfg.optim.max_grad_norm, **view)
         else:
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+            local, norms = view.get("local", lambda g: g), view.get("norms", tensor_norms)
+            norm = torch.linalg.vector_norm(norms([local(p.grad) for p in params]))
         # A host sync (the step's second, after train_step's counts; fp16's scaler.step reads
         # the device once more): the update must not run on non-finite gradients.
         grad_norm = float(norm)
@@ -261,6 +278,8 @@ class Trainer:
             correct += (out.mlm_logits.argmax(-1) == batch.mlm_labels).sum()
             total += batch.mlm_labels.numel()
         counts = self.coll.all_reduce(torch.stack([correct, total]), "the eval-accuracy all-reduce", self.state.step)
+        if self.sharding:
+            reshard(self.model)  # evaluation gathered the weights; only the shards stay
         return float(counts[0]) / max(int(counts[1]), 1)
 
     # ---- the loop ------------------------------------------------------------------------
@@ -469,7 +488,9 @@ class Trainer:
         the caller goes on or stops by checkpoint.on_error.
         """
         error = None
-        if self.is_main:
+        if self.sharding is not None:
+            error = self._save_sharded()
+        elif self.is_main:
             try:
                 train_checkpoint.save(
                     self._checkpoint_dir(), self.state.step, self._checkpoint_state(), self.cfg.checkpoint.keep
@@ -491,8 +512,24 @@ class Trainer:
             )
         return False
 
-    def _checkpoint_state(self) -> dict:
+    def _loader_position(self) -> dict:
         # The rebalancer has already drawn the next step's samples from the loader: the
         # position to resume at is the number of steps trained.
-        loader = {**self.train_loader.state_dict(), "step": self.state.step}
-        return to_checkpoint(self.state, self.parts, loader, self.cfg.to_dict())
+        return {**self.train_loader.state_dict(), "step": self.state.step}
+
+    def _checkpoint_state(self) -> dict:
+        return to_checkpoint(self.state, self.parts, self._loader_position(), self.cfg.to_dict())
+
+    def _save_sharded(self) -> str | None:
+        """Every rank writes its shards (bert.distributed_checkpoint); rank 0 publishes the
+        directory and prunes. Returns the error, or None."""
+        directory, step = self._checkpoint_dir(), self.state.step
+        tensors, plain = to_sharded_checkpoint(self.state, self.parts, self._loader_position(), self.cfg.to_dict())
+        try:
+            with self.coll.guard("the sharded checkpoint write", step):
+                distributed_checkpoint.save(directory, step, tensors, plain, self.is_main)
+            if self.is_main:
+                train_checkpoint.prune(directory, self.cfg.checkpoint.keep)
+        except train_checkpoint.CheckpointWriteError as e:
+            return str(e)
+        return None

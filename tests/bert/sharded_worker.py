@@ -25,18 +25,15 @@ from bert.clipping import AdaGC, clip_global_  # noqa: E402
 from bert.config import BertConfig  # noqa: E402
 from bert.losses import pretraining_loss  # noqa: E402
 from bert.model import BertForPreTraining  # noqa: E402
-from bert.optim import Lamb, param_groups_for  # noqa: E402
+from bert.optim import build_optimizer  # noqa: E402
 from bert.sharded_optim import (  # noqa: E402
     WholeNorms,
-    build_mesh,
+    apply_sharding,
     build_sharded_lamb,
     local_shard,
     optimizer_state_bytes,
-    shard_group_size,
-    shard_model,
-    shard_process_group,
 )
-from bert.train_config import AdaGCSection  # noqa: E402
+from bert.train_config import AdaGCSection, OptimSection  # noqa: E402
 from data.collate import make_collator  # noqa: E402
 from data.synthetic import random_block  # noqa: E402
 
@@ -65,22 +62,21 @@ def main() -> None:
 
 def run(shard: str, clip: str, grad_accum: int, steps: int, preset: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = shard_group_size(shard if shard in ("none", "dp") else int(shard), world)
+    optim = OptimSection(lr=2e-2, weight_decay=0.01, shard=shard if shard in ("none", "dp") else int(shard))
 
     torch.manual_seed(0)
     config = BertConfig.preset(preset, vocab_size=VOCAB, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = BertForPreTraining(config, attention="padded")
-    hp = dict(lr=2e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
-    if group is None:
+    sharding = apply_sharding(model, optim, "fp32", world, "cpu")
+    if sharding is None:
         forward = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = Lamb(param_groups_for(model, hp["weight_decay"]), lr=hp["lr"], betas=hp["betas"], eps=hp["eps"])
+        optimizer = build_optimizer(optim, model, impl="torch")
         local, norms = local_shard, WholeNorms(None)
     else:
-        mesh = build_mesh(world, group, "cpu")
-        shard_model(model, mesh)
         forward = model
-        optimizer = build_sharded_lamb(model, mesh, **hp)
-        local, norms = local_shard, WholeNorms(shard_process_group(mesh))
+        optimizer = build_sharded_lamb(optim, model, sharding)
+        local, norms = sharding.local, sharding.norms
+    group = sharding.group_size if sharding else None
     adagc = None
     if clip == "adagc":
         adagc = AdaGC(model.named_parameters(), AdaGCSection(warmup_steps=2, lambda_rel=1.0), local=local, norms=norms)

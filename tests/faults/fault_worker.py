@@ -5,7 +5,11 @@ FAULT_MARK_DIR            write ``rank<R>.pid`` there at start, so a test can si
 FAULT_STEP_DELAY_S        sleep this long after each optimizer step: a window to kill or stop a
                           rank in, on a machine of any speed
 FAULT_STALL_CHECKPOINT    when writing the checkpoint of this step, stop after its first bytes,
-                          write ``stalled`` to FAULT_MARK_DIR and wait to be killed
+                          write ``stalled`` to FAULT_MARK_DIR and wait to be killed; a sharded
+                          checkpoint (optim.shard): rank FAULT_STALL_RANK (default 0) stops once
+                          its shards are written, before the checkpoint is published
+FAULT_STOP_AT_STEP        ask the run to stop (what SIGTERM does) so that it checkpoints and
+                          exits after this optimizer step
 """
 
 from __future__ import annotations
@@ -60,6 +64,35 @@ def _install_faults() -> None:
             return n
 
         train_checkpoint._HashingSink.write = stalling_write
+
+        from bert import distributed_checkpoint
+
+        write_data = distributed_checkpoint._Writer.write_data
+        shard_dir = f".step_{int(stall):08d}.tmp"
+        stall_rank = os.environ.get("FAULT_STALL_RANK", "0")
+
+        def stalling_write_data(self, plan, planner):
+            done = write_data(self, plan, planner)
+            if os.path.basename(str(self.path)) == shard_dir and _rank() == stall_rank:
+                done.wait()  # this rank's shards are on disk, fsynced; the others wait for it
+                open(os.path.join(mark_dir, "stalled"), "w").close()
+                time.sleep(3600)
+            return done
+
+        distributed_checkpoint._Writer.write_data = stalling_write_data
+
+    stop_at = os.environ.get("FAULT_STOP_AT_STEP")
+    if stop_at:
+        from bert.trainer import Trainer
+
+        train_step = Trainer.train_step
+
+        def stopping_train_step(self, block):
+            if self.state.step == int(stop_at) - 1:
+                self.stop_requested = True  # what the SIGTERM handler does; this step still runs
+            return train_step(self, block)
+
+        Trainer.train_step = stopping_train_step
 
 
 if __name__ == "__main__":

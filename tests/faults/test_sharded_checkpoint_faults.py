@@ -1,0 +1,43 @@
+"""A rank killed while a sharded checkpoint (optim.shard) is being written: the previous one survives and is used."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bert import train_checkpoint
+from tests.faults.common import REFERENCE_STEPS, read_pid, spawn_ranks, wait_for
+from tests.faults.common import losses as run_losses
+
+pytestmark = pytest.mark.slow
+
+SHARDED = (*REFERENCE_STEPS, "optim.shard=dp", "dist.timeout_s=20")
+
+
+def test_sigkill_mid_sharded_save_resumes_from_the_previous_checkpoint(dataset, reference, tmp_path):
+    out, marks, logs = tmp_path / "out", tmp_path / "marks", tmp_path / "logs"
+    marks.mkdir()
+    logs.mkdir()
+    jobs = spawn_ranks(
+        2, out, dataset, *SHARDED, log_dir=str(logs), FAULT_MARK_DIR=marks, FAULT_STALL_CHECKPOINT=8, FAULT_STALL_RANK=1
+    )
+    wait_for(lambda: (marks / "stalled").exists(), 240, jobs, "rank 1's shards of the step-8 checkpoint")
+    os.kill(read_pid(marks, 1), 9)  # SIGKILL: its shards are on disk, the checkpoint is not published
+    assert jobs[0].wait(120, "rank 0 after its peer was killed") != 0  # a communication failure, not a hang
+    jobs[1].wait(30, "the killed rank")
+    directory = out / "checkpoints"
+    assert sorted(os.listdir(directory)) == [".step_00000008.tmp", "step_00000004"]
+    assert "__1_0.distcp" in os.listdir(directory / ".step_00000008.tmp")  # killed half-way: rank 1's part written
+    assert train_checkpoint.read(str(directory / "step_00000004"))["counters"]["step"] == 4
+
+    # Rerun on the same directory: the unfinished write is removed, the run resumes at step 4
+    # and trains what the uninterrupted run trains (2 ranks against 1: rel 1e-5, as
+    # tests/bert/test_trainer_distributed.py).
+    jobs = spawn_ranks(2, out, dataset, *SHARDED, log_dir=str(logs))
+    for job in jobs:
+        assert job.wait(300, "a rank of the resumed run") == 0, job.output()[-3000:]
+    printed = jobs[0].output()
+    assert "removed .step_00000008.tmp" in printed and "resumed from step 4" in printed
+    assert run_losses(out) == pytest.approx(reference, rel=1e-5)
+    assert sorted(os.listdir(directory)) == ["step_00000004", "step_00000008"]
