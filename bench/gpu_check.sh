@@ -123,7 +123,8 @@ EOF
 if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     PARALLEL=()  # Triton compiles each kernel variant on one core: spread the tests over 4 workers
     if "$PYTHON" -c "import xdist" >/dev/null 2>&1; then PARALLEL=(-n 4); else echo "pytest-xdist not installed: tests run serially"; fi
-    run_stage gpu_tests 90 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py -m gpu -q -rs \
+    run_stage gpu_tests 90 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py \
+        tests/bert/test_sharded_optim_gpu.py -m gpu -q -rs \
         -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=80
     # The peer suite's default subset (flash-attention's error rule) on the compiled kernels.
     run_stage peer_tests 40 "$PYTHON" -m pytest tests/kernels/test_attention_peer.py -q -rs -p no:cacheprovider \

@@ -63,14 +63,6 @@ def temporary_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f".step_{step:08d}.tmp")
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: str) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
@@ -92,7 +84,7 @@ def save(directory: str, step: int, tensors: dict[str, Tensor], state: dict, is_
     ``train_checkpoint.CheckpointWriteError`` where a write failed (on every rank when DCP's
     part failed; on rank 0 alone when its own files did: the trainer all-reduces the outcome).
     """
-    from bert.train_checkpoint import CheckpointWriteError, write_file
+    from bert.train_checkpoint import CheckpointWriteError, fsync_path, write_file
 
     problem = plain_data_problem(state)
     if problem:
@@ -127,11 +119,11 @@ def save(directory: str, step: int, tensors: dict[str, Tensor], state: dict, is_
             f.flush()
             os.fsync(f.fileno())
         os.replace(os.path.join(tmp, MANIFEST + ".tmp"), os.path.join(tmp, MANIFEST))
-        _fsync(tmp)
+        fsync_path(tmp)
         if os.path.isdir(final):  # a re-save of the same step (a resumed run's first save)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync(directory)
+        fsync_path(directory)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"{final}: cannot write the checkpoint ({e.strerror or e})") from None

@@ -119,8 +119,9 @@ def _trailer(sha_hex: str, size: int) -> bytes:
     return _TRAILER_PREFIX + sha_hex.encode() + b" size=" + f"{size:016d}".encode() + b"\n"
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str) -> None:
+    """fsync a directory (its entries: a rename) or a file, by path."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -181,7 +182,7 @@ def write_file(path: str, state) -> str:
         os.close(fd)
         fd = -1
         os.replace(tmp, path)
-        _fsync_dir(directory)
+        fsync_path(directory)
     except OSError as e:
         if fd >= 0:
             os.close(fd)

@@ -196,12 +196,7 @@ def _restore_sharded(saved: dict, parts: dict) -> TrainState:
         if key in shapes and shapes[key] != (tuple(target.shape), target.dtype):
             shape, dtype = shapes[key]
             problems.append(f"{key} is {dtype} {shape}, this run has {target.dtype} {tuple(target.shape)}")
-    if problems:
-        raise CheckpointError(
-            f"the checkpoint's tensors do not fit this run ({'; '.join(problems[:4])}"
-            + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "")
-            + ")"
-        )
+    _refuse_if("the checkpoint's tensors do not fit this run", problems)
     state = TrainState.from_counters(saved["counters"])
     try:
         _restore_small_parts(saved, parts)
@@ -233,11 +228,14 @@ def _check_model(ours: dict, theirs: dict) -> None:
         if want is not None and (not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype):
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             problems.append(f"{k} is {got}, the model has {want.dtype} {tuple(want.shape)}")
+    _refuse_if("the model weights do not fit this model", problems)
+
+
+def _refuse_if(what: str, problems: list[str]) -> None:
+    """CheckpointError naming the first four problems (and how many more), when there are any."""
     if problems:
         raise CheckpointError(
-            f"the model weights do not fit this model ({'; '.join(problems[:4])}"
-            + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "")
-            + ")"
+            f"{what} ({'; '.join(problems[:4])}" + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + ")"
         )
 
 
