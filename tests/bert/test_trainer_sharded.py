@@ -15,6 +15,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from tests.bert.test_trainer import ROOT, TINY, losses
 from tests.helpers import PYTHON, run_launched
@@ -116,7 +117,6 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, stopped_at_20,
 
 def test_export_from_a_sharded_checkpoint(runs, tmp_path):
     """The sharded run's step-20 checkpoint exports the weights the unsharded run's has."""
-    import torch
     from safetensors.torch import load_file
 
     from tests.bert.test_export import write_vocab
@@ -136,3 +136,18 @@ def test_export_from_a_sharded_checkpoint(runs, tmp_path):
 
     model = BertForPreTraining.from_pretrained(str(tmp_path / "dp"))
     assert model.config.vocab_size == 96
+
+
+def test_two_ranks_bf16_compute_weights_and_bf16_reduction(dataset, tmp_path):
+    """train.precision=bf16: FSDP2 gathers bf16 copies of the fp32 masters (the unsharded run
+    autocasts instead) and optim.reduce_dtype=bf16 reduce-scatters bf16 gradients; the losses
+    follow the unsharded bf16 run's to bf16's rounding, and the masters stay fp32."""
+    extra = ["train.precision=bf16", "train.max_steps=10", "checkpoint.interval_steps=10"]
+    ref = train(2, tmp_path / "none", dataset, *extra, "optim.shard=none")
+    got = train(2, tmp_path / "dp", dataset, *extra, "optim.shard=dp", "optim.reduce_dtype=bf16")
+    assert len(got) == len(ref) == 10
+    assert got == pytest.approx(ref, rel=2e-3)
+    from bert.distributed_checkpoint import tensor_shapes
+
+    dtypes = {dtype for _, dtype in tensor_shapes(str(tmp_path / "dp" / "checkpoints" / "step_00000010")).values()}
+    assert dtypes == {torch.float32}

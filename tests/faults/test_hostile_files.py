@@ -217,10 +217,12 @@ def test_only_hostile_checkpoints_stop_the_cli_with_one_line(dataset, tmp_path, 
     assert not marker.exists()
 
 
-def test_a_checkpoint_of_the_previous_code_resumes(dataset, tmp_path):
+@pytest.mark.parametrize("shard", ["none", "1"], ids=["unsharded", "sharded"])
+def test_a_checkpoint_of_the_previous_code_resumes(dataset, tmp_path, shard):
     """fixtures/run_v1_micro is a run directory the trainer wrote before weights-only loading
     (commit 59dbb48): BERT of hidden 16 and 1 layer with AdaGC, stopped after step 2 of 4.
-    Resuming it trains steps 3 and 4 as that code did (the losses it printed then)."""
+    Resuming it trains steps 3 and 4 as that code did (the losses it printed then), also
+    into a sharded run (optim.shard: the single file's tensors cut into this rank's shards)."""
     micro = tmp_path / "micro.json"
     micro.write_text(
         json.dumps(
@@ -236,7 +238,13 @@ def test_a_checkpoint_of_the_previous_code_resumes(dataset, tmp_path):
     )
     shutil.copytree(os.path.join(FIXTURES, "run_v1_micro"), tmp_path / "out")
     s = run_in_process(
-        dataset, tmp_path / "out", *BASE, "optim.clip=adagc", "optim.adagc.warmup_steps=1", f"model.config_file={micro}"
+        dataset,
+        tmp_path / "out",
+        *BASE,
+        "optim.clip=adagc",
+        "optim.adagc.warmup_steps=1",
+        f"model.config_file={micro}",
+        f"optim.shard={shard}",
     )
     assert s["steps"] == 4
     assert losses(tmp_path / "out") == pytest.approx(
