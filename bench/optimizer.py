@@ -185,7 +185,34 @@ def worker_step(args) -> dict:
         medians = [None] * world
         dist.all_gather_object(medians, _median_ms(times[args.warmup :]))
         out[name] = {"step_ms": medians}
+        numel = sum(local(p).numel() for p in params) * (world if sharded else 1)
         del model, optimizer, params, forward
+    out["collectives"] = _gradient_collectives(numel, args.steps)
+    return out
+
+
+def _gradient_collectives(numel: int, reps: int) -> dict:
+    """The backend's all-reduce of every gradient (DDP) against reduce-scatter + all-gather
+    (FSDP2), alone, at fp32: what the whole-step ratio is made of besides the update."""
+    world = dist.get_world_size()
+    numel -= numel % world
+    grads = torch.ones(numel, device=_device())
+    shard, gathered = torch.empty(numel // world, device=_device()), torch.empty(numel, device=_device())
+    out = {"megabytes": 4 * numel / 1e6}
+    for name, run in (
+        ("all_reduce_ms", lambda: dist.all_reduce(grads)),
+        ("reduce_scatter_ms", lambda: dist.reduce_scatter_tensor(shard, grads)),
+        ("all_gather_ms", lambda: dist.all_gather_into_tensor(gathered, shard)),
+    ):
+        times = []
+        for _ in range(reps):
+            _sync()
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            _sync()
+            times.append(time.perf_counter() - start)
+        out[name] = _median_ms(times)
     return out
 
 
@@ -293,6 +320,12 @@ def main(argv=None) -> int:
         print(f"{label:44s} {a:12.1f} {b:12.1f} {ratio:7.3f} {goal_text:>7s} {ok}")
     per_tensor = statistics.median(opt["unsharded"]["step_ms"]) / opt["tensors"]
     print(f"unsharded update time per tensor (mean over {opt['tensors']} tensors): {1000 * per_tensor:.1f} us")
+    c = step["collectives"]
+    print(
+        f"gradient collectives alone, {args.step_ranks} ranks, {c['megabytes']:.0f} MB fp32: all-reduce "
+        f"{c['all_reduce_ms']:.0f} ms; reduce-scatter {c['reduce_scatter_ms']:.0f} ms + all-gather "
+        f"{c['all_gather_ms']:.0f} ms = {(c['reduce_scatter_ms'] + c['all_gather_ms']) / c['all_reduce_ms']:.2f}x"
+    )
     if clip:
         print(f"norm all-reduces on the shards, {args.ranks} ranks ({clip['tensors']} tensors):")
     for name in ("global_norm", "adagc_norms", "lamb_trust_norms") if clip else ():
