@@ -4,7 +4,7 @@ The model runs on a flat token dimension from the embeddings to the heads. For a
 ``UnpaddedBatch`` that is T real tokens and no padding is ever computed; for a
 ``PaddedBatch`` (the baseline) it is B*S tokens, padding included; for a ``PackedBatch`` it
 is R*S tokens of rows packed with whole sequences. The attention backend,
-chosen by name (``kernels.attention``), is told which tokens form which sequence through a
+chosen by name (``kernels.registry``), is told which tokens form which sequence through a
 layout object.
 
 The masked-LM head runs only at the M masked positions (gathered before the head, as the
@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from bert.config import BertConfig
 from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
-from kernels.attention import PackedLayout, PaddedLayout, VarlenLayout, get_backend
+from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
+from kernels.registry import get_backend
 
 
 @dataclass
@@ -115,7 +116,7 @@ def _fused():
 class BertForPreTraining(nn.Module):
     """BERT with the masked-LM and next-sentence heads.
 
-    ``attention`` names the backend (``kernels.attention.backend_names()``) and
+    ``attention`` names the backend (``kernels.registry.backend_names()``) and
     ``attention_options`` are its settings, if it takes any; ``fused_ops`` switches the
     bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on.
     """
