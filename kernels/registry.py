@@ -18,8 +18,7 @@ import functools
 import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from kernels.interface import (
     SETTINGS,
@@ -31,6 +30,9 @@ from kernels.interface import (
     VarlenLayout,
     requested_settings,
 )
+
+if TYPE_CHECKING:  # importing the registry does not import torch: the configuration names backends first
+    from torch import Tensor
 
 _ANY = (VarlenLayout, PaddedLayout, PackedLayout)
 
@@ -91,24 +93,32 @@ def _spec(name: str) -> Backend:
     return BACKENDS[name]
 
 
+def layouts_of(name: str) -> tuple[type, ...]:
+    """The layouts backend ``name`` takes."""
+    return _spec(name).layouts
+
+
+def backends_for(layout: type, setting: str | None = None) -> list[str]:
+    """The backends that take ``layout`` (with ``setting`` on, if given), in BACKENDS' order."""
+    return [b.name for b in BACKENDS.values() if layout in b.layouts and (setting is None or setting in b.settings)]
+
+
 def refusal(name: str, layout: type, settings: Iterable[str] = ()) -> str | None:
     """Why backend ``name`` cannot take a ``layout`` with ``settings`` on, or None when it can."""
     spec = _spec(name)
     if layout not in spec.layouts:
         takes = " or ".join(f"{t.__name__} (data.layout={_LAYOUT_CONFIG[t]})" for t in spec.layouts)
-        others = [b.name for b in BACKENDS.values() if layout in b.layouts]
         return (
             f"model.attention={name}: needs a {takes}, got {layout.__name__}; "
-            f"{_LAYOUT_CONFIG[layout]} batches run with {', '.join(others)}"
+            f"{_LAYOUT_CONFIG[layout]} batches run with {', '.join(backends_for(layout))}"
         )
     for setting in settings:
         if setting not in SETTINGS:
             raise ValueError(f"attention setting {setting!r}: not one of {sorted(SETTINGS)}")
         if setting not in spec.settings:
-            others = [b.name for b in BACKENDS.values() if layout in b.layouts and setting in b.settings]
             return (
                 f"model.attention={name}: does not implement the attention setting {setting!r} "
-                f"({layout.__name__}); backends that do: {', '.join(others)}"
+                f"({layout.__name__}); backends that do: {', '.join(backends_for(layout, setting))}"
             )
     return None
 
