@@ -6,8 +6,9 @@ options it takes; its code is imported only when it is asked for, so choosing ``
 never imports Triton. ``get_backend(name)`` returns the backend function wrapped in the one
 check every call goes through: a layout it does not take or a setting it does not implement
 is refused (``BackendUnavailable``, one line naming the backend, what was asked, and which
-backends would take it), never passed on or swapped for another backend. ``check_backend``
-does the same from configuration, before anything is loaded (``bert.train_config``).
+backends would take it), never passed on or swapped for another backend. ``refusal`` and
+``check_backend`` give the same answer without loading anything, and ``layouts_of`` /
+``backends_for`` let the configuration check a layout before torch loads (``bert.train_config``).
 
 This is the top of the attention interface: the model (``bert/``) picks its backends here.
 """
