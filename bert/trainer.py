@@ -42,7 +42,7 @@ from bert.clipping import AdaGC, clip_global_
 from bert.collectives import Collectives
 from bert.config import BertConfig
 from bert.losses import pretraining_loss, simreg_anchor_count, simreg_loss
-from bert.metrics import MetricsWriter, Progress, atomic_write_text, plot_curves, spike_score, summary_table
+from bert.metrics import MetricsWriter, Progress, plot_curves, spike_score, summary_table
 from bert.mlperf_log import MLPerfLogger
 from bert.model import BertForPreTraining
 from bert.optim import build_optimizer
@@ -53,6 +53,7 @@ from data.collate import make_collator
 from data.packing import unpack
 from data.samples import SampleBlock
 from data.synthetic import random_block
+from fileio import write_text
 
 # Set to 1 by launch/run_and_time.sh when it dropped the page cache before this run (the
 # log's cache_clear says what really happened).
@@ -789,7 +790,7 @@ class Trainer:
         if self.is_main:
             import json
 
-            atomic_write_text(os.path.join(self.out, "summary.json"), json.dumps(summary, indent=2) + "\n")
+            write_text(os.path.join(self.out, "summary.json"), json.dumps(summary, indent=2) + "\n")
             if self.cfg.log.plot:
                 plot_curves(self.metrics.records, os.path.join(self.out, "curves.png"))
             self.progress.message("\nsummary\n" + summary_table(summary))
