@@ -39,7 +39,6 @@ import array
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -61,7 +60,7 @@ from data.hdf5io import (
 from data.reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file
 from data.samples import SampleBlock, _offsets
 from data.verify import published_list, read_checksums, verify
-from fileio import md5sum, publishing, publishing_dir, write_text
+from fileio import is_temporary, md5sum, publishing, publishing_dir, write_text
 
 SHUFFLE_SEED = 24  # the reference shuffle's fixed seed
 EVAL_ALL, EVAL_FILE = "eval_all.hdf5", "part_eval_10k.hdf5"
@@ -546,7 +545,7 @@ def _checks(cfg: DatasetConfig) -> list[tuple[str, Path]]:
 def _remove_temporaries(root: Path) -> None:
     """What a killed run left under temporary names (never a finished file)."""
     for p in sorted(root.rglob("*.tmp*"), reverse=True):
-        if re.search(r"\.tmp\d+(\.npy)?$", p.name):
+        if is_temporary(p.name):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 

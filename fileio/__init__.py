@@ -14,6 +14,7 @@ old file (or none) and at worst a temporary file beside it.
 - ``publishing_dir(path)``: the same for a directory (an export, a package, a cache entry).
 - ``publish(tmp, path)``: for a temporary file some other code has already written.
 - ``md5sum(path)`` / ``file_digest(path, name)``: a hash of a file read 1 MiB at a time.
+- ``is_temporary(name)``: what a killed writer left behind, for cleanup at the next start.
 
 This package sits below every other (tests/test_layering.py): it imports nothing of the
 project, so ``data``, ``kernels``, ``launch``, ``bert`` and ``bench`` can all use it.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,9 +51,18 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         pass
 
 
+# What this module names its temporary files and directories: ``.<name>.tmp<pid><suffix>``
+# (hidden, one per process; the suffix stays last, as savefig and np.save choose by it). A
+# killed writer leaves such a name, never a final one; cleanup code finds them with this.
+TEMPORARY = re.compile(r"\.tmp\d+(\.\w+)?$")
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a file name is one of this module's temporary names (what a killed writer left)."""
+    return TEMPORARY.search(name) is not None
+
+
 def _temp_name(path: Path, suffix: str) -> Path:
-    """``.<name>.tmp<pid><suffix>``: hidden, never a final name, one per process (cleanup
-    code matches ``.tmp<digits>``); the suffix stays last, as savefig and np.save choose by it."""
     return path.with_name(f".{path.name}.tmp{os.getpid()}{suffix}")
 
 

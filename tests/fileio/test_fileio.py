@@ -4,13 +4,14 @@ streamed digests; and the project publishes every file through it (no rename by 
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import os
 from pathlib import Path
 
 import pytest
 
-from fileio import file_digest, md5sum, publish, publishing, publishing_dir, write_bytes, write_text
+from fileio import file_digest, is_temporary, md5sum, publish, publishing, publishing_dir, write_bytes, write_text
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("bench", "bert", "data", "kernels", "launch")
@@ -65,6 +66,28 @@ def test_publishing_dir_replaces_a_directory_whole(tmp_path, fsyncs):
         (staging / "half").write_text("")
         raise OSError("disk full")
     assert sorted(os.listdir(out)) == ["config.json"] and sorted(os.listdir(tmp_path)) == ["export"]
+
+
+def test_a_killed_writer_leaves_a_name_that_cleanup_recognises(tmp_path, monkeypatch):
+    """The names written just before the rename (where a kill leaves them) and a staging
+    directory never finished are all recognised; no final name is."""
+    left = []
+
+    def killed_before_rename(src, dst):
+        left.append(Path(src).name)
+        raise OSError("killed")
+
+    monkeypatch.setattr(os, "replace", killed_before_rename)
+    for name in ("state.json", "inverse.npy", "part_00001_of_00004.hdf5"):
+        with contextlib.suppress(OSError):
+            write_text(tmp_path / name, "x")
+    staging = publishing_dir(tmp_path / "task_00003")
+    staging.__enter__()  # a staging directory, never published (kept open: no cleanup ran)
+    left += os.listdir(tmp_path)
+    assert len(left) == 4
+    assert left and all(is_temporary(n) for n in left), left
+    finals = ["state.json", "inverse.npy", "part_00001_of_00004.hdf5", "task_00003", "tmp1", "a.tmp"]
+    assert not any(is_temporary(n) for n in finals)
 
 
 def test_publish_moves_a_written_file_into_place(tmp_path):
