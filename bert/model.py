@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bert.config import BertConfig
+from bert.config import ACTIVATIONS, BertConfig, ConfigError
 from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
 from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
 from kernels.registry import get_backend
@@ -39,12 +39,18 @@ class PretrainingOutput:
     hidden_states: Tensor  # [N, C], the last encoder layer
 
 
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# hidden_act -> the function; the names are bert.config.ACTIVATIONS.
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu}
+
+
 def activation(name: str):
-    if name == "gelu":
-        return F.gelu
-    if name in ("gelu_new", "gelu_pytorch_tanh"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    return F.relu
+    if name not in _ACTIVATIONS:  # BertConfig refuses it first; a config built around it lands here
+        raise ConfigError(f"hidden_act: {name!r} is not one of {ACTIVATIONS}")
+    return _ACTIVATIONS[name]
 
 
 class BertEmbeddings(nn.Module):

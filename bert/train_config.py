@@ -425,10 +425,7 @@ def check_closed_division(cfg: RunConfig) -> None:
             f"model.vocab_size: {why} keeps BERT-large's {PRESETS['large'].vocab_size}, got {m.vocab_size}"
         )
     if m.config_file:
-        try:
-            shape = BertConfig.from_json(m.config_file)
-        except (BertConfigError, OSError) as e:
-            raise ConfigError(f"model.config_file: {e}") from None
+        shape = read_model_config_file(m.config_file)
         large = PRESETS["large"]
         for name in (
             "vocab_size",
@@ -470,8 +467,20 @@ def check_closed_division(cfg: RunConfig) -> None:
             raise ConfigError(f"debug.{name}: {why} trains without injected faults; leave it empty")
 
 
+def read_model_config_file(path: str) -> BertConfig:
+    """model.config_file's architecture; ConfigError naming the file and the field it gets wrong
+    (an unknown hidden_act, for instance), so a bad file is found when the config is checked."""
+    try:
+        return BertConfig.from_json(path)
+    except (BertConfigError, OSError) as e:
+        message = str(e) if str(e).startswith(path) else f"{path}: {e}"
+        raise ConfigError(f"model.config_file: {message}") from None
+
+
 def check_cross_fields(cfg: RunConfig) -> None:
     """Constraints between sections (raised before any work)."""
+    if cfg.model.config_file:
+        read_model_config_file(cfg.model.config_file)
     layout, attention = cfg.data.layout, cfg.model.attention
     takes = registry.layouts_of(attention)
     if ATTENTION_LAYOUTS[layout] not in takes:  # whether the machine can run it is checked when it is built
