@@ -37,12 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as dist
 
 GOALS = {"optimizer_step": 0.35, "state_bytes": 0.26, "whole_step": 1.02}
 DEVICE, PRECISION = "cpu", "fp32"  # --device, --precision (set in main, for the workers)

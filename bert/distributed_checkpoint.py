@@ -33,8 +33,6 @@ declares one is refused (``BytesStorageMetadata`` is not among the classes built
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import pickle
 import shutil
@@ -48,27 +46,18 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from bert.checkpoint import CheckpointError, plain_data_problem
+from bert.train_checkpoint import (
+    MANIFEST,
+    STATE,
+    CheckpointWriteError,
+    checkpoint_dir,
+    temporary_dir,
+    write_file,
+    write_manifest,
+)
+from fileio import publish
 
-MANIFEST = "MANIFEST.json"
-STATE = "state.pt"
-_FORMAT = "bert-sharded-checkpoint/1"
-_READ_CHUNK = 1 << 22
-
-
-def checkpoint_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, f"step_{step:08d}")
-
-
-def temporary_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, f".step_{step:08d}.tmp")
-
-
-def _sha256(path: str) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(_READ_CHUNK):
-            sha.update(piece)
-    return sha.hexdigest()
+__all__ = ["MANIFEST", "STATE", "checkpoint_dir", "load_tensors", "save", "tensor_shapes", "training_tensors"]
 
 
 class _Writer(dcp.FileSystemWriter):
@@ -81,11 +70,9 @@ def save(directory: str, step: int, tensors: dict[str, Tensor], state: dict, is_
 
     ``tensors``: flat names -> tensors (DTensors write their local shards, plain tensors are
     written once); ``state``: plain data, written by rank 0 (``is_main``). Raises
-    ``train_checkpoint.CheckpointWriteError`` where a write failed (on every rank when DCP's
-    part failed; on rank 0 alone when its own files did: the trainer all-reduces the outcome).
+    ``CheckpointWriteError`` where a write failed (on every rank when DCP's part failed; on
+    rank 0 alone when its own files did: the trainer all-reduces the outcome).
     """
-    from bert.train_checkpoint import CheckpointWriteError, fsync_path, write_file
-
     problem = plain_data_problem(state)
     if problem:
         raise TypeError(f"checkpoint state of step {step}: {problem}")
@@ -105,25 +92,10 @@ def save(directory: str, step: int, tensors: dict[str, Tensor], state: dict, is_
         return final
     try:
         write_file(os.path.join(tmp, STATE), state)
-        files = sorted(n for n in os.listdir(tmp) if n != MANIFEST)
-        manifest = {
-            "format": _FORMAT,
-            "step": step,
-            "files": {
-                n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": _sha256(os.path.join(tmp, n))}
-                for n in files
-            },
-        }
-        with open(os.path.join(tmp, MANIFEST + ".tmp"), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(tmp, MANIFEST + ".tmp"), os.path.join(tmp, MANIFEST))
-        fsync_path(tmp)
+        write_manifest(tmp, step)
         if os.path.isdir(final):  # a re-save of the same step (a resumed run's first save)
             shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_path(directory)
+        publish(tmp, final)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"{final}: cannot write the checkpoint ({e.strerror or e})") from None
@@ -133,48 +105,6 @@ def save(directory: str, step: int, tensors: dict[str, Tensor], state: dict, is_
 def _first_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[-1] if lines else type(e).__name__
-
-
-def verify(path: str) -> dict:
-    """Check every file of the checkpoint directory against its manifest; returns the manifest.
-    Raises CheckpointError saying what is missing or damaged."""
-    try:
-        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {MANIFEST} (an unfinished write, or not written by this trainer)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: {MANIFEST} is not readable JSON ({e})") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != _FORMAT or not isinstance(files, dict) or STATE not in files:
-        raise CheckpointError(f"{path}: {MANIFEST} is not a sharded training checkpoint's manifest")
-    for name, entry in files.items():
-        file = os.path.join(path, name)
-        if os.path.basename(name) != name or not isinstance(entry, dict):
-            raise CheckpointError(f"{path}: {MANIFEST} names {name!r}, not a file of this directory")
-        try:
-            size = os.path.getsize(file)
-        except OSError:
-            raise CheckpointError(f"{path}: {name} is missing") from None
-        if size != entry.get("bytes"):
-            raise CheckpointError(f"{path}: {name} holds {size} bytes, the manifest records {entry.get('bytes')}")
-        digest = _sha256(file)
-        if digest != entry.get("sha256"):
-            raise CheckpointError(
-                f"{path}: {name}: checksum mismatch (damaged: SHA-256 {digest[:12]}..., recorded "
-                f"{str(entry.get('sha256'))[:12]}...)"
-            )
-    if ".metadata" not in files:
-        raise CheckpointError(f"{path}: the manifest lists no .metadata")
-    return manifest
-
-
-def read_state(path: str) -> dict:
-    """Verify the directory and read its ``state.pt`` (plain data; no code runs)."""
-    from bert.train_checkpoint import read_file
-
-    verify(path)
-    return read_file(os.path.join(path, STATE))
 
 
 # ---- reading DCP's metadata without running code --------------------------------------------

@@ -23,10 +23,8 @@ import json
 import os
 import shutil
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from fileio import publishing_dir
 
 SPECIAL_TOKENS = {
     "unk_token": "[UNK]",
@@ -43,7 +41,7 @@ class ExportError(RuntimeError):
 
 def find_checkpoint(run_dir: str, name: str | None) -> str:
     """The checkpoint to export: ``name`` (file or directory name, step number or path) or the newest."""
-    from bert import distributed_checkpoint, train_checkpoint
+    from bert import train_checkpoint
 
     directory = os.path.join(run_dir, "checkpoints")
     if name is None:
@@ -54,9 +52,9 @@ def find_checkpoint(run_dir: str, name: str | None) -> str:
     candidates = [name, os.path.join(directory, name)]
     if name.isdigit():
         candidates.append(train_checkpoint.checkpoint_path(directory, int(name)))
-        candidates.append(distributed_checkpoint.checkpoint_dir(directory, int(name)))
+        candidates.append(train_checkpoint.checkpoint_dir(directory, int(name)))
     for path in candidates:
-        if os.path.isfile(path) or os.path.isfile(os.path.join(path, distributed_checkpoint.MANIFEST)):
+        if os.path.isfile(path) or os.path.isfile(os.path.join(path, train_checkpoint.MANIFEST)):
             return path
     raise ExportError(f"--checkpoint: {name!r} is neither a file nor a step in {directory}")
 
@@ -140,16 +138,9 @@ def export_run(run_dir: str, output: str, checkpoint: str | None = None, vocab_f
 
     model, vocab, max_length, path = load_run_model(run_dir, checkpoint, vocab_file)
     output = os.path.abspath(output)
-    staging = f"{output}.tmp-export{os.getpid()}"
-    try:
-        export_hf(model, staging)
-        write_tokenizer_files(staging, vocab, max_length)
-        if os.path.exists(output):
-            shutil.rmtree(output)
-        os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with publishing_dir(output) as staging:
+        export_hf(model, str(staging))
+        write_tokenizer_files(str(staging), vocab, max_length)
     return path
 
 

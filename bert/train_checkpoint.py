@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -45,6 +46,7 @@ from collections.abc import Callable
 import torch
 
 from bert.checkpoint import CheckpointError, plain_data_problem, safe_torch_load
+from fileio import file_digest, publish, write_text
 
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
 _TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
@@ -59,6 +61,33 @@ class CheckpointWriteError(RuntimeError):
 
 def checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:08d}.pt")
+
+
+# A sharded checkpoint (bert.distributed_checkpoint) is a directory: DCP's files, rank 0's
+# STATE (this module's file format) and, written last, MANIFEST (every other file's size and
+# SHA-256). Its format is checked here, with the files', so that listing, pruning, cleaning
+# and verifying know both kinds; the tensors are DCP's to read.
+MANIFEST = "MANIFEST.json"
+STATE = "state.pt"
+_DIR_FORMAT = "bert-sharded-checkpoint/1"
+
+
+def checkpoint_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step_{step:08d}")
+
+
+def temporary_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f".step_{step:08d}.tmp")
+
+
+def write_manifest(path: str, step: int) -> None:
+    """MANIFEST of the directory ``path``: the byte count and SHA-256 of every other file in it."""
+    digests = {}
+    for name in sorted(n for n in os.listdir(path) if n != MANIFEST):
+        file = os.path.join(path, name)
+        digests[name] = {"bytes": os.path.getsize(file), "sha256": file_digest(file, "sha256")}
+    manifest = {"format": _DIR_FORMAT, "step": step, "files": digests}
+    write_text(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
 
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
@@ -119,15 +148,6 @@ def _trailer(sha_hex: str, size: int) -> bytes:
     return _TRAILER_PREFIX + sha_hex.encode() + b" size=" + f"{size:016d}".encode() + b"\n"
 
 
-def fsync_path(path: str) -> None:
-    """fsync a directory (its entries: a rename) or a file, by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(directory: str, step: int, state: dict, keep: int) -> str:
     """Write ``state`` as the checkpoint of ``step`` and keep the newest ``keep``; returns its path.
 
@@ -178,11 +198,9 @@ def write_file(path: str, state) -> str:
         view = memoryview(trailer)
         while view:
             view = view[os.write(fd, view) :]
-        os.fsync(fd)
         os.close(fd)
         fd = -1
-        os.replace(tmp, path)
-        fsync_path(directory)
+        publish(tmp, path)
     except OSError as e:
         if fd >= 0:
             os.close(fd)
@@ -231,17 +249,50 @@ def verify(path: str) -> None:
         )
 
 
+def verify_dir(path: str) -> dict:
+    """Check every file of the checkpoint directory against its manifest; returns the manifest.
+    Raises CheckpointError saying what is missing or damaged."""
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {MANIFEST} (an unfinished write, or not written by this trainer)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: {MANIFEST} is not readable JSON ({e})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if manifest.get("format") != _DIR_FORMAT or not isinstance(files, dict) or STATE not in files:
+        raise CheckpointError(f"{path}: {MANIFEST} is not a sharded training checkpoint's manifest")
+    for name, entry in files.items():
+        file = os.path.join(path, name)
+        if os.path.basename(name) != name or not isinstance(entry, dict):
+            raise CheckpointError(f"{path}: {MANIFEST} names {name!r}, not a file of this directory")
+        try:
+            size = os.path.getsize(file)
+        except OSError:
+            raise CheckpointError(f"{path}: {name} is missing") from None
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"{path}: {name} holds {size} bytes, the manifest records {entry.get('bytes')}")
+        digest = file_digest(file, "sha256")
+        if digest != entry.get("sha256"):
+            raise CheckpointError(
+                f"{path}: {name}: checksum mismatch (damaged: SHA-256 {digest[:12]}..., recorded "
+                f"{str(entry.get('sha256'))[:12]}...)"
+            )
+    if ".metadata" not in files:
+        raise CheckpointError(f"{path}: the manifest lists no .metadata")
+    return manifest
+
+
 def read(path: str) -> dict:
     """Verify and load one checkpoint (on the CPU) without running anything in it.
 
-    A sharded checkpoint (a directory, bert.distributed_checkpoint) gives its ``state.pt``
-    with ``"sharded": path`` added: its tensors are read into the resuming run's layout by
-    ``distributed_checkpoint.load_tensors``.
+    A sharded checkpoint (a directory, bert.distributed_checkpoint) is checked against its
+    manifest and gives its ``state.pt`` with ``"sharded": path`` added: its tensors are read
+    into the resuming run's layout by ``distributed_checkpoint.load_tensors``.
     """
     if os.path.isdir(path):
-        from bert import distributed_checkpoint
-
-        state = distributed_checkpoint.read_state(path)
+        verify_dir(path)
+        state = read_file(os.path.join(path, STATE))
         if not isinstance(state, dict) or "counters" not in state:
             raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
         return {**state, "sharded": path}

@@ -17,6 +17,7 @@ from bert.checkpoint import CheckpointError
 from bert.config import BertConfig
 from bert.model import BertForPreTraining
 from bert.optim import Lamb, param_groups_for
+from fileio import file_digest
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,7 +56,7 @@ def rewrite_manifest(path):
         manifest = json.load(f)
     for name, entry in manifest["files"].items():
         entry["bytes"] = os.path.getsize(os.path.join(path, name))
-        entry["sha256"] = dc._sha256(os.path.join(path, name))
+        entry["sha256"] = file_digest(os.path.join(path, name), "sha256")
     with open(os.path.join(path, dc.MANIFEST), "w") as f:
         json.dump(manifest, f)
 
