@@ -89,3 +89,31 @@ def test_a_group_of_one_steps_as_the_unsharded_lamb():
     for p, q in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(local_shard(q), p, rtol=1e-6, atol=1e-7)
     assert optimizer_state_bytes(opt) == optimizer_state_bytes(ref_opt) > 0
+
+
+def test_the_device_skip_is_shared_by_the_sharded_lamb():
+    """step(found_inf=...) (bert.optim's device-side skip) on shards: a flagged step leaves the
+    shards, the moments and the step counts bitwise as they were; an unflagged one updates."""
+    from bert.config import BertConfig
+    from bert.model import BertForPreTraining
+    from bert.sharded_optim import local_shard
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=96), attention="padded")
+    optim = OptimSection(lr=1e-2, shard=1)
+    opt = build_sharded_lamb(optim, model, apply_sharding(model, optim, "fp32", 1, "cpu"))
+
+    def snapshot():
+        tensors = [local_shard(p).clone() for p in model.parameters()]
+        tensors += [local_shard(v).clone() for s in opt.state.values() for v in s.values()]
+        return tensors, [float(g.get("step", 0)) for g in opt.param_groups]
+
+    for step, skip in enumerate([False, True, False]):
+        for p in model.parameters():
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            p.grad = torch.distributed.tensor.DTensor.from_local(g, p.device_mesh, p.placements)
+        before = snapshot()
+        opt.step(found_inf=torch.tensor(skip))
+        after = snapshot()
+        same = all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and before[1] == after[1]
+        assert same == skip, step
