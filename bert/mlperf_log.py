@@ -58,6 +58,8 @@ DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 SUBMISSION_STATUSES = ("onprem", "cloud", "research", "preview")  # log values, as in NVIDIA's logs
 BENCHMARK = C.BERT
+# The values the rules accept for lowest_numerical_precision_in_* that this trainer can produce.
+PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")
 
 # The logger's frames between the trainer's call and mllog's caller lookup (public method ->
 # _emit -> MLLogger.event/start/end), so each line's metadata "file"/"lineno" name the
@@ -245,6 +247,20 @@ class MLPerfLogger:
             (C.OPT_LAMB_LR_DECAY_POLY_POWER, _float(C.OPT_LAMB_LR_DECAY_POLY_POWER, poly_power)),
         ]
         for key, value in values:
+            self._emit("event", key, value)
+
+    def precision(self, *, linear: str, attention: str) -> None:
+        """Logs the lowest numerical precision of the linear layers' and attention's math.
+
+        The keys (``lowest_numerical_precision_in_linear`` / ``_in_attn``) are in the mllog
+        constants and the rules from training 6.0; ruleset 5.0.0's checker passes keys it does
+        not know, so BERT's logs carry them too. Values: MLPerf's names (``fp8``,
+        ``bfloat16``, ``fp16``, ``fp32``).
+        """
+        self._expect("precision", (_INIT,), once=True)
+        for key, value in ((C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, linear), (C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, attention)):
+            if value not in PRECISIONS:
+                raise ValueError(f"MLPerf log: {key} must be one of {list(PRECISIONS)}, got {value!r}")
             self._emit("event", key, value)
 
     def init_stop(self) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert import train_checkpoint
+from bert import fp8, train_checkpoint
 from bert.checkpoint import CheckpointError, load_pretrained
 from bert.clipping import AdaGC, clip_global_
 from bert.collectives import Collectives
@@ -200,8 +200,13 @@ class Trainer:
             else None
         )
         self.model = BertForPreTraining(
-            self.model_config, attention=cfg.model.attention, fused_ops=cfg.model.fused_ops, attention_options=options
+            self.model_config,
+            attention=cfg.model.attention,
+            fused_ops=cfg.model.fused_ops,
+            attention_options=options,
+            bias_gelu=cfg.model.bias_gelu,
         )
+        fp8.convert_encoder(self.model, t.fp8, t.fp8_impl, self.device)
         if cfg.checkpoint.init:
             load_pretrained(self.model, cfg.checkpoint.init)
         self.model.to(self.device)
@@ -488,6 +493,9 @@ class Trainer:
             start_warmup_step=o.start_warmup_step,
             train_steps=o.total_steps or t.max_steps,
             poly_power=o.poly_power,
+        )
+        self.mllog.precision(
+            linear=fp8.mlperf_precision(t.fp8, t.precision), attention=fp8.mlperf_precision("off", t.precision)
         )
 
     def _log_start(self) -> None:
