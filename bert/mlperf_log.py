@@ -258,7 +258,10 @@ class MLPerfLogger:
         ``bfloat16``, ``fp16``, ``fp32``).
         """
         self._expect("precision", (_INIT,), once=True)
-        for key, value in ((C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, linear), (C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, attention)):
+        for key, value in (
+            (C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, linear),
+            (C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, attention),
+        ):
             if value not in PRECISIONS:
                 raise ValueError(f"MLPerf log: {key} must be one of {list(PRECISIONS)}, got {value!r}")
             self._emit("event", key, value)

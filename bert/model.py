@@ -151,7 +151,9 @@ class BertForPreTraining(nn.Module):
         attention_fn = get_backend(attention, **(attention_options or {}))
         c = config.hidden_size
         self.embeddings = BertEmbeddings(config)
-        self.layers = nn.ModuleList(BertLayer(config, attention_fn, fused_ops, bias_gelu) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            BertLayer(config, attention_fn, fused_ops, bias_gelu) for _ in range(config.num_hidden_layers)
+        )
         self.pooler = nn.Linear(c, c)
         self.mlm_transform = nn.Linear(c, c)
         self.mlm_norm = nn.LayerNorm(c, eps=config.layer_norm_eps)

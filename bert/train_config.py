@@ -489,8 +489,7 @@ def check_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("data.backend: the packed layout collates with 'torch' only")
     if cfg.train.fp8 != "off" and cfg.model.bias_gelu == "epilogue":
         raise ConfigError(
-            "model.bias_gelu: epilogue is a bf16/fp32 GEMM; with train.fp8 the FFN-in GEMM is FP8 "
-            "(use triton or eager)"
+            "model.bias_gelu: epilogue is a bf16/fp32 GEMM; with train.fp8 the FFN-in GEMM is FP8 (use triton or eager)"
         )
     if cfg.log.division == "closed":
         check_closed_division(cfg)

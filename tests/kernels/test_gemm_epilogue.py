@@ -112,3 +112,23 @@ def test_model_layers_agree_across_implementations(impl):
         out[name] = (logits.detach(), model.layers[0].ffn_in.weight.grad)
     torch.testing.assert_close(out[impl][0], out["eager"][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[impl][1], out["eager"][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_on_the_gpu_within_twice_pytorchs_error(impl):
+    """cuBLASLt's GELU epilogue (and the compiled Triton kernel) at BERT-large's FFN-in width."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kernels.runtime import triton_interpreted
+
+    if impl == "triton" and triton_interpreted():
+        pytest.skip("Triton runs in interpreter mode in this process; set TRITON_INTERPRET=0")
+    x, w, b, dy = (t.cuda() for t in inputs(1001, 1024, 4096, seed=7))
+    ref = run(linear_bias_gelu_reference, x, w, b, dy, torch.float32)
+    base = run(eager, x, w, b, dy, torch.bfloat16)
+    got = run(IMPLS[impl], x, w, b, dy, torch.bfloat16)
+    gap = TANH_GAP if impl == "epilogue" and epilogue_gelu(x.device) == "tanh" else 0.0
+    for name, g, p, r in zip(("y", "dx", "dw", "db"), got, base, ref):
+        err, allowed = (g - r).abs().max().item(), 2 * (p - r).abs().max().item() + gap * r.abs().max().item()
+        assert err <= allowed, f"{impl} {name}: max error {err:.3g} > {allowed:.3g}"
