@@ -32,14 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-from bert.metrics import atomic_write_text  # noqa: E402
+from fileio import write_text
 
 RECIPES = ("off", "tensorwise", "rowwise")
 # Norm-wise relative error of an FP8 GEMM against fp32 (tests/bert/test_fp8.py states why).
@@ -241,7 +238,7 @@ def main(argv=None) -> int:
         print(f"{name}: {json.dumps(report['results'][name], indent=1)}")
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(Path(args.json), json.dumps(report, indent=1))
+            write_text(Path(args.json), json.dumps(report, indent=1))
     ok = ok and "mismatch" not in json.dumps(report["results"])
     return 0 if ok else 1
 

@@ -32,14 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bench.lengths import LengthSampler, LengthsError  # noqa: E402
+from bench.lengths import LengthSampler, LengthsError
 
 DEFAULT_VARIANTS = (
     "unpadded:triton_grouped+fused",
@@ -129,6 +126,7 @@ def run_variant(variant, config, batches, args, device, fp8: str = "off"):
     from bert.fp8 import convert_encoder
     from bert.model import BertForPreTraining
     from bert.optim import build_optimizer
+    from bert.train_config import OptimSection
     from data.batch import pad
 
     backend, fused, layout = parse_variant(variant)
@@ -136,7 +134,7 @@ def run_variant(variant, config, batches, args, device, fp8: str = "off"):
         model = BertForPreTraining(config, attention=backend, fused_ops=fused)
     convert_encoder(model, fp8, device=device)
     model.train()
-    optimizer = build_optimizer(args.optimizer, model, lr=4.25e-4)
+    optimizer = build_optimizer(OptimSection(name=args.optimizer, lr=4.25e-4), model)
     convert = {"padded": lambda b: pad(b, 512), "packed": to_packed, "unpadded": lambda b: b}[layout]
     inputs = [convert(b).to(device) for b in batches]
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -175,10 +173,10 @@ def run_variant(variant, config, batches, args, device, fp8: str = "off"):
 
 def write_report(report: dict, path: str | None) -> None:
     if path:
-        from bert.metrics import atomic_write_text
+        from fileio import write_text
 
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(Path(path), json.dumps(report, indent=1))
+        write_text(Path(path), json.dumps(report, indent=1))
 
 
 def main(argv=None) -> int:

@@ -49,11 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from kernels.attention import BackendUnavailable, Layout, PackedLayout  # noqa: E402
-from kernels.runtime import seeded_op_tags  # noqa: E402
+from fileio import write_text
+from kernels.attention import BackendUnavailable, Layout, PackedLayout
+from kernels.runtime import seeded_op_tags
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
@@ -830,10 +828,7 @@ def _main(argv=None) -> int:
             f"shared {r['shared_bytes']}B{extra}"
         )
     if args.json:
-        path = Path(args.json)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(records, indent=1))
-        tmp.replace(path)
+        write_text(args.json, json.dumps(records, indent=1))
     bad = [r for r in records if r["shared_bytes"] > MAX_SHARED]
     if bad:
         print(

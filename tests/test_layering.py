@@ -8,7 +8,9 @@ any package in a LOWER layer, never one in its own layer or above. So:
 - ``bert/`` (the model, trainer, logging) may import ``kernels``, ``data``, ``launch``;
 - ``kernels/``, ``data/`` and ``launch/`` form the bottom layer and import NONE of each
   other: the attention interface lives in ``kernels``, batch types in ``data``, process
-  setup in ``launch``, and the code that needs two of them lives in ``bert`` or above.
+  setup in ``launch``, and the code that needs two of them lives in ``bert`` or above;
+- ``fileio/`` (files published whole, streamed digests) lies below them all and imports
+  nothing of the project, so every package can publish its files through it.
 
 Every import statement counts, wherever it is (lazy imports inside functions included), as do
 ``__import__("pkg.mod")`` and ``importlib.import_module("pkg.mod")`` with a literal name.
@@ -34,6 +36,7 @@ LAYERS = {
     "kernels": 0,
     "data": 0,
     "launch": 0,
+    "fileio": -1,
 }
 
 # module path -> top-level modules it must not import at all (beyond the layer rule).
