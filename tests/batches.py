@@ -97,10 +97,10 @@ def write_dataset(
 def write_learnable_dataset(
     root, num_files: int = 4, per_file: int = 64, eval_samples: int = 200, vocab_size: int = 96, seq_len: int = 64
 ):
-    """Like ``write_dataset``, but masked-LM accuracy can rise: each sequence is an arithmetic
-    progression (start and stride 1-3 drawn per sequence) over the ids 5..vocab_size-1, and each
-    masked position holds [MASK] (id 4) with the true id as its label, so a model that learns
-    to read the neighbours predicts it. Returns (train_dir, eval_file)."""
+    """Like ``write_dataset``, but masked-LM accuracy can rise: each sequence repeats a motif
+    of 1 to 3 random ids from 5..vocab_size-1, and each masked position holds [MASK] (id 4)
+    with the true id as its label, so a model that learns to copy the token one period away
+    predicts it. Returns (train_dir, eval_file)."""
     import os
 
     def write(path, n, seed):
@@ -109,8 +109,8 @@ def write_learnable_dataset(
         span = vocab_size - 5
         for i in range(n):
             length = int(a["input_mask"][i].sum())
-            start, stride = rng.integers(0, span), rng.integers(1, 4)
-            a["input_ids"][i, :length] = 5 + (start + stride * np.arange(length)) % span
+            motif = 5 + rng.integers(0, span, rng.integers(1, 4))
+            a["input_ids"][i, :length] = np.resize(motif, length)
             k = int((a["masked_lm_positions"][i] > 0).sum())
             pos = a["masked_lm_positions"][i, :k]
             a["masked_lm_ids"][i, :k] = a["input_ids"][i, pos]
