@@ -77,18 +77,25 @@ def _leaves(shapes, dtype, device, seed):
 
 def bench_ffn_in(args, gpu: bool) -> dict:
     rows, c, i = (args.rows, 1024, 4096) if gpu else (37, 48, 96)
-    dtype, device = (torch.bfloat16, "cuda") if gpu else (torch.float32, "cpu")
-    x, w, b, dy = _leaves([(rows, c), (i, c), (i,), (rows, i)], dtype, device, 0)
+    device = "cuda" if gpu else "cpu"
+    # As in the model under bf16 autocast: bf16 activations, fp32 parameters.
+    x, w, b, dy = _leaves([(rows, c), (i, c), (i,), (rows, i)], torch.float32, device, 0)
+    x, dy = x.to(torch.bfloat16 if gpu else torch.float32), dy.to(torch.bfloat16 if gpu else torch.float32)
     x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=gpu)
     results = {}
     ref = None
-    for name, fn in ffn_in_impls().items():
+    for name, impl in ffn_in_impls().items():
+
+        def fn(x, w, b, impl=impl):
+            with amp:
+                return impl(x, w, b)
 
         def fwd_bwd(fn=fn):
             for t in (x, w, b):
                 t.grad = None
             y = fn(x, w, b)
-            y.backward(dy)
+            y.backward(dy.to(y.dtype))
             return y
 
         if gpu:

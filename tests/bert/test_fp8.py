@@ -25,7 +25,7 @@ from bert.train_config import ConfigError, load_config
 from bert.trainer import Trainer
 from launch.distributed import init_distributed
 from tests.batches import random_batch, write_learnable_dataset
-from tests.bert.test_trainer import losses, overrides, run_in_process
+from tests.bert.test_trainer import dataset, losses, overrides, run_in_process  # noqa: F401 (a fixture)
 
 BOUND = {"y": 0.06, "dx": 0.10, "dw": 0.10}
 SHAPES = [(1, 16, 32), (37, 48, 80), (97, 128, 384), (511, 64, 16)]  # (N tokens, C in, O out); N never 16-aligned
@@ -140,6 +140,21 @@ def test_fp8_is_allowed_in_the_closed_division(recipe):
     assert cfg.log.division == "closed" and cfg.train.fp8 == recipe
 
 
+def test_a_model_fp8_cannot_run_is_a_one_line_config_error(dataset, tmp_path):  # noqa: F811
+    from tests.bert.test_trainer import cli
+
+    config = {"vocab_size": 96, "hidden_size": 40, "num_hidden_layers": 1, "num_attention_heads": 2}
+    (tmp_path / "bert_config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
+    r = cli(
+        "--output-dir",
+        str(tmp_path / "out"),
+        *overrides(dataset, "train.fp8=tensorwise", f"model.config_file={tmp_path / 'bert_config.json'}"),
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "train.fp8: layers.0.qkv is 40 -> 120; FP8 GEMMs need both sizes to be multiples of 16" in r.stderr
+
+
 def test_mlperf_precision_names():
     assert fp8.mlperf_precision("tensorwise", "bf16") == "fp8"
     assert fp8.mlperf_precision("off", "bf16") == "bfloat16"
@@ -151,7 +166,7 @@ def learnable(tmp_path_factory):
     return write_learnable_dataset(str(tmp_path_factory.mktemp("learnable")))
 
 
-def test_fp8_run_logs_its_precision_and_exports_the_weights_it_trained(learnable, tmp_path):
+def test_fp8_run_logs_its_precision_and_exports_the_weights_it_trained(dataset, tmp_path):  # noqa: F811
     from bert.checkpoint import load_pretrained
     from bert.export import export_run
     from tests.bert.test_export import write_vocab
@@ -160,7 +175,7 @@ def test_fp8_run_logs_its_precision_and_exports_the_weights_it_trained(learnable
     cfg = load_config(
         None,
         overrides(
-            learnable, "train.max_steps=3", "train.fp8=tensorwise", "checkpoint.at_end=true", f"data.vocab_file={vocab}"
+            dataset, "train.max_steps=3", "train.fp8=tensorwise", "checkpoint.at_end=true", f"data.vocab_file={vocab}"
         ),
     )
     trainer = Trainer(cfg, str(tmp_path / "run"), init_distributed(backend="gloo"))
