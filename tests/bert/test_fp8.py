@@ -216,7 +216,8 @@ DEMO_300 = [
 def test_300_steps_of_fp8_match_bf16(learnable, tmp_path):
     bf16 = run_in_process(learnable, tmp_path / "bf16", *DEMO_300)
     ours = run_in_process(learnable, tmp_path / "fp8", *DEMO_300, "train.fp8=tensorwise")
-    assert bf16["eval_accuracy"] > 0.3  # the model learned something, so the comparison means something
+    # Chance is 1/91 (0.011, also the accuracy after 100 steps); bf16 reached 0.140 when written.
+    assert bf16["eval_accuracy"] > 0.1  # the model learned, so the comparison means something
     assert abs(ours["eval_accuracy"] - bf16["eval_accuracy"]) <= 0.01
     final_bf16, final_fp8 = losses(tmp_path / "bf16")[-1], losses(tmp_path / "fp8")[-1]
     assert abs(final_fp8 - final_bf16) <= 0.02 * final_bf16
