@@ -52,7 +52,8 @@ import torch
 
 from bert.config import PRESETS, BertConfig
 from fileio import publishing, write_text
-from kernels.attention import BackendUnavailable, backend_names, get_backend
+from kernels.interface import BackendUnavailable
+from kernels.registry import backend_names, get_backend
 
 REPO = Path(__file__).resolve().parents[1]
 
