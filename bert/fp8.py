@@ -33,6 +33,7 @@ Shape legend as in ``bert.model``: N tokens, C in features, O out features.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -124,10 +125,7 @@ def float8_config(recipe: str):
         raise ConfigError(f"train.fp8: {recipe!r} is not one of {['off', *RECIPES]}")
     ao_float8, _, _ = _torchao()
     base = ao_float8.Float8LinearConfig.from_recipe_name(recipe)
-    # The config is a frozen dataclass; dataclasses.replace would rerun __post_init__ on
-    # already-filled fields, which it allows.
-    import dataclasses
-
+    # A frozen dataclass: replace() reruns __post_init__, which accepts its already-filled fields.
     return dataclasses.replace(base, pad_inner_dim=True)
 
 

@@ -119,6 +119,18 @@ def test_bf16_autocast_on_the_cpu_reaches_the_fp8_layers():
         assert wrapped.layers[0](torch.randn(5, 48)).dtype == torch.bfloat16
 
 
+def test_an_fp8_layer_compiles_to_one_graph_under_autocast():
+    wrapped = OneLayer(48, 80)
+    fp8.convert_encoder(wrapped, "tensorwise")
+    compiled = torch.compile(wrapped.layers[0], backend="aot_eager", fullgraph=True)  # a graph break would raise
+    x = torch.randn(37, 48, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = compiled(x), wrapped.layers[0](x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    got.float().sum().backward()
+    assert x.grad.shape == x.shape
+
+
 def test_sizes_fp8_cannot_run_and_bad_choices_are_config_errors():
     with pytest.raises(ConfigError, match=r"layers.0 is 40 -> 80; FP8 GEMMs need both sizes to be multiples of 16"):
         fp8.convert_encoder(OneLayer(40, 80), "tensorwise")
