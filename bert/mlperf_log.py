@@ -284,13 +284,12 @@ class MLPerfLogger:
         not know, so BERT's logs carry them too. Values: MLPerf's names (``fp8``,
         ``bfloat16``, ``fp16``, ``fp32``).
         """
-        self._expect("precision", (_INIT,), once=True)
-        for key, value in (
-            (C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, linear),
-            (C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, attention),
-        ):
+        values = ((C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, linear), (C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, attention))
+        for key, value in values:  # checked before anything is written: a refused call logs nothing
             if value not in PRECISIONS:
                 raise ValueError(f"MLPerf log: {key} must be one of {list(PRECISIONS)}, got {value!r}")
+        self._expect("precision", (_INIT,), once=True)
+        for key, value in values:
             self._emit("event", key, value)
 
     def init_stop(self) -> None:

@@ -184,6 +184,21 @@ def test_a_model_fp8_cannot_run_is_a_one_line_config_error(dataset, tmp_path):  
     assert "train.fp8: layers.0.qkv is 40 -> 120; FP8 GEMMs need both sizes to be multiples of 16" in r.stderr
 
 
+def test_the_mlperf_log_takes_the_rules_precision_names_once(tmp_path):
+    from bert.mlperf_log import MLPerfLogger
+
+    log = MLPerfLogger(tmp_path / "mlperf.log", 0, "open", submitter="tests", platform="1xCPU")
+    log.init_start()
+    with pytest.raises(ValueError, match="lowest_numerical_precision_in_linear must be one of"):
+        log.precision(linear="e4m3", attention="bfloat16")
+    log.precision(linear="fp8", attention="bfloat16")  # the refused call logged nothing
+    with pytest.raises(RuntimeError, match="precision was already logged"):
+        log.precision(linear="fp8", attention="bfloat16")
+    log.close()
+    logged = [json.loads(line.split(":::MLLOG ", 1)[1])["key"] for line in open(tmp_path / "mlperf.log")]
+    assert logged.count("lowest_numerical_precision_in_linear") == 1
+
+
 def test_mlperf_precision_names():
     assert fp8.mlperf_precision("tensorwise", "bf16") == "fp8"
     assert fp8.mlperf_precision("off", "bf16") == "bfloat16"
