@@ -41,7 +41,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-GOALS = {"optimizer_step": 0.35, "state_bytes": 0.26, "whole_step": 1.02}
+GOALS = {"optimizer_step": 0.35, "state_bytes": 0.26, "whole_step": 1.02}  # the issue's, at 4 and 2 CPU ranks
+# One rank (one GPU: a group of 1): the sharded path must be no slower than the unsharded one.
+GOALS_ONE_RANK = {"optimizer_step": 1.0, "state_bytes": 1.0, "whole_step": 1.0}
 DEVICE, PRECISION = "cpu", "fp32"  # --device, --precision (set in main, for the workers)
 
 
@@ -213,9 +215,11 @@ def _gradient_collectives(numel: int, reps: int) -> dict:
     return out
 
 
-def _launch(part: str, ranks: int, args) -> dict:
+def _launch(parts: list[str], ranks: int, args) -> dict:
+    """Run ``parts`` one after another in one launch of ``ranks`` ranks; {part: its result}."""
+    part = ",".join(parts)
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, f"{part}.json")
+        path = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone"]
         cmd += [os.path.abspath(__file__), "--worker", part, "--out", path, "--preset", args.preset]
         cmd += ["--vocab", str(args.vocab), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -266,7 +270,8 @@ def main(argv=None) -> int:
     if args.worker:
         torch.set_num_threads(args.threads)
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        result = {"optimizer": worker_optimizer, "clipping": worker_clipping, "step": worker_step}[args.worker](args)
+        workers = {"optimizer": worker_optimizer, "clipping": worker_clipping, "step": worker_step}
+        result = {part: workers[part](args) for part in args.worker.split(",")}
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:
                 json.dump(result, f)
@@ -278,12 +283,17 @@ def main(argv=None) -> int:
     if set(parts) - {"optimizer", "clipping", "step"} or "optimizer" not in parts or "step" not in parts:
         print(f"error: --parts: optimizer and step, and optionally clipping; got {args.parts!r}")
         return 2
-    opt = _launch("optimizer", args.ranks, args)
-    clip = _launch("clipping", args.ranks, args) if "clipping" in parts else None
-    step = _launch("step", args.step_ranks, args)
+    # Starting ranks costs seconds: parts on the same number of ranks share one launch.
+    on_ranks = ["optimizer"] + (["clipping"] if "clipping" in parts else [])
+    if args.step_ranks == args.ranks:
+        results = _launch([*on_ranks, "step"], args.ranks, args)
+    else:
+        results = {**_launch(on_ranks, args.ranks, args), **_launch(["step"], args.step_ranks, args)}
+    opt, clip, step = results["optimizer"], results.get("clipping"), results["step"]
     r_step = statistics.median(opt["sharded"]["step_ms"]) / statistics.median(opt["unsharded"]["step_ms"])
     r_state = max(opt["sharded"]["state_bytes"]) / max(opt["unsharded"]["state_bytes"])
     r_whole = statistics.median(step["sharded"]["step_ms"]) / statistics.median(step["unsharded"]["step_ms"])
+    goals = GOALS_ONE_RANK if args.ranks == 1 and args.step_ranks == 1 else GOALS
     rows = [
         (
             f"optimizer step per rank, {args.ranks} ranks",
@@ -308,11 +318,12 @@ def main(argv=None) -> int:
         ),
     ]
     shapes = f"{args.preset} shapes (vocab {args.vocab})"
-    print(f"sharded LAMB vs unsharded, {shapes}, gloo CPU ranks, {args.threads} thread(s) each")
+    where = "NCCL, one GPU per rank" if args.device == "cuda" else f"gloo CPU ranks, {args.threads} thread(s) each"
+    print(f"sharded LAMB vs unsharded, {shapes}, {where}")
     print(f"{'measure':44s} {'unsharded':>12s} {'sharded':>12s} {'ratio':>7s} {'goal':>7s}")
     for label, a, b, ratio, goal in rows:
-        ok = "met" if ratio <= GOALS[goal] else "MISSED"
-        goal_text = f"<={GOALS[goal]}"
+        ok = "met" if ratio <= goals[goal] else "MISSED"
+        goal_text = f"<={goals[goal]}"
         a, b = statistics.median(a), statistics.median(b)
         print(f"{label:44s} {a:12.1f} {b:12.1f} {ratio:7.3f} {goal_text:>7s} {ok}")
     per_tensor = statistics.median(opt["unsharded"]["step_ms"]) / opt["tensors"]
@@ -334,7 +345,7 @@ def main(argv=None) -> int:
         "clipping": clip,
         "step": step,
         "ratios": {"optimizer_step": r_step, "state_bytes": r_state, "whole_step": r_whole},
-        "goals": GOALS,
+        "goals": goals,
     }
     if args.json:
         tmp = args.json + ".tmp"
