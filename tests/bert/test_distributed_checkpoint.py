@@ -8,7 +8,6 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from bert import distributed_checkpoint as dc
@@ -19,15 +18,7 @@ from bert.model import BertForPreTraining
 from bert.optim import Lamb, param_groups_for
 from fileio import file_digest
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def model_and_optimizer(seed: int):

@@ -7,21 +7,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from bert.sharded_optim import apply_sharding, build_sharded_lamb, optimizer_state_bytes, shard_group_size
 from bert.train_config import ConfigError, OptimSection, load_config
 from tests.bert.test_closed_division import CLOSED
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 @pytest.mark.parametrize(
