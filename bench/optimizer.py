@@ -275,9 +275,13 @@ def main(argv=None) -> int:
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:
                 json.dump(result, f)
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
+        dist.barrier()  # every rank is done with its peers
+        # No teardown (process group, interpreter), as run_pretraining.py skips the
+        # interpreter's: gloo sometimes aborts in it ("terminate called without an active
+        # exception") after the results are written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     parts = args.parts.split(",")
     if set(parts) - {"optimizer", "clipping", "step"} or "optimizer" not in parts or "step" not in parts:

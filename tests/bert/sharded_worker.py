@@ -56,8 +56,13 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
-    dist.barrier()  # no rank tears gloo down while a peer still sends
-    dist.destroy_process_group()
+    dist.barrier()  # every rank is done with its peers
+    # No teardown (process group, interpreter), as run_pretraining.py skips the interpreter's:
+    # gloo sometimes aborts in it ("terminate called without an active exception") after
+    # everything is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(shard: str, clip: str, grad_accum: int, steps: int, preset: str) -> dict:
