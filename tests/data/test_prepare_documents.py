@@ -372,3 +372,17 @@ def test_a_file_contradicting_its_next_sentence_attribute_is_refused(prepared, t
         del h.attrs["next_sentence"]
     with pytest.raises(DataError, match="missing key 'next_sentence_labels' \\(varlength layout\\)"):
         inspect(f)
+
+
+def test_convert_keeps_a_masked_lm_only_file_so(prepared, tmp_path):
+    from data.convert import convert_file
+
+    _, out, _ = prepared
+    src = sorted((out / "train").glob("*.hdf5"))[0]
+    n = convert_file(src, tmp_path / "p.hdf5", "packed")
+    info = inspect(tmp_path / "p.hdf5")
+    assert info.num_samples == n and not info.next_sentence and info.vocab_size == len(VOCAB)
+    assert Counter(_originals(read_file(tmp_path / "p.hdf5"))) == Counter(_originals(read_file(src)))
+    with pytest.raises(DataError, match="the fixed layout needs next_sentence_labels"):
+        convert_file(src, tmp_path / "f.hdf5", "fixed")
+    assert not (tmp_path / "f.hdf5").exists()
