@@ -659,6 +659,17 @@ def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
+def _write_vlen(ds, pieces: np.ndarray) -> None:
+    """Write an (n,) object array of 1-D arrays into an (n,) variable-length dataset. h5py
+    turns pieces that all have the same length into one 2-D array, which does not fit the
+    dataset (e.g. every sample with the same masked count), so those are written one by one."""
+    if len(pieces) > 1 and len({len(p) for p in pieces}) == 1:
+        for i, piece in enumerate(pieces):
+            ds[i] = piece
+    else:
+        ds[...] = pieces
+
+
 def id_dtype(vocab_size: int | None) -> type:
     """How token ids are stored: MLPerf's int16, or int32 for a vocabulary int16 cannot index."""
     return np.int32 if vocab_size is not None and vocab_size > np.iinfo(np.int16).max + 1 else np.int16
@@ -700,7 +711,7 @@ def write_varlength(
         ):
             ds = f.create_dataset(key, (n,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
             if n:
-                ds[...] = _split(flat, cnt, dtype)
+                _write_vlen(ds, _split(flat, cnt, dtype))
         if next_sentence:
             _dataset(f, "next_sentence_labels", block.nsp_labels.astype(np.int8))
         _write_extras(f, next_sentence, vocab_size)
@@ -757,7 +768,7 @@ def write_packed(
             dtype = dtypes[key]
             ds = f.create_dataset(key, (num_packs,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
             if num_packs:
-                ds[...] = _split(np.asarray(flat), cnt, dtype)
+                _write_vlen(ds, _split(np.asarray(flat), cnt, dtype))
         f.attrs["max_seq_length"] = np.int32(max_seq_length)
         if max_predictions is not None:
             f.attrs["max_predictions"] = np.int32(max_predictions)

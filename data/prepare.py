@@ -140,6 +140,12 @@ class PrepareConfig:
     max_seq_length: int = option(512, help="tokens per sample, [CLS] and [SEP]s included")
     max_predictions: int = option(76, help="max_predictions_per_seq")
     masked_lm_prob: float = option(0.15, help="share of tokens to predict")
+    eval_masked_lm_prob: float | None = option(
+        None,
+        reference=False,
+        help="share of tokens to predict in the eval set (default: --masked-lm-prob; ModernBERT trains at 0.3 "
+        "and evaluates at 0.15)",
+    )
     short_seq_prob: float = option(0.1, help="chance of a shorter random target length")
     dupe_factor: int = option(10, help="passes over the text, each masked differently")
     seed: int = option(12345, help="fixes every random choice")
@@ -170,6 +176,11 @@ class PrepareConfig:
         need(5 <= self.max_seq_length <= 32767, "max_seq_length", "must lie in [5, 32767]")
         need(1 <= self.max_predictions <= self.max_seq_length, "max_predictions", "must lie in [1, max_seq_length]")
         need(0.0 < self.masked_lm_prob <= 1.0, "masked_lm_prob", "must lie in (0, 1]")
+        need(
+            self.eval_masked_lm_prob is None or 0.0 < self.eval_masked_lm_prob <= 1.0,
+            "eval_masked_lm_prob",
+            "must lie in (0, 1]",
+        )
         need(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", "must lie in [0, 1]")
         need(1 <= self.dupe_factor <= 255, "dupe_factor", "must lie in [1, 255]")
         need(self.seed >= 0, "seed", "must be >= 0")
@@ -778,7 +789,7 @@ def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
         p["len_a"][pick],
         p["nsp"][pick],
         np.random.default_rng([cfg.seed, 3]),
-        cfg.masked_lm_prob,
+        cfg.masked_lm_prob if cfg.eval_masked_lm_prob is None else cfg.eval_masked_lm_prob,
         cfg.max_predictions,
         len(vocab),
         vocab.mask_id,
@@ -802,7 +813,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         # Vocabulary: a copy of the given file, or one learnt from the input.
         vocab_tmp = tmp_path / VOCAB_FILES[cfg.tokenizer is not None]
         if cfg.vocab_source is not None:
-            vocab, _ = load_tokenizer(cfg.vocab_source)
+            vocab, _ = load_tokenizer(cfg.vocab_source, is_json=cfg.tokenizer is not None)
             shutil.copyfile(cfg.vocab_source, vocab_tmp)
         else:
             sentences = progress(iter_sentences(files, cfg.input_format), desc="vocabulary", unit=" sentences")

@@ -105,13 +105,14 @@ def load_vocab(path: str | os.PathLike) -> Vocab:
     return Vocab(tokens, str(path))
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """(Vocab, tokenizers.Tokenizer) of a ``tokenizers`` JSON (``*.json``) or a WordPiece vocab.txt.
+def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
+    """(Vocab, tokenizers.Tokenizer) of a ``tokenizers`` JSON or a WordPiece vocab.txt
+    (``is_json``; None: a JSON when the name ends in ``.json``).
 
     A JSON's vocabulary (added tokens included) must number its entries 0..V-1 without gaps,
     so that ``len(vocab)`` bounds every id the tokenizer can produce."""
     path = Path(path)
-    if path.suffix != ".json":
+    if not (path.suffix == ".json" if is_json is None else is_json):
         vocab = load_vocab(path)
         return vocab, make_tokenizer(vocab)
     from tokenizers import Tokenizer

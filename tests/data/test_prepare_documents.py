@@ -181,10 +181,17 @@ def test_packed_layout_holds_the_same_samples(prepared, tmp_path):
 def test_eval_set_from_held_out_documents(prepared, tmp_path):
     src = Path(prepared[1]).parent / "docs.txt"
     out = tmp_path / "o"
-    m = prepare(_config(src, out, eval_samples=6, dupe_factor=1), log=lambda m: None).manifest
+    m = prepare(_config(src, out, eval_samples=6, dupe_factor=1, eval_masked_lm_prob=0.15), log=lambda m: None)
     ev = read_file(out / "eval" / "part_eval_10k.hdf5", vocab_size=len(VOCAB))
-    assert len(ev) == 6 and (ev.nsp_labels == 0).all() and m["eval"]["samples"] == 6
+    assert len(ev) == 6 and (ev.nsp_labels == 0).all() and m.manifest["eval"]["samples"] == 6
     assert not inspect(out / "eval" / "part_eval_10k.hdf5").next_sentence
+    # trained at 0.3 (the shards), evaluated at 0.15
+    want = np.minimum(np.maximum(1, np.rint(ev.seq_lens * 0.15)), ev.seq_lens - 2)
+    assert np.array_equal(ev.masked_counts, want) and m.manifest["parameters"]["eval_masked_lm_prob"] == 0.15
+    train = _samples(out)
+    assert np.array_equal(
+        train.masked_counts, np.minimum(np.maximum(1, np.rint(train.seq_lens * 0.3)), train.seq_lens - 2)
+    )
 
 
 def _bpe_json(path: Path, texts: list[str]) -> Path:
@@ -210,7 +217,7 @@ def test_bpe_tokenizer_json(tmp_path):
     ] * 3
     src = tmp_path / "prose.txt"
     src.write_text("\n\n".join("\n".join(d) for d in prose) + "\n")
-    tj = _bpe_json(tmp_path / "tokenizer.json", [" ".join(d) for d in prose])
+    tj = _bpe_json(tmp_path / "bpe.tok", [" ".join(d) for d in prose])  # --tokenizer: JSON whatever its name
     out = tmp_path / "o"
     m = prepare(_config(src, out, tokenizer=str(tj), dupe_factor=1), log=lambda m: None).manifest
     tok = Tokenizer.from_file(str(tj))
@@ -386,3 +393,22 @@ def test_convert_keeps_a_masked_lm_only_file_so(prepared, tmp_path):
     with pytest.raises(DataError, match="the fixed layout needs next_sentence_labels"):
         convert_file(src, tmp_path / "f.hdf5", "fixed")
     assert not (tmp_path / "f.hdf5").exists()
+
+
+@pytest.mark.parametrize("layout", ["varlength", "packed"])
+def test_samples_of_one_length_and_one_masked_count_are_written(tmp_path, layout):
+    """Every sample the same length (documents exactly the context) and the same masked count."""
+    from data.hdf5io import write_file
+
+    n, length = 4, 6
+    block = SampleBlock(
+        input_ids=np.tile(np.array([CLS, 7, 8, 9, 10, SEP], np.int32), n),
+        segment_ids=np.zeros(n * length, np.int8),
+        seq_lens=np.full(n, length, np.int32),
+        masked_positions=np.tile(np.array([1, 3], np.int32), n),
+        masked_ids=np.tile(np.array([7, 9], np.int32), n),
+        masked_counts=np.full(n, 2, np.int32),
+        nsp_labels=np.zeros(n, np.int8),
+    )
+    write_file(tmp_path / "f.hdf5", block, layout, length, 2, next_sentence=False)
+    assert read_file(tmp_path / "f.hdf5").equals(block)
