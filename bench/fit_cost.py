@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from data.rebalance_plan import Cost, check_cost, sample_costs
-from kernels.interface import VarlenLayout
+from kernels.interface import BackendUnavailable, VarlenLayout
 from kernels.registry import get_backend
 
 
@@ -147,14 +147,21 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.manual_seed(0)
-    layer = _Layer(args.hidden, args.heads, args.intermediate, args.gated, get_backend(args.attention))
+    try:
+        attention_fn = get_backend(args.attention)
+    except (BackendUnavailable, ValueError, KeyError) as e:
+        raise SystemExit(f"fit_cost: --attention {args.attention}: {e}") from None
+    layer = _Layer(args.hidden, args.heads, args.intermediate, args.gated, attention_fn)
     layer = layer.to(device=device, dtype=dtype)
     rows = []
-    for length in args.lengths:
-        count = max(1, args.tokens // length)
-        tg = time_layer(layer, length, count, None, args.repeats, dtype, device)
-        tl = time_layer(layer, length, count, args.window, args.repeats, dtype, device)
-        rows.append({"length": length, "sequences": count, "global_s": tg, "local_s": tl})
+    try:
+        for length in args.lengths:
+            count = max(1, args.tokens // length)
+            tg = time_layer(layer, length, count, None, args.repeats, dtype, device)
+            tl = time_layer(layer, length, count, args.window, args.repeats, dtype, device)
+            rows.append({"length": length, "sequences": count, "global_s": tg, "local_s": tl})
+    except BackendUnavailable as e:  # e.g. a backend that does not take the window
+        raise SystemExit(f"fit_cost: {e}") from None
     lengths = [r["length"] for r in rows]
     a1, b1, l1 = fit(lengths, [r["global_s"] for r in rows], [r["local_s"] for r in rows], args.window)
     global_layers = len(range(0, args.layers, args.global_every))

@@ -41,3 +41,8 @@ def test_a_tiny_run_prints_a_config_line_the_config_accepts(capsys, tmp_path):
     bl, w = local_part.split("=")[1].strip("[]").split(",")
     section = DataSection(rebalance_cost=(a, b), rebalance_cost_local=(float(bl), int(w)))
     assert max(section.rebalance_cost_tuple[:3]) > 0 and (tmp_path / "f.json").stat().st_size > 0
+
+
+def test_a_backend_that_cannot_run_is_one_line():
+    with pytest.raises(SystemExit, match="^fit_cost: --attention nope: model.attention: unknown backend 'nope'"):
+        fit_cost.main(["--attention", "nope", "--lengths", "8"])
