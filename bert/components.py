@@ -188,7 +188,7 @@ def build_rebalancer(data: DataSection, local_batch: int, timeout_s: float):
 
     return Rebalancer(
         data.rebalance,
-        data.rebalance_cost,
+        data.rebalance_cost_tuple,
         batch_size=local_batch,
         max_len=data.max_seq_length,
         timeout_s=timeout_s,

@@ -22,6 +22,7 @@ import yaml
 
 from bert.config import PRESETS, BertConfig
 from bert.config import ConfigError as BertConfigError
+from data.rebalance_plan import check_cost
 from kernels import registry
 from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
 
@@ -174,6 +175,11 @@ class DataSection:
         ("none", "stripe", "balanced"),
     )
     rebalance_cost: tuple[float, float] = opt((1.0, 1.0 / 6144), "(a, b) of the per-sample cost a*L + b*L^2")
+    rebalance_cost_local: tuple[float, int] = opt(
+        (0.0, 0),
+        "(b_local, window): the sliding-window layers' term b_local*L*min(L, window) of the cost "
+        "(python -m bench.fit_cost fits it with a and b; (0, 0): no local layers)",
+    )
     rebalance_group_size: int | None = opt(
         None, "hierarchical rebalancing in groups of this many ranks (e.g. GPUs per node, for thousands of ranks)"
     )
@@ -189,6 +195,17 @@ class DataSection:
         _check("data", self)
         _positive("data.max_seq_length", self.max_seq_length)
         _positive("data.max_predictions_per_seq", self.max_predictions_per_seq)
+        try:
+            check_cost(self.rebalance_cost_tuple)
+        except ValueError as e:
+            raise ConfigError(
+                f"data.rebalance_cost / data.rebalance_cost_local: {str(e).removeprefix('cost: ')}"
+            ) from None
+
+    @property
+    def rebalance_cost_tuple(self) -> tuple:
+        """(a, b, b_local, window): ``data.rebalance_plan.Cost``'s fields, from both config keys."""
+        return (*self.rebalance_cost, *self.rebalance_cost_local)
 
 
 @dataclass
