@@ -199,9 +199,33 @@ class TrainSection:
         "fix glibc's mmap threshold at 128 KiB: host memory stays flat over long CPU runs, "
         "but CPU training is ~1.5x slower (docs/reliability.md)",
     )
+    static_shapes: bool = opt(
+        False,
+        "pad each micro-batch's tokens and masked positions up to a bucket, with one extra "
+        "sequence no loss or count sees (data/static_shapes.py; unpadded layout only)",
+    )
+    static_token_bucket: int | str = opt(
+        "auto",
+        "the token bucket of train.static_shapes; auto: 2% of micro-batch x data.max_seq_length, "
+        "a multiple of 64 (about 2% padding, 15 shapes over MLPerf's 8-GPU recipe; docs/step.md)",
+    )
+    static_masked_bucket: int = opt(64, "the masked-position bucket of train.static_shapes")
+    cuda_graphs: bool = opt(
+        False,
+        "capture the encoder's forward and backward in a CUDA graph per shape bucket (CUDA only; "
+        "needs train.static_shapes and a graph-safe attention backend; docs/step.md)",
+    )
 
     def __post_init__(self):
         _check("train", self)
+        if isinstance(self.static_token_bucket, str):
+            if self.static_token_bucket != "auto":
+                raise ConfigError(
+                    f"train.static_token_bucket: expected a number of tokens or auto, got {self.static_token_bucket!r}"
+                )
+        else:
+            _positive("train.static_token_bucket", self.static_token_bucket)
+        _positive("train.static_masked_bucket", self.static_masked_bucket)
         for name in (
             "global_batch_size",
             "grad_accum_steps",
@@ -231,6 +255,11 @@ class EvalSection:
         "not an MLPerf eval_accuracy event): MLPerf's phase-1 checkpoint scores about "
         "0.34, which checks that it loaded right. Not in the closed division, where "
         "nothing may read the dataset before run_start",
+    )
+    cache_on_device: bool = opt(
+        False,
+        "collate the eval set once and keep its batches on the device (about 75 MB for "
+        "MLPerf's 10,000 samples; docs/step.md); accuracy is read once per evaluation either way",
     )
 
     def __post_init__(self):
@@ -462,6 +491,34 @@ def check_closed_division(cfg: RunConfig) -> None:
             raise ConfigError(f"debug.{name}: {why} trains without injected faults; leave it empty")
 
 
+# Attention backends whose launches read cu_seqlens on the device (a graph replays them with
+# new lengths); triton_grouped plans its groups from the lengths on the host, a plan a graph
+# would freeze, and the library backends size their launches on the host too.
+GRAPH_SAFE_ATTENTION = ("triton", "padded", "reference")
+
+
+def check_cuda_graphs(cfg: RunConfig) -> None:
+    """train.cuda_graphs: the combinations a CUDA graph can replay (raised before any work)."""
+    import torch
+
+    t = cfg.train
+    if t.device == "cpu" or not torch.cuda.is_available():
+        raise ConfigError("train.cuda_graphs: CUDA graphs need a CUDA device (train.device=cuda on a GPU)")
+    if not t.static_shapes:
+        raise ConfigError("train.cuda_graphs: a graph replays fixed shapes; set train.static_shapes=true")
+    if cfg.model.attention not in GRAPH_SAFE_ATTENTION:
+        raise ConfigError(
+            f"train.cuda_graphs: model.attention={cfg.model.attention!r} plans its launches on the host; "
+            f"use one of {list(GRAPH_SAFE_ATTENTION)}"
+        )
+    if cfg.model.compile:
+        raise ConfigError("train.cuda_graphs: model.compile captures its own graphs; use one of the two")
+    if cfg.loss.simreg_weight > 0:
+        raise ConfigError(
+            "train.cuda_graphs: SimReg sizes its blocks from the batch on the host; set loss.simreg_weight=0"
+        )
+
+
 def check_cross_fields(cfg: RunConfig) -> None:
     """Constraints between sections (raised before any work)."""
     layout, attention = cfg.data.layout, cfg.model.attention
@@ -473,6 +530,11 @@ def check_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("loss.simreg_weight: SimReg runs on the unpadded and packed layouts, not padded")
     if layout == "packed" and cfg.data.backend != "torch":
         raise ConfigError("data.backend: the packed layout collates with 'torch' only")
+    t = cfg.train
+    if t.static_shapes and layout != "unpadded":
+        raise ConfigError(f"train.static_shapes: pads unpadded batches; data.layout is {layout!r}")
+    if t.cuda_graphs:
+        check_cuda_graphs(cfg)
     if cfg.log.division == "closed":
         check_closed_division(cfg)
 
