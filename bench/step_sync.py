@@ -66,14 +66,16 @@ class Step:
         from bert.model import BertForPreTraining
         from bert.optim import build_optimizer
         from bert.schedule import PolyWarmupScheduler
+        from bert.train_config import OptimSection
 
         with torch.device(device):
             self.model = BertForPreTraining(config, attention=attention)
         self.model.train()
         if graphs:
             self.model.encoder_graphs = EncoderGraphs(self.model.layers, shapes.max_seqlen)
-        self.optimizer = build_optimizer("lamb", self.model, lr=4.25e-4)
-        self.schedule = PolyWarmupScheduler(self.optimizer, base_lr=4.25e-4, total_steps=10_000, device=device)
+        section = OptimSection(name="lamb", lr=4.25e-4)
+        self.optimizer = build_optimizer(section, self.model)
+        self.schedule = PolyWarmupScheduler(self.optimizer, section, max_steps=10_000, device=device)
         self.shapes, self.device, self.amp_dtype = shapes, device, amp_dtype
         self.graphs = graphs
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from bert.optim import Lamb, apex_lamb_available, build_optimizer, param_groups_for
 from bert.schedule import PolyWarmupScheduler, lr_at
+from bert.train_config import OptimSection
 
 
 class TinyNet(nn.Module):
@@ -179,20 +180,20 @@ def test_param_groups_on_the_bert_model():
 
 def test_build_optimizer_choices():
     model = TinyNet()
-    opt = build_optimizer("lamb", model, lr=1e-3, weight_decay=0.01)
+    opt = build_optimizer(OptimSection(name="lamb", lr=1e-3, weight_decay=0.01), model)
     assert type(opt) is Lamb and [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
-    opt = build_optimizer("adamw", model, lr=1e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1)
+    opt = build_optimizer(OptimSection(name="adamw", lr=1e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1), model)
     assert isinstance(opt, torch.optim.AdamW)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0] and opt.param_groups[0]["betas"] == (0.8, 0.99)
     with pytest.raises(ValueError, match="optim.name"):
-        build_optimizer("sgd", model, lr=1e-3)
+        build_optimizer(OptimSection(name="sgd", lr=1e-3), model)
     with pytest.raises(ValueError, match="optim.lr"):
-        build_optimizer("lamb", model, lr=-1.0)
+        build_optimizer(OptimSection(name="lamb", lr=-1.0), model)
     with pytest.raises(ValueError, match="optim.betas"):
-        build_optimizer("lamb", model, lr=1e-3, betas=(0.9, 1.0))
+        build_optimizer(OptimSection(name="lamb", lr=1e-3, betas=(0.9, 1.0)), model)
     if not (apex_lamb_available() and torch.cuda.is_available()):
         with pytest.raises(ValueError, match="optim.impl: 'apex'"):
-            build_optimizer("lamb", model, lr=1e-3, impl="apex")
+            build_optimizer(OptimSection(name="lamb", lr=1e-3), model, impl="apex")
 
 
 # ---- schedule -------------------------------------------------------------------------
@@ -220,8 +221,8 @@ def test_lr_hand_computed_values():
 
 def test_scheduler_drives_the_optimizer_and_resumes():
     model = TinyNet()
-    opt = build_optimizer("lamb", model, lr=1.0)
-    sched = PolyWarmupScheduler(opt, base_lr=4.0, total_steps=10, warmup_steps=4)
+    opt = build_optimizer(OptimSection(name="lamb", lr=1.0), model)
+    sched = PolyWarmupScheduler(opt, OptimSection(lr=4.0, warmup_steps=4), max_steps=10)
     seen = []
     for _ in range(6):
         seen.append([g["lr"] for g in opt.param_groups])
@@ -229,21 +230,25 @@ def test_scheduler_drives_the_optimizer_and_resumes():
     assert all(a == b for a, b in seen)  # every group gets the rate
     assert [a for a, _ in seen] == pytest.approx([0.0, 1.0, 2.0, 3.0, 2.4, 2.0])
     state = sched.state_dict()
-    other = PolyWarmupScheduler(build_optimizer("lamb", TinyNet(), lr=1.0), base_lr=4.0, total_steps=10, warmup_steps=4)
+    other = PolyWarmupScheduler(
+        build_optimizer(OptimSection(name="lamb", lr=1.0), TinyNet()),
+        OptimSection(lr=4.0, warmup_steps=4),
+        max_steps=10,
+    )
     other.load_state_dict(state)
     assert other.last_lr == sched.last_lr == pytest.approx(1.6)
     assert all(g["lr"] == pytest.approx(1.6) for g in other.optimizer.param_groups)
     with pytest.raises(ValueError, match="total_steps"):
-        PolyWarmupScheduler(opt, base_lr=1.0, total_steps=0)
+        PolyWarmupScheduler(opt, OptimSection(lr=1.0), max_steps=0)
     with pytest.raises(ValueError, match="warmup_steps"):
-        PolyWarmupScheduler(opt, base_lr=1.0, total_steps=5, warmup_steps=-1)
+        PolyWarmupScheduler(opt, OptimSection(lr=1.0, warmup_steps=-1), max_steps=5)
 
 
 # ---- the device-side skip (step(found_inf=...)) -----------------------------------------
 
 
 def _optimizer(name, model, lr=0.02):
-    return build_optimizer(name, model, lr=lr, weight_decay=0.01)
+    return build_optimizer(OptimSection(name=name, lr=lr, weight_decay=0.01), model)
 
 
 def _state(model, opt):
@@ -275,8 +280,9 @@ def test_found_inf_skips_bitwise_and_reads_nothing(name):
     model = TinyNet()
     twin = copy.deepcopy(model)
     opt, twin_opt = _optimizer(name, model), _optimizer(name, twin)
-    sched = PolyWarmupScheduler(opt, base_lr=0.02, total_steps=20, warmup_steps=2, device="cpu")
-    twin_sched = PolyWarmupScheduler(twin_opt, base_lr=0.02, total_steps=20, warmup_steps=2, device="cpu")
+    section = OptimSection(lr=0.02, total_steps=20, warmup_steps=2)
+    sched = PolyWarmupScheduler(opt, section, max_steps=20, device="cpu")
+    twin_sched = PolyWarmupScheduler(twin_opt, section, max_steps=20, device="cpu")
     skipped = 0
     for step in range(6):
         bad = step in (1, 3)
@@ -330,7 +336,7 @@ def test_adamw_device_path_matches_torch():
     a = TinyNet().double()
     b = copy.deepcopy(a)
     opt_a = torch.optim.AdamW(param_groups_for(a, 0.1), lr=0.01, betas=(0.8, 0.99), eps=1e-8)
-    opt_b = build_optimizer("adamw", b, lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1)
+    opt_b = build_optimizer(OptimSection(name="adamw", lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1), b)
     for step in range(5):
         for m in (a, b):
             m.zero_grad()
@@ -344,15 +350,18 @@ def test_adamw_device_path_matches_torch():
 
 
 def test_device_schedule_equals_host_schedule():
-    kw = dict(base_lr=4.25e-4, total_steps=30, warmup_steps=7, start_warmup_step=-2, power=2.0, end_lr=1e-6)
-    host = PolyWarmupScheduler(build_optimizer("lamb", TinyNet(), lr=1.0), **kw)
-    dev = PolyWarmupScheduler(build_optimizer("lamb", TinyNet(), lr=1.0), **kw, device="cpu")
+    section = OptimSection(lr=4.25e-4, total_steps=30, warmup_steps=7, start_warmup_step=-2, poly_power=2.0)
+
+    def sched(**kw):
+        return PolyWarmupScheduler(build_optimizer(OptimSection(lr=1.0), TinyNet()), section, 30, end_lr=1e-6, **kw)
+
+    host, dev = sched(), sched(device="cpu")
     for _ in range(35):
         assert dev.lr.item() == host.optimizer.param_groups[0]["lr"]  # bitwise: same double operations
         assert all(g["lr"] is dev.lr for g in dev.optimizer.param_groups)
         host.step()
         dev.step(torch.tensor(False))
-    other = PolyWarmupScheduler(build_optimizer("lamb", TinyNet(), lr=1.0), **kw, device="cpu")
+    other = sched(device="cpu")
     other.load_state_dict(dev.state_dict())
     assert other.step_count == 35 and other.lr.item() == host.last_lr
     with pytest.raises(ValueError, match="found_inf"):

@@ -11,6 +11,7 @@ from bert.config import BertConfig
 from bert.losses import pretraining_loss, simreg_loss
 from bert.model import BertForPreTraining
 from bert.optim import build_optimizer
+from bert.train_config import OptimSection
 from data.collate import collate_unpadded
 from data.static_shapes import IGNORE, StaticShapes, auto_token_bucket, real_part
 from data.synthetic import random_block
@@ -55,8 +56,8 @@ def test_static_shapes_losses_equal_dynamic_over_100_steps():
     """fp32, dropout off: per-step losses of the padded path within 1e-6 of the unpadded one,
     LAMB updating both models (so the padding would show in later steps' weights too)."""
     dynamic, static = _model(0), _model(0)
-    opt_d = build_optimizer("lamb", dynamic, lr=2e-3)
-    opt_s = build_optimizer("lamb", static, lr=2e-3)
+    opt_d = build_optimizer(OptimSection(lr=2e-3), dynamic)
+    opt_s = build_optimizer(OptimSection(lr=2e-3), static)
     shapes = StaticShapes(token_bucket=64, masked_bucket=16, max_seqlen=64)
     seen = set()
     worst = 0.0
