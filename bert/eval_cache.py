@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
+from data.batch import to_device
 from data.static_shapes import IGNORE
 
 
@@ -41,11 +42,33 @@ def masked_lm_counts(model: nn.Module, batches: Iterable, device: torch.device, 
     return counts
 
 
+class EvalBatches:
+    """``eval_batches(loader)``: the eval batches on the device, collated on the way each
+    time, or (``eval.cache_on_device``) collated at the first evaluation and kept."""
+
+    def __init__(self, section, device: torch.device, collate: Callable, message: Callable[[str], None]):
+        self.cache_on_device, self.device, self.collate, self.message = (
+            section.cache_on_device,
+            device,
+            collate,
+            message,
+        )
+        self.cached: DeviceEvalSet | None = None
+
+    def __call__(self, loader) -> Iterable:
+        if not self.cache_on_device:
+            return (to_device(self.collate(block), self.device) for block in loader)
+        if self.cached is None:
+            self.cached = DeviceEvalSet(loader, self.collate, self.device)
+            self.message(f"eval set on the device: {len(self.cached)} batches, {self.cached.nbytes / 2**20:.1f} MiB")
+        return self.cached
+
+
 class DeviceEvalSet:
     """This rank's eval batches, collated once and kept on ``device``."""
 
     def __init__(self, blocks: Iterable, collate: Callable, device: torch.device):
-        self.batches = [collate(block).to(device, non_blocking=True) for block in blocks]
+        self.batches = [to_device(collate(block), device) for block in blocks]
 
     def __iter__(self):
         return iter(self.batches)

@@ -110,3 +110,59 @@ class CountAgreement:
             raise result
         masked, sequences, tokens, stop, anchors, corrupt = (int(x) for x in result)
         return StepCounts(masked, sequences, tokens, stop > 0, anchors, corrupt)
+
+
+class StepPlanner:
+    """This rank's block of every step and the step's agreed counts, a step ahead.
+
+    ``next_block(step)`` returns the block of ``step`` (after the rebalancer's exchange when
+    there is one) and draws the block of ``step + 1`` from the loader. ``start_ahead(step,
+    stop)`` begins agreeing on ``step + 1``'s counts from that drawn block (before any
+    exchange: the sums are the same), with ``stop`` sampled now, and ``finish_ahead(step)``
+    collects them into ``current``. The trainer starts step s+1's agreement as step s begins
+    and collects it once step s's work is queued, so a stop request seen at the start of
+    step s stops the run after step s on every rank, as the counts all-reduce it replaces did.
+    """
+
+    def __init__(self, batches, loader, rebalancer, agreement: CountAgreement, coll, simreg_scope: str | None):
+        self.batches, self.loader, self.rebalancer = batches, loader, rebalancer
+        self.agreement, self.coll, self.simreg_scope = agreement, coll, simreg_scope
+        self._upcoming: SampleBlock | None = None  # the drawn block of the next step (this rank's, pre-exchange)
+        self.current: StepCounts | None = None  # the agreed counts of the step about to run
+
+    def begin(self, step: int, stop: bool) -> None:
+        """Draw ``step``'s block and agree on its counts (blocking: before the first step)."""
+        self._upcoming = next(self.batches)
+        if self.rebalancer:
+            self.rebalancer.start(self._upcoming, step=step)
+        self.start_ahead(step - 1, stop)
+        self.finish_ahead(step - 1)
+
+    def next_block(self, step: int):
+        """(block of ``step``, the rebalancer's stats or None); draws the block of ``step + 1``."""
+        if self.rebalancer:
+            # This step's samples, exchanged while the previous step computed; the next
+            # step's exchange now runs behind this one.
+            with self.coll.guard("the rebalancing exchange", step + 1):
+                block, rebalance = self.rebalancer.wait()
+            self._upcoming = next(self.batches)
+            self.rebalancer.start(self._upcoming, step=step + 1)
+            return block, rebalance
+        block, self._upcoming = self._upcoming, next(self.batches)
+        return block, None
+
+    def start_ahead(self, step: int, stop: bool) -> None:
+        """Begin agreeing on the counts of ``step + 1`` (its block is the one drawn last)."""
+        corrupt = self.loader.pop_substituted(step + 1)
+        self.agreement.start(step + 1, local_counts(self._upcoming, stop, corrupt, self.simreg_scope))
+
+    def finish_ahead(self, step: int) -> StepCounts:
+        """Collect the counts of ``step + 1`` into ``current``."""
+        with self.coll.guard("the step-counts all-reduce", step + 2):
+            self.current = self.agreement.wait(step + 1)
+        return self.current
+
+    def drain(self) -> None:
+        """Collect the exchange started for a step that will not run (every rank started it)."""
+        if self.rebalancer and self.rebalancer.pending:
+            self.rebalancer.wait()

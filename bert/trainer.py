@@ -6,14 +6,17 @@
 
     for each global step:
         train_step       this rank's samples -> micro-batches -> forward_backward
-                         (losses normalised by global counts, all-reduced once per step)
-        optimizer_step   clip -> non-finite check (skip and count) -> LAMB -> LR schedule
+                         (losses normalised by global counts, agreed on the host a step ahead)
+        optimizer_step   clip -> non-finite check on the device (skip and count) -> LAMB -> LR schedule
         evaluate         every eval.interval_samples: masked-LM accuracy over the eval set
         save_checkpoint  every checkpoint.interval_steps, and when SIGTERM asked to stop
                          (bert.train_checkpoint: atomic, checksummed, the newest good one resumed)
 
 reporting what it does through ``bert.reporting`` (MLPerf hyper-parameters, metrics records,
-the summary). Every collective runs inside ``Collectives.guard``: a peer that dies or hangs
+the summary). A steady-state step reads nothing back from the device (docs/step.md): its
+counts come from the data (``bert.host_counts``), the skip is decided on the device, and
+metrics are read once per ``train.log_interval_steps`` (``bert.step_metrics``).
+Every collective runs inside ``Collectives.guard``: a peer that dies or hangs
 turns into a ``CollectiveError`` naming the collective, the step and the ranks that did not
 answer, within ``dist.timeout_s``, never a hang. Dropout randomness is re-seeded every step
 from (seed, step, rank), so a resumed run draws exactly the masks an uninterrupted one would
@@ -25,7 +28,6 @@ Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import time
@@ -38,15 +40,19 @@ from bert import components, reporting, train_checkpoint
 from bert.checkpoint import load_pretrained
 from bert.clipping import clip_global_
 from bert.collectives import Collectives
-from bert.losses import pretraining_loss, simreg_anchor_count, simreg_loss
+from bert.eval_cache import EvalBatches, masked_lm_counts
+from bert.host_counts import CountAgreement, StepPlanner
+from bert.losses import pretraining_loss, simreg_loss
 from bert.metrics import Progress
 from bert.optim import build_optimizer
 from bert.schedule import PolyWarmupScheduler
+from bert.step_metrics import DeviceCounters
 from bert.train_config import RunConfig, eval_interval
 from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, to_checkpoint
 from data.batch import PackedBatch
 from data.packing import unpack
 from data.samples import SampleBlock
+from data.static_shapes import real_part
 
 # Set to 1 by launch/run_and_time.sh when it dropped the page cache before this run (the
 # log's cache_clear says what really happened).
@@ -87,7 +93,8 @@ class Trainer:
 
         self.state = TrainState()  # the counters; restored from a checkpoint when resuming
         self.error: str | None = None  # why the run stopped early (summary "error", exit status 1)
-        self.stop_requested = False
+        self.stop_requested = False  # this rank's (SIGTERM); stop_agreed: every rank's, after this step
+        self.stop_agreed = False
         self.train_loader = None  # opened by train(), after run_start
         self.eval_loader = None
         self._loader_state: dict | None = None  # a resumed loader position, applied when the data opens
@@ -117,8 +124,11 @@ class Trainer:
         # forward: the model as the steps call it (DDP over ranks, torch.compile'd if asked).
         self.ddp, self.forward = components.wrap_model(self.model, cfg.model, self.device, self.coll)
 
+        # train.static_shapes' buckets (None: dynamic shapes), and train.cuda_graphs' graphs.
+        self.static = components.build_static_shapes(cfg, self.micro_batch, self.model, self.model_config)
+        self.shapes_seen: set[tuple[int, int]] = set()  # (tokens, masked) of the micro-batches run
         self.optimizer = build_optimizer(cfg.optim, self.model)
-        self.schedule = PolyWarmupScheduler(self.optimizer, cfg.optim, t.max_steps)
+        self.schedule = PolyWarmupScheduler(self.optimizer, cfg.optim, t.max_steps, device=self.device)
         self.adagc = components.build_adagc(cfg.optim, self.model)
         self.clip_stats = None  # the last AdaGC step's, for the logs
         self.scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
@@ -128,6 +138,9 @@ class Trainer:
         if self.world > 1:
             with self.coll.guard("the rebalancer's settings check", -1):
                 self.rebalancer = components.build_rebalancer(cfg.data, self.local_batch, cfg.dist.timeout_s)
+        self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
+        self.planner: StepPlanner | None = None  # built when the data opens
+        self.eval_batches = EvalBatches(cfg.eval, self.device, self._collate, self.progress.message)
 
         # What a checkpoint saves and restores besides the counters (bert.train_state).
         self.parts = {"model": self.model, "optimizer": self.optimizer, "schedule": self.schedule}
@@ -136,6 +149,7 @@ class Trainer:
             restored, self._loader_state = resume(found, self._checkpoint_dir(), self.parts, self.progress.message)
             restored.seed = self.state.seed  # the newest checkpoint's (resolve_seed); an older one's is the same
             self.state = restored
+        self.counters = DeviceCounters(self.device, self.state.skipped, self.state.nonfinite_in_row)
         self.metrics = components.build_metrics(
             cfg.log, output_dir, self.is_main, self.state.step if self.resumed else None, cfg.to_dict()
         )
@@ -147,7 +161,8 @@ class Trainer:
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        # CUDA graphs replay kernels, so autocast must not cache casts of the weights.
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=not self.cfg.train.cuda_graphs)
 
     def _collate(self, block: SampleBlock):
         """SampleBlock -> the configured batch layout, by the configured backend (torch, dali)."""
@@ -161,24 +176,16 @@ class Trainer:
     def train_step(self, block: SampleBlock) -> StepResult:
         """Forward and backward over this rank's micro-batches of one global batch."""
         torch.manual_seed(step_seed(self.state.seed, self.state.step, self.rank))
-        # One all-reduce gives the global counts the losses are normalised by, and lets any
-        # rank's stop request (SIGTERM) reach all ranks at the same step. Reading them back
-        # (Python numbers) is the step's first host sync.
-        b, scope, anchors = block, self.cfg.loss.simreg_scope, 0
-        if self.cfg.loss.simreg_weight > 0:
-            anchors = simreg_anchor_count(
-                b.seq_lens, b.input_ids, b.masked_positions, b.masked_ids, b.masked_counts, scope
-            )
-        substituted = self.train_loader.pop_substituted(self.state.step)
-        host = [int(b.masked_counts.sum()), len(b), b.num_tokens, int(self.stop_requested), anchors, substituted]
-        counts = torch.tensor(host, dtype=torch.int64)
-        counts = self.coll.all_reduce(counts.to(self.device), "the step-counts all-reduce", self.state.step + 1).cpu()
-        num_masked, num_seqs, tokens, stops, num_anchors, corrupt = (int(x) for x in counts)
-        self.stop_requested = stops > 0
+        # The global counts the losses are normalised by were agreed on the host during the
+        # previous step; the next step's agreement (with this moment's stop request, so that
+        # every rank stops after this step) runs while this one's work is queued.
+        c, step = self.planner.current, self.state.step
+        self.planner.start_ahead(step, self.stop_requested)
         # DDP all-reduces the gradients inside the last micro-batch's backward.
-        with self.coll.guard("the gradient all-reduce (DDP backward)", self.state.step + 1):
-            loss_parts = self.forward_backward(block, num_masked, num_seqs, num_anchors)
-        return StepResult(loss_parts, num_seqs, tokens, corrupt)
+        with self.coll.guard("the gradient all-reduce (DDP backward)", step + 1):
+            loss_parts = self.forward_backward(block, c.masked, c.sequences, c.anchors)
+        self.stop_agreed = self.planner.finish_ahead(step).stop
+        return StepResult(loss_parts, c.sequences, c.tokens, c.corrupt)
 
     def forward_backward(self, block: SampleBlock, num_masked: int, num_seqs: int, num_anchors: int) -> torch.Tensor:
         """This rank's micro-batches through forward and backward; returns the [4] loss parts."""
@@ -189,7 +196,8 @@ class Trainer:
         scale = float(self.world)  # DDP averages gradients over ranks; the losses are sums
         for i in range(t.grad_accum_steps):
             mb = block.select(np.arange(i * self.micro_batch, (i + 1) * self.micro_batch))
-            batch = self._collate(mb).to(self.device, non_blocking=True)
+            # Padded to its bucket (train.static_shapes); real: the sizes without the padding.
+            batch, real = components.micro_batch(self._collate(mb), mb, self.static, self.shapes_seen, self.device)
             sync = self.ddp is None or i == t.grad_accum_steps - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync(), self._autocast():
                 out = self.forward(batch)
@@ -202,6 +210,8 @@ class Trainer:
                     if isinstance(batch, PackedBatch):  # SimReg looks at real tokens only
                         sim_batch, index = unpack(batch)
                         hidden = hidden[index]
+                    elif self.static:  # ... and never at the padding sequence
+                        sim_batch, hidden = real_part(batch, *real), hidden[: real[0]]
                     reg_sum, _ = simreg_loss(
                         hidden, sim_batch, self.cfg.loss.simreg_temperature, self.cfg.loss.simreg_scope
                     )
@@ -213,8 +223,9 @@ class Trainer:
             loss_parts += torch.stack([loss.detach(), mlm, nsp, simreg_part.detach()])
         return loss_parts
 
-    def optimizer_step(self) -> tuple[bool, float]:
-        """Clip, skip a non-finite update, step LAMB and the schedule. Returns (applied, grad norm)."""
+    def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, skip a non-finite update, step LAMB and the schedule, all decided on the device.
+        Returns (applied, grad norm) as 0-dim device tensors (reading them syncs)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
@@ -228,40 +239,30 @@ class Trainer:
             norm = clip_global_(params, self.cfg.optim.max_grad_norm)
         else:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
-        # A host sync (the step's second, after train_step's counts; fp16's scaler.step reads
-        # the device once more): the update must not run on non-finite gradients.
-        grad_norm = float(norm)
-        applied = math.isfinite(grad_norm)
-        if applied:
-            self.scaler.step(self.optimizer) if self.scaler else self.optimizer.step()
-            self.schedule.step()
-            self.state.nonfinite_in_row = 0
-        else:
-            self.state.skipped += 1
-            self.state.nonfinite_in_row += 1
-            if self.adagc is not None:
-                # AdaGC kept its thresholds on the non-finite step but counted it; the skipped
-                # step leaves all optimizer state as it was, its step count included.
-                self.adagc.step -= 1
+        # No update on non-finite gradients: the optimizer, schedule and AdaGC skip on the device
+        # (bert.optim); fp16's GradScaler decides its own skip on the host (scaler.step reads).
+        found_inf = ~torch.isfinite(norm)
         if self.scaler:
+            self.scaler.step(self.optimizer)
             self.scaler.update()
+        else:
+            self.optimizer.step(found_inf=found_inf)
+        self.schedule.step(found_inf)
+        if self.adagc is not None:
+            # AdaGC kept its thresholds on the non-finite step but counted it; the skipped
+            # step leaves all optimizer state as it was, its step count included.
+            self.adagc.unstep_(found_inf)
+        self.counters.update(found_inf, norm, self.clip_stats)
         self.optimizer.zero_grad(set_to_none=True)
-        return applied, grad_norm
+        return ~found_inf, norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Masked-LM accuracy over the whole eval set (counts all-reduced over ranks)."""
         self.model.eval()
-        correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        total = torch.zeros((), dtype=torch.int64, device=self.device)
-        for block in self.eval_loader:
-            batch = self._collate(block).to(self.device, non_blocking=True)
-            with self._autocast():
-                out = self.model(batch)
-            correct += (out.mlm_logits.argmax(-1) == batch.mlm_labels).sum()
-            total += batch.mlm_labels.numel()
-        counts = self.coll.all_reduce(torch.stack([correct, total]), "the eval-accuracy all-reduce", self.state.step)
-        return float(counts[0]) / max(int(counts[1]), 1)
+        counts = masked_lm_counts(self.model, self.eval_batches(self.eval_loader), self.device, self._autocast)
+        correct, total = self.coll.all_reduce(counts, "the eval-accuracy all-reduce", self.state.step).tolist()
+        return correct / max(total, 1)
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -349,29 +350,27 @@ class Trainer:
         # epoch_count 1; evaluations inside it carry the samples trained as epoch_num.
         self.mllog.block_start(self.state.samples if self.resumed else 1, 1)
         self._window = [time.time(), 0, 0]  # since the last metrics record: start, samples, tokens
-        batches = iter(self.train_loader)
-        if self.rebalancer:
-            self.rebalancer.start(next(batches), step=self.state.step)
+        scope = cfg.loss.simreg_scope if cfg.loss.simreg_weight > 0 else None  # SimReg's anchors counted on the host
+        self.planner = StepPlanner(
+            iter(self.train_loader), self.train_loader, self.rebalancer, self.agreement, self.coll, scope
+        )
+        self.planner.begin(self.state.step, self.stop_requested)
         status = None
         while status is None:
-            block, rebalance = self._next_block(batches)
+            block, rebalance = self.planner.next_block(self.state.step)
             step_start = time.time()
             result = self.train_step(block)
-            _, grad_norm = self.optimizer_step()
+            self.optimizer_step()
             self._count(result, time.time() - step_start)
-            if self.state.nonfinite_in_row >= t.max_nonfinite_steps:
-                self.progress.message(
-                    f"error: {self.state.nonfinite_in_row} non-finite losses in a row at step "
-                    f"{self.state.step}; stopping (status aborted)"
-                )
-                status = "aborted"
             if self.state.step % t.log_interval_steps == 0 or self.state.step == 1:
-                self._log_step(result, grad_norm, rebalance)
+                # The one read of the device in a logged step; non-finite runs are seen here.
+                self._log_step(result, rebalance)
+                status = reporting.nonfinite_abort(self.progress, self.state, t.max_nonfinite_steps)
             status = self._evaluate_if_due(status)
             ckpt_due = cfg.checkpoint.interval_steps and self.state.step % cfg.checkpoint.interval_steps == 0
-            if status is None and (ckpt_due or self.stop_requested):
+            if status is None and (ckpt_due or self.stop_agreed):
                 saved = self.save_checkpoint()
-                if self.stop_requested:
+                if self.stop_agreed:
                     return self._stop_as_asked(saved)
                 if not saved and cfg.checkpoint.on_error == "stop":
                     status = "aborted"
@@ -379,17 +378,6 @@ class Trainer:
         if cfg.checkpoint.at_end:
             self.save_checkpoint()
         return self._finish(status, time_to_train)
-
-    def _next_block(self, batches):
-        """This step's samples and the rebalancer's stats (None without one)."""
-        if not self.rebalancer:
-            return next(batches), None
-        # This step's samples, exchanged while the previous step computed; the next step's
-        # exchange now runs behind this one.
-        with self.coll.guard("the rebalancing exchange", self.state.step + 1):
-            block, rebalance = self.rebalancer.wait()
-        self.rebalancer.start(next(batches), step=self.state.step + 1)
-        return block, rebalance
 
     def _count(self, result: StepResult, seconds: float) -> None:
         s = self.state
@@ -406,14 +394,22 @@ class Trainer:
         self._window[1] += result.samples
         self._window[2] += result.tokens
 
-    def _log_step(self, result: StepResult, grad_norm: float, rebalance) -> None:
+    def _read_counters(self, **extra: torch.Tensor) -> dict:
+        """One device read: the skipped-step counters into the state, and ``extra``."""
+        got = self.counters.read(**extra)
+        self.state.skipped, self.state.nonfinite_in_row = got["skipped"], got["in_row"]
+        return got
+
+    def _log_step(self, result: StepResult, rebalance) -> None:
         """A metrics record and a progress line (every train.log_interval_steps, and step 1)."""
-        parts = self.coll.all_reduce(result.loss_parts.clone(), "the loss all-reduce", self.state.step).tolist()
+        parts = self.coll.all_reduce(result.loss_parts.clone(), "the loss all-reduce", self.state.step)
+        got = self._read_counters(parts=parts, lr=self.schedule.applied_lr())
         start, samples, tokens = self._window
         elapsed = max(time.time() - start, 1e-9)
-        lr = self.schedule.lr_at(max(self.schedule.step_count - 1, 0))
         throughput = (samples / elapsed, tokens / elapsed)
-        rec = reporting.step_record(self.cfg, self.state, parts, lr, grad_norm, throughput, self.clip_stats, rebalance)
+        rec = reporting.step_record(
+            self.cfg, self.state, got["parts"], got["lr"], got["grad_norm"], throughput, got["clip_stats"], rebalance
+        )
         self.metrics.write(rec)
         self.progress.step(rec)
         self._window = [time.time(), 0, 0]
@@ -446,13 +442,15 @@ class Trainer:
 
     def _drain_rebalancer(self) -> None:
         """Collect the exchange started for a step that will not run (every rank started it)."""
-        if self.rebalancer and self.rebalancer.pending:
-            self.rebalancer.wait()
+        if self.planner is not None:
+            self.planner.drain()
 
     def _finish(self, status: str, time_to_train: float) -> dict:
         self._drain_rebalancer()
+        self._read_counters()
         reporting.log_run_stop(self.mllog, self.state.samples, self.eval_loader.total_samples, status)
         summary = reporting.summary(self.state, status, time_to_train, self.world, self.metrics.records, self.error)
+        summary["distinct_shapes"] = len(self.shapes_seen)
         if self.is_main:
             reporting.publish_summary(summary, self.out, self.metrics, self.progress, self.cfg.log.plot)
         return summary
@@ -485,7 +483,7 @@ class Trainer:
         if self.is_main:
             directory = self._checkpoint_dir()
             reporting.checkpoint_failed(self.progress, self.state.step, error, directory, self.cfg.checkpoint)
-        if self.cfg.checkpoint.on_error == "stop" or self.stop_requested:
+        if self.cfg.checkpoint.on_error == "stop" or self.stop_agreed:
             self.error = f"the checkpoint of step {self.state.step} could not be written" + (
                 f": {error}" if error else ""
             )
@@ -495,4 +493,5 @@ class Trainer:
         # The rebalancer has already drawn the next step's samples from the loader: the
         # position to resume at is the number of steps trained.
         loader = {**self.train_loader.state_dict(), "step": self.state.step}
+        self._read_counters()
         return to_checkpoint(self.state, self.parts, loader, self.cfg.to_dict())
