@@ -8,7 +8,7 @@
 # Stages, each with its own time limit; a failing or timed-out stage does not stop the
 # others, and each writes its JSON itself (atomically) before the next starts:
 #   env              versions, GPU name, driver                            -> env.json
-#   gpu_tests        pytest -m gpu: the kernels compiled on the GPU         -> gpu_tests.xml
+#   gpu_tests        pytest -m gpu: the kernels compiled on the GPU, CUDA graph replay -> gpu_tests.xml
 #   peer_tests       the peer suite's default subset on the GPU             -> peer_tests.xml
 #   attention        bench/attention.py: fwd+bwd per backend at BERT-large shapes
 #                    (triton, triton_grouped vs torch_varlen / flash_attn)  -> attention.json
@@ -17,8 +17,12 @@
 #   flashmask        bench/flashmask.py: FlashMask vs flex_attention and dense SDPA on packed
 #                    rows                                                  -> flashmask.json
 #   fused_ops        bench/fused_ops.py: bias+GELU, bias+dropout+residual+LayerNorm vs eager -> fused_ops.json
-#   train_step       bench/train_step.py, 30 steps: BERT-large seq/s and MFU, unpadded +
+#   train_step       bench/train_step.py, 20 steps: BERT-large seq/s and MFU, unpadded +
 #                    triton_grouped + fused, padded, packed (FlashMask), others -> train_step.json
+#   step_sync        bench/step_sync.py: BERT-large at 96 sequences per GPU with CUDA graphs on
+#                    and off, static shapes on and off, grouped vs single launch; seconds per
+#                    evaluation of 10,000 samples kept on the device; syncs per steady-state
+#                    step under torch.cuda.set_sync_debug_mode              -> step_sync.json
 # and summary.json with every stage's exit status and seconds. Installs nothing and needs no
 # network; a missing optional package (flash_attn, h5py, pytest) is reported and skipped.
 # Environment: PYTHON (default python3), DATA_DIR (lengths for the benchmarks; default the
@@ -121,7 +125,8 @@ EOF
 if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     PARALLEL=()  # Triton compiles each kernel variant on one core: spread the tests over 4 workers
     if "$PYTHON" -c "import xdist" >/dev/null 2>&1; then PARALLEL=(-n 4); else echo "pytest-xdist not installed: tests run serially"; fi
-    run_stage gpu_tests 90 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py -m gpu -q -rs \
+    run_stage gpu_tests 90 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py \
+        tests/bert/test_cuda_graphs.py -m gpu -q -rs \
         -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=80
     # The peer suite's default subset (flash-attention's error rule) on the compiled kernels.
     run_stage peer_tests 40 "$PYTHON" -m pytest tests/kernels/test_attention_peer.py -q -rs -p no:cacheprovider \
@@ -150,8 +155,11 @@ run_stage flashmask 45 "$PYTHON" bench/flashmask.py --json "$OUT/flashmask.json"
 run_stage fused_ops 20 "$PYTHON" bench/fused_ops.py --json "$OUT/fused_ops.json"
 
 # --- BERT-large training steps ---------------------------------------------------------------
-run_stage train_step 140 "$PYTHON" bench/train_step.py --steps 30 --json "$OUT/train_step.json" \
+run_stage train_step 100 "$PYTHON" bench/train_step.py --steps 20 --json "$OUT/train_step.json" \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
+
+# --- a step the device never waits on: graphs, static shapes, eval on the device, syncs ------
+run_stage step_sync 40 "$PYTHON" -m bench.step_sync --json "$OUT/step_sync.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
 # --- summary ---------------------------------------------------------------------------------
 {

@@ -1,21 +1,21 @@
-"""A step's global counts, agreed between ranks on the host a step ahead: no device read.
+"""A step's global counts, agreed between ranks on the host: no device read.
 
 Sits between the loader (or the rebalancer) and ``train_step``. The losses are normalised by
 global counts (masked positions, sequences, SimReg anchors), the summary adds up tokens and
 corrupt samples, and a stop request (SIGTERM) must reach every rank at the same step. All of
 it is known on the host from the data: every count is a sum over samples, so it does not
 change when the rebalancer moves samples between ranks, and it can be summed over ranks
-from the blocks the loader hands out, before any exchange.
+from the blocks as the loader hands them out, before any exchange.
 
-``CountAgreement.start(step, local)`` sums the ranks' ``local`` counts (``local_counts``)
-with one all-reduce of 6 int64 words on a CPU gloo group of its own, in a background thread;
-the trainer starts step s+1's while step s computes and collects it with ``wait()`` at step
-s+1, so the device never waits for it and the host rarely does. With one rank nothing is
-exchanged. A failure surfaces in ``wait()``, where the trainer's ``Collectives.guard`` names
-the collective, the step and the missing ranks.
+``CountAgreement`` sums the ranks' ``local_counts`` with one all-reduce of 6 int64 words on
+a CPU gloo group of its own (``start`` runs it in a thread, ``wait`` collects it); with one
+rank nothing is exchanged. ``StepPlanner`` keeps each step's drawn block and agrees on its
+counts as the step begins. A failure surfaces in ``wait()``, inside the trainer's
+``Collectives.guard``, which names the collective, the step and the missing ranks.
 
-A stop request is sampled when step s+1's agreement starts, i.e. while step s runs, so it
-takes effect one step later than the step that saw it; every rank stops at the same step.
+Where the device stands meanwhile: the host queues a step's kernels without waiting for
+them, so when it agrees on step s's counts the device is still running step s-1's queued
+work; the host's round trip (microseconds on one node) hides behind it.
 """
 
 from __future__ import annotations
@@ -113,54 +113,48 @@ class CountAgreement:
 
 
 class StepPlanner:
-    """This rank's block of every step and the step's agreed counts, a step ahead.
+    """This rank's block of every step, and the step's counts agreed over ranks on the host.
 
     ``next_block(step)`` returns the block of ``step`` (after the rebalancer's exchange when
-    there is one) and draws the block of ``step + 1`` from the loader. ``start_ahead(step,
-    stop)`` begins agreeing on ``step + 1``'s counts from that drawn block (before any
-    exchange: the sums are the same), with ``stop`` sampled now, and ``finish_ahead(step)``
-    collects them into ``current``. The trainer starts step s+1's agreement as step s begins
-    and collects it once step s's work is queued, so a stop request seen at the start of
-    step s stops the run after step s on every rank, as the counts all-reduce it replaces did.
+    there is one, which ran behind the previous step) and keeps the facts of this rank's
+    share as drawn from the loader; ``agree(step, stop)`` sums them over ranks with the stop
+    request sampled now. The trainer agrees as a step begins, as the device all-reduce this
+    replaces did (a stop request seen then stops every rank after that step; a corrupt shard
+    stops the run at the step that reads it), but on the host: the device, still busy with
+    the previous step's queued work, never waits for it.
     """
 
     def __init__(self, batches, loader, rebalancer, agreement: CountAgreement, coll, simreg_scope: str | None):
         self.batches, self.loader, self.rebalancer = batches, loader, rebalancer
         self.agreement, self.coll, self.simreg_scope = agreement, coll, simreg_scope
-        self._upcoming: SampleBlock | None = None  # the drawn block of the next step (this rank's, pre-exchange)
-        self.current: StepCounts | None = None  # the agreed counts of the step about to run
+        self._drawn: dict[int, SampleBlock] = {}  # this rank's blocks as drawn (before any exchange)
 
-    def begin(self, step: int, stop: bool) -> None:
-        """Draw ``step``'s block and agree on its counts (blocking: before the first step)."""
-        self._upcoming = next(self.batches)
+    def begin(self, step: int) -> None:
+        """Before the first step: with a rebalancer, start exchanging ``step``'s block."""
         if self.rebalancer:
-            self.rebalancer.start(self._upcoming, step=step)
-        self.start_ahead(step - 1, stop)
-        self.finish_ahead(step - 1)
+            self._drawn[step] = next(self.batches)
+            self.rebalancer.start(self._drawn[step], step=step)
 
     def next_block(self, step: int):
-        """(block of ``step``, the rebalancer's stats or None); draws the block of ``step + 1``."""
-        if self.rebalancer:
-            # This step's samples, exchanged while the previous step computed; the next
-            # step's exchange now runs behind this one.
-            with self.coll.guard("the rebalancing exchange", step + 1):
-                block, rebalance = self.rebalancer.wait()
-            self._upcoming = next(self.batches)
-            self.rebalancer.start(self._upcoming, step=step + 1)
-            return block, rebalance
-        block, self._upcoming = self._upcoming, next(self.batches)
-        return block, None
+        """(block of ``step``, the rebalancer's stats or None)."""
+        if not self.rebalancer:
+            self._drawn[step] = next(self.batches)
+            return self._drawn[step], None
+        # This step's samples, exchanged while the previous step computed; the next step's
+        # exchange now runs behind this one.
+        with self.coll.guard("the rebalancing exchange", step + 1):
+            block, rebalance = self.rebalancer.wait()
+        self._drawn[step + 1] = next(self.batches)
+        self.rebalancer.start(self._drawn[step + 1], step=step + 1)
+        return block, rebalance
 
-    def start_ahead(self, step: int, stop: bool) -> None:
-        """Begin agreeing on the counts of ``step + 1`` (its block is the one drawn last)."""
-        corrupt = self.loader.pop_substituted(step + 1)
-        self.agreement.start(step + 1, local_counts(self._upcoming, stop, corrupt, self.simreg_scope))
-
-    def finish_ahead(self, step: int) -> StepCounts:
-        """Collect the counts of ``step + 1`` into ``current``."""
-        with self.coll.guard("the step-counts all-reduce", step + 2):
-            self.current = self.agreement.wait(step + 1)
-        return self.current
+    def agree(self, step: int, stop: bool) -> StepCounts:
+        """The global counts of ``step`` (its drawn block's, summed over ranks) and stop request."""
+        drawn = self._drawn.pop(step)
+        local = local_counts(drawn, stop, self.loader.pop_substituted(step), self.simreg_scope)
+        with self.coll.guard("the step-counts all-reduce", step + 1):
+            self.agreement.start(step, local)
+            return self.agreement.wait(step)
 
     def drain(self) -> None:
         """Collect the exchange started for a step that will not run (every rank started it)."""

@@ -176,15 +176,14 @@ class Trainer:
     def train_step(self, block: SampleBlock) -> StepResult:
         """Forward and backward over this rank's micro-batches of one global batch."""
         torch.manual_seed(step_seed(self.state.seed, self.state.step, self.rank))
-        # The global counts the losses are normalised by were agreed on the host during the
-        # previous step; the next step's agreement (with this moment's stop request, so that
-        # every rank stops after this step) runs while this one's work is queued.
-        c, step = self.planner.current, self.state.step
-        self.planner.start_ahead(step, self.stop_requested)
+        # The global counts the losses are normalised by, and any rank's stop request, agreed
+        # on the host from the data (bert.host_counts): nothing is read from the device.
+        step = self.state.step
+        c = self.planner.agree(step, self.stop_requested)
+        self.stop_agreed = c.stop
         # DDP all-reduces the gradients inside the last micro-batch's backward.
         with self.coll.guard("the gradient all-reduce (DDP backward)", step + 1):
             loss_parts = self.forward_backward(block, c.masked, c.sequences, c.anchors)
-        self.stop_agreed = self.planner.finish_ahead(step).stop
         return StepResult(loss_parts, c.sequences, c.tokens, c.corrupt)
 
     def forward_backward(self, block: SampleBlock, num_masked: int, num_seqs: int, num_anchors: int) -> torch.Tensor:
@@ -354,7 +353,7 @@ class Trainer:
         self.planner = StepPlanner(
             iter(self.train_loader), self.train_loader, self.rebalancer, self.agreement, self.coll, scope
         )
-        self.planner.begin(self.state.step, self.stop_requested)
+        self.planner.begin(self.state.step)
         status = None
         while status is None:
             block, rebalance = self.planner.next_block(self.state.step)
