@@ -28,12 +28,12 @@ import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.lengths import LengthSampler, LengthsError
+from bench.train_step import write_report
 
 VARIANTS = ("dynamic:triton", "dynamic:triton_grouped", "static:triton", "static:triton+graphs")
 MAX_PREDICTIONS = 76
@@ -291,14 +291,6 @@ def main(argv=None) -> int:
         print(key, json.dumps(report[key]))
     write_report(report, args.json)
     return 1 if failed else 0
-
-
-def write_report(report: dict, path: str | None) -> None:
-    if path:
-        from bert.metrics import atomic_write_text
-
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(Path(path), json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,15 @@ def _coerce(key: str, value, hint):
     return value
 
 
+def _auto_or_positive(key: str, value, what: str) -> None:
+    """A field that is ``auto`` or a positive integer."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise ConfigError(f"{key}: expected {what} or auto, got {value!r}")
+    else:
+        _positive(key, value)
+
+
 def _positive(key: str, value, allow_zero: bool = False) -> None:
     if value is not None and (value < 0 or (value == 0 and not allow_zero)):
         raise ConfigError(f"{key}: must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
@@ -218,13 +227,7 @@ class TrainSection:
 
     def __post_init__(self):
         _check("train", self)
-        if isinstance(self.static_token_bucket, str):
-            if self.static_token_bucket != "auto":
-                raise ConfigError(
-                    f"train.static_token_bucket: expected a number of tokens or auto, got {self.static_token_bucket!r}"
-                )
-        else:
-            _positive("train.static_token_bucket", self.static_token_bucket)
+        _auto_or_positive("train.static_token_bucket", self.static_token_bucket, "a number of tokens")
         _positive("train.static_masked_bucket", self.static_masked_bucket)
         for name in (
             "global_batch_size",
@@ -264,13 +267,7 @@ class EvalSection:
 
     def __post_init__(self):
         _check("eval", self)
-        if isinstance(self.interval_samples, str):
-            if self.interval_samples != "auto":
-                raise ConfigError(
-                    f"eval.interval_samples: expected a number of samples or auto, got {self.interval_samples!r}"
-                )
-        else:
-            _positive("eval.interval_samples", self.interval_samples)
+        _auto_or_positive("eval.interval_samples", self.interval_samples, "a number of samples")
         _positive("eval.batch_size", self.batch_size)
         _positive("eval.max_samples", self.max_samples)
         if not 0.0 < self.target_accuracy <= 1.0:
