@@ -329,3 +329,25 @@ def micro_batch(batch, block, static, shapes_seen: set, device: torch.device):
     batch = static.pad(batch) if static else batch
     shapes_seen.add((batch.num_tokens, batch.mlm_positions.numel()))
     return to_device(batch, device), real
+
+
+def apply_update(optimizer, schedule, found_inf: torch.Tensor, scaler=None) -> None:
+    """The update and the schedule's step, skipped where ``found_inf`` (0-dim device bool).
+
+    On the device, without a read, for the optimizers that skip there (``skips_on_device``:
+    ``bert.optim``'s Lamb and AdamW, the sharded LAMB) with a device schedule. apex's
+    FusedLAMB cannot, so with it the host reads ``found_inf`` (one read per step), and fp16's
+    GradScaler decides its own skip on the host (``scaler.step`` reads the device)."""
+    on_device = getattr(optimizer, "skips_on_device", False) and schedule.device is not None
+    applied = True if on_device else not bool(found_inf)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    elif on_device:
+        optimizer.step(found_inf=found_inf)
+    elif applied:
+        optimizer.step()
+    if on_device:
+        schedule.step(found_inf)
+    elif applied:
+        schedule.step()

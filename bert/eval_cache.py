@@ -46,13 +46,10 @@ class EvalBatches:
     """``eval_batches(loader)``: the eval batches on the device, collated on the way each
     time, or (``eval.cache_on_device``) collated at the first evaluation and kept."""
 
-    def __init__(self, section, device: torch.device, collate: Callable, message: Callable[[str], None]):
-        self.cache_on_device, self.device, self.collate, self.message = (
-            section.cache_on_device,
-            device,
-            collate,
-            message,
-        )
+    def __init__(self, section, device: torch.device, collate: Callable, message: Callable[[str], None], static=None):
+        self.cache_on_device, self.device, self.message = section.cache_on_device, device, message
+        # static (data.static_shapes, for graphed evaluation): batches padded to its buckets.
+        self.collate = collate if static is None else (lambda block: static.pad(collate(block)))
         self.cached: DeviceEvalSet | None = None
 
     def __call__(self, loader) -> Iterable:

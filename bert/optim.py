@@ -22,15 +22,18 @@ importable and the parameters are on CUDA, and this module's multi-tensor ``Lamb
 error). Both keep the same state layout (``exp_avg``, ``exp_avg_sq`` per parameter, ``step``
 per group), so a checkpoint moves between them.
 
-The device-side skip (shared by every optimizer of this project, the sharded ones included):
-``step(found_inf=t)`` takes a 0-dim tensor on the parameters' device, nonzero (True) when the
-gradients are not finite. The update is then computed as usual and selected per tensor with
-``torch.where``, so on a skipped step the parameters, moments and step counts stay bitwise as
-they were, and the host never reads the flag (no sync; a CUDA graph can hold the step). It
-costs the moments' copies and one ``where`` per state tensor, on every step, skipped or not.
-The step count then becomes a 0-dim float64 tensor on the device (``Lamb``'s group ``step``;
-``AdamW``'s per-parameter ``step`` stays torch's float32 tensor), and the learning rate may
-be a 0-dim device tensor (``bert.schedule`` on the device), read by no one but the kernels.
+The device-side skip (shared by every optimizer of this project, the sharded ones included;
+each says so with the class attribute ``skips_on_device = True``): ``step(found_inf=t)``
+takes a 0-dim tensor on the parameters' device, nonzero (True) when the gradients are not
+finite. The update is then computed as usual and selected per tensor with ``torch.where``,
+so on a skipped step the parameters, moments and step counts stay bitwise as they were, and
+the host never reads the flag (no sync; a CUDA graph can hold the step). It costs the
+moments' copies and one ``where`` per state tensor (three launches per parameter tensor on
+a GPU), on every step, skipped or not. The step count then becomes a 0-dim float64 tensor
+on the device (``Lamb``'s group ``step``; ``AdamW``'s per-parameter ``step`` stays torch's
+float32 tensor), and the learning rate may be a 0-dim device tensor (``bert.schedule`` on
+the device), read by no one but the kernels. apex's FusedLAMB has no such argument: the
+trainer reads the flag on the host for it (``bert.components.apply_update``).
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ class Lamb(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.use_nvlamb = use_nvlamb
+
+    skips_on_device = True  # step(found_inf=...): see the module docstring
 
     @torch.no_grad()
     def step(self, closure=None, found_inf: Tensor | None = None):
@@ -179,6 +184,8 @@ class AdamW(torch.optim.AdamW):
     the device as the module docstring says; torch's state layout is kept, so a checkpoint
     moves between the two paths. ``amsgrad``, ``maximize`` and complex parameters are torch's only.
     """
+
+    skips_on_device = True  # step(found_inf=...): see the module docstring
 
     @torch.no_grad()
     def step(self, closure=None, found_inf: Tensor | None = None):

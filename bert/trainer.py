@@ -128,7 +128,9 @@ class Trainer:
         self.static = components.build_static_shapes(cfg, self.micro_batch, self.model, self.model_config)
         self.shapes_seen: set[tuple[int, int]] = set()  # (tokens, masked) of the micro-batches run
         self.optimizer = build_optimizer(cfg.optim, self.model)
-        self.schedule = PolyWarmupScheduler(self.optimizer, cfg.optim, t.max_steps, device=self.device)
+        # The rate in a device tensor where the optimizer can skip on the device (not apex's FusedLAMB).
+        device_lr = self.device if getattr(self.optimizer, "skips_on_device", False) else None
+        self.schedule = PolyWarmupScheduler(self.optimizer, cfg.optim, t.max_steps, device=device_lr)
         self.adagc = components.build_adagc(cfg.optim, self.model)
         self.clip_stats = None  # the last AdaGC step's, for the logs
         self.scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
@@ -140,7 +142,8 @@ class Trainer:
                 self.rebalancer = components.build_rebalancer(cfg.data, self.local_batch, cfg.dist.timeout_s)
         self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
         self.planner: StepPlanner | None = None  # built when the data opens
-        self.eval_batches = EvalBatches(cfg.eval, self.device, self._collate, self.progress.message)
+        graphed = self.static if t.cuda_graphs else None  # graphed eval replays padded shapes
+        self.eval_batches = EvalBatches(cfg.eval, self.device, self._collate, self.progress.message, graphed)
 
         # What a checkpoint saves and restores besides the counters (bert.train_state).
         self.parts = {"model": self.model, "optimizer": self.optimizer, "schedule": self.schedule}
@@ -241,12 +244,7 @@ class Trainer:
         # No update on non-finite gradients: the optimizer, schedule and AdaGC skip on the device
         # (bert.optim); fp16's GradScaler decides its own skip on the host (scaler.step reads).
         found_inf = ~torch.isfinite(norm)
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step(found_inf=found_inf)
-        self.schedule.step(found_inf)
+        components.apply_update(self.optimizer, self.schedule, found_inf, self.scaler)
         if self.adagc is not None:
             # AdaGC kept its thresholds on the non-finite step but counted it; the skipped
             # step leaves all optimizer state as it was, its step count included.
@@ -306,8 +304,8 @@ class Trainer:
         cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
         blocks = components.warm_up_blocks(self.cfg.data, self.model_config.vocab_size, self.micro_batch, cuda)
         self.forward.train()
-        for block in blocks:
-            batch = self._collate(block).to(self.device, non_blocking=True)
+        for block in blocks:  # padded as training pads (train.cuda_graphs captures their shapes)
+            batch, _ = components.micro_batch(self._collate(block), block, self.static, set(), self.device)
             with self._autocast():
                 out = self.forward(batch)
                 masked, seqs = int(block.masked_counts.sum()), len(block)

@@ -366,3 +366,27 @@ def test_device_schedule_equals_host_schedule():
     assert other.step_count == 35 and other.lr.item() == host.last_lr
     with pytest.raises(ValueError, match="found_inf"):
         host.step(torch.tensor(True))
+
+
+def test_apply_update_reads_the_flag_only_for_an_optimizer_that_cannot_skip_on_the_device():
+    """apex's FusedLAMB stand-in (torch's SGD: no skips_on_device) with a host schedule: the host
+    reads found_inf and skips the update and the schedule; Lamb with a device schedule reads nothing."""
+    from bert.components import apply_update
+    from bert.device_reads import DeviceReads
+
+    model = TinyNet()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    host_sched = PolyWarmupScheduler(sgd, OptimSection(lr=0.1), max_steps=10)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = copy.deepcopy(model.state_dict())
+    apply_update(sgd, host_sched, torch.tensor(True))
+    assert host_sched.step_count == 0 and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    apply_update(sgd, host_sched, torch.tensor(False))
+    assert host_sched.step_count == 1 and not torch.equal(before["fc.weight"], model.fc.weight)
+
+    lamb = _optimizer("lamb", model)
+    sched = PolyWarmupScheduler(lamb, OptimSection(lr=0.02), max_steps=10, device="cpu")
+    with DeviceReads(list(model.parameters()) + [sched.lr]) as reads:
+        apply_update(lamb, sched, torch.isfinite(model.fc.weight.grad).all().logical_not())
+    assert reads.total == 0 and sched.step_count == 1
