@@ -20,6 +20,7 @@ from bert.config import BertConfig
 from bert.metrics import MetricsWriter
 from bert.mlperf_log import MLPerfLogger
 from bert.model import BertForPreTraining
+from bert.optim import skips_on_device
 from bert.train_config import (
     CLOSED_EVAL_SAMPLES,
     ConfigError,
@@ -334,11 +335,11 @@ def micro_batch(batch, block, static, shapes_seen: set, device: torch.device):
 def apply_update(optimizer, schedule, found_inf: torch.Tensor, scaler=None) -> None:
     """The update and the schedule's step, skipped where ``found_inf`` (0-dim device bool).
 
-    On the device, without a read, for the optimizers that skip there (``skips_on_device``:
-    ``bert.optim``'s Lamb and AdamW, the sharded LAMB) with a device schedule. apex's
+    On the device, without a read, for the optimizers that skip there (``bert.optim.skips_on_device``:
+    Lamb and AdamW, the sharded LAMB) with a device schedule. apex's
     FusedLAMB cannot, so with it the host reads ``found_inf`` (one read per step), and fp16's
     GradScaler decides its own skip on the host (``scaler.step`` reads the device)."""
-    on_device = getattr(optimizer, "skips_on_device", False) and schedule.device is not None
+    on_device = skips_on_device(optimizer) and schedule.device is not None
     applied = True if on_device else not bool(found_inf)
     if scaler is not None:
         scaler.step(optimizer)

@@ -23,7 +23,7 @@ error). Both keep the same state layout (``exp_avg``, ``exp_avg_sq`` per paramet
 per group), so a checkpoint moves between them.
 
 The device-side skip (shared by every optimizer of this project, the sharded ones included;
-each says so with the class attribute ``skips_on_device = True``): ``step(found_inf=t)``
+``skips_on_device(optimizer)`` tells whether its ``step`` has the argument): ``step(found_inf=t)``
 takes a 0-dim tensor on the parameters' device, nonzero (True) when the gradients are not
 finite. The update is then computed as usual and selected per tensor with ``torch.where``,
 so on a skipped step the parameters, moments and step counts stay bitwise as they were, and
@@ -39,6 +39,7 @@ trainer reads the flag on the host for it (``bert.components.apply_update``).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 from collections.abc import Iterable
 
@@ -95,8 +96,6 @@ class Lamb(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.use_nvlamb = use_nvlamb
-
-    skips_on_device = True  # step(found_inf=...): see the module docstring
 
     @torch.no_grad()
     def step(self, closure=None, found_inf: Tensor | None = None):
@@ -185,8 +184,6 @@ class AdamW(torch.optim.AdamW):
     moves between the two paths. ``amsgrad``, ``maximize`` and complex parameters are torch's only.
     """
 
-    skips_on_device = True  # step(found_inf=...): see the module docstring
-
     @torch.no_grad()
     def step(self, closure=None, found_inf: Tensor | None = None):
         if found_inf is None and not any(isinstance(g["lr"], Tensor) for g in self.param_groups):
@@ -263,6 +260,11 @@ def _keep_where_skipped(skip: Tensor, olds: list[Tensor], news: list[Tensor]) ->
     """olds[i] <- olds[i] if skip else news[i], in place, without reading ``skip`` on the host."""
     for old, new in zip(olds, news):
         torch.where(skip, old, new, out=old)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes ``found_inf`` (the device-side skip of the module docstring)."""
+    return "found_inf" in inspect.signature(optimizer.step).parameters
 
 
 def apex_lamb_available() -> bool:

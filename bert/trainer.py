@@ -44,7 +44,7 @@ from bert.eval_cache import EvalBatches, masked_lm_counts
 from bert.host_counts import CountAgreement, StepPlanner
 from bert.losses import pretraining_loss, simreg_loss
 from bert.metrics import Progress
-from bert.optim import build_optimizer
+from bert.optim import build_optimizer, skips_on_device
 from bert.schedule import PolyWarmupScheduler
 from bert.step_metrics import DeviceCounters
 from bert.train_config import RunConfig, eval_interval
@@ -129,7 +129,7 @@ class Trainer:
         self.shapes_seen: set[tuple[int, int]] = set()  # (tokens, masked) of the micro-batches run
         self.optimizer = build_optimizer(cfg.optim, self.model)
         # The rate in a device tensor where the optimizer can skip on the device (not apex's FusedLAMB).
-        device_lr = self.device if getattr(self.optimizer, "skips_on_device", False) else None
+        device_lr = self.device if skips_on_device(self.optimizer) else None
         self.schedule = PolyWarmupScheduler(self.optimizer, cfg.optim, t.max_steps, device=device_lr)
         self.adagc = components.build_adagc(cfg.optim, self.model)
         self.clip_stats = None  # the last AdaGC step's, for the logs
