@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     from bert.collectives import CollectiveError, announce_exit
     from bert.trainer import Trainer, TrainingError
     from data.rebalance import RebalanceError
+    from kernels.interface import BackendUnavailable
     from launch.distributed import LaunchError, destroy, init_distributed
 
     try:
@@ -70,7 +71,9 @@ def main(argv=None) -> int:
                 flush=True,
             )
         summary = trainer.train()
-    except (ConfigError, CheckpointError, DataError, TrainingError, ValueError) as e:
+    # BackendUnavailable: model.attention cannot run on this machine (e.g. Triton without a GPU
+    # or TRITON_INTERPRET), found when the model is built: a configuration error too.
+    except (ConfigError, BackendUnavailable, CheckpointError, DataError, TrainingError, ValueError) as e:
         print(f"error (rank {info.rank}): {e}", file=sys.stderr, flush=True)
         store = announce_exit(info.rank, info.world_size, str(e))
         return 2

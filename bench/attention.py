@@ -30,12 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
 
-import torch  # noqa: E402
-
-from bench.lengths import LengthSampler, LengthsError  # noqa: E402
+from bench.lengths import LengthSampler, LengthsError
 
 BACKENDS = ("reference", "padded", "torch_varlen", "flash_attn", "triton", "triton_grouped")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -62,7 +59,8 @@ def fwd_bwd(fn, qkv, dout, layout, dropout):
 
 
 def load_backends(names):
-    from kernels.attention import BackendUnavailable, get_backend
+    from kernels.interface import BackendUnavailable
+    from kernels.registry import get_backend
 
     loaded, unavailable = {}, {}
     for name in names:
@@ -82,7 +80,7 @@ def max_diff(a, b) -> float:
 
 
 def gpu_benchmark(args, sampler) -> dict:
-    from kernels.attention import VarlenLayout
+    from kernels.interface import VarlenLayout
 
     device = torch.device("cuda")
     dtype = DTYPES[args.dtype]
@@ -145,7 +143,7 @@ def gpu_benchmark(args, sampler) -> dict:
 
 def cpu_correctness(args, sampler) -> dict:
     """No GPU: compare backends on small shapes in Triton's interpreter."""
-    from kernels.attention import VarlenLayout
+    from kernels.interface import VarlenLayout
 
     lengths = [max(1, n // 8) for n in sampler.batch(6)]  # the distribution, scaled down
     qkv, dout, cu = make_batch(lengths, 2, 64, torch.float32, torch.device("cpu"), seed=args.seed)
@@ -242,11 +240,11 @@ def main(argv=None) -> int:
         ok = all(r["status"] in ("ok", "unavailable") for r in report["results"].values())
     print_table(report)
     if args.json:
-        from bert.metrics import atomic_write_text
+        from fileio import write_text
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(report, indent=1))
+        write_text(path, json.dumps(report, indent=1))
     return 0 if ok else 1
 
 

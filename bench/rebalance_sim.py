@@ -34,14 +34,11 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, STRATEGIES, assign, plan_for_rank  # noqa: E402
+from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, STRATEGIES, assign, plan_for_rank
+from fileio import publishing, write_text
 
 MAX_PREDICTIONS = 76  # MLPerf: max_predictions_per_seq
 MASKED_LM_PROB = 0.15
@@ -183,12 +180,6 @@ def print_table(records: list[dict]) -> None:
         )
 
 
-def write_atomic(path: str, write) -> None:
-    tmp = f"{path}.tmp{os.getpid()}{os.path.splitext(path)[1]}"
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def plot(records: list[dict], path: str) -> None:
     import matplotlib
 
@@ -212,7 +203,8 @@ def plot(records: list[dict], path: str) -> None:
     )
     ax2.legend()
     fig.tight_layout()
-    write_atomic(path, lambda p: fig.savefig(p, dpi=100))
+    with publishing(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
 
 
@@ -265,13 +257,7 @@ def main(argv=None) -> int:
     records = simulate(args.world_sizes, args.batch, args.steps, args.seed, tuple(args.cost), draw, args.group_size)
     print_table(records)
     if args.json:
-
-        def write_json(p):
-            with open(p, "w") as f:
-                json.dump(records, f, indent=1)
-                f.write("\n")
-
-        write_atomic(args.json, write_json)
+        write_text(args.json, json.dumps(records, indent=1) + "\n")
     if args.png:
         plot(records, args.png)
     return 0

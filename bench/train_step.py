@@ -32,14 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bench.lengths import LengthSampler, LengthsError  # noqa: E402
+from bench.lengths import LengthSampler, LengthsError
 
 DEFAULT_VARIANTS = (
     "unpadded:triton_grouped+fused",
@@ -173,10 +170,10 @@ def run_variant(variant, config, batches, args, device):
 
 def write_report(report: dict, path: str | None) -> None:
     if path:
-        from bert.metrics import atomic_write_text
+        from fileio import write_text
 
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(Path(path), json.dumps(report, indent=1))
+        write_text(Path(path), json.dumps(report, indent=1))
 
 
 def main(argv=None) -> int:
@@ -194,7 +191,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     from bert.config import BertConfig
-    from kernels.attention import BackendUnavailable
+    from kernels.interface import BackendUnavailable
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")

@@ -26,8 +26,6 @@ import io
 import os
 import pickle
 import re
-import shutil
-import tempfile
 import zipfile
 
 import torch
@@ -41,6 +39,7 @@ from bert.tf_checkpoint import (
     is_tf_checkpoint,
     read_tf_checkpoint,
 )
+from fileio import publishing_dir
 
 __all__ = [
     "CheckpointError",
@@ -392,17 +391,8 @@ def export_hf(model, directory: str) -> None:
     directory appears complete or not at all."""
     from safetensors.torch import save_file
 
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
+    with publishing_dir(directory) as tmp:
         model.config.to_json(os.path.join(tmp, "config.json"), transformers=True)
         # safetensors stores each tensor once: drop the tied copies, as transformers does.
         tensors = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items() if k not in _ALIASES}
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        if os.path.exists(directory):
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

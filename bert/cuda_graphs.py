@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kernels.attention import VarlenLayout
+from kernels.interface import VarlenLayout
 
 
 class _Encoder(nn.Module):

@@ -4,7 +4,7 @@ The model runs on a flat token dimension from the embeddings to the heads. For a
 ``UnpaddedBatch`` that is T real tokens and no padding is ever computed; for a
 ``PaddedBatch`` (the baseline) it is B*S tokens, padding included; for a ``PackedBatch`` it
 is R*S tokens of rows packed with whole sequences. The attention backend,
-chosen by name (``kernels.attention``), is told which tokens form which sequence through a
+chosen by name (``kernels.registry``), is told which tokens form which sequence through a
 layout object.
 
 The masked-LM head runs only at the M masked positions (gathered before the head, as the
@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bert.config import BertConfig
+from bert.config import ACTIVATIONS, BertConfig, ConfigError
 from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
-from kernels.attention import PackedLayout, PaddedLayout, VarlenLayout, get_backend
+from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
+from kernels.registry import get_backend
 
 
 @dataclass
@@ -38,12 +39,18 @@ class PretrainingOutput:
     hidden_states: Tensor  # [N, C], the last encoder layer
 
 
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# hidden_act -> the function; the names are bert.config.ACTIVATIONS.
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu}
+
+
 def activation(name: str):
-    if name == "gelu":
-        return F.gelu
-    if name in ("gelu_new", "gelu_pytorch_tanh"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    return F.relu
+    if name not in _ACTIVATIONS:  # BertConfig refuses it first; a config built around it lands here
+        raise ConfigError(f"hidden_act: {name!r} is not one of {ACTIVATIONS}")
+    return _ACTIVATIONS[name]
 
 
 class BertEmbeddings(nn.Module):
@@ -115,7 +122,7 @@ def _fused():
 class BertForPreTraining(nn.Module):
     """BERT with the masked-LM and next-sentence heads.
 
-    ``attention`` names the backend (``kernels.attention.backend_names()``) and
+    ``attention`` names the backend (``kernels.registry.backend_names()``) and
     ``attention_options`` are its settings, if it takes any; ``fused_ops`` switches the
     bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on.
     """

@@ -22,6 +22,11 @@ import yaml
 
 from bert.config import PRESETS, BertConfig
 from bert.config import ConfigError as BertConfigError
+from kernels import registry
+from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
+
+# data.layout -> the attention layout the model builds from such a batch.
+ATTENTION_LAYOUTS = {"unpadded": VarlenLayout, "padded": PaddedLayout, "packed": PackedLayout}
 
 
 class ConfigError(ValueError):
@@ -125,8 +130,11 @@ class ModelSection:
     config_file: str | None = opt(None, "bert_config.json or transformers config.json; overrides preset")
     attention: str = opt(
         "reference",
-        "attention backend: reference, padded, triton, triton_grouped, "
-        "flash_attn, torch_varlen (unpadded layout); flashmask (packed layout)",
+        "attention backend (kernels.registry): "
+        + "; ".join(
+            f"{', '.join(registry.backends_for(lay))} ({kind} layout)" for kind, lay in ATTENTION_LAYOUTS.items()
+        ),
+        tuple(registry.backend_names()),
     )
     grouped_buckets: list[int] = opt(
         [128, 256, 384, 512],
@@ -151,8 +159,8 @@ class DataSection:
         "unpadded",
         "batch layout fed to the model: unpadded (flat tokens, cu_seqlens), padded "
         "([B, max_seq_length], the baseline) or packed (rows of max_seq_length holding "
-        "several whole sequences; needs model.attention flashmask or reference)",
-        ("unpadded", "padded", "packed"),
+        "several whole sequences); model.attention names a backend that takes it",
+        tuple(ATTENTION_LAYOUTS),
     )
     backend: str = opt("torch", "loader backend", ("torch", "dali"))
     max_seq_length: int = opt(512, "sequence length of the data; the padded layout pads to it")
@@ -443,10 +451,7 @@ def check_closed_division(cfg: RunConfig) -> None:
             f"model.vocab_size: {why} keeps BERT-large's {PRESETS['large'].vocab_size}, got {m.vocab_size}"
         )
     if m.config_file:
-        try:
-            shape = BertConfig.from_json(m.config_file)
-        except (BertConfigError, OSError) as e:
-            raise ConfigError(f"model.config_file: {e}") from None
+        shape = read_model_config_file(m.config_file)
         large = PRESETS["large"]
         for name in (
             "vocab_size",
@@ -488,6 +493,16 @@ def check_closed_division(cfg: RunConfig) -> None:
             raise ConfigError(f"debug.{name}: {why} trains without injected faults; leave it empty")
 
 
+def read_model_config_file(path: str) -> BertConfig:
+    """model.config_file's architecture; ConfigError naming the file and the field it gets wrong
+    (an unknown hidden_act, for instance), so a bad file is found when the config is checked."""
+    try:
+        return BertConfig.from_json(path)
+    except (BertConfigError, OSError) as e:
+        message = str(e) if str(e).startswith(path) else f"{path}: {e}"
+        raise ConfigError(f"model.config_file: {message}") from None
+
+
 # Attention backends whose launches read cu_seqlens on the device (a graph replays them with
 # new lengths). triton_grouped plans its groups from the lengths on the host, a plan a graph
 # would freeze; reference loops over cu_seqlens on the host; the library backends are not
@@ -519,11 +534,16 @@ def check_cuda_graphs(cfg: RunConfig) -> None:
 
 def check_cross_fields(cfg: RunConfig) -> None:
     """Constraints between sections (raised before any work)."""
+    if cfg.model.config_file:
+        read_model_config_file(cfg.model.config_file)
     layout, attention = cfg.data.layout, cfg.model.attention
-    if layout == "packed" and attention not in ("flashmask", "reference"):
-        raise ConfigError(f"model.attention: {attention!r} cannot run data.layout=packed; use flashmask (or reference)")
-    if attention == "flashmask" and layout != "packed":
-        raise ConfigError(f"model.attention: flashmask needs data.layout=packed, got {layout!r}")
+    takes = registry.layouts_of(attention)
+    if ATTENTION_LAYOUTS[layout] not in takes:  # whether the machine can run it is checked when it is built
+        need = " or ".join(kind for kind, lay in ATTENTION_LAYOUTS.items() if lay in takes)
+        raise ConfigError(
+            f"model.attention: {attention} needs data.layout={need}, got {layout!r}; data.layout={layout} runs "
+            f"with {', '.join(registry.backends_for(ATTENTION_LAYOUTS[layout]))}"
+        )
     if cfg.loss.simreg_weight > 0 and layout == "padded":
         raise ConfigError("loss.simreg_weight: SimReg runs on the unpadded and packed layouts, not padded")
     if layout == "packed" and cfg.data.backend != "torch":

@@ -20,11 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from data.errors import DataError, cli_main  # noqa: E402
-from data.hdf5io import ALL_LAYOUTS, PACKED, inspect, list_files, read_file, write_file  # noqa: E402
+from data.errors import DataError, cli_main
+from data.hdf5io import ALL_LAYOUTS, PACKED, inspect, list_files, read_file, write_file
 
 
 def convert_file(

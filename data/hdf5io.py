@@ -30,7 +30,6 @@ content (no timestamps).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ import numpy as np
 
 from data.errors import DataError
 from data.samples import SampleBlock, _offsets
+from fileio import publish
 
 FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 VARLENGTH_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -583,7 +583,7 @@ class _AtomicFile:
         try:
             self.f.close()
             if exc_type is None:
-                os.replace(self.tmp, self.path)
+                publish(self.tmp, self.path)
         except OSError as e:
             self.tmp.unlink(missing_ok=True)
             raise DataError(f"{self.path}: cannot write ({e.strerror or e})") from None
@@ -696,14 +696,6 @@ def write_file(path, block: SampleBlock, layout: str, max_seq_length: int, max_p
         write_packed(path, block, max_seq_length, max_predictions)
     else:
         raise DataError(f"--format {layout!r}: expected one of {', '.join(ALL_LAYOUTS)}")
-
-
-def md5sum(path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as fh:
-        for piece in iter(lambda: fh.read(1 << 22), b""):
-            h.update(piece)
-    return h.hexdigest()
 
 
 def list_files(path_or_files) -> list[Path]:

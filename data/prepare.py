@@ -44,24 +44,24 @@ import random
 import shutil
 import sys
 import time
+import types
+import typing
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from itertools import chain
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from data import text  # noqa: E402
-from data.errors import DataError, cli_main  # noqa: E402
-from data.hdf5io import LAYOUTS, md5sum, write_file  # noqa: E402
-from data.progress import progress  # noqa: E402
-from data.samples import SampleBlock, _gather_ranges, _offsets  # noqa: E402
-from data.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk  # noqa: E402
-from data.tokenization import Vocab, load_vocab, make_tokenizer, train_wordpiece, write_vocab  # noqa: E402
+from data import text
+from data.errors import DataError, cli_main
+from data.hdf5io import LAYOUTS, write_file
+from data.progress import progress
+from data.samples import SampleBlock, _gather_ranges, _offsets
+from data.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
+from data.tokenization import Vocab, load_vocab, make_tokenizer, train_wordpiece, write_vocab
+from fileio import md5sum, publish, write_text
 
 EVAL_FILE = "part_eval_10k.hdf5"
 TRAIN_TAG, EVAL_TAG = 0, 1
@@ -70,33 +70,63 @@ MASK_ROWS = 4096  # rows masked at once (bounds the [rows, S] scratch arrays)
 PAIR_TASK_TOKENS = (100_000, 8_000_000)  # document tokens per pairing task: min, max
 
 
-@dataclass
+def option(default=MISSING, *, help: str, reference: bool = True, flag: str | None = None, **argparse_kw):
+    """A field of PrepareConfig and, from the same declaration, its command-line option.
+
+    ``help`` is the option's help; ``flag`` its name when not ``--field-name``;
+    ``reference=False``: an option that ``--reference`` (one reference file per input)
+    refuses, whose argparse default is therefore None (so that "given" can be seen) and whose
+    help then names the real default unless it already does; ``argparse_kw`` goes to
+    ``add_argument`` as it is (choices, metavar) with ``group``: options in the same group
+    are mutually exclusive, one of them required. The type and nargs come from the annotation."""
+    meta = {"help": help, "reference": reference, "flag": flag, **argparse_kw}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
 class PrepareConfig:
     """Every parameter of a preparation run (the manifest records them all but ``workers``,
-    which never changes the output)."""
+    which never changes the output). Each field is also an option of ``python -m
+    data.prepare`` (``option``), in this order."""
 
-    inputs: list[str]
-    output_dir: str
-    input_format: str = "bert"
-    eval_inputs: list[str] | None = None  # eval documents kept apart from --input (else held out of it)
-    vocab: str | None = None  # a BERT vocab.txt ...
-    train_vocab: int | None = None  # ... or learn one of this size from the input
-    max_seq_length: int = 512
-    max_predictions: int = 76
-    masked_lm_prob: float = 0.15
-    short_seq_prob: float = 0.1
-    dupe_factor: int = 10
-    seed: int = 12345
-    shards: int = 1
-    eval_samples: int = 10000
-    format: str = "fixed"
-    min_sentences: int = 2
-    workers: int = 1
+    inputs: list[str] = option(flag="--input", help="text files or directories")
+    input_format: str = option(
+        "bert",
+        reference=False,
+        choices=FORMATS,
+        help="bert (default): a sentence per line, blank line between documents; wikitext: a document "
+        "per section; text: a document per paragraph",
+    )
+    eval_inputs: list[str] | None = option(
+        None,
+        flag="--eval-input",
+        reference=False,
+        help="make the eval set from these documents, e.g. MLPerf's eval.txt (without it: hold "
+        "documents out of --input)",
+    )
+    vocab: str | None = option(
+        None, group="vocab", help="WordPiece vocab.txt (must hold [PAD] [UNK] [CLS] [SEP] [MASK])"
+    )
+    train_vocab: int | None = option(
+        None, group="vocab", reference=False, metavar="SIZE", help="learn a WordPiece vocabulary of SIZE first"
+    )
+    output_dir: str = option(help="gets train/, eval/, vocab.txt, manifest.json")
+    max_seq_length: int = option(512, help="tokens per sample, [CLS] and [SEP]s included")
+    max_predictions: int = option(76, help="max_predictions_per_seq")
+    masked_lm_prob: float = option(0.15, help="share of tokens to predict")
+    short_seq_prob: float = option(0.1, help="chance of a shorter random target length")
+    dupe_factor: int = option(10, help="passes over the text, each masked differently")
+    seed: int = option(12345, help="fixes every random choice")
+    shards: int = option(1, reference=False, help="number of training files")
+    eval_samples: int = option(10000, reference=False, help="0: no eval file")
+    format: str = option("fixed", reference=False, choices=LAYOUTS, help="HDF5 layout")
+    min_sentences: int = option(2, reference=False, help="skip documents with fewer sentences")
+    workers: int = option(1, help="processes (the output does not depend on it)")
 
     def __post_init__(self):
-        def need(ok: bool, flag: str, what: str):
+        def need(ok: bool, name: str, what: str):
             if not ok:
-                raise DataError(f"--{flag.replace('_', '-')} {getattr(self, flag)}: {what}")
+                raise DataError(f"{_flag(self.__dataclass_fields__[name])} {getattr(self, name)}: {what}")
 
         if not self.inputs:
             raise DataError("--input: give at least one file or directory")
@@ -119,6 +149,40 @@ class PrepareConfig:
     @property
     def max_num_tokens(self) -> int:
         return self.max_seq_length - 3
+
+
+def _flag(f) -> str:
+    """The option of a PrepareConfig field."""
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def _add_option(ap: argparse.ArgumentParser, groups: dict, f, hint) -> None:
+    """The command-line option of one PrepareConfig field (see ``option``)."""
+    meta = dict(f.metadata)
+    help, reference, group, flag = meta.pop("help"), meta.pop("reference"), meta.pop("group", None), _flag(f)
+    del meta["flag"]
+    kw = {"dest": f.name, **meta}  # dest is the field; what argparse shows is the flag's
+    if "choices" not in kw:
+        kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: an option that may be absent
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        kw.update(nargs="+", action="extend")
+    elif hint in (int, float):
+        kw["type"] = hint
+    if f.default is MISSING:
+        kw["required"] = True
+    elif group is not None:  # a member of a required group: given or None
+        if group not in groups:
+            groups[group] = ap.add_mutually_exclusive_group(required=True)
+        ap = groups[group]
+    elif not reference:  # None, so that --reference sees whether it was given
+        kw["default"] = None
+        if f.default is not None and "default" not in help:
+            help = f"{help} (default {f.default})"
+    else:
+        kw["default"] = f.default
+    ap.add_argument(flag, help=help, **kw)
 
 
 @dataclass
@@ -856,97 +920,48 @@ def _install(out: Path, tmp: Path, names: list[str], has_eval: bool, manifest: d
             if old.name not in names:
                 old.unlink()
         for n in names:
-            os.replace(tmp / "train" / n, out / "train" / n)
+            publish(tmp / "train" / n, out / "train" / n)
         if has_eval:
             (out / "eval").mkdir(exist_ok=True)
-            os.replace(tmp / "eval" / EVAL_FILE, out / "eval" / EVAL_FILE)
-        os.replace(tmp / "vocab.txt", out / "vocab.txt")
-        text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-        (tmp / "manifest.json").write_text(text)
-        os.replace(tmp / "manifest.json", out / "manifest.json")
+            publish(tmp / "eval" / EVAL_FILE, out / "eval" / EVAL_FILE)
+        publish(tmp / "vocab.txt", out / "vocab.txt")
+        write_text(out / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     except OSError as e:
         raise DataError(f"{out}: cannot install the prepared files ({e.strerror or e})") from None
 
 
-_NOT_REFERENCE = {
-    "input_format": "bert",
-    "eval_input": None,
-    "train_vocab": None,
-    "shards": 1,
-    "eval_samples": 10000,
-    "format": "fixed",
-    "min_sentences": 2,
-}
-
-
-def main(argv=None) -> int:
+def build_parser(config: type[PrepareConfig] = PrepareConfig) -> argparse.ArgumentParser:
+    """``python -m data.prepare``'s options: the fields of ``config``, in order, and ``--reference``."""
     ap = argparse.ArgumentParser(
         prog="python -m data.prepare",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument("--input", nargs="+", action="extend", required=True, help="text files or directories")
-    ap.add_argument(
-        "--reference",
-        action="store_true",
-        help="MLPerf's reference create_pretraining_data.py, sample for sample: one fixed-layout "
-        "OUTPUT_DIR/<input name>.hdf5 per input file, each made with a fresh random.Random(seed) "
-        "(data.reference); takes --vocab, the sizes, --dupe-factor, --seed and --workers only",
-    )
-    ap.add_argument(
-        "--input-format",
-        choices=FORMATS,
-        default=None,
-        help="bert (default): a sentence per line, blank line between documents; wikitext: a document "
-        "per section; text: a document per paragraph",
-    )
-    ap.add_argument(
-        "--eval-input",
-        nargs="+",
-        action="extend",
-        help="make the eval set from these documents, e.g. MLPerf's eval.txt (without it: hold "
-        "documents out of --input)",
-    )
-    voc = ap.add_mutually_exclusive_group(required=True)
-    voc.add_argument("--vocab", help="WordPiece vocab.txt (must hold [PAD] [UNK] [CLS] [SEP] [MASK])")
-    voc.add_argument("--train-vocab", type=int, metavar="SIZE", help="learn a WordPiece vocabulary of SIZE first")
-    ap.add_argument("--output-dir", required=True, help="gets train/, eval/, vocab.txt, manifest.json")
-    ap.add_argument("--max-seq-length", type=int, default=512, help="tokens per sample, [CLS] and [SEP]s included")
-    ap.add_argument("--max-predictions", type=int, default=76, help="max_predictions_per_seq")
-    ap.add_argument("--masked-lm-prob", type=float, default=0.15, help="share of tokens to predict")
-    ap.add_argument("--short-seq-prob", type=float, default=0.1, help="chance of a shorter random target length")
-    ap.add_argument("--dupe-factor", type=int, default=10, help="passes over the text, each masked differently")
-    ap.add_argument("--seed", type=int, default=12345, help="fixes every random choice")
-    ap.add_argument("--shards", type=int, default=None, help="number of training files (default 1)")
-    ap.add_argument("--eval-samples", type=int, default=None, help="0: no eval file (default 10000)")
-    ap.add_argument("--format", choices=LAYOUTS, default=None, help="HDF5 layout (default fixed)")
-    ap.add_argument("--min-sentences", type=int, default=None, help="skip documents with fewer sentences (default 2)")
-    ap.add_argument("--workers", type=int, default=1, help="processes (the output does not depend on it)")
-    args = ap.parse_args(argv)
+    hints, groups = typing.get_type_hints(config), {}
+    for f in fields(config):
+        _add_option(ap, groups, f, hints[f.name])
+        if f.name == "inputs":  # the mode switch, next to what it reads
+            ap.add_argument(
+                "--reference",
+                action="store_true",
+                help="MLPerf's reference create_pretraining_data.py, sample for sample: one fixed-layout "
+                "OUTPUT_DIR/<input name>.hdf5 per input file, each made with a fresh random.Random(seed) "
+                "(data.reference); takes --vocab, the sizes, --dupe-factor, --seed and --workers only",
+            )
+    return ap
+
+
+def refused_by_reference(args: argparse.Namespace, config: type[PrepareConfig] = PrepareConfig) -> list[str]:
+    """The options given in ``args`` that ``--reference`` does not take."""
+    return [_flag(f) for f in fields(config) if not f.metadata["reference"] and getattr(args, f.name) is not None]
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.reference:
         return _main_reference(args)
-    for k, v in _NOT_REFERENCE.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    cfg = PrepareConfig(
-        inputs=args.input,
-        output_dir=args.output_dir,
-        input_format=args.input_format,
-        eval_inputs=args.eval_input,
-        vocab=args.vocab,
-        train_vocab=args.train_vocab,
-        max_seq_length=args.max_seq_length,
-        max_predictions=args.max_predictions,
-        masked_lm_prob=args.masked_lm_prob,
-        short_seq_prob=args.short_seq_prob,
-        dupe_factor=args.dupe_factor,
-        seed=args.seed,
-        shards=args.shards,
-        eval_samples=args.eval_samples,
-        format=args.format,
-        min_sentences=args.min_sentences,
-        workers=args.workers,
-    )
+    given = {f.name: getattr(args, f.name) for f in fields(PrepareConfig) if getattr(args, f.name) is not None}
+    cfg = PrepareConfig(**given)  # an option not given takes the field's default
     start = time.perf_counter()
     result = prepare(cfg)
     m = result.manifest
@@ -964,10 +979,10 @@ def _main_reference(args) -> int:
     from data.mlperf_dataset import Pool, prepare_files
     from data.reference import RefParams
 
-    given = [k for k in _NOT_REFERENCE if getattr(args, k) is not None]
-    if given:
+    refused = refused_by_reference(args)
+    if refused:
         raise DataError(
-            f"--reference does not take --{given[0].replace('_', '-')} (it writes one fixed-layout file "
+            f"--reference does not take {refused[0]} (it writes one fixed-layout file "
             f"per input file, as the reference script does)"
         )
     if args.workers < 1:
@@ -980,7 +995,7 @@ def _main_reference(args) -> int:
         dupe_factor=args.dupe_factor,
         seed=args.seed,
     )
-    files = list_inputs(args.input)
+    files = list_inputs(args.inputs)
     start = time.perf_counter()
     with Pool(args.workers) as pool:
         outs = prepare_files(files, Path(args.output_dir), args.vocab, params, pool, skip_existing=False)

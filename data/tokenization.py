@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from data.errors import DataError
+from fileio import write_text
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # The fixed and varlength HDF5 layouts store token ids as int16.
@@ -100,13 +101,9 @@ def load_vocab(path: str | os.PathLike) -> Vocab:
 
 def write_vocab(path: str | os.PathLike, tokens: list[str]) -> None:
     """Write ``vocab.txt`` under a temporary name, then rename it into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
-        os.replace(tmp, path)
+        write_text(path, "".join(t + "\n" for t in tokens))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise DataError(f"{path}: cannot write the vocabulary ({e.strerror or e})") from None
 
 
