@@ -61,7 +61,7 @@ def local_counts(block: SampleBlock, stop: bool, corrupt: int, simreg_scope: str
 
 
 class CountAgreement:
-    """Sums per-step host counts over ranks, one step ahead, on its own gloo group.
+    """Sums per-step host counts over ranks on its own gloo group (``start`` in a thread, ``wait``).
 
     Build it on every rank at the same point (``new_group`` is collective and ordered).
     """

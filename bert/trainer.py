@@ -6,7 +6,7 @@
 
     for each global step:
         train_step       this rank's samples -> micro-batches -> forward_backward
-                         (losses normalised by global counts, agreed on the host a step ahead)
+                         (losses normalised by global counts, agreed between ranks on the host)
         optimizer_step   clip -> non-finite check on the device (skip and count) -> LAMB -> LR schedule
         evaluate         every eval.interval_samples: masked-LM accuracy over the eval set
         save_checkpoint  every checkpoint.interval_steps, and when SIGTERM asked to stop
