@@ -214,9 +214,11 @@ class Trainer:
                         hidden = hidden[index]
                     elif self.static:  # ... and never at the padding sequence
                         sim_batch, hidden = real_part(batch, *real), hidden[: real[0]]
-                    reg_sum, _ = simreg_loss(
-                        hidden, sim_batch, self.cfg.loss.simreg_temperature, self.cfg.loss.simreg_scope
-                    )
+                    # The blocks' sizes from the host's block (a packed batch reorders its sequences).
+                    scope, per_seq = self.cfg.loss.simreg_scope, None
+                    if not isinstance(batch, PackedBatch):
+                        per_seq = (mb.masked_counts if scope == "masked" else mb.seq_lens).tolist()
+                    reg_sum, _ = simreg_loss(hidden, sim_batch, self.cfg.loss.simreg_temperature, scope, counts=per_seq)
                     simreg_part = reg_sum / max(num_anchors, 1)
                     loss = loss + self.cfg.loss.simreg_weight * simreg_part
             backward_loss = loss * scale

@@ -42,10 +42,13 @@ def dataset(tmp_path_factory):
     return write_dataset(str(tmp_path_factory.mktemp("data")))
 
 
-@pytest.mark.parametrize("clip", ["global", "adagc"])
-@pytest.mark.parametrize("static", [False, True])
-def test_a_steady_state_step_reads_nothing(dataset, tmp_path, clip, static):
+@pytest.mark.parametrize(
+    "clip, static, simreg",
+    [("global", False, 0), ("adagc", False, 0), ("global", True, 0), ("adagc", True, 0), ("global", True, 0.1)],
+)
+def test_a_steady_state_step_reads_nothing(dataset, tmp_path, clip, static, simreg):
     extra = [*STEADY, f"optim.clip={clip}", "optim.adagc.warmup_steps=4", f"train.static_shapes={str(static).lower()}"]
+    extra.append(f"loss.simreg_weight={simreg}")
     trainer = Trainer(load_config(None, overrides(dataset, *extra)), str(tmp_path), init_distributed(backend="gloo"))
     seen = instrument(trainer, FIRST)
     summary = trainer.train()
