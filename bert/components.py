@@ -335,10 +335,10 @@ def micro_batch(batch, block, static, shapes_seen: set, device: torch.device):
 def apply_update(optimizer, schedule, found_inf: torch.Tensor, scaler=None) -> None:
     """The update and the schedule's step, skipped where ``found_inf`` (0-dim device bool).
 
-    On the device, without a read, for the optimizers that skip there (``bert.optim.skips_on_device``:
-    Lamb and AdamW, the sharded LAMB) with a device schedule. apex's
-    FusedLAMB cannot, so with it the host reads ``found_inf`` (one read per step), and fp16's
-    GradScaler decides its own skip on the host (``scaler.step`` reads the device)."""
+    On the device, without a read, for an optimizer that skips there (``bert.optim``'s Lamb
+    and AdamW, the sharded LAMB: ``skips_on_device``) with a device schedule. apex's FusedLAMB
+    cannot, so with it the host reads ``found_inf`` (one read per step); fp16's GradScaler
+    decides its own skip on the host (``scaler.step`` reads the device)."""
     on_device = skips_on_device(optimizer) and schedule.device is not None
     applied = True if on_device else not bool(found_inf)
     if scaler is not None:
