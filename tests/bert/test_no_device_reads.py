@@ -44,7 +44,13 @@ def dataset(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "clip, static, simreg",
-    [("global", False, 0), ("adagc", False, 0), ("global", True, 0), ("adagc", True, 0), ("global", True, 0.1)],
+    [
+        ("global", False, 0),
+        ("adagc", True, 0),
+        pytest.param("adagc", False, 0, marks=pytest.mark.slow),
+        pytest.param("global", True, 0, marks=pytest.mark.slow),
+        pytest.param("global", True, 0.1, marks=pytest.mark.slow),
+    ],
 )
 def test_a_steady_state_step_reads_nothing(dataset, tmp_path, clip, static, simreg):
     extra = [*STEADY, f"optim.clip={clip}", "optim.adagc.warmup_steps=4", f"train.static_shapes={str(static).lower()}"]

@@ -22,6 +22,7 @@ def dataset(tmp_path_factory):
     return write_dataset(str(tmp_path_factory.mktemp("data")))
 
 
+@pytest.mark.slow  # two 100-step runs
 def test_static_shapes_train_the_same_losses_over_100_steps(dataset, tmp_path):
     """fp32, dropout off (TINY): every step's loss within 1e-6 of the dynamic run's; at most 16
     shapes (docs/step.md: about 8 sigma sqrt(B) / bucket + 1, here 4 of 64 tokens)."""

@@ -52,6 +52,7 @@ def _model(seed):
     return BertForPreTraining(cfg, attention="reference")
 
 
+@pytest.mark.slow  # 2 x 100 steps
 def test_static_shapes_losses_equal_dynamic_over_100_steps():
     """fp32, dropout off: per-step losses of the padded path within 1e-6 of the unpadded one,
     LAMB updating both models (so the padding would show in later steps' weights too)."""
