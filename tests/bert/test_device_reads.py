@@ -25,6 +25,7 @@ from bert.device_reads import DeviceReads
         (lambda t: torch.unique(t.detach()), "_unique2"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 def test_each_read_of_a_device_tensor_is_counted(read, kind):
     w = torch.nn.Parameter(torch.randn(6))
     w.grad = torch.ones(6)
