@@ -27,3 +27,12 @@ def test_static_shapes_table(capsys):
     static_shapes.main(["--batch", "8", "--steps", "50", "--ranks", "2"])
     lines = capsys.readouterr().out.splitlines()
     assert "<- auto_token_bucket" in "\n".join(lines) and len(lines) >= 8
+
+
+def test_shard_gap_runs_both_loaders(capsys):
+    from bench import shard_gap
+
+    args = ["--steps", "12", "--shards", "4", "--shard-samples", "40", "--global-batch", "16", "--world-size", "2"]
+    assert shard_gap.main([*args, "--step-ms", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "read-ahead" in out and "no read-ahead" in out
