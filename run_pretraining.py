@@ -67,7 +67,8 @@ def main(argv=None) -> int:
                 f"model: {cfg.model.preset if not cfg.model.config_file else cfg.model.config_file} "
                 f"({sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M parameters, "
                 f"attention {cfg.model.attention})  layout: {cfg.data.layout}  "
-                f"global batch: {cfg.train.global_batch_size}  precision: {cfg.train.precision}",
+                f"global batch: {cfg.train.global_batch_size}  precision: {cfg.train.precision}"
+                + (f", FP8 GEMMs ({cfg.train.fp8})" if cfg.train.fp8 != "off" else ""),
                 flush=True,
             )
         summary = trainer.train()

@@ -121,7 +121,9 @@ def model_flops(config, batch) -> float:
     return 3.0 * (encoder + head)
 
 
-def run_variant(variant, config, batches, args, device):
+def run_variant(variant, config, batches, args, device, fp8: str = "off"):
+    """Median seconds of one training step; ``fp8``: ``train.fp8`` (bench/fp8.py compares them)."""
+    from bert.fp8 import convert_encoder
     from bert.model import BertForPreTraining
     from bert.optim import build_optimizer
     from bert.train_config import OptimSection
@@ -130,6 +132,7 @@ def run_variant(variant, config, batches, args, device):
     backend, fused, layout = parse_variant(variant)
     with torch.device(device):
         model = BertForPreTraining(config, attention=backend, fused_ops=fused)
+    convert_encoder(model, fp8, device=device)
     model.train()
     optimizer = build_optimizer(OptimSection(name=args.optimizer, lr=4.25e-4), model)
     convert = {"padded": lambda b: pad(b, 512), "packed": to_packed, "unpadded": lambda b: b}[layout]

@@ -27,9 +27,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bert.config import ACTIVATIONS, BertConfig, ConfigError
+from bert.fp8 import matmul
 from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
+from kernels.gemm_epilogue import linear_bias_gelu
 from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
 from kernels.registry import get_backend
+
+BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU implementations
 
 
 @dataclass
@@ -70,7 +74,7 @@ class BertEmbeddings(nn.Module):
 class BertLayer(nn.Module):
     """One post-LayerNorm transformer layer: attention, residual + LN, FFN, residual + LN."""
 
-    def __init__(self, config: BertConfig, attention_fn, fused_ops: bool):
+    def __init__(self, config: BertConfig, attention_fn, fused_ops: bool, bias_gelu: str):
         super().__init__()
         c, i = config.hidden_size, config.intermediate_size
         self.num_heads = config.num_attention_heads
@@ -85,14 +89,17 @@ class BertLayer(nn.Module):
         self.act = activation(config.hidden_act)
         self.attention_fn = attention_fn
         self.fused_ops = fused_ops
+        self.bias_gelu = bias_gelu
 
     def forward(self, x_NC: Tensor, layout) -> Tensor:
         n, c = x_NC.shape
         q_NHD, k_NHD, v_NHD = self.qkv(x_NC).view(n, 3, self.num_heads, c // self.num_heads).unbind(1)
         a_NHD = self.attention_fn(q_NHD, k_NHD, v_NHD, layout, self.attention_dropout, self.training)
         x_NC = self._residual_norm(a_NHD.reshape(n, c), self.attn_out, x_NC, self.attn_norm)
-        if self.fused_ops:
-            h_NI = _fused().bias_gelu(F.linear(x_NC, self.ffn_in.weight), self.ffn_in.bias)
+        if self.bias_gelu == "triton":
+            h_NI = _fused().bias_gelu(matmul(self.ffn_in, x_NC), self.ffn_in.bias)
+        elif self.bias_gelu == "epilogue":
+            h_NI = linear_bias_gelu(x_NC, self.ffn_in.weight, self.ffn_in.bias)
         else:
             h_NI = self.act(self.ffn_in(x_NC))
         return self._residual_norm(h_NI, self.ffn_out, x_NC, self.ffn_norm)
@@ -101,7 +108,7 @@ class BertLayer(nn.Module):
         """LayerNorm(residual + dropout(proj(h)))."""
         if self.fused_ops:
             return _fused().bias_dropout_add_layer_norm(
-                F.linear(h, proj.weight),
+                matmul(proj, h),
                 proj.bias,
                 residual,
                 norm.weight,
@@ -124,7 +131,9 @@ class BertForPreTraining(nn.Module):
 
     ``attention`` names the backend (``kernels.registry.backend_names()``) and
     ``attention_options`` are its settings, if it takes any; ``fused_ops`` switches the
-    bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on.
+    bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on; ``bias_gelu`` picks the
+    FFN-in's bias+GELU alone: ``eager``, ``triton`` (the fused kernel) or ``epilogue`` (in the
+    GEMM, ``kernels.gemm_epilogue``); ``auto`` is ``triton`` with ``fused_ops``, else ``eager``.
     """
 
     def __init__(
@@ -133,16 +142,25 @@ class BertForPreTraining(nn.Module):
         attention: str = "reference",
         fused_ops: bool = False,
         attention_options: dict | None = None,
+        bias_gelu: str = "auto",
     ):
         super().__init__()
         self.config = config
         self.attention = attention
+        if bias_gelu == "auto":
+            bias_gelu = "triton" if fused_ops else "eager"
+        if bias_gelu not in BIAS_GELU:
+            raise ValueError(f"model.bias_gelu: {bias_gelu!r} is not one of {['auto', *BIAS_GELU]}")
         if config.hidden_act != "gelu" and fused_ops:
             raise ValueError(f"model.fused_ops: the fused kernels implement erf GELU, not {config.hidden_act!r}")
+        if config.hidden_act != "gelu" and bias_gelu != "eager":
+            raise ValueError(f"model.bias_gelu: {bias_gelu} implements GELU, not {config.hidden_act!r}")
         attention_fn = get_backend(attention, **(attention_options or {}))
         c = config.hidden_size
         self.embeddings = BertEmbeddings(config)
-        self.layers = nn.ModuleList(BertLayer(config, attention_fn, fused_ops) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            BertLayer(config, attention_fn, fused_ops, bias_gelu) for _ in range(config.num_hidden_layers)
+        )
         self.pooler = nn.Linear(c, c)
         self.mlm_transform = nn.Linear(c, c)
         self.mlm_norm = nn.LayerNorm(c, eps=config.layer_norm_eps)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 
+from bert import fp8
 from bert.clipping import ClipStats
 from bert.metrics import MetricsWriter, Progress, plot_curves, spike_score, summary_table
 from bert.mlperf_log import MLPerfLogger
@@ -52,6 +53,7 @@ def log_hyperparameters(mllog: MLPerfLogger, cfg: RunConfig, seed: int, micro_ba
         train_steps=o.total_steps or t.max_steps,
         poly_power=o.poly_power,
     )
+    mllog.precision(linear=fp8.mlperf_precision(t.fp8, t.precision), attention=fp8.mlperf_precision("off", t.precision))
 
 
 def step_record(

@@ -142,6 +142,13 @@ class ModelSection:
     )
     grouped_streams: int = opt(4, "triton_grouped: CUDA streams the groups are spread over")
     fused_ops: bool = opt(False, "fused Triton bias+GELU and bias+dropout+residual+LayerNorm")
+    bias_gelu: str = opt(
+        "auto",
+        "the FFN-in's bias+GELU: eager (GEMM with bias, then GELU), triton (GEMM, then the fused "
+        "Triton kernel), epilogue (in the GEMM: cuBLASLt's GELU epilogue, tanh GELU on CUDA; "
+        "docs/fp8.md); auto: triton with model.fused_ops, else eager",
+        ("auto", "eager", "triton", "epilogue"),
+    )
     hidden_dropout_prob: float | None = opt(None, "override the architecture's hidden dropout")
     attention_probs_dropout_prob: float | None = opt(None, "override the architecture's attention dropout")
     vocab_size: int | None = opt(None, "override the architecture's vocabulary size (e.g. a trained vocab)")
@@ -208,6 +215,13 @@ class TrainSection:
     precision: str = opt(
         "fp32", "fp32; bf16 autocast (CPU, CUDA); fp16 with a gradient scaler (CUDA)", ("fp32", "bf16", "fp16")
     )
+    fp8: str = opt(
+        "off",
+        "FP8 GEMMs with dynamic scaling in the encoder's linear layers (QKV, attention output, "
+        "FFN in and out), one scale per tensor or per row (docs/fp8.md)",
+        ("off", "tensorwise", "rowwise"),
+    )
+    fp8_impl: str = opt("torchao", "what runs train.fp8: torchao's float8 training", ("torchao",))
     device: str = opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
     log_interval_steps: int = opt(10, "steps between progress lines and metrics.jsonl records")
     max_nonfinite_steps: int = opt(10, "consecutive non-finite losses before the run stops")
@@ -548,6 +562,10 @@ def check_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("loss.simreg_weight: SimReg runs on the unpadded and packed layouts, not padded")
     if layout == "packed" and cfg.data.backend != "torch":
         raise ConfigError("data.backend: the packed layout collates with 'torch' only")
+    if cfg.train.fp8 != "off" and cfg.model.bias_gelu == "epilogue":
+        raise ConfigError(
+            "model.bias_gelu: epilogue is a bf16/fp32 GEMM; with train.fp8 the FFN-in GEMM is FP8 (use triton or eager)"
+        )
     t = cfg.train
     if t.static_shapes and layout != "unpadded":
         raise ConfigError(f"train.static_shapes: pads unpadded batches; data.layout is {layout!r}")

@@ -49,6 +49,7 @@ MODULE_LAYERS = {
     "kernels": {
         "__init__": 0,  # imports nothing
         "interface": 0,  # layouts, AttentionFn, BackendUnavailable, settings: imports nothing of the project
+        "gemm_epilogue": 0,  # the FFN-in GEMM with bias+GELU in its epilogue: imports nothing of the project
         "masks": 1,  # FlashMask semantics and builders, pure PyTorch
         "tiles": 1,
         "grouped": 1,
