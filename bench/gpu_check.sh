@@ -8,7 +8,7 @@
 # Stages, each with its own time limit; a failing or timed-out stage does not stop the
 # others, and each writes its JSON itself (atomically) before the next starts:
 #   env              versions, GPU name, driver                            -> env.json
-#   gpu_tests        pytest -m gpu: the kernels compiled on the GPU         -> gpu_tests.xml
+#   gpu_tests        pytest -m gpu: the kernels compiled on the GPU, CUDA graph replay -> gpu_tests.xml
 #   peer_tests       the peer suite's default subset on the GPU             -> peer_tests.xml
 #   attention        bench/attention.py: fwd+bwd per backend at BERT-large shapes
 #                    (triton, triton_grouped vs torch_varlen / flash_attn)  -> attention.json
@@ -19,8 +19,12 @@
 #   fused_ops        bench/fused_ops.py: bias+GELU, bias+dropout+residual+LayerNorm vs eager -> fused_ops.json
 #   optimizer        bench/optimizer.py on one GPU: optim.shard at group size 1 against unsharded
 #                    (LAMB step and whole BERT-large step), the per-tensor update time -> optimizer.json
-#   train_step       bench/train_step.py, 30 steps: BERT-large seq/s and MFU, unpadded +
+#   train_step       bench/train_step.py, 20 steps: BERT-large seq/s and MFU, unpadded +
 #                    triton_grouped + fused, padded, packed (FlashMask), others -> train_step.json
+#   step_sync        bench/step_sync.py: BERT-large at 96 sequences per GPU with CUDA graphs on
+#                    and off, static shapes on and off, grouped vs single launch; seconds per
+#                    evaluation of 10,000 samples kept on the device; syncs per steady-state
+#                    step under torch.cuda.set_sync_debug_mode              -> step_sync.json
 #   fp8              bench/fp8.py: FFN-in bias+GELU eager / Triton / GEMM epilogue, the encoder's
 #                    GEMMs bf16 vs FP8, BERT-large train steps bf16 vs FP8 (seq/s) -> fp8.json
 # and summary.json with every stage's exit status and seconds. Installs nothing and needs no
@@ -125,9 +129,10 @@ EOF
 if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     PARALLEL=()  # Triton compiles each kernel variant on one core: spread the tests over 4 workers
     if "$PYTHON" -c "import xdist" >/dev/null 2>&1; then PARALLEL=(-n 4); else echo "pytest-xdist not installed: tests run serially"; fi
-    run_stage gpu_tests 75 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py \
-        tests/kernels/test_gemm_epilogue.py tests/bert/test_fp8.py tests/bert/test_sharded_optim_gpu.py -m gpu -q -rs \
-        -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=70
+    run_stage gpu_tests 70 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py \
+        tests/kernels/test_gemm_epilogue.py tests/bert/test_fp8.py tests/bert/test_sharded_optim_gpu.py \
+        tests/bert/test_cuda_graphs.py -m gpu -q -rs \
+        -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=65
     # The peer suite's default subset (flash-attention's error rule) on the compiled kernels.
     run_stage peer_tests 40 "$PYTHON" -m pytest tests/kernels/test_attention_peer.py -q -rs -p no:cacheprovider \
         ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/peer_tests.xml" -o timeout=35
@@ -137,9 +142,9 @@ else
 fi
 
 # --- attention benchmark, and the tile presets at BERT-large's shape -----------------------
-run_stage attention 60 "$PYTHON" bench/attention.py --json "$OUT/attention.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
+run_stage attention 50 "$PYTHON" bench/attention.py --json "$OUT/attention.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 export KERNELS_ATTENTION_TILES=small
-run_stage attention_small 45 "$PYTHON" bench/attention.py --backends reference,triton,triton_grouped \
+run_stage attention_small 40 "$PYTHON" bench/attention.py --backends reference,triton,triton_grouped \
     --json "$OUT/attention_small.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 unset KERNELS_ATTENTION_TILES
 run_stage tiles 10 "$PYTHON" bench/pick_tiles.py "$OUT/attention.json" "$OUT/attention_small.json" \
@@ -148,7 +153,7 @@ run_stage tiles 10 "$PYTHON" bench/pick_tiles.py "$OUT/attention.json" "$OUT/att
 # --- FlashMask on packed rows ----------------------------------------------------------------
 FLASHMASK_ARGS=()  # without a GPU: one small batch of tile counts (the interpreter runs every program)
 if [ "$TRITON_INTERPRET" = 1 ]; then FLASHMASK_ARGS=(--batches 1 --seqs 12 --seq-len 256); fi
-run_stage flashmask 45 "$PYTHON" bench/flashmask.py --json "$OUT/flashmask.json" \
+run_stage flashmask 40 "$PYTHON" bench/flashmask.py --json "$OUT/flashmask.json" \
     ${FLASHMASK_ARGS[@]+"${FLASHMASK_ARGS[@]}"} ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
 # --- fused elementwise ops vs eager ----------------------------------------------------------
@@ -161,12 +166,15 @@ run_stage optimizer 20 "$PYTHON" bench/optimizer.py "${OPTIMIZER_ARGS[@]}" --par
     --json "$OUT/optimizer.json"
 
 # --- BERT-large training steps ---------------------------------------------------------------
-run_stage train_step 95 "$PYTHON" bench/train_step.py --steps 30 --json "$OUT/train_step.json" \
+run_stage train_step 90 "$PYTHON" bench/train_step.py --steps 20 --json "$OUT/train_step.json" \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
 # --- FP8 and the FFN-in's bias+GELU in the GEMM epilogue -------------------------------------
 # After train_step, so that the Triton kernels BERT-large's steps use are in Triton's cache.
 run_stage fp8 40 "$PYTHON" bench/fp8.py --json "$OUT/fp8.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
+
+# --- a step the device never waits on: graphs, static shapes, eval on the device, syncs ------
+run_stage step_sync 30 "$PYTHON" -m bench.step_sync --json "$OUT/step_sync.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
 # --- summary ---------------------------------------------------------------------------------
 {

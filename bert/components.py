@@ -21,7 +21,7 @@ from bert.config import BertConfig
 from bert.metrics import MetricsWriter
 from bert.mlperf_log import MLPerfLogger
 from bert.model import BertForPreTraining
-from bert.optim import build_optimizer
+from bert.optim import build_optimizer, skips_on_device
 from bert.sharded_optim import Sharding, build_sharded_lamb, local_shard
 from bert.train_config import (
     CLOSED_EVAL_SAMPLES,
@@ -34,6 +34,7 @@ from bert.train_config import (
     RunConfig,
     TrainSection,
 )
+from data.batch import to_device
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
@@ -340,3 +341,56 @@ def warm_up_blocks(data: DataSection, vocab_size: int, micro_batch: int, cuda: b
             min_len=min(8, short),
         )
     ]
+
+
+def build_static_shapes(cfg: RunConfig, micro_batch: int, model: BertForPreTraining, config: BertConfig):
+    """train.static_shapes: the buckets (``data.static_shapes``), or None when off; with
+    train.cuda_graphs the encoder then replays graphs (``bert.cuda_graphs``), and a dropout
+    the graphs would freeze is a ConfigError (the rest was checked with the config)."""
+    from data.static_shapes import StaticShapes, auto_token_bucket
+
+    t, seq = cfg.train, cfg.data.max_seq_length
+    if not t.static_shapes:
+        return None
+    bucket = auto_token_bucket(micro_batch, seq) if t.static_token_bucket == "auto" else t.static_token_bucket
+    shapes = StaticShapes(bucket, t.static_masked_bucket, max(seq, bucket))
+    if t.cuda_graphs:
+        from bert.cuda_graphs import EncoderGraphs, graph_safe_dropout
+
+        dropout = (config.hidden_dropout_prob, config.attention_probs_dropout_prob)
+        why = graph_safe_dropout(cfg.model.attention, cfg.model.fused_ops, *dropout)
+        if why:
+            raise ConfigError(f"train.cuda_graphs: {why}")
+        model.encoder_graphs = EncoderGraphs(model.layers, shapes.max_seqlen)
+    return shapes
+
+
+def micro_batch(batch, block, static, shapes_seen: set, device: torch.device):
+    """(the collated ``batch`` of ``block`` padded to its bucket when ``static`` is set, on
+    ``device``; its real (tokens, sequences, masked) counts, from the host). Records its shape."""
+    real = (batch.num_tokens, len(block), int(block.masked_counts.sum()))
+    batch = static.pad(batch) if static else batch
+    shapes_seen.add((batch.num_tokens, batch.mlm_positions.numel()))
+    return to_device(batch, device), real
+
+
+def apply_update(optimizer, schedule, found_inf: torch.Tensor, scaler=None) -> None:
+    """The update and the schedule's step, skipped where ``found_inf`` (0-dim device bool).
+
+    On the device, without a read, for an optimizer that skips there (``bert.optim``'s Lamb
+    and AdamW, the sharded LAMB: ``skips_on_device``) with a device schedule. apex's FusedLAMB
+    cannot, so with it the host reads ``found_inf`` (one read per step); fp16's GradScaler
+    decides its own skip on the host (``scaler.step`` reads the device)."""
+    on_device = skips_on_device(optimizer) and schedule.device is not None
+    applied = True if on_device else not bool(found_inf)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    elif on_device:
+        optimizer.step(found_inf=found_inf)
+    elif applied:
+        optimizer.step()
+    if on_device:
+        schedule.step(found_inf)
+    elif applied:
+        schedule.step()

@@ -8,7 +8,10 @@ for, so ``DeviceReads`` counts what *would* be a read on a GPU, from inside the 
 - ``aten._local_scalar_dense``, which ``.item()``, ``float(t)``, ``int(t)`` and ``bool(t)``
   dispatch to, on any tensor (seen by a ``TorchDispatchMode``);
 - ``.tolist()``, ``.cpu()``, ``.numpy()`` and ``__array__`` of a *device tensor*. These do
-  not dispatch on the CPU, so the Python methods are wrapped while counting.
+  not dispatch on the CPU, so the Python methods are wrapped while counting;
+- ops whose output size depends on a device tensor's values (``nonzero``, boolean-mask
+  indexing, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
+  ``output_size``): on a GPU they copy a count back before they can allocate.
 
 Which tensors are device tensors is tracked by taint: the tensors handed to ``mark()`` (the
 model's parameters, the optimizer's and clipper's state, ...), whatever ``Tensor.to(...)``
@@ -35,7 +38,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 _WRAPPED = ("tolist", "cpu", "numpy", "__array__")
-_NOT_WHERE = ("device_reads.py", "/torch/")  # frames a read's location skips
+_NOT_WHERE = ("/torch/",)  # frames a read's location skips, besides this module's
+# Ops that size their output from a device tensor's values (an implicit read on a GPU).
+_SIZED_BY_VALUES = {
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_dim",
+    "aten::unique_consecutive",
+    "aten::bincount",
+    "aten::repeat_interleave",
+}
+_INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+
+
+def _has_mask(args) -> bool:
+    """An indexing op's indices include a boolean mask."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
 class DeviceReads(TorchDispatchMode):
@@ -90,7 +111,11 @@ class DeviceReads(TorchDispatchMode):
             return
         import traceback
 
-        frames = [f for f in traceback.extract_stack() if not any(s in f.filename for s in _NOT_WHERE)]
+        frames = [
+            f
+            for f in traceback.extract_stack()
+            if f.filename != __file__ and not any(s in f.filename for s in _NOT_WHERE)
+        ]
         where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(frames[-4:]))
         self.by_kind[kind] += 1
         self.log.append((kind, where))
@@ -101,9 +126,14 @@ class DeviceReads(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
             self._count("item")  # .item(), float(t), int(t), bool(t)
-        out = func(*args, **kwargs)
         inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if any(a in self._device for a in inputs):
+        on_device = any(a in self._device for a in inputs)
+        if on_device and func._schema.name in _SIZED_BY_VALUES and kwargs.get("output_size") is None:
+            self._count(func._schema.name.removeprefix("aten::"))
+        elif on_device and func._schema.name in _INDEXING and _has_mask(args):
+            self._count("mask-index")  # t[mask] and t[mask] = v run nonzero(mask) inside
+        out = func(*args, **kwargs)
+        if on_device:
             for o in pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):
                     self._device[o] = True

@@ -69,7 +69,12 @@ SIMREG_SCOPES = ("masked", "all")
 
 
 def simreg_loss(
-    hidden_states: Tensor, batch: UnpaddedBatch, temperature: float = 0.1, scope: str = "masked", bucket_width: int = 64
+    hidden_states: Tensor,
+    batch: UnpaddedBatch,
+    temperature: float = 0.1,
+    scope: str = "masked",
+    bucket_width: int = 64,
+    counts: list[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """SimReg: supervised contrastive loss between tokens of the same sequence.
 
@@ -91,8 +96,10 @@ def simreg_loss(
     sequence to the longest B * L_max^2, so sequences are grouped into buckets by token
     count rounded up to ``bucket_width``, each bucket padded to its own longest: memory is
     about sum_b L_b^2, with one batched matmul per bucket (at most 512 / bucket_width for
-    scope ``all``, one or two for ``masked``). Sizing the buckets reads the B per-sequence
-    counts on the host: one small sync per call.
+    scope ``all``, one or two for ``masked``). Sizing the buckets needs the B per-sequence
+    counts on the host: ``counts`` (masked positions per sequence for scope ``masked``,
+    lengths for ``all``, as the collator's SampleBlock has them) gives them and the call reads
+    nothing from the device; without it they are read back (one small sync per call).
     """
     if scope not in SIMREG_SCOPES:
         raise ValueError(f"loss.simreg_scope: unknown scope {scope!r}; choose from {', '.join(SIMREG_SCOPES)}")
@@ -118,11 +125,14 @@ def simreg_loss(
         order = torch.sort(seq_M, stable=True).indices
         tokens_N = batch.mlm_positions[order]
         labels_N = batch.mlm_labels[order]
-        counts_B = torch.bincount(seq_M, minlength=num_seqs)
+        counts_B = None if counts is not None else torch.bincount(seq_M, minlength=num_seqs)
 
     loss_sum = torch.zeros((), dtype=dtype, device=device)
     num_anchors = torch.zeros((), dtype=torch.int64, device=device)
-    counts = counts_B.tolist()  # the one host sync: block shapes depend on the counts
+    if counts is None:
+        counts = counts_B.tolist()  # the one host sync: block shapes depend on the counts
+    elif len(counts) != num_seqs:
+        raise ValueError(f"counts: {len(counts)} entries for a batch of {num_seqs} sequences")
     buckets: dict[int, list[int]] = defaultdict(list)  # rounded count -> sequences
     for b, c in enumerate(counts):
         if c >= 2:  # a lone token has no candidates, so it is never an anchor

@@ -167,6 +167,8 @@ class BertForPreTraining(nn.Module):
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.nsp = nn.Linear(c, 2)
         self.act = activation(config.hidden_act)
+        # bert.cuda_graphs.EncoderGraphs (train.cuda_graphs): replays the layers for unpadded batches.
+        self.encoder_graphs = None
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -197,8 +199,11 @@ class BertForPreTraining(nn.Module):
             raise TypeError(f"batch: expected UnpaddedBatch, PaddedBatch or PackedBatch, got {type(batch).__name__}")
 
         x_NC = self.embeddings(ids, seg, pos)
-        for layer in self.layers:
-            x_NC = layer(x_NC, layout)
+        if self.encoder_graphs is not None and isinstance(batch, UnpaddedBatch):
+            x_NC = self.encoder_graphs(x_NC, batch.cu_seqlens)
+        else:
+            for layer in self.layers:
+                x_NC = layer(x_NC, layout)
 
         pooled_BC = torch.tanh(self.pooler(x_NC[cls_index]))
         nsp_logits = self.nsp(pooled_BC)

@@ -22,20 +22,24 @@ importable and the parameters are on CUDA, and this module's multi-tensor ``Lamb
 error). Both keep the same state layout (``exp_avg``, ``exp_avg_sq`` per parameter, ``step``
 per group), so a checkpoint moves between them.
 
-The device-side skip (shared by every optimizer of this project, the sharded ones included):
-``step(found_inf=t)`` takes a 0-dim tensor on the parameters' device, nonzero (True) when the
-gradients are not finite. The update is then computed as usual and selected per tensor with
-``torch.where``, so on a skipped step the parameters, moments and step counts stay bitwise as
-they were, and the host never reads the flag (no sync; a CUDA graph can hold the step). It
-costs the moments' copies and one ``where`` per state tensor, on every step, skipped or not.
-The step count then becomes a 0-dim float64 tensor on the device (``Lamb``'s group ``step``;
-``AdamW``'s per-parameter ``step`` stays torch's float32 tensor), and the learning rate may
-be a 0-dim device tensor (``bert.schedule`` on the device), read by no one but the kernels.
+The device-side skip (shared by every optimizer of this project, the sharded ones included;
+``skips_on_device(optimizer)`` tells whether its ``step`` has the argument): ``step(found_inf=t)``
+takes a 0-dim tensor on the parameters' device, nonzero (True) when the gradients are not
+finite. The update is then computed as usual and selected per tensor with ``torch.where``,
+so on a skipped step the parameters, moments and step counts stay bitwise as they were, and
+the host never reads the flag (no sync; a CUDA graph can hold the step). It costs the
+moments' copies and one ``where`` per state tensor (three launches per parameter tensor on
+a GPU), on every step, skipped or not. The step count then becomes a 0-dim float64 tensor
+on the device (``Lamb``'s group ``step``; ``AdamW``'s per-parameter ``step`` stays torch's
+float32 tensor), and the learning rate may be a 0-dim device tensor (``bert.schedule`` on
+the device), read by no one but the kernels. apex's FusedLAMB has no such argument: the
+trainer reads the flag on the host for it (``bert.components.apply_update``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 from collections.abc import Iterable
 
@@ -270,6 +274,11 @@ def _keep_where_skipped(skip: Tensor, olds: list[Tensor], news: list[Tensor]) ->
     """olds[i] <- olds[i] if skip else news[i], in place, without reading ``skip`` on the host."""
     for old, new in zip(olds, news):
         torch.where(skip, old, new, out=old)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes ``found_inf`` (the device-side skip of the module docstring)."""
+    return "found_inf" in inspect.signature(optimizer.step).parameters
 
 
 def apex_lamb_available() -> bool:

@@ -89,6 +89,16 @@ def step_record(
     return rec
 
 
+def nonfinite_abort(progress: Progress, state: TrainState, limit: int) -> str | None:
+    """ "aborted" (with the error line) when ``state`` has ``limit`` non-finite steps in a row, else None."""
+    if state.nonfinite_in_row < limit:
+        return None
+    progress.message(
+        f"error: {state.nonfinite_in_row} non-finite losses in a row at step {state.step}; stopping (status aborted)"
+    )
+    return "aborted"
+
+
 def report_eval(metrics: MetricsWriter, progress: Progress, state: TrainState, target: float) -> None:
     """The evaluation just run (``state.eval_accuracy``): a metrics record and a progress line."""
     acc = state.eval_accuracy

@@ -163,22 +163,27 @@ class PolyWarmupScheduler:
             self._count = self._count + (found_inf == 0).to(torch.int64)
         self._apply()
 
+    def _hyperparameters(self) -> dict:
+        return dict(
+            base_lr=self.base_lr,
+            total_steps=self.total_steps,
+            warmup_steps=self.warmup_steps,
+            start_warmup_step=self.start_warmup_step,
+            power=self.power,
+            end_lr=self.end_lr,
+        )
+
+    def applied_lr(self) -> torch.Tensor:
+        """Device mode: the rate of the last applied update (update 0's before any), a 0-dim
+        float64 device tensor, for the logs (no read until the caller reads it)."""
+        return lr_at_tensor((self._count - 1).clamp(min=0), **self._hyperparameters())
+
     def _apply(self) -> None:
         if self.device is None:
             lr = self.lr_at(self._count)
         else:
             lr = self.lr
-            lr.copy_(
-                lr_at_tensor(
-                    self._count,
-                    base_lr=self.base_lr,
-                    total_steps=self.total_steps,
-                    warmup_steps=self.warmup_steps,
-                    start_warmup_step=self.start_warmup_step,
-                    power=self.power,
-                    end_lr=self.end_lr,
-                )
-            )
+            lr.copy_(lr_at_tensor(self._count, **self._hyperparameters()))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 

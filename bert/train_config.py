@@ -111,6 +111,15 @@ def _coerce(key: str, value, hint):
     return value
 
 
+def _auto_or_positive(key: str, value, what: str) -> None:
+    """A field that is ``auto`` or a positive integer."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise ConfigError(f"{key}: expected {what} or auto, got {value!r}")
+    else:
+        _positive(key, value)
+
+
 def _positive(key: str, value, allow_zero: bool = False) -> None:
     if value is not None and (value < 0 or (value == 0 and not allow_zero)):
         raise ConfigError(f"{key}: must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
@@ -238,9 +247,27 @@ class TrainSection:
         "fix glibc's mmap threshold at 128 KiB: host memory stays flat over long CPU runs, "
         "but CPU training is ~1.5x slower (docs/reliability.md)",
     )
+    static_shapes: bool = opt(
+        False,
+        "pad each micro-batch's tokens and masked positions up to a bucket, with one extra "
+        "sequence no loss or count sees (data/static_shapes.py; unpadded layout only)",
+    )
+    static_token_bucket: int | str = opt(
+        "auto",
+        "the token bucket of train.static_shapes; auto: 2% of micro-batch x data.max_seq_length, "
+        "a multiple of 64 (about 2% padding, 15 shapes over MLPerf's 8-GPU recipe; docs/step.md)",
+    )
+    static_masked_bucket: int = opt(64, "the masked-position bucket of train.static_shapes")
+    cuda_graphs: bool = opt(
+        False,
+        "capture the encoder's forward and backward in a CUDA graph per shape bucket (CUDA only; "
+        "needs train.static_shapes and a graph-safe attention backend; docs/step.md)",
+    )
 
     def __post_init__(self):
         _check("train", self)
+        _auto_or_positive("train.static_token_bucket", self.static_token_bucket, "a number of tokens")
+        _positive("train.static_masked_bucket", self.static_masked_bucket)
         for name in (
             "global_batch_size",
             "grad_accum_steps",
@@ -271,16 +298,15 @@ class EvalSection:
         "0.34, which checks that it loaded right. Not in the closed division, where "
         "nothing may read the dataset before run_start",
     )
+    cache_on_device: bool = opt(
+        False,
+        "collate the eval set once and keep its batches on the device (about 75 MB for "
+        "MLPerf's 10,000 samples; docs/step.md); accuracy is read once per evaluation either way",
+    )
 
     def __post_init__(self):
         _check("eval", self)
-        if isinstance(self.interval_samples, str):
-            if self.interval_samples != "auto":
-                raise ConfigError(
-                    f"eval.interval_samples: expected a number of samples or auto, got {self.interval_samples!r}"
-                )
-        else:
-            _positive("eval.interval_samples", self.interval_samples)
+        _auto_or_positive("eval.interval_samples", self.interval_samples, "a number of samples")
         _positive("eval.batch_size", self.batch_size)
         _positive("eval.max_samples", self.max_samples)
         if not 0.0 < self.target_accuracy <= 1.0:
@@ -535,6 +561,35 @@ def read_model_config_file(path: str) -> BertConfig:
         raise ConfigError(f"model.config_file: {message}") from None
 
 
+# Attention backends whose launches read cu_seqlens on the device (a graph replays them with
+# new lengths). triton_grouped plans its groups from the lengths on the host, a plan a graph
+# would freeze; reference loops over cu_seqlens on the host; the library backends are not
+# checked under graphs here.
+GRAPH_SAFE_ATTENTION = ("triton", "padded")
+
+
+def check_cuda_graphs(cfg: RunConfig) -> None:
+    """train.cuda_graphs: the combinations a CUDA graph can replay (raised before any work)."""
+    import torch
+
+    t = cfg.train
+    if t.device == "cpu" or not torch.cuda.is_available():
+        raise ConfigError("train.cuda_graphs: CUDA graphs need a CUDA device (train.device=cuda on a GPU)")
+    if not t.static_shapes:
+        raise ConfigError("train.cuda_graphs: a graph replays fixed shapes; set train.static_shapes=true")
+    if cfg.model.attention not in GRAPH_SAFE_ATTENTION:
+        raise ConfigError(
+            f"train.cuda_graphs: model.attention={cfg.model.attention!r} plans its launches on the host; "
+            f"use one of {list(GRAPH_SAFE_ATTENTION)}"
+        )
+    if cfg.model.compile:
+        raise ConfigError("train.cuda_graphs: model.compile captures its own graphs; use one of the two")
+    if cfg.loss.simreg_weight > 0:
+        raise ConfigError(
+            "train.cuda_graphs: SimReg sizes its blocks from the batch on the host; set loss.simreg_weight=0"
+        )
+
+
 def check_cross_fields(cfg: RunConfig) -> None:
     """Constraints between sections (raised before any work)."""
     if cfg.model.config_file:
@@ -555,6 +610,11 @@ def check_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError(
             "model.bias_gelu: epilogue is a bf16/fp32 GEMM; with train.fp8 the FFN-in GEMM is FP8 (use triton or eager)"
         )
+    t = cfg.train
+    if t.static_shapes and layout != "unpadded":
+        raise ConfigError(f"train.static_shapes: pads unpadded batches; data.layout is {layout!r}")
+    if t.cuda_graphs:
+        check_cuda_graphs(cfg)
     if cfg.log.division == "closed":
         check_closed_division(cfg)
 

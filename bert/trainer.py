@@ -6,15 +6,18 @@
 
     for each global step:
         train_step       this rank's samples -> micro-batches -> forward_backward
-                         (losses normalised by global counts, all-reduced once per step)
-        optimizer_step   clip -> non-finite check (skip and count) -> LAMB -> LR schedule
+                         (losses normalised by global counts, agreed between ranks on the host)
+        optimizer_step   clip -> non-finite check on the device (skip and count) -> LAMB -> LR schedule
         evaluate         every eval.interval_samples: masked-LM accuracy over the eval set
         save_checkpoint  every checkpoint.interval_steps, and when SIGTERM asked to stop
                          (bert.train_checkpoint: atomic, checksummed, the newest good one resumed;
                          with optim.shard every rank writes its shards, bert.distributed_checkpoint)
 
 reporting what it does through ``bert.reporting`` (MLPerf hyper-parameters, metrics records,
-the summary). Every collective runs inside ``Collectives.guard``: a peer that dies or hangs
+the summary). A steady-state step reads nothing back from the device (docs/step.md): its
+counts come from the data (``bert.host_counts``), the skip is decided on the device, and
+metrics are read once per ``train.log_interval_steps`` (``bert.step_metrics``).
+Every collective runs inside ``Collectives.guard``: a peer that dies or hangs
 turns into a ``CollectiveError`` naming the collective, the step and the ranks that did not
 answer, within ``dist.timeout_s``, never a hang. Dropout randomness is re-seeded every step
 from (seed, step, rank), so a resumed run draws exactly the masks an uninterrupted one would
@@ -26,7 +29,6 @@ Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import time
@@ -39,15 +41,20 @@ from bert import components, distributed_checkpoint, reporting, train_checkpoint
 from bert.checkpoint import load_pretrained
 from bert.clipping import clip_global_, tensor_norms
 from bert.collectives import Collectives
-from bert.losses import pretraining_loss, simreg_anchor_count, simreg_loss
+from bert.eval_cache import EvalBatches, masked_lm_counts
+from bert.host_counts import CountAgreement, StepPlanner
+from bert.losses import pretraining_loss, simreg_loss
 from bert.metrics import Progress
+from bert.optim import skips_on_device
 from bert.schedule import PolyWarmupScheduler
 from bert.sharded_optim import apply_sharding, reshard
+from bert.step_metrics import DeviceCounters
 from bert.train_config import RunConfig, eval_interval
 from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, to_checkpoint, to_sharded_checkpoint
 from data.batch import PackedBatch
 from data.packing import unpack
 from data.samples import SampleBlock
+from data.static_shapes import real_part
 
 # Set to 1 by launch/run_and_time.sh when it dropped the page cache before this run (the
 # log's cache_clear says what really happened).
@@ -88,7 +95,8 @@ class Trainer:
 
         self.state = TrainState()  # the counters; restored from a checkpoint when resuming
         self.error: str | None = None  # why the run stopped early (summary "error", exit status 1)
-        self.stop_requested = False
+        self.stop_requested = False  # this rank's (SIGTERM); stop_agreed: every rank's, after this step
+        self.stop_agreed = False
         self.train_loader = None  # opened by train(), after run_start
         self.eval_loader = None
         self._loader_state: dict | None = None  # a resumed loader position, applied when the data opens
@@ -122,8 +130,13 @@ class Trainer:
         sharded = self.sharding is not None
         self.ddp, self.forward = components.wrap_model(self.model, cfg.model, self.device, self.coll, sharded)
 
+        # train.static_shapes' buckets (None: dynamic shapes), and train.cuda_graphs' graphs.
+        self.static = components.build_static_shapes(cfg, self.micro_batch, self.model, self.model_config)
+        self.shapes_seen: set[tuple[int, int]] = set()  # (tokens, masked) of the micro-batches run
         self.optimizer = components.build_lamb_or_adamw(cfg.optim, self.model, self.sharding)
-        self.schedule = PolyWarmupScheduler(self.optimizer, cfg.optim, t.max_steps)
+        # The rate in a device tensor where the optimizer can skip on the device (not apex's FusedLAMB).
+        device_lr = self.device if skips_on_device(self.optimizer) else None
+        self.schedule = PolyWarmupScheduler(self.optimizer, cfg.optim, t.max_steps, device=device_lr)
         self.adagc = components.build_adagc(cfg.optim, self.model, self.sharding)
         self.clip_stats = None  # the last AdaGC step's, for the logs
         self.scaler = components.build_grad_scaler(t, self.sharding)
@@ -133,6 +146,10 @@ class Trainer:
         if self.world > 1:
             with self.coll.guard("the rebalancer's settings check", -1):
                 self.rebalancer = components.build_rebalancer(cfg.data, self.local_batch, cfg.dist.timeout_s)
+        self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
+        self.planner: StepPlanner | None = None  # built when the data opens
+        graphed = self.static if t.cuda_graphs else None  # graphed eval replays padded shapes
+        self.eval_batches = EvalBatches(cfg.eval, self.device, self._collate, self.progress.message, graphed)
 
         # What a checkpoint saves and restores besides the counters (bert.train_state).
         self.parts = {"model": self.model, "optimizer": self.optimizer, "schedule": self.schedule}
@@ -141,6 +158,7 @@ class Trainer:
             restored, self._loader_state = resume(found, self._checkpoint_dir(), self.parts, self.progress.message)
             restored.seed = self.state.seed  # the newest checkpoint's (resolve_seed); an older one's is the same
             self.state = restored
+        self.counters = DeviceCounters(self.device, self.state.skipped, self.state.nonfinite_in_row)
         self.metrics = components.build_metrics(
             cfg.log, output_dir, self.is_main, self.state.step if self.resumed else None, cfg.to_dict()
         )
@@ -152,7 +170,8 @@ class Trainer:
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        # CUDA graphs replay kernels, so autocast must not cache casts of the weights.
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=not self.cfg.train.cuda_graphs)
 
     def _collate(self, block: SampleBlock):
         """SampleBlock -> the configured batch layout, by the configured backend (torch, dali)."""
@@ -166,25 +185,16 @@ class Trainer:
     def train_step(self, block: SampleBlock) -> StepResult:
         """Forward and backward over this rank's micro-batches of one global batch."""
         torch.manual_seed(step_seed(self.state.seed, self.state.step, self.rank))
-        # One all-reduce gives the global counts the losses are normalised by, and lets any
-        # rank's stop request (SIGTERM) reach all ranks at the same step. Reading them back
-        # (Python numbers) is the step's first host sync.
-        b, scope, anchors = block, self.cfg.loss.simreg_scope, 0
-        if self.cfg.loss.simreg_weight > 0:
-            anchors = simreg_anchor_count(
-                b.seq_lens, b.input_ids, b.masked_positions, b.masked_ids, b.masked_counts, scope
-            )
-        substituted = self.train_loader.pop_substituted(self.state.step)
-        host = [int(b.masked_counts.sum()), len(b), b.num_tokens, int(self.stop_requested), anchors, substituted]
-        counts = torch.tensor(host, dtype=torch.int64)
-        counts = self.coll.all_reduce(counts.to(self.device), "the step-counts all-reduce", self.state.step + 1).cpu()
-        num_masked, num_seqs, tokens, stops, num_anchors, corrupt = (int(x) for x in counts)
-        self.stop_requested = stops > 0
+        # The global counts the losses are normalised by, and any rank's stop request, agreed
+        # on the host from the data (bert.host_counts): nothing is read from the device.
+        step = self.state.step
+        c = self.planner.agree(step, self.stop_requested)
+        self.stop_agreed = c.stop
         # DDP all-reduces (FSDP2 reduce-scatters) the gradients inside the last micro-batch's backward.
         what = "the gradient " + ("reduce-scatter (FSDP2 backward)" if self.sharding else "all-reduce (DDP backward)")
-        with self.coll.guard(what, self.state.step + 1):
-            loss_parts = self.forward_backward(block, num_masked, num_seqs, num_anchors)
-        return StepResult(loss_parts, num_seqs, tokens, corrupt)
+        with self.coll.guard(what, step + 1):
+            loss_parts = self.forward_backward(block, c.masked, c.sequences, c.anchors)
+        return StepResult(loss_parts, c.sequences, c.tokens, c.corrupt)
 
     def forward_backward(self, block: SampleBlock, num_masked: int, num_seqs: int, num_anchors: int) -> torch.Tensor:
         """This rank's micro-batches through forward and backward; returns the [4] loss parts."""
@@ -195,7 +205,8 @@ class Trainer:
         scale = float(self.world)  # DDP and FSDP2 average gradients over ranks; the losses are sums
         for i in range(t.grad_accum_steps):
             mb = block.select(np.arange(i * self.micro_batch, (i + 1) * self.micro_batch))
-            batch = self._collate(mb).to(self.device, non_blocking=True)
+            # Padded to its bucket (train.static_shapes); real: the sizes without the padding.
+            batch, real = components.micro_batch(self._collate(mb), mb, self.static, self.shapes_seen, self.device)
             sync = self.ddp is None or i == t.grad_accum_steps - 1
             if self.sharding:  # FSDP2 accumulates unsharded gradients until the last micro-batch
                 self.model.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
@@ -210,9 +221,13 @@ class Trainer:
                     if isinstance(batch, PackedBatch):  # SimReg looks at real tokens only
                         sim_batch, index = unpack(batch)
                         hidden = hidden[index]
-                    reg_sum, _ = simreg_loss(
-                        hidden, sim_batch, self.cfg.loss.simreg_temperature, self.cfg.loss.simreg_scope
-                    )
+                    elif self.static:  # ... and never at the padding sequence
+                        sim_batch, hidden = real_part(batch, *real), hidden[: real[0]]
+                    # The blocks' sizes from the host's block (a packed batch reorders its sequences).
+                    scope, per_seq = self.cfg.loss.simreg_scope, None
+                    if not isinstance(batch, PackedBatch):
+                        per_seq = (mb.masked_counts if scope == "masked" else mb.seq_lens).tolist()
+                    reg_sum, _ = simreg_loss(hidden, sim_batch, self.cfg.loss.simreg_temperature, scope, counts=per_seq)
                     simreg_part = reg_sum / max(num_anchors, 1)
                     loss = loss + self.cfg.loss.simreg_weight * simreg_part
             backward_loss = loss * scale
@@ -221,15 +236,16 @@ class Trainer:
             loss_parts += torch.stack([loss.detach(), mlm, nsp, simreg_part.detach()])
         return loss_parts
 
-    def optimizer_step(self) -> tuple[bool, float]:
-        """Clip, skip a non-finite update, step LAMB and the schedule. Returns (applied, grad norm)."""
+    def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, skip a non-finite update, step LAMB and the schedule, all decided on the device.
+        Returns (applied, grad norm) as 0-dim device tensors (reading them syncs)."""
         if self.sharding is None:
             return self._optimizer_step()
         # Sharded, the norms of the clipping and of LAMB's trust ratios are all-reduces.
         with self.coll.guard("the optimizer's norm all-reduce (optim.shard)", self.state.step + 1):
             return self._optimizer_step()
 
-    def _optimizer_step(self) -> tuple[bool, float]:
+    def _optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         params = [p for p in self.model.parameters() if p.grad is not None]
         view = {"local": self.sharding.local, "norms": self.sharding.norms} if self.sharding else {}
         if self.scaler:
@@ -245,42 +261,27 @@ class Trainer:
         else:
             local, norms = view.get("local", lambda g: g), view.get("norms", tensor_norms)
             norm = torch.linalg.vector_norm(norms([local(p.grad) for p in params]))
-        # A host sync (the step's second, after train_step's counts; fp16's scaler.step reads
-        # the device once more): the update must not run on non-finite gradients.
-        grad_norm = float(norm)
-        applied = math.isfinite(grad_norm)
-        if applied:
-            self.scaler.step(self.optimizer) if self.scaler else self.optimizer.step()
-            self.schedule.step()
-            self.state.nonfinite_in_row = 0
-        else:
-            self.state.skipped += 1
-            self.state.nonfinite_in_row += 1
-            if self.adagc is not None:
-                # AdaGC kept its thresholds on the non-finite step but counted it; the skipped
-                # step leaves all optimizer state as it was, its step count included.
-                self.adagc.step -= 1
-        if self.scaler:
-            self.scaler.update()
+        # No update on non-finite gradients: the optimizer, schedule and AdaGC skip on the device
+        # (bert.optim); fp16's GradScaler decides its own skip on the host (scaler.step reads).
+        found_inf = ~torch.isfinite(norm)
+        components.apply_update(self.optimizer, self.schedule, found_inf, self.scaler)
+        if self.adagc is not None:
+            # AdaGC kept its thresholds on the non-finite step but counted it; the skipped
+            # step leaves all optimizer state as it was, its step count included.
+            self.adagc.unstep_(found_inf)
+        self.counters.update(found_inf, norm, self.clip_stats)
         self.optimizer.zero_grad(set_to_none=True)
-        return applied, grad_norm
+        return ~found_inf, norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Masked-LM accuracy over the whole eval set (counts all-reduced over ranks)."""
         self.model.eval()
-        correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        total = torch.zeros((), dtype=torch.int64, device=self.device)
-        for block in self.eval_loader:
-            batch = self._collate(block).to(self.device, non_blocking=True)
-            with self._autocast():
-                out = self.model(batch)
-            correct += (out.mlm_logits.argmax(-1) == batch.mlm_labels).sum()
-            total += batch.mlm_labels.numel()
-        counts = self.coll.all_reduce(torch.stack([correct, total]), "the eval-accuracy all-reduce", self.state.step)
+        counts = masked_lm_counts(self.model, self.eval_batches(self.eval_loader), self.device, self._autocast)
+        correct, total = self.coll.all_reduce(counts, "the eval-accuracy all-reduce", self.state.step).tolist()
         if self.sharding:
             reshard(self.model)  # evaluation gathered the weights; only the shards stay
-        return float(counts[0]) / max(int(counts[1]), 1)
+        return correct / max(total, 1)
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -325,8 +326,8 @@ class Trainer:
         cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
         blocks = components.warm_up_blocks(self.cfg.data, self.model_config.vocab_size, self.micro_batch, cuda)
         self.forward.train()
-        for block in blocks:
-            batch = self._collate(block).to(self.device, non_blocking=True)
+        for block in blocks:  # padded as training pads (train.cuda_graphs captures their shapes)
+            batch, _ = components.micro_batch(self._collate(block), block, self.static, set(), self.device)
             with self._autocast():
                 out = self.forward(batch)
                 masked, seqs = int(block.masked_counts.sum()), len(block)
@@ -368,29 +369,27 @@ class Trainer:
         # epoch_count 1; evaluations inside it carry the samples trained as epoch_num.
         self.mllog.block_start(self.state.samples if self.resumed else 1, 1)
         self._window = [time.time(), 0, 0]  # since the last metrics record: start, samples, tokens
-        batches = iter(self.train_loader)
-        if self.rebalancer:
-            self.rebalancer.start(next(batches), step=self.state.step)
+        scope = cfg.loss.simreg_scope if cfg.loss.simreg_weight > 0 else None  # SimReg's anchors counted on the host
+        self.planner = StepPlanner(
+            iter(self.train_loader), self.train_loader, self.rebalancer, self.agreement, self.coll, scope
+        )
+        self.planner.begin(self.state.step)
         status = None
         while status is None:
-            block, rebalance = self._next_block(batches)
+            block, rebalance = self.planner.next_block(self.state.step)
             step_start = time.time()
             result = self.train_step(block)
-            _, grad_norm = self.optimizer_step()
+            self.optimizer_step()
             self._count(result, time.time() - step_start)
-            if self.state.nonfinite_in_row >= t.max_nonfinite_steps:
-                self.progress.message(
-                    f"error: {self.state.nonfinite_in_row} non-finite losses in a row at step "
-                    f"{self.state.step}; stopping (status aborted)"
-                )
-                status = "aborted"
             if self.state.step % t.log_interval_steps == 0 or self.state.step == 1:
-                self._log_step(result, grad_norm, rebalance)
+                # The one read of the device in a logged step; non-finite runs are seen here.
+                self._log_step(result, rebalance)
+                status = reporting.nonfinite_abort(self.progress, self.state, t.max_nonfinite_steps)
             status = self._evaluate_if_due(status)
             ckpt_due = cfg.checkpoint.interval_steps and self.state.step % cfg.checkpoint.interval_steps == 0
-            if status is None and (ckpt_due or self.stop_requested):
+            if status is None and (ckpt_due or self.stop_agreed):
                 saved = self.save_checkpoint()
-                if self.stop_requested:
+                if self.stop_agreed:
                     return self._stop_as_asked(saved)
                 if not saved and cfg.checkpoint.on_error == "stop":
                     status = "aborted"
@@ -398,17 +397,6 @@ class Trainer:
         if cfg.checkpoint.at_end:
             self.save_checkpoint()
         return self._finish(status, time_to_train)
-
-    def _next_block(self, batches):
-        """This step's samples and the rebalancer's stats (None without one)."""
-        if not self.rebalancer:
-            return next(batches), None
-        # This step's samples, exchanged while the previous step computed; the next step's
-        # exchange now runs behind this one.
-        with self.coll.guard("the rebalancing exchange", self.state.step + 1):
-            block, rebalance = self.rebalancer.wait()
-        self.rebalancer.start(next(batches), step=self.state.step + 1)
-        return block, rebalance
 
     def _count(self, result: StepResult, seconds: float) -> None:
         s = self.state
@@ -425,14 +413,22 @@ class Trainer:
         self._window[1] += result.samples
         self._window[2] += result.tokens
 
-    def _log_step(self, result: StepResult, grad_norm: float, rebalance) -> None:
+    def _read_counters(self, **extra: torch.Tensor) -> dict:
+        """One device read: the skipped-step counters into the state, and ``extra``."""
+        got = self.counters.read(**extra)
+        self.state.skipped, self.state.nonfinite_in_row = got["skipped"], got["in_row"]
+        return got
+
+    def _log_step(self, result: StepResult, rebalance) -> None:
         """A metrics record and a progress line (every train.log_interval_steps, and step 1)."""
-        parts = self.coll.all_reduce(result.loss_parts.clone(), "the loss all-reduce", self.state.step).tolist()
+        parts = self.coll.all_reduce(result.loss_parts.clone(), "the loss all-reduce", self.state.step)
+        got = self._read_counters(parts=parts, lr=self.schedule.applied_lr())
         start, samples, tokens = self._window
         elapsed = max(time.time() - start, 1e-9)
-        lr = self.schedule.lr_at(max(self.schedule.step_count - 1, 0))
         throughput = (samples / elapsed, tokens / elapsed)
-        rec = reporting.step_record(self.cfg, self.state, parts, lr, grad_norm, throughput, self.clip_stats, rebalance)
+        rec = reporting.step_record(
+            self.cfg, self.state, got["parts"], got["lr"], got["grad_norm"], throughput, got["clip_stats"], rebalance
+        )
         self.metrics.write(rec)
         self.progress.step(rec)
         self._window = [time.time(), 0, 0]
@@ -465,13 +461,15 @@ class Trainer:
 
     def _drain_rebalancer(self) -> None:
         """Collect the exchange started for a step that will not run (every rank started it)."""
-        if self.rebalancer and self.rebalancer.pending:
-            self.rebalancer.wait()
+        if self.planner is not None:
+            self.planner.drain()
 
     def _finish(self, status: str, time_to_train: float) -> dict:
         self._drain_rebalancer()
+        self._read_counters()
         reporting.log_run_stop(self.mllog, self.state.samples, self.eval_loader.total_samples, status)
         summary = reporting.summary(self.state, status, time_to_train, self.world, self.metrics.records, self.error)
+        summary["distinct_shapes"] = len(self.shapes_seen)
         if self.is_main:
             reporting.publish_summary(summary, self.out, self.metrics, self.progress, self.cfg.log.plot)
         return summary
@@ -488,6 +486,7 @@ class Trainer:
         the caller goes on or stops by checkpoint.on_error.
         """
         error = None
+        self._read_counters()  # the skipped-step counters live on the device
         if self.sharding is not None:
             error = self._save_sharded()
         elif self.is_main:
@@ -506,7 +505,7 @@ class Trainer:
         if self.is_main:
             directory = self._checkpoint_dir()
             reporting.checkpoint_failed(self.progress, self.state.step, error, directory, self.cfg.checkpoint)
-        if self.cfg.checkpoint.on_error == "stop" or self.stop_requested:
+        if self.cfg.checkpoint.on_error == "stop" or self.stop_agreed:
             self.error = f"the checkpoint of step {self.state.step} could not be written" + (
                 f": {error}" if error else ""
             )

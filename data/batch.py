@@ -40,6 +40,18 @@ def _check_int(t: Tensor, field: str, ndim: int) -> None:
     _require(t.dim() == ndim, field, f"expected {ndim} dimension(s), got shape {tuple(t.shape)}")
 
 
+def to_device(batch, device):
+    """``batch`` (any of the batch types) on ``device``: on CUDA from pinned host memory with
+    an asynchronous copy, so the host goes on while it travels (a copy from pageable memory
+    would wait for it); elsewhere ``batch.to(device)``. Tensors already on a GPU stay."""
+    if torch.device(device).type == "cuda":
+        pinned = {f.name: getattr(batch, f.name) for f in fields(batch)}
+        batch = type(batch)(
+            **{k: v.pin_memory() if isinstance(v, Tensor) and v.device.type == "cpu" else v for k, v in pinned.items()}
+        )
+    return batch.to(device, non_blocking=True)
+
+
 def _move(batch, device, non_blocking: bool):
     values = {}
     for f in fields(batch):

@@ -72,8 +72,11 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p:
     b, s = cu.numel() - 1, layout.max_seqlen
     lens = cu[1:] - cu[:-1]
     key_mask = torch.arange(s, device=q.device).unsqueeze(0) < lens.unsqueeze(1)  # [B, S]
-    # Destination of each of the T tokens in the [B*S] padded layout.
-    dest = key_mask.flatten().nonzero().squeeze(1)
+    # Destination of each of the T tokens in the [B*S] padded layout, from T (a shape) and
+    # cu_seqlens alone: nothing sized by values, so the host never waits (key_mask.nonzero() would).
+    token_T = torch.arange(q.shape[0], device=q.device)
+    seq_T = torch.searchsorted(cu[1:], token_T, right=True)
+    dest = seq_T * s + token_T - cu[seq_T]
 
     def to_padded(x: Tensor) -> Tensor:
         buf = x.new_zeros(b * s, h, d)

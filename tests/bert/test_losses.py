@@ -243,3 +243,22 @@ def test_anchor_count_on_the_host_matches_simreg_loss():
         assert simreg_anchor_count(
             block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids, block.masked_counts, scope
         ) == int(anchors)
+
+
+@pytest.mark.parametrize("scope", ["masked", "all"])
+def test_simreg_with_host_counts_is_the_same_and_reads_nothing(scope):
+    from bert.device_reads import DeviceReads
+    from data.collate import collate_unpadded
+    from data.synthetic import random_block
+
+    block = random_block(6, seed=4, max_seq_length=40, max_predictions=8, vocab_size=10)
+    batch = collate_unpadded(block)
+    hidden = torch.randn(batch.num_tokens, 16, generator=torch.Generator().manual_seed(0))
+    read_back = simreg_loss(hidden, batch, 0.1, scope)
+    counts = (block.masked_counts if scope == "masked" else block.seq_lens).tolist()
+    with DeviceReads([hidden, *vars(batch).values()]) as reads:
+        given = simreg_loss(hidden, batch, 0.1, scope, counts=counts)
+    assert reads.total == 0, reads.report()
+    assert torch.equal(given[0], read_back[0]) and torch.equal(given[1], read_back[1]) and given[1] > 0
+    with pytest.raises(ValueError, match="counts: 5 entries for a batch of 6 sequences"):
+        simreg_loss(hidden, batch, 0.1, scope, counts=counts[:5])

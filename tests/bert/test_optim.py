@@ -280,8 +280,9 @@ def test_found_inf_skips_bitwise_and_reads_nothing(name):
     model = TinyNet()
     twin = copy.deepcopy(model)
     opt, twin_opt = _optimizer(name, model), _optimizer(name, twin)
-    sched = PolyWarmupScheduler(opt, OptimSection(lr=0.02, warmup_steps=2), max_steps=20, device="cpu")
-    twin_sched = PolyWarmupScheduler(twin_opt, OptimSection(lr=0.02, warmup_steps=2), max_steps=20, device="cpu")
+    section = OptimSection(lr=0.02, total_steps=20, warmup_steps=2)
+    sched = PolyWarmupScheduler(opt, section, max_steps=20, device="cpu")
+    twin_sched = PolyWarmupScheduler(twin_opt, section, max_steps=20, device="cpu")
     skipped = 0
     for step in range(6):
         bad = step in (1, 3)
@@ -350,17 +351,42 @@ def test_adamw_device_path_matches_torch():
 
 def test_device_schedule_equals_host_schedule():
     section = OptimSection(lr=4.25e-4, total_steps=30, warmup_steps=7, start_warmup_step=-2, poly_power=2.0)
-    kw = dict(optim=section, max_steps=30, end_lr=1e-6)
-    lamb = OptimSection(name="lamb", lr=1.0)
-    host = PolyWarmupScheduler(build_optimizer(lamb, TinyNet()), **kw)
-    dev = PolyWarmupScheduler(build_optimizer(lamb, TinyNet()), **kw, device="cpu")
+
+    def sched(**kw):
+        return PolyWarmupScheduler(build_optimizer(OptimSection(lr=1.0), TinyNet()), section, 30, end_lr=1e-6, **kw)
+
+    host, dev = sched(), sched(device="cpu")
     for _ in range(35):
         assert dev.lr.item() == host.optimizer.param_groups[0]["lr"]  # bitwise: same double operations
         assert all(g["lr"] is dev.lr for g in dev.optimizer.param_groups)
         host.step()
         dev.step(torch.tensor(False))
-    other = PolyWarmupScheduler(build_optimizer(lamb, TinyNet()), **kw, device="cpu")
+    other = sched(device="cpu")
     other.load_state_dict(dev.state_dict())
     assert other.step_count == 35 and other.lr.item() == host.last_lr
     with pytest.raises(ValueError, match="found_inf"):
         host.step(torch.tensor(True))
+
+
+def test_apply_update_reads_the_flag_only_for_an_optimizer_that_cannot_skip_on_the_device():
+    """apex's FusedLAMB stand-in (torch's SGD, whose step takes no found_inf) with a host schedule: the host
+    reads found_inf and skips the update and the schedule; Lamb with a device schedule reads nothing."""
+    from bert.components import apply_update
+    from bert.device_reads import DeviceReads
+
+    model = TinyNet()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    host_sched = PolyWarmupScheduler(sgd, OptimSection(lr=0.1), max_steps=10)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = copy.deepcopy(model.state_dict())
+    apply_update(sgd, host_sched, torch.tensor(True))
+    assert host_sched.step_count == 0 and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    apply_update(sgd, host_sched, torch.tensor(False))
+    assert host_sched.step_count == 1 and not torch.equal(before["fc.weight"], model.fc.weight)
+
+    lamb = _optimizer("lamb", model)
+    sched = PolyWarmupScheduler(lamb, OptimSection(lr=0.02), max_steps=10, device="cpu")
+    with DeviceReads(list(model.parameters()) + [sched.lr]) as reads:
+        apply_update(lamb, sched, torch.isfinite(model.fc.weight.grad).all().logical_not())
+    assert reads.total == 0 and sched.step_count == 1

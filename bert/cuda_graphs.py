@@ -1,0 +1,126 @@
+"""CUDA graphs of the encoder, one per static shape (``train.cuda_graphs``; CUDA only).
+
+Sits inside ``BertForPreTraining.forward``: the embeddings and the heads run eagerly, the
+stack of encoder layers replays a graph. With ``train.static_shapes`` a micro-batch has one
+of a few token counts T' (``data.static_shapes``), and ``max_seqlen`` is a constant, so
+each T' gets its graphs the first time it is seen:
+
+- training: ``torch.cuda.make_graphed_callables`` on a view of the layers, which captures
+  the forward and the backward as two graphs behind one autograd function. It was chosen
+  over ``torch.compile(mode="reduce-overhead")`` because it captures the eager kernels as
+  they are (the Triton varlen kernel, the fused ops, cuBLAS) with no recompilation per
+  shape and no graph breaks to hunt, and because the backward is graphed too;
+  DDP's gradient hooks still fire, on the parameters' gradient accumulation after the
+  backward graph.
+- evaluation: a forward-only graph captured under ``no_grad`` into static input buffers.
+
+All graphs share one memory pool. That is safe because they replay one after another and
+each one's outputs are consumed before the next replays: a micro-batch runs its forward
+then its backward, evaluation runs between steps.
+
+What a graph needs from the rest of the step, checked when the run is configured
+(``bert.train_config.check_cuda_graphs``) or when the model is built:
+
+- the attention backend reads ``cu_seqlens`` on the device (``triton``, the single-launch
+  varlen kernel, or ``padded``); ``triton_grouped`` plans its groups from the lengths on the
+  host, a plan a replay would freeze, so it is refused;
+- dropout draws fresh masks on every replay: torch's CUDA generator registers its Philox
+  seed and offset with the graph (``padded`` attention, unfused ops); the Triton kernels
+  still take their seeds as host integers, which a graph would freeze, so with dropout on
+  they are refused until they read the seed from the device (``docs/step.md``);
+- autocast without its weight cache (``cache_enabled=False``), as graphs require.
+
+Shape legend: N tokens (T' here), C hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kernels.interface import VarlenLayout
+
+
+class _Encoder(nn.Module):
+    """The model's layers as one module taking (x [N, C], cu_seqlens [B+1]); shares their parameters."""
+
+    def __init__(self, layers: nn.ModuleList, max_seqlen: int):
+        super().__init__()
+        self.layers = layers
+        self.max_seqlen = max_seqlen
+
+    def forward(self, x_NC: Tensor, cu_seqlens: Tensor) -> Tensor:
+        layout = VarlenLayout(cu_seqlens, self.max_seqlen)
+        for layer in self.layers:
+            x_NC = layer(x_NC, layout)
+        return x_NC
+
+
+class EncoderGraphs:
+    """Graphed encoder forward (+ backward when training), per (T', B + 1) shape.
+
+    ``shapes`` lists the shapes captured so far (the summary reports their number).
+    """
+
+    def __init__(self, layers: nn.ModuleList, max_seqlen: int, num_warmup_iters: int = 3):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.cuda_graphs: CUDA graphs need a CUDA device")
+        self.layers, self.max_seqlen, self.num_warmup_iters = layers, max_seqlen, num_warmup_iters
+        self.pool = torch.cuda.graph_pool_handle()
+        self._train: dict[tuple[int, int], nn.Module] = {}
+        self._eval: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        return sorted(set(self._train) | set(self._eval))
+
+    def __call__(self, x_NC: Tensor, cu_seqlens: Tensor) -> Tensor:
+        key = (x_NC.shape[0], cu_seqlens.shape[0])
+        if torch.is_grad_enabled() and self.layers.training:
+            graphed = self._train.get(key)
+            if graphed is None:
+                graphed = self._train[key] = self._capture_train(x_NC, cu_seqlens)
+            return graphed(x_NC, cu_seqlens)
+        entry = self._eval.get(key)
+        if entry is None:
+            entry = self._eval[key] = self._capture_eval(x_NC, cu_seqlens)
+        graph, static_x, static_cu, static_out = entry
+        static_x.copy_(x_NC)
+        static_cu.copy_(cu_seqlens)
+        graph.replay()
+        return static_out  # valid until the next replay; the heads consume it at once
+
+    def _capture_train(self, x_NC: Tensor, cu_seqlens: Tensor) -> nn.Module:
+        view = _Encoder(self.layers, self.max_seqlen)
+        sample = (x_NC.detach().clone().requires_grad_(x_NC.requires_grad), cu_seqlens.clone())
+        return torch.cuda.make_graphed_callables(view, sample, num_warmup_iters=self.num_warmup_iters, pool=self.pool)
+
+    @torch.no_grad()
+    def _capture_eval(self, x_NC: Tensor, cu_seqlens: Tensor):
+        view = _Encoder(self.layers, self.max_seqlen)
+        static_x, static_cu = x_NC.detach().clone(), cu_seqlens.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture: autotuning, lazy inits
+            for _ in range(2):
+                view(static_x, static_cu)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static_out = view(static_x, static_cu)
+        return graph, static_x, static_cu, static_out
+
+
+def graph_safe_dropout(attention: str, fused_ops: bool, hidden_dropout: float, attention_dropout: float) -> str | None:
+    """None when dropout draws fresh masks under replay; else why not (for a one-line error)."""
+    if attention_dropout > 0 and attention not in ("padded",):
+        return (
+            f"model.attention={attention!r} takes its dropout seed as a host integer, which a graph "
+            f"would replay unchanged; use model.attention=padded or attention_probs_dropout_prob=0"
+        )
+    if hidden_dropout > 0 and fused_ops:
+        return (
+            "model.fused_ops takes its dropout seed as a host integer, which a graph would replay "
+            "unchanged; use model.fused_ops=false or hidden_dropout_prob=0"
+        )
+    return None

@@ -1,0 +1,84 @@
+"""Masked-LM evaluation: accuracy counted on the device, the eval set optionally kept there.
+
+Sits beside the trainer's ``evaluate`` step. ``masked_lm_counts`` runs the model over
+batches and accumulates (correct, total) in one int64 device tensor, read once per
+evaluation by its caller. ``DeviceEvalSet`` (``eval.cache_on_device``) collates this rank's
+eval samples once, at the first evaluation, and keeps the batches on the device: later
+evaluations read no file, collate nothing and copy nothing from the host.
+
+Memory: an unpadded batch holds 3 int64 values per token (ids, segments, positions) and
+2 per masked position, plus ``cu_seqlens`` and the NSP labels. MLPerf's eval set is 10,000
+samples of at most 512 tokens (about 250 on average) with up to 76 masked positions:
+about 10,000 x (250 x 24 + 76 x 16 + 12) bytes = 72 MB, at most 10,000 x (512 x 24 +
+76 x 16) = 135 MB, summed over the ranks (each holds its own slice). ``nbytes`` reports
+the real figure; the trainer prints it when the set is cached.
+
+Labels equal to ``data.static_shapes.IGNORE`` (a static-shape padding sequence's) are not
+counted: an argmax is never -100, so only the total needs the mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from data.batch import to_device
+from data.static_shapes import IGNORE
+
+
+@torch.no_grad()
+def masked_lm_counts(model: nn.Module, batches: Iterable, device: torch.device, autocast=contextlib.nullcontext):
+    """[2] int64 device tensor (correct, total) over ``batches`` (already on ``device``); no host read."""
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    for batch in batches:
+        with autocast():
+            out = model(batch)
+        labels = batch.mlm_labels
+        correct = (out.mlm_logits.argmax(-1) == labels).sum()
+        counts += torch.stack([correct, (labels != IGNORE).sum()])
+    return counts
+
+
+class EvalBatches:
+    """``eval_batches(loader)``: the eval batches on the device, collated on the way each
+    time, or (``eval.cache_on_device``) collated at the first evaluation and kept."""
+
+    def __init__(self, section, device: torch.device, collate: Callable, message: Callable[[str], None], static=None):
+        self.cache_on_device, self.device, self.message = section.cache_on_device, device, message
+        # static (data.static_shapes, for graphed evaluation): batches padded to its buckets.
+        self.collate = collate if static is None else (lambda block: static.pad(collate(block)))
+        self.cached: DeviceEvalSet | None = None
+
+    def __call__(self, loader) -> Iterable:
+        if not self.cache_on_device:
+            return (to_device(self.collate(block), self.device) for block in loader)
+        if self.cached is None:
+            self.cached = DeviceEvalSet(loader, self.collate, self.device)
+            self.message(f"eval set on the device: {len(self.cached)} batches, {self.cached.nbytes / 2**20:.1f} MiB")
+        return self.cached
+
+
+class DeviceEvalSet:
+    """This rank's eval batches, collated once and kept on ``device``."""
+
+    def __init__(self, blocks: Iterable, collate: Callable, device: torch.device):
+        self.batches = [to_device(collate(block), device) for block in blocks]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of device memory the cached batches hold."""
+        return sum(
+            v.numel() * v.element_size()
+            for batch in self.batches
+            for v in vars(batch).values()
+            if isinstance(v, Tensor)
+        )

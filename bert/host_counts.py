@@ -1,0 +1,162 @@
+"""A step's global counts, agreed between ranks on the host: no device read.
+
+Sits between the loader (or the rebalancer) and ``train_step``. The losses are normalised by
+global counts (masked positions, sequences, SimReg anchors), the summary adds up tokens and
+corrupt samples, and a stop request (SIGTERM) must reach every rank at the same step. All of
+it is known on the host from the data: every count is a sum over samples, so it does not
+change when the rebalancer moves samples between ranks, and it can be summed over ranks
+from the blocks as the loader hands them out, before any exchange.
+
+``CountAgreement`` sums the ranks' ``local_counts`` with one all-reduce of 6 int64 words on
+a CPU gloo group of its own (``start`` runs it in a thread, ``wait`` collects it); with one
+rank nothing is exchanged. ``StepPlanner`` keeps each step's drawn block and agrees on its
+counts as the step begins. A failure surfaces in ``wait()``, inside the trainer's
+``Collectives.guard``, which names the collective, the step and the missing ranks.
+
+Where the device stands meanwhile: the host queues a step's kernels without waiting for
+them, so when it agrees on step s's counts the device is still running step s-1's queued
+work; the host's round trip (microseconds on one node) hides behind it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bert.losses import simreg_anchor_count
+from data.samples import SampleBlock
+
+FIELDS = ("masked", "sequences", "tokens", "stop", "anchors", "corrupt")
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Global counts of one step (sums over ranks), host ints."""
+
+    masked: int
+    sequences: int
+    tokens: int
+    stop: bool
+    anchors: int
+    corrupt: int
+
+
+def local_counts(block: SampleBlock, stop: bool, corrupt: int, simreg_scope: str | None) -> np.ndarray:
+    """[6] int64: this rank's share of ``FIELDS``; anchors only when SimReg is on (scope given)."""
+    anchors = (
+        simreg_anchor_count(
+            block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids, block.masked_counts, simreg_scope
+        )
+        if simreg_scope is not None
+        else 0
+    )
+    return np.array(
+        [int(block.masked_counts.sum()), len(block), block.num_tokens, int(stop), anchors, corrupt], dtype=np.int64
+    )
+
+
+class CountAgreement:
+    """Sums per-step host counts over ranks on its own gloo group (``start`` in a thread, ``wait``).
+
+    Build it on every rank at the same point (``new_group`` is collective and ordered).
+    """
+
+    def __init__(self, world_size: int, timeout_s: float):
+        self.world_size = world_size
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world_size > 1 else None
+        self._thread: threading.Thread | None = None
+        self._result: np.ndarray | BaseException | None = None
+        self._step: int | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+    def start(self, step: int, local: np.ndarray) -> None:
+        """Begin summing ``local`` (from ``local_counts``) for ``step``."""
+        if self._thread is not None:
+            raise RuntimeError("CountAgreement.start: the previous agreement was not collected with wait()")
+        self._step = step
+        if self.group is None:
+            self._result = np.asarray(local, dtype=np.int64)
+            return
+
+        def run():
+            try:
+                words = torch.from_numpy(np.array(local, dtype=np.int64))
+                dist.all_reduce(words, group=self.group)
+                self._result = words.numpy()
+            except BaseException as e:  # re-raised by wait(), on the caller's thread
+                self._result = e
+
+        self._result = None
+        self._thread = threading.Thread(target=run, name=f"step-counts-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self, step: int) -> StepCounts:
+        """The agreed counts of ``step`` (the one started last); re-raises a failed collective."""
+        if self._step != step:
+            raise RuntimeError(f"CountAgreement.wait: step {step} asked for, step {self._step} was started")
+        if self._thread is not None:
+            self._thread.join()  # the gloo group's timeout bounds the collective
+            self._thread = None
+        result, self._result, self._step = self._result, None, None
+        if isinstance(result, BaseException):
+            raise result
+        masked, sequences, tokens, stop, anchors, corrupt = (int(x) for x in result)
+        return StepCounts(masked, sequences, tokens, stop > 0, anchors, corrupt)
+
+
+class StepPlanner:
+    """This rank's block of every step, and the step's counts agreed over ranks on the host.
+
+    ``next_block(step)`` returns the block of ``step`` (after the rebalancer's exchange when
+    there is one, which ran behind the previous step) and keeps the facts of this rank's
+    share as drawn from the loader; ``agree(step, stop)`` sums them over ranks with the stop
+    request sampled now. The trainer agrees as a step begins, as the device all-reduce this
+    replaces did (a stop request seen then stops every rank after that step; a corrupt shard
+    stops the run at the step that reads it), but on the host: the device, still busy with
+    the previous step's queued work, never waits for it.
+    """
+
+    def __init__(self, batches, loader, rebalancer, agreement: CountAgreement, coll, simreg_scope: str | None):
+        self.batches, self.loader, self.rebalancer = batches, loader, rebalancer
+        self.agreement, self.coll, self.simreg_scope = agreement, coll, simreg_scope
+        self._drawn: dict[int, SampleBlock] = {}  # this rank's blocks as drawn (before any exchange)
+
+    def begin(self, step: int) -> None:
+        """Before the first step: with a rebalancer, start exchanging ``step``'s block."""
+        if self.rebalancer:
+            self._drawn[step] = next(self.batches)
+            self.rebalancer.start(self._drawn[step], step=step)
+
+    def next_block(self, step: int):
+        """(block of ``step``, the rebalancer's stats or None)."""
+        if not self.rebalancer:
+            self._drawn[step] = next(self.batches)
+            return self._drawn[step], None
+        # This step's samples, exchanged while the previous step computed; the next step's
+        # exchange now runs behind this one.
+        with self.coll.guard("the rebalancing exchange", step + 1):
+            block, rebalance = self.rebalancer.wait()
+        self._drawn[step + 1] = next(self.batches)
+        self.rebalancer.start(self._drawn[step + 1], step=step + 1)
+        return block, rebalance
+
+    def agree(self, step: int, stop: bool) -> StepCounts:
+        """The global counts of ``step`` (its drawn block's, summed over ranks) and stop request."""
+        drawn = self._drawn.pop(step)
+        local = local_counts(drawn, stop, self.loader.pop_substituted(step), self.simreg_scope)
+        with self.coll.guard("the step-counts all-reduce", step + 1):
+            self.agreement.start(step, local)
+            return self.agreement.wait(step)
+
+    def drain(self) -> None:
+        """Collect the exchange started for a step that will not run (every rank started it)."""
+        if self.rebalancer and self.rebalancer.pending:
+            self.rebalancer.wait()

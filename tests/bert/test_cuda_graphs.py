@@ -1,0 +1,79 @@
+"""CUDA graphs of the encoder (bert.cuda_graphs): GPU-only, with the CPU-side refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bert.config import BertConfig
+from bert.cuda_graphs import graph_safe_dropout
+from bert.losses import pretraining_loss
+from bert.model import BertForPreTraining
+from bert.train_config import ConfigError, load_config
+from data.collate import collate_unpadded
+from data.static_shapes import StaticShapes
+from data.synthetic import random_block
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none is available")
+
+
+def test_cuda_graphs_is_a_one_line_config_error_where_it_cannot_run():
+    base = ["train.static_shapes=true", "train.cuda_graphs=true"]
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="train.cuda_graphs: CUDA graphs need a CUDA device"):
+            load_config(None, base)
+    with pytest.raises(ConfigError, match="train.cuda_graphs"):
+        load_config(None, ["train.cuda_graphs=true", "train.device=cpu"])
+    with pytest.raises(ConfigError, match="train.static_shapes: pads unpadded batches"):
+        load_config(None, ["train.static_shapes=true", "data.layout=padded"])
+    assert graph_safe_dropout("triton", False, 0.1, 0.1) is not None  # host seeds would be frozen
+    assert graph_safe_dropout("padded", True, 0.1, 0.1) is not None
+    assert graph_safe_dropout("padded", False, 0.1, 0.1) is None
+    assert graph_safe_dropout("triton", True, 0.0, 0.0) is None
+
+
+def _tiny(attention):
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForPreTraining(cfg, attention=attention).cuda()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["padded", "triton"])
+def test_graph_replay_equals_eager_fp32(attention):
+    """Losses and gradients of graphed steps within 1e-6 of eager ones, over several shapes."""
+    from bert.cuda_graphs import EncoderGraphs
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    eager, graphed = _tiny(attention), _tiny(attention)
+    shapes = StaticShapes(token_bucket=128, masked_bucket=16, max_seqlen=128)
+    graphed.encoder_graphs = EncoderGraphs(graphed.layers, shapes.max_seqlen)
+    for step in range(6):
+        block = random_block(6, seed=step, max_seq_length=96, max_predictions=10, vocab_size=64)
+        batch = shapes.pad(collate_unpadded(block)).to("cuda")
+        m, b = int(block.masked_counts.sum()), len(block)
+        results = []
+        for model in (eager, graphed):
+            model.zero_grad(set_to_none=True)
+            out = model(batch)
+            loss, _ = pretraining_loss(out.mlm_logits, batch.mlm_labels, out.nsp_logits, batch.nsp_labels, m, b)
+            loss.backward()
+            results.append((loss.detach(), [p.grad.detach().clone() for p in model.parameters()]))
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
+        for ge, gg in zip(results[0][1], results[1][1]):
+            torch.testing.assert_close(gg, ge, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        eager.eval(), graphed.eval()
+        torch.testing.assert_close(graphed(batch).mlm_logits, eager(batch).mlm_logits, rtol=1e-6, atol=1e-6)
+    assert len(graphed.encoder_graphs.shapes) >= 2

@@ -1,0 +1,86 @@
+"""A steady-state training step reads nothing back from the device (bert.device_reads).
+
+Counted from the start of ``train_step`` to the end of ``optimizer_step`` on the CPU: every
+``.item()``/``float()``/``int()``/``bool()`` of any tensor, every ``.tolist()``/``.cpu()``/
+``.numpy()`` of a device tensor, and every op sized by a device tensor's values
+(``tests/bert/test_device_reads.py`` shows each is caught). The code before the no-read step
+read 7 times per step here (its counts' ``.cpu()`` and six ``int()``, the gradient norm's
+``float()``): docs/step.md gives the command that counts it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from bert.train_config import load_config
+from bert.trainer import Trainer
+from launch.distributed import init_distributed
+from tests.bert.device_reads_worker import instrument
+from tests.bert.test_trainer import ROOT, overrides
+from tests.helpers import free_port, run_launched
+
+# Steady state: steps 3..6 log nothing (only step 1 does) and evaluate nothing.
+STEADY = [
+    "train.max_steps=6",
+    "train.log_interval_steps=100",
+    "eval.interval_samples=1000000",
+    "train.grad_accum_steps=2",
+    "model.attention=padded",
+    "checkpoint.at_end=false",
+]
+FIRST = 3
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from tests.batches import write_dataset
+
+    return write_dataset(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.mark.parametrize(
+    "clip, static, simreg",
+    [
+        ("global", False, 0),
+        ("adagc", True, 0),
+        pytest.param("adagc", False, 0, marks=pytest.mark.slow),
+        pytest.param("global", True, 0, marks=pytest.mark.slow),
+        pytest.param("global", True, 0.1, marks=pytest.mark.slow),
+    ],
+)
+def test_a_steady_state_step_reads_nothing(dataset, tmp_path, clip, static, simreg):
+    extra = [*STEADY, f"optim.clip={clip}", "optim.adagc.warmup_steps=4", f"train.static_shapes={str(static).lower()}"]
+    extra.append(f"loss.simreg_weight={simreg}")
+    trainer = Trainer(load_config(None, overrides(dataset, *extra)), str(tmp_path), init_distributed(backend="gloo"))
+    seen = instrument(trainer, FIRST)
+    summary = trainer.train()
+    assert sorted(seen) == [3, 4, 5, 6] and summary["steps"] == 6
+    assert all(counts[0] == 0 for counts in seen.values()), seen
+    if static:
+        assert 1 <= summary["distinct_shapes"] <= 4  # two micro-batches a step, few buckets
+
+
+@pytest.mark.slow  # two ranks under torchrun
+def test_two_ranks_with_rebalancing_read_nothing(dataset, tmp_path):
+    out = tmp_path / "reads.json"
+    args = [*overrides(dataset, *STEADY, "data.rebalance=balanced", "optim.clip=adagc")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(ROOT, "tests", "bert", "device_reads_worker.py"),
+        str(out),
+        str(tmp_path / "run"),
+        str(FIRST),
+        *args,
+    ]
+    run_launched(cmd, timeout=240, what="device_reads_worker")
+    seen = json.loads(out.read_text())
+    assert sorted(map(int, seen)) == [3, 4, 5, 6]
+    assert all(counts[0] == 0 for counts in seen.values()), seen
