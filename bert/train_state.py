@@ -115,6 +115,29 @@ def to_sharded_checkpoint(state: TrainState, parts: dict, loader: dict, config: 
     return tensors, {**plain, "loader": loader, "counters": state.counters(), "config": config}
 
 
+def write_checkpoint(
+    directory: str, state: TrainState, parts: dict, loader: dict, cfg, coll: Collectives, is_main: bool, sharding
+) -> str | None:
+    """Write the step's checkpoint; the error the file system gave, or None. Unsharded, rank 0
+    writes one file (bert.train_checkpoint); sharded (``optim.shard``), every rank writes its
+    shards and rank 0 publishes the directory (bert.distributed_checkpoint). Either way the
+    ``cfg.checkpoint.keep`` newest are kept."""
+    keep, config = cfg.checkpoint.keep, cfg.to_dict()
+    try:
+        if sharding is None:
+            if is_main:
+                train_checkpoint.save(directory, state.step, to_checkpoint(state, parts, loader, config), keep)
+            return None
+        tensors, plain = to_sharded_checkpoint(state, parts, loader, config)
+        with coll.guard("the sharded checkpoint write", state.step):
+            distributed_checkpoint.save(directory, state.step, tensors, plain, is_main)
+        if is_main:
+            train_checkpoint.prune(directory, keep)
+    except train_checkpoint.CheckpointWriteError as e:
+        return str(e)
+    return None
+
+
 def restore(saved: dict, parts: dict) -> TrainState:
     """Check ``saved`` against this run's ``parts`` (as for ``to_checkpoint``), load it into
     them and return its counters; CheckpointError when it does not fit (parts loaded before

@@ -16,12 +16,11 @@
 reporting what it does through ``bert.reporting`` (MLPerf hyper-parameters, metrics records,
 the summary). A steady-state step reads nothing back from the device (docs/step.md): its
 counts come from the data (``bert.host_counts``), the skip is decided on the device, and
-metrics are read once per ``train.log_interval_steps`` (``bert.step_metrics``).
-Every collective runs inside ``Collectives.guard``: a peer that dies or hangs
-turns into a ``CollectiveError`` naming the collective, the step and the ranks that did not
-answer, within ``dist.timeout_s``, never a hang. Dropout randomness is re-seeded every step
-from (seed, step, rank), so a resumed run draws exactly the masks an uninterrupted one would
-without saving RNG states.
+metrics are read once per ``train.log_interval_steps`` (``bert.step_metrics``). Every
+collective runs inside ``Collectives.guard``: a peer that dies or hangs turns into a
+``CollectiveError`` naming the collective, the step and the ranks that did not answer, within
+``dist.timeout_s``, never a hang. Dropout is re-seeded every step from (seed, step, rank), so
+a resumed run draws exactly the masks an uninterrupted one would without saving RNG states.
 
 Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 """
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bert import components, distributed_checkpoint, reporting, train_checkpoint
+from bert import components, reporting
 from bert.checkpoint import load_pretrained
 from bert.clipping import clip_global_, tensor_norms
 from bert.collectives import Collectives
@@ -45,12 +44,10 @@ from bert.eval_cache import EvalBatches, masked_lm_counts
 from bert.host_counts import CountAgreement, StepPlanner
 from bert.losses import pretraining_loss, simreg_loss
 from bert.metrics import Progress
-from bert.optim import skips_on_device
-from bert.schedule import PolyWarmupScheduler
 from bert.sharded_optim import apply_sharding, reshard
 from bert.step_metrics import DeviceCounters
 from bert.train_config import RunConfig, eval_interval
-from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, to_checkpoint, to_sharded_checkpoint
+from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, write_checkpoint
 from data.batch import PackedBatch
 from data.packing import unpack
 from data.samples import SampleBlock
@@ -97,8 +94,7 @@ class Trainer:
         self.error: str | None = None  # why the run stopped early (summary "error", exit status 1)
         self.stop_requested = False  # this rank's (SIGTERM); stop_agreed: every rank's, after this step
         self.stop_agreed = False
-        self.train_loader = None  # opened by train(), after run_start
-        self.eval_loader = None
+        self.train_loader = self.eval_loader = None  # opened by train(), after run_start
         self._loader_state: dict | None = None  # a resumed loader position, applied when the data opens
 
         self.progress = Progress(self.is_main, t.max_steps)
@@ -133,16 +129,12 @@ class Trainer:
         # train.static_shapes' buckets (None: dynamic shapes), and train.cuda_graphs' graphs.
         self.static = components.build_static_shapes(cfg, self.micro_batch, self.model, self.model_config)
         self.shapes_seen: set[tuple[int, int]] = set()  # (tokens, masked) of the micro-batches run
-        self.optimizer = components.build_lamb_or_adamw(cfg.optim, self.model, self.sharding)
-        # The rate in a device tensor where the optimizer can skip on the device (not apex's FusedLAMB).
-        device_lr = self.device if skips_on_device(self.optimizer) else None
-        self.schedule = PolyWarmupScheduler(self.optimizer, cfg.optim, t.max_steps, device=device_lr)
-        self.adagc = components.build_adagc(cfg.optim, self.model, self.sharding)
+        self.optimizer, self.schedule, self.adagc, self.scaler = components.build_optimization(
+            cfg, self.model, self.sharding, self.device
+        )
         self.clip_stats = None  # the last AdaGC step's, for the logs
-        self.scaler = components.build_grad_scaler(t, self.sharding)
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
-        self._collator = None
-        self.rebalancer = None
+        self._collator = self.rebalancer = None
         if self.world > 1:
             with self.coll.guard("the rebalancer's settings check", -1):
                 self.rebalancer = components.build_rebalancer(cfg.data, self.local_batch, cfg.dist.timeout_s)
@@ -485,17 +477,13 @@ class Trainer:
         A write the file system refuses is reported with the checkpoint that is kept instead;
         the caller goes on or stops by checkpoint.on_error.
         """
-        error = None
         self._read_counters()  # the skipped-step counters live on the device
-        if self.sharding is not None:
-            error = self._save_sharded()
-        elif self.is_main:
-            try:
-                train_checkpoint.save(
-                    self._checkpoint_dir(), self.state.step, self._checkpoint_state(), self.cfg.checkpoint.keep
-                )
-            except train_checkpoint.CheckpointWriteError as e:
-                error = str(e)
+        # The rebalancer has already drawn the next step's samples from the loader: the
+        # position to resume at is the number of steps trained.
+        loader = {**self.train_loader.state_dict(), "step": self.state.step}
+        error = write_checkpoint(
+            self._checkpoint_dir(), self.state, self.parts, loader, self.cfg, self.coll, self.is_main, self.sharding
+        )
         failed = self.coll.all_reduce(
             torch.tensor([int(error is not None)], device=self.device), "the checkpoint commit", self.state.step
         )
@@ -506,29 +494,6 @@ class Trainer:
             directory = self._checkpoint_dir()
             reporting.checkpoint_failed(self.progress, self.state.step, error, directory, self.cfg.checkpoint)
         if self.cfg.checkpoint.on_error == "stop" or self.stop_agreed:
-            self.error = f"the checkpoint of step {self.state.step} could not be written" + (
-                f": {error}" if error else ""
-            )
+            detail = f": {error}" if error else ""
+            self.error = f"the checkpoint of step {self.state.step} could not be written{detail}"
         return False
-
-    def _loader_position(self) -> dict:
-        # The rebalancer has already drawn the next step's samples from the loader: the
-        # position to resume at is the number of steps trained.
-        return {**self.train_loader.state_dict(), "step": self.state.step}
-
-    def _checkpoint_state(self) -> dict:
-        return to_checkpoint(self.state, self.parts, self._loader_position(), self.cfg.to_dict())
-
-    def _save_sharded(self) -> str | None:
-        """Every rank writes its shards (bert.distributed_checkpoint); rank 0 publishes the
-        directory and prunes. Returns the error, or None."""
-        directory, step = self._checkpoint_dir(), self.state.step
-        tensors, plain = to_sharded_checkpoint(self.state, self.parts, self._loader_position(), self.cfg.to_dict())
-        try:
-            with self.coll.guard("the sharded checkpoint write", step):
-                distributed_checkpoint.save(directory, step, tensors, plain, self.is_main)
-            if self.is_main:
-                train_checkpoint.prune(directory, self.cfg.checkpoint.keep)
-        except train_checkpoint.CheckpointWriteError as e:
-            return str(e)
-        return None
