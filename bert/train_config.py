@@ -584,6 +584,11 @@ def check_cuda_graphs(cfg: RunConfig) -> None:
         )
     if cfg.model.compile:
         raise ConfigError("train.cuda_graphs: model.compile captures its own graphs; use one of the two")
+    if cfg.optim.shard != "none":
+        raise ConfigError(
+            "train.cuda_graphs: optim.shard's FSDP2 gathers each layer's weights in hooks a graph cannot "
+            "replay; set optim.shard=none"
+        )
     if cfg.loss.simreg_weight > 0:
         raise ConfigError(
             "train.cuda_graphs: SimReg sizes its blocks from the batch on the host; set loss.simreg_weight=0"

@@ -32,6 +32,15 @@ def test_cuda_graphs_is_a_one_line_config_error_where_it_cannot_run():
     assert graph_safe_dropout("triton", True, 0.0, 0.0) is None
 
 
+def test_cuda_graphs_refuse_the_sharded_optimizer(monkeypatch):
+    """FSDP2's per-layer all-gathers run in module hooks, outside what a replay repeats."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # reach the checks after the device's
+    graphed = ["train.static_shapes=true", "train.cuda_graphs=true", "model.attention=padded"]
+    with pytest.raises(ConfigError, match="train.cuda_graphs: optim.shard's FSDP2"):
+        load_config(None, [*graphed, "optim.shard=dp"])
+    load_config(None, graphed)  # unsharded: accepted
+
+
 def _tiny(attention):
     torch.manual_seed(0)
     cfg = BertConfig(
