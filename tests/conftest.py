@@ -9,3 +9,19 @@ interpreter; bench/gpu_check.sh sets TRITON_INTERPRET=0 to test the compiled ker
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Tests that build hosts out of network namespaces use fixed namespace names and subnets
+# (tests/cluster/common.py, test_nic_selection.py): under pytest-xdist (`make test` runs the
+# suite on both cores) they all go to one worker, so two clusters never exist at once.
+NETNS_TESTS = ("tests/cluster/", "tests/launch/test_nic_selection.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    root = str(config.rootpath) + "/"
+    for item in items:
+        path = str(item.path).removeprefix(root)
+        if path.startswith(NETNS_TESTS):
+            item.add_marker(pytest.mark.xdist_group("netns"))
