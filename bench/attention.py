@@ -62,7 +62,8 @@ def fwd_bwd(fn, qkv, dout, layout, dropout):
 
 
 def load_backends(names):
-    from kernels.attention import BackendUnavailable, get_backend
+    from kernels.interface import BackendUnavailable
+    from kernels.registry import get_backend
 
     loaded, unavailable = {}, {}
     for name in names:
@@ -82,7 +83,7 @@ def max_diff(a, b) -> float:
 
 
 def gpu_benchmark(args, sampler) -> dict:
-    from kernels.attention import VarlenLayout
+    from kernels.interface import VarlenLayout
 
     device = torch.device("cuda")
     dtype = DTYPES[args.dtype]
@@ -145,7 +146,7 @@ def gpu_benchmark(args, sampler) -> dict:
 
 def cpu_correctness(args, sampler) -> dict:
     """No GPU: compare backends on small shapes in Triton's interpreter."""
-    from kernels.attention import VarlenLayout
+    from kernels.interface import VarlenLayout
 
     lengths = [max(1, n // 8) for n in sampler.batch(6)]  # the distribution, scaled down
     qkv, dout, cu = make_batch(lengths, 2, 64, torch.float32, torch.device("cpu"), seed=args.seed)

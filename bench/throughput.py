@@ -56,7 +56,8 @@ import torch  # noqa: E402
 
 from bert.config import PRESETS, BertConfig  # noqa: E402
 from bert.metrics import atomic_write_text  # noqa: E402
-from kernels.attention import BackendUnavailable, backend_names, get_backend  # noqa: E402
+from kernels.interface import BackendUnavailable  # noqa: E402
+from kernels.registry import backend_names, get_backend  # noqa: E402
 
 GOAL_VS_LIMIT = 0.9  # unpadded / padded >= 0.9 x padding limit
 GOAL_VS_HF = 8.0  # unpadded >= 8 x transformers

@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     from bert.config import BertConfig
-    from kernels.attention import BackendUnavailable
+    from kernels.interface import BackendUnavailable
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")

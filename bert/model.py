@@ -8,7 +8,7 @@ The model runs on a flat token dimension from the embeddings to the heads. For a
 ``UnpaddedBatch`` that is T real tokens and no padding is ever computed; for a
 ``PaddedBatch`` (the baseline) it is B*S tokens, padding included; for a ``PackedBatch`` it
 is R*S tokens of rows packed with whole sequences. The attention backend,
-chosen by name (``kernels.attention``), is told which tokens form which sequence through a
+chosen by name (``kernels.registry``), is told which tokens form which sequence through a
 layout object.
 
 The masked-LM head runs only at the M masked positions (gathered before the head, as the
@@ -39,7 +39,8 @@ from torch import Tensor, nn
 from bert.config import BertConfig
 from bert.layers import Embeddings, EncoderLayer, Rotary, activation, init_weights, make_norm
 from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
-from kernels.attention import BackendUnavailable, PackedLayout, PaddedLayout, VarlenLayout, get_backend
+from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
+from kernels.registry import get_backend
 
 
 @dataclass
@@ -50,18 +51,21 @@ class PretrainingOutput:
 
 
 def windowed(layout, window: int | None):
-    """``layout`` restricted to the band |i - j| <= window // 2 (None: the layout itself)."""
+    """``layout`` restricted to the band |i - j| <= window // 2 (None: the layout itself). The
+    packed layout carries a window in its FlashMask bounds (kernels.masks.window_bounds)."""
     if window is None:
         return layout
-    if "window" not in {f.name for f in dataclasses.fields(layout)}:
-        raise BackendUnavailable(f"local attention (window {window}): the {type(layout).__name__} takes no window")
+    if isinstance(layout, PackedLayout):
+        from kernels.masks import window_bounds
+
+        return PackedLayout(window_bounds(layout.startend_row_indices, window, n=2), layout.causal)
     return dataclasses.replace(layout, window=window)
 
 
 class BertForPreTraining(nn.Module):
     """BERT with the masked-LM and next-sentence heads.
 
-    ``attention`` names the backend (``kernels.attention.backend_names()``) and
+    ``attention`` names the backend (``kernels.registry.backend_names()``) and
     ``attention_options`` are its settings, if it takes any; ``fused_ops`` switches the
     bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on (post-norm BERT only);
     ``rotary_kernel`` chooses how rotary positions are applied: ``torch`` (the PyTorch

@@ -1,17 +1,25 @@
 """The attention interface and the Triton kernels with their PyTorch references.
 
-- ``attention``: the one attention call, its layouts (``VarlenLayout``, ``PaddedLayout``,
-  ``PackedLayout``), ``BackendUnavailable``, the backend registry and the ``reference`` and
-  ``padded`` backends; the model (``bert/``) picks a backend from it by name;
-- ``varlen_attention``: fused multi-head attention over unpadded batches (forward, backward,
-  Philox dropout), the ``triton`` and ``triton_grouped`` attention backends;
-- ``grouped``: length-bucket grouping and multi-stream dispatch;
-- ``fused_ops``: bias+GELU and bias+dropout+residual+LayerNorm;
-- ``library_backends``: ``flash_attn`` and ``torch_varlen`` for comparison;
-- ``runtime``: compiled (CUDA) or interpreted (CPU, TRITON_INTERPRET=1) execution;
-- ``jit_kernels``: the device code; ``compile_check``: compile it all for sm_90 anywhere.
+Modules, from the bottom up (a module imports only modules listed before it; the order is
+``KERNEL_LAYERS`` in tests/test_layering.py):
 
-Importing the package imports neither Triton nor a kernel; ``backends.load(name)`` is what
-``attention.get_backend`` calls. Nothing here imports ``bert/``: the interface lives below the
-model so that the kernels never import the model.
+- ``interface``: the one attention call, its layouts (``VarlenLayout``, ``PaddedLayout``,
+  ``PackedLayout``), the per-layer settings they carry (``window``), ``BackendUnavailable``;
+  imports nothing of the project;
+- ``masks``: FlashMask's bounds, what they mean (the dense mask), the mask builders (documents,
+  documents with a window, ...) and the dense reference, pure PyTorch; ``tiles``: tile presets;
+  ``grouped``: length-bucket grouping and multi-stream dispatch; ``runtime``: compiled (CUDA)
+  or interpreted (CPU, TRITON_INTERPRET=1) execution;
+- ``reference``: the ``reference`` and ``padded`` backends; ``jit_kernels`` /
+  ``flashmask_jit``: the device code (loaded by ``runtime`` / ``flashmask`` from their files);
+- ``varlen_attention``: fused multi-head attention over unpadded batches, the ``triton`` and
+  ``triton_grouped`` backends; ``fused_ops``: bias+GELU and bias+dropout+residual+LayerNorm;
+  ``library_backends``: ``flash_attn`` and ``torch_varlen`` for comparison;
+- ``flashmask``: the FlashMask kernel and the ``flashmask`` backend;
+- ``registry``: every backend by name, what it takes, loaded on demand; the model (``bert/``)
+  picks its backend here;
+- ``compile_check``: compile every kernel for sm_90 anywhere (a command, imported by nothing).
+
+Importing the package imports neither Triton nor a kernel. Nothing here imports ``bert/``: the
+interface lives below the model so that the kernels never import the model.
 """

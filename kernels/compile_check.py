@@ -1,6 +1,7 @@
 """Compile every kernel variant for a Hopper GPU (sm_90) on any machine, GPU or not.
 
     python -m kernels.compile_check [--registers] [--jobs N] [--head-dims 64 128] [--json PATH]
+    python -m kernels.compile_check --flashmask [--json PATH]
 
 The interpreter tests check the kernels' arithmetic, not that Triton can compile them
 (types, layouts, shared memory). Here each launcher runs with its launch swapped for
@@ -10,8 +11,11 @@ for every supported combination of dtype (fp32 both with and without TF32), head
 stages, shared memory, and with ``--registers`` (running the ptxas that Triton ships once
 more per kernel) the registers, spill bytes and resident blocks and warps per SM. Exits 1
 if a kernel does not compile, needs more shared memory than a Hopper block can have, or
-spills registers. ``--jobs N`` compiles on N processes. Runs in a process of its own: Triton must be imported in
-compiled mode, so TRITON_INTERPRET is cleared before it is.
+spills registers. ``--jobs N`` compiles on N processes. ``--flashmask`` compiles the FlashMask
+kernels' variants instead (always with registers; their spills are printed, not failed, as
+they spill today). Runs in a process of its own: Triton must be
+imported in compiled mode, so TRITON_INTERPRET is cleared before it is. This is the top of
+``kernels/``: no other module of the package imports it.
 """
 
 from __future__ import annotations
@@ -193,6 +197,56 @@ def _compile_fused(registers: bool) -> list[dict]:
     return records
 
 
+def flashmask_records() -> list[dict]:
+    """Compile every FlashMask kernel variant (the model's and the benchmark's) for sm_90;
+    returns one record per kernel."""
+    import torch
+
+    from kernels import flashmask, runtime
+
+    if runtime.triton_interpreted():
+        raise RuntimeError("Triton was imported in interpreter mode; run with TRITON_INTERPRET=0")
+    module = flashmask.load_jit(runtime.load(interpret=False))
+    records: list[dict] = []
+    variant: dict = {}
+
+    module._launch = compiling_launcher(records, variant)
+
+    def meta(*shape, dtype):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    r, s, h = 56, 512, 16
+    for dtype, dim, causal, n, p in [
+        (torch.bfloat16, 64, False, 2, 0.1),
+        (torch.bfloat16, 64, False, 4, 0.0),
+        (torch.float16, 128, True, 2, 0.0),
+        (torch.bfloat16, 64, True, 1, 0.1),
+        (torch.float32, 64, False, 2, 0.1),
+    ]:
+        variant.clear()
+        variant.update(dtype=str(dtype).removeprefix("torch."), head_dim=dim, causal=causal, n=n, dropout=p)
+        q, k, v = meta(r * s, 3, h, dim, dtype=dtype).view(r, s, 3, h, dim).unbind(2)  # the model's projection
+        out, dout = meta(r, s, h, dim, dtype=dtype), meta(r, s, h, dim, dtype=dtype)
+        lse = meta(r, s, h, dtype=torch.float32)
+        bounds = meta(r, 1, s, n, dtype=torch.int32)
+        tiles = flashmask.tile_sizes(dim, q.element_size(), interpreted=False)
+        bmm = meta(r, 1, s // tiles["fwd"][1], n, 2, dtype=torch.int32)
+        module.fwd(q, k, v, out, lse, bounds, bmm, causal, dim**-0.5, p, 2**40 + 3, 12345, tiles)
+        grads = [meta(r, s, h, dim, dtype=dtype) for _ in range(3)]
+        module.bwd(dout, q, k, v, lse, lse, *grads, bounds, bmm, causal, dim**-0.5, p, 2**40 + 3, 12345, tiles)
+    return records
+
+
+def _print_flashmask(records: list[dict]) -> None:
+    for r in records:
+        extra = "" if r.get("registers") is None else f" regs {r['registers']} spill {r['spill_bytes']}B"
+        print(
+            f"{r['kernel']:14s} {r['dtype']:9s} D={r['head_dim']:<4d} causal={r['causal']!s:5s} n={r['n']} "
+            f"p={r['dropout']} {r['blocks']} warps {r['num_warps']} stages {r['num_stages']} "
+            f"shared {r['shared_bytes']}B{extra}"
+        )
+
+
 def _job(item: tuple, registers: bool) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "0"  # a spawned worker: before it imports Triton
     return _compile_fused(registers) if item == ("fused",) else _compile_attention(item, registers)
@@ -232,16 +286,20 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=1, help="compile on this many processes (default 1)")
     parser.add_argument("--head-dims", type=int, nargs="+", help="only the attention variants of these head dims")
+    parser.add_argument("--flashmask", action="store_true", help="the FlashMask kernel variants only")
     args = parser.parse_args(argv)
     try:
-        records = run_all(args.registers, max(1, args.jobs), tuple(args.head_dims) if args.head_dims else None)
+        if args.flashmask:
+            records = flashmask_records()
+        else:
+            records = run_all(args.registers, max(1, args.jobs), tuple(args.head_dims) if args.head_dims else None)
     except Exception as e:  # a compile error: one line, non-zero exit
         print(
             f"compile_check: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
             file=sys.stderr,
         )
         return 1
-    for r in records:
+    for r in records if not args.flashmask else ():
         extra = (
             ""
             if r.get("registers") is None
@@ -254,6 +312,8 @@ def main(argv=None) -> int:
             f"{r['kernel']:16s} {label:28s} D={r.get('head_dim', '-')!s:4s} p={r['dropout']}{tiles} "
             f"{r['blocks']} warps {r['num_warps']} stages {r['num_stages']} shared {r['shared_bytes']}B{extra}"
         )
+    if args.flashmask:
+        _print_flashmask(records)
     if args.json:
         path = Path(args.json)
         tmp = path.with_name(path.name + ".tmp")
@@ -267,7 +327,7 @@ def main(argv=None) -> int:
         )
         failed = 1
     spills = [r for r in records if r.get("spill_bytes")]
-    if spills:
+    if spills and not args.flashmask:  # the FlashMask kernels spill today: reported, not yet failed
         names = ", ".join(f"{r['kernel']} {r['dtype']} D={r.get('head_dim')} p={r['dropout']}" for r in spills)
         print(f"compile_check: {len(spills)} kernel(s) spill registers: {names}", file=sys.stderr)
         failed = 1

@@ -7,25 +7,21 @@
   than silently run without dropout.
 
 Each loader raises ``BackendUnavailable`` with the reason when the backend cannot run here.
+``kernels.registry`` checks the layout (``VarlenLayout`` only) and the settings before each
+call: ``flash_attn`` implements the window (its ``window_size``), ``torch_varlen`` has none
+and is refused one.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
-from kernels.attention import AttentionFn, BackendUnavailable, Layout, VarlenLayout
+from kernels.interface import AttentionFn, BackendUnavailable, VarlenLayout
 
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def _varlen(layout: Layout, name: str) -> VarlenLayout:
-    if not isinstance(layout, VarlenLayout):
-        raise BackendUnavailable(
-            f"model.attention={name}: needs an unpadded batch (VarlenLayout), got "
-            f"{type(layout).__name__}; padded batches run with 'padded' or 'reference'"
-        )
-    return layout
 
 
 def _check_half(q: Tensor, name: str) -> None:
@@ -47,19 +43,28 @@ def load_flash_attn() -> AttentionFn:
     except ImportError as e:
         raise BackendUnavailable(f"model.attention=flash_attn: the flash_attn package is not installed ({e})") from None
     _need_cuda("flash_attn")
+    has_window = "window_size" in inspect.signature(flash_attn_varlen_func).parameters
 
-    def flash_attn(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
-        lay = _varlen(layout, "flash_attn")
+    def flash_attn(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float, training: bool) -> Tensor:
         _check_half(q, "flash_attn")
+        window = {}
+        if layout.window is not None:
+            if not has_window:
+                raise BackendUnavailable(
+                    "model.attention=flash_attn: this flash_attn has no window_size (added in flash-attn 2.3)"
+                )
+            # flash-attn's window is (left, right) keys either side: the band |i - j| <= window // 2.
+            window = {"window_size": (layout.window // 2, layout.window // 2)}
         return flash_attn_varlen_func(
             q,
             k,
             v,
-            lay.cu_seqlens,
-            lay.cu_seqlens,
-            lay.max_seqlen,
-            lay.max_seqlen,
+            layout.cu_seqlens,
+            layout.cu_seqlens,
+            layout.max_seqlen,
+            layout.max_seqlen,
             dropout_p=dropout_p if training else 0.0,
+            **window,
         )
 
     return flash_attn
@@ -75,14 +80,13 @@ def load_torch_varlen() -> AttentionFn:
         ) from None
     _need_cuda("torch_varlen")
 
-    def torch_varlen(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
-        lay = _varlen(layout, "torch_varlen")
+    def torch_varlen(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float, training: bool) -> Tensor:
         _check_half(q, "torch_varlen")
         if training and dropout_p > 0:
             raise BackendUnavailable(
                 f"model.attention=torch_varlen: torch's varlen_attn has no attention dropout, asked for "
                 f"{dropout_p}; set the attention dropout to 0 or choose triton / flash_attn"
             )
-        return varlen_attn(q, k, v, lay.cu_seqlens, lay.cu_seqlens, lay.max_seqlen, lay.max_seqlen)
+        return varlen_attn(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen, layout.max_seqlen)
 
     return torch_varlen

@@ -40,7 +40,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels.attention import BackendUnavailable
+from kernels.interface import BackendUnavailable
 
 
 def rotary_tables(head_dim: int, theta: float, max_positions: int, device=None) -> tuple[Tensor, Tensor]:

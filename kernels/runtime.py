@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.attention import BackendUnavailable
+from kernels.interface import BackendUnavailable
 
 _SOURCE = Path(__file__).with_name("jit_kernels.py")
 _MODULE: list[ModuleType] = []

@@ -11,7 +11,7 @@ Layers, from the bottom:
 3. ``_VarlenAttention``, a ``torch.autograd.Function`` joining the two ops.
 4. Public functions: ``varlen_attention``, ``varlen_attention_qkvpacked``,
    ``grouped_varlen_attention``, and ``varlen_attention_with_dropout_mask`` (debug).
-5. The backends (``triton_backend``, ``grouped_backend``) with the ``kernels.attention`` call.
+5. The backends (``triton_backend``, ``grouped_backend``) with the ``kernels.interface`` call.
 
 Dropout uses Philox keyed by (seed, offset) and the element's coordinates (see
 ``jit_kernels``); seed and offset are drawn from torch's default CPU generator, so
@@ -28,7 +28,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kernels.attention import BackendUnavailable, Layout, VarlenLayout
 from kernels.grouped import (
     DEFAULT_BUCKETS,
     MAX_STREAMS,
@@ -39,6 +38,7 @@ from kernels.grouped import (
     run_groups,
     single_plan,
 )
+from kernels.interface import BackendUnavailable, Layout, VarlenLayout
 from kernels.runtime import jit_kernels, seeded_op_tags
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

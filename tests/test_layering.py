@@ -10,6 +10,10 @@ any package in a LOWER layer, never one in its own layer or above. So:
   other: the attention interface lives in ``kernels``, batch types in ``data``, process
   setup in ``launch``, and the code that needs two of them lives in ``bert`` or above.
 
+Inside a package listed in ``MODULE_LAYERS`` the same holds between its modules: a module may
+import only modules of a lower layer of its package, so the package has no import circle (for
+``kernels/``: the interface at the bottom, the registry and the compile check at the top).
+
 Every import statement counts, wherever it is (lazy imports inside functions included), as do
 ``__import__("pkg.mod")`` and ``importlib.import_module("pkg.mod")`` with a literal name.
 """
@@ -36,6 +40,30 @@ LAYERS = {
     "launch": 0,
 }
 
+# Package -> {module: layer} inside it. A module imports only modules of a lower layer; every
+# module of the package must be listed (a new module is placed here on purpose).
+MODULE_LAYERS = {
+    "kernels": {
+        "__init__": 0,  # imports nothing
+        "interface": 0,  # layouts, AttentionFn, BackendUnavailable, settings: imports nothing of the project
+        "masks": 1,  # FlashMask semantics and builders, pure PyTorch
+        "tiles": 1,
+        "grouped": 1,
+        "runtime": 1,  # compiled or interpreted Triton
+        "reference": 2,  # the reference and padded backends
+        "jit_kernels": 2,  # device code
+        "flashmask_jit": 2,
+        "rotary_jit": 2,  # device code of the rotary embedding
+        "varlen_attention": 3,  # the Triton backends
+        "fused_ops": 3,
+        "rotary": 3,  # rotary embedding: Triton kernel and PyTorch reference
+        "library_backends": 3,
+        "flashmask": 4,  # shares the varlen kernels' dropout seeds
+        "registry": 5,  # every backend by name
+        "compile_check": 6,  # a command: imported by nothing in the package
+    },
+}
+
 # module path -> top-level modules it must not import at all (beyond the layer rule).
 FORBIDDEN = {
     # The plan is pure: the simulator and the plan tests run without process groups.
@@ -52,8 +80,9 @@ def project_modules(root: Path) -> list[Path]:
     return files
 
 
-def imported_names(tree: ast.Module, package: str) -> list[tuple[int, str]]:
-    """(line, absolute dotted name) of every import in ``tree``; ``package`` resolves relative ones."""
+def imported_names(tree: ast.Module, package: str, with_names: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute dotted name) of every import in ``tree``; ``package`` resolves relative ones.
+    ``with_names``: ``from a import b`` gives ``a.b`` (b may be a module of package a)."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -61,10 +90,13 @@ def imported_names(tree: ast.Module, package: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: stays inside the own package (or climbs out of it)
                 base = package.split(".")[: max(len(package.split(".")) - node.level + 1, 0)]
-                name = ".".join(base + ([node.module] if node.module else []))
-                found.append((node.lineno, name or "."))
+                name = ".".join(base + ([node.module] if node.module else [])) or "."
             else:
-                found.append((node.lineno, node.module))
+                name = node.module
+            if with_names:
+                found += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]
+            else:
+                found.append((node.lineno, name))
         elif (
             isinstance(node, ast.Call)
             and node.args
@@ -96,9 +128,39 @@ def violations(root: Path) -> list[str]:
     return problems
 
 
+def module_violations(root: Path) -> list[str]:
+    """Imports inside a package of MODULE_LAYERS that do not run downhill, and unlisted modules."""
+    problems = []
+    for package, layers in MODULE_LAYERS.items():
+        for path in sorted((root / package).glob("*.py")):
+            rel = path.relative_to(root)
+            own = path.stem
+            if own not in layers:
+                problems.append(f"{rel}: not in MODULE_LAYERS[{package!r}]; give it a layer")
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for line, name in imported_names(tree, package, with_names=True):
+                parts = name.split(".")
+                if parts[0] != package or len(parts) < 2 or parts[1] not in layers or parts[1] == own:
+                    continue
+                target = parts[1]
+                if layers[target] >= layers[own]:
+                    where = "the same layer" if layers[target] == layers[own] else "a higher layer"
+                    problems.append(
+                        f"{rel}:{line}: {package}.{own} (layer {layers[own]}) imports {package}.{target} "
+                        f"(layer {layers[target]}: {where})"
+                    )
+    return problems
+
+
 def test_imports_run_downhill():
     problems = violations(REPO)
     assert not problems, "upward or sideways imports:\n" + "\n".join(problems)
+
+
+def test_imports_inside_packages_run_downhill():
+    problems = module_violations(REPO)
+    assert not problems, "imports inside a package that do not run downhill:\n" + "\n".join(problems)
 
 
 def test_every_package_has_a_layer():
@@ -128,6 +190,50 @@ def test_checker_names_file_and_line(tmp_path, source, expected):
     (tmp_path / "kernels" / "__init__.py").write_text("")
     (tmp_path / "kernels" / "bad.py").write_text(source)
     assert violations(tmp_path) == ([expected] if expected else [])
+
+
+@pytest.mark.parametrize(
+    "module, source, expected",
+    [
+        (
+            "interface",
+            "import torch\nfrom kernels.registry import get_backend\n",
+            "kernels/interface.py:2: kernels.interface (layer 0) imports kernels.registry (layer 5: a higher layer)",
+        ),
+        (
+            "masks",
+            "def f():\n    from kernels import runtime\n",
+            "kernels/masks.py:2: kernels.masks (layer 1) imports kernels.runtime (layer 1: the same layer)",
+        ),
+        (
+            "flashmask",
+            "from . import compile_check\n",
+            "kernels/flashmask.py:1: kernels.flashmask (layer 4) imports kernels.compile_check "
+            "(layer 6: a higher layer)",
+        ),
+        (
+            "runtime",
+            "import importlib\nimportlib.import_module('kernels.reference')\n",
+            "kernels/runtime.py:2: kernels.runtime (layer 1) imports kernels.reference (layer 2: a higher layer)",
+        ),
+        (
+            "registry",
+            "from kernels.interface import Layout\nfrom .masks import to_dense\nimport kernels.runtime\n",
+            None,
+        ),
+    ],
+)
+def test_module_checker_names_file_and_line(tmp_path, module, source, expected):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    (tmp_path / "kernels" / f"{module}.py").write_text(source)
+    assert module_violations(tmp_path) == ([expected] if expected else [])
+
+
+def test_module_checker_wants_every_module_placed(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "newcomer.py").write_text("import torch\n")
+    assert module_violations(tmp_path) == ["kernels/newcomer.py: not in MODULE_LAYERS['kernels']; give it a layer"]
 
 
 def test_checker_catches_forbidden_module(tmp_path):

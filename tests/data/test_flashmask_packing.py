@@ -84,7 +84,7 @@ def test_collate_packed_against_the_unpadded_batch(block):
     assert torch.equal(packed.mlm_positions, tokens[unpadded.mlm_positions])
     assert torch.equal(packed.mlm_labels, unpadded.mlm_labels) and torch.equal(packed.nsp_labels, unpadded.nsp_labels)
     # The bounds are FlashMask's document mask of each row's sequences, in placement order.
-    from kernels.flashmask import document_mask
+    from kernels.masks import document_mask
 
     rows = packed.cls_positions // S
     per_row = [

@@ -5,14 +5,9 @@ import math
 import pytest
 import torch
 
-from kernels.attention import (
-    BackendUnavailable,
-    PaddedLayout,
-    VarlenLayout,
-    get_backend,
-    padded_attention,
-    reference_attention,
-)
+from kernels.interface import BackendUnavailable, PaddedLayout, VarlenLayout
+from kernels.reference import padded_attention, reference_attention
+from kernels.registry import get_backend
 
 
 def varlen_inputs(lengths, heads=3, dim=16, seed=0):

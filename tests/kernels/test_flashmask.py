@@ -24,7 +24,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels import flashmask as fm  # noqa: E402
-from kernels.attention import BackendUnavailable, PackedLayout, VarlenLayout, get_backend  # noqa: E402
+from kernels.interface import BackendUnavailable, PackedLayout, VarlenLayout  # noqa: E402
+from kernels.registry import get_backend  # noqa: E402
 from tests.helpers import REPO as ROOT  # noqa: E402
 
 # --------------------------------------------------------------------- the masks, by definition
@@ -456,7 +457,8 @@ def test_torch_compile_traces_through_the_op():
 def test_cpu_without_interpreter_is_a_clear_error():
     script = """
 import torch
-from kernels.attention import BackendUnavailable, get_backend
+from kernels.interface import BackendUnavailable
+from kernels.registry import get_backend
 from kernels.flashmask import causal_mask, flashmask_attention
 q = torch.zeros(1, 8, 1, 16)
 try:

@@ -1,6 +1,6 @@
 """The FlashMask kernels compile for a Hopper GPU (sm_90) on a machine without one.
 
-``python -m kernels.flashmask --compile-check`` runs Triton's whole compiler (down to ptxas
+``python -m kernels.compile_check --flashmask`` runs Triton's whole compiler (down to ptxas
 and a cubin) on every kernel variant the model and the benchmark use; Triton must be imported
 in compiled mode for that, so it runs in a subprocess (the other kernel tests import Triton in
 interpreter mode).
@@ -23,7 +23,7 @@ def test_flashmask_kernels_compile_for_hopper(tmp_path):
     out = tmp_path / "compile.json"
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.flashmask", "--compile-check", "--json", str(out)],
+        [sys.executable, "-m", "kernels.compile_check", "--flashmask", "--json", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -20,8 +20,10 @@ import sys  # noqa: E402
 import pytest
 import torch  # noqa: E402
 
-from kernels.attention import BackendUnavailable, PaddedLayout, VarlenLayout, get_backend, reference_attention
 from kernels.grouped import Group, plan_groups
+from kernels.interface import BackendUnavailable, PaddedLayout, VarlenLayout
+from kernels.reference import reference_attention
+from kernels.registry import get_backend
 from kernels.varlen_attention import (
     grouped_varlen_attention,
     varlen_attention,
@@ -210,7 +212,8 @@ def test_cpu_without_interpreter_is_a_clear_error():
     """With compiled Triton (no TRITON_INTERPRET), CPU tensors and GPU-less loads are refused."""
     script = """
 import torch
-from kernels.attention import BackendUnavailable, get_backend
+from kernels.interface import BackendUnavailable
+from kernels.registry import get_backend
 from kernels.varlen_attention import varlen_attention
 q = torch.zeros(9, 1, 32)
 try:

@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import VarlenLayout, get_backend, reference_attention
+from kernels.interface import VarlenLayout
+from kernels.reference import reference_attention
+from kernels.registry import get_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -148,7 +150,7 @@ def test_torch_compile_inductor_fullgraph():
 
 @pytest.mark.parametrize("name", ["torch_varlen", "flash_attn"])
 def test_library_backends_match_reference(name):
-    from kernels.attention import BackendUnavailable
+    from kernels.interface import BackendUnavailable
 
     try:
         fn = get_backend(name)

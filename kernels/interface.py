@@ -1,0 +1,73 @@
+"""The attention interface: the one backend call, the layouts it takes, and its error.
+
+Every attention backend is a function ``(q, k, v, layout, dropout_p, training) -> out`` where
+q, k, v and out are ``[N, H, D]`` (N tokens, H heads, D head dim) and ``layout`` says how the
+N tokens form sequences and which per-layer attention settings apply:
+
+- ``VarlenLayout``: N = T tokens of B sequences concatenated, ``cu_seqlens [B+1]`` int32.
+- ``PaddedLayout``: N = B*S tokens, rows of S with a ``[B, S]`` key mask (True = real).
+- ``PackedLayout``: N = R*S tokens, rows of S each holding whole sequences, kept apart by
+  FlashMask bounds ``[R, 1, S, n]`` (their meaning: ``kernels.masks``). A window is written
+  into the bounds (``kernels.masks.window_bounds``), so this layout has no window field.
+
+Per-layer settings are layout fields listed in ``SETTINGS`` with the value that means "off".
+``window``: the bidirectional band |i - j| <= window // 2 inside each sequence (ModernBERT's
+``local_attention``; 128 -> |i - j| <= 64). A backend declares the settings it implements in
+``kernels.registry``, which refuses the others in one place (CONTRIBUTING.md: adding one).
+
+This is the bottom of ``kernels/``: it imports nothing of the project, and every other
+module of the package may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+class BackendUnavailable(RuntimeError):
+    """The configured attention backend cannot run on this machine, layout or setting."""
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window: must be an int >= 1 (the band |i - j| <= window // 2) or None, got {window!r}")
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    cu_seqlens: Tensor  # [B+1] int32
+    max_seqlen: int
+    window: int | None = None  # None: every key of the sequence; else |i - j| <= window // 2
+
+    def __post_init__(self):
+        check_window(self.window)
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    key_mask: Tensor  # [B, S] bool, True on real tokens
+    window: int | None = None  # as VarlenLayout's, over positions within the row
+
+    def __post_init__(self):
+        check_window(self.window)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    startend_row_indices: Tensor  # [R, 1, S, n] int32 FlashMask bounds (packed BERT: n = 2, (LTS, UTE))
+    causal: bool = False
+
+
+Layout = VarlenLayout | PaddedLayout | PackedLayout
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Layout, float, bool], Tensor]
+
+# Per-layer attention settings a layout may carry: field name -> the value that means "off".
+SETTINGS: dict[str, object] = {"window": None}
+
+
+def requested_settings(layout: Layout) -> dict[str, object]:
+    """The settings ``layout`` turns on: {field: value} for each field of SETTINGS it has set."""
+    return {name: getattr(layout, name) for name, off in SETTINGS.items() if getattr(layout, name, off) is not off}

@@ -1,0 +1,148 @@
+"""The attention backends by name: the one list, what each accepts, and how it is loaded.
+
+``BACKENDS`` names each backend once, with the layouts it takes, the per-layer settings it
+implements (``kernels.interface.SETTINGS``), whether it runs Triton kernels and the keyword
+options it takes; its code is imported only when it is asked for, so choosing ``reference``
+never imports Triton. ``get_backend(name)`` returns the backend function wrapped in the one
+check every call goes through: a layout it does not take or a setting it does not implement
+is refused (``BackendUnavailable``, one line naming the backend, what was asked, and which
+backends would take it), never passed on or swapped for another backend. ``check_backend``
+does the same from configuration, before anything is loaded (``bert.train_config``).
+
+This is the top of the attention interface: the model (``bert/``) picks its backends here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from kernels.interface import (
+    SETTINGS,
+    AttentionFn,
+    BackendUnavailable,
+    Layout,
+    PackedLayout,
+    PaddedLayout,
+    VarlenLayout,
+    requested_settings,
+)
+
+_ANY = (VarlenLayout, PaddedLayout, PackedLayout)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One attention backend. ``target``: "module:attribute", the backend function, or with
+    ``factory`` a function that returns it (called with the options; it raises
+    BackendUnavailable when the backend cannot run here)."""
+
+    name: str
+    target: str
+    layouts: tuple[type, ...]
+    settings: frozenset[str] = frozenset()
+    triton: bool = False  # runs the Triton kernels: refused at load when they cannot run here
+    factory: bool = False
+    options: tuple[str, ...] = ()  # keyword options for the factory
+
+    def load(self, **options) -> AttentionFn:
+        module, attribute = self.target.split(":")
+        fn = getattr(importlib.import_module(module), attribute)
+        return fn(**options) if self.factory else fn
+
+
+_WINDOW = frozenset({"window"})
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("reference", "kernels.reference:reference_attention", _ANY, _WINDOW),
+        Backend("padded", "kernels.reference:padded_attention", (VarlenLayout, PaddedLayout), _WINDOW),
+        Backend("triton", "kernels.varlen_attention:triton_backend", (VarlenLayout,), triton=True),
+        Backend(
+            "triton_grouped",
+            "kernels.varlen_attention:grouped_backend",
+            (VarlenLayout,),
+            triton=True,
+            factory=True,
+            options=("buckets", "num_streams"),
+        ),
+        Backend("flash_attn", "kernels.library_backends:load_flash_attn", (VarlenLayout,), _WINDOW, factory=True),
+        Backend("torch_varlen", "kernels.library_backends:load_torch_varlen", (VarlenLayout,), factory=True),
+        Backend("flashmask", "kernels.flashmask:flashmask_backend", (PackedLayout,), triton=True),
+    )
+}
+
+# What each layout is called in the configuration (``data.layout``), for the messages.
+_LAYOUT_CONFIG = {VarlenLayout: "unpadded", PaddedLayout: "padded", PackedLayout: "packed"}
+
+
+def backend_names() -> list[str]:
+    return sorted(BACKENDS)
+
+
+def _spec(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise BackendUnavailable(f"model.attention: unknown backend {name!r}; choose one of {backend_names()}")
+    return BACKENDS[name]
+
+
+def refusal(name: str, layout: type, settings: Iterable[str] = ()) -> str | None:
+    """Why backend ``name`` cannot take a ``layout`` with ``settings`` on, or None when it can."""
+    spec = _spec(name)
+    if layout not in spec.layouts:
+        takes = " or ".join(f"{t.__name__} (data.layout={_LAYOUT_CONFIG[t]})" for t in spec.layouts)
+        others = [b.name for b in BACKENDS.values() if layout in b.layouts]
+        return (
+            f"model.attention={name}: needs a {takes}, got {layout.__name__}; "
+            f"{_LAYOUT_CONFIG[layout]} batches run with {', '.join(others)}"
+        )
+    for setting in settings:
+        if setting not in SETTINGS:
+            raise ValueError(f"attention setting {setting!r}: not one of {sorted(SETTINGS)}")
+        if setting not in spec.settings:
+            others = [b.name for b in BACKENDS.values() if layout in b.layouts and setting in b.settings]
+            return (
+                f"model.attention={name}: does not implement the attention setting {setting!r} "
+                f"({layout.__name__}); backends that do: {', '.join(others)}"
+            )
+    return None
+
+
+def check_backend(name: str, layout: type, settings: Iterable[str] = ()) -> None:
+    """Raise BackendUnavailable unless backend ``name`` takes ``layout`` with ``settings`` on."""
+    reason = refusal(name, layout, settings)
+    if reason:
+        raise BackendUnavailable(reason)
+
+
+def get_backend(name: str, **options) -> AttentionFn:
+    """The backend ``name``, checked on every call against the layout and its settings.
+
+    ``options`` go to backends that take some (``triton_grouped``: ``buckets``,
+    ``num_streams``). Raises BackendUnavailable when the backend cannot run here."""
+    spec = _spec(name)
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        raise ValueError(f"model.attention={name}: takes no option {unknown}; its options: {list(spec.options)}")
+    if spec.triton:
+        from kernels.runtime import check_runnable
+
+        check_runnable(f"model.attention={name}")
+    fn = spec.load(**options)
+
+    @functools.wraps(fn)
+    def checked(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
+        refused = type(layout) not in spec.layouts
+        for setting in requested_settings(layout):
+            refused = refused or setting not in spec.settings
+        if refused:
+            check_backend(name, type(layout), requested_settings(layout))
+        return fn(q, k, v, layout, dropout_p, training)
+
+    checked.backend = spec
+    return checked
