@@ -32,6 +32,9 @@ _HF_TYPES = {v: k for k, v in _TYPES.items()}
 # config.json keys that hold no architecture (token ids, bookkeeping, fine-tuning heads,
 # inference switches).
 _IGNORED_KEYS = {
+    "_name_or_path",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
     "architectures",
     "model_type",
     "transformers_version",

@@ -50,8 +50,8 @@ def _rotary_kernel(
     x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     o_ptr = OUT + rows[:, None].to(tl.int64) * stride_on + head * stride_oh + cols[None, :]
-    tl.store(o_ptr, (x1 * c - x2 * s).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + HALF, (x2 * c + x1 * s).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(o_ptr, (x1 * c - x2 * s).to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(o_ptr + HALF, (x2 * c + x1 * s).to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def rotary_fwd(x, out, position_ids, cos, sin, inverse: bool) -> None:
