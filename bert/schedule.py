@@ -134,3 +134,34 @@ class PolyWarmupScheduler:
 def _check(ok: bool, field: str, what: str) -> None:
     if not ok:
         raise ValueError(f"{field}: {what}")
+
+
+# ---- warmup-stable-decay ------------------------------------------------------------------------
+
+DECAY_SHAPES = ("linear", "1-sqrt")
+
+
+def wsd_lr_at(
+    step: int,
+    *,
+    base_lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    decay_steps: int = 0,
+    decay_shape: str = "1-sqrt",
+    end_lr: float = 0.0,
+) -> float:
+    """Warmup-stable-decay (ModernBERT's "trapezoidal" schedule, arXiv:2412.13663 section 2.2):
+    a linear warm-up over ``warmup_steps`` to ``base_lr``, constant, then over the last
+    ``decay_steps`` of ``total_steps`` a decay to ``end_lr``, linear or one-minus-sqrt
+    (lr = end + (base - end) * (1 - sqrt(p)) at progress p of the decay; Hägele et al. 2024,
+    arXiv:2405.18392, which ModernBERT uses). Step 0-based as ``lr_at``; past ``total_steps``
+    the rate stays ``end_lr``."""
+    if step < warmup_steps:
+        return base_lr * step / warmup_steps
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return base_lr
+    p = min(1.0, (step - decay_start) / decay_steps) if decay_steps else 1.0
+    shape = 1.0 - math.sqrt(p) if decay_shape == "1-sqrt" else 1.0 - p
+    return end_lr + (base_lr - end_lr) * shape
