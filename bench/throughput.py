@@ -154,6 +154,7 @@ def build_variants(
     from bert.checkpoint import load_hf_state_dict
     from bert.model import BertForPreTraining
     from bert.optim import build_optimizer
+    from bert.train_config import OptimSection
     from data.collate import collate_padded, collate_unpadded, make_collator
 
     torch.manual_seed(seed)
@@ -199,7 +200,7 @@ def build_variants(
         if v.model is not hf_model:
             load_hf_state_dict(v.model, weights)
         v.model.to(device)
-        v.optimizer = build_optimizer("lamb", v.model, lr=1e-4)
+        v.optimizer = build_optimizer(OptimSection(name="lamb", lr=1e-4), v.model)
         variants.append(v)
     return variants
 

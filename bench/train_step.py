@@ -127,13 +127,14 @@ def model_flops(config, batch) -> float:
 def run_variant(variant, config, batches, args, device):
     from bert.model import BertForPreTraining
     from bert.optim import build_optimizer
+    from bert.train_config import OptimSection
     from data.batch import pad
 
     backend, fused, layout = parse_variant(variant)
     with torch.device(device):
         model = BertForPreTraining(config, attention=backend, fused_ops=fused)
     model.train()
-    optimizer = build_optimizer(args.optimizer, model, lr=4.25e-4)
+    optimizer = build_optimizer(OptimSection(name=args.optimizer, lr=4.25e-4), model)
     convert = {"padded": lambda b: pad(b, 512), "packed": to_packed, "unpadded": lambda b: b}[layout]
     inputs = [convert(b).to(device) for b in batches]
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")

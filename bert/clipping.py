@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from bert.train_config import AdaGCSection
+
 
 def _grads(params: Iterable[Tensor]) -> list[Tensor]:
     return [p.grad for p in params if p.grad is not None]
@@ -72,39 +74,19 @@ class AdaGC:
     """Adaptive per-tensor gradient clipping; see the module docstring for the definition.
 
     ``named_parameters``: ``model.named_parameters()`` (trainable ones are kept; names key
-    the state). Call ``clip_()`` once per optimizer step, after the gradients are final.
+    the state); ``adagc``: the ``optim.adagc`` section (its defaults when None). Call
+    ``clip_()`` once per optimizer step, after the gradients are final.
     """
 
-    def __init__(
-        self,
-        named_parameters: Iterable[tuple[str, nn.Parameter]],
-        lambda_rel: float = 1.04,
-        beta: float = 0.99,
-        warmup_steps: int = 100,
-        lambda_abs: float = 1.0,
-        eps: float = 1e-6,
-    ):
+    def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]], adagc: AdaGCSection | None = None):
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("AdaGC: no trainable parameters")
-        _check(math.isfinite(lambda_rel) and lambda_rel > 0, "optim.adagc.lambda_rel", f"must be > 0, got {lambda_rel}")
-        _check(0.0 <= beta < 1.0, "optim.adagc.beta", f"must lie in [0, 1), got {beta}")
-        _check(
-            isinstance(warmup_steps, int) and warmup_steps >= 0,
-            "optim.adagc.warmup_steps",
-            f"must be an integer >= 0, got {warmup_steps!r}",
-        )
-        _check(math.isfinite(lambda_abs) and lambda_abs > 0, "optim.adagc.lambda_abs", f"must be > 0, got {lambda_abs}")
-        _check(math.isfinite(eps) and eps > 0, "optim.adagc.eps", f"must be > 0, got {eps}")
+        adagc = adagc or AdaGCSection()  # validated when built
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.lambda_rel, self.beta, self.lambda_abs, self.eps = (
-            float(lambda_rel),
-            float(beta),
-            float(lambda_abs),
-            float(eps),
-        )
-        self.warmup_steps = warmup_steps
+        self.lambda_rel, self.beta, self.lambda_abs = adagc.lambda_rel, adagc.beta, adagc.lambda_abs
+        self.eps, self.warmup_steps = adagc.eps, adagc.warmup_steps
         self.step = 0  # optimizer steps clipped so far
         n = len(self.params)
         self.gamma = torch.zeros(n, dtype=torch.float32)  # [N] per-tensor threshold state
@@ -206,8 +188,3 @@ class AdaGC:
         new_has[dest] = has.detach().to("cpu", torch.bool)
         self.gamma, self.has_gamma = new_gamma.to(device), new_has.to(device)
         self.step = int(state["step"])
-
-
-def _check(ok: bool, field: str, what: str) -> None:
-    if not ok:
-        raise ValueError(f"{field}: {what}")

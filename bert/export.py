@@ -66,9 +66,9 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     is reported and the previous tried (bert.train_checkpoint.load_latest)."""
     from bert import train_checkpoint
     from bert.checkpoint import CheckpointError
+    from bert.components import build_model_config
     from bert.model import BertForPreTraining
     from bert.train_config import ConfigError, build_config
-    from bert.trainer import build_model_config
 
     path = find_checkpoint(run_dir, checkpoint)
     try:

@@ -13,7 +13,7 @@ so a trainer bug shows up here rather than as a rejected log)::
     log.cache_clear()
     log.init_start()
     log.submission_info()
-    log.hyperparameters(seed=..., global_batch_size=..., ...)   # once, all keyword arguments
+    log.hyperparameters(seed=..., optimizer="lamb", ...)   # once, all keyword arguments
     log.init_stop()
     log.run_start()
     log.epoch_start(0)
@@ -58,6 +58,25 @@ DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 SUBMISSION_STATUSES = ("onprem", "cloud", "research", "preview")  # log values, as in NVIDIA's logs
 BENCHMARK = C.BERT
+
+# optim.name -> its opt_name (MLPerf's own names, mllog.constants LAMB / ADAMW) and the keys of
+# its epsilon, betas, weight decay and poly-decay power. MLPerf names no poly power for AdamW.
+_OPTIMIZER_KEYS = {
+    C.LAMB: (
+        C.OPT_LAMB_EPSILON,
+        C.OPT_LAMB_BETA_1,
+        C.OPT_LAMB_BETA_2,
+        C.OPT_LAMB_WEIGHT_DECAY,
+        C.OPT_LAMB_LR_DECAY_POLY_POWER,
+    ),
+    C.ADAMW: (
+        C.OPT_ADAMW_EPSILON,
+        C.OPT_ADAMW_BETA_1,
+        C.OPT_ADAMW_BETA_2,
+        C.OPT_ADAMW_WEIGHT_DECAY,
+        "opt_learning_rate_decay_poly_power",
+    ),
+}
 
 # The logger's frames between the trainer's call and mllog's caller lookup (public method ->
 # _emit -> MLLogger.event/start/end), so each line's metadata "file"/"lineno" name the
@@ -192,6 +211,7 @@ class MLPerfLogger:
         gradient_accumulation_steps: int,
         max_sequence_length: int,
         max_predictions_per_seq: int,
+        optimizer: str,
         learning_rate: float,
         betas: Sequence[float],
         epsilon: float,
@@ -201,7 +221,9 @@ class MLPerfLogger:
         train_steps: int,
         poly_power: float,
     ) -> None:
-        """Logs the run's hyper-parameters under their MLPerf keys (BERT uses LAMB).
+        """Logs the run's hyper-parameters under their MLPerf keys: ``opt_name`` and the
+        optimizer's own keys (``opt_lamb_*`` or ``opt_adamw_*``) name the optimizer that runs.
+        The closed division trains with LAMB (``bert.train_config`` refuses anything else).
 
         Args:
             seed: the run's base random seed (``seed``).
@@ -210,17 +232,22 @@ class MLPerfLogger:
             gradient_accumulation_steps: forward/backward passes per optimizer step.
             max_sequence_length: longest sequence in tokens (512 for MLPerf data).
             max_predictions_per_seq: masked positions per sequence at most (76).
+            optimizer: ``lamb`` or ``adamw`` (``optim.name``), logged as ``opt_name``.
             learning_rate: peak LR (``opt_base_learning_rate``).
-            betas: LAMB (beta1, beta2).
-            epsilon: LAMB epsilon (``opt_lamb_epsilon`` and ``opt_epsilon``).
-            weight_decay: LAMB weight decay rate.
+            betas: the optimizer's (beta1, beta2).
+            epsilon: its epsilon (``opt_<name>_epsilon`` and ``opt_epsilon``).
+            weight_decay: its weight decay rate.
             warmup_steps: linear warmup length in optimizer steps (logged as both
                 ``opt_learning_rate_warmup_steps`` and ``num_warmup_steps``).
             start_warmup_step: step at which warmup starts (``start_warmup_step``).
             train_steps: steps of the LR schedule (``opt_learning_rate_training_steps``).
-            poly_power: exponent of the polynomial decay.
+            poly_power: exponent of the polynomial decay (an MLPerf key for LAMB only;
+                ``opt_learning_rate_decay_poly_power`` otherwise).
         """
         self._expect("hyperparameters", (_INIT,), once=True)
+        if optimizer not in _OPTIMIZER_KEYS:
+            raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(_OPTIMIZER_KEYS)}")
+        eps_key, beta_1_key, beta_2_key, decay_key, power_key = _OPTIMIZER_KEYS[optimizer]
         beta_1, beta_2 = betas
         values: list[tuple[str, Any]] = [
             (C.SEED, _int(C.SEED, seed)),
@@ -229,20 +256,20 @@ class MLPerfLogger:
             (C.GRADIENT_ACCUMULATION_STEPS, _int(C.GRADIENT_ACCUMULATION_STEPS, gradient_accumulation_steps, least=1)),
             (C.MAX_SEQUENCE_LENGTH, _int(C.MAX_SEQUENCE_LENGTH, max_sequence_length, least=1)),
             ("max_predictions_per_seq", _int("max_predictions_per_seq", max_predictions_per_seq, least=1)),
-            (C.OPT_NAME, C.LAMB),
+            (C.OPT_NAME, optimizer),
             (C.OPT_BASE_LR, _float(C.OPT_BASE_LR, learning_rate)),
-            (C.OPT_LAMB_EPSILON, _float(C.OPT_LAMB_EPSILON, epsilon)),
+            (eps_key, _float(eps_key, epsilon)),
             # The RCP records and the rules' hyper-parameter table name it opt_epsilon;
             # NVIDIA's logs carry both.
             ("opt_epsilon", _float("opt_epsilon", epsilon)),
-            (C.OPT_LAMB_BETA_1, _float(C.OPT_LAMB_BETA_1, beta_1)),
-            (C.OPT_LAMB_BETA_2, _float(C.OPT_LAMB_BETA_2, beta_2)),
-            (C.OPT_LAMB_WEIGHT_DECAY, _float(C.OPT_LAMB_WEIGHT_DECAY, weight_decay)),
+            (beta_1_key, _float(beta_1_key, beta_1)),
+            (beta_2_key, _float(beta_2_key, beta_2)),
+            (decay_key, _float(decay_key, weight_decay)),
             (C.OPT_LR_TRAINING_STEPS, _int(C.OPT_LR_TRAINING_STEPS, train_steps, least=1)),
             (C.OPT_LR_WARMUP_STEPS, _int(C.OPT_LR_WARMUP_STEPS, warmup_steps)),
             (C.NUM_WARMUP_STEPS, _int(C.NUM_WARMUP_STEPS, warmup_steps)),
             (C.START_WARMUP_STEP, _int(C.START_WARMUP_STEP, start_warmup_step)),
-            (C.OPT_LAMB_LR_DECAY_POLY_POWER, _float(C.OPT_LAMB_LR_DECAY_POLY_POWER, poly_power)),
+            (power_key, _float(power_key, poly_power)),
         ]
         for key, value in values:
             self._emit("event", key, value)

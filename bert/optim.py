@@ -32,6 +32,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from bert.train_config import OptimSection
+
 # Normalisation layers: their scale and shift are excluded from weight decay. Every other
 # parameter with fewer than two dimensions (biases) is excluded too.
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
@@ -147,24 +149,17 @@ def apex_lamb_available() -> bool:
     return True
 
 
-def build_optimizer(
-    name: str,
-    model: nn.Module,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-6,
-    weight_decay: float = 0.01,
-    impl: str = "auto",
-) -> torch.optim.Optimizer:
-    """``name``: ``lamb`` or ``adamw``; groups from ``param_groups_for(model, weight_decay)``.
+def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -> torch.optim.Optimizer:
+    """``optim.name``: ``lamb`` or ``adamw``, with ``optim``'s lr, betas, eps and weight decay;
+    groups from ``param_groups_for(model, optim.weight_decay)``.
 
     ``impl`` (LAMB only): ``auto`` = apex's FusedLAMB when ``apex_lamb_available()`` and the
     parameters are on CUDA, else ``Lamb``; ``apex`` = FusedLAMB or an error saying why not;
     ``torch`` = ``Lamb``. FusedLAMB's own global-norm clipping is switched off
     (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.clipping``.
     """
-    _check_hparams(lr, betas, eps, weight_decay)
-    groups = param_groups_for(model, weight_decay)
+    name, lr, betas, eps = optim.name, optim.lr, tuple(optim.betas), optim.eps
+    groups = param_groups_for(model, optim.weight_decay)
     if not groups:
         raise ValueError("model: has no trainable parameters")
     if name == "adamw":

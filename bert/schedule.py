@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from bert.train_config import OptimSection
+
 
 def lr_at(
     step: int,
@@ -51,21 +53,17 @@ def lr_at(
 class PolyWarmupScheduler:
     """Sets ``lr_at(step)`` in every parameter group of ``optimizer``.
 
+    The schedule of ``optim`` (a ``bert.train_config.OptimSection``): peak ``optim.lr``,
+    ``optim.warmup_steps`` from ``optim.start_warmup_step``, decay of power ``optim.poly_power``
+    over ``optim.total_steps`` steps, or over the run's ``max_steps`` when that is unset.
     At construction the groups get the rate of update 0; each ``step()`` (called after an
     applied update) advances the count and sets the next rate. ``state_dict()`` holds only
     the count: the hyper-parameters come from the configuration when a run resumes.
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        base_lr: float,
-        total_steps: int,
-        warmup_steps: int = 0,
-        start_warmup_step: int = 0,
-        power: float = 1.0,
-        end_lr: float = 0.0,
-    ):
+    def __init__(self, optimizer: torch.optim.Optimizer, optim: OptimSection, max_steps: int, end_lr: float = 0.0):
+        base_lr, total_steps, warmup_steps = optim.lr, optim.total_steps or max_steps, optim.warmup_steps
+        start_warmup_step, power = optim.start_warmup_step, optim.poly_power
         _check(math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}")
         _check(
             isinstance(total_steps, int) and total_steps >= 1,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from bert.clipping import AdaGC, clip_global_
+from bert.train_config import AdaGCSection
 
 SHAPES = [(8, 5), (5,), (3, 4, 2), (1,), (16,), (7, 7)]
 
@@ -103,7 +104,7 @@ def test_adagc_matches_reference_across_warmup_and_checkpoint():
     kw = dict(lambda_rel=1.04, beta=0.99, warmup_steps=100, lambda_abs=1.0, eps=1e-6)
     params = _params()
     named = [(f"p{i}", p) for i, p in enumerate(params)]
-    adagc = AdaGC(named, **kw)
+    adagc = AdaGC(named, AdaGCSection(**kw))
     ref = ReferenceAdaGC(len(params), **kw)
     clipped_after_warmup = 0
     for t, grads in _grad_stream(160):
@@ -111,7 +112,7 @@ def test_adagc_matches_reference_across_warmup_and_checkpoint():
             buf = io.BytesIO()
             torch.save(adagc.state_dict(), buf)
             buf.seek(0)
-            adagc = AdaGC(named, **kw)
+            adagc = AdaGC(named, AdaGCSection(**kw))
             adagc.load_state_dict(torch.load(buf))
         _set_grads(params, grads)
         stats = adagc.clip_()
@@ -141,7 +142,7 @@ def test_adagc_matches_reference_across_warmup_and_checkpoint():
 
 def test_adagc_global_norm_on_request_and_bf16():
     params = _params(torch.bfloat16)
-    adagc = AdaGC([(f"p{i}", p) for i, p in enumerate(params)], warmup_steps=1)
+    adagc = AdaGC([(f"p{i}", p) for i, p in enumerate(params)], AdaGCSection(warmup_steps=1))
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
         for p in params:
@@ -154,7 +155,7 @@ def test_adagc_global_norm_on_request_and_bf16():
 
 def test_adagc_non_finite_step_keeps_state():
     params = _params()
-    adagc = AdaGC([(f"p{i}", p) for i, p in enumerate(params)], warmup_steps=2)
+    adagc = AdaGC([(f"p{i}", p) for i, p in enumerate(params)], AdaGCSection(warmup_steps=2))
     for _ in range(3):
         for p in params:
             p.grad = torch.ones(p.shape)
@@ -177,4 +178,4 @@ def test_adagc_state_validation():
     with pytest.raises(ValueError, match="missing key 'gamma'"):
         adagc.load_state_dict({"step": 1, "names": [], "has_gamma": torch.zeros(0)})
     with pytest.raises(ValueError, match="optim.adagc.beta"):
-        AdaGC([("p", params[0])], beta=1.0)
+        AdaGC([("p", params[0])], AdaGCSection(beta=1.0))

@@ -8,6 +8,7 @@ import pytest
 
 import data.hdf5io
 import run_pretraining
+from bert import components
 from bert import trainer as trainer_module
 from bert.mlperf_log import MLPerfLogger
 from bert.train_config import ConfigError, load_config, mlperf_eval_interval
@@ -97,7 +98,7 @@ def test_the_clock_and_the_seed(dataset, tmp_path, monkeypatch):  # noqa: F811 -
         order.append(key)
         return emit(self, kind, key, *args, **kw)
 
-    model_init = trainer_module.BertForPreTraining.__init__
+    model_init = components.BertForPreTraining.__init__
 
     def recording_build(self, *args, **kw):
         order.append("model build")
@@ -116,7 +117,7 @@ def test_the_clock_and_the_seed(dataset, tmp_path, monkeypatch):  # noqa: F811 -
         warm_up(self)
 
     monkeypatch.setattr(MLPerfLogger, "_emit", recording_emit)
-    monkeypatch.setattr(trainer_module.BertForPreTraining, "__init__", recording_build)
+    monkeypatch.setattr(components.BertForPreTraining, "__init__", recording_build)
     monkeypatch.setattr(data.hdf5io, "_open", recording_open)
     monkeypatch.setattr(trainer_module.Trainer, "warm_up", recording_warm_up)
     monkeypatch.setenv(trainer_module.CACHE_CLEARED_ENV, "1")

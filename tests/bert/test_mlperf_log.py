@@ -27,6 +27,7 @@ HPARAMS = dict(
     gradient_accumulation_steps=1,
     max_sequence_length=512,
     max_predictions_per_seq=76,
+    optimizer="lamb",
     learning_rate=4.25e-4,
     betas=(0.9, 0.999),
     epsilon=1e-6,
@@ -175,6 +176,31 @@ def test_lines_carry_samples_and_the_callers_location(tmp_path):
             else e["key"]
         )
         assert f"log.{method}(" in source[e["metadata"]["lineno"] - 1], e
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "adamw"])
+def test_opt_name_and_its_keys_name_the_optimizer_that_runs(tmp_path, optimizer):
+    """opt_name is MLPerf's name of optim.name (mllog.constants LAMB, ADAMW), and the epsilon,
+    betas and weight decay go under that optimizer's keys; the open checker accepts both."""
+    log_path = tmp_path / "mlperf.log"
+    log = MLPerfLogger(log_path, 0, "open", submitter="tests", platform="1xCPU")
+    log.cache_clear()
+    log.init_start()
+    log.submission_info()
+    log.hyperparameters(**{**HPARAMS, "optimizer": optimizer})
+    log.init_stop()
+    log.run_start()
+    log.epoch_start(0)
+    samples, status = train_and_eval(log, 0, [0.5, 0.73])
+    finish_run(log, samples, status)
+    by_key = {e["key"]: e["value"] for e in read_lines(log_path)}
+    assert by_key["opt_name"] == optimizer
+    assert by_key[f"opt_{optimizer}_epsilon"] == HPARAMS["epsilon"]
+    assert (by_key[f"opt_{optimizer}_beta_1"], by_key[f"opt_{optimizer}_beta_2"]) == HPARAMS["betas"]
+    other = {"lamb": "opt_adamw_", "adamw": "opt_lamb_"}[optimizer]
+    assert not [k for k in by_key if k.startswith(other)]
+    rc, messages, output = check(log_path)
+    assert rc == 0 and messages == [], output
 
 
 def test_numpy_numbers_are_written_as_json_numbers(tmp_path):

@@ -12,6 +12,7 @@ from torch import nn
 
 from bert.optim import Lamb, apex_lamb_available, build_optimizer, param_groups_for
 from bert.schedule import PolyWarmupScheduler, lr_at
+from bert.train_config import OptimSection
 
 
 class TinyNet(nn.Module):
@@ -179,20 +180,20 @@ def test_param_groups_on_the_bert_model():
 
 def test_build_optimizer_choices():
     model = TinyNet()
-    opt = build_optimizer("lamb", model, lr=1e-3, weight_decay=0.01)
+    opt = build_optimizer(OptimSection(name="lamb", lr=1e-3, weight_decay=0.01), model)
     assert type(opt) is Lamb and [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
-    opt = build_optimizer("adamw", model, lr=1e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1)
+    opt = build_optimizer(OptimSection(name="adamw", lr=1e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1), model)
     assert isinstance(opt, torch.optim.AdamW)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0] and opt.param_groups[0]["betas"] == (0.8, 0.99)
     with pytest.raises(ValueError, match="optim.name"):
-        build_optimizer("sgd", model, lr=1e-3)
+        build_optimizer(OptimSection(name="sgd", lr=1e-3), model)
     with pytest.raises(ValueError, match="optim.lr"):
-        build_optimizer("lamb", model, lr=-1.0)
+        build_optimizer(OptimSection(name="lamb", lr=-1.0), model)
     with pytest.raises(ValueError, match="optim.betas"):
-        build_optimizer("lamb", model, lr=1e-3, betas=(0.9, 1.0))
+        build_optimizer(OptimSection(name="lamb", lr=1e-3, betas=(0.9, 1.0)), model)
     if not (apex_lamb_available() and torch.cuda.is_available()):
         with pytest.raises(ValueError, match="optim.impl: 'apex'"):
-            build_optimizer("lamb", model, lr=1e-3, impl="apex")
+            build_optimizer(OptimSection(name="lamb", lr=1e-3), model, impl="apex")
 
 
 # ---- schedule -------------------------------------------------------------------------
@@ -220,8 +221,8 @@ def test_lr_hand_computed_values():
 
 def test_scheduler_drives_the_optimizer_and_resumes():
     model = TinyNet()
-    opt = build_optimizer("lamb", model, lr=1.0)
-    sched = PolyWarmupScheduler(opt, base_lr=4.0, total_steps=10, warmup_steps=4)
+    opt = build_optimizer(OptimSection(name="lamb", lr=1.0), model)
+    sched = PolyWarmupScheduler(opt, OptimSection(lr=4.0, warmup_steps=4), max_steps=10)
     seen = []
     for _ in range(6):
         seen.append([g["lr"] for g in opt.param_groups])
@@ -229,11 +230,15 @@ def test_scheduler_drives_the_optimizer_and_resumes():
     assert all(a == b for a, b in seen)  # every group gets the rate
     assert [a for a, _ in seen] == pytest.approx([0.0, 1.0, 2.0, 3.0, 2.4, 2.0])
     state = sched.state_dict()
-    other = PolyWarmupScheduler(build_optimizer("lamb", TinyNet(), lr=1.0), base_lr=4.0, total_steps=10, warmup_steps=4)
+    other = PolyWarmupScheduler(
+        build_optimizer(OptimSection(name="lamb", lr=1.0), TinyNet()),
+        OptimSection(lr=4.0, warmup_steps=4),
+        max_steps=10,
+    )
     other.load_state_dict(state)
     assert other.last_lr == sched.last_lr == pytest.approx(1.6)
     assert all(g["lr"] == pytest.approx(1.6) for g in other.optimizer.param_groups)
     with pytest.raises(ValueError, match="total_steps"):
-        PolyWarmupScheduler(opt, base_lr=1.0, total_steps=0)
+        PolyWarmupScheduler(opt, OptimSection(lr=1.0), max_steps=0)
     with pytest.raises(ValueError, match="warmup_steps"):
-        PolyWarmupScheduler(opt, base_lr=1.0, total_steps=5, warmup_steps=-1)
+        PolyWarmupScheduler(opt, OptimSection(lr=1.0, warmup_steps=-1), max_steps=5)

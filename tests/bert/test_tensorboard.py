@@ -49,7 +49,7 @@ def run_killed_at(dataset, out_dir, step, *extra):  # noqa: F811
     train_step = trainer.train_step
 
     def dying(block):
-        if trainer.step + 1 == step:
+        if trainer.state.step + 1 == step:
             raise Killed
         return train_step(block)
 

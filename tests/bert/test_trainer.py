@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from bert.components import build_eval_loader
 from bert.train_config import load_config
 from bert.trainer import Trainer
 from launch.distributed import init_distributed
@@ -55,7 +56,7 @@ def run_in_process(dataset, out_dir, *extra, stop_after=None):
         step = trainer.train_step
 
         def train_step(block):
-            if trainer.step == stop_after:
+            if trainer.state.step == stop_after:
                 trainer.stop_requested = True  # what the SIGTERM handler does
             return step(block)
 
@@ -85,14 +86,22 @@ def test_run_writes_every_output(dataset, tmp_path):
 @pytest.mark.parametrize("flat", [False, True])
 def test_flat_host_memory_fixes_the_mmap_threshold_only_when_asked(dataset, tmp_path, monkeypatch, flat):
     # The threshold is process-wide and costs CPU throughput (docs/reliability.md): off by default.
-    import bert.trainer
+    import bert.components
 
     calls = []
-    monkeypatch.setattr(bert.trainer, "map_large_allocations", lambda: calls.append(1))
+    monkeypatch.setattr(bert.components, "map_large_allocations", lambda: calls.append(1))
     assert load_config(None, overrides(dataset)).train.flat_host_memory is False
     cfg = load_config(None, overrides(dataset, f"train.flat_host_memory={str(flat).lower()}"))
     Trainer(cfg, str(tmp_path), init_distributed(backend="gloo"))
     assert calls == ([1] if flat else [])
+
+
+def test_the_mlperf_log_names_the_optimizer_that_runs(dataset, tmp_path):
+    run_in_process(dataset, tmp_path, "train.max_steps=1", "optim.name=adamw", "eval.max_samples=8")
+    lines = [json.loads(line.split(" ", 1)[1]) for line in open(tmp_path / "mlperf.log")]
+    logged = {e["key"]: e["value"] for e in lines}
+    assert logged["opt_name"] == "adamw" and logged["opt_adamw_weight_decay"] == 0.01
+    assert not [k for k in logged if k.startswith("opt_lamb_")]
 
 
 def test_eval_at_start_scores_the_initial_weights_and_changes_nothing(dataset, tmp_path):
@@ -103,7 +112,7 @@ def test_eval_at_start_scores_the_initial_weights_and_changes_nothing(dataset, t
     assert records[0]["samples"] == 0 and set(records[0]) == {"step", "samples", "eval_at_start_accuracy"}
     # The same number as evaluating a freshly built model with the same seed.
     fresh = Trainer(load_config(None, overrides(dataset)), str(tmp_path / "fresh"), init_distributed(backend="gloo"))
-    fresh.eval_loader = fresh._eval_loader()
+    fresh.eval_loader = build_eval_loader(fresh.cfg, fresh.rank, fresh.world, fresh.model_config.vocab_size)
     assert records[0]["eval_at_start_accuracy"] == fresh.evaluate()
 
     # Not an MLPerf evaluation: the log has the plain run's eval_accuracy events only.

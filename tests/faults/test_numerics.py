@@ -58,7 +58,7 @@ def test_a_non_finite_gradient_skips_the_update_and_leaves_the_state(dataset, tm
     optimizer_step = trainer.optimizer_step
 
     def watched():
-        step = trainer.step + 1
+        step = trainer.state.step + 1
         before = snapshot(trainer)
         applied, norm = optimizer_step()
         seen[step] = (applied, norm, same(before, snapshot(trainer)))

@@ -1,0 +1,299 @@
+"""The trainer's parts, each built from its configuration section.
+
+One factory per section, called by ``bert.trainer.Trainer`` (and by ``bert.export`` for the
+model's shape): a field added to a section is read here or by the part itself, never
+unpacked on the way. The optimizer (``bert.optim.build_optimizer(cfg.optim, model)``), the
+schedule (``bert.schedule.PolyWarmupScheduler(optimizer, cfg.optim, max_steps)``) and AdaGC
+(``bert.clipping.AdaGC(named_parameters, cfg.optim.adagc)``) take their section themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+
+from bert.clipping import AdaGC
+from bert.collectives import Collectives
+from bert.config import BertConfig
+from bert.metrics import MetricsWriter
+from bert.mlperf_log import MLPerfLogger
+from bert.model import BertForPreTraining
+from bert.train_config import (
+    CLOSED_EVAL_SAMPLES,
+    ConfigError,
+    DataSection,
+    DebugSection,
+    LogSection,
+    ModelSection,
+    OptimSection,
+    RunConfig,
+    TrainSection,
+)
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
+def map_large_allocations() -> None:
+    """Give every allocation of 128 KiB or more its own mapping, returned to the OS when freed
+    (glibc's M_MMAP_THRESHOLD, fixed; nothing where the C library has no ``mallopt``).
+
+    Unpadded batches hold a different number of tokens every step, so every step allocates
+    tensors of new sizes. By default glibc raises its mmap threshold (up to 32 MiB) as such
+    blocks are freed, then serves them from the heap, whose freed pages it keeps: a 2-rank CPU
+    run's resident memory crept up by 5% after its warm-up while Python's heap stayed flat.
+    With the threshold fixed it stays flat (bench/soak.py; docs/reliability.md, "Endurance"),
+    but every step's large tensors then fault in fresh pages: CPU training runs ~1.5x slower,
+    so this is ``train.flat_host_memory``, off by default.
+    """
+    import ctypes
+
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(128 << 10))
+
+
+def build_model_config(cfg: RunConfig) -> BertConfig:
+    """The architecture: model.preset or model.config_file, with model.* overrides; a
+    data.vocab_file (a vocabulary trained with the data) sets the vocabulary size."""
+    m = cfg.model
+    base = BertConfig.from_json(m.config_file) if m.config_file else BertConfig.preset(m.preset)
+    overrides = {
+        k: getattr(m, k)
+        for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "vocab_size")
+        if getattr(m, k) is not None
+    }
+    if m.vocab_size is None and cfg.data.vocab_file:
+        try:
+            with open(cfg.data.vocab_file, encoding="utf-8") as f:
+                overrides["vocab_size"] = sum(1 for line in f if line.strip())
+        except OSError as e:
+            raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from None
+    config = replace(base, **overrides)
+    if cfg.data.max_seq_length > config.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "
+            f"max_position_embeddings ({config.max_position_embeddings})"
+        )
+    return config
+
+
+def build_model(model: ModelSection, config: BertConfig) -> BertForPreTraining:
+    """The model of ``config`` with model.attention (and its options) and model.fused_ops."""
+    options = (
+        {"buckets": model.grouped_buckets, "num_streams": model.grouped_streams}
+        if model.attention == "triton_grouped"
+        else None
+    )
+    return BertForPreTraining(config, attention=model.attention, fused_ops=model.fused_ops, attention_options=options)
+
+
+@torch.no_grad()
+def inject_debug_faults(debug: DebugSection, model: torch.nn.Module, step: int) -> None:
+    """debug.*: before update ``step`` (1-based), multiply chosen gradients, or make one non-finite."""
+    if step in debug.spike_steps:
+        for name, p in model.named_parameters():
+            if p.grad is not None and (not debug.spike_params or any(s in name for s in debug.spike_params)):
+                p.grad.mul_(debug.spike_factor)
+    if step in debug.nonfinite_steps:
+        next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float(debug.nonfinite_value)
+
+
+def build_collator(data: DataSection, device: torch.device, max_batch_size: int):
+    """SampleBlock -> data.layout's batch, by data.backend. DALI collates on this rank's GPU
+    when there is one; torch collates on the CPU and the batch is moved with a non-blocking copy."""
+    from data.collate import make_collator
+
+    device_id = device.index if data.backend == "dali" and device.type == "cuda" else None
+    return make_collator(data.backend, data.layout, data.max_seq_length, device_id, max_batch_size=max_batch_size)
+
+
+def wrap_model(model: torch.nn.Module, section: ModelSection, device: torch.device, coll: Collectives):
+    """(DDP wrapper or None, the module the steps call): DDP when there are several ranks
+    (its parameter broadcast guarded), then torch.compile when model.compile is on."""
+    ddp = None
+    if coll.world_size > 1:
+        with coll.guard("the DDP setup (parameter broadcast)", -1):
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None
+            )
+    forward = ddp or model
+    return ddp, torch.compile(forward) if section.compile else forward
+
+
+def count_nodes(dist_info, coll: Collectives, device: torch.device) -> int:
+    """Nodes in the job (for submission_platform): ranks with local rank 0."""
+    first = torch.tensor([int(dist_info.local_rank == 0)], dtype=torch.int64, device=device)
+    return max(1, int(coll.all_reduce(first, "the node count", 0)))
+
+
+def build_adagc(optim: OptimSection, model: torch.nn.Module) -> AdaGC | None:
+    """AdaGC when optim.clip is adagc; None for global-norm clipping and none (the trainer's
+    optimizer_step clips by norm itself, clip_global_ being stateless)."""
+    return AdaGC(model.named_parameters(), optim.adagc) if optim.clip == "adagc" else None
+
+
+def build_rebalancer(data: DataSection, local_batch: int, timeout_s: float):
+    """The cross-rank rebalancer of data.rebalance; None for data.rebalance=none.
+
+    ``data.rebalance`` sits below ``bert`` (where the config dataclasses live), so its
+    ``Rebalancer`` takes plain values, read from the section here."""
+    if data.rebalance == "none":
+        return None
+    from data.rebalance import Rebalancer
+
+    return Rebalancer(
+        data.rebalance,
+        data.rebalance_cost,
+        batch_size=local_batch,
+        max_len=data.max_seq_length,
+        timeout_s=timeout_s,
+        group_size=data.rebalance_group_size,
+    )
+
+
+def build_mlperf_logger(
+    log: LogSection, output_dir: str, rank: int, nodes: int, device: torch.device, resume: bool
+) -> MLPerfLogger:
+    """OUTPUT_DIR/mlperf.log, written by rank 0; the platform is log.platform or the device."""
+    platform = log.platform or (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    return MLPerfLogger(
+        os.path.join(output_dir, "mlperf.log"),
+        rank,
+        log.division,
+        submitter=log.submitter or "unpadded-bert",  # only the open division may leave it empty
+        platform=f"{nodes}x{platform}",
+        resume=resume,
+    )
+
+
+def build_metrics(log: LogSection, output_dir: str, is_main: bool, resume_step: int | None, config: dict):
+    """OUTPUT_DIR/metrics.jsonl (rank 0), with TensorBoard events when log.tensorboard is on.
+    ``resume_step``: the checkpoint's step on a resume (later records are dropped), else None."""
+    metrics = MetricsWriter(os.path.join(output_dir, "metrics.jsonl"), is_main, resume_step=resume_step)
+    if log.tensorboard and is_main:
+        from bert.tensorboard_sink import TensorBoardSink
+
+        metrics.sinks.append(
+            TensorBoardSink(os.path.join(output_dir, "tensorboard"), config, resume_step, metrics.records)
+        )
+    return metrics
+
+
+def pick_device(train: TrainSection, dist_info) -> torch.device:
+    """train.device: the rank's CUDA device (launch.distributed's pick) or the CPU."""
+    want = train.device
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device: 'cuda' asked for, but CUDA is not available")
+    return dist_info.device if dist_info.device.type == "cuda" else torch.device("cuda", 0)
+
+
+def check_setup(cfg: RunConfig, world: int, device: torch.device, output_dir: str, is_main: bool) -> None:
+    """What the config check cannot see: the number of ranks, the device, the files. Creates
+    OUTPUT_DIR/checkpoints on rank 0; reads nothing of the dataset (MLPerf's clock has not started)."""
+    t = cfg.train
+    if t.global_batch_size % (world * t.grad_accum_steps):
+        raise ConfigError(
+            f"train.global_batch_size: {t.global_batch_size} is not divisible by ranks x "
+            f"train.grad_accum_steps = {world} x {t.grad_accum_steps}"
+        )
+    if t.precision == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision: fp16 needs CUDA (use bf16 or fp32 on the CPU)")
+    for key, path in (("data.train_dir", cfg.data.train_dir), ("data.eval_file", cfg.data.eval_file)):
+        if not path or not os.path.exists(path):  # a stat, not a read: the data stays untouched
+            raise ConfigError(f"{key}: {path!r} does not exist")
+    if is_main:
+        try:
+            os.makedirs(os.path.join(output_dir, "checkpoints"), exist_ok=True)
+            probe = os.path.join(output_dir, ".write-test")
+            open(probe, "w").close()
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"--output-dir: {output_dir!r} is not writable ({e.strerror})") from None
+
+
+def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_size: int, warn):
+    """This rank's share of data.train_dir, shuffled by ``seed``; token ids are checked
+    against ``vocab_size`` as they are read; ``warn`` hears of corrupt samples."""
+    from data.loader import PretrainingLoader
+
+    return PretrainingLoader(
+        cfg.data.train_dir,
+        global_batch_size=cfg.train.global_batch_size,
+        rank=rank,
+        world_size=world,
+        seed=seed,
+        backend=cfg.data.backend,
+        vocab_size=vocab_size,
+        on_corrupt=cfg.data.on_corrupt,
+        warn=warn,
+    )
+
+
+def build_eval_loader(cfg: RunConfig, rank: int, world: int, vocab_size: int):
+    """This rank's share of data.eval_file (eval.max_samples of it, if set)."""
+    from data.loader import EvalLoader
+
+    return EvalLoader(
+        cfg.data.eval_file,
+        rank=rank,
+        world_size=world,
+        batch_size=cfg.eval.batch_size,
+        max_samples=cfg.eval.max_samples,
+        vocab_size=vocab_size,
+        backend=cfg.data.backend,
+    )
+
+
+def check_data(data: DataSection, division: str, train_loader, eval_loader) -> None:
+    """The opened data against the config: the closed division's eval size, and the first
+    training shard's lengths and masked positions against data.* (ConfigError naming both)."""
+    from data.hdf5io import inspect
+
+    if division == "closed" and eval_loader.total_samples != CLOSED_EVAL_SAMPLES:
+        raise ConfigError(
+            f"data.eval_file: the closed division evaluates on exactly {CLOSED_EVAL_SAMPLES:,} "
+            f"samples; {data.eval_file} holds {eval_loader.total_samples:,}"
+        )
+    info = inspect(train_loader.files[0])
+    if info.max_seq_length is not None and info.max_seq_length > data.max_seq_length:
+        raise ConfigError(
+            f"data.max_seq_length: {data.max_seq_length}, but {info.path} holds "
+            f"sequences of up to {info.max_seq_length} tokens"
+        )
+    if info.max_predictions is not None and info.max_predictions > data.max_predictions_per_seq:
+        raise ConfigError(
+            f"data.max_predictions_per_seq: {data.max_predictions_per_seq}, but "
+            f"{info.path} holds up to {info.max_predictions} masked positions per sequence"
+        )
+
+
+def warm_up_blocks(data: DataSection, vocab_size: int, micro_batch: int, cuda: bool) -> list:
+    """Synthetic SampleBlocks for ``Trainer.warm_up``: on a GPU one micro-batch at full length
+    (the allocator's worst case) and one of mixed lengths (the other length buckets'
+    kernels); on a CPU one tiny block."""
+    from data.synthetic import random_block
+
+    seq = data.max_seq_length
+    predictions = min(data.max_predictions_per_seq, max(1, seq // 8))
+    if cuda:
+        return [
+            random_block(
+                micro_batch, seed=0, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab_size, min_len=seq
+            ),
+            random_block(micro_batch, seed=1, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab_size),
+        ]
+    short = min(seq, 16)
+    return [
+        random_block(
+            2,
+            seed=0,
+            max_seq_length=short,
+            max_predictions=min(predictions, 2),
+            vocab_size=vocab_size,
+            min_len=min(8, short),
+        )
+    ]
