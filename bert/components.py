@@ -61,7 +61,13 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
     base = BertConfig.from_json(m.config_file) if m.config_file else BertConfig.preset(m.preset)
     overrides = {
         k: getattr(m, k)
-        for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "vocab_size")
+        for k in (
+            "hidden_dropout_prob",
+            "attention_probs_dropout_prob",
+            "vocab_size",
+            "rope_theta_global",
+            "rope_theta_local",
+        )
         if getattr(m, k) is not None
     }
     if m.vocab_size is None and cfg.data.vocab_file:
@@ -80,13 +86,20 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
 
 
 def build_model(model: ModelSection, config: BertConfig) -> BertForPreTraining:
-    """The model of ``config`` with model.attention (and its options) and model.fused_ops."""
+    """The model of ``config`` with model.attention (and its options), model.fused_ops and
+    model.rotary_kernel."""
     options = (
         {"buckets": model.grouped_buckets, "num_streams": model.grouped_streams}
         if model.attention == "triton_grouped"
         else None
     )
-    return BertForPreTraining(config, attention=model.attention, fused_ops=model.fused_ops, attention_options=options)
+    return BertForPreTraining(
+        config,
+        attention=model.attention,
+        fused_ops=model.fused_ops,
+        attention_options=options,
+        rotary_kernel=model.rotary_kernel,
+    )
 
 
 @torch.no_grad()

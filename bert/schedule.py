@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT).
+"""Learning-rate schedules: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT);
+or warmup-stable-decay (ModernBERT's; ``wsd_lr_at`` at the bottom).
 
 Sits between the optimizer step and the next one: the trainer calls ``scheduler.step()``
 after every optimizer update that was applied (a skipped fp16 step does not advance it), and
@@ -55,7 +56,9 @@ class PolyWarmupScheduler:
 
     The schedule of ``optim`` (a ``bert.train_config.OptimSection``): peak ``optim.lr``,
     ``optim.warmup_steps`` from ``optim.start_warmup_step``, decay of power ``optim.poly_power``
-    over ``optim.total_steps`` steps, or over the run's ``max_steps`` when that is unset.
+    over ``optim.total_steps`` steps, or over the run's ``max_steps`` when that is unset. With
+    ``optim.schedule`` ``wsd`` it is ``wsd_lr_at`` instead: warm-up, constant, and a decay
+    (``optim.decay_shape``) over the last ``optim.decay_steps`` of those steps.
     At construction the groups get the rate of update 0; each ``step()`` (called after an
     applied update) advances the count and sets the next rate. ``state_dict()`` holds only
     the count: the hyper-parameters come from the configuration when a run resumes.
@@ -91,10 +94,27 @@ class PolyWarmupScheduler:
         self.start_warmup_step = start_warmup_step
         self.power = float(power)
         self.end_lr = float(end_lr)
+        self.schedule, self.decay_steps, self.decay_shape = optim.schedule, optim.decay_steps, optim.decay_shape
+        if self.schedule == "wsd":
+            _check(
+                warmup_steps + self.decay_steps <= total_steps,
+                "optim.decay_steps",
+                f"warm-up ({warmup_steps}) and decay ({self.decay_steps}) exceed the {total_steps} steps",
+            )
         self.step_count = 0  # updates applied so far = the 0-based step of the next update
         self._apply()
 
     def lr_at(self, step: int) -> float:
+        if self.schedule == "wsd":
+            return wsd_lr_at(
+                step,
+                base_lr=self.base_lr,
+                total_steps=self.total_steps,
+                warmup_steps=self.warmup_steps,
+                decay_steps=self.decay_steps,
+                decay_shape=self.decay_shape,
+                end_lr=self.end_lr,
+            )
         return lr_at(
             step,
             base_lr=self.base_lr,
@@ -135,8 +155,6 @@ def _check(ok: bool, field: str, what: str) -> None:
 
 
 # ---- warmup-stable-decay ------------------------------------------------------------------------
-
-DECAY_SHAPES = ("linear", "1-sqrt")
 
 
 def wsd_lr_at(

@@ -135,6 +135,10 @@ class ModelSection:
     hidden_dropout_prob: float | None = opt(None, "override the architecture's hidden dropout")
     attention_probs_dropout_prob: float | None = opt(None, "override the architecture's attention dropout")
     vocab_size: int | None = opt(None, "override the architecture's vocabulary size (e.g. a trained vocab)")
+    rope_theta_global: float | None = opt(
+        None, "rotary models: override the global layers' theta (a context-extension phase sets a new one)"
+    )
+    rope_theta_local: float | None = opt(None, "rotary models: override the local (sliding-window) layers' theta")
     compile: bool = opt(False, "wrap the model in torch.compile")
 
     def __post_init__(self):
