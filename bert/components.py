@@ -17,6 +17,7 @@ import torch
 from bert.clipping import AdaGC
 from bert.collectives import Collectives
 from bert.config import BertConfig
+from bert.config import ConfigError as BertConfigError
 from bert.metrics import MetricsWriter
 from bert.mlperf_log import MLPerfLogger
 from bert.model import BertForPreTraining
@@ -76,7 +77,20 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
                 overrides["vocab_size"] = sum(1 for line in f if line.strip())
         except OSError as e:
             raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from None
-    config = replace(base, **overrides)
+    try:
+        config = replace(base, **overrides)
+    except BertConfigError as e:
+        raise ConfigError(f"model: {e}") from None
+    if any(w is not None for w in config.layer_windows) and cfg.data.layout != "packed":
+        # Local layers hand the backend a windowed layout; the packed layout carries the window
+        # in its FlashMask bounds instead.
+        from kernels.interface import PaddedLayout, VarlenLayout
+        from kernels.registry import refusal
+
+        layout = PaddedLayout if cfg.data.layout == "padded" else VarlenLayout
+        reason = refusal(cfg.model.attention, layout, ["window"])
+        if reason:
+            raise ConfigError(f"model.attention: the model has local (sliding-window) layers; {reason}")
     if cfg.data.max_seq_length > config.max_position_embeddings:
         raise ConfigError(
             f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "

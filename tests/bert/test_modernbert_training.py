@@ -5,7 +5,9 @@ from a checkpoint with a new rotary theta and a longer maximum length."""
 import json
 import os
 
-from tests.bert.test_trainer import dataset, losses, run_in_process  # noqa: F401 (dataset is a fixture)
+import pytest
+
+from tests.bert.test_trainer import cli, dataset, losses, overrides, run_in_process  # noqa: F401 (dataset is a fixture)
 
 MODERN = [
     "model.preset=modernbert_tiny",
@@ -57,3 +59,18 @@ def test_context_extension_resumes_with_a_new_theta(dataset, tmp_path):  # noqa:
     assert len(a) == len(b) == 5
     assert a[:3] == b[:3]  # phase 1 is the same run
     assert a[3] != b[3]  # the first resumed step already sees the new theta
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.attention=torch_varlen", "the model has local (sliding-window) layers; model.attention=torch_varlen"),
+        ("model.rope_theta_global=-1", "model: rope_theta_global: must be a positive number"),
+        ("model.preset=modernbert_huge", "model.preset: 'modernbert_huge' is not one of"),
+    ],
+)
+def test_bad_config_is_one_line(dataset, tmp_path, override, message):  # noqa: F811
+    r = cli("--output-dir", str(tmp_path / "out"), *overrides(dataset, *MODERN, "train.max_steps=2", override))
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
