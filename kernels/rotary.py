@@ -23,7 +23,8 @@ kernel loads q and k, RoPE would save one read and one write of q and k (4 x N x
 elements per layer, against attention's N x L x H x D work); but the attention kernels are
 one family shared by varlen, grouped and FlashMask, and a standalone pass keeps rotary out
 of their register budget and lets every backend (reference, padded, flash_attn) see the
-same rotated q and k. The ratio is measured on a GPU by ``bench/rotary.py``.
+same rotated q and k. ``bench/rotary.py`` measures on a GPU the kernel's time, which is
+what the fusion would save at most (not yet run on a GPU).
 
 Shapes: x ``[N, H, D]`` (any strides with a unit last stride, e.g. the q/k views of the
 fused QKV output); ``position_ids [N]`` int; tables ``[P, D/2]`` fp32.
