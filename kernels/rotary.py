@@ -32,9 +32,6 @@ fused QKV output); ``position_ids [N]`` int; tables ``[P, D/2]`` fp32.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -85,21 +82,10 @@ def _kernels(device: torch.device) -> ModuleType:
 
 
 def load_jit(interpret: bool) -> ModuleType:
-    """Execute rotary_jit.py as a fresh module built for the interpreter or for compilation."""
-    name = f"kernels._rotary_jit_{'interpreted' if interpret else 'compiled'}"
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        spec = importlib.util.spec_from_file_location(name, _SOURCE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # Triton resolves helper functions through the module
-        spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return module
+    """rotary_jit.py as a fresh module built for the interpreter or for compilation."""
+    from kernels.runtime import load_source
+
+    return load_source(_SOURCE, "kernels._rotary_jit", interpret)
 
 
 def _launch(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, inverse: bool) -> Tensor:
