@@ -74,3 +74,14 @@ def test_bad_config_is_one_line(dataset, tmp_path, override, message):  # noqa: 
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # torchrun, 2 ranks
+def test_two_ranks_match_one_rank(dataset, tmp_path):  # noqa: F811
+    from tests.bert.test_trainer_distributed import STEPS, launch
+
+    run_in_process(dataset, tmp_path / "one", *STEPS, *MODERN)
+    launch("run_torchrun.sh", 2, tmp_path / "two", dataset, *MODERN, "data.rebalance=balanced")
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(one) == len(two) == 5
+    assert two == pytest.approx(one, rel=1e-5)
