@@ -44,5 +44,10 @@ RUN python -m pip install --no-cache-dir -c /tmp/image-packages.txt -r /tmp/requ
  && (python -c "import flash_attn; print('flash_attn', flash_attn.__version__)" || echo "flash_attn: not installed")
 
 COPY . .
+# The project itself, editable in place (as `make setup` does): its packages import from
+# anywhere and the console entry points (bert-pretrain, bert-prepare, ...) are on PATH.
+# --no-deps: the requirements are settled above; --no-build-isolation: the image's setuptools.
+RUN python -m pip install --no-cache-dir --no-deps --no-build-isolation -e . \
+ && bert-pretrain --help > /dev/null
 
 ENTRYPOINT ["./launch/run_and_time.sh"]

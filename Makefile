@@ -15,7 +15,13 @@ setup: $(VENV)/.installed
 # A container that already has torch (the NGC image) keeps it and its Triton: the venv then
 # sees the system packages and only the missing requirements are installed. Elsewhere the
 # pinned torch is installed (the CPU build on a machine without a GPU).
-$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
+#
+# Then the project itself, editable (`pip install -e .`): the checkout's bert/, data/, kernels/,
+# launch/, bench/ and run_pretraining.py are importable from anywhere (so `python bench/x.py`
+# needs no sys.path edit) and the console entry points (bert-pretrain, bert-prepare, ...) are on
+# the venv's PATH. --no-deps: the requirements above are the pins; --no-build-isolation: build
+# with the venv's setuptools (requirements-dev.txt), nothing downloaded.
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt pyproject.toml
 	@set -e; \
 	if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 	  echo "setup: keeping the installed torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
@@ -29,6 +35,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
 	  $(PY) -m pip install -q -r requirements-torch.txt; \
 	  $(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt; \
 	fi; \
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .; \
 	touch $@
 
 # Everything (unit, multi-process, GPU where there is one, cluster where root); the 20 slowest

@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     from bert.collectives import CollectiveError, announce_exit
     from bert.trainer import Trainer, TrainingError
     from data.rebalance import RebalanceError
+    from kernels.interface import BackendUnavailable
     from launch.distributed import LaunchError, destroy, init_distributed
 
     try:
@@ -66,11 +67,14 @@ def main(argv=None) -> int:
                 f"model: {cfg.model.preset if not cfg.model.config_file else cfg.model.config_file} "
                 f"({sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M parameters, "
                 f"attention {cfg.model.attention})  layout: {cfg.data.layout}  "
-                f"global batch: {cfg.train.global_batch_size}  precision: {cfg.train.precision}",
+                f"global batch: {cfg.train.global_batch_size}  precision: {cfg.train.precision}"
+                + (f", FP8 GEMMs ({cfg.train.fp8})" if cfg.train.fp8 != "off" else ""),
                 flush=True,
             )
         summary = trainer.train()
-    except (ConfigError, CheckpointError, DataError, TrainingError, ValueError) as e:
+    # BackendUnavailable: model.attention cannot run on this machine (e.g. Triton without a GPU
+    # or TRITON_INTERPRET), found when the model is built: a configuration error too.
+    except (ConfigError, BackendUnavailable, CheckpointError, DataError, TrainingError, ValueError) as e:
         print(f"error (rank {info.rank}): {e}", file=sys.stderr, flush=True)
         store = announce_exit(info.rank, info.world_size, str(e))
         return 2

@@ -48,19 +48,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bert.train_config import ConfigError, load_config
+from fileio import publishing, write_text
 
-from bert.metrics import atomic_write_text  # noqa: E402
-from bert.train_config import ConfigError, load_config  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT_CONFIG = REPO / "launch" / "configs" / "cpu_demo.yaml"
 RUNS = ("baseline", "adagc", "simreg", "adagc+simreg")
@@ -450,10 +447,9 @@ def plot(arms: dict[str, list[dict]], target: float, spike_samples: list[int], p
         ax.legend()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with publishing(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def default_target(arms: dict[str, list[dict]]) -> float:
@@ -479,7 +475,7 @@ def report(
     target = default_target(arms) if target is None else target
     rows = arm_rows(arms, target, spike_steps)
     setup = {**setup, "target_accuracy": target}
-    atomic_write_text(out / "ablation.json", json.dumps({"setup": setup, "table": rows, "arms": arms}, indent=1) + "\n")
+    write_text(out / "ablation.json", json.dumps({"setup": setup, "table": rows, "arms": arms}, indent=1) + "\n")
     spike_samples = [s * global_batch for s in spike_steps] if global_batch else []
     plot(arms, target, spike_samples, out / "ablation.png", title)
     print()

@@ -30,12 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
 
-import torch  # noqa: E402
-
-from bench.lengths import LengthSampler, LengthsError  # noqa: E402
+from bench.lengths import LengthSampler, LengthsError
 
 BACKENDS = ("reference", "padded", "torch_varlen", "flash_attn", "triton", "triton_grouped")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -243,11 +240,11 @@ def main(argv=None) -> int:
         ok = all(r["status"] in ("ok", "unavailable") for r in report["results"].values())
     print_table(report)
     if args.json:
-        from bert.metrics import atomic_write_text
+        from fileio import write_text
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(report, indent=1))
+        write_text(path, json.dumps(report, indent=1))
     return 0 if ok else 1
 
 

@@ -25,13 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 # Only light imports at the top: preparation's worker processes re-import this script.
-from data.errors import cli_main  # noqa: E402
-from data.prepare import PrepareConfig, prepare  # noqa: E402
+from data.errors import cli_main
+from data.prepare import PrepareConfig, prepare
+
+REPO = Path(__file__).resolve().parents[1]
 
 GOAL = 10_000  # sequences/s: 10x what one H200 consumes in the MLPerf recipe
 SHARED = REPO.parent / "shared" / "data"

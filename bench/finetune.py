@@ -31,10 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from bert.metrics import atomic_write_text
+from fileio import write_text
 
 
 class FinetuneError(RuntimeError):
@@ -190,7 +187,7 @@ def _main(args) -> int:
     )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        atomic_write_text(
+        write_text(
             args.json,
             json.dumps(
                 {

@@ -38,15 +38,12 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from bench.attention import attention_flops  # noqa: E402
-from bench.lengths import LengthSampler, LengthsError  # noqa: E402
-from data.packing import first_fit_decreasing  # noqa: E402
+from bench.attention import attention_flops
+from bench.lengths import LengthSampler, LengthsError
+from data.packing import first_fit_decreasing
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BACKENDS = ("flashmask", "flex_attention", "sdpa_dense", "triton_varlen")
@@ -352,11 +349,11 @@ def main(argv=None) -> int:
         print_cpu(report)
         ok = report["exact"]
     if args.json:
-        from bert.metrics import atomic_write_text
+        from fileio import write_text
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(report, indent=1))
+        write_text(path, json.dumps(report, indent=1))
     return 0 if ok else 1
 
 

@@ -23,12 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
 
-import torch  # noqa: E402
-
-from bert.metrics import atomic_write_text  # noqa: E402
+from fileio import write_text
 
 
 def _ops(hidden: int, inter: int, dropout: float):
@@ -115,7 +112,7 @@ def main(argv=None) -> int:
             print(f"  {name:28s} {r['status']} (max difference {diff:.2e})")
         report["results"][name] = r
         if args.json:
-            atomic_write_text(Path(args.json), json.dumps(report, indent=1))
+            write_text(Path(args.json), json.dumps(report, indent=1))
     return 0 if ok else 1
 
 

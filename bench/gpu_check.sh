@@ -19,6 +19,8 @@
 #   fused_ops        bench/fused_ops.py: bias+GELU, bias+dropout+residual+LayerNorm vs eager -> fused_ops.json
 #   train_step       bench/train_step.py, 30 steps: BERT-large seq/s and MFU, unpadded +
 #                    triton_grouped + fused, padded, packed (FlashMask), others -> train_step.json
+#   fp8              bench/fp8.py: FFN-in bias+GELU eager / Triton / GEMM epilogue, the encoder's
+#                    GEMMs bf16 vs FP8, BERT-large train steps bf16 vs FP8 (seq/s) -> fp8.json
 # and summary.json with every stage's exit status and seconds. Installs nothing and needs no
 # network; a missing optional package (flash_attn, h5py, pytest) is reported and skipped.
 # Environment: PYTHON (default python3), DATA_DIR (lengths for the benchmarks; default the
@@ -121,8 +123,9 @@ EOF
 if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     PARALLEL=()  # Triton compiles each kernel variant on one core: spread the tests over 4 workers
     if "$PYTHON" -c "import xdist" >/dev/null 2>&1; then PARALLEL=(-n 4); else echo "pytest-xdist not installed: tests run serially"; fi
-    run_stage gpu_tests 90 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py -m gpu -q -rs \
-        -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=80
+    run_stage gpu_tests 75 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py \
+        tests/kernels/test_gemm_epilogue.py tests/bert/test_fp8.py -m gpu -q -rs \
+        -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=70
     # The peer suite's default subset (flash-attention's error rule) on the compiled kernels.
     run_stage peer_tests 40 "$PYTHON" -m pytest tests/kernels/test_attention_peer.py -q -rs -p no:cacheprovider \
         ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/peer_tests.xml" -o timeout=35
@@ -150,8 +153,12 @@ run_stage flashmask 45 "$PYTHON" bench/flashmask.py --json "$OUT/flashmask.json"
 run_stage fused_ops 20 "$PYTHON" bench/fused_ops.py --json "$OUT/fused_ops.json"
 
 # --- BERT-large training steps ---------------------------------------------------------------
-run_stage train_step 140 "$PYTHON" bench/train_step.py --steps 30 --json "$OUT/train_step.json" \
+run_stage train_step 115 "$PYTHON" bench/train_step.py --steps 30 --json "$OUT/train_step.json" \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
+
+# --- FP8 and the FFN-in's bias+GELU in the GEMM epilogue -------------------------------------
+# After train_step, so that the Triton kernels BERT-large's steps use are in Triton's cache.
+run_stage fp8 40 "$PYTHON" bench/fp8.py --json "$OUT/fp8.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
 # --- summary ---------------------------------------------------------------------------------
 {

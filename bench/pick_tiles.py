@@ -16,10 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from bert.metrics import atomic_write_text  # noqa: E402
+from fileio import write_text
 
 PRESETS = ("default", "small")
 
@@ -61,7 +58,7 @@ def main(argv=None) -> int:
                 f"faster = {r['faster']} (KERNELS_ATTENTION_TILES={r['faster']})"
             )
     if args.json:
-        atomic_write_text(Path(args.json), json.dumps(result, indent=1))
+        write_text(Path(args.json), json.dumps(result, indent=1))
     return 0
 
 

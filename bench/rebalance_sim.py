@@ -4,7 +4,8 @@ For each world size W and strategy (none / stripe / balanced / balanced/g8) it d
 ``--steps`` global batches of W x B sequence lengths, computes the plan with
 ``data.rebalance_plan`` (timed, one core) and reports, as medians over the steps:
 
-- imbalance: max rank cost / mean rank cost after the strategy (cost c(L) = a*L + b*L^2);
+- imbalance: max rank cost / mean rank cost after the strategy (cost c(L) = a*L + b*L^2
+  + b_local*L*min(L, window), ``data.rebalance_plan.Cost``);
 - moved/rank: samples that change rank, per rank;
 - bytes/rank: bytes one rank receives per step, the most loaded rank (max over ranks).
   ``none`` exchanges nothing. ``stripe`` is counted the way the MLPerf submissions move
@@ -20,10 +21,18 @@ For each world size W and strategy (none / stripe / balanced / balanced/g8) it d
   and its assign_ms from ``plan_for_rank`` of a few ranks.
 
 Lengths come from a prepared data directory (``--data-dir``: MLPerf's fixed HDF5 layout,
-lengths = sum of input_mask per row; or the varlength layout, lengths of input_ids) or from
-the built-in MLPerf-like distribution (``mlperf_like_lengths``).
+lengths = sum of input_mask per row; or the varlength layout, lengths of input_ids), from
+the built-in MLPerf-like distribution (``mlperf_like_lengths``, the default), or, for long
+context, from WikiText-2's articles (``--lengths wikitext2``: the shipped token counts of its
+122 articles, ``bench.article_lengths``, cut at ``--context`` as ``data.prepare --objective
+mlm`` cuts documents; 30% of the tokens masked, as ModernBERT trains). ``--model`` picks the
+FLOP-derived cost of BERT-large (MLPerf's) or ModernBERT-base (global and sliding-window
+layers, ``MODERNBERT_BASE_COST``); ``--cost`` gives measured coefficients instead
+(``python -m bench.fit_cost`` prints them).
 
     python -m bench.rebalance_sim [--data-dir DIR] [--json FILE] [--png FILE]
+    python -m bench.rebalance_sim --lengths wikitext2 --context 8192 --model modernbert-base \
+        --world-sizes 8 64 512 --batch 16
 """
 
 from __future__ import annotations
@@ -34,17 +43,36 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, STRATEGIES, assign, plan_for_rank  # noqa: E402
+from bench.article_lengths import load as load_article_lengths
+from bench.article_lengths import sequence_lengths
+from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, STRATEGIES, Cost, assign, check_cost, plan_for_rank
+from fileio import publishing, write_text
 
 MAX_PREDICTIONS = 76  # MLPerf: max_predictions_per_seq
 MASKED_LM_PROB = 0.15
+LONG_MASKED_LM_PROB = 0.3  # ModernBERT's training masking rate
+
+
+def _modernbert_base_cost() -> Cost:
+    """ModernBERT-base's FLOPs per sequence of L tokens, divided by its linear part.
+
+    22 layers of hidden h = 768, GeGLU MLP of I = 1152, global attention in every 3rd layer
+    (0, 3, ..., 21: 8 global, 14 local) and a window of 128 in the others. Per token and
+    layer: projections QKV + out 8 h^2, MLP 2 h (2 I) + 2 I h = 6 h I; attention scores plus
+    the weighted sum 4 h per key seen: L keys in a global layer, about min(L, 128) in a local
+    one. Forward and backward scale all three alike, so c(L) / (22 (8 h^2 + 6 h I)) gives
+    a = 1, b = 8 * 4h / (22 (8 h^2 + 6 h I)), b_local = 14 * 4h / (...) -- attention of the
+    global layers alone equals the linear work at L of about 9,000."""
+    h, i, layers, global_layers = 768, 1152, 22, 8
+    linear = layers * (8 * h * h + 6 * h * i)
+    return Cost(1.0, global_layers * 4 * h / linear, (layers - global_layers) * 4 * h / linear, 128)
+
+
+MODERNBERT_BASE_COST = _modernbert_base_cost()
+MODEL_COSTS = {"bert-large": DEFAULT_COST, "modernbert-base": MODERNBERT_BASE_COST}
 
 
 def mlperf_like_lengths(rng: np.random.Generator, n: int, max_len: int = 512) -> np.ndarray:
@@ -183,12 +211,6 @@ def print_table(records: list[dict]) -> None:
         )
 
 
-def write_atomic(path: str, write) -> None:
-    tmp = f"{path}.tmp{os.getpid()}{os.path.splitext(path)[1]}"
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def plot(records: list[dict], path: str) -> None:
     import matplotlib
 
@@ -212,7 +234,8 @@ def plot(records: list[dict], path: str) -> None:
     )
     ax2.legend()
     fig.tight_layout()
-    write_atomic(path, lambda p: fig.savefig(p, dpi=100))
+    with publishing(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
 
 
@@ -224,12 +247,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps to take the median over")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--lengths",
+        choices=("mlperf", "wikitext2"),
+        default="mlperf",
+        help="without --data-dir: the built-in MLPerf-like distribution, or WikiText-2's articles cut at --context",
+    )
+    ap.add_argument("--context", type=int, default=8192, help="--lengths wikitext2: the context length")
+    ap.add_argument("--model", choices=tuple(MODEL_COSTS), default="bert-large", help="the FLOP-derived cost to use")
+    ap.add_argument(
         "--cost",
         type=float,
-        nargs=2,
-        metavar=("A", "B"),
-        default=list(DEFAULT_COST),
-        help="c(L) = A*L + B*L^2 (default: BERT-large FLOPs)",
+        nargs="+",
+        metavar="X",
+        help="A B [B_LOCAL WINDOW]: c(L) = A*L + B*L^2 + B_LOCAL*L*min(L, WINDOW), instead of --model's",
     )
     ap.add_argument("--group-size", type=int, default=8, help="ranks per group for the hierarchical variant")
     ap.add_argument("--json", help="write one record per (world size, strategy, group size)")
@@ -243,10 +273,27 @@ def main(argv=None) -> int:
     ):
         if v < 1:
             ap.error(f"{name} must be >= 1")
+    try:
+        cost = MODEL_COSTS[args.model] if args.cost is None else check_cost(args.cost)
+    except ValueError as e:
+        ap.error(f"--cost: {e}")
 
     if args.data_dir:
         pool_L, pool_m = lengths_from_dir(args.data_dir)
         source = f"{args.data_dir} ({len(pool_L):,} samples, mean length {pool_L.mean():.1f})"
+
+        def draw(rng, n):
+            i = rng.integers(0, len(pool_L), n)
+            return pool_L[i], pool_m[i]
+    elif args.lengths == "wikitext2":
+        if args.context < 3:
+            ap.error("--context must be >= 3")
+        pool_L = sequence_lengths(load_article_lengths(), args.context)
+        pool_m = np.maximum(1, np.rint(pool_L * LONG_MASKED_LM_PROB)).astype(np.int64)
+        source = (
+            f"WikiText-2 articles cut at {args.context} ({len(pool_L)} sequences, mean length {pool_L.mean():.0f}, "
+            f"{(pool_L == args.context).mean():.0%} full)"
+        )
 
         def draw(rng, n):
             i = rng.integers(0, len(pool_L), n)
@@ -258,20 +305,14 @@ def main(argv=None) -> int:
             L = mlperf_like_lengths(rng, n)
             return L, masked_counts(L)
 
-    print(
-        f"lengths: {source}; B = {args.batch} per rank; cost a={args.cost[0]:g} b={args.cost[1]:.4g}; "
-        f"median over {args.steps} steps"
-    )
-    records = simulate(args.world_sizes, args.batch, args.steps, args.seed, tuple(args.cost), draw, args.group_size)
+    terms = f"a={cost.a:g} b={cost.b:.4g}"
+    if cost.b_local:
+        terms += f" b_local={cost.b_local:.4g} window={cost.window}"
+    print(f"lengths: {source}; B = {args.batch} per rank; cost {terms}; median over {args.steps} steps")
+    records = simulate(args.world_sizes, args.batch, args.steps, args.seed, cost, draw, args.group_size)
     print_table(records)
     if args.json:
-
-        def write_json(p):
-            with open(p, "w") as f:
-                json.dump(records, f, indent=1)
-                f.write("\n")
-
-        write_atomic(args.json, write_json)
+        write_text(args.json, json.dumps(records, indent=1) + "\n")
     if args.png:
         plot(records, args.png)
     return 0

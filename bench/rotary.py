@@ -23,12 +23,9 @@ import statistics
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
 
-import torch  # noqa: E402
-
-from bert.metrics import atomic_write_text  # noqa: E402
+from fileio import write_text
 
 
 def _inputs(tokens: int, heads: int, head_dim: int, dtype, device, seed: int = 0):
@@ -100,7 +97,7 @@ def main(argv=None) -> int:
             f"torch {times['torch']:.3f} ms, ratio {report['ratio']:.2f}x, {report['triton_gb_per_s']:.0f} GB/s"
         )
     if args.json:
-        atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_text(Path(args.json), json.dumps(report, indent=2) + "\n")
     return 0
 
 

@@ -44,8 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from fileio import publish, write_text
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,7 +129,7 @@ def write_data(directory: Path, shards: int, per_shard: int, seq_len: int, vocab
     write_shards(train, [per_shard] * shards, seed, max_seq_length=seq_len, max_predictions=20, vocab_size=vocab)
     (path,) = write_shards(evaldir, [512], seed + 1, max_seq_length=seq_len, max_predictions=20, vocab_size=vocab)
     eval_file = evaldir / "part_eval_10k.hdf5"
-    path.rename(eval_file)
+    publish(path, eval_file)
     return str(train), str(eval_file)
 
 
@@ -372,9 +371,7 @@ def soak(args) -> tuple[list[RankReport], dict]:
         reports = report(samples, args.ranks, warmup, last_step)
         result["reports"] = [vars(r) for r in reports]
     finally:  # the samples are kept even when there are too few to judge
-        tmp = out / "soak.json.tmp"
-        tmp.write_text(json.dumps(result) + "\n")
-        tmp.replace(out / "soak.json")
+        write_text(out / "soak.json", json.dumps(result) + "\n")
     return reports, result
 
 

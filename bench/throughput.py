@@ -48,17 +48,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
+from bert.config import PRESETS, BertConfig
+from fileio import publishing, write_text
+from kernels.interface import BackendUnavailable
+from kernels.registry import backend_names, get_backend
+
 REPO = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from bert.config import PRESETS, BertConfig  # noqa: E402
-from bert.metrics import atomic_write_text  # noqa: E402
-from kernels.interface import BackendUnavailable  # noqa: E402
-from kernels.registry import backend_names, get_backend  # noqa: E402
 
 GOAL_VS_LIMIT = 0.9  # unpadded / padded >= 0.9 x padding limit
 GOAL_VS_HF = 8.0  # unpadded >= 8 x transformers
@@ -406,10 +404,9 @@ def plot(res: dict, path: Path, title: str) -> None:
         ax.legend()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with publishing(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 # ---- CLI --------------------------------------------------------------------------------
@@ -555,7 +552,7 @@ def _main(args) -> int:
                 print(f"\nprofile of one step: {v.name}\n{profile(v, device, args.precision)}")
     out = Path(args.json) if args.json else REPO / "results" / "throughput.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(res, indent=1) + "\n")
+    write_text(out, json.dumps(res, indent=1) + "\n")
     png = Path(args.png) if args.png else out.with_suffix(".png")
     title = (
         f"{device} {args.precision}: {config.num_hidden_layers}x{config.hidden_size} BERT, batch "

@@ -32,14 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bench.lengths import LengthSampler, LengthsError  # noqa: E402
+from bench.lengths import LengthSampler, LengthsError
 
 DEFAULT_VARIANTS = (
     "unpadded:triton_grouped+fused",
@@ -124,7 +121,9 @@ def model_flops(config, batch) -> float:
     return 3.0 * (encoder + head)
 
 
-def run_variant(variant, config, batches, args, device):
+def run_variant(variant, config, batches, args, device, fp8: str = "off"):
+    """Median seconds of one training step; ``fp8``: ``train.fp8`` (bench/fp8.py compares them)."""
+    from bert.fp8 import convert_encoder
     from bert.model import BertForPreTraining
     from bert.optim import build_optimizer
     from bert.train_config import OptimSection
@@ -133,6 +132,7 @@ def run_variant(variant, config, batches, args, device):
     backend, fused, layout = parse_variant(variant)
     with torch.device(device):
         model = BertForPreTraining(config, attention=backend, fused_ops=fused)
+    convert_encoder(model, fp8, device=device)
     model.train()
     optimizer = build_optimizer(OptimSection(name=args.optimizer, lr=4.25e-4), model)
     convert = {"padded": lambda b: pad(b, 512), "packed": to_packed, "unpadded": lambda b: b}[layout]
@@ -173,10 +173,10 @@ def run_variant(variant, config, batches, args, device):
 
 def write_report(report: dict, path: str | None) -> None:
     if path:
-        from bert.metrics import atomic_write_text
+        from fileio import write_text
 
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(Path(path), json.dumps(report, indent=1))
+        write_text(Path(path), json.dumps(report, indent=1))
 
 
 def main(argv=None) -> int:

@@ -27,8 +27,6 @@ import json
 import os
 import pickle
 import re
-import shutil
-import tempfile
 import zipfile
 
 import torch
@@ -42,6 +40,7 @@ from bert.tf_checkpoint import (
     is_tf_checkpoint,
     read_tf_checkpoint,
 )
+from fileio import publishing_dir
 
 __all__ = [
     "CheckpointError",
@@ -421,25 +420,16 @@ def export_hf(model, directory: str) -> None:
     directory appears complete or not at all."""
     from safetensors.torch import save_file
 
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
+    with publishing_dir(directory) as tmp:
         if model.config.is_bert:
             model.config.to_json(os.path.join(tmp, "config.json"), transformers=True)
             tied = set(_ALIASES)
         else:
             from bert import modernbert_hf
 
-            with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:  # the directory is renamed whole
+            with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:  # the directory is published whole
                 json.dump(modernbert_hf.config_to_hf(model.config), f, indent=2, sort_keys=True)
             tied = {"decoder.weight"}
         # safetensors stores each tensor once: drop the tied copies, as transformers does.
         tensors = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items() if k not in tied}
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        if os.path.exists(directory):
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

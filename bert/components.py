@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import torch
 
+from bert import fp8
 from bert.clipping import AdaGC
 from bert.collectives import Collectives
 from bert.config import BertConfig
@@ -99,21 +100,28 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
     return config
 
 
-def build_model(model: ModelSection, config: BertConfig) -> BertForPreTraining:
-    """The model of ``config`` with model.attention (and its options), model.fused_ops and
-    model.rotary_kernel."""
+def build_model(
+    model: ModelSection, config: BertConfig, train: TrainSection | None = None, device: torch.device | None = None
+) -> BertForPreTraining:
+    """The model of ``config`` with model.attention (and its options), model.fused_ops,
+    model.bias_gelu and model.rotary_kernel; with ``train``, its encoder's linear layers in
+    train.fp8 (bert.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs)."""
     options = (
         {"buckets": model.grouped_buckets, "num_streams": model.grouped_streams}
         if model.attention == "triton_grouped"
         else None
     )
-    return BertForPreTraining(
+    built = BertForPreTraining(
         config,
         attention=model.attention,
         fused_ops=model.fused_ops,
         attention_options=options,
+        bias_gelu=model.bias_gelu,
         rotary_kernel=model.rotary_kernel,
     )
+    if train is not None:
+        fp8.convert_encoder(built, train.fp8, train.fp8_impl, device)
+    return built
 
 
 @torch.no_grad()
@@ -172,7 +180,7 @@ def build_rebalancer(data: DataSection, local_batch: int, timeout_s: float):
 
     return Rebalancer(
         data.rebalance,
-        data.rebalance_cost,
+        data.rebalance_cost_tuple,
         batch_size=local_batch,
         max_len=data.max_seq_length,
         timeout_s=timeout_s,

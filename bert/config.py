@@ -22,8 +22,9 @@ Presets:
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field, fields, replace
+
+from fileio import write_text
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 NORM_PLACEMENTS = ("post", "pre")
@@ -254,11 +255,7 @@ class BertConfig:
 
     def to_json(self, path: str, transformers: bool = False) -> None:
         """Write ``bert_config.json`` (BERT's) or, with ``transformers=True``, ``config.json``."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(transformers), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_text(path, json.dumps(self.to_dict(transformers), indent=2, sort_keys=True) + "\n")
 
 
 def _modernbert(**shape) -> BertConfig:

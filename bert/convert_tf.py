@@ -15,18 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, to_hf_state_dict  # noqa: E402
-from bert.config import BertConfig, ConfigError  # noqa: E402
-from bert.model import BertForPreTraining  # noqa: E402
-from bert.tf_checkpoint import TFCheckpointError, google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint  # noqa: E402
+from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, to_hf_state_dict
+from bert.config import BertConfig, ConfigError
+from bert.model import BertForPreTraining
+from bert.tf_checkpoint import TFCheckpointError, google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
+from fileio import publishing
 
 
 def convert(prefix: str, config: BertConfig) -> tuple[BertForPreTraining, list[str]]:
@@ -48,17 +44,10 @@ def convert(prefix: str, config: BertConfig) -> tuple[BertForPreTraining, list[s
 
 def save_pt(model: BertForPreTraining, path: str) -> None:
     """NVIDIA's MLPerf layout ({"model": transformers names}), written under a temporary name."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     state = {k: v.detach().clone().contiguous() for k, v in to_hf_state_dict(model).items()}
-    fd, tmp = tempfile.mkstemp(prefix=".convert-", suffix=".pt", dir=parent)
-    os.close(fd)
-    try:
+    with publishing(path) as tmp:
         torch.save({"model": state}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def main(argv=None) -> int:

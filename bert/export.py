@@ -22,10 +22,8 @@ import json
 import os
 import shutil
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from fileio import publishing_dir
 
 SPECIAL_TOKENS = {
     "unk_token": "[UNK]",
@@ -149,16 +147,9 @@ def export_run(run_dir: str, output: str, checkpoint: str | None = None, vocab_f
 
     model, vocab, max_length, path = load_run_model(run_dir, checkpoint, vocab_file)
     output = os.path.abspath(output)
-    staging = f"{output}.tmp-export{os.getpid()}"
-    try:
-        export_hf(model, staging)
-        write_tokenizer_files(staging, vocab, max_length)
-        if os.path.exists(output):
-            shutil.rmtree(output)
-        os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with publishing_dir(output) as staging:
+        export_hf(model, str(staging))
+        write_tokenizer_files(str(staging), vocab, max_length)
     return path
 
 

@@ -22,21 +22,25 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bert.config import BertConfig
+from bert.config import ACTIVATIONS, BertConfig, ConfigError
+from bert.fp8 import matmul
+from kernels.gemm_epilogue import linear_bias_gelu
+
+BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU implementations
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# hidden_act -> the function; the names are bert.config.ACTIVATIONS.
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu, "silu": F.silu}
 
 
 def activation(name: str):
-    """The activation ``name`` (one of bert.config.ACTIVATIONS, checked when the config is built)."""
-    table = {
-        "gelu": F.gelu,
-        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-        "relu": F.relu,
-        "silu": F.silu,
-    }
-    if name not in table:
-        raise ValueError(f"hidden_act: unknown activation {name!r}; choose one of {sorted(table)}")
-    return table[name]
+    if name not in _ACTIVATIONS:  # BertConfig refuses it first; a config built around it lands here
+        raise ConfigError(f"hidden_act: {name!r} is not one of {ACTIVATIONS}")
+    return _ACTIVATIONS[name]
 
 
 def make_norm(config: BertConfig) -> nn.Module:
@@ -100,7 +104,7 @@ class EncoderLayer(nn.Module):
     ``window``: None for global attention, else the layer attends within |i - j| <= window // 2
     of the same sequence (the layout passed to ``forward`` carries it to the backend)."""
 
-    def __init__(self, config: BertConfig, index: int, attention_fn, fused_ops: bool):
+    def __init__(self, config: BertConfig, index: int, attention_fn, fused_ops: bool, bias_gelu: str = "eager"):
         super().__init__()
         c, i = config.hidden_size, config.intermediate_size
         self.num_heads = config.num_attention_heads
@@ -120,6 +124,7 @@ class EncoderLayer(nn.Module):
         self.act = activation(config.hidden_act)
         self.attention_fn = attention_fn
         self.fused_ops = fused_ops
+        self.bias_gelu = bias_gelu
 
     def forward(self, x_NC: Tensor, layout, position_ids: Tensor, rotary: Rotary | None) -> Tensor:
         if self.pre_norm:
@@ -131,8 +136,10 @@ class EncoderLayer(nn.Module):
             return x_NC + F.dropout(self.ffn_out(self._mlp(self.ffn_norm(x_NC))), self.hidden_dropout, self.training)
         a_NC = self._attention(x_NC, layout, position_ids, rotary)
         x_NC = self._residual_norm(a_NC, self.attn_out, x_NC, self.attn_norm)
-        if self.fused_ops:
-            h_NI = _fused().bias_gelu(F.linear(x_NC, self.ffn_in.weight), self.ffn_in.bias)
+        if self.bias_gelu == "triton":
+            h_NI = _fused().bias_gelu(matmul(self.ffn_in, x_NC), self.ffn_in.bias)
+        elif self.bias_gelu == "epilogue":
+            h_NI = linear_bias_gelu(x_NC, self.ffn_in.weight, self.ffn_in.bias)
         else:
             h_NI = self._mlp(x_NC)
         return self._residual_norm(h_NI, self.ffn_out, x_NC, self.ffn_norm)
@@ -155,7 +162,7 @@ class EncoderLayer(nn.Module):
         """LayerNorm(residual + dropout(proj(h)))."""
         if self.fused_ops:
             return _fused().bias_dropout_add_layer_norm(
-                F.linear(h, proj.weight),
+                matmul(proj, h),
                 proj.bias,
                 residual,
                 norm.weight,

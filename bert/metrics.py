@@ -12,14 +12,7 @@ import os
 import sys
 import time
 
-
-def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+from fileio import publishing, write_text
 
 
 class MetricsWriter:
@@ -39,7 +32,7 @@ class MetricsWriter:
                         break
                     if rec.get("step", 0) <= resume_step:
                         self.records.append(rec)
-            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
+            write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
         elif os.path.exists(path):
             os.remove(path)
 
@@ -125,10 +118,9 @@ def plot_curves(records: list[dict], path: str) -> None:
     ax2.set_ylabel("masked-LM accuracy (eval)")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=100)
+    with publishing(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 class SpikeCounter:

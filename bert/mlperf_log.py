@@ -58,6 +58,8 @@ DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 SUBMISSION_STATUSES = ("onprem", "cloud", "research", "preview")  # log values, as in NVIDIA's logs
 BENCHMARK = C.BERT
+# The values the rules accept for lowest_numerical_precision_in_* that this trainer can produce.
+PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")
 
 # optim.name -> its opt_name (MLPerf's own names, mllog.constants LAMB / ADAMW) and the keys of
 # its epsilon, betas, weight decay and poly-decay power. MLPerf names no poly power for AdamW.
@@ -271,6 +273,22 @@ class MLPerfLogger:
             (C.START_WARMUP_STEP, _int(C.START_WARMUP_STEP, start_warmup_step)),
             (power_key, _float(power_key, poly_power)),
         ]
+        for key, value in values:
+            self._emit("event", key, value)
+
+    def precision(self, *, linear: str, attention: str) -> None:
+        """Logs the lowest numerical precision of the linear layers' and attention's math.
+
+        The keys (``lowest_numerical_precision_in_linear`` / ``_in_attn``) are in the mllog
+        constants and the rules from training 6.0; ruleset 5.0.0's checker passes keys it does
+        not know, so BERT's logs carry them too. Values: MLPerf's names (``fp8``,
+        ``bfloat16``, ``fp16``, ``fp32``).
+        """
+        values = ((C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, linear), (C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, attention))
+        for key, value in values:  # checked before anything is written: a refused call logs nothing
+            if value not in PRECISIONS:
+                raise ValueError(f"MLPerf log: {key} must be one of {list(PRECISIONS)}, got {value!r}")
+        self._expect("precision", (_INIT,), once=True)
         for key, value in values:
             self._emit("event", key, value)
 

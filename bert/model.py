@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bert.config import BertConfig
-from bert.layers import Embeddings, EncoderLayer, Rotary, activation, init_weights, make_norm
+from bert.layers import BIAS_GELU, Embeddings, EncoderLayer, Rotary, activation, init_weights, make_norm
 from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
 from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
 from kernels.registry import get_backend
@@ -68,8 +68,11 @@ class BertForPreTraining(nn.Module):
     ``attention`` names the backend (``kernels.registry.backend_names()``) and
     ``attention_options`` are its settings, if it takes any; ``fused_ops`` switches the
     bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on (post-norm BERT only);
-    ``rotary_kernel`` chooses how rotary positions are applied: ``torch`` (the PyTorch
-    reference) or ``triton`` (``kernels.rotary``).
+    ``bias_gelu`` picks the FFN-in's bias+GELU alone: ``eager``, ``triton`` (the fused kernel)
+    or ``epilogue`` (in the GEMM, ``kernels.gemm_epilogue``); ``auto`` is ``triton`` with
+    ``fused_ops``, else ``eager`` (a gated MLP is always eager); ``rotary_kernel`` chooses how
+    rotary positions are applied: ``torch`` (the PyTorch reference) or ``triton``
+    (``kernels.rotary``).
     """
 
     def __init__(
@@ -78,11 +81,21 @@ class BertForPreTraining(nn.Module):
         attention: str = "reference",
         fused_ops: bool = False,
         attention_options: dict | None = None,
+        bias_gelu: str = "auto",
         rotary_kernel: str = "torch",
     ):
         super().__init__()
         self.config = config
         self.attention = attention
+        if bias_gelu == "auto":
+            bias_gelu = "triton" if fused_ops and config.mlp == "dense" else "eager"
+        if bias_gelu not in BIAS_GELU:
+            raise ValueError(f"model.bias_gelu: {bias_gelu!r} is not one of {['auto', *BIAS_GELU]}")
+        if bias_gelu != "eager" and (config.hidden_act != "gelu" or config.mlp != "dense" or not config.mlp_bias):
+            raise ValueError(
+                f"model.bias_gelu: {bias_gelu} implements bias + erf GELU of a dense MLP, not "
+                f"hidden_act={config.hidden_act!r}, mlp={config.mlp!r}, mlp_bias={config.mlp_bias}"
+            )
         if fused_ops:
             if config.hidden_act != "gelu":
                 raise ValueError(f"model.fused_ops: the fused kernels implement erf GELU, not {config.hidden_act!r}")
@@ -95,7 +108,7 @@ class BertForPreTraining(nn.Module):
         c = config.hidden_size
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(
-            EncoderLayer(config, i, attention_fn, fused_ops) for i in range(config.num_hidden_layers)
+            EncoderLayer(config, i, attention_fn, fused_ops, bias_gelu) for i in range(config.num_hidden_layers)
         )
         self.final_norm = make_norm(config) if config.norm_placement == "pre" else None
         self.rotary = Rotary(config, rotary_kernel) if config.position_embedding == "rotary" else None

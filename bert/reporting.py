@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 
+from bert import fp8
 from bert.clipping import ClipStats
-from bert.metrics import MetricsWriter, Progress, atomic_write_text, plot_curves, spike_score, summary_table
+from bert.metrics import MetricsWriter, Progress, plot_curves, spike_score, summary_table
 from bert.mlperf_log import MLPerfLogger
 from bert.train_checkpoint import list_checkpoints
 from bert.train_config import CheckpointSection, RunConfig
 from bert.train_state import TrainState
+from fileio import write_text
 
 # The rebalancer's numbers a step record carries (data.rebalance.ExchangeStats fields).
 REBALANCE_FIELDS = (
@@ -51,6 +53,7 @@ def log_hyperparameters(mllog: MLPerfLogger, cfg: RunConfig, seed: int, micro_ba
         train_steps=o.total_steps or t.max_steps,
         poly_power=o.poly_power,
     )
+    mllog.precision(linear=fp8.mlperf_precision(t.fp8, t.precision), attention=fp8.mlperf_precision("off", t.precision))
 
 
 def step_record(
@@ -169,7 +172,7 @@ def interrupted(state: TrainState, saved: bool, error: str | None, progress: Pro
 
 def publish_summary(summary: dict, output_dir: str, metrics: MetricsWriter, progress: Progress, plot: bool) -> None:
     """Rank 0: OUTPUT_DIR/summary.json, curves.png (log.plot) and the table on stdout."""
-    atomic_write_text(os.path.join(output_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
+    write_text(os.path.join(output_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
     if plot:
         plot_curves(metrics.records, os.path.join(output_dir, "curves.png"))
     progress.message("\nsummary\n" + summary_table(summary))

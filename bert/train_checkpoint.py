@@ -44,6 +44,7 @@ from collections.abc import Callable
 import torch
 
 from bert.checkpoint import CheckpointError, plain_data_problem, safe_torch_load
+from fileio import publish
 
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
 _TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
@@ -113,14 +114,6 @@ def _trailer(sha_hex: str, size: int) -> bytes:
     return _TRAILER_PREFIX + sha_hex.encode() + b" size=" + f"{size:016d}".encode() + b"\n"
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(directory: str, step: int, state: dict, keep: int) -> str:
     """Write ``state`` as the checkpoint of ``step`` and keep the newest ``keep``; returns its path.
 
@@ -152,11 +145,9 @@ def write(directory: str, step: int, state, keep: int) -> str:
         view = memoryview(trailer)
         while view:
             view = view[os.write(fd, view) :]
-        os.fsync(fd)
         os.close(fd)
         fd = -1
-        os.replace(tmp, path)
-        _fsync_dir(directory)
+        publish(tmp, path)
     except OSError as e:
         if fd >= 0:
             os.close(fd)

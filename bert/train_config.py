@@ -22,6 +22,12 @@ import yaml
 
 from bert.config import PRESETS, BertConfig
 from bert.config import ConfigError as BertConfigError
+from data.rebalance_plan import check_cost
+from kernels import registry
+from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
+
+# data.layout -> the attention layout the model builds from such a batch.
+ATTENTION_LAYOUTS = {"unpadded": VarlenLayout, "padded": PaddedLayout, "packed": PackedLayout}
 
 
 class ConfigError(ValueError):
@@ -120,8 +126,11 @@ class ModelSection:
     config_file: str | None = opt(None, "bert_config.json or transformers config.json; overrides preset")
     attention: str = opt(
         "reference",
-        "attention backend: reference, padded, triton, triton_grouped, "
-        "flash_attn, torch_varlen (unpadded layout); flashmask (packed layout)",
+        "attention backend (kernels.registry): "
+        + "; ".join(
+            f"{', '.join(registry.backends_for(lay))} ({kind} layout)" for kind, lay in ATTENTION_LAYOUTS.items()
+        ),
+        tuple(registry.backend_names()),
     )
     grouped_buckets: list[int] = opt(
         [128, 256, 384, 512],
@@ -129,6 +138,13 @@ class ModelSection:
     )
     grouped_streams: int = opt(4, "triton_grouped: CUDA streams the groups are spread over")
     fused_ops: bool = opt(False, "fused Triton bias+GELU and bias+dropout+residual+LayerNorm (post-norm BERT)")
+    bias_gelu: str = opt(
+        "auto",
+        "the FFN-in's bias+GELU: eager (GEMM with bias, then GELU), triton (GEMM, then the fused "
+        "Triton kernel), epilogue (in the GEMM: cuBLASLt's GELU epilogue, tanh GELU on CUDA; "
+        "docs/fp8.md); auto: triton with model.fused_ops, else eager",
+        ("auto", "eager", "triton", "epilogue"),
+    )
     rotary_kernel: str = opt(
         "torch", "rotary models: apply RoPE with the PyTorch reference or the Triton kernel", ("torch", "triton")
     )
@@ -153,8 +169,8 @@ class DataSection:
         "unpadded",
         "batch layout fed to the model: unpadded (flat tokens, cu_seqlens), padded "
         "([B, max_seq_length], the baseline) or packed (rows of max_seq_length holding "
-        "several whole sequences; needs model.attention flashmask or reference)",
-        ("unpadded", "padded", "packed"),
+        "several whole sequences); model.attention names a backend that takes it",
+        tuple(ATTENTION_LAYOUTS),
     )
     backend: str = opt("torch", "loader backend", ("torch", "dali"))
     max_seq_length: int = opt(512, "sequence length of the data; the padded layout pads to it")
@@ -170,6 +186,11 @@ class DataSection:
         ("none", "stripe", "balanced"),
     )
     rebalance_cost: tuple[float, float] = opt((1.0, 1.0 / 6144), "(a, b) of the per-sample cost a*L + b*L^2")
+    rebalance_cost_local: tuple[float, int] = opt(
+        (0.0, 0),
+        "(b_local, window): the sliding-window layers' term b_local*L*min(L, window) of the cost "
+        "(python -m bench.fit_cost fits it with a and b; (0, 0): no local layers)",
+    )
     rebalance_group_size: int | None = opt(
         None, "hierarchical rebalancing in groups of this many ranks (e.g. GPUs per node, for thousands of ranks)"
     )
@@ -185,6 +206,17 @@ class DataSection:
         _check("data", self)
         _positive("data.max_seq_length", self.max_seq_length)
         _positive("data.max_predictions_per_seq", self.max_predictions_per_seq)
+        try:
+            check_cost(self.rebalance_cost_tuple)
+        except ValueError as e:
+            raise ConfigError(
+                f"data.rebalance_cost / data.rebalance_cost_local: {str(e).removeprefix('cost: ')}"
+            ) from None
+
+    @property
+    def rebalance_cost_tuple(self) -> tuple:
+        """(a, b, b_local, window): ``data.rebalance_plan.Cost``'s fields, from both config keys."""
+        return (*self.rebalance_cost, *self.rebalance_cost_local)
 
 
 @dataclass
@@ -202,6 +234,13 @@ class TrainSection:
     precision: str = opt(
         "fp32", "fp32; bf16 autocast (CPU, CUDA); fp16 with a gradient scaler (CUDA)", ("fp32", "bf16", "fp16")
     )
+    fp8: str = opt(
+        "off",
+        "FP8 GEMMs with dynamic scaling in the encoder's linear layers (QKV, attention output, "
+        "FFN in and out), one scale per tensor or per row (docs/fp8.md)",
+        ("off", "tensorwise", "rowwise"),
+    )
+    fp8_impl: str = opt("torchao", "what runs train.fp8: torchao's float8 training", ("torchao",))
     device: str = opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
     log_interval_steps: int = opt(10, "steps between progress lines and metrics.jsonl records")
     max_nonfinite_steps: int = opt(10, "consecutive non-finite losses before the run stops")
@@ -439,10 +478,7 @@ def check_closed_division(cfg: RunConfig) -> None:
             f"model.vocab_size: {why} keeps BERT-large's {PRESETS['large'].vocab_size}, got {m.vocab_size}"
         )
     if m.config_file:
-        try:
-            shape = BertConfig.from_json(m.config_file)
-        except (BertConfigError, OSError) as e:
-            raise ConfigError(f"model.config_file: {e}") from None
+        shape = read_model_config_file(m.config_file)
         large = PRESETS["large"]
         for name in (
             "vocab_size",
@@ -484,17 +520,36 @@ def check_closed_division(cfg: RunConfig) -> None:
             raise ConfigError(f"debug.{name}: {why} trains without injected faults; leave it empty")
 
 
+def read_model_config_file(path: str) -> BertConfig:
+    """model.config_file's architecture; ConfigError naming the file and the field it gets wrong
+    (an unknown hidden_act, for instance), so a bad file is found when the config is checked."""
+    try:
+        return BertConfig.from_json(path)
+    except (BertConfigError, OSError) as e:
+        message = str(e) if str(e).startswith(path) else f"{path}: {e}"
+        raise ConfigError(f"model.config_file: {message}") from None
+
+
 def check_cross_fields(cfg: RunConfig) -> None:
     """Constraints between sections (raised before any work)."""
+    if cfg.model.config_file:
+        read_model_config_file(cfg.model.config_file)
     layout, attention = cfg.data.layout, cfg.model.attention
-    if layout == "packed" and attention not in ("flashmask", "reference"):
-        raise ConfigError(f"model.attention: {attention!r} cannot run data.layout=packed; use flashmask (or reference)")
-    if attention == "flashmask" and layout != "packed":
-        raise ConfigError(f"model.attention: flashmask needs data.layout=packed, got {layout!r}")
+    takes = registry.layouts_of(attention)
+    if ATTENTION_LAYOUTS[layout] not in takes:  # whether the machine can run it is checked when it is built
+        need = " or ".join(kind for kind, lay in ATTENTION_LAYOUTS.items() if lay in takes)
+        raise ConfigError(
+            f"model.attention: {attention} needs data.layout={need}, got {layout!r}; data.layout={layout} runs "
+            f"with {', '.join(registry.backends_for(ATTENTION_LAYOUTS[layout]))}"
+        )
     if cfg.loss.simreg_weight > 0 and layout == "padded":
         raise ConfigError("loss.simreg_weight: SimReg runs on the unpadded and packed layouts, not padded")
     if layout == "packed" and cfg.data.backend != "torch":
         raise ConfigError("data.backend: the packed layout collates with 'torch' only")
+    if cfg.train.fp8 != "off" and cfg.model.bias_gelu == "epilogue":
+        raise ConfigError(
+            "model.bias_gelu: epilogue is a bf16/fp32 GEMM; with train.fp8 the FFN-in GEMM is FP8 (use triton or eager)"
+        )
     if cfg.log.division == "closed":
         check_closed_division(cfg)
 

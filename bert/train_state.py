@@ -6,9 +6,9 @@ field names are the keys, so checkpoints of earlier code resume), and restored f
 ``TrainState.from_counters``, which refuses a value of the wrong kind.
 
 ``to_checkpoint`` assembles a checkpoint from the run's parts and ``restore`` loads one back
-into them; ``find_checkpoint`` finds the newest checkpoint every rank agrees on and
-``resolve_seed`` the run's seed. ``check_fits`` (in ``restore``) refuses, before anything is
-loaded, a checkpoint whose tensors do not fit
+into them (``resume``: or the next older one that fits); ``find_checkpoint`` finds the
+newest checkpoint every rank agrees on and ``resolve_seed`` the run's seed. ``check_fits``
+(in ``restore``) refuses, before anything is loaded, a checkpoint whose tensors do not fit
 this run's model and optimizer: ``load_state_dict`` would copy other dtypes silently, and a
 moment of the wrong shape would only fail at the next step.
 """

@@ -110,7 +110,7 @@ class Trainer:
             components.map_large_allocations()
         self.model_config = components.build_model_config(cfg)
         torch.manual_seed(self.state.seed)  # same initial weights on every rank
-        self.model = components.build_model(cfg.model, self.model_config)
+        self.model = components.build_model(cfg.model, self.model_config, t, self.device)
         if cfg.checkpoint.init:
             load_pretrained(self.model, cfg.checkpoint.init)
         self.model.to(self.device)

@@ -20,11 +20,10 @@ import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
 
-from data.errors import DataError, cli_main  # noqa: E402
-from data.hdf5io import ALL_LAYOUTS, PACKED, inspect, list_files, read_file, write_file  # noqa: E402
+from data.errors import DataError, cli_main
+from data.hdf5io import ALL_LAYOUTS, PACKED, id_dtype, inspect, list_files, read_file, write_file
 
 
 def convert_file(
@@ -48,8 +47,11 @@ def convert_file(
         )
     if to == PACKED and s is None:
         raise DataError(f"{src}: the file does not record max_seq_length; pass --max-seq-length (the pack length)")
+    if to == "fixed" and id_dtype(info.vocab_size) is not np.int16:
+        raise DataError(f"{src}: a vocabulary of {info.vocab_size} entries does not fit the fixed layout's int16 ids")
     block = read_file(src, vocab_size=vocab_size)
-    write_file(dst, block, to, s, p)
+    # A masked-LM-only file stays one (write_file refuses it for the fixed layout, which needs labels).
+    write_file(dst, block, to, s, p, next_sentence=info.next_sentence, vocab_size=info.vocab_size)
     return len(block)
 
 

@@ -14,6 +14,8 @@ import os
 import re
 import sys
 
+from fileio import write_text
+
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 _UNDERLINE = re.compile(r"^\s*([*=\-~^])\1{2,}\s*$")
 
@@ -34,10 +36,7 @@ def write_corpus(path: str) -> int:
 
     docs = [topic_sentences(topics[name]) for name in sorted(topics)]
     docs = [d for d in docs if len(d) >= 2]
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n\n".join("\n".join(d) for d in docs) + "\n")
-    os.replace(tmp, path)
+    write_text(path, "\n\n".join("\n".join(d) for d in docs) + "\n")
     return len(docs)
 
 

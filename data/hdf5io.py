@@ -20,6 +20,13 @@ Packed layout (NVIDIA's packed MLPerf data; ``python -m data.convert --to packed
     SampleBlock holds the sequences, pack after pack, and "sample k" / ``num_samples`` count
     sequences, so loaders treat the file like the other layouts (and pack again per step).
 
+Masked-LM-only files (``data.prepare --objective mlm``; varlength or packed) have no
+    next_sentence_labels key and carry the attribute ``next_sentence = 0`` instead (a file
+    without the key and without that attribute is refused as before); readers give nsp
+    labels 0 and ``FileInfo.next_sentence`` False. Files written with a vocabulary larger
+    than int16 holds (attribute ``vocab_size`` > 32768, e.g. ModernBERT's 50,368) store
+    input_ids and masked_lm_ids as int32; readers check ids against that attribute.
+
 Readers return ``data.samples.SampleBlock``. Every check names the file and, for values, the
 first bad sample (its row in the file): keys, dtypes, shapes, token ids inside the
 vocabulary, the input_mask prefix, segment ids and labels in range, masked positions
@@ -30,9 +37,8 @@ content (no timestamps).
 
 from __future__ import annotations
 
-import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import h5py
@@ -40,6 +46,7 @@ import numpy as np
 
 from data.errors import DataError
 from data.samples import SampleBlock, _offsets
+from fileio import publish
 
 FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 VARLENGTH_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -82,6 +89,8 @@ class FileInfo:
     max_seq_length: int | None  # S of the fixed layout (or the varlength / packed file's attribute)
     max_predictions: int | None
     num_packs: int | None = None  # rows of a packed file
+    next_sentence: bool = True  # False: a masked-LM-only file (no next_sentence_labels; labels read as 0)
+    vocab_size: int | None = None  # the file's vocab_size attribute, when written with one
 
 
 def _fail(path, msg: str):
@@ -108,11 +117,25 @@ def _layout_of(path, f: h5py.File) -> str:
     if "packed_input_len" in keys:
         layout = PACKED
     for key in {"fixed": FIXED_KEYS, "varlength": VARLENGTH_KEYS, PACKED: PACKED_KEYS}[layout]:
+        if key == "next_sentence_labels" and layout != "fixed" and not _has_nsp(path, f):
+            continue
         if key not in keys:
             _fail(path, f"missing key {key!r} ({layout} layout)")
         if not isinstance(f[key], h5py.Dataset):
             _fail(path, f"{key!r} is not a dataset")
     return layout
+
+
+def _has_nsp(path, f: h5py.File) -> bool:
+    """False for a masked-LM-only file: attribute next_sentence = 0 (and no labels key)."""
+    value = f.attrs.get("next_sentence")
+    if value is None:
+        return True
+    if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.integer) or int(value) not in (0, 1):
+        _fail(path, f"attribute next_sentence is {value!r}, expected 0 or 1")
+    if not value and "next_sentence_labels" in f:
+        _fail(path, "attribute next_sentence is 0 but the file has next_sentence_labels")
+    return bool(value)
 
 
 def _check_int_dtype(path, key: str, dtype: np.dtype, expected) -> None:
@@ -134,8 +157,14 @@ def _info(path, f: h5py.File) -> FileInfo:
 
 def _read_info(path, f: h5py.File) -> FileInfo:
     layout = _layout_of(path, f)
+    extra = {"vocab_size": _int_attr(path, f, "vocab_size")}
+    if layout != "fixed":
+        extra["next_sentence"] = _has_nsp(path, f)
     if layout == PACKED:
-        return _packed_info(path, f)
+        return replace(_packed_info(path, f), **extra)
+    if not extra.get("next_sentence", True):
+        n = f["input_ids"].shape[0]
+        return replace(_varlength_info(path, f, n), **extra)
     nsp = f["next_sentence_labels"]
     _check_int_dtype(path, "next_sentence_labels", nsp.dtype, np.int8)
     if not (nsp.ndim == 1 or (nsp.ndim == 2 and nsp.shape[1] == 1)):
@@ -157,6 +186,10 @@ def _read_info(path, f: h5py.File) -> FileInfo:
             if ds.shape != want:
                 _fail(path, f"{key} has shape {ds.shape}, expected {want}")
         return FileInfo(str(path), layout, n, s, p)
+    return replace(_varlength_info(path, f, n), **extra)
+
+
+def _varlength_info(path, f: h5py.File, n: int) -> FileInfo:
     for key in VARLENGTH_KEYS[:-1]:
         ds = f[key]
         base = h5py.check_vlen_dtype(ds.dtype)
@@ -166,7 +199,7 @@ def _read_info(path, f: h5py.File) -> FileInfo:
         if ds.shape != (n,):
             _fail(path, f"{key} has shape {ds.shape}, expected ({n},)")
     s, p = (_int_attr(path, f, name) for name in ("max_seq_length", "max_predictions"))
-    return FileInfo(str(path), layout, n, s, p)
+    return FileInfo(str(path), "varlength", n, s, p)
 
 
 def _int_attr(path, f: h5py.File, name: str) -> int | None:
@@ -180,7 +213,7 @@ def _int_attr(path, f: h5py.File, name: str) -> int | None:
 
 def _packed_info(path, f: h5py.File) -> FileInfo:
     r = None
-    for key in PACKED_KEYS:
+    for key in (k for k in PACKED_KEYS if k in f):  # next_sentence_labels may be absent (_has_nsp)
         ds = f[key]
         base = h5py.check_vlen_dtype(ds.dtype)
         if base is None:
@@ -211,11 +244,16 @@ def read_file(path, vocab_size: int | None = None, start: int = 0, stop: int | N
 
 
 def _read_range(path, f: h5py.File, info: FileInfo, vocab_size: int | None, start: int, stop: int) -> SampleBlock:
+    if vocab_size is None:
+        vocab_size = info.vocab_size
     if info.layout == PACKED:
         return _read_packed(path, f, info, vocab_size, start, stop)
     keys = FIXED_KEYS if info.layout == "fixed" else VARLENGTH_KEYS
+    if not info.next_sentence:
+        keys = keys[:-1]
     try:
         arrays = {k: f[k][start:stop] for k in keys}
+        arrays.setdefault("next_sentence_labels", np.zeros(stop - start, np.int8))
     except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         rows = f"sample {start}" if stop - start == 1 else f"samples {start}..{stop - 1}"
@@ -384,7 +422,10 @@ def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size: int | None, sta
         seq_off = _offsets(per_pack)  # [R+1]
         p0 = max(int(np.searchsorted(seq_off, start, side="right")) - 1, 0)
         p1 = max(int(np.searchsorted(seq_off, stop, side="left")), p0)
-        arrays = {k: f[k][p0:p1] for k in PACKED_KEYS}
+        arrays = {k: f[k][p0:p1] for k in PACKED_KEYS if info.next_sentence or k != "next_sentence_labels"}
+        if not info.next_sentence:  # masked-LM only: a label 0 per sequence
+            seqs = per_pack[p0:p1]
+            arrays["next_sentence_labels"] = _split(np.zeros(int(seqs.sum()), np.int8), seqs, np.int8)
     except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         _fail(path, f"cannot read sample data (truncated or corrupt?) in samples {start}..{stop - 1}: {text}")
@@ -583,7 +624,7 @@ class _AtomicFile:
         try:
             self.f.close()
             if exc_type is None:
-                os.replace(self.tmp, self.path)
+                publish(self.tmp, self.path)
         except OSError as e:
             self.tmp.unlink(missing_ok=True)
             raise DataError(f"{self.path}: cannot write ({e.strerror or e})") from None
@@ -618,10 +659,41 @@ def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
+def _write_vlen(ds, pieces: np.ndarray) -> None:
+    """Write an (n,) object array of 1-D arrays into an (n,) variable-length dataset. h5py
+    turns pieces that all have the same length into one 2-D array, which does not fit the
+    dataset (e.g. every sample with the same masked count), so those are written one by one."""
+    if len(pieces) > 1 and len({len(p) for p in pieces}) == 1:
+        for i, piece in enumerate(pieces):
+            ds[i] = piece
+    else:
+        ds[...] = pieces
+
+
+def id_dtype(vocab_size: int | None) -> type:
+    """How token ids are stored: MLPerf's int16, or int32 for a vocabulary int16 cannot index."""
+    return np.int32 if vocab_size is not None and vocab_size > np.iinfo(np.int16).max + 1 else np.int16
+
+
+def _write_extras(f: h5py.File, next_sentence: bool, vocab_size: int | None) -> None:
+    """The attributes of a masked-LM-only file and of one written with its vocabulary's size."""
+    if not next_sentence:
+        f.attrs["next_sentence"] = np.int8(0)
+    if vocab_size is not None:
+        f.attrs["vocab_size"] = np.int32(vocab_size)
+
+
 def write_varlength(
-    path, block: SampleBlock, max_seq_length: int | None = None, max_predictions: int | None = None
+    path,
+    block: SampleBlock,
+    max_seq_length: int | None = None,
+    max_predictions: int | None = None,
+    *,
+    next_sentence: bool = True,
+    vocab_size: int | None = None,
 ) -> None:
-    """Write ``block`` in MLPerf's variable-length layout."""
+    """Write ``block`` in MLPerf's variable-length layout (``next_sentence=False``: masked-LM
+    only, without next_sentence_labels; ``vocab_size`` is recorded and sets the id dtype)."""
     n = len(block)
     lens = block.seq_lens.astype(np.int64)
     counts = block.masked_counts.astype(np.int64)
@@ -629,26 +701,38 @@ def write_varlength(
         if limit is not None and n and int(values.max()) > limit:
             r = int(np.argmax(values))
             raise DataError(f"{path}: sample {r} has {int(values[r])} {what}, more than {limit}")
+    ids = id_dtype(vocab_size)
     with _AtomicFile(path) as f:
         for key, flat, cnt, dtype in (
-            ("input_ids", block.input_ids, lens, np.int16),
+            ("input_ids", block.input_ids, lens, ids),
             ("segment_ids", block.segment_ids, lens, np.int8),
             ("masked_lm_positions", block.masked_positions, counts, np.int16),
-            ("masked_lm_ids", block.masked_ids, counts, np.int16),
+            ("masked_lm_ids", block.masked_ids, counts, ids),
         ):
             ds = f.create_dataset(key, (n,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
             if n:
-                ds[...] = _split(flat, cnt, dtype)
-        _dataset(f, "next_sentence_labels", block.nsp_labels.astype(np.int8))
+                _write_vlen(ds, _split(flat, cnt, dtype))
+        if next_sentence:
+            _dataset(f, "next_sentence_labels", block.nsp_labels.astype(np.int8))
+        _write_extras(f, next_sentence, vocab_size)
         if max_seq_length is not None:
             f.attrs["max_seq_length"] = np.int32(max_seq_length)
         if max_predictions is not None:
             f.attrs["max_predictions"] = np.int32(max_predictions)
 
 
-def write_packed(path, block: SampleBlock, max_seq_length: int, max_predictions: int | None = None) -> None:
+def write_packed(
+    path,
+    block: SampleBlock,
+    max_seq_length: int,
+    max_predictions: int | None = None,
+    *,
+    next_sentence: bool = True,
+    vocab_size: int | None = None,
+) -> None:
     """Write ``block`` in the packed layout: its sequences packed first-fit decreasing into
-    packs of at most ``max_seq_length`` tokens (``data.packing``), pack after pack."""
+    packs of at most ``max_seq_length`` tokens (``data.packing``), pack after pack
+    (``next_sentence`` and ``vocab_size`` as for ``write_varlength``)."""
     from data.packing import first_fit_decreasing
 
     counts = block.masked_counts.astype(np.int64)
@@ -668,6 +752,7 @@ def write_packed(path, block: SampleBlock, max_seq_length: int, max_predictions:
     tokens_per_pack = np.bincount(pack_of_seq, weights=lens, minlength=num_packs).astype(np.int64)
     slots_per_pack = np.bincount(pack_of_seq, weights=counts, minlength=num_packs).astype(np.int64)
     positions = packed.masked_positions.astype(np.int64) + np.repeat(offset[order], counts)  # within the pack
+    dtypes = {**PACKED_DTYPES, "input_ids": id_dtype(vocab_size), "masked_lm_ids": id_dtype(vocab_size)}
     with _AtomicFile(path) as f:
         for key, flat, cnt in (
             ("input_ids", packed.input_ids, tokens_per_pack),
@@ -678,32 +763,41 @@ def write_packed(path, block: SampleBlock, max_seq_length: int, max_predictions:
             ("packed_masked_lm_len", counts, seqs_per_pack),
             ("next_sentence_labels", packed.nsp_labels, seqs_per_pack),
         ):
-            dtype = PACKED_DTYPES[key]
+            if key == "next_sentence_labels" and not next_sentence:
+                continue
+            dtype = dtypes[key]
             ds = f.create_dataset(key, (num_packs,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
             if num_packs:
-                ds[...] = _split(np.asarray(flat), cnt, dtype)
+                _write_vlen(ds, _split(np.asarray(flat), cnt, dtype))
         f.attrs["max_seq_length"] = np.int32(max_seq_length)
         if max_predictions is not None:
             f.attrs["max_predictions"] = np.int32(max_predictions)
+        _write_extras(f, next_sentence, vocab_size)
 
 
-def write_file(path, block: SampleBlock, layout: str, max_seq_length: int, max_predictions: int) -> None:
+def write_file(
+    path,
+    block: SampleBlock,
+    layout: str,
+    max_seq_length: int,
+    max_predictions: int,
+    *,
+    next_sentence: bool = True,
+    vocab_size: int | None = None,
+) -> None:
+    """Write ``block`` in ``layout``; ``next_sentence`` / ``vocab_size`` as for ``write_varlength``
+    (the fixed layout always holds labels, and ids as int16: ``vocab_size`` is not recorded there)."""
+    extras = {"next_sentence": next_sentence, "vocab_size": vocab_size}
     if layout == "fixed":
+        if not next_sentence:
+            raise DataError(f"{path}: the fixed layout needs next_sentence_labels (write varlength or packed)")
         write_fixed(path, block, max_seq_length, max_predictions)
     elif layout == "varlength":
-        write_varlength(path, block, max_seq_length, max_predictions)
+        write_varlength(path, block, max_seq_length, max_predictions, **extras)
     elif layout == PACKED:
-        write_packed(path, block, max_seq_length, max_predictions)
+        write_packed(path, block, max_seq_length, max_predictions, **extras)
     else:
         raise DataError(f"--format {layout!r}: expected one of {', '.join(ALL_LAYOUTS)}")
-
-
-def md5sum(path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as fh:
-        for piece in iter(lambda: fh.read(1 << 22), b""):
-            h.update(piece)
-    return h.hexdigest()
 
 
 def list_files(path_or_files) -> list[Path]:

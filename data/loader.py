@@ -196,6 +196,8 @@ class PretrainingLoader:
     prefetch: read the next shard in a background thread (False: read when needed).
     prefetch_files: how many shards to read ahead (default: one per lane of this rank).
     vocab_size: token ids are checked against it (default: from the dataset's manifest).
+    ``next_sentence`` (after construction): False for masked-LM-only shards, whose batches carry
+        nsp labels 0 (``data.prepare --objective mlm``); every file must agree.
     on_corrupt: ``fail`` (raise on a corrupt sample) or ``skip`` (replace and count it; see the
         module docstring). warn: called with a one-line message for each corrupt file (skip).
     """
@@ -245,9 +247,11 @@ class PretrainingLoader:
         self.vocab_size = vocab_size
         sizes = []
         readable = []
+        infos = []
         for f in self.files:
             try:
-                sizes.append(inspect(f).num_samples)
+                infos.append(inspect(f))
+                sizes.append(infos[-1].num_samples)
                 readable.append(f)
             except DataError as e:
                 if on_corrupt == "fail":
@@ -255,6 +259,13 @@ class PretrainingLoader:
                 self._warn(f"{e}; leaving the file out (data.on_corrupt=skip)")
         if not readable:
             raise DataError(f"{self.files[0].parent}: none of the {len(self.files)} training files can be read")
+        # Masked-LM-only files (no next_sentence_labels) read with nsp labels 0; a mix would
+        # train the NSP head on invented labels for some samples, so it is refused.
+        self.next_sentence = infos[0].next_sentence
+        odd = next((i for i in infos if i.next_sentence != self.next_sentence), None)
+        if odd is not None:
+            kinds = {True: "has next_sentence_labels", False: "is masked-LM only (no next_sentence_labels)"}
+            raise DataError(f"{odd.path}: {kinds[odd.next_sentence]}, but {infos[0].path} {kinds[self.next_sentence]}")
         self.files = readable
         self.sizes = np.array(sizes, dtype=np.int64)
         if int(self.sizes.sum()) < global_batch_size:

@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import argparse
 import array
-import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -52,19 +50,17 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from data.errors import DataError, cli_main  # noqa: E402
-from data.hdf5io import (  # noqa: E402
+from data.errors import DataError, cli_main
+from data.hdf5io import (
     FIXED_KEYS,
     from_fixed_arrays,
     write_fixed_arrays,
     write_varlength,
 )
-from data.reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file  # noqa: E402
-from data.samples import SampleBlock, _offsets  # noqa: E402
-from data.verify import published_list, read_checksums, verify  # noqa: E402
+from data.reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file
+from data.samples import SampleBlock, _offsets
+from data.verify import published_list, read_checksums, verify
+from fileio import is_temporary, md5sum, publishing, publishing_dir, write_text
 
 SHUFFLE_SEED = 24  # the reference shuffle's fixed seed
 EVAL_ALL, EVAL_FILE = "eval_all.hdf5", "part_eval_10k.hdf5"
@@ -337,12 +333,9 @@ def _scatter_task(t: _ScatterTask) -> None:
         "mids": b.masked_ids.astype(np.int16),
     }
     final = Path(t.out_dir) / f"task_{t.task:05d}"
-    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for k, v in arrays.items():
-        np.save(tmp / f"{k}.npy", v)
-    os.replace(tmp, final)
+    with publishing_dir(final) as tmp:
+        for k, v in arrays.items():
+            np.save(tmp / f"{k}.npy", v)
 
 
 @dataclass(frozen=True)
@@ -430,9 +423,8 @@ def shuffle(
             b = min(a + (1 << 24), total)
             inv[perm[a:b]] = np.arange(a, b, dtype=np.int32)
         del perm
-        tmp = work / f"inverse.tmp{os.getpid()}.npy"
-        np.save(tmp, inv)
-        os.replace(tmp, inverse)
+        with publishing(inverse) as tmp:
+            np.save(tmp, inv)
         log(f"shuffle: permutation of {total} samples ({time.perf_counter() - t:.1f} s)")
     off = _offsets(sizes)
     groups = _groups(sizes, group_rows)
@@ -516,10 +508,6 @@ def text_parts(text_dir: Path, eval_text: Path) -> list[Path]:
     return parts
 
 
-def _md5(path) -> str:
-    return hashlib.md5(Path(path).read_bytes()).hexdigest()
-
-
 def _check_state(root: Path, state: dict) -> None:
     """A restart must use the same inputs and parameters as the run it continues."""
     path = root / STATE_FILE
@@ -530,9 +518,7 @@ def _check_state(root: Path, state: dict) -> None:
             raise DataError(f"{root}: holds a dataset made with other {', '.join(diff)}; use a new --output-dir")
         return
     root.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(state, indent=1, sort_keys=True) + "\n")
 
 
 def _checks(cfg: DatasetConfig) -> list[tuple[str, Path]]:
@@ -559,7 +545,7 @@ def _checks(cfg: DatasetConfig) -> list[tuple[str, Path]]:
 def _remove_temporaries(root: Path) -> None:
     """What a killed run left under temporary names (never a finished file)."""
     for p in sorted(root.rglob("*.tmp*"), reverse=True):
-        if re.search(r"\.tmp\d+(\.npy)?$", p.name):
+        if is_temporary(p.name):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
@@ -576,7 +562,7 @@ def build(cfg: DatasetConfig, log=print) -> dict:
         layout.root,
         {
             "params": asdict(cfg.params),
-            "vocab_md5": _md5(cfg.vocab),
+            "vocab_md5": md5sum(cfg.vocab),
             "inputs": [[p.name, p.stat().st_size] for p in parts],
             "eval_text": [eval_text.name, eval_text.stat().st_size],
             "eval_samples": cfg.eval_samples,

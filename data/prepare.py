@@ -26,13 +26,23 @@ Because every random draw is tied to a document or a shard and never to a worker
 is byte-identical for any ``--workers``.
 
 Outputs under ``--output-dir``: ``train/part_%05d_of_%05d.hdf5``, ``eval/part_eval_10k.hdf5``,
-``vocab.txt`` (a copy of ``--vocab`` or the one learnt with ``--train-vocab``) and
+``vocab.txt`` (a copy of ``--vocab`` or the one learnt with ``--train-vocab``) or
+``tokenizer.json`` (a copy of ``--tokenizer``), and
 ``manifest.json`` (every parameter, counts, md5 of each file). Everything is written under a
 temporary directory inside ``--output-dir`` and renamed into place when complete.
 
 A document needs ``--min-sentences`` sentences (default 2: a one-sentence document can only
 give random-next pairs, which skews the NSP labels); shorter ones are skipped and counted.
 ``--min-sentences 1`` keeps them, as the reference script does.
+
+``--objective mlm`` (masked-LM only, as ModernBERT trains) replaces stage 3's pairs by whole
+documents: each document's tokens (its sentences joined by spaces and tokenised as one text)
+are cut into consecutive pieces of ``max_seq_length - 2`` tokens, the last one shorter, each
+sample ``[CLS] piece [SEP]`` with segment ids 0; every non-empty document is kept, a
+one-token one as a 3-token sample. The rest is unchanged (keys, shards, masking at
+``--masked-lm-prob``, eval hold-out). The files, varlength or packed, have no
+``next_sentence_labels`` and say so with the attribute ``next_sentence = 0``
+(``data.hdf5io``); readers then give nsp labels 0, which a model without an NSP head ignores.
 """
 
 from __future__ import annotations
@@ -44,81 +54,190 @@ import random
 import shutil
 import sys
 import time
+import types
+import typing
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from itertools import chain
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from data import text  # noqa: E402
-from data.errors import DataError, cli_main  # noqa: E402
-from data.hdf5io import LAYOUTS, md5sum, write_file  # noqa: E402
-from data.progress import progress  # noqa: E402
-from data.samples import SampleBlock, _gather_ranges, _offsets  # noqa: E402
-from data.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk  # noqa: E402
-from data.tokenization import Vocab, load_vocab, make_tokenizer, train_wordpiece, write_vocab  # noqa: E402
+from data import text
+from data.errors import DataError, cli_main
+from data.hdf5io import ALL_LAYOUTS, write_file
+from data.progress import progress
+from data.samples import SampleBlock, _gather_ranges, _offsets
+from data.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
+from data.tokenization import MAX_VOCAB_SIZE, Vocab, load_tokenizer, train_wordpiece, write_vocab
+from fileio import md5sum, publish, write_text
 
 EVAL_FILE = "part_eval_10k.hdf5"
+OBJECTIVES = ("nsp", "mlm")
+VOCAB_FILES = ("vocab.txt", "tokenizer.json")  # the copy in --output-dir: of --vocab / --train-vocab, of --tokenizer
 TRAIN_TAG, EVAL_TAG = 0, 1
 MASK_ROWS = 4096  # rows masked at once (bounds the [rows, S] scratch arrays)
 # Work size (like data.text.CHUNK_BYTES): it changes how work is split, never the output.
 PAIR_TASK_TOKENS = (100_000, 8_000_000)  # document tokens per pairing task: min, max
 
 
-@dataclass
+def option(default=MISSING, *, help: str, reference: bool = True, flag: str | None = None, **argparse_kw):
+    """A field of PrepareConfig and, from the same declaration, its command-line option.
+
+    ``help`` is the option's help; ``flag`` its name when not ``--field-name``;
+    ``reference=False``: an option that ``--reference`` (one reference file per input)
+    refuses, whose argparse default is therefore None (so that "given" can be seen) and whose
+    help then names the real default unless it already does; ``argparse_kw`` goes to
+    ``add_argument`` as it is (choices, metavar) with ``group``: options in the same group
+    are mutually exclusive, one of them required. The type and nargs come from the annotation."""
+    meta = {"help": help, "reference": reference, "flag": flag, **argparse_kw}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
 class PrepareConfig:
     """Every parameter of a preparation run (the manifest records them all but ``workers``,
-    which never changes the output)."""
+    which never changes the output). Each field is also an option of ``python -m
+    data.prepare`` (``option``), in this order."""
 
-    inputs: list[str]
-    output_dir: str
-    input_format: str = "bert"
-    eval_inputs: list[str] | None = None  # eval documents kept apart from --input (else held out of it)
-    vocab: str | None = None  # a BERT vocab.txt ...
-    train_vocab: int | None = None  # ... or learn one of this size from the input
-    max_seq_length: int = 512
-    max_predictions: int = 76
-    masked_lm_prob: float = 0.15
-    short_seq_prob: float = 0.1
-    dupe_factor: int = 10
-    seed: int = 12345
-    shards: int = 1
-    eval_samples: int = 10000
-    format: str = "fixed"
-    min_sentences: int = 2
-    workers: int = 1
+    inputs: list[str] = option(flag="--input", help="text files or directories")
+    input_format: str = option(
+        "bert",
+        reference=False,
+        choices=FORMATS,
+        help="bert (default): a sentence per line, blank line between documents; wikitext: a document "
+        "per section; text: a document per paragraph",
+    )
+    eval_inputs: list[str] | None = option(
+        None,
+        flag="--eval-input",
+        reference=False,
+        help="make the eval set from these documents, e.g. MLPerf's eval.txt (without it: hold "
+        "documents out of --input)",
+    )
+    vocab: str | None = option(
+        None, group="vocab", help="WordPiece vocab.txt (must hold [PAD] [UNK] [CLS] [SEP] [MASK])"
+    )
+    train_vocab: int | None = option(
+        None, group="vocab", reference=False, metavar="SIZE", help="learn a WordPiece vocabulary of SIZE first"
+    )
+    tokenizer: str | None = option(
+        None,
+        group="vocab",
+        reference=False,
+        help="a tokenizers JSON (e.g. ModernBERT's BPE tokenizer.json; must hold [PAD] [UNK] [CLS] [SEP] [MASK])",
+    )
+    objective: str = option(
+        "nsp",
+        reference=False,
+        choices=OBJECTIVES,
+        help="nsp (default): MLPerf's sentence pairs with next-sentence labels; mlm: masked-LM only, each "
+        "document whole as [CLS] tokens [SEP], split into pieces of max_seq_length when longer (no "
+        "next_sentence_labels in the files; --format varlength or packed)",
+    )
+    output_dir: str = option(help="gets train/, eval/, vocab.txt (or tokenizer.json), manifest.json")
+    max_seq_length: int = option(512, help="tokens per sample, [CLS] and [SEP]s included")
+    max_predictions: int = option(76, help="max_predictions_per_seq")
+    masked_lm_prob: float = option(0.15, help="share of tokens to predict")
+    eval_masked_lm_prob: float | None = option(
+        None,
+        reference=False,
+        help="share of tokens to predict in the eval set (default: --masked-lm-prob; ModernBERT trains at 0.3 "
+        "and evaluates at 0.15)",
+    )
+    short_seq_prob: float = option(0.1, help="chance of a shorter random target length")
+    dupe_factor: int = option(10, help="passes over the text, each masked differently")
+    seed: int = option(12345, help="fixes every random choice")
+    shards: int = option(1, reference=False, help="number of training files")
+    eval_samples: int = option(10000, reference=False, help="0: no eval file")
+    format: str = option(
+        "fixed",
+        reference=False,
+        choices=ALL_LAYOUTS,
+        help="HDF5 layout (packed: sequences packed into rows of max_seq_length, for FlashMask)",
+    )
+    min_sentences: int = option(
+        2, reference=False, help="skip documents with fewer sentences (--objective nsp; mlm keeps every non-empty one)"
+    )
+    workers: int = option(1, help="processes (the output does not depend on it)")
 
     def __post_init__(self):
-        def need(ok: bool, flag: str, what: str):
+        def need(ok: bool, name: str, what: str):
             if not ok:
-                raise DataError(f"--{flag.replace('_', '-')} {getattr(self, flag)}: {what}")
+                raise DataError(f"{_flag(self.__dataclass_fields__[name])} {getattr(self, name)}: {what}")
 
         if not self.inputs:
             raise DataError("--input: give at least one file or directory")
         need(self.input_format in FORMATS, "input_format", f"expected one of {', '.join(FORMATS)}")
-        if (self.vocab is None) == (self.train_vocab is None):
-            raise DataError("give exactly one of --vocab FILE and --train-vocab SIZE")
+        if sum(x is not None for x in (self.vocab, self.train_vocab, self.tokenizer)) != 1:
+            raise DataError("give exactly one of --vocab FILE and --train-vocab SIZE, or --tokenizer FILE alone")
+        need(self.objective in OBJECTIVES, "objective", f"expected one of {', '.join(OBJECTIVES)}")
         need(5 <= self.max_seq_length <= 32767, "max_seq_length", "must lie in [5, 32767]")
         need(1 <= self.max_predictions <= self.max_seq_length, "max_predictions", "must lie in [1, max_seq_length]")
         need(0.0 < self.masked_lm_prob <= 1.0, "masked_lm_prob", "must lie in (0, 1]")
+        need(
+            self.eval_masked_lm_prob is None or 0.0 < self.eval_masked_lm_prob <= 1.0,
+            "eval_masked_lm_prob",
+            "must lie in (0, 1]",
+        )
         need(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", "must lie in [0, 1]")
         need(1 <= self.dupe_factor <= 255, "dupe_factor", "must lie in [1, 255]")
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.shards >= 1, "shards", "must be >= 1")
         need(self.eval_samples >= 0, "eval_samples", "must be >= 0")
         need(self.eval_samples > 0 or not self.eval_inputs, "eval_samples", "must be > 0 with --eval-input")
-        need(self.format in LAYOUTS, "format", f"expected one of {', '.join(LAYOUTS)}")
+        need(self.format in ALL_LAYOUTS, "format", f"expected one of {', '.join(ALL_LAYOUTS)}")
+        need(
+            self.objective == "nsp" or self.format != "fixed",
+            "format",
+            "--objective mlm writes varlength or packed files (the fixed layout needs next_sentence_labels)",
+        )
         need(self.min_sentences >= 1, "min_sentences", "must be >= 1")
         need(self.workers >= 1, "workers", "must be >= 1")
 
     @property
     def max_num_tokens(self) -> int:
-        return self.max_seq_length - 3
+        """Text tokens per sample: [CLS] A [SEP] B [SEP] (nsp) or [CLS] piece [SEP] (mlm)."""
+        return self.max_seq_length - (3 if self.objective == "nsp" else 2)
+
+    @property
+    def vocab_source(self) -> str:
+        return self.tokenizer if self.tokenizer is not None else self.vocab
+
+
+def _flag(f) -> str:
+    """The option of a PrepareConfig field."""
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def _add_option(ap: argparse.ArgumentParser, groups: dict, f, hint) -> None:
+    """The command-line option of one PrepareConfig field (see ``option``)."""
+    meta = dict(f.metadata)
+    help, reference, group, flag = meta.pop("help"), meta.pop("reference"), meta.pop("group", None), _flag(f)
+    del meta["flag"]
+    kw = {"dest": f.name, **meta}  # dest is the field; what argparse shows is the flag's
+    if "choices" not in kw:
+        kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: an option that may be absent
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        kw.update(nargs="+", action="extend")
+    elif hint in (int, float):
+        kw["type"] = hint
+    if f.default is MISSING:
+        kw["required"] = True
+    elif group is not None:  # a member of a required group: given or None
+        if group not in groups:
+            groups[group] = ap.add_mutually_exclusive_group(required=True)
+        ap = groups[group]
+    elif not reference:  # None, so that --reference sees whether it was given
+        kw["default"] = None
+        if f.default is not None and "default" not in help:
+            help = f"{help} (default {f.default})"
+    else:
+        kw["default"] = f.default
+    ap.add_argument(flag, help=help, **kw)
 
 
 @dataclass
@@ -173,12 +292,19 @@ class _TokenizeTask:
     fmt: str
     vocab_path: str
     min_sentences: int
+    whole_documents: bool = False  # --objective mlm: a document is tokenised as one text
 
 
 def _tokenize_chunk(task: _TokenizeTask) -> dict:
+    """One chunk's documents as token ids: kept sentences' tokens, their lengths and the
+    sentence count of each kept document. With ``whole_documents`` a document's sentences are
+    joined by spaces and tokenised as one text (a BPE tokenizer sees the spaces between them),
+    so every kept document is one "sentence"; a document is kept when it has a token."""
     lines, bad_utf8, first_bad_line = read_chunk(task.chunk)
     docs = parse_documents(lines, task.fmt)
-    tok = _cached(("tok", task.vocab_path), lambda: make_tokenizer(load_vocab(task.vocab_path)))
+    tok = _cached(("tok", task.vocab_path), lambda: load_tokenizer(task.vocab_path)[1])
+    if task.whole_documents:
+        docs = [[" ".join(d)] for d in docs]
     sentences = [s for d in docs for s in d]
     encoded = tok.encode_batch_fast(sentences, add_special_tokens=False) if sentences else []
     sent_lens = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))
@@ -197,7 +323,7 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
                 kept_lens.append(int(sent_lens[k]))
                 n += 1
         i += len(d)
-        if n >= task.min_sentences:
+        if n >= (1 if task.whole_documents else task.min_sentences):
             doc_nsent.append(n)
         else:
             short += 1
@@ -232,6 +358,7 @@ class _PairTask:
     dupe_factor: int
     max_num_tokens: int
     short_seq_prob: float
+    mlm: bool = False  # --objective mlm: whole-document pieces instead of pairs
 
 
 def _arrays(tmp: str):
@@ -320,6 +447,22 @@ def _doc_pairs(
         raise DataError(f"document {d} gives {inst} pairs in one pass, more than the 2^20 supported")
 
 
+def _doc_pieces(
+    pos: int, pool, sent_off, doc_sent_off, rng: random.Random, max_num_tokens: int, canon_base: int, out: list
+) -> None:
+    """``--objective mlm``: the document at pool position ``pos`` cut into consecutive pieces
+    of ``max_num_tokens`` tokens (the last one shorter), appended to out like ``_doc_pairs``'
+    rows with an empty segment B. No sentence boundaries are needed: pieces are spans of the
+    document's tokens, so every token is in exactly one piece and none is dropped."""
+    d = int(pool[pos])
+    t0, t1 = int(sent_off[doc_sent_off[d]]), int(sent_off[doc_sent_off[d + 1]])
+    if (t1 - t0 + max_num_tokens - 1) // max_num_tokens >= 1 << 20:
+        raise DataError(f"document {d} gives more than the 2^20 supported pieces")
+    for inst, a0 in enumerate(range(t0, t1, max_num_tokens)):
+        a1 = min(a0 + max_num_tokens, t1)
+        out.append((a0, a1, a1, a1, 0, rng.getrandbits(63), canon_base + inst))
+
+
 def _pairs(
     tmp: str,
     pool,
@@ -332,9 +475,11 @@ def _pairs(
     short_seq_prob: float,
     cls_id: int = 2,
     sep_id: int = 3,
+    mlm: bool = False,
 ) -> dict:
     """All pairs started from pool positions [lo, hi), every pass; sequences built with
-    [CLS] A [SEP] B [SEP]. The special ids are patched in by the caller's vocabulary."""
+    [CLS] A [SEP] B [SEP] (``mlm``: document pieces, [CLS] A [SEP]). The special ids are
+    patched in by the caller's vocabulary."""
     toks, sent_off, doc_sent_off = _arrays(tmp)
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
@@ -342,9 +487,11 @@ def _pairs(
     for dupe in range(dupe_factor):
         for pos in range(lo, hi):
             rng = random.Random((seed << 96) | (tag << 88) | (dupe << 64) | pos)
-            _doc_pairs(
-                pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, short_seq_prob, (dupe << 56) | (pos << 20), rows
-            )
+            canon = (dupe << 56) | (pos << 20)
+            if mlm:
+                _doc_pieces(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, canon, rows)
+            else:
+                _doc_pairs(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, short_seq_prob, canon, rows)
     if not rows:
         return {
             "tokens": np.zeros(0, np.uint16),
@@ -356,11 +503,11 @@ def _pairs(
         }
     a0, a1, b0, b1, nsp, key, canon = (np.array(c) for c in zip(*rows))
     la, lb = a1 - a0, b1 - b0
-    seq_len = la + lb + 3
+    seq_len = la + lb + (2 if mlm else 3)
     starts = _offsets(seq_len)
     out = np.empty(int(starts[-1]), np.uint16)
     out[starts[:-1]] = cls_id
-    out[starts[:-1] + la + 1] = sep_id
+    out[starts[:-1] + la + 1] = sep_id  # mlm: the last token, as below
     out[starts[1:] - 1] = sep_id
     idx = np.arange(len(rows))
     a_dest = _gather_ranges(np.arange(len(out)), starts[:-1] + 1, la, idx)
@@ -395,6 +542,7 @@ def _make_pairs(task: _PairTask) -> dict:
         task.max_num_tokens,
         task.short_seq_prob,
         *_cached(("specials", task.tmp), lambda: tuple(np.load(os.path.join(task.tmp, "specials.npy")).tolist())),
+        mlm=task.mlm,
     )
     bucket = _bucket_of(p["key"], task.num_buckets)
     order = np.argsort(bucket, kind="stable")
@@ -489,6 +637,8 @@ class _ShardTask:
     masked_lm_prob: float
     vocab_size: int
     mask_id: int
+    next_sentence: bool = True  # False: --objective mlm, the files hold no next_sentence_labels
+    recorded_vocab: int | None = None  # the files' vocab_size attribute (data.hdf5io.write_varlength)
 
 
 def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
@@ -531,7 +681,15 @@ def _write_shard(task: _ShardTask) -> dict:
         task.vocab_size,
         task.mask_id,
     )
-    write_file(task.out_path, block, task.layout, task.max_seq_length, task.max_predictions)
+    write_file(
+        task.out_path,
+        block,
+        task.layout,
+        task.max_seq_length,
+        task.max_predictions,
+        next_sentence=task.next_sentence,
+        vocab_size=task.recorded_vocab,
+    )
     return _describe(task.out_path, block)
 
 
@@ -588,6 +746,7 @@ def _eval_pairs(cfg: PrepareConfig, tmp: str, pool: np.ndarray, vocab: Vocab) ->
         cfg.short_seq_prob,
         vocab.cls_id,
         vocab.sep_id,
+        mlm=cfg.objective == "mlm",
     )
 
 
@@ -630,7 +789,7 @@ def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
         p["len_a"][pick],
         p["nsp"][pick],
         np.random.default_rng([cfg.seed, 3]),
-        cfg.masked_lm_prob,
+        cfg.masked_lm_prob if cfg.eval_masked_lm_prob is None else cfg.eval_masked_lm_prob,
         cfg.max_predictions,
         len(vocab),
         vocab.mask_id,
@@ -652,25 +811,35 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
     workers = _Workers(cfg.workers)
     try:
         # Vocabulary: a copy of the given file, or one learnt from the input.
-        vocab_tmp = tmp_path / "vocab.txt"
-        if cfg.vocab is not None:
-            vocab = load_vocab(cfg.vocab)
-            shutil.copyfile(cfg.vocab, vocab_tmp)
+        vocab_tmp = tmp_path / VOCAB_FILES[cfg.tokenizer is not None]
+        if cfg.vocab_source is not None:
+            vocab, _ = load_tokenizer(cfg.vocab_source, is_json=cfg.tokenizer is not None)
+            shutil.copyfile(cfg.vocab_source, vocab_tmp)
         else:
             sentences = progress(iter_sentences(files, cfg.input_format), desc="vocabulary", unit=" sentences")
             tokens = train_wordpiece(sentences, cfg.train_vocab)
             sentences.close()
             write_vocab(vocab_tmp, tokens)
-            vocab = load_vocab(vocab_tmp)
+            vocab, _ = load_tokenizer(vocab_tmp)
             log(f"learnt a vocabulary of {len(vocab)} pieces (asked for {cfg.train_vocab})")
             seconds["train_vocab"] = time.perf_counter() - t
             t = time.perf_counter()
+        if len(vocab) > MAX_VOCAB_SIZE and cfg.format == "fixed":
+            raise DataError(
+                f"{cfg.vocab_source}: {len(vocab)} entries, but the fixed layout stores ids as int16 (at most "
+                f"{MAX_VOCAB_SIZE}); use --format varlength or packed"
+            )
         np.save(tmp_path / "specials.npy", np.array([vocab.cls_id, vocab.sep_id]))
 
         # Stage 1: tokenise (the --eval-input documents, if any, come after the others).
         chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
         n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
-        tasks = [_TokenizeTask(c, cfg.input_format, str(vocab_tmp), cfg.min_sentences) for c in chunks]
+        mlm = cfg.objective == "mlm"
+        tasks = [_TokenizeTask(c, cfg.input_format, str(vocab_tmp), cfg.min_sentences, mlm) for c in chunks]
+        too_short = "no token" if mlm else f"fewer than {cfg.min_sentences} sentences"
+        unit = "pieces" if mlm else "pairs"  # what stage 3 makes
+        # Files record their vocabulary's size where it matters (MLPerf's files have no such attribute).
+        recorded_vocab = len(vocab) if mlm or len(vocab) > MAX_VOCAB_SIZE else None
         sent_lens, doc_nsent = [], []
         stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
         bad_utf8: dict[str, list[int]] = {}
@@ -699,14 +868,10 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
             if names and n < 2:
                 raise DataError(
-                    f"{', '.join(names)}: {n} usable {what}document(s) (need 2; "
-                    f"{stats['docs_short']} had fewer than {cfg.min_sentences} sentences)"
+                    f"{', '.join(names)}: {n} usable {what}document(s) (need 2; {stats['docs_short']} had {too_short})"
                 )
         if stats["docs_short"]:
-            log(
-                f"skipped {stats['docs_short']} of {stats['docs_read']} documents with fewer than "
-                f"{cfg.min_sentences} sentences"
-            )
+            log(f"skipped {stats['docs_short']} of {stats['docs_read']} documents with {too_short}")
         sent_off = _offsets(sent_lens)
         doc_sent_off = _offsets(doc_nsent)
         np.save(tmp_path / "sent_off.npy", sent_off)
@@ -738,10 +903,18 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
                 eval_docs = held
             eval_pool_pairs = len(p["seq_len"])
             eval_block = _pick_eval(cfg, p, vocab)
-            write_file(tmp_path / "eval" / EVAL_FILE, eval_block, cfg.format, cfg.max_seq_length, cfg.max_predictions)
+            write_file(
+                tmp_path / "eval" / EVAL_FILE,
+                eval_block,
+                cfg.format,
+                cfg.max_seq_length,
+                cfg.max_predictions,
+                next_sentence=not mlm,
+                vocab_size=recorded_vocab,
+            )
             seconds["eval"] = time.perf_counter() - t
             log(
-                f"eval: {cfg.eval_samples} samples from {eval_pool_pairs} pairs of {eval_docs} "
+                f"eval: {cfg.eval_samples} samples from {eval_pool_pairs} {unit} of {eval_docs} "
                 f"{'--eval-input' if eval_files else 'held-out'} documents"
             )
             t = time.perf_counter()
@@ -765,6 +938,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
                 cfg.dupe_factor,
                 cfg.max_num_tokens,
                 cfg.short_seq_prob,
+                mlm,
             )
             for i, (lo, hi) in enumerate(ranges)
         ]
@@ -773,7 +947,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
             shard_counts += r["counts"]
         seconds["pairs"] = time.perf_counter() - t
         log(
-            f"train: {int(shard_counts.sum())} pairs from {len(pool)} documents ({len(pair_tasks)} task(s), "
+            f"train: {int(shard_counts.sum())} {unit} from {len(pool)} documents ({len(pair_tasks)} task(s), "
             f"{seconds['pairs']:.1f} s)"
         )
         t = time.perf_counter()
@@ -799,6 +973,8 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
                 cfg.masked_lm_prob,
                 len(vocab),
                 vocab.mask_id,
+                not mlm,
+                recorded_vocab,
             )
             for j in range(cfg.shards)
         ]
@@ -813,7 +989,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
             "version": 1,
             "parameters": {k: v for k, v in asdict(cfg).items() if k not in ("workers", "output_dir")},
             "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files + eval_files],
-            "vocab": {"file": "vocab.txt", "size": len(vocab), "md5": md5sum(vocab_tmp)},
+            "vocab": {"file": vocab_tmp.name, "size": len(vocab), "md5": md5sum(vocab_tmp)},
             "documents": {
                 "read": stats["docs_read"],
                 "skipped_short": stats["docs_short"],
@@ -839,7 +1015,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
                 "documents": eval_docs,
                 **_describe(str(tmp_path / "eval" / EVAL_FILE), eval_block),
             }
-        _install(out, tmp_path, names, eval_block is not None, manifest)
+        _install(out, tmp_path, names, eval_block is not None, manifest, vocab_tmp.name)
         seconds["install"] = time.perf_counter() - t
         return PrepareResult(manifest, seconds)
     finally:
@@ -848,7 +1024,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def _install(out: Path, tmp: Path, names: list[str], has_eval: bool, manifest: dict) -> None:
+def _install(out: Path, tmp: Path, names: list[str], has_eval: bool, manifest: dict, vocab_name: str) -> None:
     """Move the finished files into place; remove shards of an earlier run that do not belong."""
     try:
         (out / "train").mkdir(exist_ok=True)
@@ -856,97 +1032,51 @@ def _install(out: Path, tmp: Path, names: list[str], has_eval: bool, manifest: d
             if old.name not in names:
                 old.unlink()
         for n in names:
-            os.replace(tmp / "train" / n, out / "train" / n)
+            publish(tmp / "train" / n, out / "train" / n)
         if has_eval:
             (out / "eval").mkdir(exist_ok=True)
-            os.replace(tmp / "eval" / EVAL_FILE, out / "eval" / EVAL_FILE)
-        os.replace(tmp / "vocab.txt", out / "vocab.txt")
-        text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-        (tmp / "manifest.json").write_text(text)
-        os.replace(tmp / "manifest.json", out / "manifest.json")
+            publish(tmp / "eval" / EVAL_FILE, out / "eval" / EVAL_FILE)
+        publish(tmp / vocab_name, out / vocab_name)
+        for other in VOCAB_FILES:  # an earlier run's other kind of vocabulary no longer describes the data
+            if other != vocab_name:
+                (out / other).unlink(missing_ok=True)
+        write_text(out / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     except OSError as e:
         raise DataError(f"{out}: cannot install the prepared files ({e.strerror or e})") from None
 
 
-_NOT_REFERENCE = {
-    "input_format": "bert",
-    "eval_input": None,
-    "train_vocab": None,
-    "shards": 1,
-    "eval_samples": 10000,
-    "format": "fixed",
-    "min_sentences": 2,
-}
-
-
-def main(argv=None) -> int:
+def build_parser(config: type[PrepareConfig] = PrepareConfig) -> argparse.ArgumentParser:
+    """``python -m data.prepare``'s options: the fields of ``config``, in order, and ``--reference``."""
     ap = argparse.ArgumentParser(
         prog="python -m data.prepare",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument("--input", nargs="+", action="extend", required=True, help="text files or directories")
-    ap.add_argument(
-        "--reference",
-        action="store_true",
-        help="MLPerf's reference create_pretraining_data.py, sample for sample: one fixed-layout "
-        "OUTPUT_DIR/<input name>.hdf5 per input file, each made with a fresh random.Random(seed) "
-        "(data.reference); takes --vocab, the sizes, --dupe-factor, --seed and --workers only",
-    )
-    ap.add_argument(
-        "--input-format",
-        choices=FORMATS,
-        default=None,
-        help="bert (default): a sentence per line, blank line between documents; wikitext: a document "
-        "per section; text: a document per paragraph",
-    )
-    ap.add_argument(
-        "--eval-input",
-        nargs="+",
-        action="extend",
-        help="make the eval set from these documents, e.g. MLPerf's eval.txt (without it: hold "
-        "documents out of --input)",
-    )
-    voc = ap.add_mutually_exclusive_group(required=True)
-    voc.add_argument("--vocab", help="WordPiece vocab.txt (must hold [PAD] [UNK] [CLS] [SEP] [MASK])")
-    voc.add_argument("--train-vocab", type=int, metavar="SIZE", help="learn a WordPiece vocabulary of SIZE first")
-    ap.add_argument("--output-dir", required=True, help="gets train/, eval/, vocab.txt, manifest.json")
-    ap.add_argument("--max-seq-length", type=int, default=512, help="tokens per sample, [CLS] and [SEP]s included")
-    ap.add_argument("--max-predictions", type=int, default=76, help="max_predictions_per_seq")
-    ap.add_argument("--masked-lm-prob", type=float, default=0.15, help="share of tokens to predict")
-    ap.add_argument("--short-seq-prob", type=float, default=0.1, help="chance of a shorter random target length")
-    ap.add_argument("--dupe-factor", type=int, default=10, help="passes over the text, each masked differently")
-    ap.add_argument("--seed", type=int, default=12345, help="fixes every random choice")
-    ap.add_argument("--shards", type=int, default=None, help="number of training files (default 1)")
-    ap.add_argument("--eval-samples", type=int, default=None, help="0: no eval file (default 10000)")
-    ap.add_argument("--format", choices=LAYOUTS, default=None, help="HDF5 layout (default fixed)")
-    ap.add_argument("--min-sentences", type=int, default=None, help="skip documents with fewer sentences (default 2)")
-    ap.add_argument("--workers", type=int, default=1, help="processes (the output does not depend on it)")
-    args = ap.parse_args(argv)
+    hints, groups = typing.get_type_hints(config), {}
+    for f in fields(config):
+        _add_option(ap, groups, f, hints[f.name])
+        if f.name == "inputs":  # the mode switch, next to what it reads
+            ap.add_argument(
+                "--reference",
+                action="store_true",
+                help="MLPerf's reference create_pretraining_data.py, sample for sample: one fixed-layout "
+                "OUTPUT_DIR/<input name>.hdf5 per input file, each made with a fresh random.Random(seed) "
+                "(data.reference); takes --vocab, the sizes, --dupe-factor, --seed and --workers only",
+            )
+    return ap
+
+
+def refused_by_reference(args: argparse.Namespace, config: type[PrepareConfig] = PrepareConfig) -> list[str]:
+    """The options given in ``args`` that ``--reference`` does not take."""
+    return [_flag(f) for f in fields(config) if not f.metadata["reference"] and getattr(args, f.name) is not None]
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.reference:
         return _main_reference(args)
-    for k, v in _NOT_REFERENCE.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    cfg = PrepareConfig(
-        inputs=args.input,
-        output_dir=args.output_dir,
-        input_format=args.input_format,
-        eval_inputs=args.eval_input,
-        vocab=args.vocab,
-        train_vocab=args.train_vocab,
-        max_seq_length=args.max_seq_length,
-        max_predictions=args.max_predictions,
-        masked_lm_prob=args.masked_lm_prob,
-        short_seq_prob=args.short_seq_prob,
-        dupe_factor=args.dupe_factor,
-        seed=args.seed,
-        shards=args.shards,
-        eval_samples=args.eval_samples,
-        format=args.format,
-        min_sentences=args.min_sentences,
-        workers=args.workers,
-    )
+    given = {f.name: getattr(args, f.name) for f in fields(PrepareConfig) if getattr(args, f.name) is not None}
+    cfg = PrepareConfig(**given)  # an option not given takes the field's default
     start = time.perf_counter()
     result = prepare(cfg)
     m = result.manifest
@@ -964,10 +1094,10 @@ def _main_reference(args) -> int:
     from data.mlperf_dataset import Pool, prepare_files
     from data.reference import RefParams
 
-    given = [k for k in _NOT_REFERENCE if getattr(args, k) is not None]
-    if given:
+    refused = refused_by_reference(args)
+    if refused:
         raise DataError(
-            f"--reference does not take --{given[0].replace('_', '-')} (it writes one fixed-layout file "
+            f"--reference does not take {refused[0]} (it writes one fixed-layout file "
             f"per input file, as the reference script does)"
         )
     if args.workers < 1:
@@ -980,7 +1110,7 @@ def _main_reference(args) -> int:
         dupe_factor=args.dupe_factor,
         seed=args.seed,
     )
-    files = list_inputs(args.input)
+    files = list_inputs(args.inputs)
     start = time.perf_counter()
     with Pool(args.workers) as pool:
         outs = prepare_files(files, Path(args.output_dir), args.vocab, params, pool, skip_existing=False)

@@ -176,7 +176,8 @@ class ExchangeStats:
 class Rebalancer:
     """Balances sequence lengths across the ranks of ``group``, one exchange per step.
 
-    strategy: "none" | "stripe" | "balanced"; cost: (a, b) of c(L) = a*L + b*L^2.
+    strategy: "none" | "stripe" | "balanced"; cost: (a, b) of c(L) = a*L + b*L^2, or
+    (a, b, b_local, window) with local layers (``data.rebalance_plan.Cost``).
     batch_size: samples per rank per step (every rank must hold exactly this many).
     max_len: the longest allowed sequence. world_size: how many ranks this rank expects
         (default: the group's size); a rank expecting another number is named in the error.
@@ -266,10 +267,7 @@ class Rebalancer:
 
     def _check_settings_agree(self) -> None:
         # Ranks with different settings would compute different plans; catch it once, here.
-        cost_tol = (
-            zlib.crc32(repr((self.cost.a, self.cost.b, self.tol, self.group_size, self.cross_rounds)).encode())
-            & 0x7FFFFFFF
-        )
+        cost_tol = zlib.crc32(repr((*self.cost, self.tol, self.group_size, self.cross_rounds)).encode()) & 0x7FFFFFFF
         mine = np.array(
             [
                 _MAGIC,
@@ -292,7 +290,7 @@ class Rebalancer:
                     f"rank {r}: strategy {STRATEGIES[allv[r, 1]]!r} differs from rank 0's {STRATEGIES[allv[0, 1]]!r}"
                 )
             if allv[r, 2] != allv[0, 2]:
-                problems.append(f"rank {r}: cost (a, b), tol, group_size or cross_rounds differ from rank 0's")
+                problems.append(f"rank {r}: cost, tol, group_size or cross_rounds differ from rank 0's")
             for f, name in ((3, "batch_size"), (4, "max_len")):
                 if allv[r, f] != allv[0, f]:
                     problems.append(f"rank {r}: {name} {allv[r, f]} differs from rank 0's {allv[0, f]}")

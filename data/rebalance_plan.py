@@ -15,8 +15,10 @@ O(G * 2**cross_rounds * B) instead of O(W * B) per round. Every rank keeps exact
 samples, so the global batch is the same set of samples, only placed differently.
 
 ``assign`` gives the whole plan (``Assignment``); ``plan_for_rank`` one rank's part of it
-(``RankPlan``: what it sends and receives); the cost of a sample is c(L) = a*L + b*L^2
-(``Cost``, ``DEFAULT_COST`` from BERT-large's FLOPs).
+(``RankPlan``: what it sends and receives); the cost of a sample is
+c(L) = a*L + b*L^2 + b_local*L*min(L, window) (``Cost``: the linear layers, the global
+attention layers and the sliding-window ones; ``DEFAULT_COST`` from BERT-large's FLOPs,
+which has no local layers; ``bench.fit_cost`` fits a, b, b_local to measured layer times).
 
 Shapes: W ranks, B samples per rank, N = W * B samples in the global batch.
 """
@@ -39,10 +41,20 @@ STRATEGIES = ("none", "stripe", "balanced")
 
 
 class Cost(NamedTuple):
-    """Per-sample cost c(L) = a*L + b*L^2 (arbitrary units; only ratios matter)."""
+    """Per-sample cost c(L) = a*L + b*L^2 + b_local*L*min(L, window) (arbitrary units; only
+    ratios matter).
+
+    a: the per-token work of every layer (projections, MLP, norms); b: the global attention
+    layers together (each query attends to all L keys); b_local, window: the sliding-window
+    layers together, where a query attends to at most ``window`` keys (the band |i - j| <=
+    window // 2 holds window + 1 keys; the +1 is left in a). A model with n_g global and n_l
+    local layers has b = n_g * b_layer and b_local = n_l * b_layer_local.
+    """
 
     a: float
     b: float
+    b_local: float = 0.0
+    window: int = 0
 
 
 # BERT-large (24 layers, hidden h = 1024, intermediate 4h), FLOPs per token, fwd + bwd = 3x fwd:
@@ -63,10 +75,11 @@ DEFAULT_COST = Cost(a=1.0, b=1.0 / (6 * BERT_LARGE_HIDDEN))
 _COST_SCALE_MAX = 1 << 20
 
 
-def sample_costs(lengths, cost: Cost = DEFAULT_COST) -> np.ndarray:
-    """c(L) = a*L + b*L^2 elementwise, float64."""
+def sample_costs(lengths, cost: Cost | tuple = DEFAULT_COST) -> np.ndarray:
+    """c(L) = a*L + b*L^2 + b_local*L*min(L, window) elementwise, float64."""
+    c = check_cost(cost)
     L = np.asarray(lengths, dtype=np.float64)
-    return cost[0] * L + cost[1] * L * L
+    return c.a * L + c.b * L * L + c.b_local * L * np.minimum(L, c.window)
 
 
 def imbalance(costs) -> float:
@@ -147,17 +160,22 @@ def _as_matrix(lengths_per_rank) -> np.ndarray:
 
 
 def check_cost(cost) -> Cost:
-    """``cost`` (a pair (a, b)) as a Cost of floats; ValueError unless a, b >= 0, not both 0."""
+    """``cost`` ((a, b) or (a, b, b_local, window)) as a Cost; ValueError unless a, b, b_local
+    >= 0, not all 0, and window a positive integer where b_local > 0."""
+    if len(cost) not in (2, 4):
+        raise ValueError(f"cost: expected (a, b) or (a, b, b_local, window), got {len(cost)} values")
     a, b = float(cost[0]), float(cost[1])
-    if not (np.isfinite(a) and np.isfinite(b)) or a < 0 or b < 0 or a + b == 0:
-        raise ValueError(f"cost: expected a >= 0, b >= 0, not both 0, got a={a}, b={b}")
-    return Cost(a, b)
+    b_local, window = (float(cost[2]), cost[3]) if len(cost) == 4 else (0.0, 0)
+    if not all(np.isfinite(x) for x in (a, b, b_local)) or min(a, b, b_local) < 0 or a + b + b_local == 0:
+        raise ValueError(f"cost: expected a >= 0, b >= 0, b_local >= 0, not all 0, got a={a}, b={b}, b_local={b_local}")
+    if float(window) != int(window) or int(window) < 0 or (b_local > 0 and int(window) < 1):
+        raise ValueError(f"cost: expected a window >= 1 (an integer) with b_local > 0, got window={window}")
+    return Cost(a, b, b_local, int(window))
 
 
 def _cost_tables(lmax: int, cost) -> tuple[np.ndarray, np.ndarray]:
     """(float64 c(L), int64 quantised c(L)) for L = 0..lmax; lookups beat math on [W, B]."""
-    a, b = check_cost(cost)
-    exact = sample_costs(np.arange(lmax + 1), (a, b))
+    exact = sample_costs(np.arange(lmax + 1), check_cost(cost))
     quantised = np.maximum(np.rint(exact * (_COST_SCALE_MAX / exact[lmax])), 1).astype(np.int64)
     return exact, quantised
 
@@ -415,7 +433,8 @@ def assign(
 
     lengths_per_rank: [W, B] integer array (or a list of W arrays of B lengths), all >= 1.
     strategy: "none" | "stripe" | "balanced".
-    cost: (a, b) of c(L) = a*L + b*L^2; default from BERT-large FLOPs (``DEFAULT_COST``).
+    cost: (a, b) of c(L) = a*L + b*L^2, or (a, b, b_local, window) (``Cost``); default from
+        BERT-large FLOPs (``DEFAULT_COST``).
     tol: ``balanced`` stops moving samples once max/mean cost <= 1 + tol; assignments within
         tol count as equally balanced and the one with fewer moves is preferred.
     group_size, cross_rounds: ``balanced`` only. None: one flat balancing over all ranks.

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from data.errors import DataError, cli_main  # noqa: E402
-from data.hdf5io import inspect, list_files, read_file  # noqa: E402
+from data.errors import DataError, cli_main
+from data.hdf5io import inspect, list_files, read_file
+from fileio import publishing
 
 
 def _manifest_near(path: Path) -> dict | None:
@@ -119,13 +116,10 @@ def plot(s: dict, png: str, title: str) -> None:
         fontsize=9,
     )
     fig.tight_layout()
-    out = Path(png)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}.png")
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, out)
+        with publishing(png, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=120)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise DataError(f"{png}: cannot write ({e.strerror or e})") from None
     finally:
         plt.close(fig)

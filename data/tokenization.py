@@ -1,4 +1,9 @@
-"""WordPiece vocabularies and the tokenizer that ``data.prepare`` runs on every sentence.
+"""Vocabularies and the tokenizer that ``data.prepare`` runs on every sentence (or document).
+
+Two sources: a WordPiece ``vocab.txt`` (``load_vocab``; tokenised as below), or a
+``tokenizers`` JSON file (``load_tokenizer`` of a ``.json``, e.g. ModernBERT's BPE
+``tokenizer.json``), run as the file defines it (its normaliser, pre-tokeniser and model;
+its post-processor is not used, the pipeline adds [CLS] and [SEP] itself).
 
 Tokenisation is BERT's uncased WordPiece, run by the ``tokenizers`` library: BERT's
 normaliser (clean text, split CJK characters, lower case, strip accents), BERT's
@@ -21,17 +26,21 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from data.errors import DataError
+from fileio import write_text
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # The fixed and varlength HDF5 layouts store token ids as int16.
 MAX_VOCAB_SIZE = 32768
+# A tokenizers JSON may be larger (ModernBERT: 50,368): data.prepare's token store is uint16,
+# and varlength / packed files then hold ids as int32 (data.hdf5io.id_dtype).
+MAX_WIDE_VOCAB_SIZE = 65536
 MAX_WORD_CHARS = 100
 
 
 class Vocab:
     """A WordPiece vocabulary: ``tokens[i]`` is the piece with id i."""
 
-    def __init__(self, tokens: list[str], source: str):
+    def __init__(self, tokens: list[str], source: str, max_size: int = MAX_VOCAB_SIZE):
         self.tokens = tokens
         self.source = source
         self.ids = {t: i for i, t in enumerate(tokens)}
@@ -44,11 +53,9 @@ class Vocab:
         missing = [t for t in SPECIAL_TOKENS if t not in self.ids]
         if missing:
             raise DataError(f"{source}: vocabulary is missing {', '.join(missing)}")
-        if len(tokens) > MAX_VOCAB_SIZE:
-            raise DataError(
-                f"{source}: {len(tokens)} entries, but the HDF5 layouts store ids as int16 "
-                f"(at most {MAX_VOCAB_SIZE} entries)"
-            )
+        if len(tokens) > max_size:
+            why = "the HDF5 layouts store ids as int16" if max_size == MAX_VOCAB_SIZE else "ids are stored as uint16"
+            raise DataError(f"{source}: {len(tokens)} entries, but {why} (at most {max_size} entries)")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -98,15 +105,41 @@ def load_vocab(path: str | os.PathLike) -> Vocab:
     return Vocab(tokens, str(path))
 
 
+def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
+    """(Vocab, tokenizers.Tokenizer) of a ``tokenizers`` JSON or a WordPiece vocab.txt
+    (``is_json``; None: a JSON when the name ends in ``.json``).
+
+    A JSON's vocabulary (added tokens included) must number its entries 0..V-1 without gaps,
+    so that ``len(vocab)`` bounds every id the tokenizer can produce."""
+    path = Path(path)
+    if not (path.suffix == ".json" if is_json is None else is_json):
+        vocab = load_vocab(path)
+        return vocab, make_tokenizer(vocab)
+    from tokenizers import Tokenizer
+
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the tokenizer ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: the tokenizer file is not UTF-8") from None
+    try:
+        tok = Tokenizer.from_str(raw)
+    except Exception as e:  # the library raises a bare Exception for every parse error
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path}: not a tokenizers JSON file ({first})") from None
+    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    gaps = [i for i in range(len(by_id)) if i not in by_id]
+    if gaps:
+        raise DataError(f"{path}: the vocabulary has no entry with id {gaps[0]} (ids must be 0..{len(by_id) - 1})")
+    return Vocab([by_id[i] for i in range(len(by_id))], str(path), max_size=MAX_WIDE_VOCAB_SIZE), tok
+
+
 def write_vocab(path: str | os.PathLike, tokens: list[str]) -> None:
     """Write ``vocab.txt`` under a temporary name, then rename it into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
-        os.replace(tmp, path)
+        write_text(path, "".join(t + "\n" for t in tokens))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise DataError(f"{path}: cannot write the vocabulary ({e.strerror or e})") from None
 
 

@@ -29,10 +29,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from data.errors import DataError, cli_main  # noqa: E402
+from data.errors import DataError, cli_main
 
 CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"
 PUBLISHED = {  # (what, shard count) -> published list

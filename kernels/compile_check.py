@@ -29,8 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from fileio import write_text
 
 MAX_SHARED = 227 * 1024  # bytes of shared memory a Hopper block can opt into
 
@@ -315,10 +314,7 @@ def main(argv=None) -> int:
     if args.flashmask:
         _print_flashmask(records)
     if args.json:
-        path = Path(args.json)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(records, indent=1))
-        tmp.rename(path)
+        write_text(args.json, json.dumps(records, indent=1))
     failed = 0
     big = [r for r in records if r["shared_bytes"] > MAX_SHARED]
     if big:

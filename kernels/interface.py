@@ -15,16 +15,19 @@ Per-layer settings are layout fields listed in ``SETTINGS`` with the value that 
 ``local_attention``; 128 -> |i - j| <= 64). A backend declares the settings it implements in
 ``kernels.registry``, which refuses the others in one place (CONTRIBUTING.md: adding one).
 
-This is the bottom of ``kernels/``: it imports nothing of the project, and every other
-module of the package may import it.
+This is the bottom of ``kernels/``: it imports nothing of the project (nor torch, so that the
+configuration can name backends before torch loads), and every other module of the package
+may import it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import Tensor
+if TYPE_CHECKING:  # importing the interface (and the registry) does not import torch
+    from torch import Tensor
 
 
 class BackendUnavailable(RuntimeError):
@@ -62,7 +65,7 @@ class PackedLayout:
 
 
 Layout = VarlenLayout | PaddedLayout | PackedLayout
-AttentionFn = Callable[[Tensor, Tensor, Tensor, Layout, float, bool], Tensor]
+AttentionFn = Callable[["Tensor", "Tensor", "Tensor", Layout, float, bool], "Tensor"]
 
 # Per-layer attention settings a layout may carry: field name -> the value that means "off".
 SETTINGS: dict[str, object] = {"window": None}

@@ -24,8 +24,10 @@ from kernels.masks import packed_reference
 
 
 def band(length: int, window: int | None, device=None) -> Tensor | None:
-    """[L, L] bool, True where query i may see key j: |i - j| <= window // 2; None without a window."""
-    if window is None:
+    """[L, L] bool, True where query i may see key j: |i - j| <= window // 2; None without a
+    window or when the band covers every pair (so a window of at least twice the length is
+    exactly no window)."""
+    if window is None or window // 2 >= length - 1:
         return None
     pos = torch.arange(length, device=device)
     return (pos[:, None] - pos[None, :]).abs() <= window // 2

@@ -6,8 +6,9 @@ options it takes; its code is imported only when it is asked for, so choosing ``
 never imports Triton. ``get_backend(name)`` returns the backend function wrapped in the one
 check every call goes through: a layout it does not take or a setting it does not implement
 is refused (``BackendUnavailable``, one line naming the backend, what was asked, and which
-backends would take it), never passed on or swapped for another backend. ``check_backend``
-does the same from configuration, before anything is loaded (``bert.train_config``).
+backends would take it), never passed on or swapped for another backend. ``refusal`` and
+``check_backend`` give the same answer without loading anything, and ``layouts_of`` /
+``backends_for`` let the configuration check a layout before torch loads (``bert.train_config``).
 
 This is the top of the attention interface: the model (``bert/``) picks its backends here.
 """
@@ -18,8 +19,7 @@ import functools
 import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from kernels.interface import (
     SETTINGS,
@@ -31,6 +31,9 @@ from kernels.interface import (
     VarlenLayout,
     requested_settings,
 )
+
+if TYPE_CHECKING:  # importing the registry does not import torch: the configuration names backends first
+    from torch import Tensor
 
 _ANY = (VarlenLayout, PaddedLayout, PackedLayout)
 
@@ -91,24 +94,32 @@ def _spec(name: str) -> Backend:
     return BACKENDS[name]
 
 
+def layouts_of(name: str) -> tuple[type, ...]:
+    """The layouts backend ``name`` takes."""
+    return _spec(name).layouts
+
+
+def backends_for(layout: type, setting: str | None = None) -> list[str]:
+    """The backends that take ``layout`` (with ``setting`` on, if given), in BACKENDS' order."""
+    return [b.name for b in BACKENDS.values() if layout in b.layouts and (setting is None or setting in b.settings)]
+
+
 def refusal(name: str, layout: type, settings: Iterable[str] = ()) -> str | None:
     """Why backend ``name`` cannot take a ``layout`` with ``settings`` on, or None when it can."""
     spec = _spec(name)
     if layout not in spec.layouts:
         takes = " or ".join(f"{t.__name__} (data.layout={_LAYOUT_CONFIG[t]})" for t in spec.layouts)
-        others = [b.name for b in BACKENDS.values() if layout in b.layouts]
         return (
             f"model.attention={name}: needs a {takes}, got {layout.__name__}; "
-            f"{_LAYOUT_CONFIG[layout]} batches run with {', '.join(others)}"
+            f"{_LAYOUT_CONFIG[layout]} batches run with {', '.join(backends_for(layout))}"
         )
     for setting in settings:
         if setting not in SETTINGS:
             raise ValueError(f"attention setting {setting!r}: not one of {sorted(SETTINGS)}")
         if setting not in spec.settings:
-            others = [b.name for b in BACKENDS.values() if layout in b.layouts and setting in b.settings]
             return (
                 f"model.attention={name}: does not implement the attention setting {setting!r} "
-                f"({layout.__name__}); backends that do: {', '.join(others)}"
+                f"({layout.__name__}); backends that do: {', '.join(backends_for(layout, setting))}"
             )
     return None
 

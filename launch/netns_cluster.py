@@ -39,6 +39,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from fileio import publishing
+
 IFNAME = "cl0"  # each host's cluster interface
 STATE_ROOT = "/run/netns-cluster"
 NETNS_ETC = "/etc/netns"
@@ -200,11 +202,9 @@ class Cluster:
             prefix = " ".join(shlex.quote(a) for a in self.command(i, ["sh", "-c"]))
             lines.append(f'    {self.hostname(i)}|{self.address(i)}) exec {prefix} "$*" ;;')
         lines += ['    *) echo "rsh: unknown host $host" >&2; exit 255 ;;', "esac", ""]
-        tmp = self.rsh_agent + ".tmp"
-        with open(tmp, "w") as f:
-            f.write("\n".join(lines))
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, self.rsh_agent)
+        with publishing(self.rsh_agent) as tmp:
+            tmp.write_text("\n".join(lines))
+            os.chmod(tmp, 0o755)
 
     # -- running things on hosts -------------------------------------------------------
     def command(self, host: int | str, argv: list[str]) -> list[str]:

@@ -37,9 +37,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
+from fileio import publishing_dir
 from launch import system_desc
 from launch.summarize import SummaryError, find_logs, read_events
 
@@ -337,16 +335,8 @@ def make_package(args) -> tuple[Path, list[Verdict]]:
         except system_desc.SystemDescError as e:
             raise PackageError(f"system description: {e}") from None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    try:
+    with publishing_dir(out) as staging:  # replaces an empty out (checked above)
         build_tree(staging, args.org, args.system, logs, desc, code, args.implementation)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     package = out / args.org
     results = package / "results" / args.system / BENCHMARK
     verdicts = [run_package_checker(package)]

@@ -32,7 +32,6 @@ they are not official.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -45,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from fileio import file_digest, publishing, write_text
 
 TOKEN = ":::MLLOG"
 DEFAULT_RULESET = "5.0.0"
@@ -371,7 +372,7 @@ class ComplianceCache:
                 self.entries = {}  # a damaged cache is only a cache: start over
 
     def key(self, path: Path, ruleset: str, checker_version: str) -> str:
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        digest = file_digest(path, "sha256")
         return f"{ruleset}/{checker_version}/{digest}"
 
     def save(self) -> None:
@@ -379,9 +380,7 @@ class ComplianceCache:
             return
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.file.with_name(self.file.name + f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(self.entries, indent=0, sort_keys=True))
-            os.replace(tmp, self.file)
+            write_text(self.file, json.dumps(self.entries, indent=0, sort_keys=True))
         except OSError as e:
             print(f"note: compliance cache not saved to {self.file} ({e.strerror})", file=sys.stderr)
 
@@ -512,16 +511,6 @@ def to_json(summaries: list[DirectorySummary], ruleset: str | None) -> dict:
     }
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def write_png(path: Path, summaries: list[DirectorySummary]) -> None:
     """Bar chart of olympic scores, with every successful run as a dot."""
     import matplotlib
@@ -556,7 +545,8 @@ def write_png(path: Path, summaries: list[DirectorySummary]) -> None:
     )
     ax.legend(loc="best")
     fig.tight_layout()
-    _write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    with publishing(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
 
 
@@ -600,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(summaries, args.ruleset if ruleset else "not checked"), end="")
         if args.json:
             text = json.dumps(to_json(summaries, ruleset), indent=2) + "\n"
-            _write_atomic(args.json, lambda tmp: tmp.write_text(text))
+            write_text(args.json, text)
             print(f"wrote {args.json}")
         if args.png:
             write_png(args.png, summaries)

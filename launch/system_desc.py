@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fileio import write_text
+
 # The fields the 5.0.0 package checker requires, in the order MLPerf's own files list them.
 FIELDS = (
     "submitter",
@@ -239,19 +241,8 @@ def check(desc: dict[str, Any]) -> None:
 
 
 def write(path: str | os.PathLike, desc: dict[str, Any]) -> None:
-    """Writes ``desc`` as JSON to a temporary name, then renames it to ``path``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(desc, f, indent=4)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """Writes ``desc`` as JSON, published whole (fileio)."""
+    write_text(path, json.dumps(desc, indent=4) + "\n")
 
 
 def parse_fields(items: list[str]) -> dict[str, Any]:

@@ -48,9 +48,13 @@ def random_batch(lengths, vocab_size: int, seed: int = 0, **kw) -> UnpaddedBatch
 
 def write_fixed_file(path, lengths, vocab_size: int, seq_len: int, max_predictions: int = 20, seed: int = 0) -> None:
     """One HDF5 file in MLPerf's fixed layout (DESIGN.md), written with h5py directly."""
+    write_arrays(path, fixed_layout(lengths, vocab_size, seq_len=seq_len, max_predictions=max_predictions, seed=seed))
+
+
+def write_arrays(path, a: dict[str, np.ndarray]) -> None:
+    """The fixed layout's arrays, in its dtypes, into one HDF5 file."""
     import h5py
 
-    a = fixed_layout(lengths, vocab_size, seq_len=seq_len, max_predictions=max_predictions, seed=seed)
     with h5py.File(path, "w") as f:
         f.create_dataset("input_ids", data=a["input_ids"].astype(np.int16))
         f.create_dataset("input_mask", data=a["input_mask"].astype(np.int8))
@@ -87,4 +91,37 @@ def write_dataset(
         )
     eval_file = os.path.join(root, "eval", "part_eval_10k.hdf5")
     write_fixed_file(eval_file, rng.integers(8, seq_len + 1, eval_samples), vocab_size, seq_len, seed=seed + 999)
+    return train, eval_file
+
+
+def write_learnable_dataset(
+    root, num_files: int = 4, per_file: int = 64, eval_samples: int = 200, vocab_size: int = 96, seq_len: int = 64
+):
+    """Like ``write_dataset``, but masked-LM accuracy can rise: each sequence repeats a motif
+    of 1 to 3 random ids from 5..vocab_size-1, and each masked position holds [MASK] (id 4)
+    with the true id as its label, so a model that learns to copy the token one period away
+    predicts it. Returns (train_dir, eval_file)."""
+    import os
+
+    def write(path, n, seed):
+        rng = np.random.default_rng(seed)
+        a = fixed_layout(rng.integers(8, seq_len + 1, n), vocab_size, seq_len=seq_len, seed=seed)
+        span = vocab_size - 5
+        for i in range(n):
+            length = int(a["input_mask"][i].sum())
+            motif = 5 + rng.integers(0, span, rng.integers(1, 4))
+            a["input_ids"][i, :length] = np.resize(motif, length)
+            k = int((a["masked_lm_positions"][i] > 0).sum())
+            pos = a["masked_lm_positions"][i, :k]
+            a["masked_lm_ids"][i, :k] = a["input_ids"][i, pos]
+            a["input_ids"][i, pos] = 4
+        write_arrays(path, a)
+
+    train = os.path.join(root, "train")
+    os.makedirs(train, exist_ok=True)
+    os.makedirs(os.path.join(root, "eval"), exist_ok=True)
+    for i in range(num_files):
+        write(os.path.join(train, f"part_{i:05d}_of_{num_files:05d}.hdf5"), per_file, seed=i)
+    eval_file = os.path.join(root, "eval", "part_eval_10k.hdf5")
+    write(eval_file, eval_samples, seed=999)
     return train, eval_file

@@ -2,16 +2,11 @@
 
 A CLI is any module of the project with an ``if __name__ == "__main__":`` block (found here,
 so a new tool is covered without listing it). Run by path, Python puts the script's own
-directory first on ``sys.path`` and the project is not importable (worse: ``bench/data.py``
-once shadowed the ``data`` package). The one mechanism for that, in every CLI that imports
-the project, is this bootstrap placed before its first project import:
-
-    if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does
-        sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-It replaces the script's directory by the repository root, exactly what ``-m`` gives, and
-does nothing when the module is imported or run with ``-m``. No other ``sys.path`` edit is
-allowed in the project's code (checked below).
+directory first on ``sys.path``, not the repository root; the project is importable all the
+same because ``make setup`` installs it (editable, ``pip install -e .``), and no module of the
+project edits ``sys.path`` (checked below; a stale copy once did, ten times over). The
+``--help`` runs therefore get neither PYTHONPATH nor the repository as working directory: they
+see the project as a user's shell does.
 
 All ``--help`` runs share ONE subprocess (torch is imported once): before each run it forgets
 the project's modules and restores ``sys.path`` and the environment, so each run resolves its
@@ -27,14 +22,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import tomllib
+
 from data.synthetic import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("bench", "bert", "data", "kernels", "launch")
-BOOTSTRAP = (
-    'if __package__ in (None, ""):  # run by path: import the project from the repository root, as -m does\n'
-    "    sys.path[0] = str(Path(__file__).resolve().parents[1])\n"
-)
+PACKAGES = ("bench", "bert", "data", "fileio", "kernels", "launch")
+SYS_PATH_EDITS = ("append", "extend", "insert", "remove", "pop", "clear", "reverse", "sort", "__setitem__")
 
 
 def _is_main_block(node: ast.stmt) -> bool:
@@ -61,7 +56,7 @@ import contextlib, io, json, os, runpy, sys
 repo, runs = sys.argv[1], json.load(sys.stdin)
 base_path, base_env, results = list(sys.path), dict(os.environ), []
 for how, target in runs:
-    project = ("bench", "bert", "data", "kernels", "launch", "run_pretraining")
+    project = ("bench", "bert", "data", "fileio", "kernels", "launch", "run_pretraining")
     dirs = tuple(os.path.join(repo, p) + os.sep for p in project[:-1])
     for name in [m for m, mod in sys.modules.items()
                  if m.split(".")[0] in project or (getattr(mod, "__file__", None) or "").startswith(dirs)]:
@@ -91,7 +86,43 @@ os._exit(0)  # skip interpreter teardown: modules were dropped and re-imported u
 """
 
 
-def test_every_cli_shows_help_as_module_and_as_script(tmp_path):
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """Runs by path see the project only through the package ``make setup`` installs
+    (editable, from this checkout): say so plainly when this interpreter lacks it."""
+    code = "import bert, fileio; print(bert.__file__); print(fileio.__file__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path_factory.mktemp("anywhere"), env=env, capture_output=True, text=True
+    )
+    found = [Path(line).parent.parent for line in out.stdout.split()]
+    if out.returncode or found != [REPO, REPO]:
+        pytest.fail(
+            f"unpadded-bert is not installed from {REPO} in {sys.prefix} (found {found or out.stderr.strip()[-200:]}): "
+            "run `make setup`, or `pip install --no-deps --no-build-isolation -e .` in this venv",
+            pytrace=False,
+        )
+
+
+def test_console_scripts_are_the_clis_main_functions():
+    """Each ``[project.scripts]`` entry (bert-pretrain, ...) calls the ``main(argv=None)`` that
+    ``python -m`` of its module runs."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    clis = {".".join(p.relative_to(REPO).with_suffix("").parts): p for p in cli_files()}
+    assert {"bert-pretrain", "bert-prepare", "bert-export"} <= set(scripts)
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        assert module in clis, f"{name}: {module} has no __main__ block"
+        tree = ast.parse(clis[module].read_text())
+        (main_block,) = [n for n in tree.body if _is_main_block(n)]
+        calls = {n.id for n in ast.walk(main_block) if isinstance(n, ast.Name)}  # main() or cli_main(main)
+        assert func in calls, f"{name}: {module}'s __main__ block does not run {func}"
+        (define,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == func]
+        args = define.args
+        assert len(args.args) == 1 and len(args.defaults) == 1, f"{name}: {func} must take argv=None"
+
+
+def test_every_cli_shows_help_as_module_and_as_script(tmp_path, installed):
     files = cli_files()
     assert {"bench/throughput.py", "data/prepare.py", "launch/summarize.py"} <= {
         f.relative_to(REPO).as_posix() for f in files
@@ -121,29 +152,60 @@ def test_every_cli_shows_help_as_module_and_as_script(tmp_path):
     assert not failed, "\n\n".join(failed)
 
 
-def test_sys_path_is_touched_only_by_the_script_bootstrap():
-    offenders, clis = [], set(cli_files())
-    for path in project_files():
-        text = path.read_text()
-        rest = text.replace(BOOTSTRAP, "", 1) if path in clis else text
-        for line in rest.splitlines():
-            if "sys.path" in line:
-                offenders.append(f"{path.relative_to(REPO)}: {line.strip()}")
-        if BOOTSTRAP in text:
-            boot_at = text.index(BOOTSTRAP)
-            tree = ast.parse(text)
-            first_project_import = min(
-                (
-                    n.lineno
-                    for n in tree.body
-                    if isinstance(n, (ast.Import, ast.ImportFrom))
-                    and (n.module if isinstance(n, ast.ImportFrom) else n.names[0].name or "").split(".")[0] in PACKAGES
-                ),
-                default=None,
-            )
-            if first_project_import is not None and text[:boot_at].count("\n") + 1 > first_project_import:
-                offenders.append(f"{path.relative_to(REPO)}: the bootstrap comes after the first project import")
-    assert not offenders, "sys.path edits outside the one script bootstrap:\n" + "\n".join(offenders)
+def sys_path_edits(source: str) -> list[int]:
+    """Lines of ``source`` that change ``sys.path``: assigning it or an item or slice of it,
+    deleting from it, calling a mutating method on it, or ``site.addsitedir``. Reading it is fine."""
+
+    def is_sys_path(node: ast.AST) -> bool:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr == "path"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        )
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            if any(is_sys_path(t) for t in targets):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in SYS_PATH_EDITS and is_sys_path(node.func.value):
+                lines.append(node.lineno)
+            elif node.func.attr == "addsitedir":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "sys" and any(a.name == "path" for a in node.names):
+            lines.append(node.lineno)  # `from sys import path` then `path.insert(...)`
+    return sorted(lines)
+
+
+def test_no_project_module_edits_sys_path():
+    offenders = [
+        f"{path.relative_to(REPO)}:{line}: {path.read_text().splitlines()[line - 1].strip()}"
+        for path in project_files()
+        for line in sys_path_edits(path.read_text())
+    ]
+    assert not offenders, "sys.path edits in the project (it is installed: `make setup`):\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize(
+    "source, lines",
+    [
+        (
+            'if __package__ in (None, ""):\n    sys.path[0] = str(Path(__file__).resolve().parents[1])\n',
+            [2],
+        ),
+        ("import sys\nsys.path.insert(0, '.')\nsys.path.append('x')\n", [2, 3]),
+        ("sys.path = ['.'] + sys.path\nsys.path[:0] = ['.']\nsys.path += ['y']\ndel sys.path[0]\n", [1, 2, 3, 4]),
+        ("import site\nsite.addsitedir('/x')\nfrom sys import path\n", [2, 3]),
+        ("import sys\nprint(sys.path)\nfirst = sys.path[0]\n# sys.path.insert(0, '.') in a comment\n", []),
+    ],
+)
+def test_sys_path_check_catches_every_kind_of_edit(source, lines):
+    assert sys_path_edits(source) == lines
 
 
 def test_data_loading_bench_takes_the_sequence_length_from_the_data(tmp_path):
@@ -178,7 +240,7 @@ def test_data_loading_bench_takes_the_sequence_length_from_the_data(tmp_path):
     assert "loader + collate_padded" in proc.stdout
 
 
-def test_data_loading_bench_without_shards_is_one_line(tmp_path):
+def test_data_loading_bench_without_shards_is_one_line(tmp_path, installed):
     (tmp_path / "train").mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(

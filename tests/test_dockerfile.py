@@ -62,7 +62,7 @@ def test_base_image_has_torch_varlen_and_cites_its_torch_version():
 
 
 def test_requirements_installed_with_constraints_and_no_torch():
-    installs = [c for run in runs() for c in commands(run) if "pip install" in c]
+    installs = [c for run in runs() for c in commands(run) if "pip install" in c and " -r " in c]
     assert len(installs) == 1
     words = shlex.split(installs[0])
     assert words[words.index("-r") + 1] == "/tmp/requirements-image.txt"
@@ -71,6 +71,26 @@ def test_requirements_installed_with_constraints_and_no_torch():
     assert "requirements-torch" not in " ".join(runs())
     copies = [args for word, args in instructions() if word == "COPY"]
     assert copies[0] == "requirements.txt ./"
+
+
+def test_project_installed_editable_after_the_code_without_touching_dependencies():
+    """The package goes in after ``COPY . .`` (editable: the code stays at /workspace/bert),
+    with --no-deps (nothing may replace the image's packages) and the image's setuptools."""
+    ins = instructions()
+    copied = ins.index(("COPY", ". ."))
+    found = [
+        (i, c)
+        for i, (word, args) in enumerate(ins)
+        if word == "RUN"
+        for c in commands(args)
+        if "pip install" in c and " -r " not in c
+    ]
+    assert len(found) == 1, found
+    at, command = found[0]
+    words = shlex.split(command)
+    assert at > copied
+    assert words[words.index("-e") + 1] == "."
+    assert {"--no-deps", "--no-build-isolation"} <= set(words)
 
 
 def test_code_in_workspace_bert_with_run_and_time_entry():

@@ -9,6 +9,9 @@ type. This test reads their shell code blocks (and inline code that starts like 
   or script exists, every ``--flag`` shown after it appears in its ``--help`` output, and,
   when that help lists configuration fields as ``section.field = ...`` lines, every
   ``section.field=value`` override shown names one of them;
+- a console entry point of the package (``bert-prepare ...``, ``.venv/bin/bert-pretrain ...``,
+  named in pyproject.toml's ``[project.scripts]``): checked as ``python -m`` of its module is;
+  a command with the entry points' prefix (``bert-``) that is not one of them is an error;
 - ``make TARGET``: the target is defined in the Makefile;
 - any argument that is a path into the project with a code or config suffix
   (``launch/configs/cpu_demo.yaml``, ``bench/gpu_check.sh``, ``tests/x.py::test_y``) exists.
@@ -29,7 +32,10 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,7 +76,7 @@ PLACEHOLDER = re.compile(r"(^|[./])[A-Z][A-Z_]+($|[./])")
 PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 COMMAND_START = re.compile(
     r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:\S*/)?(?:python\d*(?:\.\d+)?\s|make\s|make$|"
-    r"torchrun\s|mpirun\s|bash\s+\S+\.sh|\S+\.(?:py|sh|sub)(?:\s|$))"
+    r"torchrun\s|mpirun\s|bash\s+\S+\.sh|\S+\.(?:py|sh|sub)(?:\s|$)|bert-[a-z-]+(?:\s|$))"
 )
 FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
 INLINE_CODE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
@@ -83,7 +89,7 @@ class Invocation:
     doc: str  # file, relative to the repository
     line: int
     command: str
-    kind: str  # "module", "script", "make", "path"
+    kind: str  # "module", "script", "make", "path", "entry" (an entry point that does not exist)
     target: str
     flags: list[str] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
@@ -244,9 +250,19 @@ def _find_tool(words: list[str]) -> tuple[str, str, int] | None:
     return None
 
 
+@cache
+def entry_points(repo: Path) -> dict[str, str]:
+    """The package's console scripts (pyproject.toml's ``[project.scripts]``): name -> module."""
+    path = repo / "pyproject.toml"
+    scripts = tomllib.loads(path.read_text()).get("project", {}).get("scripts", {}) if path.is_file() else {}
+    return {name: target.split(":", 1)[0] for name, target in scripts.items()}
+
+
 def invocations(doc: str, line: int, text: str, repo: Path) -> list[Invocation]:
     """What one documented shell line asks of this project."""
     found: list[Invocation] = []
+    scripts = entry_points(repo)
+    prefixes = {name.split("-", 1)[0] + "-" for name in scripts if "-" in name}
     for words in split_commands(text):
         if words[0] == "cd":  # later relative paths are relative to somewhere else
             break
@@ -256,6 +272,13 @@ def invocations(doc: str, line: int, text: str, repo: Path) -> list[Invocation]:
             continue
         if words[0].rsplit("/", 1)[-1] == "make":
             found += [Invocation(doc, line, text, "make", t) for t in _make_targets_named(words)]
+            continue
+        command = words[0].rsplit("/", 1)[-1]
+        if command in scripts:
+            found.append(Invocation(doc, line, text, "module", scripts[command], *_tool_arguments(words[1:])))
+            continue
+        if command.startswith(tuple(prefixes)) and not re.search(r"[A-Z]{2,}", command):  # bert-NAME: a pattern
+            found.append(Invocation(doc, line, text, "entry", command))
             continue
         tool = _find_tool(words)
         if tool and PLACEHOLDER.search(tool[1]):
@@ -378,6 +401,8 @@ def problems(found: list[Invocation], repo: Path, helps: dict[str, dict]) -> lis
     for inv in found:
         if inv.kind == "make" and inv.target not in targets:
             out.append(f"{inv.where()}: make target {inv.target!r} is not in the Makefile")
+        elif inv.kind == "entry":
+            out.append(f"{inv.where()}: {inv.target} is not a console script (pyproject.toml [project.scripts])")
         elif inv.kind == "path" and not (repo / inv.target).exists():
             out.append(f"{inv.where()}: {inv.target} does not exist")
         elif inv.kind == "module" and module_file(repo, inv.target) is None:
@@ -474,6 +499,25 @@ def _sample_repo(tmp_path: Path) -> Path:
     (repo / "docs").mkdir()
     (repo / "docs" / "page.md").write_text(SAMPLE)
     return repo
+
+
+def test_the_checker_reads_console_entry_points(tmp_path):
+    repo = _sample_repo(tmp_path)
+    (repo / "pyproject.toml").write_text('[project]\nname = "t"\n[project.scripts]\nbert-run = "tool.run:main"\n')
+    (repo / "docs" / "page.md").write_text(
+        "Run `bert-run --fast` or `.venv/bin/bert-run --depth 2`.\n\n"
+        "```bash\nbert-run --nope\nbert-gone --x\nbert-NAME --help\n```\n"
+    )
+    found, errors = check_docs(repo, tmp_path)
+    assert {(i.kind, i.target, i.line) for i in found} == {
+        ("module", "tool.run", 1),
+        ("module", "tool.run", 4),
+        ("entry", "bert-gone", 5),
+    }
+    assert errors == [
+        "docs/page.md:4: `bert-run --nope`: tool.run has no flag --nope (not in its --help)",
+        "docs/page.md:5: `bert-gone --x`: bert-gone is not a console script (pyproject.toml [project.scripts])",
+    ]
 
 
 def test_the_checker_finds_what_is_missing_and_skips_what_is_not_ours(tmp_path):

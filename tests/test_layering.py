@@ -8,7 +8,9 @@ any package in a LOWER layer, never one in its own layer or above. So:
 - ``bert/`` (the model, trainer, logging) may import ``kernels``, ``data``, ``launch``;
 - ``kernels/``, ``data/`` and ``launch/`` form the bottom layer and import NONE of each
   other: the attention interface lives in ``kernels``, batch types in ``data``, process
-  setup in ``launch``, and the code that needs two of them lives in ``bert`` or above.
+  setup in ``launch``, and the code that needs two of them lives in ``bert`` or above;
+- ``fileio/`` (files published whole, streamed digests) lies below them all and imports
+  nothing of the project, so every package can publish its files through it.
 
 Inside a package listed in ``MODULE_LAYERS`` the same holds between its modules: a module may
 import only modules of a lower layer of its package, so the package has no import circle (for
@@ -38,6 +40,7 @@ LAYERS = {
     "kernels": 0,
     "data": 0,
     "launch": 0,
+    "fileio": -1,
 }
 
 # Package -> {module: layer} inside it. A module imports only modules of a lower layer; every
@@ -46,6 +49,7 @@ MODULE_LAYERS = {
     "kernels": {
         "__init__": 0,  # imports nothing
         "interface": 0,  # layouts, AttentionFn, BackendUnavailable, settings: imports nothing of the project
+        "gemm_epilogue": 0,  # the FFN-in GEMM with bias+GELU in its epilogue: imports nothing of the project
         "masks": 1,  # FlashMask semantics and builders, pure PyTorch
         "tiles": 1,
         "grouped": 1,

@@ -254,3 +254,43 @@ def test_throughput_against_modernbert(data_dir, tmp_path):
     for name in ("unpadded/padded", "packed/reference"):
         assert rows[name]["check_loss"] == pytest.approx(rows["transformers"]["check_loss"], rel=1e-4)
         assert rows[name]["seq_per_s"] > 0
+
+
+@pytest.mark.slow  # two benchmark processes per pair
+def test_compare_revisions_runs_both_trees_alternately_and_reports_each_variants_ratio(data_dir, tmp_path, capsys):
+    from bench import compare_revisions
+
+    out = tmp_path / "ratios.json"
+    passthrough = tiny_throughput_args(data_dir, tmp_path / "unused.json")[2:-2]  # no --data, no --json
+    code = compare_revisions.main(
+        [
+            "--data",
+            str(data_dir),
+            "--base-tree",
+            str(compare_revisions.REPO),
+            "--pairs",
+            "2",
+            "--json",
+            str(out),
+            "--",
+            *passthrough,
+            "--variants",
+            "unpadded/reference",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert set(result) == {"unpadded/reference"}
+    r = result["unpadded/reference"]
+    assert len(r["ratios"]) == 2 and r["ratio_median"] > 0
+    assert "(new first)" in printed and "(base first)" in printed
+
+
+def test_compare_revisions_names_a_base_git_cannot_check_out(data_dir, capsys):
+    from bench import compare_revisions
+
+    code = compare_revisions.main(["--data", str(data_dir), "--base", "no-such-revision-xyz", "--pairs", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: --base no-such-revision-xyz:")

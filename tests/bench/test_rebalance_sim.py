@@ -85,3 +85,43 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     assert by[(16, "balanced", None)]["imbalance"] < by[(16, "stripe", None)]["imbalance"]
     assert png.stat().st_size > 0
     assert "balanced/g8" in capsys.readouterr().out
+
+
+def test_articles_are_cut_at_the_context_like_prepare_does():
+    from bench.article_lengths import sequence_lengths
+
+    # 1 token: [CLS] t [SEP]; 8190: exactly one full piece; 8191: a full piece and one token; 20000: 2 full + 3620
+    assert sequence_lengths(np.array([1, 8190, 8191, 20000]), 8192).tolist() == [3, 3, 3622] + [8192] * 4
+    with pytest.raises(ValueError, match="context 2"):
+        sequence_lengths(np.array([5]), 2)
+
+
+def test_the_shipped_wikitext2_article_lengths():
+    from bench.article_lengths import load
+
+    a = load()
+    assert len(a) == 122 and a.min() >= 1 and a.max() > 8192 and 2000 < np.median(a) < 4000
+
+
+def test_long_document_cli(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["--lengths", "wikitext2", "--model", "modernbert-base", "--world-sizes", "8", "64"]
+    assert sim.main([*args, "--batch", "16", "--steps", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "WikiText-2 articles cut at 8192" in printed and "b_local=0.000195 window=128" in printed
+    by = {(r["world_size"], r["strategy"], r["group_size"]): r for r in json.loads(out.read_text())}
+    for w in (8, 64):
+        assert by[(w, "balanced", None)]["imbalance"] < by[(w, "stripe", None)]["imbalance"]
+        assert by[(w, "stripe", None)]["imbalance"] < by[(w, "none", None)]["imbalance"]
+    assert sim.main([*args[:-1], "--batch", "4", "--steps", "1", "--cost", "1", "1e-4", "2e-4", "128"]) == 0
+    assert "cost a=1 b=0.0001 b_local=0.0002 window=128" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        sim.main([*args, "--cost", "1", "1e-4", "2e-4"])
+    assert e.value.code == 2 and "--cost: cost: expected (a, b) or (a, b, b_local, window)" in capsys.readouterr().err
+
+
+def test_modernbert_base_cost_from_flops():
+    c = sim.MODERNBERT_BASE_COST
+    # 8 global and 14 local layers share 4h per key seen; the linear part is 22 (8h^2 + 6hI)
+    assert c.a == 1.0 and c.window == 128 and c.b_local / c.b == pytest.approx(14 / 8)
+    assert 1 / c.b == pytest.approx(22 * (8 * 768 + 6 * 1152) / (8 * 4), rel=1e-12)

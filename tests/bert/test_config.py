@@ -75,3 +75,36 @@ def test_unknown_field_is_named(tmp_path):
         BertConfig.from_json(str(path))
     with pytest.raises(ConfigError, match="preset"):
         BertConfig.preset("huge")
+
+
+def test_an_unknown_activation_is_a_config_error_not_relu():
+    """The model has no fallback: an activation it does not know is refused, naming the field,
+    even in a config built around BertConfig's own check."""
+    import torch.nn.functional as F
+
+    from bert.model import BertForPreTraining, activation
+
+    assert activation("relu") is F.relu and activation("gelu") is F.gelu
+    with pytest.raises(ConfigError, match=r"^hidden_act: 'swish' is not one of"):
+        activation("swish")
+    config = BertConfig.preset("tiny")
+    object.__setattr__(config, "hidden_act", "swish")  # past __post_init__
+    with pytest.raises(ConfigError, match=r"^hidden_act: 'swish'"):
+        BertForPreTraining(config)
+
+
+def test_a_config_file_with_an_unknown_activation_is_found_when_the_config_is_checked(tmp_path, capsys):
+    import run_pretraining
+    from bert.train_config import ConfigError as RunConfigError
+    from bert.train_config import load_config
+
+    path = tmp_path / "bert_config.json"
+    path.write_text(json.dumps({**BertConfig.preset("tiny").to_dict(), "hidden_act": "swish"}))
+    with pytest.raises(RunConfigError, match=rf"^model.config_file: {path}: hidden_act: 'swish'"):
+        load_config(None, [f"model.config_file={path}"])
+    # From the command line: one line naming the file and the field, exit status 2, nothing done yet.
+    out = tmp_path / "out"
+    assert run_pretraining.main(["--output-dir", str(out), f"model.config_file={path}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: model.config_file: {path}: hidden_act: ")
+    assert not out.exists()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from bert.components import build_eval_loader
 from bert.train_config import load_config
@@ -175,6 +176,7 @@ def cli(*args, timeout=300, **kw):
         ("data.eval_file=/nonexistent.hdf5", "data.eval_file: '/nonexistent.hdf5' does not exist"),
         ("model.vocab_size=50", "outside the vocabulary"),
         ("model.attention=flashmask", "model.attention: flashmask needs data.layout=packed"),
+        ("model.attention=nonexistent", "model.attention: 'nonexistent' is not one of"),
     ],
 )
 def test_bad_config_is_one_line(dataset, tmp_path, override, message):
@@ -182,6 +184,16 @@ def test_bad_config_is_one_line(dataset, tmp_path, override, message):
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, triton runs")
+def test_a_backend_this_machine_cannot_run_is_a_config_error(dataset, tmp_path):
+    """Found when the model is built (the config may be meant for another machine): one line, exit 2."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = cli("--output-dir", str(tmp_path / "out"), *overrides(dataset, "model.attention=triton"), env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "model.attention=triton" in r.stderr and "TRITON_INTERPRET=1" in r.stderr
 
 
 def test_unwritable_output_dir(dataset, tmp_path):

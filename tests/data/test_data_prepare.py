@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from data.errors import DataError, cli_main
-from data.hdf5io import md5sum, read_file
+from data.hdf5io import read_file
 from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
 from data.synthetic import corpus, word_vocab, write_bert_text
 from data.text import parse_documents, split_sentences
+from fileio import md5sum
 from tests.helpers import REPO
 
 NUM_DOCS, NUM_WORDS, MAX_SENT = 300, 200, 12
@@ -578,6 +579,47 @@ def test_cli_process_exit_code_and_one_line(tmp_path):
 def test_config_needs_exactly_one_vocab_source(tmp_path):
     with pytest.raises(DataError, match="exactly one of --vocab FILE and --train-vocab SIZE"):
         PrepareConfig(inputs=["x"], output_dir=str(tmp_path))
+
+
+def test_an_option_is_declared_once_as_a_config_field():
+    """A field added to PrepareConfig with ``option`` is, from that one declaration, a CLI
+    option (type, default and help), reaches the config, and is refused by --reference when
+    marked so: no parser line or reference-mode list to keep in step by hand."""
+    from dataclasses import dataclass, fields
+
+    from data.prepare import build_parser, option, refused_by_reference
+
+    @dataclass(kw_only=True)
+    class Extended(PrepareConfig):
+        pair_budget: int = option(7, reference=False, help="pairs per document at most")
+        note: str = option("none", help="a free-form note")
+
+    ap = build_parser(Extended)
+    text = " ".join(ap.format_help().split())
+    assert "--pair-budget PAIR_BUDGET pairs per document at most (default 7) (default: None)" in text
+    assert "--note NOTE a free-form note (default: none)" in text
+    base = ["--input", "x", "--vocab", "v.txt", "--output-dir", "o"]
+    args = ap.parse_args(base + ["--pair-budget", "3"])
+    cfg = Extended(**{f.name: getattr(args, f.name) for f in fields(Extended) if getattr(args, f.name) is not None})
+    assert (cfg.pair_budget, cfg.note, cfg.inputs, cfg.max_seq_length) == (3, "none", ["x"], 512)
+    assert refused_by_reference(args, Extended) == ["--pair-budget"]
+    assert refused_by_reference(ap.parse_args(base + ["--note", "hi", "--seed", "1"]), Extended) == []
+    # The real parser: every field is an option, and --reference refuses exactly the options
+    # that change the layout or the split (what MLPerf's reference script cannot do).
+    real = build_parser()
+    every = real.parse_args(
+        base[:4]
+        + ["--output-dir", "o", "--input-format", "text", "--eval-input", "e", "--shards", "2"]
+        + ["--eval-samples", "5", "--format", "varlength", "--min-sentences", "1"]
+    )
+    assert refused_by_reference(every) == [
+        "--input-format",
+        "--eval-input",
+        "--shards",
+        "--eval-samples",
+        "--format",
+        "--min-sentences",
+    ]
 
 
 def test_truncation_matches_the_token_by_token_rule():

@@ -155,3 +155,39 @@ def test_imbalance():
         imbalance([])
     with pytest.raises(ValueError):
         imbalance([0.0, 0.0])
+
+
+def test_cost_with_local_layers():
+    from data.rebalance_plan import Cost, check_cost, sample_costs
+
+    L = np.array([1, 64, 128, 8192])
+    c = Cost(1.0, 1e-4, 2e-4, 128)
+    assert np.allclose(sample_costs(L, c), L + 1e-4 * L * L + 2e-4 * L * np.minimum(L, 128))
+    assert np.allclose(sample_costs(L, (1.0, 1e-4)), L + 1e-4 * L * L)  # (a, b) as before
+    assert check_cost((1, 0, 0.5, 64.0)) == Cost(1.0, 0.0, 0.5, 64)
+    for bad, want in (
+        ((1, 1, 1), "expected \\(a, b\\) or"),
+        ((1, 1, 0.5, 0), "window >= 1"),
+        ((1, 1, 0.5, 1.5), "window >= 1"),
+        ((0, 0, 0, 8), "not all 0"),
+        ((1, 1, -1, 8), "b_local >= 0"),
+    ):
+        with pytest.raises(ValueError, match=want):
+            check_cost(bad)
+
+
+def test_balancing_uses_the_window_term():
+    """Balanced under a cost that knows the windows, the ranks' true costs are within tol; a
+    plan made with the L^2-only cost of the same model is not, at long context."""
+    from data.rebalance_plan import assign, sample_costs
+
+    rng = np.random.default_rng(0)
+    L = np.where(rng.random((16, 12)) < 0.3, 8192, rng.integers(64, 4096, (16, 12)))
+    windowed = (1.0, 1e-5, 3e-4, 128)
+    plan = assign(L, "balanced", windowed, tol=1e-3)
+    true = sample_costs(L[plan.src_rank, plan.src_index], windowed).sum(1)
+    assert true.max() / true.mean() == pytest.approx(plan.imbalance_after, abs=1e-4)  # the plan's own costs
+    assert true.max() / true.mean() < 1.01
+    naive = assign(L, "balanced", (1.0, 1e-5 + 3e-4), tol=1e-3)  # every layer priced as global
+    true_naive = sample_costs(L[naive.src_rank, naive.src_index], windowed).sum(1)
+    assert true_naive.max() / true_naive.mean() > 1.02

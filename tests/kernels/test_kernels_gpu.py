@@ -166,6 +166,24 @@ def test_library_backends_match_reference(name):
         assert ek <= 2 * et + 1e-6, f"{name} {label}: {ek:.3g} > 2 x PyTorch's {et:.3g}"
 
 
+@pytest.mark.parametrize("window", [2, 37, 128, 2 * max(AWKWARD)])
+def test_flash_attn_window_matches_the_reference_band(window):
+    """flash_attn's window_size=(window // 2, window // 2) is the band |i - j| <= window // 2."""
+    from kernels.interface import BackendUnavailable
+
+    try:
+        fn = get_backend("flash_attn")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    qkv, dout, cu = inputs(AWKWARD, 8, 64, torch.bfloat16, seed=window)
+    layout = VarlenLayout(cu, max(AWKWARD), window=window)
+    got = run(lambda q, k, v: fn(q, k, v, layout, 0.0, False), qkv, dout)
+    pt = run(lambda q, k, v: reference_attention(q, k, v, layout, 0.0, False), qkv, dout)
+    f64 = run(lambda q, k, v: reference_attention(q, k, v, layout, 0.0, False), qkv.double(), dout.double())
+    for label, ek, et in zip(("out", "dq", "dk", "dv"), errors(got, f64), errors(pt, f64)):
+        assert ek <= 2 * et + 1e-6, f"flash_attn window={window} {label}: {ek:.3g} > 2 x PyTorch's {et:.3g}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_ops_within_twice_pytorch(dtype):
     from kernels.fused_ops import (

@@ -1,0 +1,139 @@
+"""Files published whole, and digests of files read in pieces: the one place both are written.
+
+Every output of the project (shards, vocabularies, manifests, checkpoints, exports, JSON
+reports, plots, MLPerf packages) appears under its final name complete or not at all: it is
+written under a temporary name in the same directory (so the rename stays on one file
+system), flushed and fsynced, renamed over the final name, and the directory is fsynced so
+that the rename itself survives a crash. A reader never sees half a file; a crash leaves the
+old file (or none) and at worst a temporary file beside it.
+
+- ``publishing(path)``: a context manager giving a temporary path for writers that want a
+  file name (h5py, ``torch.save``, ``savefig``, ``np.save``); published on a clean exit,
+  removed on an error.
+- ``write_bytes(path, data)`` / ``write_text(path, text)``: the common case in one call.
+- ``publishing_dir(path)``: the same for a directory (an export, a package, a cache entry).
+- ``publish(tmp, path)``: for a temporary file some other code has already written.
+- ``md5sum(path)`` / ``file_digest(path, name)``: a hash of a file read 1 MiB at a time.
+- ``is_temporary(name)``: what a killed writer left behind, for cleanup at the next start.
+
+This package sits below every other (tests/test_layering.py): it imports nothing of the
+project, so ``data``, ``kernels``, ``launch``, ``bert`` and ``bench`` can all use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+_CHUNK = 1 << 20
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's or a directory's data and metadata to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """fsync a directory, so that a rename or a new entry in it is durable. Some file
+    systems cannot open a directory for that (they order their metadata themselves)."""
+    try:
+        fsync_path(directory)
+    except OSError:
+        pass
+
+
+# What this module names its temporary files and directories: ``.<name>.tmp<pid><suffix>``
+# (hidden, one per process; the suffix stays last, as savefig and np.save choose by it). A
+# killed writer leaves such a name, never a final one; cleanup code finds them with this.
+TEMPORARY = re.compile(r"\.tmp\d+(\.\w+)?$")
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a file name is one of this module's temporary names (what a killed writer left)."""
+    return TEMPORARY.search(name) is not None
+
+
+def _temp_name(path: Path, suffix: str) -> Path:
+    return path.with_name(f".{path.name}.tmp{os.getpid()}{suffix}")
+
+
+def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Make the written file (or directory) ``tmp`` durable and rename it over ``path``."""
+    tmp, path = Path(tmp), Path(path)
+    if tmp.is_dir():
+        for root, _, files in os.walk(tmp):
+            for name in files:
+                fsync_path(os.path.join(root, name))
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def publishing(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; write the file there. On a clean exit it is
+    published as ``path``; on an error it is removed and ``path`` is left as it was.
+    ``suffix`` ends the temporary name (default: ``path``'s own suffix)."""
+    path = Path(path)
+    tmp = _temp_name(path, path.suffix if suffix is None else suffix)
+    try:
+        yield tmp
+        publish(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def publishing_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a new empty directory beside ``path``; fill it. On a clean exit it replaces
+    ``path`` (an existing ``path`` is removed first: a directory cannot be renamed over a
+    full one); on an error it is removed and ``path`` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_name(path, "")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed process that had this pid
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        publish(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Publish ``data`` as the file ``path``."""
+    with publishing(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+
+
+def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
+    """Publish ``text`` as the file ``path``."""
+    write_bytes(path, text.encode(encoding))
+
+
+def file_digest(path: str | os.PathLike, name: str = "md5") -> str:
+    """Hex digest (hashlib algorithm ``name``) of a file, read in 1 MiB pieces: a shard of
+    gigabytes is never held in memory."""
+    h = hashlib.new(name)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def md5sum(path: str | os.PathLike) -> str:
+    """md5 of a file's bytes, as ``md5sum`` prints it."""
+    return file_digest(path, "md5")
