@@ -1,4 +1,5 @@
-"""Training throughput against transformers' BertForPreTraining, side by side in one run.
+"""Training throughput against transformers' BertForPreTraining (or ModernBertForMaskedLM for
+a ModernBERT ``--model``), side by side in one run.
 
     python bench/throughput.py --data /tmp/wt2-512                      # CPU, small BERT, batch 16
     python bench/throughput.py --data DIR --model large --batch-size 56 --precision bf16   # GPU
@@ -122,18 +123,35 @@ def our_loss(model, batch):
     return loss
 
 
-def hf_inputs(padded, device) -> dict:
-    """transformers' arguments for a PaddedBatch: labels -100 except at the masked positions."""
+def hf_inputs(padded, device, bert: bool = True) -> dict:
+    """transformers' arguments for a PaddedBatch: labels -100 except at the masked positions
+    (``bert`` False: ModernBertForMaskedLM's, which has no token types and no NSP)."""
     b, s = padded.input_ids.shape
     labels = torch.full((b * s,), -100, dtype=torch.long)
     labels[padded.mlm_positions] = padded.mlm_labels
-    return {
+    inputs = {
         "input_ids": padded.input_ids.to(device),
-        "token_type_ids": padded.segment_ids.to(device),
         "attention_mask": padded.attention_mask.long().to(device),
         "labels": labels.view(b, s).to(device),
-        "next_sentence_label": padded.nsp_labels.to(device),
     }
+    if bert:
+        inputs.update(token_type_ids=padded.segment_ids.to(device), next_sentence_label=padded.nsp_labels.to(device))
+    return inputs
+
+
+def hf_model_for(config: BertConfig, hf_attention: str):
+    """transformers' model of ``config``: BertForPreTraining, or ModernBertForMaskedLM for a
+    ModernBERT configuration (its default dense prediction over every position)."""
+    import transformers
+
+    if config.is_bert:
+        return transformers.BertForPreTraining(
+            transformers.BertConfig(**config.to_dict(), attn_implementation=hf_attention)
+        )
+    from bert.modernbert_hf import config_to_hf
+
+    hf_config = transformers.ModernBertConfig(**config_to_hf(config), attn_implementation=hf_attention)
+    return transformers.ModernBertForMaskedLM(hf_config)
 
 
 def default_variants(device: torch.device) -> list[str]:
@@ -147,8 +165,6 @@ def default_variants(device: torch.device) -> list[str]:
 def build_variants(
     names: list[str], explicit: bool, config: BertConfig, blocks, seq_len: int, device, hf_attention: str, seed: int
 ) -> list[Variant]:
-    import transformers
-
     from bert.checkpoint import load_hf_state_dict
     from bert.model import BertForPreTraining
     from bert.optim import build_optimizer
@@ -156,8 +172,7 @@ def build_variants(
     from data.collate import collate_padded, collate_unpadded, make_collator
 
     torch.manual_seed(seed)
-    hf_config = transformers.BertConfig(**config.to_dict(), attn_implementation=hf_attention)
-    hf_model = transformers.BertForPreTraining(hf_config)
+    hf_model = hf_model_for(config, hf_attention)
     weights = {k: v.clone() for k, v in hf_model.state_dict().items()}
     padded = [collate_padded(b, seq_len) for b in blocks]
     variants = []
@@ -167,7 +182,7 @@ def build_variants(
         try:
             if name == "transformers":
                 v.model, v.loss_fn = hf_model, hf_loss
-                v.inputs = [hf_inputs(p, device) for p in padded]
+                v.inputs = [hf_inputs(p, device, config.is_bert) for p in padded]
             elif name == "padded":
                 v.model, v.loss_fn = BertForPreTraining(config, attention="padded"), our_loss
                 v.inputs = [p.to(device) for p in padded]

@@ -23,6 +23,7 @@ helpers, ``safe_torch_load`` and ``plain_data_problem``.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import re
@@ -31,7 +32,7 @@ import zipfile
 import torch
 from torch import Tensor
 
-from bert.config import BertConfig
+from bert.config import BertConfig, ConfigError
 from bert.tf_checkpoint import (
     TFCheckpointError,
     google_bert_to_hf,
@@ -234,11 +235,16 @@ def _qkv_names(i: int, p: str) -> list[str]:
 
 
 def to_hf_state_dict(model, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """This model's weights under transformers' ``BertForPreTraining.state_dict()`` names.
+    """This model's weights under transformers' ``BertForPreTraining.state_dict()`` names
+    (``ModernBertForMaskedLM``'s for a config that is not BERT's: ``bert.modernbert_hf``).
 
     ``tensors`` maps this model's parameter names to other tensors of the same shapes (for
     example gradients) to rename instead of the weights.
     """
+    if not model.config.is_bert:
+        from bert import modernbert_hf
+
+        return modernbert_hf.to_hf_state_dict(model, tensors)
     ours = model.state_dict() if tensors is None else tensors
     out = {hf: ours[name] for hf, name in _name_map(model.config.num_hidden_layers).items()}
     for i in range(model.config.num_hidden_layers):
@@ -251,9 +257,22 @@ def to_hf_state_dict(model, tensors: dict[str, Tensor] | None = None) -> dict[st
 
 
 def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
-    """Load transformers-named weights into ``model``; all problems reported at once."""
+    """Load transformers-named weights into ``model``; all problems reported at once.
+
+    BERT-shaped configs take ``BertForPreTraining``'s names, others ``ModernBertForMaskedLM``'s
+    (``bert.modernbert_hf``)."""
     cfg = model.config
-    ours = model.state_dict()
+    if not cfg.is_bert:
+        from bert import modernbert_hf
+
+        try:
+            new, problems = modernbert_hf.renamed(cfg, state_dict)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        _check_float(state_dict, set(modernbert_hf.name_map(cfg)) | {"decoder.weight"})
+        hf_of = {ours: hf for hf, ours in modernbert_hf.name_map(cfg).items()}
+        _check_shapes_and_copy(model, new, problems, hf_of)
+        return
     names = _name_map(cfg.num_hidden_layers)
     wanted = set(names) | {
         n for i in range(cfg.num_hidden_layers) for p in ("weight", "bias") for n in _qkv_names(i, p)
@@ -265,20 +284,7 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
         problems.append(f"missing keys {missing}")
     if unexpected:
         problems.append(f"unexpected keys {unexpected}")
-    not_float = sorted(
-        k
-        for k, v in state_dict.items()
-        if k in wanted | set(_ALIASES) and (not isinstance(v, Tensor) or not v.is_floating_point())
-    )
-    if not_float:
-        kinds = {
-            k: state_dict[k].dtype if isinstance(state_dict[k], Tensor) else type(state_dict[k]).__name__
-            for k in not_float[:5]
-        }
-        what = ", ".join(f"{k} ({kind})" for k, kind in kinds.items())
-        raise CheckpointError(
-            f"not floating-point tensors: {what}" + (f" (+{len(not_float) - 5} more)" if len(not_float) > 5 else "")
-        )
+    _check_float(state_dict, wanted | set(_ALIASES))
     new = {}
     for hf, name in names.items():
         if hf in state_dict:
@@ -291,13 +297,35 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
                     new[f"layers.{i}.qkv.{p}"] = torch.cat(parts, 0)
                 else:
                     problems.append(f"shape mismatch: {_qkv_names(i, p)[0]} and its key/value differ in shape")
-    for name, tensor in new.items():
-        if tuple(tensor.shape) != tuple(ours[name].shape):
-            hf = next((k for k, v in names.items() if v == name), name)
-            problems.append(f"shape mismatch: {hf} is {tuple(tensor.shape)}, model expects {tuple(ours[name].shape)}")
     for alias, target in _ALIASES.items():
         if alias in state_dict and target in state_dict and not torch.equal(state_dict[alias], state_dict[target]):
             problems.append(f"{alias} differs from {target}, but this model ties them")
+    _check_shapes_and_copy(model, new, problems, {name: hf for hf, name in names.items()})
+
+
+def _check_float(state_dict: dict, keys: set[str]) -> None:
+    """CheckpointError naming the entries of ``keys`` that are not floating-point tensors."""
+    not_float = sorted(
+        k for k, v in state_dict.items() if k in keys and (not isinstance(v, Tensor) or not v.is_floating_point())
+    )
+    if not_float:
+        kinds = {
+            k: state_dict[k].dtype if isinstance(state_dict[k], Tensor) else type(state_dict[k]).__name__
+            for k in not_float[:5]
+        }
+        what = ", ".join(f"{k} ({kind})" for k, kind in kinds.items())
+        raise CheckpointError(
+            f"not floating-point tensors: {what}" + (f" (+{len(not_float) - 5} more)" if len(not_float) > 5 else "")
+        )
+
+
+def _check_shapes_and_copy(model, new: dict[str, Tensor], problems: list[str], hf_of: dict[str, str]) -> None:
+    """Add shape mismatches to ``problems``; raise them all, or copy ``new`` into the model."""
+    ours = model.state_dict()
+    for name, tensor in new.items():
+        if tuple(tensor.shape) != tuple(ours[name].shape):
+            hf = hf_of.get(name, name)
+            problems.append(f"shape mismatch: {hf} is {tuple(tensor.shape)}, model expects {tuple(ours[name].shape)}")
     if problems:
         raise CheckpointError("; ".join(problems))
     with torch.no_grad():
@@ -387,12 +415,21 @@ def load_pretrained(model, path: str) -> None:
 
 
 def export_hf(model, directory: str) -> None:
-    """Write ``config.json`` and ``model.safetensors`` that transformers loads; the
+    """Write ``config.json`` and ``model.safetensors`` that transformers loads
+    (``BertForPreTraining``, or ``ModernBertForMaskedLM`` for a ModernBERT config); the
     directory appears complete or not at all."""
     from safetensors.torch import save_file
 
     with publishing_dir(directory) as tmp:
-        model.config.to_json(os.path.join(tmp, "config.json"), transformers=True)
+        if model.config.is_bert:
+            model.config.to_json(os.path.join(tmp, "config.json"), transformers=True)
+            tied = set(_ALIASES)
+        else:
+            from bert import modernbert_hf
+
+            with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:  # the directory is published whole
+                json.dump(modernbert_hf.config_to_hf(model.config), f, indent=2, sort_keys=True)
+            tied = {"decoder.weight"}
         # safetensors stores each tensor once: drop the tied copies, as transformers does.
-        tensors = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items() if k not in _ALIASES}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items() if k not in tied}
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})

@@ -18,6 +18,7 @@ from bert import fp8
 from bert.clipping import AdaGC
 from bert.collectives import Collectives
 from bert.config import BertConfig
+from bert.config import ConfigError as BertConfigError
 from bert.metrics import MetricsWriter
 from bert.mlperf_log import MLPerfLogger
 from bert.model import BertForPreTraining
@@ -66,7 +67,13 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
     base = BertConfig.from_json(m.config_file) if m.config_file else BertConfig.preset(m.preset)
     overrides = {
         k: getattr(m, k)
-        for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "vocab_size")
+        for k in (
+            "hidden_dropout_prob",
+            "attention_probs_dropout_prob",
+            "vocab_size",
+            "rope_theta_global",
+            "rope_theta_local",
+        )
         if getattr(m, k) is not None
     }
     if m.vocab_size is None and cfg.data.vocab_file:
@@ -75,7 +82,20 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
                 overrides["vocab_size"] = sum(1 for line in f if line.strip())
         except OSError as e:
             raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from None
-    config = replace(base, **overrides)
+    try:
+        config = replace(base, **overrides)
+    except BertConfigError as e:
+        raise ConfigError(f"model: {e}") from None
+    if any(w is not None for w in config.layer_windows) and cfg.data.layout != "packed":
+        # Local layers hand the backend a windowed layout; the packed layout carries the window
+        # in its FlashMask bounds instead.
+        from kernels.interface import PaddedLayout, VarlenLayout
+        from kernels.registry import refusal
+
+        layout = PaddedLayout if cfg.data.layout == "padded" else VarlenLayout
+        reason = refusal(cfg.model.attention, layout, ["window"])
+        if reason:
+            raise ConfigError(f"model.attention: the model has local (sliding-window) layers; {reason}")
     if cfg.data.max_seq_length > config.max_position_embeddings:
         raise ConfigError(
             f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "
@@ -87,9 +107,9 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
 def build_model(
     model: ModelSection, config: BertConfig, train: TrainSection | None = None, device: torch.device | None = None
 ) -> BertForPreTraining:
-    """The model of ``config`` with model.attention (and its options), model.fused_ops and
-    model.bias_gelu; with ``train``, its encoder's linear layers in train.fp8 (bert.fp8; a
-    ConfigError when ``device`` cannot run FP8 GEMMs)."""
+    """The model of ``config`` with model.attention (and its options), model.fused_ops,
+    model.bias_gelu and model.rotary_kernel; with ``train``, its encoder's linear layers in
+    train.fp8 (bert.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs)."""
     options = (
         {"buckets": model.grouped_buckets, "num_streams": model.grouped_streams}
         if model.attention == "triton_grouped"
@@ -101,6 +121,7 @@ def build_model(
         fused_ops=model.fused_ops,
         attention_options=options,
         bias_gelu=model.bias_gelu,
+        rotary_kernel=model.rotary_kernel,
     )
     if train is not None:
         fp8.convert_encoder(built, train.fp8, train.fp8_impl, device)
@@ -372,7 +393,7 @@ def build_static_shapes(cfg: RunConfig, micro_batch: int, model: BertForPreTrain
         why = graph_safe_dropout(cfg.model.attention, cfg.model.fused_ops, *dropout)
         if why:
             raise ConfigError(f"train.cuda_graphs: {why}")
-        model.encoder_graphs = EncoderGraphs(model.layers, shapes.max_seqlen)
+        model.encoder_graphs = EncoderGraphs(model.layers, shapes.max_seqlen, model.rotary)
     return shapes
 
 

@@ -1,21 +1,38 @@
-"""The BERT architecture's hyper-parameters: ``BertConfig``, its presets, and JSON I/O.
+"""The encoder's hyper-parameters: ``BertConfig``, its presets, and JSON I/O.
 
-Field names are BERT's own, so a ``bert_config.json`` from Google's release or NVIDIA's
-MLPerf package and a transformers ``config.json`` both load directly. Presets:
+The first block of fields is BERT's own (names as in Google's ``bert_config.json``, NVIDIA's
+MLPerf package and transformers' ``config.json``, which all load directly). The second block
+says how the encoder is assembled from parts (``bert.layers``): norm placement and kind,
+positions, MLP kind, biases, heads and the attention of each layer. Its defaults are BERT's,
+so a BERT config never mentions them: ``to_dict`` writes a part field only where it differs
+from BERT, and a BERT config's JSON is what it always was. A ModernBERT-class encoder is a
+configuration (see the ``modernbert_*`` presets); ``bert.modernbert_hf`` maps it to and from
+transformers' ``ModernBertConfig``.
+
+Presets:
 
 - ``tiny``: 2 layers, hidden 128, for tests and the CPU demo;
 - ``base``: BERT-base, 12 layers, hidden 768;
-- ``large``: MLPerf's BERT-large, 24 layers, hidden 1024, 16 heads, intermediate 4096.
+- ``large``: MLPerf's BERT-large, 24 layers, hidden 1024, 16 heads, intermediate 4096;
+- ``modernbert_base``, ``modernbert_large``: ModernBERT's published shapes (the numbers and
+  where they come from are next to ``PRESETS`` below);
+- ``modernbert_tiny``: a ModernBERT-shaped 4-layer model for tests and the CPU demo.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from fileio import write_text
 
-ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
+NORM_PLACEMENTS = ("post", "pre")
+NORM_KINDS = ("layernorm", "rmsnorm")
+POSITION_KINDS = ("absolute", "rotary")
+MLP_KINDS = ("dense", "gated")
+LAYER_TYPES = ("global", "local")
+INIT_SCHEMES = ("bert", "modernbert")
 
 # Keys transformers writes into config.json that describe its own bookkeeping, not the
 # architecture. Any other unknown key is an error.
@@ -55,6 +72,16 @@ class ConfigError(ValueError):
     """A model configuration that is invalid; the message names the field."""
 
 
+def _part(default):
+    """A field saying how the encoder is assembled; written to JSON only where it is not BERT's."""
+    return field(default=default, metadata={"part": True})
+
+
+def alternating_layers(num_layers: int, global_every: int) -> tuple[str, ...]:
+    """ModernBERT's pattern: layer i is global when i % global_every == 0, else local."""
+    return tuple("global" if i % global_every == 0 else "local" for i in range(num_layers))
+
+
 @dataclass(frozen=True)
 class BertConfig:
     vocab_size: int = 30522
@@ -69,6 +96,31 @@ class BertConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     initializer_range: float = 0.02
+    # ---- how the encoder is assembled (bert.layers); the defaults are BERT ------------------
+    # post: x = norm(x + f(x)) (BERT); pre: x = x + f(norm(x)) with a final norm after the last layer.
+    norm_placement: str = _part("post")
+    norm_kind: str = _part("layernorm")  # layernorm or rmsnorm (RMSNorm never has a bias)
+    norm_bias: bool = _part(True)  # LayerNorm with a bias (BERT) or without (ModernBERT)
+    position_embedding: str = _part("absolute")  # absolute: a learned table; rotary: RoPE on q and k
+    rope_theta_global: float = _part(10000.0)  # rotary base of global layers
+    rope_theta_local: float = _part(10000.0)  # rotary base of local (sliding-window) layers
+    # dense: act(W x); gated: act(W_in x) * (W_gate x), one fused linear [2*intermediate, hidden],
+    # input half first (GeGLU with hidden_act gelu, SwiGLU with silu).
+    mlp: str = _part("dense")
+    attention_bias: bool = _part(True)  # biases of the QKV and output projections
+    mlp_bias: bool = _part(True)  # biases of the MLP's two projections
+    head_bias: bool = _part(True)  # bias of the masked-LM head's transform
+    decoder_bias: bool = _part(True)  # the masked-LM decoder's bias (the decoder weight is the word embeddings)
+    embedding_norm: bool = _part(True)  # a norm after the embeddings
+    first_attn_norm: bool = _part(True)  # pre-norm: a norm before layer 0's attention (ModernBERT has none)
+    next_sentence: bool = _part(True)  # the pooler and the next-sentence head (BERT's NSP)
+    # Per layer, "global" or "local" (attention inside |i - j| <= local_window // 2 of the same
+    # sequence); empty: every layer global. ``alternating_layers`` writes ModernBERT's pattern.
+    layer_types: tuple[str, ...] = _part(())
+    local_window: int = _part(128)
+    # bert: normal(0, initializer_range) everywhere; modernbert: truncated at 2 std, output
+    # projections (attention, MLP, head transform) at initializer_range / sqrt(2 * layers).
+    init_scheme: str = _part("bert")
 
     def __post_init__(self):
         for name in (
@@ -79,10 +131,14 @@ class BertConfig:
             "intermediate_size",
             "max_position_embeddings",
             "type_vocab_size",
+            "local_window",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+            # type_vocab_size 0: no token-type embedding (encoders trained without segments).
+            least = 0 if name == "type_vocab_size" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                kind = "a non-negative" if least == 0 else "a positive"
+                raise ConfigError(f"{name}: must be {kind} integer, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden_size: {self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
@@ -93,10 +149,47 @@ class BertConfig:
                 raise ConfigError(f"{name}: must lie in [0, 1), got {value!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"hidden_act: {self.hidden_act!r} is not one of {ACTIVATIONS}")
-        for name in ("layer_norm_eps", "initializer_range"):
+        for name in ("layer_norm_eps", "initializer_range", "rope_theta_global", "rope_theta_local"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive number, got {value!r}")
+        for name, choices in (
+            ("norm_placement", NORM_PLACEMENTS),
+            ("norm_kind", NORM_KINDS),
+            ("position_embedding", POSITION_KINDS),
+            ("mlp", MLP_KINDS),
+            ("init_scheme", INIT_SCHEMES),
+        ):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {choices}")
+        for f in fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ConfigError(f"{f.name}: must be true or false, got {getattr(self, f.name)!r}")
+        if isinstance(self.layer_types, list):  # from JSON
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if not isinstance(self.layer_types, tuple) or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ConfigError(f"layer_types: expected a list of {LAYER_TYPES}, got {self.layer_types!r}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types: {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}"
+            )
+        if self.local_window < 2:
+            raise ConfigError("local_window: must be at least 2 (the band is |i - j| <= window // 2), got 1")
+        if self.position_embedding == "rotary" and self.head_dim % 2:
+            raise ConfigError(f"position_embedding: rotary needs an even head dim, got {self.head_dim}")
+        if self.norm_kind == "rmsnorm" and self.norm_bias:
+            raise ConfigError("norm_bias: RMSNorm has no bias; set norm_bias false")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the attention window (None: global)."""
+        types = self.layer_types or ("global",) * self.num_hidden_layers
+        return tuple(self.local_window if t == "local" else None for t in types)
+
+    @property
+    def is_bert(self) -> bool:
+        """Whether every part field is BERT's (the architecture transformers' BertForPreTraining is)."""
+        return all(getattr(self, f.name) == f.default for f in fields(self) if f.metadata.get("part"))
 
     @property
     def head_dim(self) -> int:
@@ -122,7 +215,8 @@ class BertConfig:
 
     @classmethod
     def from_json(cls, path: str) -> BertConfig:
-        """Read BERT's ``bert_config.json`` or transformers' ``config.json``."""
+        """Read BERT's ``bert_config.json``, or transformers' ``config.json`` of a BERT or of a
+        ModernBERT (``model_type`` "modernbert", mapped by ``bert.modernbert_hf``)."""
         try:
             with open(path, encoding="utf-8") as f:
                 values = json.load(f)
@@ -131,13 +225,25 @@ class BertConfig:
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         try:
+            if values.get("model_type") == "modernbert":
+                from bert.modernbert_hf import config_from_hf  # that module imports this one
+
+                return config_from_hf(values, source=path)
             return cls.from_dict(values, source=path)
         except TypeError as e:  # wrong value types caught by the dataclass
             raise ConfigError(f"{path}: {e}") from None
 
     def to_dict(self, transformers: bool = False) -> dict:
-        out = asdict(self)
+        """BERT's fields, and the part fields that differ from BERT's.
+
+        ``transformers=True`` writes transformers' ``BertConfig``; other architectures are
+        written by ``bert.modernbert_hf``."""
+        parts = {f.name: f.default for f in fields(self) if f.metadata.get("part")}
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        out = {k: v for k, v in out.items() if k not in parts or getattr(self, k) != parts[k]}
         if transformers:
+            if not self.is_bert:
+                raise ConfigError("to_dict: only a BERT-shaped config is a transformers BertConfig")
             out.update(
                 architectures=["BertForPreTraining"],
                 model_type="bert",
@@ -152,9 +258,65 @@ class BertConfig:
         write_text(path, json.dumps(self.to_dict(transformers), indent=2, sort_keys=True) + "\n")
 
 
+def _modernbert(**shape) -> BertConfig:
+    """ModernBERT's architecture (arXiv:2412.13663, section 2.1, and the defaults of transformers'
+    ``ModernBertConfig``, which are answerdotai/ModernBERT-base's config.json): pre-norm
+    LayerNorm without bias (eps 1e-5), an embedding norm and none before layer 0's attention,
+    rotary positions (theta 160,000 global, 10,000 local: the values after its context
+    extension to 8,192), GeGLU, no biases but the decoder's, no token types, no NSP, a global
+    layer every 3rd and a 128-token window on the others, dropout 0, vocabulary 50,368."""
+    layers = shape.pop("num_hidden_layers", 22)
+    values = dict(
+        vocab_size=50368,
+        num_hidden_layers=layers,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=8192,
+        type_vocab_size=0,
+        layer_norm_eps=1e-5,
+        norm_placement="pre",
+        norm_bias=False,
+        position_embedding="rotary",
+        rope_theta_global=160000.0,
+        rope_theta_local=10000.0,
+        mlp="gated",
+        attention_bias=False,
+        mlp_bias=False,
+        head_bias=False,
+        first_attn_norm=False,
+        next_sentence=False,
+        layer_types=alternating_layers(layers, 3),
+        local_window=128,
+        init_scheme="modernbert",
+    )
+    values.update(shape)
+    return BertConfig(**values)
+
+
 PRESETS = {
     "tiny": BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
     "small": BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
     "base": BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "large": BertConfig(),
+    # ModernBERT-base: 22 layers x 768, 12 heads, GeGLU intermediate 1,152 (the paper's "GLU
+    # expansion of 2,304" is the fused input+gate width); ModernBERT-large: 28 x 1,024, 16
+    # heads, intermediate 2,624 (5,248 fused). arXiv:2412.13663, section 2.1.
+    "modernbert_base": _modernbert(
+        hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152
+    ),
+    "modernbert_large": _modernbert(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624
+    ),
+    # ModernBERT's shape at CPU size (tests, the demo): 4 layers (global, local, local, global)
+    # with a 32-token window, so sequences of the demo (up to 128) are longer than the window.
+    "modernbert_tiny": _modernbert(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        intermediate_size=192,
+        max_position_embeddings=512,
+        local_window=32,
+        rope_theta_global=10000.0,
+    ),
 }

@@ -110,7 +110,9 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
 
 def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> None:
     """vocab.txt, tokenizer_config.json, special_tokens_map.json for transformers' BertTokenizer
-    with the normalisation of data.tokenization (uncased: lower case, accents stripped)."""
+    with the normalisation of data.tokenization (uncased: lower case, accents stripped), and
+    tokenizer.json: data.tokenization's own WordPiece with BERT's [CLS]/[SEP] template, which
+    AutoTokenizer needs where the model type registers no WordPiece class (ModernBERT)."""
     shutil.copyfile(vocab_file, os.path.join(directory, "vocab.txt"))
     with open(vocab_file, encoding="utf-8") as f:
         tokens = {line.rstrip("\n") for line in f}
@@ -130,6 +132,22 @@ def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> N
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2)
             f.write("\n")
+    _fast_tokenizer(vocab_file).save(os.path.join(directory, "tokenizer.json"))
+
+
+def _fast_tokenizer(vocab_file: str):
+    from tokenizers import decoders, processors
+
+    from data.tokenization import load_vocab, make_tokenizer
+
+    vocab = load_vocab(vocab_file)
+    tok = make_tokenizer(vocab)
+    cls, sep = vocab.ids["[CLS]"], vocab.ids["[SEP]"]
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return tok
 
 
 def export_run(run_dir: str, output: str, checkpoint: str | None = None, vocab_file: str | None = None) -> str:

@@ -31,15 +31,17 @@ def _per_count(loss_sum: Tensor, count) -> Tensor:
 def pretraining_loss(
     mlm_logits: Tensor,
     mlm_labels: Tensor,
-    nsp_logits: Tensor,
+    nsp_logits: Tensor | None,
     nsp_labels: Tensor,
     num_masked_global,
     num_seqs_global,
     with_accuracy: bool = False,
 ) -> tuple[Tensor, dict]:
-    """MLM + NSP loss of this rank's share of the global batch.
+    """MLM + NSP loss of this rank's share of the global batch (MLM alone when ``nsp_logits``
+    is None: a model without the next-sentence head, ``model.next_sentence`` false; its NSP
+    sums and counts are then 0).
 
-    mlm_logits [M, V], mlm_labels [M], nsp_logits [B, 2], nsp_labels [B];
+    mlm_logits [M, V], mlm_labels [M], nsp_logits [B, 2] or None, nsp_labels [B];
     num_masked_global / num_seqs_global: masked positions / sequences in the global batch
     (ints or 0-d tensors). Cross-entropies are computed in float32 (float64 stays float64).
 
@@ -50,8 +52,12 @@ def pretraining_loss(
     """
     dtype = torch.promote_types(mlm_logits.dtype, torch.float32)
     mlm_sum = F.cross_entropy(mlm_logits.to(dtype), mlm_labels, reduction="sum")
-    nsp_sum = F.cross_entropy(nsp_logits.to(dtype), nsp_labels, reduction="sum")
-    loss = _per_count(mlm_sum, num_masked_global) + _per_count(nsp_sum, num_seqs_global)
+    loss = _per_count(mlm_sum, num_masked_global)
+    if nsp_logits is None:
+        nsp_sum = mlm_sum.new_zeros(())
+    else:
+        nsp_sum = F.cross_entropy(nsp_logits.to(dtype), nsp_labels, reduction="sum")
+        loss = loss + _per_count(nsp_sum, num_seqs_global)
     with torch.no_grad():
         stats: dict = {
             "mlm_loss_sum": mlm_sum.detach(),
@@ -61,7 +67,8 @@ def pretraining_loss(
         }
         if with_accuracy:
             stats["mlm_correct"] = (mlm_logits.argmax(-1) == mlm_labels).sum()
-            stats["nsp_correct"] = (nsp_logits.argmax(-1) == nsp_labels).sum()
+            no_nsp = nsp_labels.new_zeros(())
+            stats["nsp_correct"] = no_nsp if nsp_logits is None else (nsp_logits.argmax(-1) == nsp_labels).sum()
     return loss, stats
 
 

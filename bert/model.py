@@ -1,5 +1,9 @@
 """BERT for pretraining on unpadded batches: embeddings -> encoder -> MLM and NSP heads.
 
+The encoder is assembled from parts (``bert.layers``) as its ``BertConfig`` says: BERT-large
+is one configuration, a ModernBERT-class encoder (pre-norm, rotary, gated MLP, no biases,
+global and sliding-window layers, no NSP head) another.
+
 The model runs on a flat token dimension from the embeddings to the heads. For an
 ``UnpaddedBatch`` that is T real tokens and no padding is ever computed; for a
 ``PaddedBatch`` (the baseline) it is B*S tokens, padding included; for a ``PackedBatch`` it
@@ -11,8 +15,13 @@ The masked-LM head runs only at the M masked positions (gathered before the head
 MLPerf submissions do), so the vocabulary projection costs M rows, not T.
 
 Numerics match ``transformers.BertForPreTraining`` (post-LayerNorm BERT, erf GELU, tied
-decoder) given the same weights; ``bert.checkpoint`` maps the state dicts both ways. The
-query, key and value projections are one fused ``[3*hidden, hidden]`` linear layer.
+decoder) given the same weights, and ``transformers.ModernBertForMaskedLM`` for ModernBERT
+configurations; ``bert.checkpoint`` and ``bert.modernbert_hf`` map the state dicts both
+ways. The query, key and value projections are one fused ``[3*hidden, hidden]`` linear layer.
+
+Attention per layer: each layer is global or local (a window); the model derives one layout
+per kind from the batch's (``window`` set on the local one) and hands each layer its own,
+so the backends see the window as part of the layout.
 
 Shape legend: N tokens the layers run on (T unpadded, B*S padded, R*S packed), B sequences,
 M masked positions, H heads, D head dim, C hidden size, V vocabulary.
@@ -20,110 +29,37 @@ M masked positions, H heads, D head dim, C hidden size, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bert.config import ACTIVATIONS, BertConfig, ConfigError
-from bert.fp8 import matmul
+from bert.config import BertConfig
+from bert.layers import BIAS_GELU, Embeddings, EncoderLayer, Rotary, activation, init_weights, make_norm
 from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
-from kernels.gemm_epilogue import linear_bias_gelu
 from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
 from kernels.registry import get_backend
-
-BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU implementations
 
 
 @dataclass
 class PretrainingOutput:
     mlm_logits: Tensor  # [M, V]
-    nsp_logits: Tensor  # [B, 2]
-    hidden_states: Tensor  # [N, C], the last encoder layer
+    nsp_logits: Tensor | None  # [B, 2]; None without a next-sentence head (config.next_sentence false)
+    hidden_states: Tensor  # [N, C], the last encoder layer (after the final norm of a pre-norm encoder)
 
 
-def _gelu_tanh(x: Tensor) -> Tensor:
-    return F.gelu(x, approximate="tanh")
+def windowed(layout, window: int | None):
+    """``layout`` restricted to the band |i - j| <= window // 2 (None: the layout itself). The
+    packed layout carries a window in its FlashMask bounds (kernels.masks.window_bounds)."""
+    if window is None:
+        return layout
+    if isinstance(layout, PackedLayout):
+        from kernels.masks import window_bounds
 
-
-# hidden_act -> the function; the names are bert.config.ACTIVATIONS.
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu}
-
-
-def activation(name: str):
-    if name not in _ACTIVATIONS:  # BertConfig refuses it first; a config built around it lands here
-        raise ConfigError(f"hidden_act: {name!r} is not one of {ACTIVATIONS}")
-    return _ACTIVATIONS[name]
-
-
-class BertEmbeddings(nn.Module):
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.word = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(self, input_ids: Tensor, segment_ids: Tensor, position_ids: Tensor) -> Tensor:
-        x_NC = self.word(input_ids) + self.position(position_ids) + self.token_type(segment_ids)
-        return self.dropout(self.norm(x_NC))
-
-
-class BertLayer(nn.Module):
-    """One post-LayerNorm transformer layer: attention, residual + LN, FFN, residual + LN."""
-
-    def __init__(self, config: BertConfig, attention_fn, fused_ops: bool, bias_gelu: str):
-        super().__init__()
-        c, i = config.hidden_size, config.intermediate_size
-        self.num_heads = config.num_attention_heads
-        self.qkv = nn.Linear(c, 3 * c)
-        self.attn_out = nn.Linear(c, c)
-        self.attn_norm = nn.LayerNorm(c, eps=config.layer_norm_eps)
-        self.ffn_in = nn.Linear(c, i)
-        self.ffn_out = nn.Linear(i, c)
-        self.ffn_norm = nn.LayerNorm(c, eps=config.layer_norm_eps)
-        self.hidden_dropout = config.hidden_dropout_prob
-        self.attention_dropout = config.attention_probs_dropout_prob
-        self.act = activation(config.hidden_act)
-        self.attention_fn = attention_fn
-        self.fused_ops = fused_ops
-        self.bias_gelu = bias_gelu
-
-    def forward(self, x_NC: Tensor, layout) -> Tensor:
-        n, c = x_NC.shape
-        q_NHD, k_NHD, v_NHD = self.qkv(x_NC).view(n, 3, self.num_heads, c // self.num_heads).unbind(1)
-        a_NHD = self.attention_fn(q_NHD, k_NHD, v_NHD, layout, self.attention_dropout, self.training)
-        x_NC = self._residual_norm(a_NHD.reshape(n, c), self.attn_out, x_NC, self.attn_norm)
-        if self.bias_gelu == "triton":
-            h_NI = _fused().bias_gelu(matmul(self.ffn_in, x_NC), self.ffn_in.bias)
-        elif self.bias_gelu == "epilogue":
-            h_NI = linear_bias_gelu(x_NC, self.ffn_in.weight, self.ffn_in.bias)
-        else:
-            h_NI = self.act(self.ffn_in(x_NC))
-        return self._residual_norm(h_NI, self.ffn_out, x_NC, self.ffn_norm)
-
-    def _residual_norm(self, h: Tensor, proj: nn.Linear, residual: Tensor, norm: nn.LayerNorm) -> Tensor:
-        """LayerNorm(residual + dropout(proj(h)))."""
-        if self.fused_ops:
-            return _fused().bias_dropout_add_layer_norm(
-                matmul(proj, h),
-                proj.bias,
-                residual,
-                norm.weight,
-                norm.bias,
-                self.hidden_dropout,
-                norm.eps,
-                self.training,
-            )
-        return norm(residual + F.dropout(proj(h), self.hidden_dropout, self.training))
-
-
-def _fused():
-    import kernels.fused_ops as fused_ops  # imported on use: Triton only when asked for
-
-    return fused_ops
+        return PackedLayout(window_bounds(layout.startend_row_indices, window, n=2), layout.causal)
+    return dataclasses.replace(layout, window=window)
 
 
 class BertForPreTraining(nn.Module):
@@ -131,9 +67,12 @@ class BertForPreTraining(nn.Module):
 
     ``attention`` names the backend (``kernels.registry.backend_names()``) and
     ``attention_options`` are its settings, if it takes any; ``fused_ops`` switches the
-    bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on; ``bias_gelu`` picks the
-    FFN-in's bias+GELU alone: ``eager``, ``triton`` (the fused kernel) or ``epilogue`` (in the
-    GEMM, ``kernels.gemm_epilogue``); ``auto`` is ``triton`` with ``fused_ops``, else ``eager``.
+    bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on (post-norm BERT only);
+    ``bias_gelu`` picks the FFN-in's bias+GELU alone: ``eager``, ``triton`` (the fused kernel)
+    or ``epilogue`` (in the GEMM, ``kernels.gemm_epilogue``); ``auto`` is ``triton`` with
+    ``fused_ops``, else ``eager`` (a gated MLP is always eager); ``rotary_kernel`` chooses how
+    rotary positions are applied: ``torch`` (the PyTorch reference) or ``triton``
+    (``kernels.rotary``).
     """
 
     def __init__(
@@ -143,43 +82,45 @@ class BertForPreTraining(nn.Module):
         fused_ops: bool = False,
         attention_options: dict | None = None,
         bias_gelu: str = "auto",
+        rotary_kernel: str = "torch",
     ):
         super().__init__()
         self.config = config
         self.attention = attention
         if bias_gelu == "auto":
-            bias_gelu = "triton" if fused_ops else "eager"
+            bias_gelu = "triton" if fused_ops and config.mlp == "dense" else "eager"
         if bias_gelu not in BIAS_GELU:
             raise ValueError(f"model.bias_gelu: {bias_gelu!r} is not one of {['auto', *BIAS_GELU]}")
-        if config.hidden_act != "gelu" and fused_ops:
-            raise ValueError(f"model.fused_ops: the fused kernels implement erf GELU, not {config.hidden_act!r}")
-        if config.hidden_act != "gelu" and bias_gelu != "eager":
-            raise ValueError(f"model.bias_gelu: {bias_gelu} implements GELU, not {config.hidden_act!r}")
+        if bias_gelu != "eager" and (config.hidden_act != "gelu" or config.mlp != "dense" or not config.mlp_bias):
+            raise ValueError(
+                f"model.bias_gelu: {bias_gelu} implements bias + erf GELU of a dense MLP, not "
+                f"hidden_act={config.hidden_act!r}, mlp={config.mlp!r}, mlp_bias={config.mlp_bias}"
+            )
+        if fused_ops:
+            if config.hidden_act != "gelu":
+                raise ValueError(f"model.fused_ops: the fused kernels implement erf GELU, not {config.hidden_act!r}")
+            bert_block = dict(norm_placement="post", norm_kind="layernorm", norm_bias=True, mlp="dense")
+            bert_block.update(attention_bias=True, mlp_bias=True)
+            other = [f"{k}={getattr(config, k)!r}" for k, v in bert_block.items() if getattr(config, k) != v]
+            if other:
+                raise ValueError(f"model.fused_ops: the fused kernels implement BERT's post-LN block, not {other[0]}")
         attention_fn = get_backend(attention, **(attention_options or {}))
         c = config.hidden_size
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(
-            BertLayer(config, attention_fn, fused_ops, bias_gelu) for _ in range(config.num_hidden_layers)
+            EncoderLayer(config, i, attention_fn, fused_ops, bias_gelu) for i in range(config.num_hidden_layers)
         )
-        self.pooler = nn.Linear(c, c)
-        self.mlm_transform = nn.Linear(c, c)
-        self.mlm_norm = nn.LayerNorm(c, eps=config.layer_norm_eps)
-        self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
-        self.nsp = nn.Linear(c, 2)
+        self.final_norm = make_norm(config) if config.norm_placement == "pre" else None
+        self.rotary = Rotary(config, rotary_kernel) if config.position_embedding == "rotary" else None
+        self.pooler = nn.Linear(c, c) if config.next_sentence else None
+        self.mlm_transform = nn.Linear(c, c, bias=config.head_bias)
+        self.mlm_norm = make_norm(config)
+        self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.decoder_bias else None
+        self.nsp = nn.Linear(c, 2) if config.next_sentence else None
         self.act = activation(config.hidden_act)
         # bert.cuda_graphs.EncoderGraphs (train.cuda_graphs): replays the layers for unpadded batches.
         self.encoder_graphs = None
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+        init_weights(self, config)
 
     def forward(self, batch: UnpaddedBatch | PaddedBatch | PackedBatch) -> PretrainingOutput:
         if isinstance(batch, UnpaddedBatch):
@@ -198,15 +139,19 @@ class BertForPreTraining(nn.Module):
         else:
             raise TypeError(f"batch: expected UnpaddedBatch, PaddedBatch or PackedBatch, got {type(batch).__name__}")
 
+        layouts = {window: windowed(layout, window) for window in set(self.config.layer_windows)}
         x_NC = self.embeddings(ids, seg, pos)
         if self.encoder_graphs is not None and isinstance(batch, UnpaddedBatch):
-            x_NC = self.encoder_graphs(x_NC, batch.cu_seqlens)
+            x_NC = self.encoder_graphs(x_NC, batch.cu_seqlens, pos)
         else:
             for layer in self.layers:
-                x_NC = layer(x_NC, layout)
+                x_NC = layer(x_NC, layouts[layer.window], pos, self.rotary)
+        if self.final_norm is not None:
+            x_NC = self.final_norm(x_NC)
 
-        pooled_BC = torch.tanh(self.pooler(x_NC[cls_index]))
-        nsp_logits = self.nsp(pooled_BC)
+        nsp_logits = None
+        if self.nsp is not None:
+            nsp_logits = self.nsp(torch.tanh(self.pooler(x_NC[cls_index])))  # [B, 2]
         m_MC = self.mlm_norm(self.act(self.mlm_transform(x_NC[batch.mlm_positions])))
         mlm_logits = F.linear(m_MC, self.embeddings.word.weight, self.mlm_bias)  # tied decoder
         return PretrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits, hidden_states=x_NC)

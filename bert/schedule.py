@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT).
+"""Learning-rate schedules: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT);
+or warmup-stable-decay (ModernBERT's; ``wsd_lr_at`` at the bottom).
 
 Sits between the optimizer step and the next one: the trainer calls ``scheduler.step()``
 after every optimizer update that was applied (a skipped fp16 step does not advance it), and
@@ -76,7 +77,9 @@ class PolyWarmupScheduler:
 
     The schedule of ``optim`` (a ``bert.train_config.OptimSection``): peak ``optim.lr``,
     ``optim.warmup_steps`` from ``optim.start_warmup_step``, decay of power ``optim.poly_power``
-    over ``optim.total_steps`` steps, or over the run's ``max_steps`` when that is unset.
+    over ``optim.total_steps`` steps, or over the run's ``max_steps`` when that is unset. With
+    ``optim.schedule`` ``wsd`` it is ``wsd_lr_at`` instead: warm-up, constant, and a decay
+    (``optim.decay_shape``) over the last ``optim.decay_steps`` of those steps.
     At construction the groups get the rate of update 0; each ``step()`` (called after an
     applied update) advances the count and sets the next rate. ``state_dict()`` holds only
     the count: the hyper-parameters come from the configuration when a run resumes.
@@ -125,6 +128,13 @@ class PolyWarmupScheduler:
         self.start_warmup_step = start_warmup_step
         self.power = float(power)
         self.end_lr = float(end_lr)
+        self.schedule, self.decay_steps, self.decay_shape = optim.schedule, optim.decay_steps, optim.decay_shape
+        if self.schedule == "wsd":
+            _check(
+                warmup_steps + self.decay_steps <= total_steps,
+                "optim.decay_steps",
+                f"warm-up ({warmup_steps}) and decay ({self.decay_steps}) exceed the {total_steps} steps",
+            )
         self.device = None if device is None else torch.device(device)
         self._count = 0  # updates applied so far = the 0-based step of the next update
         self.lr = None  # on the device: the rate of the next update, a 0-dim float64 tensor
@@ -138,6 +148,16 @@ class PolyWarmupScheduler:
         return int(self._count)
 
     def lr_at(self, step: int) -> float:
+        if self.schedule == "wsd":
+            return wsd_lr_at(
+                step,
+                base_lr=self.base_lr,
+                total_steps=self.total_steps,
+                warmup_steps=self.warmup_steps,
+                decay_steps=self.decay_steps,
+                decay_shape=self.decay_shape,
+                end_lr=self.end_lr,
+            )
         return lr_at(
             step,
             base_lr=self.base_lr,
@@ -173,17 +193,31 @@ class PolyWarmupScheduler:
             end_lr=self.end_lr,
         )
 
+    def _lr_tensor(self, step: torch.Tensor) -> torch.Tensor:
+        """``lr_at`` of a 0-dim step tensor, on its device (no host read)."""
+        if self.schedule == "wsd":
+            return wsd_lr_at_tensor(
+                step,
+                base_lr=self.base_lr,
+                total_steps=self.total_steps,
+                warmup_steps=self.warmup_steps,
+                decay_steps=self.decay_steps,
+                decay_shape=self.decay_shape,
+                end_lr=self.end_lr,
+            )
+        return lr_at_tensor(step, **self._hyperparameters())
+
     def applied_lr(self) -> torch.Tensor:
         """Device mode: the rate of the last applied update (update 0's before any), a 0-dim
         float64 device tensor, for the logs (no read until the caller reads it)."""
-        return lr_at_tensor((self._count - 1).clamp(min=0), **self._hyperparameters())
+        return self._lr_tensor((self._count - 1).clamp(min=0))
 
     def _apply(self) -> None:
         if self.device is None:
             lr = self.lr_at(self._count)
         else:
             lr = self.lr
-            lr.copy_(lr_at_tensor(self._count, **self._hyperparameters()))
+            lr.copy_(self._lr_tensor(self._count))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -201,3 +235,54 @@ class PolyWarmupScheduler:
 def _check(ok: bool, field: str, what: str) -> None:
     if not ok:
         raise ValueError(f"{field}: {what}")
+
+
+# ---- warmup-stable-decay ------------------------------------------------------------------------
+
+
+def wsd_lr_at(
+    step: int,
+    *,
+    base_lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    decay_steps: int = 0,
+    decay_shape: str = "1-sqrt",
+    end_lr: float = 0.0,
+) -> float:
+    """Warmup-stable-decay (ModernBERT's "trapezoidal" schedule, arXiv:2412.13663 section 2.2):
+    a linear warm-up over ``warmup_steps`` to ``base_lr``, constant, then over the last
+    ``decay_steps`` of ``total_steps`` a decay to ``end_lr``, linear or one-minus-sqrt
+    (lr = end + (base - end) * (1 - sqrt(p)) at progress p of the decay; Hägele et al. 2024,
+    arXiv:2405.18392, which ModernBERT uses). Step 0-based as ``lr_at``; past ``total_steps``
+    the rate stays ``end_lr``."""
+    if step < warmup_steps:
+        return base_lr * step / warmup_steps
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return base_lr
+    p = min(1.0, (step - decay_start) / decay_steps) if decay_steps else 1.0
+    shape = 1.0 - math.sqrt(p) if decay_shape == "1-sqrt" else 1.0 - p
+    return end_lr + (base_lr - end_lr) * shape
+
+
+def wsd_lr_at_tensor(
+    step: torch.Tensor,
+    *,
+    base_lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    decay_steps: int = 0,
+    decay_shape: str = "1-sqrt",
+    end_lr: float = 0.0,
+) -> torch.Tensor:
+    """``wsd_lr_at`` of a 0-dim step tensor, as a float64 tensor beside it (no host read): the
+    same double-precision operations, so the value equals ``wsd_lr_at``'s bitwise."""
+    g = step.to(torch.float64)
+    decay_start = total_steps - decay_steps
+    p = torch.clamp((g - decay_start) / decay_steps, 0.0, 1.0) if decay_steps else torch.ones_like(g)
+    shape = 1.0 - torch.sqrt(p) if decay_shape == "1-sqrt" else 1.0 - p
+    lr = torch.where(g < decay_start, torch.full_like(g, base_lr), end_lr + (base_lr - end_lr) * shape)
+    if warmup_steps > 0:
+        lr = torch.where(g < warmup_steps, base_lr * g / warmup_steps, lr)
+    return lr

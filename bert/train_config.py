@@ -127,7 +127,11 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
 
 @dataclass
 class ModelSection:
-    preset: str = opt("large", "architecture preset (bert.config.PRESETS)", ("tiny", "small", "base", "large"))
+    preset: str = opt(
+        "large",
+        "architecture preset (bert.config.PRESETS): BERT's, or a ModernBERT-class encoder",
+        ("tiny", "small", "base", "large", "modernbert_tiny", "modernbert_base", "modernbert_large"),
+    )
     config_file: str | None = opt(None, "bert_config.json or transformers config.json; overrides preset")
     attention: str = opt(
         "reference",
@@ -142,7 +146,7 @@ class ModelSection:
         "triton_grouped: sequence-length buckets; each group of same-bucket sequences is one launch",
     )
     grouped_streams: int = opt(4, "triton_grouped: CUDA streams the groups are spread over")
-    fused_ops: bool = opt(False, "fused Triton bias+GELU and bias+dropout+residual+LayerNorm")
+    fused_ops: bool = opt(False, "fused Triton bias+GELU and bias+dropout+residual+LayerNorm (post-norm BERT)")
     bias_gelu: str = opt(
         "auto",
         "the FFN-in's bias+GELU: eager (GEMM with bias, then GELU), triton (GEMM, then the fused "
@@ -150,9 +154,16 @@ class ModelSection:
         "docs/fp8.md); auto: triton with model.fused_ops, else eager",
         ("auto", "eager", "triton", "epilogue"),
     )
+    rotary_kernel: str = opt(
+        "torch", "rotary models: apply RoPE with the PyTorch reference or the Triton kernel", ("torch", "triton")
+    )
     hidden_dropout_prob: float | None = opt(None, "override the architecture's hidden dropout")
     attention_probs_dropout_prob: float | None = opt(None, "override the architecture's attention dropout")
     vocab_size: int | None = opt(None, "override the architecture's vocabulary size (e.g. a trained vocab)")
+    rope_theta_global: float | None = opt(
+        None, "rotary models: override the global layers' theta (a context-extension phase sets a new one)"
+    )
+    rope_theta_local: float | None = opt(None, "rotary models: override the local (sliding-window) layers' theta")
     compile: bool = opt(False, "wrap the model in torch.compile")
 
     def __post_init__(self):
@@ -341,6 +352,14 @@ class OptimSection:
     start_warmup_step: int = opt(0, "step at which warm-up starts (MLPerf's start_warmup_step)")
     poly_power: float = opt(1.0, "power of the polynomial decay to 0")
     total_steps: int | None = opt(None, "steps of the decay (default: train.max_steps)")
+    schedule: str = opt(
+        "poly",
+        "poly: warm-up then polynomial decay from step 0 (MLPerf); wsd: warm-up, constant, then "
+        "decay over the last decay_steps (ModernBERT's warmup-stable-decay)",
+        ("poly", "wsd"),
+    )
+    decay_steps: int = opt(0, "wsd: steps of the final decay (0: constant to the end)")
+    decay_shape: str = opt("1-sqrt", "wsd: shape of the final decay", ("1-sqrt", "linear"))
     clip: str = opt(
         "global", "gradient clipping: global norm, AdaGC (per tensor, adaptive) or none", ("global", "adagc", "none")
     )
@@ -382,6 +401,9 @@ class OptimSection:
         _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("optim.max_grad_norm", self.max_grad_norm)
         _positive("optim.total_steps", self.total_steps)
+        _positive("optim.decay_steps", self.decay_steps, allow_zero=True)
+        if self.schedule == "wsd" and self.start_warmup_step:
+            raise ConfigError("optim.start_warmup_step: the wsd schedule warms up from step 0; leave it 0")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"optim.betas: each must lie in [0, 1), got {list(self.betas)}")
 

@@ -120,13 +120,19 @@ def load(interpret: bool) -> ModuleType:
     """Execute jit_kernels.py as a fresh module whose @triton.jit functions are built for the
     interpreter or for compilation (the latter also on a machine without a GPU: see
     kernels/compile_check.py). It must match the mode Triton itself was imported in."""
+    return load_source(_SOURCE, "kernels._jit", interpret)
+
+
+def load_source(source: Path, name: str, interpret: bool) -> ModuleType:
+    """Execute the device-code file ``source`` as a fresh module ``name_interpreted`` or
+    ``name_compiled``, its @triton.jit functions built for that mode (``load``'s, for any file)."""
     if interpret:
         _fix_interpreter_scalars()
-    name = f"kernels._jit_{'interpreted' if interpret else 'compiled'}"
+    name = f"{name}_{'interpreted' if interpret else 'compiled'}"
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     try:
-        spec = importlib.util.spec_from_file_location(name, _SOURCE)
+        spec = importlib.util.spec_from_file_location(name, source)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # Triton resolves helper functions through the module
         spec.loader.exec_module(module)

@@ -57,8 +57,10 @@ MODULE_LAYERS = {
         "reference": 2,  # the reference and padded backends
         "jit_kernels": 2,  # device code
         "flashmask_jit": 2,
+        "rotary_jit": 2,  # device code of the rotary embedding
         "varlen_attention": 3,  # the Triton backends
         "fused_ops": 3,
+        "rotary": 3,  # rotary embedding: Triton kernel and PyTorch reference
         "library_backends": 3,
         "flashmask": 4,  # shares the varlen kernels' dropout seeds
         "registry": 5,  # every backend by name

@@ -242,6 +242,20 @@ def test_throughput_asked_for_backend_that_cannot_run_is_an_error(data_dir, tmp_
     assert len(err) == 1 and "unpadded/no_such_backend" in err[0]
 
 
+def test_throughput_against_modernbert(data_dir, tmp_path):
+    """A ModernBERT preset is measured against transformers' ModernBertForMaskedLM, from the
+    same weights (the benchmark checks the first batch's loss)."""
+    out = tmp_path / "tp.json"
+    args = tiny_throughput_args(data_dir, out)
+    args[args.index("tiny")] = "modernbert_tiny"
+    code = throughput.main([*args, "--variants", "transformers", "unpadded/padded", "packed/reference"])
+    assert code == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    for name in ("unpadded/padded", "packed/reference"):
+        assert rows[name]["check_loss"] == pytest.approx(rows["transformers"]["check_loss"], rel=1e-4)
+        assert rows[name]["seq_per_s"] > 0
+
+
 @pytest.mark.slow  # two benchmark processes per pair
 def test_compare_revisions_runs_both_trees_alternately_and_reports_each_variants_ratio(data_dir, tmp_path, capsys):
     from bench import compare_revisions

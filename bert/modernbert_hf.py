@@ -1,0 +1,282 @@
+"""Weights and config in and out: transformers' ``ModernBertForMaskedLM`` <-> this model.
+
+A ModernBERT is one configuration of the encoder (``bert.config``: pre-norm LayerNorm,
+rotary, gated MLP, ``layer_types`` global/local); this module maps it both ways:
+
+- ``config_from_hf(values)`` / ``config_to_hf(config)``: ``ModernBertConfig``'s dict <->
+  ``BertConfig`` (``full_attention`` / ``sliding_attention`` <-> ``global`` / ``local``,
+  ``local_attention`` <-> ``local_window``, ``rope_parameters`` <-> the two thetas);
+- ``to_hf_state_dict(model)`` / ``load_hf_state_dict(model, state_dict)``: the tensors, a
+  renaming (the fused ``Wqkv`` and the input-then-gate ``Wi`` have this model's layout);
+- ``bert.checkpoint`` calls these for every config that is not BERT's, so
+  ``load_pretrained``, ``export_hf`` and ``python -m bert.export`` serve both.
+
+Dropout: transformers' ModernBERT drops after the embedding norm (``embedding_dropout``),
+inside the MLP (``mlp_dropout``) and on attention probabilities and output
+(``attention_dropout``); this model drops on the embeddings and the residual branches
+(``hidden_dropout_prob``) and on the probabilities (``attention_probs_dropout_prob``). The
+values are carried over (hidden = the larger of embedding and MLP dropout); the placement is
+this model's. ModernBERT's published models train with all of them 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from bert.config import BertConfig, ConfigError
+
+_TYPES = {"full_attention": "global", "sliding_attention": "local"}
+_HF_TYPES = {v: k for k, v in _TYPES.items()}
+
+# config.json keys that hold no architecture (token ids, bookkeeping, fine-tuning heads,
+# inference switches).
+_IGNORED_KEYS = {
+    "_name_or_path",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "cls_token_id",
+    "sep_token_id",
+    "classifier_pooling",
+    "classifier_dropout",
+    "deterministic_flash_attn",
+    "sparse_prediction",
+    "sparse_pred_ignore_index",
+    "initializer_cutoff_factor",
+    "reference_compile",
+    "repad_logits_with_grad",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "use_cache",
+    "gradient_checkpointing",
+}
+
+
+def config_from_hf(values: dict, source: str = "config") -> BertConfig:
+    """The ``BertConfig`` of a ModernBERT ``config.json`` (as a dict); ConfigError names the key."""
+    known = {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "hidden_activation",
+        "max_position_embeddings",
+        "initializer_range",
+        "norm_eps",
+        "norm_bias",
+        "attention_bias",
+        "attention_dropout",
+        "layer_types",
+        "global_attn_every_n_layers",
+        "rope_parameters",
+        "global_rope_theta",
+        "local_rope_theta",
+        "local_attention",
+        "embedding_dropout",
+        "mlp_bias",
+        "mlp_dropout",
+        "decoder_bias",
+        "classifier_bias",
+        "classifier_activation",
+        "tie_word_embeddings",
+    }
+    unknown = sorted(set(values) - known - _IGNORED_KEYS)
+    if unknown:
+        raise ConfigError(f"{source}: unknown ModernBERT field(s) {unknown}")
+    if values.get("tie_word_embeddings", True) is not True:
+        raise ConfigError(f"{source}: tie_word_embeddings must be true (the MLM decoder is tied)")
+    act = values.get("hidden_activation", "gelu")
+    if values.get("classifier_activation", act) != act:
+        raise ConfigError(
+            f"{source}: classifier_activation {values['classifier_activation']!r} differs from "
+            f"hidden_activation {act!r}; this model's head uses the hidden activation"
+        )
+    layers = values.get("num_hidden_layers", 22)
+    if values.get("layer_types") is not None:
+        bad = [t for t in values["layer_types"] if t not in _TYPES]
+        if bad:
+            raise ConfigError(f"{source}: layer_types: {bad[0]!r} is not one of {sorted(_TYPES)}")
+        types = tuple(_TYPES[t] for t in values["layer_types"])
+    else:
+        every = values.get("global_attn_every_n_layers", 3)
+        types = tuple("local" if i % every else "global" for i in range(layers))
+    thetas = {"full_attention": values.get("global_rope_theta", 160000.0)}
+    thetas["sliding_attention"] = values.get("local_rope_theta", 10000.0)
+    for kind, params in (values.get("rope_parameters") or {}).items():
+        if kind not in _TYPES or not isinstance(params, dict):
+            raise ConfigError(f"{source}: rope_parameters: unexpected entry {kind!r}")
+        if params.get("rope_type", "default") != "default":
+            raise ConfigError(f"{source}: rope_parameters.{kind}.rope_type {params['rope_type']!r}: only 'default'")
+        thetas[kind] = params.get("rope_theta", thetas[kind])
+    try:
+        return BertConfig(
+            vocab_size=values.get("vocab_size", 50368),
+            hidden_size=values.get("hidden_size", 768),
+            num_hidden_layers=layers,
+            num_attention_heads=values.get("num_attention_heads", 12),
+            intermediate_size=values.get("intermediate_size", 1152),
+            hidden_act=act,
+            hidden_dropout_prob=float(max(values.get("embedding_dropout", 0.0), values.get("mlp_dropout", 0.0))),
+            attention_probs_dropout_prob=float(values.get("attention_dropout", 0.0)),
+            max_position_embeddings=values.get("max_position_embeddings", 8192),
+            type_vocab_size=0,
+            layer_norm_eps=values.get("norm_eps", 1e-5),
+            initializer_range=values.get("initializer_range", 0.02),
+            norm_placement="pre",
+            norm_bias=values.get("norm_bias", False),
+            position_embedding="rotary",
+            rope_theta_global=float(thetas["full_attention"]),
+            rope_theta_local=float(thetas["sliding_attention"]),
+            mlp="gated",
+            attention_bias=values.get("attention_bias", False),
+            mlp_bias=values.get("mlp_bias", False),
+            head_bias=values.get("classifier_bias", False),
+            decoder_bias=values.get("decoder_bias", True),
+            first_attn_norm=False,
+            next_sentence=False,
+            layer_types=types,
+            local_window=values.get("local_attention", 128),
+            init_scheme="modernbert",
+        )
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+# BertConfig fields transformers' ModernBERT fixes; a config with another value has no
+# ModernBertConfig.
+_FIXED = {
+    "norm_placement": "pre",
+    "norm_kind": "layernorm",
+    "position_embedding": "rotary",
+    "mlp": "gated",
+    "type_vocab_size": 0,
+    "embedding_norm": True,
+    "first_attn_norm": False,
+    "next_sentence": False,
+}
+
+
+def check_representable(config: BertConfig) -> None:
+    """Raise ConfigError naming the first field transformers' ModernBERT cannot express."""
+    for name, value in _FIXED.items():
+        if getattr(config, name) != value:
+            raise ConfigError(
+                f"{name}={getattr(config, name)!r}: transformers' ModernBERT has {value!r}; this "
+                "architecture has no transformers class here"
+            )
+
+
+def config_to_hf(config: BertConfig, token_ids: dict | None = None) -> dict:
+    """``ModernBertConfig(**config_to_hf(c))`` is ``c``. ``token_ids``: pad/bos/eos/cls/sep ids
+    of the tokenizer (default: ModernBERT's own when the vocabulary is its 50,368, else
+    pad 0 and the others unset, as a BERT WordPiece vocabulary has [PAD] at 0)."""
+    check_representable(config)
+    if token_ids is None:
+        if config.vocab_size == 50368:
+            token_ids = dict(pad_token_id=50283, bos_token_id=50281, eos_token_id=50282)
+            token_ids.update(cls_token_id=50281, sep_token_id=50282)
+        else:
+            token_ids = dict(pad_token_id=0, bos_token_id=None, eos_token_id=None, cls_token_id=None, sep_token_id=None)
+    types = config.layer_types or ("global",) * config.num_hidden_layers
+    return dict(
+        architectures=["ModernBertForMaskedLM"],
+        model_type="modernbert",
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        hidden_activation=config.hidden_act,
+        classifier_activation=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.initializer_range,
+        norm_eps=config.layer_norm_eps,
+        norm_bias=config.norm_bias,
+        attention_bias=config.attention_bias,
+        attention_dropout=config.attention_probs_dropout_prob,
+        embedding_dropout=config.hidden_dropout_prob,
+        mlp_dropout=config.hidden_dropout_prob,
+        mlp_bias=config.mlp_bias,
+        classifier_bias=config.head_bias,
+        decoder_bias=config.decoder_bias,
+        layer_types=[_HF_TYPES[t] for t in types],
+        local_attention=config.local_window,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": config.rope_theta_global},
+            "sliding_attention": {"rope_type": "default", "rope_theta": config.rope_theta_local},
+        },
+        tie_word_embeddings=True,
+        **token_ids,
+    )
+
+
+def _norm_names(config: BertConfig, hf: str, ours: str) -> dict[str, str]:
+    return {f"{hf}.{p}": f"{ours}.{p}" for p in (("weight", "bias") if config.norm_bias else ("weight",))}
+
+
+def _linear_names(bias: bool, hf: str, ours: str) -> dict[str, str]:
+    return {f"{hf}.{p}": f"{ours}.{p}" for p in (("weight", "bias") if bias else ("weight",))}
+
+
+def name_map(config: BertConfig) -> dict[str, str]:
+    """transformers' name -> this model's, for every tensor (the tied decoder weight excepted)."""
+    m = {"model.embeddings.tok_embeddings.weight": "embeddings.word.weight"}
+    m.update(_norm_names(config, "model.embeddings.norm", "embeddings.norm"))
+    for i in range(config.num_hidden_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        if i > 0:
+            m.update(_norm_names(config, f"{hf}.attn_norm", f"{ours}.attn_norm"))
+        m.update(_linear_names(config.attention_bias, f"{hf}.attn.Wqkv", f"{ours}.qkv"))
+        m.update(_linear_names(config.attention_bias, f"{hf}.attn.Wo", f"{ours}.attn_out"))
+        m.update(_norm_names(config, f"{hf}.mlp_norm", f"{ours}.ffn_norm"))
+        m.update(_linear_names(config.mlp_bias, f"{hf}.mlp.Wi", f"{ours}.ffn_in"))
+        m.update(_linear_names(config.mlp_bias, f"{hf}.mlp.Wo", f"{ours}.ffn_out"))
+    m.update(_norm_names(config, "model.final_norm", "final_norm"))
+    m.update(_linear_names(config.head_bias, "head.dense", "mlm_transform"))
+    m.update(_norm_names(config, "head.norm", "mlm_norm"))
+    if config.decoder_bias:
+        m["decoder.bias"] = "mlm_bias"
+    return m
+
+
+_TIED = ("decoder.weight", "model.embeddings.tok_embeddings.weight")
+
+
+def to_hf_state_dict(model, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """This model's weights (or ``tensors`` of the same names) under ModernBertForMaskedLM's names."""
+    check_representable(model.config)
+    ours = model.state_dict() if tensors is None else tensors
+    out = {hf: ours[name] for hf, name in name_map(model.config).items()}
+    out[_TIED[0]] = out[_TIED[1]]
+    return out
+
+
+def renamed(config: BertConfig, state_dict: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """(this model's names -> tensors, problems): missing and unexpected keys, a tied decoder
+    that differs from the embeddings."""
+    check_representable(config)
+    names = name_map(config)
+    missing = sorted(set(names) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(names) - {_TIED[0]})
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    decoder, embeddings = (state_dict.get(k) for k in _TIED)
+    if decoder is not None and embeddings is not None and not torch.equal(decoder, embeddings):
+        problems.append(f"{_TIED[0]} differs from {_TIED[1]}, but this model ties them")
+    return {ours: state_dict[hf] for hf, ours in names.items() if hf in state_dict}, problems

@@ -1,0 +1,119 @@
+"""Rotary position embedding (RoPE) on q and k in the flat token layout, Triton and PyTorch.
+
+Positions come with the tokens (``position_ids [N]``), so in the unpadded layout they
+restart at 0 in every sequence and nothing here needs ``cu_seqlens``. The angle of pair p
+at position t is ``t * theta ** (-2p / D)``; dimensions pair as (p, p + D/2), the
+"rotate half" convention of GPT-NeoX, transformers' ModernBERT and flash-attention's
+``interleaved=False``:
+
+    out[:, :, p]       = x[:, :, p] * cos - x[:, :, p + D/2] * sin
+    out[:, :, p + D/2] = x[:, :, p + D/2] * cos + x[:, :, p] * sin
+
+- ``rotary_tables(head_dim, theta, max_positions)``: ``cos, sin [P, D/2]`` fp32, computed
+  the way transformers does (so fp32 results match it);
+- ``apply_rotary_reference(x, cos, sin, position_ids)``: the definition in PyTorch (fp32
+  math, result in x's dtype);
+- ``apply_rotary(x, cos, sin, position_ids)``: the same as one Triton kernel pass (fp32 math
+  in registers), with its backward (the inverse rotation, the same kernel with sin negated).
+  It runs on CUDA, or on CPU in Triton's interpreter (TRITON_INTERPRET=1); elsewhere it
+  raises ``BackendUnavailable``.
+
+Why a kernel of its own rather than inside the attention kernel: applied as the attention
+kernel loads q and k, RoPE would save one read and one write of q and k (4 x N x H x D
+elements per layer, against attention's N x L x H x D work); but the attention kernels are
+one family shared by varlen, grouped and FlashMask, and a standalone pass keeps rotary out
+of their register budget and lets every backend (reference, padded, flash_attn) see the
+same rotated q and k. ``bench/rotary.py`` measures on a GPU the kernel's time, which is
+what the fusion would save at most (not yet run on a GPU).
+
+Shapes: x ``[N, H, D]`` (any strides with a unit last stride, e.g. the q/k views of the
+fused QKV output); ``position_ids [N]`` int; tables ``[P, D/2]`` fp32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from kernels.interface import BackendUnavailable
+
+
+def rotary_tables(head_dim: int, theta: float, max_positions: int, device=None) -> tuple[Tensor, Tensor]:
+    """cos, sin ``[max_positions, head_dim // 2]`` fp32 for base ``theta``."""
+    if head_dim % 2:
+        raise ValueError(f"rotary: the head dim must be even, got {head_dim}")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq[None, :]  # [P, D/2]
+    return freqs.cos(), freqs.sin()
+
+
+def _check(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor) -> None:
+    n, _, d = x.shape
+    if cos.shape != sin.shape or cos.dim() != 2 or 2 * cos.shape[1] != d:
+        raise ValueError(f"rotary: tables {tuple(cos.shape)} and {tuple(sin.shape)} do not fit head dim {d}")
+    if position_ids.shape != (n,):
+        raise ValueError(f"rotary: position_ids {tuple(position_ids.shape)} for {n} tokens")
+
+
+def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor) -> Tensor:
+    """x ``[N, H, D]`` rotated by the angles of ``position_ids``; fp32 math, x's dtype out."""
+    _check(x, cos, sin, position_ids)
+    half = x.shape[-1] // 2
+    c, s = cos[position_ids][:, None, :], sin[position_ids][:, None, :]  # [N, 1, D/2]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+_SOURCE = Path(__file__).with_name("rotary_jit.py")
+_JIT: dict[bool, ModuleType] = {}
+
+
+def _kernels(device: torch.device) -> ModuleType:
+    """The rotary kernel module in this process's Triton mode, after checking it can run on ``device``."""
+    from kernels.runtime import jit_kernels
+
+    interpret = jit_kernels(device, "rotary kernel").INTERPRET  # raises BackendUnavailable when it cannot
+    if interpret not in _JIT:
+        _JIT[interpret] = load_jit(interpret)
+    return _JIT[interpret]
+
+
+def load_jit(interpret: bool) -> ModuleType:
+    """rotary_jit.py as a fresh module built for the interpreter or for compilation."""
+    from kernels.runtime import load_source
+
+    return load_source(_SOURCE, "kernels._rotary_jit", interpret)
+
+
+def _launch(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, inverse: bool) -> Tensor:
+    kern = _kernels(x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n, h, d = x.shape
+    out = torch.empty((n, h, d), dtype=x.dtype, device=x.device)
+    kern.rotary_fwd(x, out, position_ids, cos.contiguous(), sin.contiguous(), inverse)
+    return out
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, position_ids):
+        ctx.save_for_backward(cos, sin, position_ids)
+        return _launch(x, cos, sin, position_ids, inverse=False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin, position_ids = ctx.saved_tensors
+        # The rotation is orthogonal: its gradient is the inverse rotation of dy.
+        return _launch(dy, cos, sin, position_ids, inverse=True), None, None, None
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor) -> Tensor:
+    """The Triton kernel: same call and result as ``apply_rotary_reference``."""
+    _check(x, cos, sin, position_ids)
+    if x.device.type not in ("cpu", "cuda"):
+        raise BackendUnavailable(f"rotary kernel: tensors on {x.device.type!r}; it needs CUDA or the interpreter")
+    return _Rotary.apply(x, cos, sin, position_ids)
