@@ -13,6 +13,9 @@
 #   attention        bench/attention.py: fwd+bwd per backend at BERT-large shapes
 #                    (triton, triton_grouped vs torch_varlen / flash_attn)  -> attention.json
 #   attention_small  the same with KERNELS_ATTENTION_TILES=small (4-warp tiles) -> attention_small.json
+#   window           bench/attention.py --window 128: tiles computed beside the band's ideal;
+#                    windowed fwd+bwd <= 0.5 of full at length 512, <= 0.1 at 8,192; the plain
+#                    varlen kernels no slower (<= 1.03x) than BASELINE_KERNELS' -> window.json
 #   tiles            which preset ran triton_grouped faster                -> tiles.json
 #   flashmask        bench/flashmask.py: FlashMask vs flex_attention and dense SDPA on packed
 #                    rows                                                  -> flashmask.json
@@ -23,7 +26,9 @@
 # network; a missing optional package (flash_attn, h5py, pytest) is reported and skipped.
 # Environment: PYTHON (default python3), DATA_DIR (lengths for the benchmarks; default the
 # built-in distribution), STAGE_SCALE (multiplies every time limit; a fraction such as 0.5
-# is fine; no limit drops below 5 s).
+# is fine; no limit drops below 5 s), BASELINE_KERNELS (the device code before a change, for
+# the window stage's "no slower" check; default: kernels/jit_kernels.py of git's BASELINE_REV,
+# default b8b2ebf, the last commit before the kernel family, when this is a git checkout).
 #
 # Without a GPU the benchmarks run their CPU correctness mode (tiny shapes, Triton's
 # interpreter); tests/kernels/test_gpu_check_script.py runs the script that way.
@@ -132,13 +137,31 @@ else
 fi
 
 # --- attention benchmark, and the tile presets at BERT-large's shape -----------------------
-run_stage attention 60 "$PYTHON" bench/attention.py --json "$OUT/attention.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
+# Named backends must run (a stage fails when Triton cannot); the library ones are optional.
+run_stage attention 60 "$PYTHON" bench/attention.py --backends reference,padded,triton,triton_grouped \
+    --optional torch_varlen,flash_attn --json "$OUT/attention.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 export KERNELS_ATTENTION_TILES=small
 run_stage attention_small 45 "$PYTHON" bench/attention.py --backends reference,triton,triton_grouped \
     --json "$OUT/attention_small.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 unset KERNELS_ATTENTION_TILES
 run_stage tiles 10 "$PYTHON" bench/pick_tiles.py "$OUT/attention.json" "$OUT/attention_small.json" \
     --json "$OUT/tiles.json"
+
+# --- sliding window: tile work, windowed vs full, the plain kernels vs the baseline -------------
+BASELINE_ARGS=()
+if [ -z "${BASELINE_KERNELS:-}" ] && git -C "$ROOT" cat-file -e "${BASELINE_REV:-b8b2ebf}:kernels/jit_kernels.py" 2>/dev/null; then
+    BASELINE_KERNELS="$OUT/baseline_jit_kernels.py"
+    git -C "$ROOT" show "${BASELINE_REV:-b8b2ebf}:kernels/jit_kernels.py" > "$BASELINE_KERNELS"
+fi
+if [ -n "${BASELINE_KERNELS:-}" ]; then
+    BASELINE_ARGS=(--baseline-kernels "$BASELINE_KERNELS" --max-baseline-ratio 1.03)
+else
+    echo "window: no BASELINE_KERNELS and no git history: the plain kernels are not timed against the baseline"
+fi
+WINDOW_ARGS=(--iters 10)  # without a GPU: the tile counts (the interpreter runs every program)
+if [ "$TRITON_INTERPRET" = 1 ]; then WINDOW_ARGS=(--window-lengths 512 2048); fi
+run_stage window 40 "$PYTHON" bench/attention.py --window 128 --window-only --backends triton \
+    --max-window-ratio 0.5 0.1 --json "$OUT/window.json" "${WINDOW_ARGS[@]}" ${BASELINE_ARGS[@]+"${BASELINE_ARGS[@]}"}
 
 # --- FlashMask on packed rows ----------------------------------------------------------------
 FLASHMASK_ARGS=()  # without a GPU: one small batch of tile counts (the interpreter runs every program)
@@ -150,7 +173,7 @@ run_stage flashmask 45 "$PYTHON" bench/flashmask.py --json "$OUT/flashmask.json"
 run_stage fused_ops 20 "$PYTHON" bench/fused_ops.py --json "$OUT/fused_ops.json"
 
 # --- BERT-large training steps ---------------------------------------------------------------
-run_stage train_step 140 "$PYTHON" bench/train_step.py --steps 30 --json "$OUT/train_step.json" \
+run_stage train_step 100 "$PYTHON" bench/train_step.py --steps 30 --json "$OUT/train_step.json" \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
 # --- summary ---------------------------------------------------------------------------------
