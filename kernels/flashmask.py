@@ -59,12 +59,12 @@ def _kernels(device: torch.device):
     return jit_kernels(device, "flashmask attention")  # raises BackendUnavailable when it cannot
 
 
-def tile_sizes(head_dim: int, elt_size: int, interpreted: bool) -> dict[str, tuple[int, int, int, int]]:
+def tile_sizes(head_dim: int, elt_size: int, interpreted: bool, n: int = 2) -> dict[str, tuple[int, int, int, int]]:
     """{kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)} for kernel in fwd, dkdv, dq with
-    bounds on: ``kernels.tiles``' bounded entries (one BLOCK_N for the three kernels)."""
+    n bounds per column: ``kernels.tiles``' bounded entries (one BLOCK_N for the three)."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     return {
-        name: attention_tiles(name, block_d, elt_size, False, bounded=True, interpreted=interpreted)
+        name: attention_tiles(name, block_d, elt_size, False, bounded=n, interpreted=interpreted)
         for name in ("fwd", "dkdv", "dq")
     }
 
@@ -160,7 +160,7 @@ def flashmask_tile_counts(
             raise ValueError(f"tiles: need fwd, dkdv and dq with one BLOCK_N, got {tiles}")
         blocks = {name: (bm, bn, 1, 1) for name, (bm, bn) in tiles.items()}
     else:
-        blocks = tile_sizes(q.shape[-1], q.element_size(), kern.INTERPRET)
+        blocks = tile_sizes(q.shape[-1], q.element_size(), kern.INTERPRET, startend_row_indices.shape[-1])
         blocks = {name: (block_m or bm, block_n or bn, w, s) for name, (bm, bn, w, s) in blocks.items()}
     b, sq, h, d = q.shape
     call = _rows_call(q, k, startend_row_indices.contiguous(), causal, d**-0.5, 0.0)

@@ -33,7 +33,7 @@ _FP32 = {  # block_d <= 32 | 64 | 128; fp32 tiles need twice the shared memory a
 
 
 _BOUNDED_16BIT = {  # block_d <= 64 | 128: BLOCK_N 64 | 32 for all three kernels
-    64: {"fwd": (64, 64, 8, 2), "dkdv": (32, 64, 8, 2), "dq": (64, 64, 8, 2)},
+    64: {"fwd": (128, 64, 8, 2), "dkdv": (32, 64, 8, 2), "dq": (64, 64, 8, 2)},
     128: {"fwd": (32, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (32, 32, 8, 2)},
 }
 _BOUNDED_FP32 = {  # block_d <= 64 | 128
@@ -63,17 +63,20 @@ def attention_tiles(
     elt_size: int,
     dropout: bool,
     preset: str = "default",
-    bounded: bool = False,
+    bounded: int = 0,
     interpreted: bool = False,
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); ``dropout`` is part of the key because the
-    Philox mask costs registers (today's table happens to need no separate entries)."""
+    Philox mask costs registers (today's table happens to need no separate entries);
+    ``bounded``: the FlashMask bounds per column (1, 2 or 4; 0 without)."""
     if preset not in TILE_PRESETS:
         raise ValueError(f"attention tiles: unknown preset {preset!r}, expected one of {list(TILE_PRESETS)}")
     width = 64 if block_d <= 64 else 128
     if bounded:
         if interpreted:
             return (64, bounded_key_block(block_d, elt_size), 1, 1)
+        if bounded == 4 and kernel == "fwd" and elt_size != 4 and width == 64:
+            return (64, 64, 8, 2)  # 4 bounds cost the 128-row forward 8 bytes of spill
         return (_BOUNDED_FP32 if elt_size == 4 else _BOUNDED_16BIT)[width][kernel]
     if interpreted:
         return _INTERPRETED[kernel]

@@ -836,9 +836,10 @@ def _launch_opts(num_warps, num_stages):
     return {} if INTERPRET else {"num_warps": num_warps, "num_stages": num_stages}
 
 
-def attention_blocks(kernel, block_d, elt_size, dropout=False, bounded=False):
+def attention_blocks(kernel, block_d, elt_size, dropout=False, bounded=0):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel in {'fwd', 'dkdv', 'dq'}; bounded:
-    FlashMask bounds are on (one BLOCK_N for all three kernels: they share the block min/max)."""
+    FlashMask's bounds per column, 0 without (one BLOCK_N for all three kernels with bounds:
+    they share the block min/max)."""
     return tiles.attention_tiles(kernel, block_d, elt_size, dropout, TILE_PRESET, bounded, INTERPRET)
 
 
@@ -870,7 +871,9 @@ def _prepare(q, seqs, p_drop, blocks):
     bounds, bmm, cu = seqs.bounds, seqs.block_minmax, seqs.cu_seqlens
     if blocks is None:
         blocks = {
-            name: attention_blocks(name, block_d, q.element_size(), p_drop > 0, bounds is not None)
+            name: attention_blocks(
+                name, block_d, q.element_size(), p_drop > 0, 0 if bounds is None else bounds.shape[-1]
+            )
             for name in ("fwd", "dkdv", "dq")
         }
     order = cu if seqs.order is None else seqs.order
