@@ -1,6 +1,6 @@
 """Attention forward+backward per backend on BERT batches, side by side.
 
-    python bench/attention.py [--data-dir DIR] [--batches 4] [--iters 20] [--json PATH]
+    python bench/attention.py [--data-dir DIR] [--batches 4] [--iters 20] [--window W] [--json PATH]
 
 Each batch is 56 sequences (MLPerf's per-GPU batch) x 16 heads x 64 dims with lengths from
 a prepared data directory or the built-in MLPerf-like distribution (``bench/lengths.py``).
@@ -17,6 +17,23 @@ TFLOP/s is an effective rate.
 
 Without a GPU it says so and checks correctness only: small shapes through Triton's
 interpreter, each backend against ``reference``; exit status 1 if one disagrees.
+
+``--backends`` names the backends to run, and each must run: one that is unavailable here
+fails the benchmark (exit status 1), as does one that errs or disagrees. Without it, every
+backend is tried and the unavailable ones are only listed; ``--optional`` names backends that
+may be unavailable without failing it (the library backends in ``bench/gpu_check.sh``).
+
+``--window W`` (a sliding window, |i - j| <= W // 2, on every backend that implements one)
+adds the tile work of the Triton kernels at lengths 512 and 8,192 (``--window-lengths``):
+the fraction of (query block, key block) tiles each pass computes, counted by the kernels
+themselves (in Triton's interpreter without a GPU), beside the band's ideal for the tile
+shape (the tiles that hold any pair |i - j| <= W // 2) and the band's share of all (i, j).
+On a GPU it also times, at each of those lengths (as many sequences as fill
+``--window-tokens``), the ``triton`` kernels' forward+backward windowed and full (the ratio
+windowed / full; ``--max-window-ratio`` fails the run above it), and with
+``--baseline-kernels FILE`` (an earlier ``kernels/jit_kernels.py``, e.g. from ``git show``)
+the full ones against that file's kernels on the same inputs (``--max-baseline-ratio``):
+"no slower than before", side by side in one run.
 """
 
 from __future__ import annotations
@@ -69,6 +86,150 @@ def load_backends(names):
         except BackendUnavailable as e:
             unavailable[name] = str(e)
     return loaded, unavailable
+
+
+def failures(results: dict, required) -> list[str]:
+    """The backends that fail a benchmark: every one that is not ok, except an unavailable one
+    that was not required (named on the command line)."""
+    return [
+        name
+        for name, r in results.items()
+        if r["status"] != "ok" and not (r["status"] == "unavailable" and name not in required)
+    ]
+
+
+# ------------------------------------------------------------------------ sliding-window tiles
+
+
+def band_ideal(length: int, window: int, block_m: int, block_n: int) -> float:
+    """The fraction of one sequence's (query block, key block) tiles that hold any pair
+    |i - j| <= window // 2: what a kernel with these tiles cannot avoid computing."""
+    r0 = torch.arange(0, length, block_m)
+    c0 = torch.arange(0, length, block_n)
+    r1, c1 = (r0 + block_m).clamp(max=length) - 1, (c0 + block_n).clamp(max=length) - 1
+    gap = torch.maximum(c0[None, :] - r1[:, None], r0[:, None] - c1[None, :]).clamp(min=0)  # [NM, NN]
+    return float((gap <= window // 2).double().mean())
+
+
+def band_density(length: int, window: int) -> float:
+    """The band's share of all (i, j) of a sequence."""
+    i = torch.arange(length)
+    seen = (i + window // 2).clamp(max=length - 1) - (i - window // 2).clamp(min=0) + 1
+    return float(seen.sum()) / length**2
+
+
+def window_tiles(window: int, lengths, dtype, dim: int, device) -> dict:
+    """Per length and pass: the tiles the kernels compute with the window (their own counts,
+    at the GPU's tiles for dtype x dim), the ideal for the tile shape, the band's density."""
+    from kernels import tiles
+    from kernels.varlen_attention import Call, tile_counts
+
+    block_d = max(16, 1 << (dim - 1).bit_length())
+    preset = tiles.preset_from_env()
+    blocks = {n: tiles.attention_tiles(n, block_d, dtype.itemsize, False, preset) for n in ("fwd", "dkdv", "dq")}
+    out = {}
+    for length in lengths:
+        q = torch.zeros(length, 1, 16, device=device)  # one head: the work is per (sequence, head)
+        cu = torch.tensor([0, length], dtype=torch.int32, device=device)
+        counts = tile_counts(q, q, q, Call(cu, length, window=window, softmax_scale=0.25), blocks)
+        out[str(length)] = {
+            "band_density": band_density(length, window),
+            **{
+                name: {
+                    "tiles": [bm, bn],
+                    "computed": (c.partial + c.unmasked) / c.total,
+                    "ideal": band_ideal(length, window, bm, bn),
+                }
+                for name, (c, (bm, bn)) in counts.items()
+            },
+        }
+    return out
+
+
+def _cuda_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def window_timing(args, lengths) -> dict:
+    """GPU: the triton kernels' forward+backward per length, windowed and full (and the full
+    one with ``--baseline-kernels``' kernels), median milliseconds and ratios."""
+    from kernels.runtime import jit_kernels, load
+    from kernels.varlen_attention import varlen_attention
+
+    dtype, device = DTYPES[args.dtype], torch.device("cuda")
+    baseline = load(interpret=False, source=Path(args.baseline_kernels)) if args.baseline_kernels else None
+    out = {}
+    for length in lengths:
+        n = max(1, args.window_tokens // length)
+        qkv, dout, cu = make_batch([length] * n, args.heads, args.dim, dtype, device, seed=args.seed)
+        q, k, v = (x.detach().requires_grad_() for x in qkv)
+
+        def run(window=None):
+            q.grad = k.grad = v.grad = None
+            varlen_attention(q, k, v, cu, length, window=window).backward(dout)
+
+        full = _cuda_ms(run, args.warmup, args.iters)
+        windowed = _cuda_ms(lambda: run(args.window), args.warmup, args.iters)
+        row = {"sequences": n, "full_ms": full, "window_ms": windowed, "window_ratio": windowed / full}
+        if baseline is not None:
+            row.update(_kernel_ms(jit_kernels(device), baseline, qkv, dout, cu, n, length, args))
+        out[str(length)] = row
+    return out
+
+
+def _kernel_ms(new, old, qkv, dout, cu, n, length, args) -> dict:
+    """The plain varlen kernels' launches (forward, dK/dV, dQ), this tree's against ``old``'s
+    (whose launchers take the sequences unpacked), on the same inputs."""
+    q, k, v = (x.detach() for x in qkv)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    grads = [torch.empty_like(q) for _ in range(3)]
+    scale = q.shape[-1] ** -0.5
+    seqs = new.Sequences(cu, None, 0, n, length)
+
+    def run_new():
+        new.attn_fwd(q, k, v, out, lse, seqs, scale, 0.0, 0, 0)
+        new.attn_bwd(dout, q, k, v, lse, lse, *grads, seqs, scale, 0.0, 0, 0)
+
+    def run_old():
+        old.attn_fwd(q, k, v, out, lse, cu, None, 0, n, length, scale, 0.0, 0, 0)
+        old.attn_bwd(dout, q, k, v, lse, lse, *grads, cu, None, 0, n, length, scale, 0.0, 0, 0)
+
+    new_ms, old_ms = _cuda_ms(run_new, args.warmup, args.iters), _cuda_ms(run_old, args.warmup, args.iters)
+    return {"kernels_ms": new_ms, "baseline_kernels_ms": old_ms, "baseline_ratio": new_ms / old_ms}
+
+
+def print_window(report: dict) -> None:
+    w = report["window"]
+    print(f"window {w['window']} (|i - j| <= {w['window'] // 2}): tiles computed / all, beside the band's ideal")
+    for length, row in w["tiles"].items():
+        passes = "  ".join(
+            f"{name} {c['tiles'][0]}x{c['tiles'][1]} {c['computed']:.1%} (ideal {c['ideal']:.1%})"
+            for name, c in row.items()
+            if name != "band_density"
+        )
+        print(f"  length {length:>5s}: {passes}; the band is {row['band_density']:.1%} of (i, j)")
+    for length, row in w.get("timing", {}).items():
+        line = (
+            f"  length {length:>5s} x {row['sequences']}: fwd+bwd full {row['full_ms']:.3f} ms, windowed "
+            f"{row['window_ms']:.3f} ms, ratio {row['window_ratio']:.3f}"
+        )
+        if "baseline_ratio" in row:
+            line += (
+                f"; plain kernels {row['kernels_ms']:.3f} ms vs baseline {row['baseline_kernels_ms']:.3f} ms, "
+                f"ratio {row['baseline_ratio']:.3f}"
+            )
+        print(line)
 
 
 def max_diff(a, b) -> float:
@@ -197,13 +358,31 @@ def main(argv=None) -> int:
         default=0.0,
         help="attention dropout while timing (torch_varlen has none: it refuses p > 0)",
     )
-    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument(
+        "--backends", help="comma-separated; each named one must run here (default: all, unavailable ones listed)"
+    )
+    parser.add_argument("--optional", default="", help="comma-separated backends that may be unavailable")
+    parser.add_argument("--window", type=int, help="also count (and on a GPU time) the Triton kernels' window work")
+    parser.add_argument("--window-lengths", type=int, nargs="+", default=[512, 8192])
+    parser.add_argument("--window-tokens", type=int, default=32768, help="tokens per timed windowed batch")
+    parser.add_argument("--window-only", action="store_true", help="with --window: skip the per-backend table")
+    parser.add_argument("--max-window-ratio", type=float, nargs="+", help="fail above these, one per length")
+    parser.add_argument(
+        "--baseline-kernels", help="an earlier kernels/jit_kernels.py to time the plain kernels against"
+    )
+    parser.add_argument("--max-baseline-ratio", type=float, help="fail when this tree's plain kernels are slower")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    args.backends = [b for b in args.backends.split(",") if b]
+    required = set() if args.backends is None else {b for b in args.backends.split(",") if b}
+    required -= {b for b in args.optional.split(",") if b}
+    args.backends = list(BACKENDS) if args.backends is None else [b for b in args.backends.split(",") if b]
+    args.backends += [b for b in args.optional.split(",") if b and b not in args.backends]
     if "reference" not in args.backends:
         args.backends.insert(0, "reference")
+    if args.window is not None and args.window < 1:
+        print(f"bench/attention.py: --window must be >= 1, got {args.window}", file=sys.stderr)
+        return 2
     try:
         sampler = LengthSampler(args.data_dir, args.seed)
     except LengthsError as e:
@@ -231,21 +410,59 @@ def main(argv=None) -> int:
             f"{report['device']}: {args.batches} batches x {args.seqs} sequences x {args.heads} heads x "
             f"{args.dim} dims, {args.dtype}, lengths from the {sampler.source}"
         )
-        report.update(gpu_benchmark(args, sampler))
-        ok = all(r["status"] in ("ok", "unavailable") for r in report["results"].values())
+        if not args.window_only:
+            report.update(gpu_benchmark(args, sampler))
     else:
         report["device"] = "cpu"
         print("No CUDA GPU here: checking correctness only (small shapes in Triton's interpreter), no timings.")
-        report.update(cpu_correctness(args, sampler))
-        ok = all(r["status"] in ("ok", "unavailable") for r in report["results"].values())
-    print_table(report)
+        if not args.window_only:
+            report.update(cpu_correctness(args, sampler))
+    failed = failures(report.get("results", {}), required)
+    if "results" in report:
+        print_table(report)
+    if failed:
+        print(f"bench/attention.py: failed: {', '.join(failed)}", file=sys.stderr)
+    if args.window is not None:
+        failed += window_report(args, report, gpu)
     if args.json:
         from fileio import write_text
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, json.dumps(report, indent=1))
-    return 0 if ok else 1
+    return 1 if failed else 0
+
+
+def window_report(args, report: dict, gpu: bool) -> list[str]:
+    """Adds the window's tile work (and GPU timings) to the report; returns what failed."""
+    from kernels.interface import BackendUnavailable
+
+    device = torch.device("cuda" if gpu else "cpu")
+    report["window"] = {"window": args.window}
+    try:
+        report["window"]["tiles"] = window_tiles(args.window, args.window_lengths, DTYPES[args.dtype], args.dim, device)
+        if gpu:
+            report["window"]["timing"] = window_timing(args, args.window_lengths)
+    except BackendUnavailable as e:
+        print(f"bench/attention.py: window: {e}", file=sys.stderr)
+        return ["window"]
+    print_window(report)
+    failed = []
+    limits = args.max_window_ratio or []
+    for i, length in enumerate(args.window_lengths):
+        row = report["window"].get("timing", {}).get(str(length))
+        if row is None:
+            continue
+        if i < len(limits) and row["window_ratio"] > limits[i]:
+            failed.append(f"window ratio {row['window_ratio']:.3f} > {limits[i]} at length {length}")
+        ratio = row.get("baseline_ratio")
+        if args.max_baseline_ratio and ratio is not None and ratio > args.max_baseline_ratio:
+            failed.append(f"plain kernels {ratio:.3f}x the baseline's time at length {length}")
+    if limits and not gpu:
+        print("bench/attention.py: no GPU: the window's time limits are not measured here")
+    for line in failed:
+        print(f"bench/attention.py: failed: {line}", file=sys.stderr)
+    return failed
 
 
 if __name__ == "__main__":

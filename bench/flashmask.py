@@ -21,6 +21,11 @@ over the real sequences: forward 4 * sum(L^2) * H * D, backward 2.5 times that),
 to flex_attention (goal: flashmask >= 1.1x), plus the largest difference from sdpa_dense on
 the real rows of the first batch. Also the fraction of tiles the kernel skipped.
 
+``--backends`` names the backends to run, and each must run: one that is unavailable here
+(``flex_attention`` on a torch without it) fails the benchmark, exit status 1; without it every
+backend is tried and the unavailable ones are only listed. ``--optional`` names backends that
+may be unavailable without failing it.
+
 Without a GPU: the skipped fraction of tiles, counted by the kernels themselves (debug mode,
 in Triton's interpreter) at the GPU's tile sizes for bf16 x 64 dims, checked against the dense
 mask's count, for forward, dK/dV and dQ; and the packing density. Exit status 1 when a count
@@ -41,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.attention import attention_flops
+from bench.attention import attention_flops, failures
 from bench.lengths import LengthSampler, LengthsError
 from data.packing import first_fit_decreasing
 
@@ -305,12 +310,22 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument(
+        "--backends", help="comma-separated; each named one must run here (default: all, unavailable ones listed)"
+    )
+    parser.add_argument("--optional", default="", help="comma-separated backends that may be unavailable")
     parser.add_argument("--forward-only", action="store_true", help="CPU: count the forward's tiles only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    args.backends = [b for b in args.backends.split(",") if b]
+    required = set() if args.backends is None else {b for b in args.backends.split(",") if b}
+    required -= {b for b in args.optional.split(",") if b}
+    args.backends = list(BACKENDS) if args.backends is None else [b for b in args.backends.split(",") if b]
+    args.backends += [b for b in args.optional.split(",") if b and b not in args.backends]
+    unknown = sorted(set(args.backends) - set(BACKENDS))
+    if unknown:
+        print(f"bench/flashmask.py: --backends: unknown {unknown}; choose from {list(BACKENDS)}", file=sys.stderr)
+        return 2
     try:
         sampler = LengthSampler(args.data_dir, args.seed)
     except LengthsError as e:
@@ -335,9 +350,8 @@ def main(argv=None) -> int:
         )
         report.update(gpu_report(args, sampler))
         print_gpu(report)
-        ok = all(r["status"] in ("ok", "unavailable") for r in report["results"].values()) and all(
-            c["exact"] for c in report["tile_counts"].values()
-        )
+        failed = failures(report["results"], required)
+        failed += [f"{name} tile counts" for name, c in report["tile_counts"].items() if not c["exact"]]
     else:
         report["device"] = "cpu"
         print(
@@ -345,16 +359,24 @@ def main(argv=None) -> int:
             f"{args.batches} batches of {args.seqs} sequences from the {sampler.source}, rows of {args.seq_len}, "
             f"GPU tiles for {args.dtype} x {args.dim} dims."
         )
-        report.update(cpu_report(args, sampler))
+        from kernels.interface import BackendUnavailable
+
+        try:
+            report.update(cpu_report(args, sampler))
+        except BackendUnavailable as e:
+            print(f"bench/flashmask.py: {e}", file=sys.stderr)
+            return 1
         print_cpu(report)
-        ok = report["exact"]
+        failed = [] if report["exact"] else ["tile counts"]
     if args.json:
         from fileio import write_text
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, json.dumps(report, indent=1))
-    return 0 if ok else 1
+    if failed:
+        print(f"bench/flashmask.py: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@
 #   attention        bench/attention.py: fwd+bwd per backend at BERT-large shapes
 #                    (triton, triton_grouped vs torch_varlen / flash_attn)  -> attention.json
 #   attention_small  the same with KERNELS_ATTENTION_TILES=small (4-warp tiles) -> attention_small.json
+#   window           bench/attention.py --window 128: tiles computed beside the band's ideal;
+#                    windowed fwd+bwd <= 0.5 of full at length 512, <= 0.1 at 8,192; the plain
+#                    varlen kernels no slower (<= 1.03x) than BASELINE_KERNELS' -> window.json
 #   tiles            which preset ran triton_grouped faster                -> tiles.json
 #   flashmask        bench/flashmask.py: FlashMask vs flex_attention and dense SDPA on packed
 #                    rows                                                  -> flashmask.json
@@ -31,7 +34,9 @@
 # network; a missing optional package (flash_attn, h5py, pytest) is reported and skipped.
 # Environment: PYTHON (default python3), DATA_DIR (lengths for the benchmarks; default the
 # built-in distribution), STAGE_SCALE (multiplies every time limit; a fraction such as 0.5
-# is fine; no limit drops below 5 s).
+# is fine; no limit drops below 5 s), BASELINE_KERNELS (the device code before a change, for
+# the window stage's "no slower" check; default: kernels/jit_kernels.py of git's BASELINE_REV,
+# default b8b2ebf, the last commit before the kernel family, when this is a git checkout).
 #
 # Without a GPU the benchmarks run their CPU correctness mode (tiny shapes, Triton's
 # interpreter); tests/kernels/test_gpu_check_script.py runs the script that way.
@@ -96,7 +101,7 @@ fi
 export TRITON_INTERPRET
 
 # --- env -------------------------------------------------------------------------------
-run_stage env 30 "$PYTHON" - "$OUT/env.json" <<'EOF'
+run_stage env 25 "$PYTHON" - "$OUT/env.json" <<'EOF'
 import importlib, json, os, platform, subprocess, sys
 info = {"python": sys.version.split()[0], "host": platform.node()}
 for name in ("torch", "triton", "numpy", "h5py", "pytest", "flash_attn"):
@@ -129,10 +134,10 @@ EOF
 if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     PARALLEL=()  # Triton compiles each kernel variant on one core: spread the tests over 4 workers
     if "$PYTHON" -c "import xdist" >/dev/null 2>&1; then PARALLEL=(-n 4); else echo "pytest-xdist not installed: tests run serially"; fi
-    run_stage gpu_tests 70 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py \
+    run_stage gpu_tests 65 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py \
         tests/kernels/test_gemm_epilogue.py tests/bert/test_fp8.py tests/bert/test_sharded_optim_gpu.py \
         tests/bert/test_cuda_graphs.py -m gpu -q -rs \
-        -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=65
+        -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=60
     # The peer suite's default subset (flash-attention's error rule) on the compiled kernels.
     run_stage peer_tests 40 "$PYTHON" -m pytest tests/kernels/test_attention_peer.py -q -rs -p no:cacheprovider \
         ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/peer_tests.xml" -o timeout=35
@@ -142,13 +147,31 @@ else
 fi
 
 # --- attention benchmark, and the tile presets at BERT-large's shape -----------------------
-run_stage attention 50 "$PYTHON" bench/attention.py --json "$OUT/attention.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
+# Named backends must run (a stage fails when Triton cannot); the library ones are optional.
+run_stage attention 50 "$PYTHON" bench/attention.py --backends reference,padded,triton,triton_grouped \
+    --optional torch_varlen,flash_attn --json "$OUT/attention.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 export KERNELS_ATTENTION_TILES=small
-run_stage attention_small 40 "$PYTHON" bench/attention.py --backends reference,triton,triton_grouped \
+run_stage attention_small 30 "$PYTHON" bench/attention.py --backends reference,triton,triton_grouped \
     --json "$OUT/attention_small.json" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 unset KERNELS_ATTENTION_TILES
 run_stage tiles 10 "$PYTHON" bench/pick_tiles.py "$OUT/attention.json" "$OUT/attention_small.json" \
     --json "$OUT/tiles.json"
+
+# --- sliding window: tile work, windowed vs full, the plain kernels vs the baseline -------------
+BASELINE_ARGS=()
+if [ -z "${BASELINE_KERNELS:-}" ] && git -C "$ROOT" cat-file -e "${BASELINE_REV:-b8b2ebf}:kernels/jit_kernels.py" 2>/dev/null; then
+    BASELINE_KERNELS="$OUT/baseline_jit_kernels.py"
+    git -C "$ROOT" show "${BASELINE_REV:-b8b2ebf}:kernels/jit_kernels.py" > "$BASELINE_KERNELS"
+fi
+if [ -n "${BASELINE_KERNELS:-}" ]; then
+    BASELINE_ARGS=(--baseline-kernels "$BASELINE_KERNELS" --max-baseline-ratio 1.03)
+else
+    echo "window: no BASELINE_KERNELS and no git history: the plain kernels are not timed against the baseline"
+fi
+WINDOW_ARGS=(--iters 10)  # without a GPU: the tile counts (the interpreter runs every program)
+if [ "$TRITON_INTERPRET" = 1 ]; then WINDOW_ARGS=(--window-lengths 512 2048); fi
+run_stage window 35 "$PYTHON" bench/attention.py --window 128 --window-only --backends triton \
+    --max-window-ratio 0.5 0.1 --json "$OUT/window.json" "${WINDOW_ARGS[@]}" ${BASELINE_ARGS[@]+"${BASELINE_ARGS[@]}"}
 
 # --- FlashMask on packed rows ----------------------------------------------------------------
 FLASHMASK_ARGS=()  # without a GPU: one small batch of tile counts (the interpreter runs every program)
@@ -166,7 +189,7 @@ run_stage optimizer 20 "$PYTHON" bench/optimizer.py "${OPTIMIZER_ARGS[@]}" --par
     --json "$OUT/optimizer.json"
 
 # --- BERT-large training steps ---------------------------------------------------------------
-run_stage train_step 90 "$PYTHON" bench/train_step.py --steps 20 --json "$OUT/train_step.json" \
+run_stage train_step 75 "$PYTHON" bench/train_step.py --steps 20 --json "$OUT/train_step.json" \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
 # --- FP8 and the FFN-in's bias+GELU in the GEMM epilogue -------------------------------------

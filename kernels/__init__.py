@@ -10,8 +10,9 @@ Modules, from the bottom up (a module imports only modules listed before it; the
   documents with a window, ...) and the dense reference, pure PyTorch; ``tiles``: tile presets;
   ``grouped``: length-bucket grouping and multi-stream dispatch; ``runtime``: compiled (CUDA)
   or interpreted (CPU, TRITON_INTERPRET=1) execution;
-- ``reference``: the ``reference`` and ``padded`` backends; ``jit_kernels`` /
-  ``flashmask_jit``: the device code (loaded by ``runtime`` / ``flashmask`` from their files);
+- ``reference``: the ``reference`` and ``padded`` backends; ``triton_jit``: the device code,
+  one attention kernel family (varlen, grouped, window, FlashMask bounds) and the fused ops
+  (loaded by ``runtime`` from its file);
 - ``varlen_attention``: fused multi-head attention over unpadded batches, the ``triton`` and
   ``triton_grouped`` backends; ``fused_ops``: bias+GELU and bias+dropout+residual+LayerNorm;
   ``library_backends``: ``flash_attn`` and ``torch_varlen`` for comparison;

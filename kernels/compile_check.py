@@ -1,21 +1,20 @@
 """Compile every kernel variant for a Hopper GPU (sm_90) on any machine, GPU or not.
 
     python -m kernels.compile_check [--registers] [--jobs N] [--head-dims 64 128] [--json PATH]
-    python -m kernels.compile_check --flashmask [--json PATH]
 
 The interpreter tests check the kernels' arithmetic, not that Triton can compile them
 (types, layouts, shared memory). Here each launcher runs with its launch swapped for
 ``triton.compile(..., target=sm_90)``, Triton's whole pipeline down to ptxas and a cubin,
 for every supported combination of dtype (fp32 both with and without TF32), head dim
-(32, 64, 128), dropout (off, on) and tile preset. Prints one line per kernel: tiles, warps,
-stages, shared memory, and with ``--registers`` (running the ptxas that Triton ships once
-more per kernel) the registers, spill bytes and resident blocks and warps per SM. Exits 1
-if a kernel does not compile, needs more shared memory than a Hopper block can have, or
-spills registers. ``--jobs N`` compiles on N processes. ``--flashmask`` compiles the FlashMask
-kernels' variants instead (always with registers; their spills are printed, not failed, as
-they spill today). Runs in a process of its own: Triton must be
-imported in compiled mode, so TRITON_INTERPRET is cleared before it is. This is the top of
-``kernels/``: no other module of the package imports it.
+(32, 64, 128), dropout (off, on) and tile preset, each plain (no mask: the varlen kernels),
+with a window, and with FlashMask bounds (1, 2 or 4, causal or not). Prints one line per
+kernel: mask, tiles, warps, stages, shared memory, and with ``--registers`` (running the ptxas
+that Triton ships once more per kernel) the registers, spill bytes and resident blocks and
+warps per SM, then the registers of each kernel plain, windowed and bounded side by side.
+Exits 1 if a kernel does not compile, needs more shared memory than a Hopper block can have,
+or spills registers. ``--jobs N`` compiles on N processes. Runs in a process of its own:
+Triton must be imported in compiled mode, so TRITON_INTERPRET is cleared before it is. This
+is the top of ``kernels/``: no other module of the package imports it.
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ def _ptxas_report(ptx: str) -> dict:
 
 
 def compiling_launcher(records: list[dict], variant: dict, registers: bool = True):
-    """A stand-in for ``jit_kernels._launch`` that compiles each kernel for sm_90 instead of
+    """A stand-in for ``triton_jit._launch`` that compiles each kernel for sm_90 instead of
     running it, appending one record per kernel (with ``variant``'s current labels)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -120,22 +119,35 @@ def occupancy(registers: int | None, num_warps: int, shared_bytes: int) -> dict:
     return {"blocks_per_sm": blocks, "warps_per_sm": blocks * num_warps}
 
 
+MASKS = ("none", "window", "bounds n=2", "bounds n=4", "bounds n=1 causal", "bounds n=2 causal")
+
+
 def attention_variants() -> list[tuple]:
-    """Every supported (dtype, head dim, dropout, fp32 precision, tile preset, grouped) combination."""
-    variants = []
+    """Every supported (dtype, head dim, dropout, fp32 precision, tile preset, grouped, mask)
+    combination: the plain ones (no mask) first, then each default-preset one with a window,
+    then the bounded ones (every mask kind with dropout, the packed BERT masks n=2 and n=4 also
+    without; head dims 32 and 64 share their tiles)."""
+    from kernels.tiles import TILE_PRESETS
+
+    plain, windowed, bounded = [], [], []
     for dtype in ("bfloat16", "float16", "float32"):
         for dim in (32, 64, 128):
             for p in (0.0, 0.1):
                 for precision in ("ieee", "tf32") if dtype == "float32" else ("-",):
-                    variants.append((dtype, dim, p, precision, "default", dtype == "bfloat16" and dim == 64 and p))
-    from kernels.tiles import TILE_PRESETS
-
+                    grouped = dtype == "bfloat16" and dim == 64 and p
+                    plain.append((dtype, dim, p, precision, "default", grouped, "none"))
+                    windowed.append((dtype, dim, p, precision, "default", grouped, "window"))
     for preset in TILE_PRESETS:  # the alternatives bench/gpu_check.sh times at BERT-large's shape
         if preset != "default":
             for dtype in ("bfloat16", "float16"):
                 for p in (0.0, 0.1):
-                    variants.append((dtype, 64, p, "-", preset, False))
-    return variants
+                    plain.append((dtype, 64, p, "-", preset, False, "none"))
+    for dtype in ("bfloat16", "float16", "float32"):
+        for dim in (64, 128):
+            for mask in MASKS[2:]:
+                for p in (0.0, 0.1) if mask in ("bounds n=2", "bounds n=4") else (0.1,):
+                    bounded.append((dtype, dim, p, "ieee" if dtype == "float32" else "-", "default", False, mask))
+    return plain + windowed + bounded
 
 
 def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
@@ -143,14 +155,11 @@ def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
 
     from kernels import runtime
 
-    dtype_name, dim, p, precision, preset, grouped = variant
+    dtype_name, dim, p, precision, preset, grouped, mask = variant
     module = runtime.load(interpret=False)
     records: list[dict] = []
-    module._launch = compiling_launcher(
-        records,
-        dict(dtype=dtype_name, head_dim=dim, dropout=p, precision=precision, tiles=preset, grouped=bool(grouped)),
-        registers,
-    )
+    labels = dict(dtype=dtype_name, head_dim=dim, dropout=p, precision=precision, tiles=preset)
+    module._launch = compiling_launcher(records, dict(labels, grouped=bool(grouped), mask=mask), registers)
     module.TILE_PRESET = preset
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     dtype = getattr(torch, dtype_name)
@@ -158,15 +167,22 @@ def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
     def meta(*shape, dtype):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    t, h, b, seed, offset = 4096, 16, 8, 2**40 + 3, 12345
+    t, h, b, s, seed, offset = 4096, 16, 8, 512, 2**40 + 3, 12345
     q, k, v = meta(t, 3, h, dim, dtype=dtype).unbind(1)  # the model's packed projection
     out, dout = meta(t, h, dim, dtype=dtype), meta(t, h, dim, dtype=dtype)
     lse = meta(t, h, dtype=torch.float32)
     cu = meta(b + 1, dtype=torch.int32)
     order = meta(b, dtype=torch.int32) if grouped else None
-    module.attn_fwd(q, k, v, out, lse, cu, order, 0, b, 512, dim**-0.5, p, seed, offset)
+    seqs = module.Sequences(cu, order, 0, b, s, window=128 if mask == "window" else None)
+    if mask.startswith("bounds"):  # packed rows of s, one bound tensor broadcast over heads
+        n = int(mask.split("=")[1][0])
+        block_n = module.bounded_key_block(q)
+        bounds = meta(b, 1, s, n, dtype=torch.int32)
+        bmm = meta(b, 1, s // block_n, n, 2, dtype=torch.int32)
+        seqs = seqs._replace(bounds=bounds, block_minmax=bmm, causal=mask.endswith("causal"))
+    module.attn_fwd(q, k, v, out, lse, seqs, dim**-0.5, p, seed, offset)
     grads = [meta(t, h, dim, dtype=dtype) for _ in range(3)]
-    module.attn_bwd(dout, q, k, v, lse, lse, *grads, cu, order, 0, b, 512, dim**-0.5, p, seed, offset)
+    module.attn_bwd(dout, q, k, v, lse, lse, *grads, seqs, dim**-0.5, p, seed, offset)
     return records
 
 
@@ -196,54 +212,24 @@ def _compile_fused(registers: bool) -> list[dict]:
     return records
 
 
-def flashmask_records() -> list[dict]:
-    """Compile every FlashMask kernel variant (the model's and the benchmark's) for sm_90;
-    returns one record per kernel."""
-    import torch
-
-    from kernels import flashmask, runtime
-
-    if runtime.triton_interpreted():
-        raise RuntimeError("Triton was imported in interpreter mode; run with TRITON_INTERPRET=0")
-    module = flashmask.load_jit(runtime.load(interpret=False))
-    records: list[dict] = []
-    variant: dict = {}
-
-    module._launch = compiling_launcher(records, variant)
-
-    def meta(*shape, dtype):
-        return torch.empty(*shape, dtype=dtype, device="meta")
-
-    r, s, h = 56, 512, 16
-    for dtype, dim, causal, n, p in [
-        (torch.bfloat16, 64, False, 2, 0.1),
-        (torch.bfloat16, 64, False, 4, 0.0),
-        (torch.float16, 128, True, 2, 0.0),
-        (torch.bfloat16, 64, True, 1, 0.1),
-        (torch.float32, 64, False, 2, 0.1),
-    ]:
-        variant.clear()
-        variant.update(dtype=str(dtype).removeprefix("torch."), head_dim=dim, causal=causal, n=n, dropout=p)
-        q, k, v = meta(r * s, 3, h, dim, dtype=dtype).view(r, s, 3, h, dim).unbind(2)  # the model's projection
-        out, dout = meta(r, s, h, dim, dtype=dtype), meta(r, s, h, dim, dtype=dtype)
-        lse = meta(r, s, h, dtype=torch.float32)
-        bounds = meta(r, 1, s, n, dtype=torch.int32)
-        tiles = flashmask.tile_sizes(dim, q.element_size(), interpreted=False)
-        bmm = meta(r, 1, s // tiles["fwd"][1], n, 2, dtype=torch.int32)
-        module.fwd(q, k, v, out, lse, bounds, bmm, causal, dim**-0.5, p, 2**40 + 3, 12345, tiles)
-        grads = [meta(r, s, h, dim, dtype=dtype) for _ in range(3)]
-        module.bwd(dout, q, k, v, lse, lse, *grads, bounds, bmm, causal, dim**-0.5, p, 2**40 + 3, 12345, tiles)
-    return records
-
-
-def _print_flashmask(records: list[dict]) -> None:
+def side_by_side(records: list[dict]) -> list[str]:
+    """Lines of registers (spill bytes) of each attention kernel under each mask, by (dtype,
+    head dim, dropout, precision), for the default preset; '-' where not compiled."""
+    table: dict[tuple, dict[str, str]] = {}
     for r in records:
-        extra = "" if r.get("registers") is None else f" regs {r['registers']} spill {r['spill_bytes']}B"
-        print(
-            f"{r['kernel']:14s} {r['dtype']:9s} D={r['head_dim']:<4d} causal={r['causal']!s:5s} n={r['n']} "
-            f"p={r['dropout']} {r['blocks']} warps {r['num_warps']} stages {r['num_stages']} "
-            f"shared {r['shared_bytes']}B{extra}"
-        )
+        if "mask" in r and r.get("tiles") == "default" and r.get("registers") is not None:
+            key = (r["kernel"], r["dtype"], r["head_dim"], r["dropout"], r["precision"])
+            cell = f"{r['registers']}" + (f"({r['spill_bytes']}B)" if r["spill_bytes"] else "")
+            table.setdefault(key, {})[r["mask"] + (" grouped" if r["grouped"] else "")] = cell
+    columns = [m for m in MASKS if any(m in row for row in table.values())]
+    if not columns:
+        return []
+    lines = ["registers (spill) per kernel: " + " | ".join(columns)]
+    for (kernel, dtype, dim, p, precision), row in sorted(table.items()):
+        label = f"{dtype}{'/' + precision if precision != '-' else ''}"
+        cells = [row.get(m) or row.get(m + " grouped") or "-" for m in columns]
+        lines.append(f"  {kernel:16s} {label:14s} D={dim:<4d} p={p}: " + " | ".join(f"{c:>8s}" for c in cells))
+    return lines
 
 
 def _job(item: tuple, registers: bool) -> list[dict]:
@@ -253,14 +239,15 @@ def _job(item: tuple, registers: bool) -> list[dict]:
 
 def run_all(registers: bool = False, jobs: int = 1, head_dims: tuple[int, ...] | None = None) -> list[dict]:
     """Compile all variants (those of ``head_dims`` only, if given; then no fused ops), on
-    ``jobs`` processes; returns one record per kernel compiled, in a fixed order."""
+    ``jobs`` processes; returns one record per kernel compiled, in a fixed order: the plain
+    attention kernels, the fused ops, the windowed and the bounded attention kernels."""
     from kernels import runtime
 
     if runtime.triton_interpreted():
         raise RuntimeError("Triton was imported in interpreter mode; run with TRITON_INTERPRET=0")
     items = [v for v in attention_variants() if head_dims is None or v[1] in head_dims]
-    if head_dims is None:
-        items.append(("fused",))
+    if head_dims is None:  # the fused ops right after the plain attention kernels
+        items.insert(sum(v[-1] == "none" for v in items), ("fused",))
     if jobs <= 1:
         results = [_job(item, registers) for item in items]
     else:
@@ -285,20 +272,16 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=1, help="compile on this many processes (default 1)")
     parser.add_argument("--head-dims", type=int, nargs="+", help="only the attention variants of these head dims")
-    parser.add_argument("--flashmask", action="store_true", help="the FlashMask kernel variants only")
     args = parser.parse_args(argv)
     try:
-        if args.flashmask:
-            records = flashmask_records()
-        else:
-            records = run_all(args.registers, max(1, args.jobs), tuple(args.head_dims) if args.head_dims else None)
+        records = run_all(args.registers, max(1, args.jobs), tuple(args.head_dims) if args.head_dims else None)
     except Exception as e:  # a compile error: one line, non-zero exit
         print(
             f"compile_check: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
             file=sys.stderr,
         )
         return 1
-    for r in records if not args.flashmask else ():
+    for r in records:
         extra = (
             ""
             if r.get("registers") is None
@@ -307,12 +290,13 @@ def main(argv=None) -> int:
         )
         label = f"{r.get('dtype', '')}{'/' + r['precision'] if r.get('precision', '-') != '-' else ''}"
         tiles = f" tiles={r['tiles']}" if r.get("tiles", "default") != "default" else ""
+        mask = f" {r['mask']}{' grouped' if r['grouped'] else ''}" if "mask" in r else ""
         print(
-            f"{r['kernel']:16s} {label:28s} D={r.get('head_dim', '-')!s:4s} p={r['dropout']}{tiles} "
+            f"{r['kernel']:16s} {label:28s} D={r.get('head_dim', '-')!s:4s} p={r['dropout']}{mask}{tiles} "
             f"{r['blocks']} warps {r['num_warps']} stages {r['num_stages']} shared {r['shared_bytes']}B{extra}"
         )
-    if args.flashmask:
-        _print_flashmask(records)
+    for line in side_by_side(records):
+        print(line)
     if args.json:
         write_text(args.json, json.dumps(records, indent=1))
     failed = 0
@@ -323,8 +307,10 @@ def main(argv=None) -> int:
         )
         failed = 1
     spills = [r for r in records if r.get("spill_bytes")]
-    if spills and not args.flashmask:  # the FlashMask kernels spill today: reported, not yet failed
-        names = ", ".join(f"{r['kernel']} {r['dtype']} D={r.get('head_dim')} p={r['dropout']}" for r in spills)
+    if spills:
+        names = ", ".join(
+            f"{r['kernel']} {r['dtype']} D={r.get('head_dim')} p={r['dropout']} {r.get('mask', '')}" for r in spills
+        )
         print(f"compile_check: {len(spills)} kernel(s) spill registers: {names}", file=sys.stderr)
         failed = 1
     return failed

@@ -21,18 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.runtime import jit_kernels
+from kernels.runtime import draw_philox, jit_kernels
 
 
 def _rows(x: Tensor, n: int) -> Tensor:
     return x.reshape(-1, n).contiguous()  # [R, N]
-
-
-def _draw_rng(dropout_p: float) -> tuple[int, int]:
-    if dropout_p <= 0.0:
-        return 0, 0
-    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
-    return seed, int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64))
 
 
 def _check_vec(t: Tensor, n: int, name: str, device) -> None:
@@ -83,7 +76,7 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         h_RN = torch.empty(r, n, dtype=out_dtype, device=x.device)  # residual + dropout(x + bias)
         mean = torch.empty(r, dtype=torch.float32, device=x.device)
         rstd = torch.empty(r, dtype=torch.float32, device=x.device)
-        seed, offset = _draw_rng(dropout_p)
+        seed, offset = draw_philox(dropout_p).tolist()
         kern.bdaln_fwd(
             x_RN,
             bias.contiguous(),

@@ -65,11 +65,12 @@ BACKENDS: dict[str, Backend] = {
     for b in (
         Backend("reference", "kernels.reference:reference_attention", _ANY, _WINDOW),
         Backend("padded", "kernels.reference:padded_attention", (VarlenLayout, PaddedLayout), _WINDOW),
-        Backend("triton", "kernels.varlen_attention:triton_backend", (VarlenLayout,), triton=True),
+        Backend("triton", "kernels.varlen_attention:triton_backend", (VarlenLayout,), _WINDOW, triton=True),
         Backend(
             "triton_grouped",
             "kernels.varlen_attention:grouped_backend",
             (VarlenLayout,),
+            _WINDOW,
             triton=True,
             factory=True,
             options=("buckets", "num_streams"),

@@ -3,7 +3,7 @@
 Triton fixes its mode for the whole process when it is first imported: with
 ``TRITON_INTERPRET=1`` its own library functions (``tl.zeros``, ``tl.philox`` ...) are built
 for the interpreter, otherwise for compilation, and kernels of the other mode cannot call
-them. So the mode is read from Triton itself, ``kernels/jit_kernels.py`` (device code only)
+them. So the mode is read from Triton itself, ``kernels/triton_jit.py`` (the device code)
 is loaded in that same mode, and ``jit_kernels(device)`` raises ``BackendUnavailable`` when
 the tensors' device does not fit the mode (CPU tensors with compiled Triton), saying what
 to change. It never falls back to another implementation.
@@ -25,7 +25,7 @@ import torch
 
 from kernels.interface import BackendUnavailable
 
-_SOURCE = Path(__file__).with_name("jit_kernels.py")
+_SOURCE = Path(__file__).with_name("triton_jit.py")
 _MODULE: list[ModuleType] = []
 
 
@@ -36,6 +36,16 @@ def seeded_op_tags() -> dict:
     if "tags" in inspect.signature(torch.library.custom_op).parameters:
         return {"tags": (torch.Tag.nondeterministic_seeded,)}
     return {}
+
+
+def draw_philox(dropout_p: float) -> torch.Tensor:
+    """[2] int64 on CPU: (seed, offset) for the kernels' Philox dropout, drawn from torch's
+    default generator (zeros, with nothing drawn, without dropout). Every kernel's one source."""
+    if dropout_p <= 0.0:
+        return torch.zeros(2, dtype=torch.int64)
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    offset = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+    return torch.cat([seed, offset])
 
 
 def triton_available() -> str | None:
@@ -116,11 +126,12 @@ def _fix_interpreter_scalars() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
-def load(interpret: bool) -> ModuleType:
-    """Execute jit_kernels.py as a fresh module whose @triton.jit functions are built for the
-    interpreter or for compilation (the latter also on a machine without a GPU: see
+def load(interpret: bool, source: Path = _SOURCE) -> ModuleType:
+    """Execute triton_jit.py (or another device-code file: ``bench/attention.py`` times an
+    earlier one) as a fresh module whose @triton.jit functions are built for the interpreter
+    or for compilation (the latter also on a machine without a GPU: see
     kernels/compile_check.py). It must match the mode Triton itself was imported in."""
-    return load_source(_SOURCE, "kernels._jit", interpret)
+    return load_source(source, "kernels._jit" if source == _SOURCE else f"kernels._jit_{source.stem}", interpret)
 
 
 def load_source(source: Path, name: str, interpret: bool) -> ModuleType:

@@ -1,29 +1,32 @@
-"""Fused multi-head attention over unpadded (varlen) batches: the ``triton`` and
-``triton_grouped`` attention backends.
+"""Fused multi-head attention over unpadded (varlen) batches, the host side of the one Triton
+kernel family: the ``triton`` and ``triton_grouped`` attention backends, and the op that
+``kernels.flashmask`` runs for packed rows.
 
 Layers, from the bottom:
 
-1. ``kernels/jit_kernels.py``: the Triton kernels (forward; backward as a dK/dV pass and a dQ
-   pass) and their launchers.
-2. Two ``torch.library`` custom ops, ``bert_kernels::varlen_attn_fwd`` / ``_bwd``: opaque
-   to ``torch.compile`` (which traces around them with their fake implementations), so a
+1. ``kernels/triton_jit.py``: the Triton kernels (forward; backward as a dK/dV pass and a dQ
+   pass) with their compile-time switches (window, FlashMask bounds) and launchers.
+2. Two ``torch.library`` custom ops, ``bert_kernels::attention_fwd`` / ``_bwd``: opaque to
+   ``torch.compile`` (which traces around them with their fake implementations), so a
    compiled model keeps the kernels. The forward op draws the dropout seed.
-3. ``_VarlenAttention``, a ``torch.autograd.Function`` joining the two ops.
+3. ``_Attention``, a ``torch.autograd.Function`` joining the two ops; ``attention`` is the
+   one entry every public function goes through (varlen, grouped, windowed, FlashMask).
 4. Public functions: ``varlen_attention``, ``varlen_attention_qkvpacked``,
    ``grouped_varlen_attention``, and ``varlen_attention_with_dropout_mask`` (debug).
 5. The backends (``triton_backend``, ``grouped_backend``) with the ``kernels.interface`` call.
 
 Dropout uses Philox keyed by (seed, offset) and the element's coordinates (see
-``jit_kernels``); seed and offset are drawn from torch's default CPU generator, so
-``torch.manual_seed`` makes a run reproducible, and the backward regenerates the mask
-instead of storing it.
+``triton_jit``); seed and offset are drawn from torch's default CPU generator
+(``kernels.runtime.draw_philox``), so ``torch.manual_seed`` makes a run reproducible, and
+the backward regenerates the mask instead of storing it.
 
-Shape legend: T tokens, B sequences, H heads, D head dim, S = max_seqlen.
+Shape legend: T tokens, B sequences, H heads, D head dim, S = max_seqlen, n bounds per column.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,64 +41,129 @@ from kernels.grouped import (
     run_groups,
     single_plan,
 )
-from kernels.interface import BackendUnavailable, Layout, VarlenLayout
-from kernels.runtime import jit_kernels, seeded_op_tags
+from kernels.interface import Layout, VarlenLayout, check_window
+from kernels.masks import TileCounts
+from kernels.runtime import draw_philox, jit_kernels, seeded_op_tags
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
 
 
-def _draw_rng(dropout_p: float) -> Tensor:
-    """[2] int64 on CPU: (seed, offset) for Philox, drawn from torch's default generator."""
-    if dropout_p <= 0.0:
-        return torch.zeros(2, dtype=torch.int64)
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    offset = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
-    return torch.cat([seed, offset])
+class Call(NamedTuple):
+    """Everything about an attention call but the tensors q, k, v (the ops' non-tensor
+    arguments, and the offsets and bounds)."""
+
+    cu_seqlens: Tensor  # [B+1] int32
+    max_seqlen: int
+    cu_seqlens_k: Tensor | None = None  # [B+1] int32 keys' offsets when they differ from the queries'
+    max_seqlen_k: int | None = None
+    bounds: Tensor | None = None  # [B, H or 1, Sk, n] int32 FlashMask bounds
+    causal: bool = False
+    window: int | None = None  # the band |i - j| <= window // 2
+    softmax_scale: float = 1.0
+    dropout_p: float = 0.0
+    buckets: list[int] = []  # [] = one launch (never mutated)
+    num_streams: int = 1
 
 
-def _fwd_impl(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams, rng, keep=None):
-    kern = jit_kernels(q.device, "triton attention")
-    seed, offset = (int(x) for x in rng.tolist())
-    t, h, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
-    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)  # [T, H], base-2
-    if cu_seqlens.device.type == "cpu":  # lengths on the host: check max_seqlen without a sync
-        check_max_seqlen(host_seqlens(cu_seqlens), max_seqlen)
-    plan = (
-        single_plan(cu_seqlens.numel() - 1, max_seqlen)
-        if keep is not None
-        else cached_plan(cu_seqlens, max_seqlen, buckets)
-    )
+def block_minmax(startend_row_indices: Tensor, block_n: int) -> Tensor:
+    """[B, H or 1, cdiv(Sk, block_n), n, 2] int32: min and max of each bound per key block."""
+    b, h, sk, n = startend_row_indices.shape
+    nb = -(-sk // block_n)
+    x = startend_row_indices
+    if nb * block_n != sk:  # repeat the last column: leaves every block's min and max unchanged
+        x = torch.cat([x, x[:, :, -1:].expand(b, h, nb * block_n - sk, n)], 2)
+    x = x.view(b, h, nb, block_n, n)
+    return torch.stack([x.amin(3), x.amax(3)], -1).contiguous()
+
+
+def _launcher(kern, q, call: Call, blocks: dict | None, single: bool, run):
+    """Run ``run(Sequences)`` once per launch of the call's plan (one per length bucket, or one)."""
+    if single:
+        plan = single_plan(call.cu_seqlens.numel() - 1, call.max_seqlen)
+    else:
+        plan = cached_plan(call.cu_seqlens, call.max_seqlen, call.buckets)
+    bmm = None
+    if call.bounds is not None:  # per block of the BLOCK_N keys all three kernels share
+        block_n = blocks["fwd"][1] if blocks else kern.bounded_key_block(q)
+        bmm = block_minmax(call.bounds, block_n)
 
     def launch(order, start, count, max_len):
-        kern.attn_fwd(
-            q, k, v, out, lse, cu_seqlens, order, start, count, max_len, softmax_scale, dropout_p, seed, offset, keep
+        run(
+            kern.Sequences(
+                call.cu_seqlens,
+                order,
+                start,
+                count,
+                max_len,
+                call.max_seqlen_k,
+                call.cu_seqlens_k,
+                call.window,
+                call.bounds,
+                bmm,
+                call.causal,
+            )
         )
 
-    run_groups(plan, launch, q.device, num_streams)
+    run_groups(plan, launch, q.device, call.num_streams)
+
+
+def _fwd_impl(q, k, v, call: Call, rng, keep=None, counts=None, blocks=None):
+    kern = jit_kernels(q.device, "triton attention")
+    seed, offset = (int(x) for x in rng.tolist())
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # [T, H], base-2
+    if call.cu_seqlens.device.type == "cpu":  # lengths on the host: check max_seqlen without a sync
+        check_max_seqlen(host_seqlens(call.cu_seqlens), call.max_seqlen)
+
+    def run(seqs):
+        kern.attn_fwd(q, k, v, out, lse, seqs, call.softmax_scale, call.dropout_p, seed, offset, keep, counts, blocks)
+
+    _launcher(kern, q, call, blocks, keep is not None or counts is not None, run)
     return out, lse
 
 
-@torch.library.custom_op("bert_kernels::varlen_attn_fwd", mutates_args=(), **seeded_op_tags())
+def _bwd_impl(dout, q, k, v, out, lse, rng, call: Call, counts=None, blocks=None):
+    kern = jit_kernels(q.device, "triton attention")
+    seed, offset = (int(x) for x in rng.tolist())
+    # delta_i = sum_j P~_ij dP~_ij = rowsum(dO * O) also with dropout (O holds the dropped P~).
+    delta = (dout.float() * out.float()).sum(-1)  # [T, H]
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+    def run(seqs):
+        args = (seqs, call.softmax_scale, call.dropout_p, seed, offset, counts, blocks)
+        kern.attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *args)
+
+    _launcher(kern, q, call, blocks, counts is not None, run)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("bert_kernels::attention_fwd", mutates_args=(), **seeded_op_tags())
 def _fwd_op(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     cu_seqlens: Tensor,
     max_seqlen: int,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_k: int | None,
+    bounds: Tensor | None,
+    causal: bool,
+    window: int | None,
     softmax_scale: float,
     dropout_p: float,
     buckets: list[int],
     num_streams: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    rng = _draw_rng(dropout_p)
-    out, lse = _fwd_impl(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams, rng)
+    call = Call(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, bounds, causal, window)
+    call = call._replace(softmax_scale=softmax_scale, dropout_p=dropout_p, buckets=buckets, num_streams=num_streams)
+    rng = draw_philox(dropout_p)
+    out, lse = _fwd_impl(q, k, v, call, rng)
     return out, lse, rng
 
 
 @_fwd_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams):
+def _(q, k, v, *call):
     return (
         q.new_empty(q.shape),
         q.new_empty(q.shape[:2], dtype=torch.float32),
@@ -103,7 +171,7 @@ def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_st
     )
 
 
-@torch.library.custom_op("bert_kernels::varlen_attn_bwd", mutates_args=())
+@torch.library.custom_op("bert_kernels::attention_bwd", mutates_args=())
 def _bwd_op(
     dout: Tensor,
     q: Tensor,
@@ -114,91 +182,111 @@ def _bwd_op(
     rng: Tensor,
     cu_seqlens: Tensor,
     max_seqlen: int,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_k: int | None,
+    bounds: Tensor | None,
+    causal: bool,
+    window: int | None,
     softmax_scale: float,
     dropout_p: float,
     buckets: list[int],
     num_streams: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    kern = jit_kernels(q.device, "triton attention")
-    seed, offset = (int(x) for x in rng.tolist())
-    # delta_i = sum_j P~_ij dP~_ij = rowsum(dO * O) also with dropout (O holds the dropped P~).
-    delta = (dout.float() * out.float()).sum(-1)  # [T, H]
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    plan = cached_plan(cu_seqlens, max_seqlen, buckets)
-
-    def launch(order, start, count, max_len):
-        kern.attn_bwd(
-            dout,
-            q,
-            k,
-            v,
-            lse,
-            delta,
-            dq,
-            dk,
-            dv,
-            cu_seqlens,
-            order,
-            start,
-            count,
-            max_len,
-            softmax_scale,
-            dropout_p,
-            seed,
-            offset,
-        )
-
-    run_groups(plan, launch, q.device, num_streams)
-    return dq, dk, dv
+    call = Call(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, bounds, causal, window)
+    call = call._replace(softmax_scale=softmax_scale, dropout_p=dropout_p, buckets=buckets, num_streams=num_streams)
+    return _bwd_impl(dout, q, k, v, out, lse, rng, call)
 
 
 @_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, rng, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams):
+def _(dout, q, k, v, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _last_dim_contiguous(x: Tensor) -> Tensor:
+def last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-class _VarlenAttention(torch.autograd.Function):
+class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams):
-        out, lse, rng = torch.ops.bert_kernels.varlen_attn_fwd(
-            q, k, v, cu_seqlens, max_seqlen, softmax_scale, dropout_p, buckets, num_streams
-        )
-        ctx.save_for_backward(q, k, v, out, lse, rng, cu_seqlens)
-        ctx.args = (max_seqlen, softmax_scale, dropout_p, buckets, num_streams)
+    def forward(ctx, q, k, v, call: Call):
+        out, lse, rng = torch.ops.bert_kernels.attention_fwd(q, k, v, *call)
+        tensors = [q, k, v, out, lse, rng, call.cu_seqlens, call.cu_seqlens_k, call.bounds]
+        ctx.save_for_backward(*tensors)
+        ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, rng, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = torch.ops.bert_kernels.varlen_attn_bwd(
-            _last_dim_contiguous(dout), q, k, v, out, lse, rng, cu_seqlens, *ctx.args
+        q, k, v, out, lse, rng, cu, cu_k, bounds = ctx.saved_tensors
+        call = ctx.call._replace(cu_seqlens=cu, cu_seqlens_k=cu_k, bounds=bounds)
+        dq, dk, dv = torch.ops.bert_kernels.attention_bwd(last_dim_contiguous(dout), q, k, v, out, lse, rng, *call)
+        return dq, dk, dv, None
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor:
+    """The kernel family on q [T, H, D], k, v [Tk, H, D] (head dim contiguous, else copied),
+    differentiable; the checked entry of every public function."""
+    return _Attention.apply(last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v), call)
+
+
+@torch.no_grad()
+def tile_counts(
+    q: Tensor, k: Tensor, v: Tensor, call: Call, blocks: dict, backward: bool = True
+) -> dict[str, tuple[TileCounts, tuple[int, int]]]:
+    """Debug: run the kernels (forward, and with ``backward`` the dK/dV and dQ passes on a ones
+    gradient) in their counting mode (the call has bounds or a window) at ``blocks`` {pass:
+    (BLOCK_M, BLOCK_N, warps, stages)}, and report how each pass treated its tiles.
+
+    Returns {pass: (TileCounts summed over sequences and heads, (BLOCK_M, BLOCK_N))}; a
+    sequence shorter than the longest counts its own tiles only."""
+    if call.bounds is None and call.window is None:
+        raise ValueError("tile counts: the kernels count tiles only with bounds or a window")
+    n_seqs, heads = call.cu_seqlens.numel() - 1, q.shape[1]
+    sk = call.max_seqlen if call.max_seqlen_k is None else call.max_seqlen_k
+    programs = {
+        "fwd": -(-call.max_seqlen // blocks["fwd"][0]),
+        "dkdv": -(-sk // blocks["dkdv"][1]),
+        "dq": -(-call.max_seqlen // blocks["dq"][0]),
+    }
+    counts = {
+        name: torch.zeros(n_seqs * heads * n, 4, dtype=torch.int32, device=q.device) for name, n in programs.items()
+    }
+    rng = torch.zeros(2, dtype=torch.int64)
+    call = call._replace(dropout_p=0.0, buckets=[])
+    out, lse = _fwd_impl(q, k, v, call, rng, counts=counts["fwd"], blocks=blocks)
+    if not backward:
+        counts = {"fwd": counts["fwd"]}
+    else:
+        _bwd_impl(
+            torch.ones_like(out), q, k, v, out, lse, rng, call, {"dkdv": counts["dkdv"], "dq": counts["dq"]}, blocks
         )
-        return dq, dk, dv, None, None, None, None, None, None
+    return {name: (TileCounts(*(int(x) for x in c.sum(0).tolist())), blocks[name][:2]) for name, c in counts.items()}
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, dropout_p: float) -> None:
+def check_inputs(what: str, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> None:
+    """What every kernel of the family needs of q, k, v and dropout_p (shapes: the caller's)."""
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"{what}: q, k, v must share one dtype of {[str(d) for d in _DTYPES]}; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"{what}: head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{what}: dropout_p must lie in [0, 1), got {dropout_p}")
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, dropout_p: float, window: int | None) -> None:
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(
             f"varlen attention: q, k, v must all be [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(
-            f"varlen attention: q, k, v must share one dtype of {[str(d) for d in _DTYPES]}; "
-            f"got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    if q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"varlen attention: head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported")
+    check_inputs("varlen attention", q, k, v, dropout_p)
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.device != q.device:
         raise ValueError(
             f"varlen attention: cu_seqlens must be a 1-D int32 tensor on {q.device}; got "
             f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)} on {cu_seqlens.device}"
         )
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"varlen attention: dropout_p must lie in [0, 1), got {dropout_p}")
+    check_window(window)
 
 
 def varlen_attention(
@@ -210,6 +298,7 @@ def varlen_attention(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     *,
+    window: int | None = None,
     buckets: Sequence[int] | None = None,
     num_streams: int = MAX_STREAMS,
 ) -> Tensor:
@@ -229,24 +318,17 @@ def varlen_attention(
     dropout_p: attention-probability dropout (0 in evaluation); the mask is Philox from a seed
         drawn from torch's default generator.
     softmax_scale: default 1/sqrt(D).
+    window: None, or an int >= 1: query i sees key j of its sequence only when
+        |i - j| <= window // 2 (the key blocks outside that band are never computed).
     buckets: None for one launch; a strictly increasing length list for grouped multi-stream
         dispatch (``kernels.grouped``), num_streams <= 4 CUDA streams.
     Returns out [T, H, D] in q's dtype, contiguous.
     """
-    _check(q, k, v, cu_seqlens, dropout_p)
+    _check(q, k, v, cu_seqlens, dropout_p, window)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     bucket_list = list(check_buckets(buckets)) if buckets else []
-    return _VarlenAttention.apply(
-        _last_dim_contiguous(q),
-        _last_dim_contiguous(k),
-        _last_dim_contiguous(v),
-        cu_seqlens,
-        int(max_seqlen),
-        scale,
-        float(dropout_p),
-        bucket_list,
-        int(num_streams),
-    )
+    call = Call(cu_seqlens, int(max_seqlen), window=window, softmax_scale=scale, dropout_p=float(dropout_p))
+    return attention(q, k, v, call._replace(buckets=bucket_list, num_streams=int(num_streams)))
 
 
 def grouped_varlen_attention(
@@ -259,14 +341,25 @@ def grouped_varlen_attention(
     softmax_scale: float | None = None,
     buckets: Sequence[int] = DEFAULT_BUCKETS,
     num_streams: int = MAX_STREAMS,
+    *,
+    window: int | None = None,
 ) -> Tensor:
     """``varlen_attention`` with one launch per length bucket on up to num_streams CUDA streams.
 
     Same arguments and result as ``varlen_attention`` (bitwise: each sequence is computed by
-    the same programs, and the dropout mask does not depend on the grouping).
+    the same programs, and neither the dropout mask nor the window depends on the grouping).
     """
     return varlen_attention(
-        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, buckets=buckets, num_streams=num_streams
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        window=window,
+        buckets=buckets,
+        num_streams=num_streams,
     )
 
 
@@ -294,6 +387,8 @@ def varlen_attention_with_dropout_mask(
     max_seqlen: int,
     dropout_p: float,
     softmax_scale: float | None = None,
+    *,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Debug: the forward (no autograd) plus the dropout mask the kernel applied.
 
@@ -301,15 +396,16 @@ def varlen_attention_with_dropout_mask(
     ``torch.manual_seed`` both produce the same output. Returns (out [T, H, D],
     keep [B, H, S, S] bool with S = max_seqlen; entry (b, h, i, j) is True when the
     probability of query i attending to key j of sequence b was kept; False outside the
-    sequence).
+    sequence, and with a window False outside the band's key blocks, which are never computed).
     """
-    _check(q, k, v, cu_seqlens, dropout_p)
+    _check(q, k, v, cu_seqlens, dropout_p, window)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     b, h, s = cu_seqlens.numel() - 1, q.shape[1], int(max_seqlen)
     keep = torch.zeros(b, h, s, s, dtype=torch.int8, device=q.device)
-    rng = _draw_rng(dropout_p)
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    out, _ = _fwd_impl(q, k, v, cu_seqlens, s, scale, float(dropout_p), [], 1, rng, keep=keep)
+    rng = draw_philox(dropout_p)
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    call = Call(cu_seqlens, s, window=window, softmax_scale=scale, dropout_p=float(dropout_p))
+    out, _ = _fwd_impl(q, k, v, call, rng, keep=keep)
     if dropout_p <= 0.0:  # nothing dropped: every in-sequence entry is kept
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         inside = torch.arange(s, device=q.device) < lens[:, None]  # [B, S]
@@ -317,19 +413,11 @@ def varlen_attention_with_dropout_mask(
     return out, keep.bool()
 
 
-def _varlen_layout(layout: Layout, name: str) -> VarlenLayout:
-    if not isinstance(layout, VarlenLayout):
-        raise BackendUnavailable(
-            f"model.attention={name}: needs an unpadded batch (VarlenLayout), got "
-            f"{type(layout).__name__}; padded batches run with 'padded' or 'reference'"
-        )
-    return layout
-
-
-def triton_backend(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
-    """The ``triton`` backend: one varlen launch per call."""
-    lay = _varlen_layout(layout, "triton")
-    return varlen_attention(q, k, v, lay.cu_seqlens, lay.max_seqlen, dropout_p if training else 0.0)
+def triton_backend(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float, training: bool) -> Tensor:
+    """The ``triton`` backend: one varlen launch per call (the registry checks the layout)."""
+    return varlen_attention(
+        q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p if training else 0.0, window=layout.window
+    )
 
 
 def grouped_backend(buckets: Sequence[int] = DEFAULT_BUCKETS, num_streams: int = MAX_STREAMS):
@@ -339,14 +427,14 @@ def grouped_backend(buckets: Sequence[int] = DEFAULT_BUCKETS, num_streams: int =
         raise ValueError(f"triton_grouped: num_streams must lie in [1, {MAX_STREAMS}], got {num_streams}")
 
     def triton_grouped(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
-        lay = _varlen_layout(layout, "triton_grouped")
         return varlen_attention(
             q,
             k,
             v,
-            lay.cu_seqlens,
-            lay.max_seqlen,
+            layout.cu_seqlens,
+            layout.max_seqlen,
             dropout_p if training else 0.0,
+            window=layout.window,
             buckets=bucket_list,
             num_streams=num_streams,
         )

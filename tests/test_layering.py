@@ -55,8 +55,7 @@ MODULE_LAYERS = {
         "grouped": 1,
         "runtime": 1,  # compiled or interpreted Triton
         "reference": 2,  # the reference and padded backends
-        "jit_kernels": 2,  # device code
-        "flashmask_jit": 2,
+        "triton_jit": 2,  # the device code: one attention kernel family, the fused ops
         "rotary_jit": 2,  # device code of the rotary embedding
         "varlen_attention": 3,  # the Triton backends
         "fused_ops": 3,

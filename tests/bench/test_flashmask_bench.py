@@ -44,3 +44,25 @@ def test_cpu_run_reports_the_skipped_fraction(tmp_path):
     batch = report["batches"][0]
     assert batch["sequences"] == 12 and 0 < batch["packing_density"] <= 1
     assert set(batch["counts"]) == {"fwd", "dkdv", "dq"}
+
+
+def test_a_named_backend_that_cannot_run_fails_the_benchmark(monkeypatch, capsys):
+    """On a GPU whose torch has no flex_attention: asked for by name, that fails the run; not
+    named (the default list) or --optional, it is only reported."""
+    import torch
+
+    from bench import flashmask as bench_flashmask
+
+    def gpu_report(args, sampler):
+        ok = {"status": "ok", "median_ms": 1.0, "tflops": 1.0, "ratio_vs_flex": None, "max_diff_vs_sdpa_dense": 0.0}
+        results = {name: dict(ok) for name in args.backends}
+        results["flex_attention"] = {"status": "unavailable", "reason": "torch has no flex_attention (this test)"}
+        return {"batches": [], "results": results, "flex_block_mask_ms": [], "tile_counts": {}}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU (this test)")
+    monkeypatch.setattr(bench_flashmask, "gpu_report", gpu_report)
+    assert bench_flashmask.main(["--backends", "flashmask,flex_attention"]) == 1
+    assert "failed: flex_attention" in capsys.readouterr().err
+    assert bench_flashmask.main(["--backends", "flashmask", "--optional", "flex_attention"]) == 0
+    assert bench_flashmask.main([]) == 0

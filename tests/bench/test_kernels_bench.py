@@ -91,3 +91,31 @@ def test_packed_variant_holds_the_same_sequences():
         assert torch.equal(flat[start : start + hi - lo], batch.input_ids[lo:hi])
     assert torch.equal(packed.mlm_labels, batch.mlm_labels)
     assert torch.equal(flat[packed.mlm_positions], batch.input_ids[batch.mlm_positions])  # same masked tokens
+
+
+def test_a_named_backend_that_cannot_run_fails_the_benchmark(monkeypatch, capsys):
+    """Asked for by name (as bench/gpu_check.sh asks for triton), a backend that cannot run here
+    fails the run; listed with --optional, or not named at all, it is only reported."""
+    from kernels import registry
+    from kernels.interface import BackendUnavailable
+
+    real = registry.get_backend
+
+    def get_backend(name, **options):
+        if name == "triton":
+            raise BackendUnavailable("model.attention=triton: no CUDA GPU here (this test)")
+        return real(name, **options)
+
+    monkeypatch.setattr(registry, "get_backend", get_backend)
+    assert bench_attention.main(["--backends", "padded,triton"]) == 1
+    assert "failed: triton" in capsys.readouterr().err
+    assert bench_attention.main(["--backends", "padded", "--optional", "triton"]) == 0
+
+
+def test_window_tile_work_is_the_band_ideal_for_the_tile_shape():
+    """The kernels' own tile counts with a window: exactly the tiles that hold a band pair."""
+    tiles = bench_attention.window_tiles(128, [512], torch.bfloat16, 64, torch.device("cpu"))["512"]
+    for name in ("fwd", "dkdv", "dq"):
+        assert tiles[name]["computed"] == pytest.approx(tiles[name]["ideal"]), name
+    assert tiles["fwd"]["tiles"] == [128, 64] and tiles["fwd"]["computed"] == 14 / 32  # 3 + 4 + 4 + 3 of 4 x 8
+    assert tiles["band_density"] == pytest.approx((512 * 129 - 64 * 65) / 512**2)

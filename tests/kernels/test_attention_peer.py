@@ -1,5 +1,5 @@
 """Peer-grade numerics for every attention kernel (``triton``, ``triton_grouped``, FlashMask),
-on flash-attention's method.
+with and without a sliding window, on flash-attention's method.
 
 - Inputs: a padded batch [B, S, H, D] with a random padding mask (each row's length drawn
   from [max(1, S - 20), S], plus one row of the full length S and one of length 1), unpadded
@@ -13,6 +13,11 @@ on flash-attention's method.
 - Dropout: the kernel's mask (its debug output, the same Philox mask for every kernel) is fed
   to both references, and the kept fraction must match 1 - p within 5 binomial standard
   deviations.
+- Window (the ``*_window`` kernels): the band |i - j| <= window // 2 inside each sequence,
+  added to the reference's dense mask; varlen (``window=``) and packed (FlashMask bounds of
+  ``kernels.masks.document_window_mask``). Each case draws its window (from 2 to beyond twice
+  the length) unless it names one; a window of at least twice the length must give the
+  kernel's result without a window bitwise.
 
 The default run is a small subset (the interpreter runs each program in Python); the full
 matrix (lengths 1, 3, 113, 239, 511 x head dims 32, 64, 128 x fp32/bf16/fp16 x dropout 0 and
@@ -37,9 +42,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import flashmask as fm  # noqa: E402
+from kernels.masks import document_window_mask  # noqa: E402
 from kernels.varlen_attention import varlen_attention, varlen_attention_with_dropout_mask  # noqa: E402
 
 KERNELS = ("triton", "triton_grouped", "flashmask_document", "flashmask_causal")
+WINDOW_KERNELS = ("triton_window", "triton_grouped_window", "flashmask_document_window")
 LENGTHS = (1, 3, 113, 239, 511)
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -92,28 +99,37 @@ def _grads(fn, inputs, dout):
     return [out.detach(), *(x.grad for x in leaves)]
 
 
-def _run_varlen(kernel, batch: Batch, dropout_p: float, seed: int):
+def band(seqlen: int, window: int | None, device) -> torch.Tensor:
+    """[1, 1, S, S] True where |i - j| <= window // 2 (everywhere without a window)."""
+    i = torch.arange(seqlen, device=device)
+    if window is None:
+        return torch.ones(1, 1, seqlen, seqlen, dtype=torch.bool, device=device)
+    return ((i[:, None] - i[None, :]).abs() <= window // 2)[None, None]
+
+
+def _run_varlen(kernel, batch: Batch, dropout_p: float, seed: int, window: int | None = None):
     """Kernel results re-padded to [B, S, H, D], the mask it dropped with, and what may attend."""
     mask = batch.key_mask
     seqlen = mask.shape[1]
     lens = mask.sum(1)
     cu = torch.zeros(BATCH + 1, dtype=torch.int32, device=mask.device)
     cu[1:] = lens.cumsum(0)
-    buckets = GROUP_BUCKETS if kernel == "triton_grouped" else None
+    buckets = GROUP_BUCKETS if kernel.startswith("triton_grouped") else None
 
     def fn(q, k, v):  # [B, S, H, D] -> unpad -> kernel -> pad
-        out_thd = varlen_attention(q[mask], k[mask], v[mask], cu, seqlen, dropout_p, buckets=buckets)
+        out_thd = varlen_attention(q[mask], k[mask], v[mask], cu, seqlen, dropout_p, window=window, buckets=buckets)
         return torch.zeros_like(q).index_put((mask,), out_thd)
 
     torch.manual_seed(seed)
     got = _grads(fn, batch[:3], batch.dout)
     torch.manual_seed(seed)  # the same seed draw: the mask the kernel applied
-    _, keep = varlen_attention_with_dropout_mask(batch.q[mask], batch.k[mask], batch.v[mask], cu, seqlen, dropout_p)
-    allowed = mask[:, None, :, None] & mask[:, None, None, :]  # [B, 1, S, S]
+    unpadded = (batch.q[mask], batch.k[mask], batch.v[mask])
+    _, keep = varlen_attention_with_dropout_mask(*unpadded, cu, seqlen, dropout_p, window=window)
+    allowed = mask[:, None, :, None] & mask[:, None, None, :] & band(seqlen, window, mask.device)  # [B, 1, S, S]
     return got, keep, allowed
 
 
-def _run_flashmask(kind: str, batch: Batch, dropout_p: float, seed: int):
+def _run_flashmask(kind: str, batch: Batch, dropout_p: float, seed: int, window: int | None = None):
     b, seqlen, h, d = batch.q.shape
     mask = batch.key_mask
     if kind == "causal":  # full rows, causal
@@ -121,6 +137,9 @@ def _run_flashmask(kind: str, batch: Batch, dropout_p: float, seed: int):
         mask = torch.ones_like(mask)
         batch = batch._replace(key_mask=mask)
         allowed = torch.ones(seqlen, seqlen, dtype=torch.bool, device=mask.device).tril()[None, None]
+    elif window is not None:  # one document per row with a window (4 bounds), then padding
+        spec = document_window_mask([[int(n)] for n in mask.sum(1)], seqlen, window)
+        allowed = mask[:, None, :, None] & mask[:, None, None, :] & band(seqlen, window, mask.device)
     else:  # one document per row, then padding
         spec = fm.document_mask([[int(n)] for n in mask.sum(1)], seqlen)
         allowed = mask[:, None, :, None] & mask[:, None, None, :]
@@ -136,13 +155,31 @@ def _run_flashmask(kind: str, batch: Batch, dropout_p: float, seed: int):
     return got, keep, allowed.expand(b, 1, seqlen, seqlen)
 
 
-def check_case(kernel: str, seqlen: int, dim: int, dtype: torch.dtype, dropout_p: float) -> None:
-    seed = zlib.crc32(f"{kernel}-{seqlen}-{dim}-{dtype}-{dropout_p}".encode())
-    batch = random_batch(seqlen, dim, dtype, seed, _device())
+def _run(kernel: str, batch: Batch, dropout_p: float, seed: int, window: int | None):
     if kernel.startswith("flashmask"):
-        got, keep, allowed = _run_flashmask(kernel.removeprefix("flashmask_"), batch, dropout_p, seed)
-    else:
-        got, keep, allowed = _run_varlen(kernel, batch, dropout_p, seed)
+        return _run_flashmask(kernel.removeprefix("flashmask_").removesuffix("_window"), batch, dropout_p, seed, window)
+    return _run_varlen(kernel.removesuffix("_window"), batch, dropout_p, seed, window)
+
+
+def case_window(kernel: str, seqlen: int, seed: int, window: int | str | None) -> int | None:
+    """The case's window: None for the kernels without one; drawn from [2, 2S + 3] (so also
+    at least twice the length) unless the case names it."""
+    if not kernel.endswith("_window"):
+        return None
+    if window is not None:
+        return window
+    return int(torch.randint(2, 2 * seqlen + 4, (1,), generator=torch.Generator().manual_seed(seed)))
+
+
+def check_case(kernel: str, seqlen: int, dim: int, dtype: torch.dtype, dropout_p: float, window=None) -> None:
+    seed = zlib.crc32(f"{kernel}-{seqlen}-{dim}-{dtype}-{dropout_p}-{window}".encode())
+    window = case_window(kernel, seqlen, seed, window)
+    batch = random_batch(seqlen, dim, dtype, seed, _device())
+    got, keep, allowed = _run(kernel, batch, dropout_p, seed, window)
+    if window is not None and window >= 2 * seqlen:  # the band holds every pair: the unwindowed result, bitwise
+        plain = _run(kernel.removesuffix("_window"), batch, dropout_p, seed, None)[0]
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, plain):
+            assert torch.equal(a, b), f"{kernel} window {window} >= 2 x {seqlen}: {name} differs from no window"
     keep = keep & allowed if dropout_p > 0 else None
     if keep is not None:  # the kept fraction, among the entries that exist
         n = int(allowed.sum()) * HEADS
@@ -158,7 +195,7 @@ def check_case(kernel: str, seqlen: int, dim: int, dtype: torch.dtype, dropout_p
         err = float(((a.double() - r.double()) * row_ok).abs().max())
         bar = float(((p.double() - r.double()) * row_ok).abs().max())
         assert err <= factor * bar + atol, (
-            f"{kernel} S={seqlen} D={dim} {dtype} p={dropout_p}: {name} error "
+            f"{kernel} S={seqlen} D={dim} {dtype} p={dropout_p} window={window}: {name} error "
             f"{err:.3g} > {factor} x PyTorch's {bar:.3g} + {atol}"
         )
 
@@ -173,13 +210,29 @@ DEFAULT = [
     ("triton_grouped", 40, 64, torch.float16, 0.17),
     ("flashmask_document", 3, 128, torch.bfloat16, 0.17),
     ("flashmask_causal", 40, 32, torch.bfloat16, 0.0),
+    # The window: a drawn one, a window of 2, and windows of at least twice the length (bitwise
+    # the unwindowed result), varlen, grouped and packed, odd lengths.
+    ("triton_window", 41, 32, torch.float32, 0.17),
+    ("triton_window", 39, 64, torch.bfloat16, 0.0, 2),
+    ("triton_grouped_window", 40, 64, torch.float16, 0.17, 97),
+    ("flashmask_document_window", 37, 32, torch.bfloat16, 0.17),
+    ("flashmask_document_window", 3, 64, torch.float32, 0.0, 7),
 ]
-MATRIX = [(k, s, d, t, p) for k in KERNELS for s in LENGTHS for d in HEAD_DIMS for t in DTYPES for p in DROPOUTS]
+MATRIX = [
+    (k, s, d, t, p)
+    for k in KERNELS + WINDOW_KERNELS
+    for s in LENGTHS
+    for d in HEAD_DIMS
+    for t in DTYPES
+    for p in DROPOUTS
+]
+MATRIX += [(k, s, 64, t, p, 2) for k in WINDOW_KERNELS for s in LENGTHS for t in DTYPES for p in DROPOUTS]
 
 
 def _case_id(case):
-    k, s, d, t, p = case
-    return f"{k}-S{s}-D{d}-{str(t).removeprefix('torch.')}-p{p}"
+    k, s, d, t, p = case[:5]
+    window = f"-w{case[5]}" if len(case) > 5 else ""
+    return f"{k}-S{s}-D{d}-{str(t).removeprefix('torch.')}-p{p}{window}"
 
 
 @pytest.mark.parametrize("case", DEFAULT, ids=_case_id)

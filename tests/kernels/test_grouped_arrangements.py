@@ -1,4 +1,5 @@
-"""Grouped dispatch (``triton_grouped``) equals one varlen launch, bitwise, for every arrangement.
+"""Grouped dispatch (``triton_grouped``) equals one varlen launch, bitwise, for every arrangement,
+with and without a sliding window.
 
 A grouped call launches each length bucket's sequences separately; whatever the order of the
 batch (already in bucket order, reversed, interleaved), each sequence must be computed by
@@ -25,7 +26,7 @@ from kernels.varlen_attention import varlen_attention  # noqa: E402
 HEADS, DIM = 1, 16
 
 
-def _run(lengths, buckets, dropout_p, seed):
+def _run(lengths, buckets, dropout_p, seed, window=None):
     """out, dq, dk, dv of varlen_attention over these lengths (grouped when buckets)."""
     g = torch.Generator().manual_seed(seed)
     t = sum(lengths)
@@ -33,7 +34,7 @@ def _run(lengths, buckets, dropout_p, seed):
     dout = torch.randn(t, HEADS, DIM, generator=g)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     torch.manual_seed(seed)  # the dropout seed is drawn from torch's default generator
-    out = varlen_attention(q, k, v, cu, max(lengths), dropout_p, buckets=buckets)
+    out = varlen_attention(q, k, v, cu, max(lengths), dropout_p, buckets=buckets, window=window)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -48,21 +49,26 @@ def _buckets():
     buckets=_buckets(),
     arrangement=st.sampled_from(["as drawn", "ascending", "descending"]),
     dropout_p=st.sampled_from([0.0, 0.3]),
+    window=st.sampled_from([None, None, 2, 7, 40]),
 )
-@example(lengths=[40, 30, 9, 5], buckets=[8, 16, 32, 64], arrangement="as drawn", dropout_p=0.0)  # issue 13
-@example(lengths=[5, 9, 30, 40], buckets=[8, 16, 32, 64], arrangement="as drawn", dropout_p=0.0)  # ascending
-@example(lengths=[7, 3, 5], buckets=[8, 16], arrangement="as drawn", dropout_p=0.3)  # one group
-@example(lengths=[60, 20, 12, 4], buckets=[4, 16, 32], arrangement="as drawn", dropout_p=0.3)  # one per bucket
-@example(lengths=[60, 50, 3], buckets=[8, 16], arrangement="as drawn", dropout_p=0.0)  # beyond the last bucket
-def test_grouped_equals_one_launch(lengths, buckets, arrangement, dropout_p):
+# issue 13; ascending; one group; one per bucket; beyond the last bucket; one per bucket with a window
+@example(lengths=[40, 30, 9, 5], buckets=[8, 16, 32, 64], arrangement="as drawn", dropout_p=0.0, window=None)
+@example(lengths=[5, 9, 30, 40], buckets=[8, 16, 32, 64], arrangement="as drawn", dropout_p=0.0, window=None)
+@example(lengths=[7, 3, 5], buckets=[8, 16], arrangement="as drawn", dropout_p=0.3, window=None)
+@example(lengths=[60, 20, 12, 4], buckets=[4, 16, 32], arrangement="as drawn", dropout_p=0.3, window=None)
+@example(lengths=[60, 50, 3], buckets=[8, 16], arrangement="as drawn", dropout_p=0.0, window=None)
+@example(lengths=[60, 20, 12, 4], buckets=[4, 16, 32], arrangement="as drawn", dropout_p=0.3, window=9)
+def test_grouped_equals_one_launch(lengths, buckets, arrangement, dropout_p, window):
     if arrangement == "ascending":
         lengths = sorted(lengths)
     elif arrangement == "descending":
         lengths = sorted(lengths, reverse=True)
-    single = _run(lengths, None, dropout_p, seed=len(lengths))
-    grouped = _run(lengths, buckets, dropout_p, seed=len(lengths))
+    single = _run(lengths, None, dropout_p, seed=len(lengths), window=window)
+    grouped = _run(lengths, buckets, dropout_p, seed=len(lengths), window=window)
     for name, a, b in zip(("out", "dq", "dk", "dv"), single, grouped):
-        assert torch.equal(a, b), f"{name}: grouped differs from one launch for lengths {lengths}, buckets {buckets}"
+        assert torch.equal(a, b), (
+            f"{name}: grouped differs from one launch for lengths {lengths}, buckets {buckets}, window {window}"
+        )
 
 
 def test_examples_cover_the_arrangements():
