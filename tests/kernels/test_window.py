@@ -166,7 +166,7 @@ def test_torch_varlen_refuses_a_window_in_one_line():
     reason = registry.refusal("torch_varlen", VarlenLayout, ["window"])
     assert reason == (
         "model.attention=torch_varlen: does not implement the attention setting 'window' (VarlenLayout); "
-        "backends that do: reference, padded, flash_attn"
+        "backends that do: reference, padded, triton, triton_grouped, flash_attn"
     )
     assert registry.refusal("flash_attn", VarlenLayout, ["window"]) is None
 
