@@ -352,10 +352,9 @@ def main(argv=None) -> int:
         "goals": goals,
     }
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, args.json)
+        from fileio import write_text
+
+        write_text(args.json, json.dumps(result, indent=1) + "\n")
     return 0
 
 
