@@ -125,7 +125,11 @@ class BertForPreTraining(nn.Module):
     def forward(self, batch: UnpaddedBatch | PaddedBatch | PackedBatch) -> PretrainingOutput:
         if isinstance(batch, UnpaddedBatch):
             ids, seg, pos = batch.input_ids, batch.segment_ids, batch.position_ids  # [T]
-            layout = VarlenLayout(batch.cu_seqlens, batch.max_seqlen)
+            # The collator's lengths let grouped attention plan on the host. Not under
+            # torch.compile: a tuple of B ints in the graph would be specialised on per batch;
+            # there the op reads cu_seqlens once per batch, as without them.
+            lens = None if torch.compiler.is_compiling() else batch.host_seqlens
+            layout = VarlenLayout(batch.cu_seqlens, batch.max_seqlen, host_seqlens=lens)
             cls_index = batch.cu_seqlens[:-1].long()  # [B]
         elif isinstance(batch, PaddedBatch):
             b, s = batch.input_ids.shape

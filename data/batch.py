@@ -70,6 +70,9 @@ class UnpaddedBatch:
     max_seqlen: the longest sequence, a Python int (kernels size their grids with it).
     mlm_positions: [M] int64 indices into the T tokens; mlm_labels: [M] int64 original ids.
     nsp_labels: [B] int64, 1 when segment B is a random segment.
+    host_seqlens: the B lengths as a tuple of Python ints, where the collator knows them
+        (None otherwise); they stay on the host when the batch moves, so that what plans from
+        lengths (grouped attention) never reads ``cu_seqlens`` back from the device.
     """
 
     input_ids: Tensor
@@ -80,6 +83,7 @@ class UnpaddedBatch:
     mlm_positions: Tensor
     mlm_labels: Tensor
     nsp_labels: Tensor
+    host_seqlens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for name in ("input_ids", "segment_ids", "position_ids", "mlm_positions", "mlm_labels", "nsp_labels"):
@@ -108,6 +112,15 @@ class UnpaddedBatch:
             "cu_seqlens",
             f"length {self.cu_seqlens.numel()} != nsp_labels length {self.nsp_labels.numel()} + 1",
         )
+        if self.host_seqlens is not None:
+            lens = self.host_seqlens
+            _require(isinstance(lens, tuple), "host_seqlens", f"expected a tuple, got {type(lens).__name__}")
+            _require(
+                len(lens) == self.nsp_labels.numel(),
+                "host_seqlens",
+                f"{len(lens)} lengths for {self.nsp_labels.numel()} sequences",
+            )
+            _require(sum(lens) == n, "host_seqlens", f"lengths sum to {sum(lens)} but the batch has {n} tokens")
 
     @property
     def num_sequences(self) -> int:
@@ -136,6 +149,8 @@ class UnpaddedBatch:
             "max_seqlen",
             f"is {self.max_seqlen} but the longest sequence has {int(lens.max())} tokens",
         )
+        if self.host_seqlens is not None:
+            _require(lens.tolist() == list(self.host_seqlens), "host_seqlens", "differ from cu_seqlens' lengths")
         starts = torch.repeat_interleave(cu[:-1], lens)
         _require(
             torch.equal(self.position_ids.long(), torch.arange(t) - starts),
@@ -282,6 +297,7 @@ def unpad(
         mlm_positions=flat_pos.long(),
         mlm_labels=mids[used].long(),
         nsp_labels=nsp.long(),
+        host_seqlens=tuple(lens.tolist()),
     )
     return batch
 

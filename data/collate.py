@@ -49,6 +49,7 @@ def collate_unpadded(block: SampleBlock) -> UnpaddedBatch:
         mlm_positions=torch.from_numpy(mlm_positions),
         mlm_labels=_long(block.masked_ids),
         nsp_labels=_long(block.nsp_labels),
+        host_seqlens=tuple(lens.tolist()),
     )
 
 

@@ -166,4 +166,5 @@ class DaliCollator:
             mlm_positions=mlm_pos + starts[m_rows],
             mlm_labels=mlm_labels,
             nsp_labels=nsp_labels,
+            host_seqlens=tuple(int(n) for n in lens_h),
         )

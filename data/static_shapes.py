@@ -10,7 +10,8 @@ as many values as T alone does at BERT's masking rate.
 
 The padding is one extra sequence at the end (``cu_seqlens`` gains one entry):
 
-- its tokens are id 0, segment 0, position 0; it attends only to itself;
+- its tokens are id 0, segment 0, position 0; it attends only to itself; its length is
+  appended to the host-side lengths (``host_seqlens``) as to ``cu_seqlens``;
 - its NSP label and its masked positions' labels are ``IGNORE`` (-100, cross-entropy's
   ``ignore_index``): no loss term and no gradient comes from it;
 - its masked positions all point at its first token;
@@ -98,6 +99,7 @@ class StaticShapes:
             mlm_positions=grow(batch.mlm_positions, extra_m, t),
             mlm_labels=grow(batch.mlm_labels, extra_m, IGNORE),
             nsp_labels=grow(batch.nsp_labels, 1, IGNORE),
+            host_seqlens=None if batch.host_seqlens is None else (*batch.host_seqlens, extra),
         )
 
 
@@ -113,4 +115,5 @@ def real_part(batch: UnpaddedBatch, num_tokens: int, num_sequences: int, num_mas
         mlm_positions=batch.mlm_positions[:num_masked],
         mlm_labels=batch.mlm_labels[:num_masked],
         nsp_labels=batch.nsp_labels[:num_sequences],
+        host_seqlens=None if batch.host_seqlens is None else batch.host_seqlens[:num_sequences],
     )

@@ -13,9 +13,14 @@ The batch is never copied: a group is a contiguous slice of ``order`` (sequence 
 sorted by bucket, largest bucket first) that the kernel reads to find its sequences in the
 flat ``[T, H, D]`` tensors.
 
-Planning needs the lengths on the host. ``cached_plan`` computes a plan once per
-``cu_seqlens`` tensor (one device-to-host copy per batch, not per layer) and reuses it while
-that same tensor object is alive and unmodified.
+Planning needs the lengths on the host. The collator has them (``UnpaddedBatch.host_seqlens``,
+passed in ``VarlenLayout.host_seqlens``): the backend hands them over with
+``note_host_seqlens``, keyed by the ``cu_seqlens`` tensor they describe (the custom ops'
+schemas carry tensors and scalars only), and planning reads nothing from the device. Without
+them (a direct call with only ``cu_seqlens``) ``host_seqlens`` copies ``cu_seqlens`` to the
+host: one device-to-host read per batch on a GPU. ``cached_plan`` computes a plan once per
+``cu_seqlens`` tensor (not per layer) and reuses it while that same tensor object is alive
+and unmodified.
 """
 
 from __future__ import annotations
@@ -73,8 +78,36 @@ def plan_groups(seqlens: Sequence[int], buckets: Sequence[int], device=None) -> 
     return GroupPlan(torch.tensor(order, dtype=torch.int32, device=device), tuple(groups))
 
 
+# id(cu_seqlens) -> (a weak reference to it, its version then, its lengths as the host knows them);
+# an entry is dropped when its tensor is freed, and ignored once the tensor is modified.
+_HOST_SEQLENS: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}
+
+
+def note_host_seqlens(cu_seqlens: Tensor, seqlens: Sequence[int]) -> None:
+    """Record the lengths of ``cu_seqlens``' sequences as the host knows them (the collator's),
+    so that planning never reads ``cu_seqlens`` back. They must be what ``cu_seqlens`` holds:
+    only their number is checked here (the values would need a read; ``UnpaddedBatch.check_values``
+    compares them on the CPU)."""
+    lens = tuple(seqlens)
+    if len(lens) != cu_seqlens.numel() - 1:
+        raise ValueError(f"host_seqlens: {len(lens)} lengths for the {cu_seqlens.numel() - 1} sequences of cu_seqlens")
+    key = id(cu_seqlens)
+    known = _HOST_SEQLENS.get(key)
+    if known is not None and known[0]() is cu_seqlens and known[1] == cu_seqlens._version and known[2] == lens:
+        return  # every layer passes the batch's lengths again
+    _HOST_SEQLENS[key] = (
+        weakref.ref(cu_seqlens, lambda _, key=key: _HOST_SEQLENS.pop(key, None)),
+        cu_seqlens._version,
+        lens,
+    )
+
+
 def host_seqlens(cu_seqlens: Tensor) -> list[int]:
-    """The sequence lengths as Python ints (a device-to-host copy when cu_seqlens is on a GPU)."""
+    """The sequence lengths as Python ints: those noted for this tensor (``note_host_seqlens``),
+    else read from it (a device-to-host copy when cu_seqlens is on a GPU)."""
+    known = _HOST_SEQLENS.get(id(cu_seqlens))
+    if known is not None and known[0]() is cu_seqlens and known[1] == cu_seqlens._version:
+        return list(known[2])
     cu = cu_seqlens.tolist()
     return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
@@ -106,7 +139,7 @@ def cached_plan(cu_seqlens: Tensor, max_seqlen: int, buckets: Sequence[int]) -> 
     hit = _PLAN_CACHE.get(key)
     if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
         return hit[2]
-    seqlens = host_seqlens(cu_seqlens)  # the one host sync per batch
+    seqlens = host_seqlens(cu_seqlens)  # the noted host lengths, else the one host read per batch
     check_max_seqlen(seqlens, max_seqlen)
     plan = plan_groups(seqlens, buckets, cu_seqlens.device)
     if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:

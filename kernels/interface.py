@@ -4,7 +4,8 @@ Every attention backend is a function ``(q, k, v, layout, dropout_p, training) -
 q, k, v and out are ``[N, H, D]`` (N tokens, H heads, D head dim) and ``layout`` says how the
 N tokens form sequences and which per-layer attention settings apply:
 
-- ``VarlenLayout``: N = T tokens of B sequences concatenated, ``cu_seqlens [B+1]`` int32.
+- ``VarlenLayout``: N = T tokens of B sequences concatenated, ``cu_seqlens [B+1]`` int32
+  (and, where the host knows them, the same lengths as a tuple, ``host_seqlens``).
 - ``PaddedLayout``: N = B*S tokens, rows of S with a ``[B, S]`` key mask (True = real).
 - ``PackedLayout``: N = R*S tokens, rows of S each holding whole sequences, kept apart by
   FlashMask bounds ``[R, 1, S, n]`` (their meaning: ``kernels.masks``). A window is written
@@ -44,9 +45,14 @@ class VarlenLayout:
     cu_seqlens: Tensor  # [B+1] int32
     max_seqlen: int
     window: int | None = None  # None: every key of the sequence; else |i - j| <= window // 2
+    # The B lengths cu_seqlens holds, as the host knows them (the collator's): not a setting (a
+    # backend may ignore them); triton_grouped plans its launches from them without a device read.
+    host_seqlens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_window(self.window)
+        if self.host_seqlens is not None and not isinstance(self.host_seqlens, tuple):
+            raise ValueError(f"host_seqlens: must be a tuple of ints or None, got {type(self.host_seqlens).__name__}")
 
 
 @dataclass(frozen=True)

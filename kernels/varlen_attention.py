@@ -38,6 +38,7 @@ from kernels.grouped import (
     check_buckets,
     check_max_seqlen,
     host_seqlens,
+    note_host_seqlens,
     run_groups,
     single_plan,
 )
@@ -427,6 +428,8 @@ def grouped_backend(buckets: Sequence[int] = DEFAULT_BUCKETS, num_streams: int =
         raise ValueError(f"triton_grouped: num_streams must lie in [1, {MAX_STREAMS}], got {num_streams}")
 
     def triton_grouped(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
+        if layout.host_seqlens is not None:  # planned from the collator's lengths: no read of cu_seqlens
+            note_host_seqlens(layout.cu_seqlens, layout.host_seqlens)
         return varlen_attention(
             q,
             k,
