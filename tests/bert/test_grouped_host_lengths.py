@@ -37,7 +37,7 @@ def _same_plan(a, b) -> bool:
     return same_order and a.groups == b.groups
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
 @given(n=st.integers(1, 12), seed=st.integers(0, 10_000), static=st.booleans())
 def test_the_plan_from_host_lengths_is_the_plan_from_cu_seqlens(n, seed, static):
     batch = collate_unpadded(random_block(n, seed, max_seq_length=48, max_predictions=6, vocab_size=50, min_len=5))
