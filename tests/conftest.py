@@ -12,8 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # Tests that build hosts out of network namespaces use fixed namespace names and subnets
-# (tests/cluster/common.py, test_nic_selection.py): under pytest-xdist (`make test` runs the
-# suite on both cores) they all go to one worker, so two clusters never exist at once.
+# (tests/cluster/common.py, test_nic_selection.py): under pytest-xdist (`pytest -n N --dist
+# loadgroup`; bench/gpu_check.sh runs its test stages so) they all go to one worker, so two
+# clusters never exist at once.
 NETNS_TESTS = ("tests/cluster/", "tests/launch/test_nic_selection.py")
 
 
