@@ -41,8 +41,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
 # Everything (unit, multi-process, GPU where there is one, cluster where root); the 20 slowest
 # tests are listed at the end so that a slow newcomer is seen. One process: the multi-rank
 # tests already use both cores, and two pytest workers oversubscribe torch's CPU threads
-# (measured: the whole suite took 19 min with -n 2 against 16 min in one process, and the
-# netns cluster tests missed their timeouts).
+# (measured here: the suite took 19 min with -n 2, 16 min in one process under heavier load; the
+# netns cluster tests missed their timeouts under -n 2).
 test: setup
 	$(PY) -m pytest -q --durations=20
 
