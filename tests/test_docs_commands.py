@@ -199,6 +199,8 @@ def _tool_arguments(target_words: list[str]) -> tuple[list[str], list[str]]:
     flags, overrides = [], []
     for word in target_words:
         word = _clean(word)
+        if word == "--":  # the end of the tool's options: what follows goes to the program it runs
+            break
         if word.startswith("--") and len(word) > 2:
             flags.append(word.split("=", 1)[0])
         elif OVERRIDE.match(word):
@@ -543,3 +545,7 @@ def test_the_checker_finds_what_is_missing_and_skips_what_is_not_ours(tmp_path):
         ]
     )
     assert list(tmp_path.glob("--help")) == []
+
+
+def test_arguments_after_a_bare_double_dash_are_not_the_tools_flags():
+    assert _tool_arguments(["--data", "d", "--", "--model", "tiny", "x.y=1"]) == (["--data"], [])
