@@ -128,6 +128,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from bert.fp8 import import_torchao_quietly
+
+    import_torchao_quietly()  # transformers imports torchao when it is installed; its load warnings are noise here
     try:
         return _main(args)
     except FinetuneError as e:

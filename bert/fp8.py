@@ -33,6 +33,7 @@ Shape legend as in ``bert.model``: N tokens, C in features, O out features.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -48,23 +49,40 @@ IMPLS = ("torchao",)
 ALIGN = 16
 
 
-def _torchao():
-    """torchao's float8 training, imported on use. The wheel's CUDA extension libraries fail to
-    load against a CPU-only torch and torchao logs a warning for each; float8 training does not
-    use them, so the warnings are held back during the import."""
-    # torch's pytree also logs a deprecation note for an enum torchao registers.
+@contextlib.contextmanager
+def torchao_warnings_held_back():
+    """torchao's wheel ships CUDA extension libraries that fail to load against a CPU-only
+    torch, and torchao logs a warning for each when it is first imported (by this module, or
+    by transformers, which imports it when it is installed); float8 training does not use
+    them, so the warnings are held back while it imports. torch's pytree also logs a
+    deprecation note then, for an enum torchao registers."""
     logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.ERROR)
     try:
-        import torchao.float8 as ao_float8
-        from torchao.float8 import float8_linear, float8_linear_utils
-    except ImportError as e:
-        raise ConfigError(f"train.fp8: needs torchao (pip install -r requirements.txt): {e}") from None
+        yield
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)
+
+
+def import_torchao_quietly() -> None:
+    """Import torchao (when installed) with its load warnings held back, so that a later
+    import of it (transformers') is silent; nothing when it is not installed."""
+    with torchao_warnings_held_back(), contextlib.suppress(ImportError):
+        import torchao.float8  # noqa: F401
+        import torchao.quantization  # noqa: F401  (what transformers imports)
+
+
+def _torchao():
+    """torchao's float8 training, imported on use (its load warnings held back)."""
+    try:
+        with torchao_warnings_held_back():
+            import torchao.float8 as ao_float8
+            from torchao.float8 import float8_linear, float8_linear_utils
+    except ImportError as e:
+        raise ConfigError(f"train.fp8: needs torchao (pip install -r requirements.txt): {e}") from None
     return ao_float8, float8_linear, float8_linear_utils
 
 
