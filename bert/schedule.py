@@ -149,24 +149,8 @@ class PolyWarmupScheduler:
 
     def lr_at(self, step: int) -> float:
         if self.schedule == "wsd":
-            return wsd_lr_at(
-                step,
-                base_lr=self.base_lr,
-                total_steps=self.total_steps,
-                warmup_steps=self.warmup_steps,
-                decay_steps=self.decay_steps,
-                decay_shape=self.decay_shape,
-                end_lr=self.end_lr,
-            )
-        return lr_at(
-            step,
-            base_lr=self.base_lr,
-            total_steps=self.total_steps,
-            warmup_steps=self.warmup_steps,
-            start_warmup_step=self.start_warmup_step,
-            power=self.power,
-            end_lr=self.end_lr,
-        )
+            return wsd_lr_at(step, **self._wsd_hyperparameters())
+        return lr_at(step, **self._hyperparameters())
 
     @property
     def last_lr(self) -> float:
@@ -196,16 +180,18 @@ class PolyWarmupScheduler:
     def _lr_tensor(self, step: torch.Tensor) -> torch.Tensor:
         """``lr_at`` of a 0-dim step tensor, on its device (no host read)."""
         if self.schedule == "wsd":
-            return wsd_lr_at_tensor(
-                step,
-                base_lr=self.base_lr,
-                total_steps=self.total_steps,
-                warmup_steps=self.warmup_steps,
-                decay_steps=self.decay_steps,
-                decay_shape=self.decay_shape,
-                end_lr=self.end_lr,
-            )
+            return wsd_lr_at_tensor(step, **self._wsd_hyperparameters())
         return lr_at_tensor(step, **self._hyperparameters())
+
+    def _wsd_hyperparameters(self) -> dict:
+        return dict(
+            base_lr=self.base_lr,
+            total_steps=self.total_steps,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps,
+            decay_shape=self.decay_shape,
+            end_lr=self.end_lr,
+        )
 
     def applied_lr(self) -> torch.Tensor:
         """Device mode: the rate of the last applied update (update 0's before any), a 0-dim
