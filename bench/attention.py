@@ -146,7 +146,8 @@ def window_tiles(window: int, lengths, dtype, dim: int, device) -> dict:
     return out
 
 
-def _cuda_ms(fn, warmup: int, iters: int) -> float:
+def cuda_ms(fn, warmup: int, iters: int) -> float:
+    """Median CUDA-event time of ``fn`` in ms over ``iters`` calls after ``warmup`` (also bench/fp8.py's)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -179,8 +180,8 @@ def window_timing(args, lengths) -> dict:
             q.grad = k.grad = v.grad = None
             varlen_attention(q, k, v, cu, length, window=window).backward(dout)
 
-        full = _cuda_ms(run, args.warmup, args.iters)
-        windowed = _cuda_ms(lambda: run(args.window), args.warmup, args.iters)
+        full = cuda_ms(run, args.warmup, args.iters)
+        windowed = cuda_ms(lambda: run(args.window), args.warmup, args.iters)
         row = {"sequences": n, "full_ms": full, "window_ms": windowed, "window_ratio": windowed / full}
         if baseline is not None:
             row.update(_kernel_ms(jit_kernels(device), baseline, qkv, dout, cu, n, length, args))
@@ -205,7 +206,7 @@ def _kernel_ms(new, old, qkv, dout, cu, n, length, args) -> dict:
         old.attn_fwd(q, k, v, out, lse, cu, None, 0, n, length, scale, 0.0, 0, 0)
         old.attn_bwd(dout, q, k, v, lse, lse, *grads, cu, None, 0, n, length, scale, 0.0, 0, 0)
 
-    new_ms, old_ms = _cuda_ms(run_new, args.warmup, args.iters), _cuda_ms(run_old, args.warmup, args.iters)
+    new_ms, old_ms = cuda_ms(run_new, args.warmup, args.iters), cuda_ms(run_old, args.warmup, args.iters)
     return {"kernels_ms": new_ms, "baseline_kernels_ms": old_ms, "baseline_ratio": new_ms / old_ms}
 
 

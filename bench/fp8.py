@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.attention import cuda_ms
 from fileio import write_text
 
 RECIPES = ("off", "tensorwise", "rowwise")
@@ -53,21 +53,6 @@ def ffn_in_impls():
         "triton": lambda x, w, b: bias_gelu(F.linear(x, w), b),
         "epilogue": linear_bias_gelu,
     }
-
-
-def cuda_median_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
 
 
 def _leaves(shapes, dtype, device, seed):
@@ -100,8 +85,8 @@ def bench_ffn_in(args, gpu: bool) -> dict:
 
         if gpu:
             with torch.no_grad():
-                fwd = cuda_median_ms(lambda fn=fn: fn(x, w, b), args.iters, args.warmup)
-            results[name] = {"fwd_bwd_ms": cuda_median_ms(fwd_bwd, args.iters, args.warmup), "fwd_ms": fwd}
+                fwd = cuda_ms(lambda fn=fn: fn(x, w, b), args.warmup, args.iters)
+            results[name] = {"fwd_bwd_ms": cuda_ms(fwd_bwd, args.warmup, args.iters), "fwd_ms": fwd}
         else:
             got = [fwd_bwd().detach()] + [t.grad.clone() for t in (x, w, b)]
             if ref is None:
@@ -155,7 +140,7 @@ def bench_gemm(args, gpu: bool) -> dict:
                 return y
 
             if gpu:
-                entry[recipe] = {"fwd_bwd_ms": cuda_median_ms(fwd_bwd, args.iters, args.warmup)}
+                entry[recipe] = {"fwd_bwd_ms": cuda_ms(fwd_bwd, args.warmup, args.iters)}
             else:
                 y = fwd_bwd().detach().float()
                 grads[recipe] = {"y": y, "dx": x.grad.clone(), "dw": lin.weight.grad.clone()}
