@@ -1,11 +1,11 @@
 """optim.shard end to end: the trainer under torchrun at 2 and 4 gloo ranks against its unsharded runs.
 
-40 steps of the tiny BERT, fp32, dropout off, global-norm clipping at a threshold the
+20 steps of the tiny BERT, fp32, dropout off, global-norm clipping at a threshold the
 gradients cross (so clipping acts). Sharded runs must give the unsharded run's per-step
 losses within 1e-6 (relative: fp32 rounds a loss of ~4.6 to 5e-7, and the shards' sums of
 squares are added in another order than whole-tensor norms), a group of 2 inside 4 ranks too;
-a sharded checkpoint of step 20 resumes on 2 ranks (sharded) and on 1 rank (unsharded) with
-the uninterrupted run's losses for steps 21-40, and exports to transformers.
+a sharded checkpoint of step 10 resumes on 2 ranks (sharded) and on 1 rank (unsharded) with
+the uninterrupted run's losses for steps 11-20, and exports to transformers.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ pytestmark = pytest.mark.slow
 
 CONFIG = os.path.join(ROOT, "launch", "configs", "cpu_demo.yaml")
 STEPS = [
-    "train.max_steps=40",
-    "optim.total_steps=40",
+    "train.max_steps=20",
+    "optim.total_steps=20",
     "train.global_batch_size=8",
     "optim.lr=5e-3",
     "optim.max_grad_norm=0.5",
     "eval.interval_samples=100000",
-    "checkpoint.interval_steps=20",
+    "checkpoint.interval_steps=10",
 ]
 
 
@@ -67,7 +67,7 @@ def runs(dataset, tmp_path_factory):
 @pytest.mark.parametrize("shard", ["dp", "2"])
 def test_four_ranks_sharded_match_unsharded(runs, shard):
     ref, got = runs["none"][1], runs[shard][1]
-    assert len(ref) == len(got) == 40
+    assert len(ref) == len(got) == 20
     assert got == pytest.approx(ref, rel=1e-6, abs=0)
     grad = [r["grad_norm"] for r in records(runs["none"][0])]
     assert max(grad) > 0.5  # clipping acted
@@ -82,41 +82,41 @@ def test_two_ranks_adagc_and_grad_accum_match_unsharded(dataset, tmp_path):
     ]
     ref = train(2, tmp_path / "none", dataset, *extra, "optim.shard=none")
     got = train(2, tmp_path / "dp", dataset, *extra, "optim.shard=dp")
-    assert len(ref) == len(got) == 40
+    assert len(ref) == len(got) == 20
     assert got == pytest.approx(ref, rel=1e-6, abs=0)
     clipped = [r.get("adagc_clipped_share", 0) for r in records(tmp_path / "none")]
     assert max(clipped) > 0  # AdaGC's per-tensor clipping acted
 
 
 @pytest.fixture(scope="module")
-def stopped_at_20(dataset, tmp_path_factory):
-    """The 4-rank sharded run asked to stop after step 20 (as SIGTERM does): its directory."""
+def stopped_at_10(dataset, tmp_path_factory):
+    """The 4-rank sharded run asked to stop after step 10 (as SIGTERM does): its directory."""
     from tests.faults.common import spawn_ranks
 
     out, logs = tmp_path_factory.mktemp("stopped"), tmp_path_factory.mktemp("stopped-logs")
-    jobs = spawn_ranks(4, out, dataset, *STEPS, "optim.shard=dp", log_dir=str(logs), FAULT_STOP_AT_STEP=20)
+    jobs = spawn_ranks(4, out, dataset, *STEPS, "optim.shard=dp", log_dir=str(logs), FAULT_STOP_AT_STEP=10)
     for job in jobs:
-        assert job.wait(400, "a rank of the run stopped at step 20") == 0, job.output()[-3000:]
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000020"]
+        assert job.wait(400, "a rank of the run stopped at step 10") == 0, job.output()[-3000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000010"]
     return out
 
 
 @pytest.mark.parametrize("ranks, shard", [(2, "dp"), (1, "none")])
-def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, stopped_at_20, dataset, tmp_path, ranks, shard):
-    """Step 20 of a 4-rank sharded run, resumed on 2 ranks sharded and on 1 rank unsharded:
-    steps 21-40 are the uninterrupted 4-rank run's."""
+def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, stopped_at_10, dataset, tmp_path, ranks, shard):
+    """Step 10 of a 4-rank sharded run, resumed on 2 ranks sharded and on 1 rank unsharded:
+    steps 11-20 are the uninterrupted 4-rank run's."""
     out = tmp_path / "run"
-    shutil.copytree(stopped_at_20, out)
+    shutil.copytree(stopped_at_10, out)
     resumed = train(ranks, out, dataset, f"optim.shard={shard}")
     steps = [r["step"] for r in records(out)]
-    assert steps == list(range(1, 41))  # the records of steps 1-20 are the stopped run's
+    assert steps == list(range(1, 21))  # the records of steps 1-10 are the stopped run's
     uninterrupted = runs["dp"][1]
-    assert resumed[:20] == pytest.approx(uninterrupted[:20], rel=1e-6, abs=0)
-    assert resumed[20:] == pytest.approx(uninterrupted[20:], rel=1e-6, abs=0)
+    assert resumed[:10] == pytest.approx(uninterrupted[:10], rel=1e-6, abs=0)
+    assert resumed[10:] == pytest.approx(uninterrupted[10:], rel=1e-6, abs=0)
 
 
 def test_export_from_a_sharded_checkpoint(runs, tmp_path):
-    """The sharded run's step-20 checkpoint exports the weights the unsharded run's has."""
+    """The sharded run's step-10 checkpoint exports the weights the unsharded run's has."""
     from safetensors.torch import load_file
 
     from tests.bert.test_export import write_vocab
@@ -125,7 +125,7 @@ def test_export_from_a_sharded_checkpoint(runs, tmp_path):
     exported = {}
     for name in ("dp", "none"):
         out = tmp_path / name
-        cmd = [PYTHON, "-m", "bert.export", str(runs[name][0]), "--output", str(out), "--checkpoint", "20"]
+        cmd = [PYTHON, "-m", "bert.export", str(runs[name][0]), "--output", str(out), "--checkpoint", "10"]
         cmd += ["--vocab", str(vocab)]
         run_launched(cmd, 120, what="bert.export")
         exported[name] = load_file(str(out / "model.safetensors"))
