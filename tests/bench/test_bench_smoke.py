@@ -256,8 +256,8 @@ def test_throughput_against_modernbert(data_dir, tmp_path):
         assert rows[name]["seq_per_s"] > 0
 
 
-@pytest.mark.slow  # two benchmark processes per pair
-def test_compare_revisions_runs_both_trees_alternately_and_reports_each_variants_ratio(data_dir, tmp_path, capsys):
+@pytest.mark.slow  # two benchmark processes
+def test_compare_revisions_runs_both_trees_and_reports_each_variants_ratio(data_dir, tmp_path, capsys):
     from bench import compare_revisions
 
     out = tmp_path / "ratios.json"
@@ -269,7 +269,7 @@ def test_compare_revisions_runs_both_trees_alternately_and_reports_each_variants
             "--base-tree",
             str(compare_revisions.REPO),
             "--pairs",
-            "2",
+            "1",
             "--json",
             str(out),
             "--",
@@ -283,8 +283,30 @@ def test_compare_revisions_runs_both_trees_alternately_and_reports_each_variants
     result = json.loads(out.read_text())
     assert set(result) == {"unpadded/reference"}
     r = result["unpadded/reference"]
-    assert len(r["ratios"]) == 2 and r["ratio_median"] > 0
-    assert "(new first)" in printed and "(base first)" in printed
+    assert len(r["ratios"]) == 1 and r["ratio_median"] > 0
+    assert "(new first)" in printed
+
+
+def test_compare_revisions_alternates_which_tree_goes_first(monkeypatch, tmp_path):
+    """The pairs' order (the real runs are the test above): new first, then base first, and so
+    on; each pair's ratio is new over base, whichever ran first."""
+    from pathlib import Path
+
+    from bench import compare_revisions
+
+    calls = []
+    rates = iter([4.0, 2.0, 3.0, 6.0, 8.0, 2.0])  # per run in call order: new, base, base, new, new, base
+
+    def fake_run(tree, args, out):
+        calls.append(tree.name)
+        return {"v": next(rates)}
+
+    monkeypatch.setattr(compare_revisions, "run_tree", fake_run)
+    lines = []
+    got = compare_revisions.compare(Path("new"), Path("base"), 3, [], log=lines.append)
+    assert calls == ["new", "base", "base", "new", "new", "base"]
+    assert got["v"]["ratios"] == [2.0, 2.0, 4.0] and got["v"]["ratio_median"] == 2.0
+    assert ["(new first)" in line for line in lines] == [True, False, True]
 
 
 def test_compare_revisions_names_a_base_git_cannot_check_out(data_dir, capsys):
