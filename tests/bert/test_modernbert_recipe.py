@@ -241,6 +241,6 @@ def test_bad_warmup_config_is_one_line_exit_2(dataset, tmp_path):  # noqa: F811
 
 def test_recipe_config_sets_both():
     cfg = load_config(str(REPO / "launch" / "configs" / "modernbert_base_8gpu.yaml"), [])
-    assert cfg.optim.name == "stable_adamw"
+    assert cfg.optim.name == "stable_adamw" and cfg.optim.decouple_lr
     ramp = (cfg.train.batch_size_warmup_start, cfg.train.global_batch_size, cfg.train.batch_size_warmup_steps)
     assert ramp == (768, 4608, 21192)
