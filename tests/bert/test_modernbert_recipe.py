@@ -244,3 +244,29 @@ def test_recipe_config_sets_both():
     assert cfg.optim.name == "stable_adamw" and cfg.optim.decouple_lr
     ramp = (cfg.train.batch_size_warmup_start, cfg.train.global_batch_size, cfg.train.batch_size_warmup_steps)
     assert ramp == (768, 4608, 21192)
+
+
+@pytest.mark.slow  # torchrun, 2 ranks
+def test_two_ranks_with_the_ramp_and_rebalancing_match_one_rank(dataset, tmp_path):  # noqa: F811
+    """Every rank takes its share of each ramp step (the rebalancer's exchange sized by the step)."""
+    from tests.bert.test_trainer_distributed import STEPS, launch
+
+    run_in_process(dataset, tmp_path / "one", *STEPS, *MODERN, *WARMUP)
+    launch("run_torchrun.sh", 2, tmp_path / "two", dataset, *MODERN, *WARMUP, "data.rebalance=balanced")
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(one) == len(two) == 5
+    assert two == pytest.approx(one, rel=1e-5)
+    assert _per_step_sequences(tmp_path / "two") == _per_step_sequences(tmp_path / "one") == [2, 2, 4, 4, 6]
+
+
+def test_static_shapes_under_the_ramp_train_the_same_losses(dataset, tmp_path):  # noqa: F811
+    """A ramp step runs k micro-batches of the usual shape: train.static_shapes pads them to its
+    buckets as without the ramp (the shapes a CUDA graph would capture), and the losses stay."""
+    run = [*MODERN, *WARMUP, "train.max_steps=8", "eval.interval_samples=100000"]
+    dynamic = run_in_process(dataset, tmp_path / "dynamic", *run)
+    static = run_in_process(dataset, tmp_path / "static", *run, "train.static_shapes=true")
+    a, b = losses(tmp_path / "dynamic"), losses(tmp_path / "static")
+    assert len(a) == len(b) == 8
+    assert max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(a, b)) <= 1e-6
+    assert static["distinct_shapes"] < dynamic["distinct_shapes"]
+    assert _per_step_sequences(tmp_path / "static") == [2, 2, 4, 4, 6, 6, 8, 8]
