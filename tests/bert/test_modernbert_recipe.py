@@ -127,11 +127,13 @@ def test_stable_adamw_state_dict_resume_is_bitwise():
         assert torch.equal(p, q)
 
 
-def test_stable_adamw_refuses_optim_shard():
+def test_stable_adamw_refuses_optim_shard_and_lamb_refuses_decouple_lr():
     with pytest.raises(
         ConfigError, match=r"optim.shard: sharding runs LAMB \(optim.name=lamb\), got optim.name='stable_adamw'"
     ):
         OptimSection(name="stable_adamw", shard="dp")
+    with pytest.raises(ConfigError, match="optim.decouple_lr: applies to adamw and stable_adamw"):
+        OptimSection(name="lamb", decouple_lr=True)
 
 
 # ---- batch-size warm-up: the ramp ------------------------------------------------------------
