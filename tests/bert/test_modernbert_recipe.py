@@ -272,3 +272,19 @@ def test_static_shapes_under_the_ramp_train_the_same_losses(dataset, tmp_path): 
     assert max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(a, b)) <= 1e-6
     assert static["distinct_shapes"] < dynamic["distinct_shapes"]
     assert _per_step_sequences(tmp_path / "static") == [2, 2, 4, 4, 6, 6, 8, 8]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none is available")
+def test_cuda_graphs_under_the_ramp_train_the_same_losses(dataset, tmp_path):  # noqa: F811
+    """On a GPU: the ramp's steps replay the graphs of the usual micro-batch shapes (fp32, no TF32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    run = [*MODERN, *WARMUP, "train.max_steps=8", "eval.interval_samples=100000", "train.device=cuda"]
+    run += ["train.static_shapes=true"]
+    eager = run_in_process(dataset, tmp_path / "eager", *run)
+    graphed = run_in_process(dataset, tmp_path / "graphed", *run, "train.cuda_graphs=true")
+    a, b = losses(tmp_path / "eager"), losses(tmp_path / "graphed")
+    assert len(a) == len(b) == 8 and eager["steps"] == graphed["steps"] == 8
+    assert max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(a, b)) <= 1e-5
+    assert _per_step_sequences(tmp_path / "graphed") == [2, 2, 4, 4, 6, 6, 8, 8]
