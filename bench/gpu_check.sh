@@ -136,7 +136,7 @@ if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     if "$PYTHON" -c "import xdist" >/dev/null 2>&1; then PARALLEL=(-n 4); else echo "pytest-xdist not installed: tests run serially"; fi
     run_stage gpu_tests 65 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py \
         tests/kernels/test_gemm_epilogue.py tests/bert/test_fp8.py tests/bert/test_sharded_optim_gpu.py \
-        tests/bert/test_cuda_graphs.py -m gpu -q -rs \
+        tests/bert/test_cuda_graphs.py tests/bert/test_modernbert_recipe.py -m gpu -q -rs \
         -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$OUT/gpu_tests.xml" -o timeout=60
     # The peer suite's default subset (flash-attention's error rule) on the compiled kernels.
     run_stage peer_tests 40 "$PYTHON" -m pytest tests/kernels/test_attention_peer.py -q -rs -p no:cacheprovider \

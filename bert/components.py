@@ -210,11 +210,12 @@ def build_grad_scaler(train: TrainSection, sharding: Sharding | None):
     return ShardedGradScaler("cuda")
 
 
-def build_rebalancer(data: DataSection, local_batch: int, timeout_s: float):
+def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
     """The cross-rank rebalancer of data.rebalance; None for data.rebalance=none.
 
     ``data.rebalance`` sits below ``bert`` (where the config dataclasses live), so its
-    ``Rebalancer`` takes plain values, read from the section here."""
+    ``Rebalancer`` takes plain values, read from the sections here."""
+    data = cfg.data
     if data.rebalance == "none":
         return None
     from data.rebalance import Rebalancer
@@ -226,7 +227,18 @@ def build_rebalancer(data: DataSection, local_batch: int, timeout_s: float):
         max_len=data.max_seq_length,
         timeout_s=timeout_s,
         group_size=data.rebalance_group_size,
+        ramp=batch_ramp(cfg.train),
     )
+
+
+def batch_ramp(train: TrainSection):
+    """train.batch_size_warmup_*'s ``data.batch_ramp.BatchRamp``, or None when the warm-up is off."""
+    if train.batch_size_warmup_start is None:
+        return None
+    from data.batch_ramp import BatchRamp
+
+    unit = train.global_batch_size // train.grad_accum_steps
+    return BatchRamp(unit, train.batch_size_warmup_start // unit, train.grad_accum_steps, train.batch_size_warmup_steps)
 
 
 def build_mlperf_logger(
@@ -294,11 +306,14 @@ def check_setup(cfg: RunConfig, world: int, device: torch.device, output_dir: st
 def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_size: int, warn):
     """This rank's share of data.train_dir, shuffled by ``seed``; token ids are checked
     against ``vocab_size`` as they are read; ``warn`` hears of corrupt samples."""
+    from data.batch_ramp import RampedLoader
     from data.loader import PretrainingLoader
 
-    return PretrainingLoader(
+    # With a batch-size warm-up the loader is planned at the ramp's unit, drawn k units a step.
+    ramp = batch_ramp(cfg.train)
+    loader = PretrainingLoader(
         cfg.data.train_dir,
-        global_batch_size=cfg.train.global_batch_size,
+        global_batch_size=cfg.train.global_batch_size if ramp is None else ramp.unit,
         rank=rank,
         world_size=world,
         seed=seed,
@@ -307,6 +322,7 @@ def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_s
         on_corrupt=cfg.data.on_corrupt,
         warn=warn,
     )
+    return loader if ramp is None else RampedLoader(loader, ramp)
 
 
 def build_eval_loader(cfg: RunConfig, rank: int, world: int, vocab_size: int):

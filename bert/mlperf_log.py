@@ -62,7 +62,8 @@ BENCHMARK = C.BERT
 PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")
 
 # optim.name -> its opt_name (MLPerf's own names, mllog.constants LAMB / ADAMW) and the keys of
-# its epsilon, betas, weight decay and poly-decay power. MLPerf names no poly power for AdamW.
+# its epsilon, betas, weight decay and poly-decay power. MLPerf names no poly power for AdamW,
+# and no StableAdamW (open division only): it logs as itself with AdamW's keys.
 _OPTIMIZER_KEYS = {
     C.LAMB: (
         C.OPT_LAMB_EPSILON,
@@ -79,6 +80,7 @@ _OPTIMIZER_KEYS = {
         "opt_learning_rate_decay_poly_power",
     ),
 }
+_OPTIMIZER_KEYS["stable_adamw"] = _OPTIMIZER_KEYS[C.ADAMW]
 
 # The logger's frames between the trainer's call and mllog's caller lookup (public method ->
 # _emit -> MLLogger.event/start/end), so each line's metadata "file"/"lineno" name the
@@ -234,7 +236,7 @@ class MLPerfLogger:
             gradient_accumulation_steps: forward/backward passes per optimizer step.
             max_sequence_length: longest sequence in tokens (512 for MLPerf data).
             max_predictions_per_seq: masked positions per sequence at most (76).
-            optimizer: ``lamb`` or ``adamw`` (``optim.name``), logged as ``opt_name``.
+            optimizer: ``lamb``, ``adamw`` or ``stable_adamw`` (``optim.name``), logged as ``opt_name``.
             learning_rate: peak LR (``opt_base_learning_rate``).
             betas: the optimizer's (beta1, beta2).
             epsilon: its epsilon (``opt_<name>_epsilon`` and ``opt_epsilon``).

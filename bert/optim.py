@@ -1,4 +1,4 @@
-"""Optimizers: LAMB (MLPerf BERT's) and AdamW, with BERT's weight-decay exclusions.
+"""Optimizers: LAMB (MLPerf BERT's), AdamW and StableAdamW (ModernBERT's), with BERT's weight-decay exclusions.
 
 Sits after gradient clipping in the data flow (``bert.clipping``): grads are final and
 clipped when ``step()`` runs, so no optimizer here clips.
@@ -196,11 +196,24 @@ class AdamW(torch.optim.AdamW):
     ``step``) is written with ``torch._foreach_*`` ops that read nothing back, and skipped on
     the device as the module docstring says; torch's state layout is kept, so a checkpoint
     moves between the two paths. ``amsgrad``, ``maximize`` and complex parameters are torch's only.
+
+    ``decouple_lr=True``: weight decay independent of the learning rate's size, w <- w (1 - lr_t /
+    max_lr x weight_decay) with ``max_lr`` the peak rate (default ``lr``): Loshchilov & Hutter's
+    fully decoupled form, optimi's ``decouple_lr`` and Composer's ``DecoupledAdamW``; the
+    ``_foreach`` path runs it. ``max_lr`` is configuration, not state: a resumed phase with a new
+    peak rate decays by its own.
     """
+
+    clips_update = False  # StableAdamW's per-tensor learning-rate scaling (the subclass below)
+
+    def __init__(self, params, lr: float = 1e-3, *args, decouple_lr: bool = False, max_lr: float | None = None, **kw):
+        super().__init__(params, lr, *args, **kw)
+        self.decouple_lr, self.max_lr = decouple_lr, float(lr if max_lr is None else max_lr)
 
     @torch.no_grad()
     def step(self, closure=None, found_inf: Tensor | None = None):
-        if found_inf is None and not any(isinstance(g["lr"], Tensor) for g in self.param_groups):
+        plain = found_inf is None and not any(isinstance(g["lr"], Tensor) for g in self.param_groups)
+        if plain and not (self.clips_update or self.decouple_lr):
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -235,14 +248,17 @@ class AdamW(torch.optim.AdamW):
         else:  # a list of tensors: the one-tensor overload reads its scalar on the host
             torch._foreach_add_(steps, [_kept(found_inf).float()] * len(steps))
         step = torch.stack(steps).double()  # [N]
-        bc1, bc2_sqrt = 1 - beta1**step, (1 - beta2**step).sqrt()  # [N] float64, as torch's Python floats
+        bc1, bc2 = 1 - beta1**step, 1 - beta2**step  # [N] float64, as torch's Python floats
 
-        new_params = torch._foreach_mul(params, 1 - lr * wd)
         exp_avgs = torch._foreach_lerp(state_avgs, grads, 1 - beta1)
         exp_avg_sqs = torch._foreach_mul(state_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        if self.clips_update:  # one learning rate per tensor: [N] float64
+            lr = lr / _update_rms(grads, exp_avg_sqs, bc2, eps).clamp(min=1.0)
+        decay = 1 - (lr / self.max_lr if self.decouple_lr else lr) * wd
+        new_params = torch._foreach_mul(params, list(decay.to(dtype).unbind(0)) if self.clips_update else decay)
         denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, list(bc2_sqrt.to(dtype).unbind(0)))
+        torch._foreach_div_(denom, list(bc2.sqrt().to(dtype).unbind(0)))
         torch._foreach_add_(denom, eps)
         update = torch._foreach_div(exp_avgs, denom)
         del denom
@@ -256,6 +272,39 @@ class AdamW(torch.optim.AdamW):
             skip = found_inf != 0
             for olds, news in ((params, new_params), (state_avgs, exp_avgs), (state_avg_sqs, exp_avg_sqs)):
                 _keep_where_skipped(skip, olds, news)
+
+
+class StableAdamW(AdamW):
+    """StableAdamW (Wortsman et al. 2023, arXiv:2304.13013, Algorithm 2), as ModernBERT trains
+    with it (torch-optimi's ``StableAdamW``): AdamW whose learning rate is scaled down, per
+    tensor and step, by the RMS of the squared gradient over the second moment,
+
+        lr_t = lr / max(1, RMS_t),    RMS_t = sqrt(mean(g_t^2 / max(v_t / (1 - beta2^t), eps^2)))
+
+    (v_t includes g_t): AdaFactor's update clipping, moved from the update into the learning
+    rate, which damps a tensor's step when its gradient jumps ahead of the running v. Weight
+    decay is decoupled and uses the same lr_t: w <- w (1 - lr_t wd) as the paper and optimi's
+    default, or w <- w (1 - lr_t / max_lr x wd) with ``decouple_lr=True``, as ModernBERT
+    (``decoupled_stableadamw``: optimi's ``decouple_lr=True``). The rest, state layout and the
+    device-side skip included, is ``AdamW``'s; every step runs the ``_foreach`` path (torch has
+    no StableAdamW of its own).
+    The RMS costs two temporaries the size of the gradients and one reduction per tensor.
+    """
+
+    clips_update = True
+
+
+def _update_rms(grads: list[Tensor], exp_avg_sqs: list[Tensor], bc2: Tensor, eps: float) -> Tensor:
+    """[N] float64: each tensor's sqrt(mean(g^2 / max(v / bc2, eps^2))), StableAdamW's RMS_t."""
+    dtype = grads[0].dtype
+    v_hat = torch._foreach_div(exp_avg_sqs, list(bc2.to(dtype).unbind(0)))
+    torch._foreach_clamp_min_(v_hat, eps * eps)
+    ratio = torch._foreach_mul(grads, grads)
+    torch._foreach_div_(ratio, v_hat)
+    del v_hat
+    sums = torch.stack(torch._foreach_norm(ratio, 1)).double()  # the ratios are >= 0: their L1 norm is their sum
+    numel = torch.tensor([g.numel() for g in grads], dtype=torch.float64, device=sums.device)
+    return (sums / numel).sqrt()
 
 
 def _kept(found_inf: Tensor) -> Tensor:
@@ -294,7 +343,7 @@ def apex_lamb_available() -> bool:
 
 
 def build_optimizer(optim: OptimSection, model: nn.Module, impl: str | None = None) -> torch.optim.Optimizer:
-    """``optim.name``: ``lamb`` or ``adamw``, with ``optim``'s lr, betas, eps and weight decay;
+    """``optim.name``: ``lamb``, ``adamw`` or ``stable_adamw``, with ``optim``'s lr, betas, eps and weight decay;
     groups from ``param_groups_for(model, optim.weight_decay)``.
 
     ``impl`` (LAMB only; default ``optim.impl``): ``auto`` = apex's FusedLAMB when ``apex_lamb_available()`` and the
@@ -307,10 +356,11 @@ def build_optimizer(optim: OptimSection, model: nn.Module, impl: str | None = No
     groups = param_groups_for(model, optim.weight_decay)
     if not groups:
         raise ValueError("model: has no trainable parameters")
-    if name == "adamw":
-        return AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+    if name in ("adamw", "stable_adamw"):
+        kind = StableAdamW if name == "stable_adamw" else AdamW
+        return kind(groups, lr=lr, betas=tuple(betas), eps=eps, decouple_lr=optim.decouple_lr)
     if name != "lamb":
-        raise ValueError(f"optim.name: unknown optimizer {name!r}; choose from 'lamb', 'adamw'")
+        raise ValueError(f"optim.name: unknown optimizer {name!r}; choose from 'lamb', 'adamw', 'stable_adamw'")
     if impl not in ("auto", "apex", "torch"):
         raise ValueError(f"optim.impl: unknown LAMB implementation {impl!r}; choose from 'auto', 'apex', 'torch'")
     on_cuda = all(p.is_cuda for g in groups for p in g["params"])

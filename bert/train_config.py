@@ -274,9 +274,18 @@ class TrainSection:
         "capture the encoder's forward and backward in a CUDA graph per shape bucket (CUDA only; "
         "needs train.static_shapes and a graph-safe attention backend; docs/step.md)",
     )
+    batch_size_warmup_start: int | None = opt(
+        None,
+        "batch-size warm-up (ModernBERT's): the global batch of step 0, a multiple of "
+        "global_batch_size / grad_accum_steps (one micro-batch on every rank), growing by that much "
+        "at equal intervals to global_batch_size at step batch_size_warmup_steps; null: off "
+        "(data/batch_ramp.py, docs/modern_encoders.md)",
+    )
+    batch_size_warmup_steps: int = opt(0, "optimizer steps of the batch-size warm-up (with batch_size_warmup_start)")
 
     def __post_init__(self):
         _check("train", self)
+        self._check_batch_size_warmup()
         _auto_or_positive("train.static_token_bucket", self.static_token_bucket, "a number of tokens")
         _positive("train.static_masked_bucket", self.static_masked_bucket)
         for name in (
@@ -289,6 +298,27 @@ class TrainSection:
         ):
             _positive(f"train.{name}", getattr(self, name))
         _positive("train.seed", self.seed, allow_zero=True)
+
+    def _check_batch_size_warmup(self) -> None:
+        start, steps = self.batch_size_warmup_start, self.batch_size_warmup_steps
+        _positive("train.batch_size_warmup_steps", steps, allow_zero=True)
+        if start is None:
+            if steps:
+                raise ConfigError(
+                    "train.batch_size_warmup_steps: set train.batch_size_warmup_start too (the first batch)"
+                )
+            return
+        _positive("train.batch_size_warmup_start", start)
+        unit, full = self.global_batch_size // self.grad_accum_steps, self.global_batch_size
+        if start >= full:
+            raise ConfigError(f"train.batch_size_warmup_start: {start} must be below train.global_batch_size {full}")
+        if self.global_batch_size % self.grad_accum_steps == 0 and start % unit:
+            raise ConfigError(
+                f"train.batch_size_warmup_start: {start} is not a multiple of train.global_batch_size / "
+                f"train.grad_accum_steps = {unit} (the ramp grows one micro-batch per rank at a time)"
+            )
+        if steps < 1:
+            raise ConfigError("train.batch_size_warmup_steps: must be >= 1 with train.batch_size_warmup_start set")
 
 
 @dataclass
@@ -343,10 +373,21 @@ class AdaGCSection:
 
 @dataclass
 class OptimSection:
-    name: str = opt("lamb", "optimizer", ("lamb", "adamw"))
+    name: str = opt(
+        "lamb",
+        "optimizer: lamb (MLPerf's), adamw (decoupled weight decay), or stable_adamw (AdamW with "
+        "StableAdamW's per-tensor update clipping, ModernBERT's; docs/modern_encoders.md)",
+        ("lamb", "adamw", "stable_adamw"),
+    )
     lr: float = opt(4.25e-4, "peak learning rate")
     betas: tuple[float, float] = opt((0.9, 0.999), "Adam/LAMB betas")
     weight_decay: float = opt(0.01, "decoupled weight decay (not on biases and LayerNorm)")
+    decouple_lr: bool = opt(
+        False,
+        "adamw / stable_adamw: weight decay independent of the learning rate's size, "
+        "w <- w (1 - lr_t / optim.lr x weight_decay) (fully decoupled; ModernBERT's); false: torch's "
+        "w <- w (1 - lr_t x weight_decay)",
+    )
     eps: float = opt(1e-6, "Adam/LAMB epsilon")
     warmup_steps: int = opt(0, "linear warm-up steps")
     start_warmup_step: int = opt(0, "step at which warm-up starts (MLPerf's start_warmup_step)")
@@ -388,6 +429,10 @@ class OptimSection:
             raise ConfigError(f"optim.shard: expected none, dp or a group size, got {self.shard!r}")
         if isinstance(self.shard, int) and self.shard < 1:
             raise ConfigError(f"optim.shard: a group size must be >= 1, got {self.shard}")
+        if self.decouple_lr and self.name == "lamb":
+            raise ConfigError(
+                "optim.decouple_lr: applies to adamw and stable_adamw (LAMB decays inside its trust ratio)"
+            )
         if self.shard != "none" and self.name != "lamb":
             raise ConfigError(f"optim.shard: sharding runs LAMB (optim.name=lamb), got optim.name={self.name!r}")
         if self.shard == "none" and self.reduce_dtype != "fp32":
@@ -507,6 +552,8 @@ def check_closed_division(cfg: RunConfig) -> None:
         raise ConfigError(f"log.submitter: {why} logs your organisation as submission_org; set it")
     if o.name != "lamb":
         raise ConfigError(f"optim.name: {why} trains with LAMB, got {o.name!r}")
+    if cfg.train.batch_size_warmup_start is not None:
+        raise ConfigError(f"train.batch_size_warmup_start: {why} trains at one global batch size; leave it null")
     if o.clip != "global":
         raise ConfigError(f"optim.clip: {why} clips by global norm as the reference does, got {o.clip!r}")
     if o.max_grad_norm != CLOSED_MAX_GRAD_NORM:

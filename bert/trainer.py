@@ -137,7 +137,7 @@ class Trainer:
         self._collator = self.rebalancer = None
         if self.world > 1:
             with self.coll.guard("the rebalancer's settings check", -1):
-                self.rebalancer = components.build_rebalancer(cfg.data, self.local_batch, cfg.dist.timeout_s)
+                self.rebalancer = components.build_rebalancer(cfg, self.local_batch, cfg.dist.timeout_s)
         self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
         self.planner: StepPlanner | None = None  # built when the data opens
         graphed = self.static if t.cuda_graphs else None  # graphed eval replays padded shapes
@@ -190,18 +190,18 @@ class Trainer:
 
     def forward_backward(self, block: SampleBlock, num_masked: int, num_seqs: int, num_anchors: int) -> torch.Tensor:
         """This rank's micro-batches through forward and backward; returns the [4] loss parts."""
-        t = self.cfg.train
         simreg = self.cfg.loss.simreg_weight > 0
         self.forward.train()
         loss_parts = torch.zeros(4, device=self.device)
         scale = float(self.world)  # DDP and FSDP2 average gradients over ranks; the losses are sums
-        for i in range(t.grad_accum_steps):
+        last = len(block) // self.micro_batch - 1  # train.grad_accum_steps; fewer in a batch-size warm-up
+        for i in range(last + 1):
             mb = block.select(np.arange(i * self.micro_batch, (i + 1) * self.micro_batch))
             # Padded to its bucket (train.static_shapes); real: the sizes without the padding.
             batch, real = components.micro_batch(self._collate(mb), mb, self.static, self.shapes_seen, self.device)
-            sync = self.ddp is None or i == t.grad_accum_steps - 1
+            sync = self.ddp is None or i == last
             if self.sharding:  # FSDP2 accumulates unsharded gradients until the last micro-batch
-                self.model.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
+                self.model.set_requires_gradient_sync(i == last)
             with contextlib.nullcontext() if sync else self.ddp.no_sync(), self._autocast():
                 out = self.forward(batch)
                 loss, stats = pretraining_loss(

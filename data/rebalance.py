@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import numpy as np
 
+from data.batch_ramp import BatchRamp
 from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, STRATEGIES, Cost, check_cost, plan_for_rank
 from data.samples import SampleBlock, _offsets
 
@@ -179,6 +180,8 @@ class Rebalancer:
     strategy: "none" | "stripe" | "balanced"; cost: (a, b) of c(L) = a*L + b*L^2, or
     (a, b, b_local, window) with local layers (``data.rebalance_plan.Cost``).
     batch_size: samples per rank per step (every rank must hold exactly this many).
+    ramp: a batch-size warm-up (``data.batch_ramp.BatchRamp``): step s then holds
+        ``ramp.batch_size(s) / world_size`` samples per rank instead of ``batch_size``.
     max_len: the longest allowed sequence. world_size: how many ranks this rank expects
         (default: the group's size); a rank expecting another number is named in the error.
     group_size, cross_rounds, tol: see ``assign``; with group_size (e.g. GPUs per node, for
@@ -207,6 +210,7 @@ class Rebalancer:
         tol: float = 1e-3,
         group_size: int | None = None,
         cross_rounds: int = 3,
+        ramp: BatchRamp | None = None,
     ):
         import torch.distributed as dist
 
@@ -224,6 +228,7 @@ class Rebalancer:
         self._dist = dist
         self.strategy, self.cost, self.tol = strategy, cost, tol
         self.batch_size, self.max_len, self.timeout_s = batch_size, max_len, timeout_s
+        self.ramp = ramp
         if group is None:
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         elif dist.get_backend(group) != "gloo":
@@ -267,7 +272,8 @@ class Rebalancer:
 
     def _check_settings_agree(self) -> None:
         # Ranks with different settings would compute different plans; catch it once, here.
-        cost_tol = zlib.crc32(repr((*self.cost, self.tol, self.group_size, self.cross_rounds)).encode()) & 0x7FFFFFFF
+        settings = (*self.cost, self.tol, self.group_size, self.cross_rounds, self.ramp)
+        cost_tol = zlib.crc32(repr(settings).encode()) & 0x7FFFFFFF
         mine = np.array(
             [
                 _MAGIC,
@@ -290,7 +296,7 @@ class Rebalancer:
                     f"rank {r}: strategy {STRATEGIES[allv[r, 1]]!r} differs from rank 0's {STRATEGIES[allv[0, 1]]!r}"
                 )
             if allv[r, 2] != allv[0, 2]:
-                problems.append(f"rank {r}: cost, tol, group_size or cross_rounds differ from rank 0's")
+                problems.append(f"rank {r}: cost, tol, group_size, cross_rounds or the batch ramp differ from rank 0's")
             for f, name in ((3, "batch_size"), (4, "max_len")):
                 if allv[r, f] != allv[0, f]:
                     problems.append(f"rank {r}: {name} {allv[r, f]} differs from rank 0's {allv[0, f]}")
@@ -301,9 +307,13 @@ class Rebalancer:
 
     # -- one step ----------------------------------------------------------------------------
 
+    def batch_size_at(self, step: int) -> int:
+        """Samples per rank in ``step``: ``batch_size``, or the ramp's share of the step's batch."""
+        return self.batch_size if self.ramp is None else self.ramp.batch_size(step) // self.world_size
+
     def _header(self, block: SampleBlock, step: int) -> np.ndarray:
-        code, index, value = check_block(block, self.batch_size, self.max_len)
-        words = np.zeros(HEADER_WORDS + self.batch_size, dtype=np.int64)
+        code, index, value = check_block(block, self.batch_size_at(step), self.max_len)
+        words = np.zeros(HEADER_WORDS + self.batch_size_at(step), dtype=np.int64)
         words[:HEADER_WORDS] = (_MAGIC, step, self.expected_world_size, len(block), code, index, value)
         if code == 0:
             words[HEADER_WORDS:] = block.seq_lens.astype(np.int64) | (block.masked_counts.astype(np.int64) << 16)
@@ -319,7 +329,11 @@ class Rebalancer:
                 problems.append(f"rank {r}: expects world size {hdr[r, 2]}, the group has {self.world_size} ranks")
             elif hdr[r, 4] != 0:
                 text = _ERRORS.get(int(hdr[r, 4]), "error code {code}").format(
-                    index=hdr[r, 5], value=hdr[r, 6], batch_size=self.batch_size, max_len=self.max_len, code=hdr[r, 4]
+                    index=hdr[r, 5],
+                    value=hdr[r, 6],
+                    batch_size=self.batch_size_at(step),
+                    max_len=self.max_len,
+                    code=hdr[r, 4],
                 )
                 problems.append(f"rank {r}: {text}")
         if len(set(steps.tolist())) > 1:
@@ -334,7 +348,7 @@ class Rebalancer:
     def _exchange(self, block: SampleBlock, step: int) -> tuple[SampleBlock, ExchangeStats]:
         import torch
 
-        W, B, me = self.world_size, self.batch_size, self.rank
+        W, B, me = self.world_size, self.batch_size_at(step), self.rank
         t0 = time.perf_counter()
         hdr = self._all_gather(self._header(block, step).astype(np.int32), step, "the length all-gather")
         t1 = time.perf_counter()

@@ -269,7 +269,7 @@ def _equal_states(a, b):
     )
 
 
-@pytest.mark.parametrize("name", ["lamb", "adamw"])
+@pytest.mark.parametrize("name", ["lamb", "adamw", "stable_adamw"])
 def test_found_inf_skips_bitwise_and_reads_nothing(name):
     """A flagged step leaves weights, moments and step counts bitwise; an unflagged one is the
     update itself; a run with skipped steps equals one that never saw them; the host reads

@@ -117,6 +117,26 @@ def check_strategies(rank: int, world: int) -> None:
             assert sum(o.num_tokens for o in outs) == sum(b.num_tokens for b in blocks)
 
 
+def check_ramp(rank: int, world: int) -> None:
+    """A batch-size warm-up: each step's exchange holds that step's size (ramp.batch_size(s) / W
+    per rank), the union of the outputs is the union of the inputs, and a rank that brings the
+    full batch during the ramp is named on every rank."""
+    from data.batch_ramp import BatchRamp
+
+    ramp = BatchRamp(unit=2 * world, start=1, full=3, steps=4)  # 2, 2, 4, 4, then 6 samples per rank
+    rb = Rebalancer("balanced", batch_size=6, max_len=MAX_LEN, timeout_s=30, ramp=ramp)
+    for step in range(6):
+        b = ramp.batch_size(step) // world
+        blocks = [random_block(step, r, batch=b) for r in range(world)]
+        out, stats = rb.exchange(blocks[rank], step=step)
+        assert len(out) == b and stats.step == step, (len(out), b, step)
+        outs = [None] * world
+        dist.all_gather_object(outs, out)
+        assert sorted(k for o in outs for k in sample_keys(o)) == sorted(k for x in blocks for k in sample_keys(x))
+    wrong = random_block(6, rank, batch=6 if rank == world - 1 else 2)
+    expect_error(lambda: rb.exchange(wrong, step=1), f"rank {world - 1}: holds 6 samples, expected batch_size 2")
+
+
 def check_overlap(rank: int, world: int) -> dict:
     """start(step i+1) / compute step i / wait(): results match a synchronous exchange."""
     torch.manual_seed(SEED + rank)
@@ -208,6 +228,7 @@ def check_timeout(rank: int, world: int) -> None:
 def main() -> None:
     rank, world = init()
     check_strategies(rank, world)
+    check_ramp(rank, world)
     overlap = check_overlap(rank, world)
     check_bad_input(rank, world)
     if rank == 0:

@@ -1,0 +1,122 @@
+"""Batch-size warm-up: the global batch grows step by step to its full size (ModernBERT's recipe).
+
+Sits between the rank-sharded loader and the trainer's step planner. ModernBERT (arXiv:2412.13663,
+section 2.2; AnswerDotAI/ModernBERT's ``batch_size_warmup_min_size`` and ``batch_size_warmup_tokens``)
+starts at 768 sequences and grows, one micro-batch per GPU at a time, to 4,608 over the first 50B
+tokens, each size for an equal number of steps. Here the ramp is written in those units:
+
+    unit   = train.global_batch_size / train.grad_accum_steps   (one micro-batch on every rank)
+    k(s)   = start + floor(s * (full - start) / steps)  for s < steps, else full   (units, step s from 0)
+
+with ``start`` = train.batch_size_warmup_start / unit and ``full`` = train.grad_accum_steps. A step
+of k units runs k micro-batches of the usual size on every rank, so static shapes and CUDA graphs
+see the shapes they see without the ramp; only the number of micro-batches changes.
+
+``RampedLoader`` draws k(s) consecutive steps of a ``PretrainingLoader`` planned at the unit size
+and hands them out as one block. Every rank computes k(s) from the config alone, so all ranks agree
+on every step's batch without a collective; the sample position after step s is
+``units_before(s)`` unit steps, derived, which is what an exact resume needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from data.errors import DataError
+from data.samples import SampleBlock
+
+
+@dataclass(frozen=True)
+class BatchRamp:
+    """k(s) units per step: ``start`` units at step 0 up to ``full`` at step ``steps`` (module docstring)."""
+
+    unit: int  # global sequences of one unit
+    start: int  # units at step 0, 1 <= start < full
+    full: int  # units of the full batch
+    steps: int  # steps of the ramp, >= 1
+
+    def __post_init__(self):
+        if not (self.unit >= 1 and 1 <= self.start < self.full and self.steps >= 1):
+            raise ValueError(f"BatchRamp: need unit >= 1, 1 <= start < full and steps >= 1, got {self}")
+
+    def units(self, step: int) -> int:
+        """Units (micro-batches on every rank) in step ``step`` (from 0)."""
+        if step >= self.steps:
+            return self.full
+        return self.start + step * (self.full - self.start) // self.steps
+
+    def batch_size(self, step: int) -> int:
+        """Global sequences in step ``step``."""
+        return self.unit * self.units(step)
+
+    def first_step(self, units: int) -> int:
+        """The first step with at least ``units`` units (start <= units <= full)."""
+        d = self.full - self.start
+        return -(-(units - self.start) * self.steps // d)  # ceil
+
+    def units_before(self, step: int) -> int:
+        """Units drawn by steps 0 .. step - 1: the loader's position when step ``step`` begins."""
+        total = 0
+        for k in range(self.start, self.full):
+            lo, hi = self.first_step(k), self.first_step(k + 1)
+            total += k * max(0, min(hi, step) - lo)
+        return total + self.full * max(0, step - self.steps)
+
+    def as_dict(self) -> dict:
+        return {"unit": self.unit, "start": self.start, "full": self.full, "steps": self.steps}
+
+
+class RampedLoader:
+    """A ``PretrainingLoader`` planned at ``ramp.unit`` sequences per step, drawn ``ramp.units(s)``
+    steps at a time: this rank's block of step s. The trainer sees the loader's interface
+    (``files``, ``pop_substituted``, ``state_dict``, ``load_state_dict``, ``close``) in steps of
+    the ramp; its ``step`` in the state is the ramp's, the inner loader's is derived from it."""
+
+    def __init__(self, loader, ramp: BatchRamp):
+        if loader.global_batch_size != ramp.unit:
+            raise ValueError(f"RampedLoader: the loader's batch {loader.global_batch_size} is not the unit {ramp.unit}")
+        self.loader, self.ramp = loader, ramp
+        self.files = loader.files
+        self._step = 0
+        self._substituted: dict[int, int] = {}
+
+    @property
+    def step(self) -> int:
+        """The ramp step whose block the iterator yields next."""
+        return self._step
+
+    def __iter__(self):
+        inner = iter(self.loader)
+        while True:
+            step, first = self._step, self.loader.step
+            k = self.ramp.units(step)
+            block = SampleBlock.concat([next(inner) for _ in range(k)])
+            self._substituted[step] = sum(self.loader.pop_substituted(u) for u in range(first, first + k))
+            self._step = step + 1
+            yield block
+
+    def pop_substituted(self, step: int) -> int:
+        """Corrupt samples replaced in this rank's block of ramp step ``step``."""
+        return self._substituted.pop(step, 0)
+
+    def state_dict(self) -> dict:
+        return {**self.loader.state_dict(), "step": self._step, "batch_size_warmup": self.ramp.as_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved ramp step; the ramp must be the one the position was counted in."""
+        saved = state.get("batch_size_warmup")
+        if saved != self.ramp.as_dict():
+            raise DataError(
+                f"loader state: batch-size warm-up {saved} differs from this run's {self.ramp.as_dict()} "
+                "(train.batch_size_warmup_start/_steps, train.global_batch_size, train.grad_accum_steps); "
+                "the saved position was counted in another ramp"
+            )
+        step = state.get("step")
+        if not isinstance(step, int) or step < 0:
+            raise DataError(f"loader state: step {step!r} must be an int >= 0")
+        self.loader.load_state_dict({**state, "step": self.ramp.units_before(step)})
+        self._step = step
+        self._substituted.clear()
+
+    def close(self) -> None:
+        self.loader.close()
