@@ -19,8 +19,9 @@ counts come from the data (``bert.host_counts``), the skip is decided on the dev
 metrics are read once per ``train.log_interval_steps`` (``bert.step_metrics``). Every
 collective runs inside ``Collectives.guard``: a peer that dies or hangs turns into a
 ``CollectiveError`` naming the collective, the step and the ranks that did not answer, within
-``dist.timeout_s``, never a hang. Dropout is re-seeded every step from (seed, step, rank), so
-a resumed run draws exactly the masks an uninterrupted one would without saving RNG states.
+``dist.timeout_s``, never a hang. Dropout is re-seeded every step from (seed, step, rank) (torch's
+generators and the kernels' device Philox state, ``kernels.runtime``), so a resumed run
+draws exactly the masks an uninterrupted one would without saving RNG states.
 
 Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 """
@@ -52,6 +53,7 @@ from data.batch import PackedBatch
 from data.packing import unpack
 from data.samples import SampleBlock
 from data.static_shapes import real_part
+from kernels.runtime import philox_from, philox_state, seed_philox_
 
 # Set to 1 by launch/run_and_time.sh when it dropped the page cache before this run (the
 # log's cache_clear says what really happened).
@@ -70,8 +72,11 @@ class StepResult:
     corrupt: int = 0  # global: corrupt samples replaced in this step's batch (data.on_corrupt=skip)
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+def step_seed(seed: int, step: int, rank: int, stream: int = 0) -> int:
+    """A 63-bit seed for (run seed, step, rank); stream 1: the Triton kernels' Philox state,
+    stream 0 (the original derivation, unchanged): torch's generators."""
+    words = [seed, step, rank] + ([stream] if stream else [])
+    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 class Trainer:
@@ -115,6 +120,9 @@ class Trainer:
             components.map_large_allocations()
         self.model_config = components.build_model_config(cfg)
         torch.manual_seed(self.state.seed)  # same initial weights on every rank
+        # The Triton kernels' and fused ops' dropout state, on the device: seeded every step from
+        # the host, advanced by the launches on the device, so a replayed CUDA graph draws afresh.
+        self.philox = philox_state(self.device)
         self.model = components.build_model(cfg.model, self.model_config, t, self.device)
         if cfg.checkpoint.init:
             load_pretrained(self.model, cfg.checkpoint.init)
@@ -177,6 +185,7 @@ class Trainer:
     def train_step(self, block: SampleBlock) -> StepResult:
         """Forward and backward over this rank's micro-batches of one global batch."""
         torch.manual_seed(step_seed(self.state.seed, self.state.step, self.rank))
+        seed_philox_(self.philox, step_seed(self.state.seed, self.state.step, self.rank, stream=1))
         # The global counts the losses are normalised by, and any rank's stop request, agreed
         # on the host from the data (bert.host_counts): nothing is read from the device.
         step = self.state.step
@@ -184,7 +193,7 @@ class Trainer:
         self.stop_agreed = c.stop
         # DDP all-reduces (FSDP2 reduce-scatters) the gradients inside the last micro-batch's backward.
         what = "the gradient " + ("reduce-scatter (FSDP2 backward)" if self.sharding else "all-reduce (DDP backward)")
-        with self.coll.guard(what, step + 1):
+        with self.coll.guard(what, step + 1), philox_from(self.philox):
             loss_parts = self.forward_backward(block, c.masked, c.sequences, c.anchors)
         return StepResult(loss_parts, c.sequences, c.tokens, c.corrupt)
 

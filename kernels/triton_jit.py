@@ -78,6 +78,14 @@ LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2, log2)
 
 
 @triton.jit
+def _philox_pair(RNG):
+    """The launch's dropout (seed, offset), read once per program from the device pair RNG
+    ([2] int64, ``kernels.runtime.draw_philox``): the seed as int64, the offset as the
+    32-bit last counter word of ``_keep``."""
+    return tl.load(RNG), tl.load(RNG + 1).to(tl.int32)
+
+
+@triton.jit
 def _keep(seed, offset, row0, col0, head, p_drop, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Dropout keep mask [BLOCK_R, BLOCK_C] for query tokens row0 + i and keys col0 + j.
 
@@ -511,18 +519,19 @@ def _tile(
 # fmt: off
 
 
-@triton.jit(do_not_specialize=["order_start", "window_half", "seed", "offset"])
+@triton.jit(do_not_specialize=["order_start", "window_half"])
 def _attn_fwd(
     Q, K, V, O, LSE, KEEP, CU, CU_K, ORDER, BND, BMM, CNT, order_start,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     stride_bb, stride_bh, stride_bj, stride_mmb, stride_mmh, stride_mmn,
-    head_dim, keep_max, window_half, qk_scale, p_drop, seed, offset,
+    head_dim, keep_max, window_half, qk_scale, p_drop, RNG,
     HAS_ORDER: tl.constexpr, SEPARATE_K: tl.constexpr, N_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
     WINDOW: tl.constexpr, DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr, COUNT: tl.constexpr,
     INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One block of BLOCK_M queries: the online softmax over the key blocks it can see."""
+    seed, offset = _philox_pair(RNG)
     seq, start, seqlen, start_k, seqlen_k, r0, head, offs_d, d_ok = _program(
         CU, CU_K, ORDER, order_start, head_dim, BLOCK_M, BLOCK_D, HAS_ORDER, SEPARATE_K)
     if r0 >= seqlen:
@@ -559,18 +568,19 @@ def _attn_fwd(
         _store_counts(CNT, counts, head)
 
 
-@triton.jit(do_not_specialize=["order_start", "window_half", "seed", "offset"])
+@triton.jit(do_not_specialize=["order_start", "window_half"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU, CU_K, ORDER, BND, BMM, CNT, order_start,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
     stride_bb, stride_bh, stride_bj, stride_mmb, stride_mmh, stride_mmn,
-    head_dim, window_half, qk_scale, sm_scale, p_drop, seed, offset,
+    head_dim, window_half, qk_scale, sm_scale, p_drop, RNG,
     HAS_ORDER: tl.constexpr, SEPARATE_K: tl.constexpr, N_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
     WINDOW: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One block of BLOCK_N keys: loop over the query blocks that can see it, accumulate dK and dV."""
+    seed, offset = _philox_pair(RNG)
     seq, start, seqlen, start_k, seqlen_k, c0, head, offs_d, d_ok = _program(
         CU, CU_K, ORDER, order_start, head_dim, BLOCK_N, BLOCK_D, HAS_ORDER, SEPARATE_K)
     if c0 >= seqlen_k:
@@ -600,12 +610,12 @@ def _attn_bwd_dkdv(
         _store_counts(CNT, counts, head)
 
 
-@triton.jit(do_not_specialize=["order_start", "window_half", "seed", "offset"])
+@triton.jit(do_not_specialize=["order_start", "window_half"])
 def _attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ, CU, CU_K, ORDER, BND, BMM, CNT, order_start,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lt, stride_bb, stride_bh, stride_bj, stride_mmb, stride_mmh, stride_mmn,
-    head_dim, window_half, qk_scale, sm_scale, p_drop, seed, offset,
+    head_dim, window_half, qk_scale, sm_scale, p_drop, RNG,
     HAS_ORDER: tl.constexpr, SEPARATE_K: tl.constexpr, N_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
     WINDOW: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -615,6 +625,7 @@ def _attn_bwd_dq(
     A separate pass from dK/dV (recomputing the scores) so that no atomics are needed and the
     gradients are deterministic.
     """
+    seed, offset = _philox_pair(RNG)
     seq, start, seqlen, start_k, seqlen_k, r0, head, offs_d, d_ok = _program(
         CU, CU_K, ORDER, order_start, head_dim, BLOCK_M, BLOCK_D, HAS_ORDER, SEPARATE_K)
     if r0 >= seqlen:
@@ -691,7 +702,7 @@ def _bias_gelu_bwd(DY, X, B, DX, n_rows, n_cols, INTERP: tl.constexpr, BLOCK_R: 
     tl.store(DX + idx, _cast(dy * dgelu, DX.dtype.element_ty, INTERP), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed", "offset"])
+@triton.jit
 def _bdaln_fwd(
     X,
     B,
@@ -707,14 +718,14 @@ def _bdaln_fwd(
     n_cols,
     eps,
     p_drop,
-    seed,
-    offset,
+    RNG,
     DROPOUT: tl.constexpr,
     STORE_KEEP: tl.constexpr,
     INTERP: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """Row-wise: h = residual + dropout(x + bias); y = LayerNorm(h) * weight + ln_bias."""
+    seed, offset = _philox_pair(RNG)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     c_ok = c < n_cols
@@ -739,7 +750,7 @@ def _bdaln_fwd(
     tl.store(RSTD + row, rstd)
 
 
-@triton.jit(do_not_specialize=["seed", "offset"])
+@triton.jit
 def _bdaln_bwd(
     DY,
     H,
@@ -755,14 +766,14 @@ def _bdaln_bwd(
     n_cols,
     rows_per_prog,
     p_drop,
-    seed,
-    offset,
+    RNG,
     DROPOUT: tl.constexpr,
     INTERP: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """Gradients of the fused op for rows_per_prog rows; per-program partial sums (fp32) of the
     gradients of weight, ln_bias and bias."""
+    seed, offset = _philox_pair(RNG)
     pid = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     c_ok = c < n_cols
@@ -926,10 +937,11 @@ def _launch_pass(kernel, block, programs, seqs, q, lse, tensors, strided, mask_s
     )
 
 
-def attn_fwd(q, k, v, out, lse, seqs, softmax_scale, p_drop, seed, offset, keep=None, counts=None, blocks=None):
+def attn_fwd(q, k, v, out, lse, seqs, softmax_scale, p_drop, rng, keep=None, counts=None, blocks=None):
     """One forward launch over ``seqs`` (a ``Sequences``).
 
-    q, out: [T, H, D]; k, v: [Tk, H, D]; lse: [T, H] fp32 (written); keep: optional
+    q, out: [T, H, D]; k, v: [Tk, H, D]; lse: [T, H] fp32 (written); rng: [2] int64 on q's
+    device, the dropout (seed, offset), read by the kernel (never by the host); keep: optional
     [B, H, S, S] int8 debug output of the dropout mask (S = keep.shape[-1]); counts: optional
     int32 [B*H*cdiv(S, BLOCK_M), 4] debug tile counts (bounds or a window); blocks: tiles
     {kernel: (BLOCK_M, BLOCK_N, warps, stages)} instead of the table's.
@@ -937,7 +949,7 @@ def attn_fwd(q, k, v, out, lse, seqs, softmax_scale, p_drop, seed, offset, keep=
     blocks, pointers, mask_strides, window_half, switches = _prepare(q, seqs, p_drop, blocks)
     tensors = (q, k, v, out, lse, out if keep is None else keep, *pointers, lse if counts is None else counts)
     keep_max = 0 if keep is None else keep.shape[-1]
-    scalars = (q.shape[2], keep_max, window_half, softmax_scale * LOG2E, p_drop, seed, offset)
+    scalars = (q.shape[2], keep_max, window_half, softmax_scale * LOG2E, p_drop, rng)
     programs = _cdiv(seqs.max_len, blocks["fwd"][0])
     flags = dict(STORE_KEEP=keep is not None, COUNT=counts is not None)
     _launch_pass(
@@ -956,9 +968,7 @@ def attn_fwd(q, k, v, out, lse, seqs, softmax_scale, p_drop, seed, offset, keep=
     )
 
 
-def attn_bwd(
-    dout, q, k, v, lse, delta, dq, dk, dv, seqs, softmax_scale, p_drop, seed, offset, counts=None, blocks=None
-):
+def attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, seqs, softmax_scale, p_drop, rng, counts=None, blocks=None):
     """The backward launches (dK/dV, then dQ) over the same sequences as attn_fwd.
 
     dout: [T, H, D]; lse, delta: [T, H] fp32; dq, dk, dv: like q, k, v (written); counts:
@@ -966,7 +976,7 @@ def attn_bwd(
     """
     blocks, pointers, mask_strides, window_half, switches = _prepare(q, seqs, p_drop, blocks)
     counts = counts or {}
-    scalars = (q.shape[2], window_half, softmax_scale * LOG2E, softmax_scale, p_drop, seed, offset)
+    scalars = (q.shape[2], window_half, softmax_scale * LOG2E, softmax_scale, p_drop, rng)
     common = (mask_strides, scalars, switches)
     keys = _cdiv(seqs.max_len if seqs.max_len_k is None else seqs.max_len_k, blocks["dkdv"][1])
     tensors = (q, k, v, dout, lse, delta, dk, dv, *pointers, counts.get("dkdv", lse))
@@ -1001,7 +1011,7 @@ def _row_opts(block_c):
     return _launch_opts(max(1, min(16, block_c // 256)), 1)
 
 
-def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop, seed, offset, keep=None):
+def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop, rng, keep=None):
     """Bias + dropout + residual + LayerNorm over rows of x [R, N] (all contiguous).
 
     Writes y and h = residual + dropout(x + bias) [R, N], mean and rstd [R] fp32, and with
@@ -1026,8 +1036,7 @@ def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop,
         n,
         eps,
         p_drop,
-        seed,
-        offset,
+        rng,
         DROPOUT=p_drop > 0,
         STORE_KEEP=keep is not None,
         INTERP=INTERPRET,
@@ -1036,7 +1045,7 @@ def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop,
     )
 
 
-def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, seed, offset):
+def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, rng):
     """Backward of bdaln_fwd: writes dx, dres [R, N]; returns the partial sums of dweight,
     dln_bias and dbias, [programs, N] fp32 each (the caller sums over programs)."""
     r, n = dy.shape
@@ -1063,8 +1072,7 @@ def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, seed, offset):
         n,
         rows_per_prog,
         p_drop,
-        seed,
-        offset,
+        rng,
         DROPOUT=p_drop > 0,
         INTERP=INTERPRET,
         BLOCK_C=block_c,

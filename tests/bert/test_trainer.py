@@ -276,3 +276,27 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "SIGTERM" in out and len(os.listdir(tmp_path / "checkpoints")) == 1
+
+
+TRITON_DROPOUT = (
+    "model.attention=triton",
+    "model.fused_ops=true",
+    "model.hidden_dropout_prob=0.1",
+    "model.attention_probs_dropout_prob=0.1",
+    "train.max_steps=4",
+)
+
+
+@pytest.mark.slow  # four short runs of the Triton kernels in the interpreter
+def test_triton_dropout_is_reproducible_from_the_seed_and_resumes_bitwise(dataset, tmp_path):
+    """The kernels' and fused ops' masks come from the device Philox state the trainer seeds
+    every step from (train.seed, step, rank): the same seed gives the same losses, another
+    seed others, and a resumed run the uninterrupted one's, bitwise."""
+    run_in_process(dataset, tmp_path / "a", "train.seed=5", *TRITON_DROPOUT)
+    run_in_process(dataset, tmp_path / "other", "train.seed=6", *TRITON_DROPOUT)
+    first = run_in_process(dataset, tmp_path / "parts", "train.seed=5", *TRITON_DROPOUT, stop_after=1)
+    assert first["status"] == "interrupted" and first["steps"] == 2
+    run_in_process(dataset, tmp_path / "parts", "train.seed=5", *TRITON_DROPOUT)
+    whole = losses(tmp_path / "a")
+    assert len(whole) == 4 and losses(tmp_path / "parts") == whole  # bitwise: the same floats
+    assert losses(tmp_path / "other") != whole
