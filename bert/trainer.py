@@ -19,9 +19,9 @@ counts come from the data (``bert.host_counts``), the skip is decided on the dev
 metrics are read once per ``train.log_interval_steps`` (``bert.step_metrics``). Every
 collective runs inside ``Collectives.guard``: a peer that dies or hangs turns into a
 ``CollectiveError`` naming the collective, the step and the ranks that did not answer, within
-``dist.timeout_s``, never a hang. Dropout is re-seeded every step from (seed, step, rank) (torch's
-generators and the kernels' device Philox state, ``kernels.runtime``), so a resumed run
-draws exactly the masks an uninterrupted one would without saving RNG states.
+``dist.timeout_s``, never a hang. Dropout is re-seeded every step from (seed, step, rank)
+(``bert.train_state.seed_step``: torch's generators and the kernels' device Philox state), so
+a resumed run draws exactly the masks an uninterrupted one would without saving RNG states.
 
 Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 """
@@ -48,12 +48,12 @@ from bert.metrics import Progress
 from bert.sharded_optim import apply_sharding, reshard
 from bert.step_metrics import DeviceCounters
 from bert.train_config import RunConfig, eval_interval
-from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, write_checkpoint
+from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, seed_step, write_checkpoint
 from data.batch import PackedBatch
 from data.packing import unpack
 from data.samples import SampleBlock
 from data.static_shapes import real_part
-from kernels.runtime import philox_from, philox_state, seed_philox_
+from kernels.runtime import philox_from, philox_state
 
 # Set to 1 by launch/run_and_time.sh when it dropped the page cache before this run (the
 # log's cache_clear says what really happened).
@@ -70,13 +70,6 @@ class StepResult:
     samples: int  # global
     tokens: int  # global
     corrupt: int = 0  # global: corrupt samples replaced in this step's batch (data.on_corrupt=skip)
-
-
-def step_seed(seed: int, step: int, rank: int, stream: int = 0) -> int:
-    """A 63-bit seed for (run seed, step, rank); stream 1: the Triton kernels' Philox state,
-    stream 0 (the original derivation, unchanged): torch's generators."""
-    words = [seed, step, rank] + ([stream] if stream else [])
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 class Trainer:
@@ -120,8 +113,7 @@ class Trainer:
             components.map_large_allocations()
         self.model_config = components.build_model_config(cfg)
         torch.manual_seed(self.state.seed)  # same initial weights on every rank
-        # The Triton kernels' and fused ops' dropout state, on the device: seeded every step from
-        # the host, advanced by the launches on the device, so a replayed CUDA graph draws afresh.
+        # The kernels' dropout state (kernels.runtime): seeded each step, advanced on the device.
         self.philox = philox_state(self.device)
         self.model = components.build_model(cfg.model, self.model_config, t, self.device)
         if cfg.checkpoint.init:
@@ -184,8 +176,7 @@ class Trainer:
 
     def train_step(self, block: SampleBlock) -> StepResult:
         """Forward and backward over this rank's micro-batches of one global batch."""
-        torch.manual_seed(step_seed(self.state.seed, self.state.step, self.rank))
-        seed_philox_(self.philox, step_seed(self.state.seed, self.state.step, self.rank, stream=1))
+        seed_step(self.state.seed, self.state.step, self.rank, self.philox)  # torch's and the kernels' dropout
         # The global counts the losses are normalised by, and any rank's stop request, agreed
         # on the host from the data (bert.host_counts): nothing is read from the device.
         step = self.state.step
@@ -329,7 +320,7 @@ class Trainer:
         self.forward.train()
         for block in blocks:  # padded as training pads (train.cuda_graphs captures their shapes)
             batch, _ = components.micro_batch(self._collate(block), block, self.static, set(), self.device)
-            with self._autocast():
+            with self._autocast(), philox_from(self.philox):  # a graph captured here reads the device state
                 out = self.forward(batch)
                 masked, seqs = int(block.masked_counts.sum()), len(block)
                 loss, _ = pretraining_loss(

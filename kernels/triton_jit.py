@@ -78,20 +78,21 @@ LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2, log2)
 
 
 @triton.jit
-def _philox_pair(RNG):
-    """The launch's dropout (seed, offset), read once per program from the device pair RNG
-    ([2] int64, ``kernels.runtime.draw_philox``): the seed as int64, the offset as the
-    32-bit last counter word of ``_keep``."""
-    return tl.load(RNG), tl.load(RNG + 1).to(tl.int32)
-
-
-@triton.jit
-def _keep(seed, offset, row0, col0, head, p_drop, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _keep(RNG, row0, col0, head, p_drop, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Dropout keep mask [BLOCK_R, BLOCK_C] for query tokens row0 + i and keys col0 + j.
 
     One Philox call gives four numbers, used for four adjacent keys: key 4q + c of token t
     and head h takes output c of philox(seed; t, q, h, offset). col0 must be a multiple of 4.
+
+    (seed, offset) is the launch's [2] int64 device pair RNG (``kernels.runtime.draw_philox``),
+    loaded here, where the mask is made, rather than once per program: held in registers
+    across a kernel's tile loop the pair cost the dK/dV loop its last free registers (a spill
+    at fp32, D=32). ``volatile`` keeps Triton's loop-invariant code motion from hoisting the
+    loads back out of the loop; its pipeliner then streams them through shared memory with
+    the loop's tiles.
     """
+    seed = tl.load(RNG, volatile=True)
+    offset = tl.load(RNG + 1, volatile=True).to(tl.int32)  # the last 32-bit counter word
     rows = row0 + tl.arange(0, BLOCK_R)[:, None]
     quads = col0 // 4 + tl.arange(0, BLOCK_C // 4)[None, :]
     zero = rows * 0 + quads * 0
@@ -393,7 +394,7 @@ def _store_counts(CNT, counts, head):
 @triton.jit
 def _fwd_tile(
     q, K, V, KEEP, m_i, l_i, acc, ok, r0, n0, start, start_k, seqlen, seqlen_k, head, offs_d, d_ok,
-    stride_kt, stride_kh, stride_vt, stride_vh, keep_base, keep_max, qk_scale, p_drop, seed, offset,
+    stride_kt, stride_kh, stride_vt, stride_vh, keep_base, keep_max, qk_scale, p_drop, RNG,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr, INTERP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -414,7 +415,7 @@ def _fwd_tile(
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
-        keep = _keep(seed, offset, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
+        keep = _keep(RNG, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
         if STORE_KEEP:  # debug: report the mask, [B, H, S, S] with S = keep_max
             offs_m, row_ok, _ = _block(r0, start, seqlen, BLOCK_M)
             ptr = KEEP + keep_base + offs_m[:, None] * keep_max + cols[None, :]
@@ -430,7 +431,7 @@ def _fwd_tile(
 @triton.jit
 def _dq_tile(
     q, do, lse, delta, K, V, dq, ok, row_ok, r0, n0, start, start_k, seqlen_k, head, offs_d, d_ok,
-    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, p_drop, seed, offset,
+    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, p_drop, RNG,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -445,7 +446,7 @@ def _dq_tile(
     p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if DROPOUT:  # unscaled: 1/(1-p) is applied to dQ after the loop
-        keep = _keep(seed, offset, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
+        keep = _keep(RNG, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
         dp = tl.where(keep, dp, 0.0)
     ds = p * (dp - delta[:, None])
     ds_lo = _cast(ds, K.dtype.element_ty, INTERP)
@@ -457,7 +458,7 @@ def _dq_tile(
 @triton.jit
 def _dkdv_tile(
     k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, head, offs_d, d_ok,
-    stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, seed, offset,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, RNG,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -474,7 +475,7 @@ def _dkdv_tile(
     p_t = tl.where(ok_t, p_t, 0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
     if DROPOUT:  # unscaled: 1/(1-p) is applied to dK, dV after the loop
-        keep_t = tl.trans(_keep(seed, offset, start + m0, c0, head, p_drop, BLOCK_M, BLOCK_N))
+        keep_t = tl.trans(_keep(RNG, start + m0, c0, head, p_drop, BLOCK_M, BLOCK_N))
         pd_t = tl.where(keep_t, p_t, 0.0)
         dp_t = tl.where(keep_t, dp_t, 0.0)
         delta = delta * (1.0 - p_drop)
@@ -531,7 +532,6 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One block of BLOCK_M queries: the online softmax over the key blocks it can see."""
-    seed, offset = _philox_pair(RNG)
     seq, start, seqlen, start_k, seqlen_k, r0, head, offs_d, d_ok = _program(
         CU, CU_K, ORDER, order_start, head_dim, BLOCK_M, BLOCK_D, HAS_ORDER, SEPARATE_K)
     if r0 >= seqlen:
@@ -550,7 +550,7 @@ def _attn_fwd(
         if compute:
             m_i, l_i, acc = _fwd_tile(
                 q, K, V, KEEP, m_i, l_i, acc, ok, r0, n0, start, start_k, seqlen, seqlen_k, head, offs_d, d_ok,
-                stride_kt, stride_kh, stride_vt, stride_vh, keep_base, keep_max, qk_scale, p_drop, seed, offset,
+                stride_kt, stride_kh, stride_vt, stride_vh, keep_base, keep_max, qk_scale, p_drop, RNG,
                 (N_BOUNDS > 0) or WINDOW, DROPOUT, STORE_KEEP, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
     if (N_BOUNDS > 0) or WINDOW:  # rows that saw no key (bounds; past the end with a window): zeros
         seen = l_i > 0.0
@@ -580,7 +580,6 @@ def _attn_bwd_dkdv(
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One block of BLOCK_N keys: loop over the query blocks that can see it, accumulate dK and dV."""
-    seed, offset = _philox_pair(RNG)
     seq, start, seqlen, start_k, seqlen_k, c0, head, offs_d, d_ok = _program(
         CU, CU_K, ORDER, order_start, head_dim, BLOCK_N, BLOCK_D, HAS_ORDER, SEPARATE_K)
     if c0 >= seqlen_k:
@@ -598,7 +597,7 @@ def _attn_bwd_dkdv(
         if compute:
             dk, dv = _dkdv_tile(
                 k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, head, offs_d, d_ok,
-                stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, seed, offset,
+                stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, RNG,
                 (N_BOUNDS > 0) or WINDOW, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
     dv = _dropout_scaled(dv, 1.0, p_drop, DROPOUT)
     dk = _dropout_scaled(dk, sm_scale, p_drop, DROPOUT)
@@ -625,7 +624,6 @@ def _attn_bwd_dq(
     A separate pass from dK/dV (recomputing the scores) so that no atomics are needed and the
     gradients are deterministic.
     """
-    seed, offset = _philox_pair(RNG)
     seq, start, seqlen, start_k, seqlen_k, r0, head, offs_d, d_ok = _program(
         CU, CU_K, ORDER, order_start, head_dim, BLOCK_M, BLOCK_D, HAS_ORDER, SEPARATE_K)
     if r0 >= seqlen:
@@ -645,7 +643,7 @@ def _attn_bwd_dq(
         if compute:
             dq = _dq_tile(
                 q, do, lse, delta, K, V, dq, ok, row_ok, r0, n0, start, start_k, seqlen_k, head, offs_d, d_ok,
-                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, p_drop, seed, offset,
+                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, p_drop, RNG,
                 (N_BOUNDS > 0) or WINDOW, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
     dq = _dropout_scaled(dq, sm_scale, p_drop, DROPOUT)
     if seqlen_k == 1:
@@ -725,14 +723,13 @@ def _bdaln_fwd(
     BLOCK_C: tl.constexpr,
 ):
     """Row-wise: h = residual + dropout(x + bias); y = LayerNorm(h) * weight + ln_bias."""
-    seed, offset = _philox_pair(RNG)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     c_ok = c < n_cols
     idx = row.to(tl.int64) * n_cols + c
     z = tl.load(X + idx, mask=c_ok, other=0.0).to(tl.float32) + tl.load(B + c, mask=c_ok, other=0.0).to(tl.float32)
     if DROPOUT:
-        keep = tl.reshape(_keep(seed, offset, row, 0, 0, p_drop, 1, BLOCK_C), [BLOCK_C])
+        keep = tl.reshape(_keep(RNG, row, 0, 0, p_drop, 1, BLOCK_C), [BLOCK_C])
         if STORE_KEEP:
             tl.store(KEEP + idx, keep.to(tl.int8), mask=c_ok)
         z = tl.where(keep, z / (1.0 - p_drop), 0.0)
@@ -773,7 +770,6 @@ def _bdaln_bwd(
 ):
     """Gradients of the fused op for rows_per_prog rows; per-program partial sums (fp32) of the
     gradients of weight, ln_bias and bias."""
-    seed, offset = _philox_pair(RNG)
     pid = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     c_ok = c < n_cols
@@ -799,7 +795,7 @@ def _bdaln_bwd(
             dh = (wdy - (xhat * c1 + c2)) * rstd
             tl.store(DRES + idx, _cast(dh, DRES.dtype.element_ty, INTERP), mask=c_ok)
             if DROPOUT:
-                keep = tl.reshape(_keep(seed, offset, row, 0, 0, p_drop, 1, BLOCK_C), [BLOCK_C])
+                keep = tl.reshape(_keep(RNG, row, 0, 0, p_drop, 1, BLOCK_C), [BLOCK_C])
                 dh = tl.where(keep, dh / (1.0 - p_drop), 0.0)
             db += dh
             tl.store(DX + idx, _cast(dh, DX.dtype.element_ty, INTERP), mask=c_ok)
