@@ -414,6 +414,8 @@ def varlen_attention_with_dropout_mask(
 
 def triton_backend(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float, training: bool) -> Tensor:
     """The ``triton`` backend: one varlen launch per call (the registry checks the layout)."""
+    if layout.host_seqlens is not None:  # max_seqlen checked against the collator's lengths, not a read
+        note_host_seqlens(layout.cu_seqlens, layout.host_seqlens)
     return varlen_attention(
         q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p if training else 0.0, window=layout.window
     )

@@ -278,11 +278,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
     assert "SIGTERM" in out and len(os.listdir(tmp_path / "checkpoints")) == 1
 
 
-def _tiny_triton_dropout(tmp_path):
+def tiny_triton_dropout(tmp_path, seq_len=32):
     """Overrides for the cheapest run of the Triton attention kernel in the interpreter: one
-    layer of hidden 32, sequences of at most 32 tokens, 2 a step; attention dropout only, so
-    the kernel's Philox state draws every mask."""
-    train, eval_file = write_dataset(str(tmp_path / "data"), num_files=1, per_file=16, eval_samples=4, seq_len=32)
+    layer of hidden 32, sequences of at most ``seq_len`` tokens, 2 a step; attention dropout
+    only, so the kernel's Philox state draws every mask."""
+    train, eval_file = write_dataset(str(tmp_path / "data"), num_files=1, per_file=16, eval_samples=4, seq_len=seq_len)
     shape = dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     (tmp_path / "bert_config.json").write_text(json.dumps(dict(shape, max_position_embeddings=64)))
     return [
@@ -292,7 +292,7 @@ def _tiny_triton_dropout(tmp_path):
         f"model.config_file={tmp_path / 'bert_config.json'}",
         "model.attention=triton",
         "model.attention_probs_dropout_prob=0.1",
-        "data.max_seq_length=32",
+        f"data.max_seq_length={seq_len}",
         "train.global_batch_size=2",
         "train.max_steps=2",
         "eval.interval_samples=1000",
@@ -324,7 +324,7 @@ def test_triton_dropout_is_reproducible_from_the_seed_and_resumes_bitwise(tmp_pa
     a function of the state (and another seed's masks): tests/kernels/test_dropout_rng.py."""
     from bert.train_state import step_seed
 
-    extra = _tiny_triton_dropout(tmp_path)
+    extra = tiny_triton_dropout(tmp_path)
     _, whole = _run_recording_philox([*extra, "train.seed=5"], tmp_path / "a")
     # One draw per attention forward (1 layer, 1 micro-batch a step), from the step's seed.
     assert whole == [[step_seed(5, step, 0, stream=1), 1] for step in (0, 1)]
