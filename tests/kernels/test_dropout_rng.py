@@ -94,6 +94,28 @@ def test_fused_op_calls_in_a_row_differ_restoring_the_state_repeats_them_and_bac
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_a_step_seed_reproduces_its_masks_and_another_seed_or_step_differs():
+    """The trainer's per-step seeding (bert.train_state.seed_step): the masks depend on (run
+    seed, step, rank) alone, not on what the state drew before."""
+    from bert.train_state import seed_step
+
+    g = torch.Generator().manual_seed(6)
+    x, res, vec = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g), torch.randn(64, generator=g)
+    state = philox_state("cpu")
+
+    def mask(seed, step, rank=0, draws_before=0):
+        seed_step(seed, step, rank, state)
+        with philox_from(state):
+            for _ in range(draws_before):
+                draw_philox(P)
+            return bias_dropout_add_layer_norm_with_mask(x, vec, res, vec, vec, P, 1e-12)[1]
+
+    first = mask(5, 3)
+    assert torch.equal(mask(5, 3), first)
+    for other in (mask(6, 3), mask(5, 4), mask(5, 3, rank=1), mask(5, 3, draws_before=1)):
+        assert not torch.equal(other, first)
+
+
 def test_the_host_never_reads_the_state():
     """Every input is a device tensor (CPU ones, counted as a GPU's would be), the lengths
     are a host fact: the forward and backward of both ops read nothing back. The attention
