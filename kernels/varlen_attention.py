@@ -16,9 +16,11 @@ Layers, from the bottom:
 5. The backends (``triton_backend``, ``grouped_backend``) with the ``kernels.interface`` call.
 
 Dropout uses Philox keyed by (seed, offset) and the element's coordinates (see
-``triton_jit``); seed and offset are drawn from torch's default CPU generator
-(``kernels.runtime.draw_philox``), so ``torch.manual_seed`` makes a run reproducible, and
-the backward regenerates the mask instead of storing it.
+``triton_jit``); seed and offset are a [2] int64 pair on the tensors' device, which the
+kernels load (``kernels.runtime.draw_philox``: from the device state of ``philox_from``,
+as the trainer draws, else from torch's default generator, so ``torch.manual_seed`` makes a
+call reproducible). The forward saves its pair, and the backward regenerates the mask from
+it instead of storing the mask.
 
 Shape legend: T tokens, B sequences, H heads, D head dim, S = max_seqlen, n bounds per column.
 """
