@@ -41,7 +41,7 @@ def test_cuda_graphs_refuse_the_sharded_optimizer(monkeypatch):
     load_config(None, graphed)  # unsharded: accepted
 
 
-def _tiny(attention):
+def _tiny(attention, dropout=0.0, fused_ops=False):
     torch.manual_seed(0)
     cfg = BertConfig(
         vocab_size=64,
@@ -50,10 +50,10 @@ def _tiny(attention):
         num_attention_heads=2,
         intermediate_size=128,
         max_position_embeddings=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
     )
-    return BertForPreTraining(cfg, attention=attention).cuda()
+    return BertForPreTraining(cfg, attention=attention, fused_ops=fused_ops).cuda()
 
 
 @gpu
@@ -98,18 +98,7 @@ def test_a_graph_replay_draws_fresh_dropout_masks():
     from bert.cuda_graphs import EncoderGraphs
     from kernels.runtime import philox_from, philox_state, seed_philox_
 
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=64,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
-    )
-    model = BertForPreTraining(cfg, attention="triton", fused_ops=True).cuda().train()
+    model = _tiny("triton", dropout=0.1, fused_ops=True).train()
     shapes = StaticShapes(token_bucket=128, masked_bucket=16, max_seqlen=128)
     model.encoder_graphs = EncoderGraphs(model.layers, shapes.max_seqlen)
     block = random_block(6, seed=0, max_seq_length=96, max_predictions=10, vocab_size=64)
