@@ -70,8 +70,9 @@ def test_a_steady_state_step_reads_nothing(dataset, tmp_path, clip, static, simr
 )
 def test_a_step_of_the_triton_kernels_with_dropout_reads_nothing(tmp_path, attention, fused):
     """The kernels' dropout (seed, offset) is a device pair they load themselves: no
-    ``.tolist()`` of it (the code before read it 4 times a step here), and the grouped plan
-    comes from the host's lengths. One layer, sequences of at most 16 tokens; step 2 counted."""
+    ``.tolist()`` of it, and both backends take the lengths from the host (the code before
+    read 2 times a step here with triton_grouped, the backward's seed, and 4 with triton, also
+    its max_seqlen check's cu_seqlens). One layer, sequences of at most 16 tokens; step 2."""
     extra = [*tiny_triton_dropout(tmp_path, seq_len=16), f"model.attention={attention}"]
     extra += [*STEADY[1:3], "train.grad_accum_steps=2", "checkpoint.at_end=false"]
     if fused:
