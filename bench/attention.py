@@ -197,10 +197,11 @@ def _kernel_ms(new, old, qkv, dout, cu, n, length, args) -> dict:
     grads = [torch.empty_like(q) for _ in range(3)]
     scale = q.shape[-1] ** -0.5
     seqs = new.Sequences(cu, None, 0, n, length)
+    rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # the device (seed, offset) pair; no dropout
 
     def run_new():
-        new.attn_fwd(q, k, v, out, lse, seqs, scale, 0.0, 0, 0)
-        new.attn_bwd(dout, q, k, v, lse, lse, *grads, seqs, scale, 0.0, 0, 0)
+        new.attn_fwd(q, k, v, out, lse, seqs, scale, 0.0, rng)
+        new.attn_bwd(dout, q, k, v, lse, lse, *grads, seqs, scale, 0.0, rng)
 
     def run_old():
         old.attn_fwd(q, k, v, out, lse, cu, None, 0, n, length, scale, 0.0, 0, 0)

@@ -405,8 +405,7 @@ def build_static_shapes(cfg: RunConfig, micro_batch: int, model: BertForPreTrain
     if t.cuda_graphs:
         from bert.cuda_graphs import EncoderGraphs, graph_safe_dropout
 
-        dropout = (config.hidden_dropout_prob, config.attention_probs_dropout_prob)
-        why = graph_safe_dropout(cfg.model.attention, cfg.model.fused_ops, *dropout)
+        why = graph_safe_dropout(cfg.model.attention, config.attention_probs_dropout_prob)
         if why:
             raise ConfigError(f"train.cuda_graphs: {why}")
         model.encoder_graphs = EncoderGraphs(model.layers, shapes.max_seqlen, model.rotary)

@@ -25,9 +25,9 @@ What a graph needs from the rest of the step, checked when the run is configured
   varlen kernel, or ``padded``); ``triton_grouped`` plans its groups from the lengths on the
   host, a plan a replay would freeze, so it is refused;
 - dropout draws fresh masks on every replay: torch's CUDA generator registers its Philox
-  seed and offset with the graph (``padded`` attention, unfused ops); the Triton kernels
-  still take their seeds as host integers, which a graph would freeze, so with dropout on
-  they are refused until they read the seed from the device (``docs/step.md``);
+  seed and offset with the graph (``padded`` attention, unfused ops), and the Triton
+  kernels and fused ops read theirs through a pointer from the trainer's device state
+  (``kernels.runtime.philox_from``), which an op in the graph advances (``docs/step.md``);
 - autocast without its weight cache (``cache_enabled=False``), as graphs require.
 
 Shape legend: N tokens (T' here), C hidden size.
@@ -115,16 +115,16 @@ class EncoderGraphs:
         return graph, static_x, static_cu, static_pos, static_out
 
 
-def graph_safe_dropout(attention: str, fused_ops: bool, hidden_dropout: float, attention_dropout: float) -> str | None:
-    """None when dropout draws fresh masks under replay; else why not (for a one-line error)."""
-    if attention_dropout > 0 and attention not in ("padded",):
+DEVICE_DRAWN_ATTENTION_DROPOUT = ("padded", "triton")
+
+
+def graph_safe_dropout(attention: str, attention_dropout: float) -> str | None:
+    """None when dropout draws fresh masks under replay; else why not (for a one-line error).
+
+    Hidden dropout always does: unfused it is torch's, fused the kernels' device state."""
+    if attention_dropout > 0 and attention not in DEVICE_DRAWN_ATTENTION_DROPOUT:
         return (
-            f"model.attention={attention!r} takes its dropout seed as a host integer, which a graph "
-            f"would replay unchanged; use model.attention=padded or attention_probs_dropout_prob=0"
-        )
-    if hidden_dropout > 0 and fused_ops:
-        return (
-            "model.fused_ops takes its dropout seed as a host integer, which a graph would replay "
-            "unchanged; use model.fused_ops=false or hidden_dropout_prob=0"
+            f"model.attention={attention!r}'s dropout is not known to draw on the device under a replay; "
+            f"use one of {list(DEVICE_DRAWN_ATTENTION_DROPOUT)} or attention_probs_dropout_prob=0"
         )
     return None

@@ -7,7 +7,8 @@ field names are the keys, so checkpoints of earlier code resume), and restored f
 
 ``to_checkpoint`` assembles a checkpoint from the run's parts and ``restore`` loads one back
 into them (``resume``: or the next older one that fits); ``find_checkpoint`` finds the
-newest checkpoint every rank agrees on and ``resolve_seed`` the run's seed. ``check_fits``
+newest checkpoint every rank agrees on, ``resolve_seed`` the run's seed and ``seed_step``
+each step's dropout seeds from it. ``check_fits``
 (in ``restore``) refuses, before anything is loaded, a checkpoint whose tensors do not fit
 this run's model and optimizer: ``load_state_dict`` would copy other dtypes silently, and a
 moment of the wrong shape would only fail at the next step.
@@ -20,6 +21,7 @@ import os
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -27,6 +29,7 @@ from bert import distributed_checkpoint, train_checkpoint
 from bert.checkpoint import CheckpointError
 from bert.collectives import Collectives
 from bert.sharded_optim import ShardedLamb, reshard
+from kernels.runtime import seed_philox_
 
 # The entries a training checkpoint must hold (``to_checkpoint``).
 REQUIRED_PARTS = ("model", "optimizer", "schedule", "loader", "counters")
@@ -318,3 +321,19 @@ def resolve_seed(train_seed: int | None, found: dict | None, coll: Collectives, 
         return train_seed
     drawn = secrets.randbits(31) if coll.rank == 0 else 0
     return int(coll.all_reduce(torch.tensor([drawn], dtype=torch.int64, device=device), "the seed broadcast", 0))
+
+
+def step_seed(seed: int, step: int, rank: int, stream: int = 0) -> int:
+    """A 63-bit seed for (run seed, step, rank); stream 1: the Triton kernels' Philox state,
+    stream 0 (the original derivation, unchanged): torch's generators."""
+    words = [seed, step, rank] + ([stream] if stream else [])
+    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def seed_step(seed: int, step: int, rank: int, philox: torch.Tensor) -> None:
+    """Dropout's seeds for one step, from (run seed, step, rank) alone: torch's generators and
+    the kernels' device Philox state ``philox`` (set from the host, no read of the device).
+    So a resumed run draws exactly the masks an uninterrupted one would, with no RNG state
+    saved."""
+    torch.manual_seed(step_seed(seed, step, rank))
+    seed_philox_(philox, step_seed(seed, step, rank, stream=1))

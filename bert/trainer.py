@@ -19,7 +19,8 @@ counts come from the data (``bert.host_counts``), the skip is decided on the dev
 metrics are read once per ``train.log_interval_steps`` (``bert.step_metrics``). Every
 collective runs inside ``Collectives.guard``: a peer that dies or hangs turns into a
 ``CollectiveError`` naming the collective, the step and the ranks that did not answer, within
-``dist.timeout_s``, never a hang. Dropout is re-seeded every step from (seed, step, rank), so
+``dist.timeout_s``, never a hang. Dropout is re-seeded every step from (seed, step, rank)
+(``bert.train_state.seed_step``: torch's generators and the kernels' device Philox state), so
 a resumed run draws exactly the masks an uninterrupted one would without saving RNG states.
 
 Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
@@ -47,11 +48,12 @@ from bert.metrics import Progress
 from bert.sharded_optim import apply_sharding, reshard
 from bert.step_metrics import DeviceCounters
 from bert.train_config import RunConfig, eval_interval
-from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, write_checkpoint
+from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, seed_step, write_checkpoint
 from data.batch import PackedBatch
 from data.packing import unpack
 from data.samples import SampleBlock
 from data.static_shapes import real_part
+from kernels.runtime import philox_from, philox_state
 
 # Set to 1 by launch/run_and_time.sh when it dropped the page cache before this run (the
 # log's cache_clear says what really happened).
@@ -68,10 +70,6 @@ class StepResult:
     samples: int  # global
     tokens: int  # global
     corrupt: int = 0  # global: corrupt samples replaced in this step's batch (data.on_corrupt=skip)
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 class Trainer:
@@ -115,6 +113,8 @@ class Trainer:
             components.map_large_allocations()
         self.model_config = components.build_model_config(cfg)
         torch.manual_seed(self.state.seed)  # same initial weights on every rank
+        # The kernels' dropout state (kernels.runtime): seeded each step, advanced on the device.
+        self.philox = philox_state(self.device)
         self.model = components.build_model(cfg.model, self.model_config, t, self.device)
         if cfg.checkpoint.init:
             load_pretrained(self.model, cfg.checkpoint.init)
@@ -176,7 +176,7 @@ class Trainer:
 
     def train_step(self, block: SampleBlock) -> StepResult:
         """Forward and backward over this rank's micro-batches of one global batch."""
-        torch.manual_seed(step_seed(self.state.seed, self.state.step, self.rank))
+        seed_step(self.state.seed, self.state.step, self.rank, self.philox)  # torch's and the kernels' dropout
         # The global counts the losses are normalised by, and any rank's stop request, agreed
         # on the host from the data (bert.host_counts): nothing is read from the device.
         step = self.state.step
@@ -184,7 +184,7 @@ class Trainer:
         self.stop_agreed = c.stop
         # DDP all-reduces (FSDP2 reduce-scatters) the gradients inside the last micro-batch's backward.
         what = "the gradient " + ("reduce-scatter (FSDP2 backward)" if self.sharding else "all-reduce (DDP backward)")
-        with self.coll.guard(what, step + 1):
+        with self.coll.guard(what, step + 1), philox_from(self.philox):
             loss_parts = self.forward_backward(block, c.masked, c.sequences, c.anchors)
         return StepResult(loss_parts, c.sequences, c.tokens, c.corrupt)
 
@@ -320,7 +320,7 @@ class Trainer:
         self.forward.train()
         for block in blocks:  # padded as training pads (train.cuda_graphs captures their shapes)
             batch, _ = components.micro_batch(self._collate(block), block, self.static, set(), self.device)
-            with self._autocast():
+            with self._autocast(), philox_from(self.philox):  # a graph captured here reads the device state
                 out = self.forward(batch)
                 masked, seqs = int(block.masked_counts.sum()), len(block)
                 loss, _ = pretraining_loss(

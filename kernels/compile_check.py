@@ -167,7 +167,8 @@ def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
     def meta(*shape, dtype):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    t, h, b, s, seed, offset = 4096, 16, 8, 512, 2**40 + 3, 12345
+    t, h, b, s = 4096, 16, 8, 512
+    rng = meta(2, dtype=torch.int64)  # the device (seed, offset) pair the kernels load
     q, k, v = meta(t, 3, h, dim, dtype=dtype).unbind(1)  # the model's packed projection
     out, dout = meta(t, h, dim, dtype=dtype), meta(t, h, dim, dtype=dtype)
     lse = meta(t, h, dtype=torch.float32)
@@ -180,9 +181,9 @@ def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
         bounds = meta(b, 1, s, n, dtype=torch.int32)
         bmm = meta(b, 1, s // block_n, n, 2, dtype=torch.int32)
         seqs = seqs._replace(bounds=bounds, block_minmax=bmm, causal=mask.endswith("causal"))
-    module.attn_fwd(q, k, v, out, lse, seqs, dim**-0.5, p, seed, offset)
+    module.attn_fwd(q, k, v, out, lse, seqs, dim**-0.5, p, rng)
     grads = [meta(t, h, dim, dtype=dtype) for _ in range(3)]
-    module.attn_bwd(dout, q, k, v, lse, lse, *grads, seqs, dim**-0.5, p, seed, offset)
+    module.attn_bwd(dout, q, k, v, lse, lse, *grads, seqs, dim**-0.5, p, rng)
     return records
 
 
@@ -198,16 +199,16 @@ def _compile_fused(registers: bool) -> list[dict]:
     def meta(*shape, dtype):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    seed = 2**40 + 3
+    rng = meta(2, dtype=torch.int64)  # the device (seed, offset) pair the kernels load
     r, n, i = 4096, 1024, 4096
     x_i, b_i = meta(r, i, dtype=torch.bfloat16), meta(i, dtype=torch.float32)
     module.bias_gelu_fwd(x_i, b_i, meta(r, i, dtype=torch.bfloat16))
     module.bias_gelu_bwd(meta(r, i, dtype=torch.bfloat16), x_i, b_i, meta(r, i, dtype=torch.bfloat16))
     x, res, vec = meta(r, n, dtype=torch.bfloat16), meta(r, n, dtype=torch.float32), meta(n, dtype=torch.float32)
     y, hid, stats = meta(r, n, dtype=torch.float32), meta(r, n, dtype=torch.float32), meta(r, dtype=torch.float32)
-    module.bdaln_fwd(x, vec, res, vec, vec, y, hid, stats, stats, 1e-12, 0.1, seed, 7)
+    module.bdaln_fwd(x, vec, res, vec, vec, y, hid, stats, stats, 1e-12, 0.1, rng)
     module.bdaln_bwd(
-        y, hid, vec, stats, stats, meta(r, n, dtype=torch.bfloat16), meta(r, n, dtype=torch.float32), 0.1, seed, 7
+        y, hid, vec, stats, stats, meta(r, n, dtype=torch.bfloat16), meta(r, n, dtype=torch.float32), 0.1, rng
     )
     return records
 

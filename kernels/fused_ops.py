@@ -76,7 +76,7 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         h_RN = torch.empty(r, n, dtype=out_dtype, device=x.device)  # residual + dropout(x + bias)
         mean = torch.empty(r, dtype=torch.float32, device=x.device)
         rstd = torch.empty(r, dtype=torch.float32, device=x.device)
-        seed, offset = draw_philox(dropout_p).tolist()
+        rng = draw_philox(dropout_p, x.device)  # [2] int64 (seed, offset), read by the kernels only
         kern.bdaln_fwd(
             x_RN,
             bias.contiguous(),
@@ -89,11 +89,10 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
             rstd,
             eps,
             dropout_p,
-            seed,
-            offset,
+            rng,
             keep_out,
         )
-        ctx.save_for_backward(h_RN, weight, mean, rstd)
+        ctx.save_for_backward(h_RN, weight, mean, rstd, rng)  # the backward replays the forward's mask
         ctx.meta = (
             x.shape,
             x.dtype,
@@ -102,20 +101,18 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
             bias.dtype,
             ln_bias.dtype,
             dropout_p,
-            seed,
-            offset,
         )
         return y_RN.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        h_RN, weight, mean, rstd = ctx.saved_tensors
-        x_shape, x_dtype, res_shape, res_dtype, bias_dtype, lb_dtype, dropout_p, seed, offset = ctx.meta
+        h_RN, weight, mean, rstd, rng = ctx.saved_tensors
+        x_shape, x_dtype, res_shape, res_dtype, bias_dtype, lb_dtype, dropout_p = ctx.meta
         kern = jit_kernels(h_RN.device, "fused bias_dropout_add_layer_norm")
         dx_RN = torch.empty(h_RN.shape, dtype=x_dtype, device=h_RN.device)
         dres_RN = torch.empty(h_RN.shape, dtype=res_dtype, device=h_RN.device)
         dw_part, dlb_part, db_part = kern.bdaln_bwd(
-            _rows(dy, h_RN.shape[1]), h_RN, weight.contiguous(), mean, rstd, dx_RN, dres_RN, dropout_p, seed, offset
+            _rows(dy, h_RN.shape[1]), h_RN, weight.contiguous(), mean, rstd, dx_RN, dres_RN, dropout_p, rng
         )
         return (
             dx_RN.view(x_shape),

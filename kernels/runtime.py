@@ -18,6 +18,7 @@ import importlib.util
 import inspect
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -38,14 +39,62 @@ def seeded_op_tags() -> dict:
     return {}
 
 
-def draw_philox(dropout_p: float) -> torch.Tensor:
-    """[2] int64 on CPU: (seed, offset) for the kernels' Philox dropout, drawn from torch's
-    default generator (zeros, with nothing drawn, without dropout). Every kernel's one source."""
+_DEVICE_STATES: list[torch.Tensor] = []  # the innermost ``philox_from`` state last
+
+
+def philox_state(device: torch.device | str) -> torch.Tensor:
+    """A fresh device-resident Philox state: [2] int64 (seed, offset) on ``device``, zeros."""
+    return torch.zeros(2, dtype=torch.int64, device=device)
+
+
+def seed_philox_(state: torch.Tensor, seed: int) -> torch.Tensor:
+    """Set ``state`` to (seed, 0) in place from the host: two fills, no read of the device,
+    and the state keeps its address, so a captured graph that reads it sees the new seed."""
+    state[0].fill_(int(seed) & (2**63 - 1))
+    state[1].zero_()
+    return state
+
+
+@contextmanager
+def philox_from(state: torch.Tensor):
+    """Inside, every kernel draw takes its (seed, offset) from the device tensor ``state``
+    and advances its offset on the device (graph-capturable); outside, from torch's
+    default generator as before."""
+    _DEVICE_STATES.append(state)
+    try:
+        yield state
+    finally:
+        _DEVICE_STATES.pop()
+
+
+def draw_philox(dropout_p: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[2] int64 on ``device``: the (seed, offset) one kernel launch's Philox dropout uses,
+    read by the kernels through a pointer. Every kernel's one source.
+
+    Inside ``philox_from(state)``: a device copy of ``state``, after which the state's offset
+    advances by 1 on the device. The offset is the last Philox counter word and the other
+    three are the element's coordinates, so one launch uses one offset value: the next
+    draw's masks are independent. Outside: drawn from torch's default generator (so
+    ``torch.manual_seed`` reproduces it) and copied to the device, which a CUDA graph would
+    freeze, so that is refused while a graph is being captured. Zeros, with nothing drawn
+    or advanced, without dropout."""
     if dropout_p <= 0.0:
-        return torch.zeros(2, dtype=torch.int64)
+        return torch.zeros(2, dtype=torch.int64, device=device)
+    if _DEVICE_STATES:
+        state = _DEVICE_STATES[-1]
+        if state.device != torch.device(device):
+            raise ValueError(f"dropout RNG: the Philox state is on {state.device}, the tensors on {device}")
+        pair = state.clone()
+        state[1].add_(1)
+        return pair
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "dropout RNG: a CUDA graph is being captured but the kernels' Philox state is torch's host "
+            "generator, which the graph would freeze; capture inside kernels.runtime.philox_from(state)"
+        )
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
     offset = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
-    return torch.cat([seed, offset])
+    return torch.cat([seed, offset]).to(device)
 
 
 def triton_available() -> str | None:

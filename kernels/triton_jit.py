@@ -78,12 +78,21 @@ LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2, log2)
 
 
 @triton.jit
-def _keep(seed, offset, row0, col0, head, p_drop, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _keep(RNG, row0, col0, head, p_drop, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Dropout keep mask [BLOCK_R, BLOCK_C] for query tokens row0 + i and keys col0 + j.
 
     One Philox call gives four numbers, used for four adjacent keys: key 4q + c of token t
     and head h takes output c of philox(seed; t, q, h, offset). col0 must be a multiple of 4.
+
+    (seed, offset) is the launch's [2] int64 device pair RNG (``kernels.runtime.draw_philox``),
+    loaded here, where the mask is made, rather than once per program: held in registers
+    across a kernel's tile loop the pair cost the dK/dV loop its last free registers (a spill
+    at fp32, D=32). ``volatile`` keeps Triton's loop-invariant code motion from hoisting the
+    loads back out of the loop; its pipeliner then streams them through shared memory with
+    the loop's tiles.
     """
+    seed = tl.load(RNG, volatile=True)
+    offset = tl.load(RNG + 1, volatile=True).to(tl.int32)  # the last 32-bit counter word
     rows = row0 + tl.arange(0, BLOCK_R)[:, None]
     quads = col0 // 4 + tl.arange(0, BLOCK_C // 4)[None, :]
     zero = rows * 0 + quads * 0
@@ -385,7 +394,7 @@ def _store_counts(CNT, counts, head):
 @triton.jit
 def _fwd_tile(
     q, K, V, KEEP, m_i, l_i, acc, ok, r0, n0, start, start_k, seqlen, seqlen_k, head, offs_d, d_ok,
-    stride_kt, stride_kh, stride_vt, stride_vh, keep_base, keep_max, qk_scale, p_drop, seed, offset,
+    stride_kt, stride_kh, stride_vt, stride_vh, keep_base, keep_max, qk_scale, p_drop, RNG,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr, INTERP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -406,7 +415,7 @@ def _fwd_tile(
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
-        keep = _keep(seed, offset, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
+        keep = _keep(RNG, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
         if STORE_KEEP:  # debug: report the mask, [B, H, S, S] with S = keep_max
             offs_m, row_ok, _ = _block(r0, start, seqlen, BLOCK_M)
             ptr = KEEP + keep_base + offs_m[:, None] * keep_max + cols[None, :]
@@ -422,7 +431,7 @@ def _fwd_tile(
 @triton.jit
 def _dq_tile(
     q, do, lse, delta, K, V, dq, ok, row_ok, r0, n0, start, start_k, seqlen_k, head, offs_d, d_ok,
-    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, p_drop, seed, offset,
+    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, p_drop, RNG,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -437,7 +446,7 @@ def _dq_tile(
     p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if DROPOUT:  # unscaled: 1/(1-p) is applied to dQ after the loop
-        keep = _keep(seed, offset, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
+        keep = _keep(RNG, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
         dp = tl.where(keep, dp, 0.0)
     ds = p * (dp - delta[:, None])
     ds_lo = _cast(ds, K.dtype.element_ty, INTERP)
@@ -449,7 +458,7 @@ def _dq_tile(
 @triton.jit
 def _dkdv_tile(
     k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, head, offs_d, d_ok,
-    stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, seed, offset,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, RNG,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -466,7 +475,7 @@ def _dkdv_tile(
     p_t = tl.where(ok_t, p_t, 0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
     if DROPOUT:  # unscaled: 1/(1-p) is applied to dK, dV after the loop
-        keep_t = tl.trans(_keep(seed, offset, start + m0, c0, head, p_drop, BLOCK_M, BLOCK_N))
+        keep_t = tl.trans(_keep(RNG, start + m0, c0, head, p_drop, BLOCK_M, BLOCK_N))
         pd_t = tl.where(keep_t, p_t, 0.0)
         dp_t = tl.where(keep_t, dp_t, 0.0)
         delta = delta * (1.0 - p_drop)
@@ -511,12 +520,12 @@ def _tile(
 # fmt: off
 
 
-@triton.jit(do_not_specialize=["order_start", "window_half", "seed", "offset"])
+@triton.jit(do_not_specialize=["order_start", "window_half"])
 def _attn_fwd(
     Q, K, V, O, LSE, KEEP, CU, CU_K, ORDER, BND, BMM, CNT, order_start,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     stride_bb, stride_bh, stride_bj, stride_mmb, stride_mmh, stride_mmn,
-    head_dim, keep_max, window_half, qk_scale, p_drop, seed, offset,
+    head_dim, keep_max, window_half, qk_scale, p_drop, RNG,
     HAS_ORDER: tl.constexpr, SEPARATE_K: tl.constexpr, N_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
     WINDOW: tl.constexpr, DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr, COUNT: tl.constexpr,
     INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -541,7 +550,7 @@ def _attn_fwd(
         if compute:
             m_i, l_i, acc = _fwd_tile(
                 q, K, V, KEEP, m_i, l_i, acc, ok, r0, n0, start, start_k, seqlen, seqlen_k, head, offs_d, d_ok,
-                stride_kt, stride_kh, stride_vt, stride_vh, keep_base, keep_max, qk_scale, p_drop, seed, offset,
+                stride_kt, stride_kh, stride_vt, stride_vh, keep_base, keep_max, qk_scale, p_drop, RNG,
                 (N_BOUNDS > 0) or WINDOW, DROPOUT, STORE_KEEP, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
     if (N_BOUNDS > 0) or WINDOW:  # rows that saw no key (bounds; past the end with a window): zeros
         seen = l_i > 0.0
@@ -559,13 +568,13 @@ def _attn_fwd(
         _store_counts(CNT, counts, head)
 
 
-@triton.jit(do_not_specialize=["order_start", "window_half", "seed", "offset"])
+@triton.jit(do_not_specialize=["order_start", "window_half"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU, CU_K, ORDER, BND, BMM, CNT, order_start,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt,
     stride_bb, stride_bh, stride_bj, stride_mmb, stride_mmh, stride_mmn,
-    head_dim, window_half, qk_scale, sm_scale, p_drop, seed, offset,
+    head_dim, window_half, qk_scale, sm_scale, p_drop, RNG,
     HAS_ORDER: tl.constexpr, SEPARATE_K: tl.constexpr, N_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
     WINDOW: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -588,7 +597,7 @@ def _attn_bwd_dkdv(
         if compute:
             dk, dv = _dkdv_tile(
                 k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, head, offs_d, d_ok,
-                stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, seed, offset,
+                stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, RNG,
                 (N_BOUNDS > 0) or WINDOW, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
     dv = _dropout_scaled(dv, 1.0, p_drop, DROPOUT)
     dk = _dropout_scaled(dk, sm_scale, p_drop, DROPOUT)
@@ -600,12 +609,12 @@ def _attn_bwd_dkdv(
         _store_counts(CNT, counts, head)
 
 
-@triton.jit(do_not_specialize=["order_start", "window_half", "seed", "offset"])
+@triton.jit(do_not_specialize=["order_start", "window_half"])
 def _attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ, CU, CU_K, ORDER, BND, BMM, CNT, order_start,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lt, stride_bb, stride_bh, stride_bj, stride_mmb, stride_mmh, stride_mmn,
-    head_dim, window_half, qk_scale, sm_scale, p_drop, seed, offset,
+    head_dim, window_half, qk_scale, sm_scale, p_drop, RNG,
     HAS_ORDER: tl.constexpr, SEPARATE_K: tl.constexpr, N_BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, SKIP: tl.constexpr,
     WINDOW: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -634,7 +643,7 @@ def _attn_bwd_dq(
         if compute:
             dq = _dq_tile(
                 q, do, lse, delta, K, V, dq, ok, row_ok, r0, n0, start, start_k, seqlen_k, head, offs_d, d_ok,
-                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, p_drop, seed, offset,
+                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, p_drop, RNG,
                 (N_BOUNDS > 0) or WINDOW, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
     dq = _dropout_scaled(dq, sm_scale, p_drop, DROPOUT)
     if seqlen_k == 1:
@@ -691,7 +700,7 @@ def _bias_gelu_bwd(DY, X, B, DX, n_rows, n_cols, INTERP: tl.constexpr, BLOCK_R: 
     tl.store(DX + idx, _cast(dy * dgelu, DX.dtype.element_ty, INTERP), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed", "offset"])
+@triton.jit
 def _bdaln_fwd(
     X,
     B,
@@ -707,8 +716,7 @@ def _bdaln_fwd(
     n_cols,
     eps,
     p_drop,
-    seed,
-    offset,
+    RNG,
     DROPOUT: tl.constexpr,
     STORE_KEEP: tl.constexpr,
     INTERP: tl.constexpr,
@@ -721,7 +729,7 @@ def _bdaln_fwd(
     idx = row.to(tl.int64) * n_cols + c
     z = tl.load(X + idx, mask=c_ok, other=0.0).to(tl.float32) + tl.load(B + c, mask=c_ok, other=0.0).to(tl.float32)
     if DROPOUT:
-        keep = tl.reshape(_keep(seed, offset, row, 0, 0, p_drop, 1, BLOCK_C), [BLOCK_C])
+        keep = tl.reshape(_keep(RNG, row, 0, 0, p_drop, 1, BLOCK_C), [BLOCK_C])
         if STORE_KEEP:
             tl.store(KEEP + idx, keep.to(tl.int8), mask=c_ok)
         z = tl.where(keep, z / (1.0 - p_drop), 0.0)
@@ -739,7 +747,7 @@ def _bdaln_fwd(
     tl.store(RSTD + row, rstd)
 
 
-@triton.jit(do_not_specialize=["seed", "offset"])
+@triton.jit
 def _bdaln_bwd(
     DY,
     H,
@@ -755,8 +763,7 @@ def _bdaln_bwd(
     n_cols,
     rows_per_prog,
     p_drop,
-    seed,
-    offset,
+    RNG,
     DROPOUT: tl.constexpr,
     INTERP: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -788,7 +795,7 @@ def _bdaln_bwd(
             dh = (wdy - (xhat * c1 + c2)) * rstd
             tl.store(DRES + idx, _cast(dh, DRES.dtype.element_ty, INTERP), mask=c_ok)
             if DROPOUT:
-                keep = tl.reshape(_keep(seed, offset, row, 0, 0, p_drop, 1, BLOCK_C), [BLOCK_C])
+                keep = tl.reshape(_keep(RNG, row, 0, 0, p_drop, 1, BLOCK_C), [BLOCK_C])
                 dh = tl.where(keep, dh / (1.0 - p_drop), 0.0)
             db += dh
             tl.store(DX + idx, _cast(dh, DX.dtype.element_ty, INTERP), mask=c_ok)
@@ -926,10 +933,11 @@ def _launch_pass(kernel, block, programs, seqs, q, lse, tensors, strided, mask_s
     )
 
 
-def attn_fwd(q, k, v, out, lse, seqs, softmax_scale, p_drop, seed, offset, keep=None, counts=None, blocks=None):
+def attn_fwd(q, k, v, out, lse, seqs, softmax_scale, p_drop, rng, keep=None, counts=None, blocks=None):
     """One forward launch over ``seqs`` (a ``Sequences``).
 
-    q, out: [T, H, D]; k, v: [Tk, H, D]; lse: [T, H] fp32 (written); keep: optional
+    q, out: [T, H, D]; k, v: [Tk, H, D]; lse: [T, H] fp32 (written); rng: [2] int64 on q's
+    device, the dropout (seed, offset), read by the kernel (never by the host); keep: optional
     [B, H, S, S] int8 debug output of the dropout mask (S = keep.shape[-1]); counts: optional
     int32 [B*H*cdiv(S, BLOCK_M), 4] debug tile counts (bounds or a window); blocks: tiles
     {kernel: (BLOCK_M, BLOCK_N, warps, stages)} instead of the table's.
@@ -937,7 +945,7 @@ def attn_fwd(q, k, v, out, lse, seqs, softmax_scale, p_drop, seed, offset, keep=
     blocks, pointers, mask_strides, window_half, switches = _prepare(q, seqs, p_drop, blocks)
     tensors = (q, k, v, out, lse, out if keep is None else keep, *pointers, lse if counts is None else counts)
     keep_max = 0 if keep is None else keep.shape[-1]
-    scalars = (q.shape[2], keep_max, window_half, softmax_scale * LOG2E, p_drop, seed, offset)
+    scalars = (q.shape[2], keep_max, window_half, softmax_scale * LOG2E, p_drop, rng)
     programs = _cdiv(seqs.max_len, blocks["fwd"][0])
     flags = dict(STORE_KEEP=keep is not None, COUNT=counts is not None)
     _launch_pass(
@@ -956,9 +964,7 @@ def attn_fwd(q, k, v, out, lse, seqs, softmax_scale, p_drop, seed, offset, keep=
     )
 
 
-def attn_bwd(
-    dout, q, k, v, lse, delta, dq, dk, dv, seqs, softmax_scale, p_drop, seed, offset, counts=None, blocks=None
-):
+def attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, seqs, softmax_scale, p_drop, rng, counts=None, blocks=None):
     """The backward launches (dK/dV, then dQ) over the same sequences as attn_fwd.
 
     dout: [T, H, D]; lse, delta: [T, H] fp32; dq, dk, dv: like q, k, v (written); counts:
@@ -966,7 +972,7 @@ def attn_bwd(
     """
     blocks, pointers, mask_strides, window_half, switches = _prepare(q, seqs, p_drop, blocks)
     counts = counts or {}
-    scalars = (q.shape[2], window_half, softmax_scale * LOG2E, softmax_scale, p_drop, seed, offset)
+    scalars = (q.shape[2], window_half, softmax_scale * LOG2E, softmax_scale, p_drop, rng)
     common = (mask_strides, scalars, switches)
     keys = _cdiv(seqs.max_len if seqs.max_len_k is None else seqs.max_len_k, blocks["dkdv"][1])
     tensors = (q, k, v, dout, lse, delta, dk, dv, *pointers, counts.get("dkdv", lse))
@@ -1001,7 +1007,7 @@ def _row_opts(block_c):
     return _launch_opts(max(1, min(16, block_c // 256)), 1)
 
 
-def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop, seed, offset, keep=None):
+def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop, rng, keep=None):
     """Bias + dropout + residual + LayerNorm over rows of x [R, N] (all contiguous).
 
     Writes y and h = residual + dropout(x + bias) [R, N], mean and rstd [R] fp32, and with
@@ -1026,8 +1032,7 @@ def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop,
         n,
         eps,
         p_drop,
-        seed,
-        offset,
+        rng,
         DROPOUT=p_drop > 0,
         STORE_KEEP=keep is not None,
         INTERP=INTERPRET,
@@ -1036,7 +1041,7 @@ def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop,
     )
 
 
-def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, seed, offset):
+def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, rng):
     """Backward of bdaln_fwd: writes dx, dres [R, N]; returns the partial sums of dweight,
     dln_bias and dbias, [programs, N] fp32 each (the caller sums over programs)."""
     r, n = dy.shape
@@ -1063,8 +1068,7 @@ def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, seed, offset):
         n,
         rows_per_prog,
         p_drop,
-        seed,
-        offset,
+        rng,
         DROPOUT=p_drop > 0,
         INTERP=INTERPRET,
         BLOCK_C=block_c,

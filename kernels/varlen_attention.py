@@ -16,9 +16,11 @@ Layers, from the bottom:
 5. The backends (``triton_backend``, ``grouped_backend``) with the ``kernels.interface`` call.
 
 Dropout uses Philox keyed by (seed, offset) and the element's coordinates (see
-``triton_jit``); seed and offset are drawn from torch's default CPU generator
-(``kernels.runtime.draw_philox``), so ``torch.manual_seed`` makes a run reproducible, and
-the backward regenerates the mask instead of storing it.
+``triton_jit``); seed and offset are a [2] int64 pair on the tensors' device, which the
+kernels load (``kernels.runtime.draw_philox``: from the device state of ``philox_from``,
+as the trainer draws, else from torch's default generator, so ``torch.manual_seed`` makes a
+call reproducible). The forward saves its pair, and the backward regenerates the mask from
+it instead of storing the mask.
 
 Shape legend: T tokens, B sequences, H heads, D head dim, S = max_seqlen, n bounds per column.
 """
@@ -111,14 +113,13 @@ def _launcher(kern, q, call: Call, blocks: dict | None, single: bool, run):
 
 def _fwd_impl(q, k, v, call: Call, rng, keep=None, counts=None, blocks=None):
     kern = jit_kernels(q.device, "triton attention")
-    seed, offset = (int(x) for x in rng.tolist())
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)  # [T, H], base-2
     if call.cu_seqlens.device.type == "cpu":  # lengths on the host: check max_seqlen without a sync
         check_max_seqlen(host_seqlens(call.cu_seqlens), call.max_seqlen)
 
     def run(seqs):
-        kern.attn_fwd(q, k, v, out, lse, seqs, call.softmax_scale, call.dropout_p, seed, offset, keep, counts, blocks)
+        kern.attn_fwd(q, k, v, out, lse, seqs, call.softmax_scale, call.dropout_p, rng, keep, counts, blocks)
 
     _launcher(kern, q, call, blocks, keep is not None or counts is not None, run)
     return out, lse
@@ -126,13 +127,12 @@ def _fwd_impl(q, k, v, call: Call, rng, keep=None, counts=None, blocks=None):
 
 def _bwd_impl(dout, q, k, v, out, lse, rng, call: Call, counts=None, blocks=None):
     kern = jit_kernels(q.device, "triton attention")
-    seed, offset = (int(x) for x in rng.tolist())
     # delta_i = sum_j P~_ij dP~_ij = rowsum(dO * O) also with dropout (O holds the dropped P~).
     delta = (dout.float() * out.float()).sum(-1)  # [T, H]
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
     def run(seqs):
-        args = (seqs, call.softmax_scale, call.dropout_p, seed, offset, counts, blocks)
+        args = (seqs, call.softmax_scale, call.dropout_p, rng, counts, blocks)
         kern.attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *args)
 
     _launcher(kern, q, call, blocks, counts is not None, run)
@@ -158,7 +158,7 @@ def _fwd_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     call = Call(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, bounds, causal, window)
     call = call._replace(softmax_scale=softmax_scale, dropout_p=dropout_p, buckets=buckets, num_streams=num_streams)
-    rng = draw_philox(dropout_p)
+    rng = draw_philox(dropout_p, q.device)
     out, lse = _fwd_impl(q, k, v, call, rng)
     return out, lse, rng
 
@@ -168,7 +168,7 @@ def _(q, k, v, *call):
     return (
         q.new_empty(q.shape),
         q.new_empty(q.shape[:2], dtype=torch.float32),
-        torch.empty(2, dtype=torch.int64, device="cpu"),
+        torch.empty(2, dtype=torch.int64, device=q.device),
     )
 
 
@@ -252,7 +252,7 @@ def tile_counts(
     counts = {
         name: torch.zeros(n_seqs * heads * n, 4, dtype=torch.int32, device=q.device) for name, n in programs.items()
     }
-    rng = torch.zeros(2, dtype=torch.int64)
+    rng = torch.zeros(2, dtype=torch.int64, device=q.device)
     call = call._replace(dropout_p=0.0, buckets=[])
     out, lse = _fwd_impl(q, k, v, call, rng, counts=counts["fwd"], blocks=blocks)
     if not backward:
@@ -403,7 +403,7 @@ def varlen_attention_with_dropout_mask(
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     b, h, s = cu_seqlens.numel() - 1, q.shape[1], int(max_seqlen)
     keep = torch.zeros(b, h, s, s, dtype=torch.int8, device=q.device)
-    rng = draw_philox(dropout_p)
+    rng = draw_philox(dropout_p, q.device)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     call = Call(cu_seqlens, s, window=window, softmax_scale=scale, dropout_p=float(dropout_p))
     out, _ = _fwd_impl(q, k, v, call, rng, keep=keep)
@@ -416,6 +416,8 @@ def varlen_attention_with_dropout_mask(
 
 def triton_backend(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float, training: bool) -> Tensor:
     """The ``triton`` backend: one varlen launch per call (the registry checks the layout)."""
+    if layout.host_seqlens is not None:  # max_seqlen checked against the collator's lengths, not a read
+        note_host_seqlens(layout.cu_seqlens, layout.host_seqlens)
     return varlen_attention(
         q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p if training else 0.0, window=layout.window
     )

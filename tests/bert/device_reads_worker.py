@@ -30,6 +30,7 @@ def device_tensors(trainer) -> list[torch.Tensor]:
         found += [v for v in state.values() if isinstance(v, torch.Tensor)]
     for group in trainer.optimizer.param_groups:
         found += [v for v in group.values() if isinstance(v, torch.Tensor)]
+    found += [trainer.philox] if hasattr(trainer, "philox") else []  # the kernels' dropout state
     for part in (trainer.schedule, trainer.adagc, getattr(trainer, "counters", None)):
         found += [v for v in vars(part).values() if isinstance(v, torch.Tensor)] if part is not None else []
     return found

@@ -26,10 +26,10 @@ def test_cuda_graphs_is_a_one_line_config_error_where_it_cannot_run():
         load_config(None, ["train.cuda_graphs=true", "train.device=cpu"])
     with pytest.raises(ConfigError, match="train.static_shapes: pads unpadded batches"):
         load_config(None, ["train.static_shapes=true", "data.layout=padded"])
-    assert graph_safe_dropout("triton", False, 0.1, 0.1) is not None  # host seeds would be frozen
-    assert graph_safe_dropout("padded", True, 0.1, 0.1) is not None
-    assert graph_safe_dropout("padded", False, 0.1, 0.1) is None
-    assert graph_safe_dropout("triton", True, 0.0, 0.0) is None
+    assert graph_safe_dropout("triton", 0.1) is None  # the kernels' Philox state is on the device
+    assert graph_safe_dropout("padded", 0.1) is None  # torch's CUDA generator, registered with the graph
+    assert graph_safe_dropout("flash_attn", 0.1) is not None
+    assert graph_safe_dropout("flash_attn", 0.0) is None
 
 
 def test_cuda_graphs_refuse_the_sharded_optimizer(monkeypatch):
@@ -41,7 +41,7 @@ def test_cuda_graphs_refuse_the_sharded_optimizer(monkeypatch):
     load_config(None, graphed)  # unsharded: accepted
 
 
-def _tiny(attention):
+def _tiny(attention, dropout=0.0, fused_ops=False):
     torch.manual_seed(0)
     cfg = BertConfig(
         vocab_size=64,
@@ -50,10 +50,10 @@ def _tiny(attention):
         num_attention_heads=2,
         intermediate_size=128,
         max_position_embeddings=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
     )
-    return BertForPreTraining(cfg, attention=attention).cuda()
+    return BertForPreTraining(cfg, attention=attention, fused_ops=fused_ops).cuda()
 
 
 @gpu
@@ -86,3 +86,31 @@ def test_graph_replay_equals_eager_fp32(attention):
         eager.eval(), graphed.eval()
         torch.testing.assert_close(graphed(batch).mlm_logits, eager(batch).mlm_logits, rtol=1e-6, atol=1e-6)
     assert len(graphed.encoder_graphs.shapes) >= 2
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_graph_replay_draws_fresh_dropout_masks():
+    """The Triton attention kernel and the fused ops with dropout, graphed (the trainer's
+    setup: the draws inside ``philox_from``): two replays of the same batch drop different
+    entries, because the device Philox state advances inside the graph; reseeding the state
+    from the host repeats the first replay's masks."""
+    from bert.cuda_graphs import EncoderGraphs
+    from kernels.runtime import philox_from, philox_state, seed_philox_
+
+    model = _tiny("triton", dropout=0.1, fused_ops=True).train()
+    shapes = StaticShapes(token_bucket=128, masked_bucket=16, max_seqlen=128)
+    model.encoder_graphs = EncoderGraphs(model.layers, shapes.max_seqlen)
+    block = random_block(6, seed=0, max_seq_length=96, max_predictions=10, vocab_size=64)
+    batch = shapes.pad(collate_unpadded(block)).to("cuda")
+    state = philox_state("cuda")
+    with philox_from(state):
+        seed_philox_(state, 1234)
+        model(batch)  # captures the shape's graphs
+        seed_philox_(state, 1234)
+        first, second = (model(batch).mlm_logits.detach().clone() for _ in range(2))
+        seed_philox_(state, 1234)
+        again = model(batch).mlm_logits.detach().clone()
+    assert len(model.encoder_graphs.shapes) == 1  # the later calls replayed the graph
+    assert not torch.equal(first, second)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)

@@ -20,7 +20,7 @@ from bert.train_config import load_config
 from bert.trainer import Trainer
 from launch.distributed import init_distributed
 from tests.bert.device_reads_worker import instrument
-from tests.bert.test_trainer import ROOT, overrides
+from tests.bert.test_trainer import ROOT, overrides, tiny_triton_dropout
 from tests.helpers import free_port, run_launched
 
 # Steady state: steps 3..6 log nothing (only step 1 does) and evaluate nothing.
@@ -62,6 +62,27 @@ def test_a_steady_state_step_reads_nothing(dataset, tmp_path, clip, static, simr
     assert all(counts[0] == 0 for counts in seen.values()), seen
     if static:
         assert 1 <= summary["distinct_shapes"] <= 4  # two micro-batches a step, few buckets
+
+
+@pytest.mark.parametrize(
+    "attention, fused",
+    [("triton_grouped", False), ("triton", True)],
+)
+def test_a_step_of_the_triton_kernels_with_dropout_reads_nothing(tmp_path, attention, fused):
+    """The kernels' dropout (seed, offset) is a device pair they load themselves: no
+    ``.tolist()`` of it, and both backends take the lengths from the host (the code before
+    read 2 times a step here with triton_grouped, the backward's seed, and 4 with triton, also
+    its max_seqlen check's cu_seqlens). One layer, sequences of at most 16 tokens; step 2."""
+    extra = [*tiny_triton_dropout(tmp_path, seq_len=16), f"model.attention={attention}"]
+    extra += [*STEADY[1:3], "train.grad_accum_steps=2", "checkpoint.at_end=false"]
+    if fused:
+        extra += ["model.fused_ops=true", "model.hidden_dropout_prob=0.1"]
+    trainer = Trainer(load_config(None, extra), str(tmp_path), init_distributed(backend="gloo"))
+    seen = instrument(trainer, 2)
+    assert trainer.train()["steps"] == 2 and sorted(seen) == [2]
+    assert seen[2][0] == 0, seen
+    # Step 2's draws: per micro-batch (2) the attention, and both fused ops of the layer.
+    assert trainer.philox.tolist()[1] == 2 * (3 if fused else 1)
 
 
 @pytest.mark.slow  # two ranks under torchrun

@@ -276,3 +276,64 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "SIGTERM" in out and len(os.listdir(tmp_path / "checkpoints")) == 1
+
+
+def tiny_triton_dropout(tmp_path, seq_len=32):
+    """Overrides for the cheapest run of the Triton attention kernel in the interpreter: one
+    layer of hidden 32, sequences of at most ``seq_len`` tokens, 2 a step; attention dropout
+    only, so the kernel's Philox state draws every mask."""
+    train, eval_file = write_dataset(str(tmp_path / "data"), num_files=1, per_file=16, eval_samples=4, seq_len=seq_len)
+    shape = dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    (tmp_path / "bert_config.json").write_text(json.dumps(dict(shape, max_position_embeddings=64)))
+    return [
+        *TINY,
+        f"data.train_dir={train}",
+        f"data.eval_file={eval_file}",
+        f"model.config_file={tmp_path / 'bert_config.json'}",
+        "model.attention=triton",
+        "model.attention_probs_dropout_prob=0.1",
+        f"data.max_seq_length={seq_len}",
+        "train.global_batch_size=2",
+        "train.max_steps=2",
+        "eval.interval_samples=1000",
+        "eval.batch_size=4",
+    ]
+
+
+def _run_recording_philox(extra, out_dir, stop_after=None):
+    """A run in this process; returns (summary, the kernels' Philox state after each step)."""
+    trainer = Trainer(load_config(None, extra), str(out_dir), init_distributed(backend="gloo"))
+    states, step = [], trainer.train_step
+
+    def train_step(block):
+        if trainer.state.step == stop_after:
+            trainer.stop_requested = True  # what the SIGTERM handler does
+        result = step(block)
+        states.append(trainer.philox.tolist())  # a test's read, after the step
+        return result
+
+    trainer.train_step = train_step
+    return trainer.train(), states
+
+
+def test_triton_dropout_is_reproducible_from_the_seed_and_resumes_bitwise(tmp_path):
+    """The Triton kernel's masks come from the device Philox state the trainer seeds at every
+    step from (train.seed, step, rank) alone and the launches advance: another seed gives
+    another state, and a fresh run of the same seed, interrupted after step 1 and resumed,
+    the first run's states and losses, bitwise (nothing of the state is saved). The masks as
+    a function of the state (and another seed's masks): tests/kernels/test_dropout_rng.py."""
+    from bert.train_state import step_seed
+
+    extra = tiny_triton_dropout(tmp_path)
+    _, whole = _run_recording_philox([*extra, "train.seed=5"], tmp_path / "a")
+    # One draw per attention forward (1 layer, 1 micro-batch a step), from the step's seed.
+    assert whole == [[step_seed(5, step, 0, stream=1), 1] for step in (0, 1)]
+    _, other = _run_recording_philox([*extra, "train.seed=6", "train.max_steps=1"], tmp_path / "other")
+    assert other == [[step_seed(6, 0, 0, stream=1), 1]] and other[0][0] != whole[0][0]
+    # A fresh run of the same seed: step 1 again, then resumed from its checkpoint, step 2.
+    first, before = _run_recording_philox([*extra, "train.seed=5"], tmp_path / "parts", stop_after=0)
+    assert first["status"] == "interrupted" and first["steps"] == 1
+    _, after = _run_recording_philox([*extra, "train.seed=5"], tmp_path / "parts")
+    assert before + after == whole
+    assert len(losses(tmp_path / "a")) == 2
+    assert losses(tmp_path / "parts") == losses(tmp_path / "a")  # bitwise: the same floats
