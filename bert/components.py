@@ -340,17 +340,26 @@ def build_eval_loader(cfg: RunConfig, rank: int, world: int, vocab_size: int):
     )
 
 
-def check_data(data: DataSection, division: str, train_loader, eval_loader) -> None:
-    """The opened data against the config: the closed division's eval size, and the first
-    training shard's lengths and masked positions against data.* (ConfigError naming both)."""
+def check_data(cfg: RunConfig, model_config: BertConfig, train_loader, eval_loader) -> None:
+    """The opened data against the config: the closed division's eval size, a next-sentence
+    head against masked-LM-only shards, and the first training shard's lengths and masked
+    positions against data.* (ConfigError naming both)."""
     from data.hdf5io import inspect
 
-    if division == "closed" and eval_loader.total_samples != CLOSED_EVAL_SAMPLES:
+    data = cfg.data
+    if cfg.log.division == "closed" and eval_loader.total_samples != CLOSED_EVAL_SAMPLES:
         raise ConfigError(
             f"data.eval_file: the closed division evaluates on exactly {CLOSED_EVAL_SAMPLES:,} "
             f"samples; {data.eval_file} holds {eval_loader.total_samples:,}"
         )
     info = inspect(train_loader.files[0])
+    if model_config.next_sentence and not train_loader.next_sentence:
+        # Its labels would read as 0: the NSP head would learn that every pair is consecutive.
+        raise ConfigError(
+            f"data.train_dir: {info.path} is masked-LM only (no next_sentence_labels), but the model has a "
+            "next-sentence head; train a model without one (model.preset=modernbert_*) or prepare "
+            "the data with --objective nsp"
+        )
     if info.max_seq_length is not None and info.max_seq_length > data.max_seq_length:
         raise ConfigError(
             f"data.max_seq_length: {data.max_seq_length}, but {info.path} holds "

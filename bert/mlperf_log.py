@@ -224,6 +224,9 @@ class MLPerfLogger:
         start_warmup_step: int,
         train_steps: int,
         poly_power: float,
+        schedule: str = "poly",
+        decay_steps: int = 0,
+        decay_shape: str = "1-sqrt",
     ) -> None:
         """Logs the run's hyper-parameters under their MLPerf keys: ``opt_name`` and the
         optimizer's own keys (``opt_lamb_*`` or ``opt_adamw_*``) name the optimizer that runs.
@@ -247,6 +250,10 @@ class MLPerfLogger:
             train_steps: steps of the LR schedule (``opt_learning_rate_training_steps``).
             poly_power: exponent of the polynomial decay (an MLPerf key for LAMB only;
                 ``opt_learning_rate_decay_poly_power`` otherwise).
+            schedule: ``poly`` (MLPerf's) or ``wsd`` (``optim.schedule``). A wsd run logs no
+                poly power, which would describe a decay it does not have, but
+                ``opt_learning_rate_decay_schedule`` (``wsd`` and ``decay_shape``) and
+                ``opt_learning_rate_decay_steps`` (``decay_steps``, the final decay's length).
         """
         self._expect("hyperparameters", (_INIT,), once=True)
         if optimizer not in _OPTIMIZER_KEYS:
@@ -273,8 +280,14 @@ class MLPerfLogger:
             (C.OPT_LR_WARMUP_STEPS, _int(C.OPT_LR_WARMUP_STEPS, warmup_steps)),
             (C.NUM_WARMUP_STEPS, _int(C.NUM_WARMUP_STEPS, warmup_steps)),
             (C.START_WARMUP_STEP, _int(C.START_WARMUP_STEP, start_warmup_step)),
-            (power_key, _float(power_key, poly_power)),
         ]
+        if schedule == "poly":
+            values.append((power_key, _float(power_key, poly_power)))
+        elif schedule == "wsd":
+            values.append((C.OPT_LR_DECAY_SCHEDULE, f"wsd {decay_shape}"))
+            values.append((C.OPT_LR_DECAY_STEPS, _int(C.OPT_LR_DECAY_STEPS, decay_steps)))
+        else:
+            raise ValueError(f"schedule: {schedule!r} is not one of ['poly', 'wsd']")
         for key, value in values:
             self._emit("event", key, value)
 

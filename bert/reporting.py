@@ -52,6 +52,9 @@ def log_hyperparameters(mllog: MLPerfLogger, cfg: RunConfig, seed: int, micro_ba
         start_warmup_step=o.start_warmup_step,
         train_steps=o.total_steps or t.max_steps,
         poly_power=o.poly_power,
+        schedule=o.schedule,
+        decay_steps=o.decay_steps,
+        decay_shape=o.decay_shape,
     )
     mllog.precision(linear=fp8.mlperf_precision(t.fp8, t.precision), attention=fp8.mlperf_precision("off", t.precision))
 

@@ -577,9 +577,18 @@ def check_closed_division(cfg: RunConfig) -> None:
         raise ConfigError(
             f"model.vocab_size: {why} keeps BERT-large's {PRESETS['large'].vocab_size}, got {m.vocab_size}"
         )
+    if o.schedule != "poly":
+        raise ConfigError(f"optim.schedule: {why} decays polynomially as the reference does, got {o.schedule!r}")
     if m.config_file:
         shape = read_model_config_file(m.config_file)
         large = PRESETS["large"]
+        # A ModernBERT-class file can have BERT-large's sizes; its parts (norms, positions, ...) tell.
+        part = next((f for f in fields(shape) if f.metadata.get("part") and getattr(shape, f.name) != f.default), None)
+        if part is not None:
+            raise ConfigError(
+                f"model.config_file: {why} trains BERT-large, but {m.config_file} sets {part.name} "
+                f"{getattr(shape, part.name)!r} (BERT-large: {part.default!r})"
+            )
         for name in (
             "vocab_size",
             "hidden_size",

@@ -351,7 +351,7 @@ class Trainer:
             self.train_loader.load_state_dict(self._loader_state)
         if self.eval_loader is None:  # eval.at_start opened it already
             self.eval_loader = components.build_eval_loader(self.cfg, self.rank, self.world, vocab)
-        components.check_data(self.cfg.data, self.cfg.log.division, self.train_loader, self.eval_loader)
+        components.check_data(self.cfg, self.model_config, self.train_loader, self.eval_loader)
 
     def _train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
