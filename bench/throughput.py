@@ -59,7 +59,8 @@ from kernels.registry import backend_names, get_backend
 REPO = Path(__file__).resolve().parents[1]
 
 GOAL_VS_LIMIT = 0.9  # unpadded / padded >= 0.9 x padding limit
-GOAL_VS_HF = 8.0  # unpadded >= 8 x transformers
+GOAL_VS_HF = 8.0  # unpadded >= 8 x transformers (BertForPreTraining)
+GOAL_VS_HF_MODERN = 3.0  # issue 27: unpadded with windows >= 3 x ModernBertForMaskedLM, lengths up to 2,048
 
 
 class BenchError(RuntimeError):
@@ -336,7 +337,7 @@ def profile(v: Variant, device, precision: str, rows: int = 15) -> str:
 # ---- report -----------------------------------------------------------------------------
 
 
-def results(variants: list[Variant], blocks, seq_len: int) -> dict:
+def results(variants: list[Variant], blocks, seq_len: int, goal_vs_hf: float = GOAL_VS_HF) -> dict:
     seqs = sum(len(b) for b in blocks)
     real = sum(b.num_tokens for b in blocks)
     limit = seqs * seq_len / real
@@ -373,8 +374,17 @@ def results(variants: list[Variant], blocks, seq_len: int) -> dict:
         goals["unpadded_vs_transformers"] = {
             "variant": best["variant"],
             "measured": best["vs_transformers"],
-            "goal": GOAL_VS_HF,
-            "met": best["vs_transformers"] >= GOAL_VS_HF,
+            "goal": goal_vs_hf,
+            "met": best["vs_transformers"] >= goal_vs_hf,
+            # Round r of every variant runs within one interleaved round: the ratio per round
+            # shows the spread that the machine's load leaves in the median.
+            "round_ratios": [
+                h / t
+                for h, t in zip(
+                    next(v.times for v in variants if v.name == "transformers"),
+                    next(v.times for v in variants if v.name == best["variant"]),
+                )
+            ],
         }
     return {
         "sequences": seqs,
@@ -405,16 +415,18 @@ def table(res: dict) -> str:
         what = (
             "vs this project's padded, goal >= 0.9 x padding limit"
             if key == "unpadded_vs_padded"
-            else "vs transformers, goal >= 8x"
+            else f"vs transformers, goal >= {g['goal']:g}x"
         )
+        per_round = f" (rounds: {', '.join(f'{x:.2f}x' for x in g['round_ratios'])})" if "round_ratios" in g else ""
         lines.append(
-            f"goal {g['variant']} {what}: measured {g['measured']:.2f}x, goal {g['goal']:.2f}x -> "
+            f"goal {g['variant']} {what}: measured {g['measured']:.2f}x{per_round}, goal {g['goal']:.2f}x -> "
             f"{'met' if g['met'] else 'MISSED'}"
         )
     return "\n".join(lines)
 
 
 def plot(res: dict, path: Path, title: str) -> None:
+    goal_vs_hf = res["goals"].get("unpadded_vs_transformers", {}).get("goal", GOAL_VS_HF)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -424,7 +436,7 @@ def plot(res: dict, path: Path, title: str) -> None:
     names = [r["variant"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax1.bar(names, [r["vs_transformers"] or 0 for r in rows], color="tab:blue")
-    ax1.axhline(GOAL_VS_HF, color="tab:red", linestyle="--", label=f"goal {GOAL_VS_HF:g}x")
+    ax1.axhline(goal_vs_hf, color="tab:red", linestyle="--", label=f"goal {goal_vs_hf:g}x")
     ax1.set_ylabel("training sequences/s vs transformers")
     ax2.bar(names, [r["vs_padded"] or 0 for r in rows], color="tab:green")
     ax2.axhline(res["padding_limit"], color="black", linestyle="--", label=f"padding limit {res['padding_limit']:.2f}")
@@ -575,7 +587,7 @@ def _main(args) -> int:
     measure(variants, args.rounds, args.warmup_rounds, device, args.precision, log)
     load_end = os.getloadavg()
 
-    res = results(variants, blocks, seq_len)
+    res = results(variants, blocks, seq_len, GOAL_VS_HF if config.is_bert else GOAL_VS_HF_MODERN)
     res["data_padding_limit"] = data_limit
     res["setup"] = {
         "command": " ".join(["python", "bench/throughput.py", *sys.argv[1:]]),
