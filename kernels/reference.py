@@ -113,7 +113,8 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: f
     for start, end in zip(bounds[:-1], bounds[1:]):
         q_hld, k_hld, v_hld = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, L, D]
         if band(end - start, layout.window) is None:
-            o_hld = F.scaled_dot_product_attention(q_hld, k_hld, v_hld, dropout_p=p)
+            # [1, H, L, D]: the CPU's fused (flash) kernel takes 4-D inputs only; 3-D runs the math path.
+            o_hld = F.scaled_dot_product_attention(q_hld[None], k_hld[None], v_hld[None], dropout_p=p)[0]
         else:
             o_hld = banded_sdpa(q_hld, k_hld, v_hld, layout.window // 2, p)
         out[start:end] = o_hld.transpose(0, 1)
@@ -137,5 +138,6 @@ def banded_sdpa(q_hld: Tensor, k_hld: Tensor, v_hld: Tensor, reach: int, dropout
     )
     # A padding query (position >= L) keeps its real keys in reach, so that no row is empty.
     allowed = ((query - key).abs() <= reach) & (key >= 0) & (key < length)  # [C, r, 3r]
-    out = F.scaled_dot_product_attention(q_hcrd, k_hcwd, v_hcwd, attn_mask=allowed, dropout_p=dropout_p)
+    # 4-D inputs and mask: what the CPU's fused (flash) kernel takes; a 3-D call falls to the math path.
+    out = F.scaled_dot_product_attention(q_hcrd, k_hcwd, v_hcwd, attn_mask=allowed[None], dropout_p=dropout_p)
     return out.reshape(h, blocks * r, d)[:, :length]
