@@ -7,9 +7,10 @@ The interpreter tests check the kernels' arithmetic, not that Triton can compile
 ``triton.compile(..., target=sm_90)``, Triton's whole pipeline down to ptxas and a cubin,
 for every supported combination of dtype (fp32 both with and without TF32), head dim
 (32, 64, 128), dropout (off, on) and tile preset, each plain (no mask: the varlen kernels),
-with a window, and with FlashMask bounds (1, 2 or 4, causal or not). Prints one line per
-kernel: mask, tiles, warps, stages, shared memory, and with ``--registers`` (running the ptxas
-that Triton ships once more per kernel) the registers, spill bytes and resident blocks and
+with a window, and with FlashMask bounds (1, 2 or 4, causal or not), and the rotary kernel
+(fp32, bf16, fp16; forward and inverse). Prints one line per kernel: mask, tiles, warps,
+stages, shared memory, and with ``--registers`` (running the ptxas that Triton ships once more
+per kernel) the registers, spill bytes and resident blocks and
 warps per SM, then the registers of each kernel plain, windowed and bounded side by side.
 Exits 1 if a kernel does not compile, needs more shared memory than a Hopper block can have,
 or spills registers. ``--jobs N`` compiles on N processes. Runs in a process of its own:
@@ -213,6 +214,33 @@ def _compile_fused(registers: bool) -> list[dict]:
     return records
 
 
+ROTARY_HEAD_DIMS = (64, 128)  # ModernBERT's 64 (base and large), and 128
+
+
+def _compile_rotary(registers: bool, head_dims: tuple[int, ...]) -> list[dict]:
+    """The rotary kernel (``kernels.rotary_jit``) in every dtype q and k reach it in (fp32;
+    bf16 and fp16 under autocast), forward and inverse (its backward), on the strided q view of
+    the fused QKV projection and int64 positions, as the model calls it."""
+    import torch
+
+    from kernels.rotary import load_jit
+
+    module = load_jit(interpret=False)
+    records: list[dict] = []
+    t, h = 4096, 16
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for dim in head_dims:
+            for inverse in (False, True):
+                labels = {"dtype": str(dtype).removeprefix("torch."), "head_dim": dim, "dropout": 0.0}
+                module._launch = compiling_launcher(records, dict(labels, inverse=inverse), registers)
+                x = torch.empty(t, 3, h, dim, dtype=dtype, device="meta")[:, 0]
+                out = torch.empty(t, h, dim, dtype=dtype, device="meta")
+                pos = torch.empty(t, dtype=torch.int64, device="meta")
+                cos = torch.empty(8192, dim // 2, dtype=torch.float32, device="meta")
+                module.rotary_fwd(x, out, pos, cos, cos, inverse)
+    return records
+
+
 def side_by_side(records: list[dict]) -> list[str]:
     """Lines of registers (spill bytes) of each attention kernel under each mask, by (dtype,
     head dim, dropout, precision), for the default preset; '-' where not compiled."""
@@ -235,13 +263,16 @@ def side_by_side(records: list[dict]) -> list[str]:
 
 def _job(item: tuple, registers: bool) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "0"  # a spawned worker: before it imports Triton
+    if item[0] == "rotary":
+        return _compile_rotary(registers, item[1])
     return _compile_fused(registers) if item == ("fused",) else _compile_attention(item, registers)
 
 
 def run_all(registers: bool = False, jobs: int = 1, head_dims: tuple[int, ...] | None = None) -> list[dict]:
     """Compile all variants (those of ``head_dims`` only, if given; then no fused ops), on
     ``jobs`` processes; returns one record per kernel compiled, in a fixed order: the plain
-    attention kernels, the fused ops, the windowed and the bounded attention kernels."""
+    attention kernels, the fused ops, the windowed and the bounded attention kernels, the rotary
+    kernel (at the head dims of ROTARY_HEAD_DIMS among ``head_dims``)."""
     from kernels import runtime
 
     if runtime.triton_interpreted():
@@ -249,6 +280,7 @@ def run_all(registers: bool = False, jobs: int = 1, head_dims: tuple[int, ...] |
     items = [v for v in attention_variants() if head_dims is None or v[1] in head_dims]
     if head_dims is None:  # the fused ops right after the plain attention kernels
         items.insert(sum(v[-1] == "none" for v in items), ("fused",))
+    items.append(("rotary", tuple(d for d in ROTARY_HEAD_DIMS if head_dims is None or d in head_dims)))
     if jobs <= 1:
         results = [_job(item, registers) for item in items]
     else:

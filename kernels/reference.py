@@ -1,10 +1,13 @@
-"""The pure-PyTorch attention backends: ``reference`` and ``padded``.
+"""The pure-PyTorch attention backends: ``reference``, ``padded`` and ``sdpa``.
 
 ``reference`` is the definition every other backend is tested against: softmax attention
 computed sequence by sequence in the input dtype, with the layout's mask written out densely
 (a window as the band |i - j| <= window // 2; a packed batch's FlashMask bounds through
 ``kernels.masks``). ``padded`` is the baseline: pad -> ``scaled_dot_product_attention`` with
-a key mask (and the band, with a window) -> unpad. Both run everywhere and honour every
+a key mask (and the band, with a window) -> unpad. ``sdpa`` is the fast path of an unpadded
+batch where no Triton kernel runs (the CPU): ``scaled_dot_product_attention`` sequence by
+sequence, no padding, and with a window only the keys in reach, block by block (``banded_sdpa``),
+so a local layer costs L x 3/2 window, not L^2. All three run everywhere and honour every
 setting of ``kernels.interface.SETTINGS``.
 
 Shape legend: T tokens, B sequences, S padded length, L one sequence's length, H heads,
@@ -13,6 +16,7 @@ D head dim.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -97,3 +101,43 @@ def padded_mask(key_mask: Tensor, window: int | None) -> Tensor:
     keys = key_mask[:, None, None, :]
     allowed = band(key_mask.shape[1], window, key_mask.device)
     return keys if allowed is None else keys & (allowed | ~key_mask[:, None, :, None])
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
+    """Unpadded attention from ``scaled_dot_product_attention`` per sequence (VarlenLayout):
+    the whole sequence for a global layer (or a window that covers it), ``banded_sdpa`` for a
+    window."""
+    p = dropout_p if training else 0.0
+    out = torch.empty_like(q)
+    bounds = [0, *itertools.accumulate(layout.host_seqlens)] if layout.host_seqlens else layout.cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q_hld, k_hld, v_hld = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, L, D]
+        if band(end - start, layout.window) is None:
+            # [1, H, L, D]: the CPU's fused (flash) kernel takes 4-D inputs only; 3-D runs the math path.
+            o_hld = F.scaled_dot_product_attention(q_hld[None], k_hld[None], v_hld[None], dropout_p=p)[0]
+        else:
+            o_hld = banded_sdpa(q_hld, k_hld, v_hld, layout.window // 2, p)
+        out[start:end] = o_hld.transpose(0, 1)
+    return out
+
+
+def banded_sdpa(q_hld: Tensor, k_hld: Tensor, v_hld: Tensor, reach: int, dropout_p: float) -> Tensor:
+    """Attention within |i - j| <= reach of one sequence, ``[H, L, D]`` in and out, touching only
+    the keys in reach: the queries in C = L / reach blocks of ``reach`` rows, block c seeing
+    keys blocks c - 1, c, c + 1 (3 x reach keys, the band and the sequence's ends masked)."""
+    h, length, d = q_hld.shape
+    r = max(reach, 1)  # reach 0 (window 1): each token sees itself; blocks of one row
+    blocks = -(-length // r)
+    pad = blocks * r - length
+    q_hcrd = F.pad(q_hld, (0, 0, 0, pad)).view(h, blocks, r, d)
+    # Keys padded by one block each side, then 3-block windows with stride one block: [H, C, 3r, D].
+    k_hcwd, v_hcwd = (F.pad(x, (0, 0, r, pad + r)).unfold(1, 3 * r, r).transpose(-1, -2) for x in (k_hld, v_hld))
+    query = torch.arange(blocks * r, device=q_hld.device).view(blocks, r, 1)  # [C, r, 1] positions
+    key = (torch.arange(blocks, device=q_hld.device) * r - r).view(blocks, 1, 1) + torch.arange(
+        3 * r, device=q_hld.device
+    )
+    # A padding query (position >= L) keeps its real keys in reach, so that no row is empty.
+    allowed = ((query - key).abs() <= reach) & (key >= 0) & (key < length)  # [C, r, 3r]
+    # 4-D inputs and mask: what the CPU's fused (flash) kernel takes; a 3-D call falls to the math path.
+    out = F.scaled_dot_product_attention(q_hcrd, k_hcwd, v_hcwd, attn_mask=allowed[None], dropout_p=dropout_p)
+    return out.reshape(h, blocks * r, d)[:, :length]

@@ -65,6 +65,7 @@ BACKENDS: dict[str, Backend] = {
     for b in (
         Backend("reference", "kernels.reference:reference_attention", _ANY, _WINDOW),
         Backend("padded", "kernels.reference:padded_attention", (VarlenLayout, PaddedLayout), _WINDOW),
+        Backend("sdpa", "kernels.reference:sdpa_attention", (VarlenLayout,), _WINDOW),
         Backend("triton", "kernels.varlen_attention:triton_backend", (VarlenLayout,), _WINDOW, triton=True),
         Backend(
             "triton_grouped",

@@ -256,6 +256,35 @@ def test_throughput_against_modernbert(data_dir, tmp_path):
         assert rows[name]["seq_per_s"] > 0
 
 
+def test_throughput_on_wikitext2_article_lengths_with_windows(tmp_path):
+    """--lengths wikitext2: batches of the shipped article lengths cut at --context (no --data),
+    --layers keeps the first layers and their types; the sdpa backend's windowed loss is
+    transformers'."""
+    out = tmp_path / "tp.json"
+    args = tiny_throughput_args("unused", out)[2:]
+    args[args.index("tiny")] = "modernbert_tiny"
+    code = throughput.main(
+        [
+            *args,
+            "--lengths",
+            "wikitext2",
+            "--context",
+            "80",
+            "--layers",
+            "2",
+            "--variants",
+            "transformers",
+            "unpadded/sdpa",
+        ]
+    )
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert res["setup"]["model"]["layer_types"] == ["global", "local"]
+    assert res["setup"]["seq_len"] == 80 and 4 * 3 <= res["real_tokens"] <= 4 * 80
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert rows["unpadded/sdpa"]["check_loss"] == pytest.approx(rows["transformers"]["check_loss"], rel=1e-4)
+
+
 @pytest.mark.slow  # two benchmark processes
 def test_compare_revisions_runs_both_trees_and_reports_each_variants_ratio(data_dir, tmp_path, capsys):
     from bench import compare_revisions

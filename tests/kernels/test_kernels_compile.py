@@ -1,14 +1,13 @@
-"""The kernels compile for a Hopper GPU (sm_90) on a machine without one, without register
-spills.
+"""The kernels compile for a Hopper GPU (sm_90) on a machine without one, without register spills.
 
-``kernels.compile_check --registers`` runs Triton's whole compiler (down to ptxas and a
-cubin) on every supported attention combination (fp16/bf16/fp32 with and without TF32, head
-dims 32/64/128, dropout off/on, both tile presets), each plain, with a window and with
-FlashMask bounds (the kernel family's switches), and the fused ops, reads ptxas's register
-report, and fails on any spill; it needs Triton imported in compiled mode, so it runs in a
-subprocess (this test process imports Triton in interpreter mode for the other kernel
-tests), on two processes. (The FlashMask kernels' own compile test, from before they joined
-the family, is the bounded part here.)
+``kernels.compile_check --registers`` runs Triton's whole compiler (down to ptxas and a cubin)
+on every supported attention combination (fp16/bf16/fp32 with and without TF32, head dims
+32/64/128, dropout off/on, both tile presets), each plain, with a window and with FlashMask
+bounds (the kernel family's switches), the fused ops and the rotary kernel (fp32, bf16, fp16,
+forward and inverse), reads ptxas's register report, and fails on any spill; it needs Triton
+imported in compiled mode, so it runs in a subprocess (this test process imports Triton in
+interpreter mode for the other kernel tests), on two processes. (The FlashMask kernels' own
+compile test, from before they joined the family, is the bounded part here.)
 """
 
 import json
@@ -53,7 +52,16 @@ def test_every_kernel_compiles_for_hopper_without_spills(tmp_path):
         "_bdaln_bwd",
     ]
     masked = [r for r in records if r.get("mask", "none") != "none"]
-    assert len(records) == len(attention) + 4 + len(masked)
+    rotary = [r for r in records if r["kernel"] == "_rotary_kernel"]
+    assert records[-len(rotary) :] == rotary  # last, after the bounded attention kernels
+    assert {(r["dtype"], r["head_dim"], r["inverse"]) for r in rotary} == {
+        (dtype, dim, inverse)
+        for dtype in ("float32", "bfloat16", "float16")
+        for dim in (64, 128)
+        for inverse in (False, True)
+    }
+    assert len(records) == len(attention) + 4 + len(masked) + len(rotary)
+    assert len(rotary) == 12  # forward and inverse at 3 dtypes x 2 head dims
     windowed = {(r["dtype"], r["head_dim"], r["dropout"], r["precision"]) for r in masked if r["mask"] == "window"}
     assert windowed == {c[:4] for c in combos if c[4] == "default"}  # every plain default combination
     assert any(r["mask"] == "window" and r["grouped"] for r in masked)  # grouped dispatch with a window

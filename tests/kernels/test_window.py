@@ -1,5 +1,5 @@
 """The sliding window (|i - j| <= window // 2 inside each sequence) in the pure-PyTorch paths:
-the ``reference`` and ``padded`` backends, the packed layout's document-plus-window bounds, and
+the ``reference``, ``padded`` and ``sdpa`` backends, the packed layout's document-plus-window bounds, and
 the registry's refusal of a window where a backend has none.
 
 Every check is against a dense banded mask written here over the whole flat batch (no
@@ -16,7 +16,7 @@ import torch
 
 from kernels import masks, registry
 from kernels.interface import BackendUnavailable, PackedLayout, PaddedLayout, VarlenLayout, requested_settings
-from kernels.reference import padded_attention, reference_attention
+from kernels.reference import padded_attention, reference_attention, sdpa_attention
 
 LENGTHS = [1, 97, 33, 2, 5]
 
@@ -55,7 +55,7 @@ def windows():
 
 
 @pytest.mark.parametrize("window", windows())
-@pytest.mark.parametrize("backend", [reference_attention, padded_attention])
+@pytest.mark.parametrize("backend", [reference_attention, padded_attention, sdpa_attention])
 def test_varlen_window_against_the_dense_band(backend, window):
     q, k, v, cu = inputs(LENGTHS, seed=window)
     out = backend(q, k, v, VarlenLayout(cu, max(LENGTHS), window=window), 0.1, False)
@@ -74,7 +74,7 @@ def test_padded_layout_window_against_the_dense_band(window):
         torch.testing.assert_close(out[dest], want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("backend", [reference_attention, padded_attention])
+@pytest.mark.parametrize("backend", [reference_attention, padded_attention, sdpa_attention])
 def test_a_window_twice_the_longest_sequence_is_no_window_bitwise(backend):
     q, k, v, cu = inputs(LENGTHS, seed=5, dtype=torch.float32)
     plain = backend(q, k, v, VarlenLayout(cu, max(LENGTHS)), 0.0, False)
@@ -82,16 +82,17 @@ def test_a_window_twice_the_longest_sequence_is_no_window_bitwise(backend):
         assert torch.equal(backend(q, k, v, VarlenLayout(cu, max(LENGTHS), window=window), 0.0, False), plain)
 
 
-def test_window_gradients_agree_between_reference_and_padded():
+def test_window_gradients_agree_between_reference_padded_and_sdpa():
     grads = []
-    for backend in (reference_attention, padded_attention):
+    for backend in (reference_attention, padded_attention, sdpa_attention):
         q, k, v, cu = inputs(LENGTHS, seed=6)
         for x in (q, k, v):
             x.requires_grad_(True)
         backend(q, k, v, VarlenLayout(cu, max(LENGTHS), window=6), 0.0, False).square().sum().backward()
         grads.append([x.grad for x in (q, k, v)])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    for want, *others in zip(*grads):
+        for got in others:
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True, "128"])
@@ -166,7 +167,7 @@ def test_torch_varlen_refuses_a_window_in_one_line():
     reason = registry.refusal("torch_varlen", VarlenLayout, ["window"])
     assert reason == (
         "model.attention=torch_varlen: does not implement the attention setting 'window' (VarlenLayout); "
-        "backends that do: reference, padded, triton, triton_grouped, flash_attn"
+        "backends that do: reference, padded, sdpa, triton, triton_grouped, flash_attn"
     )
     assert registry.refusal("flash_attn", VarlenLayout, ["window"]) is None
 
