@@ -39,17 +39,19 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
 	touch $@
 
 # Everything (unit, multi-process, GPU where there is one, cluster where root); the 20 slowest
-# tests are listed at the end so that a slow newcomer is seen. One process: the multi-rank
-# tests already use both cores, and two pytest workers oversubscribe torch's CPU threads
-# (measured here: the suite took 19 min with -n 2, 16 min in one process under heavier load; the
-# netns cluster tests missed their timeouts under -n 2).
+# tests are listed at the end so that a slow newcomer is seen. Two pytest workers (pytest-xdist):
+# one runs the tests that start several processes (markers multiprocess and cluster), one after
+# another; the other runs the in-process tests, a module at a time (tests/conftest.py). One torch
+# thread per process, as the launched ranks already have (tests/helpers.py): two workers at the
+# default two threads each oversubscribe 2 cores.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=20
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20
 
 # The edit-test loop: unit tests only, no multi-process, GPU or cluster runs (tests/README.md).
 .PHONY: test-fast
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not gpu and not cluster" --durations=20
+	$(PY) -m pytest -q -m "not slow and not multiprocess and not gpu and not cluster" --durations=20
 
 # ruff, configured in pyproject.toml (the rules and every ignored one, explained there).
 lint: setup

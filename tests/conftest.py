@@ -11,11 +11,15 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# Tests that build hosts out of network namespaces use fixed namespace names and subnets
-# (tests/cluster/common.py, test_nic_selection.py): under pytest-xdist (`pytest -n N --dist
-# loadgroup`; bench/gpu_check.sh runs its test stages so) they all go to one worker, so two
-# clusters never exist at once.
-NETNS_TESTS = ("tests/cluster/", "tests/launch/test_nic_selection.py")
+# `make test` runs the suite on two pytest workers (`pytest -n 2 --dist loadgroup`, pytest-xdist).
+# The tests that start several processes at once (ranks, hosts: markers `multiprocess` and
+# `cluster`) all go to one worker, which runs them one after another while the other worker runs
+# the in-process tests: two of them at once would put 8 ranks on 2 cores and miss their timeouts,
+# and the namespace clusters use fixed names and subnets (tests/cluster/common.py,
+# test_nic_selection.py), so two clusters must never exist at once. The group has the most tests,
+# so xdist hands it out first and the longest chain starts at once. Every other test goes to a
+# worker with the rest of its module, so a module's fixtures are built once.
+PROCESS_TESTS = ("tests/cluster/", "tests/launch/test_nic_selection.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,5 +28,6 @@ def pytest_collection_modifyitems(config, items):
     root = str(config.rootpath) + "/"
     for item in items:
         path = str(item.path).removeprefix(root)
-        if path.startswith(NETNS_TESTS):
-            item.add_marker(pytest.mark.xdist_group("netns"))
+        several = item.get_closest_marker("multiprocess") or item.get_closest_marker("cluster")
+        group = "processes" if several or path.startswith(PROCESS_TESTS) else path
+        item.add_marker(pytest.mark.xdist_group(group))

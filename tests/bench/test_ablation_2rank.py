@@ -12,7 +12,7 @@ import pytest
 import tests.bert.test_trainer_distributed as distributed
 from tests.bert.test_trainer import losses, run_in_process
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 # AdaGC's warm-up ends after step 2, so steps 3-5 clip per tensor; the spike at step 4 makes
 # sure some tensor is clipped. SimReg over all tokens: the random tiny vocabulary repeats

@@ -108,6 +108,7 @@ def test_ablation_runs_four_variants_over_seeds(data_dir, tmp_path, capsys):
     assert (cmp_out / "ablation.png").stat().st_size > 1000
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow  # four tiny runs, two of them in spawned workers
 def test_ablation_jobs_run_in_workers_and_match_one_after_another(data_dir, tmp_path, capsys):
     def run(jobs):
@@ -126,6 +127,7 @@ def test_ablation_jobs_run_in_workers_and_match_one_after_another(data_dir, tmp_
     assert one["arms"]["baseline"][0]["train"]["loss"] != one["arms"]["simreg"][0]["train"]["loss"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow  # spawned workers
 def test_ablation_a_failed_run_in_a_worker_is_one_line(data_dir, tmp_path, capsys):
     empty = tmp_path / "empty"
@@ -285,6 +287,7 @@ def test_throughput_on_wikitext2_article_lengths_with_windows(tmp_path):
     assert rows["unpadded/sdpa"]["check_loss"] == pytest.approx(rows["transformers"]["check_loss"], rel=1e-4)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow  # two benchmark processes
 def test_compare_revisions_runs_both_trees_and_reports_each_variants_ratio(data_dir, tmp_path, capsys):
     from bench import compare_revisions

@@ -12,6 +12,7 @@ from tests.helpers import PYTHON, REPO, run_launched
 SCRIPT = os.path.join(REPO, "bench", "optimizer.py")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_the_benchmark_prints_every_goal(tmp_path):
     out = tmp_path / "optimizer.json"

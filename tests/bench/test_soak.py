@@ -10,6 +10,7 @@ import pytest
 from bench import soak
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_short_soak_meets_the_goals(tmp_path, capsys):
     out = tmp_path / "soak"

@@ -287,6 +287,7 @@ def test_fp8_with_grad_accumulation_and_torch_compile(learnable, tmp_path):
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow  # torchrun with 2 ranks, and three single-process runs
 def test_two_rank_fp8_equals_one_rank_within_fp8s_spread(learnable, tmp_path):
     from tests.bert.test_trainer_distributed import launch

@@ -248,6 +248,7 @@ def test_recipe_config_sets_both():
     assert ramp == (768, 4608, 21192)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow  # torchrun, 2 ranks
 def test_two_ranks_with_the_ramp_and_rebalancing_match_one_rank(dataset, tmp_path):  # noqa: F811
     """Every rank takes its share of each ramp step (the rebalancer's exchange sized by the step)."""

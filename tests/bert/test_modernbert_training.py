@@ -76,6 +76,7 @@ def test_bad_config_is_one_line(dataset, tmp_path, override, message):  # noqa: 
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow  # torchrun, 2 ranks
 def test_two_ranks_match_one_rank(dataset, tmp_path):  # noqa: F811
     from tests.bert.test_trainer_distributed import STEPS, launch

@@ -85,6 +85,7 @@ def test_a_step_of_the_triton_kernels_with_dropout_reads_nothing(tmp_path, atten
     assert trainer.philox.tolist()[1] == 2 * (3 if fused else 1)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow  # two ranks under torchrun
 def test_two_ranks_with_rebalancing_read_nothing(dataset, tmp_path):
     out = tmp_path / "reads.json"

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import PYTHON, REPO, free_port, run_launched
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 WORKER = os.path.join(REPO, "tests", "bert", "sharded_worker.py")
 STEPS = 12

@@ -8,7 +8,7 @@ import pytest
 from tests.bert.test_trainer import ROOT, TINY, losses, run_in_process
 from tests.helpers import run_launched
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 CONFIG = os.path.join(ROOT, "launch", "configs", "cpu_demo.yaml")
 STEPS = ["train.max_steps=5", "train.global_batch_size=8"]

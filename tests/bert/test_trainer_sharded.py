@@ -20,7 +20,7 @@ import torch
 from tests.bert.test_trainer import ROOT, TINY, losses
 from tests.helpers import PYTHON, run_launched
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 CONFIG = os.path.join(ROOT, "launch", "configs", "cpu_demo.yaml")
 STEPS = [

@@ -28,6 +28,7 @@ def run(cmd, nranks):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_exchange_under_torchrun(nranks):
@@ -36,6 +37,7 @@ def test_exchange_under_torchrun(nranks):
     run([launcher("torchrun"), "--standalone", "--nproc-per-node", str(nranks), str(WORKER)] + extra, nranks)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_exchange_under_mpirun():
     mpirun = launcher("mpirun")

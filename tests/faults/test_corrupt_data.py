@@ -123,6 +123,7 @@ def test_skip_leaves_out_a_file_that_cannot_be_opened(corrupt, tmp_path):
     loader.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_skip_on_two_ranks_trains_what_one_rank_trains(corrupt, tmp_path):
@@ -145,6 +146,7 @@ def test_skip_on_two_ranks_trains_what_one_rank_trains(corrupt, tmp_path):
     )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_fail_on_two_ranks_the_other_rank_names_the_cause(corrupt, tmp_path):

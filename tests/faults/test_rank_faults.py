@@ -26,7 +26,7 @@ from tests.faults.common import (
 )
 from tests.helpers import launcher
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 STEPS = [*REFERENCE_STEPS, "data.rebalance=balanced"]
 DELAY_S = 0.4  # per step: the window in which a rank is killed

@@ -10,7 +10,7 @@ from bert import train_checkpoint
 from tests.faults.common import REFERENCE_STEPS, read_pid, spawn_ranks, wait_for
 from tests.faults.common import losses as run_losses
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 SHARDED = (*REFERENCE_STEPS, "optim.shard=dp", "dist.timeout_s=20")
 

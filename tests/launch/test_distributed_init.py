@@ -179,6 +179,7 @@ def worker(tmp_path):
     return path
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_torchrun_two_ranks(tmp_path, worker):
     out = tmp_path / "out"
@@ -191,6 +192,7 @@ def test_torchrun_two_ranks(tmp_path, worker):
         assert rec["config"] == "cfg.yaml" and rec["overrides"] == ["train.seed=7"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_mpirun_two_ranks_rank0_broadcasts_rendezvous(tmp_path, worker):
     if mpirun_path() is None:
@@ -203,6 +205,7 @@ def test_mpirun_two_ranks_rank0_broadcasts_rendezvous(tmp_path, worker):
         assert rec["master_addr"] == socket.gethostname()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_mpirun_two_ranks_exported_rendezvous(tmp_path, worker):
     mpirun = mpirun_path()
