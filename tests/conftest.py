@@ -8,6 +8,8 @@ interpreter; bench/gpu_check.sh sets TRITON_INTERPRET=0 to test the compiled ker
 
 import os
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -22,9 +24,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 PROCESS_TESTS = ("tests/cluster/", "tests/launch/test_nic_selection.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     root = str(config.rootpath) + "/"
     for item in items:
         path = str(item.path).removeprefix(root)
