@@ -51,7 +51,7 @@ test: setup
 # The edit-test loop: unit tests only, no multi-process, GPU or cluster runs (tests/README.md).
 .PHONY: test-fast
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not multiprocess and not gpu and not cluster" --durations=20
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not multiprocess and not gpu and not cluster" --durations=20
 
 # ruff, configured in pyproject.toml (the rules and every ignored one, explained there).
 lint: setup
