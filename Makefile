@@ -22,8 +22,10 @@ setup: $(VENV)/.installed
 # the venv's PATH. --no-deps: the requirements above are the pins; --no-build-isolation: build
 # with the venv's setuptools (requirements-dev.txt), nothing downloaded.
 #
-# Last, the project's own modules are byte-compiled: pip compiles what it installs, but not an
-# editable checkout, and where PYTHONDONTWRITEBYTECODE is set (this container sets it) every
+# Last, everything is byte-compiled on every core (pip --no-compile: pip compiles on one, about
+# 55 s here): the installed packages (a file some package ships that does not compile is left
+# as pip leaves it, hence `|| true`) and the project's own modules, which pip never compiles in
+# an editable checkout; where PYTHONDONTWRITEBYTECODE is set (this container sets it) every
 # launched rank would otherwise compile them again (0.3 s a process, measured).
 $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt pyproject.toml
 	@set -e; \
@@ -33,13 +35,14 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
 	  if $(PYTHON) -c "import triton" >/dev/null 2>&1; then \
 	    grep -v '^triton' requirements.txt > $(VENV)/requirements-kept-torch.txt; \
 	  else cp requirements.txt $(VENV)/requirements-kept-torch.txt; fi; \
-	  $(PY) -m pip install -q -r $(VENV)/requirements-kept-torch.txt -r requirements-dev.txt; \
+	  $(PY) -m pip install -q --no-compile -r $(VENV)/requirements-kept-torch.txt -r requirements-dev.txt; \
 	else \
 	  $(PYTHON) -m venv $(VENV); \
-	  $(PY) -m pip install -q -r requirements-torch.txt; \
-	  $(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt; \
+	  $(PY) -m pip install -q --no-compile -r requirements-torch.txt; \
+	  $(PY) -m pip install -q --no-compile -r requirements.txt -r requirements-dev.txt; \
 	fi; \
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .; \
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true; \
 	$(PY) -m compileall -q -j 0 bert data kernels launch bench tests run_pretraining.py >/dev/null; \
 	touch $@
 
