@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+from typing import NoReturn
 
 from bert.train_config import ConfigError, describe, load_config
 
@@ -104,15 +105,24 @@ def main(argv=None) -> int:
     return 0 if summary["status"] in ("success", "aborted", "interrupted") else 1
 
 
-if __name__ == "__main__":
-    code = main()
-    # Everything is written and closed by now (logs, metrics, checkpoints, the process group).
-    # Skip the interpreter's teardown: on multi-node gloo jobs a rank was seen to abort there
-    # ("terminate called without an active exception", exit 134) after a finished run, which
-    # made srun cancel the job.
-    mpi = sys.modules.get("mpi4py.MPI")  # under mpirun: finalize as mpi4py's exit hook would
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code`` once ``main`` has returned, skipping the interpreter's teardown.
+
+    Everything is written and closed by then (logs, metrics, checkpoints, the process group).
+    The teardown is what goes wrong: on multi-node gloo jobs a rank was seen to abort there
+    ("terminate called without an active exception", exit 134) after a finished run, which made
+    srun cancel the job, and it runs destructors of a process group that a failed collective left
+    broken. Under mpirun a finished run finalizes MPI (what mpi4py's exit hook would do); a failed
+    one does not: MPI_Finalize synchronises with the other ranks (Open MPI fences there) and a
+    peer may be dead. mpirun reports the non-zero exit either way.
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if code == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_process(main())

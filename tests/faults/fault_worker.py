@@ -97,6 +97,6 @@ def _install_faults() -> None:
 
 if __name__ == "__main__":
     _install_faults()
-    from run_pretraining import main
+    from run_pretraining import exit_process, main
 
-    sys.exit(main())
+    exit_process(main())  # as run_pretraining.py ends: the exit path under test is the real one
