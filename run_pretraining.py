@@ -58,7 +58,6 @@ def main(argv=None) -> int:
         return 2
     broken = False  # a failed collective leaves the process group unusable: do not tear it down
     store = None  # set when this rank stops on its own error and told the others why
-    trainer = None
     try:
         from data.errors import DataError
 
@@ -95,9 +94,6 @@ def main(argv=None) -> int:
         store = announce_exit(info.rank, info.world_size, f"{where}{e.strerror or e}")
         return 1
     finally:
-        # Its DDP wrapper and the side groups (bert.host_counts, data.rebalance) hold the process
-        # groups: a group's connections close when the last reference goes, not at destroy().
-        trainer = None
         if not broken:
             destroy()  # the other ranks' pending collectives fail now, and they read why in the store
         if store is not None and info.rank == 0:

@@ -37,7 +37,6 @@ what the tests exercise on fake environments.
 from __future__ import annotations
 
 import fcntl
-import gc
 import os
 import re
 import socket
@@ -281,14 +280,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
 
 
 def destroy() -> None:
-    """Tear down every process group if one exists (safe to call twice).
-
-    A gloo group closes its connections, which fails the peers' pending collectives, only when
-    its last reference goes: drop the objects that hold groups (a DDP module, a side group)
-    before calling this. The collection here frees the ones that only reference cycles keep.
-    """
+    """Tear down the default process group if one exists (safe to call twice)."""
     global _initialised
     if dist.is_initialized():
         dist.destroy_process_group()
-        gc.collect()
     _initialised = None
