@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import NoReturn
 
 from bert.train_config import ConfigError, describe, load_config
@@ -45,7 +44,7 @@ def main(argv=None) -> int:
 
     # Imported after the config is valid, so a typo is reported before torch loads.
     from bert.checkpoint import CheckpointError
-    from bert.collectives import CollectiveError, announce_exit
+    from bert.collectives import CollectiveError, announce_exit, hold_store
     from bert.trainer import Trainer, TrainingError
     from data.rebalance import RebalanceError
     from kernels.interface import BackendUnavailable
@@ -97,7 +96,7 @@ def main(argv=None) -> int:
         if not broken:
             destroy()  # the other ranks' pending collectives fail now, and they read why in the store
         if store is not None and info.rank == 0:
-            time.sleep(3.0)  # rank 0 serves the store: keep it up while they look
+            hold_store(store, info.rank, info.world_size, 5.0)  # rank 0 serves it: keep it up while they look
     if summary.get("error"):
         if info.rank == 0:
             print(f"error: {summary['error']}", file=sys.stderr, flush=True)

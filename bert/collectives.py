@@ -13,9 +13,16 @@ Which ranks are missing is found after the failure, through the rendezvous store
 failing rank writes ``fault/<rank>``, waits a few seconds for the others' reports, and names
 those that did not report (and, on a cluster, the host they run on: each rank leaves its
 hostname in the store when the group is built). A rank that stops on an error of its own (bad data, say) leaves
-its message there first (``announce_exit``), so the others name the cause. The happy path
-costs nothing. If the store itself does not answer, its host (rank 0) is the one that is
-gone, and the message says so.
+its message there first (``announce_exit``), so the others name the cause. If the store itself
+does not answer, its host (rank 0) is the one that is gone, and the message says so.
+
+The others may not fail at all while the stopped rank lives: its gloo connections stay open
+until the process ends (the DDP reducer and the side groups hold them, and freeing a gloo group
+in process can deadlock against its worker threads). When rank 0 is that rank, its exit takes
+the store with it. So a watcher thread looks at the store while a guarded block has waited
+over ``WATCH_AFTER_S``; when another rank has announced its exit, this rank prints the cause
+and ends (exit 1). The happy path costs a thread that wakes twice a second and reads one field. The stopped
+rank keeps the store up until every other rank has said it saw the message (``hold_store``).
 
 With NCCL, a timed-out collective is normally caught by the NCCL watchdog, which ends the
 process with its own message (naming the operation and its sequence number); the guard
@@ -25,9 +32,11 @@ covers what surfaces as a Python exception (gloo, and NCCL errors raised on ``wa
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -47,6 +56,9 @@ _COMM_PATTERNS = (
     "pair closure",  # gloo, on a rank whose peer in the same process timed out first
 )
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+WATCH_AFTER_S = 1.0  # a guarded block waiting this long makes the watcher look at the store
+WATCH_EVERY_S = 0.5
+EXIT_KEY = "fault/exit"  # "<rank>:<message>" of the first rank that stopped on its own error
 
 
 class CollectiveError(RuntimeError):
@@ -81,22 +93,57 @@ class Collectives:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.report_window_s = report_window_s if report_window_s is not None else min(10.0, max(2.0, timeout_s / 5))
         self.hostname = socket.gethostname()
+        self._waiting: tuple[str, int, float] | None = None  # the guarded block running now
         if world_size > 1 and dist.is_initialized():
             # Read back only after a failure, to name the host of ranks that went silent.
             dist.distributed_c10d._get_default_store().set(f"host/{rank}", self.hostname)
+            threading.Thread(target=self._watch, name="collective-watcher", daemon=True).start()
 
     @contextlib.contextmanager
     def guard(self, what: str, step: int):
         """Turn a communication failure inside the block into a CollectiveError."""
         start = time.monotonic()
+        outer, self._waiting = self._waiting, (what, step, start)
         try:
             yield
         except CollectiveError:
             raise
         except Exception as e:
+            self._waiting = None  # this rank reports the failure itself: the watcher stays out of it
             if self.world_size == 1 or not is_comm_error(e):
                 raise
             raise self.error(what, step, e, time.monotonic() - start) from e
+        finally:
+            self._waiting = outer
+
+    def _watch(self) -> None:
+        """While a guarded block waits long, end this rank if another announced its exit."""
+        while True:
+            time.sleep(WATCH_EVERY_S)
+            waiting = self._waiting
+            if waiting is None or time.monotonic() - waiting[2] < WATCH_AFTER_S:
+                continue
+            try:
+                store = dist.distributed_c10d._get_default_store()
+                if not store.check([EXIT_KEY]):
+                    continue
+                rank, _, message = store.get(EXIT_KEY).decode(errors="replace").partition(":")
+            except Exception:  # noqa: BLE001 - no store (rank 0 gone): the collective fails by itself
+                continue
+            if self._waiting is not waiting or int(rank) == self.rank:
+                continue
+            what, step, start = waiting
+            where = f"{what} at step {step}" if step >= 0 else what
+            with contextlib.suppress(Exception):  # tells the stopped rank that this one has seen it
+                store.set(f"fault/{self.rank}", f"failed:{where}")
+            print(
+                f"error: rank {self.rank}: {where} failed after {time.monotonic() - start:.1f} s "
+                f"(dist.timeout_s={self.timeout_s:g}): rank {rank} stopped first: {message}; "
+                f"still waiting for rank {rank} when it stopped",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)  # as run_pretraining ends after a failed collective: the group is unusable
 
     def all_reduce(self, t: torch.Tensor, what: str, step: int, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``t`` over ranks in place (no-op on one rank)."""
@@ -184,6 +231,21 @@ def _store(timeout_s: float):
     return store
 
 
+def hold_store(store, rank: int, world_size: int, most_s: float) -> None:
+    """On the rank serving the store (0) after ``announce_exit``: wait until every other rank has
+    reported (it saw the message) or ``most_s`` passed, so that the store outlives their reading."""
+    others = [f"fault/{r}" for r in range(world_size) if r != rank]
+    deadline = time.monotonic() + most_s
+    while time.monotonic() < deadline:
+        try:
+            if store.check(others):
+                time.sleep(0.5)  # they read the cause (and the hosts) right after reporting
+                return
+        except Exception:  # noqa: BLE001 - the store is this process's: nothing to wait for
+            return
+        time.sleep(0.1)
+
+
 def announce_exit(rank: int, world_size: int, message: str):
     """Leave ``message`` (why this rank stops) where the other ranks' post-mortem finds it.
 
@@ -195,6 +257,7 @@ def announce_exit(rank: int, world_size: int, message: str):
     try:
         store = _store(2.0)
         store.set(f"fault/{rank}", f"exit:{message}")
+        store.compare_set(EXIT_KEY, "", f"{rank}:{message}")  # the first rank to stop is the cause
         return store
     except Exception:  # noqa: BLE001 - best effort: the others still report this rank as silent
         return None
