@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         return 1
     finally:
         if not broken:
-            destroy()  # the other ranks' pending collectives fail now, and they read why in the store
+            destroy()  # its connections close when this process ends; the others' watchers read why first
         if store is not None and info.rank == 0:
             hold_store(store, info.rank, info.world_size, 5.0)  # rank 0 serves it: keep it up while they look
     if summary.get("error"):

@@ -21,8 +21,9 @@ until the process ends (the DDP reducer and the side groups hold them, and freei
 in process can deadlock against its worker threads). When rank 0 is that rank, its exit takes
 the store with it. So a watcher thread looks at the store while a guarded block has waited
 over ``WATCH_AFTER_S``; when another rank has announced its exit, this rank prints the cause
-and ends (exit 1). The happy path costs a thread that wakes twice a second and reads one field. The stopped
-rank keeps the store up until every other rank has said it saw the message (``hold_store``).
+and ends (exit 1). The stopped rank keeps the store up until every other rank has said it saw
+the message (``hold_store``). The happy path costs a thread that wakes twice a second and
+reads one attribute; the store is read only while a collective waits.
 
 With NCCL, a timed-out collective is normally caught by the NCCL watchdog, which ends the
 process with its own message (naming the operation and its sequence number); the guard
