@@ -15,6 +15,10 @@ old file (or none) and at worst a temporary file beside it.
 - ``publish(tmp, path)``: for a temporary file some other code has already written.
 - ``md5sum(path)`` / ``file_digest(path, name)``: a hash of a file read 1 MiB at a time.
 - ``is_temporary(name)``: what a killed writer left behind, for cleanup at the next start.
+- ``open_checked(path, ...)`` / ``read_checked(path, ...)``: every file the application reads
+  is opened through these: a regular file (no FIFO, device or directory; a symlink only where
+  its target stays inside ``root``), at most ``max_bytes`` long, else ``UnsafeFile``, one
+  line naming the file and the rule. Opening never blocks (a FIFO is refused, not waited on).
 
 This package sits below every other (tests/test_layering.py): it imports nothing of the
 project, so ``data``, ``kernels``, ``launch``, ``bert`` and ``bench`` can all use it.
@@ -27,6 +31,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,11 +129,77 @@ def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> N
     write_bytes(path, text.encode(encoding))
 
 
-def file_digest(path: str | os.PathLike, name: str = "md5") -> str:
-    """Hex digest (hashlib algorithm ``name``) of a file, read in 1 MiB pieces: a shard of
+class UnsafeFile(OSError):
+    """A file the application will not read: its message is one line naming the file and the rule."""
+
+
+def _inside(path: str, root: str | os.PathLike) -> bool:
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def open_checked(
+    path: str | os.PathLike,
+    *,
+    max_bytes: int | None = None,
+    root: str | os.PathLike | None = None,
+    what: str = "file",
+):
+    """Open ``path`` for binary reading, refusing in one line (``UnsafeFile``) anything but a
+    regular file: a FIFO, a device, a directory, a symlink whose target leaves ``root`` (when
+    given), or a file over ``max_bytes`` (a missing file is ``FileNotFoundError``). The open
+    is non-blocking, so a FIFO never hangs it; the returned file reads normally."""
+    path = os.fspath(path)
+    if root is not None and not _inside(path, root):
+        raise UnsafeFile(f"{path}: {what} leads outside {os.fspath(root)} (a symlink or '..'); refused")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise UnsafeFile(f"{path}: {what} cannot be opened ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "a device"
+                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a socket"
+                if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file"
+            )
+            raise UnsafeFile(f"{path}: {what} is {kind}, not a regular file; refused")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise UnsafeFile(
+                f"{path}: {what} is {st.st_size:,} bytes, over the {max_bytes:,} this format allows; refused"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_checked(path: str | os.PathLike, *, max_bytes: int, root=None, what: str = "file") -> bytes:
+    """The whole of a checked file (``open_checked``), never more than ``max_bytes`` read even
+    if it grows while being read."""
+    with open_checked(path, max_bytes=max_bytes, root=root, what=what) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise UnsafeFile(f"{os.fspath(path)}: {what} grew past {max_bytes:,} bytes while read; refused")
+    return data
+
+
+def file_digest(path: str | os.PathLike, name: str = "md5", root=None) -> str:
+    """Hex digest (hashlib algorithm ``name``) of a regular file (``open_checked``: a FIFO or
+    ``/dev/zero`` is refused, never hashed forever), read in 1 MiB pieces: a shard of
     gigabytes is never held in memory."""
     h = hashlib.new(name)
-    with open(path, "rb") as f:
+    with open_checked(path, root=root) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import fileio
 from fileio import file_digest, is_temporary, md5sum, publish, publishing, publishing_dir, write_bytes, write_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,3 +159,31 @@ def test_every_file_is_published_through_fileio():
 )
 def test_the_rename_check_finds_each_spelling(source, lines):
     assert hand_renames(source) == lines
+
+
+def test_open_checked_refuses_what_is_not_a_regular_file_at_once(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it for reading in blocking mode would wait for a writer forever
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.bin"
+    outside.write_bytes(b"x")
+    (tmp_path / "escape").symlink_to(outside)
+    (tmp_path / "big").write_bytes(b"y" * 11)
+    cases = {
+        fifo: "a FIFO",
+        tmp_path / "zero": "a device",
+        tmp_path: "a directory",
+        tmp_path / "escape": "outside",
+        tmp_path / "big": "11 bytes, over the 10",
+    }
+    for path, rule in cases.items():
+        with pytest.raises(fileio.UnsafeFile) as e:
+            root = tmp_path if path.name == "escape" else None
+            fileio.read_checked(path, max_bytes=10, root=root, what="test file")
+        assert rule in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(fileio.UnsafeFile, match="a device"):
+        fileio.file_digest(tmp_path / "zero")  # was: hashing /dev/zero forever
+    (tmp_path / "ok").write_bytes(b"0123456789")
+    assert fileio.read_checked(tmp_path / "ok", max_bytes=10, root=tmp_path) == b"0123456789"
+    with pytest.raises(FileNotFoundError):
+        fileio.read_checked(tmp_path / "missing", max_bytes=10)
