@@ -31,7 +31,8 @@ def parse_args(argv=None):
     parser.add_argument("--config", help="YAML file in launch/configs/")
     parser.add_argument("--output-dir", required=True, help="mlperf.log, metrics, summary, checkpoints go here")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
-    return parser.parse_args(argv)
+    # Intermixed: overrides may sit before, between or after the options.
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> int:

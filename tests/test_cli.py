@@ -260,3 +260,15 @@ def test_data_loading_bench_without_shards_is_one_line(tmp_path, installed):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'train'}: no .hdf5 files in this directory"]
+
+
+def test_overrides_may_come_anywhere_on_the_command_line():
+    from run_pretraining import parse_args
+
+    for argv in (
+        ["--config", "c.yaml", "a.b=1", "--output-dir", "d", "x.y=2"],
+        ["a.b=1", "--config", "c.yaml", "x.y=2", "--output-dir", "d"],
+        ["--config", "c.yaml", "--output-dir", "d", "a.b=1", "x.y=2"],
+    ):
+        args = parse_args(argv)
+        assert (args.config, args.output_dir, args.overrides) == ("c.yaml", "d", ["a.b=1", "x.y=2"]), argv
