@@ -183,16 +183,11 @@ def build_adagc(optim: OptimSection, model: torch.nn.Module, sharding: Sharding 
     return AdaGC(model.named_parameters(), optim.adagc, **view)
 
 
-def build_lamb_or_adamw(optim: OptimSection, model: torch.nn.Module, sharding: Sharding | None):
-    """optim.name's optimizer (bert.optim.build_optimizer), or LAMB on the shards when sharded."""
-    return build_sharded_lamb(optim, model, sharding) if sharding else build_optimizer(optim, model)
-
-
 def build_optimization(cfg: RunConfig, model: torch.nn.Module, sharding: Sharding | None, device: torch.device):
     """(optimizer, schedule, AdaGC or None, GradScaler or None) from ``cfg.optim`` and ``cfg.train``.
     The schedule keeps its rate in a device tensor where the optimizer can skip on the device
-    (not apex's FusedLAMB: bert.optim.skips_on_device)."""
-    optimizer = build_lamb_or_adamw(cfg.optim, model, sharding)
+    (not apex's FusedLAMB: bert.optim.skips_on_device). Sharded, it is LAMB on the shards."""
+    optimizer = build_sharded_lamb(cfg.optim, model, sharding) if sharding else build_optimizer(cfg.optim, model)
     device_lr = device if skips_on_device(optimizer) else None
     schedule = PolyWarmupScheduler(optimizer, cfg.optim, cfg.train.max_steps, device=device_lr)
     return optimizer, schedule, build_adagc(cfg.optim, model, sharding), build_grad_scaler(cfg.train, sharding)
