@@ -1,0 +1,134 @@
+"""Online fit of the rebalancer's cost model and a speed per rank, from measured step times.
+
+Input: a short window of steps per rank, each the rank's measured forward+backward time and
+the sums of its samples' length features (sum L, sum L^2, sum L*min(L, window): the three
+terms of ``data.rebalance_plan.Cost``). Model: time[r, t] = cost(features[r, t]) / speed[r].
+Output: the fitted ``Cost`` (scaled so that the window's total cost equals the configured
+model's, so only the shape of c(L) changes) and one speed per rank (cost per second).
+
+Safeguards: the configured cost is kept while the window holds fewer than ``min_steps``
+steps, while the fitted shape is singular or leaves a relative RMS residual above
+``max_residual``, and each fitted coefficient is clamped to within a factor ``bound`` of the
+configured one before the common scale; speeds and cost are refitted in turn (3 rounds).
+Deterministic: every sum is ``math.fsum`` (exactly rounded) and the normal
+equations are solved in Python floats in a fixed order, so every rank that gathered the
+same numbers computes the same fit, bit for bit. See docs/rebalancing.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from data.rebalance_plan import Cost, check_cost
+
+
+class Fit(NamedTuple):
+    """The fitted cost, speed per rank, relative RMS residual and whether the fit was used."""
+
+    cost: Cost
+    speeds: tuple[float, ...]
+    residual: float
+    fitted: bool
+
+
+def length_features(lengths, window: int = 0) -> tuple[float, float, float]:
+    """(sum L, sum L^2, sum L*min(L, window)) of one rank's samples in one step."""
+    L = np.asarray(lengths, dtype=np.int64)
+    local = L * np.minimum(L, window) if window else np.zeros_like(L)
+    return float(L.sum()), float((L * L).sum()), float(local.sum())
+
+
+def _cost_of(cost: Cost, f) -> float:
+    return math.fsum((cost.a * f[0], cost.b * f[1], cost.b_local * f[2]))
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting on a small system; None when singular."""
+    n = len(v)
+    m = [row[:] + [v[i]] for i, row in enumerate(m)]
+    scale = max(abs(m[i][i]) for i in range(n)) or 1.0
+    for col in range(n):
+        piv = max(range(col, n), key=lambda i: abs(m[i][col]))
+        if abs(m[piv][col]) <= 1e-12 * scale:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for i in range(col + 1, n):
+            k = m[i][col] / m[col][col]
+            m[i] = [x - k * y for x, y in zip(m[i], m[col])]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (m[i][n] - math.fsum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x
+
+
+def fit_online(
+    features,
+    times,
+    configured: Cost | tuple,
+    *,
+    min_steps: int = 8,
+    bound: float = 4.0,
+    max_residual: float = 0.25,
+) -> Fit:
+    """Fit ``Cost`` and per-rank speeds to ``features`` [W][T][3] and ``times`` [W][T] (seconds).
+
+    Ranks with no steps yet keep the mean speed of the others (1.0 when none has any).
+    """
+    cfg = check_cost(configured)
+    if bound < 1 or not math.isfinite(bound):
+        raise ValueError(f"fit_online: bound must be a finite factor >= 1, got {bound}")
+    W = len(times)
+    if len(features) != W or any(len(features[r]) != len(times[r]) for r in range(W)):
+        raise ValueError("fit_online: features and times must have the same ranks and steps")
+    for r in range(W):
+        for t, s in enumerate(times[r]):
+            if not (math.isfinite(s) and s > 0):
+                raise ValueError(f"fit_online: rank {r} step {t}: time must be a positive finite number, got {s}")
+
+    def speeds_for(cost: Cost) -> tuple[float, ...]:
+        sp = [
+            math.fsum(_cost_of(cost, f) for f in features[r]) / math.fsum(times[r]) if times[r] else None
+            for r in range(W)
+        ]
+        known = [s for s in sp if s is not None]
+        fill = math.fsum(known) / len(known) if known else 1.0
+        return tuple(fill if s is None else s for s in sp)
+
+    speeds = speeds_for(cfg)
+    steps = min((len(t) for t in times), default=0)
+    cols = [i for i, c in enumerate((cfg.a, cfg.b, cfg.b_local)) if c > 0]
+    if steps < min_steps or len(cols) < 2:
+        return Fit(cfg, speeds, math.nan, False)
+    # Alternate: speeds from the current cost, then the cost from those speeds (3 rounds).
+    fitted = cfg
+    for _ in range(3):
+        # Rows: time * speed (the rank's time in cost units) against the features, one row a step.
+        rows = [(features[r][t], times[r][t] * speeds[r]) for r in range(W) for t in range(len(times[r]))]
+        # Columns scaled by the configured coefficients: the unknowns are then ratios near 1.
+        base = (cfg.a, cfg.b, cfg.b_local)
+        xs = [[f[i] * base[i] for i in cols] for f, _ in rows]
+        ys = [y for _, y in rows]
+        n = len(cols)
+        m = [[math.fsum(x[i] * x[j] for x in xs) for j in range(n)] for i in range(n)]
+        v = [math.fsum(x[i] * y for x, y in zip(xs, ys)) for i in range(n)]
+        ratios = _solve(m, v)
+        if ratios is None:
+            return Fit(cfg, speeds_for(cfg), math.nan, False)
+        ratios = [min(max(q, 1.0 / bound), bound) for q in ratios]
+        coef = [0.0, 0.0, 0.0]
+        for q, i in zip(ratios, cols):
+            coef[i] = q * base[i]
+        fitted = Cost(coef[0], coef[1], coef[2], cfg.window)
+        # Same total cost over the window as the configured model: only the shape of c(L) changes.
+        norm = math.fsum(_cost_of(cfg, f) for f, _ in rows) / math.fsum(_cost_of(fitted, f) for f, _ in rows)
+        fitted = Cost(coef[0] * norm, coef[1] * norm, coef[2] * norm, cfg.window)
+        speeds = speeds_for(fitted)
+    res = [times[r][t] * speeds[r] - _cost_of(fitted, features[r][t]) for r in range(W) for t in range(len(times[r]))]
+    scale = math.fsum(times[r][t] * speeds[r] for r in range(W) for t in range(len(times[r]))) / len(res)
+    residual = math.sqrt(math.fsum(e * e for e in res) / len(res)) / scale
+    if residual > max_residual:
+        return Fit(cfg, speeds_for(cfg), residual, False)
+    return Fit(fitted, speeds, residual, True)
