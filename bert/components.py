@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +21,6 @@ from bert.collectives import Collectives
 from bert.config import BertConfig
 from bert.config import ConfigError as BertConfigError
 from bert.metrics import MetricsWriter
-from bert.mlperf_log import MLPerfLogger
 from bert.model import BertForPreTraining
 from bert.optim import build_optimizer, skips_on_device
 from bert.schedule import PolyWarmupScheduler
@@ -37,6 +37,9 @@ from bert.train_config import (
     TrainSection,
 )
 from data.batch import to_device
+
+if TYPE_CHECKING:  # mlperf_logging is optional: imported by build_mlperf_logger
+    from bert.mlperf_log import MLPerfLogger
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
@@ -239,7 +242,15 @@ def batch_ramp(train: TrainSection):
 def build_mlperf_logger(
     log: LogSection, output_dir: str, rank: int, nodes: int, device: torch.device, resume: bool
 ) -> MLPerfLogger:
-    """OUTPUT_DIR/mlperf.log, written by rank 0; the platform is log.platform or the device."""
+    """OUTPUT_DIR/mlperf.log, written by rank 0; the platform is log.platform or the device.
+    mlperf_logging is imported here, so that a run's modules import without it; a missing one
+    is a one-line ConfigError naming the package."""
+    try:
+        from bert.mlperf_log import MLPerfLogger
+    except ImportError as e:
+        raise ConfigError(
+            f"log: the MLPerf log (mlperf.log) needs mlperf_logging (pip install -r requirements.txt): {e}"
+        ) from None
     platform = log.platform or (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     return MLPerfLogger(
         os.path.join(output_dir, "mlperf.log"),

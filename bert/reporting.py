@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 from bert import fp8
 from bert.clipping import ClipStats
 from bert.metrics import MetricsWriter, Progress, plot_curves, spike_score, summary_table
-from bert.mlperf_log import MLPerfLogger
 from bert.train_checkpoint import list_checkpoints
 from bert.train_config import CheckpointSection, RunConfig
 from bert.train_state import TrainState
 from fileio import write_text
+
+if TYPE_CHECKING:  # mlperf_logging is optional: imported only where the MLPerf log is written
+    from bert.mlperf_log import MLPerfLogger
 
 # The rebalancer's numbers a step record carries (data.rebalance.ExchangeStats fields).
 REBALANCE_FIELDS = (

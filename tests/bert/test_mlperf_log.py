@@ -8,6 +8,9 @@ that warnings (e.g. a key logged twice) count as failures too.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -345,3 +348,23 @@ def test_system_description_passes_its_checker(tmp_path):
         write_system_desc(path, submitter="t", division="open", status="onprem", system_name="x")
     with pytest.raises(ValueError, match="unknown field"):
         write_system_desc(path, submitter="t", division="open", status="Preview", system_name="x", gpus=8)
+
+
+def test_trainer_imports_without_mlperf_logging_and_the_log_names_it(tmp_path):
+    """mlperf_logging blocked from import (None in sys.modules: a blocker, not a stub): the
+    trainer's modules still import, and only building the MLPerf log fails, one line naming it."""
+    code = (
+        "import sys; sys.modules['mlperf_logging'] = None\n"
+        "import torch, bert.trainer, bert.reporting, bert.components as c\n"
+        "from bert.train_config import ConfigError, LogSection\n"
+        "try:\n"
+        f"    c.build_mlperf_logger(LogSection(), {str(tmp_path)!r}, 0, 1, torch.device('cpu'), False)\n"
+        "except ConfigError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ERR log:") and "needs mlperf_logging" in lines[0], out.stdout
+    assert not (tmp_path / "mlperf.log").exists()
