@@ -16,7 +16,7 @@ device reads of a steady-state step counted by ``torch.cuda.set_sync_debug_mode(
 (each synchronising call warns once). Then evaluation: 10,000 samples (``--eval-samples``)
 kept on the device (``bert.eval_cache``), seconds per evaluation, eager and graphed.
 Without a GPU it runs a two-step smoke of a tiny model on the CPU (no numbers worth
-reporting) and counts reads with ``bert.device_reads`` instead.
+reporting) and counts reads with ``tools.device_reads`` instead.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def sync_reads(fn) -> int:
 
 
 def cpu_reads(step, block, batch) -> int:
-    from bert.device_reads import DeviceReads
+    from tools.device_reads import DeviceReads
 
     marked = (
         list(step.model.parameters())

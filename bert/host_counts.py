@@ -8,10 +8,9 @@ change when the rebalancer moves samples between ranks, and it can be summed ove
 from the blocks as the loader hands them out, before any exchange.
 
 ``CountAgreement`` sums the ranks' ``local_counts`` with one all-reduce of 6 int64 words on
-a CPU gloo group of its own (``start`` runs it in a thread, ``wait`` collects it); with one
-rank nothing is exchanged. ``StepPlanner`` keeps each step's drawn block and agrees on its
-counts as the step begins. A failure surfaces in ``wait()``, inside the trainer's
-``Collectives.guard``, which names the collective, the step and the missing ranks.
+a CPU gloo group of its own; with one rank nothing is exchanged. ``StepPlanner`` keeps each
+step's drawn block and agrees on its counts as the step begins, inside the trainer's
+``Collectives.guard``, which names the collective, the step and the missing ranks on failure.
 
 Where the device stands meanwhile: the host queues a step's kernels without waiting for
 them, so when it agrees on step s's counts the device is still running step s-1's queued
@@ -20,7 +19,6 @@ work; the host's round trip (microseconds on one node) hides behind it.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -61,54 +59,22 @@ def local_counts(block: SampleBlock, stop: bool, corrupt: int, simreg_scope: str
 
 
 class CountAgreement:
-    """Sums per-step host counts over ranks on its own gloo group (``start`` in a thread, ``wait``).
+    """Sums per-step host counts over ranks on its own gloo group, one all-reduce per step.
 
     Build it on every rank at the same point (``new_group`` is collective and ordered).
     """
 
     def __init__(self, world_size: int, timeout_s: float):
-        self.world_size = world_size
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world_size > 1 else None
-        self._thread: threading.Thread | None = None
-        self._result: np.ndarray | BaseException | None = None
-        self._step: int | None = None
 
-    @property
-    def pending(self) -> bool:
-        return self._thread is not None
-
-    def start(self, step: int, local: np.ndarray) -> None:
-        """Begin summing ``local`` (from ``local_counts``) for ``step``."""
-        if self._thread is not None:
-            raise RuntimeError("CountAgreement.start: the previous agreement was not collected with wait()")
-        self._step = step
-        if self.group is None:
-            self._result = np.asarray(local, dtype=np.int64)
-            return
-
-        def run():
-            try:
-                words = torch.from_numpy(np.array(local, dtype=np.int64))
-                dist.all_reduce(words, group=self.group)
-                self._result = words.numpy()
-            except BaseException as e:  # re-raised by wait(), on the caller's thread
-                self._result = e
-
-        self._result = None
-        self._thread = threading.Thread(target=run, name=f"step-counts-{step}", daemon=True)
-        self._thread.start()
-
-    def wait(self, step: int) -> StepCounts:
-        """The agreed counts of ``step`` (the one started last); re-raises a failed collective."""
-        if self._step != step:
-            raise RuntimeError(f"CountAgreement.wait: step {step} asked for, step {self._step} was started")
-        if self._thread is not None:
-            self._thread.join()  # the gloo group's timeout bounds the collective
-            self._thread = None
-        result, self._result, self._step = self._result, None, None
-        if isinstance(result, BaseException):
-            raise result
-        masked, sequences, tokens, stop, anchors, corrupt = (int(x) for x in result)
+    def agree(self, local: np.ndarray) -> StepCounts:
+        """``local`` (from ``local_counts``) summed over ranks; the group's timeout bounds the wait."""
+        words = np.array(local, dtype=np.int64)
+        if self.group is not None:
+            summed = torch.from_numpy(words)
+            dist.all_reduce(summed, group=self.group)
+            words = summed.numpy()
+        masked, sequences, tokens, stop, anchors, corrupt = (int(x) for x in words)
         return StepCounts(masked, sequences, tokens, stop > 0, anchors, corrupt)
 
 
@@ -153,8 +119,7 @@ class StepPlanner:
         drawn = self._drawn.pop(step)
         local = local_counts(drawn, stop, self.loader.pop_substituted(step), self.simreg_scope)
         with self.coll.guard("the step-counts all-reduce", step + 1):
-            self.agreement.start(step, local)
-            return self.agreement.wait(step)
+            return self.agreement.agree(local)
 
     def drain(self) -> None:
         """Collect the exchange started for a step that will not run (every rank started it)."""

@@ -136,13 +136,7 @@ class EncoderLayer(nn.Module):
             return x_NC + F.dropout(self.ffn_out(self._mlp(self.ffn_norm(x_NC))), self.hidden_dropout, self.training)
         a_NC = self._attention(x_NC, layout, position_ids, rotary)
         x_NC = self._residual_norm(a_NC, self.attn_out, x_NC, self.attn_norm)
-        if self.bias_gelu == "triton":
-            h_NI = _fused().bias_gelu(matmul(self.ffn_in, x_NC), self.ffn_in.bias)
-        elif self.bias_gelu == "epilogue":
-            h_NI = linear_bias_gelu(x_NC, self.ffn_in.weight, self.ffn_in.bias)
-        else:
-            h_NI = self._mlp(x_NC)
-        return self._residual_norm(h_NI, self.ffn_out, x_NC, self.ffn_norm)
+        return self._residual_norm(self._mlp(x_NC), self.ffn_out, x_NC, self.ffn_norm)
 
     def _attention(self, x_NC: Tensor, layout, position_ids: Tensor, rotary: Rotary | None) -> Tensor:
         n, c = x_NC.shape
@@ -153,9 +147,14 @@ class EncoderLayer(nn.Module):
         return a_NHD.reshape(n, c)
 
     def _mlp(self, x_NC: Tensor) -> Tensor:
+        """The FFN-in and its activation, either norm placement (``bias_gelu`` picks the kernel)."""
         if self.gated:
             input_NI, gate_NI = self.ffn_in(x_NC).chunk(2, dim=-1)
             return self.act(input_NI) * gate_NI
+        if self.bias_gelu == "triton":
+            return _fused().bias_gelu(matmul(self.ffn_in, x_NC), self.ffn_in.bias)
+        if self.bias_gelu == "epilogue":
+            return linear_bias_gelu(x_NC, self.ffn_in.weight, self.ffn_in.bias)
         return self.act(self.ffn_in(x_NC))
 
     def _residual_norm(self, h: Tensor, proj: nn.Linear, residual: Tensor, norm: nn.LayerNorm) -> Tensor:

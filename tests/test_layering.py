@@ -4,7 +4,8 @@ The allowed order is written once, in ``LAYERS``: a module may import its own pa
 any package in a LOWER layer, never one in its own layer or above. So:
 
 - ``bench/`` (benchmarks) may import everything below, ``run_pretraining`` included;
-- ``run_pretraining.py`` (the entry point) may import ``bert``, ``kernels``, ``data``, ``launch``;
+- ``run_pretraining.py`` (the entry point) and ``tools/`` (developer and test tools) may import
+  ``bert``, ``kernels``, ``data``, ``launch``, and not each other;
 - ``bert/`` (the model, trainer, logging) may import ``kernels``, ``data``, ``launch``;
 - ``kernels/``, ``data/`` and ``launch/`` form the bottom layer and import NONE of each
   other: the attention interface lives in ``kernels``, batch types in ``data``, process
@@ -36,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = {
     "bench": 3,
     "run_pretraining": 2,
+    "tools": 2,  # developer and test tools (tools.device_reads): never imported by the application
     "bert": 1,
     "kernels": 0,
     "data": 0,

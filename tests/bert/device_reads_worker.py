@@ -4,7 +4,7 @@
 
 (under torchrun for several ranks). Every step from FIRST_STEP (1-based) on is counted from
 the start of ``train_step`` to the end of ``optimizer_step`` (micro-batches, forward,
-backward, clipping, the optimizer and the schedule) with ``bert.device_reads``; the model's
+backward, clipping, the optimizer and the schedule) with ``tools.device_reads``; the model's
 parameters and buffers and the optimizer's, schedule's and clipper's tensors are the device
 tensors. Rank 0 writes {step: [reads, "kind: where" ...]} to OUT_JSON. The trainer's
 interface used (``train_step``, ``optimizer_step``) is the one it has had since before the
@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from bert.device_reads import DeviceReads
+from tools.device_reads import DeviceReads
 from bert.train_config import load_config
 from bert.trainer import Trainer
 from launch.distributed import init_distributed

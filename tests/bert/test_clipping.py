@@ -184,7 +184,7 @@ def test_adagc_state_validation():
 def test_adagc_unstep_on_the_device_reads_nothing():
     """A skipped step taken back with unstep_ leaves the warm-up where it was (the next step is
     still a warm-up step), as today's host-side ``step -= 1``; no host read in either."""
-    from bert.device_reads import DeviceReads
+    from tools.device_reads import DeviceReads
 
     params = _params()
     adagc = AdaGC([(f"p{i}", p) for i, p in enumerate(params)], AdaGCSection(warmup_steps=2))

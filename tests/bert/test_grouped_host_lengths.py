@@ -3,7 +3,7 @@
 ``UnpaddedBatch.host_seqlens`` (the collator's lengths, with the static-shape padding
 sequence appended) is what ``triton_grouped`` plans from: the plan equals the one read from
 ``cu_seqlens``, and a forward and backward through the model with them reads nothing back
-from the device (``bert.device_reads``); without them the plan reads ``cu_seqlens``.
+from the device (``tools.device_reads``); without them the plan reads ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from bert.config import BertConfig  # noqa: E402
-from bert.device_reads import DeviceReads  # noqa: E402
+from tools.device_reads import DeviceReads  # noqa: E402
 from bert.model import BertForPreTraining  # noqa: E402
 from data.collate import collate_unpadded  # noqa: E402
 from data.static_shapes import StaticShapes  # noqa: E402

@@ -247,7 +247,7 @@ def test_anchor_count_on_the_host_matches_simreg_loss():
 
 @pytest.mark.parametrize("scope", ["masked", "all"])
 def test_simreg_with_host_counts_is_the_same_and_reads_nothing(scope):
-    from bert.device_reads import DeviceReads
+    from tools.device_reads import DeviceReads
     from data.collate import collate_unpadded
     from data.synthetic import random_block
 

@@ -143,3 +143,25 @@ def test_dropout_active_only_in_training():
     assert not torch.equal(a, b)
     model.eval()
     assert torch.equal(model(batch).nsp_logits, model(batch).nsp_logits)
+
+
+@pytest.mark.parametrize("impl", ["triton", "epilogue"])
+def test_bias_gelu_acts_on_a_pre_norm_dense_mlp(impl, monkeypatch):
+    """model.bias_gelu is accepted for any dense GELU MLP with biases, so pre-norm must run it too."""
+    import bert.layers
+
+    calls = []
+    if impl == "epilogue":
+        real = bert.layers.linear_bias_gelu
+        monkeypatch.setattr(bert.layers, "linear_bias_gelu", lambda *a: calls.append(1) or real(*a))
+    else:
+        real = bert.layers._fused()
+        spy = type("Spy", (), {"bias_gelu": staticmethod(lambda *a: calls.append(1) or real.bias_gelu(*a))})
+        monkeypatch.setattr(bert.layers, "_fused", lambda: spy)
+    config = BertConfig.preset("tiny", vocab_size=96, norm_placement="pre", num_hidden_layers=1)
+    model = BertForPreTraining(config, bias_gelu=impl).eval()
+    ref = BertForPreTraining(config, bias_gelu="eager").eval()
+    ref.load_state_dict(model.state_dict())
+    batch = random_batch([5, 17], 96, seed=3)
+    torch.testing.assert_close(model(batch).mlm_logits, ref(batch).mlm_logits, atol=1e-5, rtol=1e-5)
+    assert calls, f"model.bias_gelu={impl} was accepted but the pre-norm layer never called it"

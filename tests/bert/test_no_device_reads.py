@@ -1,9 +1,9 @@
-"""A steady-state training step reads nothing back from the device (bert.device_reads).
+"""A steady-state training step reads nothing back from the device (tools.device_reads).
 
 Counted from the start of ``train_step`` to the end of ``optimizer_step`` on the CPU: every
 ``.item()``/``float()``/``int()``/``bool()`` of any tensor, every ``.tolist()``/``.cpu()``/
 ``.numpy()`` of a device tensor, and every op sized by a device tensor's values
-(``tests/bert/test_device_reads.py`` shows each is caught). The code before the no-read step
+(``tests/tools/test_device_reads.py`` shows each is caught). The code before the no-read step
 read 7 times per step here (its counts' ``.cpu()`` and six ``int()``, the gradient norm's
 ``float()``): docs/step.md gives the command that counts it.
 """

@@ -274,7 +274,7 @@ def test_found_inf_skips_bitwise_and_reads_nothing(name):
     """A flagged step leaves weights, moments and step counts bitwise; an unflagged one is the
     update itself; a run with skipped steps equals one that never saw them; the host reads
     neither the flag nor the device learning rate."""
-    from bert.device_reads import DeviceReads
+    from tools.device_reads import DeviceReads
 
     torch.manual_seed(0)
     model = TinyNet()
@@ -372,7 +372,7 @@ def test_apply_update_reads_the_flag_only_for_an_optimizer_that_cannot_skip_on_t
     """apex's FusedLAMB stand-in (torch's SGD, whose step takes no found_inf) with a host schedule: the host
     reads found_inf and skips the update and the schedule; Lamb with a device schedule reads nothing."""
     from bert.components import apply_update
-    from bert.device_reads import DeviceReads
+    from tools.device_reads import DeviceReads
 
     model = TinyNet()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)

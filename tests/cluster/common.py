@@ -6,10 +6,10 @@ import os
 import subprocess
 import time
 
-from launch.netns_cluster import Cluster
+from tests.cluster.netns_cluster import Cluster
 from tests.faults.common import ROOT, Job, clean_env, run_args
 
-NAME = "bct"  # prefix of the test cluster's namespaces (`python -m launch.netns_cluster` uses bcl)
+NAME = "bct"  # prefix of the test cluster's namespaces (`python -m tests.cluster.netns_cluster` uses bcl)
 SUBNET = "10.231.7"
 STEPS = ("train.max_steps=8", "checkpoint.interval_steps=3", "data.rebalance=balanced")
 CONFIG = os.path.join(ROOT, "launch", "configs", "cpu_demo.yaml")

@@ -1,4 +1,4 @@
-"""One cluster of 2 hosts (network namespaces, launch/netns_cluster.py) shared by every test in
+"""One cluster of 2 hosts (network namespaces, tests/cluster/netns_cluster.py) shared by every test in
 tests/cluster, the tiny training set on the shared filesystem, and the 1-rank reference losses
 that every multi-host run must reproduce.
 
@@ -15,7 +15,7 @@ import signal
 import pytest
 import torch
 
-from launch.netns_cluster import Cluster, missing_requirements
+from tests.cluster.netns_cluster import Cluster, missing_requirements
 from tests.batches import write_dataset
 from tests.cluster.common import NAME, STEPS, SUBNET, HostJobs
 from tests.faults.common import losses, run_in_process

@@ -1,12 +1,12 @@
 """The NIC choice that multi-node launches pass on (launch/distributed.py) and the pure parts of
-the network-namespace test cluster (launch/netns_cluster.py); no root needed."""
+the network-namespace test cluster (tests/cluster/netns_cluster.py); no root needed."""
 
 from __future__ import annotations
 
 import pytest
 
 from launch.distributed import LaunchError, chosen_interface, interface_address
-from launch.netns_cluster import Cluster, ClusterError
+from tests.cluster.netns_cluster import Cluster, ClusterError
 
 
 @pytest.mark.parametrize(

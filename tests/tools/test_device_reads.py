@@ -1,4 +1,4 @@
-"""bert.device_reads: each way a host reads a device tensor is counted, host tensors are not."""
+"""tools.device_reads: each way a host reads a device tensor is counted, host tensors are not."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from bert.device_reads import DeviceReads
+from tools.device_reads import DeviceReads
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,10 @@ can only travel between the hosts. Each host's ``/etc/hosts`` (``/etc/netns/<ns>
 mounted over it) names every host of the cluster, as on a real one; its resolv.conf is
 empty, so no name is ever looked up outside.
 
-    python -m launch.netns_cluster up --hosts 2          # prints the hosts and addresses
-    python -m launch.netns_cluster exec bcl-node1 -- hostname -I
-    python -m launch.netns_cluster shape --delay-ms 20 --rate-mbit 100   # a slow network, until Ctrl-C
-    python -m launch.netns_cluster down
+    python -m tests.cluster.netns_cluster up --hosts 2          # prints the hosts and addresses
+    python -m tests.cluster.netns_cluster exec bcl-node1 -- hostname -I
+    python -m tests.cluster.netns_cluster shape --delay-ms 20 --rate-mbit 100   # a slow network, until Ctrl-C
+    python -m tests.cluster.netns_cluster down
 
 ``up`` also writes an ssh stand-in (``<state dir>/rsh``: ``rsh HOST COMMAND...`` runs
 COMMAND with a shell on HOST) for Open MPI's ``plm_ssh_agent``. ``down`` kills every
@@ -194,7 +194,7 @@ class Cluster:
         # on HOST. Here HOST's namespace and hostname stand for the remote machine.
         lines = [
             "#!/bin/sh",
-            f"# ssh stand-in for the netns cluster {self.name!r} (launch/netns_cluster.py)",
+            f"# ssh stand-in for the netns cluster {self.name!r} (tests/cluster/netns_cluster.py)",
             "host=$1; shift",
             "case $host in",
         ]
@@ -273,7 +273,7 @@ class Cluster:
         argv = [
             sys.executable,
             "-m",
-            "launch.netns_cluster",
+            "tests.cluster.netns_cluster",
             "--name",
             self.name,
             "relay",
@@ -282,7 +282,7 @@ class Cluster:
             *(["--rate-mbit", f"{rate_mbit:g}"] if rate_mbit else []),
             *(f"h{i}" for i in range(self.hosts)),
         ]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self._relay = subprocess.Popen(
             ["ip", "netns", "exec", self.hub, *argv],
             cwd=root,
@@ -370,7 +370,7 @@ def _existing_hosts(name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.netns_cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.cluster.netns_cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", default="bcl", help="prefix of every namespace (default bcl)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="build the cluster (removing leftovers of the same name)")

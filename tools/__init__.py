@@ -1,0 +1,1 @@
+"""Developer and test tools, imported by tests/ and bench/ only, never by the application."""
