@@ -18,10 +18,10 @@ import sys
 
 import torch
 
-from tools.device_reads import DeviceReads
 from bert.train_config import load_config
 from bert.trainer import Trainer
 from launch.distributed import init_distributed
+from tools.device_reads import DeviceReads
 
 
 def device_tensors(trainer) -> list[torch.Tensor]:

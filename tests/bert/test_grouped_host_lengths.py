@@ -20,12 +20,12 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from bert.config import BertConfig  # noqa: E402
-from tools.device_reads import DeviceReads  # noqa: E402
 from bert.model import BertForPreTraining  # noqa: E402
 from data.collate import collate_unpadded  # noqa: E402
 from data.static_shapes import StaticShapes  # noqa: E402
 from data.synthetic import random_block  # noqa: E402
 from kernels.grouped import cached_plan, host_seqlens, note_host_seqlens, plan_groups  # noqa: E402
+from tools.device_reads import DeviceReads  # noqa: E402
 
 BUCKETS = (8, 16, 32)
 

@@ -247,9 +247,9 @@ def test_anchor_count_on_the_host_matches_simreg_loss():
 
 @pytest.mark.parametrize("scope", ["masked", "all"])
 def test_simreg_with_host_counts_is_the_same_and_reads_nothing(scope):
-    from tools.device_reads import DeviceReads
     from data.collate import collate_unpadded
     from data.synthetic import random_block
+    from tools.device_reads import DeviceReads
 
     block = random_block(6, seed=4, max_seq_length=40, max_predictions=8, vocab_size=10)
     batch = collate_unpadded(block)

@@ -15,9 +15,9 @@ import signal
 import pytest
 import torch
 
-from tests.cluster.netns_cluster import Cluster, missing_requirements
 from tests.batches import write_dataset
 from tests.cluster.common import NAME, STEPS, SUBNET, HostJobs
+from tests.cluster.netns_cluster import Cluster, missing_requirements
 from tests.faults.common import losses, run_in_process
 
 

@@ -14,11 +14,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import kernels.varlen_attention as va  # noqa: E402
-from tools.device_reads import DeviceReads  # noqa: E402
 from kernels.fused_ops import bias_dropout_add_layer_norm, bias_dropout_add_layer_norm_with_mask  # noqa: E402
 from kernels.runtime import draw_philox, philox_from, philox_state, seed_philox_  # noqa: E402
 from kernels.varlen_attention import Call, varlen_attention, varlen_attention_with_dropout_mask  # noqa: E402
 from tests.kernels.test_kernels_attention import make_inputs, masked_reference, run  # noqa: E402
+from tools.device_reads import DeviceReads  # noqa: E402
 
 LENGTHS, HEADS, DIM, P = [5, 37, 64], 2, 32, 0.3
 SEED = 2**40 + 17
