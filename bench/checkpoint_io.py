@@ -12,7 +12,6 @@ median seconds of each and the directory's ratio to the file (issue 32's goal: <
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -20,15 +19,13 @@ import tempfile
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bert import distributed_checkpoint as dc  # noqa: E402
-from bert import train_checkpoint as tc  # noqa: E402
-from bert.config import BertConfig  # noqa: E402
-from bert.model import BertForPreTraining  # noqa: E402
-from bert.optim import Lamb, param_groups_for  # noqa: E402
+from bert import distributed_checkpoint as dc
+from bert import train_checkpoint as tc
+from bert.config import BertConfig
+from bert.model import BertForPreTraining
+from bert.optim import Lamb, param_groups_for
 
 
 def main(argv=None) -> int:
