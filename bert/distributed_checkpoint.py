@@ -1,33 +1,25 @@
-"""Sharded training checkpoints: ``torch.distributed.checkpoint`` (DCP) directories that reshard.
+"""Sharded training checkpoints of earlier code: DCP directories, read into the single file's dict.
 
-The trainer writes one with ``optim.shard`` set (bert.sharded_optim): every rank writes the
-shards it holds of the weights and of LAMB's moments, so nothing is gathered to one rank, and
-a run resumes from it at any world size and any ``optim.shard`` (``none`` included): DCP reads
-into whatever layout the resuming run's tensors have. A checkpoint of step N is the directory
-``DIR/checkpoints/step_%08d/`` next to the single-file ``step_%08d.pt`` ones
-(bert.train_checkpoint, which lists, prunes and loads both kinds):
+Runs with ``optim.shard`` used to write ``torch.distributed.checkpoint`` (DCP) directories,
+``DIR/checkpoints/step_%08d/``; checkpoints are one file now (bert.train_checkpoint), and these
+directories still resume. One is
 
-    __<rank>_0.distcp   each rank's tensors (DCP's format: raw tensor records, read with
-                        ``torch.load(weights_only=True)``)
+    __<rank>_0.distcp   each rank's tensors (DCP's format: raw tensor records)
     .metadata           DCP's index of every tensor's shards
-    state.pt            rank 0: everything but the big tensors (counters, schedule, loader
-                        position, AdaGC, the optimizer's hyperparameters and step counts), in
+    state.pt            everything but the big tensors (counters, schedule, loader position,
+                        AdaGC, the optimizer's hyperparameters and step counts), in
                         bert.train_checkpoint's checksummed file format, plain data only
-    MANIFEST.json       written last: the byte count and SHA-256 of every other file
+    MANIFEST.json       the byte count and SHA-256 of every other file
 
-Publishing as a whole: all of it is written under ``.step_%08d.tmp/``; after every rank's shards
-are on disk (fsynced; DCP's save ends with a collective), rank 0 writes ``state.pt`` and the
-manifest, fsyncs, renames the directory to its final name and fsyncs the parent. A kill of any
-rank at any moment leaves at most the temporary directory, removed at the next start, and the
-previous checkpoints untouched. On load every file is checked against the manifest first; a
-directory without one, or whose files do not match it, is named and passed over like a damaged
-single-file checkpoint.
+``bert.train_checkpoint.read`` checks the manifest and gives ``state.pt`` with ``"sharded":
+path``; ``whole_state`` turns that into what a single file holds, whole tensors read from the
+shards, and the one restore path takes it from there.
 
 Safety: no checkpoint file may run code. DCP pickles ``.metadata`` and would unpickle it
 with ``pickle.load``: here a restricted unpickler builds only DCP's own metadata classes,
 ``torch.Size``, dtypes and layouts, and refuses every other global without calling it.
 Tensor records are read with ``weights_only=True``; DCP's "bytes" entries (arbitrary
-objects, which DCP loads with ``weights_only=False``) are never written, and metadata that
+objects, which DCP loads with ``weights_only=False``) were never written, and metadata that
 declares one is refused (``BytesStorageMetadata`` is not among the classes built).
 """
 
@@ -35,71 +27,17 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from bert.checkpoint import CheckpointError, plain_data_problem
-from bert.train_checkpoint import (
-    MANIFEST,
-    STATE,
-    CheckpointWriteError,
-    checkpoint_dir,
-    temporary_dir,
-    write_file,
-    write_manifest,
-)
-from fileio import publish
+from bert.checkpoint import CheckpointError
 
-__all__ = ["MANIFEST", "STATE", "checkpoint_dir", "load_tensors", "save", "tensor_shapes", "training_tensors"]
-
-
-class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer (fsyncs every file it writes); a class of its own so that the fault
-    tests can stop a rank in the middle of its shards (tests/faults/fault_worker.py)."""
-
-
-def save(directory: str, step: int, tensors: dict[str, Tensor], state: dict, is_main: bool) -> str:
-    """Write the checkpoint of ``step``; every rank of the default group calls it. Returns its path.
-
-    ``tensors``: flat names -> tensors (DTensors write their local shards, plain tensors are
-    written once); ``state``: plain data, written by rank 0 (``is_main``). Raises
-    ``CheckpointWriteError`` where a write failed (on every rank when DCP's part failed; on
-    rank 0 alone when its own files did: the trainer all-reduces the outcome).
-    """
-    problem = plain_data_problem(state)
-    if problem:
-        raise TypeError(f"checkpoint state of step {step}: {problem}")
-    final, tmp = checkpoint_dir(directory, step), temporary_dir(directory, step)
-    if is_main:
-        # A failed earlier attempt at this step leaves its files: DCP writes the same names,
-        # and rank 0 clears them before it takes part in DCP's planning (no rank writes
-        # before the plan is agreed).
-        shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        dcp.save(tensors, storage_writer=_Writer(tmp, sync_files=True))
-    except (CheckpointException, OSError) as e:
-        # DCP gathers every rank's write errors into one CheckpointException, raised on every
-        # rank; a peer that died is a communication failure instead, left to the caller's guard.
-        raise CheckpointWriteError(f"{final}: cannot write the checkpoint's shards ({_first_line(e)})") from None
-    if not is_main:
-        return final
-    try:
-        write_file(os.path.join(tmp, STATE), state)
-        write_manifest(tmp, step)
-        if os.path.isdir(final):  # a re-save of the same step (a resumed run's first save)
-            shutil.rmtree(final)
-        publish(tmp, final)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(f"{final}: cannot write the checkpoint ({e.strerror or e})") from None
-    return final
+__all__ = ["load_tensors", "read_metadata", "tensor_shapes", "whole_state"]
 
 
 def _first_line(e: BaseException) -> str:
@@ -190,40 +128,51 @@ def load_tensors(path: str, tensors: dict[str, Tensor]) -> None:
         raise CheckpointError(f"{path}: cannot read the shards ({_first_line(e)})") from None
 
 
-# ---- what a sharded checkpoint holds ----------------------------------------------------------
+# ---- an earlier code's sharded checkpoint as the single file's dict -----------------------------
 
 
-def training_tensors(model: torch.nn.Module, optimizer) -> dict[str, Tensor]:
-    """The big tensors by name: ``model/<name>`` (the model's state dict) and
-    ``optim/<parameter name>/<moment>`` (LAMB's moments, created as zeros where a parameter has
-    none yet, so that a checkpoint can be loaded into them). Names, not optimizer indices, key
-    the moments, so they reshard like the weights."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in optimizer.init_state(p).items():
-                if isinstance(value, Tensor) and value.dim():
-                    tensors[f"optim/{names[id(p)]}/{key}"] = value
-    return tensors
+def whole_state(saved: dict, model: torch.nn.Module, optimizer=None) -> dict:
+    """``saved`` (what ``bert.train_checkpoint.read`` gives for a directory) as the dict a single
+    file holds: the model's whole tensors by name and, with ``optimizer`` (LAMB), its moments
+    keyed by index into ``optimizer``'s parameter groups (the directory keys them by parameter
+    name). Tensors are allocated in this run's shapes after the metadata's were checked against
+    them (CheckpointError naming what does not fit); every rank of the default group calls it."""
+    from bert.train_checkpoint import refuse_if
 
-
-def optimizer_groups(optimizer) -> list[dict]:
-    """The optimizer's hyperparameters and step counts per group (plain data, for ``state.pt``)."""
-    return [
-        {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in g.items() if k != "params"}
-        | {"size": len(g["params"])}
-        for g in optimizer.param_groups
-    ]
-
-
-def load_optimizer_groups(optimizer, groups: list[dict]) -> None:
-    """Restore what ``optimizer_groups`` saved; CheckpointError when the groups do not match."""
-    sizes = [g.get("size") for g in groups]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
-        raise CheckpointError(
-            f"the optimizer state has parameter groups of sizes {sizes}, this optimizer "
-            f"{[len(g['params']) for g in optimizer.param_groups]}"
-        )
-    for group, saved in zip(optimizer.param_groups, groups):
-        group.update({k: v for k, v in saved.items() if k != "size"})
+    path = saved["sharded"]
+    shapes = tensor_shapes(path)
+    ours = {f"model/{k}": v for k, v in model.state_dict().items()}
+    moments: dict[str, tuple[int, str]] = {}  # "optim/<name>/<moment>" -> (index, moment)
+    if optimizer is not None:
+        groups = saved.get("optimizer_groups")
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise CheckpointError("no 'optimizer_groups' state")
+        names = {id(p): n for n, p in model.named_parameters()}
+        for index, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+            for moment in ("exp_avg", "exp_avg_sq"):
+                key = f"optim/{names[id(p)]}/{moment}"
+                if key in shapes:
+                    ours[key], moments[key] = p, (index, moment)
+    problems = [f"unexpected {k[6:]}" for k in shapes if k.startswith("model/") and k not in ours]
+    for key, target in ours.items():
+        if key in shapes and shapes[key] != (tuple(target.shape), target.dtype):
+            shape, dtype = shapes[key]
+            problems.append(f"{key} is {dtype} {shape}, this run has {target.dtype} {tuple(target.shape)}")
+    refuse_if("the checkpoint's tensors do not fit this run", problems)
+    whole = {k: torch.empty(tuple(t.shape), dtype=t.dtype) for k, t in ours.items() if k in shapes}
+    load_tensors(path, whole)
+    state = {k: v for k, v in saved.items() if k not in ("sharded", "optimizer_groups")}
+    state["model"] = {k[6:]: v for k, v in whole.items() if k.startswith("model/")}
+    if optimizer is not None:
+        param_groups, start = [], 0
+        for g in groups:
+            size = g.get("size")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise CheckpointError(f"optimizer_groups: a group's size is {size!r}, not an integer >= 0")
+            hyper = {k: v for k, v in g.items() if k != "size"}
+            param_groups.append(hyper | {"params": list(range(start, start + size))})
+            start += size
+        state["optimizer"] = {"state": {}, "param_groups": param_groups}
+        for key, (index, moment) in moments.items():
+            state["optimizer"]["state"].setdefault(index, {})[moment] = whole[key]
+    return state

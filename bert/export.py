@@ -2,9 +2,8 @@
 
 The hand-off from pretraining to fine-tuning. Reads the newest checkpoint of
 ``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint NAME``: a name there such as
-``step_00001500.pt`` or, from a sharded run, the directory ``step_00001500``, a step number,
-or a path; a sharded checkpoint's shards are read into whole tensors), rebuilds the model from the config stored in
-it, and writes:
+``step_00001500.pt`` or an earlier code's sharded directory ``step_00001500``, a step number,
+or a path), rebuilds the model from the config stored in it, and writes:
 
     config.json, model.safetensors        bert.checkpoint.export_hf (BertForPreTraining names)
     vocab.txt                             the run's data.vocab_file (or --vocab)
@@ -93,12 +92,11 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
         raise ExportError(f"the run's data.vocab_file {vocab!r} is not a file here: give --vocab PATH")
     model = BertForPreTraining(model_config)
     try:
-        if "sharded" in state:  # a directory of shards (optim.shard): gathered into whole tensors here
-            from bert.distributed_checkpoint import load_tensors
+        if "sharded" in state:  # an earlier code's directory of shards: read into whole tensors
+            from bert.distributed_checkpoint import whole_state
 
-            load_tensors(state["sharded"], {f"model/{k}": v for k, v in model.state_dict().items()})
-        else:
-            model.load_state_dict(state["model"])
+            state = whole_state(state, model)
+        model.load_state_dict(state["model"])
     except CheckpointError as e:
         raise ExportError(str(e)) from None
     except RuntimeError as e:

@@ -1,36 +1,20 @@
-"""Training checkpoints on disk: written atomically, checksummed, verified on load.
+"""Training checkpoints: one checksummed file per step, one writer, one restore path.
 
-The trainer (rank 0) saves ``DIR/checkpoints/step_%08d.pt`` every ``checkpoint.interval_steps``
-and on SIGTERM; every rank resumes from the newest one that verifies. A file is the
-``torch.save`` of the training state followed by a fixed-size trailer,
+The job: ``write_checkpoint`` saves the run's state as ``DIR/checkpoints/step_%08d.pt`` (rank 0
+writes; a sharded run's tensors are gathered whole first), ``find_checkpoint`` finds the newest
+one that verifies and every rank agrees on, and ``resume`` restores it into the run's parts
+(whole or sharded, any world size), or the next older one when it does not fit.
 
-    \\nBERT-CHECKPOINT sha256=<64 hex digits> size=<16 digits>\\n
-
-the SHA-256 and byte count of everything before it (``torch.load`` reads the file as it is;
-``head -c -111 FILE | sha256sum`` checks it by hand).
-
-Writing: the state is streamed to ``.step_%08d.pt.tmp`` while it is hashed, the trailer is
-appended, the file fsynced, renamed into place and the directory fsynced; only then are
-checkpoints beyond ``keep`` removed, oldest first. So a file under a final name is always
-complete, a kill at any moment leaves at most a temporary file (removed at the next start),
-and the previous checkpoints are never touched by a write that does not finish. A write that
-fails (no space, no permission, an I/O error) removes its temporary file and raises
-``CheckpointWriteError``; the trainer reports it and goes on or stops (``checkpoint.on_error``).
-
-Loading: newest first. A file without a valid trailer (cut short), whose checksum does not
-match (damaged), or that torch cannot read is named in a warning and the next older one is
-tried; when every checkpoint is damaged the run stops with ``CheckpointError`` rather than
-silently starting over.
-
-Safety: a checksum detects damage, not intent, and checkpoints travel between people and
-clusters, so reading one never runs code. The state is plain data: tensors, numbers,
-strings, lists, tuples and dicts (``save`` refuses anything else), and ``read`` unpickles
-with ``torch.load(weights_only=True)``, which builds only those (and refuses, without
-calling it, any other global a file names). A file that needs anything else, compresses a
-record (a small file that inflates to gigabytes), or holds a value that is not plain data
-is refused like a damaged one: one line naming the file and what it holds, then the next
-older checkpoint. The caller's ``accept`` (the trainer's shape and dtype checks against the
-model) refuses the same way.
+The contract: a file is the ``torch.save`` of plain data (tensors, numbers, strings, lists,
+dicts) followed by the trailer ``\\nBERT-CHECKPOINT sha256=<64 hex> size=<16 digits>\\n`` (the
+SHA-256 and size of what comes before; ``head -c -111 FILE | sha256sum`` checks it). It is
+streamed to ``.step_%08d.pt.tmp``, fsynced and renamed over its final name, so a final name
+always holds a complete file and a re-save of a step replaces it in one rename; checkpoints
+beyond ``keep`` are removed only after that. A failed write leaves no temporary file and raises
+``CheckpointWriteError``. Reading never runs code (``torch.load(weights_only=True)``, no
+compressed records); a damaged or refused file is named and the next older one tried. Sharded
+directories of earlier code (``step_%08d/``, bert.distributed_checkpoint) are read into the same
+dict. Why one file, and its cost: docs/sharding.md; the fault cases: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -44,15 +28,22 @@ import shutil
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from bert.checkpoint import CheckpointError, plain_data_problem, safe_torch_load
-from fileio import file_digest, publish, write_text
+from bert.collectives import Collectives
+from bert.sharded_optim import ShardedLamb, reshard
+from bert.train_state import TrainState
+from fileio import file_digest, publish
 
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
 _TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
 TRAILER_BYTES = len(_TRAILER_PREFIX) + 64 + len(b" size=") + 16 + 1
-_NAME_RE = re.compile(r"step_(\d{8,})(\.pt)?\Z")  # a file, or a sharded checkpoint's directory
+_NAME_RE = re.compile(r"step_(\d{8,})(\.pt)?\Z")  # a file, or an earlier sharded checkpoint's directory
 _READ_CHUNK = 1 << 22
+
+# The entries a training checkpoint must hold (``to_checkpoint``).
+REQUIRED_PARTS = ("model", "optimizer", "schedule", "loader", "counters")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -63,10 +54,8 @@ def checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:08d}.pt")
 
 
-# A sharded checkpoint (bert.distributed_checkpoint) is a directory: DCP's files, rank 0's
-# STATE (this module's file format) and, written last, MANIFEST (every other file's size and
-# SHA-256). Its format is checked here, with the files', so that listing, pruning, cleaning
-# and verifying know both kinds; the tensors are DCP's to read.
+# An earlier code's sharded checkpoint is a directory: DCP's files, rank 0's STATE (this
+# module's file format) and MANIFEST (every other file's size and SHA-256), written last.
 MANIFEST = "MANIFEST.json"
 STATE = "state.pt"
 _DIR_FORMAT = "bert-sharded-checkpoint/1"
@@ -76,24 +65,10 @@ def checkpoint_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:08d}")
 
 
-def temporary_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, f".step_{step:08d}.tmp")
-
-
-def write_manifest(path: str, step: int) -> None:
-    """MANIFEST of the directory ``path``: the byte count and SHA-256 of every other file in it."""
-    digests = {}
-    for name in sorted(n for n in os.listdir(path) if n != MANIFEST):
-        file = os.path.join(path, name)
-        digests[name] = {"bytes": os.path.getsize(file), "sha256": file_digest(file, "sha256")}
-    manifest = {"format": _DIR_FORMAT, "step": step, "files": digests}
-    write_text(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
-
-
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     """(step, path) of every ``step_*.pt`` file and sharded ``step_*`` directory under its final
-    name, oldest first (a step saved both ways, by runs with different ``optim.shard``: the
-    directory sorts after the file, so it is the one tried first)."""
+    name, oldest first (a step saved both ways: the directory sorts after the file, so it is
+    the one tried first)."""
     found = []
     for path in glob.glob(os.path.join(glob.escape(directory), "step_*")):
         m = _NAME_RE.match(os.path.basename(path))
@@ -102,15 +77,20 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     return [(step, path) for step, _, path in sorted(found)]
 
 
+def _remove(path: str) -> None:
+    """Remove a file, a link (never what it points to) or a directory tree."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
 def remove_temporaries(directory: str) -> list[str]:
-    """Delete the temporary files and directories of writes that were killed; returns their names."""
+    """Delete what killed writes left (``.step_*.tmp`` files, directories or links); returns their names."""
     removed = []
     for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.tmp")):
         try:
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+            _remove(path)
             removed.append(os.path.basename(path))
         except FileNotFoundError:
             pass
@@ -152,8 +132,8 @@ def save(directory: str, step: int, state: dict, keep: int) -> str:
     """Write ``state`` as the checkpoint of ``step`` and keep the newest ``keep``; returns its path.
 
     ``state`` must be plain data (TypeError otherwise: a bug, since ``read`` would refuse the
-    file). Raises CheckpointWriteError (the temporary file removed, older checkpoints
-    untouched) when the file system refuses the write.
+    file). Raises CheckpointWriteError (no temporary file left, older checkpoints untouched)
+    when the file system refuses the write.
     """
     problem = plain_data_problem(state)
     if problem:
@@ -169,24 +149,27 @@ def write(directory: str, step: int, state, keep: int) -> str:
 
 
 def prune(directory: str, keep: int) -> None:
-    """Remove the checkpoints (files and sharded directories) beyond the newest ``keep``."""
+    """Remove the checkpoints beyond the newest ``keep``."""
     for _, old in list_checkpoints(directory)[:-keep]:
         try:
-            if os.path.isdir(old):
-                shutil.rmtree(old)
-            else:
-                os.remove(old)
+            _remove(old)
         except OSError:
             pass  # an old checkpoint that cannot be removed costs space, not correctness
 
 
 def write_file(path: str, state) -> str:
-    """One checksummed file at ``path``: streamed to ``.NAME.tmp`` beside it, fsynced, renamed."""
+    """One checksummed file at ``path``: streamed to ``.NAME.tmp`` beside it, fsynced and renamed
+    over ``path`` (so an existing ``path`` is replaced whole, never removed first). Whatever
+    fails, the temporary file is gone afterwards; an OS error is CheckpointWriteError."""
     directory = os.path.dirname(path)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
     fd = -1
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.remove(tmp)  # a killed earlier write's (or a link): never written through
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
         sink = _HashingSink(fd, tmp)
         try:
             torch.save(state, sink)
@@ -201,13 +184,15 @@ def write_file(path: str, state) -> str:
         os.close(fd)
         fd = -1
         publish(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         if fd >= 0:
             os.close(fd)
         try:
             os.remove(tmp)
         except OSError:
             pass
+        if not isinstance(e, OSError):
+            raise
         what = e.strerror or str(e)
         raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({what})") from None
     return path
@@ -346,3 +331,214 @@ def load_latest(
             f"move them away to start the run over"
         )
     return None
+
+
+# ---- the run's state: one writer, one restore path ---------------------------------------------
+
+
+def to_checkpoint(state: TrainState, parts: dict, loader: dict, config: dict) -> dict:
+    """What a training checkpoint holds: ``parts`` (model, optimizer, schedule, adagc, scaler;
+    None for a part the run has not) by their state dicts, the loader's position, the
+    counters and the run's config (for ``bert.export``)."""
+    states = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
+    return {**states, "loader": loader, "counters": state.counters(), "config": config}
+
+
+def _gathered(value, keep: bool):
+    """``value`` with every DTensor in it gathered whole onto the CPU, where ``keep`` (None in
+    its place elsewhere). A collective: every rank walks the same structure in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        whole = value.full_tensor()
+        return whole.cpu() if keep else None
+    if isinstance(value, dict):
+        return {k: _gathered(v, keep) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_gathered(v, keep) for v in value)
+    return value
+
+
+def write_checkpoint(
+    directory: str, state: TrainState, parts: dict, loader: dict, cfg, coll: Collectives
+) -> str | None:
+    """Write the step's checkpoint, one file, on rank 0; returns the error the file system gave
+    there, else None (the caller agrees the outcome over the ranks). A sharded run
+    (``optim.shard``) first gathers its tensors whole, every rank taking part. The newest
+    ``cfg.checkpoint.keep`` are kept."""
+    is_main, sharded = coll.rank == 0, isinstance(parts["optimizer"], ShardedLamb)
+    if not (is_main or sharded):
+        return None
+    if sharded:
+        reshard(parts["model"])  # the DTensors the optimizer holds are the model's parameters again
+    checkpoint = to_checkpoint(state, parts, loader, cfg.to_dict())
+    if sharded:
+        with coll.guard("the checkpoint's gather", state.step):
+            checkpoint = _gathered(checkpoint, is_main)
+    if not is_main:
+        return None
+    try:
+        save(directory, state.step, checkpoint, cfg.checkpoint.keep)
+    except CheckpointWriteError as e:
+        return str(e)
+    return None
+
+
+def find_checkpoint(directory: str, coll: Collectives, device: torch.device, warn) -> tuple[str, dict] | None:
+    """The newest checkpoint in ``directory`` that verifies (damaged ones are named to ``warn``
+    and passed over), as (path, state), after rank 0 removed unfinished writes; checks that
+    every rank found the same step (CheckpointError). None: start fresh."""
+    if coll.rank == 0 and os.path.isdir(directory):
+        for name in remove_temporaries(directory):
+            warn(f"removed {name}, the unfinished write of a killed run")
+    # The model does not exist yet (the seed it is built with may come from the checkpoint):
+    # whether the state fits it is checked when it is loaded (check_fits).
+    found = load_latest(directory, warn=warn) if os.path.isdir(directory) else None
+    step = found[1]["counters"]["step"] if found is not None else 0
+    # Ranks that see different checkpoint directories (node-local disks) would diverge silently.
+    steps = coll.all_reduce(torch.tensor([step, -step], device=device), "the resume check", step, op=dist.ReduceOp.MAX)
+    if int(steps[0]) != -int(steps[1]):
+        raise CheckpointError(
+            f"{directory}: the ranks resumed from different steps ({-int(steps[1])} to "
+            f"{int(steps[0])}; rank {coll.rank} from {step}): every rank must see the "
+            f"same checkpoints"
+        )
+    return found
+
+
+def resume(found: tuple[str, dict], directory: str, parts: dict, warn) -> tuple[TrainState, dict]:
+    """Restore ``found`` (path, state) into ``parts``; a checkpoint that does not fit this run is
+    refused like a damaged one (named to ``warn``) and the next older one in ``directory`` is
+    tried (CheckpointError when none is left). Returns its counters and its loader position."""
+    path, saved = found
+    try:
+        return restore(saved, parts), saved["loader"]
+    except CheckpointError as e:
+        warn(f"warning: {path}: {e}; trying the previous checkpoint")
+    restored: list[TrainState] = []
+
+    def accept(state: dict) -> None:  # CheckpointError refuses it
+        restored.append(restore(state, parts))
+
+    older = load_latest(directory, warn=warn, accept=accept, older_than=path)
+    if older is None:
+        raise CheckpointError(
+            f"every checkpoint in {directory} is damaged or refused ({path} does "
+            f"not fit this run); move them away to start the run over"
+        )
+    return restored[-1], older[1]["loader"]
+
+
+def restore(saved: dict, parts: dict) -> TrainState:
+    """Check ``saved`` against this run's ``parts`` (as for ``to_checkpoint``), load it into
+    them and return its counters; CheckpointError when it does not fit (parts loaded before
+    the failing one are overwritten by the next checkpoint tried). The loader's position
+    (``saved["loader"]``) is the caller's to apply, once the data is open.
+
+    The saved tensors are whole; a sharded run keeps its part of each (``_load_into_shards``),
+    so a checkpoint resumes at any world size and any ``optim.shard``. An earlier code's
+    sharded directory is first read into the same dict (bert.distributed_checkpoint)."""
+    model, optimizer = parts["model"], parts["optimizer"]
+    if "sharded" in saved:
+        from bert.distributed_checkpoint import whole_state
+
+        saved = whole_state(saved, model, optimizer)
+    state = check_fits(saved, model, optimizer)
+    sharded = isinstance(optimizer, ShardedLamb)
+    try:
+        # Each part's load_state_dict checks its input before changing anything.
+        for name in ("adagc", "scaler"):
+            if parts[name] is not None and saved.get(name):
+                parts[name].load_state_dict(saved[name])
+        parts["schedule"].load_state_dict(saved["schedule"])
+        if not sharded:
+            optimizer.load_state_dict(saved["optimizer"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # DataError is a ValueError
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"does not fit this run ({first})") from None
+    if sharded:
+        _load_into_shards(saved, model, optimizer)
+    else:
+        model.load_state_dict(saved["model"])
+    return state
+
+
+def _load_into_shards(saved: dict, model: torch.nn.Module, optimizer) -> None:
+    """Whole tensors (moments keyed by index, as ``check_fits`` checked) into this run's DTensor
+    shards: each rank keeps its own part of every tensor (no communication: every rank read
+    the file). Moments the saved run had not created yet stay zeros, as LAMB starts them."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for group, kept in zip(optimizer.param_groups, saved["optimizer"]["param_groups"]):
+        group.update({k: v for k, v in kept.items() if k != "params"})
+    indices = (i for g in saved["optimizer"]["param_groups"] for i in g["params"])
+    params = dict(zip(indices, (p for g in optimizer.param_groups for p in g["params"])))
+    pairs = [(target, saved["model"][k]) for k, target in model.state_dict().items()]
+    for p in params.values():
+        optimizer.init_state(p)
+    for index, moments in saved["optimizer"]["state"].items():
+        ours = optimizer.state[params[index]]
+        pairs += [(ours[k], v) for k, v in moments.items() if isinstance(ours.get(k), torch.Tensor)]
+    with torch.no_grad():
+        for target, value in pairs:
+            value = value.to(target.device, target.dtype)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(value.to_local())
+            else:
+                target.copy_(value)
+
+
+def check_fits(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    """Refuse (CheckpointError) a state whose parts are missing or whose tensors do not fit
+    ``model`` and ``optimizer``; returns its counters as a ``TrainState``."""
+    for key in REQUIRED_PARTS:
+        if not isinstance(state.get(key), dict):
+            raise CheckpointError(f"no {key!r} state")
+    _check_model(model.state_dict(), state["model"])
+    _check_optimizer(optimizer.param_groups, state["optimizer"])
+    return TrainState.from_counters(state["counters"])
+
+
+def _check_model(ours: dict, theirs: dict) -> None:
+    problems = [f"missing {k}" for k in ours if k not in theirs]
+    problems += [f"unexpected {k}" for k in theirs if k not in ours]
+    for k, t in theirs.items():
+        want = ours.get(k)
+        if want is not None and (not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype):
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            problems.append(f"{k} is {got}, the model has {want.dtype} {tuple(want.shape)}")
+    refuse_if("the model weights do not fit this model", problems)
+
+
+def refuse_if(what: str, problems: list[str]) -> None:
+    """CheckpointError naming the first four problems (and how many more), when there are any."""
+    if problems:
+        raise CheckpointError(
+            f"{what} ({'; '.join(problems[:4])}" + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + ")"
+        )
+
+
+def _check_optimizer(groups: list[dict], saved: dict) -> None:
+    try:
+        sizes = [len(g["params"]) for g in saved["param_groups"]]
+        params = dict(
+            zip((i for g in saved["param_groups"] for i in g["params"]), (p for g in groups for p in g["params"]))
+        )
+        moments = dict(saved["state"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError("the optimizer state is not param_groups with params, and state") from None
+    if sizes != [len(g["params"]) for g in groups]:
+        raise CheckpointError(
+            f"the optimizer state has parameter groups of sizes {sizes}, this optimizer "
+            f"{[len(g['params']) for g in groups]}"
+        )
+    for i, entry in moments.items():
+        if i not in params or not isinstance(entry, dict):
+            raise CheckpointError(f"the optimizer state names parameter {i!r}, which it has no group for")
+        for name, t in entry.items():
+            if isinstance(t, torch.Tensor) and t.dim() and (t.shape != params[i].shape or not t.is_floating_point()):
+                raise CheckpointError(
+                    f"the optimizer's {name} of parameter {i} is {t.dtype} {tuple(t.shape)}, "
+                    f"the parameter {params[i].dtype} {tuple(params[i].shape)}"
+                )

@@ -2,7 +2,7 @@
 
 ``Trainer(cfg, output_dir, dist_info).train()`` builds the parts from their config sections
 (``bert.components``), resumes from ``output_dir/checkpoints`` when a checkpoint is there
-(``bert.train_state``: the counters, saved, checked and restored in one place), and runs:
+(``bert.train_checkpoint``: one writer, one restore path), and runs:
 
     for each global step:
         train_step       this rank's samples -> micro-batches -> forward_backward
@@ -10,8 +10,7 @@
         optimizer_step   clip -> non-finite check on the device (skip and count) -> LAMB -> LR schedule
         evaluate         every eval.interval_samples: masked-LM accuracy over the eval set
         save_checkpoint  every checkpoint.interval_steps, and when SIGTERM asked to stop
-                         (bert.train_checkpoint: atomic, checksummed, the newest good one resumed;
-                         with optim.shard every rank writes its shards, bert.distributed_checkpoint)
+                         (bert.train_checkpoint: one checksummed file, the newest good one resumed)
 
 reporting what it does through ``bert.reporting`` (MLPerf hyper-parameters, metrics records,
 the summary). A steady-state step reads nothing back from the device (docs/step.md): its
@@ -47,8 +46,9 @@ from bert.losses import pretraining_loss, simreg_loss
 from bert.metrics import Progress
 from bert.sharded_optim import apply_sharding, reshard
 from bert.step_metrics import DeviceCounters
+from bert.train_checkpoint import find_checkpoint, resume, write_checkpoint
 from bert.train_config import RunConfig, eval_interval
-from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, seed_step, write_checkpoint
+from bert.train_state import TrainState, resolve_seed, seed_step
 from data.batch import PackedBatch
 from data.packing import unpack
 from data.samples import SampleBlock
@@ -481,9 +481,7 @@ class Trainer:
         # The rebalancer has already drawn the next step's samples from the loader: the
         # position to resume at is the number of steps trained.
         loader = {**self.train_loader.state_dict(), "step": self.state.step}
-        error = write_checkpoint(
-            self._checkpoint_dir(), self.state, self.parts, loader, self.cfg, self.coll, self.is_main, self.sharding
-        )
+        error = write_checkpoint(self._checkpoint_dir(), self.state, self.parts, loader, self.cfg, self.coll)
         failed = self.coll.all_reduce(
             torch.tensor([int(error is not None)], device=self.device), "the checkpoint commit", self.state.step
         )

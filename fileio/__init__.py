@@ -100,22 +100,43 @@ def publishing(path: str | os.PathLike, suffix: str | None = None) -> Iterator[P
 @contextlib.contextmanager
 def publishing_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a new empty directory beside ``path``; fill it. On a clean exit it replaces
-    ``path`` (an existing ``path`` is removed first: a directory cannot be renamed over a
-    full one); on an error it is removed and ``path`` is left as it was."""
+    ``path``, never removing the old one first: the old is renamed to ``.NAME.old``, the new
+    one into place, then the old removed. A kill between the two renames leaves the old one
+    as ``.NAME.old``, which the next ``publishing_dir(path)`` puts back before anything else.
+    On an error the new directory is removed and ``path`` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.with_name(f".{path.name}.old")
+    if os.path.lexists(old):
+        if os.path.lexists(path):
+            _remove_tree(old)  # the swap had finished: the leftover is the replaced one
+        else:
+            os.replace(old, path)  # killed between the renames: the old one is the last good one
     tmp = _temp_name(path, "")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed process that had this pid
     tmp.mkdir()
     try:
         yield tmp
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-        publish(tmp, path)
+        moved = os.path.lexists(path)
+        if moved:
+            os.replace(path, old)
+        try:
+            publish(tmp, path)
+        except BaseException:
+            if moved and not os.path.lexists(path):
+                os.replace(old, path)
+            raise
+        _remove_tree(old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a directory tree, a file or a link (never what a link points to), if there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -1,4 +1,5 @@
-"""bert.distributed_checkpoint in one process: round trip, manifest checks, and files that must not run code."""
+"""bert.distributed_checkpoint in one process: an earlier code's sharded directory (written as it
+wrote them, tests/bert/old_checkpoints.py) read back, manifest checks, and files that must not run code."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from bert.config import BertConfig
 from bert.model import BertForPreTraining
 from bert.optim import Lamb, param_groups_for
 from fileio import file_digest
+from tests.bert.old_checkpoints import optimizer_groups, training_tensors, write_old_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
@@ -37,36 +39,38 @@ def trained(seed: int = 0):
 
 
 def save(directory, step, model, optimizer):
-    state = {"counters": {"step": step}, "optimizer_groups": dc.optimizer_groups(optimizer)}
-    return dc.save(str(directory), step, dc.training_tensors(model, optimizer), state, is_main=True)
+    state = {"counters": {"step": step}, "optimizer_groups": optimizer_groups(optimizer.param_groups)}
+    return write_old_checkpoint(directory, step, training_tensors(model, optimizer), state)
 
 
 def rewrite_manifest(path):
     """What someone who edits a file can also do: make the manifest match it again."""
-    with open(os.path.join(path, dc.MANIFEST)) as f:
+    with open(os.path.join(path, tc.MANIFEST)) as f:
         manifest = json.load(f)
     for name, entry in manifest["files"].items():
         entry["bytes"] = os.path.getsize(os.path.join(path, name))
         entry["sha256"] = file_digest(os.path.join(path, name), "sha256")
-    with open(os.path.join(path, dc.MANIFEST), "w") as f:
+    with open(os.path.join(path, tc.MANIFEST), "w") as f:
         json.dump(manifest, f)
 
 
 def test_round_trip_restores_every_tensor_and_the_step_count(tmp_path):
+    """The directory read as the single file's dict (``whole_state``) restores every tensor."""
     model, optimizer = trained()
     path = save(tmp_path, 3, model, optimizer)
-    assert sorted(os.listdir(path)) == sorted([".metadata", "__0_0.distcp", dc.STATE, dc.MANIFEST])
+    assert sorted(os.listdir(path)) == sorted([".metadata", "__0_0.distcp", tc.STATE, tc.MANIFEST])
     assert tc.list_checkpoints(str(tmp_path)) == [(3, path)]
     state = tc.read(path)
     assert state["sharded"] == path and state["counters"]["step"] == 3
     other, other_opt = model_and_optimizer(seed=1)
-    targets = dc.training_tensors(other, other_opt)
-    dc.load_tensors(path, targets)
-    dc.load_optimizer_groups(other_opt, state["optimizer_groups"])
-    saved = dc.training_tensors(model, optimizer)
-    assert saved.keys() == targets.keys() and any(k.endswith("/exp_avg_sq") for k in saved)
+    whole = dc.whole_state(state, other, other_opt)
+    assert whole["optimizer"]["param_groups"][0]["params"] == list(range(len(optimizer.param_groups[0]["params"])))
+    other.load_state_dict(whole["model"])
+    other_opt.load_state_dict(whole["optimizer"])
+    saved, got = training_tensors(model, optimizer), training_tensors(other, other_opt)
+    assert saved.keys() == got.keys() and any(k.endswith("/exp_avg_sq") for k in saved)
     for key, value in saved.items():
-        assert torch.equal(value, targets[key]), key
+        assert torch.equal(value, got[key]), key
     assert [g["step"] for g in other_opt.param_groups] == [1, 1]
     shapes = dc.tensor_shapes(path)
     assert shapes["model/embeddings.word.weight"] == ((96, 128), torch.float32)
@@ -85,7 +89,7 @@ def test_a_file_and_a_directory_are_listed_and_pruned_together(tmp_path):
 def test_an_unfinished_write_is_not_a_checkpoint_and_is_removed(tmp_path):
     model, optimizer = trained()
     path = save(tmp_path, 2, model, optimizer)
-    os.rename(path, dc.temporary_dir(str(tmp_path), 2))
+    os.rename(path, os.path.join(tmp_path, ".step_00000002.tmp"))
     assert tc.list_checkpoints(str(tmp_path)) == []
     assert tc.remove_temporaries(str(tmp_path)) == [".step_00000002.tmp"]
     assert os.listdir(tmp_path) == []
@@ -94,10 +98,10 @@ def test_an_unfinished_write_is_not_a_checkpoint_and_is_removed(tmp_path):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda p: os.remove(os.path.join(p, dc.MANIFEST)), "no MANIFEST.json"),
+        (lambda p: os.remove(os.path.join(p, tc.MANIFEST)), "no MANIFEST.json"),
         (lambda p: os.remove(os.path.join(p, "__0_0.distcp")), "__0_0.distcp is missing"),
         (lambda p: open(os.path.join(p, "__0_0.distcp"), "r+b").write(b"\0\0\0\0"), "checksum mismatch"),
-        (lambda p: open(os.path.join(p, dc.STATE), "ab").write(b"x"), "the manifest records"),
+        (lambda p: open(os.path.join(p, tc.STATE), "ab").write(b"x"), "the manifest records"),
     ],
 )
 def test_damage_is_detected_and_named(tmp_path, damage, message):
@@ -122,7 +126,7 @@ def test_metadata_that_would_run_code_is_refused_without_running_it(tmp_path):
     rewrite_manifest(path)
     tc.read(path)  # the manifest and state.pt are fine: the metadata is only unpickled on load
     with pytest.raises(CheckpointError, match=r"refused posix\.system"):
-        dc.load_tensors(path, dc.training_tensors(*model_and_optimizer(1)))
+        dc.load_tensors(path, training_tensors(*model_and_optimizer(1)))
     with pytest.raises(CheckpointError, match="refused"):
         dc.tensor_shapes(path)
     assert not marker.exists()
