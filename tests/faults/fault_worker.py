@@ -4,10 +4,9 @@ start it as the training script (directly, under torchrun or under mpirun).
 FAULT_MARK_DIR            write ``rank<R>.pid`` there at start, so a test can signal one rank
 FAULT_STEP_DELAY_S        sleep this long after each optimizer step: a window to kill or stop a
                           rank in, on a machine of any speed
-FAULT_STALL_CHECKPOINT    when writing the checkpoint of this step, stop after its first bytes,
-                          write ``stalled`` to FAULT_MARK_DIR and wait to be killed; a sharded
-                          checkpoint (optim.shard): rank FAULT_STALL_RANK (default 0) stops once
-                          its shards are written, before the checkpoint is published
+FAULT_STALL_CHECKPOINT    when writing the checkpoint of this step (rank 0 writes it, a sharded
+                          run's too), stop after its first bytes, write ``stalled`` to
+                          FAULT_MARK_DIR and wait to be killed
 FAULT_STOP_AT_STEP        ask the run to stop (what SIGTERM does) so that it checkpoints and
                           exits after this optimizer step
 """
@@ -64,22 +63,6 @@ def _install_faults() -> None:
             return n
 
         train_checkpoint._HashingSink.write = stalling_write
-
-        from bert import distributed_checkpoint
-
-        write_data = distributed_checkpoint._Writer.write_data
-        shard_dir = f".step_{int(stall):08d}.tmp"
-        stall_rank = os.environ.get("FAULT_STALL_RANK", "0")
-
-        def stalling_write_data(self, plan, planner):
-            done = write_data(self, plan, planner)
-            if os.path.basename(str(self.path)) == shard_dir and _rank() == stall_rank:
-                done.wait()  # this rank's shards are on disk, fsynced; the others wait for it
-                open(os.path.join(mark_dir, "stalled"), "w").close()
-                time.sleep(3600)
-            return done
-
-        distributed_checkpoint._Writer.write_data = stalling_write_data
 
     stop_at = os.environ.get("FAULT_STOP_AT_STEP")
     if stop_at:

@@ -7,10 +7,12 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
+import fileio
 import run_pretraining
 from bert import train_checkpoint
 from bert.checkpoint import CheckpointError
@@ -118,6 +120,131 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(dataset, referenc
     assert names(out) == ["step_00000004.pt", "step_00000008.pt"]
 
 
+# ---- a kill at every point of a save: the last good checkpoint is never lost -------------------
+
+
+class Killed(BaseException):
+    """A kill -9 at this point: the test copied what is on disk first."""
+
+
+class KillingOs:
+    """``os`` as a module sees it: the ``at``-th call that touches the disk first copies
+    ``watched`` to ``left`` (what a kill there leaves behind), then raises Killed. Of a run of
+    writes only the first two count (an empty file, a partial one; ``close`` sees it whole)."""
+
+    CALLS = {"open", "write", "close", "fsync", "replace", "rename", "remove", "unlink", "mkdir", "rmdir"}
+
+    def __init__(self, real, watched, left, at: int):
+        self._real, self.watched, self.left, self.at = real, watched, left, at
+        self.calls = self.writes = 0
+
+    def __getattr__(self, name):
+        value = getattr(self._real, name)
+        if name not in self.CALLS:
+            return value
+
+        def call(*args, **kwargs):
+            self.writes = self.writes + 1 if name == "write" else 0
+            self.calls += self.writes <= 2
+            if self.calls == self.at and self.writes <= 2:
+                shutil.copytree(self.watched, self.left, symlinks=True)
+                raise Killed
+            return value(*args, **kwargs)
+
+        return call
+
+
+def kill_points(tmp_path, monkeypatch, prepare, save):
+    """Yield, for each call of ``save(root)`` that touches the disk, the directory a kill just
+    before that call leaves (``prepare(root)`` set it up first); ends once ``save`` ran whole."""
+    at = 0
+    while True:
+        at += 1
+        root, left = tmp_path / f"run{at}", tmp_path / f"left{at}"
+        root.mkdir()
+        prepare(root)
+        killer = KillingOs(os, root, left, at)
+        monkeypatch.setattr(train_checkpoint, "os", killer)
+        monkeypatch.setattr(fileio, "os", killer)
+        try:
+            save(root)
+        except BaseException:  # Killed, or what torch.save turned it into on its way out
+            if not left.exists():
+                raise
+        finally:
+            monkeypatch.undo()
+        if not left.exists():
+            assert at > 8  # opens, writes, fsyncs, renames: the whole window was walked
+            return
+        yield left
+
+
+def _state(step: int, version: float) -> dict:
+    return {"counters": {"step": step}, "model": {"w": torch.full((3000,), version)}}
+
+
+@pytest.mark.parametrize("step", [8, 12], ids=["re-save-of-the-newest-step", "new-step-pruning-the-oldest"])
+def test_a_kill_at_any_point_of_a_save_leaves_a_good_checkpoint_to_resume(tmp_path, monkeypatch, step):
+    """Checkpoints of steps 4 and 8 (keep 2), then a save of ``step``: wherever a kill lands,
+    the next start (leftovers removed, newest that verifies) resumes from step 8 as it was, or
+    from the new checkpoint whole."""
+
+    def prepare(root):
+        for s in (4, 8):
+            train_checkpoint.save(str(root), s, _state(s, 0.0), keep=2)
+
+    for left in kill_points(
+        tmp_path, monkeypatch, prepare, lambda r: train_checkpoint.save(str(r), step, _state(step, 1.0), 2)
+    ):
+        train_checkpoint.remove_temporaries(str(left))
+        path, state = train_checkpoint.load_latest(str(left), warn=pytest.fail)
+        assert (state["counters"]["step"], float(state["model"]["w"][0])) in ((8, 0.0), (step, 1.0)), path
+
+
+def test_a_kill_at_any_point_of_an_export_leaves_the_old_or_the_new_one(tmp_path, monkeypatch):
+    """``fileio.publishing_dir`` over an existing export: a kill between moving the old one aside
+    and renaming the new one in leaves ``.export.old``, which the next export puts back first."""
+
+    def export(root, text):
+        with fileio.publishing_dir(root / "export") as staging:
+            (staging / "weights").write_text(text)
+
+    for left in kill_points(tmp_path, monkeypatch, lambda r: export(r, "old"), lambda r: export(r, "new")):
+        with pytest.raises(RuntimeError), fileio.publishing_dir(left / "export"):
+            raise RuntimeError("the next export fails: only its start (the recovery) ran")
+        assert (left / "export" / "weights").read_text() in ("old", "new")
+        assert not (left / ".export.old").exists()
+
+
+def test_cleanup_unlinks_links_and_a_write_never_goes_through_one(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    os.symlink(target, directory / ".step_00000008.tmp")
+    os.symlink(target / "keep", directory / ".step_00000004.pt.tmp")
+    assert sorted(train_checkpoint.remove_temporaries(str(directory))) == [
+        ".step_00000004.pt.tmp",
+        ".step_00000008.tmp",
+    ]
+    assert os.listdir(directory) == [] and os.listdir(target) == ["keep"]
+    os.symlink(target / "keep", directory / ".step_00000004.pt.tmp")  # left there after the start
+    train_checkpoint.save(str(directory), 4, {"counters": {"step": 4}}, keep=2)
+    assert (target / "keep").read_text() == "x" and os.listdir(directory) == ["step_00000004.pt"]
+
+
+def test_a_write_stopped_by_anything_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def failing_save(state, sink):
+        sink.write(b"x" * 5000)
+        raise MemoryError("out of memory half-way")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(MemoryError):
+        train_checkpoint.save(str(tmp_path), 4, {"counters": {"step": 4}}, keep=2)
+    assert os.listdir(tmp_path) == []
+
+
 # ---- a file system that refuses the write ----------------------------------------------------
 
 
@@ -215,3 +342,28 @@ def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(dataset, tmp_pat
     assert err[0].startswith(
         f"error (rank 0): every checkpoint in {ckpt_dir(tmp_path)} is damaged or refused ({path}: no checksum trailer"
     )
+
+
+# ---- a sharded checkpoint directory written by earlier code ------------------------------------
+
+
+def test_a_sharded_directory_of_earlier_code_resumes(dataset, reference, tmp_path, capsys):
+    """Step 4 rewritten as the DCP directory earlier code wrote for optim.shard runs: the run
+    resumes from it and trains exactly what the uninterrupted run trained."""
+    from bert.components import build_model_config
+    from bert.model import BertForPreTraining
+    from bert.optim import Lamb, param_groups_for
+    from bert.train_config import build_config
+    from tests.bert.old_checkpoints import from_single_file
+
+    run_in_process(dataset, tmp_path, *REFERENCE_STEPS, stop_after=3)  # as SIGTERM at step 4 does
+    path = os.path.join(ckpt_dir(tmp_path), "step_00000004.pt")
+    cfg = build_config(train_checkpoint.read(path)["config"])
+    model = BertForPreTraining(build_model_config(cfg))
+    from_single_file(path, ckpt_dir(tmp_path), model, Lamb(param_groups_for(model, cfg.optim.weight_decay), lr=1.0))
+    assert names(tmp_path) == ["step_00000004"]
+    capsys.readouterr()
+    s = run_in_process(dataset, tmp_path, *REFERENCE_STEPS)
+    assert "resumed from step 4" in capsys.readouterr().out
+    assert s["steps"] == 12 and losses(tmp_path) == reference
+    assert names(tmp_path) == ["step_00000004", "step_00000008.pt"]
