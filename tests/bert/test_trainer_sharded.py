@@ -5,8 +5,9 @@ gradients cross (so clipping acts). Sharded runs must give the per-step losses o
 global batch trained unsharded in this process within 1e-6 (relative: fp32 rounds a loss of
 ~4.6 to 5e-7, and the shards' sums of squares are added in another order than whole-tensor
 norms; 4 unsharded ranks were 1.8e-7 from one process when measured), a group of 2 inside 4 ranks too;
-a sharded checkpoint of step 10 resumes on 2 ranks (sharded) and on 1 rank (unsharded) with
-the uninterrupted run's losses for steps 11-20, and exports to transformers.
+a sharded run's checkpoint of step 10 (its tensors gathered whole into one file) resumes on 2
+ranks (sharded) and on 1 rank (unsharded) with the uninterrupted run's losses for steps 11-20,
+and exports to transformers.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def stopped_at_10(dataset, tmp_path_factory):
     jobs = spawn_ranks(4, out, dataset, *STEPS, "optim.shard=dp", log_dir=str(logs), FAULT_STOP_AT_STEP=10)
     for job in jobs:
         assert job.wait(400, "a rank of the run stopped at step 10") == 0, job.output()[-3000:]
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000010"]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000010.pt"]
     return out
 
 
@@ -155,7 +156,8 @@ def test_two_ranks_bf16_compute_weights_and_bf16_reduction(dataset, tmp_path):
     got = train(2, tmp_path / "dp", dataset, *extra, "optim.shard=dp", "optim.reduce_dtype=bf16")
     assert len(got) == len(ref) == 10
     assert got == pytest.approx(ref, rel=2e-3)
-    from bert.distributed_checkpoint import tensor_shapes
+    from bert.train_checkpoint import read
 
-    dtypes = {dtype for _, dtype in tensor_shapes(str(tmp_path / "dp" / "checkpoints" / "step_00000010")).values()}
-    assert dtypes == {torch.float32}
+    saved = read(str(tmp_path / "dp" / "checkpoints" / "step_00000010.pt"))
+    moments = [t for m in saved["optimizer"]["state"].values() for t in m.values()]
+    assert {t.dtype for t in [*saved["model"].values(), *moments]} == {torch.float32}
