@@ -1,21 +1,20 @@
 """Checkpoint save and load of two revisions, side by side: the trainer's path on the demo model.
 
-    python bench/checkpoint_io.py [--base 1ef8b53] [--rounds 5] [--preset tiny] [--vocab 8000] [--repeats 8]
+    python bench/checkpoint_io.py [--base 1ef8b53] [--pairs 30] [--preset tiny] [--vocab 8000]
 
 The base revision (default: the last one with two checkpoint formats, whose one-rank runs
 wrote the same single file) is checked out into a temporary git worktree (``--base-tree``
-takes an existing checkout instead). Each round runs this script's ``--worker`` once per tree,
-alternating which goes first, each in a fresh process with ``PYTHONPATH`` set to its tree; a
-worker builds the model and LAMB state, then times ``--repeats`` saves (``to_checkpoint`` +
-``train_checkpoint.save``) and loads (``train_checkpoint.read`` + ``restore``), as the trainer
-runs them, and reports their medians. Prints each round's ratios (new / base) and their median
-(issue 33's goal: <= 1.05).
+takes an existing checkout instead). One worker process per tree (this script's ``--worker``,
+``PYTHONPATH`` set to its tree) builds the model and LAMB state once; then the two are asked
+in turn, alternating which goes first, to time one save (``to_checkpoint`` +
+``train_checkpoint.save``) and one load (``train_checkpoint.read`` + ``restore``), as the
+trainer runs them. A pair's ratio (new / base) is taken within a second, so the machine's
+drift cancels out of it; prints the median ratio of ``--pairs`` pairs (issue 33's goal: <= 1.05).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -27,8 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def worker(args) -> dict:
-    """Median seconds of a save and of a load with the ``bert`` on ``PYTHONPATH``."""
+def worker(args) -> None:
+    """Serve ``save N`` / ``load N`` lines on stdin with the ``bert`` on ``PYTHONPATH``: each
+    answered by the seconds it took."""
     import torch
 
     from bert import train_checkpoint as tc
@@ -47,48 +47,64 @@ def worker(args) -> dict:
     optimizer.step()
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, 10)
     parts = {"model": model, "optimizer": optimizer, "schedule": schedule, "adagc": None, "scaler": None}
-    times: dict[str, list[float]] = {"save": [], "load": []}
     with tempfile.TemporaryDirectory() as directory:
-        for i in range(1, args.repeats + 1):
+        print("ready", flush=True)
+        for line in sys.stdin:
+            what, step = line.split()
+            step = int(step)
             start = time.perf_counter()
-            state = home.to_checkpoint(train_state.TrainState(step=i), parts, {"step": i}, {"run": "bench"})
-            path = tc.save(directory, i, state, keep=2)
-            times["save"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            home.restore(tc.read(path), parts)
-            times["load"].append(time.perf_counter() - start)
-    return {k: statistics.median(v[1:] if len(v) > 2 else v) for k, v in times.items()}
+            if what == "save":
+                state = home.to_checkpoint(train_state.TrainState(step=step), parts, {"step": step}, {"run": "bench"})
+                tc.save(directory, step, state, keep=2)
+            else:
+                home.restore(tc.read(tc.checkpoint_path(directory, step)), parts)
+            print(time.perf_counter() - start, flush=True)
 
 
-def run_worker(tree: Path, args, out: Path) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--json", str(out), "--preset", args.preset]
-    cmd += ["--vocab", str(args.vocab), "--repeats", str(args.repeats)]
-    done = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
-    if done.returncode:
-        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
-        raise SystemExit(f"error: {tree}: the worker exited {done.returncode}: {last}")
-    return json.loads(out.read_text())
+class Worker:
+    """A ``--worker`` process of ``tree``."""
+
+    def __init__(self, tree: Path, args):
+        cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--vocab", str(args.vocab)]
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.tree = tree
+        self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._answer()
+
+    def _answer(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"error: {self.tree}: the worker exited {self.proc.wait()}")
+        return line
+
+    def time(self, what: str, step: int) -> float:
+        self.proc.stdin.write(f"{what} {step}\n")
+        self.proc.stdin.flush()
+        return float(self._answer())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def compare(new: Path, base: Path, args) -> None:
+    workers = {"new": Worker(new, args), "base": Worker(base, args)}
     ratios: dict[str, list[float]] = {"save": [], "load": []}
-    seconds: dict[str, dict[str, list[float]]] = {"new": {"save": [], "load": []}, "base": {"save": [], "load": []}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):
-            order = [("new", new), ("base", base)] if i % 2 == 0 else [("base", base), ("new", new)]
-            got = {label: run_worker(tree, args, Path(tmp) / f"{label}-{i}.json") for label, tree in order}
-            for what in ratios:
-                ratios[what].append(got["new"][what] / got["base"][what])
-                for label in got:
-                    seconds[label][what].append(got[label][what])
-            print(
-                f"round {i + 1}/{args.rounds} ({order[0][0]} first): "
-                + ", ".join(
-                    f"{w} {got['new'][w] * 1e3:.1f} vs {got['base'][w] * 1e3:.1f} ms ({ratios[w][-1]:.3f})"
-                    for w in ratios
-                )
-            )
-    print(f"{args.preset} (vocab {args.vocab}), median of {args.rounds} rounds (new / base; goal <= 1.05):")
+    seconds = {label: {"save": [], "load": []} for label in workers}
+    try:
+        for i in range(1, args.pairs + 2):
+            order = ["new", "base"] if i % 2 else ["base", "new"]
+            for what in ("save", "load"):
+                got = {label: workers[label].time(what, i) for label in order}
+                if i == 1:
+                    continue  # the first of each is a warm-up
+                ratios[what].append(got["new"] / got["base"])
+                for label, t in got.items():
+                    seconds[label][what].append(t)
+    finally:
+        for w in workers.values():
+            w.close()
+    print(f"{args.preset} (vocab {args.vocab}), {args.pairs} pairs, medians (new / base; goal <= 1.05):")
     for what, r in ratios.items():
         new_ms, base_ms = (statistics.median(seconds[k][what]) * 1e3 for k in ("new", "base"))
         print(f"  {what}: {new_ms:7.1f} ms vs {base_ms:7.1f} ms  ratio {statistics.median(r):.3f}")
@@ -98,15 +114,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="1ef8b53", help="the revision to compare against (git rev)")
     parser.add_argument("--base-tree", help="an existing checkout to compare against (instead of --base)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=30)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        Path(args.json).write_text(json.dumps(worker(args)))
+        worker(args)
         return 0
     if args.base_tree:
         compare(REPO, Path(args.base_tree).resolve(), args)
