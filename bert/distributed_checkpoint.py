@@ -33,29 +33,39 @@ declares one is refused (``BytesStorageMetadata`` is not among the classes built
 
 from __future__ import annotations
 
+import io
+import math
 import os
 import pickle
 import shutil
-import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from bert.checkpoint import CheckpointError, plain_data_problem
+from bert.checkpoint import CheckpointError, load_archive, plain_data_problem
 from bert.train_checkpoint import (
     MANIFEST,
     STATE,
     CheckpointWriteError,
+    _first_line,
     checkpoint_dir,
+    is_plain_name,
     temporary_dir,
+    verify_dir,
     write_file,
     write_manifest,
 )
-from fileio import publish
+from fileio import UnsafeFile, open_checked, publish, read_checked
 
 __all__ = ["MANIFEST", "STATE", "checkpoint_dir", "load_tensors", "save", "tensor_shapes", "training_tensors"]
 
@@ -102,12 +112,12 @@ def save(directory: str, step: int, tensors: dict[str, Tensor], state: dict, is_
     return final
 
 
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__
-
-
-# ---- reading DCP's metadata without running code --------------------------------------------
+# ---- reading a DCP directory without DCP -----------------------------------------------------
+# DCP would open whatever paths .metadata names and torch.load each record itself: here the
+# metadata is unpickled by an allow-list and checked field by field, every storage path must
+# be a file the manifest lists (and verify_dir hashed), each record's byte range is read by
+# this module and loaded like a single file's (no compressed record), and every element of
+# every tensor must come from exactly one chunk.
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -127,6 +137,11 @@ _ALLOWED = {
     ("pathlib", "PosixPath"),
     ("pathlib", "WindowsPath"),
 }
+_MAX_METADATA = 16 << 20  # ~300 bytes per tensor and rank: BERT-large's on 64 ranks is ~4 MB
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -135,24 +150,66 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refused {module}.{name}")
+        raise _Refused(f"refused {module}.{name}")
+
+
+def _is_size(value, rank: int | None = None) -> bool:
+    return (
+        isinstance(value, torch.Size)
+        and (rank is None or len(value) == rank)
+        and all(isinstance(n, int) and 0 <= n < 1 << 48 for n in value)
+    )
+
+
+def _metadata_problem(metadata) -> str | None:
+    """Where the unpickled ``metadata`` is not what DCP's writer makes: the type of every field read."""
+    if not isinstance(metadata, Metadata):
+        return f"a {type(metadata).__name__}, not DCP's Metadata"
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        return "state_dict_metadata or storage_data is not a dict"
+    for key, entry in entries.items():
+        if not isinstance(entry, TensorStorageMetadata):  # cannot be built; kept should the allowed set grow
+            return f"{key!r} is not a tensor; only tensors are loaded"
+        props = entry.properties
+        if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+            return f"{key!r} has no dtype"
+        if not isinstance(key, str) or not _is_size(entry.size) or not isinstance(entry.chunks, list):
+            return f"{key!r}: its size or chunk list is not DCP's"
+        for chunk in entry.chunks:
+            if not isinstance(chunk, ChunkStorageMetadata) or not (
+                _is_size(chunk.offsets, len(entry.size)) and _is_size(chunk.sizes, len(entry.size))
+            ):
+                return f"{key!r}: a chunk's offsets or sizes are not {len(entry.size)} integers"
+            if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size)):
+                return f"{key!r}: a chunk at {tuple(chunk.offsets)} leaves the tensor's {tuple(entry.size)}"
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            return "a storage entry is not DCP's"
+        if not (isinstance(info.relative_path, str) and isinstance(info.offset, int) and isinstance(info.length, int)):
+            return f"the storage entry of {index.fqn!r} has no path, offset and length"
+        if info.offset < 0 or info.length < 0 or info.transform_descriptors:
+            return f"the storage entry of {index.fqn!r} is a negative range or transformed (compressed)"
+    return None
 
 
 def read_metadata(path: str) -> Metadata:
-    """DCP's index of the checkpoint at ``path``, built by the restricted unpickler."""
+    """DCP's index of the checkpoint at ``path``, built by the restricted unpickler from a
+    bounded read and checked field by field (``_metadata_problem``); CheckpointError, one line
+    naming the file, for whatever else it holds."""
     file = os.path.join(path, ".metadata")
     try:
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
+        data = read_checked(file, max_bytes=_MAX_METADATA, root=path, what="DCP metadata")
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
         raise CheckpointError(f"{file}: {e}: only DCP's metadata classes are loaded") from None
-    except (OSError, EOFError, ValueError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{file}: not DCP metadata ({e})") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{file}: not DCP metadata (a {type(metadata).__name__})")
-    for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):  # cannot be built; kept should the allowed set grow
-            raise CheckpointError(f"{file}: {key!r} is not a tensor; only tensors are loaded")
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - the allowed classes raise anything on bad arguments
+        raise CheckpointError(f"{file}: not DCP metadata ({type(e).__name__}: {_first_line(e)})") from None
+    problem = _metadata_problem(metadata)
+    if problem:
+        raise CheckpointError(f"{file}: not DCP metadata of tensors ({problem})")
     return metadata
 
 
@@ -164,30 +221,112 @@ def tensor_shapes(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     }
 
 
-class _SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise CheckpointError(f"{self.path}: per-rank metadata files are not read")
-        metadata = read_metadata(str(self.path))
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+def _plan(path: str, metadata: Metadata, files: dict) -> dict[str, list]:
+    """Per storage file, its (offset, length, tensor key, chunk) records, sorted; CheckpointError
+    where a record lies outside the manifest's files, two overlap, or a tensor's chunks do not
+    cover it exactly (counted here; placed in ``read_tensors``)."""
+    file = os.path.join(path, ".metadata")
+    plan: dict[str, list] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        covered = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+        if covered != math.prod(entry.size):
+            raise CheckpointError(
+                f"{file}: the chunks of {key!r} hold {covered} elements, the tensor {math.prod(entry.size)}: "
+                f"every element must be stored once"
+            )
+        for chunk in entry.chunks:
+            info = metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+            if info is None:
+                raise CheckpointError(f"{file}: the chunk of {key!r} at {tuple(chunk.offsets)} has no storage entry")
+            name = info.relative_path
+            if not is_plain_name(name) or name not in files or name in (MANIFEST, STATE, ".metadata"):
+                raise CheckpointError(
+                    f"{file}: {key!r} is stored in {name!r}, not a data file the manifest lists; refused"
+                )
+            nbytes = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+            if info.offset + info.length > files[name]["bytes"] or nbytes > info.length:
+                raise CheckpointError(
+                    f"{file}: the record of {key!r} at {tuple(chunk.offsets)} ({info.length} bytes at {info.offset}) "
+                    f"cannot hold its {nbytes} bytes inside {name}"
+                )
+            plan.setdefault(name, []).append((info.offset, info.length, key, chunk))
+    for name, records in plan.items():
+        records.sort(key=lambda r: r[:2])
+        for (o1, n1, k1, _), (o2, _, k2, _) in zip(records, records[1:]):
+            if o1 + n1 > o2:
+                raise CheckpointError(f"{file}: the records of {k1!r} and {k2!r} overlap in {name}")
+    return plan
 
 
-def load_tensors(path: str, tensors: dict[str, Tensor]) -> None:
+def _record(where: str, f, offset: int, length: int, dtype: torch.dtype, sizes: torch.Size) -> Tensor:
+    """The tensor of ``length`` bytes at ``offset`` of the open file ``f``: a torch.save archive
+    (``load_archive``: no compressed record) of a tensor of ``dtype`` and ``sizes``."""
+    f.seek(offset)
+    data = f.read(length)
+    if len(data) != length:
+        raise CheckpointError(f"{where} ends early")
+    value = load_archive(where, io.BytesIO(data), length)
+    if not isinstance(value, Tensor) or value.dtype != dtype or value.shape != sizes:
+        got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+        raise CheckpointError(f"{where} is {got}, its metadata says {dtype} {tuple(sizes)}")
+    return value
+
+
+def read_tensors(path: str, files: dict) -> dict[str, Tensor]:
+    """Every tensor of the DCP directory ``path``, whole, on the CPU. ``files``: its manifest's
+    entries (``train_checkpoint.verify_dir``, which hashed them). CheckpointError, one line
+    naming the file and the rule, for anything refused; nothing is read that the manifest
+    does not list, and every element is written by exactly one chunk."""
+    metadata = read_metadata(path)
+    plan = _plan(path, metadata, files)
+    entries = metadata.state_dict_metadata
+    tensors = {key: torch.empty(tuple(e.size), dtype=e.properties.dtype) for key, e in entries.items()}
+    seen = {key: torch.zeros(t.shape, dtype=torch.bool) for key, t in tensors.items()}
+    for name, records in plan.items():
+        file = os.path.join(path, name)
+        try:
+            with open_checked(file, max_bytes=files[name]["bytes"], root=path, what="a DCP data file") as f:
+                for offset, length, key, chunk in records:
+                    where = f"{file}: the record of {key!r} at {tuple(chunk.offsets)}"
+                    value = _record(where, f, offset, length, tensors[key].dtype, chunk.sizes)
+                    region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+                    if seen[key][region].any():
+                        raise CheckpointError(f"{where} overlaps another chunk: every element must be stored once")
+                    seen[key][region] = True
+                    tensors[key][region] = value
+        except UnsafeFile as e:
+            raise CheckpointError(str(e)) from None
+        except OSError as e:
+            raise CheckpointError(f"{file}: cannot read ({e.strerror or e})") from None
+    for key, mask in seen.items():
+        if not bool(mask.all()):
+            raise CheckpointError(f"{path}: {int((~mask).sum())} elements of {key!r} are in no chunk")
+    return tensors
+
+
+def load_tensors(path: str, tensors: dict[str, Tensor], files: dict | None = None) -> None:
     """Fill ``tensors`` (flat names -> tensors of the resuming run's layout: DTensors of any
-    mesh, or whole tensors) in place from the checkpoint at ``path``; every rank of the
-    default group calls it (or a single process without one)."""
-    read_metadata(path)  # refused here, with its own message, rather than inside DCP's wrapping
-    try:
-        with warnings.catch_warnings():
-            # Without a process group (bert.export) DCP warns that it reads in one process: it does.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=_SafeReader(path), planner=DefaultLoadPlanner())
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure in one exception
-        raise CheckpointError(f"{path}: cannot read the shards ({_first_line(e)})") from None
+    mesh, or whole tensors) in place from the checkpoint at ``path``, every element of every
+    one written (CheckpointError naming the ones it does not hold). ``files``: the manifest's
+    entries, verified (default: verified here). Each rank reads the whole tensors and keeps
+    its own part (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if files is None:
+        files = verify_dir(path)["files"]
+    saved = read_tensors(path, files)
+    missing = sorted(set(tensors) - set(saved))
+    if missing:
+        raise CheckpointError(
+            f"{path}: holds no {', '.join(missing[:4])}" + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
+        )
+    with torch.no_grad():
+        for key, target in tensors.items():
+            value = saved[key].to(target.device, target.dtype)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+                target = target.to_local()
+            target.copy_(value)
 
 
 # ---- what a sharded checkpoint holds ----------------------------------------------------------

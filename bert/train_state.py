@@ -230,8 +230,7 @@ def _restore_sharded(saved: dict, parts: dict) -> TrainState:
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"does not fit this run ({first})") from None
-    # Moments the saved run had not created yet stay zeros, as LAMB starts them.
-    distributed_checkpoint.load_tensors(path, {k: v for k, v in targets.items() if k in shapes})
+    distributed_checkpoint.load_tensors(path, targets)  # every weight and moment, or CheckpointError
     return state
 
 
