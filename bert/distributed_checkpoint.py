@@ -317,9 +317,8 @@ def load_tensors(path: str, tensors: dict[str, Tensor], files: dict | None = Non
     saved = read_tensors(path, files)
     missing = sorted(set(tensors) - set(saved))
     if missing:
-        raise CheckpointError(
-            f"{path}: holds no {', '.join(missing[:4])}" + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
-        )
+        more = f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""
+        raise CheckpointError(f"{path}: holds no {', '.join(missing[:4])}{more}: every tensor must be restored")
     with torch.no_grad():
         for key, target in tensors.items():
             value = saved[key].to(target.device, target.dtype)
