@@ -197,7 +197,9 @@ def _read_safetensors(path: str) -> dict[str, Tensor]:
         return load_file(path, device="cpu")
     except UnsafeFile as e:
         raise CheckpointError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...: a bad file either way
+    except BaseException as e:  # noqa: BLE001 - SafetensorError, OSError, a Rust panic (a BaseException)...
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(f"{path}: cannot read safetensors ({type(e).__name__}: {first})") from None
 

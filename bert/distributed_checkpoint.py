@@ -23,12 +23,11 @@ previous checkpoints untouched. On load every file is checked against the manife
 directory without one, or whose files do not match it, is named and passed over like a damaged
 single-file checkpoint.
 
-Safety: no checkpoint file may run code. DCP pickles ``.metadata`` and would unpickle it
-with ``pickle.load``: here a restricted unpickler builds only DCP's own metadata classes,
-``torch.Size``, dtypes and layouts, and refuses every other global without calling it.
-Tensor records are read with ``weights_only=True``; DCP's "bytes" entries (arbitrary
-objects, which DCP loads with ``weights_only=False``) are never written, and metadata that
-declares one is refused (``BytesStorageMetadata`` is not among the classes built).
+Reading never lets DCP open anything (docs/reliability.md, "Checkpoints"): ``.metadata`` is
+unpickled by an allow-list (DCP's metadata classes, ``torch.Size``, dtypes, layouts) and checked
+field by field; every storage path must be a plain file name the manifest lists and hashed;
+each record's byte range is read here and loaded like a single file's (``weights_only``, no
+compressed record); every element of every tensor must come from exactly one chunk.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
 
@@ -113,11 +111,6 @@ def save(directory: str, step: int, tensors: dict[str, Tensor], state: dict, is_
 
 
 # ---- reading a DCP directory without DCP -----------------------------------------------------
-# DCP would open whatever paths .metadata names and torch.load each record itself: here the
-# metadata is unpickled by an allow-list and checked field by field, every storage path must
-# be a file the manifest lists (and verify_dir hashed), each record's byte range is read by
-# this module and loaded like a single file's (no compressed record), and every element of
-# every tensor must come from exactly one chunk.
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -153,43 +146,33 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"refused {module}.{name}")
 
 
-def _is_size(value, rank: int | None = None) -> bool:
-    return (
-        isinstance(value, torch.Size)
-        and (rank is None or len(value) == rank)
-        and all(isinstance(n, int) and 0 <= n < 1 << 48 for n in value)
-    )
+def _is_size(value, rank: int | None = None, *more) -> bool:
+    """Whether ``value`` (and each of ``more``) is a torch.Size of ``rank`` sane integers."""
+    ok = isinstance(value, torch.Size) and rank in (None, len(value)) and all(0 <= n < 1 << 48 for n in value)
+    return ok and all(_is_size(v, rank) for v in more)
 
 
-def _metadata_problem(metadata) -> str | None:
-    """Where the unpickled ``metadata`` is not what DCP's writer makes: the type of every field read."""
-    if not isinstance(metadata, Metadata):
-        return f"a {type(metadata).__name__}, not DCP's Metadata"
-    entries, storage = metadata.state_dict_metadata, metadata.storage_data
-    if not isinstance(entries, dict) or not isinstance(storage, dict):
-        return "state_dict_metadata or storage_data is not a dict"
-    for key, entry in entries.items():
+def _metadata_problem(md) -> str | None:
+    """Where the unpickled ``md`` is not what DCP's writer makes: the type of every field read."""
+    if not isinstance(md, Metadata) or not all(isinstance(d, dict) for d in (md.state_dict_metadata, md.storage_data)):
+        return f"a {type(md).__name__} without dicts of tensors and storage"
+    for key, entry in md.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):  # cannot be built; kept should the allowed set grow
             return f"{key!r} is not a tensor; only tensors are loaded"
-        props = entry.properties
-        if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
-            return f"{key!r} has no dtype"
-        if not isinstance(key, str) or not _is_size(entry.size) or not isinstance(entry.chunks, list):
-            return f"{key!r}: its size or chunk list is not DCP's"
-        for chunk in entry.chunks:
-            if not isinstance(chunk, ChunkStorageMetadata) or not (
-                _is_size(chunk.offsets, len(entry.size)) and _is_size(chunk.sizes, len(entry.size))
-            ):
-                return f"{key!r}: a chunk's offsets or sizes are not {len(entry.size)} integers"
+        dims = len(entry.size) if _is_size(entry.size) else -1
+        if not isinstance(key, str) or dims < 0 or not isinstance(getattr(entry.properties, "dtype", 0), torch.dtype):
+            return f"{key!r}: its size or dtype is not DCP's"
+        for chunk in entry.chunks if isinstance(entry.chunks, list) else [None]:
+            if not isinstance(chunk, ChunkStorageMetadata) or not _is_size(chunk.offsets, dims, chunk.sizes):
+                return f"{key!r}: a chunk's offsets or sizes are not {dims} integers"
             if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size)):
                 return f"{key!r}: a chunk at {tuple(chunk.offsets)} leaves the tensor's {tuple(entry.size)}"
-    for index, info in storage.items():
+    for index, info in md.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             return "a storage entry is not DCP's"
-        if not (isinstance(info.relative_path, str) and isinstance(info.offset, int) and isinstance(info.length, int)):
-            return f"the storage entry of {index.fqn!r} has no path, offset and length"
-        if info.offset < 0 or info.length < 0 or info.transform_descriptors:
-            return f"the storage entry of {index.fqn!r} is a negative range or transformed (compressed)"
+        fields = (info.relative_path, info.offset, info.length)
+        if [type(f) for f in fields] != [str, int, int] or min(fields[1:]) < 0 or info.transform_descriptors:
+            return f"the storage entry of {index.fqn!r} is not a path and a range, or is transformed (compressed)"
     return None
 
 
@@ -236,9 +219,7 @@ def _plan(path: str, metadata: Metadata, files: dict) -> dict[str, list]:
             )
         for chunk in entry.chunks:
             info = metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
-            if info is None:
-                raise CheckpointError(f"{file}: the chunk of {key!r} at {tuple(chunk.offsets)} has no storage entry")
-            name = info.relative_path
+            name = getattr(info, "relative_path", None)  # None: a chunk without a storage entry
             if not is_plain_name(name) or name not in files or name in (MANIFEST, STATE, ".metadata"):
                 raise CheckpointError(
                     f"{file}: {key!r} is stored in {name!r}, not a data file the manifest lists; refused"
@@ -262,10 +243,7 @@ def _record(where: str, f, offset: int, length: int, dtype: torch.dtype, sizes: 
     """The tensor of ``length`` bytes at ``offset`` of the open file ``f``: a torch.save archive
     (``load_archive``: no compressed record) of a tensor of ``dtype`` and ``sizes``."""
     f.seek(offset)
-    data = f.read(length)
-    if len(data) != length:
-        raise CheckpointError(f"{where} ends early")
-    value = load_archive(where, io.BytesIO(data), length)
+    value = load_archive(where, io.BytesIO(f.read(length)), length)
     if not isinstance(value, Tensor) or value.dtype != dtype or value.shape != sizes:
         got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
         raise CheckpointError(f"{where} is {got}, its metadata says {dtype} {tuple(sizes)}")
@@ -298,23 +276,17 @@ def read_tensors(path: str, files: dict) -> dict[str, Tensor]:
             raise CheckpointError(str(e)) from None
         except OSError as e:
             raise CheckpointError(f"{file}: cannot read ({e.strerror or e})") from None
-    for key, mask in seen.items():
-        if not bool(mask.all()):
-            raise CheckpointError(f"{path}: {int((~mask).sum())} elements of {key!r} are in no chunk")
-    return tensors
+    return tensors  # no element missed: as many were written, none twice (_plan, seen)
 
 
-def load_tensors(path: str, tensors: dict[str, Tensor], files: dict | None = None) -> None:
+def load_tensors(path: str, tensors: dict[str, Tensor]) -> None:
     """Fill ``tensors`` (flat names -> tensors of the resuming run's layout: DTensors of any
-    mesh, or whole tensors) in place from the checkpoint at ``path``, every element of every
-    one written (CheckpointError naming the ones it does not hold). ``files``: the manifest's
-    entries, verified (default: verified here). Each rank reads the whole tensors and keeps
-    its own part (no communication)."""
+    mesh, or whole tensors) in place from the checkpoint at ``path`` (verified against its
+    manifest here), every element of every one written (CheckpointError naming the ones it
+    lacks). Each rank reads the whole tensors and keeps its own part (no communication)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if files is None:
-        files = verify_dir(path)["files"]
-    saved = read_tensors(path, files)
+    saved = read_tensors(path, verify_dir(path)["files"])
     missing = sorted(set(tensors) - set(saved))
     if missing:
         more = f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""

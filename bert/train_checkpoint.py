@@ -261,12 +261,9 @@ def is_plain_name(name) -> bool:
 
 
 def verify_dir(path: str) -> dict:
-    """Check every file of the checkpoint directory against its manifest; returns the manifest.
-    Raises CheckpointError, one line naming the file and the rule: a manifest that is not a
-    small JSON object of this format with an integer ``step``, an entry that is not a plain
-    file name of the directory, a file missing, of another size or digest, or not a regular
-    file inside the directory (``fileio.open_checked``: a FIFO or ``/dev/zero`` is refused
-    at once)."""
+    """Check every file of the checkpoint directory against its manifest (a small JSON object
+    of this format, an integer ``step``, plain file names); returns the manifest. Each file must
+    be regular and inside the directory (``fileio.open_checked``: a FIFO is refused at once)."""
     file = os.path.join(path, MANIFEST)
     try:
         manifest = json.loads(read_checked(file, max_bytes=_MAX_MANIFEST, root=path, what="the manifest"))

@@ -27,6 +27,7 @@ import zipfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
 from bert import distributed_checkpoint as dc
 from bert import train_checkpoint as tc
@@ -193,6 +194,9 @@ def metadata_bytes(data: bytes):
 # A pickle whose allow-listed call raises KeyError, and one declaring a 2**50-byte string.
 KEY_ERROR = b"ctorch.serialization\n_get_layout\n(Vnope\ntR."
 HUGE_STRING = b"\x80\x04\x8d" + struct.pack("<Q", 1 << 50) + b"abc."
+NEGATIVE_SIZE = pickle.dumps(
+    Metadata({"x": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([-1]), [])}, storage_data={})
+)
 
 # (damage, what the warning says), one sharded checkpoint each, newest first when tried.
 HOSTILE_DIRS = [
@@ -300,8 +304,8 @@ def test_chunks_must_cover_every_element_once(tmp_path, chunks, message):
     [
         (KEY_ERROR, "KeyError: 'nope'"),
         (HUGE_STRING, "UnpicklingError: pickle data was truncated"),
-        (b"\x80\x04]\x94.", "a list, not DCP's Metadata"),
-        (b"ctorch\nSize\n((I-1\nltR.", "not DCP's Metadata"),
+        (b"\x80\x04]\x94.", "a list without dicts of tensors and storage"),
+        (NEGATIVE_SIZE, "'x': its size or dtype is not DCP's"),
         (b"", "EOFError"),
         (b"cos\nsystem\n(Vtrue\ntR.", "refused os.system"),
     ],
