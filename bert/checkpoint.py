@@ -155,12 +155,8 @@ def _refusal(e: pickle.UnpicklingError) -> str:
 
 
 def safe_torch_load(path: str, limit: int | None = None, archive_only: bool = False, root: str | None = None):
-    """``torch.load(path, weights_only=True)`` on the CPU, every failure one CheckpointError line.
-
-    The file is opened through ``fileio.open_checked`` (a regular file, inside ``root`` when
-    given). ``limit``: the bytes of ``path`` that belong to the archive (default: all);
-    ``archive_only`` also refuses torch's legacy (pre-1.6, non-zip) format.
-    """
+    """``load_archive`` of the file ``path`` (``fileio.open_checked``: regular, inside ``root`` if
+    given); ``limit``: the bytes of ``path`` that belong to the archive (default: all)."""
     try:
         with open_checked(path, root=root, what="a torch file") as f:
             return load_archive(path, f, os.fstat(f.fileno()).st_size if limit is None else limit, archive_only)
@@ -171,9 +167,9 @@ def safe_torch_load(path: str, limit: int | None = None, archive_only: bool = Fa
 
 
 def load_archive(name: str, f, size: int, archive_only: bool = True):
-    """``torch.load(weights_only=True)`` of the first ``size`` bytes of the open file ``f``
-    (named ``name`` in errors), its zip records checked first (``_check_archive``: none
-    compressed, none beyond ``size``); every failure one CheckpointError line."""
+    """``torch.load(weights_only=True)`` of the first ``size`` bytes of the open file ``f``, its
+    zip records checked first (``_check_archive``); every failure one CheckpointError line.
+    ``archive_only`` refuses torch's legacy (pre-1.6, non-zip) format."""
     window = _Window(f, size)
     if zipfile.is_zipfile(window):
         _check_archive(name, window)

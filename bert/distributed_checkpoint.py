@@ -205,9 +205,8 @@ def tensor_shapes(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 
 def _plan(path: str, metadata: Metadata, files: dict) -> dict[str, list]:
-    """Per storage file, its (offset, length, tensor key, chunk) records, sorted; CheckpointError
-    where a record lies outside the manifest's files, two overlap, or a tensor's chunks do not
-    cover it exactly (counted here; placed in ``read_tensors``)."""
+    """Per storage file, its (offset, length, key, chunk) records, sorted; CheckpointError where one
+    lies outside the manifest's files, two overlap, or chunks hold other than a tensor's elements."""
     file = os.path.join(path, ".metadata")
     plan: dict[str, list] = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -240,8 +239,7 @@ def _plan(path: str, metadata: Metadata, files: dict) -> dict[str, list]:
 
 
 def _record(where: str, f, offset: int, length: int, dtype: torch.dtype, sizes: torch.Size) -> Tensor:
-    """The tensor of ``length`` bytes at ``offset`` of the open file ``f``: a torch.save archive
-    (``load_archive``: no compressed record) of a tensor of ``dtype`` and ``sizes``."""
+    """The record at ``offset`` of ``f``: a torch.save archive (``load_archive``) of ``dtype`` ``sizes``."""
     f.seek(offset)
     value = load_archive(where, io.BytesIO(f.read(length)), length)
     if not isinstance(value, Tensor) or value.dtype != dtype or value.shape != sizes:
@@ -251,10 +249,9 @@ def _record(where: str, f, offset: int, length: int, dtype: torch.dtype, sizes: 
 
 
 def read_tensors(path: str, files: dict) -> dict[str, Tensor]:
-    """Every tensor of the DCP directory ``path``, whole, on the CPU. ``files``: its manifest's
-    entries (``train_checkpoint.verify_dir``, which hashed them). CheckpointError, one line
-    naming the file and the rule, for anything refused; nothing is read that the manifest
-    does not list, and every element is written by exactly one chunk."""
+    """Every tensor of the DCP directory ``path``, whole, on the CPU; ``files``: its manifest's entries
+    (``train_checkpoint.verify_dir``, which hashed them). Reads only what they list; every element
+    comes from exactly one chunk; CheckpointError, one line naming the file and the rule."""
     metadata = read_metadata(path)
     plan = _plan(path, metadata, files)
     entries = metadata.state_dict_metadata

@@ -311,22 +311,17 @@ def read(path: str) -> dict:
     manifest and gives its ``state.pt`` with ``"sharded": path`` added: its tensors are read
     into the resuming run's layout by ``distributed_checkpoint.load_tensors``.
     """
-    if os.path.isdir(path):
-        manifest = verify_dir(path)
-        state = read_file(os.path.join(path, STATE), root=path)
-    else:
-        state = read_file(path)
+    manifest = verify_dir(path) if os.path.isdir(path) else None
+    state = read_file(path) if manifest is None else read_file(os.path.join(path, STATE), root=path)
     counters = state.get("counters") if isinstance(state, dict) else None
     step = counters.get("step") if isinstance(counters, dict) else None
     if not isinstance(counters, dict):
         raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: counter 'step' is {step!r}, not an integer >= 0")
-    if os.path.isdir(path):
-        if step != manifest["step"]:
-            raise CheckpointError(f"{path}: {STATE} is of step {step}, the manifest of step {manifest['step']}")
-        return {**state, "sharded": path}
-    return state
+    if manifest is not None and step != manifest["step"]:
+        raise CheckpointError(f"{path}: {STATE} is of step {step}, the manifest of step {manifest['step']}")
+    return state if manifest is None else {**state, "sharded": path}
 
 
 def read_file(path: str, root: str | None = None):
