@@ -35,7 +35,7 @@ from bert.checkpoint import CheckpointError, read_config_and_weights
 from bert.config import BertConfig, ConfigError
 from bert.model import BertForPreTraining
 from bert.optim import param_groups_for
-from tests.faults.common import run_in_process
+from tests.faults.common import run_in_process, spawn_ranks, summary
 
 BASE = ("train.max_steps=4", "checkpoint.interval_steps=2")
 DATA = "__0_0.distcp"
@@ -319,6 +319,28 @@ def test_metadata_decoding_errors_are_one_line(tmp_path, data, message):
     assert "\n" not in str(e.value)
 
 
+NO_TENSORS = {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "counters": {}}
+
+
+@pytest.mark.timeout(10)  # a regression blocks on the FIFO: failed by the timeout, not hung
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: os.mkfifo(d / "step_00000003.pt"), "step_00000003.pt: a checkpoint is a FIFO"),
+        (lambda d: os.symlink("/dev/zero", d / "step_00000003.pt"), "step_00000003.pt: a checkpoint is a device"),
+        (lambda d: fifo_entry(old_dcp_dir(d, 3, NO_TENSORS), 3), "extra.bin: file is a FIFO"),
+    ],
+    ids=["fifo", "dev-zero", "fifo-in-manifest"],
+)
+def test_a_checkpoint_that_would_block_is_refused_at_once(tmp_path, make, message):
+    make(tmp_path)
+    path = tc.list_checkpoints(str(tmp_path))[-1][1]
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=message) as e:
+        tc.read(path)
+    assert time.monotonic() - started < 0.5 and "refused" in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors", "pytorch_model.bin"])
 def test_a_fifo_in_a_transformers_directory_is_refused_at_once(tmp_path, name):
     BertConfig.preset("tiny", vocab_size=96).to_json(str(tmp_path / "config.json"), transformers=True)
@@ -331,3 +353,24 @@ def test_a_fifo_in_a_transformers_directory_is_refused_at_once(tmp_path, name):
     assert time.monotonic() - started < 1
     assert str(e.value).startswith(f"{tmp_path / name}: ")
     assert "is a FIFO, not a regular file; refused" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_ranks_pass_over_a_fifo_and_dev_zero_without_waiting(dataset, good_run, tmp_path):
+    """No collective guards a checkpoint's reading: a rank blocked on a FIFO would hang the run
+    past dist.timeout_s. Both ranks refuse them at once and resume from step 2."""
+    out = tmp_path / "out"
+    shutil.copytree(good_run, out)
+    checkpoints = out / "checkpoints"
+    fifo_entry(old_dcp_dir(checkpoints, 3, tc.read(str(checkpoints / "step_00000002.pt"))), 3)
+    os.symlink("/dev/zero", checkpoints / "step_00000004.pt")
+    os.mkfifo(checkpoints / "step_00000005.pt")
+    jobs = spawn_ranks(2, out, dataset, *BASE, log_dir=str(tmp_path))
+    for rank, job in enumerate(jobs):
+        assert job.wait(180, f"rank {rank}") == 0, job.output()[-4000:]
+    log = jobs[0].output()
+    for name, rule in [("step_00000005.pt", "is a FIFO"), ("step_00000004.pt", "is a device"), ("extra.bin", "FIFO")]:
+        assert re.search(rf"warning: \S*{name}: .*{rule}, not a regular file; refused; trying the previous", log), log
+    assert "resumed from step 2" in log and summary(out)["steps"] == 4
