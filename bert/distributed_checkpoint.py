@@ -238,16 +238,6 @@ def _plan(path: str, metadata: Metadata, files: dict) -> dict[str, list]:
     return plan
 
 
-def _record(where: str, f, offset: int, length: int, dtype: torch.dtype, sizes: torch.Size) -> Tensor:
-    """The record at ``offset`` of ``f``: a torch.save archive (``load_archive``) of ``dtype`` ``sizes``."""
-    f.seek(offset)
-    value = load_archive(where, io.BytesIO(f.read(length)), length)
-    if not isinstance(value, Tensor) or value.dtype != dtype or value.shape != sizes:
-        got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
-        raise CheckpointError(f"{where} is {got}, its metadata says {dtype} {tuple(sizes)}")
-    return value
-
-
 def read_tensors(path: str, files: dict) -> dict[str, Tensor]:
     """Every tensor of the DCP directory ``path``, whole, on the CPU; ``files``: its manifest's entries
     (``train_checkpoint.verify_dir``, which hashed them). Reads only what they list; every element
@@ -263,7 +253,10 @@ def read_tensors(path: str, files: dict) -> dict[str, Tensor]:
             with open_checked(file, max_bytes=files[name]["bytes"], root=path, what="a DCP data file") as f:
                 for offset, length, key, chunk in records:
                     where = f"{file}: the record of {key!r} at {tuple(chunk.offsets)}"
-                    value = _record(where, f, offset, length, tensors[key].dtype, chunk.sizes)
+                    f.seek(offset)
+                    value = load_archive(where, io.BytesIO(f.read(length)), length)
+                    if not isinstance(value, Tensor) or value.dtype != tensors[key].dtype or value.shape != chunk.sizes:
+                        raise CheckpointError(f"{where} is not a {tensors[key].dtype} tensor of {tuple(chunk.sizes)}")
                     region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
                     if seen[key][region].any():
                         raise CheckpointError(f"{where} overlaps another chunk: every element must be stored once")

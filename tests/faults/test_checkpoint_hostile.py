@@ -35,6 +35,7 @@ from bert.checkpoint import CheckpointError, read_config_and_weights
 from bert.config import BertConfig, ConfigError
 from bert.model import BertForPreTraining
 from bert.optim import param_groups_for
+from tests.bert.test_tf_checkpoint import PREFIX
 from tests.faults.common import run_in_process, spawn_ranks, summary
 
 BASE = ("train.max_steps=4", "checkpoint.interval_steps=2")
@@ -341,6 +342,7 @@ def test_a_checkpoint_that_would_block_is_refused_at_once(tmp_path, make, messag
     assert time.monotonic() - started < 0.5 and "refused" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.timeout(10)
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors", "pytorch_model.bin"])
 def test_a_fifo_in_a_transformers_directory_is_refused_at_once(tmp_path, name):
     BertConfig.preset("tiny", vocab_size=96).to_json(str(tmp_path / "config.json"), transformers=True)
@@ -374,3 +376,13 @@ def test_two_ranks_pass_over_a_fifo_and_dev_zero_without_waiting(dataset, good_r
     for name, rule in [("step_00000005.pt", "is a FIFO"), ("step_00000004.pt", "is a device"), ("extra.bin", "FIFO")]:
         assert re.search(rf"warning: \S*{name}: .*{rule}, not a regular file; refused; trying the previous", log), log
     assert "resumed from step 2" in log and summary(out)["steps"] == 4
+
+
+@pytest.mark.timeout(10)
+def test_a_fifo_tensorflow_data_shard_is_refused_at_once(tmp_path):
+    shutil.copy(f"{PREFIX}.index", tmp_path / "model.ckpt-7.index")
+    os.mkfifo(tmp_path / "model.ckpt-7.data-00000-of-00001")
+    with pytest.raises(CheckpointError) as e:
+        read_config_and_weights(str(tmp_path / "model.ckpt-7"))
+    shard = tmp_path / "model.ckpt-7.data-00000-of-00001"
+    assert str(e.value) == f"{shard}: a TensorFlow data shard is a FIFO, not a regular file; refused"
