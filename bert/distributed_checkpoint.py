@@ -130,6 +130,7 @@ _ALLOWED = {
     ("pathlib", "PosixPath"),
     ("pathlib", "WindowsPath"),
 }
+_DTYPES = {getattr(torch, n) for n in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")}
 _MAX_METADATA = 16 << 20  # ~300 bytes per tensor and rank: BERT-large's on 64 ranks is ~4 MB
 
 
@@ -160,8 +161,8 @@ def _metadata_problem(md) -> str | None:
         if not isinstance(entry, TensorStorageMetadata):  # cannot be built; kept should the allowed set grow
             return f"{key!r} is not a tensor; only tensors are loaded"
         dims = len(entry.size) if _is_size(entry.size) else -1
-        if not isinstance(key, str) or dims < 0 or not isinstance(getattr(entry.properties, "dtype", 0), torch.dtype):
-            return f"{key!r}: its size or dtype is not DCP's"
+        if not isinstance(key, str) or dims < 0 or getattr(entry.properties, "dtype", None) not in _DTYPES:
+            return f"{key!r}: its size or dtype is not a training checkpoint's"
         for chunk in entry.chunks if isinstance(entry.chunks, list) else [None]:
             if not isinstance(chunk, ChunkStorageMetadata) or not _is_size(chunk.offsets, dims, chunk.sizes):
                 return f"{key!r}: a chunk's offsets or sizes are not {dims} integers"
@@ -184,13 +185,13 @@ def read_metadata(path: str) -> Metadata:
     try:
         data = read_checked(file, max_bytes=_MAX_METADATA, root=path, what="DCP metadata")
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        problem = _metadata_problem(metadata)  # AttributeError: fields the pickle left out
     except _Refused as e:
         raise CheckpointError(f"{file}: {e}: only DCP's metadata classes are loaded") from None
     except UnsafeFile as e:
         raise CheckpointError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - the allowed classes raise anything on bad arguments
         raise CheckpointError(f"{file}: not DCP metadata ({type(e).__name__}: {_first_line(e)})") from None
-    problem = _metadata_problem(metadata)
     if problem:
         raise CheckpointError(f"{file}: not DCP metadata of tensors ({problem})")
     return metadata

@@ -143,15 +143,6 @@ def test_huge_declared_sizes_are_refused_without_allocating(tmp_path, kind):
 # ---- training checkpoints, resumed by the trainer ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def good_run(dataset, tmp_path_factory):
-    """A run of 4 steps stopped (as by SIGTERM) after step 2, leaving its checkpoint."""
-    out = tmp_path_factory.mktemp("good-run")
-    assert run_in_process(dataset, out, *BASE, stop_after=1)["status"] == "interrupted"
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000002.pt"]
-    return out
-
-
 def _hostile_state(kind: str, good: dict, marker) -> dict:
     state = {**good, "model": dict(good["model"]), "optimizer": dict(good["optimizer"])}
     name = "layers.0.ffn_in.weight"
