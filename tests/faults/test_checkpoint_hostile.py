@@ -143,6 +143,13 @@ def dev_zero_entry(path, step):
     write_manifest(path, step)
 
 
+def sixteen_bytes(path, step):
+    """The data file replaced by 16 bytes of garbage under a valid manifest (DCP raised a
+    CheckpointException, a BaseException, that no handler caught)."""
+    open(os.path.join(path, DATA), "wb").write(os.urandom(16))
+    write_manifest(path, step)
+
+
 def empty_chunks(path, step):
     md = metadata(path)
     md.state_dict_metadata[EMBEDDING].chunks = []
@@ -202,6 +209,7 @@ HOSTILE_DIRS = [
         f"the record of '{EMBEDDING}' at (0, 0): not a readable torch.save archive",
     ),
     (lambda p, s: rewrite_records(p, s, compressed), "is compressed"),
+    (sixteen_bytes, f"bytes at 0) cannot hold its 384 bytes inside {DATA}"),  # mlm_bias: 96 floats
     (empty_chunks, f"the chunks of '{EMBEDDING}' hold 0 elements, the tensor 12288: every element must be stored once"),
     (no_moment, "/exp_avg_sq: every tensor must be restored"),
     (metadata_bytes(KEY_ERROR), ".metadata: not DCP metadata (KeyError: 'nope')"),
