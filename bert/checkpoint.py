@@ -40,7 +40,7 @@ from bert.tf_checkpoint import (
     is_tf_checkpoint,
     read_tf_checkpoint,
 )
-from fileio import publishing_dir
+from fileio import UnsafeFile, open_checked, publishing_dir
 
 __all__ = [
     "CheckpointError",
@@ -122,7 +122,7 @@ def _check_archive(path: str, window: _Window) -> None:
     try:
         with zipfile.ZipFile(window) as z:
             infos = z.infolist()
-    except (zipfile.BadZipFile, ValueError, EOFError) as e:
+    except Exception as e:  # noqa: BLE001 - BadZipFile, EOFError, NotImplementedError (a version field)...: not ours
         raise CheckpointError(f"{path}: not a readable torch.save archive ({e})") from None
     total = 0
     for info in infos:
@@ -154,37 +154,50 @@ def _refusal(e: pickle.UnpicklingError) -> str:
     return f"refused by the weights-only unpickler ({detail.split('. ')[0].rstrip('.')})"
 
 
-def safe_torch_load(path: str, limit: int | None = None, archive_only: bool = False):
-    """``torch.load(path, weights_only=True)`` on the CPU, every failure one CheckpointError line.
-
-    ``limit``: the bytes of ``path`` that belong to the archive (default: all). A zip archive
-    is checked first (no compressed records); ``archive_only`` also refuses torch's legacy
-    (pre-1.6, non-zip) format, which nothing here writes.
-    """
+def safe_torch_load(path: str, limit: int | None = None, archive_only: bool = False, root: str | None = None):
+    """``load_archive`` of the file ``path`` (``fileio.open_checked``: regular, inside ``root`` if
+    given); ``limit``: the bytes of ``path`` that belong to the archive (default: all)."""
     try:
-        with open(path, "rb") as f:
-            window = _Window(f, os.path.getsize(path) if limit is None else limit)
-            if zipfile.is_zipfile(window):
-                _check_archive(path, window)
-            elif archive_only:
-                raise CheckpointError(f"{path}: not a torch.save zip archive")
+        with open_checked(path, root=root, what="a torch file") as f:
+            return load_archive(path, f, os.fstat(f.fileno()).st_size if limit is None else limit, archive_only)
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def load_archive(name: str, f, size: int, archive_only: bool = True):
+    """``torch.load(weights_only=True)`` of the first ``size`` bytes of the open file ``f``, its
+    zip records checked first (``_check_archive``); every failure one CheckpointError line.
+    ``archive_only`` refuses torch's legacy (pre-1.6, non-zip) format."""
+    window = _Window(f, size)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        zipped = archive_only or zipfile.is_zipfile(window)
+    except Exception:  # noqa: BLE001 - a zip broken enough to raise here: _check_archive names it
+        zipped = True
+    if zipped:
+        _check_archive(name, window)
+    f.seek(0)
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path}: {_refusal(e)}") from None
+        raise CheckpointError(f"{name}: {_refusal(e)}") from None
     except Exception as e:  # noqa: BLE001 - whatever else a malformed file raises, it is a bad file
         first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {first})") from None
+        raise CheckpointError(f"{name}: cannot be loaded ({type(e).__name__}: {first})") from None
 
 
 def _read_safetensors(path: str) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     try:
+        open_checked(path, what="a safetensors file").close()  # a FIFO or a device is refused, not opened
         return load_file(path, device="cpu")
-    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...: a bad file either way
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    except BaseException as e:  # noqa: BLE001 - SafetensorError, OSError, a Rust panic (a BaseException)...
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(f"{path}: cannot read safetensors ({type(e).__name__}: {first})") from None
 

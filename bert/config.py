@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from fileio import write_text
+from fileio import UnsafeFile, read_checked, write_text
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 NORM_PLACEMENTS = ("post", "pre")
@@ -217,10 +217,11 @@ class BertConfig:
     def from_json(cls, path: str) -> BertConfig:
         """Read BERT's ``bert_config.json``, or transformers' ``config.json`` of a BERT or of a
         ModernBERT (``model_type`` "modernbert", mapped by ``bert.modernbert_hf``)."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                values = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        try:  # a FIFO or a device is refused at once, a huge file unread (fileio.read_checked)
+            values = json.loads(read_checked(path, max_bytes=1 << 20, what="a JSON model config"))
+        except UnsafeFile as e:
+            raise ConfigError(str(e)) from None
+        except (OSError, ValueError, RecursionError) as e:
             raise ConfigError(f"{path}: cannot read a JSON model config ({e})") from None
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a JSON object")

@@ -15,37 +15,44 @@ directories still resume. One is
 path``; ``whole_state`` turns that into what a single file holds, whole tensors read from the
 shards, and the one restore path takes it from there.
 
-Safety: no checkpoint file may run code. DCP pickles ``.metadata`` and would unpickle it
-with ``pickle.load``: here a restricted unpickler builds only DCP's own metadata classes,
-``torch.Size``, dtypes and layouts, and refuses every other global without calling it.
-Tensor records are read with ``weights_only=True``; DCP's "bytes" entries (arbitrary
-objects, which DCP loads with ``weights_only=False``) were never written, and metadata that
-declares one is refused (``BytesStorageMetadata`` is not among the classes built).
+Reading never lets DCP open anything (docs/reliability.md, "Checkpoints"): ``.metadata`` is
+unpickled by an allow-list (DCP's metadata classes, ``torch.Size``, dtypes, layouts) and checked
+field by field; every storage path must be a plain file name the manifest lists and hashed;
+each record's byte range is read here and loaded like a single file's (``weights_only``, no
+compressed record); every element of every tensor must come from exactly one chunk.
 """
 
 from __future__ import annotations
 
+import io
+import math
 import os
 import pickle
-import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
-from bert.checkpoint import CheckpointError
+from bert.checkpoint import CheckpointError, load_archive
+from bert.train_checkpoint import (
+    MANIFEST,
+    STATE,
+    _first_line,
+    is_plain_name,
+    verify_dir,
+)
+from fileio import UnsafeFile, open_checked, read_checked
 
 __all__ = ["load_tensors", "read_metadata", "tensor_shapes", "whole_state"]
 
 
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__
-
-
-# ---- reading DCP's metadata without running code --------------------------------------------
+# ---- reading a DCP directory without DCP -----------------------------------------------------
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -65,6 +72,12 @@ _ALLOWED = {
     ("pathlib", "PosixPath"),
     ("pathlib", "WindowsPath"),
 }
+_DTYPES = {getattr(torch, n) for n in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")}
+_MAX_METADATA = 16 << 20  # ~300 bytes per tensor and rank: BERT-large's on 64 ranks is ~4 MB
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -73,24 +86,56 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refused {module}.{name}")
+        raise _Refused(f"refused {module}.{name}")
+
+
+def _is_size(value, rank: int | None = None, *more) -> bool:
+    """Whether ``value`` (and each of ``more``) is a torch.Size of ``rank`` sane integers."""
+    ok = isinstance(value, torch.Size) and rank in (None, len(value)) and all(0 <= n < 1 << 48 for n in value)
+    return ok and all(_is_size(v, rank) for v in more)
+
+
+def _metadata_problem(md) -> str | None:
+    """Where the unpickled ``md`` is not what DCP's writer makes: the type of every field read."""
+    if not isinstance(md, Metadata) or not all(isinstance(d, dict) for d in (md.state_dict_metadata, md.storage_data)):
+        return f"a {type(md).__name__} without dicts of tensors and storage"
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):  # cannot be built; kept should the allowed set grow
+            return f"{key!r} is not a tensor; only tensors are loaded"
+        dims = len(entry.size) if _is_size(entry.size) else -1
+        if not isinstance(key, str) or dims < 0 or getattr(entry.properties, "dtype", None) not in _DTYPES:
+            return f"{key!r}: its size or dtype is not a training checkpoint's"
+        for chunk in entry.chunks if isinstance(entry.chunks, list) else [None]:
+            if not isinstance(chunk, ChunkStorageMetadata) or not _is_size(chunk.offsets, dims, chunk.sizes):
+                return f"{key!r}: a chunk's offsets or sizes are not {dims} integers"
+            if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size)):
+                return f"{key!r}: a chunk at {tuple(chunk.offsets)} leaves the tensor's {tuple(entry.size)}"
+    for index, info in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            return "a storage entry is not DCP's"
+        fields = (info.relative_path, info.offset, info.length)
+        if [type(f) for f in fields] != [str, int, int] or min(fields[1:]) < 0 or info.transform_descriptors:
+            return f"the storage entry of {index.fqn!r} is not a path and a range, or is transformed (compressed)"
+    return None
 
 
 def read_metadata(path: str) -> Metadata:
-    """DCP's index of the checkpoint at ``path``, built by the restricted unpickler."""
+    """DCP's index of the checkpoint at ``path``, built by the restricted unpickler from a
+    bounded read and checked field by field (``_metadata_problem``); CheckpointError, one line
+    naming the file, for whatever else it holds."""
     file = os.path.join(path, ".metadata")
     try:
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
+        data = read_checked(file, max_bytes=_MAX_METADATA, root=path, what="DCP metadata")
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        problem = _metadata_problem(metadata)  # AttributeError: fields the pickle left out
+    except _Refused as e:
         raise CheckpointError(f"{file}: {e}: only DCP's metadata classes are loaded") from None
-    except (OSError, EOFError, ValueError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{file}: not DCP metadata ({e})") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{file}: not DCP metadata (a {type(metadata).__name__})")
-    for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):  # cannot be built; kept should the allowed set grow
-            raise CheckpointError(f"{file}: {key!r} is not a tensor; only tensors are loaded")
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - the allowed classes raise anything on bad arguments
+        raise CheckpointError(f"{file}: not DCP metadata ({type(e).__name__}: {_first_line(e)})") from None
+    if problem:
+        raise CheckpointError(f"{file}: not DCP metadata of tensors ({problem})")
     return metadata
 
 
@@ -102,30 +147,90 @@ def tensor_shapes(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     }
 
 
-class _SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise CheckpointError(f"{self.path}: per-rank metadata files are not read")
-        metadata = read_metadata(str(self.path))
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+def _plan(path: str, metadata: Metadata, files: dict) -> dict[str, list]:
+    """Per storage file, its (offset, length, key, chunk) records, sorted; CheckpointError where one
+    lies outside the manifest's files, two overlap, or chunks hold other than a tensor's elements."""
+    file = os.path.join(path, ".metadata")
+    plan: dict[str, list] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        covered = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+        if covered != math.prod(entry.size):
+            raise CheckpointError(
+                f"{file}: the chunks of {key!r} hold {covered} elements, the tensor {math.prod(entry.size)}: "
+                f"every element must be stored once"
+            )
+        for chunk in entry.chunks:
+            info = metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+            name = getattr(info, "relative_path", None)  # None: a chunk without a storage entry
+            if not is_plain_name(name) or name not in files or name in (MANIFEST, STATE, ".metadata"):
+                raise CheckpointError(
+                    f"{file}: {key!r} is stored in {name!r}, not a data file the manifest lists; refused"
+                )
+            nbytes = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+            if info.offset + info.length > files[name]["bytes"] or nbytes > info.length:
+                raise CheckpointError(
+                    f"{file}: the record of {key!r} at {tuple(chunk.offsets)} ({info.length} bytes at {info.offset}) "
+                    f"cannot hold its {nbytes} bytes inside {name}"
+                )
+            plan.setdefault(name, []).append((info.offset, info.length, key, chunk))
+    for name, records in plan.items():
+        records.sort(key=lambda r: r[:2])
+        for (o1, n1, k1, _), (o2, _, k2, _) in zip(records, records[1:]):
+            if o1 + n1 > o2:
+                raise CheckpointError(f"{file}: the records of {k1!r} and {k2!r} overlap in {name}")
+    return plan
+
+
+def read_tensors(path: str, files: dict) -> dict[str, Tensor]:
+    """Every tensor of the DCP directory ``path``, whole, on the CPU; ``files``: its manifest's entries
+    (``train_checkpoint.verify_dir``, which hashed them). Reads only what they list; every element
+    comes from exactly one chunk; CheckpointError, one line naming the file and the rule."""
+    metadata = read_metadata(path)
+    plan = _plan(path, metadata, files)
+    entries = metadata.state_dict_metadata
+    tensors = {key: torch.empty(tuple(e.size), dtype=e.properties.dtype) for key, e in entries.items()}
+    seen = {key: torch.zeros(t.shape, dtype=torch.bool) for key, t in tensors.items()}
+    for name, records in plan.items():
+        file = os.path.join(path, name)
+        try:
+            with open_checked(file, max_bytes=files[name]["bytes"], root=path, what="a DCP data file") as f:
+                for offset, length, key, chunk in records:
+                    where = f"{file}: the record of {key!r} at {tuple(chunk.offsets)}"
+                    f.seek(offset)
+                    value = load_archive(where, io.BytesIO(f.read(length)), length)
+                    if not isinstance(value, Tensor) or value.dtype != tensors[key].dtype or value.shape != chunk.sizes:
+                        raise CheckpointError(f"{where} is not a {tensors[key].dtype} tensor of {tuple(chunk.sizes)}")
+                    region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+                    if seen[key][region].any():
+                        raise CheckpointError(f"{where} overlaps another chunk: every element must be stored once")
+                    seen[key][region] = True
+                    tensors[key][region] = value
+        except UnsafeFile as e:
+            raise CheckpointError(str(e)) from None
+        except OSError as e:
+            raise CheckpointError(f"{file}: cannot read ({e.strerror or e})") from None
+    return tensors  # no element missed: as many were written, none twice (_plan, seen)
 
 
 def load_tensors(path: str, tensors: dict[str, Tensor]) -> None:
     """Fill ``tensors`` (flat names -> tensors of the resuming run's layout: DTensors of any
-    mesh, or whole tensors) in place from the checkpoint at ``path``; every rank of the
-    default group calls it (or a single process without one)."""
-    read_metadata(path)  # refused here, with its own message, rather than inside DCP's wrapping
-    try:
-        with warnings.catch_warnings():
-            # Without a process group (bert.export) DCP warns that it reads in one process: it does.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=_SafeReader(path), planner=DefaultLoadPlanner())
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure in one exception
-        raise CheckpointError(f"{path}: cannot read the shards ({_first_line(e)})") from None
+    mesh, or whole tensors) in place from the checkpoint at ``path`` (verified against its
+    manifest here), every element of every one written (CheckpointError naming the ones it
+    lacks). Each rank reads the whole tensors and keeps its own part (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    saved = read_tensors(path, verify_dir(path)["files"])
+    missing = sorted(set(tensors) - set(saved))
+    if missing:
+        more = f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""
+        raise CheckpointError(f"{path}: holds no {', '.join(missing[:4])}{more}: every tensor must be restored")
+    with torch.no_grad():
+        for key, target in tensors.items():
+            value = saved[key].to(target.device, target.dtype)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+                target = target.to_local()
+            target.copy_(value)
 
 
 # ---- an earlier code's sharded checkpoint as the single file's dict -----------------------------
@@ -150,16 +255,15 @@ def whole_state(saved: dict, model: torch.nn.Module, optimizer=None) -> dict:
         names = {id(p): n for n, p in model.named_parameters()}
         for index, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
             for moment in ("exp_avg", "exp_avg_sq"):
-                key = f"optim/{names[id(p)]}/{moment}"
-                if key in shapes:
-                    ours[key], moments[key] = p, (index, moment)
+                key = f"optim/{names[id(p)]}/{moment}"  # every moment, or load_tensors refuses
+                ours[key], moments[key] = p, (index, moment)
     problems = [f"unexpected {k[6:]}" for k in shapes if k.startswith("model/") and k not in ours]
     for key, target in ours.items():
         if key in shapes and shapes[key] != (tuple(target.shape), target.dtype):
             shape, dtype = shapes[key]
             problems.append(f"{key} is {dtype} {shape}, this run has {target.dtype} {tuple(target.shape)}")
     refuse_if("the checkpoint's tensors do not fit this run", problems)
-    whole = {k: torch.empty(tuple(t.shape), dtype=t.dtype) for k, t in ours.items() if k in shapes}
+    whole = {k: torch.empty(tuple(t.shape), dtype=t.dtype) for k, t in ours.items()}
     load_tensors(path, whole)
     state = {k: v for k, v in saved.items() if k not in ("sharded", "optimizer_groups")}
     state["model"] = {k[6:]: v for k, v in whole.items() if k.startswith("model/")}

@@ -30,6 +30,8 @@ import struct
 
 import numpy as np
 
+from fileio import UnsafeFile, open_checked, read_checked
+
 __all__ = ["TFCheckpointError", "read_tf_checkpoint", "is_tf_checkpoint", "google_bert_to_hf"]
 
 
@@ -189,10 +191,11 @@ def _block_entries(block: memoryview):
 
 def _read_index(path: str) -> dict[bytes, bytes]:
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_checked(path, max_bytes=1 << 30, what="a TensorFlow checkpoint index")
     except FileNotFoundError:
         raise TFCheckpointError(f"{path}: no such file (a TensorFlow checkpoint PREFIX needs PREFIX.index)") from None
+    except UnsafeFile as e:
+        raise TFCheckpointError(str(e)) from None
     if len(data) < _FOOTER_SIZE:
         raise TFCheckpointError(f"{path}: truncated ({len(data)} bytes, shorter than the table footer)")
     footer = data[-_FOOTER_SIZE:]
@@ -267,10 +270,12 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
                 if shard >= num_shards:
                     raise TFCheckpointError(f"{where}: shard {shard}, but the header says {num_shards} shards")
                 data_path = f"{prefix}.data-{shard:05d}-of-{num_shards:05d}"
-                try:
-                    shards[shard] = open(data_path, "rb")
+                try:  # a FIFO or a device is refused at once (fileio.open_checked)
+                    shards[shard] = open_checked(data_path, what="a TensorFlow data shard")
                 except FileNotFoundError:
                     raise TFCheckpointError(f"{data_path}: missing data shard ({where} is stored there)") from None
+                except UnsafeFile as e:
+                    raise TFCheckpointError(str(e)) from None
             f = shards[shard]
             f.seek(entry["offset"])
             raw = f.read(entry["size"])

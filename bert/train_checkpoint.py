@@ -34,7 +34,7 @@ from bert.checkpoint import CheckpointError, plain_data_problem, safe_torch_load
 from bert.collectives import Collectives
 from bert.sharded_optim import ShardedLamb, reshard
 from bert.train_state import TrainState
-from fileio import file_digest, publish
+from fileio import UnsafeFile, file_digest, open_checked, publish, read_checked
 
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
 _TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
@@ -198,12 +198,12 @@ def write_file(path: str, state) -> str:
     return path
 
 
-def verify(path: str) -> None:
-    """Check the trailer and the SHA-256 of ``path``; raises CheckpointError saying what is wrong."""
+def verify(path: str, root: str | None = None) -> None:
+    """Check the trailer and the SHA-256 of ``path`` (a regular file, inside ``root`` when
+    given: ``fileio.open_checked``); raises CheckpointError saying what is wrong."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            total = f.tell()
+        with open_checked(path, root=root, what="a checkpoint") as f:
+            total = os.fstat(f.fileno()).st_size
             if total < TRAILER_BYTES:
                 raise CheckpointError(f"{path}: {total} bytes, too short to be a checkpoint (cut short?)")
             f.seek(total - TRAILER_BYTES)
@@ -226,6 +226,8 @@ def verify(path: str) -> None:
                     raise CheckpointError(f"{path}: ended early while reading")
                 sha.update(piece)
                 left -= len(piece)
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
     if sha.hexdigest() != want:
@@ -234,68 +236,94 @@ def verify(path: str) -> None:
         )
 
 
+_MAX_MANIFEST = 1 << 20  # a few entries per rank: 256 ranks list ~60 KB
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def is_plain_name(name) -> bool:
+    """Whether ``name`` is a file name of the directory itself: no path, not ``.`` or ``..``."""
+    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name and "\0" not in name
+
+
 def verify_dir(path: str) -> dict:
-    """Check every file of the checkpoint directory against its manifest; returns the manifest.
-    Raises CheckpointError saying what is missing or damaged."""
+    """Check every file of the checkpoint directory against its manifest (a small JSON object
+    of this format, an integer ``step``, plain file names); returns the manifest. Each file must
+    be regular and inside the directory (``fileio.open_checked``: a FIFO is refused at once)."""
+    file = os.path.join(path, MANIFEST)
     try:
-        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = json.loads(read_checked(file, max_bytes=_MAX_MANIFEST, root=path, what="the manifest"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no {MANIFEST} (an unfinished write, or not written by this trainer)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: {MANIFEST} is not readable JSON ({e})") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != _DIR_FORMAT or not isinstance(files, dict) or STATE not in files:
-        raise CheckpointError(f"{path}: {MANIFEST} is not a sharded training checkpoint's manifest")
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{file}: not readable JSON ({_first_line(e)})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != _DIR_FORMAT:
+        raise CheckpointError(f"{file}: not a sharded training checkpoint's manifest (no 'format' {_DIR_FORMAT!r})")
+    step, files = manifest.get("step"), manifest.get("files")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{file}: 'step' is {step!r}, not an integer >= 0")
+    if not isinstance(files, dict) or STATE not in files or ".metadata" not in files:
+        raise CheckpointError(f"{file}: 'files' does not list {STATE} and .metadata")
     for name, entry in files.items():
-        file = os.path.join(path, name)
-        if os.path.basename(name) != name or not isinstance(entry, dict):
-            raise CheckpointError(f"{path}: {MANIFEST} names {name!r}, not a file of this directory")
+        if not is_plain_name(name) or name == MANIFEST:
+            raise CheckpointError(f"{file}: 'files' names {name!r}, not a file of this directory")
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or not _SHA256.match(str(entry.get("sha256"))):
+            raise CheckpointError(f"{file}: the entry of {name} is not {{'bytes': <int>, 'sha256': <64 hex>}}")
         try:
-            size = os.path.getsize(file)
+            found = os.path.getsize(os.path.join(path, name))
+            if found != size:
+                raise CheckpointError(f"{path}: {name} holds {found} bytes, the manifest records {size}")
+            digest = file_digest(os.path.join(path, name), "sha256", root=path)
+        except UnsafeFile as e:
+            raise CheckpointError(str(e)) from None
         except OSError:
             raise CheckpointError(f"{path}: {name} is missing") from None
-        if size != entry.get("bytes"):
-            raise CheckpointError(f"{path}: {name} holds {size} bytes, the manifest records {entry.get('bytes')}")
-        digest = file_digest(file, "sha256")
-        if digest != entry.get("sha256"):
+        if digest != entry["sha256"]:
             raise CheckpointError(
                 f"{path}: {name}: checksum mismatch (damaged: SHA-256 {digest[:12]}..., recorded "
-                f"{str(entry.get('sha256'))[:12]}...)"
+                f"{entry['sha256'][:12]}...)"
             )
-    if ".metadata" not in files:
-        raise CheckpointError(f"{path}: the manifest lists no .metadata")
     return manifest
 
 
 def read(path: str) -> dict:
-    """Verify and load one checkpoint (on the CPU) without running anything in it.
+    """Verify and load one checkpoint (on the CPU) without running anything in it; its
+    ``counters`` must hold an integer ``step``.
 
     A sharded checkpoint (a directory, bert.distributed_checkpoint) is checked against its
     manifest and gives its ``state.pt`` with ``"sharded": path`` added: its tensors are read
     into the resuming run's layout by ``distributed_checkpoint.load_tensors``.
     """
-    if os.path.isdir(path):
-        verify_dir(path)
-        state = read_file(os.path.join(path, STATE))
-        if not isinstance(state, dict) or "counters" not in state:
-            raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
-        return {**state, "sharded": path}
-    state = read_file(path)
-    if not isinstance(state, dict) or "counters" not in state:
+    manifest = verify_dir(path) if os.path.isdir(path) else None
+    state = read_file(path) if manifest is None else read_file(os.path.join(path, STATE), root=path)
+    counters = state.get("counters") if isinstance(state, dict) else None
+    step = counters.get("step") if isinstance(counters, dict) else None
+    if not isinstance(counters, dict):
         raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
-    return state
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path}: counter 'step' is {step!r}, not an integer >= 0")
+    if manifest is not None and step != manifest["step"]:
+        raise CheckpointError(f"{path}: {STATE} is of step {step}, the manifest of step {manifest['step']}")
+    return state if manifest is None else {**state, "sharded": path}
 
 
-def read_file(path: str):
-    """Verify and load one checksummed file of plain data."""
-    verify(path)
+def read_file(path: str, root: str | None = None):
+    """Verify and load one checksummed file of plain data (inside ``root`` when given)."""
+    verify(path, root)
     # Only the bytes before the trailer are the archive: records may not reach beyond them.
-    state = safe_torch_load(path, limit=os.path.getsize(path) - TRAILER_BYTES, archive_only=True)
+    state = safe_torch_load(path, limit=os.path.getsize(path) - TRAILER_BYTES, archive_only=True, root=root)
     problem = plain_data_problem(state)
     if problem:
         raise CheckpointError(f"{path}: {problem}; only tensors, numbers, strings, lists and dicts are loaded")
     return state
+
+
+def _first_line(e: BaseException) -> str:
+    """The last non-empty line of an exception's message (torch puts the cause there), or its type."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def load_latest(

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -28,3 +30,14 @@ def reference(dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     run_in_process(dataset, out, *REFERENCE_STEPS)
     return losses(out)
+
+
+@pytest.fixture(scope="package")
+def good_run(dataset, tmp_path_factory):
+    """A run of 4 steps stopped (as by SIGTERM) after step 2, leaving its checkpoint; the
+    hostile-checkpoint tests put newer ones beside it in a copy."""
+    out = tmp_path_factory.mktemp("good-run")
+    steps = ("train.max_steps=4", "checkpoint.interval_steps=2")
+    assert run_in_process(dataset, out, *steps, stop_after=1)["status"] == "interrupted"
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000002.pt"]
+    return out

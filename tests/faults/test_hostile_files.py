@@ -143,15 +143,6 @@ def test_huge_declared_sizes_are_refused_without_allocating(tmp_path, kind):
 # ---- training checkpoints, resumed by the trainer ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def good_run(dataset, tmp_path_factory):
-    """A run of 4 steps stopped (as by SIGTERM) after step 2, leaving its checkpoint."""
-    out = tmp_path_factory.mktemp("good-run")
-    assert run_in_process(dataset, out, *BASE, stop_after=1)["status"] == "interrupted"
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000002.pt"]
-    return out
-
-
 def _hostile_state(kind: str, good: dict, marker) -> dict:
     state = {**good, "model": dict(good["model"]), "optimizer": dict(good["optimizer"])}
     name = "layers.0.ffn_in.weight"
@@ -169,37 +160,38 @@ def _hostile_state(kind: str, good: dict, marker) -> dict:
     return state
 
 
-@pytest.mark.parametrize(
-    "kind, message",
-    [
-        ("payload", "refers to io.open, which is not plain data"),
-        (
-            "shapes",
-            (
-                "the model weights do not fit this model (layers.0.ffn_in.weight is torch.float32 (128, 512), "
-                "the model has torch.float32 (512, 128))"
-            ),
-        ),
-        ("dtypes", "layers.0.ffn_in.weight is torch.float64 (512, 128), the model has torch.float32 (512, 128)"),
-        ("optimizer-shapes", "the optimizer's exp_avg of parameter 0 is torch.float32 (3,)"),
-    ],
-    ids=["payload", "shapes", "dtypes", "optimizer-shapes"],
-)
-def test_a_hostile_newest_checkpoint_is_passed_over(dataset, good_run, tmp_path, capsys, kind, message):
+HOSTILE_STATES = {
+    "payload": "refers to io.open, which is not plain data",
+    "shapes": (
+        "the model weights do not fit this model (layers.0.ffn_in.weight is torch.float32 (128, 512), "
+        "the model has torch.float32 (512, 128))"
+    ),
+    "dtypes": "layers.0.ffn_in.weight is torch.float64 (512, 128), the model has torch.float32 (512, 128)",
+    "optimizer-shapes": "the optimizer's exp_avg of parameter 0 is torch.float32 (3,)",
+}
+
+
+def test_hostile_newer_checkpoints_are_passed_over(dataset, good_run, tmp_path, capsys):
+    """One hostile checkpoint of each kind, newer than the good one (one run tries them all)."""
     out, marker = tmp_path / "out", tmp_path / "MARKER"
     shutil.copytree(good_run, out)
     good = train_checkpoint.read(str(out / "checkpoints" / "step_00000002.pt"))
-    bad = train_checkpoint.write(str(out / "checkpoints"), 3, _hostile_state(kind, good, marker), keep=5)
+    bad = {
+        kind: train_checkpoint.write(str(out / "checkpoints"), step, _hostile_state(kind, good, marker), keep=9)
+        for step, kind in enumerate(HOSTILE_STATES, start=3)
+    }
     capsys.readouterr()
     s = run_in_process(dataset, out, *BASE)
     printed = capsys.readouterr().out
-    warning = [line for line in printed.splitlines() if line.startswith("warning:")]
-    assert len(warning) == 1 and warning[0].startswith(f"warning: {bad}: ") and message in warning[0]
-    assert warning[0].endswith("; trying the previous checkpoint")
+    warnings = [line for line in printed.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == len(bad), warnings
+    for kind, path in bad.items():
+        named = [w for w in warnings if w.startswith(f"warning: {path}: ")]
+        assert len(named) == 1 and HOSTILE_STATES[kind] in named[0], (kind, warnings)
+        assert named[0].endswith("; trying the previous checkpoint")
     assert "resumed from step 2" in printed and s["steps"] == 4
     assert not marker.exists()
-    if kind == "payload":
-        assert payload_works(bad, marker)
+    assert payload_works(bad["payload"], marker)
 
 
 def test_only_hostile_checkpoints_stop_the_cli_with_one_line(dataset, tmp_path, capsys):
