@@ -44,8 +44,8 @@ def main(argv=None) -> int:
         return 2
 
     # Imported after the config is valid, so a typo is reported before torch loads.
-    from bert.checkpoint import CheckpointError
     from bert.collectives import CollectiveError, announce_exit, hold_store
+    from bert.safe_load import CheckpointError
     from bert.trainer import Trainer, TrainingError
     from data.rebalance import RebalanceError
     from kernels.interface import BackendUnavailable

@@ -18,9 +18,10 @@ import sys
 
 import torch
 
-from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, to_hf_state_dict
 from bert.config import BertConfig, ConfigError
 from bert.model import BertForPreTraining
+from bert.pretrained import export_hf, load_hf_state_dict, to_hf_state_dict
+from bert.safe_load import CheckpointError
 from bert.tf_checkpoint import TFCheckpointError, google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
 from fileio import publishing
 

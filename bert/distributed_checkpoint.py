@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from bert.checkpoint import CheckpointError, plain_data_problem
+from bert.safe_load import CheckpointError, plain_data_problem
 from bert.train_checkpoint import (
     MANIFEST,
     STATE,

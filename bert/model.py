@@ -16,7 +16,7 @@ MLPerf submissions do), so the vocabulary projection costs M rows, not T.
 
 Numerics match ``transformers.BertForPreTraining`` (post-LayerNorm BERT, erf GELU, tied
 decoder) given the same weights, and ``transformers.ModernBertForMaskedLM`` for ModernBERT
-configurations; ``bert.checkpoint`` and ``bert.modernbert_hf`` map the state dicts both
+configurations; ``bert.pretrained`` and its adapters map the state dicts both
 ways. The query, key and value projections are one fused ``[3*hidden, hidden]`` linear layer.
 
 Attention per layer: each layer is global or local (a window); the model derives one layout

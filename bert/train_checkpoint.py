@@ -45,7 +45,7 @@ from collections.abc import Callable
 
 import torch
 
-from bert.checkpoint import CheckpointError, plain_data_problem, safe_torch_load
+from bert.safe_load import CheckpointError, plain_data_problem, safe_torch_load
 from fileio import file_digest, publish, write_text
 
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="

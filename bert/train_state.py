@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from bert import distributed_checkpoint, train_checkpoint
-from bert.checkpoint import CheckpointError
 from bert.collectives import Collectives
+from bert.safe_load import CheckpointError
 from bert.sharded_optim import ShardedLamb, reshard
 from kernels.runtime import seed_philox_
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 import transformers
 
-from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
 from bert.config import BertConfig
 from bert.model import BertForPreTraining
+from bert.pretrained import export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
+from bert.safe_load import CheckpointError
 from tests.batches import random_batch
 from tests.bert.test_model import hf_logits, hf_model
 
