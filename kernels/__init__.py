@@ -18,8 +18,7 @@ Modules, from the bottom up (a module imports only modules listed before it; the
   ``library_backends``: ``flash_attn`` and ``torch_varlen`` for comparison;
 - ``flashmask``: the FlashMask kernel and the ``flashmask`` backend;
 - ``registry``: every backend by name, what it takes, loaded on demand; the model (``bert/``)
-  picks its backend here;
-- ``compile_check``: compile every kernel for sm_90 anywhere (a command, imported by nothing).
+  picks its backend here.
 
 Importing the package imports neither Triton nor a kernel. Nothing here imports ``bert/``: the
 interface lives below the model so that the kernels never import the model.

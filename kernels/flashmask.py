@@ -13,7 +13,7 @@ when its dense mask is all masked. ``flashmask_tile_counts`` runs the kernels in
 mode that reports the counts; ``kernels.masks.reference_tile_counts`` counts the same from
 the dense mask. Dropout is the varlen kernels' Philox scheme with token index b * seqlen_q + i,
 so ``torch.manual_seed`` makes it reproducible and the backward regenerates the mask.
-``python -m kernels.compile_check --registers`` compiles the bounded kernels for sm_90 beside
+``python -m tools.compile_check --registers`` compiles the bounded kernels for sm_90 beside
 the plain ones.
 
 Shape legend: B batch (packed rows), S / Sq / Sk sequence lengths, H heads, D head dim,

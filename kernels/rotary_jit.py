@@ -84,5 +84,5 @@ def rotary_fwd(x, out, position_ids, cos, sin, inverse: bool) -> None:
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
-    """The one launch (kernels.compile_check swaps it for a compile for sm_90)."""
+    """The one launch (tools.compile_check swaps it for a compile for sm_90)."""
     kernel[grid](*args, **kwargs)

@@ -179,7 +179,7 @@ def load(interpret: bool, source: Path = _SOURCE) -> ModuleType:
     """Execute triton_jit.py (or another device-code file: ``bench/attention.py`` times an
     earlier one) as a fresh module whose @triton.jit functions are built for the interpreter
     or for compilation (the latter also on a machine without a GPU: see
-    kernels/compile_check.py). It must match the mode Triton itself was imported in."""
+    tools/compile_check.py). It must match the mode Triton itself was imported in."""
     return load_source(source, "kernels._jit" if source == _SOURCE else f"kernels._jit_{source.stem}", interpret)
 
 

@@ -3,7 +3,7 @@ dim, dropout, bounds), on a GPU and in Triton's interpreter: the one table.
 
 ``attention_tiles(kernel, block_d, elt_size, dropout, preset, bounded, interpreted)`` gives
 (BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel in ``fwd``, ``dkdv``, ``dq``. Every GPU
-entry compiles for sm_90 with 0 register spill bytes: ``python -m kernels.compile_check
+entry compiles for sm_90 with 0 register spill bytes: ``python -m tools.compile_check
 --registers`` builds every combination and fails on a spill (docs/kernels.md lists registers
 and occupancy). With FlashMask bounds (``bounded``) the three kernels share one BLOCK_N, the
 block of the per-block min/max of the bounds; a window needs no entries of its own.

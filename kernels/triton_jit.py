@@ -808,7 +808,7 @@ def _bdaln_bwd(
 # Host-side launchers. Block sizes come from ``kernels.tiles``' one table: the interpreter
 # gets small, unequal blocks (so that tests cross block edges both ways); a GPU gets, per
 # (dtype, head dim, dropout, bounds), entries free of register spills on sm_90
-# (kernels/compile_check.py builds them all), in the preset KERNELS_ATTENTION_TILES names
+# (tools/compile_check.py builds them all), in the preset KERNELS_ATTENTION_TILES names
 # (read when this module loads; the compile check sets TILE_PRESET directly).
 
 TILE_PRESET = tiles.preset_from_env()

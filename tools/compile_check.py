@@ -1,6 +1,6 @@
 """Compile every kernel variant for a Hopper GPU (sm_90) on any machine, GPU or not.
 
-    python -m kernels.compile_check [--registers] [--jobs N] [--head-dims 64 128] [--json PATH]
+    python -m tools.compile_check [--registers] [--jobs N] [--head-dims 64 128] [--json PATH]
 
 The interpreter tests check the kernels' arithmetic, not that Triton can compile them
 (types, layouts, shared memory). Here each launcher runs with its launch swapped for
@@ -14,8 +14,8 @@ per kernel) the registers, spill bytes and resident blocks and
 warps per SM, then the registers of each kernel plain, windowed and bounded side by side.
 Exits 1 if a kernel does not compile, needs more shared memory than a Hopper block can have,
 or spills registers. ``--jobs N`` compiles on N processes. Runs in a process of its own:
-Triton must be imported in compiled mode, so TRITON_INTERPRET is cleared before it is. This
-is the top of ``kernels/``: no other module of the package imports it.
+Triton must be imported in compiled mode, so TRITON_INTERPRET is cleared before it is. A
+developer command: nothing in the application imports it.
 """
 
 from __future__ import annotations
