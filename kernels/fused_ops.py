@@ -16,12 +16,15 @@ Shapes: x, residual [..., N]; bias, weight, ln_bias [N]. Math is fp32 inside the
 from __future__ import annotations
 
 from functools import reduce
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.runtime import draw_philox, jit_kernels
+
+JIT_SOURCE = Path(__file__).with_name("fused_ops_jit.py")  # the device code, loaded by kernels.runtime
 
 
 def _rows(x: Tensor, n: int) -> Tensor:
@@ -36,7 +39,7 @@ def _check_vec(t: Tensor, n: int, name: str, device) -> None:
 class _BiasGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias):
-        kern = jit_kernels(x.device, "fused bias_gelu")
+        kern = jit_kernels(x.device, "fused bias_gelu", JIT_SOURCE)
         n = x.shape[-1]
         x_RN = _rows(x, n)
         y_RN = torch.empty_like(x_RN)
@@ -47,7 +50,7 @@ class _BiasGelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_RN, bias = ctx.saved_tensors
-        kern = jit_kernels(x_RN.device, "fused bias_gelu")
+        kern = jit_kernels(x_RN.device, "fused bias_gelu", JIT_SOURCE)
         dx_RN = torch.empty_like(x_RN)
         kern.bias_gelu_bwd(_rows(dy, x_RN.shape[1]), x_RN, bias.contiguous(), dx_RN)
         dbias = dx_RN.sum(0, dtype=torch.float32).to(bias.dtype)
@@ -67,7 +70,7 @@ def bias_gelu_reference(x: Tensor, bias: Tensor) -> Tensor:
 class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, weight, ln_bias, dropout_p, eps, keep_out):
-        kern = jit_kernels(x.device, "fused bias_dropout_add_layer_norm")
+        kern = jit_kernels(x.device, "fused bias_dropout_add_layer_norm", JIT_SOURCE)
         n = x.shape[-1]
         out_dtype = reduce(torch.promote_types, (t.dtype for t in (x, bias, residual, weight, ln_bias)))
         x_RN, res_RN = _rows(x, n), _rows(residual, n)
@@ -108,7 +111,7 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     def backward(ctx, dy):
         h_RN, weight, mean, rstd, rng = ctx.saved_tensors
         x_shape, x_dtype, res_shape, res_dtype, bias_dtype, lb_dtype, dropout_p = ctx.meta
-        kern = jit_kernels(h_RN.device, "fused bias_dropout_add_layer_norm")
+        kern = jit_kernels(h_RN.device, "fused bias_dropout_add_layer_norm", JIT_SOURCE)
         dx_RN = torch.empty(h_RN.shape, dtype=x_dtype, device=h_RN.device)
         dres_RN = torch.empty(h_RN.shape, dtype=res_dtype, device=h_RN.device)
         dw_part, dlb_part, db_part = kern.bdaln_bwd(

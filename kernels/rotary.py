@@ -33,7 +33,6 @@ fused QKV output); ``position_ids [N]`` int; tables ``[P, D/2]`` fp32.
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -67,29 +66,13 @@ def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Te
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-_SOURCE = Path(__file__).with_name("rotary_jit.py")
-_JIT: dict[bool, ModuleType] = {}
-
-
-def _kernels(device: torch.device) -> ModuleType:
-    """The rotary kernel module in this process's Triton mode, after checking it can run on ``device``."""
-    from kernels.runtime import jit_kernels
-
-    interpret = jit_kernels(device, "rotary kernel").INTERPRET  # raises BackendUnavailable when it cannot
-    if interpret not in _JIT:
-        _JIT[interpret] = load_jit(interpret)
-    return _JIT[interpret]
-
-
-def load_jit(interpret: bool) -> ModuleType:
-    """rotary_jit.py as a fresh module built for the interpreter or for compilation."""
-    from kernels.runtime import load_source
-
-    return load_source(_SOURCE, "kernels._rotary_jit", interpret)
+JIT_SOURCE = Path(__file__).with_name("rotary_jit.py")  # the device code, loaded by kernels.runtime
 
 
 def _launch(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, inverse: bool) -> Tensor:
-    kern = _kernels(x.device)
+    from kernels.runtime import jit_kernels
+
+    kern = jit_kernels(x.device, "rotary kernel", JIT_SOURCE)  # raises BackendUnavailable when it cannot
     if x.stride(-1) != 1:
         x = x.contiguous()
     n, h, d = x.shape

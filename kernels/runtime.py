@@ -27,7 +27,7 @@ import torch
 from kernels.interface import BackendUnavailable
 
 _SOURCE = Path(__file__).with_name("triton_jit.py")
-_MODULE: list[ModuleType] = []
+_LOADED: dict[tuple[Path, bool], ModuleType] = {}
 
 
 def seeded_op_tags() -> dict:
@@ -126,8 +126,9 @@ def check_runnable(what: str) -> None:
         )
 
 
-def jit_kernels(device: torch.device, what: str = "triton kernels") -> ModuleType:
-    """The kernels module, after checking that they can run on ``device`` in this process."""
+def jit_kernels(device: torch.device, what: str = "triton kernels", source: Path = _SOURCE) -> ModuleType:
+    """The device-code module ``source`` (default: the attention family's), after checking that
+    its kernels can run on ``device`` in this process."""
     reason = triton_available()
     if reason:
         raise BackendUnavailable(f"{what}: {reason}")
@@ -142,9 +143,14 @@ def jit_kernels(device: torch.device, what: str = "triton kernels") -> ModuleTyp
         raise BackendUnavailable(
             f"{what}: tensors on {device.type!r}; the Triton kernels need CUDA (or CPU with TRITON_INTERPRET=1)"
         )
-    if not _MODULE:
-        _MODULE.append(load(interpret=interpreted))
-    return _MODULE[0]
+    return device_code(interpreted, source)
+
+
+def device_code(interpret: bool, source: Path = _SOURCE) -> ModuleType:
+    """``load(interpret, source)``, once per process (the module every caller shares)."""
+    if (source, interpret) not in _LOADED:
+        _LOADED[source, interpret] = load(interpret, source)
+    return _LOADED[source, interpret]
 
 
 def _fix_interpreter_scalars() -> None:
@@ -176,19 +182,14 @@ def _fix_interpreter_scalars() -> None:
 
 
 def load(interpret: bool, source: Path = _SOURCE) -> ModuleType:
-    """Execute triton_jit.py (or another device-code file: ``bench/attention.py`` times an
-    earlier one) as a fresh module whose @triton.jit functions are built for the interpreter
-    or for compilation (the latter also on a machine without a GPU: see
-    tools/compile_check.py). It must match the mode Triton itself was imported in."""
-    return load_source(source, "kernels._jit" if source == _SOURCE else f"kernels._jit_{source.stem}", interpret)
-
-
-def load_source(source: Path, name: str, interpret: bool) -> ModuleType:
-    """Execute the device-code file ``source`` as a fresh module ``name_interpreted`` or
-    ``name_compiled``, its @triton.jit functions built for that mode (``load``'s, for any file)."""
+    """Execute the device-code file ``source`` (triton_jit.py, fused_ops_jit.py, rotary_jit.py,
+    or an earlier file ``bench/attention.py`` times) as a fresh module whose @triton.jit
+    functions are built for the interpreter or for compilation (the latter also on a machine
+    without a GPU: tools/compile_check.py). It must match the mode Triton was imported in."""
     if interpret:
         _fix_interpreter_scalars()
-    name = f"{name}_{'interpreted' if interpret else 'compiled'}"
+    stem = "jit" if source == _SOURCE else f"jit_{source.stem}"
+    name = f"kernels._{stem}_{'interpreted' if interpret else 'compiled'}"
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     try:

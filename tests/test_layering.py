@@ -57,7 +57,8 @@ MODULE_LAYERS = {
         "grouped": 1,
         "runtime": 1,  # compiled or interpreted Triton
         "reference": 2,  # the reference and padded backends
-        "triton_jit": 2,  # the device code: one attention kernel family, the fused ops
+        "triton_jit": 2,  # the device code of the attention kernel family
+        "fused_ops_jit": 2,  # the fused ops' device code (shares the family's dropout mask)
         "rotary_jit": 2,  # device code of the rotary embedding
         "varlen_attention": 3,  # the Triton backends
         "fused_ops": 3,

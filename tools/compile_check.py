@@ -191,9 +191,9 @@ def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
 def _compile_fused(registers: bool) -> list[dict]:
     import torch
 
-    from kernels import runtime
+    from kernels import fused_ops, runtime
 
-    module = runtime.load(interpret=False)
+    module = runtime.load(interpret=False, source=fused_ops.JIT_SOURCE)
     records: list[dict] = []
     module._launch = compiling_launcher(records, {"dtype": "bfloat16 in, float32 params", "dropout": 0.1}, registers)
 
@@ -223,9 +223,9 @@ def _compile_rotary(registers: bool, head_dims: tuple[int, ...]) -> list[dict]:
     the fused QKV projection and int64 positions, as the model calls it."""
     import torch
 
-    from kernels.rotary import load_jit
+    from kernels import rotary, runtime
 
-    module = load_jit(interpret=False)
+    module = runtime.load(interpret=False, source=rotary.JIT_SOURCE)
     records: list[dict] = []
     t, h = 4096, 16
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
