@@ -796,232 +796,288 @@ def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
     )
 
 
+@dataclass
+class _Run:
+    """One ``prepare`` call's state shared by its stages: the temporary directory, the worker
+    processes, the vocabulary and each stage's wall time."""
+
+    cfg: PrepareConfig
+    tmp: Path
+    workers: _Workers
+    log: typing.Callable
+    seconds: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    vocab: Vocab | None = None
+    vocab_file: Path | None = None
+
+    @property
+    def mlm(self) -> bool:
+        return self.cfg.objective == "mlm"
+
+    @property
+    def unit(self) -> str:
+        return "pieces" if self.mlm else "pairs"  # what stage 3 makes
+
+    @property
+    def recorded_vocab(self) -> int | None:
+        """The vocabulary size the files record, where it matters (MLPerf's files have none)."""
+        return len(self.vocab) if self.mlm or len(self.vocab) > MAX_VOCAB_SIZE else None
+
+    def lap(self, stage: str) -> float:
+        """Record the wall time since the previous lap as ``stage``'s."""
+        now = time.perf_counter()
+        self.seconds[stage], self.started = now - self.started, now
+        return self.seconds[stage]
+
+
+@dataclass
+class _Corpus:
+    """Stage 1's result; the token ids and offsets are files in the run's directory."""
+
+    n_docs: int
+    n_train_docs: int
+    n_sentences: int
+    n_tokens: int
+    doc_tokens: np.ndarray  # [documents] tokens of each document
+    stats: dict  # docs_read, docs_short, sentences
+    bad_utf8: dict  # path -> [replaced sequences, first line]
+
+
+def _vocabulary(run: _Run, files: list[Path]) -> None:
+    """A copy of the given vocabulary, or one learnt from the input."""
+    cfg = run.cfg
+    run.vocab_file = run.tmp / VOCAB_FILES[cfg.tokenizer is not None]
+    if cfg.vocab_source is not None:
+        run.vocab, _ = load_tokenizer(cfg.vocab_source, is_json=cfg.tokenizer is not None)
+        shutil.copyfile(cfg.vocab_source, run.vocab_file)
+    else:
+        sentences = progress(iter_sentences(files, cfg.input_format), desc="vocabulary", unit=" sentences")
+        tokens = train_wordpiece(sentences, cfg.train_vocab)
+        sentences.close()
+        write_vocab(run.vocab_file, tokens)
+        run.vocab, _ = load_tokenizer(run.vocab_file)
+        run.log(f"learnt a vocabulary of {len(run.vocab)} pieces (asked for {cfg.train_vocab})")
+        run.lap("train_vocab")
+    if len(run.vocab) > MAX_VOCAB_SIZE and cfg.format == "fixed":
+        raise DataError(
+            f"{cfg.vocab_source}: {len(run.vocab)} entries, but the fixed layout stores ids as int16 (at most "
+            f"{MAX_VOCAB_SIZE}); use --format varlength or packed"
+        )
+    np.save(run.tmp / "specials.npy", np.array([run.vocab.cls_id, run.vocab.sep_id]))
+
+
+def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
+    """Stage 1: every input chunk tokenised (the --eval-input documents after the others)."""
+    cfg = run.cfg
+    chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
+    n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
+    tasks = [_TokenizeTask(c, cfg.input_format, str(run.vocab_file), cfg.min_sentences, run.mlm) for c in chunks]
+    too_short = "no token" if run.mlm else f"fewer than {cfg.min_sentences} sentences"
+    sent_lens, doc_nsent = [], []
+    stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
+    bad_utf8: dict[str, list[int]] = {}
+    n_train_docs = 0
+    with (
+        open(run.tmp / "tokens.u16", "wb") as fh,
+        progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar,
+    ):
+        for i, r in enumerate(run.workers.map(_tokenize_chunk, tasks)):
+            bar.update(chunks[i].end - chunks[i].start)
+            fh.write(r["tokens"].tobytes())
+            sent_lens.append(r["sent_lens"])
+            doc_nsent.append(r["doc_nsent"])
+            if i < n_train_chunks:
+                n_train_docs += len(r["doc_nsent"])
+            for k in stats:
+                stats[k] += r[k]
+            if r["bad_utf8"]:
+                entry = bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])
+                entry[0] += r["bad_utf8"]
+    for path, (count, line) in bad_utf8.items():
+        run.log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
+    sent_lens = np.concatenate(sent_lens)
+    doc_nsent = np.concatenate(doc_nsent)
+    n_docs = len(doc_nsent)
+    for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
+        if names and n < 2:
+            raise DataError(
+                f"{', '.join(names)}: {n} usable {what}document(s) (need 2; {stats['docs_short']} had {too_short})"
+            )
+    if stats["docs_short"]:
+        run.log(f"skipped {stats['docs_short']} of {stats['docs_read']} documents with {too_short}")
+    sent_off = _offsets(sent_lens)
+    doc_sent_off = _offsets(doc_nsent)
+    np.save(run.tmp / "sent_off.npy", sent_off)
+    np.save(run.tmp / "doc_sent_off.npy", doc_sent_off)
+    doc_tokens = sent_off[doc_sent_off[1:]] - sent_off[doc_sent_off[:-1]]
+    run.log(
+        f"{n_docs} documents, {len(sent_lens)} sentences, {int(sent_off[-1])} tokens "
+        f"({len(tasks)} chunk(s), {run.lap('tokenize'):.1f} s)"
+    )
+    return _Corpus(n_docs, n_train_docs, len(sent_lens), int(sent_off[-1]), doc_tokens, stats, bad_utf8)
+
+
+def _eval_set(run: _Run, corpus: _Corpus, order: np.ndarray, has_eval_files: bool) -> tuple[int, dict | None]:
+    """Stage 2's eval set, from the --eval-input documents or the first documents of ``order``,
+    written; returns (training documents held out, its manifest entry or None)."""
+    cfg = run.cfg
+    if not cfg.eval_samples:
+        return 0, None
+    held = 0
+    if has_eval_files:
+        eval_docs = corpus.n_docs - corpus.n_train_docs
+        pool = corpus.n_train_docs + np.random.default_rng([cfg.seed, 4]).permutation(eval_docs)
+        p = _eval_pairs(cfg, str(run.tmp), pool, run.vocab)
+        if len(p["seq_len"]) < cfg.eval_samples:
+            raise DataError(
+                f"{', '.join(cfg.eval_inputs)}: gives {len(p['seq_len'])} pairs, fewer than "
+                f"--eval-samples {cfg.eval_samples}"
+            )
+    else:
+        held, p = _hold_out(cfg, str(run.tmp), order, corpus.doc_tokens, run.vocab)
+        eval_docs = held
+    block = _pick_eval(cfg, p, run.vocab)
+    path = run.tmp / "eval" / EVAL_FILE
+    write_file(
+        path,
+        block,
+        cfg.format,
+        cfg.max_seq_length,
+        cfg.max_predictions,
+        next_sentence=not run.mlm,
+        vocab_size=run.recorded_vocab,
+    )
+    run.lap("eval")
+    run.log(
+        f"eval: {cfg.eval_samples} samples from {len(p['seq_len'])} {run.unit} of {eval_docs} "
+        f"{'--eval-input' if has_eval_files else 'held-out'} documents"
+    )
+    entry = {"file": f"eval/{EVAL_FILE}", "pool_samples": len(p["seq_len"]), "documents": eval_docs}
+    return held, {**entry, **_describe(str(path), block)}
+
+
+def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
+    """Stage 3: the training pool's pairs, in task files grouped by shard; returns the task count."""
+    cfg = run.cfg
+    pool_file = str(run.tmp / "train_pool.npy")
+    np.save(pool_file, pool)
+    doc_tokens = corpus.doc_tokens
+    target = int(np.clip(int(doc_tokens[pool].sum()) // 64, PAIR_TASK_TOKENS[0], PAIR_TASK_TOKENS[1]))
+    tasks = [
+        _PairTask(
+            i,
+            str(run.tmp),
+            pool_file,
+            lo,
+            hi,
+            TRAIN_TAG,
+            cfg.shards,
+            cfg.seed,
+            cfg.dupe_factor,
+            cfg.max_num_tokens,
+            cfg.short_seq_prob,
+            run.mlm,
+        )
+        for i, (lo, hi) in enumerate(_split_tasks(doc_tokens, pool, target))
+    ]
+    counts = np.zeros(cfg.shards, np.int64)
+    for r in progress(run.workers.map(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task"):
+        counts += r["counts"]
+    run.log(
+        f"train: {int(counts.sum())} {run.unit} from {len(pool)} documents ({len(tasks)} task(s), "
+        f"{run.lap('pairs'):.1f} s)"
+    )
+    if int(counts.min()) == 0:
+        raise DataError(
+            f"only {int(counts.sum())} training samples for --shards {cfg.shards}: "
+            f"shard {int(np.argmin(counts))} would be empty"
+        )
+    return len(tasks)
+
+
+def _write_shards(run: _Run, n_pair_tasks: int) -> tuple[list[str], list[dict]]:
+    """Stage 4: each shard shuffled, masked and written; returns (file names, their descriptions)."""
+    cfg = run.cfg
+    names = [f"part_{j:05d}_of_{cfg.shards:05d}.hdf5" for j in range(cfg.shards)]
+    tasks = [
+        _ShardTask(
+            j,
+            cfg.shards,
+            n_pair_tasks,
+            str(run.tmp),
+            str(run.tmp / "train" / names[j]),
+            cfg.seed,
+            cfg.format,
+            cfg.max_seq_length,
+            cfg.max_predictions,
+            cfg.masked_lm_prob,
+            len(run.vocab),
+            run.vocab.mask_id,
+            not run.mlm,
+            run.recorded_vocab,
+        )
+        for j in range(cfg.shards)
+    ]
+    info = list(progress(run.workers.map(_write_shard, tasks), total=len(tasks), desc="shards", unit=" shard"))
+    run.lap("shards")
+    return names, info
+
+
+def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, n_eval_docs: int, n_train_docs: int, shards) -> dict:
+    names, info = shards
+    return {
+        "version": 1,
+        "parameters": {k: v for k, v in asdict(run.cfg).items() if k not in ("workers", "output_dir")},
+        "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in inputs],
+        "vocab": {"file": run.vocab_file.name, "size": len(run.vocab), "md5": md5sum(run.vocab_file)},
+        "documents": {
+            "read": corpus.stats["docs_read"],
+            "skipped_short": corpus.stats["docs_short"],
+            "usable": corpus.n_docs,
+            "eval": n_eval_docs,
+            "train": n_train_docs,
+        },
+        "sentences": corpus.n_sentences,
+        "tokens": corpus.n_tokens,
+        "invalid_utf8_replaced": {p: c for p, (c, _) in sorted(corpus.bad_utf8.items())},
+        "train": {
+            "samples": sum(s["samples"] for s in info),
+            "tokens": sum(s["tokens"] for s in info),
+            "masked": sum(s["masked"] for s in info),
+            "random_next": sum(s["random_next"] for s in info),
+            "files": [{"name": f"train/{n}", **s} for n, s in zip(names, info)],
+        },
+    }
+
+
 def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
     """Run all stages; returns the manifest (also written to output_dir/manifest.json)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    seconds: dict[str, float] = {}
-    t = time.perf_counter()
     files = list_inputs(cfg.inputs)
     eval_files = list_inputs(cfg.eval_inputs) if cfg.eval_inputs else []
     if set(files) & set(eval_files):
         raise DataError(f"{sorted(set(files) & set(eval_files))[0]}: given both as --input and as --eval-input")
     out = Path(cfg.output_dir)
-    tmp_path = _prepare_output_dir(out)
-    tmp = str(tmp_path)
-    workers = _Workers(cfg.workers)
+    run = _Run(cfg, _prepare_output_dir(out), _Workers(cfg.workers), log)
     try:
-        # Vocabulary: a copy of the given file, or one learnt from the input.
-        vocab_tmp = tmp_path / VOCAB_FILES[cfg.tokenizer is not None]
-        if cfg.vocab_source is not None:
-            vocab, _ = load_tokenizer(cfg.vocab_source, is_json=cfg.tokenizer is not None)
-            shutil.copyfile(cfg.vocab_source, vocab_tmp)
-        else:
-            sentences = progress(iter_sentences(files, cfg.input_format), desc="vocabulary", unit=" sentences")
-            tokens = train_wordpiece(sentences, cfg.train_vocab)
-            sentences.close()
-            write_vocab(vocab_tmp, tokens)
-            vocab, _ = load_tokenizer(vocab_tmp)
-            log(f"learnt a vocabulary of {len(vocab)} pieces (asked for {cfg.train_vocab})")
-            seconds["train_vocab"] = time.perf_counter() - t
-            t = time.perf_counter()
-        if len(vocab) > MAX_VOCAB_SIZE and cfg.format == "fixed":
-            raise DataError(
-                f"{cfg.vocab_source}: {len(vocab)} entries, but the fixed layout stores ids as int16 (at most "
-                f"{MAX_VOCAB_SIZE}); use --format varlength or packed"
-            )
-        np.save(tmp_path / "specials.npy", np.array([vocab.cls_id, vocab.sep_id]))
-
-        # Stage 1: tokenise (the --eval-input documents, if any, come after the others).
-        chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
-        n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
-        mlm = cfg.objective == "mlm"
-        tasks = [_TokenizeTask(c, cfg.input_format, str(vocab_tmp), cfg.min_sentences, mlm) for c in chunks]
-        too_short = "no token" if mlm else f"fewer than {cfg.min_sentences} sentences"
-        unit = "pieces" if mlm else "pairs"  # what stage 3 makes
-        # Files record their vocabulary's size where it matters (MLPerf's files have no such attribute).
-        recorded_vocab = len(vocab) if mlm or len(vocab) > MAX_VOCAB_SIZE else None
-        sent_lens, doc_nsent = [], []
-        stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
-        bad_utf8: dict[str, list[int]] = {}
-        n_train_docs = 0
-        with (
-            open(tmp_path / "tokens.u16", "wb") as fh,
-            progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar,
-        ):
-            for i, r in enumerate(workers.map(_tokenize_chunk, tasks)):
-                bar.update(chunks[i].end - chunks[i].start)
-                fh.write(r["tokens"].tobytes())
-                sent_lens.append(r["sent_lens"])
-                doc_nsent.append(r["doc_nsent"])
-                if i < n_train_chunks:
-                    n_train_docs += len(r["doc_nsent"])
-                for k in stats:
-                    stats[k] += r[k]
-                if r["bad_utf8"]:
-                    entry = bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])
-                    entry[0] += r["bad_utf8"]
-        for path, (count, line) in bad_utf8.items():
-            log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
-        sent_lens = np.concatenate(sent_lens)
-        doc_nsent = np.concatenate(doc_nsent)
-        n_docs = len(doc_nsent)
-        for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
-            if names and n < 2:
-                raise DataError(
-                    f"{', '.join(names)}: {n} usable {what}document(s) (need 2; {stats['docs_short']} had {too_short})"
-                )
-        if stats["docs_short"]:
-            log(f"skipped {stats['docs_short']} of {stats['docs_read']} documents with {too_short}")
-        sent_off = _offsets(sent_lens)
-        doc_sent_off = _offsets(doc_nsent)
-        np.save(tmp_path / "sent_off.npy", sent_off)
-        np.save(tmp_path / "doc_sent_off.npy", doc_sent_off)
-        doc_tokens = sent_off[doc_sent_off[1:]] - sent_off[doc_sent_off[:-1]]
-        seconds["tokenize"] = time.perf_counter() - t
-        log(
-            f"{n_docs} documents, {len(sent_lens)} sentences, {int(sent_off[-1])} tokens "
-            f"({len(tasks)} chunk(s), {seconds['tokenize']:.1f} s)"
-        )
-        t = time.perf_counter()
-
-        # Stage 2: shuffle documents; the eval set comes from --eval-input or held-out documents.
-        order = np.random.default_rng([cfg.seed, 0]).permutation(n_train_docs)
-        held, eval_docs, eval_pool_pairs, eval_block = 0, 0, 0, None
-        if cfg.eval_samples:
-            if eval_files:
-                eval_docs = n_docs - n_train_docs
-                p = _eval_pairs(
-                    cfg, tmp, n_train_docs + np.random.default_rng([cfg.seed, 4]).permutation(eval_docs), vocab
-                )
-                if len(p["seq_len"]) < cfg.eval_samples:
-                    raise DataError(
-                        f"{', '.join(cfg.eval_inputs)}: gives {len(p['seq_len'])} pairs, fewer than "
-                        f"--eval-samples {cfg.eval_samples}"
-                    )
-            else:
-                held, p = _hold_out(cfg, tmp, order, doc_tokens, vocab)
-                eval_docs = held
-            eval_pool_pairs = len(p["seq_len"])
-            eval_block = _pick_eval(cfg, p, vocab)
-            write_file(
-                tmp_path / "eval" / EVAL_FILE,
-                eval_block,
-                cfg.format,
-                cfg.max_seq_length,
-                cfg.max_predictions,
-                next_sentence=not mlm,
-                vocab_size=recorded_vocab,
-            )
-            seconds["eval"] = time.perf_counter() - t
-            log(
-                f"eval: {cfg.eval_samples} samples from {eval_pool_pairs} {unit} of {eval_docs} "
-                f"{'--eval-input' if eval_files else 'held-out'} documents"
-            )
-            t = time.perf_counter()
+        _vocabulary(run, files)
+        corpus = _tokenize(run, files, eval_files)
+        # Stage 2: shuffle the documents; the eval set comes from --eval-input or held-out ones.
+        order = np.random.default_rng([cfg.seed, 0]).permutation(corpus.n_train_docs)
+        held, eval_entry = _eval_set(run, corpus, order, bool(eval_files))
         pool = np.ascontiguousarray(order[held:])
-        pool_file = str(tmp_path / "train_pool.npy")
-        np.save(pool_file, pool)
-
-        # Stage 3: pairs, grouped by shard.
-        target = int(np.clip(int(doc_tokens[pool].sum()) // 64, PAIR_TASK_TOKENS[0], PAIR_TASK_TOKENS[1]))
-        ranges = _split_tasks(doc_tokens, pool, target)
-        pair_tasks = [
-            _PairTask(
-                i,
-                tmp,
-                pool_file,
-                lo,
-                hi,
-                TRAIN_TAG,
-                cfg.shards,
-                cfg.seed,
-                cfg.dupe_factor,
-                cfg.max_num_tokens,
-                cfg.short_seq_prob,
-                mlm,
-            )
-            for i, (lo, hi) in enumerate(ranges)
-        ]
-        shard_counts = np.zeros(cfg.shards, np.int64)
-        for r in progress(workers.map(_make_pairs, pair_tasks), total=len(pair_tasks), desc="pairs", unit=" task"):
-            shard_counts += r["counts"]
-        seconds["pairs"] = time.perf_counter() - t
-        log(
-            f"train: {int(shard_counts.sum())} {unit} from {len(pool)} documents ({len(pair_tasks)} task(s), "
-            f"{seconds['pairs']:.1f} s)"
-        )
-        t = time.perf_counter()
-        if int(shard_counts.min()) == 0:
-            raise DataError(
-                f"only {int(shard_counts.sum())} training samples for --shards {cfg.shards}: "
-                f"shard {int(np.argmin(shard_counts))} would be empty"
-            )
-
-        # Stage 4: shuffle, mask and write each shard.
-        names = [f"part_{j:05d}_of_{cfg.shards:05d}.hdf5" for j in range(cfg.shards)]
-        shard_tasks = [
-            _ShardTask(
-                j,
-                cfg.shards,
-                len(pair_tasks),
-                tmp,
-                str(tmp_path / "train" / names[j]),
-                cfg.seed,
-                cfg.format,
-                cfg.max_seq_length,
-                cfg.max_predictions,
-                cfg.masked_lm_prob,
-                len(vocab),
-                vocab.mask_id,
-                not mlm,
-                recorded_vocab,
-            )
-            for j in range(cfg.shards)
-        ]
-        shard_info = list(
-            progress(workers.map(_write_shard, shard_tasks), total=len(shard_tasks), desc="shards", unit=" shard")
-        )
-        seconds["shards"] = time.perf_counter() - t
-        t = time.perf_counter()
-
-        train_samples = sum(s["samples"] for s in shard_info)
-        manifest = {
-            "version": 1,
-            "parameters": {k: v for k, v in asdict(cfg).items() if k not in ("workers", "output_dir")},
-            "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files + eval_files],
-            "vocab": {"file": vocab_tmp.name, "size": len(vocab), "md5": md5sum(vocab_tmp)},
-            "documents": {
-                "read": stats["docs_read"],
-                "skipped_short": stats["docs_short"],
-                "usable": n_docs,
-                "eval": eval_docs,
-                "train": len(pool),
-            },
-            "sentences": len(sent_lens),
-            "tokens": int(sent_off[-1]),
-            "invalid_utf8_replaced": {p: c for p, (c, _) in sorted(bad_utf8.items())},
-            "train": {
-                "samples": train_samples,
-                "tokens": sum(s["tokens"] for s in shard_info),
-                "masked": sum(s["masked"] for s in shard_info),
-                "random_next": sum(s["random_next"] for s in shard_info),
-                "files": [{"name": f"train/{n}", **s} for n, s in zip(names, shard_info)],
-            },
-        }
-        if eval_block is not None:
-            manifest["eval"] = {
-                "file": f"eval/{EVAL_FILE}",
-                "pool_samples": eval_pool_pairs,
-                "documents": eval_docs,
-                **_describe(str(tmp_path / "eval" / EVAL_FILE), eval_block),
-            }
-        _install(out, tmp_path, names, eval_block is not None, manifest, vocab_tmp.name)
-        seconds["install"] = time.perf_counter() - t
-        return PrepareResult(manifest, seconds)
+        shards = _write_shards(run, _train_pairs(run, corpus, pool))
+        eval_docs = eval_entry["documents"] if eval_entry else 0
+        manifest = _manifest(run, files + eval_files, corpus, eval_docs, len(pool), shards)
+        if eval_entry is not None:
+            manifest["eval"] = eval_entry
+        _install(out, run.tmp, shards[0], eval_entry is not None, manifest, run.vocab_file.name)
+        run.lap("install")
+        return PrepareResult(manifest, run.seconds)
     finally:
-        workers.close()
+        run.workers.close()
         _worker_cache.clear()  # memory maps and tokenizer of this run's temporary files
-        shutil.rmtree(tmp_path, ignore_errors=True)
+        shutil.rmtree(run.tmp, ignore_errors=True)
 
 
 def _install(out: Path, tmp: Path, names: list[str], has_eval: bool, manifest: dict, vocab_name: str) -> None:
