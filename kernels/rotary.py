@@ -10,7 +10,8 @@ dimensions pair as (p, p + D/2), the "rotate half" convention of transformers' M
 ``rotary_tables`` computes ``cos, sin [P, D/2]`` fp32 as transformers does;
 ``apply_rotary_reference`` is the definition; ``apply_rotary`` the same as one Triton pass
 (its backward: the inverse rotation), on CUDA or in the interpreter, else
-``BackendUnavailable``. Why a kernel of its own: [docs/modern_encoders.md](../docs/modern_encoders.md#rotary-positions-a-triton-kernel-beside-its-reference).
+``BackendUnavailable``. Why a kernel of its own:
+[docs/modern_encoders.md](../docs/modern_encoders.md#rotary-positions-a-triton-kernel-beside-its-reference).
 
 Shapes: x ``[N, H, D]`` (unit last stride, e.g. q/k views of the fused QKV); tables ``[P, D/2]``.
 """
