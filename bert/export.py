@@ -1,19 +1,15 @@
 """A run's checkpoint -> a transformers directory: ``python -m bert.export RUN_DIR --output HF_DIR``.
 
-The hand-off from pretraining to fine-tuning. Reads the newest checkpoint of
-``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint NAME``: a name there such as
-``step_00001500.pt`` or, from a sharded run, the directory ``step_00001500``, a step number,
-or a path; a sharded checkpoint's shards are read into whole tensors), rebuilds the model from the config stored in
-it, and writes:
+Reads the newest checkpoint of ``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint``: a
+file or directory name there, a step number or a path; shards read into whole tensors),
+rebuilds the model from its stored config, and publishes whole:
 
     config.json, model.safetensors        bert.pretrained.export_hf (transformers names)
     vocab.txt                             the run's data.vocab_file (or --vocab)
     tokenizer_config.json                 BertTokenizer, lower case, model_max_length
     special_tokens_map.json               [UNK] [SEP] [PAD] [CLS] [MASK]
 
-so that ``AutoTokenizer.from_pretrained(HF_DIR)`` and ``AutoModel*.from_pretrained(HF_DIR)``
-(e.g. ``AutoModelForSequenceClassification``, which adds a new classifier head) load it
-offline. The directory is written under a temporary name and renamed when complete.
+so that ``AutoTokenizer`` and ``AutoModel*.from_pretrained(HF_DIR)`` load it offline.
 """
 
 from __future__ import annotations

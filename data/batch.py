@@ -1,22 +1,14 @@
 """Batch types and the conversions between MLPerf's fixed layout and the unpadded one.
 
-Every batch the model sees is one of these named types (never a positional tuple):
-
-- ``UnpaddedBatch``: the tokens of all sequences concatenated into one flat tensor, with
-  ``cu_seqlens`` marking where each sequence starts. Nothing downstream computes padding.
-- ``PaddedBatch``: the ``[B, S]`` baseline with an attention mask, for A/B comparisons.
-- ``PackedBatch``: rows of S tokens each holding several whole sequences, kept apart by
-  FlashMask bounds (``data.packing`` builds it; the ``flashmask`` backend runs it).
+Every batch the model sees is one of these named types: ``UnpaddedBatch`` (all sequences
+concatenated into one flat tensor, ``cu_seqlens`` marking their starts), ``PaddedBatch``
+(the ``[B, S]`` baseline with an attention mask) and ``PackedBatch`` (rows of S tokens
+holding whole sequences, kept apart by FlashMask bounds; built by ``data.packing``).
+``unpad`` takes the fixed HDF5 layout's arrays (``masked_lm_positions`` padded with 0) and
+``pad`` goes back, both vectorised. Structural checks run when a batch is built and read no
+tensor value; ``check_values()`` reads values (a sync on CUDA), where batches are made.
 
 Shape legend: T tokens in the flat batch, B sequences, S padded length, M masked positions.
-
-``unpad`` takes the arrays of MLPerf's fixed HDF5 layout (``input_ids [B, S]`` ...,
-``masked_lm_positions`` padded with 0; position 0 is [CLS] and never masked) and ``pad`` goes
-back to ``[B, S]``. Both are vectorised: no Python loop over tokens or sequences.
-
-Structural checks (dtypes, ranks, matching lengths) run when a batch is built and never read
-tensor values, so they cost nothing on a GPU. ``check_values()`` reads values (it syncs on
-CUDA) and is called where batches are made, on the CPU.
 """
 
 from __future__ import annotations

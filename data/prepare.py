@@ -1,48 +1,20 @@
 """Text -> MLPerf BERT pretraining shards: ``python -m data.prepare``.
 
-The semantics are Google's ``create_pretraining_data`` with MLPerf's parameters: documents
-of sentences, ``dupe_factor`` passes over the documents, each cutting a document into
-chunks of about ``max_seq_length - 3`` tokens (a random shorter target with probability
-``short_seq_prob``), each chunk split at a random sentence into segment A and segment B,
-where B is the actual continuation or (always for a one-sentence chunk, otherwise half of
-the time) a random stretch of another document; the pair truncated by removing tokens from
-the front or back of the longer segment; then ``masked_lm_prob`` of the tokens (at least
-one, at most ``max_predictions``, never [CLS] or [SEP]) chosen for prediction: 80% become
-[MASK], 10% a random vocabulary entry, 10% stay.
+Google's ``create_pretraining_data`` with MLPerf's parameters (``--objective mlm``: whole
+documents cut into pieces, no pairs), in stages that each run in ``--workers`` processes:
 
-Stages (each runs in ``--workers`` processes; none depends on how work is split):
-1. tokenise: input files are cut into chunks at document boundaries, parsed and tokenised;
-   the token ids go to one array on disk, read by the later stages through a memory map.
-2. split: documents are shuffled by the seed; a prefix is held out for the eval set (or the
-   eval set is made from the separate ``--eval-input`` documents, as MLPerf's ``eval.txt``),
-   so no eval document (not even as a random next segment) appears in training.
-3. pairs: each (pass, document) draws from its own random stream, seeded by the seed, the
-   pass and the document, and gives every pair a 64-bit random key; the key's top bits pick
-   the shard. Task files hold the pairs grouped by shard.
-4. shards: shard j gathers its pairs from every task file, orders them by key (a uniform
-   shuffle), masks them with a stream seeded by (seed, j), and is written. The eval set is
-   the held-out pairs ordered by key, picked at stride ``int(i*N/K)``, masked likewise.
-Because every random draw is tied to a document or a shard and never to a worker, the output
-is byte-identical for any ``--workers``.
+1. vocabulary: a copy of ``--vocab`` / ``--tokenizer``, or one learnt (``--train-vocab``);
+2. tokenise: input chunks cut at document boundaries, tokenised into one array on disk;
+3. split: documents shuffled by the seed, the eval set held out (or made from
+   ``--eval-input``), so no eval document reaches training;
+4. pairs: each (pass, document) draws from its own stream and gives each pair a 64-bit key,
+   whose top bits pick the shard;
+5. shards: each shard's pairs ordered by key, masked with a stream seeded by (seed, shard),
+   written; the manifest and the files installed into ``--output-dir`` whole.
 
-Outputs under ``--output-dir``: ``train/part_%05d_of_%05d.hdf5``, ``eval/part_eval_10k.hdf5``,
-``vocab.txt`` (a copy of ``--vocab`` or the one learnt with ``--train-vocab``) or
-``tokenizer.json`` (a copy of ``--tokenizer``), and
-``manifest.json`` (every parameter, counts, md5 of each file). Everything is written under a
-temporary directory inside ``--output-dir`` and renamed into place when complete.
-
-A document needs ``--min-sentences`` sentences (default 2: a one-sentence document can only
-give random-next pairs, which skews the NSP labels); shorter ones are skipped and counted.
-``--min-sentences 1`` keeps them, as the reference script does.
-
-``--objective mlm`` (masked-LM only, as ModernBERT trains) replaces stage 3's pairs by whole
-documents: each document's tokens (its sentences joined by spaces and tokenised as one text)
-are cut into consecutive pieces of ``max_seq_length - 2`` tokens, the last one shorter, each
-sample ``[CLS] piece [SEP]`` with segment ids 0; every non-empty document is kept, a
-one-token one as a 3-token sample. The rest is unchanged (keys, shards, masking at
-``--masked-lm-prob``, eval hold-out). The files, varlength or packed, have no
-``next_sentence_labels`` and say so with the attribute ``next_sentence = 0``
-(``data.hdf5io``); readers then give nsp labels 0, which a model without an NSP head ignores.
+Every random draw is tied to a document or a shard, never to a worker, so the output is
+byte-identical for any ``--workers``. Options, outputs and the procedure:
+[docs/data.md](../docs/data.md#preparing-data).
 """
 
 from __future__ import annotations

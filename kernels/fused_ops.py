@@ -1,15 +1,10 @@
 """Fused elementwise ops of a BERT layer, as Triton kernels with PyTorch references.
 
-- ``bias_gelu(x, bias)``: erf GELU of ``x + bias`` (the FFN's first projection is computed
-  without its bias, then bias and activation are one pass instead of two).
-- ``bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, dropout_p, eps, training)``:
-  ``LayerNorm(residual + dropout(x + bias))``, the post-LN residual block, in one pass
-  forward and one backward. The dropout mask is Philox from a seed drawn from torch's
-  default generator and regenerated in the backward (never stored).
-
-Each has a ``*_reference`` with the same signature in plain PyTorch; ``bert/model.py``
-chooses between them with ``model.fused_ops``. The kernels run on CUDA, or on CPU in Triton's
-interpreter with TRITON_INTERPRET=1; elsewhere they raise ``BackendUnavailable``.
+``bias_gelu(x, bias)``: erf GELU of ``x + bias`` in one pass; ``bias_dropout_add_layer_norm``:
+``LayerNorm(residual + dropout(x + bias))``, the post-LN residual block, one kernel each way,
+its Philox dropout mask regenerated in the backward. Each has a ``*_reference`` with the same
+signature; ``model.fused_ops`` chooses. The device code is ``kernels/fused_ops_jit.py``; on
+neither CUDA nor the interpreter the kernels raise ``BackendUnavailable``.
 Shapes: x, residual [..., N]; bias, weight, ln_bias [N]. Math is fp32 inside the kernels.
 """
 

@@ -1,15 +1,12 @@
-"""Where the Triton kernels run: compiled for a CUDA GPU, or in Triton's interpreter on CPU.
+"""Where the Triton kernels run: compiled for a CUDA GPU, or in Triton's interpreter on CPU;
+and the dropout RNG every kernel draws from.
 
-Triton fixes its mode for the whole process when it is first imported: with
-``TRITON_INTERPRET=1`` its own library functions (``tl.zeros``, ``tl.philox`` ...) are built
-for the interpreter, otherwise for compilation, and kernels of the other mode cannot call
-them. So the mode is read from Triton itself, ``kernels/triton_jit.py`` (the device code)
-is loaded in that same mode, and ``jit_kernels(device)`` raises ``BackendUnavailable`` when
-the tensors' device does not fit the mode (CPU tensors with compiled Triton), saying what
-to change. It never falls back to another implementation.
-
-For CPU test runs, set ``TRITON_INTERPRET=1`` before anything imports Triton (the kernel
-test modules do so at import; torch.compile and inductor import Triton too).
+Triton fixes its mode when first imported (``TRITON_INTERPRET=1``: its library functions are
+built for the interpreter), so the mode is read from Triton itself and each device-code file
+is loaded in it: ``jit_kernels(device, what, source)`` returns the module, or raises
+``BackendUnavailable`` saying what to change when the device does not fit the mode. It never
+falls back to another implementation. For CPU test runs, set ``TRITON_INTERPRET=1`` before
+anything imports Triton.
 """
 
 from __future__ import annotations
