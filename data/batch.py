@@ -32,6 +32,15 @@ def _check_int(t: Tensor, field: str, ndim: int) -> None:
     _require(t.dim() == ndim, field, f"expected {ndim} dimension(s), got shape {tuple(t.shape)}")
 
 
+def _check_labels(nsp_labels: Tensor, ids: dict[str, Tensor], vocab_size: int | None) -> None:
+    """NSP labels 0 or 1; with ``vocab_size``, every tensor of ``ids`` in [0, vocab_size)."""
+    _require(bool(((nsp_labels == 0) | (nsp_labels == 1)).all()), "nsp_labels", "must be 0 or 1")
+    for name, v in ids.items() if vocab_size is not None else ():
+        if v.numel():
+            lo, hi = int(v.min()), int(v.max())
+            _require(lo >= 0 and hi < vocab_size, name, f"token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
+
+
 def to_device(batch, device):
     """``batch`` (any of the batch types) on ``device``: on CUDA from pinned host memory with
     an asynchronous copy, so the host goes on while it travels (a copy from pageable memory
@@ -157,16 +166,7 @@ class UnpaddedBatch:
                 f"indices must lie in [0, {t}), got [{int(pos.min())}, {int(pos.max())}]",
             )
             _require(not bool(torch.isin(pos, cu[:-1]).any()), "mlm_positions", "a [CLS] token is masked")
-        _require(bool(((self.nsp_labels == 0) | (self.nsp_labels == 1)).all()), "nsp_labels", "must be 0 or 1")
-        if vocab_size is not None:
-            for name in ("input_ids", "mlm_labels"):
-                v = getattr(self, name)
-                if v.numel():
-                    _require(
-                        int(v.min()) >= 0 and int(v.max()) < vocab_size,
-                        name,
-                        f"token ids must lie in [0, {vocab_size}), got [{int(v.min())}, {int(v.max())}]",
-                    )
+        _check_labels(self.nsp_labels, {"input_ids": self.input_ids, "mlm_labels": self.mlm_labels}, vocab_size)
         return self
 
     def to(self, device, non_blocking: bool = False) -> UnpaddedBatch:
@@ -456,15 +456,8 @@ class PackedBatch:
                 "a masked position is not a real token",
             )
             _require(not bool(torch.isin(pos, cls).any()), "mlm_positions", "a [CLS] token is masked")
-        _require(bool(((self.nsp_labels == 0) | (self.nsp_labels == 1)).all()), "nsp_labels", "must be 0 or 1")
-        if vocab_size is not None:
-            for name, v in (("input_ids", self.input_ids.reshape(-1)[tokens]), ("mlm_labels", self.mlm_labels)):
-                if v.numel():
-                    _require(
-                        int(v.min()) >= 0 and int(v.max()) < vocab_size,
-                        name,
-                        f"token ids must lie in [0, {vocab_size}), got [{int(v.min())}, {int(v.max())}]",
-                    )
+        ids = {"input_ids": self.input_ids.reshape(-1)[tokens], "mlm_labels": self.mlm_labels}
+        _check_labels(self.nsp_labels, ids, vocab_size)
         return self
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:

@@ -159,16 +159,7 @@ def bias_dropout_add_layer_norm(
     return _BiasDropoutAddLayerNorm.apply(x, bias, residual, weight, ln_bias, p, float(eps), None)
 
 
-def bias_dropout_add_layer_norm_reference(
-    x: Tensor,
-    bias: Tensor,
-    residual: Tensor,
-    weight: Tensor,
-    ln_bias: Tensor,
-    dropout_p: float,
-    eps: float,
-    training: bool,
-) -> Tensor:
+def bias_dropout_add_layer_norm_reference(x, bias, residual, weight, ln_bias, dropout_p, eps, training) -> Tensor:
     return F.layer_norm(residual + F.dropout(x + bias, dropout_p, training), (x.shape[-1],), weight, ln_bias, eps)
 
 
