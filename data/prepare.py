@@ -324,13 +324,7 @@ class _PairTask:
     pool_file: str  # .npy of document indices (the train or the eval pool)
     lo: int  # pool positions [lo, hi) of the documents this task starts pairs from
     hi: int
-    tag: int
-    num_buckets: int
-    seed: int
-    dupe_factor: int
-    max_num_tokens: int
-    short_seq_prob: float
-    mlm: bool = False  # --objective mlm: whole-document pieces instead of pairs
+    cfg: PrepareConfig
 
 
 def _arrays(tmp: str):
@@ -435,35 +429,24 @@ def _doc_pieces(
         out.append((a0, a1, a1, a1, 0, rng.getrandbits(63), canon_base + inst))
 
 
-def _pairs(
-    tmp: str,
-    pool,
-    lo: int,
-    hi: int,
-    tag: int,
-    seed: int,
-    dupe_factor: int,
-    max_num_tokens: int,
-    short_seq_prob: float,
-    cls_id: int = 2,
-    sep_id: int = 3,
-    mlm: bool = False,
-) -> dict:
-    """All pairs started from pool positions [lo, hi), every pass; sequences built with
-    [CLS] A [SEP] B [SEP] (``mlm``: document pieces, [CLS] A [SEP]). The special ids are
-    patched in by the caller's vocabulary."""
+def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> dict:
+    """All pairs started from pool positions [lo, hi), every pass, for the training (``tag``
+    TRAIN_TAG) or the eval pool; sequences built with [CLS] A [SEP] B [SEP] (``--objective
+    mlm``: document pieces, [CLS] A [SEP]), the special ids those of the run's vocabulary."""
     toks, sent_off, doc_sent_off = _arrays(tmp)
+    cls_id, sep_id = _cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
+    seed, max_num_tokens, mlm = cfg.seed, cfg.max_num_tokens, cfg.objective == "mlm"
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
     rows: list = []
-    for dupe in range(dupe_factor):
+    for dupe in range(cfg.dupe_factor):
         for pos in range(lo, hi):
             rng = random.Random((seed << 96) | (tag << 88) | (dupe << 64) | pos)
             canon = (dupe << 56) | (pos << 20)
             if mlm:
                 _doc_pieces(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, canon, rows)
             else:
-                _doc_pairs(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, short_seq_prob, canon, rows)
+                _doc_pairs(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, cfg.short_seq_prob, canon, rows)
     if not rows:
         return {
             "tokens": np.zeros(0, np.uint16),
@@ -503,23 +486,12 @@ def _bucket_of(key: np.ndarray, num_buckets: int) -> np.ndarray:
 
 def _make_pairs(task: _PairTask) -> dict:
     pool = _cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
-    p = _pairs(
-        task.tmp,
-        pool,
-        task.lo,
-        task.hi,
-        task.tag,
-        task.seed,
-        task.dupe_factor,
-        task.max_num_tokens,
-        task.short_seq_prob,
-        *_cached(("specials", task.tmp), lambda: tuple(np.load(os.path.join(task.tmp, "specials.npy")).tolist())),
-        mlm=task.mlm,
-    )
-    bucket = _bucket_of(p["key"], task.num_buckets)
+    p = _pairs(task.tmp, pool, task.lo, task.hi, TRAIN_TAG, task.cfg)
+    shards = task.cfg.shards
+    bucket = _bucket_of(p["key"], shards)
     order = np.argsort(bucket, kind="stable")
-    counts = np.bincount(bucket[order].astype(np.int64), minlength=task.num_buckets)
-    tok_counts = np.bincount(bucket.astype(np.int64), weights=p["seq_len"], minlength=task.num_buckets)
+    counts = np.bincount(bucket[order].astype(np.int64), minlength=shards)
+    tok_counts = np.bincount(bucket.astype(np.int64), weights=p["seq_len"], minlength=shards)
     base = os.path.join(task.tmp, "pairs", f"t{task.task_id:06d}")
     tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
     np.save(base + ".tok.npy", tokens)
@@ -598,19 +570,13 @@ def mask_pairs(
 @dataclass(frozen=True)
 class _ShardTask:
     index: int
-    num_shards: int
     num_tasks: int
     tmp: str
     out_path: str
-    seed: int
-    layout: str
-    max_seq_length: int
-    max_predictions: int
-    masked_lm_prob: float
+    cfg: PrepareConfig
     vocab_size: int
     mask_id: int
-    next_sentence: bool = True  # False: --objective mlm, the files hold no next_sentence_labels
-    recorded_vocab: int | None = None  # the files' vocab_size attribute (data.hdf5io.write_varlength)
+    recorded_vocab: int | None  # the files' vocab_size attribute (data.hdf5io.write_varlength)
 
 
 def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
@@ -635,33 +601,16 @@ def _shuffled(p: dict) -> dict:
 
 
 def _write_shard(task: _ShardTask) -> dict:
+    cfg, n = task.cfg, task.cfg.shards
     p = _load_bucket(task.tmp, task.num_tasks, task.index)
     if p["seq_len"] is None:
-        raise DataError(
-            f"shard {task.index} of {task.num_shards} got no samples: too little text for --shards {task.num_shards}"
-        )
+        raise DataError(f"shard {task.index} of {n} got no samples: too little text for --shards {n}")
     p = _shuffled(p)
-    rng = np.random.default_rng([task.seed, 2, task.index])
-    block = mask_pairs(
-        p["tokens"],
-        p["seq_len"],
-        p["len_a"],
-        p["nsp"],
-        rng,
-        task.masked_lm_prob,
-        task.max_predictions,
-        task.vocab_size,
-        task.mask_id,
-    )
-    write_file(
-        task.out_path,
-        block,
-        task.layout,
-        task.max_seq_length,
-        task.max_predictions,
-        next_sentence=task.next_sentence,
-        vocab_size=task.recorded_vocab,
-    )
+    rng = np.random.default_rng([cfg.seed, 2, task.index])
+    masking = (cfg.masked_lm_prob, cfg.max_predictions, task.vocab_size, task.mask_id)
+    block = mask_pairs(p["tokens"], p["seq_len"], p["len_a"], p["nsp"], rng, *masking)
+    sizes, nsp = (cfg.max_seq_length, cfg.max_predictions), cfg.objective == "nsp"
+    write_file(task.out_path, block, cfg.format, *sizes, next_sentence=nsp, vocab_size=task.recorded_vocab)
     return _describe(task.out_path, block)
 
 
@@ -705,24 +654,7 @@ def _split_tasks(doc_tokens: np.ndarray, pool: np.ndarray, target_tokens: int) -
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
-def _eval_pairs(cfg: PrepareConfig, tmp: str, pool: np.ndarray, vocab: Vocab) -> dict:
-    return _pairs(
-        tmp,
-        pool,
-        0,
-        len(pool),
-        EVAL_TAG,
-        cfg.seed,
-        cfg.dupe_factor,
-        cfg.max_num_tokens,
-        cfg.short_seq_prob,
-        vocab.cls_id,
-        vocab.sep_id,
-        mlm=cfg.objective == "mlm",
-    )
-
-
-def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.ndarray, vocab: Vocab):
+def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.ndarray):
     """The fewest leading documents of ``order`` whose pairs number at least eval_samples, and
     at least two (a random next segment comes from another document), from at most half of
     the documents. Returns (their count, their pairs)."""
@@ -737,7 +669,7 @@ def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.nd
     held = max(2, int(np.searchsorted(np.cumsum(per_doc), k)) + 1)
     while True:
         held = min(held, limit)
-        p = _eval_pairs(cfg, tmp, np.ascontiguousarray(order[:held]), vocab)
+        p = _pairs(tmp, np.ascontiguousarray(order[:held]), 0, held, EVAL_TAG, cfg)
         n = len(p["seq_len"])
         if n >= k:
             return held, p
@@ -899,14 +831,14 @@ def _eval_set(run: _Run, corpus: _Corpus, order: np.ndarray, has_eval_files: boo
     if has_eval_files:
         eval_docs = corpus.n_docs - corpus.n_train_docs
         pool = corpus.n_train_docs + np.random.default_rng([cfg.seed, 4]).permutation(eval_docs)
-        p = _eval_pairs(cfg, str(run.tmp), pool, run.vocab)
+        p = _pairs(str(run.tmp), pool, 0, len(pool), EVAL_TAG, cfg)
         if len(p["seq_len"]) < cfg.eval_samples:
             raise DataError(
                 f"{', '.join(cfg.eval_inputs)}: gives {len(p['seq_len'])} pairs, fewer than "
                 f"--eval-samples {cfg.eval_samples}"
             )
     else:
-        held, p = _hold_out(cfg, str(run.tmp), order, corpus.doc_tokens, run.vocab)
+        held, p = _hold_out(cfg, str(run.tmp), order, corpus.doc_tokens)
         eval_docs = held
     block = _pick_eval(cfg, p, run.vocab)
     path = run.tmp / "eval" / EVAL_FILE
@@ -936,20 +868,7 @@ def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
     doc_tokens = corpus.doc_tokens
     target = int(np.clip(int(doc_tokens[pool].sum()) // 64, PAIR_TASK_TOKENS[0], PAIR_TASK_TOKENS[1]))
     tasks = [
-        _PairTask(
-            i,
-            str(run.tmp),
-            pool_file,
-            lo,
-            hi,
-            TRAIN_TAG,
-            cfg.shards,
-            cfg.seed,
-            cfg.dupe_factor,
-            cfg.max_num_tokens,
-            cfg.short_seq_prob,
-            run.mlm,
-        )
+        _PairTask(i, str(run.tmp), pool_file, lo, hi, cfg)
         for i, (lo, hi) in enumerate(_split_tasks(doc_tokens, pool, target))
     ]
     counts = np.zeros(cfg.shards, np.int64)
@@ -971,23 +890,9 @@ def _write_shards(run: _Run, n_pair_tasks: int) -> tuple[list[str], list[dict]]:
     """Stage 4: each shard shuffled, masked and written; returns (file names, their descriptions)."""
     cfg = run.cfg
     names = [f"part_{j:05d}_of_{cfg.shards:05d}.hdf5" for j in range(cfg.shards)]
+    vocab = (len(run.vocab), run.vocab.mask_id, run.recorded_vocab)
     tasks = [
-        _ShardTask(
-            j,
-            cfg.shards,
-            n_pair_tasks,
-            str(run.tmp),
-            str(run.tmp / "train" / names[j]),
-            cfg.seed,
-            cfg.format,
-            cfg.max_seq_length,
-            cfg.max_predictions,
-            cfg.masked_lm_prob,
-            len(run.vocab),
-            run.vocab.mask_id,
-            not run.mlm,
-            run.recorded_vocab,
-        )
+        _ShardTask(j, n_pair_tasks, str(run.tmp), str(run.tmp / "train" / names[j]), cfg, *vocab)
         for j in range(cfg.shards)
     ]
     info = list(progress(run.workers.map(_write_shard, tasks), total=len(tasks), desc="shards", unit=" shard"))
