@@ -1035,14 +1035,7 @@ def _main_reference(args) -> int:
         )
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be >= 1")
-    params = RefParams(
-        max_seq_length=args.max_seq_length,
-        max_predictions=args.max_predictions,
-        masked_lm_prob=args.masked_lm_prob,
-        short_seq_prob=args.short_seq_prob,
-        dupe_factor=args.dupe_factor,
-        seed=args.seed,
-    )
+    params = RefParams(**{f.name: getattr(args, f.name) for f in fields(RefParams)})
     files = list_inputs(args.inputs)
     start = time.perf_counter()
     with Pool(args.workers) as pool:
