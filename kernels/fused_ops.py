@@ -71,35 +71,13 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         x_RN, res_RN = _rows(x, n), _rows(residual, n)
         r = x_RN.shape[0]
         y_RN = torch.empty(r, n, dtype=out_dtype, device=x.device)
-        h_RN = torch.empty(r, n, dtype=out_dtype, device=x.device)  # residual + dropout(x + bias)
-        mean = torch.empty(r, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(r, dtype=torch.float32, device=x.device)
+        h_RN = torch.empty(r, n, dtype=out_dtype, device=x.device)  # residual + dropout(x + bias), kept
+        mean, rstd = torch.empty(2, r, dtype=torch.float32, device=x.device)
         rng = draw_philox(dropout_p, x.device)  # [2] int64 (seed, offset), read by the kernels only
-        kern.bdaln_fwd(
-            x_RN,
-            bias.contiguous(),
-            res_RN,
-            weight.contiguous(),
-            ln_bias.contiguous(),
-            y_RN,
-            h_RN,
-            mean,
-            rstd,
-            eps,
-            dropout_p,
-            rng,
-            keep_out,
-        )
+        vectors = (bias.contiguous(), res_RN, weight.contiguous(), ln_bias.contiguous())
+        kern.bdaln_fwd(x_RN, *vectors, y_RN, h_RN, mean, rstd, eps, dropout_p, rng, keep_out)
         ctx.save_for_backward(h_RN, weight, mean, rstd, rng)  # the backward replays the forward's mask
-        ctx.meta = (
-            x.shape,
-            x.dtype,
-            residual.shape,
-            residual.dtype,
-            bias.dtype,
-            ln_bias.dtype,
-            dropout_p,
-        )
+        ctx.meta = (x.shape, x.dtype, residual.shape, residual.dtype, bias.dtype, ln_bias.dtype, dropout_p)
         return y_RN.view(x.shape)
 
     @staticmethod
@@ -112,16 +90,8 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         dw_part, dlb_part, db_part = kern.bdaln_bwd(
             _rows(dy, h_RN.shape[1]), h_RN, weight.contiguous(), mean, rstd, dx_RN, dres_RN, dropout_p, rng
         )
-        return (
-            dx_RN.view(x_shape),
-            db_part.sum(0).to(bias_dtype),
-            dres_RN.view(res_shape),
-            dw_part.sum(0).to(weight.dtype),
-            dlb_part.sum(0).to(lb_dtype),
-            None,
-            None,
-            None,
-        )
+        dbias, dweight, dln_bias = db_part.sum(0).to(bias_dtype), dw_part.sum(0).to(weight.dtype), dlb_part.sum(0)
+        return dx_RN.view(x_shape), dbias, dres_RN.view(res_shape), dweight, dln_bias.to(lb_dtype), None, None, None
 
 
 def _check_ln(x, bias, residual, weight, ln_bias, dropout_p):

@@ -56,27 +56,11 @@ def _bias_gelu_bwd(DY, X, B, DX, n_rows, n_cols, INTERP: tl.constexpr, BLOCK_R: 
     tl.store(DX + idx, _cast(dy * dgelu, DX.dtype.element_ty, INTERP), mask=mask)
 
 
+# fmt: off
 @triton.jit
 def _bdaln_fwd(
-    X,
-    B,
-    R,
-    W,
-    LB,
-    Y,
-    H,
-    MEAN,
-    RSTD,
-    KEEP,
-    n_rows,
-    n_cols,
-    eps,
-    p_drop,
-    RNG,
-    DROPOUT: tl.constexpr,
-    STORE_KEEP: tl.constexpr,
-    INTERP: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    X, B, R, W, LB, Y, H, MEAN, RSTD, KEEP, n_rows, n_cols, eps, p_drop, RNG,
+    DROPOUT: tl.constexpr, STORE_KEEP: tl.constexpr, INTERP: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Row-wise: h = residual + dropout(x + bias); y = LayerNorm(h) * weight + ln_bias."""
     row = tl.program_id(0)
@@ -105,24 +89,8 @@ def _bdaln_fwd(
 
 @triton.jit
 def _bdaln_bwd(
-    DY,
-    H,
-    W,
-    MEAN,
-    RSTD,
-    DX,
-    DRES,
-    DW_PART,
-    DLB_PART,
-    DB_PART,
-    n_rows,
-    n_cols,
-    rows_per_prog,
-    p_drop,
-    RNG,
-    DROPOUT: tl.constexpr,
-    INTERP: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    DY, H, W, MEAN, RSTD, DX, DRES, DW_PART, DLB_PART, DB_PART, n_rows, n_cols, rows_per_prog, p_drop, RNG,
+    DROPOUT: tl.constexpr, INTERP: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Gradients of the fused op for rows_per_prog rows; per-program partial sums (fp32) of the
     gradients of weight, ln_bias and bias."""
@@ -158,6 +126,7 @@ def _bdaln_bwd(
     tl.store(DW_PART + pid.to(tl.int64) * n_cols + c, dw, mask=c_ok)
     tl.store(DLB_PART + pid.to(tl.int64) * n_cols + c, dlb, mask=c_ok)
     tl.store(DB_PART + pid.to(tl.int64) * n_cols + c, db, mask=c_ok)
+# fmt: on
 
 
 def _launch(kernel, grid, *args, **kwargs):
@@ -195,30 +164,9 @@ def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop,
     """
     r, n = x.shape
     block_c = triton.next_power_of_2(n)
-    _launch(
-        _bdaln_fwd,
-        (r,),
-        x,
-        bias,
-        residual,
-        weight,
-        ln_bias,
-        y,
-        h,
-        mean,
-        rstd,
-        y if keep is None else keep,
-        r,
-        n,
-        eps,
-        p_drop,
-        rng,
-        DROPOUT=p_drop > 0,
-        STORE_KEEP=keep is not None,
-        INTERP=INTERPRET,
-        BLOCK_C=block_c,
-        **_row_opts(block_c),
-    )
+    tensors = (x, bias, residual, weight, ln_bias, y, h, mean, rstd, y if keep is None else keep)
+    flags = dict(DROPOUT=p_drop > 0, STORE_KEEP=keep is not None, INTERP=INTERPRET, BLOCK_C=block_c)
+    _launch(_bdaln_fwd, (r,), *tensors, r, n, eps, p_drop, rng, **flags, **_row_opts(block_c))
 
 
 def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, rng):
@@ -227,31 +175,9 @@ def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, rng):
     r, n = dy.shape
     rows_per_prog = _cdiv(r, 8 if INTERPRET else 1024)  # up to 1024 programs: enough to fill a GPU
     programs = _cdiv(r, rows_per_prog)
-    dw = torch.empty(programs, n, dtype=torch.float32, device=dy.device)
-    dlb = torch.empty(programs, n, dtype=torch.float32, device=dy.device)
-    db = torch.empty(programs, n, dtype=torch.float32, device=dy.device)
+    dw, dlb, db = torch.empty(3, programs, n, dtype=torch.float32, device=dy.device)
     block_c = triton.next_power_of_2(n)
-    _launch(
-        _bdaln_bwd,
-        (programs,),
-        dy,
-        h,
-        weight,
-        mean,
-        rstd,
-        dx,
-        dres,
-        dw,
-        dlb,
-        db,
-        r,
-        n,
-        rows_per_prog,
-        p_drop,
-        rng,
-        DROPOUT=p_drop > 0,
-        INTERP=INTERPRET,
-        BLOCK_C=block_c,
-        **_row_opts(block_c),
-    )
+    tensors = (dy, h, weight, mean, rstd, dx, dres, dw, dlb, db)
+    flags = dict(DROPOUT=p_drop > 0, INTERP=INTERPRET, BLOCK_C=block_c)
+    _launch(_bdaln_bwd, (programs,), *tensors, r, n, rows_per_prog, p_drop, rng, **flags, **_row_opts(block_c))
     return dw, dlb, db
