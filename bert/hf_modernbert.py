@@ -25,51 +25,22 @@ VOCAB_ROWS = ("model.embeddings.tok_embeddings.weight", "decoder.weight", "decod
 
 # config.json keys that hold no architecture: transformers' bookkeeping (as for BERT) and
 # ModernBERT's token ids, fine-tuning heads and inference switches.
-_IGNORED_KEYS = _HF_METADATA | {
-    "_name_or_path",
-    "chunk_size_feed_forward",
-    "is_encoder_decoder",
-    "cls_token_id",
-    "sep_token_id",
-    "classifier_pooling",
-    "deterministic_flash_attn",
-    "sparse_prediction",
-    "sparse_pred_ignore_index",
-    "initializer_cutoff_factor",
-    "reference_compile",
-    "repad_logits_with_grad",
-}
+_IGNORED_KEYS = _HF_METADATA | set(
+    "_name_or_path chunk_size_feed_forward is_encoder_decoder cls_token_id sep_token_id classifier_pooling"
+    " deterministic_flash_attn sparse_prediction sparse_pred_ignore_index initializer_cutoff_factor"
+    " reference_compile repad_logits_with_grad".split()
+)
 
 
 def config_from_hf(values: dict, source: str = "config") -> BertConfig:
     """The ``BertConfig`` of a ModernBERT ``config.json`` (as a dict); ConfigError names the key."""
-    known = {
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "hidden_activation",
-        "max_position_embeddings",
-        "initializer_range",
-        "norm_eps",
-        "norm_bias",
-        "attention_bias",
-        "attention_dropout",
-        "layer_types",
-        "global_attn_every_n_layers",
-        "rope_parameters",
-        "global_rope_theta",
-        "local_rope_theta",
-        "local_attention",
-        "embedding_dropout",
-        "mlp_bias",
-        "mlp_dropout",
-        "decoder_bias",
-        "classifier_bias",
-        "classifier_activation",
-        "tie_word_embeddings",
-    }
+    known = set(
+        "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads hidden_activation"
+        " max_position_embeddings initializer_range norm_eps norm_bias attention_bias attention_dropout"
+        " layer_types global_attn_every_n_layers rope_parameters global_rope_theta local_rope_theta"
+        " local_attention embedding_dropout mlp_bias mlp_dropout decoder_bias classifier_bias"
+        " classifier_activation tie_word_embeddings".split()
+    )
     unknown = sorted(set(values) - known - _IGNORED_KEYS)
     if unknown:
         raise ConfigError(f"{source}: unknown ModernBERT field(s) {unknown}")
