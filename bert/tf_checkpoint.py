@@ -106,9 +106,10 @@ def _fields(buf: bytes | memoryview):
 def _parse_entry(value: bytes) -> dict:
     """BundleEntryProto: dtype=1, shape=2, shard_id=3, offset=4, size=5, crc32c=6, slices=7."""
     entry = {"dtype": 0, "shape": [], "shard_id": 0, "offset": 0, "size": 0, "crc32c": None, "sliced": False}
+    scalars = {1: "dtype", 3: "shard_id", 4: "offset", 5: "size", 6: "crc32c"}
     for number, _, v in _fields(value):
-        if number == 1:
-            entry["dtype"] = v
+        if number in scalars:
+            entry[scalars[number]] = v
         elif number == 2:  # TensorShapeProto: dim=2 {size=1, name=2}, unknown_rank=3
             for dn, _, dv in _fields(v):
                 if dn == 2:
@@ -116,14 +117,6 @@ def _parse_entry(value: bytes) -> dict:
                     entry["shape"].append(size - (1 << 64) if size >= 1 << 63 else size)
                 elif dn == 3 and dv:
                     entry["shape"] = None
-        elif number == 3:
-            entry["shard_id"] = v
-        elif number == 4:
-            entry["offset"] = v
-        elif number == 5:
-            entry["size"] = v
-        elif number == 6:
-            entry["crc32c"] = v
         elif number == 7:
             entry["sliced"] = True
     return entry
