@@ -1,15 +1,14 @@
 """A run's checkpoint -> a transformers directory: ``python -m bert.export RUN_DIR --output HF_DIR``.
 
 Reads the newest checkpoint of ``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint``: a
-file or directory name there, a step number or a path; shards read into whole tensors),
-rebuilds the model from its stored config, and publishes whole:
+name there, a step number or a path; shards read into whole tensors), rebuilds the model from
+its stored config and publishes, whole, what ``AutoTokenizer`` and
+``AutoModel*.from_pretrained(HF_DIR)`` load offline:
 
     config.json, model.safetensors        bert.pretrained.export_hf (transformers names)
     vocab.txt                             the run's data.vocab_file (or --vocab)
     tokenizer_config.json                 BertTokenizer, lower case, model_max_length
     special_tokens_map.json               [UNK] [SEP] [PAD] [CLS] [MASK]
-
-so that ``AutoTokenizer`` and ``AutoModel*.from_pretrained(HF_DIR)`` load it offline.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """The trainer's MLPerf run log (``:::MLLOG`` lines), written with ``mlperf_logging.mllog``.
 
 One ``MLPerfLogger`` per process; rank 0 writes, the other ranks' calls are checked and
-dropped. ``epoch_num`` is training samples consumed, summed over ranks (MLPerf BERT's
-epochs). The calls come in the order a run makes them and any other order raises
-``RuntimeError``::
-
-    MLPerfLogger(path, rank, division=..., submitter=..., platform=...)
-    cache_clear, init_start, submission_info, hyperparameters(**values), init_stop,
-    run_start, epoch_start(0), block_start(1, 1),
-    per eval: eval_start(samples), eval_accuracy(samples, acc), eval_stop(samples),
-    block_stop, epoch_stop, train_samples, eval_samples, run_stop(samples, status), close
-
-A resumed run reopens the file with ``resume=True`` and continues from ``epoch_start``
-(one ``init_start ... run_start`` per log). ``write_system_desc`` writes
-``systems/<name>.json``. The checker it passes: [docs/mlperf.md](../docs/mlperf.md#the-log).
+dropped. ``epoch_num`` is training samples consumed over all ranks. The calls must come in a
+run's order (else ``RuntimeError``): ``cache_clear``, ``init_start``, ``submission_info``,
+``hyperparameters``, ``init_stop``, ``run_start``, ``epoch_start(0)``, ``block_start(1, 1)``,
+per evaluation ``eval_start`` / ``eval_accuracy`` / ``eval_stop``, then ``block_stop``,
+``epoch_stop``, ``train_samples``, ``eval_samples``, ``run_stop(samples, status)``,
+``close``. A resumed run reopens the file with ``resume=True`` and continues from
+``epoch_start``. ``write_system_desc`` writes ``systems/<name>.json``. The checker it
+passes: [docs/mlperf.md](../docs/mlperf.md#the-log).
 """
 
 from __future__ import annotations

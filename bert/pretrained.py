@@ -31,16 +31,6 @@ from bert.config import BertConfig, ConfigError
 from bert.safe_load import CheckpointError, read_config_and_weights
 from fileio import publishing_dir
 
-__all__ = [
-    "ADAPTERS",
-    "adapter",
-    "adapter_for",
-    "export_hf",
-    "load_hf_state_dict",
-    "load_pretrained",
-    "to_hf_state_dict",
-]
-
 ADAPTERS = {"bert": "bert.hf_bert", "modernbert": "bert.hf_modernbert"}
 
 
@@ -148,11 +138,8 @@ def load_pretrained(model, path: str) -> None:
         raise CheckpointError(f"{path}: config differs from the model's (checkpoint, model): {diff}")
     try:
         rows = adapter_for(model.config).VOCAB_ROWS
-    except ConfigError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    try:
         load_hf_state_dict(model, drop_vocab_padding(state_dict, model.config.vocab_size, rows))
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         raise CheckpointError(f"{path}: {e}") from None
 
 

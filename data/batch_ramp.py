@@ -1,16 +1,12 @@
 """Batch-size warm-up: the global batch grows step by step to its full size (ModernBERT's recipe).
 
 Between the rank-sharded loader and the trainer's step planner. In units of one micro-batch
-on every rank (``unit = train.global_batch_size / train.grad_accum_steps``), step s (from 0)
-takes
-
-    k(s) = start + floor(s * (full - start) / steps)  for s < steps, else full
-
-with ``start = train.batch_size_warmup_start / unit`` and ``full = train.grad_accum_steps``:
-k(s) micro-batches of the usual size, so static shapes and CUDA graphs see no new shape.
-``RampedLoader`` hands out k(s) consecutive unit steps of a ``PretrainingLoader`` as one
-block; every rank computes k(s) from the config alone, and ``units_before(s)`` gives the
-sample position for an exact resume. Why steps, not tokens:
+on every rank (``train.global_batch_size / train.grad_accum_steps``), step s (from 0) takes
+``k(s) = start + floor(s * (full - start) / steps)`` units while s < steps, then ``full``
+(``start``: ``train.batch_size_warmup_start`` in units; ``full``: ``train.grad_accum_steps``):
+k(s) micro-batches of the usual size, so no shape is new. ``RampedLoader`` hands out k(s)
+unit steps of a ``PretrainingLoader`` as one block; every rank computes k(s) from the config
+alone, and ``units_before(s)`` gives the sample position for an exact resume.
 [docs/modern_encoders.md](../docs/modern_encoders.md#objective-and-schedule).
 """
 

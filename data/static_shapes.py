@@ -1,15 +1,12 @@
 """Static shapes (``train.static_shapes``): an unpadded micro-batch padded up to a bucket of
 tokens and of masked positions, between the collator and the device copy.
 
-T is padded to the next multiple of the token bucket (at least one token more) and M to the
-next multiple of the masked bucket and at least ``MASKED_SHARE`` of the padded tokens. The
-padding is one extra sequence at the end (``cu_seqlens`` and ``host_seqlens`` gain one
-entry): ids, segments and positions 0, attending only to itself, its NSP and masked labels
-``IGNORE`` (-100), its masked positions at its first token; loss counts come from the real
-data on the host, and SimReg gets ``real_part``. ``max_seqlen`` becomes
-``max(data.max_seq_length, token bucket)``. How the bucket is chosen, and what it costs:
-[docs/step.md](../docs/step.md#static-shapes).
-
+T goes up to the next multiple of the token bucket (at least one token more), M to the next
+multiple of the masked bucket and at least ``MASKED_SHARE`` of T'. The padding is one extra
+sequence (``cu_seqlens`` and ``host_seqlens`` gain an entry): ids, segments and positions 0,
+attending only to itself, labels ``IGNORE`` (-100), masked positions at its first token; loss
+counts come from the real data, SimReg gets ``real_part``, and ``max_seqlen`` becomes
+``max(data.max_seq_length, token bucket)``. Choosing the bucket: [docs/step.md](../docs/step.md#static-shapes).
 Shape legend: T tokens, B sequences, M masked positions (padded: T', B + 1, M').
 """
 

@@ -1,20 +1,15 @@
 """Files published whole, and digests of files read in pieces: the one place both are written.
 
-Every output of the project appears under its final name complete or not at all: written
-under a temporary name in the same directory, flushed and fsynced, renamed, and the
-directory fsynced.
-
-- ``publishing(path)``: a temporary path for writers that want a name (h5py, ``torch.save``,
-  ``savefig``), published on a clean exit, removed on an error; ``publishing_dir(path)``:
-  the same for a directory; ``write_bytes`` / ``write_text``: the common case in one call;
-  ``publish(tmp, path)``: for a file already written; ``is_temporary(name)``: what a killed
-  writer left behind.
-- ``md5sum(path)`` / ``file_digest(path, name)``: a hash of a file read 1 MiB at a time.
-- ``open_checked`` / ``read_checked``: how the application opens what it reads: a regular
-  file (no FIFO, device or directory; a symlink only inside ``root``), at most ``max_bytes``,
-  else ``UnsafeFile`` naming the file and the rule; opening never blocks.
-
-It imports nothing of the project, so every package can use it.
+Every output appears under its final name complete or not at all: written under a temporary
+name in the same directory, fsynced, renamed, the directory fsynced. ``publishing(path)``
+gives a temporary path for writers that want a name (h5py, ``torch.save``), published on a
+clean exit and removed on an error; ``publishing_dir`` does the same for a directory;
+``write_bytes`` / ``write_text`` are the common case; ``publish(tmp, path)`` takes a file
+already written; ``is_temporary(name)`` spots what a killed writer left. ``md5sum`` /
+``file_digest`` hash a file 1 MiB at a time. ``open_checked`` / ``read_checked`` open what
+the application reads: a regular file (no FIFO, device or directory; a symlink only inside
+``root``), at most ``max_bytes``, else ``UnsafeFile`` naming the file and the rule, never
+blocking. It imports nothing of the project, so every package can use it.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """The attention interface: the one backend call, the layouts it takes, and its error.
 
 Every backend is ``(q, k, v, layout, dropout_p, training) -> out`` with q, k, v, out
-``[N, H, D]``; the layout says how the N tokens form sequences:
-
-- ``VarlenLayout``: T tokens of B sequences, ``cu_seqlens [B+1]`` int32 (and ``host_seqlens``
-  where the host knows them);
-- ``PaddedLayout``: B*S tokens, rows of S with a ``[B, S]`` key mask (True = real);
-- ``PackedLayout``: R*S tokens, rows of whole sequences kept apart by FlashMask bounds
-  ``[R, 1, S, n]`` (``kernels.masks``), a window written into the bounds.
-
-Per-layer settings are layout fields listed in ``SETTINGS`` with their "off" value:
-``window``, the band |i - j| <= window // 2 inside each sequence. ``kernels.registry``
-refuses a setting to a backend that does not implement it. The bottom of ``kernels/``: it
-imports nothing of the project, nor torch.
+``[N, H, D]``; the layout says how the N tokens form sequences: ``VarlenLayout`` (T tokens
+of B sequences, ``cu_seqlens [B+1]`` int32, and ``host_seqlens`` where the host knows them),
+``PaddedLayout`` (B*S tokens, a ``[B, S]`` key mask, True = real) or ``PackedLayout`` (R*S
+tokens, whole sequences kept apart by FlashMask bounds ``[R, 1, S, n]``, a window written
+into them). Per-layer settings are layout fields listed in ``SETTINGS`` with their "off"
+value: ``window``, the band |i - j| <= window // 2 inside each sequence; ``kernels.registry``
+refuses a setting to a backend without it. Imports nothing of the project, nor torch.
 """
 
 from __future__ import annotations

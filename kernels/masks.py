@@ -1,10 +1,8 @@
 """FlashMask's mask semantics and builders, its dense reference, and the packed layout's
-``reference`` path: pure PyTorch, shared by the kernel (``kernels.flashmask``), the data and
-the tests.
+``reference`` path: pure PyTorch, shared by ``kernels.flashmask``, the data and the tests.
 
 For key column j the masked query rows are [LTS_j, LTE_j) and [UTS_j, UTE_j);
-``startend_row_indices [batch, heads or 1, seqlen_k, n]`` int32 gives n of those bounds and
-the rest are implicit:
+``startend_row_indices [B, H or 1, Sk, n]`` int32 gives n of those bounds, the rest implicit:
 
     causal  n  bounds given        implicit                     also masked
     True    1  LTS                 LTE = seqlen_q               rows i < j
@@ -12,14 +10,12 @@ the rest are implicit:
     False   2  LTS, UTE            LTE = seqlen_q, UTS = 0      -
     False   4  LTS, LTE, UTS, UTE  -                            -
 
-``to_dense`` gives the boolean mask (True = masked; bounds outside [0, seqlen_q] clip);
-``flashmask_reference`` is attention with it (a row with every key masked gives zeros);
+``to_dense`` gives the boolean mask (True = masked; bounds clip to [0, seqlen_q]);
+``flashmask_reference`` is attention with it (a fully masked row gives zeros);
 ``reference_tile_counts`` counts the tiles a tile-skipping kernel may skip. The builders
-return a ``FlashMaskSpec``: ``document_mask`` (a packed BERT batch), and ``window_bounds`` /
-``document_window_mask`` with a sliding window. [docs/packing.md](../docs/packing.md).
-
-Shape legend: B batch (packed rows), S / Sq / Sk sequence lengths, H heads, D head dim,
-n bounds per column.
+return a ``FlashMaskSpec``: ``document_mask`` (a packed BERT batch), ``window_bounds`` /
+``document_window_mask`` (with a sliding window). [docs/packing.md](../docs/packing.md).
+Shapes: B packed rows, S / Sq / Sk sequence lengths, H heads, D head dim, n bounds per column.
 """
 
 from __future__ import annotations

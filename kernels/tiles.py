@@ -2,11 +2,11 @@
 and in Triton's interpreter: the one table (pure Python, no Triton import).
 
 ``attention_tiles(kernel, block_d, elt_size, dropout, preset, bounded, interpreted)`` gives
-(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``fwd``, ``dkdv``, ``dq``. Every GPU entry
-compiles for sm_90 without register spills (``python -m tools.compile_check --registers``
-fails on one). With FlashMask bounds the three kernels share one BLOCK_N. Presets:
-``default`` and ``small`` (head dim <= 64, fp16/bf16: 2 blocks per SM), chosen with
-``KERNELS_ATTENTION_TILES``. [docs/kernels.md](../docs/kernels.md#registers-and-occupancy-on-sm_90).
+(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``fwd``, ``dkdv``, ``dq``; every GPU entry
+compiles for sm_90 without spills (``python -m tools.compile_check --registers``). With
+FlashMask bounds the three kernels share one BLOCK_N. Presets ``default`` and ``small``
+(head dim <= 64, fp16/bf16: 2 blocks per SM), chosen by ``KERNELS_ATTENTION_TILES``.
+[docs/kernels.md](../docs/kernels.md#registers-and-occupancy-on-sm_90).
 """
 
 from __future__ import annotations

@@ -3,16 +3,12 @@
     python -m launch.package --org ORG --system SYSTEM [--system-desc FILE] --division closed|open \
         --output OUT INPUTS...
 
-INPUTS are result logs or directories holding them (found as ``launch.summarize`` finds
-them). OUT gets MLPerf's tree, published whole::
-
-    OUT/ORG/results/SYSTEM/bert/result_0.txt ..    (the logs, in input order)
-    OUT/ORG/systems/SYSTEM.json                    (--system-desc, or made by launch.system_desc)
-    OUT/ORG/benchmarks/bert/implementations/IMPL/  (the code and its README)
-
-then ``mlperf_logging``'s package checker (ruleset 5.0.0) and RCP checker run on it
-(``scaling.json`` where the RCP checker asks for it). Exit status: 0 when both pass, 1 when
-they report errors (the package stays, to inspect), 2 for bad input.
+INPUTS are result logs or directories of them (as ``launch.summarize`` finds them). OUT gets
+MLPerf's tree, published whole: ``ORG/results/SYSTEM/bert/result_N.txt`` (the logs in input
+order), ``ORG/systems/SYSTEM.json`` (``--system-desc``, or made by ``launch.system_desc``),
+``ORG/benchmarks/bert/implementations/IMPL/`` (the code); then ``mlperf_logging``'s package
+and RCP checkers run on it (ruleset 5.0.0). Exit status: 0 when both pass, 1 when they
+report errors (the package stays, to inspect), 2 for bad input.
 [docs/mlperf.md](../docs/mlperf.md#reproducing-a-closed-division-result).
 """
 
