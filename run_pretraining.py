@@ -2,14 +2,11 @@
 
     python run_pretraining.py --config launch/configs/cpu_demo.yaml --output-dir DIR [section.field=value ...]
 
-Launch it with torchrun, mpirun or srun for several ranks (see launch/). `--help` lists
-every configuration field with its default and meaning.
-
-Exit status: 0 when the run ends (success, aborted at its limits, or interrupted by SIGTERM
-after a checkpoint); 2 for bad input (configuration, data, checkpoint), reported as one line
-naming the key, file or sample; 1 when the run fails on the way (a collective that times out
-or loses a peer, a checkpoint that cannot be written under checkpoint.on_error=stop, a file
-that cannot be written), also as one line. A traceback means a bug.
+Several ranks: torchrun, mpirun or srun (launch/). ``--help`` lists every configuration
+field. Exit status: 0 when the run ends (success, aborted at its limits, or SIGTERM after a
+checkpoint); 2 for bad input (configuration, data, checkpoint); 1 when the run fails on the
+way (a lost peer, a checkpoint or file that cannot be written); each as one line naming
+what and where. A traceback means a bug.
 """
 
 from __future__ import annotations
@@ -44,8 +41,8 @@ def main(argv=None) -> int:
         return 2
 
     # Imported after the config is valid, so a typo is reported before torch loads.
-    from bert.checkpoint import CheckpointError
     from bert.collectives import CollectiveError, announce_exit, hold_store
+    from bert.safe_load import CheckpointError
     from bert.trainer import Trainer, TrainingError
     from data.rebalance import RebalanceError
     from kernels.interface import BackendUnavailable

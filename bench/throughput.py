@@ -23,7 +23,7 @@ time of a variant is the median of its rounds after ``--warmup-rounds``. Variant
                       the FlashMask bounds, in PyTorch; ask for it with --variants)
 
 Every variant starts from the same weights (transformers' initialisation, loaded into this
-project's model with ``bert.checkpoint.load_hf_state_dict``), and before timing the first
+project's model with ``bert.pretrained.load_hf_state_dict``), and before timing the first
 batch's loss of each (dropout off) is checked against transformers' (1e-4 relative in fp32):
 the variants compute the same function. Collation happens before timing; only training is
 timed. Sequences/s and tokens/s (real tokens, for every variant) are reported with their
@@ -183,7 +183,7 @@ def hf_model_for(config: BertConfig, hf_attention: str):
         return transformers.BertForPreTraining(
             transformers.BertConfig(**config.to_dict(), attn_implementation=hf_attention)
         )
-    from bert.modernbert_hf import config_to_hf
+    from bert.hf_modernbert import config_to_hf
 
     hf_config = transformers.ModernBertConfig(**config_to_hf(config), attn_implementation=hf_attention)
     return transformers.ModernBertForMaskedLM(hf_config)
@@ -200,9 +200,9 @@ def default_variants(device: torch.device) -> list[str]:
 def build_variants(
     names: list[str], explicit: bool, config: BertConfig, blocks, seq_len: int, device, hf_attention: str, seed: int
 ) -> list[Variant]:
-    from bert.checkpoint import load_hf_state_dict
     from bert.model import BertForPreTraining
     from bert.optim import build_optimizer
+    from bert.pretrained import load_hf_state_dict
     from bert.train_config import OptimSection
     from data.collate import collate_padded, collate_unpadded, make_collator
 

@@ -1,27 +1,13 @@
 """Gradient clipping: global-norm (MLPerf) and AdaGC (per-tensor adaptive).
 
-Sits between the gradient all-reduce (and fp16 unscaling) and the optimizer step. Both
-clippers work on all gradient tensors at once with ``torch._foreach_*`` ops and return device
-tensors, so a step that does not log needs no host-device sync.
-
-``clip_global_`` follows apex's FusedLAMB (which MLPerf BERT submissions clip with): when the
-global norm n exceeds ``max_norm``, every gradient is multiplied by ``max_norm / n``.
-
-``AdaGC`` (the definition of issue 7; steps t counted from 1, g_i the gradient of tensor i):
-
-- t <= warmup_steps: g_i <- g_i * min(1, lambda_abs / (||g||_global + eps)); then
-  gamma_i = ||g_i|| (clipped) for a tensor without state, min(gamma_i, ||g_i||) otherwise.
-- t > warmup_steps, per tensor: h_i = min(1, lambda_rel * gamma_i / (||g_i|| + eps));
-  g_i <- h_i * g_i; gamma_i <- beta * gamma_i + (1 - beta) * min(||g_i||, lambda_rel * gamma_i)
-  with ||g_i|| taken before clipping; a tensor without state starts at gamma_i = ||g_i||.
-
-Choices the definition leaves open: a tensor whose ``.grad`` is None in a step is left out of
-that step (its gamma is kept); a step in which any gradient norm is inf or NaN leaves every
-gamma unchanged (the trainer skips such a step; one bad step must not poison the state).
-``clip_()`` counts the step towards t; a step the optimizer then skips is taken back with
-``unstep_(found_inf)``, on the device. t is a device tensor, so which regime a step is in is
-decided on the device too: both factors are formed (from the [N] norms, cheap) and selected
-with ``torch.where``, and the gradients are scaled once; the host reads nothing.
+Between the gradient all-reduce (and fp16 unscaling) and the optimizer step, on every
+gradient at once (``torch._foreach_*``), returning device tensors: no host read.
+``clip_global_`` is apex FusedLAMB's: every gradient times ``max_norm / n`` when the global
+norm n exceeds ``max_norm``. ``AdaGC`` is the definition of [docs/extensions.md](../docs/extensions.md#what-they-do);
+where that leaves a choice: a tensor whose ``.grad`` is None sits the step out (its gamma
+kept), and a step with a non-finite norm leaves every gamma unchanged. ``clip_()`` counts
+the step; ``unstep_(found_inf)`` takes back one the optimizer skipped. The warm-up regime
+is chosen on the device (``torch.where`` over the [N] norms).
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """The trainer's collectives, wrapped so that a failure says which one, at which step, and who is missing.
 
-A rank that dies or stops responding leaves the others blocked in the next collective until
-the process group's timeout (``dist.timeout_s``) expires, or failing at once when the peer's
-connection closes. The backend's error then names a socket or a source file, not the
-collective or the rank. ``Collectives.guard(what, step)`` turns it into a
-``CollectiveError`` such as
-
-    rank 0: the loss all-reduce at step 3 failed after 8.0 s (dist.timeout_s=8): no report from
-    rank 1 (killed, stopped or hung); gloo: Timed out waiting 8000ms for recv operation to complete
-
-Which ranks are missing is found after the failure, through the rendezvous store: each
-failing rank writes ``fault/<rank>``, waits a few seconds for the others' reports, and names
-those that did not report (and, on a cluster, the host they run on: each rank leaves its
-hostname in the store when the group is built). A rank that stops on an error of its own (bad data, say) leaves
-its message there first (``announce_exit``), so the others name the cause. If the store itself
-does not answer, its host (rank 0) is the one that is gone, and the message says so.
-
-The others may not fail at all while the stopped rank lives: its gloo connections stay open
-until the process ends (the DDP reducer and the side groups hold them, and freeing a gloo group
-in process can deadlock against its worker threads). When rank 0 is that rank, its exit takes
-the store with it. So a watcher thread looks at the store while a guarded block has waited
-over ``WATCH_AFTER_S``; when another rank has announced its exit, this rank prints the cause
-and ends (exit 1). The stopped rank keeps the store up until every other rank has said it saw
-the message (``hold_store``). The happy path costs a thread that wakes twice a second and
-reads one attribute; the store is read only while a collective waits.
-
-With NCCL, a timed-out collective is normally caught by the NCCL watchdog, which ends the
-process with its own message (naming the operation and its sequence number); the guard
-covers what surfaces as a Python exception (gloo, and NCCL errors raised on ``wait``).
+``Collectives.guard(what, step)`` turns a backend's error (a socket, a timeout after
+``dist.timeout_s``) into one ``CollectiveError`` line naming the collective, the step and
+the ranks that did not report through the rendezvous store (with their hosts). A rank that
+stops on an error of its own leaves its message there first (``announce_exit``) and keeps
+the store up until the others have seen it (``hold_store``); a watcher thread, awake only
+while a guarded block waits, ends this rank with that cause. With NCCL, its watchdog
+usually ends the process first. How a run reacts to a lost rank: [docs/reliability.md](../docs/reliability.md).
 """
 
 from __future__ import annotations

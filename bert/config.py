@@ -6,7 +6,7 @@ says how the encoder is assembled from parts (``bert.layers``): norm placement a
 positions, MLP kind, biases, heads and the attention of each layer. Its defaults are BERT's,
 so a BERT config never mentions them: ``to_dict`` writes a part field only where it differs
 from BERT, and a BERT config's JSON is what it always was. A ModernBERT-class encoder is a
-configuration (see the ``modernbert_*`` presets); ``bert.modernbert_hf`` maps it to and from
+configuration (see the ``modernbert_*`` presets); ``bert.hf_modernbert`` maps it to and from
 transformers' ``ModernBertConfig``.
 
 Presets:
@@ -216,7 +216,7 @@ class BertConfig:
     @classmethod
     def from_json(cls, path: str) -> BertConfig:
         """Read BERT's ``bert_config.json``, or transformers' ``config.json`` of a BERT or of a
-        ModernBERT (``model_type`` "modernbert", mapped by ``bert.modernbert_hf``)."""
+        ModernBERT (``model_type`` "modernbert", mapped by ``bert.hf_modernbert``)."""
         try:  # a FIFO or a device is refused at once, a huge file unread (fileio.read_checked)
             values = json.loads(read_checked(path, max_bytes=1 << 20, what="a JSON model config"))
         except UnsafeFile as e:
@@ -226,10 +226,10 @@ class BertConfig:
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         try:
-            if values.get("model_type") == "modernbert":
-                from bert.modernbert_hf import config_from_hf  # that module imports this one
+            if values.get("model_type", "bert") != "bert":
+                from bert.pretrained import adapter  # the adapters import this module
 
-                return config_from_hf(values, source=path)
+                return adapter(values["model_type"]).config_from_hf(values, source=path)
             return cls.from_dict(values, source=path)
         except TypeError as e:  # wrong value types caught by the dataclass
             raise ConfigError(f"{path}: {e}") from None
@@ -238,7 +238,7 @@ class BertConfig:
         """BERT's fields, and the part fields that differ from BERT's.
 
         ``transformers=True`` writes transformers' ``BertConfig``; other architectures are
-        written by ``bert.modernbert_hf``."""
+        written by ``bert.hf_modernbert``."""
         parts = {f.name: f.default for f in fields(self) if f.metadata.get("part")}
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         out = {k: v for k, v in out.items() if k not in parts or getattr(self, k) != parts[k]}

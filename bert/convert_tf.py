@@ -1,13 +1,11 @@
 """MLPerf's TensorFlow starting point -> this project's checkpoint or a transformers directory.
 
-    python -m bert.convert_tf --tf-checkpoint model.ckpt-28252 --bert-config bert_config.json \\
+    python -m bert.convert_tf --tf-checkpoint model.ckpt-28252 --bert-config bert_config.json \
         --output phase1.pt          # NVIDIA-style {"model": transformers names}, for checkpoint.init
     python -m bert.convert_tf ... --output phase1-hf/   # BertForPreTraining.from_pretrained loads it
 
-Reads the checkpoint without TensorFlow (``bert.tf_checkpoint``), maps Google BERT's names
-onto the model and skips the LAMB slots (``adam_m``, ``adam_v``) and ``global_step``. Every
-weight must find its place: a missing or misshapen one stops the conversion naming it.
-``checkpoint.init`` also takes the prefix directly, so converting is optional.
+Every weight must find its place (a missing or misshapen one is named); the LAMB slots and
+``global_step`` are skipped. Optional: ``checkpoint.init`` takes the prefix directly.
 """
 
 from __future__ import annotations
@@ -18,9 +16,10 @@ import sys
 
 import torch
 
-from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, to_hf_state_dict
 from bert.config import BertConfig, ConfigError
 from bert.model import BertForPreTraining
+from bert.pretrained import export_hf, load_hf_state_dict, to_hf_state_dict
+from bert.safe_load import CheckpointError
 from bert.tf_checkpoint import TFCheckpointError, google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
 from fileio import publishing
 

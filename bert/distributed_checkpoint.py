@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from bert.checkpoint import CheckpointError, load_archive
+from bert.safe_load import CheckpointError, load_archive
 from bert.train_checkpoint import (
     MANIFEST,
     STATE,

@@ -1,20 +1,10 @@
 """Masked-LM evaluation: accuracy counted on the device, the eval set optionally kept there.
 
-Sits beside the trainer's ``evaluate`` step. ``masked_lm_counts`` runs the model over
-batches and accumulates (correct, total) in one int64 device tensor, read once per
-evaluation by its caller. ``DeviceEvalSet`` (``eval.cache_on_device``) collates this rank's
-eval samples once, at the first evaluation, and keeps the batches on the device: later
-evaluations read no file, collate nothing and copy nothing from the host.
-
-Memory: an unpadded batch holds 3 int64 values per token (ids, segments, positions) and
-2 per masked position, plus ``cu_seqlens`` and the NSP labels. MLPerf's eval set is 10,000
-samples of at most 512 tokens (about 250 on average) with up to 76 masked positions:
-about 10,000 x (250 x 24 + 76 x 16 + 12) bytes = 72 MB, at most 10,000 x (512 x 24 +
-76 x 16) = 135 MB, summed over the ranks (each holds its own slice). ``nbytes`` reports
-the real figure; the trainer prints it when the set is cached.
-
-Labels equal to ``data.static_shapes.IGNORE`` (a static-shape padding sequence's) are not
-counted: an argmax is never -100, so only the total needs the mask.
+``masked_lm_counts`` runs the model over batches and accumulates (correct, total) in one
+int64 device tensor, read once per evaluation by its caller; labels equal to
+``data.static_shapes.IGNORE`` are not counted. ``DeviceEvalSet`` (``eval.cache_on_device``)
+collates this rank's eval samples once and keeps the batches on the device; ``nbytes`` is
+their size (about 72 MB for MLPerf's eval set: [docs/step.md](../docs/step.md#the-timeline)).
 """
 
 from __future__ import annotations

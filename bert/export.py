@@ -1,18 +1,14 @@
 """A run's checkpoint -> a transformers directory: ``python -m bert.export RUN_DIR --output HF_DIR``.
 
-The hand-off from pretraining to fine-tuning. Reads the newest checkpoint of
-``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint NAME``: a name there such as
-``step_00001500.pt`` or an earlier code's sharded directory ``step_00001500``, a step number,
-or a path), rebuilds the model from the config stored in it, and writes:
+Reads the newest checkpoint of ``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint``: a
+name there, a step number or a path; shards read into whole tensors), rebuilds the model from
+its stored config and publishes, whole, what ``AutoTokenizer`` and
+``AutoModel*.from_pretrained(HF_DIR)`` load offline:
 
-    config.json, model.safetensors        bert.checkpoint.export_hf (BertForPreTraining names)
+    config.json, model.safetensors        bert.pretrained.export_hf (transformers names)
     vocab.txt                             the run's data.vocab_file (or --vocab)
     tokenizer_config.json                 BertTokenizer, lower case, model_max_length
     special_tokens_map.json               [UNK] [SEP] [PAD] [CLS] [MASK]
-
-so that ``AutoTokenizer.from_pretrained(HF_DIR)`` and ``AutoModel*.from_pretrained(HF_DIR)``
-(e.g. ``AutoModelForSequenceClassification``, which adds a new classifier head) load it
-offline. The directory is written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -64,9 +60,9 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     With ``checkpoint`` None the newest checkpoint that verifies is used; a damaged newest one
     is reported and the previous tried (bert.train_checkpoint.load_latest)."""
     from bert import train_checkpoint
-    from bert.checkpoint import CheckpointError
     from bert.components import build_model_config
     from bert.model import BertForPreTraining
+    from bert.safe_load import CheckpointError
     from bert.train_config import ConfigError, build_config
 
     path = find_checkpoint(run_dir, checkpoint)
@@ -150,7 +146,7 @@ def _fast_tokenizer(vocab_file: str):
 
 def export_run(run_dir: str, output: str, checkpoint: str | None = None, vocab_file: str | None = None) -> str:
     """Write ``output`` (see the module docstring); returns the checkpoint exported."""
-    from bert.checkpoint import export_hf
+    from bert.pretrained import export_hf
 
     model, vocab, max_length, path = load_run_model(run_dir, checkpoint, vocab_file)
     output = os.path.abspath(output)

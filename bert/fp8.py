@@ -1,32 +1,12 @@
 """FP8 matrix multiplies for the encoder's linear layers (``train.fp8``).
 
-After the model is built, ``convert_encoder`` swaps every ``nn.Linear`` inside the encoder
-stack (``model.layers``: QKV, attention output, FFN in and out) for an FP8 linear layer; the
-embeddings, the pooler, the MLM transform and tied decoder and the NSP head stay in the
-run's precision. Each swapped layer keeps its ``weight`` and ``bias`` parameters (fp32
-master weights, same names, same shapes), so the optimizer, AdaGC, DDP, checkpoints and
-the transformers export see exactly the model they would without FP8.
-
-Scaling is dynamic, as torchtitan does it with torchao's float8 training: every GEMM casts
-its operands to FP8 with a scale computed from the operand's current absolute maximum
-(no amax history, hence nothing to checkpoint and a bitwise resume):
-
-- ``tensorwise``: one scale per tensor; input and weight in e4m3, the output gradient in
-  e5m2 (torchao's ``tensorwise`` recipe);
-- ``rowwise``: one scale per row of each operand (per token for activations, per output
-  feature for weights), everything e4m3, scales rounded down to powers of two (torchao's
-  ``rowwise`` recipe).
-
-The three GEMMs of a layer (output, input gradient, weight gradient) all run in FP8 through
-``torch._scaled_mm`` (cuBLASLt on CUDA; ATen's reference kernel on the CPU). On CUDA the
-reduced dimension of a ``_scaled_mm`` must be a multiple of 16. The hidden and intermediate
-sizes are checked here; the token count (the reduced dimension of the weight gradient) is
-whatever the unpadded batch holds, so the layers zero-pad that dimension to the next
-multiple of 16 when it is not one (torchao's ``pad_inner_dim``; zeros add nothing to the
-sums, and per-row scales do not depend on the reduced dimension).
-
-``matmul(proj, x)`` is the bias-free GEMM the fused-ops path calls before its Triton
-epilogues; it runs in FP8 when ``proj`` was converted.
+``convert_encoder`` swaps every ``nn.Linear`` of ``model.layers`` (QKV, attention output,
+FFN in and out) for an FP8 linear layer that keeps its fp32 ``weight`` and ``bias`` under the
+same names, so the optimizer, DDP, checkpoints and the export see the unconverted model. All
+three GEMMs run in FP8 through ``torch._scaled_mm`` with dynamic scales (``tensorwise`` or
+``rowwise``, torchao's recipes; nothing to checkpoint); a token count that is not a multiple
+of 16 is zero-padded in the weight-gradient GEMM. ``matmul(proj, x)`` is the bias-free GEMM
+the fused-ops path calls. Which layers, which scaling and why: [docs/fp8.md](../docs/fp8.md).
 
 Shape legend as in ``bert.model``: N tokens, C in features, O out features.
 """

@@ -1,20 +1,12 @@
 """A step's global counts, agreed between ranks on the host: no device read.
 
-Sits between the loader (or the rebalancer) and ``train_step``. The losses are normalised by
-global counts (masked positions, sequences, SimReg anchors), the summary adds up tokens and
-corrupt samples, and a stop request (SIGTERM) must reach every rank at the same step. All of
-it is known on the host from the data: every count is a sum over samples, so it does not
-change when the rebalancer moves samples between ranks, and it can be summed over ranks
-from the blocks as the loader hands them out, before any exchange.
-
-``CountAgreement`` sums the ranks' ``local_counts`` with one all-reduce of 6 int64 words on
-a CPU gloo group of its own; with one rank nothing is exchanged. ``StepPlanner`` keeps each
-step's drawn block and agrees on its counts as the step begins, inside the trainer's
-``Collectives.guard``, which names the collective, the step and the missing ranks on failure.
-
-Where the device stands meanwhile: the host queues a step's kernels without waiting for
-them, so when it agrees on step s's counts the device is still running step s-1's queued
-work; the host's round trip (microseconds on one node) hides behind it.
+Between the loader (or the rebalancer) and ``train_step``. The losses' normalisers (masked
+positions, sequences, SimReg anchors), the summary's token and corrupt-sample counts and a
+stop request are sums over samples, known on the host and unchanged by rebalancing.
+``CountAgreement`` sums the ranks' ``local_counts`` in one all-reduce of 6 int64 words on a
+CPU gloo group of its own (nothing with one rank); ``StepPlanner`` agrees on each drawn
+block's counts as the step begins, inside ``Collectives.guard``. Why this hides behind the
+device's queued work: [docs/step.md](../docs/step.md#the-timeline).
 """
 
 from __future__ import annotations

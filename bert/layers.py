@@ -1,18 +1,12 @@
-"""The encoder's parts, each chosen by a ``BertConfig`` field: norms, embeddings, rotary
-positions, the MLP and the transformer layer. ``bert.model`` assembles them.
+"""The encoder's parts, each chosen by a ``BertConfig`` field; ``bert.model`` assembles them.
 
-- ``make_norm``: LayerNorm with or without bias, or RMSNorm (``norm_kind``, ``norm_bias``);
-- ``Embeddings``: word, learned positions (``position_embedding`` absolute), token types
-  (``type_vocab_size`` > 0), then a norm (``embedding_norm``) and dropout;
-- ``Rotary``: cos/sin tables per layer type (theta global / local), applied to q and k by
-  ``kernels.rotary`` (the Triton kernel or its PyTorch reference, ``rotary_kernel``);
-- ``EncoderLayer``: attention and MLP, post-norm as BERT (``norm(x + f(x))``) or pre-norm
-  (``x + f(norm(x))``); its attention window is per layer (``layer_types``).
-
-Every projection is an ``nn.Linear`` with a fixed name (``qkv``, ``attn_out``, ``ffn_in``,
-``ffn_out``) so that code converting linears by name (FP8) finds them; a gated MLP's input
-and gate are one ``ffn_in`` of ``[2 * intermediate, hidden]``, input half first (the order of
-transformers' ModernBERT ``Wi``).
+``make_norm`` (LayerNorm with or without bias, or RMSNorm), ``Embeddings`` (word, learned
+positions, token types, then a norm and dropout), ``Rotary`` (cos/sin tables per layer
+type, applied by ``kernels.rotary``) and ``EncoderLayer`` (attention and MLP, post-norm
+``norm(x + f(x))`` or pre-norm ``x + f(norm(x))``, its window per layer). Every projection
+is an ``nn.Linear`` with a fixed name (``qkv``, ``attn_out``, ``ffn_in``, ``ffn_out``) that
+name-based conversions (FP8) find; a gated MLP's input and gate are one ``ffn_in`` of
+``[2 * intermediate, hidden]``, input half first (transformers' ModernBERT ``Wi``).
 
 Shape legend as in ``bert.model``: N tokens, H heads, D head dim, C hidden, I intermediate.
 """

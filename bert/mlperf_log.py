@@ -1,39 +1,14 @@
 """The trainer's MLPerf run log (``:::MLLOG`` lines), written with ``mlperf_logging.mllog``.
 
-The trainer owns one ``MLPerfLogger`` per process; only rank 0 writes, every other rank's
-calls are checked and then dropped, so the same trainer code runs on all ranks. The log is
-what ``python -m mlperf_logging.compliance_checker --usage training --ruleset 5.0.0 LOG``
-reads. MLPerf BERT counts "epochs" in samples: every ``epoch_num`` below is the number of
-training samples (sequences) consumed so far, summed over ranks.
-
-Calls, in the order a run makes them (the logger raises ``RuntimeError`` on any other order,
-so a trainer bug shows up here rather than as a rejected log)::
-
-    log = MLPerfLogger(out_dir / "mlperf.log", rank, division="closed", submitter=..., platform=...)
-    log.cache_clear()
-    log.init_start()
-    log.submission_info()
-    log.hyperparameters(seed=..., optimizer="lamb", ...)   # once, all keyword arguments
-    log.init_stop()
-    log.run_start()
-    log.epoch_start(0)
-    log.block_start(1, 1)   # the trainer: one block over the run, numbered as NVIDIA's v4.0 logs
-    # per eval interval:
-    log.eval_start(samples); log.eval_accuracy(samples, acc); log.eval_stop(samples)
-    log.block_stop(samples)
-    # at the end (target reached, or max steps / samples / too many bad steps):
-    log.epoch_stop(samples)
-    log.train_samples(samples)
-    log.eval_samples(num_eval_samples)
-    log.run_stop(samples, "success" | "aborted")
-    log.close()
-
-A run restarted from a checkpoint opens the same file with ``resume=True`` and continues from
-``epoch_start``/``block_start``: MLPerf allows one ``init_start ... run_start`` per log, so
-they are not written again.
-
-``write_system_desc`` writes the ``systems/<name>.json`` file that MLPerf's package checker
-and results summarizer read; the compliance checker above does not need it.
+One ``MLPerfLogger`` per process; rank 0 writes, the other ranks' calls are checked and
+dropped. ``epoch_num`` is training samples consumed over all ranks. The calls must come in a
+run's order (else ``RuntimeError``): ``cache_clear``, ``init_start``, ``submission_info``,
+``hyperparameters``, ``init_stop``, ``run_start``, ``epoch_start(0)``, ``block_start(1, 1)``,
+per evaluation ``eval_start`` / ``eval_accuracy`` / ``eval_stop``, then ``block_stop``,
+``epoch_stop``, ``train_samples``, ``eval_samples``, ``run_stop(samples, status)``,
+``close``. A resumed run reopens the file with ``resume=True`` and continues from
+``epoch_start``. ``write_system_desc`` writes ``systems/<name>.json``. The checker it
+passes: [docs/mlperf.md](../docs/mlperf.md#the-log).
 """
 
 from __future__ import annotations

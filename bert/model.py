@@ -1,27 +1,13 @@
 """BERT for pretraining on unpadded batches: embeddings -> encoder -> MLM and NSP heads.
 
-The encoder is assembled from parts (``bert.layers``) as its ``BertConfig`` says: BERT-large
-is one configuration, a ModernBERT-class encoder (pre-norm, rotary, gated MLP, no biases,
-global and sliding-window layers, no NSP head) another.
-
-The model runs on a flat token dimension from the embeddings to the heads. For an
-``UnpaddedBatch`` that is T real tokens and no padding is ever computed; for a
-``PaddedBatch`` (the baseline) it is B*S tokens, padding included; for a ``PackedBatch`` it
-is R*S tokens of rows packed with whole sequences. The attention backend,
-chosen by name (``kernels.registry``), is told which tokens form which sequence through a
-layout object.
-
-The masked-LM head runs only at the M masked positions (gathered before the head, as the
-MLPerf submissions do), so the vocabulary projection costs M rows, not T.
-
-Numerics match ``transformers.BertForPreTraining`` (post-LayerNorm BERT, erf GELU, tied
-decoder) given the same weights, and ``transformers.ModernBertForMaskedLM`` for ModernBERT
-configurations; ``bert.checkpoint`` and ``bert.modernbert_hf`` map the state dicts both
-ways. The query, key and value projections are one fused ``[3*hidden, hidden]`` linear layer.
-
-Attention per layer: each layer is global or local (a window); the model derives one layout
-per kind from the batch's (``window`` set on the local one) and hands each layer its own,
-so the backends see the window as part of the layout.
+The encoder is assembled from parts (``bert.layers``) as its ``BertConfig`` says (BERT-large
+and ModernBERT are two configurations). It runs on a flat token dimension: T real tokens of
+an ``UnpaddedBatch``, B*S of a ``PaddedBatch``, R*S of a ``PackedBatch``; the attention
+backend (``kernels.registry``) learns the sequences from a layout, one per layer kind
+(local layers carry their ``window``). The MLM head runs only at the M masked positions.
+Numerics match ``transformers.BertForPreTraining`` and ``ModernBertForMaskedLM`` given the
+same weights (``bert.pretrained``). The query, key and value projections are one fused
+``[3*hidden, hidden]`` linear layer.
 
 Shape legend: N tokens the layers run on (T unpadded, B*S padded, R*S packed), B sequences,
 M masked positions, H heads, D head dim, C hidden size, V vocabulary.

@@ -1,26 +1,17 @@
 """Learning-rate schedules: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT);
 or warmup-stable-decay (ModernBERT's; ``wsd_lr_at`` at the bottom).
 
-Sits between the optimizer step and the next one: the trainer calls ``scheduler.step()``
-after every optimizer update that was applied (a skipped fp16 step does not advance it), and
-the scheduler writes the next update's learning rate into every parameter group.
-
-Semantics are those of the MLPerf reference (``create_optimizer`` in mlcommons/training,
-``language_model/tensorflow/bert``). With ``g`` the 0-based global step, i.e. the number of
-updates already applied, the update ``g`` uses:
+The trainer calls ``scheduler.step()`` after every applied update (a skipped fp16 step does
+not advance it); it writes the next update's rate into every parameter group. As MLPerf's
+reference ``create_optimizer``, with g the 0-based global step:
 
     decay(g)  = (base_lr - end_lr) * (1 - min(g, total_steps) / total_steps) ** power + end_lr
     w         = g - start_warmup_step
     lr(g)     = base_lr * w / warmup_steps    if warmup_steps > 0 and w < warmup_steps
                 decay(g)                      otherwise
 
-So the decay is measured from step 0, not from the end of warm-up, and a negative
-``start_warmup_step`` shortens the warm-up (it starts part-way up the ramp). Two choices
-where the reference is silent or odd: for ``w < 0`` (a positive ``start_warmup_step``, steps
-before warm-up starts) the reference would give a negative rate; here it is 0. NVIDIA's
-PyTorch MLPerf scheduler counts steps from 1 and subtracts one only when
-``start_warmup_step == 0``; it agrees with the formula above in that case (the v2.0 8-GPU
-recipe) and is one step later otherwise.
+and 0 for w < 0, where the reference would give a negative rate. NVIDIA's PyTorch scheduler
+agrees when ``start_warmup_step == 0`` and is one step later otherwise.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """Sharded LAMB (``optim.shard``): optimizer state and update split over a group of ranks.
 
-Sits where DDP sits in the unsharded run, on PyTorch's own engine, FSDP2
-(``torch.distributed.fsdp.fully_shard``): every parameter becomes a DTensor split along its
-first dimension over the ranks of a shard group of G ranks. Backward reduce-scatters each
-encoder layer's gradients as soon as they are ready (overlapped with the rest of backward),
-so each rank holds 1/G of the gradients, of the fp32 master weights and of LAMB's two
-moments; the update runs on that 1/G only, and the next forward all-gathers the new weights
-layer by layer (in ``train.precision``'s dtype: bf16 or fp16 compute copies of fp32 masters).
-
-A group smaller than the world (``optim.shard: 4`` on 16 ranks, NVIDIA's ``--dwu-group-size``)
-is HSDP: a 2-D mesh (replicate x shard) on which gradients are reduce-scattered inside the
-group and all-reduced across the W/G groups that hold the same shard; the replicas of a shard
-stay bitwise identical because they compute the same update from the same reduced gradient.
-
-What stays exact (the same LAMB as ``bert.optim.Lamb`` on whole tensors): every per-tensor norm
-(LAMB's trust ratio ||w|| / ||u||, global-norm clipping, AdaGC's per-tensor thresholds) is the
-whole tensor's, from the shards' partial sums of squares summed over the shard group in one
-small all-reduce of a [N] or [2N] vector (N: the tensors). Weight-decay exclusions are
-``bert.optim.param_groups_for``'s, decided on the module types and tensor ranks as today.
-
-Why FSDP2 rather than DDP + ``ZeroRedundancyOptimizer``: ZeRO gives each rank whole tensors,
-so per-tensor norms would need no communication, but DDP still all-reduces (and every rank
-keeps) the whole gradient, the update is balanced only as well as 340 tensors of very different
-sizes pack into G bins (the word embeddings alone are 9% of BERT-large), and the new weights
-are broadcast tensor by tensor after the step instead of gathered layer by layer inside the next
-forward. FSDP2 splits every tensor evenly, holds 1/G of the gradients too, and its per-layer
-collectives run behind compute; the price, one all-reduce of per-tensor partial norms, is a
-few kilobytes.
+Where DDP sits in the unsharded run, FSDP2 (``fully_shard``) splits every parameter along
+its first dimension over a shard group of G ranks (a 2-D replicate x shard mesh when G is
+smaller than the world): gradients are reduce-scattered per encoder layer during backward,
+the update runs on each rank's 1/G of the master weights and moments, and the next forward
+all-gathers the weights layer by layer. Every per-tensor norm (LAMB's trust ratio,
+global-norm clipping, AdaGC) is the whole tensor's, from the shards' partial sums in one
+small all-reduce, so the update equals ``bert.optim.Lamb`` on whole tensors. Why FSDP2, and
+what it costs: [docs/sharding.md](../docs/sharding.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """TensorBoard event files for a run (``log.tensorboard: true``): OUTPUT_DIR/tensorboard/.
 
-A sink of ``bert.metrics.MetricsWriter``: every record the trainer writes to
-``metrics.jsonl`` (rank 0 only) becomes scalars at the record's global step:
-
-    loss/total loss/mlm loss/nsp loss/simreg       training losses (simreg with SimReg on)
-    optim/lr optim/grad_norm                        learning rate, gradient norm before clipping
-    adagc/clipped_share adagc/clip_ratio            with AdaGC: share of tensors scaled down,
-                                                    mean scale factor over tensors (1: none)
-    throughput/seq_per_s throughput/tokens_per_s    since the previous logged step
-    rebalance/<field>                               with the rebalancer: imbalance_before/after,
-                                                    hidden_fraction, samples_moved, ...
-    train/samples train/skipped_steps data/corrupt_samples
-    spikes/loss_score spikes/grad_norm_score        running spike scores (bert.metrics.SpikeCounter)
-    eval/mlm_accuracy                               at every evaluation
-
-and the resolved config as text (tag ``config``, step 0; on a resume only when the directory
-had no events). A resumed run opens a new event
-file with ``purge_step`` = the checkpoint's step + 1, so TensorBoard drops what the killed
-run logged past the checkpoint and the curves continue without duplicated steps; the spike
-counters are replayed from the records kept in ``metrics.jsonl``.
+A sink of ``bert.metrics.MetricsWriter`` (rank 0): every ``metrics.jsonl`` record becomes
+scalars at its global step, and the resolved config is text (tag ``config``). A resumed run
+opens a new event file with ``purge_step`` = checkpoint step + 1 and replays the spike
+counters from ``metrics.jsonl``. The tags: [docs/extensions.md](../docs/extensions.md#tensorboard).
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """TensorFlow checkpoints read without TensorFlow: MLPerf's phase-1 starting point.
 
-A TF V2 checkpoint ``PREFIX`` is two kinds of file:
-
-- ``PREFIX.index``: a LevelDB-format sorted table. The entry under the empty key is a
-  ``BundleHeaderProto`` (number of data shards, byte order); every other key is a variable's
-  name and its value a ``BundleEntryProto``: dtype, shape, which shard, byte offset and size,
-  and the masked CRC-32C of the bytes.
-- ``PREFIX.data-0000N-of-0000M``: the tensors' raw bytes, back to back.
-
-``read_tf_checkpoint(prefix)`` returns every variable by its TensorFlow name as a numpy array,
-values bitwise as stored (optimizer slots such as ``.../adam_m`` and ``global_step``
-included). Every block of the table and every tensor is checked against its CRC-32C, so a
-truncated or damaged file is a ``TFCheckpointError`` naming the file and the variable, never
-wrong weights. The protobuf messages are decoded here (a few varint fields), so neither
-TensorFlow nor protobuf is needed; only the CRC uses ``google_crc32c`` (C, fast enough for
-the 4 GB phase-1 checkpoint).
-
-``google_bert_to_hf(variables)`` renames Google BERT's variables (``bert/encoder/layer_3/
-attention/self/query/kernel``) to transformers' ``BertForPreTraining`` names, transposing
-dense kernels (TensorFlow stores them [in, out]), and lists what it skipped (slots, step
-counters, loss-scaling state).
+A TF V2 checkpoint ``PREFIX`` is ``PREFIX.index`` (a LevelDB-format table: under the empty
+key a ``BundleHeaderProto``, under each variable's name a ``BundleEntryProto`` with dtype,
+shape, shard, offset, size and masked CRC-32C) and ``PREFIX.data-0000N-of-0000M`` (the raw
+bytes). ``read_tf_checkpoint(prefix)`` returns every variable as a numpy array, bitwise,
+every block and tensor checked against its CRC-32C (a ``TFCheckpointError`` names the file
+and variable); the protobufs are decoded here, so only ``google_crc32c`` is needed.
+``google_bert_to_hf(variables)`` renames Google BERT's variables to ``BertForPreTraining``'s
+(dense kernels transposed) and lists what it skipped.
+[docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
 """
 
 from __future__ import annotations
@@ -119,9 +108,10 @@ def _fields(buf: bytes | memoryview):
 def _parse_entry(value: bytes) -> dict:
     """BundleEntryProto: dtype=1, shape=2, shard_id=3, offset=4, size=5, crc32c=6, slices=7."""
     entry = {"dtype": 0, "shape": [], "shard_id": 0, "offset": 0, "size": 0, "crc32c": None, "sliced": False}
+    scalars = {1: "dtype", 3: "shard_id", 4: "offset", 5: "size", 6: "crc32c"}
     for number, _, v in _fields(value):
-        if number == 1:
-            entry["dtype"] = v
+        if number in scalars:
+            entry[scalars[number]] = v
         elif number == 2:  # TensorShapeProto: dim=2 {size=1, name=2}, unknown_rank=3
             for dn, _, dv in _fields(v):
                 if dn == 2:
@@ -129,14 +119,6 @@ def _parse_entry(value: bytes) -> dict:
                     entry["shape"].append(size - (1 << 64) if size >= 1 << 63 else size)
                 elif dn == 3 and dv:
                     entry["shape"] = None
-        elif number == 3:
-            entry["shard_id"] = v
-        elif number == 4:
-            entry["offset"] = v
-        elif number == 5:
-            entry["size"] = v
-        elif number == 6:
-            entry["crc32c"] = v
         elif number == 7:
             entry["sliced"] = True
     return entry

@@ -30,8 +30,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from bert.checkpoint import CheckpointError, plain_data_problem, safe_torch_load
 from bert.collectives import Collectives
+from bert.safe_load import CheckpointError, plain_data_problem, safe_torch_load
 from bert.sharded_optim import ShardedLamb, reshard
 from bert.train_state import TrainState
 from fileio import UnsafeFile, file_digest, open_checked, publish, read_checked

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bert.checkpoint import CheckpointError
 from bert.collectives import Collectives
+from bert.safe_load import CheckpointError
 from kernels.runtime import seed_philox_
 
 

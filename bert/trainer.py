@@ -37,13 +37,13 @@ import numpy as np
 import torch
 
 from bert import components, reporting
-from bert.checkpoint import load_pretrained
 from bert.clipping import clip_global_, tensor_norms
 from bert.collectives import Collectives
 from bert.eval_cache import EvalBatches, masked_lm_counts
 from bert.host_counts import CountAgreement, StepPlanner
 from bert.losses import pretraining_loss, simreg_loss
 from bert.metrics import Progress
+from bert.pretrained import load_pretrained
 from bert.sharded_optim import apply_sharding, reshard
 from bert.step_metrics import DeviceCounters
 from bert.train_checkpoint import find_checkpoint, resume, write_checkpoint

@@ -1,22 +1,14 @@
 """Batch types and the conversions between MLPerf's fixed layout and the unpadded one.
 
-Every batch the model sees is one of these named types (never a positional tuple):
-
-- ``UnpaddedBatch``: the tokens of all sequences concatenated into one flat tensor, with
-  ``cu_seqlens`` marking where each sequence starts. Nothing downstream computes padding.
-- ``PaddedBatch``: the ``[B, S]`` baseline with an attention mask, for A/B comparisons.
-- ``PackedBatch``: rows of S tokens each holding several whole sequences, kept apart by
-  FlashMask bounds (``data.packing`` builds it; the ``flashmask`` backend runs it).
+Every batch the model sees is one of these named types: ``UnpaddedBatch`` (all sequences
+concatenated into one flat tensor, ``cu_seqlens`` marking their starts), ``PaddedBatch``
+(the ``[B, S]`` baseline with an attention mask) and ``PackedBatch`` (rows of S tokens
+holding whole sequences, kept apart by FlashMask bounds; built by ``data.packing``).
+``unpad`` takes the fixed HDF5 layout's arrays (``masked_lm_positions`` padded with 0) and
+``pad`` goes back, both vectorised. Structural checks run when a batch is built and read no
+tensor value; ``check_values()`` reads values (a sync on CUDA), where batches are made.
 
 Shape legend: T tokens in the flat batch, B sequences, S padded length, M masked positions.
-
-``unpad`` takes the arrays of MLPerf's fixed HDF5 layout (``input_ids [B, S]`` ...,
-``masked_lm_positions`` padded with 0; position 0 is [CLS] and never masked) and ``pad`` goes
-back to ``[B, S]``. Both are vectorised: no Python loop over tokens or sequences.
-
-Structural checks (dtypes, ranks, matching lengths) run when a batch is built and never read
-tensor values, so they cost nothing on a GPU. ``check_values()`` reads values (it syncs on
-CUDA) and is called where batches are made, on the CPU.
 """
 
 from __future__ import annotations
@@ -38,6 +30,15 @@ def _check_int(t: Tensor, field: str, ndim: int) -> None:
     _require(isinstance(t, Tensor), field, f"expected a tensor, got {type(t).__name__}")
     _require(t.dtype in _INT_DTYPES, field, f"expected an integer dtype, got {t.dtype}")
     _require(t.dim() == ndim, field, f"expected {ndim} dimension(s), got shape {tuple(t.shape)}")
+
+
+def _check_labels(nsp_labels: Tensor, ids: dict[str, Tensor], vocab_size: int | None) -> None:
+    """NSP labels 0 or 1; with ``vocab_size``, every tensor of ``ids`` in [0, vocab_size)."""
+    _require(bool(((nsp_labels == 0) | (nsp_labels == 1)).all()), "nsp_labels", "must be 0 or 1")
+    for name, v in ids.items() if vocab_size is not None else ():
+        if v.numel():
+            lo, hi = int(v.min()), int(v.max())
+            _require(lo >= 0 and hi < vocab_size, name, f"token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
 
 
 def to_device(batch, device):
@@ -165,16 +166,7 @@ class UnpaddedBatch:
                 f"indices must lie in [0, {t}), got [{int(pos.min())}, {int(pos.max())}]",
             )
             _require(not bool(torch.isin(pos, cu[:-1]).any()), "mlm_positions", "a [CLS] token is masked")
-        _require(bool(((self.nsp_labels == 0) | (self.nsp_labels == 1)).all()), "nsp_labels", "must be 0 or 1")
-        if vocab_size is not None:
-            for name in ("input_ids", "mlm_labels"):
-                v = getattr(self, name)
-                if v.numel():
-                    _require(
-                        int(v.min()) >= 0 and int(v.max()) < vocab_size,
-                        name,
-                        f"token ids must lie in [0, {vocab_size}), got [{int(v.min())}, {int(v.max())}]",
-                    )
+        _check_labels(self.nsp_labels, {"input_ids": self.input_ids, "mlm_labels": self.mlm_labels}, vocab_size)
         return self
 
     def to(self, device, non_blocking: bool = False) -> UnpaddedBatch:
@@ -464,15 +456,8 @@ class PackedBatch:
                 "a masked position is not a real token",
             )
             _require(not bool(torch.isin(pos, cls).any()), "mlm_positions", "a [CLS] token is masked")
-        _require(bool(((self.nsp_labels == 0) | (self.nsp_labels == 1)).all()), "nsp_labels", "must be 0 or 1")
-        if vocab_size is not None:
-            for name, v in (("input_ids", self.input_ids.reshape(-1)[tokens]), ("mlm_labels", self.mlm_labels)):
-                if v.numel():
-                    _require(
-                        int(v.min()) >= 0 and int(v.max()) < vocab_size,
-                        name,
-                        f"token ids must lie in [0, {vocab_size}), got [{int(v.min())}, {int(v.max())}]",
-                    )
+        ids = {"input_ids": self.input_ids.reshape(-1)[tokens], "mlm_labels": self.mlm_labels}
+        _check_labels(self.nsp_labels, ids, vocab_size)
         return self
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:

@@ -1,21 +1,13 @@
 """Batch-size warm-up: the global batch grows step by step to its full size (ModernBERT's recipe).
 
-Sits between the rank-sharded loader and the trainer's step planner. ModernBERT (arXiv:2412.13663,
-section 2.2; AnswerDotAI/ModernBERT's ``batch_size_warmup_min_size`` and ``batch_size_warmup_tokens``)
-starts at 768 sequences and grows, one micro-batch per GPU at a time, to 4,608 over the first 50B
-tokens, each size for an equal number of steps. Here the ramp is written in those units:
-
-    unit   = train.global_batch_size / train.grad_accum_steps   (one micro-batch on every rank)
-    k(s)   = start + floor(s * (full - start) / steps)  for s < steps, else full   (units, step s from 0)
-
-with ``start`` = train.batch_size_warmup_start / unit and ``full`` = train.grad_accum_steps. A step
-of k units runs k micro-batches of the usual size on every rank, so static shapes and CUDA graphs
-see the shapes they see without the ramp; only the number of micro-batches changes.
-
-``RampedLoader`` draws k(s) consecutive steps of a ``PretrainingLoader`` planned at the unit size
-and hands them out as one block. Every rank computes k(s) from the config alone, so all ranks agree
-on every step's batch without a collective; the sample position after step s is
-``units_before(s)`` unit steps, derived, which is what an exact resume needs.
+Between the rank-sharded loader and the trainer's step planner. In units of one micro-batch
+on every rank (``train.global_batch_size / train.grad_accum_steps``), step s (from 0) takes
+``k(s) = start + floor(s * (full - start) / steps)`` units while s < steps, then ``full``
+(``start``: ``train.batch_size_warmup_start`` in units; ``full``: ``train.grad_accum_steps``):
+k(s) micro-batches of the usual size, so no shape is new. ``RampedLoader`` hands out k(s)
+unit steps of a ``PretrainingLoader`` as one block; every rank computes k(s) from the config
+alone, and ``units_before(s)`` gives the sample position for an exact resume.
+[docs/modern_encoders.md](../docs/modern_encoders.md#objective-and-schedule).
 """
 
 from __future__ import annotations

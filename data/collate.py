@@ -1,10 +1,8 @@
 """SampleBlock -> the batch types the model takes, with vectorised numpy (no loop over tokens).
 
-``collate_unpadded`` builds the flat ``UnpaddedBatch`` (what the varlen attention kernels
-take); ``collate_padded`` builds the ``[B, S]`` baseline. Both give exactly what
-``data.batch.unpad`` / ``data.batch.pad`` give for the same samples in the fixed layout.
-``make_collator`` picks the implementation by name: ``torch`` (these functions) or ``dali``
-(``data.dali_loader.DaliCollator``, the same batches from a DALI pipeline).
+``collate_unpadded`` (the flat ``UnpaddedBatch``) and ``collate_padded`` (the ``[B, S]``
+baseline) give exactly what ``data.batch.unpad`` / ``pad`` give for the same samples;
+``make_collator`` picks ``torch`` (these) or ``dali`` (``data.dali_loader.DaliCollator``).
 """
 
 from __future__ import annotations

@@ -4,14 +4,10 @@
     python -m data.convert IN OUT --to fixed [--max-seq-length 512 --max-predictions 76]
     python -m data.convert IN OUT --to packed [--max-seq-length 512]
 
-Every input file is read and validated, then written in the other layout under the same
-name in OUT. Varlength files written here record the fixed layout's row length and masked
-slots as attributes, so going back needs no flags; files without them need both flags.
-Fixed -> varlength -> fixed gives the same arrays (padding is 0 in both directions).
-
-``--to packed`` writes NVIDIA's packed layout: each file's sequences packed first-fit
-decreasing into packs of at most max_seq_length tokens (``data.packing``). The sequences are
-the same, in pack order; converting back keeps that order.
+Each input file is validated and written under the same name in OUT. Varlength files
+written here record the fixed layout's row length and masked slots, so going back needs no
+flags; fixed -> varlength -> fixed gives the same arrays. ``--to packed`` packs first-fit
+decreasing (``data.packing``) into NVIDIA's packed layout; converting back keeps pack order.
 """
 
 from __future__ import annotations

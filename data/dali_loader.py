@@ -1,17 +1,12 @@
-"""The DALI backend: the loader's SampleBlocks -> batches through an NVIDIA DALI pipeline.
+"""The DALI backend (``backend="dali"``): the loader's SampleBlocks -> batches through an
+NVIDIA DALI pipeline.
 
-The HDF5 reader and the rank/lane plan stay in ``data.loader`` (so both backends see the
-same samples in the same order); each block is fed to the pipeline through
-``external_source``, one variable-length array per sample and field. The pipeline pads the
-token and masked-position lists (``fn.pad``; to the batch's longest sequence for the
-unpadded layout, to ``seq_len`` for the padded one) and reads the lengths from the shapes;
-with ``device_id`` set it does this on that GPU, so the batch arrives there. The last step,
-gathering the real tokens of the padded rows into the flat layout, uses indices computed on
-the host from the lengths, so it needs no device synchronisation.
-
-Batches are identical to ``data.collate``'s (tests compare them field by field on the CPU
-pipeline, ``device_id=None``). Selected by ``backend="dali"`` in ``make_collator`` and
-``PretrainingLoader``.
+``data.loader`` keeps the reading and the rank plan, so both backends see the same samples.
+Each block goes in through ``external_source``; the pipeline pads the token and
+masked-position lists (``fn.pad``; on the GPU ``device_id`` names), and the real tokens are
+gathered back into the flat layout with indices computed on the host from the lengths (no
+device sync). The batches equal ``data.collate``'s field by field (tested on the CPU
+pipeline, ``device_id=None``).
 """
 
 from __future__ import annotations

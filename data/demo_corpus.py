@@ -1,11 +1,10 @@
 """The demo corpus: CPython's bundled documentation text, written in BERT's input format.
 
-``make demo`` needs text on a machine that cannot download any, and every CPython ships
-``pydoc_data.topics`` (about 80 documentation topics, 0.5 MB of English prose and code).
-Each topic becomes a document; paragraphs are unwrapped and split into sentences, one per
-line, with a blank line between documents (``data.prepare --input-format bert``).
-
     python -m data.demo_corpus OUT.txt
+
+``make demo`` needs text offline, and every CPython ships ``pydoc_data.topics`` (about 80
+topics, 0.5 MB): each topic is a document, its paragraphs unwrapped and split into
+sentences, one per line, a blank line between documents.
 """
 
 from __future__ import annotations

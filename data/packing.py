@@ -1,20 +1,12 @@
 """Packing whole sequences into fixed-length rows: first-fit decreasing, and ``collate_packed``.
 
-The packed layout is the third way (after padded and unpadded) to feed the model: each row
-of ``seq_len`` tokens holds as many whole sequences as fit, and FlashMask bounds keep them
-from attending to each other (``kernels.flashmask``). ``first_fit_decreasing`` decides the
-rows: sequences longest first (ties in sample order), each into the lowest-numbered row with
-room, a new row when none has; no cap on sequences per row, never a split sequence, and the
-result depends only on the lengths. A segment tree over the rows' free space finds that row
-in O(log rows), so packing a whole HDF5 shard (``python -m data.convert --to packed``) is
-as cheap as packing one step's batch.
-
-``collate_packed(block, seq_len)`` turns a SampleBlock into a ``PackedBatch``: within a row,
-sequences sit in the order they were placed; everything indexed per sequence (NSP labels,
-[CLS] positions, masked positions and labels) keeps the block's sample order, so its MLM and
-NSP logits line up with ``collate_unpadded``'s for the same block. ``unpack`` goes back to
-that ``UnpaddedBatch`` (with the flat index of each of its tokens in the packed batch), for
-code that works on real tokens only, such as SimReg on the last hidden states.
+``first_fit_decreasing`` fills rows of ``seq_len`` tokens with whole sequences, longest
+first (ties in sample order), each into the lowest-numbered row with room (a segment tree
+over the rows' free space: O(log rows)); the result depends only on the lengths.
+``collate_packed(block, seq_len)`` gives a ``PackedBatch`` whose per-sequence fields (NSP
+labels, [CLS] positions, masked positions and labels) keep the block's sample order, so its
+logits line up with ``collate_unpadded``'s; ``unpack`` goes back to that ``UnpaddedBatch``
+with each token's flat index in the packed batch (for SimReg). [docs/packing.md](../docs/packing.md).
 """
 
 from __future__ import annotations

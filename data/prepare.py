@@ -1,48 +1,20 @@
 """Text -> MLPerf BERT pretraining shards: ``python -m data.prepare``.
 
-The semantics are Google's ``create_pretraining_data`` with MLPerf's parameters: documents
-of sentences, ``dupe_factor`` passes over the documents, each cutting a document into
-chunks of about ``max_seq_length - 3`` tokens (a random shorter target with probability
-``short_seq_prob``), each chunk split at a random sentence into segment A and segment B,
-where B is the actual continuation or (always for a one-sentence chunk, otherwise half of
-the time) a random stretch of another document; the pair truncated by removing tokens from
-the front or back of the longer segment; then ``masked_lm_prob`` of the tokens (at least
-one, at most ``max_predictions``, never [CLS] or [SEP]) chosen for prediction: 80% become
-[MASK], 10% a random vocabulary entry, 10% stay.
+Google's ``create_pretraining_data`` with MLPerf's parameters (``--objective mlm``: whole
+documents cut into pieces, no pairs), in stages that each run in ``--workers`` processes:
 
-Stages (each runs in ``--workers`` processes; none depends on how work is split):
-1. tokenise: input files are cut into chunks at document boundaries, parsed and tokenised;
-   the token ids go to one array on disk, read by the later stages through a memory map.
-2. split: documents are shuffled by the seed; a prefix is held out for the eval set (or the
-   eval set is made from the separate ``--eval-input`` documents, as MLPerf's ``eval.txt``),
-   so no eval document (not even as a random next segment) appears in training.
-3. pairs: each (pass, document) draws from its own random stream, seeded by the seed, the
-   pass and the document, and gives every pair a 64-bit random key; the key's top bits pick
-   the shard. Task files hold the pairs grouped by shard.
-4. shards: shard j gathers its pairs from every task file, orders them by key (a uniform
-   shuffle), masks them with a stream seeded by (seed, j), and is written. The eval set is
-   the held-out pairs ordered by key, picked at stride ``int(i*N/K)``, masked likewise.
-Because every random draw is tied to a document or a shard and never to a worker, the output
-is byte-identical for any ``--workers``.
+1. vocabulary: a copy of ``--vocab`` / ``--tokenizer``, or one learnt (``--train-vocab``);
+2. tokenise: input chunks cut at document boundaries, tokenised into one array on disk;
+3. split: documents shuffled by the seed, the eval set held out (or made from
+   ``--eval-input``), so no eval document reaches training;
+4. pairs: each (pass, document) draws from its own stream and gives each pair a 64-bit key,
+   whose top bits pick the shard;
+5. shards: each shard's pairs ordered by key, masked with a stream seeded by (seed, shard),
+   written; the manifest and the files installed into ``--output-dir`` whole.
 
-Outputs under ``--output-dir``: ``train/part_%05d_of_%05d.hdf5``, ``eval/part_eval_10k.hdf5``,
-``vocab.txt`` (a copy of ``--vocab`` or the one learnt with ``--train-vocab``) or
-``tokenizer.json`` (a copy of ``--tokenizer``), and
-``manifest.json`` (every parameter, counts, md5 of each file). Everything is written under a
-temporary directory inside ``--output-dir`` and renamed into place when complete.
-
-A document needs ``--min-sentences`` sentences (default 2: a one-sentence document can only
-give random-next pairs, which skews the NSP labels); shorter ones are skipped and counted.
-``--min-sentences 1`` keeps them, as the reference script does.
-
-``--objective mlm`` (masked-LM only, as ModernBERT trains) replaces stage 3's pairs by whole
-documents: each document's tokens (its sentences joined by spaces and tokenised as one text)
-are cut into consecutive pieces of ``max_seq_length - 2`` tokens, the last one shorter, each
-sample ``[CLS] piece [SEP]`` with segment ids 0; every non-empty document is kept, a
-one-token one as a 3-token sample. The rest is unchanged (keys, shards, masking at
-``--masked-lm-prob``, eval hold-out). The files, varlength or packed, have no
-``next_sentence_labels`` and say so with the attribute ``next_sentence = 0``
-(``data.hdf5io``); readers then give nsp labels 0, which a model without an NSP head ignores.
+Every random draw is tied to a document or a shard, never to a worker, so the output is
+byte-identical for any ``--workers``. Options, outputs and the procedure:
+[docs/data.md](../docs/data.md#preparing-data).
 """
 
 from __future__ import annotations
@@ -352,13 +324,7 @@ class _PairTask:
     pool_file: str  # .npy of document indices (the train or the eval pool)
     lo: int  # pool positions [lo, hi) of the documents this task starts pairs from
     hi: int
-    tag: int
-    num_buckets: int
-    seed: int
-    dupe_factor: int
-    max_num_tokens: int
-    short_seq_prob: float
-    mlm: bool = False  # --objective mlm: whole-document pieces instead of pairs
+    cfg: PrepareConfig
 
 
 def _arrays(tmp: str):
@@ -463,35 +429,24 @@ def _doc_pieces(
         out.append((a0, a1, a1, a1, 0, rng.getrandbits(63), canon_base + inst))
 
 
-def _pairs(
-    tmp: str,
-    pool,
-    lo: int,
-    hi: int,
-    tag: int,
-    seed: int,
-    dupe_factor: int,
-    max_num_tokens: int,
-    short_seq_prob: float,
-    cls_id: int = 2,
-    sep_id: int = 3,
-    mlm: bool = False,
-) -> dict:
-    """All pairs started from pool positions [lo, hi), every pass; sequences built with
-    [CLS] A [SEP] B [SEP] (``mlm``: document pieces, [CLS] A [SEP]). The special ids are
-    patched in by the caller's vocabulary."""
+def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> dict:
+    """All pairs started from pool positions [lo, hi), every pass, for the training (``tag``
+    TRAIN_TAG) or the eval pool; sequences built with [CLS] A [SEP] B [SEP] (``--objective
+    mlm``: document pieces, [CLS] A [SEP]), the special ids those of the run's vocabulary."""
     toks, sent_off, doc_sent_off = _arrays(tmp)
+    cls_id, sep_id = _cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
+    seed, max_num_tokens, mlm = cfg.seed, cfg.max_num_tokens, cfg.objective == "mlm"
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
     rows: list = []
-    for dupe in range(dupe_factor):
+    for dupe in range(cfg.dupe_factor):
         for pos in range(lo, hi):
             rng = random.Random((seed << 96) | (tag << 88) | (dupe << 64) | pos)
             canon = (dupe << 56) | (pos << 20)
             if mlm:
                 _doc_pieces(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, canon, rows)
             else:
-                _doc_pairs(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, short_seq_prob, canon, rows)
+                _doc_pairs(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, cfg.short_seq_prob, canon, rows)
     if not rows:
         return {
             "tokens": np.zeros(0, np.uint16),
@@ -531,23 +486,12 @@ def _bucket_of(key: np.ndarray, num_buckets: int) -> np.ndarray:
 
 def _make_pairs(task: _PairTask) -> dict:
     pool = _cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
-    p = _pairs(
-        task.tmp,
-        pool,
-        task.lo,
-        task.hi,
-        task.tag,
-        task.seed,
-        task.dupe_factor,
-        task.max_num_tokens,
-        task.short_seq_prob,
-        *_cached(("specials", task.tmp), lambda: tuple(np.load(os.path.join(task.tmp, "specials.npy")).tolist())),
-        mlm=task.mlm,
-    )
-    bucket = _bucket_of(p["key"], task.num_buckets)
+    p = _pairs(task.tmp, pool, task.lo, task.hi, TRAIN_TAG, task.cfg)
+    shards = task.cfg.shards
+    bucket = _bucket_of(p["key"], shards)
     order = np.argsort(bucket, kind="stable")
-    counts = np.bincount(bucket[order].astype(np.int64), minlength=task.num_buckets)
-    tok_counts = np.bincount(bucket.astype(np.int64), weights=p["seq_len"], minlength=task.num_buckets)
+    counts = np.bincount(bucket[order].astype(np.int64), minlength=shards)
+    tok_counts = np.bincount(bucket.astype(np.int64), weights=p["seq_len"], minlength=shards)
     base = os.path.join(task.tmp, "pairs", f"t{task.task_id:06d}")
     tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
     np.save(base + ".tok.npy", tokens)
@@ -626,19 +570,13 @@ def mask_pairs(
 @dataclass(frozen=True)
 class _ShardTask:
     index: int
-    num_shards: int
     num_tasks: int
     tmp: str
     out_path: str
-    seed: int
-    layout: str
-    max_seq_length: int
-    max_predictions: int
-    masked_lm_prob: float
+    cfg: PrepareConfig
     vocab_size: int
     mask_id: int
-    next_sentence: bool = True  # False: --objective mlm, the files hold no next_sentence_labels
-    recorded_vocab: int | None = None  # the files' vocab_size attribute (data.hdf5io.write_varlength)
+    recorded_vocab: int | None  # the files' vocab_size attribute (data.hdf5io.write_varlength)
 
 
 def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
@@ -663,33 +601,16 @@ def _shuffled(p: dict) -> dict:
 
 
 def _write_shard(task: _ShardTask) -> dict:
+    cfg, n = task.cfg, task.cfg.shards
     p = _load_bucket(task.tmp, task.num_tasks, task.index)
     if p["seq_len"] is None:
-        raise DataError(
-            f"shard {task.index} of {task.num_shards} got no samples: too little text for --shards {task.num_shards}"
-        )
+        raise DataError(f"shard {task.index} of {n} got no samples: too little text for --shards {n}")
     p = _shuffled(p)
-    rng = np.random.default_rng([task.seed, 2, task.index])
-    block = mask_pairs(
-        p["tokens"],
-        p["seq_len"],
-        p["len_a"],
-        p["nsp"],
-        rng,
-        task.masked_lm_prob,
-        task.max_predictions,
-        task.vocab_size,
-        task.mask_id,
-    )
-    write_file(
-        task.out_path,
-        block,
-        task.layout,
-        task.max_seq_length,
-        task.max_predictions,
-        next_sentence=task.next_sentence,
-        vocab_size=task.recorded_vocab,
-    )
+    rng = np.random.default_rng([cfg.seed, 2, task.index])
+    masking = (cfg.masked_lm_prob, cfg.max_predictions, task.vocab_size, task.mask_id)
+    block = mask_pairs(p["tokens"], p["seq_len"], p["len_a"], p["nsp"], rng, *masking)
+    sizes, nsp = (cfg.max_seq_length, cfg.max_predictions), cfg.objective == "nsp"
+    write_file(task.out_path, block, cfg.format, *sizes, next_sentence=nsp, vocab_size=task.recorded_vocab)
     return _describe(task.out_path, block)
 
 
@@ -733,24 +654,7 @@ def _split_tasks(doc_tokens: np.ndarray, pool: np.ndarray, target_tokens: int) -
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
-def _eval_pairs(cfg: PrepareConfig, tmp: str, pool: np.ndarray, vocab: Vocab) -> dict:
-    return _pairs(
-        tmp,
-        pool,
-        0,
-        len(pool),
-        EVAL_TAG,
-        cfg.seed,
-        cfg.dupe_factor,
-        cfg.max_num_tokens,
-        cfg.short_seq_prob,
-        vocab.cls_id,
-        vocab.sep_id,
-        mlm=cfg.objective == "mlm",
-    )
-
-
-def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.ndarray, vocab: Vocab):
+def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.ndarray):
     """The fewest leading documents of ``order`` whose pairs number at least eval_samples, and
     at least two (a random next segment comes from another document), from at most half of
     the documents. Returns (their count, their pairs)."""
@@ -765,7 +669,7 @@ def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.nd
     held = max(2, int(np.searchsorted(np.cumsum(per_doc), k)) + 1)
     while True:
         held = min(held, limit)
-        p = _eval_pairs(cfg, tmp, np.ascontiguousarray(order[:held]), vocab)
+        p = _pairs(tmp, np.ascontiguousarray(order[:held]), 0, held, EVAL_TAG, cfg)
         n = len(p["seq_len"])
         if n >= k:
             return held, p
@@ -796,232 +700,261 @@ def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
     )
 
 
+@dataclass
+class _Run:
+    """One ``prepare`` call's state shared by its stages: the temporary directory, the worker
+    processes, the vocabulary and each stage's wall time."""
+
+    cfg: PrepareConfig
+    tmp: Path
+    workers: _Workers
+    log: typing.Callable
+    seconds: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    vocab: Vocab | None = None
+    vocab_file: Path | None = None
+
+    @property
+    def mlm(self) -> bool:
+        return self.cfg.objective == "mlm"
+
+    @property
+    def unit(self) -> str:
+        return "pieces" if self.mlm else "pairs"  # what stage 3 makes
+
+    @property
+    def recorded_vocab(self) -> int | None:
+        """The vocabulary size the files record, where it matters (MLPerf's files have none)."""
+        return len(self.vocab) if self.mlm or len(self.vocab) > MAX_VOCAB_SIZE else None
+
+    def lap(self, stage: str) -> float:
+        """Record the wall time since the previous lap as ``stage``'s."""
+        now = time.perf_counter()
+        self.seconds[stage], self.started = now - self.started, now
+        return self.seconds[stage]
+
+
+@dataclass
+class _Corpus:
+    """Stage 1's result; the token ids and offsets are files in the run's directory."""
+
+    n_docs: int
+    n_train_docs: int
+    n_sentences: int
+    n_tokens: int
+    doc_tokens: np.ndarray  # [documents] tokens of each document
+    stats: dict  # docs_read, docs_short, sentences
+    bad_utf8: dict  # path -> [replaced sequences, first line]
+
+
+def _vocabulary(run: _Run, files: list[Path]) -> None:
+    """A copy of the given vocabulary, or one learnt from the input."""
+    cfg = run.cfg
+    run.vocab_file = run.tmp / VOCAB_FILES[cfg.tokenizer is not None]
+    if cfg.vocab_source is not None:
+        run.vocab, _ = load_tokenizer(cfg.vocab_source, is_json=cfg.tokenizer is not None)
+        shutil.copyfile(cfg.vocab_source, run.vocab_file)
+    else:
+        sentences = progress(iter_sentences(files, cfg.input_format), desc="vocabulary", unit=" sentences")
+        tokens = train_wordpiece(sentences, cfg.train_vocab)
+        sentences.close()
+        write_vocab(run.vocab_file, tokens)
+        run.vocab, _ = load_tokenizer(run.vocab_file)
+        run.log(f"learnt a vocabulary of {len(run.vocab)} pieces (asked for {cfg.train_vocab})")
+        run.lap("train_vocab")
+    if len(run.vocab) > MAX_VOCAB_SIZE and cfg.format == "fixed":
+        raise DataError(
+            f"{cfg.vocab_source}: {len(run.vocab)} entries, but the fixed layout stores ids as int16 (at most "
+            f"{MAX_VOCAB_SIZE}); use --format varlength or packed"
+        )
+    np.save(run.tmp / "specials.npy", np.array([run.vocab.cls_id, run.vocab.sep_id]))
+
+
+def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
+    """Stage 1: every input chunk tokenised (the --eval-input documents after the others)."""
+    cfg = run.cfg
+    chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
+    n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
+    tasks = [_TokenizeTask(c, cfg.input_format, str(run.vocab_file), cfg.min_sentences, run.mlm) for c in chunks]
+    too_short = "no token" if run.mlm else f"fewer than {cfg.min_sentences} sentences"
+    sent_lens, doc_nsent = [], []
+    stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
+    bad_utf8: dict[str, list[int]] = {}
+    n_train_docs = 0
+    with (
+        open(run.tmp / "tokens.u16", "wb") as fh,
+        progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar,
+    ):
+        for i, r in enumerate(run.workers.map(_tokenize_chunk, tasks)):
+            bar.update(chunks[i].end - chunks[i].start)
+            fh.write(r["tokens"].tobytes())
+            sent_lens.append(r["sent_lens"])
+            doc_nsent.append(r["doc_nsent"])
+            if i < n_train_chunks:
+                n_train_docs += len(r["doc_nsent"])
+            for k in stats:
+                stats[k] += r[k]
+            if r["bad_utf8"]:
+                entry = bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])
+                entry[0] += r["bad_utf8"]
+    for path, (count, line) in bad_utf8.items():
+        run.log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
+    sent_lens = np.concatenate(sent_lens)
+    doc_nsent = np.concatenate(doc_nsent)
+    n_docs = len(doc_nsent)
+    for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
+        if names and n < 2:
+            raise DataError(
+                f"{', '.join(names)}: {n} usable {what}document(s) (need 2; {stats['docs_short']} had {too_short})"
+            )
+    if stats["docs_short"]:
+        run.log(f"skipped {stats['docs_short']} of {stats['docs_read']} documents with {too_short}")
+    sent_off = _offsets(sent_lens)
+    doc_sent_off = _offsets(doc_nsent)
+    np.save(run.tmp / "sent_off.npy", sent_off)
+    np.save(run.tmp / "doc_sent_off.npy", doc_sent_off)
+    doc_tokens = sent_off[doc_sent_off[1:]] - sent_off[doc_sent_off[:-1]]
+    run.log(
+        f"{n_docs} documents, {len(sent_lens)} sentences, {int(sent_off[-1])} tokens "
+        f"({len(tasks)} chunk(s), {run.lap('tokenize'):.1f} s)"
+    )
+    return _Corpus(n_docs, n_train_docs, len(sent_lens), int(sent_off[-1]), doc_tokens, stats, bad_utf8)
+
+
+def _eval_set(run: _Run, corpus: _Corpus, order: np.ndarray, has_eval_files: bool) -> tuple[int, dict | None]:
+    """Stage 2's eval set, from the --eval-input documents or the first documents of ``order``,
+    written; returns (training documents held out, its manifest entry or None)."""
+    cfg = run.cfg
+    if not cfg.eval_samples:
+        return 0, None
+    held = 0
+    if has_eval_files:
+        eval_docs = corpus.n_docs - corpus.n_train_docs
+        pool = corpus.n_train_docs + np.random.default_rng([cfg.seed, 4]).permutation(eval_docs)
+        p = _pairs(str(run.tmp), pool, 0, len(pool), EVAL_TAG, cfg)
+        if len(p["seq_len"]) < cfg.eval_samples:
+            raise DataError(
+                f"{', '.join(cfg.eval_inputs)}: gives {len(p['seq_len'])} pairs, fewer than "
+                f"--eval-samples {cfg.eval_samples}"
+            )
+    else:
+        held, p = _hold_out(cfg, str(run.tmp), order, corpus.doc_tokens)
+        eval_docs = held
+    block = _pick_eval(cfg, p, run.vocab)
+    path = run.tmp / "eval" / EVAL_FILE
+    write_file(
+        path,
+        block,
+        cfg.format,
+        cfg.max_seq_length,
+        cfg.max_predictions,
+        next_sentence=not run.mlm,
+        vocab_size=run.recorded_vocab,
+    )
+    run.lap("eval")
+    run.log(
+        f"eval: {cfg.eval_samples} samples from {len(p['seq_len'])} {run.unit} of {eval_docs} "
+        f"{'--eval-input' if has_eval_files else 'held-out'} documents"
+    )
+    entry = {"file": f"eval/{EVAL_FILE}", "pool_samples": len(p["seq_len"]), "documents": eval_docs}
+    return held, {**entry, **_describe(str(path), block)}
+
+
+def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
+    """Stage 3: the training pool's pairs, in task files grouped by shard; returns the task count."""
+    cfg = run.cfg
+    pool_file = str(run.tmp / "train_pool.npy")
+    np.save(pool_file, pool)
+    doc_tokens = corpus.doc_tokens
+    target = int(np.clip(int(doc_tokens[pool].sum()) // 64, PAIR_TASK_TOKENS[0], PAIR_TASK_TOKENS[1]))
+    tasks = [
+        _PairTask(i, str(run.tmp), pool_file, lo, hi, cfg)
+        for i, (lo, hi) in enumerate(_split_tasks(doc_tokens, pool, target))
+    ]
+    counts = np.zeros(cfg.shards, np.int64)
+    for r in progress(run.workers.map(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task"):
+        counts += r["counts"]
+    run.log(
+        f"train: {int(counts.sum())} {run.unit} from {len(pool)} documents ({len(tasks)} task(s), "
+        f"{run.lap('pairs'):.1f} s)"
+    )
+    if int(counts.min()) == 0:
+        raise DataError(
+            f"only {int(counts.sum())} training samples for --shards {cfg.shards}: "
+            f"shard {int(np.argmin(counts))} would be empty"
+        )
+    return len(tasks)
+
+
+def _write_shards(run: _Run, n_pair_tasks: int) -> tuple[list[str], list[dict]]:
+    """Stage 4: each shard shuffled, masked and written; returns (file names, their descriptions)."""
+    cfg = run.cfg
+    names = [f"part_{j:05d}_of_{cfg.shards:05d}.hdf5" for j in range(cfg.shards)]
+    vocab = (len(run.vocab), run.vocab.mask_id, run.recorded_vocab)
+    tasks = [
+        _ShardTask(j, n_pair_tasks, str(run.tmp), str(run.tmp / "train" / names[j]), cfg, *vocab)
+        for j in range(cfg.shards)
+    ]
+    info = list(progress(run.workers.map(_write_shard, tasks), total=len(tasks), desc="shards", unit=" shard"))
+    run.lap("shards")
+    return names, info
+
+
+def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, n_eval_docs: int, n_train_docs: int, shards) -> dict:
+    names, info = shards
+    return {
+        "version": 1,
+        "parameters": {k: v for k, v in asdict(run.cfg).items() if k not in ("workers", "output_dir")},
+        "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in inputs],
+        "vocab": {"file": run.vocab_file.name, "size": len(run.vocab), "md5": md5sum(run.vocab_file)},
+        "documents": {
+            "read": corpus.stats["docs_read"],
+            "skipped_short": corpus.stats["docs_short"],
+            "usable": corpus.n_docs,
+            "eval": n_eval_docs,
+            "train": n_train_docs,
+        },
+        "sentences": corpus.n_sentences,
+        "tokens": corpus.n_tokens,
+        "invalid_utf8_replaced": {p: c for p, (c, _) in sorted(corpus.bad_utf8.items())},
+        "train": {
+            "samples": sum(s["samples"] for s in info),
+            "tokens": sum(s["tokens"] for s in info),
+            "masked": sum(s["masked"] for s in info),
+            "random_next": sum(s["random_next"] for s in info),
+            "files": [{"name": f"train/{n}", **s} for n, s in zip(names, info)],
+        },
+    }
+
+
 def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
     """Run all stages; returns the manifest (also written to output_dir/manifest.json)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    seconds: dict[str, float] = {}
-    t = time.perf_counter()
     files = list_inputs(cfg.inputs)
     eval_files = list_inputs(cfg.eval_inputs) if cfg.eval_inputs else []
     if set(files) & set(eval_files):
         raise DataError(f"{sorted(set(files) & set(eval_files))[0]}: given both as --input and as --eval-input")
     out = Path(cfg.output_dir)
-    tmp_path = _prepare_output_dir(out)
-    tmp = str(tmp_path)
-    workers = _Workers(cfg.workers)
+    run = _Run(cfg, _prepare_output_dir(out), _Workers(cfg.workers), log)
     try:
-        # Vocabulary: a copy of the given file, or one learnt from the input.
-        vocab_tmp = tmp_path / VOCAB_FILES[cfg.tokenizer is not None]
-        if cfg.vocab_source is not None:
-            vocab, _ = load_tokenizer(cfg.vocab_source, is_json=cfg.tokenizer is not None)
-            shutil.copyfile(cfg.vocab_source, vocab_tmp)
-        else:
-            sentences = progress(iter_sentences(files, cfg.input_format), desc="vocabulary", unit=" sentences")
-            tokens = train_wordpiece(sentences, cfg.train_vocab)
-            sentences.close()
-            write_vocab(vocab_tmp, tokens)
-            vocab, _ = load_tokenizer(vocab_tmp)
-            log(f"learnt a vocabulary of {len(vocab)} pieces (asked for {cfg.train_vocab})")
-            seconds["train_vocab"] = time.perf_counter() - t
-            t = time.perf_counter()
-        if len(vocab) > MAX_VOCAB_SIZE and cfg.format == "fixed":
-            raise DataError(
-                f"{cfg.vocab_source}: {len(vocab)} entries, but the fixed layout stores ids as int16 (at most "
-                f"{MAX_VOCAB_SIZE}); use --format varlength or packed"
-            )
-        np.save(tmp_path / "specials.npy", np.array([vocab.cls_id, vocab.sep_id]))
-
-        # Stage 1: tokenise (the --eval-input documents, if any, come after the others).
-        chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
-        n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
-        mlm = cfg.objective == "mlm"
-        tasks = [_TokenizeTask(c, cfg.input_format, str(vocab_tmp), cfg.min_sentences, mlm) for c in chunks]
-        too_short = "no token" if mlm else f"fewer than {cfg.min_sentences} sentences"
-        unit = "pieces" if mlm else "pairs"  # what stage 3 makes
-        # Files record their vocabulary's size where it matters (MLPerf's files have no such attribute).
-        recorded_vocab = len(vocab) if mlm or len(vocab) > MAX_VOCAB_SIZE else None
-        sent_lens, doc_nsent = [], []
-        stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
-        bad_utf8: dict[str, list[int]] = {}
-        n_train_docs = 0
-        with (
-            open(tmp_path / "tokens.u16", "wb") as fh,
-            progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar,
-        ):
-            for i, r in enumerate(workers.map(_tokenize_chunk, tasks)):
-                bar.update(chunks[i].end - chunks[i].start)
-                fh.write(r["tokens"].tobytes())
-                sent_lens.append(r["sent_lens"])
-                doc_nsent.append(r["doc_nsent"])
-                if i < n_train_chunks:
-                    n_train_docs += len(r["doc_nsent"])
-                for k in stats:
-                    stats[k] += r[k]
-                if r["bad_utf8"]:
-                    entry = bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])
-                    entry[0] += r["bad_utf8"]
-        for path, (count, line) in bad_utf8.items():
-            log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
-        sent_lens = np.concatenate(sent_lens)
-        doc_nsent = np.concatenate(doc_nsent)
-        n_docs = len(doc_nsent)
-        for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
-            if names and n < 2:
-                raise DataError(
-                    f"{', '.join(names)}: {n} usable {what}document(s) (need 2; {stats['docs_short']} had {too_short})"
-                )
-        if stats["docs_short"]:
-            log(f"skipped {stats['docs_short']} of {stats['docs_read']} documents with {too_short}")
-        sent_off = _offsets(sent_lens)
-        doc_sent_off = _offsets(doc_nsent)
-        np.save(tmp_path / "sent_off.npy", sent_off)
-        np.save(tmp_path / "doc_sent_off.npy", doc_sent_off)
-        doc_tokens = sent_off[doc_sent_off[1:]] - sent_off[doc_sent_off[:-1]]
-        seconds["tokenize"] = time.perf_counter() - t
-        log(
-            f"{n_docs} documents, {len(sent_lens)} sentences, {int(sent_off[-1])} tokens "
-            f"({len(tasks)} chunk(s), {seconds['tokenize']:.1f} s)"
-        )
-        t = time.perf_counter()
-
-        # Stage 2: shuffle documents; the eval set comes from --eval-input or held-out documents.
-        order = np.random.default_rng([cfg.seed, 0]).permutation(n_train_docs)
-        held, eval_docs, eval_pool_pairs, eval_block = 0, 0, 0, None
-        if cfg.eval_samples:
-            if eval_files:
-                eval_docs = n_docs - n_train_docs
-                p = _eval_pairs(
-                    cfg, tmp, n_train_docs + np.random.default_rng([cfg.seed, 4]).permutation(eval_docs), vocab
-                )
-                if len(p["seq_len"]) < cfg.eval_samples:
-                    raise DataError(
-                        f"{', '.join(cfg.eval_inputs)}: gives {len(p['seq_len'])} pairs, fewer than "
-                        f"--eval-samples {cfg.eval_samples}"
-                    )
-            else:
-                held, p = _hold_out(cfg, tmp, order, doc_tokens, vocab)
-                eval_docs = held
-            eval_pool_pairs = len(p["seq_len"])
-            eval_block = _pick_eval(cfg, p, vocab)
-            write_file(
-                tmp_path / "eval" / EVAL_FILE,
-                eval_block,
-                cfg.format,
-                cfg.max_seq_length,
-                cfg.max_predictions,
-                next_sentence=not mlm,
-                vocab_size=recorded_vocab,
-            )
-            seconds["eval"] = time.perf_counter() - t
-            log(
-                f"eval: {cfg.eval_samples} samples from {eval_pool_pairs} {unit} of {eval_docs} "
-                f"{'--eval-input' if eval_files else 'held-out'} documents"
-            )
-            t = time.perf_counter()
+        _vocabulary(run, files)
+        corpus = _tokenize(run, files, eval_files)
+        # Stage 2: shuffle the documents; the eval set comes from --eval-input or held-out ones.
+        order = np.random.default_rng([cfg.seed, 0]).permutation(corpus.n_train_docs)
+        held, eval_entry = _eval_set(run, corpus, order, bool(eval_files))
         pool = np.ascontiguousarray(order[held:])
-        pool_file = str(tmp_path / "train_pool.npy")
-        np.save(pool_file, pool)
-
-        # Stage 3: pairs, grouped by shard.
-        target = int(np.clip(int(doc_tokens[pool].sum()) // 64, PAIR_TASK_TOKENS[0], PAIR_TASK_TOKENS[1]))
-        ranges = _split_tasks(doc_tokens, pool, target)
-        pair_tasks = [
-            _PairTask(
-                i,
-                tmp,
-                pool_file,
-                lo,
-                hi,
-                TRAIN_TAG,
-                cfg.shards,
-                cfg.seed,
-                cfg.dupe_factor,
-                cfg.max_num_tokens,
-                cfg.short_seq_prob,
-                mlm,
-            )
-            for i, (lo, hi) in enumerate(ranges)
-        ]
-        shard_counts = np.zeros(cfg.shards, np.int64)
-        for r in progress(workers.map(_make_pairs, pair_tasks), total=len(pair_tasks), desc="pairs", unit=" task"):
-            shard_counts += r["counts"]
-        seconds["pairs"] = time.perf_counter() - t
-        log(
-            f"train: {int(shard_counts.sum())} {unit} from {len(pool)} documents ({len(pair_tasks)} task(s), "
-            f"{seconds['pairs']:.1f} s)"
-        )
-        t = time.perf_counter()
-        if int(shard_counts.min()) == 0:
-            raise DataError(
-                f"only {int(shard_counts.sum())} training samples for --shards {cfg.shards}: "
-                f"shard {int(np.argmin(shard_counts))} would be empty"
-            )
-
-        # Stage 4: shuffle, mask and write each shard.
-        names = [f"part_{j:05d}_of_{cfg.shards:05d}.hdf5" for j in range(cfg.shards)]
-        shard_tasks = [
-            _ShardTask(
-                j,
-                cfg.shards,
-                len(pair_tasks),
-                tmp,
-                str(tmp_path / "train" / names[j]),
-                cfg.seed,
-                cfg.format,
-                cfg.max_seq_length,
-                cfg.max_predictions,
-                cfg.masked_lm_prob,
-                len(vocab),
-                vocab.mask_id,
-                not mlm,
-                recorded_vocab,
-            )
-            for j in range(cfg.shards)
-        ]
-        shard_info = list(
-            progress(workers.map(_write_shard, shard_tasks), total=len(shard_tasks), desc="shards", unit=" shard")
-        )
-        seconds["shards"] = time.perf_counter() - t
-        t = time.perf_counter()
-
-        train_samples = sum(s["samples"] for s in shard_info)
-        manifest = {
-            "version": 1,
-            "parameters": {k: v for k, v in asdict(cfg).items() if k not in ("workers", "output_dir")},
-            "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files + eval_files],
-            "vocab": {"file": vocab_tmp.name, "size": len(vocab), "md5": md5sum(vocab_tmp)},
-            "documents": {
-                "read": stats["docs_read"],
-                "skipped_short": stats["docs_short"],
-                "usable": n_docs,
-                "eval": eval_docs,
-                "train": len(pool),
-            },
-            "sentences": len(sent_lens),
-            "tokens": int(sent_off[-1]),
-            "invalid_utf8_replaced": {p: c for p, (c, _) in sorted(bad_utf8.items())},
-            "train": {
-                "samples": train_samples,
-                "tokens": sum(s["tokens"] for s in shard_info),
-                "masked": sum(s["masked"] for s in shard_info),
-                "random_next": sum(s["random_next"] for s in shard_info),
-                "files": [{"name": f"train/{n}", **s} for n, s in zip(names, shard_info)],
-            },
-        }
-        if eval_block is not None:
-            manifest["eval"] = {
-                "file": f"eval/{EVAL_FILE}",
-                "pool_samples": eval_pool_pairs,
-                "documents": eval_docs,
-                **_describe(str(tmp_path / "eval" / EVAL_FILE), eval_block),
-            }
-        _install(out, tmp_path, names, eval_block is not None, manifest, vocab_tmp.name)
-        seconds["install"] = time.perf_counter() - t
-        return PrepareResult(manifest, seconds)
+        shards = _write_shards(run, _train_pairs(run, corpus, pool))
+        eval_docs = eval_entry["documents"] if eval_entry else 0
+        manifest = _manifest(run, files + eval_files, corpus, eval_docs, len(pool), shards)
+        if eval_entry is not None:
+            manifest["eval"] = eval_entry
+        _install(out, run.tmp, shards[0], eval_entry is not None, manifest, run.vocab_file.name)
+        run.lap("install")
+        return PrepareResult(manifest, run.seconds)
     finally:
-        workers.close()
+        run.workers.close()
         _worker_cache.clear()  # memory maps and tokenizer of this run's temporary files
-        shutil.rmtree(tmp_path, ignore_errors=True)
+        shutil.rmtree(run.tmp, ignore_errors=True)
 
 
 def _install(out: Path, tmp: Path, names: list[str], has_eval: bool, manifest: dict, vocab_name: str) -> None:
@@ -1102,14 +1035,7 @@ def _main_reference(args) -> int:
         )
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be >= 1")
-    params = RefParams(
-        max_seq_length=args.max_seq_length,
-        max_predictions=args.max_predictions,
-        masked_lm_prob=args.masked_lm_prob,
-        short_seq_prob=args.short_seq_prob,
-        dupe_factor=args.dupe_factor,
-        seed=args.seed,
-    )
+    params = RefParams(**{f.name: getattr(args, f.name) for f in fields(RefParams)})
     files = list_inputs(args.inputs)
     start = time.perf_counter()
     with Pool(args.workers) as pool:

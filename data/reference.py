@@ -1,39 +1,12 @@
 """MLPerf's reference preprocessing, sample for sample: ``python -m data.prepare --reference``.
 
-MLPerf's BERT data is made by running ``create_pretraining_data.py`` on each of the 500 text
-parts on its own, with ``random.Random(12345)``. This module reproduces that run exactly: the
-same samples in the same order, bit for bit, so the chop, shuffle and checksums that follow
-(``data.mlperf_dataset``) match the published ones. It is written from the behaviour, which
-is (per input file):
-
-1. Read lines (UTF-8, universal newlines), strip each; an empty line starts a new document;
-   a line's tokens, when there are any, are appended to the current document as a sentence.
-   Empty documents are dropped, then the document list is shuffled.
-2. Tokenise each line as BERT's uncased tokenizer does: drop NUL, U+FFFD and control
-   characters, map whitespace to spaces, put spaces around CJK ideographs, split on
-   whitespace, lower-case, strip accents (NFD, drop Mn), split off every punctuation
-   character (ASCII symbols count), then greedy longest-match WordPiece (``##`` pieces,
-   [UNK] for a word it cannot cover or one longer than 200 characters).
-3. ``dupe_factor`` passes; each pass visits the documents in order and cuts each into
-   chunks of whole sentences reaching a target length (``max_seq_length - 3``, or with
-   probability ``short_seq_prob`` a random length in [2, that]); a chunk is split at a random
-   sentence into A and B, where B is the real continuation, or (a one-sentence chunk always,
-   otherwise half of the time) sentences of another random document, the unused sentences
-   being given back to the next chunk. The pair is cut to fit by removing a token from the
-   front or the back (a coin flip) of the longer segment (B on ties), one at a time.
-4. Masking: the candidate positions (all but [CLS] and [SEP]) are shuffled; the first
-   ``min(max_predictions, max(1, round(len * masked_lm_prob)))`` become predictions: 80%
-   [MASK], 10% kept, 10% a random vocabulary entry; positions are listed in order.
-5. The instances are shuffled and written to one fixed-layout HDF5 file.
-
-Every random draw comes from the one ``random.Random(seed)`` in the order the reference makes
-them, which is what ties the output to the reference bit for bit.
-
-Tokenisation uses the ``tokenizers`` library for lines that are pure ASCII, where its BERT
-normaliser and pre-tokeniser behave exactly like the reference (tested); other lines go
-through the pure-Python tokenizer below, because ``tokenizers`` differs on some non-ASCII
-input (it drops private-use and unassigned characters, which the reference keeps, and its
-Unicode tables are a different version from Python's ``unicodedata``).
+Reproduces ``create_pretraining_data.py`` run on each text part on its own with
+``random.Random(seed)``: the same samples in the same order, bit for bit, one fixed-layout
+HDF5 file per input file, so ``data.mlperf_dataset``'s chop, shuffle and checksums match the
+published ones. Written from the reference's behaviour (reading, BERT's uncased tokenizer,
+pairs, masking, shuffles, every draw in its order): [docs/data.md](../docs/data.md#how-it-matches-the-reference).
+Pure-ASCII lines go through ``tokenizers``, where it equals the reference; other lines
+through the pure-Python tokenizer below.
 """
 
 from __future__ import annotations

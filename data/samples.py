@@ -1,12 +1,8 @@
 """``SampleBlock``: a set of pretraining samples as flat numpy arrays (struct of arrays).
 
-This is what moves between the loader, the cross-rank rebalancer and collation: readers
-produce blocks, the rebalancer selects and exchanges samples of blocks, and
-``data.collate`` turns a block into an ``UnpaddedBatch`` or ``PaddedBatch``. Keeping the
-tokens of all samples in one array means selecting, concatenating and collating are a few
-vectorised numpy calls, never a loop over tokens.
-
-Layout for n samples with lengths L_i and m_i masked positions:
+What moves between the loader, the rebalancer (which selects and exchanges samples) and
+``data.collate``; selecting, concatenating and collating are a few vectorised numpy calls.
+For n samples with lengths L_i and m_i masked positions:
     input_ids [sum L] int32, segment_ids [sum L] int8, seq_lens [n] int32,
     masked_positions [sum m] int32 (positions within the sample, never 0),
     masked_ids [sum m] int32, masked_counts [n] int32, nsp_labels [n] int8.

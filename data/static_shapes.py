@@ -1,37 +1,13 @@
-"""Static shapes: an unpadded micro-batch padded up to a bucket of tokens and of masked positions.
+"""Static shapes (``train.static_shapes``): an unpadded micro-batch padded up to a bucket of
+tokens and of masked positions, between the collator and the device copy.
 
-Sits between the collator (``data.collate``) and the device copy, when ``train.static_shapes``
-is on. Unpadded batches hold a different number of tokens T and masked positions M every
-step, so nothing shaped by them (a CUDA graph, the allocator's blocks, ``torch.compile``'s
-specialisations) could be reused. Here T is padded to the next multiple of the token bucket
-(at least one token more) and M to the next multiple of the masked bucket, and at least to
-``MASKED_SHARE`` of the padded tokens, so M's shape follows T's and the pair of them takes
-as many values as T alone does at BERT's masking rate.
-
-The padding is one extra sequence at the end (``cu_seqlens`` gains one entry):
-
-- its tokens are id 0, segment 0, position 0; it attends only to itself; its length is
-  appended to the host-side lengths (``host_seqlens``) as to ``cu_seqlens``;
-- its NSP label and its masked positions' labels are ``IGNORE`` (-100, cross-entropy's
-  ``ignore_index``): no loss term and no gradient comes from it;
-- its masked positions all point at its first token;
-- the counts the losses are divided by come from the real data on the host, never from
-  these shapes; accuracy counts only labels that are not ``IGNORE``; SimReg is given the
-  real part (``real_part``), so no anchor is padding.
-
-``max_seqlen`` becomes a constant, ``max(data.max_seq_length, token bucket)``: a kernel's
-grid is sized by it, and the padding sequence can be as long as a bucket.
-
-Choosing the bucket (``bench/static_shapes.py`` measures it): padding costs half a bucket
-per micro-batch on average, and the number of shapes is the spread of T over the run
-divided by the bucket. T of a micro-batch of B samples has mean B * mu and spread about
-8 * sigma * sqrt(B) over a long run (mu, sigma: the mean and deviation of one sample's
-length), so halving the padding doubles the shapes. ``auto_token_bucket`` picks 2% of
-B * max_seq_length, rounded up to 64: at MLPerf's length distribution (mean ~250 of 512)
-that is 4% of a micro-batch's expected tokens, so about 2% padding, with 15 shapes over the
-8-GPU H100 recipe (96 samples per GPU, 3,680 steps).
-
-Shape legend: T tokens, B sequences, M masked positions (the padded batch: T', B + 1, M').
+T goes up to the next multiple of the token bucket (at least one token more), M to the next
+multiple of the masked bucket and at least ``MASKED_SHARE`` of T'. The padding is one extra
+sequence (``cu_seqlens`` and ``host_seqlens`` gain an entry): ids, segments and positions 0,
+attending only to itself, labels ``IGNORE`` (-100), masked positions at its first token; loss
+counts come from the real data, SimReg gets ``real_part``, and ``max_seqlen`` becomes
+``max(data.max_seq_length, token bucket)``. Choosing the bucket: [docs/step.md](../docs/step.md#static-shapes).
+Shape legend: T tokens, B sequences, M masked positions (padded: T', B + 1, M').
 """
 
 from __future__ import annotations

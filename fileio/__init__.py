@@ -1,27 +1,15 @@
 """Files published whole, and digests of files read in pieces: the one place both are written.
 
-Every output of the project (shards, vocabularies, manifests, checkpoints, exports, JSON
-reports, plots, MLPerf packages) appears under its final name complete or not at all: it is
-written under a temporary name in the same directory (so the rename stays on one file
-system), flushed and fsynced, renamed over the final name, and the directory is fsynced so
-that the rename itself survives a crash. A reader never sees half a file; a crash leaves the
-old file (or none) and at worst a temporary file beside it.
-
-- ``publishing(path)``: a context manager giving a temporary path for writers that want a
-  file name (h5py, ``torch.save``, ``savefig``, ``np.save``); published on a clean exit,
-  removed on an error.
-- ``write_bytes(path, data)`` / ``write_text(path, text)``: the common case in one call.
-- ``publishing_dir(path)``: the same for a directory (an export, a package, a cache entry).
-- ``publish(tmp, path)``: for a temporary file some other code has already written.
-- ``md5sum(path)`` / ``file_digest(path, name)``: a hash of a file read 1 MiB at a time.
-- ``is_temporary(name)``: what a killed writer left behind, for cleanup at the next start.
-- ``open_checked(path, ...)`` / ``read_checked(path, ...)``: every file the application reads
-  is opened through these: a regular file (no FIFO, device or directory; a symlink only where
-  its target stays inside ``root``), at most ``max_bytes`` long, else ``UnsafeFile``, one
-  line naming the file and the rule. Opening never blocks (a FIFO is refused, not waited on).
-
-This package sits below every other (tests/test_layering.py): it imports nothing of the
-project, so ``data``, ``kernels``, ``launch``, ``bert`` and ``bench`` can all use it.
+Every output appears under its final name complete or not at all: written under a temporary
+name in the same directory, fsynced, renamed, the directory fsynced. ``publishing(path)``
+gives a temporary path for writers that want a name (h5py, ``torch.save``), published on a
+clean exit and removed on an error; ``publishing_dir`` does the same for a directory;
+``write_bytes`` / ``write_text`` are the common case; ``publish(tmp, path)`` takes a file
+already written; ``is_temporary(name)`` spots what a killed writer left. ``md5sum`` /
+``file_digest`` hash a file 1 MiB at a time. ``open_checked`` / ``read_checked`` open what
+the application reads: a regular file (no FIFO, device or directory; a symlink only inside
+``root``), at most ``max_bytes``, else ``UnsafeFile`` naming the file and the rule, never
+blocking. It imports nothing of the project, so every package can use it.
 """
 
 from __future__ import annotations

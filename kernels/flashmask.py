@@ -1,20 +1,13 @@
-"""FlashMask attention: the attention kernel family with FlashMask's column bounds switched
-on, and the ``flashmask`` attention backend. What the bounds mean, the mask builders and the
-dense reference are in ``kernels.masks`` (pure PyTorch).
+"""FlashMask attention: the attention kernel family with FlashMask's column bounds switched on,
+and the ``flashmask`` backend (the bounds' meaning, builders and dense reference:
+``kernels.masks``).
 
-A packed row of S tokens is a varlen sequence of length S: ``flashmask_attention`` views
-q [B, S, H, D] as [B*S, H, D] with ``cu_seqlens`` = 0, S, 2S, ... and runs the varlen op
-(``kernels.varlen_attention``) with the bounds. The kernels (``kernels/triton_jit.py``)
-compute, once per call, the min and max of each bound over every block of BLOCK_N keys, and
-from those scalars alone classify each (query block, key block) tile as skipped (no loads, no
-math), partial (element mask) or unmasked (no mask work); a tile the min/max cannot classify
-gets its element mask built and is then classified exactly, so a tile is skipped exactly
-when its dense mask is all masked. ``flashmask_tile_counts`` runs the kernels in a debug
-mode that reports the counts; ``kernels.masks.reference_tile_counts`` counts the same from
-the dense mask. Dropout is the varlen kernels' Philox scheme with token index b * seqlen_q + i,
-so ``torch.manual_seed`` makes it reproducible and the backward regenerates the mask.
-``python -m kernels.compile_check --registers`` compiles the bounded kernels for sm_90 beside
-the plain ones.
+A packed row of S tokens is a varlen sequence: ``flashmask_attention`` views q
+[B, S, H, D] as [B*S, H, D] with ``cu_seqlens`` 0, S, 2S, ... and runs the varlen op with the
+bounds, whose per-block min and max let the kernels skip a tile exactly when its dense mask
+is all masked. ``flashmask_tile_counts`` reports the tile counts (as
+``kernels.masks.reference_tile_counts`` counts them from the dense mask). Dropout is the
+varlen kernels' scheme with token index b * seqlen_q + i. [docs/packing.md](../docs/packing.md#the-flashmask-kernel).
 
 Shape legend: B batch (packed rows), S / Sq / Sk sequence lengths, H heads, D head dim,
 n bounds per column.

@@ -1,26 +1,12 @@
 """The FFN's first projection with bias and GELU in the GEMM's epilogue.
 
 ``linear_bias_gelu(x, weight, bias)`` = GELU(x @ weight.T + bias) through
-``torch._addmm_activation(..., use_gelu=True)``: on CUDA that is cuBLASLt's GELU_BIAS
-epilogue (the bias add and the activation are applied to the accumulator before it is
-written, so the [N, I] pre-activation never goes through memory in the forward); on the CPU
-ATen runs the GEMM and then GELU. ``linear_bias_gelu_reference`` is the same in plain
-PyTorch (``F.linear`` then ``F.gelu``).
-
-Which GELU: cuBLASLt's epilogue computes the tanh approximation, ATen's CPU path erf GELU.
-The first call on a device type probes the backend (four values through a 1x1 GEMM) and
-the backward uses the derivative of the function the forward computed. Against erf GELU
-(BERT's), the tanh approximation differs by at most 5e-4 absolutely, below bf16's rounding
-of the activations (``tests/kernels/test_gemm_epilogue.py``).
-
-The backward: PyTorch defines no derivative for ``_addmm_activation``, and exposes no
-epilogue that also writes the pre-activation (cuBLASLt's GELU_AUX), so the backward
-recomputes it with one ``addmm`` (bias epilogue) before GELU's derivative and the two
-gradient GEMMs. That is one GEMM more than the eager and Triton paths, against one
-elementwise pass less in the forward and no [N, I] pre-activation kept for the backward:
-which is faster is measured (``bench/fp8.py``, the ``fp8`` stage of ``bench/gpu_check.sh``).
-
-Shapes: x [N, C], weight [I, C], bias [I] -> [N, I].
+``torch._addmm_activation(..., use_gelu=True)`` (cuBLASLt's GELU_BIAS epilogue on CUDA, a
+GEMM then GELU on the CPU); ``linear_bias_gelu_reference`` is ``F.linear`` then ``F.gelu``.
+The first call per device type probes which GELU it computes (tanh on cuBLASLt, erf on the
+CPU); the backward differentiates that one, recomputing the pre-activation with one
+``addmm``. [docs/fp8.md](../docs/fp8.md#biasgelu-in-the-gemm-epilogue). Shapes: x [N, C],
+weight [I, C], bias [I] -> [N, I].
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """Grouped multi-stream dispatch: one attention launch per sequence-length bucket.
 
-A single varlen launch sizes its grid by the batch's longest sequence, so every short
-sequence's programs still exist (and exit at once) for the longest one's row blocks, and the
-whole launch waits on the longest sequences. Grouping (Baidu's MLPerf v2.0 FMHA) rounds each
-length up to a bucket (default 128, 256, 384, 512), launches each bucket's sequences as a
-separate kernel bounded by that bucket's longest sequence, and puts the launches on up to 4
-CUDA streams, forked from and joined back to the caller's stream with events, so the small
-groups run beside the large ones. On CPU (Triton's interpreter) the groups run one after
-another.
-
-The batch is never copied: a group is a contiguous slice of ``order`` (sequence indices
-sorted by bucket, largest bucket first) that the kernel reads to find its sequences in the
-flat ``[T, H, D]`` tensors.
-
-Planning needs the lengths on the host. The collator has them (``UnpaddedBatch.host_seqlens``,
-passed in ``VarlenLayout.host_seqlens``): the backend hands them over with
-``note_host_seqlens``, keyed by the ``cu_seqlens`` tensor they describe (the custom ops'
-schemas carry tensors and scalars only), and planning reads nothing from the device. Without
-them (a direct call with only ``cu_seqlens``) ``host_seqlens`` copies ``cu_seqlens`` to the
-host: one device-to-host read per batch on a GPU. ``cached_plan`` computes a plan once per
-``cu_seqlens`` tensor (not per layer) and reuses it while that same tensor object is alive
-and unmodified.
+Each length is rounded up to a bucket (default 128, 256, 384, 512; Baidu's MLPerf v2.0
+FMHA), each bucket's sequences are one launch bounded by its longest sequence, and the
+launches run on up to 4 CUDA streams forked from and joined to the caller's (one after
+another in the interpreter). The batch is never copied: a group is a slice of ``order``
+(sequence indices by bucket, largest first). Planning reads the host lengths the collator
+handed over (``note_host_seqlens``, keyed by the ``cu_seqlens`` tensor); without them it
+copies ``cu_seqlens`` to the host once. ``cached_plan`` plans once per ``cu_seqlens`` tensor.
+[docs/kernels.md](../docs/kernels.md#grouped-dispatch-equals-one-launch).
 """
 
 from __future__ import annotations

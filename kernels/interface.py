@@ -1,24 +1,13 @@
 """The attention interface: the one backend call, the layouts it takes, and its error.
 
-Every attention backend is a function ``(q, k, v, layout, dropout_p, training) -> out`` where
-q, k, v and out are ``[N, H, D]`` (N tokens, H heads, D head dim) and ``layout`` says how the
-N tokens form sequences and which per-layer attention settings apply:
-
-- ``VarlenLayout``: N = T tokens of B sequences concatenated, ``cu_seqlens [B+1]`` int32
-  (and, where the host knows them, the same lengths as a tuple, ``host_seqlens``).
-- ``PaddedLayout``: N = B*S tokens, rows of S with a ``[B, S]`` key mask (True = real).
-- ``PackedLayout``: N = R*S tokens, rows of S each holding whole sequences, kept apart by
-  FlashMask bounds ``[R, 1, S, n]`` (their meaning: ``kernels.masks``). A window is written
-  into the bounds (``kernels.masks.window_bounds``), so this layout has no window field.
-
-Per-layer settings are layout fields listed in ``SETTINGS`` with the value that means "off".
-``window``: the bidirectional band |i - j| <= window // 2 inside each sequence (ModernBERT's
-``local_attention``; 128 -> |i - j| <= 64). A backend declares the settings it implements in
-``kernels.registry``, which refuses the others in one place (CONTRIBUTING.md: adding one).
-
-This is the bottom of ``kernels/``: it imports nothing of the project (nor torch, so that the
-configuration can name backends before torch loads), and every other module of the package
-may import it.
+Every backend is ``(q, k, v, layout, dropout_p, training) -> out`` with q, k, v, out
+``[N, H, D]``; the layout says how the N tokens form sequences: ``VarlenLayout`` (T tokens
+of B sequences, ``cu_seqlens [B+1]`` int32, and ``host_seqlens`` where the host knows them),
+``PaddedLayout`` (B*S tokens, a ``[B, S]`` key mask, True = real) or ``PackedLayout`` (R*S
+tokens, whole sequences kept apart by FlashMask bounds ``[R, 1, S, n]``, a window written
+into them). Per-layer settings are layout fields listed in ``SETTINGS`` with their "off"
+value: ``window``, the band |i - j| <= window // 2 inside each sequence; ``kernels.registry``
+refuses a setting to a backend without it. Imports nothing of the project, nor torch.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Attention backends from libraries, for side-by-side comparison on the same batches.
 
-- ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` when the flash-attn package is
-  installed (CUDA, fp16/bf16, with attention dropout).
-- ``torch_varlen``: torch's own ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16).
-  It has no attention dropout, so a training call with dropout_p > 0 is refused rather
-  than silently run without dropout.
-
-Each loader raises ``BackendUnavailable`` with the reason when the backend cannot run here.
-``kernels.registry`` checks the layout (``VarlenLayout`` only) and the settings before each
-call: ``flash_attn`` implements the window (its ``window_size``), ``torch_varlen`` has none
-and is refused one.
+``flash_attn``: ``flash_attn_varlen_func`` when flash-attn is installed (CUDA, fp16/bf16,
+dropout, the window as its ``window_size``); ``torch_varlen``: torch's
+``varlen_attn`` (CUDA, fp16/bf16), which has no dropout, so a training call with
+dropout_p > 0 is refused. Each loader raises ``BackendUnavailable`` with the reason;
+``kernels.registry`` checks layout and settings before each call.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """FlashMask's mask semantics and builders, its dense reference, and the packed layout's
-``reference`` path: pure PyTorch (no Triton), shared by the kernel (``kernels.flashmask``),
-the data (packed batches) and the tests.
+``reference`` path: pure PyTorch, shared by ``kernels.flashmask``, the data and the tests.
 
-FlashMask (Wang et al., 2024) writes a mask column by column in O(S) memory. For key column j
-the masked query rows are [LTS_j, LTE_j) and [UTS_j, UTE_j), where ``startend_row_indices``
-``[batch, heads or 1, seqlen_k, n]`` int32 gives n of those bounds and the rest are implicit:
+For key column j the masked query rows are [LTS_j, LTE_j) and [UTS_j, UTE_j);
+``startend_row_indices [B, H or 1, Sk, n]`` int32 gives n of those bounds, the rest implicit:
 
     causal  n  bounds given        implicit                     also masked
     True    1  LTS                 LTE = seqlen_q               rows i < j
@@ -12,18 +10,12 @@ the masked query rows are [LTS_j, LTE_j) and [UTS_j, UTE_j), where ``startend_ro
     False   2  LTS, UTE            LTE = seqlen_q, UTS = 0      -
     False   4  LTS, LTE, UTS, UTE  -                            -
 
-``to_dense`` turns that into a boolean ``[batch, heads or 1, seqlen_q, seqlen_k]`` mask
-(True = masked); ``flashmask_reference`` is attention with that dense mask. Bounds outside
-[0, seqlen_q] are allowed and simply clip. A row whose every key is masked outputs zeros (and
-gets zero gradients), never NaN. ``reference_tile_counts`` counts, from the dense mask, the
-tiles a tile-skipping kernel may skip.
-
-The builders return a ``FlashMaskSpec``; ``document_mask`` is the packed BERT batch's, and
-``window_bounds`` / ``document_window_mask`` add a sliding window (the bidirectional band
-|i - j| <= window // 2, as ``VarlenLayout.window``) to it.
-
-Shape legend: B batch (packed rows), S / Sq / Sk sequence lengths, H heads, D head dim,
-n bounds per column.
+``to_dense`` gives the boolean mask (True = masked; bounds clip to [0, seqlen_q]);
+``flashmask_reference`` is attention with it (a fully masked row gives zeros);
+``reference_tile_counts`` counts the tiles a tile-skipping kernel may skip. The builders
+return a ``FlashMaskSpec``: ``document_mask`` (a packed BERT batch), ``window_bounds`` /
+``document_window_mask`` (with a sliding window). [docs/packing.md](../docs/packing.md).
+Shapes: B packed rows, S / Sq / Sk sequence lengths, H heads, D head dim, n bounds per column.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The pure-PyTorch attention backends: ``reference``, ``padded`` and ``sdpa``.
 
-``reference`` is the definition every other backend is tested against: softmax attention
-computed sequence by sequence in the input dtype, with the layout's mask written out densely
-(a window as the band |i - j| <= window // 2; a packed batch's FlashMask bounds through
-``kernels.masks``). ``padded`` is the baseline: pad -> ``scaled_dot_product_attention`` with
-a key mask (and the band, with a window) -> unpad. ``sdpa`` is the fast path of an unpadded
-batch where no Triton kernel runs (the CPU): ``scaled_dot_product_attention`` sequence by
-sequence, no padding, and with a window only the keys in reach, block by block (``banded_sdpa``),
-so a local layer costs L x 3/2 window, not L^2. All three run everywhere and honour every
-setting of ``kernels.interface.SETTINGS``.
+``reference`` is the definition every backend is tested against: softmax attention sequence
+by sequence in the input dtype, the layout's mask written out densely (a window as the band
+|i - j| <= window // 2, packed bounds through ``kernels.masks``). ``padded`` is the
+baseline: pad -> ``scaled_dot_product_attention`` with a key mask -> unpad. ``sdpa`` is the
+CPU's fast unpadded path: SDPA sequence by sequence, a window through ``banded_sdpa`` (only
+the keys in reach, block by block). All three run everywhere and honour every setting.
 
 Shape legend: T tokens, B sequences, S padded length, L one sequence's length, H heads,
 D head dim.

@@ -1,39 +1,24 @@
 """Rotary position embedding (RoPE) on q and k in the flat token layout, Triton and PyTorch.
 
-Positions come with the tokens (``position_ids [N]``), so in the unpadded layout they
-restart at 0 in every sequence and nothing here needs ``cu_seqlens``. The angle of pair p
-at position t is ``t * theta ** (-2p / D)``; dimensions pair as (p, p + D/2), the
-"rotate half" convention of GPT-NeoX, transformers' ModernBERT and flash-attention's
-``interleaved=False``:
+Positions come with the tokens (``position_ids [N]``, restarting per sequence), so nothing
+here needs ``cu_seqlens``. Pair p at position t turns by ``t * theta ** (-2p / D)``;
+dimensions pair as (p, p + D/2), the "rotate half" convention of transformers' ModernBERT:
 
     out[:, :, p]       = x[:, :, p] * cos - x[:, :, p + D/2] * sin
     out[:, :, p + D/2] = x[:, :, p + D/2] * cos + x[:, :, p] * sin
 
-- ``rotary_tables(head_dim, theta, max_positions)``: ``cos, sin [P, D/2]`` fp32, computed
-  the way transformers does (so fp32 results match it);
-- ``apply_rotary_reference(x, cos, sin, position_ids)``: the definition in PyTorch (fp32
-  math, result in x's dtype);
-- ``apply_rotary(x, cos, sin, position_ids)``: the same as one Triton kernel pass (fp32 math
-  in registers), with its backward (the inverse rotation, the same kernel with sin negated).
-  It runs on CUDA, or on CPU in Triton's interpreter (TRITON_INTERPRET=1); elsewhere it
-  raises ``BackendUnavailable``.
+``rotary_tables`` computes ``cos, sin [P, D/2]`` fp32 as transformers does;
+``apply_rotary_reference`` is the definition; ``apply_rotary`` the same as one Triton pass
+(its backward: the inverse rotation), on CUDA or in the interpreter, else
+``BackendUnavailable``. Why a kernel of its own:
+[docs/modern_encoders.md](../docs/modern_encoders.md#rotary-positions-a-triton-kernel-beside-its-reference).
 
-Why a kernel of its own rather than inside the attention kernel: applied as the attention
-kernel loads q and k, RoPE would save one read and one write of q and k (4 x N x H x D
-elements per layer, against attention's N x L x H x D work); but the attention kernels are
-one family shared by varlen, grouped and FlashMask, and a standalone pass keeps rotary out
-of their register budget and lets every backend (reference, padded, flash_attn) see the
-same rotated q and k. ``bench/rotary.py`` measures on a GPU the kernel's time, which is
-what the fusion would save at most (not yet run on a GPU).
-
-Shapes: x ``[N, H, D]`` (any strides with a unit last stride, e.g. the q/k views of the
-fused QKV output); ``position_ids [N]`` int; tables ``[P, D/2]`` fp32.
+Shapes: x ``[N, H, D]`` (unit last stride, e.g. q/k views of the fused QKV); tables ``[P, D/2]``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -67,29 +52,13 @@ def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Te
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-_SOURCE = Path(__file__).with_name("rotary_jit.py")
-_JIT: dict[bool, ModuleType] = {}
-
-
-def _kernels(device: torch.device) -> ModuleType:
-    """The rotary kernel module in this process's Triton mode, after checking it can run on ``device``."""
-    from kernels.runtime import jit_kernels
-
-    interpret = jit_kernels(device, "rotary kernel").INTERPRET  # raises BackendUnavailable when it cannot
-    if interpret not in _JIT:
-        _JIT[interpret] = load_jit(interpret)
-    return _JIT[interpret]
-
-
-def load_jit(interpret: bool) -> ModuleType:
-    """rotary_jit.py as a fresh module built for the interpreter or for compilation."""
-    from kernels.runtime import load_source
-
-    return load_source(_SOURCE, "kernels._rotary_jit", interpret)
+JIT_SOURCE = Path(__file__).with_name("rotary_jit.py")  # the device code, loaded by kernels.runtime
 
 
 def _launch(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, inverse: bool) -> Tensor:
-    kern = _kernels(x.device)
+    from kernels.runtime import jit_kernels
+
+    kern = jit_kernels(x.device, "rotary kernel", JIT_SOURCE)  # raises BackendUnavailable when it cannot
     if x.stride(-1) != 1:
         x = x.contiguous()
     n, h, d = x.shape

@@ -1,12 +1,8 @@
-"""Triton device code of the rotary embedding (``kernels.rotary``), with its launcher.
+"""Triton device code of the rotary embedding (``kernels.rotary``), with its launcher; loaded
+by ``kernels.runtime`` in Triton's mode, never imported directly.
 
-Do not import this module directly: ``kernels.rotary`` loads it in the mode Triton itself
-was imported in (compiled for CUDA, or interpreted on CPU with TRITON_INTERPRET=1).
-
-A program rotates BLOCK_N tokens of one head: it loads the two halves of each head vector,
-the cos/sin rows of the tokens' positions (fp32 tables ``[P, D/2]``) and writes
-``x1*cos - x2*sin`` and ``x2*cos + x1*sin`` in fp32, stored in the input dtype. ``INVERSE``
-negates sin: the inverse rotation, which is the backward.
+A program rotates BLOCK_N tokens of one head in fp32 from the fp32 cos/sin tables
+``[P, D/2]``, stored in the input dtype; ``INVERSE`` negates sin (the backward).
 """
 
 import os
@@ -84,5 +80,5 @@ def rotary_fwd(x, out, position_ids, cos, sin, inverse: bool) -> None:
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
-    """The one launch (kernels.compile_check swaps it for a compile for sm_90)."""
+    """The one launch (tools.compile_check swaps it for a compile for sm_90)."""
     kernel[grid](*args, **kwargs)

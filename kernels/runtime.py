@@ -1,15 +1,12 @@
-"""Where the Triton kernels run: compiled for a CUDA GPU, or in Triton's interpreter on CPU.
+"""Where the Triton kernels run: compiled for a CUDA GPU, or in Triton's interpreter on CPU;
+and the dropout RNG every kernel draws from.
 
-Triton fixes its mode for the whole process when it is first imported: with
-``TRITON_INTERPRET=1`` its own library functions (``tl.zeros``, ``tl.philox`` ...) are built
-for the interpreter, otherwise for compilation, and kernels of the other mode cannot call
-them. So the mode is read from Triton itself, ``kernels/triton_jit.py`` (the device code)
-is loaded in that same mode, and ``jit_kernels(device)`` raises ``BackendUnavailable`` when
-the tensors' device does not fit the mode (CPU tensors with compiled Triton), saying what
-to change. It never falls back to another implementation.
-
-For CPU test runs, set ``TRITON_INTERPRET=1`` before anything imports Triton (the kernel
-test modules do so at import; torch.compile and inductor import Triton too).
+Triton fixes its mode when first imported (``TRITON_INTERPRET=1``: its library functions are
+built for the interpreter), so the mode is read from Triton itself and each device-code file
+is loaded in it: ``jit_kernels(device, what, source)`` returns the module, or raises
+``BackendUnavailable`` saying what to change when the device does not fit the mode. It never
+falls back to another implementation. For CPU test runs, set ``TRITON_INTERPRET=1`` before
+anything imports Triton.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ import torch
 from kernels.interface import BackendUnavailable
 
 _SOURCE = Path(__file__).with_name("triton_jit.py")
-_MODULE: list[ModuleType] = []
+_LOADED: dict[tuple[Path, bool], ModuleType] = {}
 
 
 def seeded_op_tags() -> dict:
@@ -126,8 +123,9 @@ def check_runnable(what: str) -> None:
         )
 
 
-def jit_kernels(device: torch.device, what: str = "triton kernels") -> ModuleType:
-    """The kernels module, after checking that they can run on ``device`` in this process."""
+def jit_kernels(device: torch.device, what: str = "triton kernels", source: Path = _SOURCE) -> ModuleType:
+    """The device-code module ``source`` (default: the attention family's), after checking that
+    its kernels can run on ``device`` in this process."""
     reason = triton_available()
     if reason:
         raise BackendUnavailable(f"{what}: {reason}")
@@ -142,9 +140,14 @@ def jit_kernels(device: torch.device, what: str = "triton kernels") -> ModuleTyp
         raise BackendUnavailable(
             f"{what}: tensors on {device.type!r}; the Triton kernels need CUDA (or CPU with TRITON_INTERPRET=1)"
         )
-    if not _MODULE:
-        _MODULE.append(load(interpret=interpreted))
-    return _MODULE[0]
+    return device_code(interpreted, source)
+
+
+def device_code(interpret: bool, source: Path = _SOURCE) -> ModuleType:
+    """``load(interpret, source)``, once per process (the module every caller shares)."""
+    if (source, interpret) not in _LOADED:
+        _LOADED[source, interpret] = load(interpret, source)
+    return _LOADED[source, interpret]
 
 
 def _fix_interpreter_scalars() -> None:
@@ -176,19 +179,14 @@ def _fix_interpreter_scalars() -> None:
 
 
 def load(interpret: bool, source: Path = _SOURCE) -> ModuleType:
-    """Execute triton_jit.py (or another device-code file: ``bench/attention.py`` times an
-    earlier one) as a fresh module whose @triton.jit functions are built for the interpreter
-    or for compilation (the latter also on a machine without a GPU: see
-    kernels/compile_check.py). It must match the mode Triton itself was imported in."""
-    return load_source(source, "kernels._jit" if source == _SOURCE else f"kernels._jit_{source.stem}", interpret)
-
-
-def load_source(source: Path, name: str, interpret: bool) -> ModuleType:
-    """Execute the device-code file ``source`` as a fresh module ``name_interpreted`` or
-    ``name_compiled``, its @triton.jit functions built for that mode (``load``'s, for any file)."""
+    """Execute the device-code file ``source`` (triton_jit.py, fused_ops_jit.py, rotary_jit.py,
+    or an earlier file ``bench/attention.py`` times) as a fresh module whose @triton.jit
+    functions are built for the interpreter or for compilation (the latter also on a machine
+    without a GPU: tools/compile_check.py). It must match the mode Triton was imported in."""
     if interpret:
         _fix_interpreter_scalars()
-    name = f"{name}_{'interpreted' if interpret else 'compiled'}"
+    stem = "jit" if source == _SOURCE else f"jit_{source.stem}"
+    name = f"kernels._{stem}_{'interpreted' if interpret else 'compiled'}"
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     try:

@@ -1,17 +1,12 @@
-"""Tile sizes of the attention kernel family (``kernels/triton_jit.py``), per (dtype, head
-dim, dropout, bounds), on a GPU and in Triton's interpreter: the one table.
+"""Tile sizes of the attention kernel family, per (dtype, head dim, dropout, bounds), on a GPU
+and in Triton's interpreter: the one table (pure Python, no Triton import).
 
 ``attention_tiles(kernel, block_d, elt_size, dropout, preset, bounded, interpreted)`` gives
-(BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel in ``fwd``, ``dkdv``, ``dq``. Every GPU
-entry compiles for sm_90 with 0 register spill bytes: ``python -m kernels.compile_check
---registers`` builds every combination and fails on a spill (docs/kernels.md lists registers
-and occupancy). With FlashMask bounds (``bounded``) the three kernels share one BLOCK_N, the
-block of the per-block min/max of the bounds; a window needs no entries of its own.
-
-Presets: ``default``, and ``small`` (head dim <= 64, fp16/bf16 only: 4 warps and smaller
-tiles, so 2 blocks fit on an SM instead of 1). Which is faster is measured, not guessed:
-``bench/gpu_check.sh`` times both at BERT-large's shape and reports the winner; set
-``KERNELS_ATTENTION_TILES=small`` to use the other one. Pure Python (no Triton import).
+(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``fwd``, ``dkdv``, ``dq``; every GPU entry
+compiles for sm_90 without spills (``python -m tools.compile_check --registers``). With
+FlashMask bounds the three kernels share one BLOCK_N. Presets ``default`` and ``small``
+(head dim <= 64, fp16/bf16: 2 blocks per SM), chosen by ``KERNELS_ATTENTION_TILES``.
+[docs/kernels.md](../docs/kernels.md#registers-and-occupancy-on-sm_90).
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
-"""Fused multi-head attention over unpadded (varlen) batches, the host side of the one Triton
-kernel family: the ``triton`` and ``triton_grouped`` attention backends, and the op that
-``kernels.flashmask`` runs for packed rows.
+"""Fused multi-head attention over unpadded (varlen) batches: the host side of the one Triton
+kernel family, the ``triton`` and ``triton_grouped`` backends, and the op ``kernels.flashmask``
+runs for packed rows.
 
-Layers, from the bottom:
-
-1. ``kernels/triton_jit.py``: the Triton kernels (forward; backward as a dK/dV pass and a dQ
-   pass) with their compile-time switches (window, FlashMask bounds) and launchers.
-2. Two ``torch.library`` custom ops, ``bert_kernels::attention_fwd`` / ``_bwd``: opaque to
-   ``torch.compile`` (which traces around them with their fake implementations), so a
-   compiled model keeps the kernels. The forward op draws the dropout seed.
-3. ``_Attention``, a ``torch.autograd.Function`` joining the two ops; ``attention`` is the
-   one entry every public function goes through (varlen, grouped, windowed, FlashMask).
-4. Public functions: ``varlen_attention``, ``varlen_attention_qkvpacked``,
-   ``grouped_varlen_attention``, and ``varlen_attention_with_dropout_mask`` (debug).
-5. The backends (``triton_backend``, ``grouped_backend``) with the ``kernels.interface`` call.
-
-Dropout uses Philox keyed by (seed, offset) and the element's coordinates (see
-``triton_jit``); seed and offset are a [2] int64 pair on the tensors' device, which the
-kernels load (``kernels.runtime.draw_philox``: from the device state of ``philox_from``,
-as the trainer draws, else from torch's default generator, so ``torch.manual_seed`` makes a
-call reproducible). The forward saves its pair, and the backward regenerates the mask from
-it instead of storing the mask.
+The layers, from the bottom: the device code (``kernels/triton_jit.py``); two
+``torch.library`` custom ops, ``bert_kernels::attention_fwd`` / ``_bwd``, opaque to
+``torch.compile`` (the forward draws the dropout seed); ``_Attention``, the autograd
+Function joining them, behind ``attention``; the public functions (``varlen_attention``,
+``varlen_attention_qkvpacked``, ``grouped_varlen_attention``,
+``varlen_attention_with_dropout_mask``); the backends. The dropout (seed, offset) pair comes
+from ``kernels.runtime.draw_philox``; the backward regenerates the mask from it.
+[docs/kernels.md](../docs/kernels.md#kernels).
 
 Shape legend: T tokens, B sequences, H heads, D head dim, S = max_seqlen, n bounds per column.
 """

@@ -1,26 +1,15 @@
 """Build an MLPerf training submission package for BERT and run MLPerf's own checkers on it.
 
-    python -m launch.package --org ORG --system SYSTEM [--system-desc FILE] --division closed|open \\
+    python -m launch.package --org ORG --system SYSTEM [--system-desc FILE] --division closed|open \
         --output OUT INPUTS...
 
-INPUTS are MLPerf result logs (``result_N.txt``, ``mlperf.log``, any file of ``:::MLLOG``
-lines, this project's or another submitter's) or directories holding them (``result_*.txt``,
-else ``mlperf.log``, else ``*/mlperf.log``, as ``launch.summarize`` finds them). The tree
-written to OUT is the one MLPerf's submission repositories use::
-
-    OUT/ORG/results/SYSTEM/bert/result_0.txt .. result_{N-1}.txt   (the logs, in input order)
-    OUT/ORG/systems/SYSTEM.json                                    (--system-desc, or made by
-                                                                     launch.system_desc here)
-    OUT/ORG/benchmarks/bert/implementations/IMPL/                  (the code and its README)
-
-It is built under a temporary name and renamed to OUT when complete. Then
-``mlperf_logging``'s package checker (ruleset 5.0.0: system description, every log through the
-compliance checker, seeds and RCPs in the closed division) and its RCP checker run on it, and
-their verdicts are printed. A closed-division package whose mean samples to converge is below
-the RCP mean gets ``scaling.json`` beside its results, as the RCP checker writes it.
-
-Exit status: 0 when both checkers pass; 1 when they report errors (the package is still
-written, for you to inspect); 2 for bad input (one line naming the file or option).
+INPUTS are result logs or directories of them (as ``launch.summarize`` finds them). OUT gets
+MLPerf's tree, published whole: ``ORG/results/SYSTEM/bert/result_N.txt`` (the logs in input
+order), ``ORG/systems/SYSTEM.json`` (``--system-desc``, or made by ``launch.system_desc``),
+``ORG/benchmarks/bert/implementations/IMPL/`` (the code); then ``mlperf_logging``'s package
+and RCP checkers run on it (ruleset 5.0.0). Exit status: 0 when both pass, 1 when they
+report errors (the package stays, to inspect), 2 for bad input.
+[docs/mlperf.md](../docs/mlperf.md#reproducing-a-closed-division-result).
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """Turn MLPerf training logs into scores: ``python -m launch.summarize DIR [DIR ...]``.
 
-Reads the ``:::MLLOG {json}`` lines of every run in each directory (``result_*.txt``, as
-MLPerf submissions and ``launch/run_and_time.sh`` name them; else ``mlperf.log``; else
-``*/mlperf.log``), ours or anyone's; text before ``:::MLLOG`` on a line is ignored, as the
-official checker ignores it.
-
-Per run: status (``run_stop``'s ``metadata.status``), time to train (``run_stop`` minus
-``run_start``), samples to converge (``train_samples`` logged during the run, else the last
-``eval_accuracy``'s ``epoch_num``, which MLPerf BERT sets to samples trained), throughput
-(samples / time to train) and the verdict of the official compliance checker
-(``mlperf_logging.compliance_checker``, ruleset 5.0.0 unless ``--ruleset``), cached by file
-content because it is slow.
-
-Per directory: the olympic score, MLPerf's way of scoring BERT: of 10 runs, drop the fastest
-and the slowest and average the other 8; a run that did not succeed, or that the compliance
-checker rejects, counts as infinitely slow (``result_summarizer`` drops it). Then the RCP
-normalisation of ``mlperf_logging``'s ``rcp_checker`` and ``result_summarizer``: the runs'
-samples to converge (a failed run counts as 1e9; the last ``eval_accuracy``'s ``epoch_num``,
-or ``train_samples`` where logged, as with the checker's ``--rcp-bert-train-samples``),
-olympic-averaged, are compared with the reference convergence point (RCP) of their global
-batch size (interpolated between neighbours when there is none); a set faster than the RCP
-mean but within its allowed speed-up has its score multiplied by RCP mean / its mean, a set
-faster still fails the RCP check. The RCPs are ruleset 5.0.0's (``--rcp-ruleset``), BERT's
-last round, also for older sets, whose logs are checked with their own ``--ruleset``. The
-score is "official" only for ten closed-division runs that the compliance checker was run
-on and accepts (one may fail, as the package checker allows), with unique seeds, one global
-batch size and a passed RCP check; otherwise the same numbers are printed with the reason
-they are not official.
+Reads every run's ``:::MLLOG`` lines in each directory (``result_*.txt``, else
+``mlperf.log``, else ``*/mlperf.log``; anyone's logs). Per run: status, time to train,
+samples to converge, throughput and the compliance checker's verdict (ruleset 5.0.0 unless
+``--ruleset``; cached by file content). Per directory: the olympic score and the RCP
+normalisation, as ``mlperf_logging``'s ``result_summarizer`` and ``rcp_checker`` compute
+them; "official" only for ten accepted closed-division runs with unique seeds, one batch
+size and a passed RCP check, else the reason is printed. The rules:
+[docs/mlperf.md](../docs/mlperf.md#summarizing-results).
 """
 
 from __future__ import annotations

@@ -2,18 +2,12 @@
 
     python -m launch.system_desc --output FILE.json [--nodes N] [--field key=value ...]
 
-An MLPerf submission describes each system it ran on in a JSON file with the fields below
-(``mlperf_logging.system_desc_checker`` requires every one, and from ruleset 4.0 on it accepts
-only the four ``status`` values of ``STATUSES``). This module fills in what the machine can
-tell: GPUs, their memory, clocks and links (``nvidia-smi``), CPUs and caches (``lscpu``),
-memory and disk, the operating system, and the versions of torch, CUDA, cuDNN, NCCL, Triton
-and DALI, and the container image (``CONT`` or ``CONTAINER_IMAGE``, as ``launch/slurm.sub``
-names it). What it cannot know (cooling, the network between nodes, notes) stays ``""`` for
-a person to fill in with ``--field``; ``--field`` also overrides anything measured.
-``launch.package`` calls ``describe`` when no description is given.
-
-Sits beside the results: the trainer's logs name the system in ``submission_platform``
-(``<nodes>x<system_name>``) and the package puts this file at ``ORG/systems/<system>.json``.
+Every field ``mlperf_logging.system_desc_checker`` requires (``status`` one of
+``STATUSES``), filled from what the machine tells: GPUs (``nvidia-smi``), CPUs (``lscpu``),
+memory, disk, the OS, the versions of torch, CUDA, cuDNN, NCCL, Triton and DALI, and the
+container image (``CONT`` or ``CONTAINER_IMAGE``). What it cannot know stays ``""`` for
+``--field``, which also overrides anything measured. ``launch.package`` calls ``describe``
+when no description is given; the logs name the system in ``submission_platform``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ any package in a LOWER layer, never one in its own layer or above. So:
 
 Inside a package listed in ``MODULE_LAYERS`` the same holds between its modules: a module may
 import only modules of a lower layer of its package, so the package has no import circle (for
-``kernels/``: the interface at the bottom, the registry and the compile check at the top).
+``kernels/``: the interface at the bottom, the registry at the top).
 
 Every import statement counts, wherever it is (lazy imports inside functions included), as do
 ``__import__("pkg.mod")`` and ``importlib.import_module("pkg.mod")`` with a literal name.
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = {
     "bench": 3,
     "run_pretraining": 2,
-    "tools": 2,  # developer and test tools (tools.device_reads): never imported by the application
+    "tools": 2,  # developer and test tools (device_reads, compile_check): never imported by the application
     "bert": 1,
     "kernels": 0,
     "data": 0,
@@ -57,7 +57,8 @@ MODULE_LAYERS = {
         "grouped": 1,
         "runtime": 1,  # compiled or interpreted Triton
         "reference": 2,  # the reference and padded backends
-        "triton_jit": 2,  # the device code: one attention kernel family, the fused ops
+        "triton_jit": 2,  # the device code of the attention kernel family
+        "fused_ops_jit": 2,  # the fused ops' device code (shares the family's dropout mask)
         "rotary_jit": 2,  # device code of the rotary embedding
         "varlen_attention": 3,  # the Triton backends
         "fused_ops": 3,
@@ -65,7 +66,6 @@ MODULE_LAYERS = {
         "library_backends": 3,
         "flashmask": 4,  # shares the varlen kernels' dropout seeds
         "registry": 5,  # every backend by name
-        "compile_check": 6,  # a command: imported by nothing in the package
     },
 }
 
@@ -212,9 +212,8 @@ def test_checker_names_file_and_line(tmp_path, source, expected):
         ),
         (
             "flashmask",
-            "from . import compile_check\n",
-            "kernels/flashmask.py:1: kernels.flashmask (layer 4) imports kernels.compile_check "
-            "(layer 6: a higher layer)",
+            "from . import registry\n",
+            "kernels/flashmask.py:1: kernels.flashmask (layer 4) imports kernels.registry (layer 5: a higher layer)",
         ),
         (
             "runtime",

@@ -6,9 +6,10 @@ import pytest
 import torch
 import transformers
 
-from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
-from bert.config import BertConfig
+from bert.config import BertConfig, ConfigError
 from bert.model import BertForPreTraining
+from bert.pretrained import export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
+from bert.safe_load import CheckpointError
 from tests.batches import random_batch
 from tests.bert.test_model import hf_logits, hf_model
 
@@ -108,3 +109,15 @@ def test_config_mismatch_and_bad_files(tmp_path):
     CONFIG.to_json(str(tmp_path / "empty" / "config.json"))
     with pytest.raises(CheckpointError, match="neither model.safetensors"):
         load_pretrained(ours, str(tmp_path / "empty"))
+
+
+def test_a_family_without_an_adapter_is_one_line(tmp_path):
+    """config.json's model_type picks the adapter (bert.pretrained.ADAPTERS); another family's
+    config is refused naming it, not read as BERT."""
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "roberta", "hidden_size": 36}')
+    with pytest.raises(ConfigError, match=r"model_type 'roberta': no transformers adapter here \(one of \['bert'"):
+        BertConfig.from_json(str(path))
+    rms = BertForPreTraining(BertConfig.preset("tiny", norm_kind="rmsnorm", norm_bias=False))
+    with pytest.raises(CheckpointError, match=r"no transformers class holds this config \(norm_kind='rmsnorm'"):
+        load_hf_state_dict(rms, {})

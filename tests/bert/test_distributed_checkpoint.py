@@ -13,10 +13,10 @@ import torch.distributed.checkpoint as dcp
 
 from bert import distributed_checkpoint as dc
 from bert import train_checkpoint as tc
-from bert.checkpoint import CheckpointError
 from bert.config import BertConfig
 from bert.model import BertForPreTraining
 from bert.optim import Lamb, param_groups_for
+from bert.safe_load import CheckpointError
 from fileio import file_digest
 from tests.bert.old_checkpoints import optimizer_groups, training_tensors, write_old_checkpoint
 

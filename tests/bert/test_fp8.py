@@ -211,8 +211,8 @@ def learnable(tmp_path_factory):
 
 
 def test_fp8_run_logs_its_precision_and_exports_the_weights_it_trained(dataset, tmp_path):  # noqa: F811
-    from bert.checkpoint import load_pretrained
     from bert.export import export_run
+    from bert.pretrained import load_pretrained
     from tests.bert.test_export import write_vocab
 
     vocab = write_vocab(tmp_path / "vocab.txt")

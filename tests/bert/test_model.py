@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from bert.checkpoint import load_hf_state_dict, to_hf_state_dict
 from bert.config import BertConfig
 from bert.model import BertForPreTraining
+from bert.pretrained import load_hf_state_dict, to_hf_state_dict
 from data.batch import pad
 from tests.batches import random_batch
 

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from bert.checkpoint import CheckpointError, export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
 from bert.config import BertConfig, ConfigError, alternating_layers
+from bert.hf_modernbert import config_from_hf, config_to_hf
 from bert.model import BertForPreTraining
-from bert.modernbert_hf import config_from_hf, config_to_hf
+from bert.pretrained import export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
+from bert.safe_load import CheckpointError
 from data.batch import UnpaddedBatch, pad
 from tests.batches import random_batch
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 import transformers
 
-from bert.checkpoint import CheckpointError, load_pretrained, read_tf_checkpoint, to_hf_state_dict
 from bert.config import BertConfig
 from bert.convert_tf import main as convert_main
 from bert.model import BertForPreTraining
-from bert.tf_checkpoint import TFCheckpointError
+from bert.pretrained import load_pretrained, to_hf_state_dict
+from bert.safe_load import CheckpointError
+from bert.tf_checkpoint import TFCheckpointError, read_tf_checkpoint
 from tests.batches import random_batch
 from tests.bert.test_model import hf_logits, hf_model
 

@@ -15,7 +15,7 @@ import torch
 import fileio
 import run_pretraining
 from bert import train_checkpoint
-from bert.checkpoint import CheckpointError
+from bert.safe_load import CheckpointError
 from tests.faults.common import (
     PYTHON,
     REFERENCE_STEPS,

@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, Te
 
 from bert import distributed_checkpoint as dc
 from bert import train_checkpoint as tc
-from bert.checkpoint import CheckpointError, read_config_and_weights
 from bert.config import BertConfig, ConfigError
 from bert.model import BertForPreTraining
 from bert.optim import param_groups_for
+from bert.safe_load import CheckpointError, read_config_and_weights
 from tests.bert.test_tf_checkpoint import PREFIX
 from tests.faults.common import run_in_process, spawn_ranks, summary
 

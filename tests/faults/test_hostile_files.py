@@ -21,14 +21,10 @@ import torch
 
 import run_pretraining
 from bert import train_checkpoint
-from bert.checkpoint import (
-    CheckpointError,
-    export_hf,
-    load_pretrained,
-    to_hf_state_dict,
-)
 from bert.config import BertConfig
 from bert.model import BertForPreTraining
+from bert.pretrained import export_hf, load_pretrained, to_hf_state_dict
+from bert.safe_load import CheckpointError
 from tests.faults.common import losses, run_args, run_in_process
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")

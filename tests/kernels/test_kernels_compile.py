@@ -1,6 +1,6 @@
 """The kernels compile for a Hopper GPU (sm_90) on a machine without one, without register spills.
 
-``kernels.compile_check --registers`` runs Triton's whole compiler (down to ptxas and a cubin)
+``tools.compile_check --registers`` runs Triton's whole compiler (down to ptxas and a cubin)
 on every supported attention combination (fp16/bf16/fp32 with and without TF32, head dims
 32/64/128, dropout off/on, both tile presets), each plain, with a window and with FlashMask
 bounds (the kernel family's switches), the fused ops and the rotary kernel (fp32, bf16, fp16,
@@ -27,7 +27,7 @@ def test_every_kernel_compiles_for_hopper_without_spills(tmp_path):
     out = tmp_path / "compile.json"
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--registers", "--jobs", "2", "--json", str(out)],
+        [sys.executable, "-m", "tools.compile_check", "--registers", "--jobs", "2", "--json", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

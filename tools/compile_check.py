@@ -1,6 +1,6 @@
 """Compile every kernel variant for a Hopper GPU (sm_90) on any machine, GPU or not.
 
-    python -m kernels.compile_check [--registers] [--jobs N] [--head-dims 64 128] [--json PATH]
+    python -m tools.compile_check [--registers] [--jobs N] [--head-dims 64 128] [--json PATH]
 
 The interpreter tests check the kernels' arithmetic, not that Triton can compile them
 (types, layouts, shared memory). Here each launcher runs with its launch swapped for
@@ -14,8 +14,8 @@ per kernel) the registers, spill bytes and resident blocks and
 warps per SM, then the registers of each kernel plain, windowed and bounded side by side.
 Exits 1 if a kernel does not compile, needs more shared memory than a Hopper block can have,
 or spills registers. ``--jobs N`` compiles on N processes. Runs in a process of its own:
-Triton must be imported in compiled mode, so TRITON_INTERPRET is cleared before it is. This
-is the top of ``kernels/``: no other module of the package imports it.
+Triton must be imported in compiled mode, so TRITON_INTERPRET is cleared before it is. A
+developer command: nothing in the application imports it.
 """
 
 from __future__ import annotations
@@ -191,9 +191,9 @@ def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
 def _compile_fused(registers: bool) -> list[dict]:
     import torch
 
-    from kernels import runtime
+    from kernels import fused_ops, runtime
 
-    module = runtime.load(interpret=False)
+    module = runtime.load(interpret=False, source=fused_ops.JIT_SOURCE)
     records: list[dict] = []
     module._launch = compiling_launcher(records, {"dtype": "bfloat16 in, float32 params", "dropout": 0.1}, registers)
 
@@ -223,9 +223,9 @@ def _compile_rotary(registers: bool, head_dims: tuple[int, ...]) -> list[dict]:
     the fused QKV projection and int64 positions, as the model calls it."""
     import torch
 
-    from kernels.rotary import load_jit
+    from kernels import rotary, runtime
 
-    module = load_jit(interpret=False)
+    module = runtime.load(interpret=False, source=rotary.JIT_SOURCE)
     records: list[dict] = []
     t, h = 4096, 16
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

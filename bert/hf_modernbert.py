@@ -1,98 +1,46 @@
-"""Weights and config in and out: transformers' ``ModernBertForMaskedLM`` <-> this model.
+"""The transformers adapter of ModernBERT: ``ModernBertForMaskedLM`` <-> this model, for a
+pre-norm, rotary, gated-MLP config (the ``modernbert_*`` presets). The contract every adapter
+keeps is in ``bert.pretrained``.
 
-A ModernBERT is one configuration of the encoder (``bert.config``: pre-norm LayerNorm,
-rotary, gated MLP, ``layer_types`` global/local); this module maps it both ways:
-
-- ``config_from_hf(values)`` / ``config_to_hf(config)``: ``ModernBertConfig``'s dict <->
-  ``BertConfig`` (``full_attention`` / ``sliding_attention`` <-> ``global`` / ``local``,
-  ``local_attention`` <-> ``local_window``, ``rope_parameters`` <-> the two thetas);
-- ``to_hf_state_dict(model)`` / ``load_hf_state_dict(model, state_dict)``: the tensors, a
-  renaming (the fused ``Wqkv`` and the input-then-gate ``Wi`` have this model's layout);
-- ``bert.checkpoint`` calls these for every config that is not BERT's, so
-  ``load_pretrained``, ``export_hf`` and ``python -m bert.export`` serve both.
-
-Dropout: transformers' ModernBERT drops after the embedding norm (``embedding_dropout``),
-inside the MLP (``mlp_dropout``) and on attention probabilities and output
-(``attention_dropout``); this model drops on the embeddings and the residual branches
-(``hidden_dropout_prob``) and on the probabilities (``attention_probs_dropout_prob``). The
-values are carried over (hidden = the larger of embedding and MLP dropout); the placement is
-this model's. ModernBERT's published models train with all of them 0.
+``config_from_hf`` / ``config_to_hf`` map ``ModernBertConfig``'s dict (``full_attention`` /
+``sliding_attention`` <-> ``global`` / ``local``, ``local_attention`` <-> ``local_window``,
+``rope_parameters`` <-> the two thetas); the tensors are a renaming (``Wqkv`` and the
+input-then-gate ``Wi`` have this model's layout). Dropout values carry over, placed where this
+model drops ([docs/modern_encoders.md](../docs/modern_encoders.md#exact-against-transformers)).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from bert.config import BertConfig, ConfigError
+from bert.config import _HF_METADATA, BertConfig, ConfigError
 
 _TYPES = {"full_attention": "global", "sliding_attention": "local"}
 _HF_TYPES = {v: k for k, v in _TYPES.items()}
 
-# config.json keys that hold no architecture (token ids, bookkeeping, fine-tuning heads,
-# inference switches).
-_IGNORED_KEYS = {
-    "_name_or_path",
-    "chunk_size_feed_forward",
-    "is_encoder_decoder",
-    "architectures",
-    "model_type",
-    "transformers_version",
-    "torch_dtype",
-    "dtype",
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
-    "cls_token_id",
-    "sep_token_id",
-    "classifier_pooling",
-    "classifier_dropout",
-    "deterministic_flash_attn",
-    "sparse_prediction",
-    "sparse_pred_ignore_index",
-    "initializer_cutoff_factor",
-    "reference_compile",
-    "repad_logits_with_grad",
-    "id2label",
-    "label2id",
-    "problem_type",
-    "output_hidden_states",
-    "output_attentions",
-    "return_dict",
-    "use_cache",
-    "gradient_checkpointing",
-}
+MODEL_TYPE = "modernbert"
+TIED = {"decoder.weight": "model.embeddings.tok_embeddings.weight"}
+IGNORED: set[str] = set()
+VOCAB_ROWS = ("model.embeddings.tok_embeddings.weight", "decoder.weight", "decoder.bias")
+
+# config.json keys that hold no architecture: transformers' bookkeeping (as for BERT) and
+# ModernBERT's token ids, fine-tuning heads and inference switches.
+_IGNORED_KEYS = _HF_METADATA | set(
+    "_name_or_path chunk_size_feed_forward is_encoder_decoder cls_token_id sep_token_id classifier_pooling"
+    " deterministic_flash_attn sparse_prediction sparse_pred_ignore_index initializer_cutoff_factor"
+    " reference_compile repad_logits_with_grad".split()
+)
 
 
 def config_from_hf(values: dict, source: str = "config") -> BertConfig:
     """The ``BertConfig`` of a ModernBERT ``config.json`` (as a dict); ConfigError names the key."""
-    known = {
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "hidden_activation",
-        "max_position_embeddings",
-        "initializer_range",
-        "norm_eps",
-        "norm_bias",
-        "attention_bias",
-        "attention_dropout",
-        "layer_types",
-        "global_attn_every_n_layers",
-        "rope_parameters",
-        "global_rope_theta",
-        "local_rope_theta",
-        "local_attention",
-        "embedding_dropout",
-        "mlp_bias",
-        "mlp_dropout",
-        "decoder_bias",
-        "classifier_bias",
-        "classifier_activation",
-        "tie_word_embeddings",
-    }
+    known = set(
+        "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads hidden_activation"
+        " max_position_embeddings initializer_range norm_eps norm_bias attention_bias attention_dropout"
+        " layer_types global_attn_every_n_layers rope_parameters global_rope_theta local_rope_theta"
+        " local_attention embedding_dropout mlp_bias mlp_dropout decoder_bias classifier_bias"
+        " classifier_activation tie_word_embeddings".split()
+    )
     unknown = sorted(set(values) - known - _IGNORED_KEYS)
     if unknown:
         raise ConfigError(f"{source}: unknown ModernBERT field(s) {unknown}")
@@ -169,21 +117,20 @@ _FIXED = {
 }
 
 
-def check_representable(config: BertConfig) -> None:
-    """Raise ConfigError naming the first field transformers' ModernBERT cannot express."""
+def unfit(config: BertConfig) -> str | None:
+    """The first field transformers' ModernBERT cannot express (None: it can express them all)."""
     for name, value in _FIXED.items():
         if getattr(config, name) != value:
-            raise ConfigError(
-                f"{name}={getattr(config, name)!r}: transformers' ModernBERT has {value!r}; this "
-                "architecture has no transformers class here"
-            )
+            return f"{name}={getattr(config, name)!r}: transformers' ModernBERT has {value!r}"
+    return None
 
 
 def config_to_hf(config: BertConfig, token_ids: dict | None = None) -> dict:
     """``ModernBertConfig(**config_to_hf(c))`` is ``c``. ``token_ids``: pad/bos/eos/cls/sep ids
     of the tokenizer (default: ModernBERT's own when the vocabulary is its 50,368, else
     pad 0 and the others unset, as a BERT WordPiece vocabulary has [PAD] at 0)."""
-    check_representable(config)
+    if problem := unfit(config):
+        raise ConfigError(problem)
     if token_ids is None:
         if config.vocab_size == 50368:
             token_ids = dict(pad_token_id=50283, bos_token_id=50281, eos_token_id=50282)
@@ -223,60 +170,42 @@ def config_to_hf(config: BertConfig, token_ids: dict | None = None) -> dict:
     )
 
 
-def _norm_names(config: BertConfig, hf: str, ours: str) -> dict[str, str]:
-    return {f"{hf}.{p}": f"{ours}.{p}" for p in (("weight", "bias") if config.norm_bias else ("weight",))}
-
-
-def _linear_names(bias: bool, hf: str, ours: str) -> dict[str, str]:
+def _names(bias: bool, hf: str, ours: str) -> dict[str, str]:
     return {f"{hf}.{p}": f"{ours}.{p}" for p in (("weight", "bias") if bias else ("weight",))}
 
 
-def name_map(config: BertConfig) -> dict[str, str]:
+def _name_map(config: BertConfig) -> dict[str, str]:
     """transformers' name -> this model's, for every tensor (the tied decoder weight excepted)."""
     m = {"model.embeddings.tok_embeddings.weight": "embeddings.word.weight"}
-    m.update(_norm_names(config, "model.embeddings.norm", "embeddings.norm"))
+    m.update(_names(config.norm_bias, "model.embeddings.norm", "embeddings.norm"))
     for i in range(config.num_hidden_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         if i > 0:
-            m.update(_norm_names(config, f"{hf}.attn_norm", f"{ours}.attn_norm"))
-        m.update(_linear_names(config.attention_bias, f"{hf}.attn.Wqkv", f"{ours}.qkv"))
-        m.update(_linear_names(config.attention_bias, f"{hf}.attn.Wo", f"{ours}.attn_out"))
-        m.update(_norm_names(config, f"{hf}.mlp_norm", f"{ours}.ffn_norm"))
-        m.update(_linear_names(config.mlp_bias, f"{hf}.mlp.Wi", f"{ours}.ffn_in"))
-        m.update(_linear_names(config.mlp_bias, f"{hf}.mlp.Wo", f"{ours}.ffn_out"))
-    m.update(_norm_names(config, "model.final_norm", "final_norm"))
-    m.update(_linear_names(config.head_bias, "head.dense", "mlm_transform"))
-    m.update(_norm_names(config, "head.norm", "mlm_norm"))
+            m.update(_names(config.norm_bias, f"{hf}.attn_norm", f"{ours}.attn_norm"))
+        m.update(_names(config.attention_bias, f"{hf}.attn.Wqkv", f"{ours}.qkv"))
+        m.update(_names(config.attention_bias, f"{hf}.attn.Wo", f"{ours}.attn_out"))
+        m.update(_names(config.norm_bias, f"{hf}.mlp_norm", f"{ours}.ffn_norm"))
+        m.update(_names(config.mlp_bias, f"{hf}.mlp.Wi", f"{ours}.ffn_in"))
+        m.update(_names(config.mlp_bias, f"{hf}.mlp.Wo", f"{ours}.ffn_out"))
+    m.update(_names(config.norm_bias, "model.final_norm", "final_norm"))
+    m.update(_names(config.head_bias, "head.dense", "mlm_transform"))
+    m.update(_names(config.norm_bias, "head.norm", "mlm_norm"))
     if config.decoder_bias:
         m["decoder.bias"] = "mlm_bias"
     return m
 
 
-_TIED = ("decoder.weight", "model.embeddings.tok_embeddings.weight")
+def hf_names(config: BertConfig) -> set[str]:
+    return set(_name_map(config))
 
 
-def to_hf_state_dict(model, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """This model's weights (or ``tensors`` of the same names) under ModernBertForMaskedLM's names."""
-    check_representable(model.config)
-    ours = model.state_dict() if tensors is None else tensors
-    out = {hf: ours[name] for hf, name in name_map(model.config).items()}
-    out[_TIED[0]] = out[_TIED[1]]
-    return out
+def to_hf(config: BertConfig, ours: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {hf: ours[name] for hf, name in _name_map(config).items()}
 
 
-def renamed(config: BertConfig, state_dict: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
-    """(this model's names -> tensors, problems): missing and unexpected keys, a tied decoder
-    that differs from the embeddings."""
-    check_representable(config)
-    names = name_map(config)
-    missing = sorted(set(names) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(names) - {_TIED[0]})
-    problems = []
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
-    decoder, embeddings = (state_dict.get(k) for k in _TIED)
-    if decoder is not None and embeddings is not None and not torch.equal(decoder, embeddings):
-        problems.append(f"{_TIED[0]} differs from {_TIED[1]}, but this model ties them")
-    return {ours: state_dict[hf] for hf, ours in names.items() if hf in state_dict}, problems
+def from_hf(config: BertConfig, state_dict: dict[str, Tensor], problems: list[str]) -> dict[str, Tensor]:
+    return {ours: state_dict[hf] for hf, ours in _name_map(config).items() if hf in state_dict}
+
+
+def hf_name(config: BertConfig, ours: str) -> str:
+    return {name: hf for hf, name in _name_map(config).items()}.get(ours, ours)
