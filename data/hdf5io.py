@@ -46,7 +46,7 @@ import numpy as np
 
 from data.errors import DataError
 from data.samples import SampleBlock, _offsets
-from fileio import publish
+from fileio import UnsafeFile, open_checked, publish
 
 FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 VARLENGTH_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -79,6 +79,10 @@ PACKED_DTYPES = {
     "next_sentence_labels": np.int8,
 }
 ALL_LAYOUTS = LAYOUTS + (PACKED,)  # what data.convert writes; LAYOUTS: what data.prepare writes
+MAX_FILE_BYTES = 1 << 40
+READ_ROWS = 8192  # samples read and validated at a time
+MAX_CHUNK_BYTES = 64 << 20  # an HDF5 storage chunk is decompressed whole
+MAX_COMPRESSION = 1024  # declared bytes per stored byte of a compressed dataset (gzip's limit is ~1032)
 
 
 @dataclass(frozen=True)
@@ -99,9 +103,12 @@ def _fail(path, msg: str):
 
 def _open(path) -> h5py.File:
     try:
+        open_checked(path, max_bytes=MAX_FILE_BYTES, what="HDF5 file").close()
         return h5py.File(path, "r")
     except FileNotFoundError:
         _fail(path, "no such file")
+    except UnsafeFile as e:
+        raise DataError(str(e)) from None
     except OSError as e:
         _fail(path, f"not a readable HDF5 file (truncated or corrupt?): {str(e).splitlines()[0]}")
 
@@ -123,7 +130,24 @@ def _layout_of(path, f: h5py.File) -> str:
             _fail(path, f"missing key {key!r} ({layout} layout)")
         if not isinstance(f[key], h5py.Dataset):
             _fail(path, f"{key!r} is not a dataset")
+        _check_storage(path, key, f[key])
     return layout
+
+
+def _check_storage(path, key: str, ds: h5py.Dataset) -> None:
+    """Refuse, before anything is read, data kept outside the file, scalars, and shapes
+    that declare more bytes than the file stores (or a chunk too large to decompress)."""
+    if ds.is_virtual or ds.external:
+        where = "a virtual dataset" if ds.is_virtual else f"stored in the external file {ds.external[0][0]!r}"
+        _fail(path, f"{key!r} is {where}, not in this file; refused")
+    if ds.ndim == 0:
+        _fail(path, f"{key!r} is a scalar, expected one entry per sample")
+    item = ds.id.get_type().get_size()
+    declared, stored = ds.size * item, ds.id.get_storage_size()
+    if declared > stored * (MAX_COMPRESSION if ds.id.get_create_plist().get_nfilters() else 1):
+        _fail(path, f"{key!r} declares shape {ds.shape} ({declared:,} bytes) but the file stores {stored:,}; refused")
+    if ds.chunks is not None and int(np.prod(ds.chunks)) * item > MAX_CHUNK_BYTES:
+        _fail(path, f"{key!r} has storage chunks of {ds.chunks} (over {MAX_CHUNK_BYTES >> 20} MiB each); refused")
 
 
 def _has_nsp(path, f: h5py.File) -> bool:
@@ -222,10 +246,17 @@ def _packed_info(path, f: h5py.File) -> FileInfo:
         r = ds.shape[0] if r is None else r
         if ds.shape != (r,):
             _fail(path, f"{key} has shape {ds.shape}, expected ({r},) like input_ids")
-    n = int(_lengths(f["packed_input_len"][:]).sum()) if r else 0
+    n = int(_pack_offsets(f)[-1]) if r else 0
     s = f.attrs.get("max_seq_length")
     p = f.attrs.get("max_predictions")
     return FileInfo(str(path), PACKED, n, None if s is None else int(s), None if p is None else int(p), num_packs=r)
+
+
+def _pack_offsets(f: h5py.File) -> np.ndarray:
+    """[R+1] index of each pack's first sequence (packed_input_len read READ_ROWS packs at a time)."""
+    ds = f["packed_input_len"]
+    counts = [_lengths(ds[a : a + READ_ROWS]) for a in range(0, ds.shape[0], READ_ROWS)]
+    return _offsets(np.concatenate(counts) if counts else np.zeros(0, np.int64))
 
 
 def inspect(path) -> FileInfo:
@@ -234,20 +265,45 @@ def inspect(path) -> FileInfo:
         return _info(path, f)
 
 
-def read_file(path, vocab_size: int | None = None, start: int = 0, stop: int | None = None) -> SampleBlock:
+def read_file(
+    path, vocab_size: int | None = None, start: int = 0, stop: int | None = None, max_seq_length: int | None = None
+) -> SampleBlock:
     """Read samples [start, stop) of a fixed, varlength or packed file (samples: sequences) into a
-    validated SampleBlock."""
+    validated SampleBlock, READ_ROWS samples at a time; a sequence longer than ``max_seq_length``
+    is an error naming it."""
     with _open(path) as f:
-        info = _info(path, f)
-        stop = info.num_samples if stop is None else min(stop, info.num_samples)
-        return _read_range(path, f, info, vocab_size, min(start, stop), stop)
+        reader = _Reader(path, f, vocab_size, max_seq_length)
+        stop = reader.info.num_samples if stop is None else min(stop, reader.info.num_samples)
+        return SampleBlock.concat([reader.read(a, min(a + READ_ROWS, stop)) for a in range(start, stop, READ_ROWS)])
 
 
-def _read_range(path, f: h5py.File, info: FileInfo, vocab_size: int | None, start: int, stop: int) -> SampleBlock:
-    if vocab_size is None:
-        vocab_size = info.vocab_size
+class _Reader:
+    """Validated reads of sample ranges of one open file, with the checks that span the file:
+    sequence lengths against ``max_seq_length``, and (variable-length layouts) no more tokens
+    than the file has bytes: rows sharing heap entries would otherwise multiply its size."""
+
+    def __init__(self, path, f: h5py.File, vocab_size: int | None, max_seq_length: int | None):
+        self.path, self.f, self.max_seq_length = path, f, max_seq_length
+        self.info = _info(path, f)
+        self.vocab_size = self.info.vocab_size if vocab_size is None else vocab_size
+        self.seq_off = _pack_offsets(f) if self.info.layout == PACKED else None
+        self.tokens, self.bytes = 0, f.id.get_filesize()
+
+    def read(self, start: int, stop: int) -> SampleBlock:
+        block = _read_range(self.path, self.f, self.info, self.vocab_size, start, stop, self.seq_off)
+        limit = self.max_seq_length
+        if limit is not None and len(block) and int(block.seq_lens.max()) > limit:
+            r = int(np.argmax(block.seq_lens > limit))
+            _fail(self.path, f"sample {start + r} has {block.seq_lens[r]} tokens, more than max_seq_length {limit}")
+        self.tokens += int(block.seq_lens.sum())
+        if self.info.layout != "fixed" and self.tokens > self.bytes:
+            _fail(self.path, f"sample {stop - 1}: {self.tokens:,} tokens so far, more than its {self.bytes:,} bytes")
+        return block
+
+
+def _read_range(path, f: h5py.File, info: FileInfo, vocab_size, start: int, stop: int, seq_off=None) -> SampleBlock:
     if info.layout == PACKED:
-        return _read_packed(path, f, info, vocab_size, start, stop)
+        return _read_packed(path, f, info, vocab_size, start, stop, seq_off)
     keys = FIXED_KEYS if info.layout == "fixed" else VARLENGTH_KEYS
     if not info.next_sentence:
         keys = keys[:-1]
@@ -263,7 +319,9 @@ def _read_range(path, f: h5py.File, info: FileInfo, vocab_size: int | None, star
     return _from_varlength(path, arrays, vocab_size, start)
 
 
-def read_valid(path, vocab_size: int | None = None) -> tuple[SampleBlock, np.ndarray, list[str]]:
+def read_valid(
+    path, vocab_size: int | None = None, max_seq_length: int | None = None
+) -> tuple[SampleBlock, np.ndarray, list[str]]:
     """The samples of a file that can be read and pass validation, for ``data.on_corrupt=skip``.
 
     Returns (block of the valid samples in file order, their rows in the file [n] int64, one
@@ -277,19 +335,20 @@ def read_valid(path, vocab_size: int | None = None) -> tuple[SampleBlock, np.nda
         return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
     with f:
         try:
-            info = _info(path, f)
+            reader = _Reader(path, f, vocab_size, max_seq_length)
         except DataError as e:
             return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
         parts: list[SampleBlock] = []
         rows: list[np.ndarray] = []
         problems: list[str] = []
-        todo = [(0, info.num_samples)]
+        n = reader.info.num_samples
+        todo = [(a, min(a + READ_ROWS, n)) for a in reversed(range(0, n, READ_ROWS))]
         while todo:
             start, stop = todo.pop()
             if start >= stop:
                 continue
             try:
-                parts.append(_read_range(path, f, info, vocab_size, start, stop))
+                parts.append(reader.read(start, stop))
                 rows.append(np.arange(start, stop, dtype=np.int64))
             except DataError as e:
                 if stop - start == 1:
@@ -415,11 +474,11 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     )
 
 
-def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size: int | None, start: int, stop: int) -> SampleBlock:
+def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size, start: int, stop: int, seq_off=None) -> SampleBlock:
     """Unpack the packs holding sequences [start, stop) and return those sequences."""
     try:
-        per_pack = _lengths(f["packed_input_len"][:])  # sequences in each pack
-        seq_off = _offsets(per_pack)  # [R+1]
+        seq_off = _pack_offsets(f) if seq_off is None else seq_off  # [R+1]
+        per_pack = np.diff(seq_off)  # sequences in each pack
         p0 = max(int(np.searchsorted(seq_off, start, side="right")) - 1, 0)
         p1 = max(int(np.searchsorted(seq_off, stop, side="left")), p0)
         arrays = {k: f[k][p0:p1] for k in PACKED_KEYS if info.next_sentence or k != "next_sentence_labels"}

@@ -196,6 +196,7 @@ class PretrainingLoader:
     prefetch: read the next shard in a background thread (False: read when needed).
     prefetch_files: how many shards to read ahead (default: one per lane of this rank).
     vocab_size: token ids are checked against it (default: from the dataset's manifest).
+    max_seq_length: every shard's sequence lengths are checked against it as it is read.
     ``next_sentence`` (after construction): False for masked-LM-only shards, whose batches carry
         nsp labels 0 (``data.prepare --objective mlm``); every file must agree.
     on_corrupt: ``fail`` (raise on a corrupt sample) or ``skip`` (replace and count it; see the
@@ -215,6 +216,7 @@ class PretrainingLoader:
         prefetch: bool = True,
         prefetch_files: int | None = None,
         vocab_size: int | None = None,
+        max_seq_length: int | None = None,
         on_corrupt: str = "fail",
         warn=None,
     ):
@@ -244,7 +246,7 @@ class PretrainingLoader:
         self.local_batch_size = global_batch_size // world_size
         if vocab_size is None and isinstance(train_dir_or_files, (str, Path)):
             vocab_size = dataset_vocab_size(train_dir_or_files)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.max_seq_length = vocab_size, max_seq_length
         sizes = []
         readable = []
         infos = []
@@ -319,11 +321,11 @@ class PretrainingLoader:
     def _read(self, file: int) -> _Loaded:
         path, n = self.files[file], int(self.sizes[file])
         if self.on_corrupt == "fail":
-            block = read_file(path, vocab_size=self.vocab_size)
+            block = read_file(path, vocab_size=self.vocab_size, max_seq_length=self.max_seq_length)
             if len(block) != n:
                 raise DataError(f"{path}: holds {len(block)} samples, {n} when the run started")
             return _Loaded(block)
-        block, rows, problems = read_valid(path, vocab_size=self.vocab_size)
+        block, rows, problems = read_valid(path, vocab_size=self.vocab_size, max_seq_length=self.max_seq_length)
         if not problems and len(rows) == n:
             return _Loaded(block)
         index = np.full(n, -1, dtype=np.int64)
@@ -537,7 +539,8 @@ class EvalLoader:
     last one may be smaller; a rank may get no samples when there are fewer than ranks).
 
     max_samples: evaluate only the file's first max_samples samples (None: all of them);
-    ``total_samples`` is the number evaluated over all ranks.
+    ``total_samples`` is the number evaluated over all ranks. max_seq_length: as for
+    ``PretrainingLoader``.
     """
 
     def __init__(
@@ -549,6 +552,7 @@ class EvalLoader:
         vocab_size: int | None = None,
         backend: str = "torch",
         max_samples: int | None = None,
+        max_seq_length: int | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size {batch_size}: must be >= 1")
@@ -566,7 +570,7 @@ class EvalLoader:
         if max_samples is not None:  # evaluate on the file's first max_samples samples only
             self.total_samples = min(self.total_samples, max_samples)
         self.start, self.stop = eval_slice(self.total_samples, rank, world_size)
-        self.block = read_file(self.path, vocab_size=vocab_size, start=self.start, stop=self.stop)
+        self.block = read_file(self.path, vocab_size, self.start, self.stop, max_seq_length)
 
     @property
     def num_samples(self) -> int:
