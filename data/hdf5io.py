@@ -80,7 +80,7 @@ PACKED_DTYPES = {
 }
 ALL_LAYOUTS = LAYOUTS + (PACKED,)  # what data.convert writes; LAYOUTS: what data.prepare writes
 MAX_FILE_BYTES = 1 << 40
-READ_ROWS = 8192  # samples read and validated at a time
+READ_ROWS = 16384  # samples read and validated at a time
 MAX_CHUNK_BYTES = 64 << 20  # an HDF5 storage chunk is decompressed whole
 MAX_COMPRESSION = 1024  # declared bytes per stored byte of a compressed dataset (gzip's limit is ~1032)
 
@@ -101,7 +101,9 @@ def _fail(path, msg: str):
     raise DataError(f"{path}: {msg}")
 
 
-def _open(path) -> h5py.File:
+def open_hdf5(path) -> h5py.File:
+    """``path`` opened for reading once ``fileio.open_checked`` passed it (a regular file of a
+    bounded size: a FIFO or a device is refused, never waited on); DataError otherwise."""
     try:
         open_checked(path, max_bytes=MAX_FILE_BYTES, what="HDF5 file").close()
         return h5py.File(path, "r")
@@ -130,11 +132,11 @@ def _layout_of(path, f: h5py.File) -> str:
             _fail(path, f"missing key {key!r} ({layout} layout)")
         if not isinstance(f[key], h5py.Dataset):
             _fail(path, f"{key!r} is not a dataset")
-        _check_storage(path, key, f[key])
+        check_storage(path, key, f[key])
     return layout
 
 
-def _check_storage(path, key: str, ds: h5py.Dataset) -> None:
+def check_storage(path, key: str, ds: h5py.Dataset) -> None:
     """Refuse, before anything is read, data kept outside the file, scalars, and shapes
     that declare more bytes than the file stores (or a chunk too large to decompress)."""
     if ds.is_virtual or ds.external:
@@ -261,7 +263,7 @@ def _pack_offsets(f: h5py.File) -> np.ndarray:
 
 def inspect(path) -> FileInfo:
     """Layout, sample count and sizes from the file's metadata (reads no sample data)."""
-    with _open(path) as f:
+    with open_hdf5(path) as f:
         return _info(path, f)
 
 
@@ -271,10 +273,11 @@ def read_file(
     """Read samples [start, stop) of a fixed, varlength or packed file (samples: sequences) into a
     validated SampleBlock, READ_ROWS samples at a time; a sequence longer than ``max_seq_length``
     is an error naming it."""
-    with _open(path) as f:
+    with open_hdf5(path) as f:
         reader = _Reader(path, f, vocab_size, max_seq_length)
         stop = reader.info.num_samples if stop is None else min(stop, reader.info.num_samples)
-        return SampleBlock.concat([reader.read(a, min(a + READ_ROWS, stop)) for a in range(start, stop, READ_ROWS)])
+        parts = [reader.read(a, min(a + READ_ROWS, stop)) for a in range(start, stop, READ_ROWS)]
+    return parts[0] if len(parts) == 1 else SampleBlock.concat(parts)
 
 
 class _Reader:
@@ -330,7 +333,7 @@ def read_valid(
     neighbourhood. A file that cannot be opened at all gives no samples and one message.
     """
     try:
-        f = _open(path)
+        f = open_hdf5(path)
     except DataError as e:
         return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
     with f:

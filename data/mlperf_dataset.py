@@ -47,16 +47,10 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from data.errors import DataError, cli_main
-from data.hdf5io import (
-    FIXED_KEYS,
-    from_fixed_arrays,
-    write_fixed_arrays,
-    write_varlength,
-)
+from data.hdf5io import FIXED_KEYS, READ_ROWS, inspect, open_hdf5, read_file, write_fixed_arrays, write_varlength
 from data.reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file
 from data.samples import SampleBlock, _offsets
 from data.verify import published_list, read_checksums, verify
@@ -196,11 +190,7 @@ def prepare_files(
 
 
 def _num_samples(path: Path) -> int:
-    try:
-        with h5py.File(path, "r") as f:
-            return int(f["next_sentence_labels"].shape[0])
-    except (OSError, KeyError) as e:
-        raise DataError(f"{path}: not a readable MLPerf HDF5 file ({str(e).splitlines()[0]})") from None
+    return inspect(path).num_samples
 
 
 def chop_sizes(total: int, shards: int) -> np.ndarray:
@@ -232,9 +222,12 @@ def _chop_task(t: _ChopTask) -> None:
         a, b = max(t.lo, t.input_offsets[i]), min(t.hi, t.input_offsets[i + 1])
         if a >= b:
             continue
-        with h5py.File(src, "r") as f:
+        with open_hdf5(src) as f:
+            inspect(src)  # its declared shapes against its size, before reading
             for k in FIXED_KEYS:
-                parts[k].append(f[k][a - t.input_offsets[i] : b - t.input_offsets[i]])
+                for lo in range(a, b, READ_ROWS):
+                    hi = min(lo + READ_ROWS, b)
+                    parts[k].append(f[k][lo - t.input_offsets[i] : hi - t.input_offsets[i]])
     write_fixed_arrays(t.dst, {k: np.concatenate(v) for k, v in parts.items()})
 
 
@@ -264,17 +257,10 @@ def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
 # ----------------------------------------------------------------- stage 3: varlength
 
 
-def read_fixed_block(path) -> SampleBlock:
-    with h5py.File(path, "r") as f:
-        arrays = {k: f[k][()] for k in FIXED_KEYS}
-    return from_fixed_arrays(path, **arrays)
-
-
 def _varlength_task(pair: tuple[str, str]) -> None:
     src, dst = pair
-    with h5py.File(src, "r") as f:
-        s, p = f["input_ids"].shape[1], f["masked_lm_positions"].shape[1]
-    write_varlength(dst, read_fixed_block(src), s, p)
+    info = inspect(src)
+    write_varlength(dst, read_file(src), info.max_seq_length, info.max_predictions)
 
 
 def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], pool: Pool, desc: str = "varlength") -> None:
@@ -309,15 +295,9 @@ class _ScatterTask:
     out_dir: str
 
 
-def _read_varlength(path: str) -> SampleBlock:
-    from data.hdf5io import read_file
-
-    return read_file(path)
-
-
 def _scatter_task(t: _ScatterTask) -> None:
     """Write this group's samples sorted by output position, as flat .npy arrays."""
-    block = SampleBlock.concat([_read_varlength(p) for p in t.inputs])
+    block = SampleBlock.concat([read_file(p) for p in t.inputs])
     inv = np.load(t.inverse, mmap_mode="r")
     pos = np.asarray(inv[t.first_global : t.first_global + len(block)], dtype=np.int64)
     order = np.argsort(pos, kind="stable")
@@ -459,12 +439,16 @@ def shuffle(
 def pick_eval(src: Path, dst: Path, num: int) -> None:
     """The reference eval pick: sample ``int(i * (n / num))`` for i < num (rows repeat when
     n < num), fixed layout."""
-    with h5py.File(src, "r") as f:
-        n = int(f["next_sentence_labels"].shape[0])
-        ratio = n / num
-        idx = np.array([int(i * ratio) for i in range(num)], np.int64)
-        arrays = {k: f[k][()][idx] for k in FIXED_KEYS}
-    write_fixed_arrays(dst, arrays)
+    n = inspect(src).num_samples
+    idx = np.array([int(i * (n / num)) for i in range(num)], np.int64)
+    rows, back = np.unique(idx, return_inverse=True)
+    arrays = {k: [] for k in FIXED_KEYS}
+    with open_hdf5(src) as f:
+        for a in range(0, n, READ_ROWS):  # READ_ROWS at a time: only the picked rows are kept
+            pick = rows[(rows >= a) & (rows < a + READ_ROWS)] - a
+            for k in FIXED_KEYS:
+                arrays[k].append(f[k][a : a + READ_ROWS][pick])
+    write_fixed_arrays(dst, {k: np.concatenate(v)[back] for k, v in arrays.items()})
 
 
 # ------------------------------------------------------------------------- the command
