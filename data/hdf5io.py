@@ -115,7 +115,15 @@ def open_hdf5(path) -> h5py.File:
         _fail(path, f"not a readable HDF5 file (truncated or corrupt?): {str(e).splitlines()[0]}")
 
 
+def check_links(path, f: h5py.File) -> None:
+    """Refuse a key that is a link into another file (h5py would open that file to follow it)."""
+    for key in f:
+        if isinstance(f.get(key, getlink=True), h5py.ExternalLink):
+            _fail(path, f"{key!r} links to {f.get(key, getlink=True).filename!r}, outside this file; refused")
+
+
 def _layout_of(path, f: h5py.File) -> str:
+    check_links(path, f)
     keys = set(f.keys())
     if "input_ids" not in keys:
         _fail(path, "missing key 'input_ids'")

@@ -30,7 +30,7 @@ import h5py
 import numpy as np
 
 from data.errors import DataError, cli_main
-from data.hdf5io import READ_ROWS, check_storage, open_hdf5
+from data.hdf5io import READ_ROWS, check_links, check_storage, open_hdf5
 
 CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"
 PUBLISHED = {  # (what, shard count) -> published list
@@ -53,6 +53,7 @@ def shard_checksum(path) -> str:
     with open_hdf5(path) as f:
         if "input_ids" not in f:
             raise DataError(f"{path}: missing key 'input_ids'")
+        check_links(path, f)
         for rows in _pieces(path, "input_ids", f["input_ids"]):
             digests += [hashlib.md5(str(row.tolist()).encode()).hexdigest() for row in rows]
     return hashlib.md5(str(digests).encode()).hexdigest()
@@ -73,6 +74,7 @@ def content_digest(path) -> str:
     variable-length data), in name order."""
     h = hashlib.md5()
     with open_hdf5(path) as f:
+        check_links(path, f)
         for name in sorted(f.keys()):
             ds = f[name]
             base = h5py.check_vlen_dtype(ds.dtype)

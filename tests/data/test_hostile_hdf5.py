@@ -75,7 +75,7 @@ def test_every_shard_is_checked_against_max_seq_length(tmp_path, length):
     assert all(int(next(iter(skip)).seq_lens.max()) <= 64 for _ in range(4))
 
 
-def test_scalar_external_and_virtual_datasets_are_refused(tmp_path):
+def test_scalar_external_linked_and_virtual_datasets_are_refused(tmp_path):
     block = random_block(4, seed=3, max_seq_length=32, max_predictions=4, vocab_size=100)
     path = tmp_path / "scalar.hdf5"
     write_varlength(path, block)
@@ -93,6 +93,15 @@ def test_scalar_external_and_virtual_datasets_are_refused(tmp_path):
         del f["next_sentence_labels"]
         f.create_dataset("next_sentence_labels", (4,), dtype=np.int8, external=[(str(outside), 0, 4)])
     with pytest.raises(DataError, match=rf"^{path}: 'next_sentence_labels' is stored in the external file .*; refused"):
+        inspect(path)
+
+    path = tmp_path / "link.hdf5"
+    write_varlength(path, block)
+    with h5py.File(path, "a") as f:
+        del f["next_sentence_labels"]
+        f["next_sentence_labels"] = h5py.ExternalLink(str(tmp_path / "fifo"), "/labels")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(DataError, match=rf"^{path}: 'next_sentence_labels' links to '.*fifo', outside this file"):
         inspect(path)
 
     path = tmp_path / "virtual.hdf5"
