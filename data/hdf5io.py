@@ -1,38 +1,10 @@
-"""HDF5 readers and writers for MLPerf BERT's two file layouts, validated on open.
+"""HDF5 readers and writers for MLPerf BERT's layouts: fixed, varlength and packed.
 
-Fixed layout (MLPerf's ``create_pretraining_data`` output), N samples per file:
-    input_ids (N, S) int16, input_mask (N, S) int8, segment_ids (N, S) int8,
-    masked_lm_positions (N, P) int16, masked_lm_ids (N, P) int16, next_sentence_labels (N,) int8.
-    Real tokens are a prefix of each row (input_mask 1); masked slots are filled from the left
-    in increasing position order and the rest are 0 (position 0 is [CLS], never masked).
-Varlength layout (MLPerf's ``convert_fixed2variable``): input_ids, segment_ids,
-    masked_lm_positions, masked_lm_ids as (N,) variable-length int16 / int8 / int16 / int16
-    arrays, no input_mask, masked lists trimmed at the first 0, next_sentence_labels (N,) int8.
-    Files written here also carry ``max_seq_length`` and ``max_predictions`` attributes so
-    ``data.convert`` can go back to the fixed layout without being told them.
-
-Packed layout (NVIDIA's packed MLPerf data; ``python -m data.convert --to packed`` writes it),
-    R packs (rows) per file, each holding whole sequences: every key is an (R,) variable-length
-    array -- input_ids int16 and segment_ids int8 (the pack's tokens, sequence after sequence,
-    no padding), packed_input_len int16 (the sequences' lengths), masked_lm_positions int16
-    (positions within the pack) and masked_lm_ids int16, packed_masked_lm_len int16 (masked
-    slots per sequence), next_sentence_labels int8 (one per sequence). Reading unpacks: the
-    SampleBlock holds the sequences, pack after pack, and "sample k" / ``num_samples`` count
-    sequences, so loaders treat the file like the other layouts (and pack again per step).
-
-Masked-LM-only files (``data.prepare --objective mlm``; varlength or packed) have no
-    next_sentence_labels key and carry the attribute ``next_sentence = 0`` instead (a file
-    without the key and without that attribute is refused as before); readers give nsp
-    labels 0 and ``FileInfo.next_sentence`` False. Files written with a vocabulary larger
-    than int16 holds (attribute ``vocab_size`` > 32768, e.g. ModernBERT's 50,368) store
-    input_ids and masked_lm_ids as int32; readers check ids against that attribute.
-
-Readers return ``data.samples.SampleBlock``. Every check names the file and, for values, the
-first bad sample (its row in the file): keys, dtypes, shapes, token ids inside the
-vocabulary, the input_mask prefix, segment ids and labels in range, masked positions
-strictly increasing and inside their sequence. Writers write to a temporary name in the
-same directory and rename it when complete, and produce byte-identical files for identical
-content (no timestamps).
+Readers return a validated ``data.samples.SampleBlock`` (a packed file's samples are its
+sequences); every error is a DataError naming the file and, for values, the first bad sample.
+Files are refused before anything is read when unsafe (``open_hdf5``, ``check_storage``,
+``check_links``) and read READ_ROWS samples at a time. Writers publish whole files, byte-identical
+for identical content. The layouts, their attributes and the checks: docs/data.md#the-formats.
 """
 
 from __future__ import annotations

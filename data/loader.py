@@ -1,41 +1,12 @@
 """Rank-sharded loading of prepared HDF5 shards, with prefetch and exact resume.
 
-Which samples form global batch t, and in which order, depends only on the files, the seed,
-the global batch size G and the number of lanes L (default: the largest divisor of G up to
-16) -- never on the number of ranks W. So a run on 8 ranks trains on exactly the batches of
-a run on 1 rank, tests can compare them, and a run can resume on a different W.
-
-The plan, per epoch e (an epoch is N // G steps over the N samples; the N mod G samples
-left over are a different random few each epoch):
-- the files are put in a random order (seeded by seed, e) and each file's rows in a random
-  order (seeded by seed, e, file); concatenated, this is the epoch's stream of samples;
-- the stream is cut into L equal contiguous segments, the lanes; lane l holds G/L samples
-  per step for N // G steps;
-- global batch t = for each lane in turn, its next G/L samples;
-- rank r takes samples [r*G/W, (r+1)*G/W) of the global batch: with W <= L these come from
-  its own lanes, so ranks read distinct files (only the files on a lane boundary are read by
-  two ranks); with W > L, W/L ranks share a lane's files.
-Every sample of the stream's first L*(N//G)*(G/L) positions appears exactly once per epoch.
-
-Each rank knows in advance which file each of its steps needs (``_Plan.entries``), so a
-background thread reads and validates the next shard while the current one is used, and
-drops a shard after its last step. ``state_dict()`` is the step counter plus what identifies
-the plan; ``load_state_dict`` on a loader of any W resumes at that step.
-
-Corrupt samples (``on_corrupt``): ``fail`` raises the reader's DataError, which names the
-file and the sample, when the step that needs the shard comes. ``skip`` reads a bad shard's
-valid samples (``hdf5io.read_valid``) and replaces each invalid one by the next valid sample
-of the epoch's stream (the same file's row order, then the next files). That choice depends
-only on the files and the plan, so every rank keeps its G / W samples per step, the ranks
-never disagree on the global batch, and a run on any W (or resumed) trains on the same
-samples. ``pop_substituted(step)`` says how many samples of a step were replaced; a file
-whose metadata cannot be read at all is left out of the plan at start (every rank sees the
-same files, so every rank leaves it out).
-
-``global_batch(step)`` gives the whole global batch on one process (tests and the
-rebalancer compare against it). ``EvalLoader`` gives rank r a contiguous slice of the eval
-file. Both iterate ``SampleBlock``s; ``batches()`` collates them with the chosen backend
-(``torch`` or ``dali``).
+``PretrainingLoader`` gives rank r its G / W samples of every global step; which samples form
+step t depends only on the files, the seed, G and the lanes L, never on W, so runs on any
+number of ranks (and resumed ones, ``state_dict``) train on the same batches. Shards are read
+ahead in a thread and validated as read (``data.hdf5io``, lengths against max_seq_length);
+``on_corrupt=skip`` replaces bad samples by the next valid ones of the epoch's order, the
+same on every W. ``EvalLoader`` gives rank r a contiguous slice of the eval file. The plan and
+the replacement rule: docs/data.md#loading.
 """
 
 from __future__ import annotations

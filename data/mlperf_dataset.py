@@ -3,33 +3,10 @@
     python -m data.mlperf_dataset --text-dir results4 --eval-text results4/eval.txt \\
         --vocab phase1/vocab.txt --output-dir /data/bert --shards 4320 --workers 32
 
-The same files, with the same contents, as NVIDIA's ``prepare_data.sh`` (MLPerf's reference
-preprocessing), under ``OUT/hdf5/``:
-
-``training/part-XXXXX-of-00500.hdf5``
-    one fixed-layout file per text part, made as the reference ``create_pretraining_data.py``
-    makes it (``data.reference``: seed 12345, dupe factor 10, 512/76).
-``training-N/hdf5_N_shards_uncompressed/part_XXXXX_of_0000N.hdf5``
-    the reference chop: the per-part files' samples in order, cut into N shards of
-    ceil(total / N) samples, one fewer in the first (N * ceil(total / N) - total) shards.
-``training-N/hdf5_N_shards_varlength/``
-    the same shards in the variable-length layout.
-``training-N/hdf5_N_shards_varlength_shuffled/``
-    the reference shuffle: the (shard, index) pairs of all samples shuffled by
-    ``random.Random(24)`` and dealt back out in the shards' sizes.
-``eval/eval_all.hdf5``, ``eval/part_eval_10k.hdf5``, ``eval_varlength/part_eval_10k.hdf5``
-    ``eval.txt`` made like a part, and 10,000 samples picked at ``int(i * (n / 10000))``.
-
-When NVIDIA published checksums for the shard count (2,048 and 4,320 varlength; 4,320
-shuffled; the eval file) and the parameters are MLPerf's, the outputs are checked against
-them (``data.verify``) and a mismatch fails the run.
-
-Every stage runs in ``--workers`` processes, over files or shards. A restart skips what is
-done: every file is written under a temporary name and renamed when complete, so a file
-that exists is whole. The shuffle never holds the dataset in memory: the permutation (4
-bytes a sample) is computed first, then each group of input shards writes its samples
-sorted by their output position (scatter), and each group of output shards reads its
-contiguous slices from those files (gather); a worker holds one group (``--group-rows``).
+Writes the files of NVIDIA's ``prepare_data.sh`` (per-part files, the reference chop, varlength,
+the reference shuffle, the eval pick) with the same contents under ``OUT/hdf5/``, checks them
+against NVIDIA's checksums where published, in ``--workers`` processes, resumable (files are
+published whole). The tree, the stages and their cost: docs/data.md#the-real-mlperf-dataset-step-by-step.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Raw text -> documents of sentences, the first step of ``data.prepare``.
 
-Input formats (``--input-format``):
-
-- ``bert``: one sentence per line, a blank line between documents (the format Google's
-  ``create_pretraining_data`` and MLPerf's Wikipedia text use).
-- ``wikitext``: WikiText files. Every heading (`` = Title = ``, `` = = Section = = ``, deeper)
-  starts a document, so a document is one section; each non-empty line is a paragraph, split
-  into sentences. WikiText's escapes are undone (`` @-@ `` -> ``-``, `` @,@ `` -> ``,``,
-  `` @.@ `` -> ``.``) and ``<unk>`` becomes ``[UNK]``.
-- ``text``: plain prose. Paragraphs separated by blank lines are documents; the lines of a
-  paragraph are joined and split into sentences.
-
-Files are read as bytes and decoded as UTF-8; invalid bytes become U+FFFD and are counted
-(with the first line that had one) rather than stopping the run. Large files are cut into
-chunks at document boundaries (``find_chunks``) so workers can parse them in parallel; the
-cut points depend only on the file's bytes, never on the number of workers.
+Formats (``--input-format``): ``bert`` (a sentence a line, a blank line between documents),
+``wikitext`` (a heading starts a document, WikiText's escapes undone, ``<unk>`` -> ``[UNK]``)
+and ``text`` (paragraphs are documents, split into sentences). Files are opened through
+``fileio.open_checked``, decoded as UTF-8 with invalid bytes replaced and counted, and cut
+into chunks at document boundaries (``find_chunks``) that depend only on the file's bytes.
+Details: docs/data.md#preparing-data.
 """
 
 from __future__ import annotations

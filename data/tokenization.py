@@ -1,20 +1,12 @@
 """Vocabularies and the tokenizer that ``data.prepare`` runs on every sentence (or document).
 
-Two sources: a WordPiece ``vocab.txt`` (``load_vocab``; tokenised as below), or a
-``tokenizers`` JSON file (``load_tokenizer`` of a ``.json``, e.g. ModernBERT's BPE
-``tokenizer.json``), run as the file defines it (its normaliser, pre-tokeniser and model;
-its post-processor is not used, the pipeline adds [CLS] and [SEP] itself).
-
-Tokenisation is BERT's uncased WordPiece, run by the ``tokenizers`` library: BERT's
-normaliser (clean text, split CJK characters, lower case, strip accents), BERT's
-pre-tokeniser (split on whitespace and punctuation), then greedy longest-match WordPiece
-with ``##`` continuation pieces and [UNK] for words it cannot cover.
-
-``train_wordpiece`` learns a vocabulary from text when the user has none (``--train-vocab``).
-The ``tokenizers`` WordPiece trainer is not deterministic (its merge ties are broken in hash
-order, which changes from run to run), and prepared data must be byte-identical for the same
-input, so the merges are learnt here instead: BPE over word counts with ``##`` continuation
-symbols, ties broken by symbol id. The result is applied by the same greedy WordPiece model.
+A WordPiece ``vocab.txt`` (``load_vocab``, BERT's uncased WordPiece by the ``tokenizers``
+library: ``make_tokenizer``) or a ``tokenizers`` JSON (``load_tokenizer`` of a ``.json``, run as
+the file defines it, less its post-processor, padding and truncation); ``encode`` runs either
+under the bounds of docs/data.md#files-the-readers-refuse. ``train_wordpiece`` learns a
+vocabulary deterministically (BPE merges over word counts, ties broken by symbol id: the
+library's trainer breaks them in hash order), so prepared data is byte-identical for the
+same input.
 """
 
 from __future__ import annotations
