@@ -325,6 +325,7 @@ def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_s
         seed=seed,
         backend=cfg.data.backend,
         vocab_size=vocab_size,
+        max_seq_length=cfg.data.max_seq_length,
         on_corrupt=cfg.data.on_corrupt,
         warn=warn,
     )
@@ -343,6 +344,7 @@ def build_eval_loader(cfg: RunConfig, rank: int, world: int, vocab_size: int):
         max_samples=cfg.eval.max_samples,
         vocab_size=vocab_size,
         backend=cfg.data.backend,
+        max_seq_length=cfg.data.max_seq_length,
     )
 
 

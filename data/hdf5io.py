@@ -1,38 +1,10 @@
-"""HDF5 readers and writers for MLPerf BERT's two file layouts, validated on open.
+"""HDF5 readers and writers for MLPerf BERT's layouts: fixed, varlength and packed.
 
-Fixed layout (MLPerf's ``create_pretraining_data`` output), N samples per file:
-    input_ids (N, S) int16, input_mask (N, S) int8, segment_ids (N, S) int8,
-    masked_lm_positions (N, P) int16, masked_lm_ids (N, P) int16, next_sentence_labels (N,) int8.
-    Real tokens are a prefix of each row (input_mask 1); masked slots are filled from the left
-    in increasing position order and the rest are 0 (position 0 is [CLS], never masked).
-Varlength layout (MLPerf's ``convert_fixed2variable``): input_ids, segment_ids,
-    masked_lm_positions, masked_lm_ids as (N,) variable-length int16 / int8 / int16 / int16
-    arrays, no input_mask, masked lists trimmed at the first 0, next_sentence_labels (N,) int8.
-    Files written here also carry ``max_seq_length`` and ``max_predictions`` attributes so
-    ``data.convert`` can go back to the fixed layout without being told them.
-
-Packed layout (NVIDIA's packed MLPerf data; ``python -m data.convert --to packed`` writes it),
-    R packs (rows) per file, each holding whole sequences: every key is an (R,) variable-length
-    array -- input_ids int16 and segment_ids int8 (the pack's tokens, sequence after sequence,
-    no padding), packed_input_len int16 (the sequences' lengths), masked_lm_positions int16
-    (positions within the pack) and masked_lm_ids int16, packed_masked_lm_len int16 (masked
-    slots per sequence), next_sentence_labels int8 (one per sequence). Reading unpacks: the
-    SampleBlock holds the sequences, pack after pack, and "sample k" / ``num_samples`` count
-    sequences, so loaders treat the file like the other layouts (and pack again per step).
-
-Masked-LM-only files (``data.prepare --objective mlm``; varlength or packed) have no
-    next_sentence_labels key and carry the attribute ``next_sentence = 0`` instead (a file
-    without the key and without that attribute is refused as before); readers give nsp
-    labels 0 and ``FileInfo.next_sentence`` False. Files written with a vocabulary larger
-    than int16 holds (attribute ``vocab_size`` > 32768, e.g. ModernBERT's 50,368) store
-    input_ids and masked_lm_ids as int32; readers check ids against that attribute.
-
-Readers return ``data.samples.SampleBlock``. Every check names the file and, for values, the
-first bad sample (its row in the file): keys, dtypes, shapes, token ids inside the
-vocabulary, the input_mask prefix, segment ids and labels in range, masked positions
-strictly increasing and inside their sequence. Writers write to a temporary name in the
-same directory and rename it when complete, and produce byte-identical files for identical
-content (no timestamps).
+Readers return a validated ``data.samples.SampleBlock`` (a packed file's samples are its
+sequences); every error is a DataError naming the file and, for values, the first bad sample.
+Files are refused before anything is read when unsafe (``open_hdf5``, ``check_storage``,
+``check_links``) and read READ_ROWS samples at a time. Writers publish whole files, byte-identical
+for identical content. The layouts, their attributes and the checks: docs/data.md#the-formats.
 """
 
 from __future__ import annotations
@@ -46,7 +18,7 @@ import numpy as np
 
 from data.errors import DataError
 from data.samples import SampleBlock, _offsets
-from fileio import publish
+from fileio import UnsafeFile, open_checked, publish
 
 FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 VARLENGTH_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -79,6 +51,10 @@ PACKED_DTYPES = {
     "next_sentence_labels": np.int8,
 }
 ALL_LAYOUTS = LAYOUTS + (PACKED,)  # what data.convert writes; LAYOUTS: what data.prepare writes
+MAX_FILE_BYTES = 1 << 40
+READ_ROWS = 16384  # samples read and validated at a time
+MAX_CHUNK_BYTES = 64 << 20  # an HDF5 storage chunk is decompressed whole
+MAX_COMPRESSION = 1024  # declared bytes per stored byte of a compressed dataset (gzip's limit is ~1032)
 
 
 @dataclass(frozen=True)
@@ -97,16 +73,29 @@ def _fail(path, msg: str):
     raise DataError(f"{path}: {msg}")
 
 
-def _open(path) -> h5py.File:
+def open_hdf5(path) -> h5py.File:
+    """``path`` opened for reading once ``fileio.open_checked`` passed it (a regular file of a
+    bounded size: a FIFO or a device is refused, never waited on); DataError otherwise."""
     try:
+        open_checked(path, max_bytes=MAX_FILE_BYTES, what="HDF5 file").close()
         return h5py.File(path, "r")
     except FileNotFoundError:
         _fail(path, "no such file")
+    except UnsafeFile as e:
+        raise DataError(str(e)) from None
     except OSError as e:
         _fail(path, f"not a readable HDF5 file (truncated or corrupt?): {str(e).splitlines()[0]}")
 
 
+def check_links(path, f: h5py.File) -> None:
+    """Refuse a key that is a link into another file (h5py would open that file to follow it)."""
+    for key in f:
+        if isinstance(f.get(key, getlink=True), h5py.ExternalLink):
+            _fail(path, f"{key!r} links to {f.get(key, getlink=True).filename!r}, outside this file; refused")
+
+
 def _layout_of(path, f: h5py.File) -> str:
+    check_links(path, f)
     keys = set(f.keys())
     if "input_ids" not in keys:
         _fail(path, "missing key 'input_ids'")
@@ -123,7 +112,24 @@ def _layout_of(path, f: h5py.File) -> str:
             _fail(path, f"missing key {key!r} ({layout} layout)")
         if not isinstance(f[key], h5py.Dataset):
             _fail(path, f"{key!r} is not a dataset")
+        check_storage(path, key, f[key])
     return layout
+
+
+def check_storage(path, key: str, ds: h5py.Dataset) -> None:
+    """Refuse, before anything is read, data kept outside the file, scalars, and shapes
+    that declare more bytes than the file stores (or a chunk too large to decompress)."""
+    if ds.is_virtual or ds.external:
+        where = "a virtual dataset" if ds.is_virtual else f"stored in the external file {ds.external[0][0]!r}"
+        _fail(path, f"{key!r} is {where}, not in this file; refused")
+    if ds.ndim == 0:
+        _fail(path, f"{key!r} is a scalar, expected one entry per sample")
+    item = ds.id.get_type().get_size()
+    declared, stored = ds.size * item, ds.id.get_storage_size()
+    if declared > stored * (MAX_COMPRESSION if ds.id.get_create_plist().get_nfilters() else 1):
+        _fail(path, f"{key!r} declares shape {ds.shape} ({declared:,} bytes) but the file stores {stored:,}; refused")
+    if ds.chunks is not None and int(np.prod(ds.chunks)) * item > MAX_CHUNK_BYTES:
+        _fail(path, f"{key!r} has storage chunks of {ds.chunks} (over {MAX_CHUNK_BYTES >> 20} MiB each); refused")
 
 
 def _has_nsp(path, f: h5py.File) -> bool:
@@ -222,32 +228,65 @@ def _packed_info(path, f: h5py.File) -> FileInfo:
         r = ds.shape[0] if r is None else r
         if ds.shape != (r,):
             _fail(path, f"{key} has shape {ds.shape}, expected ({r},) like input_ids")
-    n = int(_lengths(f["packed_input_len"][:]).sum()) if r else 0
+    n = int(_pack_offsets(f)[-1]) if r else 0
     s = f.attrs.get("max_seq_length")
     p = f.attrs.get("max_predictions")
     return FileInfo(str(path), PACKED, n, None if s is None else int(s), None if p is None else int(p), num_packs=r)
 
 
+def _pack_offsets(f: h5py.File) -> np.ndarray:
+    """[R+1] index of each pack's first sequence (packed_input_len read READ_ROWS packs at a time)."""
+    ds = f["packed_input_len"]
+    counts = [_lengths(ds[a : a + READ_ROWS]) for a in range(0, ds.shape[0], READ_ROWS)]
+    return _offsets(np.concatenate(counts) if counts else np.zeros(0, np.int64))
+
+
 def inspect(path) -> FileInfo:
     """Layout, sample count and sizes from the file's metadata (reads no sample data)."""
-    with _open(path) as f:
+    with open_hdf5(path) as f:
         return _info(path, f)
 
 
-def read_file(path, vocab_size: int | None = None, start: int = 0, stop: int | None = None) -> SampleBlock:
+def read_file(
+    path, vocab_size: int | None = None, start: int = 0, stop: int | None = None, max_seq_length: int | None = None
+) -> SampleBlock:
     """Read samples [start, stop) of a fixed, varlength or packed file (samples: sequences) into a
-    validated SampleBlock."""
-    with _open(path) as f:
-        info = _info(path, f)
-        stop = info.num_samples if stop is None else min(stop, info.num_samples)
-        return _read_range(path, f, info, vocab_size, min(start, stop), stop)
+    validated SampleBlock, READ_ROWS samples at a time; a sequence longer than ``max_seq_length``
+    is an error naming it."""
+    with open_hdf5(path) as f:
+        reader = _Reader(path, f, vocab_size, max_seq_length)
+        stop = reader.info.num_samples if stop is None else min(stop, reader.info.num_samples)
+        parts = [reader.read(a, min(a + READ_ROWS, stop)) for a in range(start, stop, READ_ROWS)]
+    return parts[0] if len(parts) == 1 else SampleBlock.concat(parts)
 
 
-def _read_range(path, f: h5py.File, info: FileInfo, vocab_size: int | None, start: int, stop: int) -> SampleBlock:
-    if vocab_size is None:
-        vocab_size = info.vocab_size
+class _Reader:
+    """Validated reads of sample ranges of one open file, with the checks that span the file:
+    sequence lengths against ``max_seq_length``, and (variable-length layouts) no more tokens
+    than the file has bytes: rows sharing heap entries would otherwise multiply its size."""
+
+    def __init__(self, path, f: h5py.File, vocab_size: int | None, max_seq_length: int | None):
+        self.path, self.f, self.max_seq_length = path, f, max_seq_length
+        self.info = _info(path, f)
+        self.vocab_size = self.info.vocab_size if vocab_size is None else vocab_size
+        self.seq_off = _pack_offsets(f) if self.info.layout == PACKED else None
+        self.tokens, self.bytes = 0, f.id.get_filesize()
+
+    def read(self, start: int, stop: int) -> SampleBlock:
+        block = _read_range(self.path, self.f, self.info, self.vocab_size, start, stop, self.seq_off)
+        limit = self.max_seq_length
+        if limit is not None and len(block) and int(block.seq_lens.max()) > limit:
+            r = int(np.argmax(block.seq_lens > limit))
+            _fail(self.path, f"sample {start + r} has {block.seq_lens[r]} tokens, more than max_seq_length {limit}")
+        self.tokens += int(block.seq_lens.sum())
+        if self.info.layout != "fixed" and self.tokens > self.bytes:
+            _fail(self.path, f"sample {stop - 1}: {self.tokens:,} tokens so far, more than its {self.bytes:,} bytes")
+        return block
+
+
+def _read_range(path, f: h5py.File, info: FileInfo, vocab_size, start: int, stop: int, seq_off=None) -> SampleBlock:
     if info.layout == PACKED:
-        return _read_packed(path, f, info, vocab_size, start, stop)
+        return _read_packed(path, f, info, vocab_size, start, stop, seq_off)
     keys = FIXED_KEYS if info.layout == "fixed" else VARLENGTH_KEYS
     if not info.next_sentence:
         keys = keys[:-1]
@@ -263,7 +302,9 @@ def _read_range(path, f: h5py.File, info: FileInfo, vocab_size: int | None, star
     return _from_varlength(path, arrays, vocab_size, start)
 
 
-def read_valid(path, vocab_size: int | None = None) -> tuple[SampleBlock, np.ndarray, list[str]]:
+def read_valid(
+    path, vocab_size: int | None = None, max_seq_length: int | None = None
+) -> tuple[SampleBlock, np.ndarray, list[str]]:
     """The samples of a file that can be read and pass validation, for ``data.on_corrupt=skip``.
 
     Returns (block of the valid samples in file order, their rows in the file [n] int64, one
@@ -272,24 +313,25 @@ def read_valid(path, vocab_size: int | None = None) -> tuple[SampleBlock, np.nda
     neighbourhood. A file that cannot be opened at all gives no samples and one message.
     """
     try:
-        f = _open(path)
+        f = open_hdf5(path)
     except DataError as e:
         return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
     with f:
         try:
-            info = _info(path, f)
+            reader = _Reader(path, f, vocab_size, max_seq_length)
         except DataError as e:
             return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
         parts: list[SampleBlock] = []
         rows: list[np.ndarray] = []
         problems: list[str] = []
-        todo = [(0, info.num_samples)]
+        n = reader.info.num_samples
+        todo = [(a, min(a + READ_ROWS, n)) for a in reversed(range(0, n, READ_ROWS))]
         while todo:
             start, stop = todo.pop()
             if start >= stop:
                 continue
             try:
-                parts.append(_read_range(path, f, info, vocab_size, start, stop))
+                parts.append(reader.read(start, stop))
                 rows.append(np.arange(start, stop, dtype=np.int64))
             except DataError as e:
                 if stop - start == 1:
@@ -415,11 +457,11 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     )
 
 
-def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size: int | None, start: int, stop: int) -> SampleBlock:
+def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size, start: int, stop: int, seq_off=None) -> SampleBlock:
     """Unpack the packs holding sequences [start, stop) and return those sequences."""
     try:
-        per_pack = _lengths(f["packed_input_len"][:])  # sequences in each pack
-        seq_off = _offsets(per_pack)  # [R+1]
+        seq_off = _pack_offsets(f) if seq_off is None else seq_off  # [R+1]
+        per_pack = np.diff(seq_off)  # sequences in each pack
         p0 = max(int(np.searchsorted(seq_off, start, side="right")) - 1, 0)
         p1 = max(int(np.searchsorted(seq_off, stop, side="left")), p0)
         arrays = {k: f[k][p0:p1] for k in PACKED_KEYS if info.next_sentence or k != "next_sentence_labels"}

@@ -1,41 +1,12 @@
 """Rank-sharded loading of prepared HDF5 shards, with prefetch and exact resume.
 
-Which samples form global batch t, and in which order, depends only on the files, the seed,
-the global batch size G and the number of lanes L (default: the largest divisor of G up to
-16) -- never on the number of ranks W. So a run on 8 ranks trains on exactly the batches of
-a run on 1 rank, tests can compare them, and a run can resume on a different W.
-
-The plan, per epoch e (an epoch is N // G steps over the N samples; the N mod G samples
-left over are a different random few each epoch):
-- the files are put in a random order (seeded by seed, e) and each file's rows in a random
-  order (seeded by seed, e, file); concatenated, this is the epoch's stream of samples;
-- the stream is cut into L equal contiguous segments, the lanes; lane l holds G/L samples
-  per step for N // G steps;
-- global batch t = for each lane in turn, its next G/L samples;
-- rank r takes samples [r*G/W, (r+1)*G/W) of the global batch: with W <= L these come from
-  its own lanes, so ranks read distinct files (only the files on a lane boundary are read by
-  two ranks); with W > L, W/L ranks share a lane's files.
-Every sample of the stream's first L*(N//G)*(G/L) positions appears exactly once per epoch.
-
-Each rank knows in advance which file each of its steps needs (``_Plan.entries``), so a
-background thread reads and validates the next shard while the current one is used, and
-drops a shard after its last step. ``state_dict()`` is the step counter plus what identifies
-the plan; ``load_state_dict`` on a loader of any W resumes at that step.
-
-Corrupt samples (``on_corrupt``): ``fail`` raises the reader's DataError, which names the
-file and the sample, when the step that needs the shard comes. ``skip`` reads a bad shard's
-valid samples (``hdf5io.read_valid``) and replaces each invalid one by the next valid sample
-of the epoch's stream (the same file's row order, then the next files). That choice depends
-only on the files and the plan, so every rank keeps its G / W samples per step, the ranks
-never disagree on the global batch, and a run on any W (or resumed) trains on the same
-samples. ``pop_substituted(step)`` says how many samples of a step were replaced; a file
-whose metadata cannot be read at all is left out of the plan at start (every rank sees the
-same files, so every rank leaves it out).
-
-``global_batch(step)`` gives the whole global batch on one process (tests and the
-rebalancer compare against it). ``EvalLoader`` gives rank r a contiguous slice of the eval
-file. Both iterate ``SampleBlock``s; ``batches()`` collates them with the chosen backend
-(``torch`` or ``dali``).
+``PretrainingLoader`` gives rank r its G / W samples of every global step; which samples form
+step t depends only on the files, the seed, G and the lanes L, never on W, so runs on any
+number of ranks (and resumed ones, ``state_dict``) train on the same batches. Shards are read
+ahead in a thread and validated as read (``data.hdf5io``, lengths against max_seq_length);
+``on_corrupt=skip`` replaces bad samples by the next valid ones of the epoch's order, the
+same on every W. ``EvalLoader`` gives rank r a contiguous slice of the eval file. The plan and
+the replacement rule: docs/data.md#loading.
 """
 
 from __future__ import annotations
@@ -196,6 +167,7 @@ class PretrainingLoader:
     prefetch: read the next shard in a background thread (False: read when needed).
     prefetch_files: how many shards to read ahead (default: one per lane of this rank).
     vocab_size: token ids are checked against it (default: from the dataset's manifest).
+    max_seq_length: every shard's sequence lengths are checked against it as it is read.
     ``next_sentence`` (after construction): False for masked-LM-only shards, whose batches carry
         nsp labels 0 (``data.prepare --objective mlm``); every file must agree.
     on_corrupt: ``fail`` (raise on a corrupt sample) or ``skip`` (replace and count it; see the
@@ -215,6 +187,7 @@ class PretrainingLoader:
         prefetch: bool = True,
         prefetch_files: int | None = None,
         vocab_size: int | None = None,
+        max_seq_length: int | None = None,
         on_corrupt: str = "fail",
         warn=None,
     ):
@@ -244,7 +217,7 @@ class PretrainingLoader:
         self.local_batch_size = global_batch_size // world_size
         if vocab_size is None and isinstance(train_dir_or_files, (str, Path)):
             vocab_size = dataset_vocab_size(train_dir_or_files)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.max_seq_length = vocab_size, max_seq_length
         sizes = []
         readable = []
         infos = []
@@ -319,11 +292,11 @@ class PretrainingLoader:
     def _read(self, file: int) -> _Loaded:
         path, n = self.files[file], int(self.sizes[file])
         if self.on_corrupt == "fail":
-            block = read_file(path, vocab_size=self.vocab_size)
+            block = read_file(path, vocab_size=self.vocab_size, max_seq_length=self.max_seq_length)
             if len(block) != n:
                 raise DataError(f"{path}: holds {len(block)} samples, {n} when the run started")
             return _Loaded(block)
-        block, rows, problems = read_valid(path, vocab_size=self.vocab_size)
+        block, rows, problems = read_valid(path, vocab_size=self.vocab_size, max_seq_length=self.max_seq_length)
         if not problems and len(rows) == n:
             return _Loaded(block)
         index = np.full(n, -1, dtype=np.int64)
@@ -537,7 +510,8 @@ class EvalLoader:
     last one may be smaller; a rank may get no samples when there are fewer than ranks).
 
     max_samples: evaluate only the file's first max_samples samples (None: all of them);
-    ``total_samples`` is the number evaluated over all ranks.
+    ``total_samples`` is the number evaluated over all ranks. max_seq_length: as for
+    ``PretrainingLoader``.
     """
 
     def __init__(
@@ -549,6 +523,7 @@ class EvalLoader:
         vocab_size: int | None = None,
         backend: str = "torch",
         max_samples: int | None = None,
+        max_seq_length: int | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size {batch_size}: must be >= 1")
@@ -566,7 +541,7 @@ class EvalLoader:
         if max_samples is not None:  # evaluate on the file's first max_samples samples only
             self.total_samples = min(self.total_samples, max_samples)
         self.start, self.stop = eval_slice(self.total_samples, rank, world_size)
-        self.block = read_file(self.path, vocab_size=vocab_size, start=self.start, stop=self.stop)
+        self.block = read_file(self.path, vocab_size, self.start, self.stop, max_seq_length)
 
     @property
     def num_samples(self) -> int:

@@ -3,33 +3,10 @@
     python -m data.mlperf_dataset --text-dir results4 --eval-text results4/eval.txt \\
         --vocab phase1/vocab.txt --output-dir /data/bert --shards 4320 --workers 32
 
-The same files, with the same contents, as NVIDIA's ``prepare_data.sh`` (MLPerf's reference
-preprocessing), under ``OUT/hdf5/``:
-
-``training/part-XXXXX-of-00500.hdf5``
-    one fixed-layout file per text part, made as the reference ``create_pretraining_data.py``
-    makes it (``data.reference``: seed 12345, dupe factor 10, 512/76).
-``training-N/hdf5_N_shards_uncompressed/part_XXXXX_of_0000N.hdf5``
-    the reference chop: the per-part files' samples in order, cut into N shards of
-    ceil(total / N) samples, one fewer in the first (N * ceil(total / N) - total) shards.
-``training-N/hdf5_N_shards_varlength/``
-    the same shards in the variable-length layout.
-``training-N/hdf5_N_shards_varlength_shuffled/``
-    the reference shuffle: the (shard, index) pairs of all samples shuffled by
-    ``random.Random(24)`` and dealt back out in the shards' sizes.
-``eval/eval_all.hdf5``, ``eval/part_eval_10k.hdf5``, ``eval_varlength/part_eval_10k.hdf5``
-    ``eval.txt`` made like a part, and 10,000 samples picked at ``int(i * (n / 10000))``.
-
-When NVIDIA published checksums for the shard count (2,048 and 4,320 varlength; 4,320
-shuffled; the eval file) and the parameters are MLPerf's, the outputs are checked against
-them (``data.verify``) and a mismatch fails the run.
-
-Every stage runs in ``--workers`` processes, over files or shards. A restart skips what is
-done: every file is written under a temporary name and renamed when complete, so a file
-that exists is whole. The shuffle never holds the dataset in memory: the permutation (4
-bytes a sample) is computed first, then each group of input shards writes its samples
-sorted by their output position (scatter), and each group of output shards reads its
-contiguous slices from those files (gather); a worker holds one group (``--group-rows``).
+Writes the files of NVIDIA's ``prepare_data.sh`` (per-part files, the reference chop, varlength,
+the reference shuffle, the eval pick) with the same contents under ``OUT/hdf5/``, checks them
+against NVIDIA's checksums where published, in ``--workers`` processes, resumable (files are
+published whole). The tree, the stages and their cost: docs/data.md#the-real-mlperf-dataset-step-by-step.
 """
 
 from __future__ import annotations
@@ -47,16 +24,10 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from data.errors import DataError, cli_main
-from data.hdf5io import (
-    FIXED_KEYS,
-    from_fixed_arrays,
-    write_fixed_arrays,
-    write_varlength,
-)
+from data.hdf5io import FIXED_KEYS, READ_ROWS, inspect, open_hdf5, read_file, write_fixed_arrays, write_varlength
 from data.reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file
 from data.samples import SampleBlock, _offsets
 from data.verify import published_list, read_checksums, verify
@@ -196,11 +167,7 @@ def prepare_files(
 
 
 def _num_samples(path: Path) -> int:
-    try:
-        with h5py.File(path, "r") as f:
-            return int(f["next_sentence_labels"].shape[0])
-    except (OSError, KeyError) as e:
-        raise DataError(f"{path}: not a readable MLPerf HDF5 file ({str(e).splitlines()[0]})") from None
+    return inspect(path).num_samples
 
 
 def chop_sizes(total: int, shards: int) -> np.ndarray:
@@ -232,9 +199,12 @@ def _chop_task(t: _ChopTask) -> None:
         a, b = max(t.lo, t.input_offsets[i]), min(t.hi, t.input_offsets[i + 1])
         if a >= b:
             continue
-        with h5py.File(src, "r") as f:
+        with open_hdf5(src) as f:
+            inspect(src)  # its declared shapes against its size, before reading
             for k in FIXED_KEYS:
-                parts[k].append(f[k][a - t.input_offsets[i] : b - t.input_offsets[i]])
+                for lo in range(a, b, READ_ROWS):
+                    hi = min(lo + READ_ROWS, b)
+                    parts[k].append(f[k][lo - t.input_offsets[i] : hi - t.input_offsets[i]])
     write_fixed_arrays(t.dst, {k: np.concatenate(v) for k, v in parts.items()})
 
 
@@ -264,17 +234,10 @@ def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
 # ----------------------------------------------------------------- stage 3: varlength
 
 
-def read_fixed_block(path) -> SampleBlock:
-    with h5py.File(path, "r") as f:
-        arrays = {k: f[k][()] for k in FIXED_KEYS}
-    return from_fixed_arrays(path, **arrays)
-
-
 def _varlength_task(pair: tuple[str, str]) -> None:
     src, dst = pair
-    with h5py.File(src, "r") as f:
-        s, p = f["input_ids"].shape[1], f["masked_lm_positions"].shape[1]
-    write_varlength(dst, read_fixed_block(src), s, p)
+    info = inspect(src)
+    write_varlength(dst, read_file(src), info.max_seq_length, info.max_predictions)
 
 
 def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], pool: Pool, desc: str = "varlength") -> None:
@@ -309,15 +272,9 @@ class _ScatterTask:
     out_dir: str
 
 
-def _read_varlength(path: str) -> SampleBlock:
-    from data.hdf5io import read_file
-
-    return read_file(path)
-
-
 def _scatter_task(t: _ScatterTask) -> None:
     """Write this group's samples sorted by output position, as flat .npy arrays."""
-    block = SampleBlock.concat([_read_varlength(p) for p in t.inputs])
+    block = SampleBlock.concat([read_file(p) for p in t.inputs])
     inv = np.load(t.inverse, mmap_mode="r")
     pos = np.asarray(inv[t.first_global : t.first_global + len(block)], dtype=np.int64)
     order = np.argsort(pos, kind="stable")
@@ -459,12 +416,16 @@ def shuffle(
 def pick_eval(src: Path, dst: Path, num: int) -> None:
     """The reference eval pick: sample ``int(i * (n / num))`` for i < num (rows repeat when
     n < num), fixed layout."""
-    with h5py.File(src, "r") as f:
-        n = int(f["next_sentence_labels"].shape[0])
-        ratio = n / num
-        idx = np.array([int(i * ratio) for i in range(num)], np.int64)
-        arrays = {k: f[k][()][idx] for k in FIXED_KEYS}
-    write_fixed_arrays(dst, arrays)
+    n = inspect(src).num_samples
+    idx = np.array([int(i * (n / num)) for i in range(num)], np.int64)
+    rows, back = np.unique(idx, return_inverse=True)
+    arrays = {k: [] for k in FIXED_KEYS}
+    with open_hdf5(src) as f:
+        for a in range(0, n, READ_ROWS):  # READ_ROWS at a time: only the picked rows are kept
+            pick = rows[(rows >= a) & (rows < a + READ_ROWS)] - a
+            for k in FIXED_KEYS:
+                arrays[k].append(f[k][a : a + READ_ROWS][pick])
+    write_fixed_arrays(dst, {k: np.concatenate(v)[back] for k, v in arrays.items()})
 
 
 # ------------------------------------------------------------------------- the command

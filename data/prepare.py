@@ -42,7 +42,7 @@ from data.hdf5io import ALL_LAYOUTS, write_file
 from data.progress import progress
 from data.samples import SampleBlock, _gather_ranges, _offsets
 from data.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
-from data.tokenization import MAX_VOCAB_SIZE, Vocab, load_tokenizer, train_wordpiece, write_vocab
+from data.tokenization import MAX_VOCAB_SIZE, Vocab, encode, load_tokenizer, train_wordpiece, write_vocab
 from fileio import md5sum, publish, write_text
 
 EVAL_FILE = "part_eval_10k.hdf5"
@@ -278,7 +278,7 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
     if task.whole_documents:
         docs = [[" ".join(d)] for d in docs]
     sentences = [s for d in docs for s in d]
-    encoded = tok.encode_batch_fast(sentences, add_special_tokens=False) if sentences else []
+    encoded = encode(tok, sentences, task.vocab_path)
     sent_lens = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))
     ids = [e.ids for e in encoded]
     keep_tokens: list[list[int]] = []

@@ -1,31 +1,24 @@
 """Raw text -> documents of sentences, the first step of ``data.prepare``.
 
-Input formats (``--input-format``):
-
-- ``bert``: one sentence per line, a blank line between documents (the format Google's
-  ``create_pretraining_data`` and MLPerf's Wikipedia text use).
-- ``wikitext``: WikiText files. Every heading (`` = Title = ``, `` = = Section = = ``, deeper)
-  starts a document, so a document is one section; each non-empty line is a paragraph, split
-  into sentences. WikiText's escapes are undone (`` @-@ `` -> ``-``, `` @,@ `` -> ``,``,
-  `` @.@ `` -> ``.``) and ``<unk>`` becomes ``[UNK]``.
-- ``text``: plain prose. Paragraphs separated by blank lines are documents; the lines of a
-  paragraph are joined and split into sentences.
-
-Files are read as bytes and decoded as UTF-8; invalid bytes become U+FFFD and are counted
-(with the first line that had one) rather than stopping the run. Large files are cut into
-chunks at document boundaries (``find_chunks``) so workers can parse them in parallel; the
-cut points depend only on the file's bytes, never on the number of workers.
+Formats (``--input-format``): ``bert`` (a sentence a line, a blank line between documents),
+``wikitext`` (a heading starts a document, WikiText's escapes undone, ``<unk>`` -> ``[UNK]``)
+and ``text`` (paragraphs are documents, split into sentences). Files are opened through
+``fileio.open_checked``, decoded as UTF-8 with invalid bytes replaced and counted, and cut
+into chunks at document boundaries (``find_chunks``) that depend only on the file's bytes.
+Details: docs/data.md#preparing-data.
 """
 
 from __future__ import annotations
 
 import codecs
 import mmap
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from data.errors import DataError
+from fileio import UnsafeFile, open_checked
 
 FORMATS = ("bert", "wikitext", "text")
 CHUNK_BYTES = 4 << 20
@@ -106,7 +99,7 @@ def list_inputs(paths: list[str]) -> list[Path]:
             if not found:
                 raise DataError(f"{path}: empty input (the directory holds no files)")
             files.extend(found)
-        elif path.is_file():
+        elif path.exists():  # a FIFO or a device is refused by find_chunks, naming what it is
             files.append(path)
         else:
             raise DataError(f"{path}: no such file or directory")
@@ -116,10 +109,12 @@ def list_inputs(paths: list[str]) -> list[Path]:
 def find_chunks(path: Path, fmt: str, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
     """Cut a file into chunks of about ``chunk_bytes`` at document boundaries."""
     try:
-        size = path.stat().st_size
-        if size == 0:
-            raise DataError(f"{path}: empty input (no text)")
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with open_checked(path, what="input") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size == 0:
+                raise DataError(f"{path}: empty input (no text)")
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        with mm:
             if _NON_SPACE.search(mm) is None:
                 raise DataError(f"{path}: empty input (only whitespace)")
             boundary = _HEADING_LINE_BYTES if fmt == "wikitext" else _BLANK_LINE
@@ -136,6 +131,8 @@ def find_chunks(path: Path, fmt: str, chunk_bytes: int = CHUNK_BYTES) -> list[Ch
                 line += mm[start:end].count(b"\n")
                 start = end
             return chunks
+    except UnsafeFile as e:
+        raise DataError(str(e)) from None
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
 
@@ -144,9 +141,11 @@ def read_chunk(chunk: Chunk) -> tuple[list[str], int, int]:
     """The chunk's lines, invalid UTF-8 sequences replaced, and the file line number of the
     first line that had one (or -1)."""
     try:
-        with open(chunk.path, "rb") as fh:
+        with open_checked(chunk.path, what="input") as fh:
             fh.seek(chunk.start)
             raw = fh.read(chunk.end - chunk.start)
+    except UnsafeFile as e:
+        raise DataError(str(e)) from None
     except OSError as e:
         raise DataError(f"{chunk.path}: cannot read ({e.strerror or e})") from None
     lines, bad, first = decode_lines(raw)

@@ -1,32 +1,27 @@
 """Vocabularies and the tokenizer that ``data.prepare`` runs on every sentence (or document).
 
-Two sources: a WordPiece ``vocab.txt`` (``load_vocab``; tokenised as below), or a
-``tokenizers`` JSON file (``load_tokenizer`` of a ``.json``, e.g. ModernBERT's BPE
-``tokenizer.json``), run as the file defines it (its normaliser, pre-tokeniser and model;
-its post-processor is not used, the pipeline adds [CLS] and [SEP] itself).
-
-Tokenisation is BERT's uncased WordPiece, run by the ``tokenizers`` library: BERT's
-normaliser (clean text, split CJK characters, lower case, strip accents), BERT's
-pre-tokeniser (split on whitespace and punctuation), then greedy longest-match WordPiece
-with ``##`` continuation pieces and [UNK] for words it cannot cover.
-
-``train_wordpiece`` learns a vocabulary from text when the user has none (``--train-vocab``).
-The ``tokenizers`` WordPiece trainer is not deterministic (its merge ties are broken in hash
-order, which changes from run to run), and prepared data must be byte-identical for the same
-input, so the merges are learnt here instead: BPE over word counts with ``##`` continuation
-symbols, ties broken by symbol id. The result is applied by the same greedy WordPiece model.
+A WordPiece ``vocab.txt`` (``load_vocab``, BERT's uncased WordPiece by the ``tokenizers``
+library: ``make_tokenizer``) or a ``tokenizers`` JSON (``load_tokenizer`` of a ``.json``, run as
+the file defines it, less its post-processor, padding and truncation); ``encode`` runs either
+under the bounds of docs/data.md#files-the-readers-refuse. ``train_wordpiece`` learns a
+vocabulary deterministically (BPE merges over word counts, ties broken by symbol id: the
+library's trainer breaks them in hash order), so prepared data is byte-identical for the
+same input.
 """
 
 from __future__ import annotations
 
 import heapq
+import json
 import os
+import re
+import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 from data.errors import DataError
-from fileio import write_text
+from fileio import UnsafeFile, read_checked, write_text
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # The fixed and varlength HDF5 layouts store token ids as int16.
@@ -35,6 +30,15 @@ MAX_VOCAB_SIZE = 32768
 # and varlength / packed files then hold ids as int32 (data.hdf5io.id_dtype).
 MAX_WIDE_VOCAB_SIZE = 65536
 MAX_WORD_CHARS = 100
+MAX_FILE_BYTES = 64 << 20  # a vocab.txt or tokenizer JSON (ModernBERT's: 3.5 MB)
+# Bounds on what a tokenizer JSON's pipeline may do to a document (docs/data.md#tokenizer-json):
+MAX_GROWTH = 100  # characters a chain of Replace normalizers may make of one
+TOKENS_PER_CHAR = 8  # byte-level BPE needs up to 4 per character
+PIECE_CHARS = 1000  # a long document is encoded in pieces this long, cut before a whitespace run
+BATCH_CHARS = 16_000  # characters per encode call, timed
+MIN_CHARS_PER_S = 10_000  # a call slower than this after SLOW_AFTER_S stops the run
+SLOW_AFTER_S = 1.0
+_RUN_START = re.compile(r"(?<=\S)\s")
 
 
 class Vocab:
@@ -84,10 +88,7 @@ class Vocab:
 def load_vocab(path: str | os.PathLike) -> Vocab:
     """Read a BERT ``vocab.txt`` (one piece per line, the line number is the id)."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"{path}: cannot read the vocabulary ({e.strerror or e})") from None
+    raw = _read(path, "vocabulary")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -105,6 +106,42 @@ def load_vocab(path: str | os.PathLike) -> Vocab:
     return Vocab(tokens, str(path))
 
 
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return read_checked(path, max_bytes=MAX_FILE_BYTES, what=what)
+    except UnsafeFile as e:
+        raise DataError(str(e)) from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+
+
+def _growth(node) -> float:
+    """How many characters a tokenizer JSON's normalizer can make of one, at most (Replace and
+    Sequence; the others keep text about its length)."""
+    if not isinstance(node, dict):
+        return 1.0
+    if node.get("type") == "Sequence" and isinstance(node.get("normalizers"), list):
+        out = 1.0
+        for child in node["normalizers"]:
+            out *= _growth(child)
+        return out
+    if node.get("type") == "Replace":
+        content, pattern = node.get("content"), node.get("pattern")
+        text = pattern.get("String") if isinstance(pattern, dict) else None
+        n = len(content) if isinstance(content, str) else 0
+        return (n / len(text)) if isinstance(text, str) and text else n + 1.0  # a regex may match ""
+    return 1.0
+
+
+def _is_abort(e: BaseException) -> bool:
+    """A ^C or exit, which is never a tokenizer's fault (a Rust panic is a BaseException too)."""
+    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
     """(Vocab, tokenizers.Tokenizer) of a ``tokenizers`` JSON or a WordPiece vocab.txt
     (``is_json``; None: a JSON when the name ends in ``.json``).
@@ -117,22 +154,86 @@ def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
         return vocab, make_tokenizer(vocab)
     from tokenizers import Tokenizer
 
+    raw = _read(path, "tokenizer")
     try:
-        raw = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise DataError(f"{path}: cannot read the tokenizer ({e.strerror or e})") from None
+        raw = raw.decode("utf-8")
+        growth = _growth(json.loads(raw).get("normalizer"))
     except UnicodeDecodeError:
         raise DataError(f"{path}: the tokenizer file is not UTF-8") from None
+    except (ValueError, RecursionError, AttributeError) as e:
+        raise DataError(f"{path}: not a tokenizers JSON file ({_first_line(e)})") from None
+    if growth > MAX_GROWTH:
+        raise DataError(f"{path}: its normalizer can make {growth:,.0f} characters of one (at most {MAX_GROWTH})")
     try:
         tok = Tokenizer.from_str(raw)
-    except Exception as e:  # the library raises a bare Exception for every parse error
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"{path}: not a tokenizers JSON file ({first})") from None
+    except BaseException as e:  # a bare Exception for every parse error; a bad regex may panic
+        if _is_abort(e):
+            raise
+        raise DataError(f"{path}: not a tokenizers JSON file ({_first_line(e)})") from None
+    tok.no_padding()  # the preparation decides lengths, not the file
+    tok.no_truncation()
     by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
     gaps = [i for i in range(len(by_id)) if i not in by_id]
     if gaps:
         raise DataError(f"{path}: the vocabulary has no entry with id {gaps[0]} (ids must be 0..{len(by_id) - 1})")
     return Vocab([by_id[i] for i in range(len(by_id))], str(path), max_size=MAX_WIDE_VOCAB_SIZE), tok
+
+
+def _pieces(text: str) -> list[str]:
+    """``text`` cut before whitespace runs into pieces of at most PIECE_CHARS (a run of as many
+    characters without whitespace is cut where it reaches the bound)."""
+    out, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        cut = max((m.start() for m in _RUN_START.finditer(text, start + 1, start + PIECE_CHARS)), default=0)
+        cut = cut or start + PIECE_CHARS
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
+def encode(tok, texts: list[str], source: str) -> list:
+    """``tok.encode_batch_fast(texts, add_special_tokens=False)`` under bounds: a long text is
+    encoded in pieces (cut before whitespace, which the pre-tokenizers split at anyway) and the
+    pieces merged; each call holds at most BATCH_CHARS characters and must run at
+    MIN_CHARS_PER_S after SLOW_AFTER_S; a text may give at most TOKENS_PER_CHAR tokens per
+    character; a Rust panic is one line. Every breach is a DataError naming ``source``."""
+    from tokenizers import Encoding
+
+    pieces = [_pieces(t) if len(t) > PIECE_CHARS else [t] for t in texts]
+    flat = [p for ps in pieces for p in ps]
+    encoded = []
+    a = 0
+    while a < len(flat):
+        b, chars = a, 0
+        while b < len(flat) and (b == a or chars + len(flat[b]) <= BATCH_CHARS):
+            chars += len(flat[b])
+            b += 1
+        start = time.monotonic()
+        try:
+            encoded += tok.encode_batch_fast(flat[a:b], add_special_tokens=False)
+        except BaseException as e:
+            if _is_abort(e):
+                raise
+            raise DataError(f"{source}: the tokenizer failed on {flat[a][:40]!r}...: {_first_line(e)}") from None
+        took = time.monotonic() - start
+        if took > SLOW_AFTER_S + chars / MIN_CHARS_PER_S:
+            raise DataError(
+                f"{source}: the tokenizer took {took:.1f} s for {chars:,} characters from {flat[a][:40]!r} "
+                f"(under {MIN_CHARS_PER_S:,} a second: a pathological regex?)"
+            )
+        a = b
+    out, i = [], 0
+    for text, ps in zip(texts, pieces):
+        e = encoded[i] if len(ps) == 1 else Encoding.merge(encoded[i : i + len(ps)], growing_offsets=True)
+        i += len(ps)
+        if len(e.ids) > TOKENS_PER_CHAR * len(text) + 16:
+            raise DataError(
+                f"{source}: the tokenizer made {len(e.ids):,} tokens of {len(text):,} characters "
+                f"from {text[:40]!r} (at most {TOKENS_PER_CHAR} a character)"
+            )
+        out.append(e)
+    return out
 
 
 def write_vocab(path: str | os.PathLike, tokens: list[str]) -> None:

@@ -30,6 +30,7 @@ import h5py
 import numpy as np
 
 from data.errors import DataError, cli_main
+from data.hdf5io import READ_ROWS, check_links, check_storage, open_hdf5
 
 CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"
 PUBLISHED = {  # (what, shard count) -> published list
@@ -46,47 +47,46 @@ def published_list(what: str, shards: int) -> Path | None:
     return CHECKSUM_DIR / name if name else None
 
 
-def _open(path) -> h5py.File:
-    try:
-        return h5py.File(path, "r")
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except OSError as e:
-        raise DataError(f"{path}: not a readable HDF5 file (truncated or corrupt?): {str(e).splitlines()[0]}") from None
-
-
 def shard_checksum(path) -> str:
     """NVIDIA's checksum of one HDF5 file (fixed or varlength layout)."""
-    with _open(path) as f:
+    digests = []
+    with open_hdf5(path) as f:
         if "input_ids" not in f:
             raise DataError(f"{path}: missing key 'input_ids'")
-        try:
-            rows = f["input_ids"][:]
-        except (OSError, RuntimeError, ValueError, TypeError) as e:
-            raise DataError(
-                f"{path}: cannot read input_ids (truncated or corrupt?): {str(e).splitlines()[0]}"
-            ) from None
-    digests = [hashlib.md5(str(row.tolist()).encode()).hexdigest() for row in rows]
+        check_links(path, f)
+        for rows in _pieces(path, "input_ids", f["input_ids"]):
+            digests += [hashlib.md5(str(row.tolist()).encode()).hexdigest() for row in rows]
     return hashlib.md5(str(digests).encode()).hexdigest()
+
+
+def _pieces(path, key: str, ds):
+    """A dataset's rows, READ_ROWS at a time, once its storage passed ``hdf5io.check_storage``."""
+    try:
+        check_storage(path, key, ds)
+        for a in range(0, ds.shape[0], READ_ROWS):
+            yield ds[a : a + READ_ROWS]
+    except (OSError, RuntimeError, ValueError, TypeError) as e:
+        raise DataError(f"{path}: cannot read {key} (truncated or corrupt?): {str(e).splitlines()[0]}") from None
 
 
 def content_digest(path) -> str:
     """md5 over every dataset of an HDF5 file: name, dtype, shape and values (row by row for
     variable-length data), in name order."""
     h = hashlib.md5()
-    with _open(path) as f:
+    with open_hdf5(path) as f:
+        check_links(path, f)
         for name in sorted(f.keys()):
             ds = f[name]
             base = h5py.check_vlen_dtype(ds.dtype)
             h.update(f"{name}|{(base or ds.dtype).str}|{'vlen' if base is not None else ''}|{ds.shape}|".encode())
-            data = ds[()]
-            if base is not None:
+            for data in _pieces(path, name, ds):
+                if base is None:
+                    h.update(np.ascontiguousarray(data).tobytes())
+                    continue
                 for row in data:
                     row = np.ascontiguousarray(row, dtype=base)
                     h.update(len(row).to_bytes(8, "little"))
                     h.update(row.tobytes())
-            else:
-                h.update(np.ascontiguousarray(data).tobytes())
     return h.hexdigest()
 
 

@@ -1,37 +1,13 @@
 """Distributed initialisation from whatever launched this process.
 
-``run_pretraining.py`` calls :func:`init_distributed` once, before building anything else.
-It reads the environment of the launcher, in this order of precedence:
-
-==========  ===================================  ==========================================
-launcher    rank / world size / local rank        rendezvous (MASTER_ADDR, MASTER_PORT)
-==========  ===================================  ==========================================
-torchrun    RANK, WORLD_SIZE, LOCAL_RANK          set by torchrun
-OpenMPI     OMPI_COMM_WORLD_RANK / _SIZE /        from the environment if exported, else rank 0
-            _LOCAL_RANK                           picks its address and a free port and
-MPICH,      PMI_RANK, PMI_SIZE, MPI_LOCALRANKID   broadcasts them with mpi4py (the address
-                                                  of the interface in GLOO_SOCKET_IFNAME /
-                                                  NCCL_SOCKET_IFNAME, else its hostname)
-Intel MPI
-Slurm       SLURM_PROCID, SLURM_NTASKS,           from the environment if exported (as
-            SLURM_LOCALID                         ``launch/slurm.sub`` does), else the first
-                                                  host of the step's node list and a port
-                                                  derived from the job id
-(none)      a single process                      none needed: an in-memory store
-==========  ===================================  ==========================================
-
-A process group always exists after :func:`init_distributed`, also for a single process,
-so collectives (``all_reduce`` of loss counts, ...) work the same everywhere. The backend
-is NCCL when CUDA is available and gloo otherwise; each process uses the GPU of its local
-rank. The launcher's variables are normalised into ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` so that libraries reading them agree.
-
-Slurm's variables are read as ``srun`` sets them for each task; a process started directly
-in a batch script also sees ``SLURM_PROCID``/``SLURM_NTASKS`` and would wait for ranks that
-never come, so start the trainer with ``srun`` (as ``launch/slurm.sub`` does).
-
-:func:`detect_launcher` is the pure part (environment in, :class:`LaunchEnv` out) and is
-what the tests exercise on fake environments.
+``run_pretraining.py`` calls :func:`init_distributed` once, before building anything else. It
+reads rank, world size, local rank and rendezvous from torchrun, Open MPI, MPICH / Intel MPI or
+Slurm (``srun``) variables, in that order (a single process with an in-memory store when there
+are none; under MPI without MASTER_ADDR/MASTER_PORT rank 0 picks them and broadcasts them with
+mpi4py), normalises them into RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, and
+creates the default process group (NCCL with CUDA, else gloo; each process on its local
+rank's GPU), which always exists afterwards. :func:`detect_launcher` is the pure part
+(environment in, :class:`LaunchEnv` out). Launchers and variables: docs/clusters.md.
 """
 
 from __future__ import annotations

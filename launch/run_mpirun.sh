@@ -41,6 +41,8 @@ if [[ -n ${SOCKET_IFNAME:-} ]]; then
     export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$SOCKET_IFNAME}
     args+=(--mca oob_tcp_if_include "$SOCKET_IFNAME" --mca btl_tcp_if_include "$SOCKET_IFNAME")
 fi
+# c10d's warnings with C++ stack frames stay out of a failed run's output (set them to see those).
+export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR} TORCH_SHOW_CPP_STACKTRACES=${TORCH_SHOW_CPP_STACKTRACES:-0}
 # Forward the environment training reads to every rank, also on other nodes.
 for var in $(compgen -e); do
     case $var in

@@ -45,8 +45,13 @@ else
                 --master-addr "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}" --master-port "${MASTER_PORT:-29500}")
 fi
 
+# A failed run shows each rank's one-line error: no c10d warnings with C++ stack frames, no
+# torchrun log lines or traceback (launch/torchrun.py; LOGLEVEL=INFO TORCH_CPP_LOG_LEVEL=INFO show them).
+export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR} TORCH_SHOW_CPP_STACKTRACES=${TORCH_SHOW_CPP_STACKTRACES:-0}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # what torchrun sets for several ranks, without its banner
+
 # MAX_RESTARTS=N restarts all ranks (from the last checkpoint) when one dies. Restarted ranks
 # must not reuse the dead generation's store address (pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-exec "$python" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-0}" \
+exec "$python" "$repo/launch/torchrun.py" "${rendezvous[@]}" --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-0}" \
     "$train_script" --config "$config" --output-dir "$output_dir" ${SEED:+"train.seed=$SEED"} "$@"

@@ -104,7 +104,7 @@ def test_the_clock_and_the_seed(dataset, tmp_path, monkeypatch):  # noqa: F811 -
         order.append("model build")
         model_init(self, *args, **kw)
 
-    opened = data.hdf5io._open
+    opened = data.hdf5io.open_hdf5
 
     def recording_open(path):
         order.append("dataset read")
@@ -118,7 +118,7 @@ def test_the_clock_and_the_seed(dataset, tmp_path, monkeypatch):  # noqa: F811 -
 
     monkeypatch.setattr(MLPerfLogger, "_emit", recording_emit)
     monkeypatch.setattr(components.BertForPreTraining, "__init__", recording_build)
-    monkeypatch.setattr(data.hdf5io, "_open", recording_open)
+    monkeypatch.setattr(data.hdf5io, "open_hdf5", recording_open)
     monkeypatch.setattr(trainer_module.Trainer, "warm_up", recording_warm_up)
     monkeypatch.setenv(trainer_module.CACHE_CLEARED_ENV, "1")
     fast = ["model.attention=padded", "eval.max_samples=8"]

@@ -20,6 +20,7 @@ from tests.faults.common import (
     metrics,
     read_pid,
     run_args,
+    run_in_process,
     spawn_ranks,
     summary,
     wait_for,
@@ -176,3 +177,19 @@ def test_backend_errors_are_recognised_and_shortened():
     except RebalanceError as wrapped:
         assert is_comm_error(wrapped) and backend_reason(wrapped).startswith("Connection closed by peer")
     assert not is_comm_error(RebalanceError("rebalance step 3: rank 1: block has 3 samples, expected 4"))
+
+
+@pytest.mark.timeout(120)
+def test_a_config_error_on_one_rank_is_one_line_per_rank_under_run_torchrun(dataset, tmp_path):
+    """Rank 0 alone refuses to resume a run that already ended (its MLPerf log says so); rank 1
+    prints that cause, torchrun one line; no traceback, no C++ frames, no torchrun log lines."""
+    steps = ("train.max_steps=2", "checkpoint.interval_steps=1")
+    run_in_process(dataset, tmp_path, *steps)
+    cmd = ["bash", "launch/run_torchrun.sh", "1", "2", "", str(tmp_path), *run_args(dataset, *steps)]
+    job = Job(cmd, str(tmp_path / "torchrun.log"), clean_env())
+    rc, lines = job.wait(90, "run_torchrun.sh"), job.output().strip().splitlines()
+    cause = f"MLPerf log: cannot resume {tmp_path}/mlperf.log: the run already ended"
+    assert rc in (1, 2) and len(lines) == 3, lines
+    assert lines[0].startswith(f"error (rank 0): {cause}"), lines
+    assert re.match(rf"error: rank 1: the .* failed after .*: rank 0 stopped first: {re.escape(cause)}", lines[1])
+    assert re.fullmatch(r"torchrun: [12] rank\(s\) failed, rank [01] first: it exited with status [12]", lines[2])
