@@ -149,17 +149,17 @@ def whole_state(saved: dict, model: torch.nn.Module, optimizer=None) -> dict:
             raise CheckpointError("no 'optimizer_groups' state")
         names = {id(p): n for n, p in model.named_parameters()}
         for index, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
-            for moment in ("exp_avg", "exp_avg_sq"):
+            for moment in ("exp_avg", "exp_avg_sq"):  # the writer saved both of every parameter
                 key = f"optim/{names[id(p)]}/{moment}"
-                if key in shapes:
-                    ours[key], moments[key] = p, (index, moment)
-    problems = [f"unexpected {k[6:]}" for k in shapes if k.startswith("model/") and k not in ours]
+                ours[key], moments[key] = p, (index, moment)
+    problems = [f"unexpected {k}" for k in shapes if k.startswith("model/") and k not in ours]
+    problems += [f"missing {k}" for k in ours if k not in shapes]
     for key, target in ours.items():
         if key in shapes and shapes[key] != (tuple(target.shape), target.dtype):
             shape, dtype = shapes[key]
             problems.append(f"{key} is {dtype} {shape}, this run has {target.dtype} {tuple(target.shape)}")
     refuse_if("the checkpoint's tensors do not fit this run", problems)
-    whole = {k: torch.empty(tuple(t.shape), dtype=t.dtype) for k, t in ours.items() if k in shapes}
+    whole = {k: torch.empty(tuple(t.shape), dtype=t.dtype) for k, t in ours.items()}
     load_tensors(path, whole)
     state = {k: v for k, v in saved.items() if k not in ("sharded", "optimizer_groups")}
     state["model"] = {k[6:]: v for k, v in whole.items() if k.startswith("model/")}
