@@ -1,19 +1,9 @@
-"""Sharded training checkpoints of earlier code: DCP directories, read into the single file's dict.
+"""Sharded training checkpoints of earlier code (DCP directories), read into the single file's dict.
 
-Runs with ``optim.shard`` used to write ``torch.distributed.checkpoint`` (DCP) directories,
-``DIR/checkpoints/step_%08d/``; checkpoints are one file now (bert.train_checkpoint), and these
-directories still resume. One is
-
-    __<rank>_0.distcp   each rank's tensors (DCP's format: raw tensor records)
-    .metadata           DCP's index of every tensor's shards
-    state.pt            everything but the big tensors (counters, schedule, loader position,
-                        AdaGC, the optimizer's hyperparameters and step counts), in
-                        bert.train_checkpoint's checksummed file format, plain data only
-    MANIFEST.json       the byte count and SHA-256 of every other file
-
-``bert.train_checkpoint.read`` checks the manifest and gives ``state.pt`` with ``"sharded":
-path``; ``whole_state`` turns that into what a single file holds, whole tensors read from the
-shards, and the one restore path takes it from there.
+``optim.shard`` runs used to write ``DIR/checkpoints/step_%08d/``: each rank's ``__<rank>_0.distcp``,
+DCP's ``.metadata``, rank 0's ``state.pt`` (the rest, in bert.train_checkpoint's file format) and
+``MANIFEST.json`` (every other file's size and SHA-256). ``bert.train_checkpoint.read`` checks the
+manifest; ``whole_state`` reads the shards into what a single file holds, for the one restore path.
 
 Safety: no checkpoint file may run code. DCP pickles ``.metadata`` and would unpickle it
 with ``pickle.load``: here a restricted unpickler builds only DCP's own metadata classes,

@@ -1,18 +1,10 @@
 """A run's checkpoint -> a transformers directory: ``python -m bert.export RUN_DIR --output HF_DIR``.
 
-The hand-off from pretraining to fine-tuning. Reads the newest checkpoint of
-``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint NAME``: a name there such as
-``step_00001500.pt`` or an earlier code's sharded directory ``step_00001500``, a step number,
-or a path), rebuilds the model from the config stored in it, and writes:
-
-    config.json, model.safetensors        bert.checkpoint.export_hf (BertForPreTraining names)
-    vocab.txt                             the run's data.vocab_file (or --vocab)
-    tokenizer_config.json                 BertTokenizer, lower case, model_max_length
-    special_tokens_map.json               [UNK] [SEP] [PAD] [CLS] [MASK]
-
-so that ``AutoTokenizer.from_pretrained(HF_DIR)`` and ``AutoModel*.from_pretrained(HF_DIR)``
-(e.g. ``AutoModelForSequenceClassification``, which adds a new classifier head) load it
-offline. The directory is written under a temporary name and renamed when complete.
+Reads the newest checkpoint of ``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint``: a
+name there, a step number or a path), rebuilds the model from the config stored in it, and
+publishes (whole, or not at all) ``config.json`` and ``model.safetensors`` (BertForPreTraining
+names, bert.checkpoint.export_hf), the run's ``vocab.txt`` (or ``--vocab``) and BertTokenizer's
+files, so that ``AutoTokenizer`` and ``AutoModel*.from_pretrained(HF_DIR)`` load it offline.
 """
 
 from __future__ import annotations

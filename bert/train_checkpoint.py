@@ -19,6 +19,7 @@ dict. Why one file, and its cost: docs/sharding.md; the fault cases: docs/reliab
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -89,11 +90,9 @@ def remove_temporaries(directory: str) -> list[str]:
     """Delete what killed writes left (``.step_*.tmp`` files, directories or links); returns their names."""
     removed = []
     for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.tmp")):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             _remove(path)
             removed.append(os.path.basename(path))
-        except FileNotFoundError:
-            pass
     return removed
 
 
@@ -124,10 +123,6 @@ class _HashingSink:
         pass
 
 
-def _trailer(sha_hex: str, size: int) -> bytes:
-    return _TRAILER_PREFIX + sha_hex.encode() + b" size=" + f"{size:016d}".encode() + b"\n"
-
-
 def save(directory: str, step: int, state: dict, keep: int) -> str:
     """Write ``state`` as the checkpoint of ``step`` and keep the newest ``keep``; returns its path.
 
@@ -151,10 +146,8 @@ def write(directory: str, step: int, state, keep: int) -> str:
 def prune(directory: str, keep: int) -> None:
     """Remove the checkpoints beyond the newest ``keep``."""
     for _, old in list_checkpoints(directory)[:-keep]:
-        try:
+        with contextlib.suppress(OSError):  # one that cannot be removed costs space, not correctness
             _remove(old)
-        except OSError:
-            pass  # an old checkpoint that cannot be removed costs space, not correctness
 
 
 def write_file(path: str, state) -> str:
@@ -165,10 +158,8 @@ def write_file(path: str, state) -> str:
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
     fd = -1
     try:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)  # a killed earlier write's (or a link): never written through
-        except FileNotFoundError:
-            pass
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
         sink = _HashingSink(fd, tmp)
         try:
@@ -177,8 +168,7 @@ def write_file(path: str, state) -> str:
             if sink.error is None:
                 raise  # not the file system: a bug to see
             raise sink.error from None
-        trailer = _trailer(sink.sha.hexdigest(), sink.size)
-        view = memoryview(trailer)
+        view = memoryview(b"%s%s size=%016d\n" % (_TRAILER_PREFIX, sink.sha.hexdigest().encode(), sink.size))
         while view:
             view = view[os.write(fd, view) :]
         os.close(fd)
@@ -187,10 +177,8 @@ def write_file(path: str, state) -> str:
     except BaseException as e:
         if fd >= 0:
             os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.remove(tmp)
-        except OSError:
-            pass
         if not isinstance(e, OSError):
             raise
         what = e.strerror or str(e)
