@@ -1,20 +1,17 @@
 """Training checkpoints: one checksummed file per step, one writer, one restore path.
 
-The job: ``write_checkpoint`` saves the run's state as ``DIR/checkpoints/step_%08d.pt`` (rank 0
-writes; a sharded run's tensors are gathered whole first), ``find_checkpoint`` finds the newest
-one that verifies and every rank agrees on, and ``resume`` restores it into the run's parts
-(whole or sharded, any world size), or the next older one when it does not fit.
+``write_checkpoint`` saves the run's state as ``DIR/checkpoints/step_%08d.pt`` (rank 0 writes; a
+sharded run's tensors are gathered whole first); ``find_checkpoint`` finds the newest one that
+verifies, the same on every rank; ``resume`` restores it into the run's parts, whole or sharded
+at any world size, or the next older one when it does not fit.
 
-The contract: a file is the ``torch.save`` of plain data (tensors, numbers, strings, lists,
-dicts) followed by the trailer ``\\nBERT-CHECKPOINT sha256=<64 hex> size=<16 digits>\\n`` (the
-SHA-256 and size of what comes before; ``head -c -111 FILE | sha256sum`` checks it). It is
-streamed to ``.step_%08d.pt.tmp``, fsynced and renamed over its final name, so a final name
-always holds a complete file and a re-save of a step replaces it in one rename; checkpoints
-beyond ``keep`` are removed only after that. A failed write leaves no temporary file and raises
-``CheckpointWriteError``. Reading never runs code (``torch.load(weights_only=True)``, no
-compressed records); a damaged or refused file is named and the next older one tried. Sharded
-directories of earlier code (``step_%08d/``, bert.distributed_checkpoint) are read into the same
-dict. Why one file, and its cost: docs/sharding.md; the fault cases: docs/reliability.md.
+A file is the ``torch.save`` of plain data followed by ``\\nBERT-CHECKPOINT sha256=<64 hex>
+size=<16 digits>\\n`` (``head -c -111 FILE | sha256sum`` checks it), streamed to a temporary
+name and renamed over its final one: a final name always holds a whole file, older ones are
+pruned only after that, and a failed write leaves no temporary file (``CheckpointWriteError``).
+Reading never runs code; a damaged or refused checkpoint is named and the next older one tried.
+Earlier code's sharded directories are read into the same dict (bert.distributed_checkpoint).
+Why one file and what it costs: docs/sharding.md; the fault cases: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -124,12 +121,9 @@ class _HashingSink:
 
 
 def save(directory: str, step: int, state: dict, keep: int) -> str:
-    """Write ``state`` as the checkpoint of ``step`` and keep the newest ``keep``; returns its path.
-
-    ``state`` must be plain data (TypeError otherwise: a bug, since ``read`` would refuse the
-    file). Raises CheckpointWriteError (no temporary file left, older checkpoints untouched)
-    when the file system refuses the write.
-    """
+    """Write ``state`` (plain data, else TypeError: ``read`` would refuse it) as the checkpoint of
+    ``step`` and keep the newest ``keep``; returns its path. CheckpointWriteError (no temporary
+    file left, older checkpoints untouched) when the file system refuses the write."""
     problem = plain_data_problem(state)
     if problem:
         raise TypeError(f"checkpoint state of step {step}: {problem}")

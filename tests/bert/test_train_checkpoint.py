@@ -43,6 +43,11 @@ def parts(sharded: bool, seed: int) -> dict:
     return {"model": model, "optimizer": optimizer, "schedule": schedule, "adagc": None, "scaler": None}
 
 
+@pytest.fixture(scope="module")
+def unsharded(one_rank_group):
+    return parts(sharded=False, seed=0)
+
+
 def whole(run: dict) -> dict:
     """Every weight and moment of ``run`` as a plain tensor, by parameter name."""
     model, optimizer = run["model"], run["optimizer"]
@@ -80,11 +85,10 @@ def test_a_sharded_run_writes_whole_tensors_that_resume_unsharded_and_sharded(tm
     ],
     ids=["missing-moment", "other-shape", "unexpected-tensor"],
 )
-def test_an_earlier_sharded_directory_that_does_not_fit_is_refused(tmp_path, damage, message):
-    run = parts(sharded=False, seed=0)
-    tensors = training_tensors(run["model"], run["optimizer"])
+def test_an_earlier_sharded_directory_that_does_not_fit_is_refused(unsharded, tmp_path, damage, message):
+    tensors = training_tensors(unsharded["model"], unsharded["optimizer"])
     damage(tensors)
-    state = {"counters": {"step": 3}, "optimizer_groups": optimizer_groups(run["optimizer"].param_groups)}
+    state = {"counters": {"step": 3}, "optimizer_groups": optimizer_groups(unsharded["optimizer"].param_groups)}
     path = write_old_checkpoint(tmp_path, 3, tensors, state)
     with pytest.raises(CheckpointError, match=message):
-        tc.restore(tc.read(path), parts(sharded=False, seed=1))
+        tc.restore(tc.read(path), unsharded)  # refused before anything is loaded: the run itself will do
