@@ -59,10 +59,6 @@ STATE = "state.pt"
 _DIR_FORMAT = "bert-sharded-checkpoint/1"
 
 
-def checkpoint_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, f"step_{step:08d}")
-
-
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     """(step, path) of every ``step_*.pt`` file and sharded ``step_*`` directory under its final
     name, oldest first (a step saved both ways: the directory sorts after the file, so it is

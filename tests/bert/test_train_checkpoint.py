@@ -92,3 +92,17 @@ def test_an_earlier_sharded_directory_that_does_not_fit_is_refused(unsharded, tm
     path = write_old_checkpoint(tmp_path, 3, tensors, state)
     with pytest.raises(CheckpointError, match=message):
         tc.restore(tc.read(path), unsharded)  # refused before anything is loaded: the run itself will do
+
+
+def test_an_earlier_sharded_directory_gives_the_model_alone_to_the_export(unsharded, tmp_path):
+    """bert.export reads the weights only (no optimizer): the moments are not needed."""
+    from bert.distributed_checkpoint import whole_state
+
+    tensors = {
+        k: v for k, v in training_tensors(unsharded["model"], unsharded["optimizer"]).items() if "optim/" not in k
+    }
+    path = write_old_checkpoint(tmp_path, 3, tensors, {"counters": {"step": 3}, "optimizer_groups": []})
+    state = whole_state(tc.read(path), BertForPreTraining(BertConfig.preset("tiny", vocab_size=96)))
+    assert "optimizer" not in state and state.keys() >= {"model", "counters"}
+    for key, value in unsharded["model"].state_dict().items():
+        assert torch.equal(state["model"][key], value), key
