@@ -1,19 +1,9 @@
-"""Sharded training checkpoints of earlier code: DCP directories, read into the single file's dict.
+"""Sharded training checkpoints of earlier code (DCP directories), read into the single file's dict.
 
-Runs with ``optim.shard`` used to write ``torch.distributed.checkpoint`` (DCP) directories,
-``DIR/checkpoints/step_%08d/``; checkpoints are one file now (bert.train_checkpoint), and these
-directories still resume. One is
-
-    __<rank>_0.distcp   each rank's tensors (DCP's format: raw tensor records)
-    .metadata           DCP's index of every tensor's shards
-    state.pt            everything but the big tensors (counters, schedule, loader position,
-                        AdaGC, the optimizer's hyperparameters and step counts), in
-                        bert.train_checkpoint's checksummed file format, plain data only
-    MANIFEST.json       the byte count and SHA-256 of every other file
-
-``bert.train_checkpoint.read`` checks the manifest and gives ``state.pt`` with ``"sharded":
-path``; ``whole_state`` turns that into what a single file holds, whole tensors read from the
-shards, and the one restore path takes it from there.
+``optim.shard`` runs used to write ``DIR/checkpoints/step_%08d/``: each rank's ``__<rank>_0.distcp``,
+DCP's ``.metadata``, rank 0's ``state.pt`` (the rest, in bert.train_checkpoint's file format) and
+``MANIFEST.json`` (every other file's size and SHA-256). ``bert.train_checkpoint.read`` checks the
+manifest; ``whole_state`` reads the shards into what a single file holds, for the one restore path.
 
 Reading never lets DCP open anything (docs/reliability.md, "Checkpoints"): ``.metadata`` is
 unpickled by an allow-list (DCP's metadata classes, ``torch.Size``, dtypes, layouts) and checked
@@ -254,10 +244,11 @@ def whole_state(saved: dict, model: torch.nn.Module, optimizer=None) -> dict:
             raise CheckpointError("no 'optimizer_groups' state")
         names = {id(p): n for n, p in model.named_parameters()}
         for index, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
-            for moment in ("exp_avg", "exp_avg_sq"):
-                key = f"optim/{names[id(p)]}/{moment}"  # every moment, or load_tensors refuses
+            for moment in ("exp_avg", "exp_avg_sq"):  # the writer saved both of every parameter
+                key = f"optim/{names[id(p)]}/{moment}"
                 ours[key], moments[key] = p, (index, moment)
-    problems = [f"unexpected {k[6:]}" for k in shapes if k.startswith("model/") and k not in ours]
+    problems = [f"unexpected {k}" for k in shapes if k.startswith("model/") and k not in ours]
+    problems += [f"missing {k}" for k in ours if k not in shapes]
     for key, target in ours.items():
         if key in shapes and shapes[key] != (tuple(target.shape), target.dtype):
             shape, dtype = shapes[key]

@@ -45,9 +45,11 @@ def find_checkpoint(run_dir: str, name: str | None) -> str:
             raise ExportError(f"{run_dir}: no checkpoints/step_* (train with checkpoint.interval_steps > 0)")
         return found[-1][1]
     candidates = [name, os.path.join(directory, name)]
-    if name.isdigit():
-        candidates.append(train_checkpoint.checkpoint_path(directory, int(name)))
-        candidates.append(train_checkpoint.checkpoint_dir(directory, int(name)))
+    if name.isdigit():  # the file, or an earlier sharded run's directory
+        candidates += [
+            train_checkpoint.checkpoint_path(directory, int(name)),
+            os.path.join(directory, f"step_{int(name):08d}"),
+        ]
     for path in candidates:
         if os.path.isfile(path) or os.path.isfile(os.path.join(path, train_checkpoint.MANIFEST)):
             return path

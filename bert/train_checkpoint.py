@@ -1,24 +1,22 @@
 """Training checkpoints: one checksummed file per step, one writer, one restore path.
 
-The job: ``write_checkpoint`` saves the run's state as ``DIR/checkpoints/step_%08d.pt`` (rank 0
-writes; a sharded run's tensors are gathered whole first), ``find_checkpoint`` finds the newest
-one that verifies and every rank agrees on, and ``resume`` restores it into the run's parts
-(whole or sharded, any world size), or the next older one when it does not fit.
+``write_checkpoint`` saves the run's state as ``DIR/checkpoints/step_%08d.pt`` (rank 0 writes; a
+sharded run's tensors are gathered whole first); ``find_checkpoint`` finds the newest one that
+verifies, the same on every rank; ``resume`` restores it into the run's parts, whole or sharded
+at any world size, or the next older one when it does not fit.
 
-The contract: a file is the ``torch.save`` of plain data (tensors, numbers, strings, lists,
-dicts) followed by the trailer ``\\nBERT-CHECKPOINT sha256=<64 hex> size=<16 digits>\\n`` (the
-SHA-256 and size of what comes before; ``head -c -111 FILE | sha256sum`` checks it). It is
-streamed to ``.step_%08d.pt.tmp``, fsynced and renamed over its final name, so a final name
-always holds a complete file and a re-save of a step replaces it in one rename; checkpoints
-beyond ``keep`` are removed only after that. A failed write leaves no temporary file and raises
-``CheckpointWriteError``. Reading never runs code (``torch.load(weights_only=True)``, no
-compressed records); a damaged or refused file is named and the next older one tried. Sharded
-directories of earlier code (``step_%08d/``, bert.distributed_checkpoint) are read into the same
-dict. Why one file, and its cost: docs/sharding.md; the fault cases: docs/reliability.md.
+A file is the ``torch.save`` of plain data followed by ``\\nBERT-CHECKPOINT sha256=<64 hex>
+size=<16 digits>\\n`` (``head -c -111 FILE | sha256sum`` checks it), streamed to a temporary
+name and renamed over its final one: a final name always holds a whole file, older ones are
+pruned only after that, and a failed write leaves no temporary file (``CheckpointWriteError``).
+Reading never runs code; a damaged or refused checkpoint is named and the next older one tried.
+Earlier code's sharded directories are read into the same dict (bert.distributed_checkpoint).
+Why one file and what it costs: docs/sharding.md; the fault cases: docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -61,10 +59,6 @@ STATE = "state.pt"
 _DIR_FORMAT = "bert-sharded-checkpoint/1"
 
 
-def checkpoint_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, f"step_{step:08d}")
-
-
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     """(step, path) of every ``step_*.pt`` file and sharded ``step_*`` directory under its final
     name, oldest first (a step saved both ways: the directory sorts after the file, so it is
@@ -89,11 +83,9 @@ def remove_temporaries(directory: str) -> list[str]:
     """Delete what killed writes left (``.step_*.tmp`` files, directories or links); returns their names."""
     removed = []
     for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.tmp")):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             _remove(path)
             removed.append(os.path.basename(path))
-        except FileNotFoundError:
-            pass
     return removed
 
 
@@ -124,17 +116,10 @@ class _HashingSink:
         pass
 
 
-def _trailer(sha_hex: str, size: int) -> bytes:
-    return _TRAILER_PREFIX + sha_hex.encode() + b" size=" + f"{size:016d}".encode() + b"\n"
-
-
 def save(directory: str, step: int, state: dict, keep: int) -> str:
-    """Write ``state`` as the checkpoint of ``step`` and keep the newest ``keep``; returns its path.
-
-    ``state`` must be plain data (TypeError otherwise: a bug, since ``read`` would refuse the
-    file). Raises CheckpointWriteError (no temporary file left, older checkpoints untouched)
-    when the file system refuses the write.
-    """
+    """Write ``state`` (plain data, else TypeError: ``read`` would refuse it) as the checkpoint of
+    ``step`` and keep the newest ``keep``; returns its path. CheckpointWriteError (no temporary
+    file left, older checkpoints untouched) when the file system refuses the write."""
     problem = plain_data_problem(state)
     if problem:
         raise TypeError(f"checkpoint state of step {step}: {problem}")
@@ -151,10 +136,8 @@ def write(directory: str, step: int, state, keep: int) -> str:
 def prune(directory: str, keep: int) -> None:
     """Remove the checkpoints beyond the newest ``keep``."""
     for _, old in list_checkpoints(directory)[:-keep]:
-        try:
+        with contextlib.suppress(OSError):  # one that cannot be removed costs space, not correctness
             _remove(old)
-        except OSError:
-            pass  # an old checkpoint that cannot be removed costs space, not correctness
 
 
 def write_file(path: str, state) -> str:
@@ -165,10 +148,8 @@ def write_file(path: str, state) -> str:
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
     fd = -1
     try:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)  # a killed earlier write's (or a link): never written through
-        except FileNotFoundError:
-            pass
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
         sink = _HashingSink(fd, tmp)
         try:
@@ -177,8 +158,7 @@ def write_file(path: str, state) -> str:
             if sink.error is None:
                 raise  # not the file system: a bug to see
             raise sink.error from None
-        trailer = _trailer(sink.sha.hexdigest(), sink.size)
-        view = memoryview(trailer)
+        view = memoryview(b"%s%s size=%016d\n" % (_TRAILER_PREFIX, sink.sha.hexdigest().encode(), sink.size))
         while view:
             view = view[os.write(fd, view) :]
         os.close(fd)
@@ -187,10 +167,8 @@ def write_file(path: str, state) -> str:
     except BaseException as e:
         if fd >= 0:
             os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.remove(tmp)
-        except OSError:
-            pass
         if not isinstance(e, OSError):
             raise
         what = e.strerror or str(e)

@@ -123,8 +123,8 @@ def _remove_tree(path: Path) -> None:
     """Remove a directory tree, a file or a link (never what a link points to), if there."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
-    elif os.path.lexists(path):
-        path.unlink()
+    else:
+        path.unlink(missing_ok=True)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -17,7 +17,7 @@ from fileio import file_digest
 def write_old_checkpoint(directory, step: int, tensors: dict, state: dict) -> str:
     """``tensors`` (``model/<name>``, ``optim/<parameter name>/<moment>``) as DCP shards, ``state``
     (plain data with ``optimizer_groups``) as ``state.pt``, then the manifest; returns the path."""
-    path = tc.checkpoint_dir(str(directory), step)
+    path = os.path.join(directory, f"step_{step:08d}")
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path))
     tc.write_file(os.path.join(path, tc.STATE), state)
     write_manifest(path, step)

@@ -211,7 +211,7 @@ HOSTILE_DIRS = [
     (lambda p, s: rewrite_records(p, s, compressed), "is compressed"),
     (sixteen_bytes, f"bytes at 0) cannot hold its 384 bytes inside {DATA}"),  # mlm_bias: 96 floats
     (empty_chunks, f"the chunks of '{EMBEDDING}' hold 0 elements, the tensor 12288: every element must be stored once"),
-    (no_moment, "/exp_avg_sq: every tensor must be restored"),
+    (no_moment, "missing optim/embeddings.word.weight/exp_avg_sq"),
     (metadata_bytes(KEY_ERROR), ".metadata: not DCP metadata (KeyError: 'nope')"),
     (metadata_bytes(HUGE_STRING), ".metadata: not DCP metadata (UnpicklingError"),
     (manifest_text("[]"), "MANIFEST.json: not a sharded training checkpoint's manifest"),
