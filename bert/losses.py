@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from data.batch import UnpaddedBatch
+from data.batch import PackedBatch, UnpaddedBatch
+from data.packing import unpack
+from data.static_shapes import real_part
 
 
 def _per_count(loss_sum: Tensor, count) -> Tensor:
@@ -168,6 +170,22 @@ def simreg_loss(
             loss_sum = loss_sum + block_loss
             num_anchors = num_anchors + block_anchors
     return loss_sum, num_anchors
+
+
+def simreg_term(hidden_TC: Tensor, batch, block, temperature: float, scope: str, real=None) -> Tensor:
+    """SimReg's loss sum over a micro-batch of any layout, on its real tokens only: a packed
+    batch is unpacked, a statically padded one (``real``: its (tokens, sequences, masked) without
+    the padding sequence) is cut to its real part. The per-sequence counts come from the host's
+    ``block`` (a ``SampleBlock``), except for a packed batch, whose rows reorder the sequences."""
+    counts = None
+    if isinstance(batch, PackedBatch):
+        batch, index = unpack(batch)
+        hidden_TC = hidden_TC[index]
+    else:
+        if real is not None:
+            batch, hidden_TC = real_part(batch, *real), hidden_TC[: real[0]]
+        counts = (block.masked_counts if scope == "masked" else block.seq_lens).tolist()
+    return simreg_loss(hidden_TC, batch, temperature, scope, counts=counts)[0]
 
 
 def _block_loss(

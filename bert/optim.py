@@ -33,7 +33,7 @@ a GPU), on every step, skipped or not. The step count then becomes a 0-dim float
 on the device (``Lamb``'s group ``step``; ``AdamW``'s per-parameter ``step`` stays torch's
 float32 tensor), and the learning rate may be a 0-dim device tensor (``bert.schedule`` on
 the device), read by no one but the kernels. apex's FusedLAMB has no such argument: the
-trainer reads the flag on the host for it (``bert.components.apply_update``).
+trainer reads the flag on the host for it (``apply_update``).
 """
 
 from __future__ import annotations
@@ -328,6 +328,26 @@ def _keep_where_skipped(skip: Tensor, olds: list[Tensor], news: list[Tensor]) ->
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` takes ``found_inf`` (the device-side skip of the module docstring)."""
     return "found_inf" in inspect.signature(optimizer.step).parameters
+
+
+def apply_update(optimizer, schedule, found_inf: Tensor, scaler=None) -> None:
+    """The update and the schedule's step, skipped where ``found_inf`` (0-dim device bool): on
+    the device, without a read, for an optimizer that ``skips_on_device`` with a device
+    schedule; else the host reads ``found_inf`` (apex's FusedLAMB: one read per step), and
+    fp16's GradScaler decides its own skip on the host (``scaler.step`` reads the device)."""
+    on_device = skips_on_device(optimizer) and schedule.device is not None
+    applied = True if on_device else not bool(found_inf)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    elif on_device:
+        optimizer.step(found_inf=found_inf)
+    elif applied:
+        optimizer.step()
+    if on_device:
+        schedule.step(found_inf)
+    elif applied:
+        schedule.step()
 
 
 def apex_lamb_available() -> bool:

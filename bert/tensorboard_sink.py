@@ -1,6 +1,6 @@
 """TensorBoard event files for a run (``log.tensorboard: true``): OUTPUT_DIR/tensorboard/.
 
-A sink of ``bert.metrics.MetricsWriter``: every record the trainer writes to
+A sink of ``bert.reporting.MetricsWriter``: every record the trainer writes to
 ``metrics.jsonl`` (rank 0 only) becomes scalars at the record's global step:
 
     loss/total loss/mlm loss/nsp loss/simreg       training losses (simreg with SimReg on)
@@ -11,7 +11,7 @@ A sink of ``bert.metrics.MetricsWriter``: every record the trainer writes to
     rebalance/<field>                               with the rebalancer: imbalance_before/after,
                                                     hidden_fraction, samples_moved, ...
     train/samples train/skipped_steps data/corrupt_samples
-    spikes/loss_score spikes/grad_norm_score        running spike scores (bert.metrics.SpikeCounter)
+    spikes/loss_score spikes/grad_norm_score        running spike scores (bert.reporting.SpikeCounter)
     eval/mlm_accuracy                               at every evaluation
 
 and the resolved config as text (tag ``config``, step 0; on a resume only when the directory
@@ -46,7 +46,7 @@ SCALARS = {
 
 class TensorBoardSink:
     def __init__(self, log_dir: str, config: dict, resume_step: int | None = None, history: list[dict] = ()):
-        from bert.metrics import SpikeCounter
+        from bert.reporting import SpikeCounter
         from bert.train_config import ConfigError
 
         try:

@@ -87,10 +87,10 @@ def test_run_writes_every_output(dataset, tmp_path):
 @pytest.mark.parametrize("flat", [False, True])
 def test_flat_host_memory_fixes_the_mmap_threshold_only_when_asked(dataset, tmp_path, monkeypatch, flat):
     # The threshold is process-wide and costs CPU throughput (docs/reliability.md): off by default.
-    import bert.components
+    import bert.trainer
 
     calls = []
-    monkeypatch.setattr(bert.components, "map_large_allocations", lambda: calls.append(1))
+    monkeypatch.setattr(bert.trainer, "map_large_allocations", lambda: calls.append(1))
     assert load_config(None, overrides(dataset)).train.flat_host_memory is False
     cfg = load_config(None, overrides(dataset, f"train.flat_host_memory={str(flat).lower()}"))
     Trainer(cfg, str(tmp_path), init_distributed(backend="gloo"))
