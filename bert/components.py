@@ -39,6 +39,12 @@ if TYPE_CHECKING:  # mlperf_logging is optional: imported by build_mlperf_logger
     from bert.mlperf_log import MLPerfLogger
 
 
+# The model.* fields that override the architecture's.
+_MODEL_OVERRIDES = (
+    "hidden_dropout_prob attention_probs_dropout_prob vocab_size rope_theta_global rope_theta_local".split()
+)
+
+
 def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
     """train.device: the rank's CUDA device (launch.distributed's pick) or the CPU, once what
     the config check cannot see is checked: the number of ranks, the device, the files. Creates
@@ -76,17 +82,7 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
     data.vocab_file (a vocabulary trained with the data) sets the vocabulary size."""
     m = cfg.model
     base = BertConfig.from_json(m.config_file) if m.config_file else BertConfig.preset(m.preset)
-    overrides = {
-        k: getattr(m, k)
-        for k in (
-            "hidden_dropout_prob",
-            "attention_probs_dropout_prob",
-            "vocab_size",
-            "rope_theta_global",
-            "rope_theta_local",
-        )
-        if getattr(m, k) is not None
-    }
+    overrides = {k: getattr(m, k) for k in _MODEL_OVERRIDES if getattr(m, k) is not None}
     if m.vocab_size is None and cfg.data.vocab_file:
         try:
             with open(cfg.data.vocab_file, encoding="utf-8") as f:
@@ -358,21 +354,9 @@ def build_warm_up_blocks(data: DataSection, vocab_size: int, micro_batch: int, c
 
     seq = data.max_seq_length
     predictions = min(data.max_predictions_per_seq, max(1, seq // 8))
-    if cuda:
-        return [
-            random_block(
-                micro_batch, seed=0, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab_size, min_len=seq
-            ),
-            random_block(micro_batch, seed=1, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab_size),
-        ]
-    short = min(seq, 16)
-    return [
-        random_block(
-            2,
-            seed=0,
-            max_seq_length=short,
-            max_predictions=min(predictions, 2),
-            vocab_size=vocab_size,
-            min_len=min(8, short),
-        )
-    ]
+    if not cuda:
+        short = min(seq, 16)
+        kw = dict(max_seq_length=short, max_predictions=min(predictions, 2), vocab_size=vocab_size)
+        return [random_block(2, seed=0, min_len=min(8, short), **kw)]
+    kw = dict(max_seq_length=seq, max_predictions=predictions, vocab_size=vocab_size)
+    return [random_block(micro_batch, seed=0, min_len=seq, **kw), random_block(micro_batch, seed=1, **kw)]
