@@ -273,7 +273,11 @@ def build_loaders(cfg: RunConfig, rank: int, world: int, seed: int, model_config
     vocab = model_config.vocab_size
     train = build_train_loader(cfg, rank, world, seed, vocab, warn)
     evals = eval_loader or build_eval_loader(cfg, rank, world, vocab)
-    _check_data(cfg, model_config, train, evals)
+    try:
+        _check_data(cfg, model_config, train, evals)
+    except ConfigError:
+        train.close()  # its read-ahead thread
+        raise
     return train, evals
 
 
