@@ -197,8 +197,8 @@ class DeviceCounters:
         self.grad_norm, self.clip_stats = grad_norm.detach(), clip_stats
 
     def read(self, **extra: Tensor) -> dict:
-        """One read of ``skipped``, ``in_row``, ``grad_norm``, AdaGC's ``clip_stats`` (as host
-        numbers in a ``ClipStats``) and every tensor in ``extra`` (as floats or lists)."""
+        """One read of ``skipped``, ``in_row``, ``grad_norm``, every tensor in ``extra`` (as floats
+        or lists) and, as ``adagc``, the last AdaGC step's share of clipped tensors and mean clip factor."""
         names = {"skipped": self.skipped, "in_row": self.in_row, "grad_norm": self.grad_norm, **extra}
         c = self.clip_stats
         if c is not None and c.num_tensors:
@@ -211,10 +211,10 @@ class DeviceCounters:
             out[name] = values[at : at + n] if names[name].dim() else values[at]
             at += n
         out["skipped"], out["in_row"] = int(out["skipped"]), int(out["in_row"])
+        out["adagc"] = {}
         if "num_clipped" in out:
-            out["clip_stats"] = ClipStats(None, int(out.pop("num_clipped")), c.num_tensors, out.pop("clip_ratio"))
-        else:
-            out["clip_stats"] = None
+            share, ratio = int(out.pop("num_clipped")) / c.num_tensors, out.pop("clip_ratio")
+            out["adagc"] = {"adagc_clipped_share": share, "adagc_clip_ratio": ratio}
         return out
 
 
@@ -264,12 +264,12 @@ def step_record(
     lr: float,
     grad_norm: float,
     throughput: tuple[float, float],
-    clip_stats: ClipStats | None,
+    adagc: dict,
     rebalance,
 ) -> dict:
     """One metrics.jsonl record: ``parts`` the all-reduced [loss, mlm, nsp, simreg] of the
-    step, ``throughput`` (sequences/s, tokens/s) since the last record, ``rebalance`` the
-    rebalancer's stats of the step or None. Reads AdaGC's device tensors (a sync)."""
+    step, ``throughput`` (sequences/s, tokens/s) since the last record, ``adagc`` AdaGC's
+    numbers (``DeviceCounters.read``), ``rebalance`` the rebalancer's stats of the step or None."""
     rec = {
         "step": state.step,
         "samples": state.samples,
@@ -282,7 +282,7 @@ def step_record(
         "seq_per_s": throughput[0],
         "tokens_per_s": throughput[1],
         "skipped_steps": state.skipped,
-        **adagc_record(clip_stats),
+        **adagc,
         **({"corrupt_samples": state.corrupt_samples} if cfg.data.on_corrupt == "skip" else {}),
     }
     if rebalance is not None:
@@ -307,14 +307,6 @@ def report_eval(metrics: MetricsWriter, progress: Progress, state: TrainState, t
     progress.message(
         f"eval  step {state.step:>6}  samples {state.samples:>9}  masked-LM accuracy {acc:.4f}  (target {target})"
     )
-
-
-def adagc_record(clip_stats: ClipStats | None) -> dict:
-    """The last AdaGC step's share of clipped tensors and mean clip factor (for the logs)."""
-    c = clip_stats
-    if c is None or not c.num_tensors:
-        return {}
-    return {"adagc_clipped_share": int(c.num_clipped) / c.num_tensors, "adagc_clip_ratio": float(c.clip_ratio)}
 
 
 def checkpoint_failed(progress: Progress, step: int, error: str, directory: str, checkpoint: CheckpointSection) -> None:

@@ -157,7 +157,6 @@ class Trainer:
             cfg, self.micro_batch, self.model, self.model_config
         )
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
-        self.clip_stats = None  # the last AdaGC step's, for the logs
 
     def _resume(self, found) -> dict:
         """The newest good checkpoint's parts and counters restored; returns the loader position."""
@@ -251,14 +250,15 @@ class Trainer:
     def _optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         params = [p for p in self.model.parameters() if p.grad is not None]
         view = {"local": self.sharding.local, "norms": self.sharding.norms} if self.sharding else {}
+        clip_stats = None  # AdaGC's, for the logs
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         inject_debug_faults(self.cfg.debug, self.model, self.state.step + 1)
         if self.adagc is not None:
             # AdaGC needs no global norm to clip; the sum of its per-tensor norms is kept for
             # the non-finite check and the logs.
-            self.clip_stats = self.adagc.clip_(compute_global_norm=True)
-            norm = self.clip_stats.global_norm
+            clip_stats = self.adagc.clip_(compute_global_norm=True)
+            norm = clip_stats.global_norm
         elif self.cfg.optim.clip == "global":
             norm = clip_global_(params, self.cfg.optim.max_grad_norm, **view)
         else:
@@ -272,7 +272,7 @@ class Trainer:
             # AdaGC kept its thresholds on the non-finite step but counted it; the skipped
             # step leaves all optimizer state as it was, its step count included.
             self.adagc.unstep_(found_inf)
-        self.counters.update(found_inf, norm, self.clip_stats)
+        self.counters.update(found_inf, norm, clip_stats)
         self.optimizer.zero_grad(set_to_none=True)
         return ~found_inf, norm
 
@@ -427,7 +427,7 @@ class Trainer:
         elapsed = max(time.time() - start, 1e-9)
         throughput = (samples / elapsed, tokens / elapsed)
         rec = reporting.step_record(
-            self.cfg, self.state, got["parts"], got["lr"], got["grad_norm"], throughput, got["clip_stats"], rebalance
+            self.cfg, self.state, got["parts"], got["lr"], got["grad_norm"], throughput, got["adagc"], rebalance
         )
         self.metrics.write(rec)
         self.progress.step(rec)
