@@ -1,10 +1,8 @@
-"""The trainer's parts, each built from its configuration section.
+"""The trainer's parts, each built from its configuration section: factories only.
 
-One factory per section, called by ``bert.trainer.Trainer`` (and by ``bert.export`` for the
-model's shape): a field added to a section is read here or by the part itself, never
-unpacked on the way. The optimizer (``bert.optim.build_optimizer(cfg.optim, model)``), the
-schedule (``bert.schedule.PolyWarmupScheduler(optimizer, cfg.optim, max_steps)``) and AdaGC
-(``bert.clipping.AdaGC(named_parameters, cfg.optim.adagc)``) take their section themselves.
+``bert.trainer.Trainer`` builds its parts here in one place (``bert.export`` reads the
+model's shape); a field added to a section is read here or by the part itself, never
+unpacked on the way. Backend facts come from ``kernels.registry``, never from a backend's name.
 """
 
 from __future__ import annotations
@@ -20,47 +18,63 @@ from bert.clipping import AdaGC
 from bert.collectives import Collectives
 from bert.config import BertConfig
 from bert.config import ConfigError as BertConfigError
-from bert.metrics import MetricsWriter
 from bert.model import BertForPreTraining
 from bert.optim import build_optimizer, skips_on_device
+from bert.reporting import MetricsWriter
 from bert.schedule import PolyWarmupScheduler
-from bert.sharded_optim import Sharding, build_sharded_lamb, local_shard
+from bert.sharded_optim import Sharding, build_sharded_lamb
 from bert.train_config import (
+    ATTENTION_LAYOUTS,
     CLOSED_EVAL_SAMPLES,
     ConfigError,
     DataSection,
-    DebugSection,
     LogSection,
     ModelSection,
-    OptimSection,
     RunConfig,
     TrainSection,
 )
-from data.batch import to_device
+from kernels import registry
 
 if TYPE_CHECKING:  # mlperf_logging is optional: imported by build_mlperf_logger
     from bert.mlperf_log import MLPerfLogger
 
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+# The model.* fields that override the architecture's.
+_MODEL_OVERRIDES = (
+    "hidden_dropout_prob attention_probs_dropout_prob vocab_size rope_theta_global rope_theta_local".split()
+)
 
 
-def map_large_allocations() -> None:
-    """Give every allocation of 128 KiB or more its own mapping, returned to the OS when freed
-    (glibc's M_MMAP_THRESHOLD, fixed; nothing where the C library has no ``mallopt``).
-
-    Unpadded batches hold a different number of tokens every step, so every step allocates
-    tensors of new sizes. By default glibc raises its mmap threshold (up to 32 MiB) as such
-    blocks are freed, then serves them from the heap, whose freed pages it keeps: a 2-rank CPU
-    run's resident memory crept up by 5% after its warm-up while Python's heap stayed flat.
-    With the threshold fixed it stays flat (bench/soak.py; docs/reliability.md, "Endurance"),
-    but every step's large tensors then fault in fresh pages: CPU training runs ~1.5x slower,
-    so this is ``train.flat_host_memory``, off by default.
-    """
-    import ctypes
-
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None:
-        mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(128 << 10))
+def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
+    """train.device: the rank's CUDA device (launch.distributed's pick) or the CPU, once what
+    the config check cannot see is checked: the number of ranks, the device, the files. Creates
+    OUTPUT_DIR/checkpoints on rank 0; reads nothing of the dataset (MLPerf's clock has not started)."""
+    t, world = cfg.train, dist_info.world_size
+    if t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available()):
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        raise ConfigError("train.device: 'cuda' asked for, but CUDA is not available")
+    else:
+        device = dist_info.device if dist_info.device.type == "cuda" else torch.device("cuda", 0)
+    if t.global_batch_size % (world * t.grad_accum_steps):
+        raise ConfigError(
+            f"train.global_batch_size: {t.global_batch_size} is not divisible by ranks x "
+            f"train.grad_accum_steps = {world} x {t.grad_accum_steps}"
+        )
+    if t.precision == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision: fp16 needs CUDA (use bf16 or fp32 on the CPU)")
+    for key, path in (("data.train_dir", cfg.data.train_dir), ("data.eval_file", cfg.data.eval_file)):
+        if not path or not os.path.exists(path):  # a stat, not a read: the data stays untouched
+            raise ConfigError(f"{key}: {path!r} does not exist")
+    if dist_info.rank == 0:
+        try:
+            os.makedirs(os.path.join(output_dir, "checkpoints"), exist_ok=True)
+            probe = os.path.join(output_dir, ".write-test")
+            open(probe, "w").close()
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"--output-dir: {output_dir!r} is not writable ({e.strerror})") from None
+    return device
 
 
 def build_model_config(cfg: RunConfig) -> BertConfig:
@@ -68,17 +82,7 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
     data.vocab_file (a vocabulary trained with the data) sets the vocabulary size."""
     m = cfg.model
     base = BertConfig.from_json(m.config_file) if m.config_file else BertConfig.preset(m.preset)
-    overrides = {
-        k: getattr(m, k)
-        for k in (
-            "hidden_dropout_prob",
-            "attention_probs_dropout_prob",
-            "vocab_size",
-            "rope_theta_global",
-            "rope_theta_local",
-        )
-        if getattr(m, k) is not None
-    }
+    overrides = {k: getattr(m, k) for k in _MODEL_OVERRIDES if getattr(m, k) is not None}
     if m.vocab_size is None and cfg.data.vocab_file:
         try:
             with open(cfg.data.vocab_file, encoding="utf-8") as f:
@@ -92,11 +96,7 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
     if any(w is not None for w in config.layer_windows) and cfg.data.layout != "packed":
         # Local layers hand the backend a windowed layout; the packed layout carries the window
         # in its FlashMask bounds instead.
-        from kernels.interface import PaddedLayout, VarlenLayout
-        from kernels.registry import refusal
-
-        layout = PaddedLayout if cfg.data.layout == "padded" else VarlenLayout
-        reason = refusal(cfg.model.attention, layout, ["window"])
+        reason = registry.refusal(cfg.model.attention, ATTENTION_LAYOUTS[cfg.data.layout], ["window"])
         if reason:
             raise ConfigError(f"model.attention: the model has local (sliding-window) layers; {reason}")
     if cfg.data.max_seq_length > config.max_position_embeddings:
@@ -110,19 +110,14 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
 def build_model(
     model: ModelSection, config: BertConfig, train: TrainSection | None = None, device: torch.device | None = None
 ) -> BertForPreTraining:
-    """The model of ``config`` with model.attention (and its options), model.fused_ops,
-    model.bias_gelu and model.rotary_kernel; with ``train``, its encoder's linear layers in
-    train.fp8 (bert.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs)."""
-    options = (
-        {"buckets": model.grouped_buckets, "num_streams": model.grouped_streams}
-        if model.attention == "triton_grouped"
-        else None
-    )
+    """The model of ``config`` with model.attention (its options from the model.* fields the
+    registry names), model.fused_ops, model.bias_gelu and model.rotary_kernel; with ``train``,
+    its encoder's linear layers in train.fp8 (bert.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs)."""
     built = BertForPreTraining(
         config,
         attention=model.attention,
         fused_ops=model.fused_ops,
-        attention_options=options,
+        attention_options=registry.options_from(model.attention, model),
         bias_gelu=model.bias_gelu,
         rotary_kernel=model.rotary_kernel,
     )
@@ -131,30 +126,28 @@ def build_model(
     return built
 
 
-@torch.no_grad()
-def inject_debug_faults(debug: DebugSection, model: torch.nn.Module, step: int) -> None:
-    """debug.*: before update ``step`` (1-based), multiply chosen gradients, or make one non-finite."""
-    if step in debug.spike_steps:
-        for name, p in model.named_parameters():
-            if p.grad is not None and (not debug.spike_params or any(s in name for s in debug.spike_params)):
-                p.grad.mul_(debug.spike_factor)
-    if step in debug.nonfinite_steps:
-        # Sharded: the rank holding the first element of the first gradient writes it.
-        grad = local_shard(next(p for p in model.parameters() if p.grad is not None).grad)
-        if grad.numel():
-            grad.view(-1)[0] = float(debug.nonfinite_value)
+def build_graphs(cfg: RunConfig, micro_batch: int, model: BertForPreTraining, config: BertConfig):
+    """(train.static_shapes' buckets (``data.static_shapes``) or None, train.cuda_graphs'
+    ``bert.cuda_graphs.EncoderGraphs`` for ``model`` or None). A dropout the graphs would freeze
+    is a ConfigError (``kernels.registry.graph_refusal``; the rest was checked with the config)."""
+    from data.static_shapes import StaticShapes, auto_token_bucket
+
+    t, seq = cfg.train, cfg.data.max_seq_length
+    if not t.static_shapes:
+        return None, None
+    bucket = auto_token_bucket(micro_batch, seq) if t.static_token_bucket == "auto" else t.static_token_bucket
+    shapes = StaticShapes(bucket, t.static_masked_bucket, max(seq, bucket))
+    if not t.cuda_graphs:
+        return shapes, None
+    from bert.cuda_graphs import EncoderGraphs
+
+    why = registry.graph_refusal(cfg.model.attention, config.attention_probs_dropout_prob)
+    if why:
+        raise ConfigError(f"train.cuda_graphs: {why}")
+    return shapes, EncoderGraphs(model.layers, shapes.max_seqlen, model.rotary)
 
 
-def build_collator(data: DataSection, device: torch.device, max_batch_size: int):
-    """SampleBlock -> data.layout's batch, by data.backend. DALI collates on this rank's GPU
-    when there is one; torch collates on the CPU and the batch is moved with a non-blocking copy."""
-    from data.collate import make_collator
-
-    device_id = device.index if data.backend == "dali" and device.type == "cuda" else None
-    return make_collator(data.backend, data.layout, data.max_seq_length, device_id, max_batch_size=max_batch_size)
-
-
-def wrap_model(
+def build_forward(
     model: torch.nn.Module, section: ModelSection, device: torch.device, coll: Collectives, sharded: bool = False
 ):
     """(DDP wrapper or None, the module the steps call): DDP when there are several ranks
@@ -170,35 +163,25 @@ def wrap_model(
     return ddp, torch.compile(forward) if section.compile else forward
 
 
-def count_nodes(dist_info, coll: Collectives, device: torch.device) -> int:
-    """Nodes in the job (for submission_platform): ranks with local rank 0."""
-    first = torch.tensor([int(dist_info.local_rank == 0)], dtype=torch.int64, device=device)
-    return max(1, int(coll.all_reduce(first, "the node count", 0)))
-
-
-def build_adagc(optim: OptimSection, model: torch.nn.Module, sharding: Sharding | None = None) -> AdaGC | None:
-    """AdaGC when optim.clip is adagc; None for global-norm clipping and none (the trainer's
-    optimizer_step clips by norm itself, clip_global_ being stateless). Sharded: its
-    thresholds are kept per tensor on every rank, its norms are the whole tensors'."""
-    if optim.clip != "adagc":
-        return None
-    view = {"local": sharding.local, "norms": sharding.norms} if sharding else {}
-    return AdaGC(model.named_parameters(), optim.adagc, **view)
-
-
 def build_optimization(cfg: RunConfig, model: torch.nn.Module, sharding: Sharding | None, device: torch.device):
     """(optimizer, schedule, AdaGC or None, GradScaler or None) from ``cfg.optim`` and ``cfg.train``.
+
     The schedule keeps its rate in a device tensor where the optimizer can skip on the device
-    (not apex's FusedLAMB: bert.optim.skips_on_device). Sharded, it is LAMB on the shards."""
-    optimizer = build_sharded_lamb(cfg.optim, model, sharding) if sharding else build_optimizer(cfg.optim, model)
+    (not apex's FusedLAMB: ``bert.optim.skips_on_device``). Sharded: LAMB on the shards, AdaGC's
+    thresholds per tensor on every rank with whole-tensor norms, and FSDP's ShardedGradScaler
+    (it all-reduces the overflow flag, so every rank skips alike). AdaGC is None for global
+    clipping and none (``Trainer.optimizer_step`` clips by norm itself); the scaler is fp16's."""
+    o = cfg.optim
+    optimizer = build_sharded_lamb(o, model, sharding) if sharding else build_optimizer(o, model)
     device_lr = device if skips_on_device(optimizer) else None
-    schedule = PolyWarmupScheduler(optimizer, cfg.optim, cfg.train.max_steps, device=device_lr)
-    return optimizer, schedule, build_adagc(cfg.optim, model, sharding), build_grad_scaler(cfg.train, sharding)
+    schedule = PolyWarmupScheduler(optimizer, o, cfg.train.max_steps, device=device_lr)
+    view = {"local": sharding.local, "norms": sharding.norms} if sharding else {}
+    adagc = AdaGC(model.named_parameters(), o.adagc, **view) if o.clip == "adagc" else None
+    return optimizer, schedule, adagc, build_grad_scaler(cfg.train, sharding)
 
 
 def build_grad_scaler(train: TrainSection, sharding: Sharding | None):
-    """fp16's loss scaler (None otherwise). Sharded, each rank sees only its shards' overflow:
-    FSDP's ShardedGradScaler all-reduces the overflow flag, so every rank skips and rescales alike."""
+    """fp16's loss scaler (None otherwise); sharded, FSDP's ShardedGradScaler."""
     if train.precision != "fp16":
         return None
     if sharding is None:
@@ -206,6 +189,15 @@ def build_grad_scaler(train: TrainSection, sharding: Sharding | None):
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     return ShardedGradScaler("cuda")
+
+
+def build_collator(data: DataSection, device: torch.device, max_batch_size: int):
+    """SampleBlock -> data.layout's batch, by data.backend. DALI collates on this rank's GPU
+    when there is one; torch collates on the CPU and the batch is moved with a non-blocking copy."""
+    from data.collate import make_collator
+
+    device_id = device.index if data.backend == "dali" and device.type == "cuda" else None
+    return make_collator(data.backend, data.layout, data.max_seq_length, device_id, max_batch_size=max_batch_size)
 
 
 def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
@@ -225,11 +217,11 @@ def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
         max_len=data.max_seq_length,
         timeout_s=timeout_s,
         group_size=data.rebalance_group_size,
-        ramp=batch_ramp(cfg.train),
+        ramp=build_batch_ramp(cfg.train),
     )
 
 
-def batch_ramp(train: TrainSection):
+def build_batch_ramp(train: TrainSection):
     """train.batch_size_warmup_*'s ``data.batch_ramp.BatchRamp``, or None when the warm-up is off."""
     if train.batch_size_warmup_start is None:
         return None
@@ -275,38 +267,18 @@ def build_metrics(log: LogSection, output_dir: str, is_main: bool, resume_step: 
     return metrics
 
 
-def pick_device(train: TrainSection, dist_info) -> torch.device:
-    """train.device: the rank's CUDA device (launch.distributed's pick) or the CPU."""
-    want = train.device
-    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError("train.device: 'cuda' asked for, but CUDA is not available")
-    return dist_info.device if dist_info.device.type == "cuda" else torch.device("cuda", 0)
-
-
-def check_setup(cfg: RunConfig, world: int, device: torch.device, output_dir: str, is_main: bool) -> None:
-    """What the config check cannot see: the number of ranks, the device, the files. Creates
-    OUTPUT_DIR/checkpoints on rank 0; reads nothing of the dataset (MLPerf's clock has not started)."""
-    t = cfg.train
-    if t.global_batch_size % (world * t.grad_accum_steps):
-        raise ConfigError(
-            f"train.global_batch_size: {t.global_batch_size} is not divisible by ranks x "
-            f"train.grad_accum_steps = {world} x {t.grad_accum_steps}"
-        )
-    if t.precision == "fp16" and device.type != "cuda":
-        raise ConfigError("train.precision: fp16 needs CUDA (use bf16 or fp32 on the CPU)")
-    for key, path in (("data.train_dir", cfg.data.train_dir), ("data.eval_file", cfg.data.eval_file)):
-        if not path or not os.path.exists(path):  # a stat, not a read: the data stays untouched
-            raise ConfigError(f"{key}: {path!r} does not exist")
-    if is_main:
-        try:
-            os.makedirs(os.path.join(output_dir, "checkpoints"), exist_ok=True)
-            probe = os.path.join(output_dir, ".write-test")
-            open(probe, "w").close()
-            os.remove(probe)
-        except OSError as e:
-            raise ConfigError(f"--output-dir: {output_dir!r} is not writable ({e.strerror})") from None
+def build_loaders(cfg: RunConfig, rank: int, world: int, seed: int, model_config: BertConfig, warn, eval_loader=None):
+    """(train loader, eval loader), the eval one built unless given, checked against the config
+    (``_check_data``). Both check every token id against the model's vocabulary as they read."""
+    vocab = model_config.vocab_size
+    train = build_train_loader(cfg, rank, world, seed, vocab, warn)
+    evals = eval_loader or build_eval_loader(cfg, rank, world, vocab)
+    try:
+        _check_data(cfg, model_config, train, evals)
+    except ConfigError:
+        train.close()  # its read-ahead thread
+        raise
+    return train, evals
 
 
 def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_size: int, warn):
@@ -316,7 +288,7 @@ def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_s
     from data.loader import PretrainingLoader
 
     # With a batch-size warm-up the loader is planned at the ramp's unit, drawn k units a step.
-    ramp = batch_ramp(cfg.train)
+    ramp = build_batch_ramp(cfg.train)
     loader = PretrainingLoader(
         cfg.data.train_dir,
         global_batch_size=cfg.train.global_batch_size if ramp is None else ramp.unit,
@@ -348,7 +320,7 @@ def build_eval_loader(cfg: RunConfig, rank: int, world: int, vocab_size: int):
     )
 
 
-def check_data(cfg: RunConfig, model_config: BertConfig, train_loader, eval_loader) -> None:
+def _check_data(cfg: RunConfig, model_config: BertConfig, train_loader, eval_loader) -> None:
     """The opened data against the config: the closed division's eval size, a next-sentence
     head against masked-LM-only shards, and the first training shard's lengths and masked
     positions against data.* (ConfigError naming both)."""
@@ -380,7 +352,7 @@ def check_data(cfg: RunConfig, model_config: BertConfig, train_loader, eval_load
         )
 
 
-def warm_up_blocks(data: DataSection, vocab_size: int, micro_batch: int, cuda: bool) -> list:
+def build_warm_up_blocks(data: DataSection, vocab_size: int, micro_batch: int, cuda: bool) -> list:
     """Synthetic SampleBlocks for ``Trainer.warm_up``: on a GPU one micro-batch at full length
     (the allocator's worst case) and one of mixed lengths (the other length buckets'
     kernels); on a CPU one tiny block."""
@@ -388,73 +360,9 @@ def warm_up_blocks(data: DataSection, vocab_size: int, micro_batch: int, cuda: b
 
     seq = data.max_seq_length
     predictions = min(data.max_predictions_per_seq, max(1, seq // 8))
-    if cuda:
-        return [
-            random_block(
-                micro_batch, seed=0, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab_size, min_len=seq
-            ),
-            random_block(micro_batch, seed=1, max_seq_length=seq, max_predictions=predictions, vocab_size=vocab_size),
-        ]
-    short = min(seq, 16)
-    return [
-        random_block(
-            2,
-            seed=0,
-            max_seq_length=short,
-            max_predictions=min(predictions, 2),
-            vocab_size=vocab_size,
-            min_len=min(8, short),
-        )
-    ]
-
-
-def build_static_shapes(cfg: RunConfig, micro_batch: int, model: BertForPreTraining, config: BertConfig):
-    """train.static_shapes: the buckets (``data.static_shapes``), or None when off; with
-    train.cuda_graphs the encoder then replays graphs (``bert.cuda_graphs``), and a dropout
-    the graphs would freeze is a ConfigError (the rest was checked with the config)."""
-    from data.static_shapes import StaticShapes, auto_token_bucket
-
-    t, seq = cfg.train, cfg.data.max_seq_length
-    if not t.static_shapes:
-        return None
-    bucket = auto_token_bucket(micro_batch, seq) if t.static_token_bucket == "auto" else t.static_token_bucket
-    shapes = StaticShapes(bucket, t.static_masked_bucket, max(seq, bucket))
-    if t.cuda_graphs:
-        from bert.cuda_graphs import EncoderGraphs, graph_safe_dropout
-
-        why = graph_safe_dropout(cfg.model.attention, config.attention_probs_dropout_prob)
-        if why:
-            raise ConfigError(f"train.cuda_graphs: {why}")
-        model.encoder_graphs = EncoderGraphs(model.layers, shapes.max_seqlen, model.rotary)
-    return shapes
-
-
-def micro_batch(batch, block, static, shapes_seen: set, device: torch.device):
-    """(the collated ``batch`` of ``block`` padded to its bucket when ``static`` is set, on
-    ``device``; its real (tokens, sequences, masked) counts, from the host). Records its shape."""
-    real = (batch.num_tokens, len(block), int(block.masked_counts.sum()))
-    batch = static.pad(batch) if static else batch
-    shapes_seen.add((batch.num_tokens, batch.mlm_positions.numel()))
-    return to_device(batch, device), real
-
-
-def apply_update(optimizer, schedule, found_inf: torch.Tensor, scaler=None) -> None:
-    """The update and the schedule's step, skipped where ``found_inf`` (0-dim device bool).
-
-    On the device, without a read, for an optimizer that skips there (``bert.optim``'s Lamb
-    and AdamW, the sharded LAMB: ``skips_on_device``) with a device schedule. apex's FusedLAMB
-    cannot, so with it the host reads ``found_inf`` (one read per step); fp16's GradScaler
-    decides its own skip on the host (``scaler.step`` reads the device)."""
-    on_device = skips_on_device(optimizer) and schedule.device is not None
-    applied = True if on_device else not bool(found_inf)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    elif on_device:
-        optimizer.step(found_inf=found_inf)
-    elif applied:
-        optimizer.step()
-    if on_device:
-        schedule.step(found_inf)
-    elif applied:
-        schedule.step()
+    if not cuda:
+        short = min(seq, 16)
+        kw = dict(max_seq_length=short, max_predictions=min(predictions, 2), vocab_size=vocab_size)
+        return [random_block(2, seed=0, min_len=min(8, short), **kw)]
+    kw = dict(max_seq_length=seq, max_predictions=predictions, vocab_size=vocab_size)
+    return [random_block(micro_batch, seed=0, min_len=seq, **kw), random_block(micro_batch, seed=1, **kw)]

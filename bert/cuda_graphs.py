@@ -1,34 +1,12 @@
 """CUDA graphs of the encoder, one per static shape (``train.cuda_graphs``; CUDA only).
 
-Sits inside ``BertForPreTraining.forward``: the embeddings and the heads run eagerly, the
-stack of encoder layers replays a graph. With ``train.static_shapes`` a micro-batch has one
-of a few token counts T' (``data.static_shapes``), and ``max_seqlen`` is a constant, so
-each T' gets its graphs the first time it is seen:
-
-- training: ``torch.cuda.make_graphed_callables`` on a view of the layers, which captures
-  the forward and the backward as two graphs behind one autograd function. It was chosen
-  over ``torch.compile(mode="reduce-overhead")`` because it captures the eager kernels as
-  they are (the Triton varlen kernel, the fused ops, cuBLAS) with no recompilation per
-  shape and no graph breaks to hunt, and because the backward is graphed too;
-  DDP's gradient hooks still fire, on the parameters' gradient accumulation after the
-  backward graph.
-- evaluation: a forward-only graph captured under ``no_grad`` into static input buffers.
-
-All graphs share one memory pool. That is safe because they replay one after another and
-each one's outputs are consumed before the next replays: a micro-batch runs its forward
-then its backward, evaluation runs between steps.
-
-What a graph needs from the rest of the step, checked when the run is configured
-(``bert.train_config.check_cuda_graphs``) or when the model is built:
-
-- the attention backend reads ``cu_seqlens`` on the device (``triton``, the single-launch
-  varlen kernel, or ``padded``); ``triton_grouped`` plans its groups from the lengths on the
-  host, a plan a replay would freeze, so it is refused;
-- dropout draws fresh masks on every replay: torch's CUDA generator registers its Philox
-  seed and offset with the graph (``padded`` attention, unfused ops), and the Triton
-  kernels and fused ops read theirs through a pointer from the trainer's device state
-  (``kernels.runtime.philox_from``), which an op in the graph advances (``docs/step.md``);
-- autocast without its weight cache (``cache_enabled=False``), as graphs require.
+``EncoderGraphs`` is built by ``bert.components.build_graphs`` and handed to the model
+(``BertForPreTraining.encoder_graphs``): the embeddings and heads run eagerly, the encoder
+layers replay a graph per (T', B + 1) shape, captured the first time it is seen, forward and
+backward when training (``torch.cuda.make_graphed_callables``), forward only in evaluation.
+All graphs share one memory pool: they replay one after another, each one's outputs consumed
+before the next. Which backends a graph can replay, and why: ``kernels.registry`` (``graphs``,
+``device_dropout``) and docs/step.md, "CUDA graphs".
 
 Shape legend: N tokens (T' here), C hidden size.
 """
@@ -113,18 +91,3 @@ class EncoderGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             static_out = view(static_x, static_cu, static_pos)
         return graph, static_x, static_cu, static_pos, static_out
-
-
-DEVICE_DRAWN_ATTENTION_DROPOUT = ("padded", "triton")
-
-
-def graph_safe_dropout(attention: str, attention_dropout: float) -> str | None:
-    """None when dropout draws fresh masks under replay; else why not (for a one-line error).
-
-    Hidden dropout always does: unfused it is torch's, fused the kernels' device state."""
-    if attention_dropout > 0 and attention not in DEVICE_DRAWN_ATTENTION_DROPOUT:
-        return (
-            f"model.attention={attention!r}'s dropout is not known to draw on the device under a replay; "
-            f"use one of {list(DEVICE_DRAWN_ATTENTION_DROPOUT)} or attention_probs_dropout_prob=0"
-        )
-    return None

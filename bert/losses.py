@@ -1,10 +1,8 @@
 """Pretraining losses: masked-LM + next-sentence, and the SimReg contrastive regulariser.
 
-Sits between the model's outputs and backward. Every loss here is a *sum* over this rank's
-items divided by a *global* count (all-reduced by the trainer over ranks and accumulation
-micro-batches), so the loss of the global batch is the sum of the ranks' losses and does not
-depend on how sequences were spread over ranks. With DDP, which averages gradients over W
-ranks, the trainer multiplies the loss by W (or sums gradients instead).
+Every loss is a *sum* over this rank's items divided by a *global* count (all-reduced by the
+trainer over ranks and micro-batches), so it does not depend on how sequences were spread
+over ranks; DDP averages gradients over W ranks, so the trainer scales the loss by W.
 
 Shape legend: T tokens, B sequences, M masked positions, V vocabulary, C hidden size,
 N tokens SimReg looks at (M for scope ``masked``, T for ``all``), L padded block length.
@@ -18,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from data.batch import UnpaddedBatch
+from data.batch import PackedBatch, UnpaddedBatch
+from data.packing import unpack
+from data.static_shapes import real_part
 
 
 def _per_count(loss_sum: Tensor, count) -> Tensor:
@@ -94,19 +94,10 @@ def simreg_loss(
         L_i = log sum_{a in A(i)} exp(z_i.z_a / t) - (1/|P(i)|) sum_{p in P(i)} z_i.z_p / t
 
     Returns (loss_sum, num_anchors): the sum of L_i over anchors (0 when there are none) in
-    float32 (float64 for float64 input) and the int64 anchor count, both 0-d device
-    tensors; the trainer divides by the all-reduced anchor count.
-
-    Layout: the similarity is block-diagonal by sequence, so each sequence's tokens are
-    padded to a block and blocks are batched into one matmul; no Python loop over sequences.
-    A dense N x N matrix would cost N^2 (~13 GB in fp32 at N = 57k) and padding every
-    sequence to the longest B * L_max^2, so sequences are grouped into buckets by token
-    count rounded up to ``bucket_width``, each bucket padded to its own longest: memory is
-    about sum_b L_b^2, with one batched matmul per bucket (at most 512 / bucket_width for
-    scope ``all``, one or two for ``masked``). Sizing the buckets needs the B per-sequence
-    counts on the host: ``counts`` (masked positions per sequence for scope ``masked``,
-    lengths for ``all``, as the collator's SampleBlock has them) gives them and the call reads
-    nothing from the device; without it they are read back (one small sync per call).
+    float32 (float64 for float64 input) and the int64 anchor count, both 0-d device tensors.
+    Sequences are batched block-diagonally in buckets of ``bucket_width`` tokens
+    (docs/extensions.md); ``counts`` (masked positions per sequence for ``masked``, lengths for
+    ``all``) sizes them from the host, else they are read back (one small sync per call).
     """
     if scope not in SIMREG_SCOPES:
         raise ValueError(f"loss.simreg_scope: unknown scope {scope!r}; choose from {', '.join(SIMREG_SCOPES)}")
@@ -168,6 +159,22 @@ def simreg_loss(
             loss_sum = loss_sum + block_loss
             num_anchors = num_anchors + block_anchors
     return loss_sum, num_anchors
+
+
+def simreg_term(hidden_TC: Tensor, batch, block, temperature: float, scope: str, real=None) -> Tensor:
+    """SimReg's loss sum over a micro-batch of any layout, on its real tokens only: a packed
+    batch is unpacked, a statically padded one (``real``: its (tokens, sequences, masked) without
+    the padding sequence) is cut to its real part. The per-sequence counts come from the host's
+    ``block`` (a ``SampleBlock``), except for a packed batch, whose rows reorder the sequences."""
+    counts = None
+    if isinstance(batch, PackedBatch):
+        batch, index = unpack(batch)
+        hidden_TC = hidden_TC[index]
+    else:
+        if real is not None:
+            batch, hidden_TC = real_part(batch, *real), hidden_TC[: real[0]]
+        counts = (block.masked_counts if scope == "masked" else block.seq_lens).tolist()
+    return simreg_loss(hidden_TC, batch, temperature, scope, counts=counts)[0]
 
 
 def _block_loss(

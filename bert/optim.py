@@ -1,39 +1,13 @@
 """Optimizers: LAMB (MLPerf BERT's), AdamW and StableAdamW (ModernBERT's), with BERT's weight-decay exclusions.
 
-Sits after gradient clipping in the data flow (``bert.clipping``): grads are final and
-clipped when ``step()`` runs, so no optimizer here clips.
-
-LAMB semantics (the MLPerf reference optimizer and apex's ``FusedLAMB``, whose defaults the
-NVIDIA submissions use). For a parameter w with gradient g at step t (from 1):
-
-    m = beta1 * m + (1 - beta1) * g          v = beta2 * v + (1 - beta2) * g * g
-    u = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps) + weight_decay * w
-    r = ||w|| / ||u||, or 1 when either norm is 0          (per tensor: the trust ratio)
-    w = w - lr * r * u
-
-Weight decay is decoupled (added to the Adam direction before the trust ratio). The trust
-ratio is applied only in groups with non-zero weight decay, as in the MLPerf reference
-(``exclude_from_layer_adaptation`` defaults to the weight-decay exclusions) and apex
-(``use_nvlamb=False``); ``use_nvlamb=True`` applies it everywhere.
-
-``build_optimizer`` picks apex's fused kernel when apex (with its CUDA extension) is
-importable and the parameters are on CUDA, and this module's multi-tensor ``Lamb`` otherwise
-(``impl='apex'`` or ``impl='torch'`` force one; asking for apex where it cannot run is an
-error). Both keep the same state layout (``exp_avg``, ``exp_avg_sq`` per parameter, ``step``
-per group), so a checkpoint moves between them.
-
-The device-side skip (shared by every optimizer of this project, the sharded ones included;
-``skips_on_device(optimizer)`` tells whether its ``step`` has the argument): ``step(found_inf=t)``
-takes a 0-dim tensor on the parameters' device, nonzero (True) when the gradients are not
-finite. The update is then computed as usual and selected per tensor with ``torch.where``,
-so on a skipped step the parameters, moments and step counts stay bitwise as they were, and
-the host never reads the flag (no sync; a CUDA graph can hold the step). It costs the
-moments' copies and one ``where`` per state tensor (three launches per parameter tensor on
-a GPU), on every step, skipped or not. The step count then becomes a 0-dim float64 tensor
-on the device (``Lamb``'s group ``step``; ``AdamW``'s per-parameter ``step`` stays torch's
-float32 tensor), and the learning rate may be a 0-dim device tensor (``bert.schedule`` on
-the device), read by no one but the kernels. apex's FusedLAMB has no such argument: the
-trainer reads the flag on the host for it (``bert.components.apply_update``).
+They run after clipping (``bert.clipping``), so none clips. ``Lamb`` is apex's ``FusedLAMB``
+(the NVIDIA submissions' defaults) on ``torch._foreach_*`` ops, with its state layout, so a
+checkpoint moves between them; ``build_optimizer`` picks one (``optim.impl``). Every optimizer
+here takes ``step(found_inf=t)``: a 0-dim device tensor, nonzero when the gradients are not
+finite, that keeps parameters, moments and step counts bitwise as they were, selected with
+``torch.where`` and never read on the host (``skips_on_device`` tells which optimizers do;
+``apply_update`` reads it for the others). The update rules, the exclusions and the skip's
+cost: docs/training.md, "Optimizer, schedule and clipping", and docs/step.md.
 """
 
 from __future__ import annotations
@@ -191,17 +165,10 @@ class Lamb(torch.optim.Optimizer):
 class AdamW(torch.optim.AdamW):
     """torch's AdamW that also takes ``step(found_inf=...)`` and a device-tensor learning rate.
 
-    Without either, ``step()`` is torch's own. With them, the same update (decoupled weight
-    decay, torch's ``eps`` outside the square root, bias correction from the per-parameter
-    ``step``) is written with ``torch._foreach_*`` ops that read nothing back, and skipped on
-    the device as the module docstring says; torch's state layout is kept, so a checkpoint
-    moves between the two paths. ``amsgrad``, ``maximize`` and complex parameters are torch's only.
-
-    ``decouple_lr=True``: weight decay independent of the learning rate's size, w <- w (1 - lr_t /
-    max_lr x weight_decay) with ``max_lr`` the peak rate (default ``lr``): Loshchilov & Hutter's
-    fully decoupled form, optimi's ``decouple_lr`` and Composer's ``DecoupledAdamW``; the
-    ``_foreach`` path runs it. ``max_lr`` is configuration, not state: a resumed phase with a new
-    peak rate decays by its own.
+    Without either, ``step()`` is torch's own; with them, the same update on ``torch._foreach_*``
+    ops that read nothing back, in torch's state layout. ``decouple_lr=True``: weight decay
+    independent of the rate's size, w <- w (1 - lr_t / max_lr x weight_decay), ``max_lr`` the
+    peak rate (default ``lr``; configuration, not state). ``amsgrad`` and ``maximize`` are torch's only.
     """
 
     clips_update = False  # StableAdamW's per-tensor learning-rate scaling (the subclass below)
@@ -275,20 +242,13 @@ class AdamW(torch.optim.AdamW):
 
 
 class StableAdamW(AdamW):
-    """StableAdamW (Wortsman et al. 2023, arXiv:2304.13013, Algorithm 2), as ModernBERT trains
-    with it (torch-optimi's ``StableAdamW``): AdamW whose learning rate is scaled down, per
-    tensor and step, by the RMS of the squared gradient over the second moment,
+    """StableAdamW (Wortsman et al. 2023, arXiv:2304.13013, Algorithm 2), ModernBERT's: AdamW
+    with the learning rate scaled per tensor and step,
 
         lr_t = lr / max(1, RMS_t),    RMS_t = sqrt(mean(g_t^2 / max(v_t / (1 - beta2^t), eps^2)))
 
-    (v_t includes g_t): AdaFactor's update clipping, moved from the update into the learning
-    rate, which damps a tensor's step when its gradient jumps ahead of the running v. Weight
-    decay is decoupled and uses the same lr_t: w <- w (1 - lr_t wd) as the paper and optimi's
-    default, or w <- w (1 - lr_t / max_lr x wd) with ``decouple_lr=True``, as ModernBERT
-    (``decoupled_stableadamw``: optimi's ``decouple_lr=True``). The rest, state layout and the
-    device-side skip included, is ``AdamW``'s; every step runs the ``_foreach`` path (torch has
-    no StableAdamW of its own).
-    The RMS costs two temporaries the size of the gradients and one reduction per tensor.
+    and weight decay with the same lr_t (``decouple_lr`` as ``AdamW``); always the ``_foreach``
+    path. Why and what it costs: docs/modern_encoders.md.
     """
 
     clips_update = True
@@ -328,6 +288,26 @@ def _keep_where_skipped(skip: Tensor, olds: list[Tensor], news: list[Tensor]) ->
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` takes ``found_inf`` (the device-side skip of the module docstring)."""
     return "found_inf" in inspect.signature(optimizer.step).parameters
+
+
+def apply_update(optimizer, schedule, found_inf: Tensor, scaler=None) -> None:
+    """The update and the schedule's step, skipped where ``found_inf`` (0-dim device bool): on
+    the device, without a read, for an optimizer that ``skips_on_device`` with a device
+    schedule; else the host reads ``found_inf`` (apex's FusedLAMB: one read per step), and
+    fp16's GradScaler decides its own skip on the host (``scaler.step`` reads the device)."""
+    on_device = skips_on_device(optimizer) and schedule.device is not None
+    applied = True if on_device else not bool(found_inf)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    elif on_device:
+        optimizer.step(found_inf=found_inf)
+    elif applied:
+        optimizer.step()
+    if on_device:
+        schedule.step(found_inf)
+    elif applied:
+        schedule.step()
 
 
 def apex_lamb_available() -> bool:

@@ -1,27 +1,222 @@
-"""What the trainer reports: hyper-parameters to the MLPerf log, a record per logged step,
-and the run's summary (summary.json, the table printed at the end, curves.png).
+"""What a run reports: the MLPerf hyper-parameters, a record per logged step, the summary.
 
-The trainer calls these at initialisation, every ``train.log_interval_steps`` and at the end;
-none of them runs on a step that does not log. The files and lines themselves are written
-by ``bert.metrics`` and ``bert.mlperf_log``.
+Rank 0 writes ``metrics.jsonl`` (``MetricsWriter``: one JSON object per logged step and per
+evaluation; on resume it drops the records past the checkpoint's step, so a resumed run's
+file equals an uninterrupted one's), the progress lines, ``summary.json``, its table and
+``curves.png``. ``DeviceCounters`` keeps what the steps leave on the device for the logs and
+reads it, with the record's other tensors, in one read per log interval (docs/step.md). The
+trainer calls these at initialisation, at logged steps, evaluations and the end; none runs
+on a step that does not log. Outputs: docs/training.md, "Outputs".
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import time
+from collections import deque
 from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
 
 from bert import fp8
 from bert.clipping import ClipStats
-from bert.metrics import MetricsWriter, Progress, plot_curves, spike_score, summary_table
 from bert.train_checkpoint import list_checkpoints
 from bert.train_config import CheckpointSection, RunConfig
 from bert.train_state import TrainState
-from fileio import write_text
+from fileio import publishing, write_text
 
 if TYPE_CHECKING:  # mlperf_logging is optional: imported only where the MLPerf log is written
     from bert.mlperf_log import MLPerfLogger
+
+
+class MetricsWriter:
+    def __init__(self, path: str, enabled: bool, resume_step: int | None = None):
+        self.path = path
+        self.enabled = enabled
+        self.records: list[dict] = []
+        self.sinks: list = []  # more receivers of every record (``write(record)``, ``close()``)
+        if not enabled:
+            return
+        if resume_step is not None and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut by a kill
+                        break
+                    if rec.get("step", 0) <= resume_step:
+                        self.records.append(rec)
+            write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
+        elif os.path.exists(path):
+            os.remove(path)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+class Progress:
+    """One line per logged step; a bar (on the same line) when stdout is a terminal."""
+
+    def __init__(self, enabled: bool, total_steps: int):
+        self.enabled = enabled
+        self.total = total_steps
+        self.tty = sys.stdout.isatty()
+        self.start = time.time()
+
+    def step(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        line = (
+            f"step {rec['step']:>6}  samples {rec['samples']:>9}  loss {rec['loss']:.4f}  "
+            f"lr {rec['lr']:.3e}  {rec['seq_per_s']:8.1f} seq/s  {rec['tokens_per_s']:10.0f} tok/s"
+        )
+        if self.tty:
+            frac = min(rec["step"] / self.total, 1.0)
+            bar = "#" * int(24 * frac)
+            line += f"  [{bar:<24}] {100 * frac:5.1f}%"
+        print(line, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            print(text, flush=True)
+
+
+def summary_table(summary: dict) -> str:
+    rows = [
+        ("status", summary["status"]),
+        ("steps", summary["steps"]),
+        ("samples", summary["samples"]),
+        ("train seconds", f"{summary['train_seconds']:.1f}"),
+        ("sequences/s", f"{summary['seq_per_s']:.1f}"),
+        ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
+        ("eval accuracy", "n/a" if summary["eval_accuracy"] is None else f"{summary['eval_accuracy']:.4f}"),
+        ("time to train", f"{summary['time_to_train_s']:.1f} s"),
+        ("skipped steps", summary["skipped_steps"]),
+    ]
+    for key, label in (
+        ("corrupt_samples_skipped", "corrupt samples skipped"),
+        ("checkpoint_failures", "checkpoint failures"),
+    ):
+        if summary.get(key):
+            rows.append((label, summary[key]))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def plot_curves(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_accuracy" in r]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot([r["samples"] for r in train], [r["loss"] for r in train])
+    ax1.set_xlabel("samples")
+    ax1.set_ylabel("training loss (MLM + NSP)")
+    ax1.grid(alpha=0.3)
+    ax2.plot([r["samples"] for r in evals], [r["eval_accuracy"] for r in evals], marker="o")
+    ax2.set_xlabel("samples")
+    ax2.set_ylabel("masked-LM accuracy (eval)")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    with publishing(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+
+
+class SpikeCounter:
+    """Running spike score: a value is a spike when it is at least ``sigmas`` standard
+    deviations above the mean of the previous ``window`` finite values (a non-finite value
+    always is; the first two never are)."""
+
+    def __init__(self, sigmas: float = 7.0, window: int = 1000):
+        self.sigmas = sigmas
+        self.previous: deque = deque(maxlen=window)
+        self.count = 0
+        self.spikes = 0
+
+    def add(self, value: float) -> bool:
+        spike = False
+        if self.count >= 2:
+            prev = np.asarray(self.previous, dtype=np.float64)
+            prev = prev[np.isfinite(prev)]
+            if len(prev) >= 2:
+                mean = prev.mean()
+                spike = not np.isfinite(value) or (value > mean and value >= mean + self.sigmas * prev.std())
+        self.previous.append(value)
+        self.count += 1
+        self.spikes += bool(spike)
+        return bool(spike)
+
+    @property
+    def score(self) -> float:
+        """Percentage of the values so far that were spikes."""
+        return 100.0 * self.spikes / self.count if self.count else 0.0
+
+
+def spike_score(values: list[float], sigmas: float = 7.0, window: int = 1000) -> float:
+    """Percentage of values at least ``sigmas`` standard deviations above the mean of the
+    previous ``window`` values (all previous ones when fewer; the first two are never spikes)."""
+    counter = SpikeCounter(sigmas, window)
+    for v in values:
+        counter.add(v)
+    return counter.score
+
+
+class DeviceCounters:
+    """``skipped`` and ``in_row`` (consecutive skipped steps) as int64 device tensors."""
+
+    def __init__(self, device: torch.device, skipped: int = 0, in_row: int = 0):
+        self.skipped = torch.tensor(skipped, dtype=torch.int64, device=device)
+        self.in_row = torch.tensor(in_row, dtype=torch.int64, device=device)
+        self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
+        self.clip_stats: ClipStats | None = None
+
+    def update(self, found_inf: Tensor, grad_norm: Tensor, clip_stats: ClipStats | None) -> None:
+        """After a step: ``found_inf`` (0-dim bool) counts it as skipped; no host read."""
+        skipped = found_inf.to(torch.int64)
+        self.skipped = self.skipped + skipped
+        self.in_row = (self.in_row + 1) * skipped
+        self.grad_norm, self.clip_stats = grad_norm.detach(), clip_stats
+
+    def read(self, **extra: Tensor) -> dict:
+        """One read of ``skipped``, ``in_row``, ``grad_norm``, every tensor in ``extra`` (as floats
+        or lists) and, as ``adagc``, the last AdaGC step's share of clipped tensors and mean clip factor."""
+        names = {"skipped": self.skipped, "in_row": self.in_row, "grad_norm": self.grad_norm, **extra}
+        c = self.clip_stats
+        if c is not None and c.num_tensors:
+            names.update(num_clipped=c.num_clipped, clip_ratio=c.clip_ratio)
+        flat = [t.detach().reshape(-1).to(torch.float64) for t in names.values()]
+        values = torch.cat(flat).tolist()  # the one read
+        out, at = {}, 0
+        for name, t in zip(names, flat):
+            n = t.numel()
+            out[name] = values[at : at + n] if names[name].dim() else values[at]
+            at += n
+        out["skipped"], out["in_row"] = int(out["skipped"]), int(out["in_row"])
+        out["adagc"] = {}
+        if "num_clipped" in out:
+            share, ratio = int(out.pop("num_clipped")) / c.num_tensors, out.pop("clip_ratio")
+            out["adagc"] = {"adagc_clipped_share": share, "adagc_clip_ratio": ratio}
+        return out
+
 
 # The rebalancer's numbers a step record carries (data.rebalance.ExchangeStats fields).
 REBALANCE_FIELDS = (
@@ -69,12 +264,12 @@ def step_record(
     lr: float,
     grad_norm: float,
     throughput: tuple[float, float],
-    clip_stats: ClipStats | None,
+    adagc: dict,
     rebalance,
 ) -> dict:
     """One metrics.jsonl record: ``parts`` the all-reduced [loss, mlm, nsp, simreg] of the
-    step, ``throughput`` (sequences/s, tokens/s) since the last record, ``rebalance`` the
-    rebalancer's stats of the step or None. Reads AdaGC's device tensors (a sync)."""
+    step, ``throughput`` (sequences/s, tokens/s) since the last record, ``adagc`` AdaGC's
+    numbers (``DeviceCounters.read``), ``rebalance`` the rebalancer's stats of the step or None."""
     rec = {
         "step": state.step,
         "samples": state.samples,
@@ -87,7 +282,7 @@ def step_record(
         "seq_per_s": throughput[0],
         "tokens_per_s": throughput[1],
         "skipped_steps": state.skipped,
-        **adagc_record(clip_stats),
+        **adagc,
         **({"corrupt_samples": state.corrupt_samples} if cfg.data.on_corrupt == "skip" else {}),
     }
     if rebalance is not None:
@@ -112,14 +307,6 @@ def report_eval(metrics: MetricsWriter, progress: Progress, state: TrainState, t
     progress.message(
         f"eval  step {state.step:>6}  samples {state.samples:>9}  masked-LM accuracy {acc:.4f}  (target {target})"
     )
-
-
-def adagc_record(clip_stats: ClipStats | None) -> dict:
-    """The last AdaGC step's share of clipped tensors and mean clip factor (for the logs)."""
-    c = clip_stats
-    if c is None or not c.num_tensors:
-        return {}
-    return {"adagc_clipped_share": int(c.num_clipped) / c.num_tensors, "adagc_clip_ratio": float(c.clip_ratio)}
 
 
 def checkpoint_failed(progress: Progress, step: int, error: str, directory: str, checkpoint: CheckpointSection) -> None:

@@ -1,6 +1,6 @@
 """TensorBoard event files for a run (``log.tensorboard: true``): OUTPUT_DIR/tensorboard/.
 
-A sink of ``bert.metrics.MetricsWriter`` (rank 0): every ``metrics.jsonl`` record becomes
+A sink of ``bert.reporting.MetricsWriter`` (rank 0): every ``metrics.jsonl`` record becomes
 scalars at its global step, and the resolved config is text (tag ``config``). A resumed run
 opens a new event file with ``purge_step`` = checkpoint step + 1 and replays the spike
 counters from ``metrics.jsonl``. The tags: [docs/extensions.md](../docs/extensions.md#tensorboard).
@@ -31,7 +31,7 @@ SCALARS = {
 
 class TensorBoardSink:
     def __init__(self, log_dir: str, config: dict, resume_step: int | None = None, history: list[dict] = ()):
-        from bert.metrics import SpikeCounter
+        from bert.reporting import SpikeCounter
         from bert.train_config import ConfigError
 
         try:

@@ -139,7 +139,7 @@ class ModelSection:
         + "; ".join(
             f"{', '.join(registry.backends_for(lay))} ({kind} layout)" for kind, lay in ATTENTION_LAYOUTS.items()
         ),
-        tuple(registry.backend_names()),
+        registry.BACKENDS.keys(),  # a live view: a backend registered later is a choice too
     )
     grouped_buckets: list[int] = opt(
         [128, 256, 384, 512],
@@ -639,13 +639,6 @@ def read_model_config_file(path: str) -> BertConfig:
         raise ConfigError(f"model.config_file: {message}") from None
 
 
-# Attention backends whose launches read cu_seqlens on the device (a graph replays them with
-# new lengths). triton_grouped plans its groups from the lengths on the host, a plan a graph
-# would freeze; reference loops over cu_seqlens on the host; the library backends are not
-# checked under graphs here.
-GRAPH_SAFE_ATTENTION = ("triton", "padded")
-
-
 def check_cuda_graphs(cfg: RunConfig) -> None:
     """train.cuda_graphs: the combinations a CUDA graph can replay (raised before any work)."""
     import torch
@@ -655,11 +648,9 @@ def check_cuda_graphs(cfg: RunConfig) -> None:
         raise ConfigError("train.cuda_graphs: CUDA graphs need a CUDA device (train.device=cuda on a GPU)")
     if not t.static_shapes:
         raise ConfigError("train.cuda_graphs: a graph replays fixed shapes; set train.static_shapes=true")
-    if cfg.model.attention not in GRAPH_SAFE_ATTENTION:
-        raise ConfigError(
-            f"train.cuda_graphs: model.attention={cfg.model.attention!r} plans its launches on the host; "
-            f"use one of {list(GRAPH_SAFE_ATTENTION)}"
-        )
+    refused = registry.graph_refusal(cfg.model.attention, 0.0)  # the dropout: when the model is built
+    if refused:
+        raise ConfigError(f"train.cuda_graphs: {refused}")
     if cfg.model.compile:
         raise ConfigError("train.cuda_graphs: model.compile captures its own graphs; use one of the two")
     if cfg.optim.shard != "none":

@@ -1,26 +1,15 @@
 """The training loop: named steps from a global batch to an MLPerf result.
 
-``Trainer(cfg, output_dir, dist_info).train()`` builds the parts from their config sections
+``Trainer(cfg, output_dir, dist_info).train()`` builds its parts from their config sections
 (``bert.components``), resumes from ``output_dir/checkpoints`` when a checkpoint is there
-(``bert.train_checkpoint``: one writer, one restore path), and runs:
-
-    for each global step:
-        train_step       this rank's samples -> micro-batches -> forward_backward
-                         (losses normalised by global counts, agreed between ranks on the host)
-        optimizer_step   clip -> non-finite check on the device (skip and count) -> LAMB -> LR schedule
-        evaluate         every eval.interval_samples: masked-LM accuracy over the eval set
-        save_checkpoint  every checkpoint.interval_steps, and when SIGTERM asked to stop
-                         (bert.train_checkpoint: one checksummed file, the newest good one resumed)
-
-reporting what it does through ``bert.reporting`` (MLPerf hyper-parameters, metrics records,
-the summary). A steady-state step reads nothing back from the device (docs/step.md): its
-counts come from the data (``bert.host_counts``), the skip is decided on the device, and
-metrics are read once per ``train.log_interval_steps`` (``bert.step_metrics``). Every
-collective runs inside ``Collectives.guard``: a peer that dies or hangs turns into a
-``CollectiveError`` naming the collective, the step and the ranks that did not answer, within
-``dist.timeout_s``, never a hang. Dropout is re-seeded every step from (seed, step, rank)
-(``bert.train_state.seed_step``: torch's generators and the kernels' device Philox state), so
-a resumed run draws exactly the masks an uninterrupted one would without saving RNG states.
+(``bert.train_checkpoint``: one writer, one restore path) and runs, per global step,
+``train_step`` (this rank's micro-batches through ``forward_backward``, the losses normalised
+by global counts agreed on the host),
+``optimizer_step`` (clip, skip a non-finite update on the device, update, schedule),
+``evaluate`` every eval interval and ``save_checkpoint`` at its interval and on SIGTERM;
+``bert.reporting`` reports it. A step reads nothing back from the device; collectives fail
+within ``dist.timeout_s`` naming the missing ranks; dropout is re-seeded every step from
+(seed, step, rank). docs/training.md, "The training loop", and docs/step.md say how and why.
 
 Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 """
@@ -28,6 +17,7 @@ Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import time
@@ -41,18 +31,16 @@ from bert.clipping import clip_global_, tensor_norms
 from bert.collectives import Collectives
 from bert.eval_cache import EvalBatches, masked_lm_counts
 from bert.host_counts import CountAgreement, StepPlanner
-from bert.losses import pretraining_loss, simreg_loss
-from bert.metrics import Progress
+from bert.losses import pretraining_loss, simreg_term
+from bert.optim import apply_update
 from bert.pretrained import load_pretrained
-from bert.sharded_optim import apply_sharding, reshard
-from bert.step_metrics import DeviceCounters
+from bert.reporting import DeviceCounters, Progress
+from bert.sharded_optim import apply_sharding, local_shard, reshard
 from bert.train_checkpoint import find_checkpoint, resume, write_checkpoint
-from bert.train_config import RunConfig, eval_interval
+from bert.train_config import DebugSection, RunConfig, eval_interval
 from bert.train_state import TrainState, resolve_seed, seed_step
-from data.batch import PackedBatch
-from data.packing import unpack
+from data.batch import to_device
 from data.samples import SampleBlock
-from data.static_shapes import real_part
 from kernels.runtime import philox_from, philox_state
 
 # Set to 1 by launch/run_and_time.sh when it dropped the page cache before this run (the
@@ -72,45 +60,86 @@ class StepResult:
     corrupt: int = 0  # global: corrupt samples replaced in this step's batch (data.on_corrupt=skip)
 
 
+def map_large_allocations() -> None:
+    """train.flat_host_memory: every allocation of 128 KiB or more gets its own mapping, returned
+    to the OS when freed (glibc's M_MMAP_THRESHOLD, -3, fixed; nothing without ``mallopt``).
+    Flat resident memory for ~1.5x slower CPU steps: docs/reliability.md, "Endurance"."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(ctypes.c_int(-3), ctypes.c_int(128 << 10))
+
+
+@torch.no_grad()
+def inject_debug_faults(debug: DebugSection, model: torch.nn.Module, step: int) -> None:
+    """debug.*: before update ``step`` (1-based), multiply chosen gradients, or make one non-finite."""
+    if step in debug.spike_steps:
+        for name, p in model.named_parameters():
+            if p.grad is not None and (not debug.spike_params or any(s in name for s in debug.spike_params)):
+                p.grad.mul_(debug.spike_factor)
+    if step in debug.nonfinite_steps:
+        # Sharded: the rank holding the first element of the first gradient writes it.
+        grad = local_shard(next(p for p in model.parameters() if p.grad is not None).grad)
+        if grad.numel():
+            grad.view(-1)[0] = float(debug.nonfinite_value)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, output_dir: str, dist_info):
         """Builds every part but the data loaders: MLPerf's clock (``run_start``) starts
         before anything touches the dataset, so ``train()`` opens the data after it."""
-        self.cfg = cfg
-        self.out = output_dir
-        self.rank, self.world = dist_info.rank, dist_info.world_size
-        self.is_main = self.rank == 0
-        self.device = components.pick_device(cfg.train, dist_info)
+        self.cfg, self.out, t = cfg, output_dir, cfg.train
+        self.rank, self.world, self.is_main = dist_info.rank, dist_info.world_size, dist_info.rank == 0
+        self.device = components.build_device(cfg, dist_info, output_dir)
         self.coll = Collectives(self.rank, self.world, cfg.dist.timeout_s)
-        components.check_setup(cfg, self.world, self.device, output_dir, self.is_main)
-        t = cfg.train
         self.local_batch = t.global_batch_size // self.world
         self.micro_batch = self.local_batch // t.grad_accum_steps
         self.eval_interval = eval_interval(cfg)
-
         self.state = TrainState()  # the counters; restored from a checkpoint when resuming
         self.error: str | None = None  # why the run stopped early (summary "error", exit status 1)
-        self.stop_requested = False  # this rank's (SIGTERM); stop_agreed: every rank's, after this step
-        self.stop_agreed = False
-        self.train_loader = self.eval_loader = None  # opened by train(), after run_start
-        self._loader_state: dict | None = None  # a resumed loader position, applied when the data opens
-
+        self.stop_requested = self.stop_agreed = False  # this rank's SIGTERM; every rank's, after this step
+        self.train_loader = self.eval_loader = self.planner = self._collator = None  # opened by train()
+        self.shapes_seen: set[tuple[int, int]] = set()  # (tokens, masked) of the micro-batches run
         self.progress = Progress(self.is_main, t.max_steps)
         found = find_checkpoint(self._checkpoint_dir(), self.coll, self.device, self.progress.message)
         self.resumed = found is not None
         # The run's seed: the config's, else one rank 0 draws from the OS; a resumed run keeps its own.
         self.state.seed = resolve_seed(t.seed, found[1] if found else None, self.coll, self.device)
-        nodes = components.count_nodes(dist_info, self.coll, self.device)
-        self.mllog = components.build_mlperf_logger(cfg.log, output_dir, self.rank, nodes, self.device, self.resumed)
+        self._start_mlperf_log(dist_info)  # initialisation starts before the model is built
+        self._build_model()
+        self.optimizer, self.schedule, self.adagc, self.scaler = components.build_optimization(
+            cfg, self.model, self.sharding, self.device
+        )
+        self.rebalancer = None
+        if self.world > 1:
+            with self.coll.guard("the rebalancer's settings check", -1):
+                self.rebalancer = components.build_rebalancer(cfg, self.local_batch, cfg.dist.timeout_s)
+        self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
+        graphed = self.static if t.cuda_graphs else None  # graphed eval replays padded shapes
+        self.eval_batches = EvalBatches(cfg.eval, self.device, self._collate, self.progress.message, graphed)
+        # What a checkpoint saves and restores besides the counters (bert.train_state).
+        self.parts = {"model": self.model, "optimizer": self.optimizer, "schedule": self.schedule}
+        self.parts.update(adagc=self.adagc, scaler=self.scaler)
+        self._loader_state = self._resume(found) if found is not None else None  # applied when the data opens
+        self.counters = DeviceCounters(self.device, self.state.skipped, self.state.nonfinite_in_row)
+        resume_step = self.state.step if self.resumed else None
+        self.metrics = components.build_metrics(cfg.log, output_dir, self.is_main, resume_step, cfg.to_dict())
+
+    def _start_mlperf_log(self, dist_info) -> None:
+        """mlperf.log; a fresh run's initialisation (untimed, at most 30 minutes) starts here."""
+        first = torch.tensor([int(dist_info.local_rank == 0)], dtype=torch.int64, device=self.device)
+        nodes = max(1, int(self.coll.all_reduce(first, "the node count", 0)))  # for submission_platform
+        self.mllog = components.build_mlperf_logger(self.cfg.log, self.out, self.rank, nodes, self.device, self.resumed)
         if not self.resumed:
-            # Initialisation (untimed, at most 30 minutes by the rules) starts here, before the
-            # model is built; it ends after the warm-up in train().
             self.mllog.cache_clear(os.environ.get(CACHE_CLEARED_ENV) == "1")
             self.mllog.init_start()
-            reporting.log_hyperparameters(self.mllog, cfg, self.state.seed, self.micro_batch)
+            reporting.log_hyperparameters(self.mllog, self.cfg, self.state.seed, self.micro_batch)
 
+    def _build_model(self) -> None:
+        """The model on its device, sharded (optim.shard) and wrapped for the steps, and
+        train.static_shapes' buckets with train.cuda_graphs' graphs handed to the model."""
+        cfg, t = self.cfg, self.cfg.train
         if t.flat_host_memory:
-            components.map_large_allocations()
+            map_large_allocations()
         self.model_config = components.build_model_config(cfg)
         torch.manual_seed(self.state.seed)  # same initial weights on every rank
         # The kernels' dropout state (kernels.runtime): seeded each step, advanced on the device.
@@ -123,37 +152,20 @@ class Trainer:
         with self.coll.guard("the shard groups' setup", -1):
             self.sharding = apply_sharding(self.model, cfg.optim, t.precision, self.world, self.device.type)
         # forward: the model as the steps call it (DDP over ranks, torch.compile'd if asked).
-        sharded = self.sharding is not None
-        self.ddp, self.forward = components.wrap_model(self.model, cfg.model, self.device, self.coll, sharded)
-
-        # train.static_shapes' buckets (None: dynamic shapes), and train.cuda_graphs' graphs.
-        self.static = components.build_static_shapes(cfg, self.micro_batch, self.model, self.model_config)
-        self.shapes_seen: set[tuple[int, int]] = set()  # (tokens, masked) of the micro-batches run
-        self.optimizer, self.schedule, self.adagc, self.scaler = components.build_optimization(
-            cfg, self.model, self.sharding, self.device
+        self.ddp, self.forward = components.build_forward(
+            self.model, cfg.model, self.device, self.coll, self.sharding is not None
         )
-        self.clip_stats = None  # the last AdaGC step's, for the logs
+        self.static, self.model.encoder_graphs = components.build_graphs(
+            cfg, self.micro_batch, self.model, self.model_config
+        )
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
-        self._collator = self.rebalancer = None
-        if self.world > 1:
-            with self.coll.guard("the rebalancer's settings check", -1):
-                self.rebalancer = components.build_rebalancer(cfg, self.local_batch, cfg.dist.timeout_s)
-        self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
-        self.planner: StepPlanner | None = None  # built when the data opens
-        graphed = self.static if t.cuda_graphs else None  # graphed eval replays padded shapes
-        self.eval_batches = EvalBatches(cfg.eval, self.device, self._collate, self.progress.message, graphed)
 
-        # What a checkpoint saves and restores besides the counters (bert.train_state).
-        self.parts = {"model": self.model, "optimizer": self.optimizer, "schedule": self.schedule}
-        self.parts.update(adagc=self.adagc, scaler=self.scaler)
-        if found is not None:
-            restored, self._loader_state = resume(found, self._checkpoint_dir(), self.parts, self.progress.message)
-            restored.seed = self.state.seed  # the newest checkpoint's (resolve_seed); an older one's is the same
-            self.state = restored
-        self.counters = DeviceCounters(self.device, self.state.skipped, self.state.nonfinite_in_row)
-        self.metrics = components.build_metrics(
-            cfg.log, output_dir, self.is_main, self.state.step if self.resumed else None, cfg.to_dict()
-        )
+    def _resume(self, found) -> dict:
+        """The newest good checkpoint's parts and counters restored; returns the loader position."""
+        restored, loader_state = resume(found, self._checkpoint_dir(), self.parts, self.progress.message)
+        restored.seed = self.state.seed  # the newest checkpoint's (resolve_seed); an older one's is the same
+        self.state = restored
+        return loader_state
 
     def _warn(self, message: str) -> None:
         """A warning every rank may have (a corrupt shard is found by the rank that reads it)."""
@@ -171,6 +183,16 @@ class Trainer:
             most = max(self.micro_batch, self.cfg.eval.batch_size)
             self._collator = components.build_collator(self.cfg.data, self.device, most)
         return self._collator(block)
+
+    def _micro_batch(self, block: SampleBlock, record: bool = True):
+        """(``block`` collated, padded to its bucket under train.static_shapes, on the device;
+        its real (tokens, sequences, masked) counts, from the host). ``record``: note its shape."""
+        batch = self._collate(block)
+        real = (batch.num_tokens, len(block), int(block.masked_counts.sum()))
+        batch = self.static.pad(batch) if self.static else batch
+        if record:
+            self.shapes_seen.add((batch.num_tokens, batch.mlm_positions.numel()))
+        return to_device(batch, self.device), real
 
     # ---- the named steps -----------------------------------------------------------------
 
@@ -190,7 +212,7 @@ class Trainer:
 
     def forward_backward(self, block: SampleBlock, num_masked: int, num_seqs: int, num_anchors: int) -> torch.Tensor:
         """This rank's micro-batches through forward and backward; returns the [4] loss parts."""
-        simreg = self.cfg.loss.simreg_weight > 0
+        loss_cfg = self.cfg.loss
         self.forward.train()
         loss_parts = torch.zeros(4, device=self.device)
         scale = float(self.world)  # DDP and FSDP2 average gradients over ranks; the losses are sums
@@ -198,7 +220,7 @@ class Trainer:
         for i in range(last + 1):
             mb = block.select(np.arange(i * self.micro_batch, (i + 1) * self.micro_batch))
             # Padded to its bucket (train.static_shapes); real: the sizes without the padding.
-            batch, real = components.micro_batch(self._collate(mb), mb, self.static, self.shapes_seen, self.device)
+            batch, real = self._micro_batch(mb)
             sync = self.ddp is None or i == last
             if self.sharding:  # FSDP2 accumulates unsharded gradients until the last micro-batch
                 self.model.set_requires_gradient_sync(i == last)
@@ -208,20 +230,10 @@ class Trainer:
                     out.mlm_logits, batch.mlm_labels, out.nsp_logits, batch.nsp_labels, num_masked, num_seqs
                 )
                 simreg_part = torch.zeros((), device=self.device)
-                if simreg:
-                    hidden, sim_batch = out.hidden_states, batch
-                    if isinstance(batch, PackedBatch):  # SimReg looks at real tokens only
-                        sim_batch, index = unpack(batch)
-                        hidden = hidden[index]
-                    elif self.static:  # ... and never at the padding sequence
-                        sim_batch, hidden = real_part(batch, *real), hidden[: real[0]]
-                    # The blocks' sizes from the host's block (a packed batch reorders its sequences).
-                    scope, per_seq = self.cfg.loss.simreg_scope, None
-                    if not isinstance(batch, PackedBatch):
-                        per_seq = (mb.masked_counts if scope == "masked" else mb.seq_lens).tolist()
-                    reg_sum, _ = simreg_loss(hidden, sim_batch, self.cfg.loss.simreg_temperature, scope, counts=per_seq)
-                    simreg_part = reg_sum / max(num_anchors, 1)
-                    loss = loss + self.cfg.loss.simreg_weight * simreg_part
+                if loss_cfg.simreg_weight > 0:
+                    args = (loss_cfg.simreg_temperature, loss_cfg.simreg_scope, real if self.static else None)
+                    simreg_part = simreg_term(out.hidden_states, batch, mb, *args) / max(num_anchors, 1)
+                    loss = loss + loss_cfg.simreg_weight * simreg_part
             backward_loss = loss * scale
             (self.scaler.scale(backward_loss) if self.scaler else backward_loss).backward()
             mlm, nsp = stats["mlm_loss_sum"] / max(num_masked, 1), stats["nsp_loss_sum"] / max(num_seqs, 1)
@@ -240,14 +252,15 @@ class Trainer:
     def _optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         params = [p for p in self.model.parameters() if p.grad is not None]
         view = {"local": self.sharding.local, "norms": self.sharding.norms} if self.sharding else {}
+        clip_stats = None  # AdaGC's, for the logs
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        components.inject_debug_faults(self.cfg.debug, self.model, self.state.step + 1)
+        inject_debug_faults(self.cfg.debug, self.model, self.state.step + 1)
         if self.adagc is not None:
             # AdaGC needs no global norm to clip; the sum of its per-tensor norms is kept for
             # the non-finite check and the logs.
-            self.clip_stats = self.adagc.clip_(compute_global_norm=True)
-            norm = self.clip_stats.global_norm
+            clip_stats = self.adagc.clip_(compute_global_norm=True)
+            norm = clip_stats.global_norm
         elif self.cfg.optim.clip == "global":
             norm = clip_global_(params, self.cfg.optim.max_grad_norm, **view)
         else:
@@ -256,12 +269,12 @@ class Trainer:
         # No update on non-finite gradients: the optimizer, schedule and AdaGC skip on the device
         # (bert.optim); fp16's GradScaler decides its own skip on the host (scaler.step reads).
         found_inf = ~torch.isfinite(norm)
-        components.apply_update(self.optimizer, self.schedule, found_inf, self.scaler)
+        apply_update(self.optimizer, self.schedule, found_inf, self.scaler)
         if self.adagc is not None:
             # AdaGC kept its thresholds on the non-finite step but counted it; the skipped
             # step leaves all optimizer state as it was, its step count included.
             self.adagc.unstep_(found_inf)
-        self.counters.update(found_inf, norm, self.clip_stats)
+        self.counters.update(found_inf, norm, clip_stats)
         self.optimizer.zero_grad(set_to_none=True)
         return ~found_inf, norm
 
@@ -312,14 +325,14 @@ class Trainer:
         """Forward and backward on synthetic batches before the clock starts, so that kernel
         compilation and autotuning (Triton, torch.compile) and the allocator's first growth
         are not timed. It leaves no trace: no optimizer step, gradients dropped, RNG states
-        restored. The batches: ``bert.components.warm_up_blocks``."""
+        restored. The batches: ``bert.components.build_warm_up_blocks``."""
         cuda = self.device.type == "cuda"
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
-        blocks = components.warm_up_blocks(self.cfg.data, self.model_config.vocab_size, self.micro_batch, cuda)
+        blocks = components.build_warm_up_blocks(self.cfg.data, self.model_config.vocab_size, self.micro_batch, cuda)
         self.forward.train()
         for block in blocks:  # padded as training pads (train.cuda_graphs captures their shapes)
-            batch, _ = components.micro_batch(self._collate(block), block, self.static, set(), self.device)
+            batch, _ = self._micro_batch(block, record=False)
             with self._autocast(), philox_from(self.philox):  # a graph captured here reads the device state
                 out = self.forward(batch)
                 masked, seqs = int(block.masked_counts.sum()), len(block)
@@ -344,14 +357,11 @@ class Trainer:
 
     def _open_data(self) -> None:
         """The loaders: the first reads of the dataset, after run_start."""
-        # Both loaders check every token id against the model's vocabulary as they read.
-        vocab, seed = self.model_config.vocab_size, self.state.seed
-        self.train_loader = components.build_train_loader(self.cfg, self.rank, self.world, seed, vocab, self._warn)
+        self.train_loader, self.eval_loader = components.build_loaders(  # eval.at_start may have opened eval's
+            self.cfg, self.rank, self.world, self.state.seed, self.model_config, self._warn, self.eval_loader
+        )
         if self._loader_state is not None:
             self.train_loader.load_state_dict(self._loader_state)
-        if self.eval_loader is None:  # eval.at_start opened it already
-            self.eval_loader = components.build_eval_loader(self.cfg, self.rank, self.world, vocab)
-        components.check_data(self.cfg, self.model_config, self.train_loader, self.eval_loader)
 
     def _train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -419,7 +429,7 @@ class Trainer:
         elapsed = max(time.time() - start, 1e-9)
         throughput = (samples / elapsed, tokens / elapsed)
         rec = reporting.step_record(
-            self.cfg, self.state, got["parts"], got["lr"], got["grad_norm"], throughput, got["clip_stats"], rebalance
+            self.cfg, self.state, got["parts"], got["lr"], got["grad_norm"], throughput, got["adagc"], rebalance
         )
         self.metrics.write(rec)
         self.progress.step(rec)

@@ -1,16 +1,13 @@
-"""The attention backends by name: the one list, what each accepts, and how it is loaded.
+"""The attention backends by name: every fact about each, in one list.
 
-``BACKENDS`` names each backend once, with the layouts it takes, the per-layer settings it
-implements (``kernels.interface.SETTINGS``), whether it runs Triton kernels and the keyword
-options it takes; its code is imported only when it is asked for, so choosing ``reference``
-never imports Triton. ``get_backend(name)`` returns the backend function wrapped in the one
-check every call goes through: a layout it does not take or a setting it does not implement
-is refused (``BackendUnavailable``, one line naming the backend, what was asked, and which
-backends would take it), never passed on or swapped for another backend. ``refusal`` and
-``check_backend`` give the same answer without loading anything, and ``layouts_of`` /
-``backends_for`` let the configuration check a layout before torch loads (``bert.train_config``).
-
-This is the top of the attention interface: the model (``bert/``) picks its backends here.
+``BACKENDS`` holds, per backend, what nothing else may decide by its name: the layouts it
+takes, the per-layer settings it implements, whether it runs Triton kernels, whether a CUDA
+graph can replay it and whether its dropout draws on the device, and the config fields that
+feed its options. Its code is imported only when asked for. ``get_backend(name)`` returns it
+wrapped in the check every call goes through: a layout or setting it does not take is refused
+(``BackendUnavailable``, one line naming the backend and the ones that would take it), never
+passed on or swapped. The other functions answer from the list without loading anything.
+Adding a backend: CONTRIBUTING.md, "Adding an attention backend".
 """
 
 from __future__ import annotations
@@ -50,7 +47,10 @@ class Backend:
     settings: frozenset[str] = frozenset()
     triton: bool = False  # runs the Triton kernels: refused at load when they cannot run here
     factory: bool = False
-    options: tuple[str, ...] = ()  # keyword options for the factory
+    # keyword options for the factory, each with the model.* config field that sets it
+    options: tuple[tuple[str, str], ...] = ()
+    graphs: bool = False  # its launches read cu_seqlens on the device: a CUDA graph replays it (docs/step.md)
+    device_dropout: bool = False  # its attention dropout draws fresh masks under a graph replay
 
     def load(self, **options) -> AttentionFn:
         module, attribute = self.target.split(":")
@@ -64,17 +64,32 @@ BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("reference", "kernels.reference:reference_attention", _ANY, _WINDOW),
-        Backend("padded", "kernels.reference:padded_attention", (VarlenLayout, PaddedLayout), _WINDOW),
-        Backend("sdpa", "kernels.reference:sdpa_attention", (VarlenLayout,), _WINDOW),
-        Backend("triton", "kernels.varlen_attention:triton_backend", (VarlenLayout,), _WINDOW, triton=True),
         Backend(
-            "triton_grouped",
+            "padded",
+            "kernels.reference:padded_attention",
+            (VarlenLayout, PaddedLayout),
+            _WINDOW,
+            graphs=True,
+            device_dropout=True,  # torch's CUDA generator registers its Philox state with the graph
+        ),
+        Backend("sdpa", "kernels.reference:sdpa_attention", (VarlenLayout,), _WINDOW),
+        Backend(
+            "triton",
+            "kernels.varlen_attention:triton_backend",
+            (VarlenLayout,),
+            _WINDOW,
+            triton=True,
+            graphs=True,
+            device_dropout=True,  # the kernels read their Philox state from the device (kernels.runtime)
+        ),
+        Backend(
+            "triton_grouped",  # plans its groups on the host: a replay would freeze one batch's plan
             "kernels.varlen_attention:grouped_backend",
             (VarlenLayout,),
             _WINDOW,
             triton=True,
             factory=True,
-            options=("buckets", "num_streams"),
+            options=(("buckets", "grouped_buckets"), ("num_streams", "grouped_streams")),
         ),
         Backend("flash_attn", "kernels.library_backends:load_flash_attn", (VarlenLayout,), _WINDOW, factory=True),
         Backend("torch_varlen", "kernels.library_backends:load_torch_varlen", (VarlenLayout,), factory=True),
@@ -126,6 +141,26 @@ def refusal(name: str, layout: type, settings: Iterable[str] = ()) -> str | None
     return None
 
 
+def graph_refusal(name: str, attention_dropout: float) -> str | None:
+    """Why a CUDA graph cannot replay backend ``name`` (with that attention dropout), or None."""
+    spec = _spec(name)
+    if not spec.graphs:
+        safe = [b.name for b in BACKENDS.values() if b.graphs]
+        return f"model.attention={name!r} plans its launches on the host; use one of {safe}"
+    if attention_dropout > 0 and not spec.device_dropout:
+        drawn = [b.name for b in BACKENDS.values() if b.device_dropout]
+        return (
+            f"model.attention={name!r}'s dropout is not known to draw on the device under a replay; "
+            f"use one of {drawn} or attention_probs_dropout_prob=0"
+        )
+    return None
+
+
+def options_from(name: str, section) -> dict:
+    """Backend ``name``'s options, read from the config ``section`` (``model.*``) fields it names."""
+    return {option: getattr(section, field) for option, field in _spec(name).options}
+
+
 def check_backend(name: str, layout: type, settings: Iterable[str] = ()) -> None:
     """Raise BackendUnavailable unless backend ``name`` takes ``layout`` with ``settings`` on."""
     reason = refusal(name, layout, settings)
@@ -139,9 +174,10 @@ def get_backend(name: str, **options) -> AttentionFn:
     ``options`` go to backends that take some (``triton_grouped``: ``buckets``,
     ``num_streams``). Raises BackendUnavailable when the backend cannot run here."""
     spec = _spec(name)
-    unknown = sorted(set(options) - set(spec.options))
+    unknown = sorted(set(options) - {option for option, _ in spec.options})
     if unknown:
-        raise ValueError(f"model.attention={name}: takes no option {unknown}; its options: {list(spec.options)}")
+        takes = [option for option, _ in spec.options]
+        raise ValueError(f"model.attention={name}: takes no option {unknown}; its options: {takes}")
     if spec.triton:
         from kernels.runtime import check_runnable
 

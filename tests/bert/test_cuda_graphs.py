@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from bert.config import BertConfig
-from bert.cuda_graphs import graph_safe_dropout
 from bert.losses import pretraining_loss
 from bert.model import BertForPreTraining
 from bert.train_config import ConfigError, load_config
 from data.collate import collate_unpadded
 from data.static_shapes import StaticShapes
 from data.synthetic import random_block
+from kernels import registry
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none is available")
 
@@ -26,10 +26,19 @@ def test_cuda_graphs_is_a_one_line_config_error_where_it_cannot_run():
         load_config(None, ["train.cuda_graphs=true", "train.device=cpu"])
     with pytest.raises(ConfigError, match="train.static_shapes: pads unpadded batches"):
         load_config(None, ["train.static_shapes=true", "data.layout=padded"])
-    assert graph_safe_dropout("triton", 0.1) is None  # the kernels' Philox state is on the device
-    assert graph_safe_dropout("padded", 0.1) is None  # torch's CUDA generator, registered with the graph
-    assert graph_safe_dropout("flash_attn", 0.1) is not None
-    assert graph_safe_dropout("flash_attn", 0.0) is None
+    assert registry.graph_refusal("triton", 0.1) is None  # the kernels' Philox state is on the device
+    assert registry.graph_refusal("padded", 0.1) is None  # torch's CUDA generator, registered with the graph
+    assert "plans its launches on the host" in registry.graph_refusal("triton_grouped", 0.0)
+    assert "flash_attn" not in registry.graph_refusal("triton_grouped", 0.0)  # names the safe ones only
+
+
+def test_graph_safety_and_device_dropout_are_registry_facts(monkeypatch):
+    from kernels.interface import VarlenLayout
+
+    spec = registry.Backend("host_drop", "kernels.reference:reference_attention", (VarlenLayout,), graphs=True)
+    monkeypatch.setitem(registry.BACKENDS, "host_drop", spec)
+    assert registry.graph_refusal("host_drop", 0.0) is None
+    assert "'host_drop''s dropout is not known to draw on the device" in registry.graph_refusal("host_drop", 0.1)
 
 
 def test_cuda_graphs_refuse_the_sharded_optimizer(monkeypatch):

@@ -371,7 +371,7 @@ def test_device_schedule_equals_host_schedule():
 def test_apply_update_reads_the_flag_only_for_an_optimizer_that_cannot_skip_on_the_device():
     """apex's FusedLAMB stand-in (torch's SGD, whose step takes no found_inf) with a host schedule: the host
     reads found_inf and skips the update and the schedule; Lamb with a device schedule reads nothing."""
-    from bert.components import apply_update
+    from bert.optim import apply_update
     from tools.device_reads import DeviceReads
 
     model = TinyNet()

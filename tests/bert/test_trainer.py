@@ -12,6 +12,9 @@ import torch
 from bert.components import build_eval_loader
 from bert.train_config import load_config
 from bert.trainer import Trainer
+from kernels import registry
+from kernels.interface import VarlenLayout
+from kernels.reference import reference_attention
 from launch.distributed import init_distributed
 from tests.batches import write_dataset
 from tests.helpers import REPO, compliance_check
@@ -87,10 +90,10 @@ def test_run_writes_every_output(dataset, tmp_path):
 @pytest.mark.parametrize("flat", [False, True])
 def test_flat_host_memory_fixes_the_mmap_threshold_only_when_asked(dataset, tmp_path, monkeypatch, flat):
     # The threshold is process-wide and costs CPU throughput (docs/reliability.md): off by default.
-    import bert.components
+    import bert.trainer
 
     calls = []
-    monkeypatch.setattr(bert.components, "map_large_allocations", lambda: calls.append(1))
+    monkeypatch.setattr(bert.trainer, "map_large_allocations", lambda: calls.append(1))
     assert load_config(None, overrides(dataset)).train.flat_host_memory is False
     cfg = load_config(None, overrides(dataset, f"train.flat_host_memory={str(flat).lower()}"))
     Trainer(cfg, str(tmp_path), init_distributed(backend="gloo"))
@@ -184,6 +187,28 @@ def test_bad_config_is_one_line(dataset, tmp_path, override, message):
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+CALLS = []
+
+
+def counted_reference(q, k, v, layout, dropout_p, training):
+    """A new backend, defined outside the application: ``reference`` that counts its calls."""
+    CALLS.append(q.shape[0])
+    return reference_attention(q, k, v, layout, dropout_p, training)
+
+
+def test_a_new_backend_is_its_function_and_its_registry_line(dataset, tmp_path, monkeypatch):
+    """CONTRIBUTING's recipe: registered from a test module, the config accepts it and the real
+    trainer trains with it, to the loss ``reference`` gives."""
+    line = registry.Backend("counted", f"{__name__}:counted_reference", (VarlenLayout,), frozenset({"window"}))
+    monkeypatch.setitem(registry.BACKENDS, "counted", line)
+    CALLS.clear()
+    run = ("train.max_steps=1", "eval.max_samples=8")
+    run_in_process(dataset, tmp_path / "new", "model.attention=counted", *run)
+    assert CALLS, "the registered backend never ran"
+    run_in_process(dataset, tmp_path / "ref", "model.attention=reference", *run)
+    assert losses(tmp_path / "new") == losses(tmp_path / "ref")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, triton runs")
