@@ -226,6 +226,7 @@ def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
         timeout_s=timeout_s,
         group_size=data.rebalance_group_size,
         ramp=batch_ramp(cfg.train),
+        measured=data.rebalance_measured,
     )
 
 

@@ -47,6 +47,7 @@ from bert.losses import pretraining_loss, simreg_loss
 from bert.metrics import Progress
 from bert.sharded_optim import apply_sharding, reshard
 from bert.step_metrics import DeviceCounters
+from bert.step_timer import StepTimer
 from bert.train_config import RunConfig, eval_interval
 from bert.train_state import TrainState, find_checkpoint, resolve_seed, resume, seed_step, write_checkpoint
 from data.batch import PackedBatch
@@ -138,6 +139,8 @@ class Trainer:
         if self.world > 1:
             with self.coll.guard("the rebalancer's settings check", -1):
                 self.rebalancer = components.build_rebalancer(cfg, self.local_batch, cfg.dist.timeout_s)
+            if cfg.data.rebalance == "measured":  # this rank's forward+backward times feed the plan
+                self.rebalancer.timer = StepTimer(self.model, self.device)
         self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
         self.planner: StepPlanner | None = None  # built when the data opens
         graphed = self.static if t.cuda_graphs else None  # graphed eval replays padded shapes
@@ -349,6 +352,8 @@ class Trainer:
         self.train_loader = components.build_train_loader(self.cfg, self.rank, self.world, seed, vocab, self._warn)
         if self._loader_state is not None:
             self.train_loader.load_state_dict(self._loader_state)
+            if self.rebalancer:  # data.rebalance=measured's window: what the next plans depend on
+                self.rebalancer.load_state_dict(self._loader_state)
         if self.eval_loader is None:  # eval.at_start opened it already
             self.eval_loader = components.build_eval_loader(self.cfg, self.rank, self.world, vocab)
         components.check_data(self.cfg, self.model_config, self.train_loader, self.eval_loader)
@@ -480,7 +485,8 @@ class Trainer:
         self._read_counters()  # the skipped-step counters live on the device
         # The rebalancer has already drawn the next step's samples from the loader: the
         # position to resume at is the number of steps trained.
-        loader = {**self.train_loader.state_dict(), "step": self.state.step}
+        rebalance = self.rebalancer.state_dict() if self.rebalancer else {}
+        loader = {**self.train_loader.state_dict(), "step": self.state.step, **rebalance}
         error = write_checkpoint(
             self._checkpoint_dir(), self.state, self.parts, loader, self.cfg, self.coll, self.is_main, self.sharding
         )

@@ -16,21 +16,31 @@ follows its own tokens, and every step waits for the slowest rank. Each step, ev
 its own gloo process group, so it overlaps the current step; ``wait()`` returns the block
 and ``ExchangeStats`` (imbalance before/after, samples moved, bytes, time, hidden fraction).
 
+``measured``: each rank's header also carries its newest measured step time (``timer``, a
+``bert.step_timer.StepTimer``) with that step's length features; every rank appends the
+gathered ones to the same window, refits cost and speeds (``data.rebalance_fit``), moves
+the applied ones towards them by at most ``rate`` per step, and plans the next step with
+them: the same numbers on every rank, so the same plan. ``state_dict()`` is what the next
+plan depends on (checkpointed with the loader's position). See docs/rebalancing.md.
+
 Shapes: W ranks, B samples per rank.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import numpy as np
 
 from data.batch_ramp import BatchRamp
-from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, STRATEGIES, Cost, check_cost, plan_for_rank
+from data.rebalance_fit import fit_online, length_features
+from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, MEASURE_WORDS, STRATEGIES, Cost, check_cost, plan_for_rank
 from data.samples import SampleBlock, _offsets
 
 
@@ -169,6 +179,7 @@ class ExchangeStats:
     exchange_ms: float  # all of the above, start to finish
     wait_ms: float  # how long the caller blocked for the result
     hidden_fraction: float  # 1 - wait_ms / exchange_ms, in [0, 1]
+    fit: dict = field(default_factory=dict)  # measured: the cost and speeds the next plan uses
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -192,6 +203,9 @@ class Rebalancer:
         order relative to other ``new_group`` calls.
     timeout_s: the new group's collective timeout; a rank that stops calling the exchange
         turns into a ``RebalanceError`` on the others after this long, never a hang.
+    measured: (window steps, bound, rate) of ``measured``: steps kept per rank, the factor
+        each fitted coefficient stays within of ``cost``, the largest relative change of a
+        speed or coefficient per step. Set ``timer`` to feed it (else it plans as balanced).
 
     ``exchange(block)`` runs one step synchronously; ``start(block)`` runs it in a
     background thread and ``wait()`` returns ``(block, ExchangeStats)``.
@@ -211,6 +225,7 @@ class Rebalancer:
         group_size: int | None = None,
         cross_rounds: int = 3,
         ramp: BatchRamp | None = None,
+        measured: tuple = (32, 4.0, 0.1),
     ):
         import torch.distributed as dist
 
@@ -244,6 +259,14 @@ class Rebalancer:
         if cross_rounds < 0:
             raise ValueError(f"cross_rounds: expected >= 0, got {cross_rounds}")
         self.group_size, self.cross_rounds = group_size, cross_rounds
+        window, bound, rate = measured
+        if int(window) != window or window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1:
+            raise ValueError(f"measured: expected (window >= 2 steps, bound >= 1, 0 < rate <= 1), got {measured}")
+        self.measured, self.timer = (int(window), float(bound), float(rate)), None
+        self._window = [deque(maxlen=int(window)) for _ in range(self.world_size)]  # (sum L, L^2, local, s)
+        self._speeds, self._cost = (1.0,) * self.world_size, cost  # what the next plan uses
+        self._delivered: dict[int, tuple] = {}  # this rank's blocks' length features, by step
+        self._snapshot = None  # the state the pending exchange started from (state_dict)
         self._next_step = 0
         self._thread: threading.Thread | None = None
         self._result = None
@@ -272,7 +295,7 @@ class Rebalancer:
 
     def _check_settings_agree(self) -> None:
         # Ranks with different settings would compute different plans; catch it once, here.
-        settings = (*self.cost, self.tol, self.group_size, self.cross_rounds, self.ramp)
+        settings = (*self.cost, self.tol, self.group_size, self.cross_rounds, self.ramp, self.measured)
         cost_tol = zlib.crc32(repr(settings).encode()) & 0x7FFFFFFF
         mine = np.array(
             [
@@ -311,13 +334,20 @@ class Rebalancer:
         """Samples per rank in ``step``: ``batch_size``, or the ramp's share of the step's batch."""
         return self.batch_size if self.ramp is None else self.ramp.batch_size(step) // self.world_size
 
-    def _header(self, block: SampleBlock, step: int) -> np.ndarray:
+    def _header(self, block: SampleBlock, step: int, measure) -> np.ndarray:
         code, index, value = check_block(block, self.batch_size_at(step), self.max_len)
         words = np.zeros(HEADER_WORDS + self.batch_size_at(step), dtype=np.int64)
         words[:HEADER_WORDS] = (_MAGIC, step, self.expected_world_size, len(block), code, index, value)
         if code == 0:
             words[HEADER_WORDS:] = block.seq_lens.astype(np.int64) | (block.masked_counts.astype(np.int64) << 16)
-        return words
+        words = words.astype(np.int32)
+        if self.strategy != "measured":
+            return words
+        # The measured step (-1: none yet), then its seconds and length features as float64 bits.
+        m = np.full(MEASURE_WORDS, -1, np.int32)
+        if measure is not None:
+            m[0], m[1:] = measure[0], np.array(measure[1:], np.float64).view(np.int32)
+        return np.concatenate([words[:HEADER_WORDS], m, words[HEADER_WORDS:]])
 
     def _raise_bad_input(self, hdr: np.ndarray, step: int) -> None:
         problems = []
@@ -345,24 +375,26 @@ class Rebalancer:
             more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
             raise RebalanceError(f"rebalance step {step}: " + "; ".join(problems[:4]) + more)
 
-    def _exchange(self, block: SampleBlock, step: int) -> tuple[SampleBlock, ExchangeStats]:
+    def _exchange(self, block: SampleBlock, step: int, measure) -> tuple[SampleBlock, ExchangeStats]:
         import torch
 
         W, B, me = self.world_size, self.batch_size_at(step), self.rank
         t0 = time.perf_counter()
-        hdr = self._all_gather(self._header(block, step).astype(np.int32), step, "the length all-gather")
+        hdr = self._all_gather(self._header(block, step, measure), step, "the length all-gather")
         t1 = time.perf_counter()
         self._raise_bad_input(hdr, step)
-        words = hdr[:, HEADER_WORDS:].astype(np.int64)  # [W, B]
+        at = HEADER_WORDS + (MEASURE_WORDS if self.strategy == "measured" else 0)
+        words = hdr[:, at:].astype(np.int64)  # [W, B]
         lengths, masked = words & 0xFFFF, words >> 16
         plan = plan_for_rank(
             lengths,
             me,
             self.strategy,
-            self.cost,
+            self._cost,
             tol=self.tol,
             group_size=self.group_size,
             cross_rounds=self.cross_rounds,
+            speeds=self._speeds if self.strategy == "measured" else None,
         )
         t2 = time.perf_counter()
 
@@ -388,6 +420,8 @@ class Rebalancer:
         pool = SampleBlock.concat([block.select(kept), received]) if received is not None else block.select(kept)
         pool_gid = np.concatenate([me * B + kept, recv_r.astype(np.int64) * B + recv_i])
         out = pool.select(np.argsort(pool_gid, kind="stable"))  # by (source rank, source index)
+        fit = self._learn(hdr[:, HEADER_WORDS:at]) if self.strategy == "measured" else {}
+        self._delivered[step] = length_features(out.seq_lens, self.cost.window)
         t4 = time.perf_counter()
         ms = lambda a, b: (b - a) * 1e3  # noqa: E731
         stats = ExchangeStats(
@@ -407,8 +441,59 @@ class Rebalancer:
             exchange_ms=ms(t0, t4),
             wait_ms=ms(t0, t4),
             hidden_fraction=0.0,
+            fit=fit,
         )
         return out, stats
+
+    # -- measured: the window, the fit, the state -------------------------------------------
+
+    def _measurement(self, step: int):
+        """(step, seconds, *features) of this rank's newest measured step, or None; called
+        on the caller's thread as the exchange of ``step`` begins. Also snapshots the state."""
+        self._snapshot = ([tuple(d) for d in self._window], self._speeds, self._cost)
+        got = [(k, t) for k, t in (self.timer.ready() if self.timer else []) if k in self._delivered and t > 0]
+        for k in [k for k in self._delivered if k < step - 16]:
+            del self._delivered[k]
+        return (got[-1][0], got[-1][1], *self._delivered[got[-1][0]]) if got else None
+
+    def _learn(self, words: np.ndarray) -> dict:
+        """Append the gathered measurements [W, MEASURE_WORDS] to the window, refit, and move
+        the applied speeds and cost towards the fit by at most ``rate``; the logged numbers."""
+        window, bound, rate = self.measured
+        for r in range(self.world_size):
+            t, *f = words[r, 1:].copy().view(np.float64).tolist()
+            if words[r, 0] >= 0 and math.isfinite(t) and t > 0 and all(math.isfinite(x) and x >= 0 for x in f):
+                self._window[r].append((*f, t))
+        feats, times = [[e[:3] for e in d] for d in self._window], [[e[3] for e in d] for d in self._window]
+        fit = fit_online(feats, times, self.cost, min_steps=min(8, window), bound=bound)
+        steps = min(len(d) for d in self._window)
+        mean = math.fsum(fit.speeds) / self.world_size
+        target = [s / mean for s in fit.speeds] if steps >= min(8, window) else [1.0] * self.world_size
+        step_to = lambda old, new: min(max(new, old * (1 - rate)), old * (1 + rate))  # noqa: E731
+        self._speeds = tuple(step_to(o, n) for o, n in zip(self._speeds, target))
+        self._cost = Cost(*(step_to(o, n) for o, n in zip(self._cost[:3], fit.cost[:3])), self.cost.window)
+        out = dict(fit_a=self._cost.a, fit_b=self._cost.b, fit_b_local=self._cost.b_local, fitted=int(fit.fitted))
+        out.update(window_steps=steps, speed_min=min(self._speeds), speed_max=max(self._speeds))
+        return out | ({"fit_residual": fit.residual} if math.isfinite(fit.residual) else {})
+
+    def state_dict(self) -> dict:
+        """``measured``: the window, speeds and cost the pending (or next) exchange plans
+        from, as plain lists; {} for the other strategies."""
+        if self.strategy != "measured":
+            return {}
+        window, speeds, cost = self._snapshot or ([tuple(d) for d in self._window], self._speeds, self._cost)
+        window = [[list(e) for e in d] for d in window]
+        return {"rebalance": {"window": window, "speeds": list(speeds), "cost": list(cost)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()``; a state of another world size starts a fresh window."""
+        saved = state.get("rebalance") if self.strategy == "measured" else None
+        if not saved or len(saved["speeds"]) != self.world_size:
+            return
+        for d, entries in zip(self._window, saved["window"]):
+            d.clear()
+            d.extend(tuple(float(x) for x in e) for e in entries)
+        self._speeds, self._cost = tuple(float(s) for s in saved["speeds"]), check_cost(saved["cost"])
 
     def _take_step(self, step: int | None) -> int:
         s = self._next_step if step is None else int(step)
@@ -419,7 +504,11 @@ class Rebalancer:
         """Rebalance ``block`` now (blocking); ``step`` defaults to one more than the last."""
         if self._thread is not None:
             raise RuntimeError("Rebalancer.exchange: an exchange started with start() is pending; wait() first")
-        return self._exchange(block, self._take_step(step))
+        s = self._take_step(step)
+        out = self._exchange(block, s, self._measurement(s))
+        if self.timer:
+            self.timer.mark(s)
+        return out
 
     @property
     def pending(self) -> bool:
@@ -431,10 +520,11 @@ class Rebalancer:
         if self._thread is not None:
             raise RuntimeError("Rebalancer.start: the previous exchange was not collected with wait()")
         s = self._take_step(step)
+        measure = self._measurement(s)
 
         def run():
             try:
-                self._result = self._exchange(block, s)
+                self._result = self._exchange(block, s, measure)
             except BaseException as e:  # re-raised in wait(), on the caller's thread
                 self._result = e
 
@@ -459,6 +549,8 @@ class Rebalancer:
         if isinstance(result, BaseException):
             raise result
         out, stats = result
+        if self.timer:
+            self.timer.mark(stats.step)
         stats.wait_ms = waited
         stats.hidden_fraction = float(min(1.0, max(0.0, 1.0 - waited / max(stats.exchange_ms, 1e-9))))
         return out, stats
