@@ -28,18 +28,16 @@ Shapes: W ranks, B samples per rank.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import zlib
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import numpy as np
 
 from data.batch_ramp import BatchRamp
-from data.rebalance_fit import fit_online, length_features
+from data.rebalance_fit import OnlineModel, length_features
 from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, MEASURE_WORDS, STRATEGIES, Cost, check_cost, plan_for_rank
 from data.samples import SampleBlock, _offsets
 
@@ -259,12 +257,8 @@ class Rebalancer:
         if cross_rounds < 0:
             raise ValueError(f"cross_rounds: expected >= 0, got {cross_rounds}")
         self.group_size, self.cross_rounds = group_size, cross_rounds
-        window, bound, rate = measured
-        if int(window) != window or window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1:
-            raise ValueError(f"measured: expected (window >= 2 steps, bound >= 1, 0 < rate <= 1), got {measured}")
-        self.measured, self.timer = (int(window), float(bound), float(rate)), None
-        self._window = [deque(maxlen=int(window)) for _ in range(self.world_size)]  # (sum L, L^2, local, s)
-        self._speeds, self._cost = (1.0,) * self.world_size, cost  # what the next plan uses
+        self.measured, self.timer = tuple(measured), None
+        self.online = OnlineModel(cost, self.world_size, *measured)  # the cost and speeds the plans use
         self._delivered: dict[int, tuple] = {}  # this rank's blocks' length features, by step
         self._snapshot = None  # the state the pending exchange started from (state_dict)
         self._next_step = 0
@@ -390,11 +384,11 @@ class Rebalancer:
             lengths,
             me,
             self.strategy,
-            self._cost,
+            self.online.cost,
             tol=self.tol,
             group_size=self.group_size,
             cross_rounds=self.cross_rounds,
-            speeds=self._speeds if self.strategy == "measured" else None,
+            speeds=self.online.speeds if self.strategy == "measured" else None,
         )
         t2 = time.perf_counter()
 
@@ -450,50 +444,31 @@ class Rebalancer:
     def _measurement(self, step: int):
         """(step, seconds, *features) of this rank's newest measured step, or None; called
         on the caller's thread as the exchange of ``step`` begins. Also snapshots the state."""
-        self._snapshot = ([tuple(d) for d in self._window], self._speeds, self._cost)
+        self._snapshot = self.online.state_dict()
         got = [(k, t) for k, t in (self.timer.ready() if self.timer else []) if k in self._delivered and t > 0]
         for k in [k for k in self._delivered if k < step - 16]:
             del self._delivered[k]
         return (got[-1][0], got[-1][1], *self._delivered[got[-1][0]]) if got else None
 
     def _learn(self, words: np.ndarray) -> dict:
-        """Append the gathered measurements [W, MEASURE_WORDS] to the window, refit, and move
-        the applied speeds and cost towards the fit by at most ``rate``; the logged numbers."""
-        window, bound, rate = self.measured
+        """The gathered measurements [W, MEASURE_WORDS] into the window; the refit's numbers."""
         for r in range(self.world_size):
-            t, *f = words[r, 1:].copy().view(np.float64).tolist()
-            if words[r, 0] >= 0 and math.isfinite(t) and t > 0 and all(math.isfinite(x) and x >= 0 for x in f):
-                self._window[r].append((*f, t))
-        feats, times = [[e[:3] for e in d] for d in self._window], [[e[3] for e in d] for d in self._window]
-        fit = fit_online(feats, times, self.cost, min_steps=min(8, window), bound=bound)
-        steps = min(len(d) for d in self._window)
-        mean = math.fsum(fit.speeds) / self.world_size
-        target = [s / mean for s in fit.speeds] if steps >= min(8, window) else [1.0] * self.world_size
-        step_to = lambda old, new: min(max(new, old * (1 - rate)), old * (1 + rate))  # noqa: E731
-        self._speeds = tuple(step_to(o, n) for o, n in zip(self._speeds, target))
-        self._cost = Cost(*(step_to(o, n) for o, n in zip(self._cost[:3], fit.cost[:3])), self.cost.window)
-        out = dict(fit_a=self._cost.a, fit_b=self._cost.b, fit_b_local=self._cost.b_local, fitted=int(fit.fitted))
-        out.update(window_steps=steps, speed_min=min(self._speeds), speed_max=max(self._speeds))
-        return out | ({"fit_residual": fit.residual} if math.isfinite(fit.residual) else {})
+            if words[r, 0] >= 0:
+                t, *f = words[r, 1:].copy().view(np.float64).tolist()
+                self.online.add(r, f, t)
+        return self.online.refit()
 
     def state_dict(self) -> dict:
         """``measured``: the window, speeds and cost the pending (or next) exchange plans
-        from, as plain lists; {} for the other strategies."""
+        from (``OnlineModel.state_dict``); {} for the other strategies."""
         if self.strategy != "measured":
             return {}
-        window, speeds, cost = self._snapshot or ([tuple(d) for d in self._window], self._speeds, self._cost)
-        window = [[list(e) for e in d] for d in window]
-        return {"rebalance": {"window": window, "speeds": list(speeds), "cost": list(cost)}}
+        return {"rebalance": self._snapshot or self.online.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``; a state of another world size starts a fresh window."""
-        saved = state.get("rebalance") if self.strategy == "measured" else None
-        if not saved or len(saved["speeds"]) != self.world_size:
-            return
-        for d, entries in zip(self._window, saved["window"]):
-            d.clear()
-            d.extend(tuple(float(x) for x in e) for e in entries)
-        self._speeds, self._cost = tuple(float(s) for s in saved["speeds"]), check_cost(saved["cost"])
+        """Resume from ``state_dict()`` (a state of another world size starts a fresh window)."""
+        if self.strategy == "measured" and state.get("rebalance"):
+            self.online.load_state_dict(state["rebalance"])
 
     def _take_step(self, step: int | None) -> int:
         s = self._next_step if step is None else int(step)

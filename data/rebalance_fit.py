@@ -12,12 +12,15 @@ steps, while the fitted shape is singular or leaves a relative RMS residual abov
 configured one before the common scale; speeds and cost are refitted in turn (3 rounds).
 Deterministic: every sum is ``math.fsum`` (exactly rounded) and the normal
 equations are solved in Python floats in a fixed order, so every rank that gathered the
-same numbers computes the same fit, bit for bit. See docs/rebalancing.md.
+same numbers computes the same fit, bit for bit. ``OnlineModel`` keeps the window and
+the cost and speeds the plans use (moved towards each fit by at most ``rate`` per step).
+See docs/rebalancing.md.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import NamedTuple
 
 import numpy as np
@@ -132,3 +135,56 @@ def fit_online(
     if residual > max_residual:
         return Fit(cfg, speeds_for(cfg), residual, False)
     return Fit(fitted, speeds, residual, True)
+
+
+class OnlineModel:
+    """The window of measured steps per rank, and the cost and speeds the next plan uses.
+
+    ``add(rank, features, seconds)`` appends one step (bad numbers are left out), ``refit()``
+    fits the window (``fit_online``; the speeds only once every rank has ``min(8, window)``
+    steps) and moves the applied speeds (mean 1) and coefficients towards the fit by at most
+    a factor 1 +- ``rate``; it returns the numbers logged. Equal inputs on every rank give
+    equal ``speeds`` and ``cost`` bit for bit. ``state_dict`` / ``load_state_dict``: plain lists.
+    """
+
+    def __init__(self, configured: Cost | tuple, world_size: int, window: int = 32, bound: float = 4.0, rate=0.1):
+        if int(window) != window or window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1:
+            got = (window, bound, rate)
+            raise ValueError(f"measured: expected window >= 2 steps, bound >= 1, 0 < rate <= 1, got {got}")
+        self.configured, self.world_size = check_cost(configured), world_size
+        self.window, self.bound, self.rate = int(window), float(bound), float(rate)
+        self.steps = [deque(maxlen=self.window) for _ in range(world_size)]  # (sum L, L^2, local, seconds)
+        self.speeds, self.cost = (1.0,) * world_size, self.configured
+
+    def add(self, rank: int, features, seconds: float) -> None:
+        f = [float(x) for x in features]
+        if math.isfinite(seconds) and seconds > 0 and all(math.isfinite(x) and x >= 0 for x in f) and f[0] > 0:
+            self.steps[rank].append((*f, float(seconds)))
+
+    def refit(self) -> dict:
+        feats, times = [[e[:3] for e in d] for d in self.steps], [[e[3] for e in d] for d in self.steps]
+        min_steps = min(8, self.window)
+        fit = fit_online(feats, times, self.configured, min_steps=min_steps, bound=self.bound)
+        steps = min(len(d) for d in self.steps)
+        mean = math.fsum(fit.speeds) / self.world_size
+        target = [s / mean for s in fit.speeds] if steps >= min_steps else [1.0] * self.world_size
+        lo, hi = 1 - self.rate, 1 + self.rate
+        toward = lambda old, new: min(max(new, old * lo), old * hi)  # noqa: E731
+        self.speeds = tuple(toward(o, n) for o, n in zip(self.speeds, target))
+        self.cost = Cost(*(toward(o, n) for o, n in zip(self.cost[:3], fit.cost[:3])), self.configured.window)
+        c = self.cost
+        out = dict(fit_a=c.a, fit_b=c.b, fit_b_local=c.b_local, fitted=int(fit.fitted), window_steps=steps)
+        out.update(speed_min=min(self.speeds), speed_max=max(self.speeds))
+        return out | ({"fit_residual": fit.residual} if math.isfinite(fit.residual) else {})
+
+    def state_dict(self) -> dict:
+        window = [[list(e) for e in d] for d in self.steps]
+        return {"window": window, "speeds": list(self.speeds), "cost": list(self.cost)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["speeds"]) != self.world_size:
+            return
+        for d, entries in zip(self.steps, state["window"]):
+            d.clear()
+            d.extend(tuple(float(x) for x in e) for e in entries)
+        self.speeds, self.cost = tuple(float(s) for s in state["speeds"]), check_cost(state["cost"])
