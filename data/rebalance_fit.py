@@ -44,8 +44,13 @@ def length_features(lengths, window: int = 0) -> tuple[float, float, float]:
     return float(L.sum()), float((L * L).sum()), float(local.sum())
 
 
-def _cost_of(cost: Cost, f) -> float:
-    return math.fsum((cost.a * f[0], cost.b * f[1], cost.b_local * f[2]))
+def _costs(cost: Cost, F: np.ndarray) -> np.ndarray:
+    """c of each row of features [N, 3]: elementwise IEEE operations, the same bits everywhere."""
+    return cost.a * F[:, 0] + cost.b * F[:, 1] + cost.b_local * F[:, 2]
+
+
+def _sum(x: np.ndarray) -> float:
+    return math.fsum(x.tolist())  # exactly rounded: no dependence on numpy's summation order
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
@@ -86,52 +91,55 @@ def fit_online(
     W = len(times)
     if len(features) != W or any(len(features[r]) != len(times[r]) for r in range(W)):
         raise ValueError("fit_online: features and times must have the same ranks and steps")
-    for r in range(W):
-        for t, s in enumerate(times[r]):
-            if not (math.isfinite(s) and s > 0):
-                raise ValueError(f"fit_online: rank {r} step {t}: time must be a positive finite number, got {s}")
+    F = np.array([f for fr in features for f in fr], np.float64).reshape(-1, 3)  # [N, 3], rank-major
+    t = np.array([x for tr in times for x in tr], np.float64)
+    bounds = np.cumsum([0] + [len(tr) for tr in times])
+    bad = np.flatnonzero(~(np.isfinite(t) & (t > 0)))
+    if len(bad):
+        r = int(np.searchsorted(bounds, bad[0], side="right") - 1)
+        raise ValueError(
+            f"fit_online: rank {r} step {bad[0] - bounds[r]}: time must be a positive finite number, got {t[bad[0]]}"
+        )
+
+    # Per-rank sums: the features are integers (sums exact in any order), the times fsum'd.
+    has = np.diff(bounds) > 0
+    F_rank = np.zeros((W, 3))
+    F_rank[has] = np.add.reduceat(F, bounds[:-1][has], axis=0) if has.any() else 0
+    t_rank = [_sum(t[i:j]) for i, j in zip(bounds[:-1], bounds[1:])]
 
     def speeds_for(cost: Cost) -> tuple[float, ...]:
-        sp = [
-            math.fsum(_cost_of(cost, f) for f in features[r]) / math.fsum(times[r]) if times[r] else None
-            for r in range(W)
-        ]
+        c = _costs(cost, F_rank)
+        sp = [float(c[r]) / t_rank[r] if has[r] else None for r in range(W)]
         known = [s for s in sp if s is not None]
         fill = math.fsum(known) / len(known) if known else 1.0
         return tuple(fill if s is None else s for s in sp)
 
     speeds = speeds_for(cfg)
-    steps = min((len(t) for t in times), default=0)
-    cols = [i for i, c in enumerate((cfg.a, cfg.b, cfg.b_local)) if c > 0]
+    steps = min((len(x) for x in times), default=0)
+    base = (cfg.a, cfg.b, cfg.b_local)
+    cols = [i for i, c in enumerate(base) if c > 0]
     if steps < min_steps or len(cols) < 2:
         return Fit(cfg, speeds, math.nan, False)
-    # Alternate: speeds from the current cost, then the cost from those speeds (3 rounds).
+    # Columns scaled by the configured coefficients: the unknowns are then ratios near 1.
+    X = F[:, cols] * np.array([base[i] for i in cols])
+    n, counts = len(cols), np.diff(bounds)
+    m = [[_sum(X[:, i] * X[:, j]) for j in range(n)] for i in range(n)]
     fitted = cfg
+    # Alternate: speeds from the current cost, then the cost from those speeds (3 rounds).
     for _ in range(3):
-        # Rows: time * speed (the rank's time in cost units) against the features, one row a step.
-        rows = [(features[r][t], times[r][t] * speeds[r]) for r in range(W) for t in range(len(times[r]))]
-        # Columns scaled by the configured coefficients: the unknowns are then ratios near 1.
-        base = (cfg.a, cfg.b, cfg.b_local)
-        xs = [[f[i] * base[i] for i in cols] for f, _ in rows]
-        ys = [y for _, y in rows]
-        n = len(cols)
-        m = [[math.fsum(x[i] * x[j] for x in xs) for j in range(n)] for i in range(n)]
-        v = [math.fsum(x[i] * y for x, y in zip(xs, ys)) for i in range(n)]
-        ratios = _solve(m, v)
+        y = t * np.repeat(speeds, counts)  # each step's time in cost units
+        ratios = _solve(m, [_sum(X[:, i] * y) for i in range(n)])
         if ratios is None:
             return Fit(cfg, speeds_for(cfg), math.nan, False)
-        ratios = [min(max(q, 1.0 / bound), bound) for q in ratios]
         coef = [0.0, 0.0, 0.0]
         for q, i in zip(ratios, cols):
-            coef[i] = q * base[i]
-        fitted = Cost(coef[0], coef[1], coef[2], cfg.window)
+            coef[i] = min(max(q, 1.0 / bound), bound) * base[i]
         # Same total cost over the window as the configured model: only the shape of c(L) changes.
-        norm = math.fsum(_cost_of(cfg, f) for f, _ in rows) / math.fsum(_cost_of(fitted, f) for f, _ in rows)
+        norm = _sum(_costs(cfg, F)) / _sum(_costs(Cost(*coef, cfg.window), F))
         fitted = Cost(coef[0] * norm, coef[1] * norm, coef[2] * norm, cfg.window)
         speeds = speeds_for(fitted)
-    res = [times[r][t] * speeds[r] - _cost_of(fitted, features[r][t]) for r in range(W) for t in range(len(times[r]))]
-    scale = math.fsum(times[r][t] * speeds[r] for r in range(W) for t in range(len(times[r]))) / len(res)
-    residual = math.sqrt(math.fsum(e * e for e in res) / len(res)) / scale
+    y = t * np.repeat(speeds, counts)
+    residual = math.sqrt(_sum((y - _costs(fitted, F)) ** 2) / len(y)) / (_sum(y) / len(y))
     if residual > max_residual:
         return Fit(cfg, speeds_for(cfg), residual, False)
     return Fit(fitted, speeds, residual, True)
