@@ -29,12 +29,14 @@ from data.rebalance_plan import Cost, check_cost
 
 
 class Fit(NamedTuple):
-    """The fitted cost, speed per rank, relative RMS residual and whether the fit was used."""
+    """The fitted cost, speed per rank, relative RMS residual and whether the fit was used;
+    spread: per rank, the relative standard error of its speed (its steps' scatter)."""
 
     cost: Cost
     speeds: tuple[float, ...]
     residual: float
     fitted: bool
+    spread: tuple[float, ...] = ()
 
 
 def length_features(lengths, window: int = 0) -> tuple[float, float, float]:
@@ -114,15 +116,25 @@ def fit_online(
         fill = math.fsum(known) / len(known) if known else 1.0
         return tuple(fill if s is None else s for s in sp)
 
+    counts = np.diff(bounds)
+
+    def done(cost: Cost, speeds, residual: float, fitted: bool) -> Fit:
+        q = _costs(cost, F) / (t * np.repeat(speeds, counts))  # each step's speed over its rank's
+        spread = []
+        for i, k in zip(bounds[:-1], counts):
+            mean = _sum(q[i : i + k]) / k if k > 1 else 0.0
+            spread.append(math.sqrt(_sum((q[i : i + k] - mean) ** 2) / (k - 1) / k) if k > 1 else math.inf)
+        return Fit(cost, speeds, residual, fitted, tuple(spread))
+
     speeds = speeds_for(cfg)
     steps = min((len(x) for x in times), default=0)
     base = (cfg.a, cfg.b, cfg.b_local)
     cols = [i for i, c in enumerate(base) if c > 0]
     if steps < min_steps or len(cols) < 2:
-        return Fit(cfg, speeds, math.nan, False)
+        return done(cfg, speeds, math.nan, False)
     # Columns scaled by the configured coefficients: the unknowns are then ratios near 1.
     X = F[:, cols] * np.array([base[i] for i in cols])
-    n, counts = len(cols), np.diff(bounds)
+    n = len(cols)
     m = [[_sum(X[:, i] * X[:, j]) for j in range(n)] for i in range(n)]
     fitted = cfg
     # Alternate: speeds from the current cost, then the cost from those speeds (3 rounds).
@@ -130,7 +142,7 @@ def fit_online(
         y = t * np.repeat(speeds, counts)  # each step's time in cost units
         ratios = _solve(m, [_sum(X[:, i] * y) for i in range(n)])
         if ratios is None:
-            return Fit(cfg, speeds_for(cfg), math.nan, False)
+            return done(cfg, speeds_for(cfg), math.nan, False)
         coef = [0.0, 0.0, 0.0]
         for q, i in zip(ratios, cols):
             coef[i] = min(max(q, 1.0 / bound), bound) * base[i]
@@ -141,8 +153,11 @@ def fit_online(
     y = t * np.repeat(speeds, counts)
     residual = math.sqrt(_sum((y - _costs(fitted, F)) ** 2) / len(y)) / (_sum(y) / len(y))
     if residual > max_residual:
-        return Fit(cfg, speeds_for(cfg), residual, False)
-    return Fit(fitted, speeds, residual, True)
+        return done(cfg, speeds_for(cfg), residual, False)
+    return done(fitted, speeds, residual, True)
+
+
+NOISE_Z = 5.0
 
 
 class OnlineModel:
@@ -174,8 +189,16 @@ class OnlineModel:
         min_steps = min(8, self.window)
         fit = fit_online(feats, times, self.configured, min_steps=min_steps, bound=self.bound)
         steps = min(len(d) for d in self.steps)
-        mean = math.fsum(fit.speeds) / self.world_size
-        target = [s / mean for s in fit.speeds] if steps >= min_steps else [1.0] * self.world_size
+        target = [1.0] * self.world_size
+        if steps >= min_steps:
+            # A speed within NOISE_Z standard errors (its own, at least the median rank's) of
+            # the median is the median: noise alone would otherwise give the most
+            # over-estimated of W ranks too much work.
+            mid, typical = (sorted(x)[self.world_size // 2] for x in (fit.speeds, fit.spread))
+            near = [abs(s - mid) <= NOISE_Z * max(e, typical) * s for s, e in zip(fit.speeds, fit.spread)]
+            target = [mid if n else s for s, n in zip(fit.speeds, near)]
+            mean = math.fsum(target) / self.world_size
+            target = [s / mean for s in target]
         lo, hi = 1 - self.rate, 1 + self.rate
         toward = lambda old, new: min(max(new, old * lo), old * hi)  # noqa: E731
         self.speeds = tuple(toward(o, n) for o, n in zip(self.speeds, target))
