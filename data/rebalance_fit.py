@@ -127,7 +127,7 @@ def fit_online(
         return Fit(cost, speeds, residual, fitted, tuple(spread))
 
     speeds = speeds_for(cfg)
-    steps = min((len(x) for x in times), default=0)
+    steps = sorted(counts)[W // 2] if W else 0  # the median rank's
     base = (cfg.a, cfg.b, cfg.b_local)
     cols = [i for i, c in enumerate(base) if c > 0]
     if steps < min_steps or len(cols) < 2:
@@ -158,6 +158,7 @@ def fit_online(
 
 
 NOISE_Z = 5.0
+RECENT = 6  # steps that show a rank's change of speed
 
 
 class OnlineModel:
@@ -184,18 +185,41 @@ class OnlineModel:
         if math.isfinite(seconds) and seconds > 0 and all(math.isfinite(x) and x >= 0 for x in f) and f[0] > 0:
             self.steps[rank].append((*f, float(seconds)))
 
+    def _forget_changed(self) -> None:
+        """A rank whose last RECENT steps' speed differs from its earlier ones' by more than
+        NOISE_Z standard errors changed speed (throttling): its earlier steps are dropped."""
+        k = RECENT
+        for d in self.steps:
+            if len(d) < 2 * k:
+                continue
+            a = np.array(d)
+            q = _costs(self.cost, a[:, :3]) / a[:, 3]
+            old, new = q[:-k], q[-k:]
+            m_old, m_new = _sum(old) / len(old), _sum(new) / k
+            var = (_sum((old - m_old) ** 2) + _sum((new - m_new) ** 2)) / (len(q) - 2)
+            if abs(m_new - m_old) > NOISE_Z * math.sqrt(var * (1 / len(old) + 1 / k)):
+                for _ in range(len(d) - k):
+                    d.popleft()
+
     def refit(self) -> dict:
+        self._forget_changed()
         feats, times = [[e[:3] for e in d] for d in self.steps], [[e[3] for e in d] for d in self.steps]
         min_steps = min(8, self.window)
         fit = fit_online(feats, times, self.configured, min_steps=min_steps, bound=self.bound)
-        steps = min(len(d) for d in self.steps)
+        counts = [len(d) for d in self.steps]
+        steps = sorted(counts)[self.world_size // 2]
         target = [1.0] * self.world_size
         if steps >= min_steps:
-            # A speed within NOISE_Z standard errors (its own, at least the median rank's) of
-            # the median is the median: noise alone would otherwise give the most
-            # over-estimated of W ranks too much work.
-            mid, typical = (sorted(x)[self.world_size // 2] for x in (fit.speeds, fit.spread))
-            near = [abs(s - mid) <= NOISE_Z * max(e, typical) * s for s, e in zip(fit.speeds, fit.spread)]
+            # A speed within NOISE_Z standard errors (of its steps' scatter, at least the median
+            # rank's) of the median is the median: noise alone would otherwise give the most
+            # over-estimated of W ranks too much work. A rank with under 2 steps gets the median.
+            mid = sorted(fit.speeds)[self.world_size // 2]
+            scatter = [e * math.sqrt(n) for e, n in zip(fit.spread, counts)]  # per step
+            typical = sorted(scatter)[self.world_size // 2]
+            near = [
+                n < 2 or abs(s - mid) <= NOISE_Z * max(e, typical) / math.sqrt(n) * s
+                for s, e, n in zip(fit.speeds, scatter, counts)
+            ]
             target = [mid if n else s for s, n in zip(fit.speeds, near)]
             mean = math.fsum(target) / self.world_size
             target = [s / mean for s in target]
