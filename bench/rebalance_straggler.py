@@ -1,0 +1,163 @@
+"""A real 2-rank CPU run with a straggler: steady-state step time, ``measured`` vs ``balanced``.
+
+Trains BERT tiny on synthetic shards under ``launch/run_torchrun.sh`` (2 gloo ranks), rank 0
+pinned to core 0 and rank 1 to core 1 (``taskset``, as soon as the ranks start). With
+``--straggler`` (the default run does both) the bench also starts a busy loop pinned to core
+1 for the run and stops it after: rank 1 then gets about half a core, about 2x slower. Each
+of the four runs (balanced / measured, equal ranks / straggler) trains ``--steps`` steps;
+the steady-state step time is the median over the last ``--measure`` steps of the global
+batch over the logged sequences per second. Printed side by side: measured / balanced step
+time and the fitted speeds (metrics.jsonl, ``rebalance.speed_min`` / ``speed_max``).
+
+    python -m bench.rebalance_straggler [--steps 80] [--measure 40] [--json FILE]
+
+Needs 2 cores to itself for a fair number (on a shared machine the others' load adds noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fileio import write_text
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "launch" / "configs" / "cpu_demo.yaml"
+
+
+def write_data(directory: Path, seq_len: int) -> tuple[str, str]:
+    """Synthetic shards (lengths uniform in [5, seq_len]) and an eval file."""
+    from data.synthetic import write_shards
+
+    train, evaldir = directory / "train", directory / "eval"
+    train.mkdir(parents=True)
+    evaldir.mkdir(parents=True)
+    write_shards(train, [2048] * 4, 0, max_seq_length=seq_len, max_predictions=20, vocab_size=1000)
+    (path,) = write_shards(evaldir, [64], 1, max_seq_length=seq_len, max_predictions=20, vocab_size=1000)
+    eval_file = evaldir / "part_eval_10k.hdf5"
+    path.rename(eval_file)
+    return str(train), str(eval_file)
+
+
+def _rank_pids(root: int) -> dict[int, int]:
+    """{rank: pid} of the training processes below ``root`` (their RANK variable)."""
+    found, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue
+        todo += [int(k) for k in kids]
+        rank = [e[5:] for e in env if e.startswith(b"RANK=")]
+        if rank and b"LOCAL_RANK=" + rank[0] in env and pid != root:
+            found.setdefault(int(rank[0]), pid)
+    return found
+
+
+def run(strategy: str, straggler: bool, args, data: tuple[str, str], out: Path) -> dict:
+    train, eval_file = data
+    overrides = [
+        "model.preset=tiny",
+        "model.attention=padded",
+        f"data.max_seq_length={args.seq_len}",
+        f"data.train_dir={train}",
+        f"data.eval_file={eval_file}",
+        "model.vocab_size=1000",
+        f"data.rebalance={strategy}",
+        f"train.global_batch_size={args.global_batch}",
+        f"train.max_steps={args.steps}",
+        "train.log_interval_steps=1",
+        "eval.interval_samples=100000000",
+        "eval.max_samples=64",
+        "eval.batch_size=64",
+        "checkpoint.at_end=false",
+        "checkpoint.interval_steps=0",
+        "log.plot=false",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHON": sys.executable}
+    cmd = [str(REPO / "launch" / "run_torchrun.sh"), "1", "2", str(CONFIG), str(out), *overrides]
+    busy = None
+    if straggler:  # a busy loop sharing core 1 with rank 1
+        busy = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"])
+    log = open(out.parent / f"{out.name}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        pinned, t0 = {}, time.time()
+        while len(pinned) < 2 and proc.poll() is None and time.time() - t0 < 120:
+            for rank, pid in _rank_pids(proc.pid).items():
+                if rank not in pinned:
+                    subprocess.run(["taskset", "-a", "-p", "-c", str(rank), str(pid)], capture_output=True, check=True)
+                    pinned[rank] = pid
+            time.sleep(0.2)
+        rc = proc.wait(timeout=args.timeout)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+        log.close()
+    if rc != 0:
+        tail = (out.parent / f"{out.name}.log").read_text()[-3000:]
+        raise SystemExit(f"rebalance_straggler: the {strategy} run failed (exit {rc}):\n{tail}")
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in recs if "seq_per_s" in r][-args.measure :]
+    step_s = [args.global_batch / r["seq_per_s"] for r in steps]
+    last = steps[-1].get("rebalance", {})
+    return dict(
+        strategy=strategy,
+        straggler=straggler,
+        step_ms=1e3 * float(np.median(step_s)),
+        speed_ratio=last.get("speed_min", 1.0) / last.get("speed_max", 1.0),
+        imbalance_before=float(np.median([r["rebalance"]["imbalance_before"] for r in steps])),
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--measure", type=int, default=40, help="the last this many steps are the steady state")
+    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    ap.add_argument("--only", choices=("equal", "straggler"), help="run only this case")
+    ap.add_argument("--json", help="write the four records")
+    args = ap.parse_args(argv)
+    if args.measure < 1 or args.steps <= args.measure:
+        ap.error("--measure must be >= 1 and below --steps")
+    if (os.cpu_count() or 1) < 2:
+        raise SystemExit("rebalance_straggler: needs 2 cores")
+    cases = [c for c in (False, True) if args.only is None or args.only == ("straggler" if c else "equal")]
+    with tempfile.TemporaryDirectory(prefix="straggler-") as tmp:
+        tmp = Path(tmp)
+        data = write_data(tmp / "data", args.seq_len)
+        records = []
+        for straggler in cases:
+            for strategy in ("balanced", "measured"):
+                r = run(strategy, straggler, args, data, tmp / f"{strategy}-{int(straggler)}")
+                records.append(r)
+                print(
+                    f"{'straggler' if straggler else 'equal':>9} {strategy:>9}: step {r['step_ms']:7.1f} ms, "
+                    f"fitted speed ratio {r['speed_ratio']:.3f}",
+                    flush=True,
+                )
+    by = {(r["straggler"], r["strategy"]): r for r in records}
+    for straggler in cases:
+        b, m = by[(straggler, "balanced")]["step_ms"], by[(straggler, "measured")]["step_ms"]
+        what = "rank 1 ~2x slower" if straggler else "equal ranks"
+        print(f"{what}: balanced {b:.1f} ms / measured {m:.1f} ms per step = {b / m:.3f}x")
+    if args.json:
+        write_text(args.json, json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
