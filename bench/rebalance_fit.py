@@ -64,7 +64,8 @@ def online(layer, lengths, steps: int, tokens: int, configured: Cost, measured: 
         x = torch.randn(int(L.sum()), hidden, requires_grad=True)
         layer(x, VarlenLayout(cu_seqlens=cu, max_seqlen=int(L.max()))).sum().backward()
     last = model.refit()
-    print(f"online: {last['window_steps']} steps in the window, relative RMS residual {last.get('fit_residual', 0):.3f}")
+    residual = last.get("fit_residual", 0.0)
+    print(f"online: {last['window_steps']} steps in the window, relative RMS residual {residual:.3f}")
     return Cost(1.0, model.cost.b / model.cost.a)
 
 
