@@ -1,17 +1,18 @@
 """A real 2-rank CPU run with a straggler: steady-state step time, ``measured`` vs ``balanced``.
 
-Trains BERT tiny on synthetic shards under ``launch/run_torchrun.sh`` (2 gloo ranks), rank 0
-pinned to core 0 and rank 1 to core 1 (``taskset``, as soon as the ranks start). With
-``--straggler`` (the default run does both) the bench also starts a busy loop pinned to core
-1 for the run and stops it after: rank 1 then gets about half a core, about 2x slower. Each
-of the four runs (balanced / measured, equal ranks / straggler) trains ``--steps`` steps;
+Trains BERT tiny on synthetic shards under ``launch/run_torchrun.sh`` (2 gloo ranks), rank r
+pinned to core r (``taskset``) and capped at ``--quota`` of a CPU by a cgroup the bench
+creates for it (v1 cpu controller, cfs quota; removed after the run), as soon as the ranks
+start. The straggler: rank 1's cap is ``--quota / --slow`` (default 2x slower). A cap below
+what a rank gets anyway makes the ratio hold on a busy shared machine too. Each of the four
+runs (balanced / measured, equal ranks / straggler) trains ``--steps`` steps;
 the steady-state step time is the median over the last ``--measure`` steps of the global
 batch over the logged sequences per second. Printed side by side: measured / balanced step
 time and the fitted speeds (metrics.jsonl, ``rebalance.speed_min`` / ``speed_max``).
 
-    python -m bench.rebalance_straggler [--steps 80] [--measure 40] [--json FILE]
+    python -m bench.rebalance_straggler [--steps 50] [--measure 25] [--quota 0.4] [--slow 2] [--json FILE]
 
-Needs 2 cores to itself for a fair number (on a shared machine the others' load adds noise).
+Needs root (the cgroups) and 2 cores.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from fileio import write_text
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "launch" / "configs" / "cpu_demo.yaml"
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 
 
 def write_data(directory: Path, seq_len: int) -> tuple[str, str]:
@@ -47,21 +49,27 @@ def write_data(directory: Path, seq_len: int) -> tuple[str, str]:
     return str(train), str(eval_file)
 
 
-def _rank_pids(root: int) -> dict[int, int]:
-    """{rank: pid} of the training processes below ``root`` (their RANK variable)."""
-    found, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
+def _rank_pids(marker: str) -> dict[int, int]:
+    """{rank: pid} of the training processes whose environment holds ``marker`` (RANK, LOCAL_RANK)."""
+    found = {}
+    for d in Path("/proc").iterdir():
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            env = set((d / "environ").read_bytes().split(b"\0")) if d.name.isdigit() else set()
         except OSError:
             continue
-        todo += [int(k) for k in kids]
         rank = [e[5:] for e in env if e.startswith(b"RANK=")]
-        if rank and b"LOCAL_RANK=" + rank[0] in env and pid != root:
-            found.setdefault(int(rank[0]), pid)
+        if marker.encode() in env and rank and b"LOCAL_RANK=" + rank[0] in env:
+            found.setdefault(int(rank[0]), int(d.name))
     return found
+
+
+def _cpu_group(name: str, cpus: float) -> Path:
+    """A new cgroup (v1 cpu controller) capped at ``cpus`` of one CPU; removed by the caller."""
+    group = CPU_CGROUPS / name
+    group.mkdir()
+    (group / "cpu.cfs_period_us").write_text("100000")
+    (group / "cpu.cfs_quota_us").write_text(str(int(cpus * 100000)))
+    return group
 
 
 def run(strategy: str, straggler: bool, args, data: tuple[str, str], out: Path) -> dict:
@@ -84,27 +92,34 @@ def run(strategy: str, straggler: bool, args, data: tuple[str, str], out: Path) 
         "checkpoint.interval_steps=0",
         "log.plot=false",
     ]
+    marker = f"REBALANCE_STRAGGLER_RUN={os.getpid()}-{out.name}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHON": sys.executable}
+    env[marker.split("=")[0]] = marker.split("=")[1]
     cmd = [str(REPO / "launch" / "run_torchrun.sh"), "1", "2", str(CONFIG), str(out), *overrides]
-    busy = None
-    if straggler:  # a busy loop sharing core 1 with rank 1
-        busy = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"])
+    quotas = (args.quota, args.quota / (args.slow if straggler else 1.0))
+    groups = [_cpu_group(f"rebalance-straggler-{os.getpid()}-{r}", q) for r, q in enumerate(quotas)]
     log = open(out.parent / f"{out.name}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         pinned, t0 = {}, time.time()
         while len(pinned) < 2 and proc.poll() is None and time.time() - t0 < 120:
-            for rank, pid in _rank_pids(proc.pid).items():
+            for rank, pid in _rank_pids(marker).items():
                 if rank not in pinned:
                     subprocess.run(["taskset", "-a", "-p", "-c", str(rank), str(pid)], capture_output=True, check=True)
+                    (groups[rank] / "cgroup.procs").write_text(str(pid))  # all its threads, and later ones
                     pinned[rank] = pid
             time.sleep(0.2)
+        if len(pinned) < 2 and proc.poll() is None:
+            proc.kill()
+            raise SystemExit(f"rebalance_straggler: found the processes of ranks {sorted(pinned)} only, not 0 and 1")
         rc = proc.wait(timeout=args.timeout)
     finally:
-        if busy is not None:
-            busy.kill()
-            busy.wait()
         log.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for g in groups:
+            g.rmdir()  # empty once the ranks have exited
     if rc != 0:
         tail = (out.parent / f"{out.name}.log").read_text()[-3000:]
         raise SystemExit(f"rebalance_straggler: the {strategy} run failed (exit {rc}):\n{tail}")
@@ -123,25 +138,34 @@ def run(strategy: str, straggler: bool, args, data: tuple[str, str], out: Path) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--measure", type=int, default=40, help="the last this many steps are the steady state")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--measure", type=int, default=25, help="the last this many steps are the steady state")
     ap.add_argument("--global-batch", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--quota", type=float, default=0.4, help="each rank's CPU cap (a cgroup quota, of one CPU)")
+    ap.add_argument("--slow", type=float, default=2.0, help="the straggler: rank 1's cap is --quota / SLOW")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per run")
     ap.add_argument("--only", choices=("equal", "straggler"), help="run only this case")
+    ap.add_argument("--keep", help="write the data and the runs here (a new directory), not to a temporary one")
+    ap.add_argument("--strategy", choices=("balanced", "measured"), help="run only this strategy")
     ap.add_argument("--json", help="write the four records")
     args = ap.parse_args(argv)
     if args.measure < 1 or args.steps <= args.measure:
         ap.error("--measure must be >= 1 and below --steps")
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("rebalance_straggler: needs 2 cores")
+    if not os.access(CPU_CGROUPS, os.W_OK):
+        raise SystemExit(f"rebalance_straggler: needs a writable cgroup v1 cpu controller at {CPU_CGROUPS} (root)")
+    if not 0.01 <= args.quota <= 1 or args.slow < 1:
+        ap.error("--quota must be in [0.01, 1] and --slow >= 1")
     cases = [c for c in (False, True) if args.only is None or args.only == ("straggler" if c else "equal")]
+    strategies = ("balanced", "measured") if args.strategy is None else (args.strategy,)
     with tempfile.TemporaryDirectory(prefix="straggler-") as tmp:
-        tmp = Path(tmp)
+        tmp = Path(args.keep or tmp)
         data = write_data(tmp / "data", args.seq_len)
         records = []
         for straggler in cases:
-            for strategy in ("balanced", "measured"):
+            for strategy in strategies:
                 r = run(strategy, straggler, args, data, tmp / f"{strategy}-{int(straggler)}")
                 records.append(r)
                 print(
@@ -150,7 +174,7 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     by = {(r["straggler"], r["strategy"]): r for r in records}
-    for straggler in cases:
+    for straggler in cases if len(strategies) == 2 else ():
         b, m = by[(straggler, "balanced")]["step_ms"], by[(straggler, "measured")]["step_ms"]
         what = "rank 1 ~2x slower" if straggler else "equal ranks"
         print(f"{what}: balanced {b:.1f} ms / measured {m:.1f} ms per step = {b / m:.3f}x")
