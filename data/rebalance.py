@@ -16,12 +16,9 @@ follows its own tokens, and every step waits for the slowest rank. Each step, ev
 its own gloo process group, so it overlaps the current step; ``wait()`` returns the block
 and ``ExchangeStats`` (imbalance before/after, samples moved, bytes, time, hidden fraction).
 
-``measured``: each rank's header also carries its newest measured step time (``timer``, a
-``bert.step_timer.StepTimer``) with that step's length features; every rank appends the
-gathered ones to the same window, refits cost and speeds (``data.rebalance_fit``), moves
-the applied ones towards them by at most ``rate`` per step, and plans the next step with
-them: the same numbers on every rank, so the same plan. ``state_dict()`` is what the next
-plan depends on (checkpointed with the loader's position). See docs/rebalancing.md.
+``measured``: the header also carries this rank's newest measured step (``timer``) and its
+length features; every rank feeds the same gathered numbers to its ``OnlineModel``
+(``data.rebalance_fit``) and plans with its cost and speeds. docs/rebalancing.md.
 
 Shapes: W ranks, B samples per rank.
 """
@@ -201,9 +198,8 @@ class Rebalancer:
         order relative to other ``new_group`` calls.
     timeout_s: the new group's collective timeout; a rank that stops calling the exchange
         turns into a ``RebalanceError`` on the others after this long, never a hang.
-    measured: (window steps, bound, rate) of ``measured``: steps kept per rank, the factor
-        each fitted coefficient stays within of ``cost``, the largest relative change of a
-        speed or coefficient per step. Set ``timer`` to feed it (else it plans as balanced).
+    measured: ``measured``'s (window steps, bound, rate) (``OnlineModel``); ``timer`` (a
+        ``bert.step_timer.StepTimer``) feeds it; without one it plans as ``balanced``.
 
     ``exchange(block)`` runs one step synchronously; ``start(block)`` runs it in a
     background thread and ``wait()`` returns ``(block, ExchangeStats)``.
@@ -442,8 +438,8 @@ class Rebalancer:
     # -- measured: the window, the fit, the state -------------------------------------------
 
     def _measurement(self, step: int):
-        """(step, seconds, *features) of this rank's newest measured step, or None; called
-        on the caller's thread as the exchange of ``step`` begins. Also snapshots the state."""
+        """(step, seconds, *features) of this rank's newest measured step, or None, as the
+        exchange of ``step`` begins (the caller's thread); snapshots the state it plans from."""
         self._snapshot = self.online.state_dict()
         got = [(k, t) for k, t in (self.timer.ready() if self.timer else []) if k in self._delivered and t > 0]
         for k in [k for k in self._delivered if k < step - 16]:
@@ -452,21 +448,19 @@ class Rebalancer:
 
     def _learn(self, words: np.ndarray) -> dict:
         """The gathered measurements [W, MEASURE_WORDS] into the window; the refit's numbers."""
-        for r in range(self.world_size):
-            if words[r, 0] >= 0:
-                t, *f = words[r, 1:].copy().view(np.float64).tolist()
-                self.online.add(r, f, t)
+        values = words[:, 1:].copy().view(np.float64)  # [W, 4]: seconds, then the features
+        for r in np.flatnonzero(words[:, 0] >= 0):
+            self.online.add(r, values[r, 1:], float(values[r, 0]))
         return self.online.refit()
 
     def state_dict(self) -> dict:
-        """``measured``: the window, speeds and cost the pending (or next) exchange plans
-        from (``OnlineModel.state_dict``); {} for the other strategies."""
+        """``measured``: the ``OnlineModel`` state the pending (or next) exchange plans from."""
         if self.strategy != "measured":
             return {}
         return {"rebalance": self._snapshot or self.online.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()`` (a state of another world size starts a fresh window)."""
+        """Resume from ``state_dict()`` (one of another world size is left out)."""
         if self.strategy == "measured" and state.get("rebalance"):
             self.online.load_state_dict(state["rebalance"])
 

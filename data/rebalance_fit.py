@@ -1,20 +1,15 @@
 """Online fit of the rebalancer's cost model and a speed per rank, from measured step times.
 
-Input: a short window of steps per rank, each the rank's measured forward+backward time and
-the sums of its samples' length features (sum L, sum L^2, sum L*min(L, window): the three
-terms of ``data.rebalance_plan.Cost``). Model: time[r, t] = cost(features[r, t]) / speed[r].
-Output: the fitted ``Cost`` (scaled so that the window's total cost equals the configured
-model's, so only the shape of c(L) changes) and one speed per rank (cost per second).
-
-Safeguards: the configured cost is kept while the window holds fewer than ``min_steps``
-steps, while the fitted shape is singular or leaves a relative RMS residual above
-``max_residual``, and each fitted coefficient is clamped to within a factor ``bound`` of the
-configured one before the common scale; speeds and cost are refitted in turn (3 rounds).
-Deterministic: every sum is ``math.fsum`` (exactly rounded) and the normal
-equations are solved in Python floats in a fixed order, so every rank that gathered the
-same numbers computes the same fit, bit for bit. ``OnlineModel`` keeps the window and
-the cost and speeds the plans use (moved towards each fit by at most ``rate`` per step).
-See docs/rebalancing.md.
+``fit_online``: a window of steps per rank, each its forward+backward seconds and length
+features (sum L, sum L^2, sum L*min(L, window): the terms of ``data.rebalance_plan.Cost``),
+under time = cost(features) / speed[rank]; speeds and cost refitted in turn (3 rounds), the
+cost scaled so the window's total equals the configured model's (only c(L)'s shape changes).
+The configured cost is kept below ``min_steps`` steps, for a singular system or a relative
+RMS residual above ``max_residual``; each coefficient stays within a factor ``bound`` of the
+configured one. ``OnlineModel``: the window and the cost and speeds the plans use, with the
+noise and change safeguards of docs/rebalancing.md. Deterministic: every sum is ``math.fsum``
+of elementwise IEEE operations, the solve in Python floats, so ranks with the same numbers
+get the same fit bit for bit.
 """
 
 from __future__ import annotations
@@ -29,14 +24,14 @@ from data.rebalance_plan import Cost, check_cost
 
 
 class Fit(NamedTuple):
-    """The fitted cost, speed per rank, relative RMS residual and whether the fit was used;
-    spread: per rank, the relative standard error of its speed (its steps' scatter)."""
+    """The fitted cost, speed per rank, relative RMS residual, whether the fit was used, and
+    scatter: per rank, the relative standard deviation of its steps' speeds."""
 
     cost: Cost
     speeds: tuple[float, ...]
     residual: float
     fitted: bool
-    spread: tuple[float, ...] = ()
+    scatter: tuple[float, ...] = ()
 
 
 def length_features(lengths, window: int = 0) -> tuple[float, float, float]:
@@ -74,19 +69,9 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     return x
 
 
-def fit_online(
-    features,
-    times,
-    configured: Cost | tuple,
-    *,
-    min_steps: int = 8,
-    bound: float = 4.0,
-    max_residual: float = 0.25,
-) -> Fit:
+def fit_online(features, times, configured, *, min_steps: int = 8, bound: float = 4.0, max_residual=0.25) -> Fit:
     """Fit ``Cost`` and per-rank speeds to ``features`` [W][T][3] and ``times`` [W][T] (seconds).
-
-    Ranks with no steps yet keep the mean speed of the others (1.0 when none has any).
-    """
+    Ranks with no steps yet get the mean speed of the others (1.0 when none has any)."""
     cfg = check_cost(configured)
     if bound < 1 or not math.isfinite(bound):
         raise ValueError(f"fit_online: bound must be a finite factor >= 1, got {bound}")
@@ -96,6 +81,7 @@ def fit_online(
     F = np.array([f for fr in features for f in fr], np.float64).reshape(-1, 3)  # [N, 3], rank-major
     t = np.array([x for tr in times for x in tr], np.float64)
     bounds = np.cumsum([0] + [len(tr) for tr in times])
+    counts, has = np.diff(bounds), np.diff(bounds) > 0
     bad = np.flatnonzero(~(np.isfinite(t) & (t > 0)))
     if len(bad):
         r = int(np.searchsorted(bounds, bad[0], side="right") - 1)
@@ -104,7 +90,6 @@ def fit_online(
         )
 
     # Per-rank sums: the features are integers (sums exact in any order), the times fsum'd.
-    has = np.diff(bounds) > 0
     F_rank = np.zeros((W, 3))
     F_rank[has] = np.add.reduceat(F, bounds[:-1][has], axis=0) if has.any() else 0
     t_rank = [_sum(t[i:j]) for i, j in zip(bounds[:-1], bounds[1:])]
@@ -116,15 +101,11 @@ def fit_online(
         fill = math.fsum(known) / len(known) if known else 1.0
         return tuple(fill if s is None else s for s in sp)
 
-    counts = np.diff(bounds)
-
     def done(cost: Cost, speeds, residual: float, fitted: bool) -> Fit:
         q = _costs(cost, F) / (t * np.repeat(speeds, counts))  # each step's speed over its rank's
-        spread = []
-        for i, k in zip(bounds[:-1], counts):
-            mean = _sum(q[i : i + k]) / k if k > 1 else 0.0
-            spread.append(math.sqrt(_sum((q[i : i + k] - mean) ** 2) / (k - 1) / k) if k > 1 else math.inf)
-        return Fit(cost, speeds, residual, fitted, tuple(spread))
+        parts = [q[i : i + k] for i, k in zip(bounds[:-1], counts)]
+        scatter = [math.sqrt(_sum((x - _sum(x) / len(x)) ** 2) / (len(x) - 1)) if len(x) > 1 else 0.0 for x in parts]
+        return Fit(cost, speeds, residual, fitted, tuple(scatter))
 
     speeds = speeds_for(cfg)
     steps = sorted(counts)[W // 2] if W else 0  # the median rank's
@@ -133,10 +114,8 @@ def fit_online(
     if steps < min_steps or len(cols) < 2:
         return done(cfg, speeds, math.nan, False)
     # Columns scaled by the configured coefficients: the unknowns are then ratios near 1.
-    X = F[:, cols] * np.array([base[i] for i in cols])
-    n = len(cols)
+    X, n = F[:, cols] * np.array([base[i] for i in cols]), len(cols)
     m = [[_sum(X[:, i] * X[:, j]) for j in range(n)] for i in range(n)]
-    fitted = cfg
     # Alternate: speeds from the current cost, then the cost from those speeds (3 rounds).
     for _ in range(3):
         y = t * np.repeat(speeds, counts)  # each step's time in cost units
@@ -164,12 +143,9 @@ RECENT = 6  # steps that show a rank's change of speed
 class OnlineModel:
     """The window of measured steps per rank, and the cost and speeds the next plan uses.
 
-    ``add(rank, features, seconds)`` appends one step (bad numbers are left out), ``refit()``
-    fits the window (``fit_online``; the speeds only once every rank has ``min(8, window)``
-    steps) and moves the applied speeds (mean 1) and coefficients towards the fit by at most
-    a factor 1 +- ``rate``; it returns the numbers logged. Equal inputs on every rank give
-    equal ``speeds`` and ``cost`` bit for bit. ``state_dict`` / ``load_state_dict``: plain lists.
-    """
+    ``add`` appends one step (bad numbers are left out); ``refit`` fits the window and moves
+    the speeds (mean 1) and coefficients towards the fit by at most a factor 1 +- ``rate``,
+    returning the numbers logged. ``state_dict`` / ``load_state_dict``: plain lists."""
 
     def __init__(self, configured: Cost | tuple, world_size: int, window: int = 32, bound: float = 4.0, rate=0.1):
         if int(window) != window or window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1:
@@ -181,24 +157,20 @@ class OnlineModel:
         self.speeds, self.cost = (1.0,) * world_size, self.configured
 
     def add(self, rank: int, features, seconds: float) -> None:
-        f = [float(x) for x in features]
-        if math.isfinite(seconds) and seconds > 0 and all(math.isfinite(x) and x >= 0 for x in f) and f[0] > 0:
-            self.steps[rank].append((*f, float(seconds)))
+        f = (*(float(x) for x in features), float(seconds))
+        if all(math.isfinite(x) and x >= 0 for x in f) and f[0] > 0 and seconds > 0:
+            self.steps[rank].append(f)
 
     def _forget_changed(self) -> None:
         """A rank whose last RECENT steps' speed differs from its earlier ones' by more than
         NOISE_Z standard errors changed speed (throttling): its earlier steps are dropped."""
-        k = RECENT
-        for d in self.steps:
-            if len(d) < 2 * k:
-                continue
+        for d in (d for d in self.steps if len(d) >= 2 * RECENT):
             a = np.array(d)
-            q = _costs(self.cost, a[:, :3]) / a[:, 3]
-            old, new = q[:-k], q[-k:]
-            m_old, m_new = _sum(old) / len(old), _sum(new) / k
-            var = (_sum((old - m_old) ** 2) + _sum((new - m_new) ** 2)) / (len(q) - 2)
-            if abs(m_new - m_old) > NOISE_Z * math.sqrt(var * (1 / len(old) + 1 / k)):
-                for _ in range(len(d) - k):
+            old, new = np.split(_costs(self.cost, a[:, :3]) / a[:, 3], [len(d) - RECENT])
+            m_old, m_new = _sum(old) / len(old), _sum(new) / RECENT
+            var = (_sum((old - m_old) ** 2) + _sum((new - m_new) ** 2)) / (len(d) - 2)
+            if abs(m_new - m_old) > NOISE_Z * math.sqrt(var * (1 / len(old) + 1 / RECENT)):
+                for _ in range(len(old)):
                     d.popleft()
 
     def refit(self) -> dict:
@@ -213,12 +185,10 @@ class OnlineModel:
             # A speed within NOISE_Z standard errors (of its steps' scatter, at least the median
             # rank's) of the median is the median: noise alone would otherwise give the most
             # over-estimated of W ranks too much work. A rank with under 2 steps gets the median.
-            mid = sorted(fit.speeds)[self.world_size // 2]
-            scatter = [e * math.sqrt(n) for e, n in zip(fit.spread, counts)]  # per step
-            typical = sorted(scatter)[self.world_size // 2]
+            mid, typical = (sorted(x)[self.world_size // 2] for x in (fit.speeds, fit.scatter))
             near = [
                 n < 2 or abs(s - mid) <= NOISE_Z * max(e, typical) / math.sqrt(n) * s
-                for s, e, n in zip(fit.speeds, scatter, counts)
+                for s, e, n in zip(fit.speeds, fit.scatter, counts)
             ]
             target = [mid if n else s for s, n in zip(fit.speeds, near)]
             mean = math.fsum(target) / self.world_size

@@ -13,8 +13,8 @@ rank's share of the cost in proportion to its speed (equal predicted times cost 
 Each sample moves at most once. With ``group_size`` G it is hierarchical: a few rounds of
 pairs across the job, chosen from loads alone, then balancing inside groups of G ranks; a
 rank then computes only what its group depends on, O(G * 2**cross_rounds * B) instead of
-O(W * B) per round. Every rank keeps exactly B
-samples, so the global batch is the same set of samples, only placed differently.
+O(W * B) per round. Every rank keeps exactly B samples, so the global batch is the same set
+of samples, only placed differently.
 
 ``assign`` gives the whole plan (``Assignment``); ``plan_for_rank`` one rank's part of it
 (``RankPlan``: what it sends and receives); the cost of a sample is
@@ -34,16 +34,14 @@ import numpy as np
 
 from data.samples import _offsets
 
-# The exchange all-gathers, per rank, a header of HEADER_WORDS int32 words (with ``measured``
-# MEASURE_WORDS more: a measured step time and its lengths' features) and one word per
-# sample (its length and masked count): the plan's input. Named here so that the simulator
-# counts the exchange's bytes without importing the exchange.
+# The exchange all-gathers, per rank, a header of HEADER_WORDS int32 words (MEASURE_WORDS
+# more with ``measured``) and one word per sample (its length and masked count): the plan's
+# input. Named here so that the simulator counts the exchange's bytes without importing it.
 HEADER_WORDS = 7
 MEASURE_WORDS = 9
 
 STRATEGIES = ("none", "stripe", "balanced", "measured")
-# Speeds are quantised to integer weights of this many steps: every rank gets the same plan.
-_SPEED_STEPS = 1 << 10
+_SPEED_STEPS = 1 << 10  # measured: speeds as integer weights, so every rank gets the same plan
 
 
 class Cost(NamedTuple):
@@ -101,18 +99,6 @@ def imbalance(costs, weights=None) -> float:
         w = np.asarray(weights, dtype=np.float64)
         return float((c / w).max() / (c.sum() / w.sum()))
     return float(c.max() / mean)
-
-
-def speed_weights(speeds, world_size: int) -> np.ndarray | None:
-    """Integer weights [W] from positive speeds (1/1024 steps of the fastest); None for None.
-    Equal speeds give all ones, so ``measured`` then plans exactly as ``balanced``."""
-    if speeds is None:
-        return None
-    s = np.asarray(speeds, dtype=np.float64)
-    if s.shape != (world_size,) or not np.isfinite(s).all() or s.min() <= 0:
-        raise ValueError(f"speeds: expected {world_size} positive finite numbers, got {s.tolist()[:8]}")
-    w = np.maximum(np.rint(s / s.max() * _SPEED_STEPS), 1).astype(np.int64)
-    return w // np.gcd.reduce(w)
 
 
 @dataclass(frozen=True)
@@ -447,7 +433,7 @@ def _balanced_moves(
     for over, under, t in pairs:
         planned[over] -= t
         planned[under] += t
-    wg = w.reshape(W // G, G)
+    wg = w.reshape(W // G, G)  # each group's total, shared in proportion to the weights
     planned = (planned.reshape(W // G, G).sum(1)[:, None] * wg / wg.sum(1)[:, None]).ravel()
     return gid, to, sw.load, planned
 
@@ -523,9 +509,17 @@ def assign(
 
 
 def _weights_for(strategy: str, speeds, W: int) -> np.ndarray | None:
+    """``measured``'s integer weights [W] (1/1024 steps of the fastest speed); equal speeds
+    give all ones, so ``measured`` then plans exactly as ``balanced``. None otherwise."""
     if (strategy == "measured") != (speeds is not None):
         raise ValueError(f"speeds: needed by strategy 'measured' and only by it (strategy {strategy!r})")
-    return speed_weights(speeds, W)
+    if speeds is None:
+        return None
+    s = np.asarray(speeds, dtype=np.float64)
+    if s.shape != (W,) or not np.isfinite(s).all() or s.min() <= 0:
+        raise ValueError(f"speeds: expected {W} positive finite numbers, got {s.tolist()[:8]}")
+    w = np.maximum(np.rint(s / s.max() * _SPEED_STEPS), 1).astype(np.int64)
+    return w // np.gcd.reduce(w)
 
 
 @dataclass(frozen=True)
