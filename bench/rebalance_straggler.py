@@ -10,7 +10,7 @@ the steady-state step time is the median over the last ``--measure`` steps of th
 batch over the logged sequences per second. Printed side by side: measured / balanced step
 time and the fitted speeds (metrics.jsonl, ``rebalance.speed_min`` / ``speed_max``).
 
-    python -m bench.rebalance_straggler [--steps 50] [--measure 25] [--quota 0.4] [--slow 2] [--json FILE]
+    python -m bench.rebalance_straggler [--steps 40] [--measure 20] [--quota 0.4] [--slow 2] [--json FILE]
 
 Needs root (the cgroups) and 2 cores.
 """
@@ -138,9 +138,9 @@ def run(strategy: str, straggler: bool, args, data: tuple[str, str], out: Path) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--measure", type=int, default=25, help="the last this many steps are the steady state")
-    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--measure", type=int, default=20, help="the last this many steps are the steady state")
+    ap.add_argument("--global-batch", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--quota", type=float, default=0.4, help="each rank's CPU cap (a cgroup quota, of one CPU)")
     ap.add_argument("--slow", type=float, default=2.0, help="the straggler: rank 1's cap is --quota / SLOW")
