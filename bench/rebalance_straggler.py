@@ -7,7 +7,8 @@ start. The straggler: rank 1's cap is ``--quota / --slow`` (default 2x slower). 
 what a rank gets anyway makes the ratio hold on a busy shared machine too. Each of the four
 runs (balanced / measured, equal ranks / straggler) trains ``--steps`` steps;
 the steady-state step time is the median over the last ``--measure`` steps of the global
-batch over the logged sequences per second. Printed side by side: measured / balanced step
+batch over the logged sequences per second (with ``--repeats`` N, N interleaved runs of each
+and the median of theirs). Printed side by side: measured / balanced step
 time and the fitted speeds (metrics.jsonl, ``rebalance.speed_min`` / ``speed_max``).
 
     python -m bench.rebalance_straggler [--steps 40] [--measure 20] [--quota 0.4] [--slow 2] [--json FILE]
@@ -148,10 +149,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("equal", "straggler"), help="run only this case")
     ap.add_argument("--keep", help="write the data and the runs here (a new directory), not to a temporary one")
     ap.add_argument("--strategy", choices=("balanced", "measured"), help="run only this strategy")
-    ap.add_argument("--json", help="write the four records")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each, interleaved; the medians are compared")
+    ap.add_argument("--json", help="write the records")
     args = ap.parse_args(argv)
-    if args.measure < 1 or args.steps <= args.measure:
-        ap.error("--measure must be >= 1 and below --steps")
+    if args.measure < 1 or args.steps <= args.measure or args.repeats < 1:
+        ap.error("--measure must be >= 1 and below --steps, --repeats >= 1")
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("rebalance_straggler: needs 2 cores")
     if not os.access(CPU_CGROUPS, os.W_OK):
@@ -165,17 +167,21 @@ def main(argv=None) -> int:
         data = write_data(tmp / "data", args.seq_len)
         records = []
         for straggler in cases:
-            for strategy in strategies:
-                r = run(strategy, straggler, args, data, tmp / f"{strategy}-{int(straggler)}")
+            for i, strategy in [(i, s) for i in range(args.repeats) for s in strategies]:  # interleaved
+                r = run(strategy, straggler, args, data, tmp / f"{strategy}-{int(straggler)}-{i}")
                 records.append(r)
                 print(
                     f"{'straggler' if straggler else 'equal':>9} {strategy:>9}: step {r['step_ms']:7.1f} ms, "
                     f"fitted speed ratio {r['speed_ratio']:.3f}",
                     flush=True,
                 )
-    by = {(r["straggler"], r["strategy"]): r for r in records}
+
+    def median_ms(straggler, strategy):
+        ms = [r["step_ms"] for r in records if (r["straggler"], r["strategy"]) == (straggler, strategy)]
+        return float(np.median(ms))
+
     for straggler in cases if len(strategies) == 2 else ():
-        b, m = by[(straggler, "balanced")]["step_ms"], by[(straggler, "measured")]["step_ms"]
+        b, m = median_ms(straggler, "balanced"), median_ms(straggler, "measured")
         what = "rank 1 ~2x slower" if straggler else "equal ranks"
         print(f"{what}: balanced {b:.1f} ms / measured {m:.1f} ms per step = {b / m:.3f}x")
     if args.json:

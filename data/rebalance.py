@@ -475,6 +475,7 @@ class Rebalancer:
             raise RuntimeError("Rebalancer.exchange: an exchange started with start() is pending; wait() first")
         s = self._take_step(step)
         out = self._exchange(block, s, self._measurement(s))
+        self._snapshot = None  # done: the next exchange plans from the live state
         if self.timer:
             self.timer.mark(s)
         return out
