@@ -227,9 +227,8 @@ class DataSection:
             raise ConfigError(
                 f"data.rebalance_cost / data.rebalance_cost_local: {str(e).removeprefix('cost: ')}"
             ) from None
-        window, bound, rate = self.rebalance_measured
+        window, bound, rate = got = self.rebalance_measured
         if window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1:
-            got = self.rebalance_measured
             raise ConfigError(f"data.rebalance_measured: expected window >= 2, bound >= 1, 0 < rate <= 1, got {got}")
 
     @property

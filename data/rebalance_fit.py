@@ -138,12 +138,6 @@ def fit_online(features, times, configured, *, min_steps: int = 8, bound: float 
 
 NOISE_Z = 5.0  # standard errors that count as a change of speed
 
-
-def _noise_z(world_size: int) -> float:
-    """Standard errors within which a speed is noise: above the largest of W normal draws."""
-    return 1.5 + math.sqrt(2 * math.log(max(world_size, 2)))  # 5.0 at W = 512, 2.7 at W = 2
-
-
 RECENT = 6  # steps that show a rank's change of speed
 
 
@@ -189,10 +183,10 @@ class OnlineModel:
         steps = sorted(counts)[self.world_size // 2]
         target = [1.0] * self.world_size
         if steps >= min_steps:
-            # A speed within _noise_z standard errors (of its steps' scatter, at least the median
-            # rank's) of the median is the median: noise alone would otherwise give the most
-            # over-estimated of W ranks too much work. A rank with under 2 steps gets the median.
-            z = _noise_z(self.world_size)
+            # A speed within z standard errors (of its steps' scatter, at least the median rank's;
+            # z above the largest of W normal draws: 5.0 at W = 512) of the median is the median,
+            # or noise would give the most over-estimated rank too much work; so is one of < 2 steps.
+            z = 1.5 + math.sqrt(2 * math.log(max(self.world_size, 2)))
             mid, typical = (sorted(x)[self.world_size // 2] for x in (fit.speeds, fit.scatter))
             near = [
                 n < 2 or abs(s - mid) <= z * max(e, typical) / math.sqrt(n) * s
