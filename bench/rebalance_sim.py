@@ -30,9 +30,20 @@ FLOP-derived cost of BERT-large (MLPerf's) or ModernBERT-base (global and slidin
 layers, ``MODERNBERT_BASE_COST``); ``--cost`` gives measured coefficients instead
 (``python -m bench.fit_cost`` prints them).
 
+With ``--slow-fraction`` it simulates heterogeneous ranks instead (``simulate_speeds``): a
+fraction of the ranks runs at ``--slow-factor`` of the others' speed (with
+``--throttle-period`` P, another such fraction is throttled for P steps, then not for P, and
+so on), each rank's measured time is its true time times 1 + ``--noise`` * U(-1, 1), and
+``measured`` learns speeds and cost from those times as the trainer does
+(``data.rebalance_fit.OnlineModel``, the times arriving two steps late). Reported: the
+predicted step time (the slowest rank's true time) over the ideal, total work over total
+speed, for ``stripe``, ``balanced`` and ``measured``, median (and 90th percentile) over the
+steps after ``--warmup``.
+
     python -m bench.rebalance_sim [--data-dir DIR] [--json FILE] [--png FILE]
     python -m bench.rebalance_sim --lengths wikitext2 --context 8192 --model modernbert-base \
         --world-sizes 8 64 512 --batch 16
+    python -m bench.rebalance_sim --world-sizes 512 --slow-fraction 0.02 --slow-factor 0.7 --noise 0.1
 """
 
 from __future__ import annotations
@@ -48,7 +59,17 @@ import numpy as np
 
 from bench.article_lengths import load as load_article_lengths
 from bench.article_lengths import sequence_lengths
-from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, STRATEGIES, Cost, assign, check_cost, plan_for_rank
+from data.rebalance_fit import OnlineModel
+from data.rebalance_plan import (
+    DEFAULT_COST,
+    HEADER_WORDS,
+    STRATEGIES,
+    Cost,
+    assign,
+    check_cost,
+    plan_for_rank,
+    sample_costs,
+)
 from fileio import publishing, write_text
 
 MAX_PREDICTIONS = 76  # MLPerf: max_predictions_per_seq
@@ -147,7 +168,7 @@ def simulate(world_sizes, batch: int, steps: int, seed: int, cost, draw, group_s
     rng = np.random.default_rng(seed)
     records = []
     for W in world_sizes:
-        variants = [(s, None) for s in STRATEGIES]
+        variants = [(s, None) for s in STRATEGIES if s != "measured"]  # measured: simulate_speeds
         if W > group_size and W % group_size == 0:
             variants.append(("balanced", group_size))
         per = {v: dict(imb=[], before=[], moved=[], bytes=[], ms=[]) for v in variants}
@@ -187,6 +208,54 @@ def simulate(world_sizes, batch: int, steps: int, seed: int, cost, draw, group_s
                 )
             )
     return records
+
+
+def simulate_speeds(
+    W: int, batch: int, steps: int, warmup: int, seed: int, cost, draw, slow: tuple, noise: float, measured: tuple
+) -> dict:
+    """Heterogeneous ranks: predicted step time / ideal per strategy (see the module's doc).
+
+    slow: (fraction, factor, throttle period or 0). measured: (window, bound, rate)."""
+    rng = np.random.default_rng(seed)
+    fraction, factor, period = slow
+    n_slow = int(round(fraction * W))
+    picked = rng.permutation(W)
+    always, throttled = picked[:n_slow], picked[n_slow : 2 * n_slow] if period else picked[:0]
+    online, pending = OnlineModel(cost, W, *measured), []  # measurements arrive 2 steps late
+    ratios = {s: [] for s in ("stripe", "balanced", "measured")}
+    fit_ms = []
+    for step in range(warmup + steps):
+        speed = np.ones(W)
+        speed[always] = factor
+        if period and (step // period) % 2 == 1:
+            speed[throttled] = factor
+        L, _ = draw(rng, W * batch)
+        L = L.reshape(W, batch)
+        for s in ratios:
+            A = assign(L, s, cost, speeds=online.speeds if s == "measured" else None)
+            La = L[A.src_rank, A.src_index]  # [W, B] lengths each rank holds after the plan
+            work = sample_costs(La, cost).sum(1)
+            t = work / speed
+            if step >= warmup:
+                ratios[s].append(float(t.max() / (work.sum() / speed.sum())))
+        # the measured plan's times, as the ranks would measure them (noisy), for the model
+        t_seen = t * (1 + noise * rng.uniform(-1, 1, W))
+        w = cost.window
+        feats = np.stack([La.sum(1), (La * La).sum(1), (La * np.minimum(La, w)).sum(1) if w else 0 * La.sum(1)], 1)
+        pending.append((feats.astype(np.float64), t_seen))
+        if len(pending) > 2:
+            f, ts = pending.pop(0)
+            for r in range(W):
+                online.add(r, f[r], float(ts[r]))
+        t0 = time.perf_counter()
+        online.refit()
+        fit_ms.append((time.perf_counter() - t0) * 1e3)
+    out = dict(world_size=W, batch_per_rank=batch, steps=steps, warmup=warmup, noise=noise, slow=list(slow))
+    for s, v in ratios.items():
+        out[s] = float(np.median(v))
+        out[s + "_p90"] = float(np.percentile(v, 90))
+    out["refit_ms"] = float(np.median(fit_ms))
+    return out
 
 
 def _label(r: dict) -> str:
@@ -262,6 +331,12 @@ def main(argv=None) -> int:
         help="A B [B_LOCAL WINDOW]: c(L) = A*L + B*L^2 + B_LOCAL*L*min(L, WINDOW), instead of --model's",
     )
     ap.add_argument("--group-size", type=int, default=8, help="ranks per group for the hierarchical variant")
+    ap.add_argument("--slow-fraction", type=float, help="heterogeneous ranks: this fraction runs at --slow-factor")
+    ap.add_argument("--slow-factor", type=float, default=0.7, help="the slow ranks' speed (1: as fast as the others)")
+    ap.add_argument("--throttle-period", type=int, default=0, help="P: as many more ranks slow for P steps of 2P")
+    ap.add_argument("--noise", type=float, default=0.0, help="measured times: true times * (1 + NOISE * U(-1, 1))")
+    ap.add_argument("--warmup", type=int, default=24, help="--slow-fraction: steps before the medians start")
+    ap.add_argument("--measured", type=float, nargs=3, default=(32, 4.0, 0.1), metavar=("WINDOW", "BOUND", "RATE"))
     ap.add_argument("--json", help="write one record per (world size, strategy, group size)")
     ap.add_argument("--png", help="write the imbalance and bytes plots")
     args = ap.parse_args(argv)
@@ -309,6 +384,23 @@ def main(argv=None) -> int:
     if cost.b_local:
         terms += f" b_local={cost.b_local:.4g} window={cost.window}"
     print(f"lengths: {source}; B = {args.batch} per rank; cost {terms}; median over {args.steps} steps")
+    if args.slow_fraction is not None:
+        if not (0 <= args.slow_fraction <= 0.5 and 0 < args.slow_factor <= 1 and args.noise >= 0):
+            ap.error("--slow-fraction must be in [0, 0.5], --slow-factor in (0, 1], --noise >= 0")
+        slow = (args.slow_fraction, args.slow_factor, args.throttle_period)
+        window, bound, rate = args.measured
+        measured = (int(window), bound, rate)
+        print(f"{'W':>5} {'stripe':>8} {'balanced':>9} {'measured':>9} {'(p90)':>7}   predicted step time / ideal")
+        records = []
+        for W in args.world_sizes:
+            r = simulate_speeds(
+                W, args.batch, args.steps, args.warmup, args.seed, cost, draw, slow, args.noise, measured
+            )
+            records.append(r)
+            print(f"{W:>5} {r['stripe']:>8.4f} {r['balanced']:>9.4f} {r['measured']:>9.4f} {r['measured_p90']:>7.4f}")
+        if args.json:
+            write_text(args.json, json.dumps(records, indent=1) + "\n")
+        return 0
     records = simulate(args.world_sizes, args.batch, args.steps, args.seed, cost, draw, args.group_size)
     print_table(records)
     if args.json:

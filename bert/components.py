@@ -218,6 +218,7 @@ def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
         timeout_s=timeout_s,
         group_size=data.rebalance_group_size,
         ramp=build_batch_ramp(cfg.train),
+        measured=data.rebalance_measured,
     )
 
 

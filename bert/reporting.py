@@ -286,7 +286,7 @@ def step_record(
         **({"corrupt_samples": state.corrupt_samples} if cfg.data.on_corrupt == "skip" else {}),
     }
     if rebalance is not None:
-        rec["rebalance"] = {k: getattr(rebalance, k) for k in REBALANCE_FIELDS}
+        rec["rebalance"] = {k: getattr(rebalance, k) for k in REBALANCE_FIELDS} | rebalance.fit
     return rec
 
 

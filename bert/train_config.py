@@ -191,14 +191,20 @@ class DataSection:
     )
     rebalance: str = opt(
         "balanced",
-        "cross-rank sequence-length rebalancing each step (stripe: the MLPerf submissions' sort-and-stride)",
-        ("none", "stripe", "balanced"),
+        "cross-rank sequence-length rebalancing each step (stripe: the MLPerf submissions' sort-and-stride; "
+        "measured: balanced with the cost and a speed per rank fitted to measured step times)",
+        ("none", "stripe", "balanced", "measured"),
     )
     rebalance_cost: tuple[float, float] = opt((1.0, 1.0 / 6144), "(a, b) of the per-sample cost a*L + b*L^2")
     rebalance_cost_local: tuple[float, int] = opt(
         (0.0, 0),
         "(b_local, window): the sliding-window layers' term b_local*L*min(L, window) of the cost "
         "(python -m bench.fit_cost fits it with a and b; (0, 0): no local layers)",
+    )
+    rebalance_measured: tuple[int, float, float] = opt(
+        (32, 4.0, 0.1),
+        "measured: (window: steps kept per rank, bound: the factor a fitted coefficient stays within "
+        "of rebalance_cost's, rate: the largest relative change of a speed or coefficient per step)",
     )
     rebalance_group_size: int | None = opt(
         None, "hierarchical rebalancing in groups of this many ranks (e.g. GPUs per node, for thousands of ranks)"
@@ -221,6 +227,9 @@ class DataSection:
             raise ConfigError(
                 f"data.rebalance_cost / data.rebalance_cost_local: {str(e).removeprefix('cost: ')}"
             ) from None
+        window, bound, rate = got = self.rebalance_measured
+        if window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1:
+            raise ConfigError(f"data.rebalance_measured: expected window >= 2, bound >= 1, 0 < rate <= 1, got {got}")
 
     @property
     def rebalance_cost_tuple(self) -> tuple:

@@ -36,6 +36,7 @@ from bert.optim import apply_update
 from bert.pretrained import load_pretrained
 from bert.reporting import DeviceCounters, Progress
 from bert.sharded_optim import apply_sharding, local_shard, reshard
+from bert.step_timer import StepTimer
 from bert.train_checkpoint import find_checkpoint, resume, write_checkpoint
 from bert.train_config import DebugSection, RunConfig, eval_interval
 from bert.train_state import TrainState, resolve_seed, seed_step
@@ -109,10 +110,7 @@ class Trainer:
         self.optimizer, self.schedule, self.adagc, self.scaler = components.build_optimization(
             cfg, self.model, self.sharding, self.device
         )
-        self.rebalancer = None
-        if self.world > 1:
-            with self.coll.guard("the rebalancer's settings check", -1):
-                self.rebalancer = components.build_rebalancer(cfg, self.local_batch, cfg.dist.timeout_s)
+        self.rebalancer = self._build_rebalancer() if self.world > 1 else None
         self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
         graphed = self.static if t.cuda_graphs else None  # graphed eval replays padded shapes
         self.eval_batches = EvalBatches(cfg.eval, self.device, self._collate, self.progress.message, graphed)
@@ -159,6 +157,14 @@ class Trainer:
             cfg, self.micro_batch, self.model, self.model_config
         )
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
+
+    def _build_rebalancer(self):
+        """data.rebalance's exchange; ``measured`` plans from this rank's forward+backward times."""
+        with self.coll.guard("the rebalancer's settings check", -1):
+            rebalancer = components.build_rebalancer(self.cfg, self.local_batch, self.cfg.dist.timeout_s)
+        if self.cfg.data.rebalance == "measured":
+            rebalancer.timer = StepTimer(self.model, self.device)
+        return rebalancer
 
     def _resume(self, found) -> dict:
         """The newest good checkpoint's parts and counters restored; returns the loader position."""
@@ -362,6 +368,8 @@ class Trainer:
         )
         if self._loader_state is not None:
             self.train_loader.load_state_dict(self._loader_state)
+            if self.rebalancer:  # data.rebalance=measured's window: what the next plans depend on
+                self.rebalancer.load_state_dict(self._loader_state)
 
     def _train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -490,7 +498,8 @@ class Trainer:
         self._read_counters()  # the skipped-step counters live on the device
         # The rebalancer has already drawn the next step's samples from the loader: the
         # position to resume at is the number of steps trained.
-        loader = {**self.train_loader.state_dict(), "step": self.state.step}
+        rebalance = self.rebalancer.state_dict() if self.rebalancer else {}
+        loader = {**self.train_loader.state_dict(), "step": self.state.step, **rebalance}
         error = write_checkpoint(self._checkpoint_dir(), self.state, self.parts, loader, self.cfg, self.coll)
         failed = self.coll.all_reduce(
             torch.tensor([int(error is not None)], device=self.device), "the checkpoint commit", self.state.step

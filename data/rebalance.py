@@ -16,6 +16,10 @@ follows its own tokens, and every step waits for the slowest rank. Each step, ev
 its own gloo process group, so it overlaps the current step; ``wait()`` returns the block
 and ``ExchangeStats`` (imbalance before/after, samples moved, bytes, time, hidden fraction).
 
+``measured``: the header also carries this rank's newest measured step (``timer``) and its
+length features; every rank feeds the same gathered numbers to its ``OnlineModel``
+(``data.rebalance_fit``) and plans with its cost and speeds. docs/rebalancing.md.
+
 Shapes: W ranks, B samples per rank.
 """
 
@@ -24,13 +28,14 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import numpy as np
 
 from data.batch_ramp import BatchRamp
-from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, STRATEGIES, Cost, check_cost, plan_for_rank
+from data.rebalance_fit import OnlineModel, length_features
+from data.rebalance_plan import DEFAULT_COST, HEADER_WORDS, MEASURE_WORDS, STRATEGIES, Cost, check_cost, plan_for_rank
 from data.samples import SampleBlock, _offsets
 
 
@@ -169,6 +174,7 @@ class ExchangeStats:
     exchange_ms: float  # all of the above, start to finish
     wait_ms: float  # how long the caller blocked for the result
     hidden_fraction: float  # 1 - wait_ms / exchange_ms, in [0, 1]
+    fit: dict = field(default_factory=dict)  # measured: the cost and speeds the next plan uses
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -192,6 +198,8 @@ class Rebalancer:
         order relative to other ``new_group`` calls.
     timeout_s: the new group's collective timeout; a rank that stops calling the exchange
         turns into a ``RebalanceError`` on the others after this long, never a hang.
+    measured: ``measured``'s (window steps, bound, rate) (``OnlineModel``); ``timer`` (a
+        ``bert.step_timer.StepTimer``) feeds it; without one it plans as ``balanced``.
 
     ``exchange(block)`` runs one step synchronously; ``start(block)`` runs it in a
     background thread and ``wait()`` returns ``(block, ExchangeStats)``.
@@ -211,6 +219,7 @@ class Rebalancer:
         group_size: int | None = None,
         cross_rounds: int = 3,
         ramp: BatchRamp | None = None,
+        measured: tuple = (32, 4.0, 0.1),
     ):
         import torch.distributed as dist
 
@@ -244,6 +253,10 @@ class Rebalancer:
         if cross_rounds < 0:
             raise ValueError(f"cross_rounds: expected >= 0, got {cross_rounds}")
         self.group_size, self.cross_rounds = group_size, cross_rounds
+        self.measured, self.timer = tuple(measured), None
+        self.online = OnlineModel(cost, self.world_size, *measured)  # the cost and speeds the plans use
+        self._delivered: dict[int, tuple] = {}  # this rank's blocks' length features, by step
+        self._snapshot = None  # the state the pending exchange started from (state_dict)
         self._next_step = 0
         self._thread: threading.Thread | None = None
         self._result = None
@@ -272,7 +285,7 @@ class Rebalancer:
 
     def _check_settings_agree(self) -> None:
         # Ranks with different settings would compute different plans; catch it once, here.
-        settings = (*self.cost, self.tol, self.group_size, self.cross_rounds, self.ramp)
+        settings = (*self.cost, self.tol, self.group_size, self.cross_rounds, self.ramp, self.measured)
         cost_tol = zlib.crc32(repr(settings).encode()) & 0x7FFFFFFF
         mine = np.array(
             [
@@ -311,13 +324,20 @@ class Rebalancer:
         """Samples per rank in ``step``: ``batch_size``, or the ramp's share of the step's batch."""
         return self.batch_size if self.ramp is None else self.ramp.batch_size(step) // self.world_size
 
-    def _header(self, block: SampleBlock, step: int) -> np.ndarray:
+    def _header(self, block: SampleBlock, step: int, measure) -> np.ndarray:
         code, index, value = check_block(block, self.batch_size_at(step), self.max_len)
         words = np.zeros(HEADER_WORDS + self.batch_size_at(step), dtype=np.int64)
         words[:HEADER_WORDS] = (_MAGIC, step, self.expected_world_size, len(block), code, index, value)
         if code == 0:
             words[HEADER_WORDS:] = block.seq_lens.astype(np.int64) | (block.masked_counts.astype(np.int64) << 16)
-        return words
+        words = words.astype(np.int32)
+        if self.strategy != "measured":
+            return words
+        # The measured step (-1: none yet), then its seconds and length features as float64 bits.
+        m = np.full(MEASURE_WORDS, -1, np.int32)
+        if measure is not None:
+            m[0], m[1:] = measure[0], np.array(measure[1:], np.float64).view(np.int32)
+        return np.concatenate([words[:HEADER_WORDS], m, words[HEADER_WORDS:]])
 
     def _raise_bad_input(self, hdr: np.ndarray, step: int) -> None:
         problems = []
@@ -345,24 +365,26 @@ class Rebalancer:
             more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
             raise RebalanceError(f"rebalance step {step}: " + "; ".join(problems[:4]) + more)
 
-    def _exchange(self, block: SampleBlock, step: int) -> tuple[SampleBlock, ExchangeStats]:
+    def _exchange(self, block: SampleBlock, step: int, measure) -> tuple[SampleBlock, ExchangeStats]:
         import torch
 
         W, B, me = self.world_size, self.batch_size_at(step), self.rank
         t0 = time.perf_counter()
-        hdr = self._all_gather(self._header(block, step).astype(np.int32), step, "the length all-gather")
+        hdr = self._all_gather(self._header(block, step, measure), step, "the length all-gather")
         t1 = time.perf_counter()
         self._raise_bad_input(hdr, step)
-        words = hdr[:, HEADER_WORDS:].astype(np.int64)  # [W, B]
+        at = HEADER_WORDS + (MEASURE_WORDS if self.strategy == "measured" else 0)
+        words = hdr[:, at:].astype(np.int64)  # [W, B]
         lengths, masked = words & 0xFFFF, words >> 16
         plan = plan_for_rank(
             lengths,
             me,
             self.strategy,
-            self.cost,
+            self.online.cost,
             tol=self.tol,
             group_size=self.group_size,
             cross_rounds=self.cross_rounds,
+            speeds=self.online.speeds if self.strategy == "measured" else None,
         )
         t2 = time.perf_counter()
 
@@ -388,6 +410,8 @@ class Rebalancer:
         pool = SampleBlock.concat([block.select(kept), received]) if received is not None else block.select(kept)
         pool_gid = np.concatenate([me * B + kept, recv_r.astype(np.int64) * B + recv_i])
         out = pool.select(np.argsort(pool_gid, kind="stable"))  # by (source rank, source index)
+        fit = self._learn(hdr[:, HEADER_WORDS:at]) if self.strategy == "measured" else {}
+        self._delivered[step] = length_features(out.seq_lens, self.cost.window)
         t4 = time.perf_counter()
         ms = lambda a, b: (b - a) * 1e3  # noqa: E731
         stats = ExchangeStats(
@@ -407,8 +431,38 @@ class Rebalancer:
             exchange_ms=ms(t0, t4),
             wait_ms=ms(t0, t4),
             hidden_fraction=0.0,
+            fit=fit,
         )
         return out, stats
+
+    # -- measured: the window, the fit, the state -------------------------------------------
+
+    def _measurement(self, step: int):
+        """(step, seconds, *features) of this rank's newest measured step, or None, as the
+        exchange of ``step`` begins (the caller's thread); snapshots the state it plans from."""
+        self._snapshot = self.online.state_dict()
+        got = [(k, t) for k, t in (self.timer.ready() if self.timer else []) if k in self._delivered and t > 0]
+        for k in [k for k in self._delivered if k < step - 16]:
+            del self._delivered[k]
+        return (got[-1][0], got[-1][1], *self._delivered[got[-1][0]]) if got else None
+
+    def _learn(self, words: np.ndarray) -> dict:
+        """The gathered measurements [W, MEASURE_WORDS] into the window; the refit's numbers."""
+        values = words[:, 1:].copy().view(np.float64)  # [W, 4]: seconds, then the features
+        for r in np.flatnonzero(words[:, 0] >= 0):
+            self.online.add(r, values[r, 1:], float(values[r, 0]))
+        return self.online.refit()
+
+    def state_dict(self) -> dict:
+        """``measured``: the ``OnlineModel`` state the pending (or next) exchange plans from."""
+        if self.strategy != "measured":
+            return {}
+        return {"rebalance": self._snapshot or self.online.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()`` (one of another world size is left out)."""
+        if self.strategy == "measured" and state.get("rebalance"):
+            self.online.load_state_dict(state["rebalance"])
 
     def _take_step(self, step: int | None) -> int:
         s = self._next_step if step is None else int(step)
@@ -419,7 +473,12 @@ class Rebalancer:
         """Rebalance ``block`` now (blocking); ``step`` defaults to one more than the last."""
         if self._thread is not None:
             raise RuntimeError("Rebalancer.exchange: an exchange started with start() is pending; wait() first")
-        return self._exchange(block, self._take_step(step))
+        s = self._take_step(step)
+        out = self._exchange(block, s, self._measurement(s))
+        self._snapshot = None  # done: the next exchange plans from the live state
+        if self.timer:
+            self.timer.mark(s)
+        return out
 
     @property
     def pending(self) -> bool:
@@ -431,10 +490,11 @@ class Rebalancer:
         if self._thread is not None:
             raise RuntimeError("Rebalancer.start: the previous exchange was not collected with wait()")
         s = self._take_step(step)
+        measure = self._measurement(s)
 
         def run():
             try:
-                self._result = self._exchange(block, s)
+                self._result = self._exchange(block, s, measure)
             except BaseException as e:  # re-raised in wait(), on the caller's thread
                 self._result = e
 
@@ -459,6 +519,8 @@ class Rebalancer:
         if isinstance(result, BaseException):
             raise result
         out, stats = result
+        if self.timer:
+            self.timer.mark(stats.step)
         stats.wait_ms = waited
         stats.hidden_fraction = float(min(1.0, max(0.0, 1.0 - waited / max(stats.exchange_ms, 1e-9))))
         return out, stats

@@ -6,13 +6,15 @@ rank computes the same plan from the lengths all ranks gathered: integer arithme
 sorts on unique keys, so the results are bit-identical everywhere.
 
 Strategies: ``none`` (identity), ``stripe`` (the MLPerf submissions: sort all W*B sequences
-by length, rank r takes every W-th from offset r) and ``balanced``: samples stay where they
+by length, rank r takes every W-th from offset r), ``balanced``: samples stay where they
 are, then the most and least loaded ranks swap samples in pairs until max/mean cost is
-within ``tol`` of 1 (``_Swapper``). Each sample moves at most once. With ``group_size`` G it
-is hierarchical: a few rounds of pairs across the job, chosen from loads alone, then
-balancing inside groups of G ranks; a rank then computes only what its group depends on,
-O(G * 2**cross_rounds * B) instead of O(W * B) per round. Every rank keeps exactly B
-samples, so the global batch is the same set of samples, only placed differently.
+within ``tol`` of 1 (``_Swapper``), and ``measured``: the same with a speed per rank, each
+rank's share of the cost in proportion to its speed (equal predicted times cost / speed).
+Each sample moves at most once. With ``group_size`` G it is hierarchical: a few rounds of
+pairs across the job, chosen from loads alone, then balancing inside groups of G ranks; a
+rank then computes only what its group depends on, O(G * 2**cross_rounds * B) instead of
+O(W * B) per round. Every rank keeps exactly B samples, so the global batch is the same set
+of samples, only placed differently.
 
 ``assign`` gives the whole plan (``Assignment``); ``plan_for_rank`` one rank's part of it
 (``RankPlan``: what it sends and receives); the cost of a sample is
@@ -32,12 +34,14 @@ import numpy as np
 
 from data.samples import _offsets
 
-# The exchange all-gathers, per rank, a header of HEADER_WORDS int32 words and one word per
-# sample (its length and masked count): the plan's input. Named here so that the simulator
-# counts the exchange's bytes without importing the exchange.
+# The exchange all-gathers, per rank, a header of HEADER_WORDS int32 words (MEASURE_WORDS
+# more with ``measured``) and one word per sample (its length and masked count): the plan's
+# input. Named here so that the simulator counts the exchange's bytes without importing it.
 HEADER_WORDS = 7
+MEASURE_WORDS = 9
 
-STRATEGIES = ("none", "stripe", "balanced")
+STRATEGIES = ("none", "stripe", "balanced", "measured")
+_SPEED_STEPS = 1 << 10  # measured: speeds as integer weights, so every rank gets the same plan
 
 
 class Cost(NamedTuple):
@@ -82,14 +86,18 @@ def sample_costs(lengths, cost: Cost | tuple = DEFAULT_COST) -> np.ndarray:
     return c.a * L + c.b * L * L + c.b_local * L * np.minimum(L, c.window)
 
 
-def imbalance(costs) -> float:
-    """max / mean of per-rank costs (1.0 is perfect; the step waits for the max)."""
+def imbalance(costs, weights=None) -> float:
+    """max / mean of per-rank costs (1.0 is perfect; the step waits for the max); with a
+    speed weight per rank, the slowest predicted time max(cost / w) over the ideal sum / sum w."""
     c = np.asarray(costs, dtype=np.float64)
     if c.ndim != 1 or c.size == 0:
         raise ValueError(f"imbalance: expected a non-empty 1-D array of per-rank costs, got shape {c.shape}")
     mean = c.mean()
     if mean <= 0:
         raise ValueError("imbalance: per-rank costs must have a positive mean")
+    if weights is not None:
+        w = np.asarray(weights, dtype=np.float64)
+        return float((c / w).max() / (c.sum() / w.sum()))
     return float(c.max() / mean)
 
 
@@ -101,6 +109,7 @@ class Assignment:
         rank ``src_rank[r, j]``'s batch. Each row is sorted by (src_rank, src_index).
     dest_rank: [W, B] int32; sample j of rank s goes to rank ``dest_rank[s, j]``.
     costs_before, costs_after: [W] float64 per-rank costs.
+    weights: [W] int64 speed weights (``measured``) or None: imbalances are then in time.
     """
 
     strategy: str
@@ -109,6 +118,7 @@ class Assignment:
     dest_rank: np.ndarray
     costs_before: np.ndarray
     costs_after: np.ndarray
+    weights: np.ndarray | None = None
 
     @property
     def world_size(self) -> int:
@@ -125,11 +135,11 @@ class Assignment:
 
     @property
     def imbalance_before(self) -> float:
-        return imbalance(self.costs_before)
+        return imbalance(self.costs_before, self.weights)
 
     @property
     def imbalance_after(self) -> float:
-        return imbalance(self.costs_after)
+        return imbalance(self.costs_after, self.weights)
 
 
 def _as_matrix(lengths_per_rank) -> np.ndarray:
@@ -287,8 +297,9 @@ class _Swapper:
         self.nfz[under] += n
         return 2 * len(pp)
 
-    def balance_groups(self, groups: np.ndarray, tol: float, max_rounds: int) -> None:
-        """Balance the ranks within each row of ``groups`` [ng, G] towards their group's mean.
+    def balance_groups(self, groups: np.ndarray, tol: float, max_rounds: int, w: np.ndarray) -> None:
+        """Balance the ranks within each row of ``groups`` [ng, G] towards their group's mean
+        (rank r's share in proportion to its weight ``w[r]``; all ones: equal shares).
 
         Each round pairs the i-th most loaded rank of a group with its i-th least loaded and
         moves t = min(excess, half the gap): the pair ends equal, or the heavy one at the mean
@@ -298,18 +309,20 @@ class _Swapper:
         ng, G = groups.shape
         half = G // 2
         gi = np.arange(ng)[:, None]
+        wg = w[groups]
+        wt = wg.sum(1)[:, None]
         for _ in range(max_rounds):
             lg = self.load[groups]
-            tot = lg.sum(1)
-            e = G * lg - tot[:, None]  # excess in units of 1/G cost; sums to 0 per group
-            slack = (tol * tot).astype(np.int64)
-            if G < 2 or (e.max(1) <= slack).all():
+            tot = lg.sum(1)[:, None]
+            e = wt * lg - tot * wg  # excess in units of 1/wt cost; sums to 0 per group
+            slack = (tol * tot * wg).astype(np.int64)
+            if G < 2 or (e <= slack).all():
                 return
             order = np.argsort(e, axis=1, kind="stable")
             under_l, over_l = order[:, :half], order[:, ::-1][:, :half]
             eo, eu = e[gi, over_l], e[gi, under_l]
-            t = np.minimum(eo, (eo - eu) // 2) // G
-            act = (eo > slack[:, None]) & (t > 0)
+            t = np.minimum(eo, (eo - eu) // 2) // wt
+            act = (eo > slack[gi, over_l]) & (t > 0)
             if not act.any():
                 return
             over, under = groups[gi, over_l][act], groups[gi, under_l][act]
@@ -323,7 +336,9 @@ class _Swapper:
         return np.concatenate(self.moved_gid), np.concatenate(self.moved_to)
 
 
-def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _cross_group_pairs(
+    load: np.ndarray, tol: float, rounds: int, w: np.ndarray
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The pairs (over, under, t) of each cross-group round, from loads alone.
 
     Pairing uses loads *predicted* by assuming every pair moves exactly t, so it needs no
@@ -332,17 +347,17 @@ def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int) -> list[tuple[
     """
     W = len(load)
     p = load.copy()
-    total = int(p.sum())
-    slack = int(tol * total)
+    total, wt = int(p.sum()), int(w.sum())
+    slack = (tol * total * w).astype(np.int64)
     out = []
     for _ in range(rounds):
-        e = W * p - total
-        if W < 2 or e.max() <= slack:
+        e = wt * p - total * w
+        if W < 2 or (e <= slack).all():
             break
         order = np.argsort(e, kind="stable")
         under, over = order[: W // 2], order[::-1][: W // 2]
-        t = np.minimum(e[over], (e[over] - e[under]) // 2) // W
-        act = (e[over] > slack) & (t > 0)
+        t = np.minimum(e[over], (e[over] - e[under]) // 2) // wt
+        act = (e[over] > slack[over]) & (t > 0)
         if not act.any():
             break
         over, under, t = over[act], under[act], t[act]
@@ -361,6 +376,7 @@ def _balanced_moves(
     cross_rounds: int,
     only_group: int | None = None,
     load: np.ndarray | None = None,
+    w: np.ndarray | None = None,
 ):
     """(moved global ids, their destinations, loads after, planned loads after) of ``balanced``.
 
@@ -377,17 +393,18 @@ def _balanced_moves(
     pairs that touch that group are exactly those of the full computation.
     """
     W, B = L.shape
+    w = np.ones(W, np.int64) if w is None else w
     if load is None:
         load = q[L].sum(1)  # one pass over W*B; everything else below is O(group) with only_group
     if group_size is None or group_size >= W:
         sw = _Swapper(q, L, load, np.arange(W))
-        sw.balance_groups(np.arange(W)[None, :], tol, max_rounds)
+        sw.balance_groups(np.arange(W)[None, :], tol, max_rounds, w)
         gid, to = sw.dest()
         return gid, to, sw.load, sw.load
     G = group_size
     if W % G:
         raise ValueError(f"group_size: {G} does not divide the world size {W}")
-    pairs = _cross_group_pairs(load, tol, cross_rounds)
+    pairs = _cross_group_pairs(load, tol, cross_rounds, w)
     if only_group is None:
         needed = [np.ones(W, bool)] * (len(pairs) + 1)
     else:
@@ -410,13 +427,14 @@ def _balanced_moves(
     groups = np.arange(W).reshape(W // G, G)
     if only_group is not None:
         groups = groups[only_group : only_group + 1]
-    sw.balance_groups(groups, tol, max_rounds)
+    sw.balance_groups(groups, tol, max_rounds, w)
     gid, to = sw.dest()
     planned = load.copy()
     for over, under, t in pairs:
         planned[over] -= t
         planned[under] += t
-    planned = np.repeat(planned.reshape(W // G, G).sum(1) / G, G)
+    wg = w.reshape(W // G, G)  # each group's total, shared in proportion to the weights
+    planned = (planned.reshape(W // G, G).sum(1)[:, None] * wg / wg.sum(1)[:, None]).ravel()
     return gid, to, sw.load, planned
 
 
@@ -428,11 +446,13 @@ def assign(
     max_rounds: int = 32,
     group_size: int | None = None,
     cross_rounds: int = 3,
+    speeds=None,
 ) -> Assignment:
     """The plan every rank computes identically from the all-gathered lengths.
 
     lengths_per_rank: [W, B] integer array (or a list of W arrays of B lengths), all >= 1.
-    strategy: "none" | "stripe" | "balanced".
+    strategy: "none" | "stripe" | "balanced" | "measured" (``balanced`` with ``speeds``, W
+        positive numbers: rank r's share of the cost in proportion to speeds[r]).
     cost: (a, b) of c(L) = a*L + b*L^2, or (a, b, b_local, window) (``Cost``); default from
         BERT-large FLOPs (``DEFAULT_COST``).
     tol: ``balanced`` stops moving samples once max/mean cost <= 1 + tol; assignments within
@@ -450,6 +470,7 @@ def assign(
         raise ValueError(f"group_size: expected >= 1 or None, got {group_size}")
     L = _as_matrix(lengths_per_rank)
     W, B = L.shape
+    w = _weights_for(strategy, speeds, W)
     exact, q = _cost_tables(int(L.max()), cost)
     unit = exact[-1] / q[-1]  # reported costs: quantised costs in the caller's units
     load = q[L].sum(1)  # [W]
@@ -470,7 +491,7 @@ def assign(
         dest = np.empty(W * B, dtype=np.int32)
         dest[G.ravel()] = np.repeat(np.arange(W, dtype=np.int32), B)
     else:
-        gid, to, after, _ = _balanced_moves(L, q, tol, max_rounds, group_size, cross_rounds, load=load)
+        gid, to, after, _ = _balanced_moves(L, q, tol, max_rounds, group_size, cross_rounds, load=load, w=w)
         dest = np.repeat(np.arange(W, dtype=np.int32), B)
         dest[gid] = to
         # stable: within a rank, by global id = (source rank, source index); int16 sorts in O(N)
@@ -483,7 +504,22 @@ def assign(
         dest_rank=dest.reshape(W, B),
         costs_before=load * unit,
         costs_after=after * unit,
+        weights=w,
     )
+
+
+def _weights_for(strategy: str, speeds, W: int) -> np.ndarray | None:
+    """``measured``'s integer weights [W] (1/1024 steps of the fastest speed); equal speeds
+    give all ones, so ``measured`` then plans exactly as ``balanced``. None otherwise."""
+    if (strategy == "measured") != (speeds is not None):
+        raise ValueError(f"speeds: needed by strategy 'measured' and only by it (strategy {strategy!r})")
+    if speeds is None:
+        return None
+    s = np.asarray(speeds, dtype=np.float64)
+    if s.shape != (W,) or not np.isfinite(s).all() or s.min() <= 0:
+        raise ValueError(f"speeds: expected {W} positive finite numbers, got {s.tolist()[:8]}")
+    w = np.maximum(np.rint(s / s.max() * _SPEED_STEPS), 1).astype(np.int64)
+    return w // np.gcd.reduce(w)
 
 
 @dataclass(frozen=True)
@@ -518,6 +554,7 @@ def plan_for_rank(
     max_rounds: int = 32,
     group_size: int | None = None,
     cross_rounds: int = 3,
+    speeds=None,
 ) -> RankPlan:
     """This rank's part of ``assign(...)``, identical to it, computed in O(W*B) adds plus
     O(group_size * 2**cross_rounds * B) with ``group_size`` (instead of the whole plan)."""
@@ -525,8 +562,8 @@ def plan_for_rank(
     W, B = L.shape
     if not 0 <= rank < W:
         raise ValueError(f"rank: expected 0..{W - 1}, got {rank}")
-    if strategy != "balanced" or group_size is None or group_size >= W:
-        A = assign(L, strategy, cost, tol, max_rounds, group_size, cross_rounds)
+    if strategy not in ("balanced", "measured") or group_size is None or group_size >= W:
+        A = assign(L, strategy, cost, tol, max_rounds, group_size, cross_rounds, speeds)
         dest = A.dest_rank[rank]
         send = np.argsort(dest, kind="stable")
         send = send[dest[send] != rank]
@@ -543,10 +580,11 @@ def plan_for_rank(
         )
     if not 0 <= tol < 1:
         raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
+    w = _weights_for(strategy, speeds, W)
     _, q = _cost_tables(int(L.max()), cost)
     load = q[L].sum(1)
     gid, to, _, planned = _balanced_moves(
-        L, q, tol, max_rounds, group_size, cross_rounds, only_group=rank // group_size, load=load
+        L, q, tol, max_rounds, group_size, cross_rounds, only_group=rank // group_size, load=load, w=w
     )
     out = (gid // B == rank) & (to != rank)
     send_dest, send_index = to[out], gid[out] % B
@@ -558,7 +596,7 @@ def plan_for_rank(
         send_dest=send_dest[order],
         recv_rank=recv // B,
         recv_index=recv % B,
-        imbalance_before=imbalance(load),
-        imbalance_after=imbalance(planned),
+        imbalance_before=imbalance(load, w),
+        imbalance_after=imbalance(planned, w),
         moved=None,
     )

@@ -53,13 +53,13 @@ def launch(script, ranks, out, dataset, *extra, timeout=240):
     [
         ("run_torchrun.sh", "none"),
         ("run_mpirun.sh", "none"),
-        ("run_torchrun.sh", "balanced"),
+        ("run_torchrun.sh", "measured"),  # balanced with measured speeds: the same global batch
         ("run_mpirun.sh", "balanced"),
     ],
 )
 def test_two_ranks_match_one_rank(script, strategy, dataset, single_rank, tmp_path):
     """Rebalancing moves samples between ranks; the global batch and so the loss stay the same."""
-    launch(script, 2, tmp_path, dataset, f"data.rebalance={strategy}")
+    launch(script, 2, tmp_path, dataset, f"data.rebalance={strategy}", "data.rebalance_measured=[2,4,0.5]")
     two = losses(tmp_path)
     assert len(two) == len(single_rank) == 5
     assert two == pytest.approx(single_rank, rel=1e-5)
@@ -67,7 +67,9 @@ def test_two_ranks_match_one_rank(script, strategy, dataset, single_rank, tmp_pa
     assert summary["world_size"] == 2 and summary["samples"] == 40
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in records if "loss" in r]
-    if strategy == "balanced":
+    if strategy == "measured":  # speeds and cost fitted from step 3 on (a window of 2 steps)
+        assert steps[-1]["rebalance"]["window_steps"] == 2 and 0 < steps[-1]["rebalance"]["speed_min"] <= 1
+    if strategy != "none":
         for r in steps:
             rb = r["rebalance"]
             assert rb["imbalance_after"] <= rb["imbalance_before"]

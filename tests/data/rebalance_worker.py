@@ -89,7 +89,7 @@ def expect_error(fn, *needles: str) -> str:
 
 
 def check_strategies(rank: int, world: int) -> None:
-    configs = [("none", None), ("stripe", None), ("balanced", None)]
+    configs = [("none", None), ("stripe", None), ("balanced", None), ("measured", None)]
     if world >= 4 and world % 2 == 0:
         configs.append(("balanced", 2))  # hierarchical: each rank plans only its group's part
     for strategy, group_size in configs:
@@ -98,7 +98,8 @@ def check_strategies(rank: int, world: int) -> None:
             blocks = [random_block(step, r) for r in range(world)]
             out, stats = rb.exchange(blocks[rank])
             assert stats.step == step, (stats.step, step)
-            plan = assign([b.seq_lens for b in blocks], strategy, group_size=group_size)
+            # measured without a timer: equal speeds, the balanced plan
+            plan = assign([b.seq_lens for b in blocks], strategy.replace("measured", "balanced"), group_size=group_size)
             expected = SampleBlock.concat(
                 [blocks[s].select([i]) for s, i in zip(plan.src_rank[rank], plan.src_index[rank])]
             )
@@ -107,7 +108,7 @@ def check_strategies(rank: int, world: int) -> None:
             assert stats.samples_moved == (None if group_size else plan.moved), where
             if strategy == "none":
                 assert out.equals(blocks[rank]) and stats.samples_moved == 0 and stats.payload_bytes_sent == 0
-            if strategy == "balanced":
+            if strategy in ("balanced", "measured"):
                 assert plan.imbalance_after < plan.imbalance_before and plan.moved > 0, where
             # all outputs together hold exactly the inputs (the global batch is unchanged)
             outs = [None] * world
@@ -171,6 +172,47 @@ def check_overlap(rank: int, world: int) -> dict:
     )
 
 
+class _Sleeper(torch.nn.Module):
+    """A "model" whose forward sleeps in proportion to the tokens, ``slow`` times longer."""
+
+    def __init__(self, slow: float):
+        super().__init__()
+        self.w, self.slow = torch.nn.Parameter(torch.ones(1)), slow
+
+    def forward(self, tokens: int) -> torch.Tensor:
+        time.sleep(tokens * 2e-6 * self.slow)
+        return self.w * tokens
+
+
+def check_measured(rank: int, world: int) -> None:
+    """measured, the last rank twice as slow (timed by bert.step_timer): it gets less work,
+    and a rebalancer resumed from the state_dict plans the next step as the running one."""
+    from bert.step_timer import StepTimer
+
+    model = _Sleeper(2.0 if rank == world - 1 else 1.0)
+    rb = Rebalancer("measured", batch_size=B, max_len=MAX_LEN, timeout_s=30, measured=(8, 4.0, 0.25))
+    rb.timer = StepTimer(model, torch.device("cpu"))
+    tokens, steps = [], 20
+    rb.start(random_block(200, rank), step=0)
+    for step in range(steps):
+        out, stats = rb.wait()
+        rb.start(random_block(201 + step, rank), step=step + 1)
+        model(int(out.seq_lens.sum())).sum().backward()
+        tokens.append(int(out.seq_lens.sum()))
+    late = torch.tensor([float(sum(tokens[-6:]))])
+    got = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(got, late)
+    others = min(float(g) for g in got[:-1])
+    assert float(got[-1]) < 0.75 * others, f"the slow rank got {float(got[-1]):.0f} tokens, the others {others:.0f}"
+    assert stats.fit["speed_min"] / stats.fit["speed_max"] < 0.75, stats.fit
+    state = rb.state_dict()
+    want, _ = rb.wait()
+    resumed = Rebalancer("measured", batch_size=B, max_len=MAX_LEN, timeout_s=30, measured=(8, 4.0, 0.25))
+    resumed.load_state_dict(state)
+    again, _ = resumed.exchange(random_block(200 + steps, rank), step=steps)
+    assert again.equals(want), "the resumed rebalancer planned another step"
+
+
 def check_bad_input(rank: int, world: int) -> None:
     rb = Rebalancer("balanced", batch_size=B, max_len=MAX_LEN, timeout_s=30)
     last = world - 1
@@ -230,6 +272,7 @@ def main() -> None:
     check_strategies(rank, world)
     check_ramp(rank, world)
     overlap = check_overlap(rank, world)
+    check_measured(rank, world)
     check_bad_input(rank, world)
     if rank == 0:
         print("HIDDEN " + json.dumps(overlap), flush=True)

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from data.rebalance_fit import fit_online, length_features
+from data.rebalance_fit import OnlineModel, fit_online, length_features
 from data.rebalance_plan import DEFAULT_COST, Cost, sample_costs
 
 
@@ -69,3 +69,26 @@ def test_deterministic_and_exact_with_configured_cost():
     b = fit_online([list(r) for r in feats], [list(r) for r in times], DEFAULT_COST)
     assert a == b
     assert _shape_error(a.cost, DEFAULT_COST) < 1e-9 and a.speeds[0] == pytest.approx(a.speeds[2], rel=1e-12)
+
+
+def _feed(model, speeds, rng, noise=0.1, cost=DEFAULT_COST):
+    for r, s in enumerate(speeds):
+        L = rng.integers(16, 512, size=8)
+        model.add(r, length_features(L), float(sample_costs(L, cost).sum()) / s * (1 + noise * rng.uniform(-1, 1)))
+    return model.refit()
+
+
+def test_online_model_noise_rate_change_and_state():
+    rng = np.random.default_rng(7)
+    model = OnlineModel(DEFAULT_COST, 4, window=16, rate=0.1)
+    for _ in range(20):  # equal ranks, noisy times: no rank gets another share
+        before = model.speeds
+        _feed(model, [1.0] * 4, rng)
+        assert all(abs(n / o - 1) <= 0.1 + 1e-12 for n, o in zip(model.speeds, before))  # the rate limit
+    assert model.speeds == (1.0,) * 4
+    for _ in range(14):  # rank 2 throttled to half speed: it forgets its old steps, its speed follows
+        _feed(model, [1.0, 1.0, 0.5, 1.0], rng)
+    assert len(model.steps[2]) < 16 and model.speeds[2] / model.speeds[0] == pytest.approx(0.5, rel=0.1)
+    again = OnlineModel(DEFAULT_COST, 4, window=16, rate=0.1)
+    again.load_state_dict(model.state_dict())
+    assert again.state_dict() == model.state_dict() and again.refit() == model.refit()

@@ -47,8 +47,9 @@ def test_default_cost_is_bert_large_flops_ratio():
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("W, B", [(1, 1), (1, 5), (2, 1), (3, 7), (7, 5), (16, 56)])
 def test_assign_is_a_plan(strategy, W, B):
-    L = np.random.default_rng(W * 100 + B).integers(1, 513, (W, B))
-    A = assign(L, strategy)
+    rng = np.random.default_rng(W * 100 + B)
+    L = rng.integers(1, 513, (W, B))
+    A = assign(L, strategy, speeds=rng.uniform(0.5, 1.0, W) if strategy == "measured" else None)
     check_is_plan(A, L)
     if strategy == "none":
         assert A.moved == 0
@@ -191,3 +192,32 @@ def test_balancing_uses_the_window_term():
     naive = assign(L, "balanced", (1.0, 1e-5 + 3e-4), tol=1e-3)  # every layer priced as global
     true_naive = sample_costs(L[naive.src_rank, naive.src_index], windowed).sum(1)
     assert true_naive.max() / true_naive.mean() > 1.02
+
+
+@pytest.mark.parametrize("group_size", [None, 4])
+def test_measured_with_equal_speeds_is_balanced(group_size):
+    L = mlperf_batch(16, 20, seed=5)
+    A = assign(L, "balanced", group_size=group_size)
+    for speeds in ([1.0] * 16, [3.7] * 16):
+        M = assign(L, "measured", group_size=group_size, speeds=speeds)
+        for f in ("src_rank", "src_index", "dest_rank", "costs_after"):
+            assert np.array_equal(getattr(A, f), getattr(M, f)), f
+        assert M.imbalance_after == A.imbalance_after
+
+
+@pytest.mark.parametrize("group_size", [None, 4])
+def test_measured_gives_slow_ranks_less_work(group_size):
+    W = 16
+    L = mlperf_batch(W, 56, seed=6)
+    speeds = np.ones(W)
+    speeds[[3, 9]] = 0.7
+    A = assign(L, "measured", group_size=group_size, speeds=speeds)
+    check_is_plan(A, L)
+    time = A.costs_after / speeds
+    assert time.max() / (A.costs_after.sum() / speeds.sum()) == pytest.approx(A.imbalance_after, rel=1e-3)
+    assert A.imbalance_after < 1.01
+    assert imbalance(assign(L, "balanced", group_size=group_size).costs_after, speeds) > 1.3
+    assert A.costs_after[[3, 9]].max() < 0.75 * np.delete(A.costs_after, [3, 9]).min()
+    for r in (0, 3, 9):
+        p = plan_for_rank(L, r, "measured", group_size=group_size, speeds=speeds)
+        assert list(p.recv_rank) == list(A.src_rank[r][A.src_rank[r] != r])

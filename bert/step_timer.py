@@ -1,0 +1,50 @@
+"""This rank's forward+backward compute time per training step, for ``data.rebalance=measured``.
+
+Hooks on the model, no line in the step: a training-mode forward starts an interval, the
+gradient of the first parameter (the embeddings, accumulated last) ends it, so the gradient
+all-reduce's final wait for the slowest rank is not counted. CUDA events read with
+``query()`` on a GPU (never a device wait: a step's time is known a step or two late),
+``time.perf_counter`` on the CPU. ``mark(step)`` (the rebalancer, as it hands out a step's
+block) files what was recorded since the last mark under that mark's step; ``ready()`` gives
+(step, seconds) of the filed steps whose events completed, oldest first. docs/rebalancing.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+
+class StepTimer:
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._tag, self._start, self._open = None, None, []
+        self._closed: deque = deque(maxlen=8)  # (step, [(start, end), ...]) not yet read
+        model.register_forward_pre_hook(lambda m, args: setattr(self, "_start", self._now()) if m.training else None)
+        next(p for p in model.parameters() if p.requires_grad).register_post_accumulate_grad_hook(self._end)
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _end(self, param) -> None:
+        if self._start is not None:  # a backward without a timed forward is left out
+            self._open.append((self._start, self._now()))
+            self._start = None
+
+    def mark(self, step: int) -> None:
+        if self._tag is not None and self._open:
+            self._closed.append((self._tag, self._open))
+        self._tag, self._open = step, []
+
+    def ready(self) -> list[tuple[int, float]]:
+        out = []
+        while self._closed and not (self.cuda and not all(e.query() for _, e in self._closed[0][1])):
+            step, spans = self._closed.popleft()
+            out.append((step, sum(s.elapsed_time(e) / 1e3 if self.cuda else e - s for s, e in spans)))
+        return out
