@@ -448,6 +448,8 @@ def _dq_tile(
     if DROPOUT:  # unscaled: 1/(1-p) is applied to dQ after the loop
         keep = _keep(RNG, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
         dp = tl.where(keep, dp, 0.0)
+    if seqlen_k <= BLOCK_N:  # the row's every key is here: delta from this dP (see _dkdv_tile)
+        delta = tl.sum(p * dp, 1)
     ds = p * (dp - delta[:, None])
     ds_lo = _cast(ds, K.dtype.element_ty, INTERP)
     if INTERP:
@@ -457,7 +459,7 @@ def _dq_tile(
 
 @triton.jit
 def _dkdv_tile(
-    k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, head, offs_d, d_ok,
+    k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, seqlen_k, head, offs_d, d_ok,
     stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, RNG,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -481,6 +483,11 @@ def _dkdv_tile(
         delta = delta * (1.0 - p_drop)
     else:
         pd_t = p_t
+    if seqlen_k <= BLOCK_N:
+        # The rows' every key is in this tile: delta as the softmax's own backward has it, from
+        # this rounded dP, not rowsum(dO * O), a D-term sum whose rounding dS does not cancel
+        # (docs/kernels.md, "dK in fp32 on short rows").
+        delta = tl.sum(p_t * dp_t, 0)
     pd_lo = _cast(pd_t, DO.dtype.element_ty, INTERP)
     if INTERP:
         pd_lo = pd_lo.to(tl.float32)
@@ -596,7 +603,7 @@ def _attn_bwd_dkdv(
                                       counts, CAUSAL, N_BOUNDS, WINDOW, COUNT, True, SKIP, BLOCK_M, BLOCK_N)
         if compute:
             dk, dv = _dkdv_tile(
-                k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, head, offs_d, d_ok,
+                k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, seqlen_k, head, offs_d, d_ok,
                 stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, RNG,
                 (N_BOUNDS > 0) or WINDOW, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
     dv = _dropout_scaled(dv, 1.0, p_drop, DROPOUT)
