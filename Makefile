@@ -8,7 +8,7 @@ TEXT ?=
 DATA ?= $(OUTPUT)-data
 DEMO_STEPS ?= 1500
 
-.PHONY: setup test lint demo clean
+.PHONY: setup test lint demo clean gpu-bundle test-full
 
 setup: $(VENV)/.installed
 
@@ -60,6 +60,28 @@ test: setup
 .PHONY: test-fast
 test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not multiprocess and not gpu and not cluster" --durations=20
+
+# Every deselected tier too: the attention peer suite's whole matrix (-m full_matrix; in Triton's
+# interpreter its long lengths are scaled down, tests/kernels/test_attention_peer.py) with the
+# rest of the suite, on two workers; prints its wall time.
+test-full: setup
+	@start=$$(date +%s); \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20 -m "full_matrix or not full_matrix"; \
+	rc=$$?; echo "test-full: exit $$rc after $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# A wheelhouse for the GPU machine (Python 3.12, manylinux x86_64, no network): the optional
+# packages it lacks, at requirements.txt's pins, without their dependencies (mlperf_logging's
+# log writer needs none; pandas and scipy serve only its result summarizer and RCP checker).
+# bench/gpu_check.sh installs from it into a target directory when a package is missing.
+WHEELHOUSE ?= wheelhouse
+GPU_BUNDLE ?= mlperf-logging torchao
+gpu-bundle:
+	@set -e; rm -rf $(WHEELHOUSE).tmp; \
+	pins=$$(for p in $(GPU_BUNDLE); do grep -i "^$$p==" requirements.txt; done); \
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	    --platform manylinux2014_x86_64 -d $(WHEELHOUSE).tmp $$pins; \
+	rm -rf $(WHEELHOUSE); mv $(WHEELHOUSE).tmp $(WHEELHOUSE); \
+	ls $(WHEELHOUSE); du -sh $(WHEELHOUSE)
 
 # ruff, configured in pyproject.toml (the rules and every ignored one, explained there).
 lint: setup
