@@ -129,7 +129,7 @@ fi
 export TRITON_INTERPRET
 
 # --- env -------------------------------------------------------------------------------
-run_stage env 10 "$PYTHON" - "$OUT/env.json" <<'EOF'
+run_stage env 20 "$PYTHON" - "$OUT/env.json" <<'EOF'
 import importlib, json, os, platform, subprocess, sys
 info = {"python": sys.version.split()[0], "host": platform.node()}
 for name in ("torch", "triton", "numpy", "h5py", "pytest", "flash_attn"):
@@ -190,8 +190,8 @@ if have pytest; then
     # The peer suite (flash-attention's error rule) on the compiled kernels: the default subset
     # (every kernel, dtype and head dim) and the whole matrix at BERT-large's head dim 64 at its
     # two longest block-crossing lengths (the full matrix: `make test-full` on a GPU).
-    run_stage peer_tests 50 "$PYTHON" -m pytest tests/kernels/test_attention_peer.py -m "full_matrix or not full_matrix" \
-        -k "not full_matrix or (D64 and (S113 or S511))" "${PYTEST[@]}" --junitxml="$OUT/peer_tests.xml" -o timeout=45
+    run_stage peer_tests 40 "$PYTHON" -m pytest tests/kernels/test_attention_peer.py -m "full_matrix or not full_matrix" \
+        -k "not full_matrix or (D64 and (S113 or S511))" "${PYTEST[@]}" --junitxml="$OUT/peer_tests.xml" -o timeout=35
 else
     skip_stage kernel_tests "pytest is not installed"
     skip_stage peer_tests "pytest is not installed"
