@@ -448,8 +448,7 @@ def _dq_tile(
     if DROPOUT:  # unscaled: 1/(1-p) is applied to dQ after the loop
         keep = _keep(RNG, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
         dp = tl.where(keep, dp, 0.0)
-    if seqlen_k <= BLOCK_N:  # the row's every key is here: delta from this dP (see _dkdv_tile)
-        delta = tl.sum(p * dp, 1)
+    delta = tl.where(seqlen_k <= BLOCK_N, tl.sum(p * dp, 1), delta)  # the row's every key is here (_dkdv_tile)
     ds = p * (dp - delta[:, None])
     ds_lo = _cast(ds, K.dtype.element_ty, INTERP)
     if INTERP:
@@ -483,11 +482,10 @@ def _dkdv_tile(
         delta = delta * (1.0 - p_drop)
     else:
         pd_t = p_t
-    if seqlen_k <= BLOCK_N:
-        # The rows' every key is in this tile: delta as the softmax's own backward has it, from
-        # this rounded dP, not rowsum(dO * O), a D-term sum whose rounding dS does not cancel
-        # (docs/kernels.md, "dK in fp32 on short rows").
-        delta = tl.sum(p_t * dp_t, 0)
+    # The rows' every key in this tile: delta as the softmax's own backward has it, from this
+    # rounded dP, not rowsum(dO * O), a D-term sum whose rounding dS does not cancel
+    # (docs/kernels.md, "dK in fp32 on short rows"). No branch: one around a tile's step spills.
+    delta = tl.where(seqlen_k <= BLOCK_N, tl.sum(p_t * dp_t, 0), delta)
     pd_lo = _cast(pd_t, DO.dtype.element_ty, INTERP)
     if INTERP:
         pd_lo = pd_lo.to(tl.float32)
