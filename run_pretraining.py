@@ -40,6 +40,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from launch.versions import too_old
+
+    if old := too_old():
+        print(f"error: {old}", file=sys.stderr)
+        return 2
     # Imported after the config is valid, so a typo is reported before torch loads.
     from bert.collectives import CollectiveError, announce_exit, hold_store
     from bert.safe_load import CheckpointError

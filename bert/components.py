@@ -232,17 +232,29 @@ def build_batch_ramp(train: TrainSection):
     return BatchRamp(unit, train.batch_size_warmup_start // unit, train.grad_accum_steps, train.batch_size_warmup_steps)
 
 
+class _NoMLPerfLog:
+    """log.mlperf=false: every MLPerfLogger call accepted and dropped."""
+
+    _open: dict = {}
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 def build_mlperf_logger(
     log: LogSection, output_dir: str, rank: int, nodes: int, device: torch.device, resume: bool
 ) -> MLPerfLogger:
     """OUTPUT_DIR/mlperf.log, written by rank 0; the platform is log.platform or the device.
     mlperf_logging is imported here, so that a run's modules import without it; a missing one
-    is a one-line ConfigError naming the package."""
+    is a one-line ConfigError naming the package and log.mlperf=false (no MLPerf log: calls dropped)."""
+    if not log.mlperf:
+        return _NoMLPerfLog()
     try:
         from bert.mlperf_log import MLPerfLogger
     except ImportError as e:
         raise ConfigError(
-            f"log: the MLPerf log (mlperf.log) needs mlperf_logging (pip install -r requirements.txt): {e}"
+            "log: the MLPerf log (mlperf.log) needs mlperf_logging (pip install -r requirements.txt;"
+            f" log.mlperf=false trains without it): {e}"
         ) from None
     platform = log.platform or (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     return MLPerfLogger(

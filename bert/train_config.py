@@ -497,6 +497,7 @@ class LogSection:
         "needs it set, the open division logs unpadded-bert when it is empty",
     )
     platform: str = opt("", "MLPerf platform name (default: the device)")
+    mlperf: bool = opt(True, "write OUTPUT_DIR/mlperf.log (needs mlperf_logging); false: train without it")
     plot: bool = opt(True, "write curves.png at the end")
     tensorboard: bool = opt(False, "write TensorBoard events to OUTPUT_DIR/tensorboard/ (rank 0)")
 

@@ -447,6 +447,7 @@ def _dq_tile(
     if DROPOUT:  # unscaled: 1/(1-p) is applied to dQ after the loop
         keep = _keep(RNG, start + r0, n0, head, p_drop, BLOCK_M, BLOCK_N)
         dp = tl.where(keep, dp, 0.0)
+    delta = tl.where(seqlen_k <= BLOCK_N, tl.sum(p * dp, 1), delta)  # the row's every key is here (_dkdv_tile)
     ds = p * (dp - delta[:, None])
     ds_lo = _cast(ds, K.dtype.element_ty, INTERP)
     if INTERP:
@@ -456,7 +457,7 @@ def _dq_tile(
 
 @triton.jit
 def _dkdv_tile(
-    k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, head, offs_d, d_ok,
+    k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, seqlen_k, head, offs_d, d_ok,
     stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, RNG,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, INTERP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -480,6 +481,10 @@ def _dkdv_tile(
         delta = delta * (1.0 - p_drop)
     else:
         pd_t = p_t
+    # The rows' every key in this tile: delta as the softmax's own backward has it, from this
+    # rounded dP, not rowsum(dO * O), a D-term sum whose rounding dS does not cancel
+    # (docs/kernels.md, "dK in fp32 on short rows"). No branch: one around a tile's step spills.
+    delta = tl.where(seqlen_k <= BLOCK_N, tl.sum(p_t * dp_t, 0), delta)
     pd_lo = _cast(pd_t, DO.dtype.element_ty, INTERP)
     if INTERP:
         pd_lo = pd_lo.to(tl.float32)
@@ -595,7 +600,7 @@ def _attn_bwd_dkdv(
                                       counts, CAUSAL, N_BOUNDS, WINDOW, COUNT, True, SKIP, BLOCK_M, BLOCK_N)
         if compute:
             dk, dv = _dkdv_tile(
-                k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, head, offs_d, d_ok,
+                k, v, Q, DO, LSE, DELTA, dk, dv, ok_t, col_ok, m0, c0, start, seqlen, seqlen_k, head, offs_d, d_ok,
                 stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale, p_drop, RNG,
                 (N_BOUNDS > 0) or WINDOW, DROPOUT, INTERP, DOT_PRECISION, BLOCK_M, BLOCK_N)
     dv = _dropout_scaled(dv, 1.0, p_drop, DROPOUT)

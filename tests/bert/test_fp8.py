@@ -311,6 +311,7 @@ def test_fp8_gemm_kernels_run_on_the_gpu():
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
         pytest.skip(f"FP8 GEMMs need compute capability 8.9+, this GPU is {major}.{minor}")
+    pytest.importorskip("torchao", reason="train.fp8 needs torchao (on the GPU machine: make gpu-bundle)")
     wrapped = OneLayer(1024, 4096).cuda()
     fp8.convert_encoder(wrapped, "tensorwise", device=torch.device("cuda"))
     x = torch.randn(14003, 1024, device="cuda", requires_grad=True)
@@ -335,6 +336,7 @@ def test_fp8_and_bf16_train_steps_on_the_gpu(tmp_path):
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMMs need compute capability 8.9+")
+    pytest.importorskip("torchao", reason="train.fp8 needs torchao (on the GPU machine: make gpu-bundle)")
     from bench import fp8 as bench_fp8
 
     out = tmp_path / "fp8.json"

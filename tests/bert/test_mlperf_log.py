@@ -367,4 +367,5 @@ def test_trainer_imports_without_mlperf_logging_and_the_log_names_it(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ERR log:") and "needs mlperf_logging" in lines[0], out.stdout
+    assert "log.mlperf=false" in lines[0], out.stdout  # and says how to train without it
     assert not (tmp_path / "mlperf.log").exists()

@@ -38,7 +38,7 @@ def test_bad_stage_scale_is_refused_before_any_stage(tmp_path, scale):
 def test_stage_limits_fit_in_eight_minutes_and_scale_by_fractions():
     text = SCRIPT.read_text()
     limits = [int(n) for n in re.findall(r"^\s*(?:[A-Z_]+=\S+ )?run_stage \w+ (\d+) ", text, re.M)]
-    assert len(limits) == 13 and sum(limits) <= 8 * 60, limits
+    assert len(limits) == 15 and sum(limits) <= 8 * 60, limits
     body = re.search(r"limit=\$\(awk .*\)$", text, re.M).group(0)
     for scale, want in (("0.5", "30"), ("1", "60"), ("0.01", "5")):
         got = subprocess.run(
