@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from launch.distributed import LaunchError, destroy, init_distributed
 
     try:
-        info = init_distributed(None if cfg.dist.backend == "auto" else cfg.dist.backend, cfg.dist.timeout_s)
+        info = init_distributed(None, cfg.dist.timeout_s)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

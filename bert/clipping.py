@@ -9,7 +9,8 @@ global norm n exceeds ``max_norm``, every gradient is multiplied by ``max_norm /
 
 ``AdaGC`` (the definition of issue 7; steps t counted from 1, g_i the gradient of tensor i):
 
-- t <= warmup_steps: g_i <- g_i * min(1, lambda_abs / (||g||_global + eps)); then
+- t <= warmup_steps: g_i <- g_i * min(1, lambda_abs / (||g||_global + eps)), lambda_abs being
+  optim.max_grad_norm; then
   gamma_i = ||g_i|| (clipped) for a tensor without state, min(gamma_i, ||g_i||) otherwise.
 - t > warmup_steps, per tensor: h_i = min(1, lambda_rel * gamma_i / (||g_i|| + eps));
   g_i <- h_i * g_i; gamma_i <- beta * gamma_i + (1 - beta) * min(||g_i||, lambda_rel * gamma_i)
@@ -34,6 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from bert.train_config import AdaGCSection
+
+ADAGC_EPS = 1e-6  # added to norms before dividing
 
 
 def _grads(params: Iterable[Tensor]) -> list[Tensor]:
@@ -96,6 +99,7 @@ class AdaGC:
         self,
         named_parameters: Iterable[tuple[str, nn.Parameter]],
         adagc: AdaGCSection | None = None,
+        lambda_abs: float = 1.0,
         local: Callable[[Tensor], Tensor] = _identity,
         norms: Callable[[list[Tensor]], Tensor] = tensor_norms,
     ):
@@ -105,8 +109,8 @@ class AdaGC:
         adagc = adagc or AdaGCSection()  # validated when built
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.lambda_rel, self.beta, self.lambda_abs = adagc.lambda_rel, adagc.beta, adagc.lambda_abs
-        self.eps, self.warmup_steps = adagc.eps, adagc.warmup_steps
+        self.lambda_rel, self.beta, self.lambda_abs = adagc.lambda_rel, adagc.beta, lambda_abs
+        self.eps, self.warmup_steps = ADAGC_EPS, adagc.warmup_steps
         # Sharded gradients: clip this rank's shards by thresholds on whole-tensor norms (as clip_global_).
         self.local, self.norms = local, norms
         self._step = torch.zeros((), dtype=torch.int64)  # t: steps clipped and not taken back

@@ -53,7 +53,7 @@ def log_hyperparameters(mllog: MLPerfLogger, cfg: RunConfig, seed: int, micro_ba
         weight_decay=o.weight_decay,
         warmup_steps=o.warmup_steps,
         start_warmup_step=o.start_warmup_step,
-        train_steps=o.total_steps or t.max_steps,
+        train_steps=t.max_steps,
         poly_power=o.poly_power,
         schedule=o.schedule,
         decay_steps=o.decay_steps,

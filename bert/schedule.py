@@ -77,7 +77,7 @@ class PolyWarmupScheduler:
 
     The schedule of ``optim`` (a ``bert.train_config.OptimSection``): peak ``optim.lr``,
     ``optim.warmup_steps`` from ``optim.start_warmup_step``, decay of power ``optim.poly_power``
-    over ``optim.total_steps`` steps, or over the run's ``max_steps`` when that is unset. With
+    over the run's ``max_steps``. With
     ``optim.schedule`` ``wsd`` it is ``wsd_lr_at`` instead: warm-up, constant, and a decay
     (``optim.decay_shape``) over the last ``optim.decay_steps`` of those steps.
     At construction the groups get the rate of update 0; each ``step()`` (called after an
@@ -99,7 +99,7 @@ class PolyWarmupScheduler:
         end_lr: float = 0.0,
         device: torch.device | str | None = None,
     ):
-        base_lr, total_steps, warmup_steps = optim.lr, optim.total_steps or max_steps, optim.warmup_steps
+        base_lr, total_steps, warmup_steps = optim.lr, max_steps, optim.warmup_steps
         start_warmup_step, power = optim.start_warmup_step, optim.poly_power
         _check(math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}")
         _check(
