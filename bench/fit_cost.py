@@ -26,8 +26,9 @@ backend) that trains, e.g. on one GPU::
     python -m bench.fit_cost --device cuda --attention flash_attn --hidden 768 --heads 12 \\
         --intermediate 1152 --gated --layers 22 --global-every 3 --window 128
 
-and put the printed ``data.rebalance_cost=...`` in the run's config. On a CPU with the ``reference`` backend (dense scores with a band mask) local
-layers cost as much as global ones, and the fit says so.
+and put the printed ``data.rebalance_cost=...`` in the run's config. On a CPU with the
+``reference`` backend (dense scores with a band mask) local layers cost as much as global
+ones, and the fit says so.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ tokens, each size for an equal number of steps. Here the ramp is written in thos
     unit   = train.global_batch_size / train.grad_accum_steps   (one micro-batch on every rank)
     k(s)   = start + floor(s * (full - start) / steps)  for s < steps, else full   (units, step s from 0)
 
-with ``start`` = train.batch_size_warmup_start / unit and ``full`` = train.grad_accum_steps. A step
+with ``start`` = train.batch_size_warmup[0] / unit and ``full`` = train.grad_accum_steps. A step
 of k units runs k micro-batches of the usual size on every rank, so static shapes and CUDA graphs
 see the shapes they see without the ramp; only the number of micro-batches changes.
 
@@ -108,7 +108,7 @@ class RampedLoader:
         if saved != self.ramp.as_dict():
             raise DataError(
                 f"loader state: batch-size warm-up {saved} differs from this run's {self.ramp.as_dict()} "
-                "(train.batch_size_warmup_start/_steps, train.global_batch_size, train.grad_accum_steps); "
+                "(train.batch_size_warmup, train.global_batch_size, train.grad_accum_steps); "
                 "the saved position was counted in another ramp"
             )
         step = state.get("step")

@@ -192,7 +192,7 @@ def test_build_optimizer_choices():
     with pytest.raises(ValueError, match="optim.betas"):
         build_optimizer(OptimSection(name="lamb", lr=1e-3, betas=(0.9, 1.0)), model)
     if not (apex_lamb_available() and torch.cuda.is_available()):
-        with pytest.raises(ValueError, match="optim.impl: 'apex'"):
+        with pytest.raises(ValueError, match="impl: 'apex' asked for"):
             build_optimizer(OptimSection(name="lamb", lr=1e-3), model, impl="apex")
 
 
