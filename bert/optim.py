@@ -366,8 +366,7 @@ def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -
     if impl == "apex" or (impl == "auto" and on_cuda and apex_lamb_available()):
         if not apex_lamb_available():
             raise ValueError(
-                "impl: 'apex' asked for, but apex.optimizers.FusedLAMB with its CUDA "
-                "extension is not importable here"
+                "impl: 'apex' asked for, but apex.optimizers.FusedLAMB with its CUDA extension is not importable here"
             )
         if not on_cuda:
             raise ValueError("impl: 'apex' asked for, but the parameters are not on CUDA")

@@ -127,7 +127,11 @@ def test_eval_at_start_scores_the_initial_weights_and_changes_nothing(dataset, t
 def test_resume_is_bitwise_identical(dataset, tmp_path):
     whole = tmp_path / "whole"
     run_in_process(
-        dataset, whole, "train.max_steps=8", "model.overrides.hidden_dropout_prob=0.1", "model.overrides.attention_probs_dropout_prob=0.1"
+        dataset,
+        whole,
+        "train.max_steps=8",
+        "model.overrides.hidden_dropout_prob=0.1",
+        "model.overrides.attention_probs_dropout_prob=0.1",
     )
     parts = tmp_path / "parts"
     first = run_in_process(
@@ -141,7 +145,11 @@ def test_resume_is_bitwise_identical(dataset, tmp_path):
     assert first["status"] == "interrupted" and first["steps"] == 4
     assert os.listdir(parts / "checkpoints") == ["step_00000004.pt"]
     second = run_in_process(
-        dataset, parts, "train.max_steps=8", "model.overrides.hidden_dropout_prob=0.1", "model.overrides.attention_probs_dropout_prob=0.1"
+        dataset,
+        parts,
+        "train.max_steps=8",
+        "model.overrides.hidden_dropout_prob=0.1",
+        "model.overrides.attention_probs_dropout_prob=0.1",
     )
     assert second["steps"] == 8
     assert losses(parts) == losses(whole)  # bitwise: the same floats
