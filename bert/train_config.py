@@ -160,7 +160,7 @@ class DataSection:
     def __post_init__(self):
         _check("data", self)
         _in_range("data.max_seq_length", self.max_seq_length, least=1, most=1 << 20)
-        _in_range("data.max_predictions_per_seq", self.max_predictions_per_seq, least=1, most=self.max_seq_length)
+        _in_range("data.max_predictions_per_seq", self.max_predictions_per_seq, least=1, most=1 << 20)
         _positive("data.rebalance_group_size", self.rebalance_group_size)
         try:
             check_cost(self.rebalance_cost)
