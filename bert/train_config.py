@@ -107,12 +107,12 @@ class ModelSection:
         names = [f.name for f in fields(BertConfig)]
         bad = next((k for k in self.overrides if k not in names), None)
         if bad is not None:
-            raise ConfigError(f"model.overrides.{cli.short(bad, 60)}: not a BertConfig field; valid: {names}")
+            raise ConfigError(f"model.overrides.{cli.cut(str(bad), 60)}: not a BertConfig field; valid: {names}")
         takes = registry.BACKENDS[self.attention].options
         bad = next((k for k in self.attention_options if k not in takes), None)
         if bad is not None:
             raise ConfigError(
-                f"model.attention_options.{cli.short(bad, 60)}: {self.attention} takes no such option; "
+                f"model.attention_options.{cli.cut(str(bad), 60)}: {self.attention} takes no such option; "
                 f"its options: {list(takes)}"
             )
 
