@@ -497,10 +497,12 @@ def check_closed_division(cfg: RunConfig) -> None:
     shape, large = model_shape(m), PRESETS["large"]
     differs = next((f.name for f in fields(large) if getattr(shape, f.name) != getattr(large, f.name)), None)
     if differs is not None:
-        where = f"model.overrides.{differs}" if differs in m.overrides else "model.config_file"
+        want, got = getattr(large, differs), cli.short(getattr(shape, differs))
+        if differs in m.overrides:
+            raise ConfigError(f"model.overrides.{differs}: {why} trains BERT-large ({differs} {want!r}), got {got}")
         raise ConfigError(
-            f"{where}: {why} trains BERT-large ({differs} {getattr(large, differs)!r}), "
-            f"got {cli.short(getattr(shape, differs))}"
+            f"model.config_file: {why} trains BERT-large, but {m.config_file} sets {differs} {got} "
+            f"(BERT-large: {want!r})"
         )
     if cfg.data.max_seq_length != CLOSED_MAX_SEQ_LENGTH:
         raise ConfigError(f"data.max_seq_length: {why} uses {CLOSED_MAX_SEQ_LENGTH}, got {cfg.data.max_seq_length}")

@@ -187,7 +187,7 @@ def parse_text(raw: str, hint, key: str, error=ValueError):
         return ""
     if len(raw) > MAX_TEXT_BYTES:
         raise error(f"{key}: a value of {len(raw):,} characters, over {MAX_TEXT_BYTES:,}")
-    return parse_yaml(raw, f"{key}=", error)
+    return parse_yaml(raw, f"{key}:", error)
 
 
 def describe(cls, prefix: str) -> list[str]:

@@ -65,7 +65,7 @@ def test_context_extension_resumes_with_a_new_theta(dataset, tmp_path):  # noqa:
     "override, message",
     [
         ("model.attention=torch_varlen", "the model has local (sliding-window) layers; model.attention=torch_varlen"),
-        ("model.overrides.rope_theta_global=-1", "model: rope_theta_global: must be a positive number"),
+        ("model.overrides.rope_theta_global=-1", "model.overrides.rope_theta_global: must be a positive number"),
         ("model.preset=modernbert_huge", "model.preset: 'modernbert_huge' is not one of"),
     ],
 )

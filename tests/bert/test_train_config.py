@@ -41,7 +41,7 @@ def test_deep_nesting_is_refused(tmp_path):
 
 def test_an_override_of_a_billion_leaves_is_refused():
     leaves = "debug.spike_steps=[" + ",".join(["&a [1,1,1,1,1,1,1,1,1,1]"] + ["*a"] * 9) + "]"
-    _refused(None, [leaves], match="debug.spike_steps= not valid YAML")
+    _refused(None, [leaves], match="debug.spike_steps: not valid YAML")
     _refused(None, ["debug.spike_steps=" + "[" * 20_000], match="nested deeper")
     _refused(None, ["debug.spike_steps=[" + "1," * 40_000 + "1]"], match="over 65,536")
 
