@@ -51,7 +51,8 @@ def _in_range(key: str, value, least=None, most=None, above=None) -> None:
 
 
 def _positive(key: str, value, allow_zero: bool = False) -> None:
-    _in_range(key, value, least=0 if allow_zero else None, above=None if allow_zero else 0)
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise ConfigError(f"{key}: must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
 
 
 def _auto_or_positive(key: str, value, what: str) -> None:

@@ -150,8 +150,9 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def parse_yaml(text: str, where: str, error=ValueError):
     """``text`` as YAML under the bounds above; ``error`` naming ``where`` and the line."""
-    loader = _BoundedLoader(text)
+    loader = None
     try:
+        loader = _BoundedLoader(text)  # its reader refuses control characters here
         return loader.get_single_data()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -159,7 +160,8 @@ def parse_yaml(text: str, where: str, error=ValueError):
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise error(f"{where} not valid YAML ({at}{cut(problem)})") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def load_yaml(path: str, error=ValueError):
