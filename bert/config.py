@@ -1,22 +1,10 @@
 """The encoder's hyper-parameters: ``BertConfig``, its presets, and JSON I/O.
 
-The first block of fields is BERT's own (names as in Google's ``bert_config.json``, NVIDIA's
-MLPerf package and transformers' ``config.json``, which all load directly). The second block
-says how the encoder is assembled from parts (``bert.layers``): norm placement and kind,
-positions, MLP kind, biases, heads and the attention of each layer. Its defaults are BERT's,
-so a BERT config never mentions them: ``to_dict`` writes a part field only where it differs
-from BERT, and a BERT config's JSON is what it always was. A ModernBERT-class encoder is a
-configuration (see the ``modernbert_*`` presets); ``bert.modernbert_hf`` maps it to and from
-transformers' ``ModernBertConfig``.
-
-Presets:
-
-- ``tiny``: 2 layers, hidden 128, for tests and the CPU demo;
-- ``base``: BERT-base, 12 layers, hidden 768;
-- ``large``: MLPerf's BERT-large, 24 layers, hidden 1024, 16 heads, intermediate 4096;
-- ``modernbert_base``, ``modernbert_large``: ModernBERT's published shapes (the numbers and
-  where they come from are next to ``PRESETS`` below);
-- ``modernbert_tiny``: a ModernBERT-shaped 4-layer model for tests and the CPU demo.
+Contract: the first block of fields is BERT's own (Google's ``bert_config.json``, NVIDIA's and
+transformers' ``config.json`` load directly); the second says how the encoder is assembled
+(``bert.layers``), BERT by default and written to JSON only where it differs. Every field is
+checked with its type and bounds on construction, and the parameters' memory is estimated
+before anything is built. Presets and their sources: docs/modern_encoders.md.
 """
 
 from __future__ import annotations
@@ -39,36 +27,13 @@ INIT_SCHEMES = ("bert", "modernbert")
 
 # Keys transformers writes into config.json that describe its own bookkeeping, not the
 # architecture. Any other unknown key is an error.
-_HF_METADATA = {
-    "architectures",
-    "model_type",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "pad_token_id",
-    "use_cache",
-    "classifier_dropout",
-    "gradient_checkpointing",
-    "directionality",
-    "pooler_fc_size",
-    "pooler_num_attention_heads",
-    "pooler_num_fc_layers",
-    "pooler_size_per_head",
-    "pooler_type",
-    "output_past",
-    "bos_token_id",
-    "eos_token_id",
-    "id2label",
-    "label2id",
-    "output_hidden_states",
-    "output_attentions",
-    "return_dict",
-    "is_decoder",
-    "add_cross_attention",
-    "tie_word_embeddings",
-    "position_embedding_type",
-    "problem_type",
-}
+_HF_METADATA = set(
+    "architectures model_type torch_dtype dtype transformers_version pad_token_id use_cache classifier_dropout "
+    "gradient_checkpointing directionality pooler_fc_size pooler_num_attention_heads pooler_num_fc_layers "
+    "pooler_size_per_head pooler_type output_past bos_token_id eos_token_id id2label label2id output_hidden_states "
+    "output_attentions return_dict is_decoder add_cross_attention tie_word_embeddings position_embedding_type "
+    "problem_type".split()
+)
 
 
 class ConfigError(ValueError):

@@ -1,15 +1,10 @@
 """Typed dataclass fields read from text: the one helper behind the trainer's config
 (``bert.train_config``) and ``python -m data.prepare``'s options.
 
-- ``option(default, help, choices=None, **meta)``: a field carrying its help and choices;
-- ``coerce(key, value, hint, error)``: a value from YAML or the command line checked against
-  the field's annotation (ints are ints, never bool, within 64 bits; floats finite);
-- ``parse_text(raw, hint)``: command-line text to a value (YAML, but a string field keeps it);
-- ``load_yaml(path, what, error)``: a config file read under bounds (docs/reliability.md):
-  ``fileio.read_checked``, no aliases, bounded depth;
-- ``describe(cls, prefix)``: every field with its default and help, for ``--help``.
-
-Every error is ``error(message)``, one line naming the key and a value cut to ``short``.
+Contract: ``option`` declares a field with its help and choices; ``coerce`` checks a value from
+YAML or the command line against the annotation (ints never bool and within 64 bits, floats
+finite); ``load_yaml`` reads a file through ``fileio.read_checked`` with no aliases and bounded
+depth. Every error is ``error(message)``, one line with values cut to 200 characters.
 """
 
 from __future__ import annotations
