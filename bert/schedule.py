@@ -79,7 +79,7 @@ class PolyWarmupScheduler:
     ``optim.warmup_steps`` from ``optim.start_warmup_step``, decay of power ``optim.poly_power``
     over the run's ``max_steps``. With
     ``optim.schedule`` ``wsd`` it is ``wsd_lr_at`` instead: warm-up, constant, and a decay
-    (``optim.decay_shape``) over the last ``optim.decay_steps`` of those steps.
+    (``optim.decay_shape``: wsd_linear's is linear) over the last ``optim.decay_steps`` of those steps.
     At construction the groups get the rate of update 0; each ``step()`` (called after an
     applied update) advances the count and sets the next rate. ``state_dict()`` holds only
     the count: the hyper-parameters come from the configuration when a run resumes.
@@ -128,7 +128,8 @@ class PolyWarmupScheduler:
         self.start_warmup_step = start_warmup_step
         self.power = float(power)
         self.end_lr = float(end_lr)
-        self.schedule, self.decay_steps, self.decay_shape = optim.schedule, optim.decay_steps, optim.decay_shape
+        self.decay_steps, self.decay_shape = optim.decay_steps, optim.decay_shape
+        self.schedule = "poly" if optim.schedule == "poly" else "wsd"
         if self.schedule == "wsd":
             _check(
                 warmup_steps + self.decay_steps <= total_steps,

@@ -328,11 +328,11 @@ class OptimSection:
     schedule: str = opt(
         "poly",
         "poly: warm-up then polynomial decay to 0 at train.max_steps (MLPerf); wsd: warm-up, constant, then "
-        "decay over the last decay_steps (ModernBERT's warmup-stable-decay)",
-        ("poly", "wsd"),
+        "a 1-sqrt decay over the last decay_steps (ModernBERT's warmup-stable-decay); wsd_linear: "
+        "the same with a linear decay",
+        ("poly", "wsd", "wsd_linear"),
     )
     decay_steps: int = opt(0, "wsd: steps of the final decay (0: constant to the end)")
-    decay_shape: str = opt("1-sqrt", "wsd: shape of the final decay", ("1-sqrt", "linear"))
     clip: str = opt(
         "global", "gradient clipping: global norm, AdaGC (per tensor, adaptive) or none", ("global", "adagc", "none")
     )
@@ -347,6 +347,11 @@ class OptimSection:
     reduce_dtype: str = opt(
         "fp32", "dtype gradients are reduce-scattered in (optim.shard only)", ("fp32", "bf16", "fp16")
     )
+
+    @property
+    def decay_shape(self) -> str:
+        """The final decay of optim.schedule wsd (1-sqrt) or wsd_linear (linear)."""
+        return "linear" if self.schedule == "wsd_linear" else "1-sqrt"
 
     def __post_init__(self):
         _check("optim", self)
@@ -370,7 +375,7 @@ class OptimSection:
         _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("optim.max_grad_norm", self.max_grad_norm)
         _positive("optim.decay_steps", self.decay_steps, allow_zero=True)
-        if self.schedule == "wsd" and self.start_warmup_step:
+        if self.schedule != "poly" and self.start_warmup_step:
             raise ConfigError("optim.start_warmup_step: the wsd schedule warms up from step 0; leave it 0")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"optim.betas: each must lie in [0, 1), got {list(self.betas)}")

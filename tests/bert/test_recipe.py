@@ -40,7 +40,9 @@ def test_wsd_on_the_device_equals_the_host_schedule_bitwise(shape, decay_steps):
     from bert.schedule import PolyWarmupScheduler
     from bert.train_config import OptimSection
 
-    section = OptimSection(lr=8e-4, warmup_steps=10, schedule="wsd", decay_steps=decay_steps, decay_shape=shape)
+    section = OptimSection(
+        lr=8e-4, warmup_steps=10, schedule="wsd" if shape == "1-sqrt" else "wsd_linear", decay_steps=decay_steps
+    )
 
     def scheduler(**kw):
         return PolyWarmupScheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), section, 100, **kw)
