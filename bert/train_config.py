@@ -654,12 +654,12 @@ def build_config(values: dict) -> RunConfig:
 
 
 def _field_hint(cls, name: str, parts: list[str]):
-    """The annotation of field ``name`` of ``cls`` (``X | None`` unwrapped); ConfigError if none."""
+    """The annotation of field ``name`` of ``cls``; ConfigError if it has none."""
     valid = [f.name for f in fields(cls)]
     if name not in valid:
         what, where = ("section", "config") if cls is RunConfig else ("field", ".".join(parts[:-1]))
         raise ConfigError(f"{cli.cut('.'.join(parts), 100)}: unknown {what}; valid {what}s of {where}: {valid}")
-    return cli.optional(typing.get_type_hints(cls)[name])[0]
+    return typing.get_type_hints(cls)[name]
 
 
 def apply_override(values: dict, override: str) -> None:
@@ -670,7 +670,7 @@ def apply_override(values: dict, override: str) -> None:
         raise ConfigError(f"{cli.short(override, 100)}: overrides take the form section.field=value")
     cls, target = RunConfig, values
     for depth, name in enumerate(parts[:-1]):
-        hint = _field_hint(cls, name, parts[: depth + 1])
+        hint = cli.optional(_field_hint(cls, name, parts[: depth + 1]))[0]
         if not isinstance(target.get(name), dict):
             target[name] = {}
         target = target[name]
