@@ -475,31 +475,33 @@ def eval_interval(cfg: RunConfig) -> int:
 
 def check_closed_division(cfg: RunConfig) -> None:
     """log.division=closed: refuse what the MLPerf rules forbid or the benchmark fixes (one field per error)."""
-    m, o = cfg.model, cfg.optim
-    why = "the closed division"
-    if cfg.log.submitter == "":
-        raise ConfigError(f"log.submitter: {why} logs your organisation as submission_org; set it")
-    if o.name != "lamb":
-        raise ConfigError(f"optim.name: {why} trains with LAMB, got {o.name!r}")
-    if cfg.train.batch_size_warmup is not None:
-        raise ConfigError(f"train.batch_size_warmup: {why} trains at one global batch size; leave it null")
-    if o.clip != "global":
-        raise ConfigError(f"optim.clip: {why} clips by global norm as the reference does, got {o.clip!r}")
-    if o.max_grad_norm != CLOSED_MAX_GRAD_NORM:
-        raise ConfigError(
-            f"optim.max_grad_norm: {why} clips at the reference's {CLOSED_MAX_GRAD_NORM}, got {o.max_grad_norm}"
-        )
-    if cfg.eval.at_start:
-        raise ConfigError(
-            f"eval.at_start: {why} starts the clock before anything reads the dataset; "
-            "evaluate the initial checkpoint in an open-division run"
-        )
-    if cfg.loss.simreg_weight > 0:
-        raise ConfigError(f"loss.simreg_weight: {why} trains on the reference loss (MLM + NSP); SimReg must be 0")
-    if m.preset != "large":
-        raise ConfigError(f"model.preset: {why} trains BERT-large, got {m.preset!r}")
-    if o.schedule != "poly":
-        raise ConfigError(f"optim.schedule: {why} decays polynomially as the reference does, got {o.schedule!r}")
+    m, o, t, e, debug = cfg.model, cfg.optim, cfg.train, cfg.eval, cfg.debug
+    rule, why = mlperf_eval_interval(t.global_batch_size), "the closed division"
+    rules = (  # (key, allowed, what the division does)
+        ("log.submitter", cfg.log.submitter != "", "logs your organisation as submission_org; set it"),
+        ("optim.name", o.name == "lamb", f"trains with LAMB, got {o.name!r}"),
+        ("train.batch_size_warmup", t.batch_size_warmup is None, "trains at one global batch size; leave it null"),
+        ("optim.clip", o.clip == "global", f"clips by global norm as the reference does, got {o.clip!r}"),
+        ("optim.max_grad_norm", o.max_grad_norm == CLOSED_MAX_GRAD_NORM, f"clips at {CLOSED_MAX_GRAD_NORM}"),
+        ("eval.at_start", not e.at_start, "starts the clock before anything reads the dataset; evaluate it open"),
+        ("loss.simreg_weight", cfg.loss.simreg_weight == 0, "trains on the reference loss (MLM + NSP); set it 0"),
+        ("model.preset", m.preset == "large", f"trains BERT-large, got {m.preset!r}"),
+        ("optim.schedule", o.schedule == "poly", f"decays polynomially as the reference does, got {o.schedule!r}"),
+        ("data.max_seq_length", cfg.data.max_seq_length == CLOSED_MAX_SEQ_LENGTH, f"uses {CLOSED_MAX_SEQ_LENGTH}"),
+        ("checkpoint.init", bool(cfg.checkpoint.init), "starts from the phase-1 checkpoint (model.ckpt-28252)"),
+        ("eval.interval_samples", e.interval_samples in ("auto", rule), f"evaluates every {rule:,} samples (auto)"),
+        (
+            "eval.max_samples",
+            e.max_samples is None,
+            f"evaluates on all {CLOSED_EVAL_SAMPLES:,} samples; leave it unset",
+        ),
+        ("eval.target_accuracy", e.target_accuracy == CLOSED_TARGET_ACCURACY, f"stops at {CLOSED_TARGET_ACCURACY}"),
+        ("debug.spike_steps", not debug.spike_steps, "trains without injected faults; leave it empty"),
+        ("debug.nonfinite_steps", not debug.nonfinite_steps, "trains without injected faults; leave it empty"),
+    )
+    broken = next((r for r in rules if not r[1]), None)
+    if broken is not None:
+        raise ConfigError(f"{broken[0]}: {why} {broken[2]}")
     shape, large = model_shape(m), PRESETS["large"]
     differs = next((f.name for f in fields(large) if getattr(shape, f.name) != getattr(large, f.name)), None)
     if differs is not None:
@@ -510,28 +512,6 @@ def check_closed_division(cfg: RunConfig) -> None:
             f"model.config_file: {why} trains BERT-large, but {m.config_file} sets {differs} {got} "
             f"(BERT-large: {want!r})"
         )
-    if cfg.data.max_seq_length != CLOSED_MAX_SEQ_LENGTH:
-        raise ConfigError(f"data.max_seq_length: {why} uses {CLOSED_MAX_SEQ_LENGTH}, got {cfg.data.max_seq_length}")
-    if not cfg.checkpoint.init:
-        raise ConfigError(f"checkpoint.init: {why} starts from the phase-1 checkpoint (model.ckpt-28252); set its path")
-    rule = mlperf_eval_interval(cfg.train.global_batch_size)
-    if cfg.eval.interval_samples not in ("auto", rule):
-        raise ConfigError(
-            f"eval.interval_samples: {why} evaluates every {rule:,} samples at global batch "
-            f"{cfg.train.global_batch_size} (auto), got {cfg.eval.interval_samples}"
-        )
-    if cfg.eval.max_samples is not None:
-        raise ConfigError(
-            f"eval.max_samples: {why} evaluates on all {CLOSED_EVAL_SAMPLES:,} eval samples; leave it unset"
-        )
-    if cfg.eval.target_accuracy != CLOSED_TARGET_ACCURACY:
-        raise ConfigError(
-            f"eval.target_accuracy: {why} stops at masked-LM accuracy {CLOSED_TARGET_ACCURACY}, "
-            f"got {cfg.eval.target_accuracy}"
-        )
-    for name in ("spike_steps", "nonfinite_steps"):
-        if getattr(cfg.debug, name):
-            raise ConfigError(f"debug.{name}: {why} trains without injected faults; leave it empty")
 
 
 def read_model_config_file(path: str) -> BertConfig:
