@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     from launch.distributed import LaunchError, destroy, init_distributed
 
     try:
-        info = init_distributed(None if cfg.dist.backend == "auto" else cfg.dist.backend, cfg.dist.timeout_s)
+        info = init_distributed(None, cfg.dist.timeout_s)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -108,16 +108,9 @@ def main(argv=None) -> int:
 
 
 def exit_process(code: int) -> NoReturn:
-    """End the process with ``code`` once ``main`` has returned, skipping the interpreter's teardown.
-
-    Everything is written and closed by then (logs, metrics, checkpoints, the process group).
-    The teardown is what goes wrong: on multi-node gloo jobs a rank was seen to abort there
-    ("terminate called without an active exception", exit 134) after a finished run, which made
-    srun cancel the job, and it runs destructors of a process group that a failed collective left
-    broken. Under mpirun a finished run finalizes MPI (what mpi4py's exit hook would do); a failed
-    one does not: MPI_Finalize synchronises with the other ranks (Open MPI fences there) and a
-    peer may be dead. mpirun reports the non-zero exit either way.
-    """
+    """End the process with ``code`` once ``main`` has returned (everything written and closed),
+    skipping the interpreter's teardown; MPI is finalized after a finished run only. Why:
+    docs/reliability.md, "Ending the process"."""
     mpi = sys.modules.get("mpi4py.MPI")
     if code == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()

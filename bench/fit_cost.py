@@ -26,9 +26,9 @@ backend) that trains, e.g. on one GPU::
     python -m bench.fit_cost --device cuda --attention flash_attn --hidden 768 --heads 12 \\
         --intermediate 1152 --gated --layers 22 --global-every 3 --window 128
 
-and put the printed ``data.rebalance_cost=...`` and ``data.rebalance_cost_local=...`` in the
-run's config. On a CPU with the ``reference`` backend (dense scores with a band mask) local
-layers cost as much as global ones, and the fit says so.
+and put the printed ``data.rebalance_cost=...`` in the run's config. On a CPU with the
+``reference`` backend (dense scores with a band mask) local layers cost as much as global
+ones, and the fit says so.
 """
 
 from __future__ import annotations
@@ -120,9 +120,8 @@ def model_cost(a1: float, b1: float, l1: float, layers: int, global_layers: int,
 
 
 def config_line(cost: Cost) -> str:
-    """The command-line overrides that put ``cost`` into a run's config."""
-    local = f"data.rebalance_cost_local=[{cost.b_local:.6g},{cost.window}]"
-    return f"data.rebalance_cost=[{cost.a:.6g},{cost.b:.6g}] {local}"
+    """The command-line override that puts ``cost`` into a run's config."""
+    return f"data.rebalance_cost=[{cost.a:.6g},{cost.b:.6g},{cost.b_local:.6g},{cost.window}]"
 
 
 def main(argv=None) -> int:

@@ -143,7 +143,7 @@ def run_overrides(args, train: str, eval_file: str) -> list[str]:
     return [
         "model.preset=tiny",
         "model.attention=padded",
-        f"model.vocab_size={args.vocab}",
+        f"model.overrides.vocab_size={args.vocab}",
         "data.layout=unpadded",
         f"data.max_seq_length={args.seq_len}",
         f"data.rebalance={args.rebalance}",

@@ -21,6 +21,8 @@ from torch import Tensor, nn
 
 from bert.train_config import AdaGCSection
 
+ADAGC_EPS = 1e-6  # added to norms before dividing
+
 
 def _grads(params: Iterable[Tensor]) -> list[Tensor]:
     return [p.grad for p in params if p.grad is not None]
@@ -82,6 +84,7 @@ class AdaGC:
         self,
         named_parameters: Iterable[tuple[str, nn.Parameter]],
         adagc: AdaGCSection | None = None,
+        lambda_abs: float = 1.0,
         local: Callable[[Tensor], Tensor] = _identity,
         norms: Callable[[list[Tensor]], Tensor] = tensor_norms,
     ):
@@ -91,8 +94,8 @@ class AdaGC:
         adagc = adagc or AdaGCSection()  # validated when built
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.lambda_rel, self.beta, self.lambda_abs = adagc.lambda_rel, adagc.beta, adagc.lambda_abs
-        self.eps, self.warmup_steps = adagc.eps, adagc.warmup_steps
+        self.lambda_rel, self.beta, self.lambda_abs = adagc.lambda_rel, adagc.beta, lambda_abs
+        self.eps, self.warmup_steps = ADAGC_EPS, adagc.warmup_steps
         # Sharded gradients: clip this rank's shards by thresholds on whole-tensor norms (as clip_global_).
         self.local, self.norms = local, norms
         self._step = torch.zeros((), dtype=torch.int64)  # t: steps clipped and not taken back

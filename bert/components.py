@@ -32,6 +32,7 @@ from bert.train_config import (
     ModelSection,
     RunConfig,
     TrainSection,
+    model_shape,
 )
 from kernels import registry
 
@@ -78,21 +79,19 @@ def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
 
 
 def build_model_config(cfg: RunConfig) -> BertConfig:
-    """The architecture: model.preset or model.config_file, with model.* overrides; a
+    """The architecture: model.preset or model.config_file, with model.overrides; a
     data.vocab_file (a vocabulary trained with the data) sets the vocabulary size."""
-    m = cfg.model
-    base = BertConfig.from_json(m.config_file) if m.config_file else BertConfig.preset(m.preset)
-    overrides = {k: getattr(m, k) for k in _MODEL_OVERRIDES if getattr(m, k) is not None}
-    if m.vocab_size is None and cfg.data.vocab_file:
+    config = model_shape(cfg.model)
+    if "vocab_size" not in cfg.model.overrides and cfg.data.vocab_file:
         try:
             with open(cfg.data.vocab_file, encoding="utf-8") as f:
-                overrides["vocab_size"] = sum(1 for line in f if line.strip())
+                size = sum(1 for line in f if line.strip())
         except OSError as e:
             raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from None
-    try:
-        config = replace(base, **overrides)
-    except BertConfigError as e:
-        raise ConfigError(f"model: {e}") from None
+        try:
+            config = replace(config, vocab_size=size)
+        except BertConfigError as e:
+            raise ConfigError(f"data.vocab_file: {e}") from None
     if any(w is not None for w in config.layer_windows) and cfg.data.layout != "packed":
         # Local layers hand the backend a windowed layout; the packed layout carries the window
         # in its FlashMask bounds instead.
@@ -110,19 +109,19 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
 def build_model(
     model: ModelSection, config: BertConfig, train: TrainSection | None = None, device: torch.device | None = None
 ) -> BertForPreTraining:
-    """The model of ``config`` with model.attention (its options from the model.* fields the
-    registry names), model.fused_ops, model.bias_gelu and model.rotary_kernel; with ``train``,
-    its encoder's linear layers in train.fp8 (bert.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs)."""
+    """The model of ``config`` with model.attention (and its options), model.fused_ops,
+    model.bias_gelu and model.rotary_kernel; with ``train``, its encoder's linear layers in
+    train.fp8 (bert.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs)."""
     built = BertForPreTraining(
         config,
         attention=model.attention,
         fused_ops=model.fused_ops,
-        attention_options=registry.options_from(model.attention, model),
+        attention_options=model.attention_options,
         bias_gelu=model.bias_gelu,
         rotary_kernel=model.rotary_kernel,
     )
     if train is not None:
-        fp8.convert_encoder(built, train.fp8, train.fp8_impl, device)
+        fp8.convert_encoder(built, train.fp8, device)
     return built
 
 
@@ -130,13 +129,13 @@ def build_graphs(cfg: RunConfig, micro_batch: int, model: BertForPreTraining, co
     """(train.static_shapes' buckets (``data.static_shapes``) or None, train.cuda_graphs'
     ``bert.cuda_graphs.EncoderGraphs`` for ``model`` or None). A dropout the graphs would freeze
     is a ConfigError (``kernels.registry.graph_refusal``; the rest was checked with the config)."""
-    from data.static_shapes import StaticShapes, auto_token_bucket
+    from data.static_shapes import MASKED_BUCKET, StaticShapes, auto_token_bucket
 
     t, seq = cfg.train, cfg.data.max_seq_length
     if not t.static_shapes:
         return None, None
     bucket = auto_token_bucket(micro_batch, seq) if t.static_token_bucket == "auto" else t.static_token_bucket
-    shapes = StaticShapes(bucket, t.static_masked_bucket, max(seq, bucket))
+    shapes = StaticShapes(bucket, MASKED_BUCKET, max(seq, bucket))
     if not t.cuda_graphs:
         return shapes, None
     from bert.cuda_graphs import EncoderGraphs
@@ -176,7 +175,7 @@ def build_optimization(cfg: RunConfig, model: torch.nn.Module, sharding: Shardin
     device_lr = device if skips_on_device(optimizer) else None
     schedule = PolyWarmupScheduler(optimizer, o, cfg.train.max_steps, device=device_lr)
     view = {"local": sharding.local, "norms": sharding.norms} if sharding else {}
-    adagc = AdaGC(model.named_parameters(), o.adagc, **view) if o.clip == "adagc" else None
+    adagc = AdaGC(model.named_parameters(), o.adagc, o.max_grad_norm, **view) if o.clip == "adagc" else None
     return optimizer, schedule, adagc, build_grad_scaler(cfg.train, sharding)
 
 
@@ -223,13 +222,13 @@ def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
 
 
 def build_batch_ramp(train: TrainSection):
-    """train.batch_size_warmup_*'s ``data.batch_ramp.BatchRamp``, or None when the warm-up is off."""
-    if train.batch_size_warmup_start is None:
+    """train.batch_size_warmup's ``data.batch_ramp.BatchRamp``, or None when the warm-up is off."""
+    if train.batch_size_warmup is None:
         return None
     from data.batch_ramp import BatchRamp
 
-    unit = train.global_batch_size // train.grad_accum_steps
-    return BatchRamp(unit, train.batch_size_warmup_start // unit, train.grad_accum_steps, train.batch_size_warmup_steps)
+    (start, steps), unit = train.batch_size_warmup, train.global_batch_size // train.grad_accum_steps
+    return BatchRamp(unit, start // unit, train.grad_accum_steps, steps)
 
 
 class _NoMLPerfLog:

@@ -1,29 +1,20 @@
 """The encoder's hyper-parameters: ``BertConfig``, its presets, and JSON I/O.
 
-The first block of fields is BERT's own (names as in Google's ``bert_config.json``, NVIDIA's
-MLPerf package and transformers' ``config.json``, which all load directly). The second block
-says how the encoder is assembled from parts (``bert.layers``): norm placement and kind,
-positions, MLP kind, biases, heads and the attention of each layer. Its defaults are BERT's,
-so a BERT config never mentions them: ``to_dict`` writes a part field only where it differs
-from BERT, and a BERT config's JSON is what it always was. A ModernBERT-class encoder is a
-configuration (see the ``modernbert_*`` presets); ``bert.hf_modernbert`` maps it to and from
-transformers' ``ModernBertConfig``.
-
-Presets:
-
-- ``tiny``: 2 layers, hidden 128, for tests and the CPU demo;
-- ``base``: BERT-base, 12 layers, hidden 768;
-- ``large``: MLPerf's BERT-large, 24 layers, hidden 1024, 16 heads, intermediate 4096;
-- ``modernbert_base``, ``modernbert_large``: ModernBERT's published shapes (the numbers and
-  where they come from are next to ``PRESETS`` below);
-- ``modernbert_tiny``: a ModernBERT-shaped 4-layer model for tests and the CPU demo.
+Contract: the first block of fields is BERT's own (Google's ``bert_config.json``, NVIDIA's and
+transformers' ``config.json`` load directly); the second says how the encoder is assembled
+(``bert.layers``), BERT by default and written to JSON only where it differs. Every field is
+checked with its type and bounds on construction, and the parameters' memory is estimated
+before anything is built. Presets and their sources: docs/modern_encoders.md.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from data.cli import cut, short
 from fileio import UnsafeFile, read_checked, write_text
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
@@ -36,40 +27,55 @@ INIT_SCHEMES = ("bert", "modernbert")
 
 # Keys transformers writes into config.json that describe its own bookkeeping, not the
 # architecture. Any other unknown key is an error.
-_HF_METADATA = {
-    "architectures",
-    "model_type",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "pad_token_id",
-    "use_cache",
-    "classifier_dropout",
-    "gradient_checkpointing",
-    "directionality",
-    "pooler_fc_size",
-    "pooler_num_attention_heads",
-    "pooler_num_fc_layers",
-    "pooler_size_per_head",
-    "pooler_type",
-    "output_past",
-    "bos_token_id",
-    "eos_token_id",
-    "id2label",
-    "label2id",
-    "output_hidden_states",
-    "output_attentions",
-    "return_dict",
-    "is_decoder",
-    "add_cross_attention",
-    "tie_word_embeddings",
-    "position_embedding_type",
-    "problem_type",
-}
+_HF_METADATA = set(
+    "architectures model_type torch_dtype dtype transformers_version pad_token_id use_cache classifier_dropout "
+    "gradient_checkpointing directionality pooler_fc_size pooler_num_attention_heads pooler_num_fc_layers "
+    "pooler_size_per_head pooler_type output_past bos_token_id eos_token_id id2label label2id output_hidden_states "
+    "output_attentions return_dict is_decoder add_cross_attention tie_word_embeddings position_embedding_type "
+    "problem_type".split()
+)
 
 
 class ConfigError(ValueError):
     """A model configuration that is invalid; the message names the field."""
+
+
+MAX_INT = 2**31 - 1  # every size indexes int32 tensors somewhere
+_INT_LEAST = {"type_vocab_size": 0, "local_window": 2}  # 0 token types: none; a window of 1 is no band
+_PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+_CHOICES = {
+    "hidden_act": ACTIVATIONS,
+    "norm_placement": NORM_PLACEMENTS,
+    "norm_kind": NORM_KINDS,
+    "position_embedding": POSITION_KINDS,
+    "mlp": MLP_KINDS,
+    "init_scheme": INIT_SCHEMES,
+}
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an integer past float's range
+        return False
+
+
+def machine_memory() -> int:
+    """Bytes of physical memory on this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits_memory(config: BertConfig) -> None:
+    """ConfigError, with the estimate, when the fp32 parameters alone exceed the machine's memory
+    (checked before anything is allocated: a typo of 10**9 is a line, not a MemoryError)."""
+    need, have = 4 * config.parameter_count(), machine_memory()
+    if need > have:
+        raise ConfigError(
+            f"the model's fp32 parameters alone take {need / 2**30:,.4g} GiB (vocab_size {config.vocab_size}, "
+            f"hidden_size {config.hidden_size}, num_hidden_layers {config.num_hidden_layers}, "
+            f"max_position_embeddings {config.max_position_embeddings}), more than this machine's "
+            f"{have / 2**30:,.0f} GiB"
+        )
 
 
 def _part(default):
@@ -123,62 +129,59 @@ class BertConfig:
     init_scheme: str = _part("bert")
 
     def __post_init__(self):
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-            "type_vocab_size",
-            "local_window",
-        ):
-            value = getattr(self, name)
-            # type_vocab_size 0: no token-type embedding (encoders trained without segments).
-            least = 0 if name == "type_vocab_size" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                kind = "a non-negative" if least == 0 else "a positive"
-                raise ConfigError(f"{name}: must be {kind} integer, got {value!r}")
+        for f in fields(self):
+            value, name = getattr(self, f.name), f.name
+            if f.type == "int":
+                least = _INT_LEAST.get(name, 1)
+                if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_INT:
+                    raise ConfigError(f"{name}: must be an integer in [{least}, {MAX_INT:,}], got {short(value)}")
+            elif f.type == "float":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+                    raise ConfigError(f"{name}: must be a finite number, got {short(value)}")
+                object.__setattr__(self, name, float(value))
+                if name in _PROBABILITIES and not 0.0 <= value < 1.0:
+                    raise ConfigError(f"{name}: must lie in [0, 1), got {value!r}")
+                if name not in _PROBABILITIES and value <= 0:
+                    raise ConfigError(f"{name}: must be a positive number, got {value!r}")
+            elif f.type == "bool" and not isinstance(value, bool):
+                raise ConfigError(f"{name}: must be true or false, got {short(value)}")
+            elif f.type == "str" and value not in _CHOICES[name]:
+                raise ConfigError(f"{name}: {short(value)} is not one of {_CHOICES[name]}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden_size: {self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
             )
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                raise ConfigError(f"{name}: must lie in [0, 1), got {value!r}")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ConfigError(f"hidden_act: {self.hidden_act!r} is not one of {ACTIVATIONS}")
-        for name in ("layer_norm_eps", "initializer_range", "rope_theta_global", "rope_theta_local"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name}: must be a positive number, got {value!r}")
-        for name, choices in (
-            ("norm_placement", NORM_PLACEMENTS),
-            ("norm_kind", NORM_KINDS),
-            ("position_embedding", POSITION_KINDS),
-            ("mlp", MLP_KINDS),
-            ("init_scheme", INIT_SCHEMES),
-        ):
-            if getattr(self, name) not in choices:
-                raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {choices}")
-        for f in fields(self):
-            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
-                raise ConfigError(f"{f.name}: must be true or false, got {getattr(self, f.name)!r}")
         if isinstance(self.layer_types, list):  # from JSON
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if not isinstance(self.layer_types, tuple) or any(t not in LAYER_TYPES for t in self.layer_types):
-            raise ConfigError(f"layer_types: expected a list of {LAYER_TYPES}, got {self.layer_types!r}")
+            raise ConfigError(f"layer_types: expected a list of {LAYER_TYPES}, got {short(self.layer_types)}")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types: {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}"
             )
-        if self.local_window < 2:
-            raise ConfigError("local_window: must be at least 2 (the band is |i - j| <= window // 2), got 1")
+        check_fits_memory(self)
         if self.position_embedding == "rotary" and self.head_dim % 2:
             raise ConfigError(f"position_embedding: rotary needs an even head dim, got {self.head_dim}")
         if self.norm_kind == "rmsnorm" and self.norm_bias:
             raise ConfigError("norm_bias: RMSNorm has no bias; set norm_bias false")
+
+    def parameter_count(self) -> int:
+        """Parameters of ``bert.model.BertForPreTraining`` for this config (tests check it), with
+        the rotary tables' elements, computed without building anything."""
+        H, inner, V = self.hidden_size, self.intermediate_size, self.vocab_size
+        norm = H * (2 if self.norm_kind == "layernorm" and self.norm_bias else 1)
+        ab, mb = int(self.attention_bias), int(self.mlp_bias)
+        width = 2 * inner if self.mlp == "gated" else inner
+        layer = 4 * H * H + 4 * H * ab + width * (H + mb) + H * (inner + mb) + 2 * norm
+        attn_norms_missing = 1 if self.norm_placement == "pre" and not self.first_attn_norm else 0
+        n = V * H + self.type_vocab_size * H + norm * self.embedding_norm + self.num_hidden_layers * layer
+        n -= norm * attn_norms_missing
+        if self.position_embedding == "absolute":
+            n += self.max_position_embeddings * H
+        else:  # cos and sin tables per layer type
+            n += 2 * len(set(self.layer_types) or {"global"}) * self.max_position_embeddings * (self.head_dim // 2)
+        n += norm * (self.norm_placement == "pre") + H * H + H * self.head_bias + norm + V * self.decoder_bias
+        return n + (H * H + H + 2 * H + 2) * self.next_sentence
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -217,12 +220,16 @@ class BertConfig:
     def from_json(cls, path: str) -> BertConfig:
         """Read BERT's ``bert_config.json``, or transformers' ``config.json`` of a BERT or of a
         ModernBERT (``model_type`` "modernbert", mapped by ``bert.hf_modernbert``)."""
-        try:  # a FIFO or a device is refused at once, a huge file unread (fileio.read_checked)
-            values = json.loads(read_checked(path, max_bytes=1 << 20, what="a JSON model config"))
+        try:
+            values = json.loads(read_checked(path, max_bytes=1 << 20, what="model config"))
         except UnsafeFile as e:
             raise ConfigError(str(e)) from None
-        except (OSError, ValueError, RecursionError) as e:
-            raise ConfigError(f"{path}: cannot read a JSON model config ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read a JSON model config ({e.strerror or e})") from None
+        except (ValueError, RecursionError) as e:  # not JSON, an integer of 4,300+ digits, deep nesting
+            raise ConfigError(
+                f"{path}: not a JSON model config ({cut(str(e).splitlines()[0] if str(e) else type(e).__name__)})"
+            ) from None
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         try:
@@ -231,8 +238,8 @@ class BertConfig:
 
                 return adapter(values["model_type"]).config_from_hf(values, source=path)
             return cls.from_dict(values, source=path)
-        except TypeError as e:  # wrong value types caught by the dataclass
-            raise ConfigError(f"{path}: {e}") from None
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
 
     def to_dict(self, transformers: bool = False) -> dict:
         """BERT's fields, and the part fields that differ from BERT's.

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from bert.train_config import ConfigError
 
 RECIPES = ("tensorwise", "rowwise")
-IMPLS = ("torchao",)
 # cuBLASLt's FP8 GEMMs need the reduced and output dimensions to be multiples of 16.
 ALIGN = 16
 
@@ -140,13 +139,11 @@ def check_device(device: torch.device) -> None:
         raise ConfigError(f"train.fp8: runs on cuda or cpu, not {device.type}")
 
 
-def convert_encoder(model: nn.Module, recipe: str, impl: str = "torchao", device: torch.device | None = None) -> list:
+def convert_encoder(model: nn.Module, recipe: str, device: torch.device | None = None) -> list:
     """Swap the encoder's linear layers for FP8 ones in place (``recipe`` 'off': nothing).
     Returns the qualified names converted. Raises ConfigError for what cannot run."""
     if recipe == "off":
         return []
-    if impl not in IMPLS:
-        raise ConfigError(f"train.fp8_impl: {impl!r} is not one of {list(IMPLS)}")
     if device is not None:
         check_device(device)
     names = encoder_linear_names(model)

@@ -11,9 +11,12 @@ model drops ([docs/modern_encoders.md](../docs/modern_encoders.md#exact-against-
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import Tensor
 
-from bert.config import _HF_METADATA, BertConfig, ConfigError
+from bert.config import _HF_METADATA, BertConfig, ConfigError, alternating_layers
+from data.cli import short
 
 _TYPES = {"full_attention": "global", "sliding_attention": "local"}
 _HF_TYPES = {v: k for k, v in _TYPES.items()}
@@ -53,16 +56,12 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
             f"hidden_activation {act!r}; this model's head uses the hidden activation"
         )
     layers = values.get("num_hidden_layers", 22)
-    if values.get("layer_types") is not None:
-        bad = [t for t in values["layer_types"] if t not in _TYPES]
-        if bad:
-            raise ConfigError(f"{source}: layer_types: {bad[0]!r} is not one of {sorted(_TYPES)}")
-        types = tuple(_TYPES[t] for t in values["layer_types"])
-    else:
-        every = values.get("global_attn_every_n_layers", 3)
-        types = tuple("local" if i % every else "global" for i in range(layers))
     thetas = {"full_attention": values.get("global_rope_theta", 160000.0)}
     thetas["sliding_attention"] = values.get("local_rope_theta", 10000.0)
+    if not isinstance(values.get("rope_parameters") or {}, dict):
+        raise ConfigError(
+            f"{source}: rope_parameters: expected a mapping of layer types, got {short(values['rope_parameters'])}"
+        )
     for kind, params in (values.get("rope_parameters") or {}).items():
         if kind not in _TYPES or not isinstance(params, dict):
             raise ConfigError(f"{source}: rope_parameters: unexpected entry {kind!r}")
@@ -70,15 +69,15 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
             raise ConfigError(f"{source}: rope_parameters.{kind}.rope_type {params['rope_type']!r}: only 'default'")
         thetas[kind] = params.get("rope_theta", thetas[kind])
     try:
-        return BertConfig(
+        shape = BertConfig(
             vocab_size=values.get("vocab_size", 50368),
             hidden_size=values.get("hidden_size", 768),
             num_hidden_layers=layers,
             num_attention_heads=values.get("num_attention_heads", 12),
             intermediate_size=values.get("intermediate_size", 1152),
             hidden_act=act,
-            hidden_dropout_prob=float(max(values.get("embedding_dropout", 0.0), values.get("mlp_dropout", 0.0))),
-            attention_probs_dropout_prob=float(values.get("attention_dropout", 0.0)),
+            hidden_dropout_prob=max(values.get("embedding_dropout", 0.0), values.get("mlp_dropout", 0.0)),
+            attention_probs_dropout_prob=values.get("attention_dropout", 0.0),
             max_position_embeddings=values.get("max_position_embeddings", 8192),
             type_vocab_size=0,
             layer_norm_eps=values.get("norm_eps", 1e-5),
@@ -86,8 +85,8 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
             norm_placement="pre",
             norm_bias=values.get("norm_bias", False),
             position_embedding="rotary",
-            rope_theta_global=float(thetas["full_attention"]),
-            rope_theta_local=float(thetas["sliding_attention"]),
+            rope_theta_global=thetas["full_attention"],
+            rope_theta_local=thetas["sliding_attention"],
             mlp="gated",
             attention_bias=values.get("attention_bias", False),
             mlp_bias=values.get("mlp_bias", False),
@@ -95,10 +94,20 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
             decoder_bias=values.get("decoder_bias", True),
             first_attn_norm=False,
             next_sentence=False,
-            layer_types=types,
             local_window=values.get("local_attention", 128),
             init_scheme="modernbert",
         )
+        # The layer pattern after the sizes are checked (a num_hidden_layers of 10**9 is refused, not built).
+        if values.get("layer_types") is not None:
+            given = values["layer_types"]
+            bad = next((t for t in given if t not in _TYPES), None) if isinstance(given, list) else given
+            if bad is not None:
+                raise ConfigError(f"layer_types: {short(bad)} is not one of {sorted(_TYPES)}")
+            return replace(shape, layer_types=tuple(_TYPES[t] for t in given))
+        every = values.get("global_attn_every_n_layers", 3)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"global_attn_every_n_layers: must be a positive integer, got {short(every)}")
+        return replace(shape, layer_types=alternating_layers(shape.num_hidden_layers, every))
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"{source}: {e}") from None
 

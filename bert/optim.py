@@ -2,7 +2,7 @@
 
 They run after clipping (``bert.clipping``), so none clips. ``Lamb`` is apex's ``FusedLAMB``
 (the NVIDIA submissions' defaults) on ``torch._foreach_*`` ops, with its state layout, so a
-checkpoint moves between them; ``build_optimizer`` picks one (``optim.impl``). Every optimizer
+checkpoint moves between them; ``build_optimizer(impl=...)`` picks one (the benches compare them). Every optimizer
 here takes ``step(found_inf=t)``: a 0-dim device tensor, nonzero when the gradients are not
 finite, that keeps parameters, moments and step counts bitwise as they were, selected with
 ``torch.where`` and never read on the host (``skips_on_device`` tells which optimizers do;
@@ -322,17 +322,16 @@ def apex_lamb_available() -> bool:
     return True
 
 
-def build_optimizer(optim: OptimSection, model: nn.Module, impl: str | None = None) -> torch.optim.Optimizer:
+def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -> torch.optim.Optimizer:
     """``optim.name``: ``lamb``, ``adamw`` or ``stable_adamw``, with ``optim``'s lr, betas, eps and weight decay;
     groups from ``param_groups_for(model, optim.weight_decay)``.
 
-    ``impl`` (LAMB only; default ``optim.impl``): ``auto`` = apex's FusedLAMB when ``apex_lamb_available()`` and the
+    ``impl`` (LAMB only; benches and tests choose): ``auto`` = apex's FusedLAMB when ``apex_lamb_available()`` and the
     parameters are on CUDA, else ``Lamb``; ``apex`` = FusedLAMB or an error saying why not;
     ``torch`` = ``Lamb``. FusedLAMB's own global-norm clipping is switched off
     (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.clipping``.
     """
     name, lr, betas, eps = optim.name, optim.lr, tuple(optim.betas), optim.eps
-    impl = optim.impl if impl is None else impl
     groups = param_groups_for(model, optim.weight_decay)
     if not groups:
         raise ValueError("model: has no trainable parameters")
@@ -342,16 +341,15 @@ def build_optimizer(optim: OptimSection, model: nn.Module, impl: str | None = No
     if name != "lamb":
         raise ValueError(f"optim.name: unknown optimizer {name!r}; choose from 'lamb', 'adamw', 'stable_adamw'")
     if impl not in ("auto", "apex", "torch"):
-        raise ValueError(f"optim.impl: unknown LAMB implementation {impl!r}; choose from 'auto', 'apex', 'torch'")
+        raise ValueError(f"impl: unknown LAMB implementation {impl!r}; choose from 'auto', 'apex', 'torch'")
     on_cuda = all(p.is_cuda for g in groups for p in g["params"])
     if impl == "apex" or (impl == "auto" and on_cuda and apex_lamb_available()):
         if not apex_lamb_available():
             raise ValueError(
-                "optim.impl: 'apex' asked for, but apex.optimizers.FusedLAMB with its CUDA "
-                "extension is not importable here"
+                "impl: 'apex' asked for, but apex.optimizers.FusedLAMB with its CUDA extension is not importable here"
             )
         if not on_cuda:
-            raise ValueError("optim.impl: 'apex' asked for, but the parameters are not on CUDA")
+            raise ValueError("impl: 'apex' asked for, but the parameters are not on CUDA")
         from apex.optimizers import FusedLAMB
 
         return FusedLAMB(

@@ -248,9 +248,9 @@ def log_hyperparameters(mllog: MLPerfLogger, cfg: RunConfig, seed: int, micro_ba
         weight_decay=o.weight_decay,
         warmup_steps=o.warmup_steps,
         start_warmup_step=o.start_warmup_step,
-        train_steps=o.total_steps or t.max_steps,
+        train_steps=t.max_steps,
         poly_power=o.poly_power,
-        schedule=o.schedule,
+        schedule="poly" if o.schedule == "poly" else "wsd",
         decay_steps=o.decay_steps,
         decay_shape=o.decay_shape,
     )

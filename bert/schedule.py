@@ -68,9 +68,9 @@ class PolyWarmupScheduler:
 
     The schedule of ``optim`` (a ``bert.train_config.OptimSection``): peak ``optim.lr``,
     ``optim.warmup_steps`` from ``optim.start_warmup_step``, decay of power ``optim.poly_power``
-    over ``optim.total_steps`` steps, or over the run's ``max_steps`` when that is unset. With
+    over the run's ``max_steps``. With
     ``optim.schedule`` ``wsd`` it is ``wsd_lr_at`` instead: warm-up, constant, and a decay
-    (``optim.decay_shape``) over the last ``optim.decay_steps`` of those steps.
+    (``optim.decay_shape``: wsd_linear's is linear) over the last ``optim.decay_steps`` of those steps.
     At construction the groups get the rate of update 0; each ``step()`` (called after an
     applied update) advances the count and sets the next rate. ``state_dict()`` holds only
     the count: the hyper-parameters come from the configuration when a run resumes.
@@ -90,7 +90,7 @@ class PolyWarmupScheduler:
         end_lr: float = 0.0,
         device: torch.device | str | None = None,
     ):
-        base_lr, total_steps, warmup_steps = optim.lr, optim.total_steps or max_steps, optim.warmup_steps
+        base_lr, total_steps, warmup_steps = optim.lr, max_steps, optim.warmup_steps
         start_warmup_step, power = optim.start_warmup_step, optim.poly_power
         _check(math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}")
         _check(
@@ -119,7 +119,8 @@ class PolyWarmupScheduler:
         self.start_warmup_step = start_warmup_step
         self.power = float(power)
         self.end_lr = float(end_lr)
-        self.schedule, self.decay_steps, self.decay_shape = optim.schedule, optim.decay_steps, optim.decay_shape
+        self.decay_steps, self.decay_shape = optim.decay_steps, optim.decay_shape
+        self.schedule = "poly" if optim.schedule == "poly" else "wsd"
         if self.schedule == "wsd":
             _check(
                 warmup_steps + self.decay_steps <= total_steps,

@@ -34,8 +34,6 @@ def shard_group_size(shard: str | int, world: int) -> int | None:
         return None
     if shard == "dp":
         return world
-    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
-        raise ConfigError(f"optim.shard: expected none, dp or a group size >= 1, got {shard!r}")
     if world % shard:
         raise ConfigError(f"optim.shard: a group of {shard} ranks does not divide the {world} ranks")
     return shard
@@ -164,11 +162,6 @@ def apply_sharding(
     group = shard_group_size(optim.shard, world)
     if group is None:
         return None
-    if optim.impl == "apex":
-        raise ConfigError(
-            "optim.impl: apex with optim.shard asks for apex's DistributedFusedLAMB, which this "
-            "trainer does not drive; use optim.impl=torch (FSDP2 + ShardedLamb) or optim.shard=none"
-        )
     mesh = build_mesh(world, group, device_type)
     shard_model(model, mesh, precision, optim.reduce_dtype)
     return Sharding(mesh, group, WholeNorms(shard_process_group(mesh)))

@@ -3,7 +3,7 @@
 Between the rank-sharded loader and the trainer's step planner. In units of one micro-batch
 on every rank (``train.global_batch_size / train.grad_accum_steps``), step s (from 0) takes
 ``k(s) = start + floor(s * (full - start) / steps)`` units while s < steps, then ``full``
-(``start``: ``train.batch_size_warmup_start`` in units; ``full``: ``train.grad_accum_steps``):
+(``start``: ``train.batch_size_warmup[0]`` in units; ``full``: ``train.grad_accum_steps``):
 k(s) micro-batches of the usual size, so no shape is new. ``RampedLoader`` hands out k(s)
 unit steps of a ``PretrainingLoader`` as one block; every rank computes k(s) from the config
 alone, and ``units_before(s)`` gives the sample position for an exact resume.
@@ -100,7 +100,7 @@ class RampedLoader:
         if saved != self.ramp.as_dict():
             raise DataError(
                 f"loader state: batch-size warm-up {saved} differs from this run's {self.ramp.as_dict()} "
-                "(train.batch_size_warmup_start/_steps, train.global_batch_size, train.grad_accum_steps); "
+                "(train.batch_size_warmup, train.global_batch_size, train.grad_accum_steps); "
                 "the saved position was counted in another ramp"
             )
         step = state.get("step")

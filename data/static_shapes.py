@@ -22,6 +22,7 @@ from data.batch import UnpaddedBatch
 IGNORE = -100  # torch.nn.functional.cross_entropy's default ignore_index
 MASKED_SHARE = 0.15  # BERT's masking rate: M' is at least this share of T'
 ROUND = 64  # buckets are multiples of this (tile and vector widths divide it)
+MASKED_BUCKET = ROUND  # masked positions pad to multiples of this
 
 
 def round_up(n: int, multiple: int) -> int:

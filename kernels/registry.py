@@ -47,8 +47,8 @@ class Backend:
     settings: frozenset[str] = frozenset()
     triton: bool = False  # runs the Triton kernels: refused at load when they cannot run here
     factory: bool = False
-    # keyword options for the factory, each with the model.* config field that sets it
-    options: tuple[tuple[str, str], ...] = ()
+    # keyword options for the factory (set by model.attention_options)
+    options: tuple[str, ...] = ()
     graphs: bool = False  # its launches read cu_seqlens on the device: a CUDA graph replays it (docs/step.md)
     device_dropout: bool = False  # its attention dropout draws fresh masks under a graph replay
 
@@ -89,7 +89,7 @@ BACKENDS: dict[str, Backend] = {
             _WINDOW,
             triton=True,
             factory=True,
-            options=(("buckets", "grouped_buckets"), ("num_streams", "grouped_streams")),
+            options=("buckets", "num_streams"),
         ),
         Backend("flash_attn", "kernels.library_backends:load_flash_attn", (VarlenLayout,), _WINDOW, factory=True),
         Backend("torch_varlen", "kernels.library_backends:load_torch_varlen", (VarlenLayout,), factory=True),
@@ -156,11 +156,6 @@ def graph_refusal(name: str, attention_dropout: float) -> str | None:
     return None
 
 
-def options_from(name: str, section) -> dict:
-    """Backend ``name``'s options, read from the config ``section`` (``model.*``) fields it names."""
-    return {option: getattr(section, field) for option, field in _spec(name).options}
-
-
 def check_backend(name: str, layout: type, settings: Iterable[str] = ()) -> None:
     """Raise BackendUnavailable unless backend ``name`` takes ``layout`` with ``settings`` on."""
     reason = refusal(name, layout, settings)
@@ -174,10 +169,9 @@ def get_backend(name: str, **options) -> AttentionFn:
     ``options`` go to backends that take some (``triton_grouped``: ``buckets``,
     ``num_streams``). Raises BackendUnavailable when the backend cannot run here."""
     spec = _spec(name)
-    unknown = sorted(set(options) - {option for option, _ in spec.options})
+    unknown = sorted(set(options) - set(spec.options))
     if unknown:
-        takes = [option for option, _ in spec.options]
-        raise ValueError(f"model.attention={name}: takes no option {unknown}; its options: {takes}")
+        raise ValueError(f"model.attention={name}: takes no option {unknown}; its options: {list(spec.options)}")
     if spec.triton:
         from kernels.runtime import check_runnable
 

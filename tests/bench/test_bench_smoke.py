@@ -10,7 +10,7 @@ from tests.batches import write_dataset
 
 TINY = [
     "model.preset=tiny",
-    "model.vocab_size=96",
+    "model.overrides.vocab_size=96",
     "data.max_seq_length=64",
     "train.global_batch_size=8",
     "eval.batch_size=16",

@@ -104,7 +104,8 @@ def test_adagc_matches_reference_across_warmup_and_checkpoint():
     kw = dict(lambda_rel=1.04, beta=0.99, warmup_steps=100, lambda_abs=1.0, eps=1e-6)
     params = _params()
     named = [(f"p{i}", p) for i, p in enumerate(params)]
-    adagc = AdaGC(named, AdaGCSection(**kw))
+    section = AdaGCSection(lambda_rel=1.04, beta=0.99, warmup_steps=100)  # lambda_abs: optim.max_grad_norm
+    adagc = AdaGC(named, section, kw["lambda_abs"])
     ref = ReferenceAdaGC(len(params), **kw)
     clipped_after_warmup = 0
     for t, grads in _grad_stream(160):
@@ -112,7 +113,7 @@ def test_adagc_matches_reference_across_warmup_and_checkpoint():
             buf = io.BytesIO()
             torch.save(adagc.state_dict(), buf)
             buf.seek(0)
-            adagc = AdaGC(named, AdaGCSection(**kw))
+            adagc = AdaGC(named, section, kw["lambda_abs"])
             adagc.load_state_dict(torch.load(buf))
         _set_grads(params, grads)
         stats = adagc.clip_()

@@ -32,7 +32,7 @@ CLOSED = ["log.division=closed", "log.submitter=tests", "checkpoint.init=/phase1
 
 
 def test_a_closed_config_with_the_rules_values_is_accepted():
-    cfg = load_config(None, CLOSED + ["eval.interval_samples=150000", "model.hidden_dropout_prob=0.1"])
+    cfg = load_config(None, CLOSED + ["eval.interval_samples=150000", "model.overrides.hidden_dropout_prob=0.1"])
     assert cfg.log.division == "closed"
 
 
@@ -45,10 +45,10 @@ def test_a_closed_config_with_the_rules_values_is_accepted():
         ("optim.clip=none", "optim.clip"),
         ("optim.max_grad_norm=2.0", "optim.max_grad_norm"),
         ("loss.simreg_weight=0.1", "loss.simreg_weight"),
-        ("model.hidden_dropout_prob=0.0", "model.hidden_dropout_prob"),
-        ("model.attention_probs_dropout_prob=0.2", "model.attention_probs_dropout_prob"),
+        ("model.overrides.hidden_dropout_prob=0.0", "model.overrides.hidden_dropout_prob"),
+        ("model.overrides.attention_probs_dropout_prob=0.2", "model.overrides.attention_probs_dropout_prob"),
         ("model.preset=base", "model.preset"),
-        ("model.vocab_size=32000", "model.vocab_size"),
+        ("model.overrides.vocab_size=32000", "model.overrides.vocab_size"),
         ("data.max_seq_length=128", "data.max_seq_length"),
         ("checkpoint.init=null", "checkpoint.init"),
         ("eval.interval_samples=100000", "eval.interval_samples"),
@@ -151,8 +151,8 @@ def test_the_clock_and_the_seed(dataset, tmp_path, monkeypatch):  # noqa: F811 -
 
 def test_the_warm_up_does_not_change_training(dataset, tmp_path, monkeypatch):  # noqa: F811
     dropout = [
-        "model.hidden_dropout_prob=0.1",
-        "model.attention_probs_dropout_prob=0.1",
+        "model.overrides.hidden_dropout_prob=0.1",
+        "model.overrides.attention_probs_dropout_prob=0.1",
         "train.max_steps=2",
         "model.attention=padded",
         "eval.max_samples=8",

@@ -1,8 +1,9 @@
 import json
+import os
 
 import pytest
 
-from bert.config import BertConfig, ConfigError
+from bert.config import PRESETS, BertConfig, ConfigError
 
 
 def test_large_preset_is_mlperf_bert_large():
@@ -108,3 +109,62 @@ def test_a_config_file_with_an_unknown_activation_is_found_when_the_config_is_ch
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: model.config_file: {path}: hidden_act: ")
     assert not out.exists()
+
+
+MODERN = {"model_type": "modernbert", "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 96}
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({**MODERN, "global_attn_every_n_layers": 0}, "global_attn_every_n_layers: must be a positive integer"),
+        ({**MODERN, "rope_parameters": [1, 2]}, "rope_parameters: expected a mapping"),
+        ({**MODERN, "global_rope_theta": "big"}, "rope_theta_global: must be a finite number, got 'big'"),
+        ({**MODERN, "global_rope_theta": 10**400}, "rope_theta_global: must be a finite number"),
+        ({**MODERN, "num_hidden_layers": 10**9}, "fp32 parameters alone take"),
+        (
+            {"hidden_size": 128, "num_attention_heads": 2, "initializer_range": float("nan")},
+            "initializer_range: must be",
+        ),
+        ({"hidden_size": 10**9, "num_attention_heads": 1}, "fp32 parameters alone take"),
+        ({"vocab_size": 10**9}, "fp32 parameters alone take"),
+        ({"max_position_embeddings": 2e8}, "max_position_embeddings: must be an integer"),
+        ({"num_hidden_layers": True}, "num_hidden_layers: must be an integer"),
+        ({"layer_norm_eps": float("inf")}, "layer_norm_eps: must be a finite number"),
+    ],
+)
+def test_hostile_config_json_is_one_line_naming_the_field(tmp_path, values, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))  # NaN and Infinity as Python's json writes them
+    with pytest.raises(ConfigError) as e:
+        BertConfig.from_json(str(path))
+    text = str(e.value)
+    assert text.startswith(f"{path}: ") and message in text and "\n" not in text and len(text) < 400, text
+
+
+def test_unreadable_config_json_is_one_line(tmp_path):
+    digits = tmp_path / "digits.json"
+    digits.write_text('{"vocab_size": ' + "9" * 5001 + "}")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path, message in ((digits, "not a JSON model config"), (deep, "not a JSON model config"), (fifo, "regular")):
+        with pytest.raises(ConfigError) as e:
+            BertConfig.from_json(str(path))
+        assert str(e.value).startswith(f"{path}: ") and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_parameter_estimate_is_the_model_s_count():
+    """The memory check counts what BertForPreTraining allocates, for every preset's parts
+    (at tiny sizes), without building it."""
+    from dataclasses import replace
+
+    from bert.model import BertForPreTraining
+
+    for name, preset in PRESETS.items():
+        config = replace(preset, hidden_size=32, num_attention_heads=2, intermediate_size=48, vocab_size=97)
+        model = BertForPreTraining(config)
+        real = sum(p.numel() for p in model.parameters())
+        real += sum(b.numel() for n, b in model.named_buffers() if "rotary" in n)
+        assert config.parameter_count() == real, name

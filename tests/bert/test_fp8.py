@@ -151,8 +151,6 @@ def test_an_fp8_layer_compiles_to_one_graph_under_autocast():
 def test_sizes_fp8_cannot_run_and_bad_choices_are_config_errors():
     with pytest.raises(ConfigError, match=r"layers.0 is 40 -> 80; FP8 GEMMs need both sizes to be multiples of 16"):
         fp8.convert_encoder(OneLayer(40, 80), "tensorwise")
-    with pytest.raises(ConfigError, match="train.fp8_impl: 'transformer_engine' is not one of"):
-        fp8.convert_encoder(OneLayer(48, 80), "tensorwise", impl="transformer_engine")
     with pytest.raises(ConfigError, match="train.fp8: 'blockwise' is not one of"):
         load_config(None, ["train.fp8=blockwise"])
     with pytest.raises(ConfigError, match="model.bias_gelu: epilogue is a bf16/fp32 GEMM"):

@@ -162,8 +162,7 @@ def test_ramp_sizes_per_step():
 WARMUP = [
     "optim.name=stable_adamw",
     "train.grad_accum_steps=4",  # global batch 8: units of 2 sequences
-    "train.batch_size_warmup_start=2",
-    "train.batch_size_warmup_steps=6",
+    "train.batch_size_warmup=[2,6]",
 ]
 
 
@@ -208,24 +207,21 @@ def test_resume_with_another_ramp_is_refused(dataset, tmp_path):  # noqa: F811
     DataError (run_pretraining prints it and exits 2), not a silent jump to other samples."""
     run_in_process(dataset, tmp_path, *MODERN, *WARMUP, "train.max_steps=6", stop_after=1)
     with pytest.raises(DataError) as e:
-        run_in_process(dataset, tmp_path, *MODERN, *WARMUP, "train.batch_size_warmup_steps=3", "train.max_steps=6")
+        run_in_process(dataset, tmp_path, *MODERN, *WARMUP, "train.batch_size_warmup=[2,3]", "train.max_steps=6")
     assert "loader state: batch-size warm-up" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["train.batch_size_warmup_start=3"], "train.batch_size_warmup_start: 3 is not a multiple of"),
-        (
-            ["train.batch_size_warmup_start=8"],
-            "train.batch_size_warmup_start: 8 must be below train.global_batch_size 8",
-        ),
-        (["train.batch_size_warmup_start=0"], "train.batch_size_warmup_start: must be positive"),
-        (["train.batch_size_warmup_steps=0"], "train.batch_size_warmup_steps: must be >= 1"),
-        (["train.batch_size_warmup_start=null"], "train.batch_size_warmup_steps: set train.batch_size_warmup_start"),
+        (["train.batch_size_warmup=[3,6]"], "train.batch_size_warmup: start 3 is not a multiple of"),
+        (["train.batch_size_warmup=[8,6]"], "start 8 must lie in [1, train.global_batch_size 8)"),
+        (["train.batch_size_warmup=[0,6]"], "train.batch_size_warmup: start 0 must lie in"),
+        (["train.batch_size_warmup=[2,0]"], "train.batch_size_warmup: steps must be >= 1"),
+        (["train.batch_size_warmup=[2]"], "train.batch_size_warmup: expected a list of 2 values"),
         (
             ["log.division=closed", "log.submitter=x", "optim.name=lamb"],
-            "train.batch_size_warmup_start: the closed division",
+            "train.batch_size_warmup: the closed division",
         ),
     ],
 )
@@ -236,16 +232,15 @@ def test_bad_warmup_config_is_named(dataset, extra, message):  # noqa: F811
 
 
 def test_bad_warmup_config_is_one_line_exit_2(dataset, tmp_path):  # noqa: F811
-    r = cli("--output-dir", str(tmp_path / "out"), *overrides(dataset, *WARMUP, "train.batch_size_warmup_start=3"))
+    r = cli("--output-dir", str(tmp_path / "out"), *overrides(dataset, *WARMUP, "train.batch_size_warmup=[3,6]"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "train.batch_size_warmup_start: 3" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "train.batch_size_warmup: start 3" in r.stderr
 
 
 def test_recipe_config_sets_both():
     cfg = load_config(str(REPO / "launch" / "configs" / "modernbert_base_8gpu.yaml"), [])
     assert cfg.optim.name == "stable_adamw" and cfg.optim.decouple_lr
-    ramp = (cfg.train.batch_size_warmup_start, cfg.train.global_batch_size, cfg.train.batch_size_warmup_steps)
-    assert ramp == (768, 4608, 21192)
+    assert (cfg.train.batch_size_warmup, cfg.train.global_batch_size) == ((768, 21192), 4608)
 
 
 @pytest.mark.multiprocess

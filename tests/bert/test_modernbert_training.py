@@ -35,7 +35,7 @@ def test_masked_lm_only_with_wsd(dataset, tmp_path):  # noqa: F811
 
 
 def test_resume_is_bitwise_identical(dataset, tmp_path):  # noqa: F811
-    dropout = ["model.hidden_dropout_prob=0.1", "model.attention_probs_dropout_prob=0.1"]
+    dropout = ["model.overrides.hidden_dropout_prob=0.1", "model.overrides.attention_probs_dropout_prob=0.1"]
     run_in_process(dataset, tmp_path / "whole", *MODERN, *dropout, "train.max_steps=6")
     first = run_in_process(dataset, tmp_path / "parts", *MODERN, *dropout, "train.max_steps=6", stop_after=2)
     assert first["status"] == "interrupted" and first["steps"] == 3
@@ -53,7 +53,7 @@ def test_context_extension_resumes_with_a_new_theta(dataset, tmp_path):  # noqa:
     for run in ("a", "b"):
         assert run_in_process(dataset, tmp_path / run, *MODERN, *short, stop_after=2)["steps"] == 3
     longer = ["data.max_seq_length=128", "train.max_steps=5", "optim.decay_steps=1"]
-    run_in_process(dataset, tmp_path / "a", *MODERN, *longer, "model.rope_theta_global=160000")
+    run_in_process(dataset, tmp_path / "a", *MODERN, *longer, "model.overrides.rope_theta_global=160000")
     run_in_process(dataset, tmp_path / "b", *MODERN, *longer)
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert len(a) == len(b) == 5
@@ -65,7 +65,7 @@ def test_context_extension_resumes_with_a_new_theta(dataset, tmp_path):  # noqa:
     "override, message",
     [
         ("model.attention=torch_varlen", "the model has local (sliding-window) layers; model.attention=torch_varlen"),
-        ("model.rope_theta_global=-1", "model: rope_theta_global: must be a positive number"),
+        ("model.overrides.rope_theta_global=-1", "model.overrides.rope_theta_global: must be a positive number"),
         ("model.preset=modernbert_huge", "model.preset: 'modernbert_huge' is not one of"),
     ],
 )

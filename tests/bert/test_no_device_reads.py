@@ -76,7 +76,7 @@ def test_a_step_of_the_triton_kernels_with_dropout_reads_nothing(tmp_path, atten
     extra = [*tiny_triton_dropout(tmp_path, seq_len=16), f"model.attention={attention}"]
     extra += [*STEADY[1:3], "train.grad_accum_steps=2", "checkpoint.at_end=false"]
     if fused:
-        extra += ["model.fused_ops=true", "model.hidden_dropout_prob=0.1"]
+        extra += ["model.fused_ops=true", "model.overrides.hidden_dropout_prob=0.1"]
     trainer = Trainer(load_config(None, extra), str(tmp_path), init_distributed(backend="gloo"))
     seen = instrument(trainer, 2)
     assert trainer.train()["steps"] == 2 and sorted(seen) == [2]

@@ -41,7 +41,7 @@ def test_wsd_on_the_device_equals_the_host_schedule_bitwise(shape, decay_steps):
     from bert.train_config import OptimSection
 
     section = OptimSection(
-        lr=8e-4, total_steps=100, warmup_steps=10, schedule="wsd", decay_steps=decay_steps, decay_shape=shape
+        lr=8e-4, warmup_steps=10, schedule="wsd" if shape == "1-sqrt" else "wsd_linear", decay_steps=decay_steps
     )
 
     def scheduler(**kw):

@@ -16,8 +16,7 @@ RUN = [
     "optim.clip=adagc",
     "optim.adagc.warmup_steps=2",
     "loss.simreg_weight=0.1",
-    "optim.total_steps=6",
-    "model.hidden_dropout_prob=0.1",
+    "model.overrides.hidden_dropout_prob=0.1",
 ]
 TAGS = {
     "loss/total",

@@ -22,9 +22,9 @@ from tests.helpers import REPO, compliance_check
 ROOT = str(REPO)
 TINY = [
     "model.preset=tiny",
-    "model.vocab_size=96",
-    "model.hidden_dropout_prob=0",
-    "model.attention_probs_dropout_prob=0",
+    "model.overrides.vocab_size=96",
+    "model.overrides.hidden_dropout_prob=0",
+    "model.overrides.attention_probs_dropout_prob=0",
     "data.max_seq_length=64",
     "train.global_batch_size=8",
     "train.device=cpu",
@@ -130,21 +130,29 @@ def test_eval_at_start_scores_the_initial_weights_and_changes_nothing(dataset, t
 def test_resume_is_bitwise_identical(dataset, tmp_path):
     whole = tmp_path / "whole"
     run_in_process(
-        dataset, whole, "train.max_steps=8", "model.hidden_dropout_prob=0.1", "model.attention_probs_dropout_prob=0.1"
+        dataset,
+        whole,
+        "train.max_steps=8",
+        "model.overrides.hidden_dropout_prob=0.1",
+        "model.overrides.attention_probs_dropout_prob=0.1",
     )
     parts = tmp_path / "parts"
     first = run_in_process(
         dataset,
         parts,
         "train.max_steps=8",
-        "model.hidden_dropout_prob=0.1",
-        "model.attention_probs_dropout_prob=0.1",
+        "model.overrides.hidden_dropout_prob=0.1",
+        "model.overrides.attention_probs_dropout_prob=0.1",
         stop_after=3,
     )
     assert first["status"] == "interrupted" and first["steps"] == 4
     assert os.listdir(parts / "checkpoints") == ["step_00000004.pt"]
     second = run_in_process(
-        dataset, parts, "train.max_steps=8", "model.hidden_dropout_prob=0.1", "model.attention_probs_dropout_prob=0.1"
+        dataset,
+        parts,
+        "train.max_steps=8",
+        "model.overrides.hidden_dropout_prob=0.1",
+        "model.overrides.attention_probs_dropout_prob=0.1",
     )
     assert second["steps"] == 8
     assert losses(parts) == losses(whole)  # bitwise: the same floats
@@ -177,7 +185,7 @@ def cli(*args, timeout=300, **kw):
         ("optim.lrr=1", "optim.lrr: unknown field"),
         ("train.grad_accum_steps=3", "train.global_batch_size: 8 is not divisible"),
         ("data.eval_file=/nonexistent.hdf5", "data.eval_file: '/nonexistent.hdf5' does not exist"),
-        ("model.vocab_size=50", "outside the vocabulary"),
+        ("model.overrides.vocab_size=50", "outside the vocabulary"),
         ("model.attention=flashmask", "model.attention: flashmask needs data.layout=packed"),
         ("model.attention=nonexistent", "model.attention: 'nonexistent' is not one of"),
     ],
@@ -316,7 +324,7 @@ def tiny_triton_dropout(tmp_path, seq_len=32):
         f"data.eval_file={eval_file}",
         f"model.config_file={tmp_path / 'bert_config.json'}",
         "model.attention=triton",
-        "model.attention_probs_dropout_prob=0.1",
+        "model.overrides.attention_probs_dropout_prob=0.1",
         f"data.max_seq_length={seq_len}",
         "train.global_batch_size=2",
         "train.max_steps=2",

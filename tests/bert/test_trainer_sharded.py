@@ -27,7 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 CONFIG = os.path.join(ROOT, "launch", "configs", "cpu_demo.yaml")
 STEPS = [
     "train.max_steps=20",
-    "optim.total_steps=20",
     "train.global_batch_size=8",
     "optim.lr=5e-3",
     "optim.max_grad_norm=0.5",

@@ -18,7 +18,7 @@ from data.rebalance import check_block
 from tests.batches import write_dataset
 from tests.faults.common import losses, metrics, run_args, run_in_process, spawn_ranks, summary
 
-G, SEED, VOCAB = 8, 42, 96  # global batch, train.seed and model.vocab_size of the tiny runs
+G, SEED, VOCAB = 8, 42, 96  # global batch, train.seed and model.overrides.vocab_size of the tiny runs
 STEPS = ["train.max_steps=16", "train.seed=42"]
 USED_AT = (12, 14)  # 0-based steps whose first sample is made corrupt: trained at steps 13 and 15
 

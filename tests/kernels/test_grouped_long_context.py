@@ -24,4 +24,5 @@ def test_longer_than_the_last_bucket_is_one_more_group():
 
 
 def test_the_config_takes_the_long_context_buckets():
-    assert ModelSection(attention="triton_grouped", grouped_buckets=LONG_BUCKETS).grouped_buckets == LONG_BUCKETS
+    section = ModelSection(attention="triton_grouped", attention_options={"buckets": LONG_BUCKETS})
+    assert section.attention_options == {"buckets": LONG_BUCKETS}
