@@ -19,9 +19,10 @@ import yaml
 
 from fileio import UnsafeFile, read_checked
 
-MAX_YAML_BYTES = 1 << 20  # a config file; launch/configs' are about 2 KB
-MAX_TEXT_BYTES = 64 << 10  # one command-line value
+MAX_YAML_BYTES = 256 << 10  # a config file; launch/configs' are about 2 KB
+MAX_TEXT_BYTES = 4 << 10  # one command-line value
 MAX_DEPTH = 32  # nesting of mappings and lists
+MAX_NODES = 20_000  # values in one document (pure-Python YAML composes ~10,000 a second)
 MAX_INT = 2**63  # ints are 64-bit; Python's are not
 
 
@@ -125,18 +126,24 @@ def check_choices(key: str, obj, error=ValueError) -> None:
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """YAML without aliases (a 376-byte alias bomb expands to gigabytes) and nesting bounded."""
+    """YAML without aliases (a 376-byte alias bomb expands to gigabytes), nesting and size bounded."""
 
-    depth = 0
+    depth = nodes = 0
+
+    def fetch_flow_collection_start(self, token_class):
+        if self.flow_level >= MAX_DEPTH:  # the scanner's work grows with the depth: refuse it here
+            raise yaml.YAMLError(f"line {self.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        super().fetch_flow_collection_start(token_class)
 
     def compose_node(self, parent, index):
+        mark = self.peek_event().start_mark
         if self.check_event(yaml.AliasEvent):
-            mark = self.peek_event().start_mark
             raise yaml.YAMLError(f"line {mark.line + 1}: aliases (*name) are not accepted")
-        self.depth += 1
+        self.depth, self.nodes = self.depth + 1, self.nodes + 1
         if self.depth > MAX_DEPTH:
-            mark = self.peek_event().start_mark
             raise yaml.YAMLError(f"line {mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        if self.nodes > MAX_NODES:
+            raise yaml.YAMLError(f"line {mark.line + 1}: more than {MAX_NODES:,} values")
         try:
             return super().compose_node(parent, index)
         finally:
@@ -154,6 +161,8 @@ def parse_yaml(text: str, where: str, error=ValueError):
         at = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise error(f"{where} not valid YAML ({at}{cut(problem)})") from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise error(f"{where} not a valid value ({cut(str(e).split(':')[0], 80)})") from None
     finally:
         if loader is not None:
             loader.dispose()
