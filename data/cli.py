@@ -20,7 +20,7 @@ import yaml
 from fileio import UnsafeFile, read_checked
 
 MAX_YAML_BYTES = 256 << 10  # a config file; launch/configs' are about 2 KB
-MAX_TEXT_BYTES = 4 << 10  # one command-line value
+MAX_TEXT_BYTES = 64 << 10  # one command-line value
 MAX_DEPTH = 32  # nesting of mappings and lists
 MAX_NODES = 20_000  # values in one document (pure-Python YAML composes ~10,000 a second)
 MAX_INT = 2**63  # ints are 64-bit; Python's are not
