@@ -26,7 +26,6 @@ import random
 import shutil
 import sys
 import time
-import types
 import typing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from data import text
+from data.cli import option, optional
 from data.errors import DataError, cli_main
 from data.hdf5io import ALL_LAYOUTS, write_file
 from data.progress import progress
@@ -54,24 +54,15 @@ MASK_ROWS = 4096  # rows masked at once (bounds the [rows, S] scratch arrays)
 PAIR_TASK_TOKENS = (100_000, 8_000_000)  # document tokens per pairing task: min, max
 
 
-def option(default=MISSING, *, help: str, reference: bool = True, flag: str | None = None, **argparse_kw):
-    """A field of PrepareConfig and, from the same declaration, its command-line option.
-
-    ``help`` is the option's help; ``flag`` its name when not ``--field-name``;
-    ``reference=False``: an option that ``--reference`` (one reference file per input)
-    refuses, whose argparse default is therefore None (so that "given" can be seen) and whose
-    help then names the real default unless it already does; ``argparse_kw`` goes to
-    ``add_argument`` as it is (choices, metavar) with ``group``: options in the same group
-    are mutually exclusive, one of them required. The type and nargs come from the annotation."""
-    meta = {"help": help, "reference": reference, "flag": flag, **argparse_kw}
-    return field(default=default, metadata=meta)
-
-
 @dataclass(kw_only=True)
 class PrepareConfig:
     """Every parameter of a preparation run (the manifest records them all but ``workers``,
     which never changes the output). Each field is also an option of ``python -m
-    data.prepare`` (``option``), in this order."""
+    data.prepare``, in this order (``data.cli.option``; the type and nargs come from the
+    annotation): ``flag`` names it when not ``--field-name``; ``reference=False`` marks one
+    that ``--reference`` refuses (its argparse default is None, so "given" can be seen);
+    options of the same ``group`` are mutually exclusive, one of them required; ``metavar``
+    and ``choices`` go to argparse."""
 
     inputs: list[str] = option(flag="--input", help="text files or directories")
     input_format: str = option(
@@ -180,24 +171,23 @@ class PrepareConfig:
 
 def _flag(f) -> str:
     """The option of a PrepareConfig field."""
-    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def _add_option(ap: argparse.ArgumentParser, groups: dict, f, hint) -> None:
     """The command-line option of one PrepareConfig field (see ``option``)."""
-    meta = dict(f.metadata)
-    help, reference, group, flag = meta.pop("help"), meta.pop("reference"), meta.pop("group", None), _flag(f)
-    del meta["flag"]
+    meta = {k: v for k, v in f.metadata.items() if v is not None or k != "choices"}
+    help, reference, group, flag = meta.pop("help"), meta.pop("reference", True), meta.pop("group", None), _flag(f)
+    meta.pop("flag", None)
     kw = {"dest": f.name, **meta}  # dest is the field; what argparse shows is the flag's
     if "choices" not in kw:
         kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: an option that may be absent
-        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    hint, _ = optional(hint)  # X | None: an option that may be absent
     if typing.get_origin(hint) is list:
         kw.update(nargs="+", action="extend")
     elif hint in (int, float):
         kw["type"] = hint
-    if f.default is MISSING:
+    if f.default is MISSING and f.default_factory is MISSING:
         kw["required"] = True
     elif group is not None:  # a member of a required group: given or None
         if group not in groups:
@@ -1001,7 +991,7 @@ def build_parser(config: type[PrepareConfig] = PrepareConfig) -> argparse.Argume
 
 def refused_by_reference(args: argparse.Namespace, config: type[PrepareConfig] = PrepareConfig) -> list[str]:
     """The options given in ``args`` that ``--reference`` does not take."""
-    return [_flag(f) for f in fields(config) if not f.metadata["reference"] and getattr(args, f.name) is not None]
+    return [_flag(f) for f in fields(config) if not f.metadata.get("reference", True) and getattr(args, f.name) is not None]
 
 
 def main(argv=None) -> int:
