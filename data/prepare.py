@@ -991,7 +991,8 @@ def build_parser(config: type[PrepareConfig] = PrepareConfig) -> argparse.Argume
 
 def refused_by_reference(args: argparse.Namespace, config: type[PrepareConfig] = PrepareConfig) -> list[str]:
     """The options given in ``args`` that ``--reference`` does not take."""
-    return [_flag(f) for f in fields(config) if not f.metadata.get("reference", True) and getattr(args, f.name) is not None]
+    given = [f for f in fields(config) if getattr(args, f.name) is not None]
+    return [_flag(f) for f in given if not f.metadata.get("reference", True)]
 
 
 def main(argv=None) -> int:
