@@ -39,6 +39,7 @@ CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 def write_data(directory: Path, seq_len: int) -> tuple[str, str]:
     """Synthetic shards (lengths uniform in [5, seq_len]) and an eval file."""
     from data.synthetic import write_shards
+    from fileio import publish
 
     train, evaldir = directory / "train", directory / "eval"
     train.mkdir(parents=True)
@@ -46,7 +47,7 @@ def write_data(directory: Path, seq_len: int) -> tuple[str, str]:
     write_shards(train, [2048] * 4, 0, max_seq_length=seq_len, max_predictions=20, vocab_size=1000)
     (path,) = write_shards(evaldir, [64], 1, max_seq_length=seq_len, max_predictions=20, vocab_size=1000)
     eval_file = evaldir / "part_eval_10k.hdf5"
-    path.rename(eval_file)
+    publish(path, eval_file)
     return str(train), str(eval_file)
 
 
