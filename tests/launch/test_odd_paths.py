@@ -177,8 +177,11 @@ def test_a_real_run_with_every_path_odd(odd):
         "checkpoint.keep=1",
     ]:
         key, value = item.split("=", 1)
-        section, name = key.split(".")
-        sections.setdefault(section, {})[name] = value if name.endswith(("_dir", "_file")) else yaml.safe_load(value)
+        *path, name = key.split(".")  # model.overrides.vocab_size: a mapping inside the section
+        node = sections
+        for part in path:
+            node = node.setdefault(part, {})
+        node[name] = value if name.endswith(("_dir", "_file")) else yaml.safe_load(value)
     config.write_text(yaml.safe_dump(sections, allow_unicode=True), encoding="utf-8")
     results = odd / "real 'r' ü"
     run_launched(
