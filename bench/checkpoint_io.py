@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.compare_revisions import CompareError, base_tree
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -122,23 +124,12 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    if args.base_tree:
-        compare(REPO, Path(args.base_tree).resolve(), args)
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "base"
-        add = subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.base],
-            capture_output=True,
-            text=True,
-        )
-        if add.returncode:
-            print(f"error: --base {args.base}: {add.stderr.strip().splitlines()[-1]}", file=sys.stderr)
-            return 2
-        try:
+    try:
+        with base_tree(args.base, args.base_tree) as tree:
             compare(REPO, tree, args)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

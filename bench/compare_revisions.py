@@ -19,6 +19,7 @@ run that fails (its last output line is shown).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +33,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 class CompareError(RuntimeError):
     pass
+
+
+@contextlib.contextmanager
+def base_tree(rev: str, existing: str | None = None):
+    """The tree to compare against: ``existing`` as it is, or ``rev`` checked out into a
+    temporary git worktree for the duration (``CompareError`` when git cannot)."""
+    if existing:
+        yield Path(existing).resolve()
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "base"
+        add = subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], capture_output=True, text=True
+        )
+        if add.returncode:
+            raise CompareError(f"--base {rev}: {add.stderr.strip().splitlines()[-1]}")
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
 def run_tree(tree: Path, args: list[str], out: Path) -> dict[str, float]:
@@ -93,24 +114,9 @@ def main(argv=None) -> int:
     bench_args = ["--data", str(Path(args.data).resolve()), *passthrough]
     new = Path(args.new).resolve()
     try:
-        if args.base_tree:
-            result = compare(new, Path(args.base_tree).resolve(), args.pairs, bench_args)
-            base_name = args.base_tree
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                tree = Path(tmp) / "base"
-                add = subprocess.run(
-                    ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.base],
-                    capture_output=True,
-                    text=True,
-                )
-                if add.returncode:
-                    raise CompareError(f"--base {args.base}: {add.stderr.strip().splitlines()[-1]}")
-                try:
-                    result = compare(new, tree, args.pairs, bench_args)
-                finally:
-                    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)])
-            base_name = args.base
+        with base_tree(args.base, args.base_tree) as tree:
+            result = compare(new, tree, args.pairs, bench_args)
+        base_name = args.base_tree or args.base
     except CompareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
