@@ -1,15 +1,10 @@
 """Files published whole, and digests of files read in pieces: the one place both are written.
 
 Every output appears under its final name complete or not at all: written under a temporary
-name in the same directory, fsynced, renamed, the directory fsynced. ``publishing(path)``
-gives a temporary path for writers that want a name (h5py, ``torch.save``), published on a
-clean exit and removed on an error; ``publishing_dir`` does the same for a directory;
-``write_bytes`` / ``write_text`` are the common case; ``publish(tmp, path)`` takes a file
-already written; ``is_temporary(name)`` spots what a killed writer left. ``md5sum`` /
-``file_digest`` hash a file 1 MiB at a time. ``open_checked`` / ``read_checked`` open what
-the application reads: a regular file (no FIFO, device or directory; a symlink only inside
-``root``), at most ``max_bytes``, else ``UnsafeFile`` naming the file and the rule, never
-blocking. It imports nothing of the project, so every package can use it.
+name in the same directory, fsynced, renamed, the directory fsynced. ``open_checked`` /
+``read_checked`` open what the application reads: a regular file only, never blocking, else
+``UnsafeFile`` naming the file and the rule (docs/reliability.md). It imports nothing of the
+project, so every package can use it.
 """
 
 from __future__ import annotations
@@ -22,8 +17,6 @@ import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-
-_CHUNK = 1 << 20
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -38,23 +31,17 @@ def fsync_path(path: str | os.PathLike) -> None:
 def fsync_dir(directory: str | os.PathLike) -> None:
     """fsync a directory, so that a rename or a new entry in it is durable. Some file
     systems cannot open a directory for that (they order their metadata themselves)."""
-    try:
+    with contextlib.suppress(OSError):
         fsync_path(directory)
-    except OSError:
-        pass
-
-
-# What this module names its temporary files and directories: ``.<name>.tmp<pid><suffix>``
-# (hidden, one per process; the suffix stays last, as savefig and np.save choose by it). A
-# killed writer leaves such a name, never a final one; cleanup code finds them with this.
-TEMPORARY = re.compile(r"\.tmp\d+(\.\w+)?$")
 
 
 def is_temporary(name: str) -> bool:
     """Whether a file name is one of this module's temporary names (what a killed writer left)."""
-    return TEMPORARY.search(name) is not None
+    return re.search(r"\.tmp\d+(\.\w+)?$", name) is not None
 
 
+# Temporary files and directories are ``.<name>.tmp<pid><suffix>``: hidden, one per process; the
+# suffix stays last, as savefig and np.save choose by it. A killed writer leaves such a name.
 def _temp_name(path: Path, suffix: str) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}{suffix}")
 
@@ -138,6 +125,11 @@ def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> N
     write_bytes(path, text.encode(encoding))
 
 
+# What open_checked calls a file that is not a regular one, by its type (stat.S_IFMT).
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+_KINDS.update(dict.fromkeys((stat.S_IFCHR, stat.S_IFBLK), "a device"))
+
+
 class UnsafeFile(OSError):
     """A file the application will not read: its message is one line naming the file and the rule."""
 
@@ -170,17 +162,7 @@ def open_checked(
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = (
-                "a directory"
-                if stat.S_ISDIR(st.st_mode)
-                else "a FIFO"
-                if stat.S_ISFIFO(st.st_mode)
-                else "a device"
-                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                else "a socket"
-                if stat.S_ISSOCK(st.st_mode)
-                else "not a regular file"
-            )
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
             raise UnsafeFile(f"{path}: {what} is {kind}, not a regular file; refused")
         if max_bytes is not None and st.st_size > max_bytes:
             raise UnsafeFile(
@@ -209,7 +191,7 @@ def file_digest(path: str | os.PathLike, name: str = "md5", root=None) -> str:
     gigabytes is never held in memory."""
     h = hashlib.new(name)
     with open_checked(path, root=root) as f:
-        while chunk := f.read(_CHUNK):
+        while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
 
