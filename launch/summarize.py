@@ -1,13 +1,9 @@
 """Turn MLPerf training logs into scores: ``python -m launch.summarize DIR [DIR ...]``.
 
-Reads every run's ``:::MLLOG`` lines in each directory (``result_*.txt``, else
-``mlperf.log``, else ``*/mlperf.log``; anyone's logs). Per run: status, time to train,
-samples to converge, throughput and the compliance checker's verdict (ruleset 5.0.0 unless
-``--ruleset``; cached by file content). Per directory: the olympic score and the RCP
-normalisation, as ``mlperf_logging``'s ``result_summarizer`` and ``rcp_checker`` compute
-them; "official" only for ten accepted closed-division runs with unique seeds, one batch
-size and a passed RCP check, else the reason is printed. The rules:
-[docs/mlperf.md](../docs/mlperf.md#summarizing-results).
+Per run (``result_*.txt``, else ``mlperf.log``, else ``*/mlperf.log``; anyone's logs): status,
+time to train, samples, throughput and the compliance checker's verdict (cached by file
+content). Per directory: the olympic score and its RCP normalisation as ``mlperf_logging``
+computes them, official or why not: [docs/mlperf.md](../docs/mlperf.md#summarizing-results).
 """
 
 from __future__ import annotations
@@ -186,12 +182,7 @@ def olympic_score(runs: list[RunResult]) -> tuple[float | None, bool, str, list[
     """(olympic mean in minutes or None, official?, note, runs in the mean)."""
     n = len(runs)
     if n < 3:
-        return (
-            None,
-            False,
-            f"{n} run(s): an olympic mean needs at least 3 ({OFFICIAL_RUNS} for an official score)",
-            [],
-        )
+        return None, False, f"{n} run(s): an olympic mean needs at least 3 ({OFFICIAL_RUNS} for an official score)", []
     kept = sorted(runs, key=lambda r: r.minutes if r.success else math.inf)[1:-1]
     failed = sum(not r.success for r in runs)
     if not kept[-1].success:
@@ -211,9 +202,9 @@ def olympic_score(runs: list[RunResult]) -> tuple[float | None, bool, str, list[
 
 @dataclass
 class RCPResult:
-    passed: bool
-    factor: float  # >= 1; the score is multiplied by it
-    verdict: str
+    verdict: str | None
+    passed: bool = False
+    factor: float = 1.0  # >= 1; the score is multiplied by it
 
 
 def rcp_check(runs: list[RunResult], ruleset: str) -> RCPResult:
@@ -222,26 +213,22 @@ def rcp_check(runs: list[RunResult], ruleset: str) -> RCPResult:
     try:
         from mlperf_logging.rcp_checker import rcp_checker as rc
     except ImportError:
-        return RCPResult(False, 1.0, "RCP check not run: mlperf-logging is not installed")
+        return RCPResult("RCP check not run: mlperf-logging is not installed")
     sizes = {r.batch_size for r in runs}
     if len(sizes) != 1 or None in sizes:
-        return RCPResult(
-            False,
-            1.0,
-            "RCP check failed: the runs do not share one global_batch_size "
-            f"({', '.join(str(b) for b in sorted(sizes, key=str))})",
-        )
+        shared = ", ".join(str(b) for b in sorted(sizes, key=str))
+        return RCPResult(f"RCP check failed: the runs do not share one global_batch_size ({shared})")
     (bs,) = sizes
     # A run that did not converge, or that the compliance checker rejects, counts as 1e9 samples.
     # Samples are train_samples where logged (rcp_checker's --rcp-bert-train-samples: some
     # submitters log epoch_num 1 on every eval), else the last eval's epoch_num.
     samples = [float(r.samples) if r.success and r.samples is not None else 1e9 for r in runs]
     if sum(x == 1e9 for x in samples) > 1:
-        return RCPResult(False, 1.0, "RCP check failed: insufficient convergence (more than one run failed)")
+        return RCPResult("RCP check failed: insufficient convergence (more than one run failed)")
     try:
         checker = rc.RCP_Checker("training", ruleset, "bert", False)
     except Exception as e:  # noqa: BLE001 - the checker raises a bare Exception for rulesets without RCPs
-        return RCPResult(False, 1.0, f"RCP check not run: {e}")
+        return RCPResult(f"RCP check not run: {e}")
     record = checker._find_rcp(bs, "pruned_rcps")
     how = "found"
     if record is None:
@@ -253,19 +240,16 @@ def rcp_check(runs: list[RunResult], ruleset: str) -> RCPResult:
             record = checker._find_min_rcp("pruned_rcps")
             how = f"the smallest batch size's ({record['BS']})"
         else:
-            return RCPResult(False, 1.0, f"RCP missing for global batch size {bs} (ruleset {ruleset})")
+            return RCPResult(f"RCP missing for global batch size {bs} (ruleset {ruleset})")
     passed, factor = checker._eval_submission_record(record, samples, "")
     mean = float(np.mean(sorted(samples)[1:-1]))
     where = f"RCP {how}: mean {record['RCP Mean']:,.0f} samples, runs' mean {mean:,.0f}"
     if not passed:
-        return RCPResult(
-            False,
-            1.0,
-            f"RCP check failed ({where}: faster than the allowed {record['RCP Mean'] / record['Max Speedup']:,.0f})",
-        )
+        allowed = record["RCP Mean"] / record["Max Speedup"]
+        return RCPResult(f"RCP check failed ({where}: faster than the allowed {allowed:,.0f})")
     if factor > 1.0:
-        return RCPResult(True, float(factor), f"{where}: score scaled by {factor:.4f}")
-    return RCPResult(True, 1.0, where)
+        return RCPResult(f"{where}: score scaled by {factor:.4f}", True, float(factor))
+    return RCPResult(where, True)
 
 
 def official_problems(runs: list[RunResult]) -> list[str]:
@@ -304,12 +288,9 @@ def _checker_version() -> str:
 
 def _checker_reasons(log_text: str) -> str:
     """The checker's complaints, from its log output, as one line."""
-    reasons = []
-    for line in log_text.splitlines():
-        line = line.strip()
-        if not line or line.startswith(("INFO", "ERROR - FAILED", "---", "**")):
-            continue
-        reasons.append(re.sub(r"^(WARNING|ERROR) -\s*", "", line))
+    lines = (line.strip() for line in log_text.splitlines())
+    skip = ("INFO", "ERROR - FAILED", "---", "**")
+    reasons = [re.sub(r"^(WARNING|ERROR) -\s*", "", line) for line in lines if line and not line.startswith(skip)]
     return "; ".join(reasons) or "failed (no reason given)"
 
 
@@ -317,18 +298,8 @@ def run_compliance_checker(path: Path, ruleset: str) -> str:
     """'pass' or 'fail: <reasons>' from the official checker, run as a subprocess."""
     with tempfile.TemporaryDirectory(prefix="mlperf-check-") as tmp:
         out = Path(tmp) / "checker.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "mlperf_logging.compliance_checker",
-            "--usage",
-            "training",
-            "--ruleset",
-            ruleset,
-            "--log_output",
-            str(out),
-            str(path.resolve()),
-        ]
+        cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training", "--ruleset", ruleset]
+        cmd += ["--log_output", str(out), str(path.resolve())]  # the log last: main names it on a timeout
         # cwd=tmp: the checker writes files into its working directory.
         proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600)
         if proc.returncode == 0:
@@ -353,8 +324,7 @@ class ComplianceCache:
                 self.entries = {}  # a damaged cache is only a cache: start over
 
     def key(self, path: Path, ruleset: str, checker_version: str) -> str:
-        digest = file_digest(path, "sha256")
-        return f"{ruleset}/{checker_version}/{digest}"
+        return f"{ruleset}/{checker_version}/{file_digest(path, 'sha256')}"
 
     def save(self) -> None:
         if self.file is None:
@@ -402,24 +372,15 @@ def summarize_directory(
     raw, complete, note, kept = olympic_score(runs)
     rates = [r.throughput for r in kept]
     throughput = sum(rates) / len(rates) if rates and None not in rates else None
-    rcp = rcp_check(runs, rcp_ruleset) if len(runs) >= 3 else None
-    score = raw * rcp.factor if raw is not None and rcp is not None else raw
+    rcp = rcp_check(runs, rcp_ruleset) if len(runs) >= 3 else RCPResult(None, True)  # no RCP check
     problems = official_problems(runs)
-    if rcp is not None and not rcp.passed:
+    if not rcp.passed:
         problems.append(rcp.verdict)
-    official = complete and not problems
     if complete and problems:
         note += "; not an official score: " + "; ".join(problems)
+    score = raw * rcp.factor if raw is not None else None
     return DirectorySummary(
-        directory,
-        runs,
-        score,
-        official,
-        note,
-        throughput,
-        rcp=rcp.verdict if rcp else None,
-        rcp_factor=rcp.factor if rcp else 1.0,
-        raw_score_minutes=raw,
+        directory, runs, score, complete and not problems, note, throughput, rcp.verdict, rcp.factor, raw
     )
 
 
@@ -503,22 +464,14 @@ def write_png(path: Path, summaries: list[DirectorySummary]) -> None:
     names = [s.directory.name for s in summaries]
     scores = [s.score_minutes or 0.0 for s in summaries]
     bars = ax.bar(range(len(summaries)), scores, width=0.6, color="#4c72b0", alpha=0.8, label="olympic score")
+    labels = []
     for i, s in enumerate(summaries):
         times = [r.minutes for r in s.runs if r.success]
         ax.scatter(
             [i + 0.38] * len(times), times, color="black", s=10, zorder=3, label="successful runs" if i == 0 else None
         )
-        label = f"{s.score_minutes:.2f}" if s.score_minutes is not None else "no score"
-        if s.score_minutes is not None and not s.official:
-            label += "*"
-        ax.annotate(
-            label,
-            (bars[i].get_x() + bars[i].get_width() / 2, scores[i]),
-            ha="center",
-            va="bottom",
-            xytext=(0, 3),
-            textcoords="offset points",
-        )
+        labels.append("no score" if s.score_minutes is None else f"{s.score_minutes:.2f}" + ("" if s.official else "*"))
+    ax.bar_label(bars, labels, padding=3)
     ax.set_xticks(range(len(summaries)), names, rotation=15, ha="right")
     ax.set_ylabel("time to train (minutes)")
     ax.set_title(
