@@ -117,10 +117,9 @@ def summarize_run(path: Path) -> RunResult:
     events = read_events(path)
     if not events:
         raise SummaryError(f"{path}: no {TOKEN} lines")
-    starts = [i for i, e in enumerate(events) if e.key == "run_start"]
-    if not starts:
+    start_i = next((i for i, e in enumerate(events) if e.key == "run_start"), None)
+    if start_i is None:
         raise SummaryError(f"{path}: no run_start event")
-    start_i = starts[0]
     start = events[start_i]
     stop = next((e for e in events[start_i:] if e.key == "run_stop"), None)
     if stop is None:
@@ -133,18 +132,9 @@ def summarize_run(path: Path) -> RunResult:
         return next((e.value for e in events if e.key == key), None)
 
     during = events[start_i:]
-    samples: int | None = None
     trained = [e.value for e in during if e.key == "train_samples" and isinstance(e.value, int)]
-    if trained:
-        samples = trained[-1]
-    else:
-        evals = [
-            e.metadata["epoch_num"]
-            for e in during
-            if e.key == "eval_accuracy" and isinstance(e.metadata.get("epoch_num"), int)
-        ]
-        if evals:
-            samples = evals[-1]
+    evals = [e.metadata.get("epoch_num") for e in during if e.key == "eval_accuracy"]
+    samples = (trained or [n for n in evals if isinstance(n, int)] or [None])[-1]
     seed, batch = first("seed"), first("global_batch_size")
     return RunResult(
         path,
@@ -523,8 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         ruleset = None if args.no_check else args.ruleset
         print(format_table(summaries, args.ruleset if ruleset else "not checked"), end="")
         if args.json:
-            text = json.dumps(to_json(summaries, ruleset), indent=2) + "\n"
-            write_text(args.json, text)
+            write_text(args.json, json.dumps(to_json(summaries, ruleset), indent=2) + "\n")
             print(f"wrote {args.json}")
         if args.png:
             write_png(args.png, summaries)
