@@ -4,12 +4,10 @@
         --output OUT INPUTS...
 
 INPUTS are result logs or directories of them (as ``launch.summarize`` finds them). OUT gets
-MLPerf's tree, published whole: ``ORG/results/SYSTEM/bert/result_N.txt`` (the logs in input
-order), ``ORG/systems/SYSTEM.json`` (``--system-desc``, or made by ``launch.system_desc``),
-``ORG/benchmarks/bert/implementations/IMPL/`` (the code); then ``mlperf_logging``'s package
-and RCP checkers run on it (ruleset 5.0.0). Exit status: 0 when both pass, 1 when they
-report errors (the package stays, to inspect), 2 for bad input.
-[docs/mlperf.md](../docs/mlperf.md#reproducing-a-closed-division-result).
+MLPerf's tree, published whole (``ORG/results/SYSTEM/bert/result_N.txt`` in input order,
+``ORG/systems/SYSTEM.json``, ``ORG/benchmarks/bert/implementations/IMPL/``); then the package
+and RCP checkers run on it (ruleset 5.0.0). Exit status: 0 when both pass, 1 when they report
+errors (the package stays), 2 for bad input: docs/mlperf.md, "Reproducing a closed-division result".
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import logging.handlers
 import os
 import re
 import shutil
@@ -57,29 +56,24 @@ class Verdict:
 def collect_logs(inputs: list[str]) -> list[Path]:
     """The result logs named by INPUTS, in order; each must hold MLPerf lines."""
     logs: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if not path.exists():
-            raise PackageError(f"{item}: no such file or directory")
-        try:
-            found = find_logs(path)
-        except SummaryError as e:
-            raise PackageError(str(e)) from None
-        for log in found:
-            try:
+    try:
+        for item in inputs:
+            if not Path(item).exists():
+                raise PackageError(f"{item}: no such file or directory")
+            for log in find_logs(Path(item)):
                 events = read_events(log)
-            except SummaryError as e:
-                raise PackageError(str(e)) from None
-            keys = {e.key for e in events}
-            if not events:
-                raise PackageError(f"{log}: no :::MLLOG lines; not an MLPerf result log")
-            for key in ("run_start", "run_stop"):
-                if key not in keys:
-                    raise PackageError(f"{log}: no {key} line; an MLPerf result log has one")
-            benchmark = next((e.value for e in events if e.key == "submission_benchmark"), None)
-            if benchmark != BENCHMARK:
-                raise PackageError(f"{log}: submission_benchmark is {benchmark!r}, not {BENCHMARK!r}")
-            logs.append(log)
+                keys = {e.key for e in events}
+                if not events:
+                    raise PackageError(f"{log}: no :::MLLOG lines; not an MLPerf result log")
+                for key in ("run_start", "run_stop"):
+                    if key not in keys:
+                        raise PackageError(f"{log}: no {key} line; an MLPerf result log has one")
+                benchmark = next((e.value for e in events if e.key == "submission_benchmark"), None)
+                if benchmark != BENCHMARK:
+                    raise PackageError(f"{log}: submission_benchmark is {benchmark!r}, not {BENCHMARK!r}")
+                logs.append(log)
+    except SummaryError as e:  # find_logs and read_events name the file
+        raise PackageError(str(e)) from None
     if not logs:
         raise PackageError("no result logs among the inputs")
     if len(set(map(os.path.realpath, logs))) != len(logs):
@@ -88,10 +82,7 @@ def collect_logs(inputs: list[str]) -> list[Path]:
 
 
 def log_value(log: Path, key: str):
-    for event in read_events(log):
-        if event.key == key:
-            return event.value
-    return None
+    return next((e.value for e in read_events(log) if e.key == key), None)
 
 
 def nodes_of(logs: list[Path]) -> str:
@@ -157,8 +148,8 @@ def code_files(root: Path) -> list[Path]:
 
 def build_tree(
     staging: Path, org: str, system: str, logs: list[Path], desc: dict, code: Path, implementation: str
-) -> Path:
-    """Writes the package under staging/ORG; returns the results directory of the benchmark."""
+) -> None:
+    """Writes the package under staging/ORG."""
     results = staging / org / "results" / system / BENCHMARK
     results.mkdir(parents=True)
     for i, log in enumerate(logs):
@@ -174,25 +165,17 @@ def build_tree(
         shutil.copyfile(code / rel, target)
     if not (impl / "README.md").exists():
         raise PackageError(f"--code {code}: no README.md; MLPerf implementations carry one")
-    return results
 
 
 # ---------------------------------------------------------------------------------------
 # The checkers (run in this process, their log records captured)
 
 
-class _Capture(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def _captured(fn, *args, **kwargs):
+    """fn's result and the INFO and higher records logged while it ran."""
     root = logging.getLogger()
-    handler, level = _Capture(), root.level
+    handler, level = logging.handlers.BufferingHandler(capacity=1 << 30), root.level  # never flushed
+    handler.setLevel(logging.INFO)
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     try:
@@ -200,7 +183,7 @@ def _captured(fn, *args, **kwargs):
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
-    return result, handler.records
+    return result, handler.buffer
 
 
 def _messages(records, least=logging.WARNING) -> list[str]:
@@ -328,10 +311,7 @@ def make_package(args) -> tuple[Path, list[Verdict]]:
         build_tree(staging, args.org, args.system, logs, desc, code, args.implementation)
     package = out / args.org
     results = package / "results" / args.system / BENCHMARK
-    verdicts = [run_package_checker(package)]
-    rcp, _ = run_rcp_checker(results, args.division)
-    verdicts.append(rcp)
-    return package, verdicts
+    return package, [run_package_checker(package), run_rcp_checker(results, args.division)[0]]
 
 
 def report(package: Path, verdicts: list[Verdict], logs: int) -> str:
