@@ -2,12 +2,10 @@
 
     python -m launch.system_desc --output FILE.json [--nodes N] [--field key=value ...]
 
-Every field ``mlperf_logging.system_desc_checker`` requires (``status`` one of
-``STATUSES``), filled from what the machine tells: GPUs (``nvidia-smi``), CPUs (``lscpu``),
-memory, disk, the OS, the versions of torch, CUDA, cuDNN, NCCL, Triton and DALI, and the
-container image (``CONT`` or ``CONTAINER_IMAGE``). What it cannot know stays ``""`` for
-``--field``, which also overrides anything measured. ``launch.package`` calls ``describe``
-when no description is given; the logs name the system in ``submission_platform``.
+Every field ``mlperf_logging.system_desc_checker`` requires, from what the machine tells
+(``nvidia-smi``, ``lscpu``, ``/proc``, the OS, the installed versions, the container image in
+``CONT`` or ``CONTAINER_IMAGE``). What it cannot know stays ``""`` for ``--field``, which also
+overrides anything measured. docs/mlperf.md, "Reproducing a closed-division result", step 7.
 """
 
 from __future__ import annotations
@@ -26,40 +24,17 @@ from typing import Any
 from fileio import write_text
 
 # The fields the 5.0.0 package checker requires, in the order MLPerf's own files list them.
-FIELDS = (
-    "submitter",
-    "division",
-    "status",
-    "system_name",
-    "number_of_nodes",
-    "host_processors_per_node",
-    "host_processor_model_name",
-    "host_processor_core_count",
-    "host_processor_vcpu_count",
-    "host_processor_frequency",
-    "host_processor_caches",
-    "host_processor_interconnect",
-    "host_memory_capacity",
-    "host_storage_type",
-    "host_storage_capacity",
-    "host_networking",
-    "host_networking_topology",
-    "host_memory_configuration",
-    "accelerators_per_node",
-    "accelerator_model_name",
-    "accelerator_host_interconnect",
-    "accelerator_frequency",
-    "accelerator_on-chip_memories",
-    "accelerator_memory_configuration",
-    "accelerator_memory_capacity",
-    "accelerator_interconnect",
-    "accelerator_interconnect_topology",
-    "cooling",
-    "hw_notes",
-    "framework",
-    "other_software_stack",
-    "operating_system",
-    "sw_notes",
+FIELDS = tuple(
+    """
+    submitter division status system_name number_of_nodes
+    host_processors_per_node host_processor_model_name host_processor_core_count host_processor_vcpu_count
+    host_processor_frequency host_processor_caches host_processor_interconnect host_memory_capacity
+    host_storage_type host_storage_capacity host_networking host_networking_topology host_memory_configuration
+    accelerators_per_node accelerator_model_name accelerator_host_interconnect accelerator_frequency
+    accelerator_on-chip_memories accelerator_memory_configuration accelerator_memory_capacity
+    accelerator_interconnect accelerator_interconnect_topology
+    cooling hw_notes framework other_software_stack operating_system sw_notes
+    """.split()
 )
 # system_desc_checker (training, ruleset >= 4.0): the only values "status" may take.
 STATUSES = ("Available on-premise", "Available cloud", "Research, Development, or Internal (RDI)", "Preview")
