@@ -1,13 +1,10 @@
-"""Distributed initialisation from whatever launched this process.
+"""Distributed initialisation from whatever launched this process (docs/clusters.md).
 
 ``run_pretraining.py`` calls :func:`init_distributed` once, before building anything else. It
 reads rank, world size, local rank and rendezvous from torchrun, Open MPI, MPICH / Intel MPI or
-Slurm (``srun``) variables, in that order (a single process with an in-memory store when there
-are none; under MPI without MASTER_ADDR/MASTER_PORT rank 0 picks them and broadcasts them with
-mpi4py), normalises them into RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, and
-creates the default process group (NCCL with CUDA, else gloo; each process on its local
-rank's GPU), which always exists afterwards. :func:`detect_launcher` is the pure part
-(environment in, :class:`LaunchEnv` out). Launchers and variables: docs/clusters.md.
+Slurm (``srun``) variables, in that order (:func:`detect_launcher`, the pure part), normalises
+them into RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, and creates the default
+process group, which always exists afterwards.
 """
 
 from __future__ import annotations
@@ -83,19 +80,13 @@ def first_host(nodelist: str) -> str:
     m = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
     if not m or not (m.group(1) or m.group(2)):
         raise LaunchError(f"cannot read a host from Slurm node list {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if ranges is None:
-        return prefix
-    first = re.split(r"[-,]", ranges, maxsplit=1)[0]
-    return prefix + first
+    prefix, ranges = m.groups()
+    return prefix if ranges is None else prefix + re.split(r"[-,]", ranges, maxsplit=1)[0]
 
 
 def detect_launcher(env: Mapping[str, str]) -> LaunchEnv:
-    """Read rank, world size, local rank and rendezvous from a launcher's environment.
-
-    Pure: looks only at ``env``. Raises :class:`LaunchError` naming the variable when a
-    launcher's variables are malformed or incomplete.
-    """
+    """Rank, world size, local rank and rendezvous from a launcher's environment; looks only at
+    ``env``. :class:`LaunchError` names the variable when they are malformed or incomplete."""
     for name, rank_var, size_var, local_vars in _LAUNCHERS:
         if rank_var not in env:
             continue
