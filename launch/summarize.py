@@ -186,10 +186,6 @@ def olympic_score(runs: list[RunResult]) -> tuple[float | None, bool, str, list[
     return score, True, what, kept
 
 
-# ---------------------------------------------------------------------------------------
-# RCP normalisation and the official flag
-
-
 @dataclass
 class RCPResult:
     verdict: str | None
@@ -259,10 +255,6 @@ def official_problems(runs: list[RunResult]) -> list[str]:
     if len({r.batch_size for r in runs}) != 1:
         problems.append("the runs do not share one global batch size")
     return problems
-
-
-# ---------------------------------------------------------------------------------------
-# Compliance checker
 
 
 def _checker_version() -> str:
@@ -338,27 +330,15 @@ def check_runs(runs: list[RunResult], ruleset: str, cache: ComplianceCache, work
     todo = [(r, k) for r, k in zip(runs, keys) if k not in cache.entries]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         verdicts = list(pool.map(lambda rk: run_compliance_checker(rk[0].path, ruleset), todo))
-    for (_, k), verdict in zip(todo, verdicts):
-        cache.entries[k] = verdict
+    cache.entries.update((k, verdict) for (_, k), verdict in zip(todo, verdicts))
     for r, k in zip(runs, keys):
         r.compliance = cache.entries[k]
     if todo:
         cache.save()
 
 
-# ---------------------------------------------------------------------------------------
-# Output
-
-
-def collect_runs(directory: Path) -> list[RunResult]:
-    return [summarize_run(p) for p in find_logs(directory)]
-
-
-def summarize_directory(
-    directory: Path, runs: list[RunResult] | None = None, rcp_ruleset: str = DEFAULT_RCP_RULESET
-) -> DirectorySummary:
-    """The directory's score; pass ``runs`` once their compliance verdicts are filled in."""
-    runs = collect_runs(directory) if runs is None else runs
+def summarize_directory(directory: Path, runs: list[RunResult], rcp_ruleset: str) -> DirectorySummary:
+    """The score of a directory's runs, their compliance verdicts filled in (or not checked)."""
     raw, complete, note, kept = olympic_score(runs)
     rates = [r.throughput for r in kept]
     throughput = sum(rates) / len(rates) if rates and None not in rates else None
@@ -451,7 +431,6 @@ def write_png(path: Path, summaries: list[DirectorySummary]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(summaries) + 2), 4))
-    names = [s.directory.name for s in summaries]
     scores = [s.score_minutes or 0.0 for s in summaries]
     bars = ax.bar(range(len(summaries)), scores, width=0.6, color="#4c72b0", alpha=0.8, label="olympic score")
     labels = []
@@ -462,7 +441,7 @@ def write_png(path: Path, summaries: list[DirectorySummary]) -> None:
         )
         labels.append("no score" if s.score_minutes is None else f"{s.score_minutes:.2f}" + ("" if s.official else "*"))
     ax.bar_label(bars, labels, padding=3)
-    ax.set_xticks(range(len(summaries)), names, rotation=15, ha="right")
+    ax.set_xticks(range(len(summaries)), [s.directory.name for s in summaries], rotation=15, ha="right")
     ax.set_ylabel("time to train (minutes)")
     ax.set_title(
         "MLPerf BERT olympic time to train" + (" (* not official)" if any(not s.official for s in summaries) else "")
@@ -505,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        runs = [collect_runs(d) for d in args.dirs]
+        runs = [[summarize_run(p) for p in find_logs(d)] for d in args.dirs]
         if not args.no_check:
             cache = ComplianceCache(None if args.no_cache else (args.cache or default_cache_file()))
             check_runs([r for rs in runs for r in rs], args.ruleset, cache, args.jobs)
