@@ -49,10 +49,6 @@ class Verdict:
     lines: list[str] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------------------------------
-# Inputs
-
-
 def collect_logs(inputs: list[str]) -> list[Path]:
     """The result logs named by INPUTS, in order; each must hold MLPerf lines."""
     logs: list[Path] = []
@@ -123,10 +119,6 @@ def check_name(option: str, value: str) -> None:
         raise PackageError(f"{option}: {value!r} must be a plain name (it becomes a directory)")
 
 
-# ---------------------------------------------------------------------------------------
-# The tree
-
-
 def code_files(root: Path) -> list[Path]:
     """The implementation's files, relative to root: git's tracked files in a checkout, else a walk."""
     try:
@@ -165,10 +157,6 @@ def build_tree(
         shutil.copyfile(code / rel, target)
     if not (impl / "README.md").exists():
         raise PackageError(f"--code {code}: no README.md; MLPerf implementations carry one")
-
-
-# ---------------------------------------------------------------------------------------
-# The checkers (run in this process, their log records captured)
 
 
 def _captured(fn, *args, **kwargs):
@@ -241,7 +229,7 @@ def run_package_checker(package: Path) -> Verdict:
     return Verdict("package checker", systems_ok and results_ok, lines)
 
 
-def run_rcp_checker(results: Path, division: str) -> tuple[Verdict, float]:
+def run_rcp_checker(results: Path, division: str) -> Verdict:
     """The RCP checker on the results directory, as the package checker calls it (pruned RCPs;
     scaling.json written for a closed package that converges faster than the RCP mean). The
     open division needs no RCP: there the verdict is reported but does not fail the package."""
@@ -276,10 +264,7 @@ def run_rcp_checker(results: Path, division: str) -> tuple[Verdict, float]:
     if division == "open" and not passed:
         lines.append("the open division needs no RCP: reported, not an error")
         passed = True
-    return Verdict("RCP checker", passed, lines), norm
-
-
-# ---------------------------------------------------------------------------------------
+    return Verdict("RCP checker", passed, lines)
 
 
 def make_package(args) -> tuple[Path, list[Verdict]]:
@@ -311,7 +296,7 @@ def make_package(args) -> tuple[Path, list[Verdict]]:
         build_tree(staging, args.org, args.system, logs, desc, code, args.implementation)
     package = out / args.org
     results = package / "results" / args.system / BENCHMARK
-    return package, [run_package_checker(package), run_rcp_checker(results, args.division)[0]]
+    return package, [run_package_checker(package), run_rcp_checker(results, args.division)]
 
 
 def report(package: Path, verdicts: list[Verdict], logs: int) -> str:
