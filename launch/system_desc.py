@@ -11,6 +11,7 @@ overrides anything measured. docs/mlperf.md, "Reproducing a closed-division resu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -86,8 +87,7 @@ def gpu_fields() -> dict[str, Any]:
         topo = _run("nvidia-smi", "topo", "-m")
         fields["accelerator_interconnect_topology"] = "NVSwitch" if "NV" in topo and len(rows) > 2 else "NVLink"
     else:
-        fields["accelerator_interconnect"] = "PCIe"
-        fields["accelerator_interconnect_topology"] = "PCIe"
+        fields["accelerator_interconnect"] = fields["accelerator_interconnect_topology"] = "PCIe"
     return fields
 
 
@@ -124,22 +124,16 @@ def cpu_fields() -> dict[str, Any]:
 
 def host_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: the line is not there
         meminfo = Path("/proc/meminfo").read_text()
         kib = int(re.search(r"MemTotal:\s+(\d+)", meminfo).group(1))
         fields["host_memory_capacity"] = _gib(kib * 1024)
-    except (OSError, AttributeError):
-        pass
-    try:
+    with contextlib.suppress(OSError):
         fields["host_storage_capacity"] = _gib(shutil.disk_usage(os.getcwd()).total)
-    except OSError:
-        pass
     os_name = platform.system()
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         release = Path("/etc/os-release").read_text()
         os_name = re.search(r'^PRETTY_NAME="?([^"\n]*)', release, re.MULTILINE).group(1)
-    except (OSError, AttributeError):
-        pass
     fields["operating_system"] = f"{os_name} (kernel {platform.release()})"
     return fields
 
@@ -152,11 +146,9 @@ def software_fields() -> dict[str, Any]:
         parts.append(f"CUDA {torch.version.cuda}")
     if torch.backends.cudnn.is_available():
         parts.append(f"cuDNN {torch.backends.cudnn.version()}")
-    try:
+    with contextlib.suppress(AttributeError, RuntimeError):
         nccl = torch.cuda.nccl.version()
         parts.append("NCCL " + (".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)))
-    except (AttributeError, RuntimeError):
-        pass
     from importlib.metadata import PackageNotFoundError, version
 
     for dist, name in (
@@ -165,10 +157,8 @@ def software_fields() -> dict[str, Any]:
         ("nvidia-dali-cuda110", "DALI"),
         ("mlperf-logging", "mlperf-logging"),
     ):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             parts.append(f"{name} {version(dist)}")
-        except PackageNotFoundError:
-            pass
     image = os.environ.get("CONT") or os.environ.get("CONTAINER_IMAGE")
     if image:
         parts.append(f"container {image}")
