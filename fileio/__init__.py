@@ -140,11 +140,7 @@ def _inside(path: str, root: str | os.PathLike) -> bool:
 
 
 def open_checked(
-    path: str | os.PathLike,
-    *,
-    max_bytes: int | None = None,
-    root: str | os.PathLike | None = None,
-    what: str = "file",
+    path: str | os.PathLike, *, max_bytes: int | None = None, root: str | os.PathLike | None = None, what: str = "file"
 ):
     """Open ``path`` for binary reading, refusing in one line (``UnsafeFile``) anything but a
     regular file: a FIFO, a device, a directory, a symlink whose target leaves ``root`` (when
