@@ -17,6 +17,7 @@ import sys
 from typing import NoReturn
 
 from bert.train_config import ConfigError, describe, load_config
+from launch.versions import too_old
 
 
 def parse_args(argv=None):
@@ -39,9 +40,6 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    from launch.versions import too_old
-
     if old := too_old():
         print(f"error: {old}", file=sys.stderr)
         return 2
