@@ -95,9 +95,7 @@ def detect_launcher(env: Mapping[str, str]) -> LaunchEnv:
         rank, world_size = _int_var(env, rank_var), _int_var(env, size_var)
         if world_size < 1 or not 0 <= rank < world_size:
             raise LaunchError(f"{rank_var}={rank} is not a rank of {size_var}={world_size}")
-        local_rank = next((_int_var(env, v) for v in local_vars if v in env), None)
-        if local_rank is None and world_size == 1:
-            local_rank = 0
+        local_rank = next((_int_var(env, v) for v in local_vars if v in env), 0 if world_size == 1 else None)
         if local_rank is not None and local_rank < 0:
             raise LaunchError(f"{local_vars[0]}={local_rank} is negative")
 
