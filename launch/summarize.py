@@ -66,9 +66,7 @@ class RunResult:
     @property
     def throughput(self) -> float | None:
         """Samples per second over the time to train."""
-        if self.samples is None or self.seconds <= 0:
-            return None
-        return self.samples / self.seconds
+        return None if self.samples is None or self.seconds <= 0 else self.samples / self.seconds
 
 
 @dataclass
@@ -76,7 +74,7 @@ class DirectorySummary:
     directory: Path
     runs: list[RunResult]
     score_minutes: float | None  # olympic mean x RCP factor, None when there is none
-    official: bool  # see the module docstring
+    official: bool  # the conditions: official_problems, and docs/mlperf.md step 6
     note: str
     throughput: float | None  # mean samples/s of the runs in the score
     rcp: str | None = None  # the RCP check's verdict, in words
