@@ -174,7 +174,7 @@ def _captured(fn, *args, **kwargs):
     return result, handler.buffer
 
 
-def _messages(records, least=logging.WARNING) -> list[str]:
+def _messages(records) -> list[str]:
     """Warnings and errors, each prefixed with the result file the checker was reading."""
     out, current = [], ""
     for r in records:
@@ -183,7 +183,7 @@ def _messages(records, least=logging.WARNING) -> list[str]:
             current = os.path.basename(text.split(":", 1)[1].strip()) + ": "
         elif text.startswith(("Running Seed Checker", "Running RCP Checker")):
             current = ""
-        if r.levelno >= least and text:
+        if r.levelno >= logging.WARNING and text:
             out.append(f"{r.levelname}: {current}{text}")
     return out
 
@@ -197,17 +197,10 @@ def run_package_checker(package: Path) -> Verdict:
 
     def both():
         systems_ok = pc.check_systems(str(package), USAGE, RULESET)
-        results_ok = pc.check_training_result_files(
-            str(package),
-            USAGE,
-            RULESET,
-            quiet=False,
-            werror=False,
-            rcp_bypass=False,
-            rcp_bert_train_samples=False,
-            seed_checker_bypass=False,
+        no_bypass = dict(
+            quiet=False, werror=False, rcp_bypass=False, rcp_bert_train_samples=False, seed_checker_bypass=False
         )
-        return systems_ok, results_ok
+        return systems_ok, pc.check_training_result_files(str(package), USAGE, RULESET, **no_bypass)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
