@@ -285,6 +285,23 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
 _SKIP = re.compile(r"(/adam_[mv]$|/Momentum$|^global_step$|^(good|bad)_steps$|^loss_scale$|^current_loss_scale$)")
 _LAYER = re.compile(r"^bert/encoder/layer_(\d+)/(.+)$")
 _LEAVES = {"kernel": "weight", "bias": "bias", "gamma": "weight", "beta": "bias"}
+_FIXED = {  # the names that are not a module path (slashes as dots) and a _LEAVES leaf
+    "bert/embeddings/word_embeddings": "bert.embeddings.word_embeddings.weight",
+    "bert/embeddings/position_embeddings": "bert.embeddings.position_embeddings.weight",
+    "bert/embeddings/token_type_embeddings": "bert.embeddings.token_type_embeddings.weight",
+    "cls/predictions/output_bias": "cls.predictions.bias",
+    "cls/seq_relationship/output_weights": "cls.seq_relationship.weight",
+    "cls/seq_relationship/output_bias": "cls.seq_relationship.bias",
+}
+# The modules with _LEAVES variables; in a layer, the path after bert/encoder/layer_N/.
+_MODULES = set(
+    "bert/embeddings/LayerNorm bert/pooler/dense cls/predictions/transform/dense"
+    " cls/predictions/transform/LayerNorm".split()
+)
+_LAYER_MODULES = set(
+    "attention/self/query attention/self/key attention/self/value attention/output/dense attention/output/LayerNorm"
+    " intermediate/dense output/dense output/LayerNorm".split()
+)
 
 
 def is_slot_or_counter(name: str) -> bool:
@@ -316,39 +333,11 @@ def google_bert_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict[str, np.nd
 
 
 def _hf_name(name: str) -> str | None:
-    fixed = {
-        "bert/embeddings/word_embeddings": "bert.embeddings.word_embeddings.weight",
-        "bert/embeddings/position_embeddings": "bert.embeddings.position_embeddings.weight",
-        "bert/embeddings/token_type_embeddings": "bert.embeddings.token_type_embeddings.weight",
-        "cls/predictions/output_bias": "cls.predictions.bias",
-        "cls/seq_relationship/output_weights": "cls.seq_relationship.weight",
-        "cls/seq_relationship/output_bias": "cls.seq_relationship.bias",
-    }
-    if name in fixed:
-        return fixed[name]
+    if name in _FIXED:
+        return _FIXED[name]
     path, _, leaf = name.rpartition("/")
-    if leaf not in _LEAVES:
-        return None
-    leaf = _LEAVES[leaf]
-    modules = {
-        "bert/embeddings/LayerNorm": "bert.embeddings.LayerNorm",
-        "bert/pooler/dense": "bert.pooler.dense",
-        "cls/predictions/transform/dense": "cls.predictions.transform.dense",
-        "cls/predictions/transform/LayerNorm": "cls.predictions.transform.LayerNorm",
-    }
-    if path in modules:
-        return f"{modules[path]}.{leaf}"
     m = _LAYER.match(path)
-    if m is None:
+    if leaf not in _LEAVES or not (m.group(2) in _LAYER_MODULES if m else path in _MODULES):
         return None
-    inner = {
-        "attention/self/query": "attention.self.query",
-        "attention/self/key": "attention.self.key",
-        "attention/self/value": "attention.self.value",
-        "attention/output/dense": "attention.output.dense",
-        "attention/output/LayerNorm": "attention.output.LayerNorm",
-        "intermediate/dense": "intermediate.dense",
-        "output/dense": "output.dense",
-        "output/LayerNorm": "output.LayerNorm",
-    }.get(m.group(2))
-    return None if inner is None else f"bert.encoder.layer.{m.group(1)}.{inner}.{leaf}"
+    path = f"bert.encoder.layer.{m.group(1)}.{m.group(2)}" if m else path
+    return f"{path.replace('/', '.')}.{_LEAVES[leaf]}"
