@@ -29,20 +29,8 @@ class TFCheckpointError(ValueError):
 
 
 # tensorflow/core/framework/types.proto: DataType -> numpy dtype (little-endian).
-_DTYPES = {
-    1: np.float32,
-    2: np.float64,
-    3: np.int32,
-    4: np.uint8,
-    5: np.int16,
-    6: np.int8,
-    9: np.int64,
-    10: np.bool_,
-    17: np.uint16,
-    19: np.float16,
-    22: np.uint32,
-    23: np.uint64,
-}
+_DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 4: np.uint8, 5: np.int16, 6: np.int8, 9: np.int64}
+_DTYPES.update({10: np.bool_, 17: np.uint16, 19: np.float16, 22: np.uint32, 23: np.uint64})
 _DTYPE_NAMES = {7: "string", 14: "bfloat16", 8: "complex64", 18: "complex128"}
 _TABLE_MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48
@@ -126,13 +114,8 @@ def _parse_entry(value: bytes) -> dict:
 
 def _parse_header(value: bytes) -> tuple[int, int]:
     """BundleHeaderProto: num_shards=1, endianness=2 (0 little, 1 big)."""
-    shards, endianness = 1, 0
-    for number, _, v in _fields(value):
-        if number == 1:
-            shards = v
-        elif number == 2:
-            endianness = v
-    return shards, endianness
+    values = {number: v for number, _, v in _fields(value)}  # the last of a repeated field wins
+    return values.get(1, 1), values.get(2, 0)
 
 
 # ---- the sorted table (LevelDB's format) ----------------------------------------------------
