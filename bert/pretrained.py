@@ -1,13 +1,8 @@
-"""Weights in and out through transformers: one adapter per model family, keyed by
-``model_type``.
+"""Weights in and out through transformers: one adapter per model family, keyed by ``model_type``.
 
-- ``load_pretrained(model, path)``: initialise from what ``bert.safe_load`` reads (a
-  transformers directory, NVIDIA's MLPerf ``.pt``, MLPerf's TensorFlow checkpoint);
-- ``to_hf_state_dict(model)`` / ``load_hf_state_dict(model, state_dict)``: the mapping, exact
-  both ways, every missing key, unexpected key, shape mismatch and non-float tensor reported
-  in one ``CheckpointError``;
-- ``export_hf(model, directory)``: ``config.json`` and ``model.safetensors`` that transformers'
-  ``from_pretrained`` loads, published whole.
+``load_pretrained`` initialises from what ``bert.safe_load`` reads; ``to_hf_state_dict`` /
+``load_hf_state_dict`` map exactly both ways, every problem reported in one ``CheckpointError``;
+``export_hf`` publishes what transformers' ``from_pretrained`` loads.
 
 An adapter (``bert/hf_bert.py``, ``bert/hf_modernbert.py``) is a module with ``MODEL_TYPE``;
 ``TIED`` (transformers' name of a stored copy -> the name it copies); ``IGNORED`` (names read
@@ -54,11 +49,8 @@ def adapter_for(config: BertConfig):
 
 
 def to_hf_state_dict(model, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """This model's weights under transformers' names (``state_dict()`` of its family's class).
-
-    ``tensors`` maps this model's parameter names to other tensors of the same shapes (for
-    example gradients) to rename instead of the weights.
-    """
+    """This model's weights under transformers' names (``state_dict()`` of its family's class), or
+    ``tensors`` (this model's names -> tensors of the same shapes, e.g. gradients) renamed."""
     family = adapter_for(model.config)
     out = family.to_hf(model.config, model.state_dict() if tensors is None else tensors)
     out.update({alias: out[target] for alias, target in family.TIED.items()})
