@@ -262,30 +262,12 @@ def _modernbert(**shape) -> BertConfig:
     """ModernBERT's architecture (arXiv:2412.13663, section 2.1; transformers' ``ModernBertConfig``
     defaults), sized by ``shape``; the values and their sources: docs/modern_encoders.md."""
     layers = shape.pop("num_hidden_layers", 22)
-    values = dict(
-        vocab_size=50368,
-        num_hidden_layers=layers,
-        hidden_act="gelu",
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        max_position_embeddings=8192,
-        type_vocab_size=0,
-        layer_norm_eps=1e-5,
-        norm_placement="pre",
-        norm_bias=False,
-        position_embedding="rotary",
-        rope_theta_global=160000.0,
-        rope_theta_local=10000.0,
-        mlp="gated",
-        attention_bias=False,
-        mlp_bias=False,
-        head_bias=False,
-        first_attn_norm=False,
-        next_sentence=False,
-        layer_types=alternating_layers(layers, 3),
-        local_window=128,
-        init_scheme="modernbert",
-    )
+    values = dict(vocab_size=50368, num_hidden_layers=layers, max_position_embeddings=8192, type_vocab_size=0)
+    values.update(hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    values.update(norm_placement="pre", norm_bias=False, layer_norm_eps=1e-5, first_attn_norm=False)
+    values.update(position_embedding="rotary", rope_theta_global=160000.0, rope_theta_local=10000.0)
+    values.update(mlp="gated", attention_bias=False, mlp_bias=False, head_bias=False, next_sentence=False)
+    values.update(layer_types=alternating_layers(layers, 3), local_window=128, init_scheme="modernbert")
     values.update(shape)
     return BertConfig(**values)
 

@@ -71,20 +71,16 @@ class Rotary(nn.Module):
         if kernel not in ("torch", "triton"):
             raise ValueError(f"model.rotary_kernel: {kernel!r} is not one of ('torch', 'triton')")
         self.kernel = kernel
-        self.thetas = {"global": config.rope_theta_global, "local": config.rope_theta_local}
-        for kind, theta in self.thetas.items():
+        for kind, theta in (("global", config.rope_theta_global), ("local", config.rope_theta_local)):
             cos, sin = rotary_tables(config.head_dim, theta, config.max_position_embeddings)
             self.register_buffer(f"{kind}_cos", cos, persistent=False)
             self.register_buffer(f"{kind}_sin", sin, persistent=False)
-
-    def tables(self, kind: str) -> tuple[Tensor, Tensor]:
-        return getattr(self, f"{kind}_cos"), getattr(self, f"{kind}_sin")
 
     def forward(self, x_NHD: Tensor, position_ids: Tensor, kind: str) -> Tensor:
         from kernels import rotary
 
         fn = rotary.apply_rotary if self.kernel == "triton" else rotary.apply_rotary_reference
-        return fn(x_NHD, *self.tables(kind), position_ids)
+        return fn(x_NHD, getattr(self, f"{kind}_cos"), getattr(self, f"{kind}_sin"), position_ids)
 
 
 class EncoderLayer(nn.Module):
