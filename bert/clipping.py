@@ -22,10 +22,6 @@ from bert.train_config import AdaGCSection
 ADAGC_EPS = 1e-6  # added to norms before dividing
 
 
-def _grads(params: Iterable[Tensor]) -> list[Tensor]:
-    return [p.grad for p in params if p.grad is not None]
-
-
 def tensor_norms(grads: list[Tensor]) -> Tensor:
     """[N] float32 L2 norms, one per tensor (fp16/bf16 gradients are reduced in fp32)."""
     return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
@@ -47,7 +43,7 @@ def clip_global_(
     gives this rank's shard of a gradient and ``norms`` the whole tensors' norms from the shards."""
     if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"optim.max_grad_norm: must be finite and > 0, got {max_norm}")
-    grads = [local(g) for g in _grads(params)]
+    grads = [local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     total = torch.linalg.vector_norm(norms(grads))

@@ -145,8 +145,7 @@ def convert_encoder(model: nn.Module, recipe: str, device: torch.device | None =
     modules = dict(model.named_modules())
     for name in names:
         m = modules[name]
-        bad = [n for n in (m.in_features, m.out_features) if n % ALIGN]
-        if bad:
+        if m.in_features % ALIGN or m.out_features % ALIGN:
             raise ConfigError(
                 f"train.fp8: {name} is {m.in_features} -> {m.out_features}; FP8 GEMMs need both "
                 f"sizes to be multiples of {ALIGN}"

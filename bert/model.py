@@ -132,9 +132,7 @@ class BertForPreTraining(nn.Module):
         if self.final_norm is not None:
             x_NC = self.final_norm(x_NC)
 
-        nsp_logits = None
-        if self.nsp is not None:
-            nsp_logits = self.nsp(torch.tanh(self.pooler(x_NC[cls_index])))  # [B, 2]
+        nsp_logits = None if self.nsp is None else self.nsp(torch.tanh(self.pooler(x_NC[cls_index])))  # [B, 2]
         m_MC = self.mlm_norm(self.act(self.mlm_transform(x_NC[batch.mlm_positions])))
         mlm_logits = F.linear(m_MC, self.embeddings.word.weight, self.mlm_bias)  # tied decoder
         return PretrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits, hidden_states=x_NC)

@@ -93,18 +93,15 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
 
 def _check_float(state_dict: dict, keys: set[str]) -> None:
     """CheckpointError naming the entries of ``keys`` that are not floating-point tensors."""
-    not_float = sorted(
-        k for k, v in state_dict.items() if k in keys and (not isinstance(v, Tensor) or not v.is_floating_point())
-    )
-    if not_float:
-        kinds = {
-            k: state_dict[k].dtype if isinstance(state_dict[k], Tensor) else type(state_dict[k]).__name__
-            for k in not_float[:5]
-        }
-        what = ", ".join(f"{k} ({kind})" for k, kind in kinds.items())
-        raise CheckpointError(
-            f"not floating-point tensors: {what}" + (f" (+{len(not_float) - 5} more)" if len(not_float) > 5 else "")
-        )
+    kinds = {}  # key -> what it holds instead, in key order
+    for k in sorted(keys & state_dict.keys()):
+        v = state_dict[k]
+        if not (isinstance(v, Tensor) and v.is_floating_point()):
+            kinds[k] = v.dtype if isinstance(v, Tensor) else type(v).__name__
+    if kinds:
+        what = ", ".join(f"{k} ({kind})" for k, kind in list(kinds.items())[:5])
+        more = f" (+{len(kinds) - 5} more)" if len(kinds) > 5 else ""
+        raise CheckpointError(f"not floating-point tensors: {what}{more}")
 
 
 def drop_vocab_padding(state_dict: dict[str, Tensor], vocab_size: int, rows: tuple[str, ...]) -> dict[str, Tensor]:
