@@ -43,11 +43,8 @@ def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict]:
 
 class Lamb(torch.optim.Optimizer):
     """LAMB with ``torch._foreach_*`` ops: a few multi-tensor kernels per group, no host sync.
-
-    Arguments as apex's ``FusedLAMB`` (without its built-in clipping): ``params`` (tensors or
-    group dicts), ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
-    ``use_nvlamb`` (trust ratio also where weight decay is 0).
-    """
+    Arguments as apex's ``FusedLAMB`` without its clipping; ``use_nvlamb``: the trust ratio also
+    where weight decay is 0."""
 
     def __init__(
         self,
@@ -159,10 +156,10 @@ class Lamb(torch.optim.Optimizer):
 class AdamW(torch.optim.AdamW):
     """torch's AdamW that also takes ``step(found_inf=...)`` and a device-tensor learning rate.
 
-    Without either, ``step()`` is torch's own; with them, the same update on ``torch._foreach_*``
-    ops that read nothing back, in torch's state layout. ``decouple_lr=True``: weight decay
-    independent of the rate's size, w <- w (1 - lr_t / max_lr x weight_decay), ``max_lr`` the
-    peak rate (default ``lr``; configuration, not state). ``amsgrad`` and ``maximize`` are torch's only.
+    Without either, ``step()`` is torch's own; with them, the same update on ``_foreach`` ops that
+    read nothing back, in torch's state layout. ``decouple_lr=True``: w <- w (1 - lr_t / max_lr x
+    weight_decay), ``max_lr`` the peak rate (default ``lr``; configuration, not state).
+    ``amsgrad`` and ``maximize`` are torch's only.
     """
 
     clips_update = False  # StableAdamW's per-tensor learning-rate scaling (the subclass below)

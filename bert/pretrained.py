@@ -67,11 +67,7 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
     wanted = family.hf_names(cfg)
     missing = sorted(wanted - set(state_dict))
     unexpected = sorted(set(state_dict) - wanted - set(family.TIED) - family.IGNORED)
-    problems = []
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
+    problems = [f"{what} keys {names}" for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
     _check_float(state_dict, wanted | set(family.TIED))
     new = family.from_hf(cfg, state_dict, problems)
     for alias, target in family.TIED.items():
