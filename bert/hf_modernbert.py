@@ -55,11 +55,10 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
         )
     thetas = {"full_attention": values.get("global_rope_theta", 160000.0)}
     thetas["sliding_attention"] = values.get("local_rope_theta", 10000.0)
-    if not isinstance(values.get("rope_parameters") or {}, dict):
-        raise ConfigError(
-            f"{source}: rope_parameters: expected a mapping of layer types, got {short(values['rope_parameters'])}"
-        )
-    for kind, params in (values.get("rope_parameters") or {}).items():
+    rope = values.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: rope_parameters: expected a mapping of layer types, got {short(rope)}")
+    for kind, params in rope.items():
         if kind not in _TYPES or not isinstance(params, dict):
             raise ConfigError(f"{source}: rope_parameters: unexpected entry {kind!r}")
         if params.get("rope_type", "default") != "default":

@@ -207,8 +207,7 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
     num_shards, endianness = _parse_header(header)
     if endianness != 0:
         raise TFCheckpointError(f"{index_path}: big-endian checkpoints are not supported")
-    shards = {}
-    out = {}
+    shards, out = {}, {}
     try:
         for raw_name, value in sorted(entries.items()):
             name = raw_name.decode("utf-8")
