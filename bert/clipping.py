@@ -1,13 +1,11 @@
 """Gradient clipping: global-norm (MLPerf) and AdaGC (per-tensor adaptive).
 
-Between the gradient all-reduce (and fp16 unscaling) and the optimizer step, on every
-gradient at once (``torch._foreach_*``), returning device tensors: no host read.
-``clip_global_`` is apex FusedLAMB's: every gradient times ``max_norm / n`` when the global
-norm n exceeds ``max_norm``. ``AdaGC`` is the definition of [docs/extensions.md](../docs/extensions.md#what-they-do);
-where that leaves a choice: a tensor whose ``.grad`` is None sits the step out (its gamma
-kept), and a step with a non-finite norm leaves every gamma unchanged. ``clip_()`` counts
-the step; ``unstep_(found_inf)`` takes back one the optimizer skipped. The warm-up regime
-is chosen on the device (``torch.where`` over the [N] norms).
+Between the gradient all-reduce (and fp16 unscaling) and the optimizer step, on every gradient
+at once (``torch._foreach_*``), with no host read. ``clip_global_`` is apex FusedLAMB's.
+``AdaGC`` is the definition of [docs/extensions.md](../docs/extensions.md#what-they-do), and where
+that leaves a choice: a tensor whose ``.grad`` is None sits the step out (its gamma kept), and a
+step with a non-finite norm leaves every gamma unchanged. ``unstep_(found_inf)`` takes back a
+step the optimizer skipped.
 """
 
 from __future__ import annotations
@@ -22,10 +20,6 @@ from torch import Tensor, nn
 from bert.train_config import AdaGCSection
 
 ADAGC_EPS = 1e-6  # added to norms before dividing
-
-
-def _grads(params: Iterable[Tensor]) -> list[Tensor]:
-    return [p.grad for p in params if p.grad is not None]
 
 
 def tensor_norms(grads: list[Tensor]) -> Tensor:
@@ -43,17 +37,13 @@ def clip_global_(
     local: Callable[[Tensor], Tensor] = _identity,
     norms: Callable[[list[Tensor]], Tensor] = tensor_norms,
 ) -> Tensor:
-    """Scale all gradients so their global L2 norm is at most ``max_norm``, in place.
-
-    Returns the global norm before clipping as a float32 0-d tensor on the gradients'
-    device (no sync). A non-finite norm makes the gradients non-finite, for the trainer's
-    skip-the-step check to catch. Sharded gradients (``bert.sharded_optim``): ``local``
-    gives a gradient's shard on this rank and ``norms`` the whole tensors' norms from the
-    shards' partial norms (one small all-reduce); the scaling itself touches the shards only.
-    """
+    """Scale all gradients in place so their global L2 norm is at most ``max_norm``; returns the
+    norm before clipping (float32 0-d, on the device). A non-finite norm makes the gradients
+    non-finite, for the trainer's skip check. Sharded gradients (``bert.sharded_optim``): ``local``
+    gives this rank's shard of a gradient and ``norms`` the whole tensors' norms from the shards."""
     if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"optim.max_grad_norm: must be finite and > 0, got {max_norm}")
-    grads = [local(g) for g in _grads(params)]
+    grads = [local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     total = torch.linalg.vector_norm(norms(grads))
@@ -73,12 +63,9 @@ class ClipStats:
 
 
 class AdaGC:
-    """Adaptive per-tensor gradient clipping; see the module docstring for the definition.
-
-    ``named_parameters``: ``model.named_parameters()`` (trainable ones are kept; names key
-    the state); ``adagc``: the ``optim.adagc`` section (its defaults when None). Call
-    ``clip_()`` once per optimizer step, after the gradients are final.
-    """
+    """Adaptive per-tensor gradient clipping (the module docstring). ``named_parameters``: the
+    model's (trainable ones kept; names key the state); ``adagc``: the ``optim.adagc`` section
+    (None: its defaults). Call ``clip_()`` once per optimizer step, after the gradients are final."""
 
     def __init__(
         self,
@@ -121,11 +108,8 @@ class AdaGC:
 
     @torch.no_grad()
     def clip_(self, compute_global_norm: bool = False) -> ClipStats:
-        """Clip the gradients in place and update the state.
-
-        The global norm is returned during warm-up as the host counts it (``clip_()``
-        calls; clipping needs it) and otherwise only when ``compute_global_norm`` is True.
-        """
+        """Clip the gradients in place and update the state. The global norm is returned during
+        warm-up as the host counts it (``clip_()`` calls), else only with ``compute_global_norm``."""
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
         self._calls += 1
         if not present:
@@ -136,12 +120,8 @@ class AdaGC:
         if self.gamma.device != device:
             self.gamma, self.has_gamma = self.gamma.to(device), self.has_gamma.to(device)
         self._step = self._step.to(device) + 1
-        if len(present) == len(self.params):
-            idx = None
-            gamma, has = self.gamma, self.has_gamma
-        else:
-            idx = self._index(present, device)
-            gamma, has = self.gamma[idx], self.has_gamma[idx]
+        idx = None if len(present) == len(self.params) else self._index(present, device)
+        gamma, has = (self.gamma, self.has_gamma) if idx is None else (self.gamma[idx], self.has_gamma[idx])
 
         norms = self.norms(grads)  # [n] before clipping
         warm = self._step <= self.warmup_steps  # 0-dim bool, on the device

@@ -1,10 +1,9 @@
 """The encoder's hyper-parameters: ``BertConfig``, its presets, and JSON I/O.
 
-Contract: the first block of fields is BERT's own (Google's ``bert_config.json``, NVIDIA's and
-transformers' ``config.json`` load directly); the second says how the encoder is assembled
-(``bert.layers``), BERT by default and written to JSON only where it differs. Every field is
-checked with its type and bounds on construction, and the parameters' memory is estimated
-before anything is built. Presets and their sources: docs/modern_encoders.md.
+The first block of fields is BERT's own (``bert_config.json`` and transformers' ``config.json``
+load directly); the second says how the encoder is assembled (``bert.layers``), BERT by default
+and written to JSON only where it differs. Every field is checked on construction, and the
+parameters' memory before anything is built. Presets and their sources: docs/modern_encoders.md.
 """
 
 from __future__ import annotations
@@ -60,15 +59,10 @@ def _finite(x) -> bool:
         return False
 
 
-def machine_memory() -> int:
-    """Bytes of physical memory on this machine."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def check_fits_memory(config: BertConfig) -> None:
     """ConfigError, with the estimate, when the fp32 parameters alone exceed the machine's memory
     (checked before anything is allocated: a typo of 10**9 is a line, not a MemoryError)."""
-    need, have = 4 * config.parameter_count(), machine_memory()
+    need, have = 4 * config.parameter_count(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
         raise ConfigError(
             f"the model's fp32 parameters alone take {need / 2**30:,.4g} GiB (vocab_size {config.vocab_size}, "
@@ -242,10 +236,8 @@ class BertConfig:
             raise ConfigError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
 
     def to_dict(self, transformers: bool = False) -> dict:
-        """BERT's fields, and the part fields that differ from BERT's.
-
-        ``transformers=True`` writes transformers' ``BertConfig``; other architectures are
-        written by ``bert.hf_modernbert``."""
+        """BERT's fields, and the part fields that differ from BERT's; ``transformers=True``:
+        transformers' ``BertConfig`` (other architectures: ``bert.hf_modernbert``)."""
         parts = {f.name: f.default for f in fields(self) if f.metadata.get("part")}
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         out = {k: v for k, v in out.items() if k not in parts or getattr(self, k) != parts[k]}
@@ -267,37 +259,15 @@ class BertConfig:
 
 
 def _modernbert(**shape) -> BertConfig:
-    """ModernBERT's architecture (arXiv:2412.13663, section 2.1, and the defaults of transformers'
-    ``ModernBertConfig``, which are answerdotai/ModernBERT-base's config.json): pre-norm
-    LayerNorm without bias (eps 1e-5), an embedding norm and none before layer 0's attention,
-    rotary positions (theta 160,000 global, 10,000 local: the values after its context
-    extension to 8,192), GeGLU, no biases but the decoder's, no token types, no NSP, a global
-    layer every 3rd and a 128-token window on the others, dropout 0, vocabulary 50,368."""
+    """ModernBERT's architecture (arXiv:2412.13663, section 2.1; transformers' ``ModernBertConfig``
+    defaults), sized by ``shape``; the values and their sources: docs/modern_encoders.md."""
     layers = shape.pop("num_hidden_layers", 22)
-    values = dict(
-        vocab_size=50368,
-        num_hidden_layers=layers,
-        hidden_act="gelu",
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        max_position_embeddings=8192,
-        type_vocab_size=0,
-        layer_norm_eps=1e-5,
-        norm_placement="pre",
-        norm_bias=False,
-        position_embedding="rotary",
-        rope_theta_global=160000.0,
-        rope_theta_local=10000.0,
-        mlp="gated",
-        attention_bias=False,
-        mlp_bias=False,
-        head_bias=False,
-        first_attn_norm=False,
-        next_sentence=False,
-        layer_types=alternating_layers(layers, 3),
-        local_window=128,
-        init_scheme="modernbert",
-    )
+    values = dict(vocab_size=50368, num_hidden_layers=layers, max_position_embeddings=8192, type_vocab_size=0)
+    values.update(hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    values.update(norm_placement="pre", norm_bias=False, layer_norm_eps=1e-5, first_attn_norm=False)
+    values.update(position_embedding="rotary", rope_theta_global=160000.0, rope_theta_local=10000.0)
+    values.update(mlp="gated", attention_bias=False, mlp_bias=False, head_bias=False, next_sentence=False)
+    values.update(layer_types=alternating_layers(layers, 3), local_window=128, init_scheme="modernbert")
     values.update(shape)
     return BertConfig(**values)
 
@@ -307,9 +277,7 @@ PRESETS = {
     "small": BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
     "base": BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "large": BertConfig(),
-    # ModernBERT-base: 22 layers x 768, 12 heads, GeGLU intermediate 1,152 (the paper's "GLU
-    # expansion of 2,304" is the fused input+gate width); ModernBERT-large: 28 x 1,024, 16
-    # heads, intermediate 2,624 (5,248 fused). arXiv:2412.13663, section 2.1.
+    # The paper's "GLU expansion of 2,304" (5,248 large) is the fused input+gate width.
     "modernbert_base": _modernbert(
         hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152
     ),

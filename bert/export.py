@@ -21,13 +21,7 @@ import sys
 
 from fileio import publishing_dir
 
-SPECIAL_TOKENS = {
-    "unk_token": "[UNK]",
-    "sep_token": "[SEP]",
-    "pad_token": "[PAD]",
-    "cls_token": "[CLS]",
-    "mask_token": "[MASK]",
-}
+SPECIAL_TOKENS = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
 
 
 class ExportError(RuntimeError):
@@ -115,15 +109,8 @@ def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> N
     missing = [t for t in SPECIAL_TOKENS.values() if t not in tokens]
     if missing:
         raise ExportError(f"{vocab_file}: the vocabulary lacks {missing}")
-    config = {
-        "tokenizer_class": "BertTokenizer",
-        "do_lower_case": True,
-        "strip_accents": None,
-        "tokenize_chinese_chars": True,
-        "model_max_length": max_length,
-        "clean_up_tokenization_spaces": True,
-        **SPECIAL_TOKENS,
-    }
+    config = dict(tokenizer_class="BertTokenizer", do_lower_case=True, strip_accents=None, tokenize_chinese_chars=True)
+    config.update(model_max_length=max_length, clean_up_tokenization_spaces=True, **SPECIAL_TOKENS)
     for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", SPECIAL_TOKENS)):
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2)

@@ -1,12 +1,9 @@
 """FP8 matrix multiplies for the encoder's linear layers (``train.fp8``).
 
-``convert_encoder`` swaps every ``nn.Linear`` of ``model.layers`` (QKV, attention output,
-FFN in and out) for an FP8 linear layer that keeps its fp32 ``weight`` and ``bias`` under the
-same names, so the optimizer, DDP, checkpoints and the export see the unconverted model. All
-three GEMMs run in FP8 through ``torch._scaled_mm`` with dynamic scales (``tensorwise`` or
-``rowwise``, torchao's recipes; nothing to checkpoint); a token count that is not a multiple
-of 16 is zero-padded in the weight-gradient GEMM. ``matmul(proj, x)`` is the bias-free GEMM
-the fused-ops path calls. Which layers, which scaling and why: [docs/fp8.md](../docs/fp8.md).
+``convert_encoder`` swaps every ``nn.Linear`` of ``model.layers`` for torchao's FP8 linear
+layer (dynamic ``tensorwise`` or ``rowwise`` scales), which keeps its fp32 ``weight`` and ``bias``
+under the same names, so everything else sees the unconverted model. ``matmul(proj, x)`` is the
+bias-free GEMM the fused-ops path calls. Which layers, which scaling and why: [docs/fp8.md](../docs/fp8.md).
 
 Shape legend as in ``bert.model``: N tokens, C in features, O out features.
 """
@@ -30,11 +27,9 @@ ALIGN = 16
 
 @contextlib.contextmanager
 def torchao_warnings_held_back():
-    """torchao's wheel ships CUDA extension libraries that fail to load against a CPU-only
-    torch, and torchao logs a warning for each when it is first imported (by this module, or
-    by transformers, which imports it when it is installed); float8 training does not use
-    them, so the warnings are held back while it imports. torch's pytree also logs a
-    deprecation note then, for an enum torchao registers."""
+    """Hold back the warnings torchao logs on its first import (by this module or by
+    transformers) for its CUDA extensions that fail to load against a CPU-only torch (float8
+    training does not use them), and torch's pytree's deprecation note for an enum it registers."""
     logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in logs]
     for log in logs:
@@ -69,8 +64,8 @@ _fp8_linear_class = None
 
 
 def _linear_class():
-    """The FP8 linear layer (a subclass of torchao's ``Float8Linear``), built on first use so
-    that importing this module does not import torchao."""
+    """The FP8 linear layer, a subclass of torchao's ``Float8Linear`` built on first use (importing
+    this module does not import torchao)."""
     global _fp8_linear_class
     if _fp8_linear_class is not None:
         return _fp8_linear_class
@@ -150,8 +145,7 @@ def convert_encoder(model: nn.Module, recipe: str, device: torch.device | None =
     modules = dict(model.named_modules())
     for name in names:
         m = modules[name]
-        bad = [n for n in (m.in_features, m.out_features) if n % ALIGN]
-        if bad:
+        if m.in_features % ALIGN or m.out_features % ALIGN:
             raise ConfigError(
                 f"train.fp8: {name} is {m.in_features} -> {m.out_features}; FP8 GEMMs need both "
                 f"sizes to be multiples of {ALIGN}"

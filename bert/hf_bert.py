@@ -21,12 +21,7 @@ TIED = {
     "cls.predictions.decoder.bias": "cls.predictions.bias",
 }
 IGNORED = {"bert.embeddings.position_ids"}  # a constant buffer
-VOCAB_ROWS = (
-    "bert.embeddings.word_embeddings.weight",
-    "cls.predictions.bias",
-    "cls.predictions.decoder.weight",
-    "cls.predictions.decoder.bias",
-)
+VOCAB_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias", *TIED)
 
 _TOP = {
     "bert.embeddings.word_embeddings.weight": "embeddings.word.weight",

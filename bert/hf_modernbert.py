@@ -2,11 +2,9 @@
 pre-norm, rotary, gated-MLP config (the ``modernbert_*`` presets). The contract every adapter
 keeps is in ``bert.pretrained``.
 
-``config_from_hf`` / ``config_to_hf`` map ``ModernBertConfig``'s dict (``full_attention`` /
-``sliding_attention`` <-> ``global`` / ``local``, ``local_attention`` <-> ``local_window``,
-``rope_parameters`` <-> the two thetas); the tensors are a renaming (``Wqkv`` and the
-input-then-gate ``Wi`` have this model's layout). Dropout values carry over, placed where this
-model drops ([docs/modern_encoders.md](../docs/modern_encoders.md#exact-against-transformers)).
+The tensors are a renaming (``Wqkv`` and the input-then-gate ``Wi`` have this model's layout).
+Dropout values carry over, placed where this model drops
+([docs/modern_encoders.md](../docs/modern_encoders.md#exact-against-transformers)).
 """
 
 from __future__ import annotations
@@ -55,14 +53,12 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
             f"{source}: classifier_activation {values['classifier_activation']!r} differs from "
             f"hidden_activation {act!r}; this model's head uses the hidden activation"
         )
-    layers = values.get("num_hidden_layers", 22)
     thetas = {"full_attention": values.get("global_rope_theta", 160000.0)}
     thetas["sliding_attention"] = values.get("local_rope_theta", 10000.0)
-    if not isinstance(values.get("rope_parameters") or {}, dict):
-        raise ConfigError(
-            f"{source}: rope_parameters: expected a mapping of layer types, got {short(values['rope_parameters'])}"
-        )
-    for kind, params in (values.get("rope_parameters") or {}).items():
+    rope = values.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: rope_parameters: expected a mapping of layer types, got {short(rope)}")
+    for kind, params in rope.items():
         if kind not in _TYPES or not isinstance(params, dict):
             raise ConfigError(f"{source}: rope_parameters: unexpected entry {kind!r}")
         if params.get("rope_type", "default") != "default":
@@ -72,7 +68,7 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
         shape = BertConfig(
             vocab_size=values.get("vocab_size", 50368),
             hidden_size=values.get("hidden_size", 768),
-            num_hidden_layers=layers,
+            num_hidden_layers=values.get("num_hidden_layers", 22),
             num_attention_heads=values.get("num_attention_heads", 12),
             intermediate_size=values.get("intermediate_size", 1152),
             hidden_act=act,
@@ -114,16 +110,8 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
 
 # BertConfig fields transformers' ModernBERT fixes; a config with another value has no
 # ModernBertConfig.
-_FIXED = {
-    "norm_placement": "pre",
-    "norm_kind": "layernorm",
-    "position_embedding": "rotary",
-    "mlp": "gated",
-    "type_vocab_size": 0,
-    "embedding_norm": True,
-    "first_attn_norm": False,
-    "next_sentence": False,
-}
+_FIXED = dict(norm_placement="pre", norm_kind="layernorm", position_embedding="rotary", mlp="gated", type_vocab_size=0)
+_FIXED.update(embedding_norm=True, first_attn_norm=False, next_sentence=False)
 
 
 def unfit(config: BertConfig) -> str | None:

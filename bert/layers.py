@@ -1,17 +1,16 @@
 """The encoder's parts, each chosen by a ``BertConfig`` field; ``bert.model`` assembles them.
 
-``make_norm`` (LayerNorm with or without bias, or RMSNorm), ``Embeddings`` (word, learned
-positions, token types, then a norm and dropout), ``Rotary`` (cos/sin tables per layer
-type, applied by ``kernels.rotary``) and ``EncoderLayer`` (attention and MLP, post-norm
-``norm(x + f(x))`` or pre-norm ``x + f(norm(x))``, its window per layer). Every projection
-is an ``nn.Linear`` with a fixed name (``qkv``, ``attn_out``, ``ffn_in``, ``ffn_out``) that
-name-based conversions (FP8) find; a gated MLP's input and gate are one ``ffn_in`` of
-``[2 * intermediate, hidden]``, input half first (transformers' ModernBERT ``Wi``).
+Every projection is an ``nn.Linear`` with a fixed name (``qkv``, ``attn_out``, ``ffn_in``,
+``ffn_out``) that name-based conversions (FP8) find; a gated MLP's input and gate are one
+``ffn_in`` of ``[2 * intermediate, hidden]``, input half first (transformers' ModernBERT ``Wi``).
+The fields: docs/modern_encoders.md.
 
 Shape legend as in ``bert.model``: N tokens, H heads, D head dim, C hidden, I intermediate.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -23,11 +22,8 @@ from kernels.gemm_epilogue import linear_bias_gelu
 BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU implementations
 
 
-def _gelu_tanh(x: Tensor) -> Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
 # hidden_act -> the function; the names are bert.config.ACTIVATIONS.
+_gelu_tanh = partial(F.gelu, approximate="tanh")
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu, "silu": F.silu}
 
 
@@ -75,20 +71,16 @@ class Rotary(nn.Module):
         if kernel not in ("torch", "triton"):
             raise ValueError(f"model.rotary_kernel: {kernel!r} is not one of ('torch', 'triton')")
         self.kernel = kernel
-        self.thetas = {"global": config.rope_theta_global, "local": config.rope_theta_local}
-        for kind, theta in self.thetas.items():
+        for kind, theta in (("global", config.rope_theta_global), ("local", config.rope_theta_local)):
             cos, sin = rotary_tables(config.head_dim, theta, config.max_position_embeddings)
             self.register_buffer(f"{kind}_cos", cos, persistent=False)
             self.register_buffer(f"{kind}_sin", sin, persistent=False)
-
-    def tables(self, kind: str) -> tuple[Tensor, Tensor]:
-        return getattr(self, f"{kind}_cos"), getattr(self, f"{kind}_sin")
 
     def forward(self, x_NHD: Tensor, position_ids: Tensor, kind: str) -> Tensor:
         from kernels import rotary
 
         fn = rotary.apply_rotary if self.kernel == "triton" else rotary.apply_rotary_reference
-        return fn(x_NHD, *self.tables(kind), position_ids)
+        return fn(x_NHD, getattr(self, f"{kind}_cos"), getattr(self, f"{kind}_sin"), position_ids)
 
 
 class EncoderLayer(nn.Module):
@@ -122,11 +114,8 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x_NC: Tensor, layout, position_ids: Tensor, rotary: Rotary | None) -> Tensor:
         if self.pre_norm:
-            x_NC = x_NC + F.dropout(
-                self.attn_out(self._attention(self.attn_norm(x_NC), layout, position_ids, rotary)),
-                self.hidden_dropout,
-                self.training,
-            )
+            a_NC = self._attention(self.attn_norm(x_NC), layout, position_ids, rotary)
+            x_NC = x_NC + F.dropout(self.attn_out(a_NC), self.hidden_dropout, self.training)
             return x_NC + F.dropout(self.ffn_out(self._mlp(self.ffn_norm(x_NC))), self.hidden_dropout, self.training)
         a_NC = self._attention(x_NC, layout, position_ids, rotary)
         x_NC = self._residual_norm(a_NC, self.attn_out, x_NC, self.attn_norm)
@@ -174,12 +163,8 @@ def _fused():
 
 
 def init_weights(model: nn.Module, config: BertConfig) -> None:
-    """BERT: normal(0, initializer_range) for every linear and embedding, biases 0, norms 1.
-    ModernBERT: the same, truncated at +-2 std, with the output projections (attention and
-    MLP outputs, the head's transform) at initializer_range / sqrt(2 * layers).
-
-    Modules are visited in ``nn.Module.apply``'s order (children first), so a seed gives
-    BERT the same weights it always had."""
+    """``config.init_scheme`` (the field's comment); modules in ``nn.Module.apply``'s order
+    (children first), so a seed gives BERT the same weights it always had."""
     std = config.initializer_range
     out_std = std / (2.0 * config.num_hidden_layers) ** 0.5
     names = {id(m): name.rsplit(".", 1)[-1] for name, m in model.named_modules()}

@@ -1,8 +1,8 @@
 """Pretraining losses: masked-LM + next-sentence, and the SimReg contrastive regulariser.
 
 Every loss is a *sum* over this rank's items divided by a *global* count (all-reduced by the
-trainer over ranks and micro-batches), so it does not depend on how sequences were spread
-over ranks; DDP averages gradients over W ranks, so the trainer scales the loss by W.
+trainer), so it does not depend on how sequences were spread over ranks; DDP averages
+gradients over W ranks, so the trainer scales the loss by W.
 
 Shape legend: T tokens, B sequences, M masked positions, V vocabulary, C hidden size,
 N tokens SimReg looks at (M for scope ``masked``, T for ``all``), L padded block length.
@@ -11,6 +11,7 @@ N tokens SimReg looks at (M for scope ``masked``, T for ``all``), L padded block
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -37,18 +38,14 @@ def pretraining_loss(
     num_seqs_global,
     with_accuracy: bool = False,
 ) -> tuple[Tensor, dict]:
-    """MLM + NSP loss of this rank's share of the global batch (MLM alone when ``nsp_logits``
-    is None: a model without the next-sentence head, ``model.next_sentence`` false; its NSP
-    sums and counts are then 0).
+    """MLM + NSP loss of this rank's share of the global batch (MLM alone, NSP sums 0, when
+    ``nsp_logits`` is None: no next-sentence head). mlm_logits [M, V], mlm_labels [M], nsp_logits
+    [B, 2] or None, nsp_labels [B]; the global counts are ints or 0-d tensors. Cross-entropies
+    in float32 (float64 stays float64).
 
-    mlm_logits [M, V], mlm_labels [M], nsp_logits [B, 2] or None, nsp_labels [B];
-    num_masked_global / num_seqs_global: masked positions / sequences in the global batch
-    (ints or 0-d tensors). Cross-entropies are computed in float32 (float64 stays float64).
-
-    Returns (loss, stats); stats holds detached 0-d tensors (no sync): ``mlm_loss_sum``,
-    ``nsp_loss_sum``, and with ``with_accuracy`` ``mlm_correct``, ``nsp_correct`` (an argmax
-    over the [M, V] logits: a few percent of a small model's step, so only when asked); and
-    the local ``num_masked``, ``num_seqs`` as Python ints (known on the host).
+    Returns (loss, stats): detached 0-d tensors ``mlm_loss_sum``, ``nsp_loss_sum``, with
+    ``with_accuracy`` ``mlm_correct``, ``nsp_correct`` (an argmax over [M, V]: a few percent of
+    a small model's step, so only when asked), and the local ``num_masked``, ``num_seqs`` as ints.
     """
     dtype = torch.promote_types(mlm_logits.dtype, torch.float32)
     mlm_sum = F.cross_entropy(mlm_logits.to(dtype), mlm_labels, reduction="sum")
@@ -93,11 +90,10 @@ def simreg_loss(
 
         L_i = log sum_{a in A(i)} exp(z_i.z_a / t) - (1/|P(i)|) sum_{p in P(i)} z_i.z_p / t
 
-    Returns (loss_sum, num_anchors): the sum of L_i over anchors (0 when there are none) in
-    float32 (float64 for float64 input) and the int64 anchor count, both 0-d device tensors.
-    Sequences are batched block-diagonally in buckets of ``bucket_width`` tokens
-    (docs/extensions.md); ``counts`` (masked positions per sequence for ``masked``, lengths for
-    ``all``) sizes them from the host, else they are read back (one small sync per call).
+    Returns 0-d device tensors (loss_sum, num_anchors): the sum of L_i over anchors (0 if none)
+    in float32 (float64 input: float64) and the int64 anchor count. Sequences are batched in
+    buckets of ``bucket_width`` tokens (docs/extensions.md), sized from ``counts`` (masked
+    positions per sequence for ``masked``, lengths for ``all``) or else read back (one sync).
     """
     if scope not in SIMREG_SCOPES:
         raise ValueError(f"loss.simreg_scope: unknown scope {scope!r}; choose from {', '.join(SIMREG_SCOPES)}")
@@ -138,10 +134,7 @@ def simreg_loss(
     if not buckets:
         return loss_sum, num_anchors
 
-    starts, acc = [], 0  # first row of each sequence's tokens in the grouped order
-    for c in counts:
-        starts.append(acc)
-        acc += c
+    starts = list(accumulate(counts, initial=0))  # first row of each sequence's tokens in the grouped order
     # (first row, token count) of every sequence, bucket after bucket: one host->device copy,
     # asynchronous (a blocking copy would wait for the device again).
     blocks = [seqs for _, seqs in sorted(buckets.items())]
@@ -162,10 +155,10 @@ def simreg_loss(
 
 
 def simreg_term(hidden_TC: Tensor, batch, block, temperature: float, scope: str, real=None) -> Tensor:
-    """SimReg's loss sum over a micro-batch of any layout, on its real tokens only: a packed
-    batch is unpacked, a statically padded one (``real``: its (tokens, sequences, masked) without
-    the padding sequence) is cut to its real part. The per-sequence counts come from the host's
-    ``block`` (a ``SampleBlock``), except for a packed batch, whose rows reorder the sequences."""
+    """SimReg's loss sum over a micro-batch of any layout, on its real tokens: a packed batch is
+    unpacked, a statically padded one cut to ``real`` (its (tokens, sequences, masked) without the
+    padding sequence). The counts come from the host's ``block`` (a ``SampleBlock``), but for a
+    packed batch, whose rows reorder the sequences."""
     counts = None
     if isinstance(batch, PackedBatch):
         batch, index = unpack(batch)
@@ -202,9 +195,8 @@ def _block_loss(
 def simreg_anchor_count(seq_lens, input_ids, masked_positions, masked_ids, masked_counts, scope: str = "masked") -> int:
     """SimReg's anchor count for samples given as flat numpy arrays (a ``SampleBlock``'s).
 
-    Anchors depend on labels only, so the trainer counts them on the host before the forward
-    pass and all-reduces them with the step's other counts (no extra collective). A token is
-    an anchor when another token of its sequence has its label.
+    Anchors depend on labels only, so the trainer counts them on the host and all-reduces them with
+    the step's other counts. A token is an anchor when another token of its sequence has its label.
     """
     import numpy as np
 

@@ -1,13 +1,10 @@
 """BERT for pretraining on unpadded batches: embeddings -> encoder -> MLM and NSP heads.
 
-The encoder is assembled from parts (``bert.layers``) as its ``BertConfig`` says (BERT-large
-and ModernBERT are two configurations). It runs on a flat token dimension: T real tokens of
-an ``UnpaddedBatch``, B*S of a ``PaddedBatch``, R*S of a ``PackedBatch``; the attention
-backend (``kernels.registry``) learns the sequences from a layout, one per layer kind
-(local layers carry their ``window``). The MLM head runs only at the M masked positions.
-Numerics match ``transformers.BertForPreTraining`` and ``ModernBertForMaskedLM`` given the
-same weights (``bert.pretrained``). The query, key and value projections are one fused
-``[3*hidden, hidden]`` linear layer.
+The encoder is assembled from parts (``bert.layers``) as its ``BertConfig`` says. It runs on a
+flat token dimension; the attention backend (``kernels.registry``) learns the sequences from a
+layout, one per layer window. The MLM head runs only at the M masked positions. Numerics match
+``transformers.BertForPreTraining`` and ``ModernBertForMaskedLM`` given the same weights
+(``bert.pretrained``); the query, key and value projections are one ``[3*hidden, hidden]`` linear.
 
 Shape legend: N tokens the layers run on (T unpadded, B*S padded, R*S packed), B sequences,
 M masked positions, H heads, D head dim, C hidden size, V vocabulary.
@@ -49,16 +46,12 @@ def windowed(layout, window: int | None):
 
 
 class BertForPreTraining(nn.Module):
-    """BERT with the masked-LM and next-sentence heads.
-
-    ``attention`` names the backend (``kernels.registry.backend_names()``) and
-    ``attention_options`` are its settings, if it takes any; ``fused_ops`` switches the
-    bias+GELU and bias+dropout+residual+LayerNorm Triton kernels on (post-norm BERT only);
-    ``bias_gelu`` picks the FFN-in's bias+GELU alone: ``eager``, ``triton`` (the fused kernel)
-    or ``epilogue`` (in the GEMM, ``kernels.gemm_epilogue``); ``auto`` is ``triton`` with
-    ``fused_ops``, else ``eager`` (a gated MLP is always eager); ``rotary_kernel`` chooses how
-    rotary positions are applied: ``torch`` (the PyTorch reference) or ``triton``
-    (``kernels.rotary``).
+    """BERT with the masked-LM and next-sentence heads. ``attention``: the backend's name
+    (``kernels.registry``), ``attention_options`` its settings; ``fused_ops``: the bias+GELU and
+    bias+dropout+residual+LayerNorm Triton kernels (post-norm BERT only); ``bias_gelu``: the
+    FFN-in's bias+GELU alone, ``eager``, ``triton`` or ``epilogue`` (in the GEMM,
+    ``kernels.gemm_epilogue``), ``auto`` = ``triton`` with ``fused_ops``, else ``eager`` (a gated
+    MLP: always); ``rotary_kernel``: ``torch`` (the reference) or ``triton`` (``kernels.rotary``).
     """
 
     def __init__(
@@ -139,9 +132,7 @@ class BertForPreTraining(nn.Module):
         if self.final_norm is not None:
             x_NC = self.final_norm(x_NC)
 
-        nsp_logits = None
-        if self.nsp is not None:
-            nsp_logits = self.nsp(torch.tanh(self.pooler(x_NC[cls_index])))  # [B, 2]
+        nsp_logits = None if self.nsp is None else self.nsp(torch.tanh(self.pooler(x_NC[cls_index])))  # [B, 2]
         m_MC = self.mlm_norm(self.act(self.mlm_transform(x_NC[batch.mlm_positions])))
         mlm_logits = F.linear(m_MC, self.embeddings.word.weight, self.mlm_bias)  # tied decoder
         return PretrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits, hidden_states=x_NC)

@@ -1,13 +1,11 @@
 """Optimizers: LAMB (MLPerf BERT's), AdamW and StableAdamW (ModernBERT's), with BERT's weight-decay exclusions.
 
 They run after clipping (``bert.clipping``), so none clips. ``Lamb`` is apex's ``FusedLAMB``
-(the NVIDIA submissions' defaults) on ``torch._foreach_*`` ops, with its state layout, so a
-checkpoint moves between them; ``build_optimizer(impl=...)`` picks one (the benches compare them). Every optimizer
-here takes ``step(found_inf=t)``: a 0-dim device tensor, nonzero when the gradients are not
-finite, that keeps parameters, moments and step counts bitwise as they were, selected with
-``torch.where`` and never read on the host (``skips_on_device`` tells which optimizers do;
-``apply_update`` reads it for the others). The update rules, the exclusions and the skip's
-cost: docs/training.md, "Optimizer, schedule and clipping", and docs/step.md.
+on ``torch._foreach_*`` ops, with its state layout (a checkpoint moves between them). Every
+optimizer here takes ``step(found_inf=t)``: a 0-dim device tensor, nonzero when the gradients
+are not finite, that keeps parameters, moments and step counts bitwise as they were, never
+read on the host (``apply_update`` reads it for the others). The update rules, the exclusions
+and the skip's cost: docs/training.md, "Optimizer, schedule and clipping", and docs/step.md.
 """
 
 from __future__ import annotations
@@ -22,18 +20,13 @@ from torch import Tensor, nn
 
 from bert.train_config import OptimSection
 
-# Normalisation layers: their scale and shift are excluded from weight decay. Every other
-# parameter with fewer than two dimensions (biases) is excluded too.
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
 
 
 def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two optimizer groups: decayed weights, and biases + normalisation parameters (no decay).
-
-    Decided by module type and tensor rank, not by names: a parameter owned by a
-    normalisation module, or with ndim <= 1, gets no weight decay. Shared (tied) parameters
-    appear once; frozen ones are left out. Empty groups are dropped.
-    """
+    """Two optimizer groups: decayed weights, and no decay for a parameter of a normalisation
+    module or with ndim <= 1 (by type and rank, not names). Tied parameters appear once, frozen
+    ones not at all; empty groups are dropped."""
     no_decay_ids = set()
     for module in model.modules():
         is_norm = isinstance(module, _NORM_TYPES)
@@ -50,11 +43,8 @@ def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict]:
 
 class Lamb(torch.optim.Optimizer):
     """LAMB with ``torch._foreach_*`` ops: a few multi-tensor kernels per group, no host sync.
-
-    Arguments as apex's ``FusedLAMB`` (without its built-in clipping): ``params`` (tensors or
-    group dicts), ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
-    ``use_nvlamb`` (trust ratio also where weight decay is 0).
-    """
+    Arguments as apex's ``FusedLAMB`` without its clipping; ``use_nvlamb``: the trust ratio also
+    where weight decay is 0."""
 
     def __init__(
         self,
@@ -83,8 +73,9 @@ class Lamb(torch.optim.Optimizer):
             step = group.get("step", 0)  # per group, as apex keeps it
             if found_inf is None:
                 group["step"] = step + 1
-            else:
-                group["step"] = _device_step(step, found_inf) + _kept(found_inf).double()
+            else:  # a float64 0-dim tensor beside found_inf (from an int, or a checkpoint's tensor)
+                step = torch.as_tensor(step, dtype=torch.float64, device=found_inf.device)
+                group["step"] = step + (found_inf == 0).double()
             if not params:
                 continue
             if any(p.grad.is_sparse for p in params):
@@ -165,10 +156,10 @@ class Lamb(torch.optim.Optimizer):
 class AdamW(torch.optim.AdamW):
     """torch's AdamW that also takes ``step(found_inf=...)`` and a device-tensor learning rate.
 
-    Without either, ``step()`` is torch's own; with them, the same update on ``torch._foreach_*``
-    ops that read nothing back, in torch's state layout. ``decouple_lr=True``: weight decay
-    independent of the rate's size, w <- w (1 - lr_t / max_lr x weight_decay), ``max_lr`` the
-    peak rate (default ``lr``; configuration, not state). ``amsgrad`` and ``maximize`` are torch's only.
+    Without either, ``step()`` is torch's own; with them, the same update on ``_foreach`` ops that
+    read nothing back, in torch's state layout. ``decouple_lr=True``: w <- w (1 - lr_t / max_lr x
+    weight_decay), ``max_lr`` the peak rate (default ``lr``; configuration, not state).
+    ``amsgrad`` and ``maximize`` are torch's only.
     """
 
     clips_update = False  # StableAdamW's per-tensor learning-rate scaling (the subclass below)
@@ -213,7 +204,7 @@ class AdamW(torch.optim.AdamW):
         if found_inf is None:
             torch._foreach_add_(steps, 1.0)
         else:  # a list of tensors: the one-tensor overload reads its scalar on the host
-            torch._foreach_add_(steps, [_kept(found_inf).float()] * len(steps))
+            torch._foreach_add_(steps, [(found_inf == 0).float()] * len(steps))
         step = torch.stack(steps).double()  # [N]
         bc1, bc2 = 1 - beta1**step, 1 - beta2**step  # [N] float64, as torch's Python floats
 
@@ -232,12 +223,11 @@ class AdamW(torch.optim.AdamW):
         torch._foreach_mul_(update, list((-lr / bc1).to(dtype).unbind(0)))
         torch._foreach_add_(new_params, update)
         del update
-        if found_inf is None:
-            for olds, news in ((params, new_params), (state_avgs, exp_avgs), (state_avg_sqs, exp_avg_sqs)):
+        skip = None if found_inf is None else found_inf != 0
+        for olds, news in ((params, new_params), (state_avgs, exp_avgs), (state_avg_sqs, exp_avg_sqs)):
+            if skip is None:
                 torch._foreach_copy_(olds, news)
-        else:
-            skip = found_inf != 0
-            for olds, news in ((params, new_params), (state_avgs, exp_avgs), (state_avg_sqs, exp_avg_sqs)):
+            else:
                 _keep_where_skipped(skip, olds, news)
 
 
@@ -265,18 +255,6 @@ def _update_rms(grads: list[Tensor], exp_avg_sqs: list[Tensor], bc2: Tensor, eps
     sums = torch.stack(torch._foreach_norm(ratio, 1)).double()  # the ratios are >= 0: their L1 norm is their sum
     numel = torch.tensor([g.numel() for g in grads], dtype=torch.float64, device=sums.device)
     return (sums / numel).sqrt()
-
-
-def _kept(found_inf: Tensor) -> Tensor:
-    """0-dim bool on the device: True when the update is applied."""
-    return found_inf == 0
-
-
-def _device_step(step, found_inf: Tensor) -> Tensor:
-    """A step count (int, or a tensor from a checkpoint) as a float64 0-dim tensor beside ``found_inf``."""
-    if isinstance(step, Tensor):
-        return step.to(device=found_inf.device, dtype=torch.float64)
-    return torch.tensor(float(step), dtype=torch.float64, device=found_inf.device)
 
 
 def _keep_where_skipped(skip: Tensor, olds: list[Tensor], news: list[Tensor]) -> None:
@@ -323,21 +301,18 @@ def apex_lamb_available() -> bool:
 
 
 def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -> torch.optim.Optimizer:
-    """``optim.name``: ``lamb``, ``adamw`` or ``stable_adamw``, with ``optim``'s lr, betas, eps and weight decay;
-    groups from ``param_groups_for(model, optim.weight_decay)``.
-
-    ``impl`` (LAMB only; benches and tests choose): ``auto`` = apex's FusedLAMB when ``apex_lamb_available()`` and the
-    parameters are on CUDA, else ``Lamb``; ``apex`` = FusedLAMB or an error saying why not;
-    ``torch`` = ``Lamb``. FusedLAMB's own global-norm clipping is switched off
-    (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.clipping``.
-    """
+    """``optim.name`` (``lamb``, ``adamw``, ``stable_adamw``) with ``optim``'s hyperparameters over
+    ``param_groups_for(model, optim.weight_decay)``. ``impl`` (LAMB only; benches and tests choose):
+    ``auto`` = apex's FusedLAMB when available and the parameters are on CUDA, else ``Lamb``;
+    ``apex`` = FusedLAMB or an error saying why not; ``torch`` = ``Lamb``. FusedLAMB's own
+    clipping is off (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.clipping``."""
     name, lr, betas, eps = optim.name, optim.lr, tuple(optim.betas), optim.eps
     groups = param_groups_for(model, optim.weight_decay)
     if not groups:
         raise ValueError("model: has no trainable parameters")
     if name in ("adamw", "stable_adamw"):
         kind = StableAdamW if name == "stable_adamw" else AdamW
-        return kind(groups, lr=lr, betas=tuple(betas), eps=eps, decouple_lr=optim.decouple_lr)
+        return kind(groups, lr=lr, betas=betas, eps=eps, decouple_lr=optim.decouple_lr)
     if name != "lamb":
         raise ValueError(f"optim.name: unknown optimizer {name!r}; choose from 'lamb', 'adamw', 'stable_adamw'")
     if impl not in ("auto", "apex", "torch"):
@@ -352,17 +327,8 @@ def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -
             raise ValueError("impl: 'apex' asked for, but the parameters are not on CUDA")
         from apex.optimizers import FusedLAMB
 
-        return FusedLAMB(
-            groups,
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            bias_correction=True,
-            adam_w_mode=True,
-            grad_averaging=True,
-            max_grad_norm=float("inf"),
-            use_nvlamb=False,
-        )
+        fixed = dict(bias_correction=True, adam_w_mode=True, grad_averaging=True, use_nvlamb=False)
+        return FusedLAMB(groups, lr=lr, betas=betas, eps=eps, max_grad_norm=float("inf"), **fixed)
     return Lamb(groups, lr=lr, betas=betas, eps=eps)
 
 

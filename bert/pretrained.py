@@ -1,13 +1,8 @@
-"""Weights in and out through transformers: one adapter per model family, keyed by
-``model_type``.
+"""Weights in and out through transformers: one adapter per model family, keyed by ``model_type``.
 
-- ``load_pretrained(model, path)``: initialise from what ``bert.safe_load`` reads (a
-  transformers directory, NVIDIA's MLPerf ``.pt``, MLPerf's TensorFlow checkpoint);
-- ``to_hf_state_dict(model)`` / ``load_hf_state_dict(model, state_dict)``: the mapping, exact
-  both ways, every missing key, unexpected key, shape mismatch and non-float tensor reported
-  in one ``CheckpointError``;
-- ``export_hf(model, directory)``: ``config.json`` and ``model.safetensors`` that transformers'
-  ``from_pretrained`` loads, published whole.
+``load_pretrained`` initialises from what ``bert.safe_load`` reads; ``to_hf_state_dict`` /
+``load_hf_state_dict`` map exactly both ways, every problem reported in one ``CheckpointError``;
+``export_hf`` publishes what transformers' ``from_pretrained`` loads.
 
 An adapter (``bert/hf_bert.py``, ``bert/hf_modernbert.py``) is a module with ``MODEL_TYPE``;
 ``TIED`` (transformers' name of a stored copy -> the name it copies); ``IGNORED`` (names read
@@ -54,11 +49,8 @@ def adapter_for(config: BertConfig):
 
 
 def to_hf_state_dict(model, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """This model's weights under transformers' names (``state_dict()`` of its family's class).
-
-    ``tensors`` maps this model's parameter names to other tensors of the same shapes (for
-    example gradients) to rename instead of the weights.
-    """
+    """This model's weights under transformers' names (``state_dict()`` of its family's class), or
+    ``tensors`` (this model's names -> tensors of the same shapes, e.g. gradients) renamed."""
     family = adapter_for(model.config)
     out = family.to_hf(model.config, model.state_dict() if tensors is None else tensors)
     out.update({alias: out[target] for alias, target in family.TIED.items()})
@@ -75,11 +67,7 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
     wanted = family.hf_names(cfg)
     missing = sorted(wanted - set(state_dict))
     unexpected = sorted(set(state_dict) - wanted - set(family.TIED) - family.IGNORED)
-    problems = []
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
+    problems = [f"{what} keys {names}" for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
     _check_float(state_dict, wanted | set(family.TIED))
     new = family.from_hf(cfg, state_dict, problems)
     for alias, target in family.TIED.items():
@@ -101,18 +89,15 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
 
 def _check_float(state_dict: dict, keys: set[str]) -> None:
     """CheckpointError naming the entries of ``keys`` that are not floating-point tensors."""
-    not_float = sorted(
-        k for k, v in state_dict.items() if k in keys and (not isinstance(v, Tensor) or not v.is_floating_point())
-    )
-    if not_float:
-        kinds = {
-            k: state_dict[k].dtype if isinstance(state_dict[k], Tensor) else type(state_dict[k]).__name__
-            for k in not_float[:5]
-        }
-        what = ", ".join(f"{k} ({kind})" for k, kind in kinds.items())
-        raise CheckpointError(
-            f"not floating-point tensors: {what}" + (f" (+{len(not_float) - 5} more)" if len(not_float) > 5 else "")
-        )
+    kinds = {}  # key -> what it holds instead, in key order
+    for k in sorted(keys & state_dict.keys()):
+        v = state_dict[k]
+        if not (isinstance(v, Tensor) and v.is_floating_point()):
+            kinds[k] = v.dtype if isinstance(v, Tensor) else type(v).__name__
+    if kinds:
+        what = ", ".join(f"{k} ({kind})" for k, kind in list(kinds.items())[:5])
+        more = f" (+{len(kinds) - 5} more)" if len(kinds) > 5 else ""
+        raise CheckpointError(f"not floating-point tensors: {what}{more}")
 
 
 def drop_vocab_padding(state_dict: dict[str, Tensor], vocab_size: int, rows: tuple[str, ...]) -> dict[str, Tensor]:

@@ -1,13 +1,9 @@
 """Reading weight files that may come from anyone, without running their code.
 
-``safe_torch_load`` is ``torch.load(weights_only=True)`` after a check of the zip archive
-(no compressed records, no record larger than the file); ``plain_data_problem`` says where a
-loaded object stops being plain data; ``read_config_and_weights`` reads a transformers
-directory (``config.json`` with ``model.safetensors`` or ``pytorch_model.bin``), a
-``.safetensors`` file, NVIDIA's MLPerf ``.pt`` or a TensorFlow checkpoint prefix. Every
-refusal is one ``CheckpointError`` line naming the file. The training checkpoints
-(``bert.train_checkpoint``, ``bert.distributed_checkpoint``) read through the same helpers;
-``bert.pretrained`` maps what is read onto the model.
+``safe_torch_load`` is ``torch.load(weights_only=True)`` after a check of the zip archive;
+``plain_data_problem`` says where a loaded object stops being plain data;
+``read_config_and_weights`` reads every pretrained format. Every refusal is one
+``CheckpointError`` line naming the file. The training checkpoints read through the same helpers.
 """
 
 from __future__ import annotations
@@ -37,8 +33,6 @@ __all__ = ["CheckpointError", "plain_data_problem", "safe_torch_load", "read_saf
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the model, or that is refused; the message lists every problem."""
 
-
-# ---- reading files that may come from anyone --------------------------------------------------
 
 _PLAIN_SCALARS = (str, int, float, bool, type(None))
 _MAX_DEPTH = 32  # the trainer's state nests 5 deep; deeper is not ours

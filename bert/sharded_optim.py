@@ -1,13 +1,9 @@
 """Sharded LAMB (``optim.shard``): optimizer state and update split over a group of ranks.
 
-Where DDP sits in the unsharded run, FSDP2 (``fully_shard``) splits every parameter along
-its first dimension over a shard group of G ranks (a 2-D replicate x shard mesh when G is
-smaller than the world): gradients are reduce-scattered per encoder layer during backward,
-the update runs on each rank's 1/G of the master weights and moments, and the next forward
-all-gathers the weights layer by layer. Every per-tensor norm (LAMB's trust ratio,
-global-norm clipping, AdaGC) is the whole tensor's, from the shards' partial sums in one
-small all-reduce, so the update equals ``bert.optim.Lamb`` on whole tensors. Why FSDP2, and
-what it costs: [docs/sharding.md](../docs/sharding.md).
+FSDP2 (``fully_shard``) in DDP's place, per encoder layer, on a (replicate x) shard mesh; the
+update runs on each rank's shards. Every per-tensor norm (LAMB's trust ratio, clipping, AdaGC)
+is the whole tensor's, from the shards' partial sums in one small all-reduce, so the update
+equals ``bert.optim.Lamb`` on whole tensors. How and what it costs: [docs/sharding.md](../docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -39,23 +35,11 @@ def shard_group_size(shard: str | int, world: int) -> int | None:
     return shard
 
 
-def build_mesh(world: int, group: int, device_type: str) -> DeviceMesh:
-    """(replicate x shard) = (world / group, group) ranks; 1-D (shard) when one group spans the world."""
-    if group == world:
-        return init_device_mesh(device_type, (world,), mesh_dim_names=(SHARD,))
-    return init_device_mesh(device_type, (world // group, group), mesh_dim_names=(REPLICATE, SHARD))
-
-
 def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: str = "fp32", reduce_dtype: str = "fp32") -> None:
     """Apply FSDP2 in place: one unit per encoder layer, the rest (embeddings, heads) in the root.
-
-    ``compute_dtype``: the dtype of the all-gathered weights forward and backward run on (the
-    sharded masters stay fp32); ``reduce_dtype``: the dtype gradients are reduce-scattered
-    (and, across groups, all-reduced) in. Weights stay gathered from forward to backward
-    (``reshard_after_forward=False``): one all-gather per layer per step instead of two, at the
-    cost of holding every layer's gathered weights from its forward to its backward, as the
-    unsharded run holds them anyway.
-    """
+    ``compute_dtype``: of the all-gathered weights (the sharded masters stay fp32); ``reduce_dtype``:
+    of the gradients' reduce-scatter. Weights stay gathered from forward to backward
+    (``reshard_after_forward=False``: one all-gather per layer per step, not two)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(
@@ -70,10 +54,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: str = "fp32",
 
 
 def reshard(model: nn.Module) -> None:
-    """Put every FSDP2 unit of ``model`` back into its sharded parameters. A forward without
-    backward (evaluation) leaves them gathered (``reshard_after_forward=False``), and while
-    gathered the module's registered parameters are the whole tensors, not the DTensors the
-    optimizer holds: call this before naming parameters (checkpoints) and after evaluation."""
+    """Put every FSDP2 unit of ``model`` back into its sharded parameters: a forward without
+    backward (evaluation) leaves the whole tensors registered, not the optimizer's DTensors.
+    Call it before naming parameters (checkpoints) and after evaluation."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
@@ -90,11 +73,9 @@ def local_shard(t: Tensor) -> Tensor:
 
 
 class WholeNorms:
-    """Whole-tensor L2 norms from local shards: one all-reduce of the partial sums of squares.
-
-    ``group``: the shard group's process group (None: the tensors are whole, nothing to sum).
-    Called with lists of the shards of the same N tensors on every rank of the group.
-    """
+    """Whole-tensor L2 norms from local shards: one all-reduce of the partial sums of squares over
+    ``group``, the shard group (None: the tensors are whole). Every rank of the group passes the
+    shards of the same N tensors."""
 
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
@@ -113,12 +94,9 @@ class WholeNorms:
 
 
 class ShardedLamb(Lamb):
-    """``Lamb`` on DTensor parameters: the same update, on this rank's shards.
-
-    Moments are DTensors shaped like their parameters (so ``torch.distributed.checkpoint``
-    reshards them), the math runs on the local shards, and the trust ratio's two norms per
-    tensor come from one all-reduce of a [2N] vector over the shard group.
-    """
+    """``Lamb`` on DTensor parameters, the math on this rank's shards. Moments are DTensors shaped
+    like their parameters (``torch.distributed.checkpoint`` reshards them); the trust ratio's two
+    norms per tensor come from one all-reduce of a [2N] vector over the shard group."""
 
     def __init__(self, params, norms: WholeNorms, **kwargs):
         super().__init__(params, **kwargs)
@@ -135,10 +113,6 @@ class ShardedLamb(Lamb):
         return both[:n], both[n:]
 
 
-def shard_process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    return mesh[SHARD].get_group() if mesh.mesh_dim_names != (SHARD,) else mesh.get_group()
-
-
 @dataclass
 class Sharding:
     """How the run is sharded (``apply_sharding``): the mesh, the ranks per shard group, and
@@ -148,10 +122,7 @@ class Sharding:
     mesh: DeviceMesh
     group_size: int
     norms: WholeNorms
-
-    @staticmethod
-    def local(t: Tensor) -> Tensor:
-        return local_shard(t)
+    local = staticmethod(local_shard)
 
 
 def apply_sharding(
@@ -162,9 +133,12 @@ def apply_sharding(
     group = shard_group_size(optim.shard, world)
     if group is None:
         return None
-    mesh = build_mesh(world, group, device_type)
+    if group == world:  # one group spans the world: a 1-D mesh
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=(SHARD,))
+    else:
+        mesh = init_device_mesh(device_type, (world // group, group), mesh_dim_names=(REPLICATE, SHARD))
     shard_model(model, mesh, precision, optim.reduce_dtype)
-    return Sharding(mesh, group, WholeNorms(shard_process_group(mesh)))
+    return Sharding(mesh, group, WholeNorms(mesh.get_group() if group == world else mesh[SHARD].get_group()))
 
 
 def build_sharded_lamb(optim: OptimSection, model: nn.Module, sharding: Sharding) -> ShardedLamb:
@@ -178,10 +152,5 @@ def build_sharded_lamb(optim: OptimSection, model: nn.Module, sharding: Sharding
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer-state tensors held by this rank (a DTensor counts its local shard)."""
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, Tensor):
-                t = local_shard(value)
-                total += t.numel() * t.element_size()
-    return total
+    tensors = (local_shard(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor))
+    return sum(t.numel() * t.element_size() for t in tensors)

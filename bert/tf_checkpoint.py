@@ -29,20 +29,8 @@ class TFCheckpointError(ValueError):
 
 
 # tensorflow/core/framework/types.proto: DataType -> numpy dtype (little-endian).
-_DTYPES = {
-    1: np.float32,
-    2: np.float64,
-    3: np.int32,
-    4: np.uint8,
-    5: np.int16,
-    6: np.int8,
-    9: np.int64,
-    10: np.bool_,
-    17: np.uint16,
-    19: np.float16,
-    22: np.uint32,
-    23: np.uint64,
-}
+_DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 4: np.uint8, 5: np.int16, 6: np.int8, 9: np.int64}
+_DTYPES.update({10: np.bool_, 17: np.uint16, 19: np.float16, 22: np.uint32, 23: np.uint64})
 _DTYPE_NAMES = {7: "string", 14: "bfloat16", 8: "complex64", 18: "complex128"}
 _TABLE_MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48
@@ -126,13 +114,8 @@ def _parse_entry(value: bytes) -> dict:
 
 def _parse_header(value: bytes) -> tuple[int, int]:
     """BundleHeaderProto: num_shards=1, endianness=2 (0 little, 1 big)."""
-    shards, endianness = 1, 0
-    for number, _, v in _fields(value):
-        if number == 1:
-            shards = v
-        elif number == 2:
-            endianness = v
-    return shards, endianness
+    values = {number: v for number, _, v in _fields(value)}  # the last of a repeated field wins
+    return values.get(1, 1), values.get(2, 0)
 
 
 # ---- the sorted table (LevelDB's format) ----------------------------------------------------
@@ -224,8 +207,7 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
     num_shards, endianness = _parse_header(header)
     if endianness != 0:
         raise TFCheckpointError(f"{index_path}: big-endian checkpoints are not supported")
-    shards = {}
-    out = {}
+    shards, out = {}, {}
     try:
         for raw_name, value in sorted(entries.items()):
             name = raw_name.decode("utf-8")
@@ -285,6 +267,23 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
 _SKIP = re.compile(r"(/adam_[mv]$|/Momentum$|^global_step$|^(good|bad)_steps$|^loss_scale$|^current_loss_scale$)")
 _LAYER = re.compile(r"^bert/encoder/layer_(\d+)/(.+)$")
 _LEAVES = {"kernel": "weight", "bias": "bias", "gamma": "weight", "beta": "bias"}
+_FIXED = {  # the names that are not a module path (slashes as dots) and a _LEAVES leaf
+    "bert/embeddings/word_embeddings": "bert.embeddings.word_embeddings.weight",
+    "bert/embeddings/position_embeddings": "bert.embeddings.position_embeddings.weight",
+    "bert/embeddings/token_type_embeddings": "bert.embeddings.token_type_embeddings.weight",
+    "cls/predictions/output_bias": "cls.predictions.bias",
+    "cls/seq_relationship/output_weights": "cls.seq_relationship.weight",
+    "cls/seq_relationship/output_bias": "cls.seq_relationship.bias",
+}
+# The modules with _LEAVES variables; in a layer, the path after bert/encoder/layer_N/.
+_MODULES = set(
+    "bert/embeddings/LayerNorm bert/pooler/dense cls/predictions/transform/dense"
+    " cls/predictions/transform/LayerNorm".split()
+)
+_LAYER_MODULES = set(
+    "attention/self/query attention/self/key attention/self/value attention/output/dense attention/output/LayerNorm"
+    " intermediate/dense output/dense output/LayerNorm".split()
+)
 
 
 def is_slot_or_counter(name: str) -> bool:
@@ -316,39 +315,11 @@ def google_bert_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict[str, np.nd
 
 
 def _hf_name(name: str) -> str | None:
-    fixed = {
-        "bert/embeddings/word_embeddings": "bert.embeddings.word_embeddings.weight",
-        "bert/embeddings/position_embeddings": "bert.embeddings.position_embeddings.weight",
-        "bert/embeddings/token_type_embeddings": "bert.embeddings.token_type_embeddings.weight",
-        "cls/predictions/output_bias": "cls.predictions.bias",
-        "cls/seq_relationship/output_weights": "cls.seq_relationship.weight",
-        "cls/seq_relationship/output_bias": "cls.seq_relationship.bias",
-    }
-    if name in fixed:
-        return fixed[name]
+    if name in _FIXED:
+        return _FIXED[name]
     path, _, leaf = name.rpartition("/")
-    if leaf not in _LEAVES:
-        return None
-    leaf = _LEAVES[leaf]
-    modules = {
-        "bert/embeddings/LayerNorm": "bert.embeddings.LayerNorm",
-        "bert/pooler/dense": "bert.pooler.dense",
-        "cls/predictions/transform/dense": "cls.predictions.transform.dense",
-        "cls/predictions/transform/LayerNorm": "cls.predictions.transform.LayerNorm",
-    }
-    if path in modules:
-        return f"{modules[path]}.{leaf}"
     m = _LAYER.match(path)
-    if m is None:
+    if leaf not in _LEAVES or not (m.group(2) in _LAYER_MODULES if m else path in _MODULES):
         return None
-    inner = {
-        "attention/self/query": "attention.self.query",
-        "attention/self/key": "attention.self.key",
-        "attention/self/value": "attention.self.value",
-        "attention/output/dense": "attention.output.dense",
-        "attention/output/LayerNorm": "attention.output.LayerNorm",
-        "intermediate/dense": "intermediate.dense",
-        "output/dense": "output.dense",
-        "output/LayerNorm": "output.LayerNorm",
-    }.get(m.group(2))
-    return None if inner is None else f"bert.encoder.layer.{m.group(1)}.{inner}.{leaf}"
+    path = f"bert.encoder.layer.{m.group(1)}.{m.group(2)}" if m else path
+    return f"{path.replace('/', '.')}.{_LEAVES[leaf]}"
