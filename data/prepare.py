@@ -1,20 +1,12 @@
 """Text -> MLPerf BERT pretraining shards: ``python -m data.prepare``.
 
 Google's ``create_pretraining_data`` with MLPerf's parameters (``--objective mlm``: whole
-documents cut into pieces, no pairs), in stages that each run in ``--workers`` processes:
-
-1. vocabulary: a copy of ``--vocab`` / ``--tokenizer``, or one learnt (``--train-vocab``);
-2. tokenise: input chunks cut at document boundaries, tokenised into one array on disk;
-3. split: documents shuffled by the seed, the eval set held out (or made from
-   ``--eval-input``), so no eval document reaches training;
-4. pairs: each (pass, document) draws from its own stream and gives each pair a 64-bit key,
-   whose top bits pick the shard;
-5. shards: each shard's pairs ordered by key, masked with a stream seeded by (seed, shard),
-   written; the manifest and the files installed into ``--output-dir`` whole.
-
-Every random draw is tied to a document or a shard, never to a worker, so the output is
-byte-identical for any ``--workers``. Options, outputs and the procedure:
-[docs/data.md](../docs/data.md#preparing-data).
+documents cut into pieces, no pairs), in stages run in ``--workers`` processes: the vocabulary;
+tokenising (stage 1); the document shuffle and the eval set, held out or from ``--eval-input``
+(2); pairs, each with a 64-bit key whose top bits pick its shard (3); each shard in key order,
+masked with a stream seeded by (seed, shard), and written (4), then installed whole. Every draw
+is tied to a document or a shard, never to a worker, so the output is byte-identical for any
+``--workers``. Options, outputs and the procedure: [docs/data.md](../docs/data.md#preparing-data).
 """
 
 from __future__ import annotations
@@ -52,17 +44,16 @@ TRAIN_TAG, EVAL_TAG = 0, 1
 MASK_ROWS = 4096  # rows masked at once (bounds the [rows, S] scratch arrays)
 # Work size (like data.text.CHUNK_BYTES): it changes how work is split, never the output.
 PAIR_TASK_TOKENS = (100_000, 8_000_000)  # document tokens per pairing task: min, max
+# Stage 3's per-pair columns (beside "tokens", the pairs' uint16 ids end to end).
+PAIR_DTYPES = {"seq_len": np.int32, "len_a": np.int32, "nsp": np.int8, "key": np.int64, "canon": np.int64}
 
 
 @dataclass(kw_only=True)
 class PrepareConfig:
-    """Every parameter of a preparation run (the manifest records them all but ``workers``,
-    which never changes the output). Each field is also an option of ``python -m
-    data.prepare``, in this order (``data.cli.option``; the type and nargs come from the
-    annotation): ``flag`` names it when not ``--field-name``; ``reference=False`` marks one
-    that ``--reference`` refuses (its argparse default is None, so "given" can be seen);
-    options of the same ``group`` are mutually exclusive, one of them required; ``metavar``
-    and ``choices`` go to argparse."""
+    """Every parameter of a preparation run (the manifest records all but ``workers``, which
+    never changes the output), each also an option of ``python -m data.prepare``, in this order
+    (``_add_option``): ``flag`` names it when not ``--field-name``; ``reference=False`` marks one
+    that ``--reference`` refuses; options of one ``group`` are exclusive, one of them required."""
 
     inputs: list[str] = option(flag="--input", help="text files or directories")
     input_format: str = option(
@@ -270,30 +261,22 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
     sentences = [s for d in docs for s in d]
     encoded = encode(tok, sentences, task.vocab_path)
     sent_lens = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))
-    ids = [e.ids for e in encoded]
-    keep_tokens: list[list[int]] = []
-    kept_lens: list[int] = []
+    keep: list[int] = []  # the kept sentences
     doc_nsent: list[int] = []
-    short = 0
-    i = 0
+    short = i = 0
     for d in docs:
-        n = 0
-        start = len(kept_lens)
-        for k in range(i, i + len(d)):
-            if sent_lens[k]:
-                keep_tokens.append(ids[k])
-                kept_lens.append(int(sent_lens[k]))
-                n += 1
+        kept = [k for k in range(i, i + len(d)) if sent_lens[k]]
         i += len(d)
-        if n >= (1 if task.whole_documents else task.min_sentences):
-            doc_nsent.append(n)
+        if len(kept) >= (1 if task.whole_documents else task.min_sentences):
+            doc_nsent.append(len(kept))
+            keep += kept
         else:
             short += 1
-            del keep_tokens[start:], kept_lens[start:]
-    flat = np.fromiter(chain.from_iterable(keep_tokens), dtype=np.uint16, count=sum(kept_lens))
+    kept_lens = sent_lens[keep]
+    flat = np.fromiter(chain.from_iterable(encoded[k].ids for k in keep), dtype=np.uint16, count=int(kept_lens.sum()))
     return {
         "tokens": flat,
-        "sent_lens": np.array(kept_lens, np.int64),
+        "sent_lens": kept_lens,
         "doc_nsent": np.array(doc_nsent, np.int64),
         "docs_read": len(docs),
         "docs_short": short,
@@ -347,25 +330,16 @@ def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: rand
     return a0 + fa, a1 - (ra - fa), b0 + fb, b1 - (rb - fb)
 
 
-def _doc_pairs(
-    pos: int,
-    pool,
-    sent_off,
-    doc_sent_off,
-    rng: random.Random,
-    max_num_tokens: int,
-    short_seq_prob: float,
-    canon_base: int,
-    out: list,
-) -> None:
-    """The pairs of one pass over the document at pool position ``pos`` (appended to out as
-    (a0, a1, b0, b1, is_random_next, 63-bit random key, canonical id); a/b are token offsets)."""
+def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
+    """Yield the pairs of one pass over the document at pool position ``pos`` as (a0, a1, b0,
+    b1, is_random_next, 63-bit random key, canonical id); a/b are token offsets."""
+    max_num_tokens = cfg.max_num_tokens
     d = int(pool[pos])
     s0, s1 = int(doc_sent_off[d]), int(doc_sent_off[d + 1])
     offs = sent_off[s0 : s1 + 1].tolist()  # offs[k]: first token of sentence k
     n = s1 - s0
     target = max_num_tokens
-    if rng.random() < short_seq_prob:
+    if rng.random() < cfg.short_seq_prob:
         target = rng.randint(2, max_num_tokens)
     chunk_start = 0
     i = 0
@@ -395,7 +369,7 @@ def _doc_pairs(
                 is_random = 0
                 b0, b1 = offs[a_end], offs[i + 1]
             a0, a1, b0, b1 = _truncate(a0, a1, b0, b1, max_num_tokens, rng)
-            out.append((a0, a1, b0, b1, is_random, rng.getrandbits(63), canon_base + inst))
+            yield a0, a1, b0, b1, is_random, rng.getrandbits(63), canon_base + inst
             inst += 1
             chunk_start = i + 1
         i += 1
@@ -403,20 +377,17 @@ def _doc_pairs(
         raise DataError(f"document {d} gives {inst} pairs in one pass, more than the 2^20 supported")
 
 
-def _doc_pieces(
-    pos: int, pool, sent_off, doc_sent_off, rng: random.Random, max_num_tokens: int, canon_base: int, out: list
-) -> None:
+def _doc_pieces(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
     """``--objective mlm``: the document at pool position ``pos`` cut into consecutive pieces
-    of ``max_num_tokens`` tokens (the last one shorter), appended to out like ``_doc_pairs``'
-    rows with an empty segment B. No sentence boundaries are needed: pieces are spans of the
-    document's tokens, so every token is in exactly one piece and none is dropped."""
-    d = int(pool[pos])
+    of ``max_num_tokens`` tokens (the last one shorter), yielded like ``_doc_pairs``' rows with
+    an empty segment B, so every token is in exactly one piece and none is dropped."""
+    d, max_num_tokens = int(pool[pos]), cfg.max_num_tokens
     t0, t1 = int(sent_off[doc_sent_off[d]]), int(sent_off[doc_sent_off[d + 1]])
     if (t1 - t0 + max_num_tokens - 1) // max_num_tokens >= 1 << 20:
         raise DataError(f"document {d} gives more than the 2^20 supported pieces")
     for inst, a0 in enumerate(range(t0, t1, max_num_tokens)):
         a1 = min(a0 + max_num_tokens, t1)
-        out.append((a0, a1, a1, a1, 0, rng.getrandbits(63), canon_base + inst))
+        yield a0, a1, a1, a1, 0, rng.getrandbits(63), canon_base + inst
 
 
 def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> dict:
@@ -425,7 +396,7 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     mlm``: document pieces, [CLS] A [SEP]), the special ids those of the run's vocabulary."""
     toks, sent_off, doc_sent_off = _arrays(tmp)
     cls_id, sep_id = _cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
-    seed, max_num_tokens, mlm = cfg.seed, cfg.max_num_tokens, cfg.objective == "mlm"
+    seed, mlm = cfg.seed, cfg.objective == "mlm"
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
     rows: list = []
@@ -433,19 +404,9 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
         for pos in range(lo, hi):
             rng = random.Random((seed << 96) | (tag << 88) | (dupe << 64) | pos)
             canon = (dupe << 56) | (pos << 20)
-            if mlm:
-                _doc_pieces(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, canon, rows)
-            else:
-                _doc_pairs(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, cfg.short_seq_prob, canon, rows)
+            rows += (_doc_pieces if mlm else _doc_pairs)(pos, pool, sent_off, doc_sent_off, rng, cfg, canon)
     if not rows:
-        return {
-            "tokens": np.zeros(0, np.uint16),
-            "seq_len": np.zeros(0, np.int32),
-            "len_a": np.zeros(0, np.int32),
-            "nsp": np.zeros(0, np.int8),
-            "key": np.zeros(0, np.int64),
-            "canon": np.zeros(0, np.int64),
-        }
+        return {"tokens": np.zeros(0, np.uint16), **{k: np.zeros(0, t) for k, t in PAIR_DTYPES.items()}}
     a0, a1, b0, b1, nsp, key, canon = (np.array(c) for c in zip(*rows))
     la, lb = a1 - a0, b1 - b0
     seq_len = la + lb + (2 if mlm else 3)
@@ -459,14 +420,8 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     b_dest = _gather_ranges(np.arange(len(out)), starts[:-1] + la + 2, lb, idx)
     out[a_dest] = _gather_ranges(toks, a0, la, idx)
     out[b_dest] = _gather_ranges(toks, b0, lb, idx)
-    return {
-        "tokens": out,
-        "seq_len": seq_len.astype(np.int32),
-        "len_a": la.astype(np.int32),
-        "nsp": nsp.astype(np.int8),
-        "key": key.astype(np.int64),
-        "canon": canon.astype(np.int64),
-    }
+    columns = (seq_len, la, nsp, key, canon)
+    return {"tokens": out, **{k: c.astype(t) for (k, t), c in zip(PAIR_DTYPES.items(), columns)}}
 
 
 def _bucket_of(key: np.ndarray, num_buckets: int) -> np.ndarray:
@@ -485,7 +440,7 @@ def _make_pairs(task: _PairTask) -> dict:
     base = os.path.join(task.tmp, "pairs", f"t{task.task_id:06d}")
     tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
     np.save(base + ".tok.npy", tokens)
-    for name in ("seq_len", "len_a", "nsp", "key", "canon"):
+    for name in PAIR_DTYPES:
         np.save(f"{base}.{name}.npy", p[name][order])
     np.save(base + ".off.npy", _offsets(counts))
     np.save(base + ".tokoff.npy", _offsets(tok_counts.astype(np.int64)))
@@ -570,7 +525,7 @@ class _ShardTask:
 
 
 def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
-    parts = {k: [] for k in ("tokens", "seq_len", "len_a", "nsp", "key", "canon")}
+    parts = {k: [] for k in ("tokens", *PAIR_DTYPES)}
     for t in range(num_tasks):
         base = os.path.join(tmp, "pairs", f"t{t:06d}")
         off, tokoff = _cached(("off", base), lambda: (np.load(base + ".off.npy"), np.load(base + ".tokoff.npy")))
@@ -578,7 +533,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
         if lo == hi:
             continue
         parts["tokens"].append(np.load(base + ".tok.npy", mmap_mode="r")[tokoff[j] : tokoff[j + 1]])
-        for name in ("seq_len", "len_a", "nsp", "key", "canon"):
+        for name in PAIR_DTYPES:
             parts[name].append(np.load(f"{base}.{name}.npy", mmap_mode="r")[lo:hi])
     return {k: (np.concatenate(v) if v else None) for k, v in parts.items()}
 
@@ -587,7 +542,7 @@ def _shuffled(p: dict) -> dict:
     """Pairs in key order (ties, practically impossible, by canonical id)."""
     order = np.lexsort((p["canon"], p["key"]))
     tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
-    return {"tokens": tokens, **{k: p[k][order] for k in ("seq_len", "len_a", "nsp", "key", "canon")}}
+    return {"tokens": tokens, **{k: p[k][order] for k in PAIR_DTYPES}}
 
 
 def _write_shard(task: _ShardTask) -> dict:
@@ -677,17 +632,9 @@ def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
     p = _shuffled(p)
     pick = (np.arange(k, dtype=np.int64) * n) // k
     tok = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], pick)
-    return mask_pairs(
-        tok,
-        p["seq_len"][pick],
-        p["len_a"][pick],
-        p["nsp"][pick],
-        np.random.default_rng([cfg.seed, 3]),
-        cfg.masked_lm_prob if cfg.eval_masked_lm_prob is None else cfg.eval_masked_lm_prob,
-        cfg.max_predictions,
-        len(vocab),
-        vocab.mask_id,
-    )
+    prob = cfg.masked_lm_prob if cfg.eval_masked_lm_prob is None else cfg.eval_masked_lm_prob
+    masking = (np.random.default_rng([cfg.seed, 3]), prob, cfg.max_predictions, len(vocab), vocab.mask_id)
+    return mask_pairs(tok, p["seq_len"][pick], p["len_a"][pick], p["nsp"][pick], *masking)
 
 
 @dataclass
@@ -832,15 +779,8 @@ def _eval_set(run: _Run, corpus: _Corpus, order: np.ndarray, has_eval_files: boo
         eval_docs = held
     block = _pick_eval(cfg, p, run.vocab)
     path = run.tmp / "eval" / EVAL_FILE
-    write_file(
-        path,
-        block,
-        cfg.format,
-        cfg.max_seq_length,
-        cfg.max_predictions,
-        next_sentence=not run.mlm,
-        vocab_size=run.recorded_vocab,
-    )
+    sizes = (cfg.max_seq_length, cfg.max_predictions)
+    write_file(path, block, cfg.format, *sizes, next_sentence=not run.mlm, vocab_size=run.recorded_vocab)
     run.lap("eval")
     run.log(
         f"eval: {cfg.eval_samples} samples from {len(p['seq_len'])} {run.unit} of {eval_docs} "
@@ -908,10 +848,7 @@ def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, n_eval_docs: int, 
         "tokens": corpus.n_tokens,
         "invalid_utf8_replaced": {p: c for p, (c, _) in sorted(corpus.bad_utf8.items())},
         "train": {
-            "samples": sum(s["samples"] for s in info),
-            "tokens": sum(s["tokens"] for s in info),
-            "masked": sum(s["masked"] for s in info),
-            "random_next": sum(s["random_next"] for s in info),
+            **{k: sum(s[k] for s in info) for k in ("samples", "tokens", "masked", "random_next")},
             "files": [{"name": f"train/{n}", **s} for n, s in zip(names, info)],
         },
     }
