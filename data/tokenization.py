@@ -253,11 +253,11 @@ def _normalizer_and_pretokenizer():
     )
 
 
-def make_tokenizer(vocab: Vocab):
-    """A ``tokenizers.Tokenizer`` for BERT uncased WordPiece over ``vocab``.
+def make_tokenizer(vocab: Vocab, max_word_chars: int = MAX_WORD_CHARS, unk_in_text: bool = True):
+    """A ``tokenizers.Tokenizer`` for BERT uncased WordPiece over ``vocab.ids``.
 
-    ``[UNK]`` written in the text (WikiText's ``<unk>`` is rewritten to it) maps to the
-    [UNK] id instead of being split into ``[``, ``unk``, ``]``.
+    With ``unk_in_text``, ``[UNK]`` written in the text (WikiText's ``<unk>`` is rewritten to
+    it) maps to the [UNK] id instead of being split into ``[``, ``unk``, ``]``.
     """
     from tokenizers import AddedToken, Tokenizer, models
 
@@ -266,11 +266,12 @@ def make_tokenizer(vocab: Vocab):
             vocab=dict(vocab.ids),
             unk_token="[UNK]",
             continuing_subword_prefix="##",
-            max_input_chars_per_word=MAX_WORD_CHARS,
+            max_input_chars_per_word=max_word_chars,
         )
     )
     tok.normalizer, tok.pre_tokenizer = _normalizer_and_pretokenizer()
-    tok.add_special_tokens([AddedToken("[UNK]", normalized=False, special=True)])
+    if unk_in_text:
+        tok.add_special_tokens([AddedToken("[UNK]", normalized=False, special=True)])
     return tok
 
 
