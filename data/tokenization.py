@@ -1,18 +1,17 @@
 """Vocabularies and the tokenizer that ``data.prepare`` runs on every sentence (or document).
 
-A WordPiece ``vocab.txt`` (``load_vocab``, BERT's uncased WordPiece by the ``tokenizers``
-library: ``make_tokenizer``) or a ``tokenizers`` JSON (``load_tokenizer`` of a ``.json``, run as
-the file defines it, less its post-processor, padding and truncation); ``encode`` runs either
-under the bounds of docs/data.md#files-the-readers-refuse. ``train_wordpiece`` learns a
-vocabulary deterministically (BPE merges over word counts, ties broken by symbol id: the
-library's trainer breaks them in hash order), so prepared data is byte-identical for the
-same input.
+A WordPiece ``vocab.txt`` (BERT's uncased WordPiece by the ``tokenizers`` library) or a
+``tokenizers`` JSON (run as the file defines it, less its post-processor, padding and
+truncation), encoded under the bounds of docs/data.md#files-the-readers-refuse.
+``train_wordpiece`` learns a vocabulary deterministically (ties broken by symbol id, where the
+library's trainer breaks them in hash order), so prepared data is byte-identical for the same input.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
+import math
 import os
 import re
 import time
@@ -63,10 +62,6 @@ class Vocab:
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-    @property
-    def pad_id(self) -> int:
-        return self.ids["[PAD]"]
 
     @property
     def unk_id(self) -> int:
@@ -121,10 +116,7 @@ def _growth(node) -> float:
     if not isinstance(node, dict):
         return 1.0
     if node.get("type") == "Sequence" and isinstance(node.get("normalizers"), list):
-        out = 1.0
-        for child in node["normalizers"]:
-            out *= _growth(child)
-        return out
+        return math.prod(map(_growth, node["normalizers"]), start=1.0)
     if node.get("type") == "Replace":
         content, pattern = node.get("content"), node.get("pattern")
         text = pattern.get("String") if isinstance(pattern, dict) else None
@@ -275,10 +267,6 @@ def make_tokenizer(vocab: Vocab, max_word_chars: int = MAX_WORD_CHARS, unk_in_te
     return tok
 
 
-def _merge_symbols(a: str, b: str) -> str:
-    return a + (b[2:] if b.startswith("##") else b)
-
-
 def train_wordpiece(
     sentences: Iterable[str], vocab_size: int, min_frequency: int = 2, limit_alphabet: int = 1000
 ) -> list[str]:
@@ -327,10 +315,7 @@ def train_wordpiece(
 
     # Symbols: the specials keep ids 0..4; the alphabet pieces follow in sorted order.
     word_list = sorted(w for w in words if len(w) <= MAX_WORD_CHARS and set(w) <= alphabet)
-    initial: set[str] = set()
-    for w in word_list:
-        initial.add(w[0])
-        initial.update("##" + ch for ch in w[1:])
+    initial = {w[0] for w in word_list} | {"##" + ch for w in word_list for ch in w[1:]}
     pieces = list(SPECIAL_TOKENS) + sorted(initial)
     if len(pieces) > vocab_size:
         # Word-initial forms first (they cover every word's start), then ## forms by frequency.
@@ -339,21 +324,18 @@ def train_wordpiece(
         keep = set(starts[:room]) | set(cont[: max(0, room - len(starts))])
         pieces = list(SPECIAL_TOKENS) + sorted(keep)
         word_list = [w for w in word_list if w[0] in keep and all("##" + ch in keep for ch in w[1:])]
-    ids = {p: i for i, p in enumerate(pieces)}
-    sym_str = list(pieces)
+    ids = {p: i for i, p in enumerate(pieces)}  # symbol -> id, merged symbols included
 
     seqs = [[ids[w[0]]] + [ids["##" + ch] for ch in w[1:]] for w in word_list]
     counts = [words[w] for w in word_list]
     pair_count: dict[tuple[int, int], int] = {}
     pair_words: dict[tuple[int, int], set[int]] = {}
-    for wi, seq in enumerate(seqs):
-        c = counts[wi]
+    for wi, (seq, c) in enumerate(zip(seqs, counts)):
         for p in zip(seq, seq[1:]):
             pair_count[p] = pair_count.get(p, 0) + c
             pair_words.setdefault(p, set()).add(wi)
     heap = [(-c, p) for p, c in pair_count.items()]
     heapq.heapify(heap)
-    merged_id: dict[str, int] = dict(ids)
 
     while len(pieces) < vocab_size and heap:
         negc, pair = heapq.heappop(heap)
@@ -363,14 +345,11 @@ def train_wordpiece(
         if c < min_frequency:
             break
         a, b = pair
-        new = _merge_symbols(sym_str[a], sym_str[b])
-        if new in merged_id:
-            nid = merged_id[new]
-        else:
-            nid = len(sym_str)
-            sym_str.append(new)
-            merged_id[new] = nid
+        new = pieces[a] + pieces[b].removeprefix("##")
+        if new not in ids:
+            ids[new] = len(pieces)
             pieces.append(new)
+        nid = ids[new]
         changed: dict[tuple[int, int], int] = {}
         for wi in sorted(pair_words.pop(pair, ())):
             seq = seqs[wi]
