@@ -1,9 +1,5 @@
-"""The one exception the data pipeline raises for bad input.
-
-``DataError`` messages name what is wrong and where (file, line, sample, key), so a CLI can
-print ``str(error)`` as a single line and exit with status 2. It subclasses ``ValueError`` so
-callers that already catch ``ValueError`` keep working.
-"""
+"""The one exception the data pipeline raises for bad input, and the CLIs' wrapper that prints
+it as one line with exit status 2. A ``ValueError``, so callers catching that keep working."""
 
 from __future__ import annotations
 
