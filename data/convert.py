@@ -68,15 +68,13 @@ def main(argv=None) -> int:
     if src.resolve() == dst.resolve():
         raise DataError(f"{dst}: the output is the input; write elsewhere")
     if src.is_dir():
-        files = list_files(src)
-        pairs = [(f, dst / f.name) for f in files]
+        pairs = [(f, dst / f.name) for f in list_files(src)]
     else:
         if not src.exists():
             raise DataError(f"{src}: no such file or directory")
         pairs = [(src, dst / src.name if dst.is_dir() else dst)]
-    total = 0
-    for a, b in pairs:
-        total += convert_file(a, b, args.to, args.max_seq_length, args.max_predictions, args.vocab_size)
+    sizes = (args.max_seq_length, args.max_predictions, args.vocab_size)
+    total = sum(convert_file(a, b, args.to, *sizes) for a, b in pairs)
     print(f"converted {len(pairs)} file(s), {total} samples, to the {args.to} layout in {dst}")
     return 0
 

@@ -23,10 +23,7 @@ def topic_sentences(text: str) -> list[str]:
     sentences = []
     for paragraph in re.split(r"\n\s*\n", text):
         lines = [ln.strip() for ln in paragraph.splitlines() if ln.strip() and not _UNDERLINE.match(ln)]
-        if not lines:
-            continue
-        joined = " ".join(lines)
-        sentences.extend(s.strip() for s in _SENTENCE_END.split(joined) if s.strip())
+        sentences.extend(s.strip() for s in _SENTENCE_END.split(" ".join(lines)) if s.strip())
     return sentences
 
 

@@ -242,21 +242,20 @@ class _Workers:
 @dataclass(frozen=True)
 class _TokenizeTask:
     chunk: Chunk
-    fmt: str
     vocab_path: str
-    min_sentences: int
-    whole_documents: bool = False  # --objective mlm: a document is tokenised as one text
+    cfg: PrepareConfig
 
 
 def _tokenize_chunk(task: _TokenizeTask) -> dict:
     """One chunk's documents as token ids: kept sentences' tokens, their lengths and the
-    sentence count of each kept document. With ``whole_documents`` a document's sentences are
+    sentence count of each kept document. With ``--objective mlm`` a document's sentences are
     joined by spaces and tokenised as one text (a BPE tokenizer sees the spaces between them),
     so every kept document is one "sentence"; a document is kept when it has a token."""
     lines, bad_utf8, first_bad_line = read_chunk(task.chunk)
-    docs = parse_documents(lines, task.fmt)
+    docs = parse_documents(lines, task.cfg.input_format)
     tok = _cached(("tok", task.vocab_path), lambda: load_tokenizer(task.vocab_path)[1])
-    if task.whole_documents:
+    mlm = task.cfg.objective == "mlm"
+    if mlm:
         docs = [[" ".join(d)] for d in docs]
     sentences = [s for d in docs for s in d]
     encoded = encode(tok, sentences, task.vocab_path)
@@ -267,7 +266,7 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
     for d in docs:
         kept = [k for k in range(i, i + len(d)) if sent_lens[k]]
         i += len(d)
-        if len(kept) >= (1 if task.whole_documents else task.min_sentences):
+        if len(kept) >= (1 if mlm else task.cfg.min_sentences):
             doc_nsent.append(len(kept))
             keep += kept
         else:
@@ -712,7 +711,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
     cfg = run.cfg
     chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
     n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
-    tasks = [_TokenizeTask(c, cfg.input_format, str(run.vocab_file), cfg.min_sentences, run.mlm) for c in chunks]
+    tasks = [_TokenizeTask(c, str(run.vocab_file), cfg) for c in chunks]
     too_short = "no token" if run.mlm else f"fewer than {cfg.min_sentences} sentences"
     sent_lens, doc_nsent = [], []
     stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
