@@ -35,21 +35,14 @@ def describe(
     files: list[Path], max_seq_length: int | None = None, vocab_size: int | None = None, bins: int = 16
 ) -> dict:
     """Statistics over all samples of ``files`` (each read and validated)."""
-    lens, masked, nsp = [], [], []
-    layouts = set()
-    seq_from_files = set()
+    infos, columns = [], []
     for f in files:
-        info = inspect(f)
-        layouts.add(info.layout)
-        if info.max_seq_length is not None:
-            seq_from_files.add(info.max_seq_length)
+        infos.append(inspect(f))
         block = read_file(f, vocab_size=vocab_size)
-        lens.append(block.seq_lens)
-        masked.append(block.masked_counts)
-        nsp.append(block.nsp_labels)
-    lens = np.concatenate(lens).astype(np.int64)
-    masked = np.concatenate(masked).astype(np.int64)
-    nsp = np.concatenate(nsp)
+        columns.append((block.seq_lens.astype(np.int64), block.masked_counts.astype(np.int64), block.nsp_labels))
+    lens, masked, nsp = (np.concatenate(c) for c in zip(*columns))
+    layouts = {info.layout for info in infos}
+    seq_from_files = {info.max_seq_length for info in infos} - {None}
     if max_seq_length is None:
         if len(seq_from_files) > 1:
             raise DataError(f"the files have different max_seq_length {sorted(seq_from_files)}; pass --max-seq-length")

@@ -41,7 +41,7 @@ _RUN_START = re.compile(r"(?<=\S)\s")
 
 
 class Vocab:
-    """A WordPiece vocabulary: ``tokens[i]`` is the piece with id i."""
+    """A WordPiece vocabulary: ``tokens[i]`` is the piece with id i; ``cls_id`` etc. those of the specials."""
 
     def __init__(self, tokens: list[str], source: str, max_size: int = MAX_VOCAB_SIZE):
         self.tokens = tokens
@@ -59,25 +59,10 @@ class Vocab:
         if len(tokens) > max_size:
             why = "the HDF5 layouts store ids as int16" if max_size == MAX_VOCAB_SIZE else "ids are stored as uint16"
             raise DataError(f"{source}: {len(tokens)} entries, but {why} (at most {max_size} entries)")
+        self.unk_id, self.cls_id, self.sep_id, self.mask_id = (self.ids[t] for t in SPECIAL_TOKENS[1:])
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-    @property
-    def unk_id(self) -> int:
-        return self.ids["[UNK]"]
-
-    @property
-    def cls_id(self) -> int:
-        return self.ids["[CLS]"]
-
-    @property
-    def sep_id(self) -> int:
-        return self.ids["[SEP]"]
-
-    @property
-    def mask_id(self) -> int:
-        return self.ids["[MASK]"]
 
 
 def load_vocab(path: str | os.PathLike) -> Vocab:
