@@ -1,13 +1,7 @@
 """Convert between the fixed, varlength and packed HDF5 layouts: ``python -m data.convert``.
 
-    python -m data.convert IN OUT --to varlength      # IN, OUT: files, or directories of .hdf5
-    python -m data.convert IN OUT --to fixed [--max-seq-length 512 --max-predictions 76]
-    python -m data.convert IN OUT --to packed [--max-seq-length 512]
-
-Each input file is validated and written under the same name in OUT. Varlength files
-written here record the fixed layout's row length and masked slots, so going back needs no
-flags; fixed -> varlength -> fixed gives the same arrays. ``--to packed`` packs first-fit
-decreasing (``data.packing``) into NVIDIA's packed layout; converting back keeps pack order.
+``python -m data.convert IN OUT --to varlength|fixed|packed``, IN and OUT files or directories
+of .hdf5; lossless, every input validated: [docs/data.md](../docs/data.md#preparing-data).
 """
 
 from __future__ import annotations

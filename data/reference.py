@@ -3,10 +3,9 @@
 Reproduces ``create_pretraining_data.py`` run on each text part on its own with
 ``random.Random(seed)``: the same samples in the same order, bit for bit, one fixed-layout
 HDF5 file per input file, so ``data.mlperf_dataset``'s chop, shuffle and checksums match the
-published ones. Written from the reference's behaviour (reading, BERT's uncased tokenizer,
-pairs, masking, shuffles, every draw in its order): [docs/data.md](../docs/data.md#how-it-matches-the-reference).
-Pure-ASCII lines go through ``tokenizers``, where it equals the reference; other lines
-through the pure-Python tokenizer below.
+published ones. Written from the reference's behaviour, every draw in its order; pure-ASCII
+lines go through ``tokenizers``, the others through the Python tokenizer below:
+[docs/data.md](../docs/data.md#how-it-matches-the-reference).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Describe prepared HDF5 data: ``python -m data.stats DIR_OR_FILES [--png FILE]``.
 
-Prints the sample count, the mean and spread of sequence lengths with a text histogram, the
-padding ratio (max_seq_length x samples / real tokens: how many token slots a padded batch
-spends per real token, the cost that unpadded batches remove), masked tokens per sample and
-the share of random-next pairs. ``--png`` also draws the histogram.
+Prints the sample count, sequence lengths with a text histogram, the padding ratio
+(max_seq_length x samples / real tokens: the token slots a padded batch spends per real token),
+masked tokens per sample and the share of random-next pairs; ``--png`` draws the histogram.
 """
 
 from __future__ import annotations

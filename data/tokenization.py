@@ -170,11 +170,9 @@ def _pieces(text: str) -> list[str]:
 
 
 def encode(tok, texts: list[str], source: str) -> list:
-    """``tok.encode_batch_fast(texts, add_special_tokens=False)`` under bounds: a long text is
-    encoded in pieces (cut before whitespace, which the pre-tokenizers split at anyway) and the
-    pieces merged; each call holds at most BATCH_CHARS characters and must run at
-    MIN_CHARS_PER_S after SLOW_AFTER_S; a text may give at most TOKENS_PER_CHAR tokens per
-    character; a Rust panic is one line. Every breach is a DataError naming ``source``."""
+    """``tok.encode_batch_fast(texts, add_special_tokens=False)`` under the bounds above (long
+    texts encoded in pieces and merged; docs/data.md#files-the-readers-refuse): every breach,
+    a Rust panic included, is a one-line DataError naming ``source``."""
     from tokenizers import Encoding
 
     pieces = [_pieces(t) if len(t) > PIECE_CHARS else [t] for t in texts]
@@ -255,15 +253,8 @@ def make_tokenizer(vocab: Vocab, max_word_chars: int = MAX_WORD_CHARS, unk_in_te
 def train_wordpiece(
     sentences: Iterable[str], vocab_size: int, min_frequency: int = 2, limit_alphabet: int = 1000
 ) -> list[str]:
-    """Learn a WordPiece vocabulary of at most ``vocab_size`` pieces, deterministically.
-
-    Words come from BERT's normaliser and pre-tokeniser. The alphabet is the
-    ``limit_alphabet`` most frequent characters (words with other characters are left out,
-    they become [UNK]); every character gets a word-initial and a ``##`` form where seen.
-    Then the most frequent adjacent pair of symbols (at least ``min_frequency``) is merged
-    until the vocabulary is full or no pair is frequent enough, so a small corpus can give
-    fewer than ``vocab_size`` pieces. Ties go to the pair of lower symbol ids.
-    """
+    """Learn a WordPiece vocabulary of at most ``vocab_size`` pieces (fewer from a small corpus),
+    deterministically: the procedure is docs/data.md#preparing-data's, "Vocabulary"."""
     min_entries = len(SPECIAL_TOKENS) + 2
     if vocab_size < min_entries or vocab_size > MAX_VOCAB_SIZE:
         raise DataError(f"--train-vocab {vocab_size}: must lie in [{min_entries}, {MAX_VOCAB_SIZE}]")
