@@ -337,12 +337,8 @@ def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: 
     s0, s1 = int(doc_sent_off[d]), int(doc_sent_off[d + 1])
     offs = sent_off[s0 : s1 + 1].tolist()  # offs[k]: first token of sentence k
     n = s1 - s0
-    target = max_num_tokens
-    if rng.random() < cfg.short_seq_prob:
-        target = rng.randint(2, max_num_tokens)
-    chunk_start = 0
-    i = 0
-    inst = 0
+    target = rng.randint(2, max_num_tokens) if rng.random() < cfg.short_seq_prob else max_num_tokens
+    chunk_start = i = inst = 0
     while i < n:
         if i == n - 1 or offs[i + 1] - offs[chunk_start] >= target:
             n_chunk = i - chunk_start + 1
@@ -423,16 +419,11 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     return {"tokens": out, **{k: c.astype(t) for (k, t), c in zip(PAIR_DTYPES.items(), columns)}}
 
 
-def _bucket_of(key: np.ndarray, num_buckets: int) -> np.ndarray:
-    """The shard of each 63-bit key: floor(key * num_buckets / 2^63) from its top 32 bits."""
-    return ((key >> 31) * num_buckets) >> 32
-
-
 def _make_pairs(task: _PairTask) -> dict:
     pool = _cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
     p = _pairs(task.tmp, pool, task.lo, task.hi, TRAIN_TAG, task.cfg)
     shards = task.cfg.shards
-    bucket = _bucket_of(p["key"], shards)
+    bucket = ((p["key"] >> 31) * shards) >> 32  # floor(key * shards / 2^63) from the 63-bit key's top 32 bits
     order = np.argsort(bucket, kind="stable")
     counts = np.bincount(bucket[order].astype(np.int64), minlength=shards)
     tok_counts = np.bincount(bucket.astype(np.int64), weights=p["seq_len"], minlength=shards)
@@ -468,9 +459,7 @@ def mask_pairs(
     each is replaced by [MASK] with probability 0.8, a uniformly random vocabulary id with
     0.1, or kept with 0.1.
     """
-    n = len(seq_lens)
-    lens = seq_lens.astype(np.int64)
-    la = len_a.astype(np.int64)
+    n, lens, la = len(seq_lens), seq_lens.astype(np.int64), len_a.astype(np.int64)
     starts = _offsets(lens)
     chosen_rows = []
     for r0 in range(0, n, MASK_ROWS):

@@ -273,11 +273,8 @@ class _Maker:
         max_num_tokens = self.prm.max_seq_length - 3
         offs = docs.offsets[d]
         n = len(offs) - 1
-        target = max_num_tokens
-        if rng.random() < self.prm.short_seq_prob:
-            target = rng.randint(2, max_num_tokens)
-        start = 0  # first sentence of the chunk being gathered
-        i = 0
+        target = rng.randint(2, max_num_tokens) if rng.random() < self.prm.short_seq_prob else max_num_tokens
+        start = i = 0  # start: first sentence of the chunk being gathered
         while i < n:
             if i == n - 1 or offs[i + 1] - offs[start] >= target:
                 k = i - start + 1
