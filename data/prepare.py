@@ -818,7 +818,7 @@ def _write_shards(run: _Run, n_pair_tasks: int) -> tuple[list[str], list[dict]]:
     return names, info
 
 
-def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, n_eval_docs: int, n_train_docs: int, shards) -> dict:
+def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, evals: dict | None, n_train_docs: int, shards) -> dict:
     names, info = shards
     return {
         "version": 1,
@@ -829,7 +829,7 @@ def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, n_eval_docs: int, 
             "read": corpus.stats["docs_read"],
             "skipped_short": corpus.stats["docs_short"],
             "usable": corpus.n_docs,
-            "eval": n_eval_docs,
+            "eval": evals["documents"] if evals else 0,
             "train": n_train_docs,
         },
         "sentences": corpus.n_sentences,
@@ -839,6 +839,7 @@ def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, n_eval_docs: int, 
             **{k: sum(s[k] for s in info) for k in ("samples", "tokens", "masked", "random_next")},
             "files": [{"name": f"train/{n}", **s} for n, s in zip(names, info)],
         },
+        **({"eval": evals} if evals else {}),
     }
 
 
@@ -859,10 +860,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         held, eval_entry = _eval_set(run, corpus, order, bool(eval_files))
         pool = np.ascontiguousarray(order[held:])
         shards = _write_shards(run, _train_pairs(run, corpus, pool))
-        eval_docs = eval_entry["documents"] if eval_entry else 0
-        manifest = _manifest(run, files + eval_files, corpus, eval_docs, len(pool), shards)
-        if eval_entry is not None:
-            manifest["eval"] = eval_entry
+        manifest = _manifest(run, files + eval_files, corpus, eval_entry, len(pool), shards)
         _install(out, run.tmp, shards[0], eval_entry is not None, manifest, run.vocab_file.name)
         run.lap("install")
         return PrepareResult(manifest, run.seconds)

@@ -21,7 +21,7 @@ def random_block(
     rng = np.random.default_rng(seed)
     lens = rng.integers(min_len, max_seq_length + 1, n).astype(np.int32)
     len_a = np.array([rng.integers(1, ln - 3 + 1) for ln in lens], dtype=np.int64)
-    ids, segs, positions, labels, counts = [], [], [], [], []
+    rows = []
     for ln, la in zip(lens.tolist(), len_a.tolist()):
         tok = rng.integers(5, vocab_size, ln).astype(np.int32)
         tok[0], tok[la + 1], tok[ln - 1] = 2, 3, 3
@@ -30,11 +30,8 @@ def random_block(
         cand = np.setdiff1d(np.arange(1, ln - 1), [la + 1])
         k = int(min(max_predictions, max(1, round(ln * 0.15)), len(cand)))
         pos = np.sort(rng.choice(cand, k, replace=False)).astype(np.int32)
-        ids.append(tok)
-        segs.append(seg)
-        positions.append(pos)
-        labels.append(rng.integers(5, vocab_size, k).astype(np.int32))
-        counts.append(k)
+        rows.append((tok, seg, pos, rng.integers(5, vocab_size, k).astype(np.int32), k))
+    ids, segs, positions, labels, counts = zip(*rows)
     return SampleBlock(
         input_ids=np.concatenate(ids),
         segment_ids=np.concatenate(segs),

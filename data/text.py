@@ -134,19 +134,16 @@ def read_chunk(chunk: Chunk) -> tuple[list[str], int, int]:
 def split_sentences(paragraph: str) -> list[str]:
     """Split prose into sentences at ., ! or ? followed by a capital letter or a digit,
     except after common abbreviations and single initials."""
-    out = []
-    start = 0
+    out, start = [], 0
     for m in _SENTENCE_END.finditer(paragraph):
         before = paragraph[start : m.start()].rstrip()
         word = before.rsplit(None, 1)[-1].lower() if before else ""
         if len(word) == 1 and word.isalpha() or word in _ABBREVIATIONS:
             continue
-        piece = paragraph[start : m.end()].strip()
-        if piece:
+        if piece := paragraph[start : m.end()].strip():
             out.append(piece)
         start = m.end()
-    tail = paragraph[start:].strip()
-    if tail:
+    if tail := paragraph[start:].strip():
         out.append(tail)
     return out
 

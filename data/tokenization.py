@@ -17,6 +17,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Iterable
+from itertools import chain
 from pathlib import Path
 
 from data.errors import DataError
@@ -177,8 +178,7 @@ def encode(tok, texts: list[str], source: str) -> list:
 
     pieces = [_pieces(t) if len(t) > PIECE_CHARS else [t] for t in texts]
     flat = [p for ps in pieces for p in ps]
-    encoded = []
-    a = 0
+    encoded, a = [], 0
     while a < len(flat):
         b, chars = a, 0
         while b < len(flat) and (b == a or chars + len(flat[b]) <= BATCH_CHARS):
@@ -260,24 +260,15 @@ def train_wordpiece(
         raise DataError(f"--train-vocab {vocab_size}: must lie in [{min_entries}, {MAX_VOCAB_SIZE}]")
     normalizer, pre = _normalizer_and_pretokenizer()
     words: Counter[str] = Counter()
-    pending: list[str] = []
-    pending_chars = 0
-
-    def flush() -> None:
-        nonlocal pending_chars
-        if pending:
-            text = normalizer.normalize_str("\n".join(pending))
-            words.update(w for w, _ in pre.pre_tokenize_str(text))
-            pending.clear()
-            pending_chars = 0
-
-    for s in sentences:
-        s = s.replace("[UNK]", " ")
-        pending.append(s)
-        pending_chars += len(s)
-        if pending_chars > 1 << 20:
-            flush()
-    flush()
+    batch, size = [], 0
+    # Normalised and split about 1 MiB at a time (the words do not depend on where batches end);
+    # an empty sentence, as the final one, ends a batch.
+    for s in chain(sentences, [""]):
+        batch.append(s.replace("[UNK]", " "))
+        size += len(batch[-1])
+        if size > 1 << 20 or not s:
+            words.update(w for w, _ in pre.pre_tokenize_str(normalizer.normalize_str("\n".join(batch))))
+            batch, size = [], 0
     if not words:
         raise DataError("--train-vocab: the input holds no words to learn a vocabulary from")
 
