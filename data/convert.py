@@ -28,8 +28,7 @@ def convert_file(
     if to not in ALL_LAYOUTS:
         raise DataError(f"--to {to!r}: expected one of {', '.join(ALL_LAYOUTS)}")
     info = inspect(src)
-    s = max_seq_length or info.max_seq_length
-    p = max_predictions or info.max_predictions
+    s, p = max_seq_length or info.max_seq_length, max_predictions or info.max_predictions
     if to == "fixed" and (s is None or p is None):
         raise DataError(
             f"{src}: the file does not record max_seq_length / max_predictions; "

@@ -3,6 +3,9 @@ it as one line with exit status 2. A ``ValueError``, so callers catching that ke
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class DataError(ValueError):
     """Bad input data: the message names the file and, where it applies, the line or sample."""
@@ -10,8 +13,6 @@ class DataError(ValueError):
 
 def cli_main(run, argv=None) -> int:
     """Call ``run(argv)``; turn a DataError into one line on stderr and exit status 2."""
-    import sys
-
     try:
         return run(argv) or 0
     except DataError as e:
@@ -21,7 +22,5 @@ def cli_main(run, argv=None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout went away (``| head``)
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -571,9 +571,8 @@ def _prepare_output_dir(out: Path) -> Path:
         tmp = out / f".prepare-tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        (tmp / "pairs").mkdir(parents=True)
-        (tmp / "train").mkdir()
-        (tmp / "eval").mkdir()
+        for sub in ("pairs", "train", "eval"):
+            (tmp / sub).mkdir(parents=True)
         return tmp
     except OSError as e:
         raise DataError(f"{out}: the output directory cannot be written ({e.strerror or e})") from None
@@ -724,8 +723,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
                 entry[0] += r["bad_utf8"]
     for path, (count, line) in bad_utf8.items():
         run.log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
-    sent_lens = np.concatenate(sent_lens)
-    doc_nsent = np.concatenate(doc_nsent)
+    sent_lens, doc_nsent = np.concatenate(sent_lens), np.concatenate(doc_nsent)
     n_docs = len(doc_nsent)
     for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
         if names and n < 2:
@@ -734,8 +732,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
             )
     if stats["docs_short"]:
         run.log(f"skipped {stats['docs_short']} of {stats['docs_read']} documents with {too_short}")
-    sent_off = _offsets(sent_lens)
-    doc_sent_off = _offsets(doc_nsent)
+    sent_off, doc_sent_off = _offsets(sent_lens), _offsets(doc_nsent)
     np.save(run.tmp / "sent_off.npy", sent_off)
     np.save(run.tmp / "doc_sent_off.npy", doc_sent_off)
     doc_tokens = sent_off[doc_sent_off[1:]] - sent_off[doc_sent_off[:-1]]
@@ -941,8 +938,7 @@ def _main_reference(args) -> int:
     from data.mlperf_dataset import Pool, prepare_files
     from data.reference import RefParams
 
-    refused = refused_by_reference(args)
-    if refused:
+    if refused := refused_by_reference(args):
         raise DataError(
             f"--reference does not take {refused[0]} (it writes one fixed-layout file "
             f"per input file, as the reference script does)"

@@ -95,16 +95,13 @@ class RefTokenizer:
         ids = self.vocab.ids
         if len(word) > MAX_WORD_CHARS:
             return [self.unk]
-        out = []
-        start = 0
-        while start < len(word):
-            end = len(word)
-            while end > start:
+        out, start = [], 0
+        while start < len(word):  # the longest piece in the vocabulary at each start
+            for end in range(len(word), start, -1):
                 piece = word[start:end] if start == 0 else "##" + word[start:end]
                 if piece in ids:
                     out.append(ids[piece])
                     break
-                end -= 1
             else:
                 return [self.unk]
             start = end

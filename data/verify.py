@@ -128,11 +128,10 @@ def verify(paths: list, checksums: dict[str, str], workers: int = 1, progress=No
     else:
         results = list(_bar(map(_checksum_task, todo), len(todo), progress))
     for path, got, error in results:
-        name = Path(path).name
         if error is not None:
             problems.append(error)
-        elif got != checksums[name]:
-            problems.append(f"{path}: checksum {got}, expected {checksums[name]}")
+        elif got != checksums[Path(path).name]:
+            problems.append(f"{path}: checksum {got}, expected {checksums[Path(path).name]}")
     return problems
 
 
