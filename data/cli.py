@@ -67,8 +67,7 @@ def coerce(key: str, value, hint, error=ValueError):
         if not isinstance(value, dict):
             raise error(f"{key}: expected a mapping of fields, got {short(value)}")
         valid = [f.name for f in fields(hint)]
-        bad = sorted(set(value) - set(valid), key=str)
-        if bad:
+        if bad := sorted(set(value) - set(valid), key=str):
             raise error(f"{key}.{short(bad[0], 60)}: unknown field; valid fields of {key}: {valid}")
         return hint(**value)
     origin, args = typing.get_origin(hint), typing.get_args(hint)

@@ -9,6 +9,7 @@ sentences, one per line, a blank line between documents.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -37,8 +38,6 @@ def write_corpus(path: str) -> int:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m data.demo_corpus", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", metavar="OUT.txt", help="the corpus file to write (its directory is created)")
     out = ap.parse_args(argv).out

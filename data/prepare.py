@@ -410,11 +410,9 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     out[starts[:-1]] = cls_id
     out[starts[:-1] + la + 1] = sep_id  # mlm: the last token, as below
     out[starts[1:] - 1] = sep_id
-    idx = np.arange(len(rows))
-    a_dest = _gather_ranges(np.arange(len(out)), starts[:-1] + 1, la, idx)
-    b_dest = _gather_ranges(np.arange(len(out)), starts[:-1] + la + 2, lb, idx)
-    out[a_dest] = _gather_ranges(toks, a0, la, idx)
-    out[b_dest] = _gather_ranges(toks, b0, lb, idx)
+    idx, dest = np.arange(len(rows)), np.arange(len(out))
+    out[_gather_ranges(dest, starts[:-1] + 1, la, idx)] = _gather_ranges(toks, a0, la, idx)
+    out[_gather_ranges(dest, starts[:-1] + la + 2, lb, idx)] = _gather_ranges(toks, b0, lb, idx)
     columns = (seq_len, la, nsp, key, canon)
     return {"tokens": out, **{k: c.astype(t) for (k, t), c in zip(PAIR_DTYPES.items(), columns)}}
 
@@ -590,8 +588,7 @@ def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.nd
     """The fewest leading documents of ``order`` whose pairs number at least eval_samples, and
     at least two (a random next segment comes from another document), from at most half of
     the documents. Returns (their count, their pairs)."""
-    k = cfg.eval_samples
-    limit = len(order) // 2
+    k, limit = cfg.eval_samples, len(order) // 2
     if limit < 2:
         raise DataError(
             f"too little text for --eval-samples {k}: the eval set is held out from at most half of "
@@ -719,8 +716,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
             for k in stats:
                 stats[k] += r[k]
             if r["bad_utf8"]:
-                entry = bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])
-                entry[0] += r["bad_utf8"]
+                bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])[0] += r["bad_utf8"]
     for path, (count, line) in bad_utf8.items():
         run.log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
     sent_lens, doc_nsent = np.concatenate(sent_lens), np.concatenate(doc_nsent)
@@ -780,11 +776,10 @@ def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
     cfg = run.cfg
     pool_file = str(run.tmp / "train_pool.npy")
     np.save(pool_file, pool)
-    doc_tokens = corpus.doc_tokens
-    target = int(np.clip(int(doc_tokens[pool].sum()) // 64, PAIR_TASK_TOKENS[0], PAIR_TASK_TOKENS[1]))
+    target = int(np.clip(int(corpus.doc_tokens[pool].sum()) // 64, *PAIR_TASK_TOKENS))
     tasks = [
         _PairTask(i, str(run.tmp), pool_file, lo, hi, cfg)
-        for i, (lo, hi) in enumerate(_split_tasks(doc_tokens, pool, target))
+        for i, (lo, hi) in enumerate(_split_tasks(corpus.doc_tokens, pool, target))
     ]
     counts = np.zeros(cfg.shards, np.int64)
     for r in progress(run.workers.map(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task"):
@@ -922,8 +917,7 @@ def main(argv=None) -> int:
     given = {f.name: getattr(args, f.name) for f in fields(PrepareConfig) if getattr(args, f.name) is not None}
     cfg = PrepareConfig(**given)  # an option not given takes the field's default
     start = time.perf_counter()
-    result = prepare(cfg)
-    m = result.manifest
+    m = prepare(cfg).manifest
     out = Path(cfg.output_dir)
     evals = f", {m['eval']['samples']} eval samples to {out / 'eval' / EVAL_FILE}" if "eval" in m else ""
     print(

@@ -42,8 +42,7 @@ class RefVocab:
             raise DataError(f"{path}: cannot read the vocabulary ({e.strerror or e})") from None
         except UnicodeDecodeError:
             raise DataError(f"{path}: vocabulary is not UTF-8") from None
-        missing = [t for t in ("[UNK]", "[CLS]", "[SEP]", "[MASK]") if t not in self.ids]
-        if missing:
+        if missing := [t for t in ("[UNK]", "[CLS]", "[SEP]", "[MASK]") if t not in self.ids]:
             raise DataError(f"{path}: vocabulary is missing {', '.join(missing)}")
         if len(self.ids) > 32768:
             raise DataError(f"{path}: {len(self.ids)} entries, but the HDF5 layout stores ids as int16")

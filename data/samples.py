@@ -52,8 +52,7 @@ class SampleBlock:
     def select(self, idx) -> SampleBlock:
         """The samples at ``idx`` (any integer index array), in that order."""
         idx = np.asarray(idx, dtype=np.int64)
-        tok_off = _offsets(self.seq_lens)
-        msk_off = _offsets(self.masked_counts)
+        tok_off, msk_off = _offsets(self.seq_lens), _offsets(self.masked_counts)
         return SampleBlock(
             input_ids=_gather_ranges(self.input_ids, tok_off, self.seq_lens, idx),
             segment_ids=_gather_ranges(self.segment_ids, tok_off, self.seq_lens, idx),

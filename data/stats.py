@@ -101,8 +101,7 @@ def plot(s: dict, png: str, title: str) -> None:
     edges, counts = np.array(s["histogram"]["edges"]), np.array(s["histogram"]["counts"])
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(edges[:-1] + 0.5, counts, width=np.diff(edges), align="edge", edgecolor="black", linewidth=0.4)
-    ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("samples")
+    ax.set(xlabel="sequence length (tokens)", ylabel="samples")
     ax.set_title(
         f"{title}: {s['samples']} samples, mean {s['length']['mean']:.1f}, padding ratio {s['padding_ratio']:.2f}",
         fontsize=9,

@@ -25,8 +25,7 @@ def random_block(
     for ln, la in zip(lens.tolist(), len_a.tolist()):
         tok = rng.integers(5, vocab_size, ln).astype(np.int32)
         tok[0], tok[la + 1], tok[ln - 1] = 2, 3, 3
-        seg = np.zeros(ln, np.int8)
-        seg[la + 2 :] = 1
+        seg = (np.arange(ln) >= la + 2).astype(np.int8)
         cand = np.setdiff1d(np.arange(1, ln - 1), [la + 1])
         k = int(min(max_predictions, max(1, round(ln * 0.15)), len(cand)))
         pos = np.sort(rng.choice(cand, k, replace=False)).astype(np.int32)

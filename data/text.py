@@ -56,19 +56,16 @@ def decode_lines(raw: bytes) -> tuple[list[str], int, int]:
     for i, line in enumerate(raw.split(b"\n")):
         lines.append(line.decode("utf-8", errors="replace"))
         # One U+FFFD per invalid sequence; those the text already held survive "ignore".
-        n = lines[-1].count("\ufffd") - line.decode("utf-8", errors="ignore").count("\ufffd")
-        if n:
+        if n := lines[-1].count("\ufffd") - line.decode("utf-8", errors="ignore").count("\ufffd"):
             bad += n
-            if first_bad < 0:
-                first_bad = i
+            first_bad = i if first_bad < 0 else first_bad
     return lines, bad, first_bad
 
 
 def list_inputs(paths: list[str]) -> list[Path]:
     """Files named, and every non-hidden file under directories named, in sorted order."""
     files: list[Path] = []
-    for p in paths:
-        path = Path(p)
+    for path in map(Path, paths):
         if path.is_dir():
             found = sorted(
                 f
@@ -97,8 +94,7 @@ def find_chunks(path: Path, fmt: str, chunk_bytes: int = CHUNK_BYTES) -> list[Ch
             if _NON_SPACE.search(mm) is None:
                 raise DataError(f"{path}: empty input (only whitespace)")
             boundary = _HEADING_LINE_BYTES if fmt == "wikitext" else _BLANK_LINE
-            chunks = []
-            start, line = 0, 1
+            chunks, start, line = [], 0, 1
             while start < size:
                 end = size
                 if size - start > chunk_bytes:
@@ -182,6 +178,5 @@ def iter_sentences(files: list[Path], fmt: str):
     """Every sentence of the input, in order (used to learn a vocabulary)."""
     for path in files:
         for chunk in find_chunks(path, fmt):
-            lines, _, _ = read_chunk(chunk)
-            for doc in parse_documents(lines, fmt):
+            for doc in parse_documents(read_chunk(chunk)[0], fmt):
                 yield from doc

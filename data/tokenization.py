@@ -54,8 +54,7 @@ class Vocab:
                 if t in seen:
                     raise DataError(f"{source}: line {line}: duplicate vocabulary entry {t!r}")
                 seen.add(t)
-        missing = [t for t in SPECIAL_TOKENS if t not in self.ids]
-        if missing:
+        if missing := [t for t in SPECIAL_TOKENS if t not in self.ids]:
             raise DataError(f"{source}: vocabulary is missing {', '.join(missing)}")
         if len(tokens) > max_size:
             why = "the HDF5 layouts store ids as int16" if max_size == MAX_VOCAB_SIZE else "ids are stored as uint16"
@@ -151,8 +150,7 @@ def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
     tok.no_padding()  # the preparation decides lengths, not the file
     tok.no_truncation()
     by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
-    gaps = [i for i in range(len(by_id)) if i not in by_id]
-    if gaps:
+    if gaps := [i for i in range(len(by_id)) if i not in by_id]:
         raise DataError(f"{path}: the vocabulary has no entry with id {gaps[0]} (ids must be 0..{len(by_id) - 1})")
     return Vocab([by_id[i] for i in range(len(by_id))], str(path), max_size=MAX_WIDE_VOCAB_SIZE), tok
 

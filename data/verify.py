@@ -76,8 +76,7 @@ def content_digest(path) -> str:
                     continue
                 for row in data:
                     row = np.ascontiguousarray(row, dtype=base)
-                    h.update(len(row).to_bytes(8, "little"))
-                    h.update(row.tobytes())
+                    h.update(len(row).to_bytes(8, "little") + row.tobytes())
     return h.hexdigest()
 
 
