@@ -64,9 +64,7 @@ def _is_control(ch: str) -> bool:
 
 def _is_punctuation(ch: str) -> bool:
     cp = ord(ch)
-    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
-        return True
-    return unicodedata.category(ch).startswith("P")
+    return 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126 or unicodedata.category(ch)[0] == "P"
 
 
 # BERT's _is_chinese_char: the CJK ideograph blocks.
@@ -136,10 +134,7 @@ class RefTokenizer:
             idx = ascii_idx[b : b + _HF_BATCH]
             for i, enc in zip(idx, hf.encode_batch_fast([lines[i] for i in idx], add_special_tokens=False)):
                 out[i] = enc.ids
-        for i, s in enumerate(lines):
-            if out[i] is None:
-                out[i] = self.encode_python(s)
-        return out
+        return [self.encode_python(s) if ids is None else ids for s, ids in zip(lines, out)]
 
 
 # ------------------------------------------------------------------------ documents
