@@ -9,6 +9,7 @@ depth. Every error is ``error(message)``, one line with values cut to 200 charac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
@@ -66,8 +67,7 @@ def coerce(key: str, value, hint, error=ValueError):
         if not isinstance(value, dict):
             raise error(f"{key}: expected a mapping of fields, got {short(value)}")
         valid = [f.name for f in fields(hint)]
-        bad = sorted(set(value) - set(valid), key=str)
-        if bad:
+        if bad := sorted(set(value) - set(valid), key=str):
             raise error(f"{key}.{short(bad[0], 60)}: unknown field; valid fields of {key}: {valid}")
         return hint(**value)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -75,9 +75,10 @@ def coerce(key: str, value, hint, error=ValueError):
         if str in args and isinstance(value, str):
             return value
         return coerce(key, value, next(a for a in args if a is not str), error)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise error(f"{key}: expected true or false, got {short(value)}")
+    plain = {bool: "true or false", str: "a string", dict: "a mapping"}
+    if hint in plain:
+        if not isinstance(value, hint):
+            raise error(f"{key}: expected {plain[hint]}, got {short(value)}")
     elif hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise error(f"{key}: expected an integer, got {short(value)}")
@@ -85,10 +86,8 @@ def coerce(key: str, value, hint, error=ValueError):
             raise error(f"{key}: {short(value, 40)} does not fit in 64 bits")
     elif hint is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no decimal point) as a string
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(value)
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise error(f"{key}: expected a number, got {short(value)}")
         try:
@@ -97,12 +96,6 @@ def coerce(key: str, value, hint, error=ValueError):
             value = math.inf
         if not math.isfinite(value):  # .nan and .inf would pass every range check
             raise error(f"{key}: expected a finite number, got {short(value, 40)}")
-    elif hint is str:
-        if not isinstance(value, str):
-            raise error(f"{key}: expected a string, got {short(value)}")
-    elif hint is dict:
-        if not isinstance(value, dict):
-            raise error(f"{key}: expected a mapping, got {short(value)}")
     elif origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise error(f"{key}: expected a list, got {short(value)}")

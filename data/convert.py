@@ -1,13 +1,7 @@
 """Convert between the fixed, varlength and packed HDF5 layouts: ``python -m data.convert``.
 
-    python -m data.convert IN OUT --to varlength      # IN, OUT: files, or directories of .hdf5
-    python -m data.convert IN OUT --to fixed [--max-seq-length 512 --max-predictions 76]
-    python -m data.convert IN OUT --to packed [--max-seq-length 512]
-
-Each input file is validated and written under the same name in OUT. Varlength files
-written here record the fixed layout's row length and masked slots, so going back needs no
-flags; fixed -> varlength -> fixed gives the same arrays. ``--to packed`` packs first-fit
-decreasing (``data.packing``) into NVIDIA's packed layout; converting back keeps pack order.
+``python -m data.convert IN OUT --to varlength|fixed|packed``, IN and OUT files or directories
+of .hdf5; lossless, every input validated: [docs/data.md](../docs/data.md#preparing-data).
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ def convert_file(
     if to not in ALL_LAYOUTS:
         raise DataError(f"--to {to!r}: expected one of {', '.join(ALL_LAYOUTS)}")
     info = inspect(src)
-    s = max_seq_length or info.max_seq_length
-    p = max_predictions or info.max_predictions
+    s, p = max_seq_length or info.max_seq_length, max_predictions or info.max_predictions
     if to == "fixed" and (s is None or p is None):
         raise DataError(
             f"{src}: the file does not record max_seq_length / max_predictions; "
@@ -68,15 +61,13 @@ def main(argv=None) -> int:
     if src.resolve() == dst.resolve():
         raise DataError(f"{dst}: the output is the input; write elsewhere")
     if src.is_dir():
-        files = list_files(src)
-        pairs = [(f, dst / f.name) for f in files]
+        pairs = [(f, dst / f.name) for f in list_files(src)]
     else:
         if not src.exists():
             raise DataError(f"{src}: no such file or directory")
         pairs = [(src, dst / src.name if dst.is_dir() else dst)]
-    total = 0
-    for a, b in pairs:
-        total += convert_file(a, b, args.to, args.max_seq_length, args.max_predictions, args.vocab_size)
+    sizes = (args.max_seq_length, args.max_predictions, args.vocab_size)
+    total = sum(convert_file(a, b, args.to, *sizes) for a, b in pairs)
     print(f"converted {len(pairs)} file(s), {total} samples, to the {args.to} layout in {dst}")
     return 0
 

@@ -9,6 +9,7 @@ sentences, one per line, a blank line between documents.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -23,10 +24,7 @@ def topic_sentences(text: str) -> list[str]:
     sentences = []
     for paragraph in re.split(r"\n\s*\n", text):
         lines = [ln.strip() for ln in paragraph.splitlines() if ln.strip() and not _UNDERLINE.match(ln)]
-        if not lines:
-            continue
-        joined = " ".join(lines)
-        sentences.extend(s.strip() for s in _SENTENCE_END.split(joined) if s.strip())
+        sentences.extend(s.strip() for s in _SENTENCE_END.split(" ".join(lines)) if s.strip())
     return sentences
 
 
@@ -40,8 +38,6 @@ def write_corpus(path: str) -> int:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m data.demo_corpus", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", metavar="OUT.txt", help="the corpus file to write (its directory is created)")
     out = ap.parse_args(argv).out

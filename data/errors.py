@@ -1,11 +1,10 @@
-"""The one exception the data pipeline raises for bad input.
-
-``DataError`` messages name what is wrong and where (file, line, sample, key), so a CLI can
-print ``str(error)`` as a single line and exit with status 2. It subclasses ``ValueError`` so
-callers that already catch ``ValueError`` keep working.
-"""
+"""The one exception the data pipeline raises for bad input, and the CLIs' wrapper that prints
+it as one line with exit status 2. A ``ValueError``, so callers catching that keep working."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 
 class DataError(ValueError):
@@ -14,8 +13,6 @@ class DataError(ValueError):
 
 def cli_main(run, argv=None) -> int:
     """Call ``run(argv)``; turn a DataError into one line on stderr and exit status 2."""
-    import sys
-
     try:
         return run(argv) or 0
     except DataError as e:
@@ -25,7 +22,5 @@ def cli_main(run, argv=None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout went away (``| head``)
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -1,20 +1,12 @@
 """Text -> MLPerf BERT pretraining shards: ``python -m data.prepare``.
 
 Google's ``create_pretraining_data`` with MLPerf's parameters (``--objective mlm``: whole
-documents cut into pieces, no pairs), in stages that each run in ``--workers`` processes:
-
-1. vocabulary: a copy of ``--vocab`` / ``--tokenizer``, or one learnt (``--train-vocab``);
-2. tokenise: input chunks cut at document boundaries, tokenised into one array on disk;
-3. split: documents shuffled by the seed, the eval set held out (or made from
-   ``--eval-input``), so no eval document reaches training;
-4. pairs: each (pass, document) draws from its own stream and gives each pair a 64-bit key,
-   whose top bits pick the shard;
-5. shards: each shard's pairs ordered by key, masked with a stream seeded by (seed, shard),
-   written; the manifest and the files installed into ``--output-dir`` whole.
-
-Every random draw is tied to a document or a shard, never to a worker, so the output is
-byte-identical for any ``--workers``. Options, outputs and the procedure:
-[docs/data.md](../docs/data.md#preparing-data).
+documents cut into pieces, no pairs), in stages run in ``--workers`` processes: the vocabulary;
+tokenising (stage 1); the document shuffle and the eval set, held out or from ``--eval-input``
+(2); pairs, each with a 64-bit key whose top bits pick its shard (3); each shard in key order,
+masked with a stream seeded by (seed, shard), and written (4), then installed whole. Every draw
+is tied to a document or a shard, never to a worker, so the output is byte-identical for any
+``--workers``. Options, outputs and the procedure: [docs/data.md](../docs/data.md#preparing-data).
 """
 
 from __future__ import annotations
@@ -52,17 +44,16 @@ TRAIN_TAG, EVAL_TAG = 0, 1
 MASK_ROWS = 4096  # rows masked at once (bounds the [rows, S] scratch arrays)
 # Work size (like data.text.CHUNK_BYTES): it changes how work is split, never the output.
 PAIR_TASK_TOKENS = (100_000, 8_000_000)  # document tokens per pairing task: min, max
+# Stage 3's per-pair columns (beside "tokens", the pairs' uint16 ids end to end).
+PAIR_DTYPES = {"seq_len": np.int32, "len_a": np.int32, "nsp": np.int8, "key": np.int64, "canon": np.int64}
 
 
 @dataclass(kw_only=True)
 class PrepareConfig:
-    """Every parameter of a preparation run (the manifest records them all but ``workers``,
-    which never changes the output). Each field is also an option of ``python -m
-    data.prepare``, in this order (``data.cli.option``; the type and nargs come from the
-    annotation): ``flag`` names it when not ``--field-name``; ``reference=False`` marks one
-    that ``--reference`` refuses (its argparse default is None, so "given" can be seen);
-    options of the same ``group`` are mutually exclusive, one of them required; ``metavar``
-    and ``choices`` go to argparse."""
+    """Every parameter of a preparation run (the manifest records all but ``workers``, which
+    never changes the output), each also an option of ``python -m data.prepare``, in this order
+    (``_add_option``): ``flag`` names it when not ``--field-name``; ``reference=False`` marks one
+    that ``--reference`` refuses; options of one ``group`` are exclusive, one of them required."""
 
     inputs: list[str] = option(flag="--input", help="text files or directories")
     input_format: str = option(
@@ -251,49 +242,40 @@ class _Workers:
 @dataclass(frozen=True)
 class _TokenizeTask:
     chunk: Chunk
-    fmt: str
     vocab_path: str
-    min_sentences: int
-    whole_documents: bool = False  # --objective mlm: a document is tokenised as one text
+    cfg: PrepareConfig
 
 
 def _tokenize_chunk(task: _TokenizeTask) -> dict:
     """One chunk's documents as token ids: kept sentences' tokens, their lengths and the
-    sentence count of each kept document. With ``whole_documents`` a document's sentences are
+    sentence count of each kept document. With ``--objective mlm`` a document's sentences are
     joined by spaces and tokenised as one text (a BPE tokenizer sees the spaces between them),
     so every kept document is one "sentence"; a document is kept when it has a token."""
     lines, bad_utf8, first_bad_line = read_chunk(task.chunk)
-    docs = parse_documents(lines, task.fmt)
+    docs = parse_documents(lines, task.cfg.input_format)
     tok = _cached(("tok", task.vocab_path), lambda: load_tokenizer(task.vocab_path)[1])
-    if task.whole_documents:
+    mlm = task.cfg.objective == "mlm"
+    if mlm:
         docs = [[" ".join(d)] for d in docs]
     sentences = [s for d in docs for s in d]
     encoded = encode(tok, sentences, task.vocab_path)
     sent_lens = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))
-    ids = [e.ids for e in encoded]
-    keep_tokens: list[list[int]] = []
-    kept_lens: list[int] = []
+    keep: list[int] = []  # the kept sentences
     doc_nsent: list[int] = []
-    short = 0
-    i = 0
+    short = i = 0
     for d in docs:
-        n = 0
-        start = len(kept_lens)
-        for k in range(i, i + len(d)):
-            if sent_lens[k]:
-                keep_tokens.append(ids[k])
-                kept_lens.append(int(sent_lens[k]))
-                n += 1
+        kept = [k for k in range(i, i + len(d)) if sent_lens[k]]
         i += len(d)
-        if n >= (1 if task.whole_documents else task.min_sentences):
-            doc_nsent.append(n)
+        if len(kept) >= (1 if mlm else task.cfg.min_sentences):
+            doc_nsent.append(len(kept))
+            keep += kept
         else:
             short += 1
-            del keep_tokens[start:], kept_lens[start:]
-    flat = np.fromiter(chain.from_iterable(keep_tokens), dtype=np.uint16, count=sum(kept_lens))
+    kept_lens = sent_lens[keep]
+    flat = np.fromiter(chain.from_iterable(encoded[k].ids for k in keep), dtype=np.uint16, count=int(kept_lens.sum()))
     return {
         "tokens": flat,
-        "sent_lens": np.array(kept_lens, np.int64),
+        "sent_lens": kept_lens,
         "doc_nsent": np.array(doc_nsent, np.int64),
         "docs_read": len(docs),
         "docs_short": short,
@@ -347,29 +329,16 @@ def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: rand
     return a0 + fa, a1 - (ra - fa), b0 + fb, b1 - (rb - fb)
 
 
-def _doc_pairs(
-    pos: int,
-    pool,
-    sent_off,
-    doc_sent_off,
-    rng: random.Random,
-    max_num_tokens: int,
-    short_seq_prob: float,
-    canon_base: int,
-    out: list,
-) -> None:
-    """The pairs of one pass over the document at pool position ``pos`` (appended to out as
-    (a0, a1, b0, b1, is_random_next, 63-bit random key, canonical id); a/b are token offsets)."""
+def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
+    """Yield the pairs of one pass over the document at pool position ``pos`` as (a0, a1, b0,
+    b1, is_random_next, 63-bit random key, canonical id); a/b are token offsets."""
+    max_num_tokens = cfg.max_num_tokens
     d = int(pool[pos])
     s0, s1 = int(doc_sent_off[d]), int(doc_sent_off[d + 1])
     offs = sent_off[s0 : s1 + 1].tolist()  # offs[k]: first token of sentence k
     n = s1 - s0
-    target = max_num_tokens
-    if rng.random() < short_seq_prob:
-        target = rng.randint(2, max_num_tokens)
-    chunk_start = 0
-    i = 0
-    inst = 0
+    target = rng.randint(2, max_num_tokens) if rng.random() < cfg.short_seq_prob else max_num_tokens
+    chunk_start = i = inst = 0
     while i < n:
         if i == n - 1 or offs[i + 1] - offs[chunk_start] >= target:
             n_chunk = i - chunk_start + 1
@@ -395,7 +364,7 @@ def _doc_pairs(
                 is_random = 0
                 b0, b1 = offs[a_end], offs[i + 1]
             a0, a1, b0, b1 = _truncate(a0, a1, b0, b1, max_num_tokens, rng)
-            out.append((a0, a1, b0, b1, is_random, rng.getrandbits(63), canon_base + inst))
+            yield a0, a1, b0, b1, is_random, rng.getrandbits(63), canon_base + inst
             inst += 1
             chunk_start = i + 1
         i += 1
@@ -403,20 +372,17 @@ def _doc_pairs(
         raise DataError(f"document {d} gives {inst} pairs in one pass, more than the 2^20 supported")
 
 
-def _doc_pieces(
-    pos: int, pool, sent_off, doc_sent_off, rng: random.Random, max_num_tokens: int, canon_base: int, out: list
-) -> None:
+def _doc_pieces(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
     """``--objective mlm``: the document at pool position ``pos`` cut into consecutive pieces
-    of ``max_num_tokens`` tokens (the last one shorter), appended to out like ``_doc_pairs``'
-    rows with an empty segment B. No sentence boundaries are needed: pieces are spans of the
-    document's tokens, so every token is in exactly one piece and none is dropped."""
-    d = int(pool[pos])
+    of ``max_num_tokens`` tokens (the last one shorter), yielded like ``_doc_pairs``' rows with
+    an empty segment B, so every token is in exactly one piece and none is dropped."""
+    d, max_num_tokens = int(pool[pos]), cfg.max_num_tokens
     t0, t1 = int(sent_off[doc_sent_off[d]]), int(sent_off[doc_sent_off[d + 1]])
     if (t1 - t0 + max_num_tokens - 1) // max_num_tokens >= 1 << 20:
         raise DataError(f"document {d} gives more than the 2^20 supported pieces")
     for inst, a0 in enumerate(range(t0, t1, max_num_tokens)):
         a1 = min(a0 + max_num_tokens, t1)
-        out.append((a0, a1, a1, a1, 0, rng.getrandbits(63), canon_base + inst))
+        yield a0, a1, a1, a1, 0, rng.getrandbits(63), canon_base + inst
 
 
 def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> dict:
@@ -425,7 +391,7 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     mlm``: document pieces, [CLS] A [SEP]), the special ids those of the run's vocabulary."""
     toks, sent_off, doc_sent_off = _arrays(tmp)
     cls_id, sep_id = _cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
-    seed, max_num_tokens, mlm = cfg.seed, cfg.max_num_tokens, cfg.objective == "mlm"
+    seed, mlm = cfg.seed, cfg.objective == "mlm"
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
     rows: list = []
@@ -433,19 +399,9 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
         for pos in range(lo, hi):
             rng = random.Random((seed << 96) | (tag << 88) | (dupe << 64) | pos)
             canon = (dupe << 56) | (pos << 20)
-            if mlm:
-                _doc_pieces(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, canon, rows)
-            else:
-                _doc_pairs(pos, pool, sent_off, doc_sent_off, rng, max_num_tokens, cfg.short_seq_prob, canon, rows)
+            rows += (_doc_pieces if mlm else _doc_pairs)(pos, pool, sent_off, doc_sent_off, rng, cfg, canon)
     if not rows:
-        return {
-            "tokens": np.zeros(0, np.uint16),
-            "seq_len": np.zeros(0, np.int32),
-            "len_a": np.zeros(0, np.int32),
-            "nsp": np.zeros(0, np.int8),
-            "key": np.zeros(0, np.int64),
-            "canon": np.zeros(0, np.int64),
-        }
+        return {"tokens": np.zeros(0, np.uint16), **{k: np.zeros(0, t) for k, t in PAIR_DTYPES.items()}}
     a0, a1, b0, b1, nsp, key, canon = (np.array(c) for c in zip(*rows))
     la, lb = a1 - a0, b1 - b0
     seq_len = la + lb + (2 if mlm else 3)
@@ -454,38 +410,25 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     out[starts[:-1]] = cls_id
     out[starts[:-1] + la + 1] = sep_id  # mlm: the last token, as below
     out[starts[1:] - 1] = sep_id
-    idx = np.arange(len(rows))
-    a_dest = _gather_ranges(np.arange(len(out)), starts[:-1] + 1, la, idx)
-    b_dest = _gather_ranges(np.arange(len(out)), starts[:-1] + la + 2, lb, idx)
-    out[a_dest] = _gather_ranges(toks, a0, la, idx)
-    out[b_dest] = _gather_ranges(toks, b0, lb, idx)
-    return {
-        "tokens": out,
-        "seq_len": seq_len.astype(np.int32),
-        "len_a": la.astype(np.int32),
-        "nsp": nsp.astype(np.int8),
-        "key": key.astype(np.int64),
-        "canon": canon.astype(np.int64),
-    }
-
-
-def _bucket_of(key: np.ndarray, num_buckets: int) -> np.ndarray:
-    """The shard of each 63-bit key: floor(key * num_buckets / 2^63) from its top 32 bits."""
-    return ((key >> 31) * num_buckets) >> 32
+    idx, dest = np.arange(len(rows)), np.arange(len(out))
+    out[_gather_ranges(dest, starts[:-1] + 1, la, idx)] = _gather_ranges(toks, a0, la, idx)
+    out[_gather_ranges(dest, starts[:-1] + la + 2, lb, idx)] = _gather_ranges(toks, b0, lb, idx)
+    columns = (seq_len, la, nsp, key, canon)
+    return {"tokens": out, **{k: c.astype(t) for (k, t), c in zip(PAIR_DTYPES.items(), columns)}}
 
 
 def _make_pairs(task: _PairTask) -> dict:
     pool = _cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
     p = _pairs(task.tmp, pool, task.lo, task.hi, TRAIN_TAG, task.cfg)
     shards = task.cfg.shards
-    bucket = _bucket_of(p["key"], shards)
+    bucket = ((p["key"] >> 31) * shards) >> 32  # floor(key * shards / 2^63) from the 63-bit key's top 32 bits
     order = np.argsort(bucket, kind="stable")
     counts = np.bincount(bucket[order].astype(np.int64), minlength=shards)
     tok_counts = np.bincount(bucket.astype(np.int64), weights=p["seq_len"], minlength=shards)
     base = os.path.join(task.tmp, "pairs", f"t{task.task_id:06d}")
     tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
     np.save(base + ".tok.npy", tokens)
-    for name in ("seq_len", "len_a", "nsp", "key", "canon"):
+    for name in PAIR_DTYPES:
         np.save(f"{base}.{name}.npy", p[name][order])
     np.save(base + ".off.npy", _offsets(counts))
     np.save(base + ".tokoff.npy", _offsets(tok_counts.astype(np.int64)))
@@ -514,9 +457,7 @@ def mask_pairs(
     each is replaced by [MASK] with probability 0.8, a uniformly random vocabulary id with
     0.1, or kept with 0.1.
     """
-    n = len(seq_lens)
-    lens = seq_lens.astype(np.int64)
-    la = len_a.astype(np.int64)
+    n, lens, la = len(seq_lens), seq_lens.astype(np.int64), len_a.astype(np.int64)
     starts = _offsets(lens)
     chosen_rows = []
     for r0 in range(0, n, MASK_ROWS):
@@ -570,7 +511,7 @@ class _ShardTask:
 
 
 def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
-    parts = {k: [] for k in ("tokens", "seq_len", "len_a", "nsp", "key", "canon")}
+    parts = {k: [] for k in ("tokens", *PAIR_DTYPES)}
     for t in range(num_tasks):
         base = os.path.join(tmp, "pairs", f"t{t:06d}")
         off, tokoff = _cached(("off", base), lambda: (np.load(base + ".off.npy"), np.load(base + ".tokoff.npy")))
@@ -578,7 +519,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
         if lo == hi:
             continue
         parts["tokens"].append(np.load(base + ".tok.npy", mmap_mode="r")[tokoff[j] : tokoff[j + 1]])
-        for name in ("seq_len", "len_a", "nsp", "key", "canon"):
+        for name in PAIR_DTYPES:
             parts[name].append(np.load(f"{base}.{name}.npy", mmap_mode="r")[lo:hi])
     return {k: (np.concatenate(v) if v else None) for k, v in parts.items()}
 
@@ -587,7 +528,7 @@ def _shuffled(p: dict) -> dict:
     """Pairs in key order (ties, practically impossible, by canonical id)."""
     order = np.lexsort((p["canon"], p["key"]))
     tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
-    return {"tokens": tokens, **{k: p[k][order] for k in ("seq_len", "len_a", "nsp", "key", "canon")}}
+    return {"tokens": tokens, **{k: p[k][order] for k in PAIR_DTYPES}}
 
 
 def _write_shard(task: _ShardTask) -> dict:
@@ -628,9 +569,8 @@ def _prepare_output_dir(out: Path) -> Path:
         tmp = out / f".prepare-tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        (tmp / "pairs").mkdir(parents=True)
-        (tmp / "train").mkdir()
-        (tmp / "eval").mkdir()
+        for sub in ("pairs", "train", "eval"):
+            (tmp / sub).mkdir(parents=True)
         return tmp
     except OSError as e:
         raise DataError(f"{out}: the output directory cannot be written ({e.strerror or e})") from None
@@ -648,8 +588,7 @@ def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.nd
     """The fewest leading documents of ``order`` whose pairs number at least eval_samples, and
     at least two (a random next segment comes from another document), from at most half of
     the documents. Returns (their count, their pairs)."""
-    k = cfg.eval_samples
-    limit = len(order) // 2
+    k, limit = cfg.eval_samples, len(order) // 2
     if limit < 2:
         raise DataError(
             f"too little text for --eval-samples {k}: the eval set is held out from at most half of "
@@ -677,17 +616,9 @@ def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
     p = _shuffled(p)
     pick = (np.arange(k, dtype=np.int64) * n) // k
     tok = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], pick)
-    return mask_pairs(
-        tok,
-        p["seq_len"][pick],
-        p["len_a"][pick],
-        p["nsp"][pick],
-        np.random.default_rng([cfg.seed, 3]),
-        cfg.masked_lm_prob if cfg.eval_masked_lm_prob is None else cfg.eval_masked_lm_prob,
-        cfg.max_predictions,
-        len(vocab),
-        vocab.mask_id,
-    )
+    prob = cfg.masked_lm_prob if cfg.eval_masked_lm_prob is None else cfg.eval_masked_lm_prob
+    masking = (np.random.default_rng([cfg.seed, 3]), prob, cfg.max_predictions, len(vocab), vocab.mask_id)
+    return mask_pairs(tok, p["seq_len"][pick], p["len_a"][pick], p["nsp"][pick], *masking)
 
 
 @dataclass
@@ -765,7 +696,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
     cfg = run.cfg
     chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
     n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
-    tasks = [_TokenizeTask(c, cfg.input_format, str(run.vocab_file), cfg.min_sentences, run.mlm) for c in chunks]
+    tasks = [_TokenizeTask(c, str(run.vocab_file), cfg) for c in chunks]
     too_short = "no token" if run.mlm else f"fewer than {cfg.min_sentences} sentences"
     sent_lens, doc_nsent = [], []
     stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
@@ -785,12 +716,10 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
             for k in stats:
                 stats[k] += r[k]
             if r["bad_utf8"]:
-                entry = bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])
-                entry[0] += r["bad_utf8"]
+                bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])[0] += r["bad_utf8"]
     for path, (count, line) in bad_utf8.items():
         run.log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
-    sent_lens = np.concatenate(sent_lens)
-    doc_nsent = np.concatenate(doc_nsent)
+    sent_lens, doc_nsent = np.concatenate(sent_lens), np.concatenate(doc_nsent)
     n_docs = len(doc_nsent)
     for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
         if names and n < 2:
@@ -799,8 +728,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
             )
     if stats["docs_short"]:
         run.log(f"skipped {stats['docs_short']} of {stats['docs_read']} documents with {too_short}")
-    sent_off = _offsets(sent_lens)
-    doc_sent_off = _offsets(doc_nsent)
+    sent_off, doc_sent_off = _offsets(sent_lens), _offsets(doc_nsent)
     np.save(run.tmp / "sent_off.npy", sent_off)
     np.save(run.tmp / "doc_sent_off.npy", doc_sent_off)
     doc_tokens = sent_off[doc_sent_off[1:]] - sent_off[doc_sent_off[:-1]]
@@ -832,15 +760,8 @@ def _eval_set(run: _Run, corpus: _Corpus, order: np.ndarray, has_eval_files: boo
         eval_docs = held
     block = _pick_eval(cfg, p, run.vocab)
     path = run.tmp / "eval" / EVAL_FILE
-    write_file(
-        path,
-        block,
-        cfg.format,
-        cfg.max_seq_length,
-        cfg.max_predictions,
-        next_sentence=not run.mlm,
-        vocab_size=run.recorded_vocab,
-    )
+    sizes = (cfg.max_seq_length, cfg.max_predictions)
+    write_file(path, block, cfg.format, *sizes, next_sentence=not run.mlm, vocab_size=run.recorded_vocab)
     run.lap("eval")
     run.log(
         f"eval: {cfg.eval_samples} samples from {len(p['seq_len'])} {run.unit} of {eval_docs} "
@@ -855,11 +776,10 @@ def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
     cfg = run.cfg
     pool_file = str(run.tmp / "train_pool.npy")
     np.save(pool_file, pool)
-    doc_tokens = corpus.doc_tokens
-    target = int(np.clip(int(doc_tokens[pool].sum()) // 64, PAIR_TASK_TOKENS[0], PAIR_TASK_TOKENS[1]))
+    target = int(np.clip(int(corpus.doc_tokens[pool].sum()) // 64, *PAIR_TASK_TOKENS))
     tasks = [
         _PairTask(i, str(run.tmp), pool_file, lo, hi, cfg)
-        for i, (lo, hi) in enumerate(_split_tasks(doc_tokens, pool, target))
+        for i, (lo, hi) in enumerate(_split_tasks(corpus.doc_tokens, pool, target))
     ]
     counts = np.zeros(cfg.shards, np.int64)
     for r in progress(run.workers.map(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task"):
@@ -890,7 +810,7 @@ def _write_shards(run: _Run, n_pair_tasks: int) -> tuple[list[str], list[dict]]:
     return names, info
 
 
-def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, n_eval_docs: int, n_train_docs: int, shards) -> dict:
+def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, evals: dict | None, n_train_docs: int, shards) -> dict:
     names, info = shards
     return {
         "version": 1,
@@ -901,19 +821,17 @@ def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, n_eval_docs: int, 
             "read": corpus.stats["docs_read"],
             "skipped_short": corpus.stats["docs_short"],
             "usable": corpus.n_docs,
-            "eval": n_eval_docs,
+            "eval": evals["documents"] if evals else 0,
             "train": n_train_docs,
         },
         "sentences": corpus.n_sentences,
         "tokens": corpus.n_tokens,
         "invalid_utf8_replaced": {p: c for p, (c, _) in sorted(corpus.bad_utf8.items())},
         "train": {
-            "samples": sum(s["samples"] for s in info),
-            "tokens": sum(s["tokens"] for s in info),
-            "masked": sum(s["masked"] for s in info),
-            "random_next": sum(s["random_next"] for s in info),
+            **{k: sum(s[k] for s in info) for k in ("samples", "tokens", "masked", "random_next")},
             "files": [{"name": f"train/{n}", **s} for n, s in zip(names, info)],
         },
+        **({"eval": evals} if evals else {}),
     }
 
 
@@ -934,10 +852,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         held, eval_entry = _eval_set(run, corpus, order, bool(eval_files))
         pool = np.ascontiguousarray(order[held:])
         shards = _write_shards(run, _train_pairs(run, corpus, pool))
-        eval_docs = eval_entry["documents"] if eval_entry else 0
-        manifest = _manifest(run, files + eval_files, corpus, eval_docs, len(pool), shards)
-        if eval_entry is not None:
-            manifest["eval"] = eval_entry
+        manifest = _manifest(run, files + eval_files, corpus, eval_entry, len(pool), shards)
         _install(out, run.tmp, shards[0], eval_entry is not None, manifest, run.vocab_file.name)
         run.lap("install")
         return PrepareResult(manifest, run.seconds)
@@ -1002,8 +917,7 @@ def main(argv=None) -> int:
     given = {f.name: getattr(args, f.name) for f in fields(PrepareConfig) if getattr(args, f.name) is not None}
     cfg = PrepareConfig(**given)  # an option not given takes the field's default
     start = time.perf_counter()
-    result = prepare(cfg)
-    m = result.manifest
+    m = prepare(cfg).manifest
     out = Path(cfg.output_dir)
     evals = f", {m['eval']['samples']} eval samples to {out / 'eval' / EVAL_FILE}" if "eval" in m else ""
     print(
@@ -1018,8 +932,7 @@ def _main_reference(args) -> int:
     from data.mlperf_dataset import Pool, prepare_files
     from data.reference import RefParams
 
-    refused = refused_by_reference(args)
-    if refused:
+    if refused := refused_by_reference(args):
         raise DataError(
             f"--reference does not take {refused[0]} (it writes one fixed-layout file "
             f"per input file, as the reference script does)"

@@ -1,11 +1,5 @@
 """Progress bars for long data work (preparation, conversion): tqdm with rate and ETA on a
-terminal, silent when the stream is not one (logs, CI, tests), so output files stay clean.
-
-    for r in progress(workers.map(fn, tasks), total=len(tasks), desc="pairs", unit="task"):
-        ...
-    with progress(total=nbytes, desc="tokenize", unit="B") as bar:
-        bar.update(n)
-"""
+terminal, silent when the stream is not one (logs, CI, tests), so output files stay clean."""
 
 from __future__ import annotations
 

@@ -3,16 +3,16 @@
 Reproduces ``create_pretraining_data.py`` run on each text part on its own with
 ``random.Random(seed)``: the same samples in the same order, bit for bit, one fixed-layout
 HDF5 file per input file, so ``data.mlperf_dataset``'s chop, shuffle and checksums match the
-published ones. Written from the reference's behaviour (reading, BERT's uncased tokenizer,
-pairs, masking, shuffles, every draw in its order): [docs/data.md](../docs/data.md#how-it-matches-the-reference).
-Pure-ASCII lines go through ``tokenizers``, where it equals the reference; other lines
-through the pure-Python tokenizer below.
+published ones. Written from the reference's behaviour, every draw in its order; pure-ASCII
+lines go through ``tokenizers``, the others through the Python tokenizer below:
+[docs/data.md](../docs/data.md#how-it-matches-the-reference).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +21,7 @@ import numpy as np
 
 from data.errors import DataError
 from data.hdf5io import FIXED_KEYS, write_fixed_arrays
+from data.tokenization import make_tokenizer
 
 MAX_WORD_CHARS = 200  # the reference WordPiece's max_input_chars_per_word
 _HF_BATCH = 8192  # lines per tokenizers batch
@@ -41,8 +42,7 @@ class RefVocab:
             raise DataError(f"{path}: cannot read the vocabulary ({e.strerror or e})") from None
         except UnicodeDecodeError:
             raise DataError(f"{path}: vocabulary is not UTF-8") from None
-        missing = [t for t in ("[UNK]", "[CLS]", "[SEP]", "[MASK]") if t not in self.ids]
-        if missing:
+        if missing := [t for t in ("[UNK]", "[CLS]", "[SEP]", "[MASK]") if t not in self.ids]:
             raise DataError(f"{path}: vocabulary is missing {', '.join(missing)}")
         if len(self.ids) > 32768:
             raise DataError(f"{path}: {len(self.ids)} entries, but the HDF5 layout stores ids as int16")
@@ -64,26 +64,14 @@ def _is_control(ch: str) -> bool:
 
 def _is_punctuation(ch: str) -> bool:
     cp = ord(ch)
-    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
-        return True
-    return unicodedata.category(ch).startswith("P")
+    return 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126 or unicodedata.category(ch)[0] == "P"
 
 
-_CJK_RANGES = (
-    (0x4E00, 0x9FFF),
-    (0x3400, 0x4DBF),
-    (0x20000, 0x2A6DF),
-    (0x2A700, 0x2B73F),
-    (0x2B740, 0x2B81F),
-    (0x2B820, 0x2CEAF),
-    (0xF900, 0xFAFF),
-    (0x2F800, 0x2FA1F),
+# BERT's _is_chinese_char: the CJK ideograph blocks.
+_CJK = re.compile(
+    "[\u4e00-\u9fff\u3400-\u4dbf\U00020000-\U0002a6df\U0002a700-\U0002b73f\U0002b740-\U0002b81f"
+    "\U0002b820-\U0002ceaf\uf900-\ufaff\U0002f800-\U0002fa1f]"
 )
-
-
-def _is_cjk(ch: str) -> bool:
-    cp = ord(ch)
-    return any(lo <= cp <= hi for lo, hi in _CJK_RANGES)
 
 
 class RefTokenizer:
@@ -96,38 +84,21 @@ class RefTokenizer:
         self._hf = None
 
     def _hf_tokenizer(self):
-        if self._hf is None:
-            from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-
-            tok = Tokenizer(
-                models.WordPiece(
-                    vocab=dict(self.vocab.ids),
-                    unk_token="[UNK]",
-                    continuing_subword_prefix="##",
-                    max_input_chars_per_word=MAX_WORD_CHARS,
-                )
-            )
-            tok.normalizer = normalizers.BertNormalizer(
-                clean_text=True, handle_chinese_chars=True, strip_accents=True, lowercase=True
-            )
-            tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-            self._hf = tok
+        if self._hf is None:  # the reference splits "[UNK]" in the text like any other word
+            self._hf = make_tokenizer(self.vocab, MAX_WORD_CHARS, unk_in_text=False)
         return self._hf
 
     def _wordpiece(self, word: str) -> list[int]:
         ids = self.vocab.ids
         if len(word) > MAX_WORD_CHARS:
             return [self.unk]
-        out = []
-        start = 0
-        while start < len(word):
-            end = len(word)
-            while end > start:
+        out, start = [], 0
+        while start < len(word):  # the longest piece in the vocabulary at each start
+            for end in range(len(word), start, -1):
                 piece = word[start:end] if start == 0 else "##" + word[start:end]
                 if piece in ids:
                     out.append(ids[piece])
                     break
-                end -= 1
             else:
                 return [self.unk]
             start = end
@@ -139,25 +110,10 @@ class RefTokenizer:
         hit = self._word_cache.get(token)
         if hit is not None:
             return hit
-        text = unicodedata.normalize("NFD", token.lower())
-        text = "".join(ch for ch in text if unicodedata.category(ch) != "Mn")
-        pieces: list[str] = []
-        cur: list[str] = []
-        for ch in text:
-            if _is_punctuation(ch):
-                if cur:
-                    pieces.append("".join(cur))
-                    cur = []
-                pieces.append(ch)
-            else:
-                cur.append(ch)
-        if cur:
-            pieces.append("".join(cur))
-        ids: list[int] = []
-        # The reference joins the pieces with spaces and splits again (str.split), which also
-        # drops pieces that accent stripping emptied.
-        for word in " ".join(pieces).split():
-            ids.extend(self._wordpiece(word))
+        text = "".join(ch for ch in unicodedata.normalize("NFD", token.lower()) if unicodedata.category(ch) != "Mn")
+        # Punctuation split off: the reference joins the pieces with spaces and splits again (str.split).
+        words = "".join(f" {ch} " if _is_punctuation(ch) else ch for ch in text).split()
+        ids = [i for word in words for i in self._wordpiece(word)]
         if len(self._word_cache) > 1_000_000:
             self._word_cache.clear()
         self._word_cache[token] = ids
@@ -165,20 +121,9 @@ class RefTokenizer:
 
     def encode_python(self, line: str) -> list[int]:
         """The pure-Python path (any text)."""
-        chars = []
-        for ch in line:
-            if ch == "\x00" or ch == "\ufffd" or _is_control(ch):
-                continue
-            if _is_whitespace(ch):
-                chars.append(" ")
-            elif _is_cjk(ch):
-                chars.append(f" {ch} ")
-            else:
-                chars.append(ch)
-        ids: list[int] = []
-        for token in "".join(chars).split():
-            ids.extend(self._word(token))
-        return ids
+        kept = (ch for ch in line if ch not in "\x00\ufffd" and not _is_control(ch))
+        text = "".join(" " if _is_whitespace(ch) else f" {ch} " if _CJK.match(ch) else ch for ch in kept)
+        return [i for token in text.split() for i in self._word(token)]
 
     def encode_many(self, lines: list[str]) -> list[list[int]]:
         """Ids of each line: ASCII lines through ``tokenizers``, the others in Python."""
@@ -189,10 +134,7 @@ class RefTokenizer:
             idx = ascii_idx[b : b + _HF_BATCH]
             for i, enc in zip(idx, hf.encode_batch_fast([lines[i] for i in idx], add_special_tokens=False)):
                 out[i] = enc.ids
-        for i, s in enumerate(lines):
-            if out[i] is None:
-                out[i] = self.encode_python(s)
-        return out
+        return [self.encode_python(s) if ids is None else ids for s, ids in zip(lines, out)]
 
 
 # ------------------------------------------------------------------------ documents
@@ -230,15 +172,11 @@ def read_documents(path: str | os.PathLike, tokenizer: RefTokenizer) -> Document
     except UnicodeDecodeError:
         raise DataError(f"{path}: line {_first_bad_line(path)}: not UTF-8") from None
     docs: list[list[list[int]]] = [[]]
-    encoded = tokenizer.encode_many([s for s in lines if s])
-    k = 0
+    encoded = iter(tokenizer.encode_many([s for s in lines if s]))
     for s in lines:
         if not s:
             docs.append([])
-            continue
-        ids = encoded[k]
-        k += 1
-        if ids:
+        elif ids := next(encoded):
             docs[-1].append(ids)
     tokens, offsets = [], []
     for d in docs:
@@ -273,28 +211,20 @@ class RefParams:
 class _Rows:
     """The fixed-layout rows of the instances, grown as they are made."""
 
-    def __init__(self, s: int, p: int):
-        self.s, self.p, self.n = s, p, 0
-        self._alloc(1024)
-
-    def _alloc(self, cap: int):
-        old = getattr(self, "a", None)
-        new = {
-            "input_ids": np.zeros((cap, self.s), np.int16),
+    def __init__(self, s: int, p: int, cap: int = 1024):
+        self.s, self.n = s, 0
+        self.a = {
+            "input_ids": np.zeros((cap, s), np.int16),
             "len_a": np.zeros(cap, np.int32),
             "len": np.zeros(cap, np.int32),
-            "masked_lm_positions": np.zeros((cap, self.p), np.int16),
-            "masked_lm_ids": np.zeros((cap, self.p), np.int16),
+            "masked_lm_positions": np.zeros((cap, p), np.int16),
+            "masked_lm_ids": np.zeros((cap, p), np.int16),
             "next_sentence_labels": np.zeros(cap, np.int8),
         }
-        if old is not None:
-            for k, v in old.items():
-                new[k][: self.n] = v[: self.n]
-        self.a = new
 
     def add(self, ids: np.ndarray, len_a: int, positions: list[int], labels: list[int], is_random: bool):
-        if self.n == len(self.a["len"]):
-            self._alloc(2 * self.n)
+        if self.n == len(self.a["len"]):  # full: double every array
+            self.a = {k: np.concatenate([v, np.zeros_like(v)]) for k, v in self.a.items()}
         a, r = self.a, self.n
         a["input_ids"][r, : len(ids)] = ids
         a["len_a"][r] = len_a
@@ -334,11 +264,8 @@ class _Maker:
         max_num_tokens = self.prm.max_seq_length - 3
         offs = docs.offsets[d]
         n = len(offs) - 1
-        target = max_num_tokens
-        if rng.random() < self.prm.short_seq_prob:
-            target = rng.randint(2, max_num_tokens)
-        start = 0  # first sentence of the chunk being gathered
-        i = 0
+        target = rng.randint(2, max_num_tokens) if rng.random() < self.prm.short_seq_prob else max_num_tokens
+        start = i = 0  # start: first sentence of the chunk being gathered
         while i < n:
             if i == n - 1 or offs[i + 1] - offs[start] >= target:
                 k = i - start + 1

@@ -27,11 +27,9 @@ def _gather_ranges(values: np.ndarray, offsets: np.ndarray, counts: np.ndarray, 
     total = int(lens.sum())
     if total == 0:
         return values[:0].copy()
-    starts = offsets[idx]
     # Position of each output element within its range, plus the range's start.
-    out_starts = _offsets(lens)[:-1]
-    within = np.arange(total, dtype=np.int64) - np.repeat(out_starts, lens)
-    return values[np.repeat(starts, lens) + within]
+    within = np.arange(total, dtype=np.int64) - np.repeat(_offsets(lens)[:-1], lens)
+    return values[np.repeat(offsets[idx], lens) + within]
 
 
 @dataclass
@@ -54,8 +52,7 @@ class SampleBlock:
     def select(self, idx) -> SampleBlock:
         """The samples at ``idx`` (any integer index array), in that order."""
         idx = np.asarray(idx, dtype=np.int64)
-        tok_off = _offsets(self.seq_lens)
-        msk_off = _offsets(self.masked_counts)
+        tok_off, msk_off = _offsets(self.seq_lens), _offsets(self.masked_counts)
         return SampleBlock(
             input_ids=_gather_ranges(self.input_ids, tok_off, self.seq_lens, idx),
             segment_ids=_gather_ranges(self.segment_ids, tok_off, self.seq_lens, idx),
@@ -74,15 +71,8 @@ class SampleBlock:
 
     @staticmethod
     def empty() -> SampleBlock:
-        return SampleBlock(
-            input_ids=np.zeros(0, np.int32),
-            segment_ids=np.zeros(0, np.int8),
-            seq_lens=np.zeros(0, np.int32),
-            masked_positions=np.zeros(0, np.int32),
-            masked_ids=np.zeros(0, np.int32),
-            masked_counts=np.zeros(0, np.int32),
-            nsp_labels=np.zeros(0, np.int8),
-        )
+        int8 = ("segment_ids", "nsp_labels")  # the rest is int32
+        return SampleBlock(*(np.zeros(0, np.int8 if f in int8 else np.int32) for f in _FIELDS))
 
     def equals(self, other: SampleBlock) -> bool:
         return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _FIELDS)

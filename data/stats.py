@@ -1,9 +1,8 @@
 """Describe prepared HDF5 data: ``python -m data.stats DIR_OR_FILES [--png FILE]``.
 
-Prints the sample count, the mean and spread of sequence lengths with a text histogram, the
-padding ratio (max_seq_length x samples / real tokens: how many token slots a padded batch
-spends per real token, the cost that unpadded batches remove), masked tokens per sample and
-the share of random-next pairs. ``--png`` also draws the histogram.
+Prints the sample count, sequence lengths with a text histogram, the padding ratio
+(max_seq_length x samples / real tokens: the token slots a padded batch spends per real token),
+masked tokens per sample and the share of random-next pairs; ``--png`` draws the histogram.
 """
 
 from __future__ import annotations
@@ -35,21 +34,14 @@ def describe(
     files: list[Path], max_seq_length: int | None = None, vocab_size: int | None = None, bins: int = 16
 ) -> dict:
     """Statistics over all samples of ``files`` (each read and validated)."""
-    lens, masked, nsp = [], [], []
-    layouts = set()
-    seq_from_files = set()
+    infos, columns = [], []
     for f in files:
-        info = inspect(f)
-        layouts.add(info.layout)
-        if info.max_seq_length is not None:
-            seq_from_files.add(info.max_seq_length)
+        infos.append(inspect(f))
         block = read_file(f, vocab_size=vocab_size)
-        lens.append(block.seq_lens)
-        masked.append(block.masked_counts)
-        nsp.append(block.nsp_labels)
-    lens = np.concatenate(lens).astype(np.int64)
-    masked = np.concatenate(masked).astype(np.int64)
-    nsp = np.concatenate(nsp)
+        columns.append((block.seq_lens.astype(np.int64), block.masked_counts.astype(np.int64), block.nsp_labels))
+    lens, masked, nsp = (np.concatenate(c) for c in zip(*columns))
+    layouts = {info.layout for info in infos}
+    seq_from_files = {info.max_seq_length for info in infos} - {None}
     if max_seq_length is None:
         if len(seq_from_files) > 1:
             raise DataError(f"the files have different max_seq_length {sorted(seq_from_files)}; pass --max-seq-length")
@@ -109,8 +101,7 @@ def plot(s: dict, png: str, title: str) -> None:
     edges, counts = np.array(s["histogram"]["edges"]), np.array(s["histogram"]["counts"])
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(edges[:-1] + 0.5, counts, width=np.diff(edges), align="edge", edgecolor="black", linewidth=0.4)
-    ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("samples")
+    ax.set(xlabel="sequence length (tokens)", ylabel="samples")
     ax.set_title(
         f"{title}: {s['samples']} samples, mean {s['length']['mean']:.1f}, padding ratio {s['padding_ratio']:.2f}",
         fontsize=9,

@@ -5,6 +5,7 @@ Everything here is seeded by its caller, so a failing test reproduces.
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 import numpy as np
@@ -20,20 +21,16 @@ def random_block(
     rng = np.random.default_rng(seed)
     lens = rng.integers(min_len, max_seq_length + 1, n).astype(np.int32)
     len_a = np.array([rng.integers(1, ln - 3 + 1) for ln in lens], dtype=np.int64)
-    ids, segs, positions, labels, counts = [], [], [], [], []
+    rows = []
     for ln, la in zip(lens.tolist(), len_a.tolist()):
         tok = rng.integers(5, vocab_size, ln).astype(np.int32)
         tok[0], tok[la + 1], tok[ln - 1] = 2, 3, 3
-        seg = np.zeros(ln, np.int8)
-        seg[la + 2 :] = 1
+        seg = (np.arange(ln) >= la + 2).astype(np.int8)
         cand = np.setdiff1d(np.arange(1, ln - 1), [la + 1])
         k = int(min(max_predictions, max(1, round(ln * 0.15)), len(cand)))
         pos = np.sort(rng.choice(cand, k, replace=False)).astype(np.int32)
-        ids.append(tok)
-        segs.append(seg)
-        positions.append(pos)
-        labels.append(rng.integers(5, vocab_size, k).astype(np.int32))
-        counts.append(k)
+        rows.append((tok, seg, pos, rng.integers(5, vocab_size, k).astype(np.int32), k))
+    ids, segs, positions, labels, counts = zip(*rows)
     return SampleBlock(
         input_ids=np.concatenate(ids),
         segment_ids=np.concatenate(segs),
@@ -57,29 +54,19 @@ def write_shards(
     """HDF5 files ``part_%05d_of_%05d.hdf5`` with the given sample counts."""
     from data.hdf5io import write_file
 
-    directory = Path(directory)
-    paths = []
-    for i, n in enumerate(sizes):
-        p = directory / f"part_{i:05d}_of_{len(sizes):05d}.hdf5"
+    paths = [Path(directory) / f"part_{i:05d}_of_{len(sizes):05d}.hdf5" for i in range(len(sizes))]
+    for i, (p, n) in enumerate(zip(paths, sizes)):
         block = random_block(n, seed * 1000 + i, max_seq_length, max_predictions, vocab_size)
         write_file(p, block, layout, max_seq_length, max_predictions)
-        paths.append(p)
     return paths
 
 
 def word_vocab(num_words: int, num_docs: int, max_sentences: int = 12) -> list[str]:
     """The specials, letters, digits and '.', then whole words ``w0``.., ``s0``.. and
     ``doc0``.. (in that order, so a token's kind and number follow from its id)."""
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)] + ["."]
-    cont = ["##" + c for c in letters]
-    return (
-        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-        + letters
-        + cont
-        + [f"w{i}" for i in range(num_words)]
-        + [f"s{i}" for i in range(max_sentences)]
-        + [f"doc{i}" for i in range(num_docs)]
-    )
+    letters = list(string.ascii_lowercase + string.digits + ".")
+    words = [f"{kind}{i}" for kind, n in (("w", num_words), ("s", max_sentences), ("doc", num_docs)) for i in range(n)]
+    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters, *("##" + c for c in letters), *words]
 
 
 def corpus(num_docs: int, seed: int, num_words: int = 200, sentences=(1, 12), words=(3, 30)) -> list[list[str]]:

@@ -1,16 +1,13 @@
 """Raw text -> documents of sentences, the first step of ``data.prepare``.
 
-Formats (``--input-format``): ``bert`` (a sentence a line, a blank line between documents),
-``wikitext`` (a heading starts a document, WikiText's escapes undone, ``<unk>`` -> ``[UNK]``)
-and ``text`` (paragraphs are documents, split into sentences). Files are opened through
-``fileio.open_checked``, decoded as UTF-8 with invalid bytes replaced and counted, and cut
-into chunks at document boundaries (``find_chunks``) that depend only on the file's bytes.
-Details: docs/data.md#preparing-data.
+Formats (``--input-format``): ``bert``, ``wikitext`` (WikiText's escapes undone, ``<unk>`` ->
+``[UNK]``) and ``text``, as docs/data.md#preparing-data describes. Files are read through
+``fileio.open_checked``, invalid UTF-8 replaced and counted, and cut at document boundaries
+into chunks (``find_chunks``) that depend only on the file's bytes.
 """
 
 from __future__ import annotations
 
-import codecs
 import mmap
 import os
 import re
@@ -48,48 +45,27 @@ class Chunk:
     first_line: int
 
 
-class _ReplaceCounter:
-    """A codecs error handler that replaces invalid bytes with U+FFFD and counts them."""
-
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, err: UnicodeDecodeError):
-        self.count += 1
-        return "\ufffd", err.end
-
-
-_COUNTER = _ReplaceCounter()
-codecs.register_error("data.text.count_replace", _COUNTER)
-
-
 def decode_lines(raw: bytes) -> tuple[list[str], int, int]:
     """Decode UTF-8 bytes into lines. Returns (lines, invalid sequences replaced, index of
     the first line holding one or -1)."""
     try:
-        text = raw.decode("utf-8")
-        return text.split("\n"), 0, -1
+        return raw.decode("utf-8").split("\n"), 0, -1
     except UnicodeDecodeError:
         pass
-    lines = []
-    bad = 0
-    first_bad = -1
+    lines, bad, first_bad = [], 0, -1
     for i, line in enumerate(raw.split(b"\n")):
-        before = _COUNTER.count
-        lines.append(line.decode("utf-8", errors="data.text.count_replace"))
-        n = _COUNTER.count - before
-        if n:
+        lines.append(line.decode("utf-8", errors="replace"))
+        # One U+FFFD per invalid sequence; those the text already held survive "ignore".
+        if n := lines[-1].count("\ufffd") - line.decode("utf-8", errors="ignore").count("\ufffd"):
             bad += n
-            if first_bad < 0:
-                first_bad = i
+            first_bad = i if first_bad < 0 else first_bad
     return lines, bad, first_bad
 
 
 def list_inputs(paths: list[str]) -> list[Path]:
     """Files named, and every non-hidden file under directories named, in sorted order."""
     files: list[Path] = []
-    for p in paths:
-        path = Path(p)
+    for path in map(Path, paths):
         if path.is_dir():
             found = sorted(
                 f
@@ -118,8 +94,7 @@ def find_chunks(path: Path, fmt: str, chunk_bytes: int = CHUNK_BYTES) -> list[Ch
             if _NON_SPACE.search(mm) is None:
                 raise DataError(f"{path}: empty input (only whitespace)")
             boundary = _HEADING_LINE_BYTES if fmt == "wikitext" else _BLANK_LINE
-            chunks = []
-            start, line = 0, 1
+            chunks, start, line = [], 0, 1
             while start < size:
                 end = size
                 if size - start > chunk_bytes:
@@ -155,19 +130,16 @@ def read_chunk(chunk: Chunk) -> tuple[list[str], int, int]:
 def split_sentences(paragraph: str) -> list[str]:
     """Split prose into sentences at ., ! or ? followed by a capital letter or a digit,
     except after common abbreviations and single initials."""
-    out = []
-    start = 0
+    out, start = [], 0
     for m in _SENTENCE_END.finditer(paragraph):
         before = paragraph[start : m.start()].rstrip()
         word = before.rsplit(None, 1)[-1].lower() if before else ""
         if len(word) == 1 and word.isalpha() or word in _ABBREVIATIONS:
             continue
-        piece = paragraph[start : m.end()].strip()
-        if piece:
+        if piece := paragraph[start : m.end()].strip():
             out.append(piece)
         start = m.end()
-    tail = paragraph[start:].strip()
-    if tail:
+    if tail := paragraph[start:].strip():
         out.append(tail)
     return out
 
@@ -180,39 +152,25 @@ def parse_documents(lines: list[str], fmt: str) -> list[list[str]]:
     """Documents as lists of sentences; empty documents are dropped here."""
     docs: list[list[str]] = []
     cur: list[str] = []
-    if fmt == "bert":
+    if fmt == "wikitext":
         for line in lines:
-            s = line.strip()
-            if s:
-                cur.append(s)
-            elif cur:
-                docs.append(cur)
-                cur = []
-    elif fmt == "wikitext":
-        for line in lines:
-            if _HEADING.match(line):
+            if _HEADING.match(line):  # a heading ends the document before it
                 if cur:
                     docs.append(cur)
                 cur = []
-                continue
-            s = line.strip()
-            if s:
+            elif s := line.strip():
                 cur.extend(split_sentences(_wikitext_detokenize(s)))
-    elif fmt == "text":
-        para: list[str] = []
-        for line in lines:
-            s = line.strip()
-            if s:
-                para.append(s)
-            elif para:
-                docs.append(split_sentences(" ".join(para)))
-                para = []
-        if para:
-            cur = split_sentences(" ".join(para))
+        if cur:
+            docs.append(cur)
+    elif fmt in ("bert", "text"):  # a blank line ends a paragraph: a document of lines, or of its sentences
+        for line in [*lines, ""]:
+            if s := line.strip():
+                cur.append(s)
+            elif cur:
+                docs.append(cur if fmt == "bert" else split_sentences(" ".join(cur)))
+                cur = []
     else:
         raise DataError(f"--input-format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    if cur:
-        docs.append(cur)
     return docs
 
 
@@ -220,6 +178,5 @@ def iter_sentences(files: list[Path], fmt: str):
     """Every sentence of the input, in order (used to learn a vocabulary)."""
     for path in files:
         for chunk in find_chunks(path, fmt):
-            lines, _, _ = read_chunk(chunk)
-            for doc in parse_documents(lines, fmt):
+            for doc in parse_documents(read_chunk(chunk)[0], fmt):
                 yield from doc

@@ -1,23 +1,23 @@
 """Vocabularies and the tokenizer that ``data.prepare`` runs on every sentence (or document).
 
-A WordPiece ``vocab.txt`` (``load_vocab``, BERT's uncased WordPiece by the ``tokenizers``
-library: ``make_tokenizer``) or a ``tokenizers`` JSON (``load_tokenizer`` of a ``.json``, run as
-the file defines it, less its post-processor, padding and truncation); ``encode`` runs either
-under the bounds of docs/data.md#files-the-readers-refuse. ``train_wordpiece`` learns a
-vocabulary deterministically (BPE merges over word counts, ties broken by symbol id: the
-library's trainer breaks them in hash order), so prepared data is byte-identical for the
-same input.
+A WordPiece ``vocab.txt`` (BERT's uncased WordPiece by the ``tokenizers`` library) or a
+``tokenizers`` JSON (run as the file defines it, less its post-processor, padding and
+truncation), encoded under the bounds of docs/data.md#files-the-readers-refuse.
+``train_wordpiece`` learns a vocabulary deterministically (ties broken by symbol id, where the
+library's trainer breaks them in hash order), so prepared data is byte-identical for the same input.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
+import math
 import os
 import re
 import time
 from collections import Counter
 from collections.abc import Iterable
+from itertools import chain
 from pathlib import Path
 
 from data.errors import DataError
@@ -42,7 +42,7 @@ _RUN_START = re.compile(r"(?<=\S)\s")
 
 
 class Vocab:
-    """A WordPiece vocabulary: ``tokens[i]`` is the piece with id i."""
+    """A WordPiece vocabulary: ``tokens[i]`` is the piece with id i; ``cls_id`` etc. those of the specials."""
 
     def __init__(self, tokens: list[str], source: str, max_size: int = MAX_VOCAB_SIZE):
         self.tokens = tokens
@@ -54,35 +54,15 @@ class Vocab:
                 if t in seen:
                     raise DataError(f"{source}: line {line}: duplicate vocabulary entry {t!r}")
                 seen.add(t)
-        missing = [t for t in SPECIAL_TOKENS if t not in self.ids]
-        if missing:
+        if missing := [t for t in SPECIAL_TOKENS if t not in self.ids]:
             raise DataError(f"{source}: vocabulary is missing {', '.join(missing)}")
         if len(tokens) > max_size:
             why = "the HDF5 layouts store ids as int16" if max_size == MAX_VOCAB_SIZE else "ids are stored as uint16"
             raise DataError(f"{source}: {len(tokens)} entries, but {why} (at most {max_size} entries)")
+        self.unk_id, self.cls_id, self.sep_id, self.mask_id = (self.ids[t] for t in SPECIAL_TOKENS[1:])
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-    @property
-    def pad_id(self) -> int:
-        return self.ids["[PAD]"]
-
-    @property
-    def unk_id(self) -> int:
-        return self.ids["[UNK]"]
-
-    @property
-    def cls_id(self) -> int:
-        return self.ids["[CLS]"]
-
-    @property
-    def sep_id(self) -> int:
-        return self.ids["[SEP]"]
-
-    @property
-    def mask_id(self) -> int:
-        return self.ids["[MASK]"]
 
 
 def load_vocab(path: str | os.PathLike) -> Vocab:
@@ -121,10 +101,7 @@ def _growth(node) -> float:
     if not isinstance(node, dict):
         return 1.0
     if node.get("type") == "Sequence" and isinstance(node.get("normalizers"), list):
-        out = 1.0
-        for child in node["normalizers"]:
-            out *= _growth(child)
-        return out
+        return math.prod(map(_growth, node["normalizers"]), start=1.0)
     if node.get("type") == "Replace":
         content, pattern = node.get("content"), node.get("pattern")
         text = pattern.get("String") if isinstance(pattern, dict) else None
@@ -173,8 +150,7 @@ def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
     tok.no_padding()  # the preparation decides lengths, not the file
     tok.no_truncation()
     by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
-    gaps = [i for i in range(len(by_id)) if i not in by_id]
-    if gaps:
+    if gaps := [i for i in range(len(by_id)) if i not in by_id]:
         raise DataError(f"{path}: the vocabulary has no entry with id {gaps[0]} (ids must be 0..{len(by_id) - 1})")
     return Vocab([by_id[i] for i in range(len(by_id))], str(path), max_size=MAX_WIDE_VOCAB_SIZE), tok
 
@@ -193,17 +169,14 @@ def _pieces(text: str) -> list[str]:
 
 
 def encode(tok, texts: list[str], source: str) -> list:
-    """``tok.encode_batch_fast(texts, add_special_tokens=False)`` under bounds: a long text is
-    encoded in pieces (cut before whitespace, which the pre-tokenizers split at anyway) and the
-    pieces merged; each call holds at most BATCH_CHARS characters and must run at
-    MIN_CHARS_PER_S after SLOW_AFTER_S; a text may give at most TOKENS_PER_CHAR tokens per
-    character; a Rust panic is one line. Every breach is a DataError naming ``source``."""
+    """``tok.encode_batch_fast(texts, add_special_tokens=False)`` under the bounds above (long
+    texts encoded in pieces and merged; docs/data.md#files-the-readers-refuse): every breach,
+    a Rust panic included, is a one-line DataError naming ``source``."""
     from tokenizers import Encoding
 
     pieces = [_pieces(t) if len(t) > PIECE_CHARS else [t] for t in texts]
     flat = [p for ps in pieces for p in ps]
-    encoded = []
-    a = 0
+    encoded, a = [], 0
     while a < len(flat):
         b, chars = a, 0
         while b < len(flat) and (b == a or chars + len(flat[b]) <= BATCH_CHARS):
@@ -253,11 +226,11 @@ def _normalizer_and_pretokenizer():
     )
 
 
-def make_tokenizer(vocab: Vocab):
-    """A ``tokenizers.Tokenizer`` for BERT uncased WordPiece over ``vocab``.
+def make_tokenizer(vocab: Vocab, max_word_chars: int = MAX_WORD_CHARS, unk_in_text: bool = True):
+    """A ``tokenizers.Tokenizer`` for BERT uncased WordPiece over ``vocab.ids``.
 
-    ``[UNK]`` written in the text (WikiText's ``<unk>`` is rewritten to it) maps to the
-    [UNK] id instead of being split into ``[``, ``unk``, ``]``.
+    With ``unk_in_text``, ``[UNK]`` written in the text (WikiText's ``<unk>`` is rewritten to
+    it) maps to the [UNK] id instead of being split into ``[``, ``unk``, ``]``.
     """
     from tokenizers import AddedToken, Tokenizer, models
 
@@ -266,53 +239,34 @@ def make_tokenizer(vocab: Vocab):
             vocab=dict(vocab.ids),
             unk_token="[UNK]",
             continuing_subword_prefix="##",
-            max_input_chars_per_word=MAX_WORD_CHARS,
+            max_input_chars_per_word=max_word_chars,
         )
     )
     tok.normalizer, tok.pre_tokenizer = _normalizer_and_pretokenizer()
-    tok.add_special_tokens([AddedToken("[UNK]", normalized=False, special=True)])
+    if unk_in_text:
+        tok.add_special_tokens([AddedToken("[UNK]", normalized=False, special=True)])
     return tok
-
-
-def _merge_symbols(a: str, b: str) -> str:
-    return a + (b[2:] if b.startswith("##") else b)
 
 
 def train_wordpiece(
     sentences: Iterable[str], vocab_size: int, min_frequency: int = 2, limit_alphabet: int = 1000
 ) -> list[str]:
-    """Learn a WordPiece vocabulary of at most ``vocab_size`` pieces, deterministically.
-
-    Words come from BERT's normaliser and pre-tokeniser. The alphabet is the
-    ``limit_alphabet`` most frequent characters (words with other characters are left out,
-    they become [UNK]); every character gets a word-initial and a ``##`` form where seen.
-    Then the most frequent adjacent pair of symbols (at least ``min_frequency``) is merged
-    until the vocabulary is full or no pair is frequent enough, so a small corpus can give
-    fewer than ``vocab_size`` pieces. Ties go to the pair of lower symbol ids.
-    """
+    """Learn a WordPiece vocabulary of at most ``vocab_size`` pieces (fewer from a small corpus),
+    deterministically: the procedure is docs/data.md#preparing-data's, "Vocabulary"."""
     min_entries = len(SPECIAL_TOKENS) + 2
     if vocab_size < min_entries or vocab_size > MAX_VOCAB_SIZE:
         raise DataError(f"--train-vocab {vocab_size}: must lie in [{min_entries}, {MAX_VOCAB_SIZE}]")
     normalizer, pre = _normalizer_and_pretokenizer()
     words: Counter[str] = Counter()
-    pending: list[str] = []
-    pending_chars = 0
-
-    def flush() -> None:
-        nonlocal pending_chars
-        if pending:
-            text = normalizer.normalize_str("\n".join(pending))
-            words.update(w for w, _ in pre.pre_tokenize_str(text))
-            pending.clear()
-            pending_chars = 0
-
-    for s in sentences:
-        s = s.replace("[UNK]", " ")
-        pending.append(s)
-        pending_chars += len(s)
-        if pending_chars > 1 << 20:
-            flush()
-    flush()
+    batch, size = [], 0
+    # Normalised and split about 1 MiB at a time (the words do not depend on where batches end);
+    # an empty sentence, as the final one, ends a batch.
+    for s in chain(sentences, [""]):
+        batch.append(s.replace("[UNK]", " "))
+        size += len(batch[-1])
+        if size > 1 << 20 or not s:
+            words.update(w for w, _ in pre.pre_tokenize_str(normalizer.normalize_str("\n".join(batch))))
+            batch, size = [], 0
     if not words:
         raise DataError("--train-vocab: the input holds no words to learn a vocabulary from")
 
@@ -326,10 +280,7 @@ def train_wordpiece(
 
     # Symbols: the specials keep ids 0..4; the alphabet pieces follow in sorted order.
     word_list = sorted(w for w in words if len(w) <= MAX_WORD_CHARS and set(w) <= alphabet)
-    initial: set[str] = set()
-    for w in word_list:
-        initial.add(w[0])
-        initial.update("##" + ch for ch in w[1:])
+    initial = {w[0] for w in word_list} | {"##" + ch for w in word_list for ch in w[1:]}
     pieces = list(SPECIAL_TOKENS) + sorted(initial)
     if len(pieces) > vocab_size:
         # Word-initial forms first (they cover every word's start), then ## forms by frequency.
@@ -338,21 +289,18 @@ def train_wordpiece(
         keep = set(starts[:room]) | set(cont[: max(0, room - len(starts))])
         pieces = list(SPECIAL_TOKENS) + sorted(keep)
         word_list = [w for w in word_list if w[0] in keep and all("##" + ch in keep for ch in w[1:])]
-    ids = {p: i for i, p in enumerate(pieces)}
-    sym_str = list(pieces)
+    ids = {p: i for i, p in enumerate(pieces)}  # symbol -> id, merged symbols included
 
     seqs = [[ids[w[0]]] + [ids["##" + ch] for ch in w[1:]] for w in word_list]
     counts = [words[w] for w in word_list]
     pair_count: dict[tuple[int, int], int] = {}
     pair_words: dict[tuple[int, int], set[int]] = {}
-    for wi, seq in enumerate(seqs):
-        c = counts[wi]
+    for wi, (seq, c) in enumerate(zip(seqs, counts)):
         for p in zip(seq, seq[1:]):
             pair_count[p] = pair_count.get(p, 0) + c
             pair_words.setdefault(p, set()).add(wi)
     heap = [(-c, p) for p, c in pair_count.items()]
     heapq.heapify(heap)
-    merged_id: dict[str, int] = dict(ids)
 
     while len(pieces) < vocab_size and heap:
         negc, pair = heapq.heappop(heap)
@@ -362,14 +310,11 @@ def train_wordpiece(
         if c < min_frequency:
             break
         a, b = pair
-        new = _merge_symbols(sym_str[a], sym_str[b])
-        if new in merged_id:
-            nid = merged_id[new]
-        else:
-            nid = len(sym_str)
-            sym_str.append(new)
-            merged_id[new] = nid
+        new = pieces[a] + pieces[b].removeprefix("##")
+        if new not in ids:
+            ids[new] = len(pieces)
             pieces.append(new)
+        nid = ids[new]
         changed: dict[tuple[int, int], int] = {}
         for wi in sorted(pair_words.pop(pair, ())):
             seq = seqs[wi]

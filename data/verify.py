@@ -1,20 +1,10 @@
 """NVIDIA's per-shard checksums of MLPerf BERT data: ``python -m data.verify``.
 
-    python -m data.verify OUT/hdf5/training-4320/hdf5_4320_shards_varlength \\
-        --checksums data/checksums/4320_shards_varlength.chk
-
-A shard's checksum (NVIDIA's ``hdf5_md5.py``): the md5 of each row's ``input_ids`` written
-as ``str(row.tolist())`` (``"[101, 2023, ...]"``), then the md5 of ``str()`` of that list of
-hex digests. A checksum list has one ``name<TAB>md5`` line per file. Every listed file is
-looked up by name in the given directories (or is a given file); the command exits non-zero
-naming every file whose checksum differs and every file that is missing.
-
-The published lists (``data/checksums/``, from NVIDIA's MLPerf v4.0 submission):
-``2048_shards_varlength.chk``, ``4320_shards_varlength.chk``,
-``4320_shards_varlength_shuffled.chk`` and ``eval_varlength.chk``.
-
-``content_digest`` is a stronger check used by the tests: the md5 over every dataset of a
-file (names, dtypes, shapes, values), so two files with equal digests hold the same data.
+A shard's checksum is NVIDIA's (``hdf5_md5.py``): the md5 of each row's ``str(input_ids[i].tolist())``,
+then the md5 of ``str()`` of that list of digests. A checksum list has one ``name<TAB>md5`` line per
+file; the published ones (NVIDIA's MLPerf v4.0) are in ``data/checksums/``. Usage and the exit status:
+[docs/data.md](../docs/data.md#the-real-mlperf-dataset-step-by-step). ``content_digest`` is the tests'
+stronger check: the md5 over every dataset of a file (names, dtypes, shapes, values).
 """
 
 from __future__ import annotations
@@ -31,6 +21,7 @@ import numpy as np
 
 from data.errors import DataError, cli_main
 from data.hdf5io import READ_ROWS, check_links, check_storage, open_hdf5
+from data.progress import progress as bar
 
 CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"
 PUBLISHED = {  # (what, shard count) -> published list
@@ -85,8 +76,7 @@ def content_digest(path) -> str:
                     continue
                 for row in data:
                     row = np.ascontiguousarray(row, dtype=base)
-                    h.update(len(row).to_bytes(8, "little"))
-                    h.update(row.tobytes())
+                    h.update(len(row).to_bytes(8, "little") + row.tobytes())
     return h.hexdigest()
 
 
@@ -133,24 +123,19 @@ def verify(paths: list, checksums: dict[str, str], workers: int = 1, progress=No
     todo = [str(found[name]) for name in checksums if name in found]
     if workers > 1 and len(todo) > 1:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            results = list(_progress(pool.map(_checksum_task, todo, chunksize=4), len(todo), progress))
+            results = list(_bar(pool.map(_checksum_task, todo, chunksize=4), len(todo), progress))
     else:
-        results = list(_progress(map(_checksum_task, todo), len(todo), progress))
+        results = list(_bar(map(_checksum_task, todo), len(todo), progress))
     for path, got, error in results:
-        name = Path(path).name
         if error is not None:
             problems.append(error)
-        elif got != checksums[name]:
-            problems.append(f"{path}: checksum {got}, expected {checksums[name]}")
+        elif got != checksums[Path(path).name]:
+            problems.append(f"{path}: checksum {got}, expected {checksums[Path(path).name]}")
     return problems
 
 
-def _progress(it, total: int, desc: str | None):
-    if desc is None:
-        return it
-    from tqdm import tqdm
-
-    return tqdm(it, total=total, desc=desc, unit="file", disable=None)
+def _bar(it, total: int, desc: str | None):
+    return it if desc is None else bar(it, total=total, desc=desc, unit="file")
 
 
 def main(argv=None) -> int:
