@@ -41,15 +41,7 @@ PACKED_KEYS = (
     "packed_masked_lm_len",
     "next_sentence_labels",
 )
-PACKED_DTYPES = {
-    "input_ids": np.int16,
-    "segment_ids": np.int8,
-    "packed_input_len": np.int16,
-    "masked_lm_positions": np.int16,
-    "masked_lm_ids": np.int16,
-    "packed_masked_lm_len": np.int16,
-    "next_sentence_labels": np.int8,
-}
+PACKED_DTYPES = {**FIXED_DTYPES, "packed_input_len": np.int16, "packed_masked_lm_len": np.int16}
 ALL_LAYOUTS = LAYOUTS + (PACKED,)  # what data.convert writes; LAYOUTS: what data.prepare writes
 MAX_FILE_BYTES = 1 << 40
 READ_ROWS = 16384  # samples read and validated at a time
@@ -71,6 +63,14 @@ class FileInfo:
 
 def _fail(path, msg: str):
     raise DataError(f"{path}: {msg}")
+
+
+def _refuse(path, bad: np.ndarray, what, first: int = 0, unit: str = "sample") -> None:
+    """DataError ``path: {unit} {first + i}: what`` for the first i where ``bad`` holds
+    (``what``: a text, or a function of i)."""
+    if bad.any():
+        i = _first(bad)
+        _fail(path, f"{unit} {first + i}: {what(i) if callable(what) else what}")
 
 
 def open_hdf5(path) -> h5py.File:
@@ -168,44 +168,44 @@ def _read_info(path, f: h5py.File) -> FileInfo:
         extra["next_sentence"] = _has_nsp(path, f)
     if layout == PACKED:
         return replace(_packed_info(path, f), **extra)
-    if not extra.get("next_sentence", True):
+    if extra.get("next_sentence", True):
+        nsp = f["next_sentence_labels"]
+        _check_int_dtype(path, "next_sentence_labels", nsp.dtype, np.int8)
+        if not (nsp.ndim == 1 or (nsp.ndim == 2 and nsp.shape[1] == 1)):
+            _fail(path, f"next_sentence_labels has shape {nsp.shape}, expected (N,)")
+        n = nsp.shape[0]
+    else:
         n = f["input_ids"].shape[0]
-        return replace(_varlength_info(path, f, n), **extra)
-    nsp = f["next_sentence_labels"]
-    _check_int_dtype(path, "next_sentence_labels", nsp.dtype, np.int8)
-    if not (nsp.ndim == 1 or (nsp.ndim == 2 and nsp.shape[1] == 1)):
-        _fail(path, f"next_sentence_labels has shape {nsp.shape}, expected (N,)")
-    n = nsp.shape[0]
-    if layout == "fixed":
-        ids = f["input_ids"]
-        if ids.ndim != 2:
-            _fail(path, f"input_ids has shape {ids.shape}, expected (N, max_seq_length)")
-        s = ids.shape[1]
-        mpos = f["masked_lm_positions"]
-        if mpos.ndim != 2:
-            _fail(path, f"masked_lm_positions has shape {mpos.shape}, expected (N, max_predictions)")
-        p = mpos.shape[1]
-        for key in FIXED_KEYS[:-1]:
-            ds = f[key]
-            _check_int_dtype(path, key, ds.dtype, FIXED_DTYPES[key])
-            want = (n, s) if key in ("input_ids", "input_mask", "segment_ids") else (n, p)
-            if ds.shape != want:
-                _fail(path, f"{key} has shape {ds.shape}, expected {want}")
-        return FileInfo(str(path), layout, n, s, p)
-    return replace(_varlength_info(path, f, n), **extra)
+    if layout == "varlength":
+        _check_vlen(path, f, VARLENGTH_KEYS[:-1], layout, n)
+        s, p = (_int_attr(path, f, name) for name in ("max_seq_length", "max_predictions"))
+        return replace(FileInfo(str(path), layout, n, s, p), **extra)
+    for key, size in (("input_ids", "max_seq_length"), ("masked_lm_positions", "max_predictions")):
+        if f[key].ndim != 2:
+            _fail(path, f"{key} has shape {f[key].shape}, expected (N, {size})")
+    s, p = f["input_ids"].shape[1], f["masked_lm_positions"].shape[1]
+    for key in FIXED_KEYS[:-1]:
+        ds = f[key]
+        _check_int_dtype(path, key, ds.dtype, FIXED_DTYPES[key])
+        want = (n, s) if key in ("input_ids", "input_mask", "segment_ids") else (n, p)
+        if ds.shape != want:
+            _fail(path, f"{key} has shape {ds.shape}, expected {want}")
+    return FileInfo(str(path), layout, n, s, p)  # vocab_size: not kept for the fixed layout
 
 
-def _varlength_info(path, f: h5py.File, n: int) -> FileInfo:
-    for key in VARLENGTH_KEYS[:-1]:
+def _check_vlen(path, f: h5py.File, keys, layout: str, n: int | None = None) -> int | None:
+    """Each key a variable-length integer dataset of shape (n,) (n None: that of the first key); n."""
+    like = " like input_ids" if n is None else ""
+    for key in keys:
         ds = f[key]
         base = h5py.check_vlen_dtype(ds.dtype)
         if base is None:
-            _fail(path, f"{key} has dtype {ds.dtype}, expected a variable-length integer array (varlength layout)")
-        _check_int_dtype(path, key, base, FIXED_DTYPES[key])
+            _fail(path, f"{key} has dtype {ds.dtype}, expected a variable-length integer array ({layout} layout)")
+        _check_int_dtype(path, key, base, PACKED_DTYPES[key])
+        n = ds.shape[0] if n is None else n
         if ds.shape != (n,):
-            _fail(path, f"{key} has shape {ds.shape}, expected ({n},)")
-    s, p = (_int_attr(path, f, name) for name in ("max_seq_length", "max_predictions"))
-    return FileInfo(str(path), "varlength", n, s, p)
+            _fail(path, f"{key} has shape {ds.shape}, expected ({n},){like}")
+    return n
 
 
 def _int_attr(path, f: h5py.File, name: str) -> int | None:
@@ -218,16 +218,7 @@ def _int_attr(path, f: h5py.File, name: str) -> int | None:
 
 
 def _packed_info(path, f: h5py.File) -> FileInfo:
-    r = None
-    for key in (k for k in PACKED_KEYS if k in f):  # next_sentence_labels may be absent (_has_nsp)
-        ds = f[key]
-        base = h5py.check_vlen_dtype(ds.dtype)
-        if base is None:
-            _fail(path, f"{key} has dtype {ds.dtype}, expected a variable-length integer array (packed layout)")
-        _check_int_dtype(path, key, base, PACKED_DTYPES[key])
-        r = ds.shape[0] if r is None else r
-        if ds.shape != (r,):
-            _fail(path, f"{key} has shape {ds.shape}, expected ({r},) like input_ids")
+    r = _check_vlen(path, f, [k for k in PACKED_KEYS if k in f], PACKED)  # next_sentence_labels may be absent
     n = int(_pack_offsets(f)[-1]) if r else 0
     s = f.attrs.get("max_seq_length")
     p = f.attrs.get("max_predictions")
@@ -368,22 +359,12 @@ def from_fixed_arrays(
     nsp = np.asarray(next_sentence_labels).reshape(-1)
     n, s = ids.shape
     p = mpos.shape[1]
-
-    def sample_fail(bad_rows: np.ndarray, what: str):
-        row = _first(bad_rows)
-        _fail(path, f"sample {first_row + row}: {what(row) if callable(what) else what}")
-
-    bad = ~np.isin(mask, (0, 1)).all(1)
-    if bad.any():
-        sample_fail(bad, "input_mask holds values other than 0 and 1")
+    _refuse(path, ~np.isin(mask, (0, 1)).all(1), "input_mask holds values other than 0 and 1", first_row)
     lens = mask.sum(1, dtype=np.int64)
     real = np.arange(s)[None, :] < lens[:, None]
     bad = (real != (mask == 1)).any(1)
-    if bad.any():
-        sample_fail(bad, "input_mask is not a prefix of ones (real tokens must come first)")
-    bad = lens < 1
-    if bad.any():
-        sample_fail(bad, "the sequence is empty (input_mask is all 0)")
+    _refuse(path, bad, "input_mask is not a prefix of ones (real tokens must come first)", first_row)
+    _refuse(path, lens < 1, "the sequence is empty (input_mask is all 0)", first_row)
     ids_real = ids[real]
     seg_real = seg[real]
     _check_tokens(path, ids_real, seg_real, lens, vocab_size, first_row)
@@ -392,8 +373,9 @@ def from_fixed_arrays(
     counts = np.where(used_slot.all(1), p, np.argmin(used_slot, axis=1)) if p else np.zeros(n, np.int64)
     prefix = np.arange(p)[None, :] < counts[:, None]
     bad = (used_slot & ~prefix).any(1)
-    if bad.any():
-        sample_fail(bad, lambda r: f"masked_lm_positions has a nonzero entry after the first 0: {mpos[r].tolist()}")
+    _refuse(
+        path, bad, lambda r: f"masked_lm_positions has a nonzero entry after the first 0: {mpos[r].tolist()}", first_row
+    )
     positions = mpos[prefix]
     labels = np.asarray(mids)[prefix]
     _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
@@ -423,22 +405,14 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     ids, seg, mpos, mids = (arrays[k] for k in VARLENGTH_KEYS[:-1])
     nsp = np.asarray(arrays["next_sentence_labels"]).reshape(-1)
     lens = _lengths(ids)
-    for key, objs in (("segment_ids", seg),):
-        bad = _lengths(objs) != lens
-        if bad.any():
-            r = _first(bad)
-            _fail(path, f"sample {first_row + r}: {key} has {len(objs[r])} entries, input_ids has {lens[r]}")
-    bad = lens < 1
-    if bad.any():
-        _fail(path, f"sample {first_row + _first(bad)}: the sequence is empty")
+    bad = _lengths(seg) != lens
+    _refuse(path, bad, lambda r: f"segment_ids has {len(seg[r])} entries, input_ids has {lens[r]}", first_row)
+    _refuse(path, lens < 1, "the sequence is empty", first_row)
     counts = _lengths(mpos)
     bad = _lengths(mids) != counts
-    if bad.any():
-        r = _first(bad)
-        _fail(
-            path,
-            f"sample {first_row + r}: masked_lm_ids has {len(mids[r])} entries, masked_lm_positions has {counts[r]}",
-        )
+    _refuse(
+        path, bad, lambda r: f"masked_lm_ids has {len(mids[r])} entries, masked_lm_positions has {counts[r]}", first_row
+    )
     flat_ids = _flat(ids, np.int32)
     flat_seg = _flat(seg, np.int8)
     _check_tokens(path, flat_ids, flat_seg, lens, vocab_size, first_row)
@@ -504,40 +478,30 @@ def from_packed_arrays(
     lens = _flat(packed_input_len, np.int64)  # [n] sequence lengths
     seq_pack = np.repeat(np.arange(len(seqs_per_pack)), seqs_per_pack)  # [n] pack of each sequence
 
-    def pack_fail(bad: np.ndarray, what):
-        r = _first(bad)
-        _fail(path, f"pack {first_pack + r}: {what(r)}")
+    def refuse_pack(bad: np.ndarray, what):
+        _refuse(path, bad, what, first_pack, "pack")
 
     def per_pack_sum(values: np.ndarray) -> np.ndarray:
         return np.bincount(seq_pack, weights=values, minlength=len(seqs_per_pack)).astype(np.int64)
 
     bad = _lengths(segment_ids) != tokens_per_pack
-    if bad.any():
-        pack_fail(bad, lambda r: f"segment_ids has {len(segment_ids[r])} entries, input_ids has {tokens_per_pack[r]}")
+    refuse_pack(bad, lambda r: f"segment_ids has {len(segment_ids[r])} entries, input_ids has {tokens_per_pack[r]}")
     summed = per_pack_sum(lens)
     bad = summed != tokens_per_pack
-    if bad.any():
-        pack_fail(bad, lambda r: f"packed_input_len sums to {summed[r]}, input_ids has {tokens_per_pack[r]} tokens")
+    refuse_pack(bad, lambda r: f"packed_input_len sums to {summed[r]}, input_ids has {tokens_per_pack[r]} tokens")
     if max_seq_length is not None:
         bad = tokens_per_pack > max_seq_length
-        if bad.any():
-            pack_fail(bad, lambda r: f"holds {tokens_per_pack[r]} tokens, more than max_seq_length {max_seq_length}")
+        refuse_pack(bad, lambda r: f"holds {tokens_per_pack[r]} tokens, more than max_seq_length {max_seq_length}")
     for key, objs in (("packed_masked_lm_len", packed_masked_lm_len), ("next_sentence_labels", next_sentence_labels)):
         bad = _lengths(objs) != seqs_per_pack
-        if bad.any():
-            pack_fail(bad, lambda r: f"{key} has {len(objs[r])} entries for {seqs_per_pack[r]} sequences")
-    bad = lens < 1
-    if bad.any():
-        _fail(path, f"sample {first_sample + _first(bad)}: the sequence is empty (packed_input_len 0)")
+        refuse_pack(bad, lambda r: f"{key} has {len(objs[r])} entries for {seqs_per_pack[r]} sequences")
+    _refuse(path, lens < 1, "the sequence is empty (packed_input_len 0)", first_sample)
     counts = _flat(packed_masked_lm_len, np.int64)
-    bad = counts < 0
-    if bad.any():
-        _fail(path, f"sample {first_sample + _first(bad)}: packed_masked_lm_len is negative")
+    _refuse(path, counts < 0, "packed_masked_lm_len is negative", first_sample)
     slots = per_pack_sum(counts)
     for key, objs in (("masked_lm_positions", masked_lm_positions), ("masked_lm_ids", masked_lm_ids)):
         bad = _lengths(objs) != slots
-        if bad.any():
-            pack_fail(bad, lambda r: f"{key} has {len(objs[r])} entries, packed_masked_lm_len sums to {slots[r]}")
+        refuse_pack(bad, lambda r: f"{key} has {len(objs[r])} entries, packed_masked_lm_len sums to {slots[r]}")
     ids = _flat(input_ids, np.int32)
     seg = _flat(segment_ids, np.int8)
     _check_tokens(path, ids, seg, lens, vocab_size, first_sample)
@@ -609,9 +573,7 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
 
 def _check_nsp(path, nsp, first_row) -> None:
     bad = (nsp != 0) & (nsp != 1)
-    if bad.any():
-        i = _first(bad)
-        _fail(path, f"sample {first_row + i}: next_sentence_labels is {int(nsp[i])}, expected 0 or 1")
+    _refuse(path, bad, lambda i: f"next_sentence_labels is {int(nsp[i])}, expected 0 or 1", first_row)
 
 
 def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: int, where: str = "") -> dict:
@@ -676,23 +638,17 @@ class _AtomicFile:
         return False
 
 
-def _dataset(f: h5py.File, name: str, data, dtype=None):
-    f.create_dataset(name, data=data, dtype=dtype, track_times=False)
-
-
 def write_fixed(path, block: SampleBlock, max_seq_length: int, max_predictions: int) -> None:
     """Write ``block`` in MLPerf's fixed layout."""
-    arrays = to_fixed_arrays(block, max_seq_length, max_predictions, where=f"{path}: ")
-    with _AtomicFile(path) as f:
-        for key in FIXED_KEYS:
-            _dataset(f, key, arrays[key])
+    write_fixed_arrays(path, to_fixed_arrays(block, max_seq_length, max_predictions, where=f"{path}: "))
 
 
 def write_fixed_arrays(path, arrays: dict) -> None:
     """Write the six fixed-layout arrays as given (cast to MLPerf's dtypes), in MLPerf's key order."""
     with _AtomicFile(path) as f:
         for key in FIXED_KEYS:
-            _dataset(f, key, np.asarray(arrays[key]).astype(FIXED_DTYPES[key], copy=False))
+            data = np.asarray(arrays[key]).astype(FIXED_DTYPES[key], copy=False)
+            f.create_dataset(key, data=data, track_times=False)
 
 
 def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
@@ -701,15 +657,18 @@ def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def _write_vlen(ds, pieces: np.ndarray) -> None:
-    """Write an (n,) object array of 1-D arrays into an (n,) variable-length dataset. h5py
+def _write_rows(f: h5py.File, rows: int, columns) -> None:
+    """One (rows,) variable-length dataset per (key, flat values, values per row, dtype). h5py
     turns pieces that all have the same length into one 2-D array, which does not fit the
     dataset (e.g. every sample with the same masked count), so those are written one by one."""
-    if len(pieces) > 1 and len({len(p) for p in pieces}) == 1:
-        for i, piece in enumerate(pieces):
-            ds[i] = piece
-    else:
-        ds[...] = pieces
+    for key, flat, counts, dtype in columns:
+        ds = f.create_dataset(key, (rows,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
+        pieces = _split(np.asarray(flat), counts, dtype)
+        if rows > 1 and len({len(p) for p in pieces}) == 1:
+            for i, piece in enumerate(pieces):
+                ds[i] = piece
+        elif rows:
+            ds[...] = pieces
 
 
 def id_dtype(vocab_size: int | None) -> type:
@@ -745,17 +704,15 @@ def write_varlength(
             raise DataError(f"{path}: sample {r} has {int(values[r])} {what}, more than {limit}")
     ids = id_dtype(vocab_size)
     with _AtomicFile(path) as f:
-        for key, flat, cnt, dtype in (
+        columns = (
             ("input_ids", block.input_ids, lens, ids),
             ("segment_ids", block.segment_ids, lens, np.int8),
             ("masked_lm_positions", block.masked_positions, counts, np.int16),
             ("masked_lm_ids", block.masked_ids, counts, ids),
-        ):
-            ds = f.create_dataset(key, (n,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
-            if n:
-                _write_vlen(ds, _split(flat, cnt, dtype))
+        )
+        _write_rows(f, n, columns)
         if next_sentence:
-            _dataset(f, "next_sentence_labels", block.nsp_labels.astype(np.int8))
+            f.create_dataset("next_sentence_labels", data=block.nsp_labels.astype(np.int8), track_times=False)
         _write_extras(f, next_sentence, vocab_size)
         if max_seq_length is not None:
             f.attrs["max_seq_length"] = np.int32(max_seq_length)
@@ -795,22 +752,19 @@ def write_packed(
     slots_per_pack = np.bincount(pack_of_seq, weights=counts, minlength=num_packs).astype(np.int64)
     positions = packed.masked_positions.astype(np.int64) + np.repeat(offset[order], counts)  # within the pack
     dtypes = {**PACKED_DTYPES, "input_ids": id_dtype(vocab_size), "masked_lm_ids": id_dtype(vocab_size)}
+    columns = (
+        ("input_ids", packed.input_ids, tokens_per_pack),
+        ("segment_ids", packed.segment_ids, tokens_per_pack),
+        ("packed_input_len", lens, seqs_per_pack),
+        ("masked_lm_positions", positions, slots_per_pack),
+        ("masked_lm_ids", packed.masked_ids, slots_per_pack),
+        ("packed_masked_lm_len", counts, seqs_per_pack),
+        ("next_sentence_labels", packed.nsp_labels, seqs_per_pack),
+    )
     with _AtomicFile(path) as f:
-        for key, flat, cnt in (
-            ("input_ids", packed.input_ids, tokens_per_pack),
-            ("segment_ids", packed.segment_ids, tokens_per_pack),
-            ("packed_input_len", lens, seqs_per_pack),
-            ("masked_lm_positions", positions, slots_per_pack),
-            ("masked_lm_ids", packed.masked_ids, slots_per_pack),
-            ("packed_masked_lm_len", counts, seqs_per_pack),
-            ("next_sentence_labels", packed.nsp_labels, seqs_per_pack),
-        ):
-            if key == "next_sentence_labels" and not next_sentence:
-                continue
-            dtype = dtypes[key]
-            ds = f.create_dataset(key, (num_packs,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
-            if num_packs:
-                _write_vlen(ds, _split(np.asarray(flat), cnt, dtype))
+        _write_rows(
+            f, num_packs, [(*c, dtypes[c[0]]) for c in columns if next_sentence or c[0] != "next_sentence_labels"]
+        )
         f.attrs["max_seq_length"] = np.int32(max_seq_length)
         if max_predictions is not None:
             f.attrs["max_predictions"] = np.int32(max_predictions)
