@@ -26,10 +26,19 @@ def _require(ok: bool, field: str, what: str) -> None:
         raise ValueError(f"{field}: {what}")
 
 
-def _check_int(t: Tensor, field: str, ndim: int) -> None:
+def _check_int(t: Tensor, field: str, ndim: int, dtype: torch.dtype | None = None) -> None:
     _require(isinstance(t, Tensor), field, f"expected a tensor, got {type(t).__name__}")
     _require(t.dtype in _INT_DTYPES, field, f"expected an integer dtype, got {t.dtype}")
     _require(t.dim() == ndim, field, f"expected {ndim} dimension(s), got shape {tuple(t.shape)}")
+    _require(dtype is None or t.dtype == dtype, field, f"expected {dtype}, got {t.dtype}")
+
+
+def _check_same(batch, ref: str, names, what: str = "length") -> None:
+    """Each field of ``names`` has the length (or ``what="shape"``: the shape) of field ``ref``."""
+    size = (lambda t: tuple(t.shape)) if what == "shape" else (lambda t: t.numel())
+    for name in names:
+        a, b = size(getattr(batch, name)), size(getattr(batch, ref))
+        _require(a == b, name, f"{what} {a} != {ref} {what} {b}")
 
 
 def _check_labels(nsp_labels: Tensor, ids: dict[str, Tensor], vocab_size: int | None) -> None:
@@ -46,23 +55,28 @@ def to_device(batch, device):
     an asynchronous copy, so the host goes on while it travels (a copy from pageable memory
     would wait for it); elsewhere ``batch.to(device)``. Tensors already on a GPU stay."""
     if torch.device(device).type == "cuda":
-        pinned = {f.name: getattr(batch, f.name) for f in fields(batch)}
-        batch = type(batch)(
-            **{k: v.pin_memory() if isinstance(v, Tensor) and v.device.type == "cpu" else v for k, v in pinned.items()}
-        )
+        batch = batch._map(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
     return batch.to(device, non_blocking=True)
 
 
-def _move(batch, device, non_blocking: bool):
-    values = {}
-    for f in fields(batch):
-        v = getattr(batch, f.name)
-        values[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
-    return type(batch)(**values)
+class _Batch:
+    """What the batch types share: moving, and the sequence count."""
+
+    def _map(self, fn):
+        """A copy with ``fn`` applied to every tensor field."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return type(self)(**{k: fn(v) if isinstance(v, Tensor) else v for k, v in values.items()})
+
+    def to(self, device, non_blocking: bool = False):
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    @property
+    def num_sequences(self) -> int:
+        return self.nsp_labels.numel()
 
 
 @dataclass
-class UnpaddedBatch:
+class UnpaddedBatch(_Batch):
     """A batch of B variable-length sequences flattened to T tokens.
 
     input_ids, segment_ids, position_ids: [T] int64; positions restart at 0 per sequence.
@@ -89,25 +103,15 @@ class UnpaddedBatch:
     def __post_init__(self):
         for name in ("input_ids", "segment_ids", "position_ids", "mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
-        _check_int(self.cu_seqlens, "cu_seqlens", 1)
-        _require(
-            self.cu_seqlens.dtype == torch.int32, "cu_seqlens", f"expected torch.int32, got {self.cu_seqlens.dtype}"
-        )
+        _check_int(self.cu_seqlens, "cu_seqlens", 1, torch.int32)
         _require(
             isinstance(self.max_seqlen, int) and not isinstance(self.max_seqlen, bool),
             "max_seqlen",
             f"expected a Python int, got {type(self.max_seqlen).__name__}",
         )
         n = self.input_ids.numel()
-        for name in ("segment_ids", "position_ids"):
-            _require(
-                getattr(self, name).numel() == n, name, f"length {getattr(self, name).numel()} != input_ids length {n}"
-            )
-        _require(
-            self.mlm_labels.numel() == self.mlm_positions.numel(),
-            "mlm_labels",
-            f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}",
-        )
+        _check_same(self, "input_ids", ("segment_ids", "position_ids"))
+        _check_same(self, "mlm_positions", ("mlm_labels",))
         _require(
             self.cu_seqlens.numel() == self.nsp_labels.numel() + 1,
             "cu_seqlens",
@@ -122,10 +126,6 @@ class UnpaddedBatch:
                 f"{len(lens)} lengths for {self.nsp_labels.numel()} sequences",
             )
             _require(sum(lens) == n, "host_seqlens", f"lengths sum to {sum(lens)} but the batch has {n} tokens")
-
-    @property
-    def num_sequences(self) -> int:
-        return self.nsp_labels.numel()
 
     @property
     def num_tokens(self) -> int:
@@ -169,12 +169,9 @@ class UnpaddedBatch:
         _check_labels(self.nsp_labels, {"input_ids": self.input_ids, "mlm_labels": self.mlm_labels}, vocab_size)
         return self
 
-    def to(self, device, non_blocking: bool = False) -> UnpaddedBatch:
-        return _move(self, device, non_blocking)
-
 
 @dataclass
-class PaddedBatch:
+class PaddedBatch(_Batch):
     """The padded baseline: B sequences each padded to S tokens.
 
     input_ids, segment_ids, position_ids: [B, S] int64; attention_mask: [B, S] bool (True =
@@ -198,37 +195,17 @@ class PaddedBatch:
             "attention_mask",
             "expected a bool tensor",
         )
-        shape = self.input_ids.shape
-        for name in ("segment_ids", "position_ids", "attention_mask"):
-            _require(
-                getattr(self, name).shape == shape,
-                name,
-                f"shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}",
-            )
+        _check_same(self, "input_ids", ("segment_ids", "position_ids", "attention_mask"), "shape")
         for name in ("mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
-        _require(
-            self.mlm_labels.numel() == self.mlm_positions.numel(),
-            "mlm_labels",
-            f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}",
-        )
-        _require(
-            self.nsp_labels.numel() == shape[0],
-            "nsp_labels",
-            f"length {self.nsp_labels.numel()} != batch size {shape[0]}",
-        )
-
-    @property
-    def num_sequences(self) -> int:
-        return self.input_ids.shape[0]
+        _check_same(self, "mlm_positions", ("mlm_labels",))
+        b = self.input_ids.shape[0]
+        _require(self.nsp_labels.numel() == b, "nsp_labels", f"length {self.nsp_labels.numel()} != batch size {b}")
 
     @property
     def num_tokens(self) -> int:
         """Real (unpadded) tokens, the count throughput is reported in."""
         return int(self.attention_mask.sum())
-
-    def to(self, device, non_blocking: bool = False) -> PaddedBatch:
-        return _move(self, device, non_blocking)
 
 
 def unpad(
@@ -332,7 +309,7 @@ def _as_tensor(x, field: str, ndim: int | None) -> Tensor:
 
 
 @dataclass
-class PackedBatch:
+class PackedBatch(_Batch):
     """R rows of S tokens, each holding one or more whole sequences (B in all), then padding.
 
     input_ids, segment_ids, position_ids: [R, S] int64, 0 on padding; positions restart at 0
@@ -362,19 +339,9 @@ class PackedBatch:
     def __post_init__(self):
         for name in ("input_ids", "segment_ids", "position_ids"):
             _check_int(getattr(self, name), name, 2)
+        _check_same(self, "input_ids", ("segment_ids", "position_ids"), "shape")
+        _check_int(self.startend_row_indices, "startend_row_indices", 4, torch.int32)
         shape = self.input_ids.shape
-        for name in ("segment_ids", "position_ids"):
-            _require(
-                getattr(self, name).shape == shape,
-                name,
-                f"shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}",
-            )
-        _check_int(self.startend_row_indices, "startend_row_indices", 4)
-        _require(
-            self.startend_row_indices.dtype == torch.int32,
-            "startend_row_indices",
-            f"expected torch.int32, got {self.startend_row_indices.dtype}",
-        )
         want = (shape[0], 1, shape[1], 2)
         _require(
             tuple(self.startend_row_indices.shape) == want,
@@ -383,20 +350,8 @@ class PackedBatch:
         )
         for name in ("cls_positions", "seq_lens", "mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
-        b = self.nsp_labels.numel()
-        for name in ("cls_positions", "seq_lens"):
-            _require(
-                getattr(self, name).numel() == b, name, f"length {getattr(self, name).numel()} != nsp_labels length {b}"
-            )
-        _require(
-            self.mlm_labels.numel() == self.mlm_positions.numel(),
-            "mlm_labels",
-            f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}",
-        )
-
-    @property
-    def num_sequences(self) -> int:
-        return self.nsp_labels.numel()
+        _check_same(self, "nsp_labels", ("cls_positions", "seq_lens"))
+        _check_same(self, "mlm_positions", ("mlm_labels",))
 
     @property
     def num_rows(self) -> int:
@@ -459,6 +414,3 @@ class PackedBatch:
         ids = {"input_ids": self.input_ids.reshape(-1)[tokens], "mlm_labels": self.mlm_labels}
         _check_labels(self.nsp_labels, ids, vocab_size)
         return self
-
-    def to(self, device, non_blocking: bool = False) -> PackedBatch:
-        return _move(self, device, non_blocking)
