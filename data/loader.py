@@ -218,13 +218,10 @@ class PretrainingLoader:
         if vocab_size is None and isinstance(train_dir_or_files, (str, Path)):
             vocab_size = dataset_vocab_size(train_dir_or_files)
         self.vocab_size, self.max_seq_length = vocab_size, max_seq_length
-        sizes = []
-        readable = []
-        infos = []
+        infos, readable = [], []
         for f in self.files:
             try:
                 infos.append(inspect(f))
-                sizes.append(infos[-1].num_samples)
                 readable.append(f)
             except DataError as e:
                 if on_corrupt == "fail":
@@ -240,7 +237,7 @@ class PretrainingLoader:
             kinds = {True: "has next_sentence_labels", False: "is masked-LM only (no next_sentence_labels)"}
             raise DataError(f"{odd.path}: {kinds[odd.next_sentence]}, but {infos[0].path} {kinds[self.next_sentence]}")
         self.files = readable
-        self.sizes = np.array(sizes, dtype=np.int64)
+        self.sizes = np.array([i.num_samples for i in infos], dtype=np.int64)
         if int(self.sizes.sum()) < global_batch_size:
             raise DataError(
                 f"{self.files[0].parent}: {int(self.sizes.sum())} samples in {len(self.files)} file(s) "
@@ -261,9 +258,6 @@ class PretrainingLoader:
     def step(self) -> int:
         """The global step whose batch the iterator yields next."""
         return self._step
-
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
 
     def sample_ids(self, step: int, rank: int | None = None, world_size: int | None = None) -> np.ndarray:
         """[n, 2] (file index, row in the file) of the samples a rank gets at ``step``
@@ -373,7 +367,7 @@ class PretrainingLoader:
         self._first: dict[tuple[int, int], int] = {}
         self._last: dict[tuple[int, int], int] = {}
         self._queue: list[_Entry] = []
-        self._queued_epoch = self.epoch_of(self._step) - 1
+        self._queued_epoch = self._step // self.steps_per_epoch - 1
 
     def _extend_queue(self, epoch: int, step_in_epoch: int) -> None:
         while self._queued_epoch < epoch:
