@@ -1,12 +1,10 @@
 """Batch types and the conversions between MLPerf's fixed layout and the unpadded one.
 
-Every batch the model sees is one of these named types: ``UnpaddedBatch`` (all sequences
-concatenated into one flat tensor, ``cu_seqlens`` marking their starts), ``PaddedBatch``
-(the ``[B, S]`` baseline with an attention mask) and ``PackedBatch`` (rows of S tokens
-holding whole sequences, kept apart by FlashMask bounds; built by ``data.packing``).
-``unpad`` takes the fixed HDF5 layout's arrays (``masked_lm_positions`` padded with 0) and
-``pad`` goes back, both vectorised. Structural checks run when a batch is built and read no
-tensor value; ``check_values()`` reads values (a sync on CUDA), where batches are made.
+The model sees only these named types: ``UnpaddedBatch`` (sequences concatenated, ``cu_seqlens``
+marking their starts), ``PaddedBatch`` (the ``[B, S]`` baseline) and ``PackedBatch`` (whole
+sequences in rows of S tokens, kept apart by FlashMask bounds; ``data.packing``). ``unpad`` and
+``pad`` convert, vectorised. Structural checks run when a batch is built and read no tensor
+value; ``check_values()`` reads values (a sync on CUDA), where batches are made.
 
 Shape legend: T tokens in the flat batch, B sequences, S padded length, M masked positions.
 """
@@ -86,8 +84,7 @@ class UnpaddedBatch(_Batch):
     mlm_positions: [M] int64 indices into the T tokens; mlm_labels: [M] int64 original ids.
     nsp_labels: [B] int64, 1 when segment B is a random segment.
     host_seqlens: the B lengths as a tuple of Python ints, where the collator knows them
-        (None otherwise); they stay on the host when the batch moves, so that what plans from
-        lengths (grouped attention) never reads ``cu_seqlens`` back from the device.
+        (None otherwise); they stay on the host when the batch moves (docs/step.md).
     """
 
     input_ids: Tensor
@@ -112,19 +109,16 @@ class UnpaddedBatch(_Batch):
         n = self.input_ids.numel()
         _check_same(self, "input_ids", ("segment_ids", "position_ids"))
         _check_same(self, "mlm_positions", ("mlm_labels",))
+        b = self.nsp_labels.numel()
         _require(
-            self.cu_seqlens.numel() == self.nsp_labels.numel() + 1,
+            self.cu_seqlens.numel() == b + 1,
             "cu_seqlens",
-            f"length {self.cu_seqlens.numel()} != nsp_labels length {self.nsp_labels.numel()} + 1",
+            f"length {self.cu_seqlens.numel()} != nsp_labels length {b} + 1",
         )
         if self.host_seqlens is not None:
             lens = self.host_seqlens
             _require(isinstance(lens, tuple), "host_seqlens", f"expected a tuple, got {type(lens).__name__}")
-            _require(
-                len(lens) == self.nsp_labels.numel(),
-                "host_seqlens",
-                f"{len(lens)} lengths for {self.nsp_labels.numel()} sequences",
-            )
+            _require(len(lens) == b, "host_seqlens", f"{len(lens)} lengths for {b} sequences")
             _require(sum(lens) == n, "host_seqlens", f"lengths sum to {sum(lens)} but the batch has {n} tokens")
 
     @property
@@ -152,19 +146,12 @@ class UnpaddedBatch(_Batch):
         )
         if self.host_seqlens is not None:
             _require(lens.tolist() == list(self.host_seqlens), "host_seqlens", "differ from cu_seqlens' lengths")
-        starts = torch.repeat_interleave(cu[:-1], lens)
-        _require(
-            torch.equal(self.position_ids.long(), torch.arange(t) - starts),
-            "position_ids",
-            "must count 0, 1, ... within each sequence",
-        )
+        counts_up = torch.equal(self.position_ids.long(), torch.arange(t) - torch.repeat_interleave(cu[:-1], lens))
+        _require(counts_up, "position_ids", "must count 0, 1, ... within each sequence")
         if self.mlm_positions.numel():
             pos = self.mlm_positions.long()
-            _require(
-                int(pos.min()) >= 0 and int(pos.max()) < t,
-                "mlm_positions",
-                f"indices must lie in [0, {t}), got [{int(pos.min())}, {int(pos.max())}]",
-            )
+            lo, hi = int(pos.min()), int(pos.max())
+            _require(lo >= 0 and hi < t, "mlm_positions", f"indices must lie in [0, {t}), got [{lo}, {hi}]")
             _require(not bool(torch.isin(pos, cu[:-1]).any()), "mlm_positions", "a [CLS] token is masked")
         _check_labels(self.nsp_labels, {"input_ids": self.input_ids, "mlm_labels": self.mlm_labels}, vocab_size)
         return self
@@ -315,9 +302,8 @@ class PackedBatch(_Batch):
     input_ids, segment_ids, position_ids: [R, S] int64, 0 on padding; positions restart at 0
         per sequence.
     startend_row_indices: [R, 1, S, 2] int32, FlashMask bounds (LTS, UTE) of the bidirectional
-        document mask: for a key of the sequence on row positions [a, e), rows >= e and rows
-        < a are masked, i.e. (LTS, UTE) = (e, a); a padding key has (0, S), masked for every
-        row, so padding rows see nothing (their attention output is 0).
+        document mask (docs/packing.md): (e, a) for a key of the sequence on row positions
+        [a, e); (0, S) for a padding key, so padding rows see nothing (attention output 0).
     cls_positions: [B] int64 flat indices into the R*S tokens of each sequence's [CLS]
         (its first token); sequence b's tokens are cls_positions[b] + 0 .. seq_lens[b]-1.
     seq_lens: [B] int32.
@@ -342,12 +328,8 @@ class PackedBatch(_Batch):
         _check_same(self, "input_ids", ("segment_ids", "position_ids"), "shape")
         _check_int(self.startend_row_indices, "startend_row_indices", 4, torch.int32)
         shape = self.input_ids.shape
-        want = (shape[0], 1, shape[1], 2)
-        _require(
-            tuple(self.startend_row_indices.shape) == want,
-            "startend_row_indices",
-            f"shape {tuple(self.startend_row_indices.shape)} != {want}",
-        )
+        got, want = tuple(self.startend_row_indices.shape), (shape[0], 1, shape[1], 2)
+        _require(got == want, "startend_row_indices", f"shape {got} != {want}")
         for name in ("cls_positions", "seq_lens", "mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
         _check_same(self, "nsp_labels", ("cls_positions", "seq_lens"))
@@ -386,12 +368,8 @@ class PackedBatch(_Batch):
         used = torch.zeros(r * s, dtype=torch.int64)
         used.index_add_(0, tokens, torch.ones_like(tokens))
         _require(int(used.max()) <= 1, "cls_positions", "two sequences overlap")
-        within = tokens - torch.repeat_interleave(cls, lens)
-        _require(
-            torch.equal(self.position_ids.reshape(-1)[tokens], within),
-            "position_ids",
-            "must count 0, 1, ... within each sequence",
-        )
+        counts_up = torch.equal(self.position_ids.reshape(-1)[tokens], tokens - torch.repeat_interleave(cls, lens))
+        _require(counts_up, "position_ids", "must count 0, 1, ... within each sequence")
         bounds = self.startend_row_indices.reshape(r * s, 2).long()
         first_col = torch.repeat_interleave(start_col, lens)
         want = torch.stack([first_col + torch.repeat_interleave(lens, lens), first_col], 1)
