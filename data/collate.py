@@ -25,14 +25,25 @@ def _long(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
 
-def _check_nonempty(block: SampleBlock) -> None:
+def _check_block(block: SampleBlock, seq_len: int | None = None) -> None:
+    """Refuse an empty block, and (with ``seq_len``) one whose longest sample does not fit a row."""
     if len(block) == 0:
         raise DataError("cannot collate an empty SampleBlock")
+    if seq_len is not None and int(block.seq_lens.max()) > seq_len:
+        r = int(np.argmax(block.seq_lens))
+        raise DataError(f"sample {r} has {int(block.seq_lens[r])} tokens, more than seq_len {seq_len}")
+
+
+def _rows(values: np.ndarray, dest: np.ndarray, rows: int, seq_len: int) -> torch.Tensor:
+    """[rows, seq_len] int64: ``values`` at the flat indices ``dest``, 0 elsewhere."""
+    out = np.zeros(rows * seq_len, np.int64)
+    out[dest] = values
+    return torch.from_numpy(out.reshape(rows, seq_len))
 
 
 def collate_unpadded(block: SampleBlock) -> UnpaddedBatch:
     """All sequences of ``block`` concatenated: T tokens, cu_seqlens [B+1] int32."""
-    _check_nonempty(block)
+    _check_block(block)
     lens = block.seq_lens.astype(np.int64)
     cu = _offsets(lens)  # [B+1]
     t = int(cu[-1])
@@ -53,27 +64,18 @@ def collate_unpadded(block: SampleBlock) -> UnpaddedBatch:
 
 def collate_padded(block: SampleBlock, seq_len: int) -> PaddedBatch:
     """Each sequence in a row of ``seq_len``; mlm_positions index the flat B*S tokens."""
-    _check_nonempty(block)
+    _check_block(block, seq_len)
     b = len(block)
     lens = block.seq_lens.astype(np.int64)
-    if int(lens.max()) > seq_len:
-        r = int(np.argmax(lens))
-        raise DataError(f"sample {r} has {int(lens[r])} tokens, more than seq_len {seq_len}")
     cu = _offsets(lens)
     within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)  # [T]
     dest = np.repeat(np.arange(b, dtype=np.int64) * seq_len, lens) + within  # [T] into B*S
-
-    def scatter(values: np.ndarray) -> torch.Tensor:
-        out = np.zeros(b * seq_len, np.int64)
-        out[dest] = values
-        return torch.from_numpy(out.reshape(b, seq_len))
-
     mask = np.arange(seq_len)[None, :] < lens[:, None]  # [B, S]
     mlm_rows = np.repeat(np.arange(b, dtype=np.int64), block.masked_counts)
     return PaddedBatch(
-        input_ids=scatter(block.input_ids),
-        segment_ids=scatter(block.segment_ids),
-        position_ids=scatter(within),
+        input_ids=_rows(block.input_ids, dest, b, seq_len),
+        segment_ids=_rows(block.segment_ids, dest, b, seq_len),
+        position_ids=_rows(within, dest, b, seq_len),
         attention_mask=torch.from_numpy(mask),
         mlm_positions=torch.from_numpy(mlm_rows * seq_len + block.masked_positions),
         mlm_labels=_long(block.masked_ids),

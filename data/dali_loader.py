@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from data.batch import PaddedBatch, UnpaddedBatch
-from data.errors import DataError
+from data.collate import _check_block
 from data.samples import SampleBlock, _offsets
 
 _FIELDS = (
@@ -104,14 +104,11 @@ class DaliCollator:
 
     def __call__(self, block: SampleBlock) -> UnpaddedBatch | PaddedBatch:
         b = len(block)
-        if b == 0:
-            raise DataError("cannot collate an empty SampleBlock")
+        _check_block(block)
         if b > self.max_batch_size:
             raise ValueError(f"block of {b} samples exceeds the DALI pipeline's max_batch_size {self.max_batch_size}")
+        _check_block(block, self.seq_len if self.layout == "padded" else None)
         lens_np = block.seq_lens.astype(np.int64)
-        if self.layout == "padded" and int(lens_np.max()) > self.seq_len:
-            r = int(np.argmax(lens_np))
-            raise DataError(f"sample {r} has {int(lens_np[r])} tokens, more than seq_len {self.seq_len}")
         tok_cuts = _offsets(lens_np)[1:-1]
         msk_cuts = _offsets(block.masked_counts)[1:-1]
         for name, _, dtype in _FIELDS:
