@@ -1,5 +1,4 @@
-"""The DALI backend (``backend="dali"``): the loader's SampleBlocks -> batches through an
-NVIDIA DALI pipeline.
+"""The DALI backend (``backend="dali"``): the loader's SampleBlocks -> batches through a DALI pipeline.
 
 ``data.loader`` keeps the reading and the rank plan, so both backends see the same samples.
 Each block goes in through ``external_source``; the pipeline pads the token and
@@ -27,16 +26,6 @@ _FIELDS = (
 )
 
 
-def _import_dali():
-    try:
-        import nvidia.dali.fn as fn
-        import nvidia.dali.types as types
-        from nvidia.dali import Pipeline
-    except ImportError as e:
-        raise RuntimeError(f"backend 'dali' needs NVIDIA DALI (pip install nvidia-dali-cuda120): {e}") from None
-    return Pipeline, fn, types
-
-
 class DaliCollator:
     """Callable SampleBlock -> UnpaddedBatch | PaddedBatch through a DALI pipeline.
 
@@ -57,11 +46,13 @@ class DaliCollator:
             raise ValueError(f"layout {layout!r}: expected 'unpadded' or 'padded'")
         if layout == "padded" and not seq_len:
             raise ValueError("layout 'padded' needs seq_len")
-        Pipeline, fn, types = _import_dali()
-        self.layout = layout
-        self.seq_len = seq_len
-        self.device_id = device_id
-        self.max_batch_size = max_batch_size
+        try:
+            import nvidia.dali.fn as fn
+            import nvidia.dali.types as types
+            from nvidia.dali import Pipeline
+        except ImportError as e:
+            raise RuntimeError(f"backend 'dali' needs NVIDIA DALI (pip install nvidia-dali-cuda120): {e}") from None
+        self.layout, self.seq_len, self.device_id, self.max_batch_size = layout, seq_len, device_id, max_batch_size
         self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
         pipe = Pipeline(
             batch_size=max_batch_size,
