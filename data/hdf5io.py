@@ -220,8 +220,7 @@ def _int_attr(path, f: h5py.File, name: str) -> int | None:
 def _packed_info(path, f: h5py.File) -> FileInfo:
     r = _check_vlen(path, f, [k for k in PACKED_KEYS if k in f], PACKED)  # next_sentence_labels may be absent
     n = int(_pack_offsets(f)[-1]) if r else 0
-    s = f.attrs.get("max_seq_length")
-    p = f.attrs.get("max_predictions")
+    s, p = (f.attrs.get(k) for k in ("max_seq_length", "max_predictions"))
     return FileInfo(str(path), PACKED, n, None if s is None else int(s), None if p is None else int(p), num_packs=r)
 
 
@@ -312,9 +311,7 @@ def read_valid(
             reader = _Reader(path, f, vocab_size, max_seq_length)
         except DataError as e:
             return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
-        parts: list[SampleBlock] = []
-        rows: list[np.ndarray] = []
-        problems: list[str] = []
+        parts, rows, problems = [], [], []  # valid blocks, their rows, one message per bad sample
         n = reader.info.num_samples
         todo = [(a, min(a + READ_ROWS, n)) for a in reversed(range(0, n, READ_ROWS))]
         while todo:
@@ -351,11 +348,8 @@ def from_fixed_arrays(
     first_row: int = 0,
 ) -> SampleBlock:
     """Fixed-layout arrays -> validated SampleBlock (``path`` and ``first_row`` name errors)."""
-    ids = np.asarray(input_ids)
-    mask = np.asarray(input_mask)
-    seg = np.asarray(segment_ids)
+    ids, mask, seg, mids = (np.asarray(a) for a in (input_ids, input_mask, segment_ids, masked_lm_ids))
     mpos = np.asarray(masked_lm_positions).astype(np.int64)
-    mids = np.asarray(masked_lm_ids)
     nsp = np.asarray(next_sentence_labels).reshape(-1)
     n, s = ids.shape
     p = mpos.shape[1]
@@ -376,19 +370,7 @@ def from_fixed_arrays(
     _refuse(
         path, bad, lambda r: f"masked_lm_positions has a nonzero entry after the first 0: {mpos[r].tolist()}", first_row
     )
-    positions = mpos[prefix]
-    labels = np.asarray(mids)[prefix]
-    _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
-    _check_nsp(path, nsp, first_row)
-    return SampleBlock(
-        input_ids=ids_real.astype(np.int32),
-        segment_ids=seg_real.astype(np.int8),
-        seq_lens=lens.astype(np.int32),
-        masked_positions=positions.astype(np.int32),
-        masked_ids=labels.astype(np.int32),
-        masked_counts=counts.astype(np.int32),
-        nsp_labels=nsp.astype(np.int8),
-    )
+    return _block(path, ids_real, seg_real, lens, mpos[prefix], mids[prefix], counts, nsp, vocab_size, first_row)
 
 
 def _lengths(objs: np.ndarray) -> np.ndarray:
@@ -416,19 +398,8 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     flat_ids = _flat(ids, np.int32)
     flat_seg = _flat(seg, np.int8)
     _check_tokens(path, flat_ids, flat_seg, lens, vocab_size, first_row)
-    positions = _flat(mpos, np.int64)
-    labels = _flat(mids, np.int64)
-    _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
-    _check_nsp(path, nsp, first_row)
-    return SampleBlock(
-        input_ids=flat_ids,
-        segment_ids=flat_seg,
-        seq_lens=lens.astype(np.int32),
-        masked_positions=positions.astype(np.int32),
-        masked_ids=labels.astype(np.int32),
-        masked_counts=counts.astype(np.int32),
-        nsp_labels=nsp.astype(np.int8),
-    )
+    positions, labels = _flat(mpos, np.int64), _flat(mids, np.int64)
+    return _block(path, flat_ids, flat_seg, lens, positions, labels, counts, nsp, vocab_size, first_row)
 
 
 def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size, start: int, stop: int, seq_off=None) -> SampleBlock:
@@ -445,37 +416,19 @@ def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size, start: int, sto
     except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         _fail(path, f"cannot read sample data (truncated or corrupt?) in samples {start}..{stop - 1}: {text}")
-    block = from_packed_arrays(
-        path,
-        vocab_size=vocab_size,
-        max_seq_length=info.max_seq_length,
-        first_pack=p0,
-        first_sample=int(seq_off[p0]),
-        **arrays,
-    )
     lo = start - int(seq_off[p0])
+    block = from_packed_arrays(path, arrays, vocab_size, info.max_seq_length, p0, int(seq_off[p0]))
     return block.select(np.arange(lo, lo + stop - start))
 
 
 def from_packed_arrays(
-    path,
-    input_ids,
-    segment_ids,
-    packed_input_len,
-    masked_lm_positions,
-    masked_lm_ids,
-    packed_masked_lm_len,
-    next_sentence_labels,
-    vocab_size: int | None = None,
-    max_seq_length: int | None = None,
-    first_pack: int = 0,
-    first_sample: int = 0,
+    path, arrays: dict, vocab_size: int | None = None, max_seq_length: int | None = None, first_pack=0, first_sample=0
 ) -> SampleBlock:
-    """Packed-layout arrays (per key, an object array of one array per pack) -> validated
+    """Packed-layout arrays (``PACKED_KEYS`` -> an object array of one array per pack) -> validated
     SampleBlock of the sequences; ``first_pack`` / ``first_sample`` number the errors."""
-    tokens_per_pack = _lengths(input_ids)
-    seqs_per_pack = _lengths(packed_input_len)
-    lens = _flat(packed_input_len, np.int64)  # [n] sequence lengths
+    tokens_per_pack = _lengths(arrays["input_ids"])
+    seqs_per_pack = _lengths(arrays["packed_input_len"])
+    lens = _flat(arrays["packed_input_len"], np.int64)  # [n] sequence lengths
     seq_pack = np.repeat(np.arange(len(seqs_per_pack)), seqs_per_pack)  # [n] pack of each sequence
 
     def refuse_pack(bad: np.ndarray, what):
@@ -484,43 +437,33 @@ def from_packed_arrays(
     def per_pack_sum(values: np.ndarray) -> np.ndarray:
         return np.bincount(seq_pack, weights=values, minlength=len(seqs_per_pack)).astype(np.int64)
 
-    bad = _lengths(segment_ids) != tokens_per_pack
-    refuse_pack(bad, lambda r: f"segment_ids has {len(segment_ids[r])} entries, input_ids has {tokens_per_pack[r]}")
+    seg_packs = arrays["segment_ids"]
+    bad = _lengths(seg_packs) != tokens_per_pack
+    refuse_pack(bad, lambda r: f"segment_ids has {len(seg_packs[r])} entries, input_ids has {tokens_per_pack[r]}")
     summed = per_pack_sum(lens)
     bad = summed != tokens_per_pack
     refuse_pack(bad, lambda r: f"packed_input_len sums to {summed[r]}, input_ids has {tokens_per_pack[r]} tokens")
     if max_seq_length is not None:
         bad = tokens_per_pack > max_seq_length
         refuse_pack(bad, lambda r: f"holds {tokens_per_pack[r]} tokens, more than max_seq_length {max_seq_length}")
-    for key, objs in (("packed_masked_lm_len", packed_masked_lm_len), ("next_sentence_labels", next_sentence_labels)):
-        bad = _lengths(objs) != seqs_per_pack
-        refuse_pack(bad, lambda r: f"{key} has {len(objs[r])} entries for {seqs_per_pack[r]} sequences")
+    for key in ("packed_masked_lm_len", "next_sentence_labels"):
+        bad = _lengths(arrays[key]) != seqs_per_pack
+        refuse_pack(bad, lambda r: f"{key} has {len(arrays[key][r])} entries for {seqs_per_pack[r]} sequences")
     _refuse(path, lens < 1, "the sequence is empty (packed_input_len 0)", first_sample)
-    counts = _flat(packed_masked_lm_len, np.int64)
+    counts = _flat(arrays["packed_masked_lm_len"], np.int64)
     _refuse(path, counts < 0, "packed_masked_lm_len is negative", first_sample)
     slots = per_pack_sum(counts)
-    for key, objs in (("masked_lm_positions", masked_lm_positions), ("masked_lm_ids", masked_lm_ids)):
-        bad = _lengths(objs) != slots
-        refuse_pack(bad, lambda r: f"{key} has {len(objs[r])} entries, packed_masked_lm_len sums to {slots[r]}")
-    ids = _flat(input_ids, np.int32)
-    seg = _flat(segment_ids, np.int8)
+    for key in ("masked_lm_positions", "masked_lm_ids"):
+        bad = _lengths(arrays[key]) != slots
+        refuse_pack(bad, lambda r: f"{key} has {len(arrays[key][r])} entries, packed_masked_lm_len sums to {slots[r]}")
+    ids = _flat(arrays["input_ids"], np.int32)
+    seg = _flat(seg_packs, np.int8)
     _check_tokens(path, ids, seg, lens, vocab_size, first_sample)
     # Positions within the pack -> within the sequence: subtract the sequence's start in its pack.
     seq_start = _offsets(lens)[:-1] - np.repeat(_offsets(tokens_per_pack)[:-1], seqs_per_pack)
-    positions = _flat(masked_lm_positions, np.int64) - np.repeat(seq_start, counts)
-    labels = _flat(masked_lm_ids, np.int64)
-    _check_masked(path, positions, labels, counts, lens, vocab_size, first_sample)
-    nsp = _flat(next_sentence_labels, np.int64)
-    _check_nsp(path, nsp, first_sample)
-    return SampleBlock(
-        input_ids=ids,
-        segment_ids=seg,
-        seq_lens=lens.astype(np.int32),
-        masked_positions=positions.astype(np.int32),
-        masked_ids=labels.astype(np.int32),
-        masked_counts=counts.astype(np.int32),
-        nsp_labels=nsp.astype(np.int8),
-    )
+    positions = _flat(arrays["masked_lm_positions"], np.int64) - np.repeat(seq_start, counts)
+    labels, nsp = _flat(arrays["masked_lm_ids"], np.int64), _flat(arrays["next_sentence_labels"], np.int64)
+    return _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_sample)
 
 
 def _sample_of(flat_index: int, counts: np.ndarray) -> int:
@@ -529,16 +472,14 @@ def _sample_of(flat_index: int, counts: np.ndarray) -> int:
 
 def _check_tokens(path, ids, seg, lens, vocab_size, first_row) -> None:
     hi = vocab_size if vocab_size is not None else np.iinfo(np.int16).max + 1
-    bad = (ids < 0) | (ids >= hi)
-    if bad.any():
-        i = _first(bad)
-        r = _sample_of(i, lens)
-        limit = f"the vocabulary's {vocab_size} entries" if vocab_size is not None else "[0, 32768)"
-        _fail(path, f"sample {first_row + r}: input_ids holds {int(ids[i])}, outside {limit}")
-    bad = (seg != 0) & (seg != 1)
-    if bad.any():
-        i = _first(bad)
-        _fail(path, f"sample {first_row + _sample_of(i, lens)}: segment_ids holds {int(seg[i])}, expected 0 or 1")
+    limit = f"the vocabulary's {vocab_size} entries" if vocab_size is not None else "[0, 32768)"
+    for key, values, bad, what in (
+        ("input_ids", ids, (ids < 0) | (ids >= hi), f"outside {limit}"),
+        ("segment_ids", seg, (seg != 0) & (seg != 1), "expected 0 or 1"),
+    ):
+        if bad.any():
+            i = _first(bad)
+            _fail(path, f"sample {first_row + _sample_of(i, lens)}: {key} holds {int(values[i])}, {what}")
 
 
 def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) -> None:
@@ -571,9 +512,27 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
         )
 
 
-def _check_nsp(path, nsp, first_row) -> None:
+def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_row) -> SampleBlock:
+    """The masked-position and NSP checks every layout ends with, then the SampleBlock."""
+    _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
     bad = (nsp != 0) & (nsp != 1)
     _refuse(path, bad, lambda i: f"next_sentence_labels is {int(nsp[i])}, expected 0 or 1", first_row)
+    return SampleBlock(
+        input_ids=ids.astype(np.int32, copy=False),
+        segment_ids=seg.astype(np.int8, copy=False),
+        seq_lens=lens.astype(np.int32),
+        masked_positions=positions.astype(np.int32),
+        masked_ids=labels.astype(np.int32),
+        masked_counts=counts.astype(np.int32),
+        nsp_labels=nsp.astype(np.int8),
+    )
+
+
+def _check_most(where: str, values: np.ndarray, limit: int | None, what: str, name: str = "") -> None:
+    """DataError ``{where}sample r has N {what}, more than {name}{limit}`` for the largest value over ``limit``."""
+    if limit is not None and len(values) and int(values.max()) > limit:
+        r = int(np.argmax(values))
+        raise DataError(f"{where}sample {r} has {int(values[r])} {what}, more than {name}{limit}")
 
 
 def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: int, where: str = "") -> dict:
@@ -581,14 +540,8 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
     n = len(block)
     lens = block.seq_lens.astype(np.int64)
     counts = block.masked_counts.astype(np.int64)
-    if n and int(lens.max()) > max_seq_length:
-        r = int(np.argmax(lens))
-        raise DataError(f"{where}sample {r} has {int(lens[r])} tokens, more than max_seq_length {max_seq_length}")
-    if n and int(counts.max()) > max_predictions:
-        r = int(np.argmax(counts))
-        raise DataError(
-            f"{where}sample {r} has {int(counts[r])} masked positions, more than max_predictions {max_predictions}"
-        )
+    _check_most(where, lens, max_seq_length, "tokens", "max_seq_length ")
+    _check_most(where, counts, max_predictions, "masked positions", "max_predictions ")
     rows = np.repeat(np.arange(n), lens)
     cols = np.arange(len(rows)) - np.repeat(_offsets(lens)[:-1], lens)
     out = {
@@ -698,10 +651,8 @@ def write_varlength(
     n = len(block)
     lens = block.seq_lens.astype(np.int64)
     counts = block.masked_counts.astype(np.int64)
-    for limit, values, what in ((max_seq_length, lens, "tokens"), (max_predictions, counts, "masked positions")):
-        if limit is not None and n and int(values.max()) > limit:
-            r = int(np.argmax(values))
-            raise DataError(f"{path}: sample {r} has {int(values[r])} {what}, more than {limit}")
+    _check_most(f"{path}: ", lens, max_seq_length, "tokens")
+    _check_most(f"{path}: ", counts, max_predictions, "masked positions")
     ids = id_dtype(vocab_size)
     with _AtomicFile(path) as f:
         columns = (
@@ -734,10 +685,7 @@ def write_packed(
     (``next_sentence`` and ``vocab_size`` as for ``write_varlength``)."""
     from data.packing import first_fit_decreasing
 
-    counts = block.masked_counts.astype(np.int64)
-    if max_predictions is not None and len(block) and int(counts.max()) > max_predictions:
-        r = int(np.argmax(counts))
-        raise DataError(f"{path}: sample {r} has {int(counts[r])} masked positions, more than {max_predictions}")
+    _check_most(f"{path}: ", block.masked_counts, max_predictions, "masked positions")
     try:
         row, offset, num_packs = first_fit_decreasing(block.seq_lens, max_seq_length)
     except DataError as e:
