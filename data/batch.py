@@ -244,7 +244,7 @@ def unpad(
     _require(not bool((mpos < 0).any()), "masked_lm_positions", "negative position")
     flat_pos = (mpos + cu[:-1].unsqueeze(1))[used]  # [M] indices into T
     position_ids = prefix.long().cumsum(1).sub_(1)[real]
-    batch = UnpaddedBatch(
+    return UnpaddedBatch(
         input_ids=ids[real].long(),
         segment_ids=seg[real].long(),
         position_ids=position_ids,
@@ -255,7 +255,6 @@ def unpad(
         nsp_labels=nsp.long(),
         host_seqlens=tuple(lens.tolist()),
     )
-    return batch
 
 
 def pad(batch: UnpaddedBatch, seq_len: int | None = None) -> PaddedBatch:

@@ -1,12 +1,10 @@
 """Rank-sharded loading of prepared HDF5 shards, with prefetch and exact resume.
 
 ``PretrainingLoader`` gives rank r its G / W samples of every global step; which samples form
-step t depends only on the files, the seed, G and the lanes L, never on W, so runs on any
-number of ranks (and resumed ones, ``state_dict``) train on the same batches. Shards are read
-ahead in a thread and validated as read (``data.hdf5io``, lengths against max_seq_length);
-``on_corrupt=skip`` replaces bad samples by the next valid ones of the epoch's order, the
-same on every W. ``EvalLoader`` gives rank r a contiguous slice of the eval file. The plan and
-the replacement rule: docs/data.md#loading.
+step t depends only on the files, the seed, G and the lanes L, never on W (nor on a resume,
+``state_dict``). Shards are read ahead in a thread and validated as read (``data.hdf5io``).
+``EvalLoader`` gives rank r a contiguous slice of the eval file. The plan and
+``on_corrupt=skip``'s replacement rule (the same on every W): docs/data.md#loading.
 """
 
 from __future__ import annotations
@@ -170,8 +168,8 @@ class PretrainingLoader:
     max_seq_length: every shard's sequence lengths are checked against it as it is read.
     ``next_sentence`` (after construction): False for masked-LM-only shards, whose batches carry
         nsp labels 0 (``data.prepare --objective mlm``); every file must agree.
-    on_corrupt: ``fail`` (raise on a corrupt sample) or ``skip`` (replace and count it; see the
-        module docstring). warn: called with a one-line message for each corrupt file (skip).
+    on_corrupt: ``fail`` (raise on a corrupt sample) or ``skip`` (replace and count it;
+        docs/data.md#loading). warn: called with a one-line message for each corrupt file (skip).
     """
 
     def __init__(

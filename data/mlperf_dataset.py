@@ -80,14 +80,12 @@ class Pool:
         from tqdm import tqdm
 
         with tqdm(total=len(tasks), desc=desc, unit=unit, disable=None) as bar:
-            if self.workers == 1 or len(tasks) <= 1:
-                results = map(fn, tasks)
-            else:
-                if self._pool is None:
-                    self._pool = ProcessPoolExecutor(
-                        self.workers, mp_context=get_context("spawn"), initializer=_init_worker
-                    )
-                results = self._pool.map(fn, tasks)
+            local = self.workers == 1 or len(tasks) <= 1
+            if self._pool is None and not local:
+                self._pool = ProcessPoolExecutor(
+                    self.workers, mp_context=get_context("spawn"), initializer=_init_worker
+                )
+            results = map(fn, tasks) if local else self._pool.map(fn, tasks)
             out = []
             for r in results:
                 out.append(r)
@@ -539,11 +537,7 @@ def build(cfg: DatasetConfig, log=print) -> dict:
             to_varlength(eval_dir, layout.root / "eval_varlength", [EVAL_FILE], Pool(1), "eval varlength")
         lap("eval")
 
-    dirs = {
-        "varlength": layout.stage_dir("varlength"),
-        "shuffled": layout.stage_dir("shuffled"),
-        "eval": layout.root / "eval_varlength",
-    }
+    dirs = {k: layout.stage_dir(k) for k in ("varlength", "shuffled")} | {"eval": layout.root / "eval_varlength"}
     problems, verified = [], []
     for stage, chk in _checks(cfg):
         bad = verify([dirs[stage]], read_checksums(chk), cfg.workers, progress=f"verify {stage}")
@@ -589,11 +583,8 @@ def main(argv=None) -> int:
     cfg = DatasetConfig(**args, params=params)
     start = time.perf_counter()
     result = build(cfg, log=lambda m: print(f"mlperf_dataset: {m}", file=sys.stderr, flush=True))
-    checked = (
-        f"; checked against {', '.join(Path(p).name for p in result['verified'])}"
-        if result["verified"]
-        else "; no published checksums for these parameters"
-    )
+    names = ", ".join(Path(p).name for p in result["verified"])
+    checked = f"; checked against {names}" if names else "; no published checksums for these parameters"
     print(
         f"wrote {result['samples']} training samples in {cfg.shards} shards under "
         f"{Path(cfg.output_dir) / 'hdf5'} ({time.perf_counter() - start:.1f} s){checked}"
