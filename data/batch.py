@@ -177,11 +177,8 @@ class PaddedBatch(_Batch):
     def __post_init__(self):
         for name in ("input_ids", "segment_ids", "position_ids"):
             _check_int(getattr(self, name), name, 2)
-        _require(
-            isinstance(self.attention_mask, Tensor) and self.attention_mask.dtype == torch.bool,
-            "attention_mask",
-            "expected a bool tensor",
-        )
+        mask = self.attention_mask
+        _require(isinstance(mask, Tensor) and mask.dtype == torch.bool, "attention_mask", "expected a bool tensor")
         _check_same(self, "input_ids", ("segment_ids", "position_ids", "attention_mask"), "shape")
         for name in ("mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
@@ -358,11 +355,8 @@ class PackedBatch(_Batch):
         _require(self.num_sequences > 0, "nsp_labels", "the batch holds no sequence")
         _require(bool((lens >= 1).all()), "seq_lens", "every sequence needs at least one token")
         start_col = cls % s
-        _require(
-            bool((cls >= 0).all() and (start_col + lens <= s).all()),
-            "cls_positions",
-            "a sequence runs past the end of its row",
-        )
+        inside = bool((cls >= 0).all() and (start_col + lens <= s).all())
+        _require(inside, "cls_positions", "a sequence runs past the end of its row")
         tokens = self.token_index()
         used = torch.zeros(r * s, dtype=torch.int64)
         used.index_add_(0, tokens, torch.ones_like(tokens))
@@ -382,11 +376,8 @@ class PackedBatch(_Batch):
         _require(bool((bounds[pad] == pad_want).all()), "startend_row_indices", "padding keys must be (0, S)")
         if self.mlm_positions.numel():
             pos = self.mlm_positions.long()
-            _require(
-                bool(used[pos.clamp(0, r * s - 1)].bool().all()) and int(pos.min()) >= 0 and int(pos.max()) < r * s,
-                "mlm_positions",
-                "a masked position is not a real token",
-            )
+            real = bool(used[pos.clamp(0, r * s - 1)].bool().all()) and int(pos.min()) >= 0 and int(pos.max()) < r * s
+            _require(real, "mlm_positions", "a masked position is not a real token")
             _require(not bool(torch.isin(pos, cls).any()), "mlm_positions", "a [CLS] token is masked")
         ids = {"input_ids": self.input_ids.reshape(-1)[tokens], "mlm_labels": self.mlm_labels}
         _check_labels(self.nsp_labels, ids, vocab_size)

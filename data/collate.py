@@ -16,7 +16,6 @@ from data.batch import PaddedBatch, UnpaddedBatch
 from data.errors import DataError
 from data.samples import SampleBlock, _offsets
 
-Batch = UnpaddedBatch | PaddedBatch
 BACKENDS = ("torch", "dali")
 LAYOUTS = ("unpadded", "padded", "packed")
 
@@ -32,6 +31,14 @@ def _check_block(block: SampleBlock, seq_len: int | None = None) -> None:
     if seq_len is not None and int(block.seq_lens.max()) > seq_len:
         r = int(np.argmax(block.seq_lens))
         raise DataError(f"sample {r} has {int(block.seq_lens[r])} tokens, more than seq_len {seq_len}")
+
+
+def _row_index(counts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """For rows holding counts[i] entries each, left-aligned in a [len(counts), width] array: the
+    flat index of every entry [sum counts] and its place within its row [sum counts]."""
+    counts = counts.astype(np.int64)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(_offsets(counts)[:-1], counts)
+    return np.repeat(np.arange(len(counts), dtype=np.int64) * width, counts) + within, within
 
 
 def _rows(values: np.ndarray, dest: np.ndarray, rows: int, seq_len: int) -> torch.Tensor:
@@ -67,9 +74,7 @@ def collate_padded(block: SampleBlock, seq_len: int) -> PaddedBatch:
     _check_block(block, seq_len)
     b = len(block)
     lens = block.seq_lens.astype(np.int64)
-    cu = _offsets(lens)
-    within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)  # [T]
-    dest = np.repeat(np.arange(b, dtype=np.int64) * seq_len, lens) + within  # [T] into B*S
+    dest, within = _row_index(lens, seq_len)  # [T] into B*S, [T] position in the sequence
     mask = np.arange(seq_len)[None, :] < lens[:, None]  # [B, S]
     mlm_rows = np.repeat(np.arange(b, dtype=np.int64), block.masked_counts)
     return PaddedBatch(
@@ -89,7 +94,7 @@ def make_collator(
     seq_len: int | None = None,
     device_id: int | None = None,
     max_batch_size: int = 1024,
-) -> Callable[[SampleBlock], Batch]:
+) -> Callable[[SampleBlock], UnpaddedBatch | PaddedBatch]:
     """A function SampleBlock -> batch.
 
     backend: ``torch`` (this module) or ``dali`` (a DALI pipeline; ``device_id`` None runs

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from data.batch import PaddedBatch, UnpaddedBatch
-from data.collate import _check_block
+from data.collate import _check_block, _row_index
 from data.samples import SampleBlock, _offsets
 
 _FIELDS = (
@@ -114,14 +114,9 @@ class DaliCollator:
         lens_h = lens.cpu().reshape(b).numpy().astype(np.int64)
         mcounts_h = mcounts.cpu().reshape(b).numpy().astype(np.int64)
         s = ids_p.shape[1]
-        m_width = mpos_p.shape[1]
         cu = _offsets(lens_h)
-        within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens_h)  # [T]
-        tok_index = np.repeat(np.arange(b, dtype=np.int64) * s, lens_h) + within  # [T] into B*S
-        mcu = _offsets(mcounts_h)
-        m_within = np.arange(int(mcu[-1]), dtype=np.int64) - np.repeat(mcu[:-1], mcounts_h)  # [M]
-        m_index = torch.from_numpy(np.repeat(np.arange(b, dtype=np.int64) * m_width, mcounts_h) + m_within)
-        m_index = m_index.to(self.device, non_blocking=True)
+        tok_index, within = _row_index(lens_h, s)  # [T] into B*S, [T] position in the sequence
+        m_index = torch.from_numpy(_row_index(mcounts_h, mpos_p.shape[1])[0]).to(self.device, non_blocking=True)
         mlm_pos = mpos_p.reshape(-1).long()[m_index]  # [M] positions within each sample
         mlm_labels = mids_p.reshape(-1).long()[m_index]
         m_rows = torch.from_numpy(np.repeat(np.arange(b, dtype=np.int64), mcounts_h)).to(self.device)

@@ -296,8 +296,7 @@ class PretrainingLoader:
         index[rows[inside]] = np.flatnonzero(inside)
         bad = int((index < 0).sum())
         self.corrupt_found += bad
-        prefix = f"{path}: "
-        shown = "; ".join(p[len(prefix) :] if p.startswith(prefix) else p for p in problems[:3])
+        shown = "; ".join(p.removeprefix(f"{path}: ") for p in problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         self._warn(f"{path}: {bad} of {n} samples corrupt, skipped (data.on_corrupt=skip): {shown}{more}")
         return _Loaded(block, index)
