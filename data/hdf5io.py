@@ -146,9 +146,8 @@ def _has_nsp(path, f: h5py.File) -> bool:
 
 def _check_int_dtype(path, key: str, dtype: np.dtype, expected) -> None:
     if not np.issubdtype(dtype, np.integer):
-        _fail(
-            path, f"{key} has dtype {dtype}, expected an integer type ({np.dtype(expected).name} in the MLPerf layout)"
-        )
+        name = np.dtype(expected).name
+        _fail(path, f"{key} has dtype {dtype}, expected an integer type ({name} in the MLPerf layout)")
 
 
 def _info(path, f: h5py.File) -> FileInfo:
@@ -490,12 +489,8 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
     if bad.any():
         i = _first(bad)
         r = int(owner[i])
-        _fail(
-            path,
-            f"sample {first_row + r}: masked position {int(positions[i])} is "
-            f"{'[CLS] or negative' if positions[i] < 1 else 'past the sequence end'} "
-            f"({int(lens[r])} tokens)",
-        )
+        where = "[CLS] or negative" if positions[i] < 1 else "past the sequence end"
+        _fail(path, f"sample {first_row + r}: masked position {int(positions[i])} is {where} ({int(lens[r])} tokens)")
     same = owner[1:] == owner[:-1]
     bad = same & (positions[1:] <= positions[:-1])
     if bad.any():
@@ -505,11 +500,8 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
     bad = (labels < 0) | (labels >= hi)
     if bad.any():
         i = _first(bad)
-        _fail(
-            path,
-            f"sample {first_row + int(owner[i])}: masked_lm_ids holds {int(labels[i])}, outside "
-            f"{'the vocabulary' if vocab_size is not None else '[0, 32768)'}",
-        )
+        outside = "the vocabulary" if vocab_size is not None else "[0, 32768)"
+        _fail(path, f"sample {first_row + int(owner[i])}: masked_lm_ids holds {int(labels[i])}, outside {outside}")
 
 
 def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_row) -> SampleBlock:
