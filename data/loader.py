@@ -59,10 +59,7 @@ class _Plan:
     """The pure arithmetic of the sample order (no I/O)."""
 
     def __init__(self, sizes: np.ndarray, global_batch_size: int, lanes: int, seed: int, rank: int, world_size: int):
-        self.sizes = sizes
-        self.g = global_batch_size
-        self.lanes = lanes
-        self.seed = seed
+        self.sizes, self.seed = sizes, seed
         self.lane_batch = global_batch_size // lanes
         self.steps_per_epoch = int(sizes.sum()) // global_batch_size
         self.lane_len = self.steps_per_epoch * self.lane_batch
