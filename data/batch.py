@@ -1,12 +1,10 @@
 """Batch types and the conversions between MLPerf's fixed layout and the unpadded one.
 
-Every batch the model sees is one of these named types: ``UnpaddedBatch`` (all sequences
-concatenated into one flat tensor, ``cu_seqlens`` marking their starts), ``PaddedBatch``
-(the ``[B, S]`` baseline with an attention mask) and ``PackedBatch`` (rows of S tokens
-holding whole sequences, kept apart by FlashMask bounds; built by ``data.packing``).
-``unpad`` takes the fixed HDF5 layout's arrays (``masked_lm_positions`` padded with 0) and
-``pad`` goes back, both vectorised. Structural checks run when a batch is built and read no
-tensor value; ``check_values()`` reads values (a sync on CUDA), where batches are made.
+The model sees only these named types: ``UnpaddedBatch`` (sequences concatenated, ``cu_seqlens``
+marking their starts), ``PaddedBatch`` (the ``[B, S]`` baseline) and ``PackedBatch`` (whole
+sequences in rows of S tokens, kept apart by FlashMask bounds; ``data.packing``). ``unpad`` and
+``pad`` convert, vectorised. Structural checks run when a batch is built and read no tensor
+value; ``check_values()`` reads values (a sync on CUDA), where batches are made.
 
 Shape legend: T tokens in the flat batch, B sequences, S padded length, M masked positions.
 """
@@ -26,10 +24,19 @@ def _require(ok: bool, field: str, what: str) -> None:
         raise ValueError(f"{field}: {what}")
 
 
-def _check_int(t: Tensor, field: str, ndim: int) -> None:
+def _check_int(t: Tensor, field: str, ndim: int, dtype: torch.dtype | None = None) -> None:
     _require(isinstance(t, Tensor), field, f"expected a tensor, got {type(t).__name__}")
     _require(t.dtype in _INT_DTYPES, field, f"expected an integer dtype, got {t.dtype}")
     _require(t.dim() == ndim, field, f"expected {ndim} dimension(s), got shape {tuple(t.shape)}")
+    _require(dtype is None or t.dtype == dtype, field, f"expected {dtype}, got {t.dtype}")
+
+
+def _check_same(batch, ref: str, names, what: str = "length") -> None:
+    """Each field of ``names`` has the length (or ``what="shape"``: the shape) of field ``ref``."""
+    size = (lambda t: tuple(t.shape)) if what == "shape" else (lambda t: t.numel())
+    for name in names:
+        a, b = size(getattr(batch, name)), size(getattr(batch, ref))
+        _require(a == b, name, f"{what} {a} != {ref} {what} {b}")
 
 
 def _check_labels(nsp_labels: Tensor, ids: dict[str, Tensor], vocab_size: int | None) -> None:
@@ -46,23 +53,28 @@ def to_device(batch, device):
     an asynchronous copy, so the host goes on while it travels (a copy from pageable memory
     would wait for it); elsewhere ``batch.to(device)``. Tensors already on a GPU stay."""
     if torch.device(device).type == "cuda":
-        pinned = {f.name: getattr(batch, f.name) for f in fields(batch)}
-        batch = type(batch)(
-            **{k: v.pin_memory() if isinstance(v, Tensor) and v.device.type == "cpu" else v for k, v in pinned.items()}
-        )
+        batch = batch._map(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
     return batch.to(device, non_blocking=True)
 
 
-def _move(batch, device, non_blocking: bool):
-    values = {}
-    for f in fields(batch):
-        v = getattr(batch, f.name)
-        values[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
-    return type(batch)(**values)
+class _Batch:
+    """What the batch types share: moving, and the sequence count."""
+
+    def _map(self, fn):
+        """A copy with ``fn`` applied to every tensor field."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return type(self)(**{k: fn(v) if isinstance(v, Tensor) else v for k, v in values.items()})
+
+    def to(self, device, non_blocking: bool = False):
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    @property
+    def num_sequences(self) -> int:
+        return self.nsp_labels.numel()
 
 
 @dataclass
-class UnpaddedBatch:
+class UnpaddedBatch(_Batch):
     """A batch of B variable-length sequences flattened to T tokens.
 
     input_ids, segment_ids, position_ids: [T] int64; positions restart at 0 per sequence.
@@ -72,8 +84,7 @@ class UnpaddedBatch:
     mlm_positions: [M] int64 indices into the T tokens; mlm_labels: [M] int64 original ids.
     nsp_labels: [B] int64, 1 when segment B is a random segment.
     host_seqlens: the B lengths as a tuple of Python ints, where the collator knows them
-        (None otherwise); they stay on the host when the batch moves, so that what plans from
-        lengths (grouped attention) never reads ``cu_seqlens`` back from the device.
+        (None otherwise); they stay on the host when the batch moves (docs/step.md).
     """
 
     input_ids: Tensor
@@ -89,43 +100,26 @@ class UnpaddedBatch:
     def __post_init__(self):
         for name in ("input_ids", "segment_ids", "position_ids", "mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
-        _check_int(self.cu_seqlens, "cu_seqlens", 1)
-        _require(
-            self.cu_seqlens.dtype == torch.int32, "cu_seqlens", f"expected torch.int32, got {self.cu_seqlens.dtype}"
-        )
+        _check_int(self.cu_seqlens, "cu_seqlens", 1, torch.int32)
         _require(
             isinstance(self.max_seqlen, int) and not isinstance(self.max_seqlen, bool),
             "max_seqlen",
             f"expected a Python int, got {type(self.max_seqlen).__name__}",
         )
         n = self.input_ids.numel()
-        for name in ("segment_ids", "position_ids"):
-            _require(
-                getattr(self, name).numel() == n, name, f"length {getattr(self, name).numel()} != input_ids length {n}"
-            )
+        _check_same(self, "input_ids", ("segment_ids", "position_ids"))
+        _check_same(self, "mlm_positions", ("mlm_labels",))
+        b = self.nsp_labels.numel()
         _require(
-            self.mlm_labels.numel() == self.mlm_positions.numel(),
-            "mlm_labels",
-            f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}",
-        )
-        _require(
-            self.cu_seqlens.numel() == self.nsp_labels.numel() + 1,
+            self.cu_seqlens.numel() == b + 1,
             "cu_seqlens",
-            f"length {self.cu_seqlens.numel()} != nsp_labels length {self.nsp_labels.numel()} + 1",
+            f"length {self.cu_seqlens.numel()} != nsp_labels length {b} + 1",
         )
         if self.host_seqlens is not None:
             lens = self.host_seqlens
             _require(isinstance(lens, tuple), "host_seqlens", f"expected a tuple, got {type(lens).__name__}")
-            _require(
-                len(lens) == self.nsp_labels.numel(),
-                "host_seqlens",
-                f"{len(lens)} lengths for {self.nsp_labels.numel()} sequences",
-            )
+            _require(len(lens) == b, "host_seqlens", f"{len(lens)} lengths for {b} sequences")
             _require(sum(lens) == n, "host_seqlens", f"lengths sum to {sum(lens)} but the batch has {n} tokens")
-
-    @property
-    def num_sequences(self) -> int:
-        return self.nsp_labels.numel()
 
     @property
     def num_tokens(self) -> int:
@@ -152,29 +146,19 @@ class UnpaddedBatch:
         )
         if self.host_seqlens is not None:
             _require(lens.tolist() == list(self.host_seqlens), "host_seqlens", "differ from cu_seqlens' lengths")
-        starts = torch.repeat_interleave(cu[:-1], lens)
-        _require(
-            torch.equal(self.position_ids.long(), torch.arange(t) - starts),
-            "position_ids",
-            "must count 0, 1, ... within each sequence",
-        )
+        counts_up = torch.equal(self.position_ids.long(), torch.arange(t) - torch.repeat_interleave(cu[:-1], lens))
+        _require(counts_up, "position_ids", "must count 0, 1, ... within each sequence")
         if self.mlm_positions.numel():
             pos = self.mlm_positions.long()
-            _require(
-                int(pos.min()) >= 0 and int(pos.max()) < t,
-                "mlm_positions",
-                f"indices must lie in [0, {t}), got [{int(pos.min())}, {int(pos.max())}]",
-            )
+            lo, hi = int(pos.min()), int(pos.max())
+            _require(lo >= 0 and hi < t, "mlm_positions", f"indices must lie in [0, {t}), got [{lo}, {hi}]")
             _require(not bool(torch.isin(pos, cu[:-1]).any()), "mlm_positions", "a [CLS] token is masked")
         _check_labels(self.nsp_labels, {"input_ids": self.input_ids, "mlm_labels": self.mlm_labels}, vocab_size)
         return self
 
-    def to(self, device, non_blocking: bool = False) -> UnpaddedBatch:
-        return _move(self, device, non_blocking)
-
 
 @dataclass
-class PaddedBatch:
+class PaddedBatch(_Batch):
     """The padded baseline: B sequences each padded to S tokens.
 
     input_ids, segment_ids, position_ids: [B, S] int64; attention_mask: [B, S] bool (True =
@@ -193,42 +177,19 @@ class PaddedBatch:
     def __post_init__(self):
         for name in ("input_ids", "segment_ids", "position_ids"):
             _check_int(getattr(self, name), name, 2)
-        _require(
-            isinstance(self.attention_mask, Tensor) and self.attention_mask.dtype == torch.bool,
-            "attention_mask",
-            "expected a bool tensor",
-        )
-        shape = self.input_ids.shape
-        for name in ("segment_ids", "position_ids", "attention_mask"):
-            _require(
-                getattr(self, name).shape == shape,
-                name,
-                f"shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}",
-            )
+        mask = self.attention_mask
+        _require(isinstance(mask, Tensor) and mask.dtype == torch.bool, "attention_mask", "expected a bool tensor")
+        _check_same(self, "input_ids", ("segment_ids", "position_ids", "attention_mask"), "shape")
         for name in ("mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
-        _require(
-            self.mlm_labels.numel() == self.mlm_positions.numel(),
-            "mlm_labels",
-            f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}",
-        )
-        _require(
-            self.nsp_labels.numel() == shape[0],
-            "nsp_labels",
-            f"length {self.nsp_labels.numel()} != batch size {shape[0]}",
-        )
-
-    @property
-    def num_sequences(self) -> int:
-        return self.input_ids.shape[0]
+        _check_same(self, "mlm_positions", ("mlm_labels",))
+        b = self.input_ids.shape[0]
+        _require(self.nsp_labels.numel() == b, "nsp_labels", f"length {self.nsp_labels.numel()} != batch size {b}")
 
     @property
     def num_tokens(self) -> int:
         """Real (unpadded) tokens, the count throughput is reported in."""
         return int(self.attention_mask.sum())
-
-    def to(self, device, non_blocking: bool = False) -> PaddedBatch:
-        return _move(self, device, non_blocking)
 
 
 def unpad(
@@ -280,7 +241,7 @@ def unpad(
     _require(not bool((mpos < 0).any()), "masked_lm_positions", "negative position")
     flat_pos = (mpos + cu[:-1].unsqueeze(1))[used]  # [M] indices into T
     position_ids = prefix.long().cumsum(1).sub_(1)[real]
-    batch = UnpaddedBatch(
+    return UnpaddedBatch(
         input_ids=ids[real].long(),
         segment_ids=seg[real].long(),
         position_ids=position_ids,
@@ -291,7 +252,6 @@ def unpad(
         nsp_labels=nsp.long(),
         host_seqlens=tuple(lens.tolist()),
     )
-    return batch
 
 
 def pad(batch: UnpaddedBatch, seq_len: int | None = None) -> PaddedBatch:
@@ -332,15 +292,14 @@ def _as_tensor(x, field: str, ndim: int | None) -> Tensor:
 
 
 @dataclass
-class PackedBatch:
+class PackedBatch(_Batch):
     """R rows of S tokens, each holding one or more whole sequences (B in all), then padding.
 
     input_ids, segment_ids, position_ids: [R, S] int64, 0 on padding; positions restart at 0
         per sequence.
     startend_row_indices: [R, 1, S, 2] int32, FlashMask bounds (LTS, UTE) of the bidirectional
-        document mask: for a key of the sequence on row positions [a, e), rows >= e and rows
-        < a are masked, i.e. (LTS, UTE) = (e, a); a padding key has (0, S), masked for every
-        row, so padding rows see nothing (their attention output is 0).
+        document mask (docs/packing.md): (e, a) for a key of the sequence on row positions
+        [a, e); (0, S) for a padding key, so padding rows see nothing (attention output 0).
     cls_positions: [B] int64 flat indices into the R*S tokens of each sequence's [CLS]
         (its first token); sequence b's tokens are cls_positions[b] + 0 .. seq_lens[b]-1.
     seq_lens: [B] int32.
@@ -362,41 +321,15 @@ class PackedBatch:
     def __post_init__(self):
         for name in ("input_ids", "segment_ids", "position_ids"):
             _check_int(getattr(self, name), name, 2)
+        _check_same(self, "input_ids", ("segment_ids", "position_ids"), "shape")
+        _check_int(self.startend_row_indices, "startend_row_indices", 4, torch.int32)
         shape = self.input_ids.shape
-        for name in ("segment_ids", "position_ids"):
-            _require(
-                getattr(self, name).shape == shape,
-                name,
-                f"shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}",
-            )
-        _check_int(self.startend_row_indices, "startend_row_indices", 4)
-        _require(
-            self.startend_row_indices.dtype == torch.int32,
-            "startend_row_indices",
-            f"expected torch.int32, got {self.startend_row_indices.dtype}",
-        )
-        want = (shape[0], 1, shape[1], 2)
-        _require(
-            tuple(self.startend_row_indices.shape) == want,
-            "startend_row_indices",
-            f"shape {tuple(self.startend_row_indices.shape)} != {want}",
-        )
+        got, want = tuple(self.startend_row_indices.shape), (shape[0], 1, shape[1], 2)
+        _require(got == want, "startend_row_indices", f"shape {got} != {want}")
         for name in ("cls_positions", "seq_lens", "mlm_positions", "mlm_labels", "nsp_labels"):
             _check_int(getattr(self, name), name, 1)
-        b = self.nsp_labels.numel()
-        for name in ("cls_positions", "seq_lens"):
-            _require(
-                getattr(self, name).numel() == b, name, f"length {getattr(self, name).numel()} != nsp_labels length {b}"
-            )
-        _require(
-            self.mlm_labels.numel() == self.mlm_positions.numel(),
-            "mlm_labels",
-            f"length {self.mlm_labels.numel()} != mlm_positions length {self.mlm_positions.numel()}",
-        )
-
-    @property
-    def num_sequences(self) -> int:
-        return self.nsp_labels.numel()
+        _check_same(self, "nsp_labels", ("cls_positions", "seq_lens"))
+        _check_same(self, "mlm_positions", ("mlm_labels",))
 
     @property
     def num_rows(self) -> int:
@@ -422,21 +355,14 @@ class PackedBatch:
         _require(self.num_sequences > 0, "nsp_labels", "the batch holds no sequence")
         _require(bool((lens >= 1).all()), "seq_lens", "every sequence needs at least one token")
         start_col = cls % s
-        _require(
-            bool((cls >= 0).all() and (start_col + lens <= s).all()),
-            "cls_positions",
-            "a sequence runs past the end of its row",
-        )
+        inside = bool((cls >= 0).all() and (start_col + lens <= s).all())
+        _require(inside, "cls_positions", "a sequence runs past the end of its row")
         tokens = self.token_index()
         used = torch.zeros(r * s, dtype=torch.int64)
         used.index_add_(0, tokens, torch.ones_like(tokens))
         _require(int(used.max()) <= 1, "cls_positions", "two sequences overlap")
-        within = tokens - torch.repeat_interleave(cls, lens)
-        _require(
-            torch.equal(self.position_ids.reshape(-1)[tokens], within),
-            "position_ids",
-            "must count 0, 1, ... within each sequence",
-        )
+        counts_up = torch.equal(self.position_ids.reshape(-1)[tokens], tokens - torch.repeat_interleave(cls, lens))
+        _require(counts_up, "position_ids", "must count 0, 1, ... within each sequence")
         bounds = self.startend_row_indices.reshape(r * s, 2).long()
         first_col = torch.repeat_interleave(start_col, lens)
         want = torch.stack([first_col + torch.repeat_interleave(lens, lens), first_col], 1)
@@ -450,15 +376,9 @@ class PackedBatch:
         _require(bool((bounds[pad] == pad_want).all()), "startend_row_indices", "padding keys must be (0, S)")
         if self.mlm_positions.numel():
             pos = self.mlm_positions.long()
-            _require(
-                bool(used[pos.clamp(0, r * s - 1)].bool().all()) and int(pos.min()) >= 0 and int(pos.max()) < r * s,
-                "mlm_positions",
-                "a masked position is not a real token",
-            )
+            real = bool(used[pos.clamp(0, r * s - 1)].bool().all()) and int(pos.min()) >= 0 and int(pos.max()) < r * s
+            _require(real, "mlm_positions", "a masked position is not a real token")
             _require(not bool(torch.isin(pos, cls).any()), "mlm_positions", "a [CLS] token is masked")
         ids = {"input_ids": self.input_ids.reshape(-1)[tokens], "mlm_labels": self.mlm_labels}
         _check_labels(self.nsp_labels, ids, vocab_size)
         return self
-
-    def to(self, device, non_blocking: bool = False) -> PackedBatch:
-        return _move(self, device, non_blocking)

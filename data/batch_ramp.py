@@ -1,12 +1,11 @@
 """Batch-size warm-up: the global batch grows step by step to its full size (ModernBERT's recipe).
 
-Between the rank-sharded loader and the trainer's step planner. In units of one micro-batch
-on every rank (``train.global_batch_size / train.grad_accum_steps``), step s (from 0) takes
+Between the loader and the trainer's step planner. In units of one micro-batch on every rank
+(``train.global_batch_size / train.grad_accum_steps``), step s (from 0) takes
 ``k(s) = start + floor(s * (full - start) / steps)`` units while s < steps, then ``full``
-(``start``: ``train.batch_size_warmup[0]`` in units; ``full``: ``train.grad_accum_steps``):
-k(s) micro-batches of the usual size, so no shape is new. ``RampedLoader`` hands out k(s)
-unit steps of a ``PretrainingLoader`` as one block; every rank computes k(s) from the config
-alone, and ``units_before(s)`` gives the sample position for an exact resume.
+(``start``: ``train.batch_size_warmup[0]`` in units; ``full``: ``train.grad_accum_steps``).
+``RampedLoader`` hands out k(s) unit steps of a ``PretrainingLoader`` as one block;
+``units_before(s)`` gives the sample position for an exact resume.
 [docs/modern_encoders.md](../docs/modern_encoders.md#objective-and-schedule).
 """
 

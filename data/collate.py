@@ -16,7 +16,6 @@ from data.batch import PaddedBatch, UnpaddedBatch
 from data.errors import DataError
 from data.samples import SampleBlock, _offsets
 
-Batch = UnpaddedBatch | PaddedBatch
 BACKENDS = ("torch", "dali")
 LAYOUTS = ("unpadded", "padded", "packed")
 
@@ -25,14 +24,33 @@ def _long(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
 
-def _check_nonempty(block: SampleBlock) -> None:
+def _check_block(block: SampleBlock, seq_len: int | None = None) -> None:
+    """Refuse an empty block, and (with ``seq_len``) one whose longest sample does not fit a row."""
     if len(block) == 0:
         raise DataError("cannot collate an empty SampleBlock")
+    if seq_len is not None and int(block.seq_lens.max()) > seq_len:
+        r = int(np.argmax(block.seq_lens))
+        raise DataError(f"sample {r} has {int(block.seq_lens[r])} tokens, more than seq_len {seq_len}")
+
+
+def _row_index(counts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """For rows holding counts[i] entries each, left-aligned in a [len(counts), width] array: the
+    flat index of every entry [sum counts] and its place within its row [sum counts]."""
+    counts = counts.astype(np.int64)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(_offsets(counts)[:-1], counts)
+    return np.repeat(np.arange(len(counts), dtype=np.int64) * width, counts) + within, within
+
+
+def _rows(values: np.ndarray, dest: np.ndarray, rows: int, seq_len: int) -> torch.Tensor:
+    """[rows, seq_len] int64: ``values`` at the flat indices ``dest``, 0 elsewhere."""
+    out = np.zeros(rows * seq_len, np.int64)
+    out[dest] = values
+    return torch.from_numpy(out.reshape(rows, seq_len))
 
 
 def collate_unpadded(block: SampleBlock) -> UnpaddedBatch:
     """All sequences of ``block`` concatenated: T tokens, cu_seqlens [B+1] int32."""
-    _check_nonempty(block)
+    _check_block(block)
     lens = block.seq_lens.astype(np.int64)
     cu = _offsets(lens)  # [B+1]
     t = int(cu[-1])
@@ -53,27 +71,16 @@ def collate_unpadded(block: SampleBlock) -> UnpaddedBatch:
 
 def collate_padded(block: SampleBlock, seq_len: int) -> PaddedBatch:
     """Each sequence in a row of ``seq_len``; mlm_positions index the flat B*S tokens."""
-    _check_nonempty(block)
+    _check_block(block, seq_len)
     b = len(block)
     lens = block.seq_lens.astype(np.int64)
-    if int(lens.max()) > seq_len:
-        r = int(np.argmax(lens))
-        raise DataError(f"sample {r} has {int(lens[r])} tokens, more than seq_len {seq_len}")
-    cu = _offsets(lens)
-    within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)  # [T]
-    dest = np.repeat(np.arange(b, dtype=np.int64) * seq_len, lens) + within  # [T] into B*S
-
-    def scatter(values: np.ndarray) -> torch.Tensor:
-        out = np.zeros(b * seq_len, np.int64)
-        out[dest] = values
-        return torch.from_numpy(out.reshape(b, seq_len))
-
+    dest, within = _row_index(lens, seq_len)  # [T] into B*S, [T] position in the sequence
     mask = np.arange(seq_len)[None, :] < lens[:, None]  # [B, S]
     mlm_rows = np.repeat(np.arange(b, dtype=np.int64), block.masked_counts)
     return PaddedBatch(
-        input_ids=scatter(block.input_ids),
-        segment_ids=scatter(block.segment_ids),
-        position_ids=scatter(within),
+        input_ids=_rows(block.input_ids, dest, b, seq_len),
+        segment_ids=_rows(block.segment_ids, dest, b, seq_len),
+        position_ids=_rows(within, dest, b, seq_len),
         attention_mask=torch.from_numpy(mask),
         mlm_positions=torch.from_numpy(mlm_rows * seq_len + block.masked_positions),
         mlm_labels=_long(block.masked_ids),
@@ -87,7 +94,7 @@ def make_collator(
     seq_len: int | None = None,
     device_id: int | None = None,
     max_batch_size: int = 1024,
-) -> Callable[[SampleBlock], Batch]:
+) -> Callable[[SampleBlock], UnpaddedBatch | PaddedBatch]:
     """A function SampleBlock -> batch.
 
     backend: ``torch`` (this module) or ``dali`` (a DALI pipeline; ``device_id`` None runs

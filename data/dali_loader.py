@@ -1,5 +1,4 @@
-"""The DALI backend (``backend="dali"``): the loader's SampleBlocks -> batches through an
-NVIDIA DALI pipeline.
+"""The DALI backend (``backend="dali"``): the loader's SampleBlocks -> batches through a DALI pipeline.
 
 ``data.loader`` keeps the reading and the rank plan, so both backends see the same samples.
 Each block goes in through ``external_source``; the pipeline pads the token and
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 
 from data.batch import PaddedBatch, UnpaddedBatch
-from data.errors import DataError
+from data.collate import _check_block, _row_index
 from data.samples import SampleBlock, _offsets
 
 _FIELDS = (
@@ -25,16 +24,6 @@ _FIELDS = (
     ("masked_ids", "INT32", np.int32),
     ("nsp_labels", "INT8", np.int8),
 )
-
-
-def _import_dali():
-    try:
-        import nvidia.dali.fn as fn
-        import nvidia.dali.types as types
-        from nvidia.dali import Pipeline
-    except ImportError as e:
-        raise RuntimeError(f"backend 'dali' needs NVIDIA DALI (pip install nvidia-dali-cuda120): {e}") from None
-    return Pipeline, fn, types
 
 
 class DaliCollator:
@@ -57,11 +46,13 @@ class DaliCollator:
             raise ValueError(f"layout {layout!r}: expected 'unpadded' or 'padded'")
         if layout == "padded" and not seq_len:
             raise ValueError("layout 'padded' needs seq_len")
-        Pipeline, fn, types = _import_dali()
-        self.layout = layout
-        self.seq_len = seq_len
-        self.device_id = device_id
-        self.max_batch_size = max_batch_size
+        try:
+            import nvidia.dali.fn as fn
+            import nvidia.dali.types as types
+            from nvidia.dali import Pipeline
+        except ImportError as e:
+            raise RuntimeError(f"backend 'dali' needs NVIDIA DALI (pip install nvidia-dali-cuda120): {e}") from None
+        self.layout, self.seq_len, self.device_id, self.max_batch_size = layout, seq_len, device_id, max_batch_size
         self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
         pipe = Pipeline(
             batch_size=max_batch_size,
@@ -104,14 +95,11 @@ class DaliCollator:
 
     def __call__(self, block: SampleBlock) -> UnpaddedBatch | PaddedBatch:
         b = len(block)
-        if b == 0:
-            raise DataError("cannot collate an empty SampleBlock")
+        _check_block(block)
         if b > self.max_batch_size:
             raise ValueError(f"block of {b} samples exceeds the DALI pipeline's max_batch_size {self.max_batch_size}")
+        _check_block(block, self.seq_len if self.layout == "padded" else None)
         lens_np = block.seq_lens.astype(np.int64)
-        if self.layout == "padded" and int(lens_np.max()) > self.seq_len:
-            r = int(np.argmax(lens_np))
-            raise DataError(f"sample {r} has {int(lens_np[r])} tokens, more than seq_len {self.seq_len}")
         tok_cuts = _offsets(lens_np)[1:-1]
         msk_cuts = _offsets(block.masked_counts)[1:-1]
         for name, _, dtype in _FIELDS:
@@ -126,14 +114,9 @@ class DaliCollator:
         lens_h = lens.cpu().reshape(b).numpy().astype(np.int64)
         mcounts_h = mcounts.cpu().reshape(b).numpy().astype(np.int64)
         s = ids_p.shape[1]
-        m_width = mpos_p.shape[1]
         cu = _offsets(lens_h)
-        within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens_h)  # [T]
-        tok_index = np.repeat(np.arange(b, dtype=np.int64) * s, lens_h) + within  # [T] into B*S
-        mcu = _offsets(mcounts_h)
-        m_within = np.arange(int(mcu[-1]), dtype=np.int64) - np.repeat(mcu[:-1], mcounts_h)  # [M]
-        m_index = torch.from_numpy(np.repeat(np.arange(b, dtype=np.int64) * m_width, mcounts_h) + m_within)
-        m_index = m_index.to(self.device, non_blocking=True)
+        tok_index, within = _row_index(lens_h, s)  # [T] into B*S, [T] position in the sequence
+        m_index = torch.from_numpy(_row_index(mcounts_h, mpos_p.shape[1])[0]).to(self.device, non_blocking=True)
         mlm_pos = mpos_p.reshape(-1).long()[m_index]  # [M] positions within each sample
         mlm_labels = mids_p.reshape(-1).long()[m_index]
         m_rows = torch.from_numpy(np.repeat(np.arange(b, dtype=np.int64), mcounts_h)).to(self.device)

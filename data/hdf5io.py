@@ -41,15 +41,7 @@ PACKED_KEYS = (
     "packed_masked_lm_len",
     "next_sentence_labels",
 )
-PACKED_DTYPES = {
-    "input_ids": np.int16,
-    "segment_ids": np.int8,
-    "packed_input_len": np.int16,
-    "masked_lm_positions": np.int16,
-    "masked_lm_ids": np.int16,
-    "packed_masked_lm_len": np.int16,
-    "next_sentence_labels": np.int8,
-}
+PACKED_DTYPES = {**FIXED_DTYPES, "packed_input_len": np.int16, "packed_masked_lm_len": np.int16}
 ALL_LAYOUTS = LAYOUTS + (PACKED,)  # what data.convert writes; LAYOUTS: what data.prepare writes
 MAX_FILE_BYTES = 1 << 40
 READ_ROWS = 16384  # samples read and validated at a time
@@ -71,6 +63,14 @@ class FileInfo:
 
 def _fail(path, msg: str):
     raise DataError(f"{path}: {msg}")
+
+
+def _refuse(path, bad: np.ndarray, what, first: int = 0, unit: str = "sample") -> None:
+    """DataError ``path: {unit} {first + i}: what`` for the first i where ``bad`` holds
+    (``what``: a text, or a function of i)."""
+    if bad.any():
+        i = _first(bad)
+        _fail(path, f"{unit} {first + i}: {what(i) if callable(what) else what}")
 
 
 def open_hdf5(path) -> h5py.File:
@@ -146,9 +146,8 @@ def _has_nsp(path, f: h5py.File) -> bool:
 
 def _check_int_dtype(path, key: str, dtype: np.dtype, expected) -> None:
     if not np.issubdtype(dtype, np.integer):
-        _fail(
-            path, f"{key} has dtype {dtype}, expected an integer type ({np.dtype(expected).name} in the MLPerf layout)"
-        )
+        name = np.dtype(expected).name
+        _fail(path, f"{key} has dtype {dtype}, expected an integer type ({name} in the MLPerf layout)")
 
 
 def _info(path, f: h5py.File) -> FileInfo:
@@ -168,44 +167,44 @@ def _read_info(path, f: h5py.File) -> FileInfo:
         extra["next_sentence"] = _has_nsp(path, f)
     if layout == PACKED:
         return replace(_packed_info(path, f), **extra)
-    if not extra.get("next_sentence", True):
+    if extra.get("next_sentence", True):
+        nsp = f["next_sentence_labels"]
+        _check_int_dtype(path, "next_sentence_labels", nsp.dtype, np.int8)
+        if not (nsp.ndim == 1 or (nsp.ndim == 2 and nsp.shape[1] == 1)):
+            _fail(path, f"next_sentence_labels has shape {nsp.shape}, expected (N,)")
+        n = nsp.shape[0]
+    else:
         n = f["input_ids"].shape[0]
-        return replace(_varlength_info(path, f, n), **extra)
-    nsp = f["next_sentence_labels"]
-    _check_int_dtype(path, "next_sentence_labels", nsp.dtype, np.int8)
-    if not (nsp.ndim == 1 or (nsp.ndim == 2 and nsp.shape[1] == 1)):
-        _fail(path, f"next_sentence_labels has shape {nsp.shape}, expected (N,)")
-    n = nsp.shape[0]
-    if layout == "fixed":
-        ids = f["input_ids"]
-        if ids.ndim != 2:
-            _fail(path, f"input_ids has shape {ids.shape}, expected (N, max_seq_length)")
-        s = ids.shape[1]
-        mpos = f["masked_lm_positions"]
-        if mpos.ndim != 2:
-            _fail(path, f"masked_lm_positions has shape {mpos.shape}, expected (N, max_predictions)")
-        p = mpos.shape[1]
-        for key in FIXED_KEYS[:-1]:
-            ds = f[key]
-            _check_int_dtype(path, key, ds.dtype, FIXED_DTYPES[key])
-            want = (n, s) if key in ("input_ids", "input_mask", "segment_ids") else (n, p)
-            if ds.shape != want:
-                _fail(path, f"{key} has shape {ds.shape}, expected {want}")
-        return FileInfo(str(path), layout, n, s, p)
-    return replace(_varlength_info(path, f, n), **extra)
+    if layout == "varlength":
+        _check_vlen(path, f, VARLENGTH_KEYS[:-1], layout, n)
+        s, p = (_int_attr(path, f, name) for name in ("max_seq_length", "max_predictions"))
+        return replace(FileInfo(str(path), layout, n, s, p), **extra)
+    for key, size in (("input_ids", "max_seq_length"), ("masked_lm_positions", "max_predictions")):
+        if f[key].ndim != 2:
+            _fail(path, f"{key} has shape {f[key].shape}, expected (N, {size})")
+    s, p = f["input_ids"].shape[1], f["masked_lm_positions"].shape[1]
+    for key in FIXED_KEYS[:-1]:
+        ds = f[key]
+        _check_int_dtype(path, key, ds.dtype, FIXED_DTYPES[key])
+        want = (n, s) if key in ("input_ids", "input_mask", "segment_ids") else (n, p)
+        if ds.shape != want:
+            _fail(path, f"{key} has shape {ds.shape}, expected {want}")
+    return FileInfo(str(path), layout, n, s, p)  # vocab_size: not kept for the fixed layout
 
 
-def _varlength_info(path, f: h5py.File, n: int) -> FileInfo:
-    for key in VARLENGTH_KEYS[:-1]:
+def _check_vlen(path, f: h5py.File, keys, layout: str, n: int | None = None) -> int | None:
+    """Each key a variable-length integer dataset of shape (n,) (n None: that of the first key); n."""
+    like = " like input_ids" if n is None else ""
+    for key in keys:
         ds = f[key]
         base = h5py.check_vlen_dtype(ds.dtype)
         if base is None:
-            _fail(path, f"{key} has dtype {ds.dtype}, expected a variable-length integer array (varlength layout)")
-        _check_int_dtype(path, key, base, FIXED_DTYPES[key])
+            _fail(path, f"{key} has dtype {ds.dtype}, expected a variable-length integer array ({layout} layout)")
+        _check_int_dtype(path, key, base, PACKED_DTYPES[key])
+        n = ds.shape[0] if n is None else n
         if ds.shape != (n,):
-            _fail(path, f"{key} has shape {ds.shape}, expected ({n},)")
-    s, p = (_int_attr(path, f, name) for name in ("max_seq_length", "max_predictions"))
-    return FileInfo(str(path), "varlength", n, s, p)
+            _fail(path, f"{key} has shape {ds.shape}, expected ({n},){like}")
+    return n
 
 
 def _int_attr(path, f: h5py.File, name: str) -> int | None:
@@ -218,19 +217,9 @@ def _int_attr(path, f: h5py.File, name: str) -> int | None:
 
 
 def _packed_info(path, f: h5py.File) -> FileInfo:
-    r = None
-    for key in (k for k in PACKED_KEYS if k in f):  # next_sentence_labels may be absent (_has_nsp)
-        ds = f[key]
-        base = h5py.check_vlen_dtype(ds.dtype)
-        if base is None:
-            _fail(path, f"{key} has dtype {ds.dtype}, expected a variable-length integer array (packed layout)")
-        _check_int_dtype(path, key, base, PACKED_DTYPES[key])
-        r = ds.shape[0] if r is None else r
-        if ds.shape != (r,):
-            _fail(path, f"{key} has shape {ds.shape}, expected ({r},) like input_ids")
+    r = _check_vlen(path, f, [k for k in PACKED_KEYS if k in f], PACKED)  # next_sentence_labels may be absent
     n = int(_pack_offsets(f)[-1]) if r else 0
-    s = f.attrs.get("max_seq_length")
-    p = f.attrs.get("max_predictions")
+    s, p = (f.attrs.get(k) for k in ("max_seq_length", "max_predictions"))
     return FileInfo(str(path), PACKED, n, None if s is None else int(s), None if p is None else int(p), num_packs=r)
 
 
@@ -321,9 +310,7 @@ def read_valid(
             reader = _Reader(path, f, vocab_size, max_seq_length)
         except DataError as e:
             return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
-        parts: list[SampleBlock] = []
-        rows: list[np.ndarray] = []
-        problems: list[str] = []
+        parts, rows, problems = [], [], []  # valid blocks, their rows, one message per bad sample
         n = reader.info.num_samples
         todo = [(a, min(a + READ_ROWS, n)) for a in reversed(range(0, n, READ_ROWS))]
         while todo:
@@ -360,30 +347,17 @@ def from_fixed_arrays(
     first_row: int = 0,
 ) -> SampleBlock:
     """Fixed-layout arrays -> validated SampleBlock (``path`` and ``first_row`` name errors)."""
-    ids = np.asarray(input_ids)
-    mask = np.asarray(input_mask)
-    seg = np.asarray(segment_ids)
+    ids, mask, seg, mids = (np.asarray(a) for a in (input_ids, input_mask, segment_ids, masked_lm_ids))
     mpos = np.asarray(masked_lm_positions).astype(np.int64)
-    mids = np.asarray(masked_lm_ids)
     nsp = np.asarray(next_sentence_labels).reshape(-1)
     n, s = ids.shape
     p = mpos.shape[1]
-
-    def sample_fail(bad_rows: np.ndarray, what: str):
-        row = _first(bad_rows)
-        _fail(path, f"sample {first_row + row}: {what(row) if callable(what) else what}")
-
-    bad = ~np.isin(mask, (0, 1)).all(1)
-    if bad.any():
-        sample_fail(bad, "input_mask holds values other than 0 and 1")
+    _refuse(path, ~np.isin(mask, (0, 1)).all(1), "input_mask holds values other than 0 and 1", first_row)
     lens = mask.sum(1, dtype=np.int64)
     real = np.arange(s)[None, :] < lens[:, None]
     bad = (real != (mask == 1)).any(1)
-    if bad.any():
-        sample_fail(bad, "input_mask is not a prefix of ones (real tokens must come first)")
-    bad = lens < 1
-    if bad.any():
-        sample_fail(bad, "the sequence is empty (input_mask is all 0)")
+    _refuse(path, bad, "input_mask is not a prefix of ones (real tokens must come first)", first_row)
+    _refuse(path, lens < 1, "the sequence is empty (input_mask is all 0)", first_row)
     ids_real = ids[real]
     seg_real = seg[real]
     _check_tokens(path, ids_real, seg_real, lens, vocab_size, first_row)
@@ -392,21 +366,10 @@ def from_fixed_arrays(
     counts = np.where(used_slot.all(1), p, np.argmin(used_slot, axis=1)) if p else np.zeros(n, np.int64)
     prefix = np.arange(p)[None, :] < counts[:, None]
     bad = (used_slot & ~prefix).any(1)
-    if bad.any():
-        sample_fail(bad, lambda r: f"masked_lm_positions has a nonzero entry after the first 0: {mpos[r].tolist()}")
-    positions = mpos[prefix]
-    labels = np.asarray(mids)[prefix]
-    _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
-    _check_nsp(path, nsp, first_row)
-    return SampleBlock(
-        input_ids=ids_real.astype(np.int32),
-        segment_ids=seg_real.astype(np.int8),
-        seq_lens=lens.astype(np.int32),
-        masked_positions=positions.astype(np.int32),
-        masked_ids=labels.astype(np.int32),
-        masked_counts=counts.astype(np.int32),
-        nsp_labels=nsp.astype(np.int8),
+    _refuse(
+        path, bad, lambda r: f"masked_lm_positions has a nonzero entry after the first 0: {mpos[r].tolist()}", first_row
     )
+    return _block(path, ids_real, seg_real, lens, mpos[prefix], mids[prefix], counts, nsp, vocab_size, first_row)
 
 
 def _lengths(objs: np.ndarray) -> np.ndarray:
@@ -423,38 +386,19 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     ids, seg, mpos, mids = (arrays[k] for k in VARLENGTH_KEYS[:-1])
     nsp = np.asarray(arrays["next_sentence_labels"]).reshape(-1)
     lens = _lengths(ids)
-    for key, objs in (("segment_ids", seg),):
-        bad = _lengths(objs) != lens
-        if bad.any():
-            r = _first(bad)
-            _fail(path, f"sample {first_row + r}: {key} has {len(objs[r])} entries, input_ids has {lens[r]}")
-    bad = lens < 1
-    if bad.any():
-        _fail(path, f"sample {first_row + _first(bad)}: the sequence is empty")
+    bad = _lengths(seg) != lens
+    _refuse(path, bad, lambda r: f"segment_ids has {len(seg[r])} entries, input_ids has {lens[r]}", first_row)
+    _refuse(path, lens < 1, "the sequence is empty", first_row)
     counts = _lengths(mpos)
     bad = _lengths(mids) != counts
-    if bad.any():
-        r = _first(bad)
-        _fail(
-            path,
-            f"sample {first_row + r}: masked_lm_ids has {len(mids[r])} entries, masked_lm_positions has {counts[r]}",
-        )
+    _refuse(
+        path, bad, lambda r: f"masked_lm_ids has {len(mids[r])} entries, masked_lm_positions has {counts[r]}", first_row
+    )
     flat_ids = _flat(ids, np.int32)
     flat_seg = _flat(seg, np.int8)
     _check_tokens(path, flat_ids, flat_seg, lens, vocab_size, first_row)
-    positions = _flat(mpos, np.int64)
-    labels = _flat(mids, np.int64)
-    _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
-    _check_nsp(path, nsp, first_row)
-    return SampleBlock(
-        input_ids=flat_ids,
-        segment_ids=flat_seg,
-        seq_lens=lens.astype(np.int32),
-        masked_positions=positions.astype(np.int32),
-        masked_ids=labels.astype(np.int32),
-        masked_counts=counts.astype(np.int32),
-        nsp_labels=nsp.astype(np.int8),
-    )
+    positions, labels = _flat(mpos, np.int64), _flat(mids, np.int64)
+    return _block(path, flat_ids, flat_seg, lens, positions, labels, counts, nsp, vocab_size, first_row)
 
 
 def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size, start: int, stop: int, seq_off=None) -> SampleBlock:
@@ -471,92 +415,54 @@ def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size, start: int, sto
     except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         _fail(path, f"cannot read sample data (truncated or corrupt?) in samples {start}..{stop - 1}: {text}")
-    block = from_packed_arrays(
-        path,
-        vocab_size=vocab_size,
-        max_seq_length=info.max_seq_length,
-        first_pack=p0,
-        first_sample=int(seq_off[p0]),
-        **arrays,
-    )
     lo = start - int(seq_off[p0])
+    block = from_packed_arrays(path, arrays, vocab_size, info.max_seq_length, p0, int(seq_off[p0]))
     return block.select(np.arange(lo, lo + stop - start))
 
 
 def from_packed_arrays(
-    path,
-    input_ids,
-    segment_ids,
-    packed_input_len,
-    masked_lm_positions,
-    masked_lm_ids,
-    packed_masked_lm_len,
-    next_sentence_labels,
-    vocab_size: int | None = None,
-    max_seq_length: int | None = None,
-    first_pack: int = 0,
-    first_sample: int = 0,
+    path, arrays: dict, vocab_size: int | None = None, max_seq_length: int | None = None, first_pack=0, first_sample=0
 ) -> SampleBlock:
-    """Packed-layout arrays (per key, an object array of one array per pack) -> validated
+    """Packed-layout arrays (``PACKED_KEYS`` -> an object array of one array per pack) -> validated
     SampleBlock of the sequences; ``first_pack`` / ``first_sample`` number the errors."""
-    tokens_per_pack = _lengths(input_ids)
-    seqs_per_pack = _lengths(packed_input_len)
-    lens = _flat(packed_input_len, np.int64)  # [n] sequence lengths
+    tokens_per_pack = _lengths(arrays["input_ids"])
+    seqs_per_pack = _lengths(arrays["packed_input_len"])
+    lens = _flat(arrays["packed_input_len"], np.int64)  # [n] sequence lengths
     seq_pack = np.repeat(np.arange(len(seqs_per_pack)), seqs_per_pack)  # [n] pack of each sequence
 
-    def pack_fail(bad: np.ndarray, what):
-        r = _first(bad)
-        _fail(path, f"pack {first_pack + r}: {what(r)}")
+    def refuse_pack(bad: np.ndarray, what):
+        _refuse(path, bad, what, first_pack, "pack")
 
     def per_pack_sum(values: np.ndarray) -> np.ndarray:
         return np.bincount(seq_pack, weights=values, minlength=len(seqs_per_pack)).astype(np.int64)
 
-    bad = _lengths(segment_ids) != tokens_per_pack
-    if bad.any():
-        pack_fail(bad, lambda r: f"segment_ids has {len(segment_ids[r])} entries, input_ids has {tokens_per_pack[r]}")
+    seg_packs = arrays["segment_ids"]
+    bad = _lengths(seg_packs) != tokens_per_pack
+    refuse_pack(bad, lambda r: f"segment_ids has {len(seg_packs[r])} entries, input_ids has {tokens_per_pack[r]}")
     summed = per_pack_sum(lens)
     bad = summed != tokens_per_pack
-    if bad.any():
-        pack_fail(bad, lambda r: f"packed_input_len sums to {summed[r]}, input_ids has {tokens_per_pack[r]} tokens")
+    refuse_pack(bad, lambda r: f"packed_input_len sums to {summed[r]}, input_ids has {tokens_per_pack[r]} tokens")
     if max_seq_length is not None:
         bad = tokens_per_pack > max_seq_length
-        if bad.any():
-            pack_fail(bad, lambda r: f"holds {tokens_per_pack[r]} tokens, more than max_seq_length {max_seq_length}")
-    for key, objs in (("packed_masked_lm_len", packed_masked_lm_len), ("next_sentence_labels", next_sentence_labels)):
-        bad = _lengths(objs) != seqs_per_pack
-        if bad.any():
-            pack_fail(bad, lambda r: f"{key} has {len(objs[r])} entries for {seqs_per_pack[r]} sequences")
-    bad = lens < 1
-    if bad.any():
-        _fail(path, f"sample {first_sample + _first(bad)}: the sequence is empty (packed_input_len 0)")
-    counts = _flat(packed_masked_lm_len, np.int64)
-    bad = counts < 0
-    if bad.any():
-        _fail(path, f"sample {first_sample + _first(bad)}: packed_masked_lm_len is negative")
+        refuse_pack(bad, lambda r: f"holds {tokens_per_pack[r]} tokens, more than max_seq_length {max_seq_length}")
+    for key in ("packed_masked_lm_len", "next_sentence_labels"):
+        bad = _lengths(arrays[key]) != seqs_per_pack
+        refuse_pack(bad, lambda r: f"{key} has {len(arrays[key][r])} entries for {seqs_per_pack[r]} sequences")
+    _refuse(path, lens < 1, "the sequence is empty (packed_input_len 0)", first_sample)
+    counts = _flat(arrays["packed_masked_lm_len"], np.int64)
+    _refuse(path, counts < 0, "packed_masked_lm_len is negative", first_sample)
     slots = per_pack_sum(counts)
-    for key, objs in (("masked_lm_positions", masked_lm_positions), ("masked_lm_ids", masked_lm_ids)):
-        bad = _lengths(objs) != slots
-        if bad.any():
-            pack_fail(bad, lambda r: f"{key} has {len(objs[r])} entries, packed_masked_lm_len sums to {slots[r]}")
-    ids = _flat(input_ids, np.int32)
-    seg = _flat(segment_ids, np.int8)
+    for key in ("masked_lm_positions", "masked_lm_ids"):
+        bad = _lengths(arrays[key]) != slots
+        refuse_pack(bad, lambda r: f"{key} has {len(arrays[key][r])} entries, packed_masked_lm_len sums to {slots[r]}")
+    ids = _flat(arrays["input_ids"], np.int32)
+    seg = _flat(seg_packs, np.int8)
     _check_tokens(path, ids, seg, lens, vocab_size, first_sample)
     # Positions within the pack -> within the sequence: subtract the sequence's start in its pack.
     seq_start = _offsets(lens)[:-1] - np.repeat(_offsets(tokens_per_pack)[:-1], seqs_per_pack)
-    positions = _flat(masked_lm_positions, np.int64) - np.repeat(seq_start, counts)
-    labels = _flat(masked_lm_ids, np.int64)
-    _check_masked(path, positions, labels, counts, lens, vocab_size, first_sample)
-    nsp = _flat(next_sentence_labels, np.int64)
-    _check_nsp(path, nsp, first_sample)
-    return SampleBlock(
-        input_ids=ids,
-        segment_ids=seg,
-        seq_lens=lens.astype(np.int32),
-        masked_positions=positions.astype(np.int32),
-        masked_ids=labels.astype(np.int32),
-        masked_counts=counts.astype(np.int32),
-        nsp_labels=nsp.astype(np.int8),
-    )
+    positions = _flat(arrays["masked_lm_positions"], np.int64) - np.repeat(seq_start, counts)
+    labels, nsp = _flat(arrays["masked_lm_ids"], np.int64), _flat(arrays["next_sentence_labels"], np.int64)
+    return _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_sample)
 
 
 def _sample_of(flat_index: int, counts: np.ndarray) -> int:
@@ -565,16 +471,14 @@ def _sample_of(flat_index: int, counts: np.ndarray) -> int:
 
 def _check_tokens(path, ids, seg, lens, vocab_size, first_row) -> None:
     hi = vocab_size if vocab_size is not None else np.iinfo(np.int16).max + 1
-    bad = (ids < 0) | (ids >= hi)
-    if bad.any():
-        i = _first(bad)
-        r = _sample_of(i, lens)
-        limit = f"the vocabulary's {vocab_size} entries" if vocab_size is not None else "[0, 32768)"
-        _fail(path, f"sample {first_row + r}: input_ids holds {int(ids[i])}, outside {limit}")
-    bad = (seg != 0) & (seg != 1)
-    if bad.any():
-        i = _first(bad)
-        _fail(path, f"sample {first_row + _sample_of(i, lens)}: segment_ids holds {int(seg[i])}, expected 0 or 1")
+    limit = f"the vocabulary's {vocab_size} entries" if vocab_size is not None else "[0, 32768)"
+    for key, values, bad, what in (
+        ("input_ids", ids, (ids < 0) | (ids >= hi), f"outside {limit}"),
+        ("segment_ids", seg, (seg != 0) & (seg != 1), "expected 0 or 1"),
+    ):
+        if bad.any():
+            i = _first(bad)
+            _fail(path, f"sample {first_row + _sample_of(i, lens)}: {key} holds {int(values[i])}, {what}")
 
 
 def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) -> None:
@@ -585,12 +489,8 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
     if bad.any():
         i = _first(bad)
         r = int(owner[i])
-        _fail(
-            path,
-            f"sample {first_row + r}: masked position {int(positions[i])} is "
-            f"{'[CLS] or negative' if positions[i] < 1 else 'past the sequence end'} "
-            f"({int(lens[r])} tokens)",
-        )
+        where = "[CLS] or negative" if positions[i] < 1 else "past the sequence end"
+        _fail(path, f"sample {first_row + r}: masked position {int(positions[i])} is {where} ({int(lens[r])} tokens)")
     same = owner[1:] == owner[:-1]
     bad = same & (positions[1:] <= positions[:-1])
     if bad.any():
@@ -600,18 +500,31 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
     bad = (labels < 0) | (labels >= hi)
     if bad.any():
         i = _first(bad)
-        _fail(
-            path,
-            f"sample {first_row + int(owner[i])}: masked_lm_ids holds {int(labels[i])}, outside "
-            f"{'the vocabulary' if vocab_size is not None else '[0, 32768)'}",
-        )
+        outside = "the vocabulary" if vocab_size is not None else "[0, 32768)"
+        _fail(path, f"sample {first_row + int(owner[i])}: masked_lm_ids holds {int(labels[i])}, outside {outside}")
 
 
-def _check_nsp(path, nsp, first_row) -> None:
+def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_row) -> SampleBlock:
+    """The masked-position and NSP checks every layout ends with, then the SampleBlock."""
+    _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
     bad = (nsp != 0) & (nsp != 1)
-    if bad.any():
-        i = _first(bad)
-        _fail(path, f"sample {first_row + i}: next_sentence_labels is {int(nsp[i])}, expected 0 or 1")
+    _refuse(path, bad, lambda i: f"next_sentence_labels is {int(nsp[i])}, expected 0 or 1", first_row)
+    return SampleBlock(
+        input_ids=ids.astype(np.int32, copy=False),
+        segment_ids=seg.astype(np.int8, copy=False),
+        seq_lens=lens.astype(np.int32),
+        masked_positions=positions.astype(np.int32),
+        masked_ids=labels.astype(np.int32),
+        masked_counts=counts.astype(np.int32),
+        nsp_labels=nsp.astype(np.int8),
+    )
+
+
+def _check_most(where: str, values: np.ndarray, limit: int | None, what: str, name: str = "") -> None:
+    """DataError ``{where}sample r has N {what}, more than {name}{limit}`` for the largest value over ``limit``."""
+    if limit is not None and len(values) and int(values.max()) > limit:
+        r = int(np.argmax(values))
+        raise DataError(f"{where}sample {r} has {int(values[r])} {what}, more than {name}{limit}")
 
 
 def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: int, where: str = "") -> dict:
@@ -619,14 +532,8 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
     n = len(block)
     lens = block.seq_lens.astype(np.int64)
     counts = block.masked_counts.astype(np.int64)
-    if n and int(lens.max()) > max_seq_length:
-        r = int(np.argmax(lens))
-        raise DataError(f"{where}sample {r} has {int(lens[r])} tokens, more than max_seq_length {max_seq_length}")
-    if n and int(counts.max()) > max_predictions:
-        r = int(np.argmax(counts))
-        raise DataError(
-            f"{where}sample {r} has {int(counts[r])} masked positions, more than max_predictions {max_predictions}"
-        )
+    _check_most(where, lens, max_seq_length, "tokens", "max_seq_length ")
+    _check_most(where, counts, max_predictions, "masked positions", "max_predictions ")
     rows = np.repeat(np.arange(n), lens)
     cols = np.arange(len(rows)) - np.repeat(_offsets(lens)[:-1], lens)
     out = {
@@ -676,23 +583,17 @@ class _AtomicFile:
         return False
 
 
-def _dataset(f: h5py.File, name: str, data, dtype=None):
-    f.create_dataset(name, data=data, dtype=dtype, track_times=False)
-
-
 def write_fixed(path, block: SampleBlock, max_seq_length: int, max_predictions: int) -> None:
     """Write ``block`` in MLPerf's fixed layout."""
-    arrays = to_fixed_arrays(block, max_seq_length, max_predictions, where=f"{path}: ")
-    with _AtomicFile(path) as f:
-        for key in FIXED_KEYS:
-            _dataset(f, key, arrays[key])
+    write_fixed_arrays(path, to_fixed_arrays(block, max_seq_length, max_predictions, where=f"{path}: "))
 
 
 def write_fixed_arrays(path, arrays: dict) -> None:
     """Write the six fixed-layout arrays as given (cast to MLPerf's dtypes), in MLPerf's key order."""
     with _AtomicFile(path) as f:
         for key in FIXED_KEYS:
-            _dataset(f, key, np.asarray(arrays[key]).astype(FIXED_DTYPES[key], copy=False))
+            data = np.asarray(arrays[key]).astype(FIXED_DTYPES[key], copy=False)
+            f.create_dataset(key, data=data, track_times=False)
 
 
 def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
@@ -701,15 +602,18 @@ def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def _write_vlen(ds, pieces: np.ndarray) -> None:
-    """Write an (n,) object array of 1-D arrays into an (n,) variable-length dataset. h5py
+def _write_rows(f: h5py.File, rows: int, columns) -> None:
+    """One (rows,) variable-length dataset per (key, flat values, values per row, dtype). h5py
     turns pieces that all have the same length into one 2-D array, which does not fit the
     dataset (e.g. every sample with the same masked count), so those are written one by one."""
-    if len(pieces) > 1 and len({len(p) for p in pieces}) == 1:
-        for i, piece in enumerate(pieces):
-            ds[i] = piece
-    else:
-        ds[...] = pieces
+    for key, flat, counts, dtype in columns:
+        ds = f.create_dataset(key, (rows,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
+        pieces = _split(np.asarray(flat), counts, dtype)
+        if rows > 1 and len({len(p) for p in pieces}) == 1:
+            for i, piece in enumerate(pieces):
+                ds[i] = piece
+        elif rows:
+            ds[...] = pieces
 
 
 def id_dtype(vocab_size: int | None) -> type:
@@ -739,23 +643,19 @@ def write_varlength(
     n = len(block)
     lens = block.seq_lens.astype(np.int64)
     counts = block.masked_counts.astype(np.int64)
-    for limit, values, what in ((max_seq_length, lens, "tokens"), (max_predictions, counts, "masked positions")):
-        if limit is not None and n and int(values.max()) > limit:
-            r = int(np.argmax(values))
-            raise DataError(f"{path}: sample {r} has {int(values[r])} {what}, more than {limit}")
+    _check_most(f"{path}: ", lens, max_seq_length, "tokens")
+    _check_most(f"{path}: ", counts, max_predictions, "masked positions")
     ids = id_dtype(vocab_size)
     with _AtomicFile(path) as f:
-        for key, flat, cnt, dtype in (
+        columns = (
             ("input_ids", block.input_ids, lens, ids),
             ("segment_ids", block.segment_ids, lens, np.int8),
             ("masked_lm_positions", block.masked_positions, counts, np.int16),
             ("masked_lm_ids", block.masked_ids, counts, ids),
-        ):
-            ds = f.create_dataset(key, (n,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
-            if n:
-                _write_vlen(ds, _split(flat, cnt, dtype))
+        )
+        _write_rows(f, n, columns)
         if next_sentence:
-            _dataset(f, "next_sentence_labels", block.nsp_labels.astype(np.int8))
+            f.create_dataset("next_sentence_labels", data=block.nsp_labels.astype(np.int8), track_times=False)
         _write_extras(f, next_sentence, vocab_size)
         if max_seq_length is not None:
             f.attrs["max_seq_length"] = np.int32(max_seq_length)
@@ -777,10 +677,7 @@ def write_packed(
     (``next_sentence`` and ``vocab_size`` as for ``write_varlength``)."""
     from data.packing import first_fit_decreasing
 
-    counts = block.masked_counts.astype(np.int64)
-    if max_predictions is not None and len(block) and int(counts.max()) > max_predictions:
-        r = int(np.argmax(counts))
-        raise DataError(f"{path}: sample {r} has {int(counts[r])} masked positions, more than {max_predictions}")
+    _check_most(f"{path}: ", block.masked_counts, max_predictions, "masked positions")
     try:
         row, offset, num_packs = first_fit_decreasing(block.seq_lens, max_seq_length)
     except DataError as e:
@@ -795,22 +692,19 @@ def write_packed(
     slots_per_pack = np.bincount(pack_of_seq, weights=counts, minlength=num_packs).astype(np.int64)
     positions = packed.masked_positions.astype(np.int64) + np.repeat(offset[order], counts)  # within the pack
     dtypes = {**PACKED_DTYPES, "input_ids": id_dtype(vocab_size), "masked_lm_ids": id_dtype(vocab_size)}
+    columns = (
+        ("input_ids", packed.input_ids, tokens_per_pack),
+        ("segment_ids", packed.segment_ids, tokens_per_pack),
+        ("packed_input_len", lens, seqs_per_pack),
+        ("masked_lm_positions", positions, slots_per_pack),
+        ("masked_lm_ids", packed.masked_ids, slots_per_pack),
+        ("packed_masked_lm_len", counts, seqs_per_pack),
+        ("next_sentence_labels", packed.nsp_labels, seqs_per_pack),
+    )
     with _AtomicFile(path) as f:
-        for key, flat, cnt in (
-            ("input_ids", packed.input_ids, tokens_per_pack),
-            ("segment_ids", packed.segment_ids, tokens_per_pack),
-            ("packed_input_len", lens, seqs_per_pack),
-            ("masked_lm_positions", positions, slots_per_pack),
-            ("masked_lm_ids", packed.masked_ids, slots_per_pack),
-            ("packed_masked_lm_len", counts, seqs_per_pack),
-            ("next_sentence_labels", packed.nsp_labels, seqs_per_pack),
-        ):
-            if key == "next_sentence_labels" and not next_sentence:
-                continue
-            dtype = dtypes[key]
-            ds = f.create_dataset(key, (num_packs,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
-            if num_packs:
-                _write_vlen(ds, _split(np.asarray(flat), cnt, dtype))
+        _write_rows(
+            f, num_packs, [(*c, dtypes[c[0]]) for c in columns if next_sentence or c[0] != "next_sentence_labels"]
+        )
         f.attrs["max_seq_length"] = np.int32(max_seq_length)
         if max_predictions is not None:
             f.attrs["max_predictions"] = np.int32(max_predictions)

@@ -1,12 +1,10 @@
 """Rank-sharded loading of prepared HDF5 shards, with prefetch and exact resume.
 
 ``PretrainingLoader`` gives rank r its G / W samples of every global step; which samples form
-step t depends only on the files, the seed, G and the lanes L, never on W, so runs on any
-number of ranks (and resumed ones, ``state_dict``) train on the same batches. Shards are read
-ahead in a thread and validated as read (``data.hdf5io``, lengths against max_seq_length);
-``on_corrupt=skip`` replaces bad samples by the next valid ones of the epoch's order, the
-same on every W. ``EvalLoader`` gives rank r a contiguous slice of the eval file. The plan and
-the replacement rule: docs/data.md#loading.
+step t depends only on the files, the seed, G and the lanes L, never on W (nor on a resume,
+``state_dict``). Shards are read ahead in a thread and validated as read (``data.hdf5io``).
+``EvalLoader`` gives rank r a contiguous slice of the eval file. The plan and
+``on_corrupt=skip``'s replacement rule (the same on every W): docs/data.md#loading.
 """
 
 from __future__ import annotations
@@ -61,10 +59,7 @@ class _Plan:
     """The pure arithmetic of the sample order (no I/O)."""
 
     def __init__(self, sizes: np.ndarray, global_batch_size: int, lanes: int, seed: int, rank: int, world_size: int):
-        self.sizes = sizes
-        self.g = global_batch_size
-        self.lanes = lanes
-        self.seed = seed
+        self.sizes, self.seed = sizes, seed
         self.lane_batch = global_batch_size // lanes
         self.steps_per_epoch = int(sizes.sum()) // global_batch_size
         self.lane_len = self.steps_per_epoch * self.lane_batch
@@ -170,8 +165,8 @@ class PretrainingLoader:
     max_seq_length: every shard's sequence lengths are checked against it as it is read.
     ``next_sentence`` (after construction): False for masked-LM-only shards, whose batches carry
         nsp labels 0 (``data.prepare --objective mlm``); every file must agree.
-    on_corrupt: ``fail`` (raise on a corrupt sample) or ``skip`` (replace and count it; see the
-        module docstring). warn: called with a one-line message for each corrupt file (skip).
+    on_corrupt: ``fail`` (raise on a corrupt sample) or ``skip`` (replace and count it;
+        docs/data.md#loading). warn: called with a one-line message for each corrupt file (skip).
     """
 
     def __init__(
@@ -218,13 +213,10 @@ class PretrainingLoader:
         if vocab_size is None and isinstance(train_dir_or_files, (str, Path)):
             vocab_size = dataset_vocab_size(train_dir_or_files)
         self.vocab_size, self.max_seq_length = vocab_size, max_seq_length
-        sizes = []
-        readable = []
-        infos = []
+        infos, readable = [], []
         for f in self.files:
             try:
                 infos.append(inspect(f))
-                sizes.append(infos[-1].num_samples)
                 readable.append(f)
             except DataError as e:
                 if on_corrupt == "fail":
@@ -240,7 +232,7 @@ class PretrainingLoader:
             kinds = {True: "has next_sentence_labels", False: "is masked-LM only (no next_sentence_labels)"}
             raise DataError(f"{odd.path}: {kinds[odd.next_sentence]}, but {infos[0].path} {kinds[self.next_sentence]}")
         self.files = readable
-        self.sizes = np.array(sizes, dtype=np.int64)
+        self.sizes = np.array([i.num_samples for i in infos], dtype=np.int64)
         if int(self.sizes.sum()) < global_batch_size:
             raise DataError(
                 f"{self.files[0].parent}: {int(self.sizes.sum())} samples in {len(self.files)} file(s) "
@@ -261,9 +253,6 @@ class PretrainingLoader:
     def step(self) -> int:
         """The global step whose batch the iterator yields next."""
         return self._step
-
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
 
     def sample_ids(self, step: int, rank: int | None = None, world_size: int | None = None) -> np.ndarray:
         """[n, 2] (file index, row in the file) of the samples a rank gets at ``step``
@@ -304,8 +293,7 @@ class PretrainingLoader:
         index[rows[inside]] = np.flatnonzero(inside)
         bad = int((index < 0).sum())
         self.corrupt_found += bad
-        prefix = f"{path}: "
-        shown = "; ".join(p[len(prefix) :] if p.startswith(prefix) else p for p in problems[:3])
+        shown = "; ".join(p.removeprefix(f"{path}: ") for p in problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         self._warn(f"{path}: {bad} of {n} samples corrupt, skipped (data.on_corrupt=skip): {shown}{more}")
         return _Loaded(block, index)
@@ -373,7 +361,7 @@ class PretrainingLoader:
         self._first: dict[tuple[int, int], int] = {}
         self._last: dict[tuple[int, int], int] = {}
         self._queue: list[_Entry] = []
-        self._queued_epoch = self.epoch_of(self._step) - 1
+        self._queued_epoch = self._step // self.steps_per_epoch - 1
 
     def _extend_queue(self, epoch: int, step_in_epoch: int) -> None:
         while self._queued_epoch < epoch:

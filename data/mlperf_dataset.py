@@ -51,16 +51,8 @@ class Layout:
         return self.root / "training"
 
     def stage_dir(self, kind: str) -> Path:
-        n = self.shards
-        return (
-            self.root
-            / f"training-{n}"
-            / {
-                "chop": f"hdf5_{n}_shards_uncompressed",
-                "varlength": f"hdf5_{n}_shards_varlength",
-                "shuffled": f"hdf5_{n}_shards_varlength_shuffled",
-            }[kind]
-        )
+        suffix = {"chop": "uncompressed", "varlength": "varlength", "shuffled": "varlength_shuffled"}[kind]
+        return self.root / f"training-{self.shards}" / f"hdf5_{self.shards}_shards_{suffix}"
 
     def shard_names(self) -> list[str]:
         return [f"part_{i:05d}_of_{self.shards:05d}.hdf5" for i in range(self.shards)]
@@ -88,14 +80,12 @@ class Pool:
         from tqdm import tqdm
 
         with tqdm(total=len(tasks), desc=desc, unit=unit, disable=None) as bar:
-            if self.workers == 1 or len(tasks) <= 1:
-                results = map(fn, tasks)
-            else:
-                if self._pool is None:
-                    self._pool = ProcessPoolExecutor(
-                        self.workers, mp_context=get_context("spawn"), initializer=_init_worker
-                    )
-                results = self._pool.map(fn, tasks)
+            local = self.workers == 1 or len(tasks) <= 1
+            if self._pool is None and not local:
+                self._pool = ProcessPoolExecutor(
+                    self.workers, mp_context=get_context("spawn"), initializer=_init_worker
+                )
+            results = map(fn, tasks) if local else self._pool.map(fn, tasks)
             out = []
             for r in results:
                 out.append(r)
@@ -166,10 +156,6 @@ def prepare_files(
 # --------------------------------------------------------------------- stage 2: chop
 
 
-def _num_samples(path: Path) -> int:
-    return inspect(path).num_samples
-
-
 def chop_sizes(total: int, shards: int) -> np.ndarray:
     """Samples per shard in the reference chop: ceil(total / shards), one fewer in the first
     (shards * ceil(total / shards) - total) shards. (The reference also gives the first shard
@@ -211,7 +197,7 @@ def _chop_task(t: _ChopTask) -> None:
 def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
     """The reference chop of the per-part files (in name order); returns the shard sizes."""
     files = sorted(files, key=lambda p: p.name)
-    counts = [_num_samples(f) for f in files]
+    counts = [inspect(f).num_samples for f in files]
     sizes = chop_sizes(sum(counts), layout.shards)
     in_off, out_off = _offsets(np.array(counts)), _offsets(sizes)
     out = layout.stage_dir("chop")
@@ -222,11 +208,8 @@ def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
         lo, hi = int(out_off[j]), int(out_off[j + 1])
         a = int(np.searchsorted(in_off, lo, side="right")) - 1  # the input files this shard's samples come from
         b = int(np.searchsorted(in_off, hi, side="left"))
-        tasks.append(
-            _ChopTask(
-                tuple(str(f) for f in files[a:b]), tuple(int(x) for x in in_off[a : b + 1]), lo, hi, str(out / name)
-            )
-        )
+        srcs = tuple(str(f) for f in files[a:b])
+        tasks.append(_ChopTask(srcs, tuple(int(x) for x in in_off[a : b + 1]), lo, hi, str(out / name)))
     pool.map(_chop_task, tasks, "chop")
     return sizes
 
@@ -445,14 +428,9 @@ class DatasetConfig:
     checksums: str | None = None  # a directory of checksum lists (default: the shipped ones)
 
     def __post_init__(self):
-        if self.shards < 1:
-            raise DataError(f"--shards {self.shards}: must be >= 1")
-        if self.eval_samples < 1:
-            raise DataError(f"--eval-samples {self.eval_samples}: must be >= 1")
-        if self.workers < 1:
-            raise DataError(f"--workers {self.workers}: must be >= 1")
-        if self.group_rows < 1:
-            raise DataError(f"--group-rows {self.group_rows}: must be >= 1")
+        for name in ("shards", "eval_samples", "workers", "group_rows"):
+            if getattr(self, name) < 1:
+                raise DataError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
 
 
 def text_parts(text_dir: Path, eval_text: Path) -> list[Path]:
@@ -559,11 +537,7 @@ def build(cfg: DatasetConfig, log=print) -> dict:
             to_varlength(eval_dir, layout.root / "eval_varlength", [EVAL_FILE], Pool(1), "eval varlength")
         lap("eval")
 
-    dirs = {
-        "varlength": layout.stage_dir("varlength"),
-        "shuffled": layout.stage_dir("shuffled"),
-        "eval": layout.root / "eval_varlength",
-    }
+    dirs = {k: layout.stage_dir(k) for k in ("varlength", "shuffled")} | {"eval": layout.root / "eval_varlength"}
     problems, verified = [], []
     for stage, chk in _checks(cfg):
         bad = verify([dirs[stage]], read_checksums(chk), cfg.workers, progress=f"verify {stage}")
@@ -604,32 +578,13 @@ def main(argv=None) -> int:
         help="directory of checksum lists to verify against (default: the published "
         "ones shipped in data/checksums, when the shard count and parameters match)",
     )
-    args = ap.parse_args(argv)
-    params = RefParams(
-        max_seq_length=args.max_seq_length,
-        max_predictions=args.max_predictions,
-        dupe_factor=args.dupe_factor,
-        seed=args.seed,
-    )
-    cfg = DatasetConfig(
-        text_dir=args.text_dir,
-        eval_text=args.eval_text,
-        vocab=args.vocab,
-        output_dir=args.output_dir,
-        shards=args.shards,
-        params=params,
-        eval_samples=args.eval_samples,
-        workers=args.workers,
-        group_rows=args.group_rows,
-        checksums=args.checksums,
-    )
+    args = vars(ap.parse_args(argv))  # the flags are RefParams' and DatasetConfig's fields
+    params = RefParams(**{k: args.pop(k) for k in ("max_seq_length", "max_predictions", "dupe_factor", "seed")})
+    cfg = DatasetConfig(**args, params=params)
     start = time.perf_counter()
     result = build(cfg, log=lambda m: print(f"mlperf_dataset: {m}", file=sys.stderr, flush=True))
-    checked = (
-        f"; checked against {', '.join(Path(p).name for p in result['verified'])}"
-        if result["verified"]
-        else "; no published checksums for these parameters"
-    )
+    names = ", ".join(Path(p).name for p in result["verified"])
+    checked = f"; checked against {names}" if names else "; no published checksums for these parameters"
     print(
         f"wrote {result['samples']} training samples in {cfg.shards} shards under "
         f"{Path(cfg.output_dir) / 'hdf5'} ({time.perf_counter() - start:.1f} s){checked}"

@@ -1,8 +1,5 @@
 """Packing whole sequences into fixed-length rows: first-fit decreasing, and ``collate_packed``.
 
-``first_fit_decreasing`` fills rows of ``seq_len`` tokens with whole sequences, longest
-first (ties in sample order), each into the lowest-numbered row with room (a segment tree
-over the rows' free space: O(log rows)); the result depends only on the lengths.
 ``collate_packed(block, seq_len)`` gives a ``PackedBatch`` whose per-sequence fields (NSP
 labels, [CLS] positions, masked positions and labels) keep the block's sample order, so its
 logits line up with ``collate_unpadded``'s; ``unpack`` goes back to that ``UnpaddedBatch``
@@ -15,12 +12,15 @@ import numpy as np
 import torch
 
 from data.batch import PackedBatch, UnpaddedBatch
+from data.collate import _check_block, _rows
 from data.errors import DataError
 from data.samples import SampleBlock, _offsets
 
 
 def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Place sequences of ``lengths`` into rows of ``capacity`` tokens.
+    """Place sequences of ``lengths`` into rows of ``capacity`` tokens: longest first (ties in
+    sample order), each into the lowest-numbered row with room (a segment tree over the rows'
+    free space: O(log rows)); the result depends only on the lengths.
 
     Returns (row [n] int64, offset [n] int64: where each sequence starts in its row, number of
     rows). Raises DataError for a sequence longer than a row or of length < 1.
@@ -58,28 +58,21 @@ def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray
 
 def collate_packed(block: SampleBlock, seq_len: int) -> PackedBatch:
     """The samples of ``block`` packed into rows of ``seq_len`` tokens (first-fit decreasing)."""
-    if len(block) == 0:
-        raise DataError("cannot collate an empty SampleBlock")
+    _check_block(block)
     lens = block.seq_lens.astype(np.int64)
     row, offset, num_rows = first_fit_decreasing(lens, seq_len)
     start = row * seq_len + offset  # [B] flat index of each sequence's [CLS]
     within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(_offsets(lens)[:-1], lens)  # [T]
     dest = np.repeat(start, lens) + within  # [T] flat index of each token
-
-    def scatter(values: np.ndarray) -> torch.Tensor:
-        out = np.zeros(num_rows * seq_len, np.int64)
-        out[dest] = values
-        return torch.from_numpy(out.reshape(num_rows, seq_len))
-
     bounds = np.empty((num_rows * seq_len, 2), np.int32)
     bounds[:] = (0, seq_len)  # padding keys: masked for every query row
     bounds[dest, 0] = np.repeat(offset + lens, lens)  # LTS: rows from the sequence's end on
     bounds[dest, 1] = np.repeat(offset, lens)  # UTE: rows before its start
     mlm = np.repeat(start, block.masked_counts.astype(np.int64)) + block.masked_positions
     return PackedBatch(
-        input_ids=scatter(block.input_ids),
-        segment_ids=scatter(block.segment_ids),
-        position_ids=scatter(within),
+        input_ids=_rows(block.input_ids, dest, num_rows, seq_len),
+        segment_ids=_rows(block.segment_ids, dest, num_rows, seq_len),
+        position_ids=_rows(within, dest, num_rows, seq_len),
         startend_row_indices=torch.from_numpy(bounds.reshape(num_rows, 1, seq_len, 2)),
         cls_positions=torch.from_numpy(start),
         seq_lens=torch.from_numpy(lens.astype(np.int32)),

@@ -1,12 +1,9 @@
 """Static shapes (``train.static_shapes``): an unpadded micro-batch padded up to a bucket of
 tokens and of masked positions, between the collator and the device copy.
 
-T goes up to the next multiple of the token bucket (at least one token more), M to the next
-multiple of the masked bucket and at least ``MASKED_SHARE`` of T'. The padding is one extra
-sequence (``cu_seqlens`` and ``host_seqlens`` gain an entry): ids, segments and positions 0,
-attending only to itself, labels ``IGNORE`` (-100), masked positions at its first token; loss
-counts come from the real data, SimReg gets ``real_part``, and ``max_seqlen`` becomes
-``max(data.max_seq_length, token bucket)``. Choosing the bucket: [docs/step.md](../docs/step.md#static-shapes).
+The padding is one extra sequence (``cu_seqlens`` and ``host_seqlens`` gain an entry): ids,
+segments and positions 0, labels ``IGNORE``, masked positions at its first token; SimReg gets
+``real_part``. The sizes and choosing the bucket: [docs/step.md](../docs/step.md#static-shapes).
 Shape legend: T tokens, B sequences, M masked positions (padded: T', B + 1, M').
 """
 
@@ -30,7 +27,7 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def auto_token_bucket(micro_batch: int, max_seq_length: int) -> int:
-    """The default token bucket: 2% of a full micro-batch, a multiple of 64 (see the module docstring)."""
+    """The default token bucket: 2% of a full micro-batch, a multiple of 64 (docs/step.md)."""
     return max(ROUND, round_up(math.ceil(0.02 * micro_batch * max_seq_length), ROUND))
 
 
