@@ -1,26 +1,13 @@
 """Cross-rank rebalancing of sequence lengths, the exchange: moves the planned samples.
 
-Where it sits: loader -> **rebalance** -> collate. With unpadded batches each rank's step time
-follows its own tokens, and every step waits for the slowest rank. Each step, every rank:
-
-1. all-gathers a fixed-size header: the step, the world size it expects, its sample count,
-   the first problem it found in its own block, and one int32 word per sample (length |
-   masked count << 16). One collective of ``W * (7 + B)`` int32 words;
-2. computes its part of the same plan from those lengths (``data.rebalance_plan``: the
-   strategies ``none``, ``stripe``, ``balanced``, the costs, ``assign``, ``plan_for_rank``);
-3. sends only the samples that change rank, with ONE variable-size ``all_to_all_single`` on
-   int32 words (``pack_samples`` / ``unpack_samples``), and rebuilds its block ordered by
-   (source rank, source index).
-
-``Rebalancer.start(block)`` runs the exchange for the next step in a background thread on
-its own gloo process group, so it overlaps the current step; ``wait()`` returns the block
-and ``ExchangeStats`` (imbalance before/after, samples moved, bytes, time, hidden fraction).
-
-``measured``: the header also carries this rank's newest measured step (``timer``) and its
-length features; every rank feeds the same gathered numbers to its ``OnlineModel``
-(``data.rebalance_fit``) and plans with its cost and speeds. docs/rebalancing.md.
-
-Shapes: W ranks, B samples per rank.
+Between the loader and the collator. Each step every rank all-gathers a fixed-size header and one
+int32 word per sample (length | masked count << 16), computes its part of the same plan from those
+lengths (``data.rebalance_plan``), sends only the samples that change rank in ONE variable-size
+``all_to_all_single`` of int32 words (``pack_samples``) and rebuilds its block ordered by (source
+rank, source index). ``Rebalancer.start(block)`` runs this for the next step in a background thread
+on its own gloo group; ``wait()`` returns the block and its ``ExchangeStats``. With ``measured`` the
+header also carries this rank's newest measured step, which every rank feeds to the same
+``data.rebalance_fit.OnlineModel``. docs/rebalancing.md. Shapes: W ranks, B samples per rank.
 """
 
 from __future__ import annotations
@@ -28,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -156,7 +143,7 @@ def unpack_samples(
 
 @dataclass
 class ExchangeStats:
-    """One step of rebalancing, as logged to metrics.jsonl (``as_dict``)."""
+    """One step of rebalancing; metrics.jsonl carries its fields (``bert.reporting.REBALANCE_FIELDS``)."""
 
     step: int
     strategy: str
@@ -176,33 +163,24 @@ class ExchangeStats:
     hidden_fraction: float  # 1 - wait_ms / exchange_ms, in [0, 1]
     fit: dict = field(default_factory=dict)  # measured: the cost and speeds the next plan uses
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 class Rebalancer:
     """Balances sequence lengths across the ranks of ``group``, one exchange per step.
 
-    strategy: "none" | "stripe" | "balanced"; cost: (a, b) of c(L) = a*L + b*L^2, or
-    (a, b, b_local, window) with local layers (``data.rebalance_plan.Cost``).
-    batch_size: samples per rank per step (every rank must hold exactly this many).
-    ramp: a batch-size warm-up (``data.batch_ramp.BatchRamp``): step s then holds
-        ``ramp.batch_size(s) / world_size`` samples per rank instead of ``batch_size``.
-    max_len: the longest allowed sequence. world_size: how many ranks this rank expects
-        (default: the group's size); a rank expecting another number is named in the error.
-    group_size, cross_rounds, tol: see ``assign``; with group_size (e.g. GPUs per node, for
-        thousands of ranks) each rank computes only its group's part of the plan.
-    group: a gloo process group; default: a new gloo group, created here, so the exchange
-        never queues behind (or in front of) the training collectives and can run in a
-        thread. Constructing a Rebalancer is collective: every rank must do it, in the same
-        order relative to other ``new_group`` calls.
-    timeout_s: the new group's collective timeout; a rank that stops calling the exchange
-        turns into a ``RebalanceError`` on the others after this long, never a hang.
-    measured: ``measured``'s (window steps, bound, rate) (``OnlineModel``); ``timer`` (a
-        ``bert.step_timer.StepTimer``) feeds it; without one it plans as ``balanced``.
-
-    ``exchange(block)`` runs one step synchronously; ``start(block)`` runs it in a
-    background thread and ``wait()`` returns ``(block, ExchangeStats)``.
+    strategy: one of ``STRATEGIES``; cost: a ``data.rebalance_plan.Cost`` or its tuple.
+    batch_size: samples per rank per step (every rank must hold exactly this many); with ``ramp`` (a
+        ``data.batch_ramp.BatchRamp``) step s holds ``ramp.batch_size(s) / world_size`` instead.
+    max_len: the longest allowed sequence. world_size: how many ranks this rank expects (default: the
+        group's size); a rank expecting another number is named in the error.
+    group_size, cross_rounds, tol: see ``assign``; with group_size (e.g. GPUs per node, for thousands
+        of ranks) each rank computes only its group's part of the plan.
+    group: a gloo process group; default: a new one, so the exchange never queues behind (or in front
+        of) the training collectives and can run in a thread. Constructing a Rebalancer is collective:
+        every rank must do it, in the same order relative to other ``new_group`` calls.
+    timeout_s: the new group's collective timeout; a rank that stops calling the exchange turns into a
+        ``RebalanceError`` on the others after this long, never a hang.
+    measured: (window steps, bound, rate) of the ``OnlineModel``; ``timer`` (a
+        ``bert.step_timer.StepTimer``, set by the caller) feeds it; without one it plans as ``balanced``.
     """
 
     def __init__(
@@ -286,19 +264,9 @@ class Rebalancer:
     def _check_settings_agree(self) -> None:
         # Ranks with different settings would compute different plans; catch it once, here.
         settings = (*self.cost, self.tol, self.group_size, self.cross_rounds, self.ramp, self.measured)
-        cost_tol = zlib.crc32(repr(settings).encode()) & 0x7FFFFFFF
-        mine = np.array(
-            [
-                _MAGIC,
-                STRATEGIES.index(self.strategy),
-                cost_tol,
-                self.batch_size,
-                self.max_len,
-                self.expected_world_size,
-            ],
-            dtype=np.int32,
-        )
-        allv = self._all_gather(mine, -1, "the settings check")
+        crc = zlib.crc32(repr(settings).encode()) & 0x7FFFFFFF
+        mine = [_MAGIC, STRATEGIES.index(self.strategy), crc, self.batch_size, self.max_len, self.expected_world_size]
+        allv = self._all_gather(np.array(mine, dtype=np.int32), -1, "the settings check")
         problems = []
         for r in range(self.world_size):
             if allv[r, 0] != _MAGIC:
@@ -348,14 +316,9 @@ class Rebalancer:
             elif hdr[r, 2] != self.world_size:
                 problems.append(f"rank {r}: expects world size {hdr[r, 2]}, the group has {self.world_size} ranks")
             elif hdr[r, 4] != 0:
-                text = _ERRORS.get(int(hdr[r, 4]), "error code {code}").format(
-                    index=hdr[r, 5],
-                    value=hdr[r, 6],
-                    batch_size=self.batch_size_at(step),
-                    max_len=self.max_len,
-                    code=hdr[r, 4],
-                )
-                problems.append(f"rank {r}: {text}")
+                text = _ERRORS.get(int(hdr[r, 4]), "error code {code}")
+                facts = dict(index=hdr[r, 5], value=hdr[r, 6], code=hdr[r, 4], max_len=self.max_len)
+                problems.append(f"rank {r}: " + text.format(**facts, batch_size=self.batch_size_at(step)))
         if len(set(steps.tolist())) > 1:
             problems.append(
                 "ranks disagree on the step: "
@@ -509,12 +472,11 @@ class Rebalancer:
         t0 = time.perf_counter()
         # The collectives time out after timeout_s each (three of them at most); this bound
         # only matters if the thread is stuck outside them.
-        self._thread.join(timeout=4 * self.timeout_s + 30)
+        most = 4 * self.timeout_s + 30
+        self._thread.join(timeout=most)
         waited = (time.perf_counter() - t0) * 1e3
         if self._thread.is_alive():
-            raise RebalanceError(
-                f"rebalance: rank {self.rank}: the exchange thread did not finish within {4 * self.timeout_s + 30:g} s"
-            )
+            raise RebalanceError(f"rebalance: rank {self.rank}: the exchange thread did not finish within {most:g} s")
         self._thread, result, self._result = None, self._result, None
         if isinstance(result, BaseException):
             raise result
