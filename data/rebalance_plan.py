@@ -49,9 +49,8 @@ class Cost(NamedTuple):
 BERT_LARGE_HIDDEN = 1024
 DEFAULT_COST = Cost(a=1.0, b=1.0 / (6 * BERT_LARGE_HIDDEN))
 
-# Integer costs: every rank must compute a bit-identical plan, and float sums may round
-# differently across CPUs (SIMD widths); integer sums cannot. A sample of maximal length
-# costs 2**20, so W*B*2**20 stays far inside int64 for any realistic W.
+# Integer costs: every rank must compute a bit-identical plan, and float sums may round differently across
+# CPUs (SIMD widths); integer sums cannot. A sample of maximal length costs 2**20, so W*B*2**20 stays far inside int64.
 _COST_SCALE_MAX = 1 << 20
 
 
@@ -188,8 +187,8 @@ class _Swapper:
         self.nfz = np.zeros(W, dtype=np.int64)  # frozen (-1) entries per row
         self.load = load.copy()
         self.nf = min(fine_candidates, B)
-        self.moved_gid: list[np.ndarray] = []
-        self.moved_to: list[np.ndarray] = []
+        self.moved_gid: list[np.ndarray] = [np.zeros(0, np.int64)]
+        self.moved_to: list[np.ndarray] = [np.zeros(0, np.int64)]
 
     def swap(self, over: np.ndarray, under: np.ndarray, t: np.ndarray) -> int:
         """Move about t[p] of cost from rank over[p] to rank under[p] for every pair p.
@@ -250,9 +249,8 @@ class _Swapper:
             return 0
         ro, ru = over[pp], under[pp]
         co, cu = B - 1 - i_o, j_u + self.nfz[under][pp]
-        gid_o = self.K[ro, co] & ((1 << sh) - 1)
-        gid_u = self.K[ru, cu] & ((1 << sh) - 1)
-        self.moved_gid += [gid_o, gid_u]
+        gid_mask = (1 << sh) - 1
+        self.moved_gid += [self.K[ro, co] & gid_mask, self.K[ru, cu] & gid_mask]
         self.moved_to += [ru, ro]
         delta = np.bincount(pp, weights=(a[pp, i_o] - b[pp, j_u]), minlength=P).astype(np.int64)
         self.load[over] -= delta
@@ -297,8 +295,6 @@ class _Swapper:
 
     def dest(self) -> tuple[np.ndarray, np.ndarray]:
         """(global ids, destination ranks) of every sample moved so far."""
-        if not self.moved_gid:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(self.moved_gid), np.concatenate(self.moved_to)
 
 
@@ -496,38 +492,20 @@ def plan_for_rank(
         raise ValueError(f"rank: expected 0..{W - 1}, got {rank}")
     if strategy not in ("balanced", "measured") or group_size is None or group_size >= W:
         A = assign(L, strategy, cost, tol, max_rounds, group_size, cross_rounds, speeds)
-        dest = A.dest_rank[rank]
-        send = np.argsort(dest, kind="stable")
-        send = send[dest[send] != rank]
-        incoming = A.src_rank[rank] != rank
-        return RankPlan(
-            rank,
-            send_index=send,
-            send_dest=dest[send].astype(np.int64),
-            recv_rank=A.src_rank[rank][incoming].astype(np.int64),
-            recv_index=A.src_index[rank][incoming].astype(np.int64),
-            imbalance_before=A.imbalance_before,
-            imbalance_after=A.imbalance_after,
-            moved=A.moved,
-        )
-    if not 0 <= tol < 1:
-        raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
-    w = _weights_for(strategy, speeds, W)
-    _, q = _cost_tables(int(L.max()), cost)
-    load = q[L].sum(1)  # one pass over W*B; everything else is O(group_size * 2**cross_rounds * B)
-    only_group = rank // group_size
-    gid, to, _, planned = _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group)
+        dest = A.dest_rank.ravel().astype(np.int64)
+        gid = np.flatnonzero(dest != np.arange(W * B) // B)  # the samples that change rank
+        to, before, after, moved = dest[gid], A.imbalance_before, A.imbalance_after, A.moved
+    else:
+        if not 0 <= tol < 1:
+            raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
+        w = _weights_for(strategy, speeds, W)
+        _, q = _cost_tables(int(L.max()), cost)
+        load = q[L].sum(1)  # one pass over W*B; everything else is O(group_size * 2**cross_rounds * B)
+        only_group = rank // group_size
+        gid, to, _, planned = _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group)
+        before, after, moved = imbalance(load, w), imbalance(planned, w), None
     out = (gid // B == rank) & (to != rank)
     send_dest, send_index = to[out], gid[out] % B
     order = np.lexsort((send_index, send_dest))
-    recv = np.sort(gid[to == rank])
-    return RankPlan(
-        rank,
-        send_index=send_index[order],
-        send_dest=send_dest[order],
-        recv_rank=recv // B,
-        recv_index=recv % B,
-        imbalance_before=imbalance(load, w),
-        imbalance_after=imbalance(planned, w),
-        moved=None,
-    )
+    recv = np.sort(gid[to == rank])  # by global id: (source rank, source index)
+    return RankPlan(rank, send_index[order], send_dest[order], recv // B, recv % B, before, after, moved)
