@@ -1,13 +1,11 @@
 """Cross-rank rebalancing of sequence lengths, the exchange: moves the planned samples.
 
-Between the loader and the collator. Each step every rank all-gathers a fixed-size header and one
-int32 word per sample (length | masked count << 16), computes its part of the same plan from those
-lengths (``data.rebalance_plan``), sends only the samples that change rank in ONE variable-size
-``all_to_all_single`` of int32 words (``pack_samples``) and rebuilds its block ordered by (source
-rank, source index). ``Rebalancer.start(block)`` runs this for the next step in a background thread
-on its own gloo group; ``wait()`` returns the block and its ``ExchangeStats``. With ``measured`` the
-header also carries this rank's newest measured step, which every rank feeds to the same
-``data.rebalance_fit.OnlineModel``. docs/rebalancing.md. Shapes: W ranks, B samples per rank.
+Between the loader and the collator, each step: one all-gather of a fixed-size header and one int32
+word per sample (length | masked count << 16), this rank's part of the plan (``data.rebalance_plan``),
+then ONE variable-size ``all_to_all_single`` of the samples that change rank (``pack_samples``); the
+block comes back ordered by (source rank, source index). ``Rebalancer.start`` runs the exchange in a
+background thread on its own gloo group, ``wait`` returns it. docs/rebalancing.md.
+Shapes: W ranks, B samples per rank.
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ class RebalanceError(RuntimeError):
 
 
 _MAGIC = 0x52424C31  # "RBL1": a header that does not start with it is not ours
-# Per-step header of HEADER_WORDS (data.rebalance_plan) words, then one word per sample
-# (length | masked count << 16): magic, step, expected world size, sample count, error code,
-# error sample, error value
+# Per-step header of HEADER_WORDS (data.rebalance_plan) words: magic, step, expected world size, sample
+# count, error code, error sample, error value; then one word per sample (length | masked count << 16)
 _MAX_MASKED = (1 << 15) - 1
 _MAX_TOKEN_ID = (1 << 30) - 1  # a token word is input_id * 2 + segment_id
 
@@ -105,8 +102,7 @@ def check_block(block: SampleBlock, batch_size: int, max_len: int) -> tuple[int,
 def pack_samples(block: SampleBlock, idx: np.ndarray) -> np.ndarray:
     """int32 words of samples ``idx``, each [nsp, L x (id*2 + segment), m positions, m ids]."""
     sel = block.select(idx)
-    L = sel.seq_lens.astype(np.int64)
-    m = sel.masked_counts.astype(np.int64)
+    L, m = sel.seq_lens.astype(np.int64), sel.masked_counts.astype(np.int64)
     starts = _offsets(1 + L + 2 * m)
     out = np.empty(int(starts[-1]), dtype=np.int32)
     starts = starts[:-1]
@@ -122,8 +118,7 @@ def unpack_samples(
     words: np.ndarray, seq_lens: np.ndarray, masked_counts: np.ndarray, like: SampleBlock
 ) -> SampleBlock:
     """Inverse of ``pack_samples`` given each sample's length and masked count; dtypes of ``like``."""
-    L = seq_lens.astype(np.int64)
-    m = masked_counts.astype(np.int64)
+    L, m = seq_lens.astype(np.int64), masked_counts.astype(np.int64)
     starts = _offsets(1 + L + 2 * m)
     if int(starts[-1]) != len(words):
         raise RebalanceError(f"received {len(words)} words, the plan expects {int(starts[-1])}")
@@ -172,8 +167,7 @@ class Rebalancer:
         ``data.batch_ramp.BatchRamp``) step s holds ``ramp.batch_size(s) / world_size`` instead.
     max_len: the longest allowed sequence. world_size: how many ranks this rank expects (default: the
         group's size); a rank expecting another number is named in the error.
-    group_size, cross_rounds, tol: see ``assign``; with group_size (e.g. GPUs per node, for thousands
-        of ranks) each rank computes only its group's part of the plan.
+    group_size, cross_rounds, tol: see ``assign``; with group_size each rank plans only its group's part.
     group: a gloo process group; default: a new one, so the exchange never queues behind (or in front
         of) the training collectives and can run in a thread. Constructing a Rebalancer is collective:
         every rank must do it, in the same order relative to other ``new_group`` calls.
@@ -213,18 +207,15 @@ class Rebalancer:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Rebalancer: torch.distributed is not initialised (call launch.distributed first)")
         self._dist = dist
-        self.strategy, self.cost, self.tol = strategy, cost, tol
+        self.strategy, self.cost, self.tol, self.ramp = strategy, cost, tol, ramp
         self.batch_size, self.max_len, self.timeout_s = batch_size, max_len, timeout_s
-        self.ramp = ramp
         if group is None:
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         elif dist.get_backend(group) != "gloo":
             raise ValueError(
                 f"group: the exchange moves CPU arrays and needs a gloo group, got {dist.get_backend(group)}"
             )
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
         self.expected_world_size = self.world_size if world_size is None else int(world_size)
         if group_size is not None and (group_size < 1 or self.world_size % group_size):
             raise ValueError(f"group_size: {group_size} does not divide the world size {self.world_size}")
@@ -235,9 +226,8 @@ class Rebalancer:
         self.online = OnlineModel(cost, self.world_size, *measured)  # the cost and speeds the plans use
         self._delivered: dict[int, tuple] = {}  # this rank's blocks' length features, by step
         self._snapshot = None  # the state the pending exchange started from (state_dict)
-        self._next_step = 0
+        self._next_step, self._result = 0, None
         self._thread: threading.Thread | None = None
-        self._result = None
         self._check_settings_agree()
 
     # -- collectives -------------------------------------------------------------------------
@@ -309,7 +299,6 @@ class Rebalancer:
 
     def _raise_bad_input(self, hdr: np.ndarray, step: int) -> None:
         problems = []
-        steps = hdr[:, 1]
         for r in range(self.world_size):
             if hdr[r, 0] != _MAGIC:
                 problems.append(f"rank {r}: sent a header that is not a Rebalancer's")
@@ -319,10 +308,10 @@ class Rebalancer:
                 text = _ERRORS.get(int(hdr[r, 4]), "error code {code}")
                 facts = dict(index=hdr[r, 5], value=hdr[r, 6], code=hdr[r, 4], max_len=self.max_len)
                 problems.append(f"rank {r}: " + text.format(**facts, batch_size=self.batch_size_at(step)))
-        if len(set(steps.tolist())) > 1:
+        steps = hdr[:, 1].tolist()
+        if len(set(steps)) > 1:
             problems.append(
-                "ranks disagree on the step: "
-                + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps.tolist()))
+                "ranks disagree on the step: " + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))
             )
         if problems:
             more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
@@ -339,16 +328,9 @@ class Rebalancer:
         at = HEADER_WORDS + (MEASURE_WORDS if self.strategy == "measured" else 0)
         words = hdr[:, at:].astype(np.int64)  # [W, B]
         lengths, masked = words & 0xFFFF, words >> 16
-        plan = plan_for_rank(
-            lengths,
-            me,
-            self.strategy,
-            self.online.cost,
-            tol=self.tol,
-            group_size=self.group_size,
-            cross_rounds=self.cross_rounds,
-            speeds=self.online.speeds if self.strategy == "measured" else None,
-        )
+        speeds = self.online.speeds if self.strategy == "measured" else None
+        opts = dict(tol=self.tol, group_size=self.group_size, cross_rounds=self.cross_rounds, speeds=speeds)
+        plan = plan_for_rank(lengths, me, self.strategy, self.online.cost, **opts)
         t2 = time.perf_counter()
 
         sizes = 1 + lengths + 2 * masked  # [W, B] int32 words per packed sample
@@ -359,13 +341,11 @@ class Rebalancer:
         if self.strategy != "none":  # every rank takes part, even with nothing to send
             send = torch.from_numpy(pack_samples(block, send_idx))
             recv = torch.empty(int(out_splits.sum()), dtype=torch.int32)
-            self._collective(
-                "the sample all-to-all",
-                step,
-                lambda: self._dist.all_to_all_single(
-                    recv, send, out_splits.tolist(), in_splits.tolist(), group=self.group
-                ),
-            )
+
+            def all_to_all():
+                self._dist.all_to_all_single(recv, send, out_splits.tolist(), in_splits.tolist(), group=self.group)
+
+            self._collective("the sample all-to-all", step, all_to_all)
             received = unpack_samples(recv.numpy(), lengths[recv_r, recv_i], masked[recv_r, recv_i], block)
         t3 = time.perf_counter()
 
@@ -418,9 +398,7 @@ class Rebalancer:
 
     def state_dict(self) -> dict:
         """``measured``: the ``OnlineModel`` state the pending (or next) exchange plans from."""
-        if self.strategy != "measured":
-            return {}
-        return {"rebalance": self._snapshot or self.online.state_dict()}
+        return {"rebalance": self._snapshot or self.online.state_dict()} if self.strategy == "measured" else {}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` (one of another world size is left out)."""
