@@ -182,9 +182,8 @@ class OnlineModel:
         steps = sorted(counts)[self.world_size // 2]
         target = [1.0] * self.world_size
         if steps >= min_steps:
-            # A speed within z standard errors (of its steps' scatter, at least the median rank's;
-            # z above the largest of W normal draws: 5.0 at W = 512) of the median is the median,
-            # or noise would give the most over-estimated rank too much work; so is one of < 2 steps.
+            # A speed within z standard errors of the median is the median, as is one of < 2 steps,
+            # so noise gives no rank extra work (docs/rebalancing.md, safeguards).
             z = 1.5 + math.sqrt(2 * math.log(max(self.world_size, 2)))
             mid, typical = (sorted(x)[self.world_size // 2] for x in (fit.speeds, fit.scatter))
             near = [
