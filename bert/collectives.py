@@ -127,8 +127,7 @@ class Collectives:
         return CollectiveError(
             f"rank {self.rank}: {where} failed after {elapsed:.1f} s "
             f"(dist.timeout_s={self.timeout_s:g}): {self._missing_ranks(where)}; "
-            f"{dist.get_backend() if dist.is_initialized() else 'backend'}: "
-            f"{backend_reason(cause)}"
+            f"{dist.get_backend() if dist.is_initialized() else 'backend'}: {backend_reason(cause)}"
         )
 
     def _missing_ranks(self, where: str) -> str:
@@ -159,14 +158,10 @@ class Collectives:
         finally:
             if on_main:
                 signal.signal(signal.SIGTERM, previous)
-        parts = [
-            f"rank {r} stopped first: {text[len('exit:') :]}"
-            for r, text in sorted(reports.items())
-            if text.startswith("exit:")
-        ][:3]
-        silent = [r for r in others if r not in reports]
+        exits = [(r, text) for r, text in sorted(reports.items()) if text.startswith("exit:")][:3]
+        parts = [f"rank {r} stopped first: {text[len('exit:') :]}" for r, text in exits]
         by_host: dict[str, list[int]] = {}
-        for r in silent:
+        for r in [r for r in others if r not in reports]:  # silent
             by_host.setdefault(self._host_of(store, r), []).append(r)
         for host, ranks in sorted(by_host.items(), key=lambda item: item[1][0])[:4]:
             names = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
@@ -212,11 +207,9 @@ def hold_store(store, rank: int, world_size: int, most_s: float) -> None:
 
 
 def announce_exit(rank: int, world_size: int, message: str):
-    """Leave ``message`` (why this rank stops) where the other ranks' post-mortem finds it.
-
-    Returns the store (or None). Rank 0 serves it: holding the returned object for a few
-    seconds after the process group is torn down lets the others read the message.
-    """
+    """Leave ``message`` (why this rank stops) where the other ranks' post-mortem finds it; returns the
+    store (or None). Rank 0 serves it: holding the returned object for a few seconds after the process
+    group is torn down lets the others read the message."""
     if world_size == 1 or not dist.is_initialized():
         return None
     try:

@@ -19,8 +19,6 @@ import torch.distributed as dist
 from bert.losses import simreg_anchor_count
 from data.samples import SampleBlock
 
-FIELDS = ("masked", "sequences", "tokens", "stop", "anchors", "corrupt")
-
 
 @dataclass(frozen=True)
 class StepCounts:
@@ -35,7 +33,7 @@ class StepCounts:
 
 
 def local_counts(block: SampleBlock, stop: bool, corrupt: int, simreg_scope: str | None) -> np.ndarray:
-    """[6] int64: this rank's share of ``FIELDS``; anchors only when SimReg is on (scope given)."""
+    """[6] int64: this rank's share of ``StepCounts``' fields, in order; anchors only with SimReg (a scope)."""
     anchors = 0
     if simreg_scope is not None:
         arrays = (block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids, block.masked_counts)
@@ -58,9 +56,7 @@ class CountAgreement:
         """``local`` (from ``local_counts``) summed over ranks; the group's timeout bounds the wait."""
         words = np.array(local, dtype=np.int64)
         if self.group is not None:
-            summed = torch.from_numpy(words)
-            dist.all_reduce(summed, group=self.group)
-            words = summed.numpy()
+            dist.all_reduce(torch.from_numpy(words), group=self.group)  # in place: the tensor is words' memory
         masked, sequences, tokens, stop, anchors, corrupt = (int(x) for x in words)
         return StepCounts(masked, sequences, tokens, stop > 0, anchors, corrupt)
 
