@@ -19,9 +19,8 @@ import numpy as np
 
 from data.samples import _offsets
 
-# The exchange all-gathers, per rank, a header of HEADER_WORDS int32 words (MEASURE_WORDS
-# more with ``measured``) and one word per sample (its length and masked count): the plan's
-# input. Named here so that the simulator counts the exchange's bytes without importing it.
+# The exchange all-gathers per rank a header of HEADER_WORDS int32 words (MEASURE_WORDS more with ``measured``),
+# then one word per sample: the plan's input. Named here so the simulator counts its bytes without importing it.
 HEADER_WORDS = 7
 MEASURE_WORDS = 9
 
@@ -332,24 +331,19 @@ def _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, on
 
     ``load``: [W] quantised loads before; ``w``: [W] speed weights or None (all equal). Loads after are
     exact for the ranks whose samples were followed (all, unless ``only_group``); planned loads assume
-    every cross-group pair moved exactly its target and every group then reached its mean (the loads
-    after, for the flat plan). Hierarchical (``group_size`` < W): ``cross_rounds`` rounds of pairs
-    across the job, then balancing within groups of ``group_size`` consecutive ranks (a node). With
-    ``only_group``, only the swaps that group's final samples depend on are computed (its ranks'
-    partners in the last cross round, theirs in the round before, ...: at most
-    group_size * 2**cross_rounds ranks, whatever W is), exactly as the full computation does them.
+    every cross-group pair moved exactly its target and every group then reached its mean.
+    Hierarchical (``group_size`` < W): ``cross_rounds`` rounds of pairs across the job, then balancing
+    within groups of ``group_size`` consecutive ranks (a node). With ``only_group``, only the swaps that
+    group's final samples depend on are computed (its ranks' partners in the last cross round, theirs
+    in the round before, ...: at most group_size * 2**cross_rounds ranks, whatever W is), exactly as
+    the full computation does them.
     """
     W, B = L.shape
     w = np.ones(W, np.int64) if w is None else w
-    if group_size is None or group_size >= W:
-        sw = _Swapper(q, L, load, np.arange(W))
-        sw.balance_groups(np.arange(W)[None, :], tol, max_rounds, w)
-        gid, to = sw.dest()
-        return gid, to, sw.load, sw.load
-    G = group_size
+    G = W if group_size is None or group_size >= W else group_size  # flat: one group, no cross rounds
     if W % G:
         raise ValueError(f"group_size: {G} does not divide the world size {W}")
-    pairs, planned = _cross_group_pairs(load, tol, cross_rounds, w)
+    pairs, planned = _cross_group_pairs(load, tol, cross_rounds if G < W else 0, w)
     if only_group is None:
         needed = [np.ones(W, bool)] * (len(pairs) + 1)
     else:
