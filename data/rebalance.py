@@ -405,17 +405,17 @@ class Rebalancer:
         if self.strategy == "measured" and state.get("rebalance"):
             self.online.load_state_dict(state["rebalance"])
 
-    def _take_step(self, step: int | None) -> int:
+    def _begin(self, step: int | None) -> tuple[int, tuple | None]:
         s = self._next_step if step is None else int(step)
         self._next_step = s + 1
-        return s
+        return s, self._measurement(s)
 
     def exchange(self, block: SampleBlock, step: int | None = None) -> tuple[SampleBlock, ExchangeStats]:
         """Rebalance ``block`` now (blocking); ``step`` defaults to one more than the last."""
         if self._thread is not None:
             raise RuntimeError("Rebalancer.exchange: an exchange started with start() is pending; wait() first")
-        s = self._take_step(step)
-        out = self._exchange(block, s, self._measurement(s))
+        s, measure = self._begin(step)
+        out = self._exchange(block, s, measure)
         self._snapshot = None  # done: the next exchange plans from the live state
         if self.timer:
             self.timer.mark(s)
@@ -430,8 +430,7 @@ class Rebalancer:
         """Begin rebalancing ``block`` in the background (e.g. the next step's, during this one)."""
         if self._thread is not None:
             raise RuntimeError("Rebalancer.start: the previous exchange was not collected with wait()")
-        s = self._take_step(step)
-        measure = self._measurement(s)
+        s, measure = self._begin(step)
 
         def run():
             try:
@@ -448,8 +447,7 @@ class Rebalancer:
         if self._thread is None:
             raise RuntimeError("Rebalancer.wait: nothing was started")
         t0 = time.perf_counter()
-        # The collectives time out after timeout_s each (three of them at most); this bound
-        # only matters if the thread is stuck outside them.
+        # Each collective times out after timeout_s (three at most): this bound is for a thread stuck outside them.
         most = 4 * self.timeout_s + 30
         self._thread.join(timeout=most)
         waited = (time.perf_counter() - t0) * 1e3
