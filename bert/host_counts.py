@@ -44,10 +44,8 @@ def local_counts(block: SampleBlock, stop: bool, corrupt: int, simreg_scope: str
 
 
 class CountAgreement:
-    """Sums per-step host counts over ranks on its own gloo group, one all-reduce per step.
-
-    Build it on every rank at the same point (``new_group`` is collective and ordered).
-    """
+    """Sums per-step host counts over ranks on its own gloo group, one all-reduce per step; build it on
+    every rank at the same point (``new_group`` is collective and ordered)."""
 
     def __init__(self, world_size: int, timeout_s: float):
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world_size > 1 else None
