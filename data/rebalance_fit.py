@@ -116,7 +116,6 @@ def fit_online(features, times, configured, *, min_steps: int = 8, bound: float 
     # Columns scaled by the configured coefficients: the unknowns are then ratios near 1.
     X, n = F[:, cols] * np.array([base[i] for i in cols]), len(cols)
     m = [[_sum(X[:, i] * X[:, j]) for j in range(n)] for i in range(n)]
-    # Alternate: speeds from the current cost, then the cost from those speeds (3 rounds).
     for _ in range(3):
         y = t * np.repeat(speeds, counts)  # each step's time in cost units
         ratios = _solve(m, [_sum(X[:, i] * y) for i in range(n)])
@@ -125,7 +124,6 @@ def fit_online(features, times, configured, *, min_steps: int = 8, bound: float 
         coef = [0.0, 0.0, 0.0]
         for q, i in zip(ratios, cols):
             coef[i] = min(max(q, 1.0 / bound), bound) * base[i]
-        # Same total cost over the window as the configured model: only the shape of c(L) changes.
         norm = _sum(_costs(cfg, F)) / _sum(_costs(Cost(*coef, cfg.window), F))
         fitted = Cost(coef[0] * norm, coef[1] * norm, coef[2] * norm, cfg.window)
         speeds = speeds_for(fitted)
