@@ -84,8 +84,7 @@ class StepPlanner:
         if not self.rebalancer:
             self._drawn[step] = next(self.batches)
             return self._drawn[step], None
-        # This step's samples, exchanged while the previous step computed; the next step's
-        # exchange now runs behind this one.
+        # This step's samples were exchanged while the previous step computed; the next one's runs behind this.
         with self.coll.guard("the rebalancing exchange", step + 1):
             block, rebalance = self.rebalancer.wait()
         self._drawn[step + 1] = next(self.batches)
