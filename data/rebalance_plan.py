@@ -66,13 +66,10 @@ def imbalance(costs, weights=None) -> float:
     c = np.asarray(costs, dtype=np.float64)
     if c.ndim != 1 or c.size == 0:
         raise ValueError(f"imbalance: expected a non-empty 1-D array of per-rank costs, got shape {c.shape}")
-    mean = c.mean()
-    if mean <= 0:
+    if c.mean() <= 0:
         raise ValueError("imbalance: per-rank costs must have a positive mean")
-    if weights is not None:
-        w = np.asarray(weights, dtype=np.float64)
-        return float((c / w).max() / (c.sum() / w.sum()))
-    return float(c.max() / mean)
+    w = np.ones_like(c) if weights is None else np.asarray(weights, dtype=np.float64)
+    return float((c / w).max() / (c.sum() / w.sum()))
 
 
 @dataclass(frozen=True)
