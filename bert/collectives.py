@@ -48,8 +48,7 @@ def backend_reason(e: BaseException) -> str:
     if type(e).__name__ == "RebalanceError" and e.__cause__ is not None:
         e = e.__cause__
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    text = _SOURCE_PREFIX.sub("", text)
-    return text.split(". ")[0]
+    return _SOURCE_PREFIX.sub("", text).split(". ")[0]
 
 
 class Collectives:
