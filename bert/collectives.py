@@ -1,12 +1,10 @@
 """The trainer's collectives, wrapped so that a failure says which one, at which step, and who is missing.
 
-``Collectives.guard(what, step)`` turns a backend's error (a socket, a timeout after
-``dist.timeout_s``) into one ``CollectiveError`` line naming the collective, the step and
-the ranks that did not report through the rendezvous store (with their hosts). A rank that
-stops on an error of its own leaves its message there first (``announce_exit``) and keeps
-the store up until the others have seen it (``hold_store``); a watcher thread, awake only
-while a guarded block waits, ends this rank with that cause. With NCCL, its watchdog
-usually ends the process first. How a run reacts to a lost rank: [docs/reliability.md](../docs/reliability.md).
+``Collectives.guard(what, step)`` turns a backend's error (a socket, a timeout after ``dist.timeout_s``)
+into one ``CollectiveError`` line naming the collective, the step and the ranks that did not report
+through the rendezvous store (with their hosts). A rank that stops on its own error leaves its message
+there (``announce_exit``, ``hold_store``) and a watcher thread ends the others with that cause (with
+NCCL, its watchdog usually ends the process first): [docs/reliability.md](../docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -24,17 +22,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# What backends put in the messages of communication failures (gloo raises plain RuntimeErrors).
-_COMM_PATTERNS = (
-    "gloo",
-    "Connection closed",
-    "Connection reset",
-    "Timed out",
-    "timed out",
-    "NCCL",
-    "Broken pipe",
-    "pair closure",  # gloo, on a rank whose peer in the same process timed out first
-)
+# What backends put in the messages of communication failures (gloo raises plain RuntimeErrors);
+# "pair closure": gloo, on a rank whose peer in the same process timed out first.
+_COMM_ERROR = re.compile("gloo|Connection closed|Connection reset|Timed out|timed out|NCCL|Broken pipe|pair closure")
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
 WATCH_AFTER_S = 1.0  # a guarded block waiting this long makes the watcher look at the store
 WATCH_EVERY_S = 0.5
@@ -50,7 +40,7 @@ def is_comm_error(e: BaseException) -> bool:
         return True
     if type(e).__name__ == "RebalanceError":  # its own failures (bad input) are not; what it wraps may be
         return e.__cause__ is not None and is_comm_error(e.__cause__)
-    return isinstance(e, RuntimeError) and any(p in str(e) for p in _COMM_PATTERNS)
+    return isinstance(e, RuntimeError) and _COMM_ERROR.search(str(e)) is not None
 
 
 def backend_reason(e: BaseException) -> str:
@@ -58,8 +48,7 @@ def backend_reason(e: BaseException) -> str:
     if type(e).__name__ == "RebalanceError" and e.__cause__ is not None:
         e = e.__cause__
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    text = _SOURCE_PREFIX.sub("", text)
-    return text.split(". ")[0]
+    return _SOURCE_PREFIX.sub("", text).split(". ")[0]
 
 
 class Collectives:
@@ -137,8 +126,7 @@ class Collectives:
         return CollectiveError(
             f"rank {self.rank}: {where} failed after {elapsed:.1f} s "
             f"(dist.timeout_s={self.timeout_s:g}): {self._missing_ranks(where)}; "
-            f"{dist.get_backend() if dist.is_initialized() else 'backend'}: "
-            f"{backend_reason(cause)}"
+            f"{dist.get_backend() if dist.is_initialized() else 'backend'}: {backend_reason(cause)}"
         )
 
     def _missing_ranks(self, where: str) -> str:
@@ -169,24 +157,15 @@ class Collectives:
         finally:
             if on_main:
                 signal.signal(signal.SIGTERM, previous)
-        parts = [
-            f"rank {r} stopped first: {text[len('exit:') :]}"
-            for r, text in sorted(reports.items())
-            if text.startswith("exit:")
-        ][:3]
-        silent = [r for r in others if r not in reports]
+        exits = [(r, text) for r, text in sorted(reports.items()) if text.startswith("exit:")][:3]
+        parts = [f"rank {r} stopped first: {text[len('exit:') :]}" for r, text in exits]
         by_host: dict[str, list[int]] = {}
-        for r in silent:
+        for r in [r for r in others if r not in reports]:  # silent
             by_host.setdefault(self._host_of(store, r), []).append(r)
         for host, ranks in sorted(by_host.items(), key=lambda item: item[1][0])[:4]:
             names = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
-            if host in ("", self.hostname):
-                parts.append(f"no report from rank{'s' if len(ranks) > 1 else ''} {names} (killed, stopped or hung)")
-            else:
-                parts.append(
-                    f"no report from rank{'s' if len(ranks) > 1 else ''} {names} on host {host} "
-                    f"(unreachable, killed, stopped or hung)"
-                )
+            remote = f" on host {host} (unreachable, " if host not in ("", self.hostname) else " ("
+            parts.append(f"no report from rank{'s' if len(ranks) > 1 else ''} {names}{remote}killed, stopped or hung)")
         return "; ".join(parts) or "every other rank reported the same failure (a network problem?)"
 
     @staticmethod
@@ -227,11 +206,9 @@ def hold_store(store, rank: int, world_size: int, most_s: float) -> None:
 
 
 def announce_exit(rank: int, world_size: int, message: str):
-    """Leave ``message`` (why this rank stops) where the other ranks' post-mortem finds it.
-
-    Returns the store (or None). Rank 0 serves it: holding the returned object for a few
-    seconds after the process group is torn down lets the others read the message.
-    """
+    """Leave ``message`` (why this rank stops) where the other ranks' post-mortem finds it; returns the
+    store (or None). Rank 0 serves it: holding the returned object for a few seconds after the process
+    group is torn down lets the others read the message."""
     if world_size == 1 or not dist.is_initialized():
         return None
     try:

@@ -1,12 +1,10 @@
 """A step's global counts, agreed between ranks on the host: no device read.
 
-Between the loader (or the rebalancer) and ``train_step``. The losses' normalisers (masked
-positions, sequences, SimReg anchors), the summary's token and corrupt-sample counts and a
-stop request are sums over samples, known on the host and unchanged by rebalancing.
-``CountAgreement`` sums the ranks' ``local_counts`` in one all-reduce of 6 int64 words on a
-CPU gloo group of its own (nothing with one rank); ``StepPlanner`` agrees on each drawn
-block's counts as the step begins, inside ``Collectives.guard``. Why this hides behind the
-device's queued work: [docs/step.md](../docs/step.md#the-timeline).
+Between the loader (or the rebalancer) and ``train_step``: the losses' normalisers, the summary's
+counts and a stop request are sums over samples, known on the host and unchanged by rebalancing.
+``CountAgreement`` sums the ranks' ``local_counts`` (6 int64 words) in one all-reduce on a CPU gloo
+group of its own; ``StepPlanner`` agrees on each drawn block's counts as the step begins. Why this
+hides behind the device's queued work: [docs/step.md](../docs/step.md#the-timeline).
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ import torch.distributed as dist
 
 from bert.losses import simreg_anchor_count
 from data.samples import SampleBlock
-
-FIELDS = ("masked", "sequences", "tokens", "stop", "anchors", "corrupt")
 
 
 @dataclass(frozen=True)
@@ -37,24 +33,19 @@ class StepCounts:
 
 
 def local_counts(block: SampleBlock, stop: bool, corrupt: int, simreg_scope: str | None) -> np.ndarray:
-    """[6] int64: this rank's share of ``FIELDS``; anchors only when SimReg is on (scope given)."""
-    anchors = (
-        simreg_anchor_count(
-            block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids, block.masked_counts, simreg_scope
-        )
-        if simreg_scope is not None
-        else 0
-    )
+    """[6] int64: this rank's share of ``StepCounts``' fields, in order; anchors only with SimReg (a scope)."""
+    anchors = 0
+    if simreg_scope is not None:
+        arrays = (block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids, block.masked_counts)
+        anchors = simreg_anchor_count(*arrays, simreg_scope)
     return np.array(
         [int(block.masked_counts.sum()), len(block), block.num_tokens, int(stop), anchors, corrupt], dtype=np.int64
     )
 
 
 class CountAgreement:
-    """Sums per-step host counts over ranks on its own gloo group, one all-reduce per step.
-
-    Build it on every rank at the same point (``new_group`` is collective and ordered).
-    """
+    """Sums per-step host counts over ranks on its own gloo group, one all-reduce per step; build it on
+    every rank at the same point (``new_group`` is collective and ordered)."""
 
     def __init__(self, world_size: int, timeout_s: float):
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world_size > 1 else None
@@ -63,9 +54,7 @@ class CountAgreement:
         """``local`` (from ``local_counts``) summed over ranks; the group's timeout bounds the wait."""
         words = np.array(local, dtype=np.int64)
         if self.group is not None:
-            summed = torch.from_numpy(words)
-            dist.all_reduce(summed, group=self.group)
-            words = summed.numpy()
+            dist.all_reduce(torch.from_numpy(words), group=self.group)  # in place: the tensor is words' memory
         masked, sequences, tokens, stop, anchors, corrupt = (int(x) for x in words)
         return StepCounts(masked, sequences, tokens, stop > 0, anchors, corrupt)
 
@@ -73,13 +62,10 @@ class CountAgreement:
 class StepPlanner:
     """This rank's block of every step, and the step's counts agreed over ranks on the host.
 
-    ``next_block(step)`` returns the block of ``step`` (after the rebalancer's exchange when
-    there is one, which ran behind the previous step) and keeps the facts of this rank's
-    share as drawn from the loader; ``agree(step, stop)`` sums them over ranks with the stop
-    request sampled now. The trainer agrees as a step begins, as the device all-reduce this
-    replaces did (a stop request seen then stops every rank after that step; a corrupt shard
-    stops the run at the step that reads it), but on the host: the device, still busy with
-    the previous step's queued work, never waits for it.
+    ``next_block(step)`` returns the block of ``step`` (after the rebalancer's exchange, which ran
+    behind the previous step) and keeps this rank's share as drawn from the loader; ``agree(step,
+    stop)`` sums its counts over ranks with the stop request sampled now, as the step begins (a stop
+    request seen then stops every rank after that step; a corrupt shard stops the run at its step).
     """
 
     def __init__(self, batches, loader, rebalancer, agreement: CountAgreement, coll, simreg_scope: str | None):
@@ -98,8 +84,7 @@ class StepPlanner:
         if not self.rebalancer:
             self._drawn[step] = next(self.batches)
             return self._drawn[step], None
-        # This step's samples, exchanged while the previous step computed; the next step's
-        # exchange now runs behind this one.
+        # This step's samples were exchanged while the previous step computed; the next one's runs behind this.
         with self.coll.guard("the rebalancing exchange", step + 1):
             block, rebalance = self.rebalancer.wait()
         self._drawn[step + 1] = next(self.batches)

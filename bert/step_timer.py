@@ -1,12 +1,10 @@
 """This rank's forward+backward compute time per training step, for ``data.rebalance=measured``.
 
-Hooks on the model, no line in the step: a training-mode forward starts an interval, the
-gradient of the first parameter (the embeddings, accumulated last) ends it, so the gradient
-all-reduce's final wait for the slowest rank is not counted. CUDA events read with
-``query()`` on a GPU (never a device wait: a step's time is known a step or two late),
-``time.perf_counter`` on the CPU. ``mark(step)`` (the rebalancer, as it hands out a step's
-block) files what was recorded since the last mark under that mark's step; ``ready()`` gives
-(step, seconds) of the filed steps whose events completed, oldest first. docs/rebalancing.md.
+Hooks on the model, no line in the step: a training-mode forward starts an interval, the gradient of
+the first parameter (the embeddings, accumulated last) ends it; CUDA events on a GPU, read with
+``query()`` (never a device wait), ``time.perf_counter`` on the CPU (docs/rebalancing.md). ``mark(step)``
+files what was recorded since the last mark under that mark's step; ``ready()`` gives (step, seconds)
+of the filed steps whose events completed, oldest first.
 """
 
 from __future__ import annotations

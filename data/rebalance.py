@@ -1,25 +1,10 @@
 """Cross-rank rebalancing of sequence lengths, the exchange: moves the planned samples.
 
-Where it sits: loader -> **rebalance** -> collate. With unpadded batches each rank's step time
-follows its own tokens, and every step waits for the slowest rank. Each step, every rank:
-
-1. all-gathers a fixed-size header: the step, the world size it expects, its sample count,
-   the first problem it found in its own block, and one int32 word per sample (length |
-   masked count << 16). One collective of ``W * (7 + B)`` int32 words;
-2. computes its part of the same plan from those lengths (``data.rebalance_plan``: the
-   strategies ``none``, ``stripe``, ``balanced``, the costs, ``assign``, ``plan_for_rank``);
-3. sends only the samples that change rank, with ONE variable-size ``all_to_all_single`` on
-   int32 words (``pack_samples`` / ``unpack_samples``), and rebuilds its block ordered by
-   (source rank, source index).
-
-``Rebalancer.start(block)`` runs the exchange for the next step in a background thread on
-its own gloo process group, so it overlaps the current step; ``wait()`` returns the block
-and ``ExchangeStats`` (imbalance before/after, samples moved, bytes, time, hidden fraction).
-
-``measured``: the header also carries this rank's newest measured step (``timer``) and its
-length features; every rank feeds the same gathered numbers to its ``OnlineModel``
-(``data.rebalance_fit``) and plans with its cost and speeds. docs/rebalancing.md.
-
+Between the loader and the collator, each step: one all-gather of a fixed-size header and one int32
+word per sample (length | masked count << 16), this rank's part of the plan (``data.rebalance_plan``),
+then ONE variable-size ``all_to_all_single`` of the samples that change rank (``pack_samples``); the
+block comes back ordered by (source rank, source index). ``Rebalancer.start`` runs the exchange in a
+background thread on its own gloo group, ``wait`` returns it. docs/rebalancing.md.
 Shapes: W ranks, B samples per rank.
 """
 
@@ -28,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -44,9 +29,8 @@ class RebalanceError(RuntimeError):
 
 
 _MAGIC = 0x52424C31  # "RBL1": a header that does not start with it is not ours
-# Per-step header of HEADER_WORDS (data.rebalance_plan) words, then one word per sample
-# (length | masked count << 16): magic, step, expected world size, sample count, error code,
-# error sample, error value
+# Per-step header of HEADER_WORDS (data.rebalance_plan) words: magic, step, expected world size, sample
+# count, error code, error sample, error value; then one word per sample (length | masked count << 16)
 _MAX_MASKED = (1 << 15) - 1
 _MAX_TOKEN_ID = (1 << 30) - 1  # a token word is input_id * 2 + segment_id
 
@@ -118,8 +102,7 @@ def check_block(block: SampleBlock, batch_size: int, max_len: int) -> tuple[int,
 def pack_samples(block: SampleBlock, idx: np.ndarray) -> np.ndarray:
     """int32 words of samples ``idx``, each [nsp, L x (id*2 + segment), m positions, m ids]."""
     sel = block.select(idx)
-    L = sel.seq_lens.astype(np.int64)
-    m = sel.masked_counts.astype(np.int64)
+    L, m = sel.seq_lens.astype(np.int64), sel.masked_counts.astype(np.int64)
     starts = _offsets(1 + L + 2 * m)
     out = np.empty(int(starts[-1]), dtype=np.int32)
     starts = starts[:-1]
@@ -135,8 +118,7 @@ def unpack_samples(
     words: np.ndarray, seq_lens: np.ndarray, masked_counts: np.ndarray, like: SampleBlock
 ) -> SampleBlock:
     """Inverse of ``pack_samples`` given each sample's length and masked count; dtypes of ``like``."""
-    L = seq_lens.astype(np.int64)
-    m = masked_counts.astype(np.int64)
+    L, m = seq_lens.astype(np.int64), masked_counts.astype(np.int64)
     starts = _offsets(1 + L + 2 * m)
     if int(starts[-1]) != len(words):
         raise RebalanceError(f"received {len(words)} words, the plan expects {int(starts[-1])}")
@@ -156,7 +138,7 @@ def unpack_samples(
 
 @dataclass
 class ExchangeStats:
-    """One step of rebalancing, as logged to metrics.jsonl (``as_dict``)."""
+    """One step of rebalancing; metrics.jsonl carries its fields (``bert.reporting.REBALANCE_FIELDS``)."""
 
     step: int
     strategy: str
@@ -176,33 +158,23 @@ class ExchangeStats:
     hidden_fraction: float  # 1 - wait_ms / exchange_ms, in [0, 1]
     fit: dict = field(default_factory=dict)  # measured: the cost and speeds the next plan uses
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 class Rebalancer:
     """Balances sequence lengths across the ranks of ``group``, one exchange per step.
 
-    strategy: "none" | "stripe" | "balanced"; cost: (a, b) of c(L) = a*L + b*L^2, or
-    (a, b, b_local, window) with local layers (``data.rebalance_plan.Cost``).
-    batch_size: samples per rank per step (every rank must hold exactly this many).
-    ramp: a batch-size warm-up (``data.batch_ramp.BatchRamp``): step s then holds
-        ``ramp.batch_size(s) / world_size`` samples per rank instead of ``batch_size``.
-    max_len: the longest allowed sequence. world_size: how many ranks this rank expects
-        (default: the group's size); a rank expecting another number is named in the error.
-    group_size, cross_rounds, tol: see ``assign``; with group_size (e.g. GPUs per node, for
-        thousands of ranks) each rank computes only its group's part of the plan.
-    group: a gloo process group; default: a new gloo group, created here, so the exchange
-        never queues behind (or in front of) the training collectives and can run in a
-        thread. Constructing a Rebalancer is collective: every rank must do it, in the same
-        order relative to other ``new_group`` calls.
-    timeout_s: the new group's collective timeout; a rank that stops calling the exchange
-        turns into a ``RebalanceError`` on the others after this long, never a hang.
-    measured: ``measured``'s (window steps, bound, rate) (``OnlineModel``); ``timer`` (a
-        ``bert.step_timer.StepTimer``) feeds it; without one it plans as ``balanced``.
-
-    ``exchange(block)`` runs one step synchronously; ``start(block)`` runs it in a
-    background thread and ``wait()`` returns ``(block, ExchangeStats)``.
+    strategy: one of ``STRATEGIES``; cost: a ``data.rebalance_plan.Cost`` or its tuple.
+    batch_size: samples per rank per step (every rank must hold exactly this many); with ``ramp`` (a
+        ``data.batch_ramp.BatchRamp``) step s holds ``ramp.batch_size(s) / world_size`` instead.
+    max_len: the longest allowed sequence. world_size: how many ranks this rank expects (default: the
+        group's size); a rank expecting another number is named in the error.
+    group_size, cross_rounds, tol: see ``assign``; with group_size each rank plans only its group's part.
+    group: a gloo process group; default: a new one, so the exchange never queues behind (or in front
+        of) the training collectives and can run in a thread. Constructing a Rebalancer is collective:
+        every rank must do it, in the same order relative to other ``new_group`` calls.
+    timeout_s: the new group's collective timeout; a rank that stops calling the exchange turns into a
+        ``RebalanceError`` on the others after this long, never a hang.
+    measured: (window steps, bound, rate) of the ``OnlineModel``; ``timer`` (a
+        ``bert.step_timer.StepTimer``, set by the caller) feeds it; without one it plans as ``balanced``.
     """
 
     def __init__(
@@ -235,18 +207,15 @@ class Rebalancer:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Rebalancer: torch.distributed is not initialised (call launch.distributed first)")
         self._dist = dist
-        self.strategy, self.cost, self.tol = strategy, cost, tol
+        self.strategy, self.cost, self.tol, self.ramp = strategy, cost, tol, ramp
         self.batch_size, self.max_len, self.timeout_s = batch_size, max_len, timeout_s
-        self.ramp = ramp
         if group is None:
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         elif dist.get_backend(group) != "gloo":
             raise ValueError(
                 f"group: the exchange moves CPU arrays and needs a gloo group, got {dist.get_backend(group)}"
             )
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
         self.expected_world_size = self.world_size if world_size is None else int(world_size)
         if group_size is not None and (group_size < 1 or self.world_size % group_size):
             raise ValueError(f"group_size: {group_size} does not divide the world size {self.world_size}")
@@ -257,9 +226,8 @@ class Rebalancer:
         self.online = OnlineModel(cost, self.world_size, *measured)  # the cost and speeds the plans use
         self._delivered: dict[int, tuple] = {}  # this rank's blocks' length features, by step
         self._snapshot = None  # the state the pending exchange started from (state_dict)
-        self._next_step = 0
+        self._next_step, self._result = 0, None
         self._thread: threading.Thread | None = None
-        self._result = None
         self._check_settings_agree()
 
     # -- collectives -------------------------------------------------------------------------
@@ -286,19 +254,9 @@ class Rebalancer:
     def _check_settings_agree(self) -> None:
         # Ranks with different settings would compute different plans; catch it once, here.
         settings = (*self.cost, self.tol, self.group_size, self.cross_rounds, self.ramp, self.measured)
-        cost_tol = zlib.crc32(repr(settings).encode()) & 0x7FFFFFFF
-        mine = np.array(
-            [
-                _MAGIC,
-                STRATEGIES.index(self.strategy),
-                cost_tol,
-                self.batch_size,
-                self.max_len,
-                self.expected_world_size,
-            ],
-            dtype=np.int32,
-        )
-        allv = self._all_gather(mine, -1, "the settings check")
+        crc = zlib.crc32(repr(settings).encode()) & 0x7FFFFFFF
+        mine = [_MAGIC, STRATEGIES.index(self.strategy), crc, self.batch_size, self.max_len, self.expected_world_size]
+        allv = self._all_gather(np.array(mine, dtype=np.int32), -1, "the settings check")
         problems = []
         for r in range(self.world_size):
             if allv[r, 0] != _MAGIC:
@@ -341,25 +299,19 @@ class Rebalancer:
 
     def _raise_bad_input(self, hdr: np.ndarray, step: int) -> None:
         problems = []
-        steps = hdr[:, 1]
         for r in range(self.world_size):
             if hdr[r, 0] != _MAGIC:
                 problems.append(f"rank {r}: sent a header that is not a Rebalancer's")
             elif hdr[r, 2] != self.world_size:
                 problems.append(f"rank {r}: expects world size {hdr[r, 2]}, the group has {self.world_size} ranks")
             elif hdr[r, 4] != 0:
-                text = _ERRORS.get(int(hdr[r, 4]), "error code {code}").format(
-                    index=hdr[r, 5],
-                    value=hdr[r, 6],
-                    batch_size=self.batch_size_at(step),
-                    max_len=self.max_len,
-                    code=hdr[r, 4],
-                )
-                problems.append(f"rank {r}: {text}")
-        if len(set(steps.tolist())) > 1:
+                text = _ERRORS.get(int(hdr[r, 4]), "error code {code}")
+                facts = dict(index=hdr[r, 5], value=hdr[r, 6], code=hdr[r, 4], max_len=self.max_len)
+                problems.append(f"rank {r}: " + text.format(**facts, batch_size=self.batch_size_at(step)))
+        steps = hdr[:, 1].tolist()
+        if len(set(steps)) > 1:
             problems.append(
-                "ranks disagree on the step: "
-                + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps.tolist()))
+                "ranks disagree on the step: " + ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))
             )
         if problems:
             more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
@@ -376,16 +328,9 @@ class Rebalancer:
         at = HEADER_WORDS + (MEASURE_WORDS if self.strategy == "measured" else 0)
         words = hdr[:, at:].astype(np.int64)  # [W, B]
         lengths, masked = words & 0xFFFF, words >> 16
-        plan = plan_for_rank(
-            lengths,
-            me,
-            self.strategy,
-            self.online.cost,
-            tol=self.tol,
-            group_size=self.group_size,
-            cross_rounds=self.cross_rounds,
-            speeds=self.online.speeds if self.strategy == "measured" else None,
-        )
+        speeds = self.online.speeds if self.strategy == "measured" else None
+        opts = dict(tol=self.tol, group_size=self.group_size, cross_rounds=self.cross_rounds, speeds=speeds)
+        plan = plan_for_rank(lengths, me, self.strategy, self.online.cost, **opts)
         t2 = time.perf_counter()
 
         sizes = 1 + lengths + 2 * masked  # [W, B] int32 words per packed sample
@@ -396,13 +341,11 @@ class Rebalancer:
         if self.strategy != "none":  # every rank takes part, even with nothing to send
             send = torch.from_numpy(pack_samples(block, send_idx))
             recv = torch.empty(int(out_splits.sum()), dtype=torch.int32)
-            self._collective(
-                "the sample all-to-all",
-                step,
-                lambda: self._dist.all_to_all_single(
-                    recv, send, out_splits.tolist(), in_splits.tolist(), group=self.group
-                ),
-            )
+
+            def all_to_all():
+                self._dist.all_to_all_single(recv, send, out_splits.tolist(), in_splits.tolist(), group=self.group)
+
+            self._collective("the sample all-to-all", step, all_to_all)
             received = unpack_samples(recv.numpy(), lengths[recv_r, recv_i], masked[recv_r, recv_i], block)
         t3 = time.perf_counter()
 
@@ -455,26 +398,24 @@ class Rebalancer:
 
     def state_dict(self) -> dict:
         """``measured``: the ``OnlineModel`` state the pending (or next) exchange plans from."""
-        if self.strategy != "measured":
-            return {}
-        return {"rebalance": self._snapshot or self.online.state_dict()}
+        return {"rebalance": self._snapshot or self.online.state_dict()} if self.strategy == "measured" else {}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` (one of another world size is left out)."""
         if self.strategy == "measured" and state.get("rebalance"):
             self.online.load_state_dict(state["rebalance"])
 
-    def _take_step(self, step: int | None) -> int:
+    def _begin(self, step: int | None) -> tuple[int, tuple | None]:
         s = self._next_step if step is None else int(step)
         self._next_step = s + 1
-        return s
+        return s, self._measurement(s)
 
     def exchange(self, block: SampleBlock, step: int | None = None) -> tuple[SampleBlock, ExchangeStats]:
         """Rebalance ``block`` now (blocking); ``step`` defaults to one more than the last."""
         if self._thread is not None:
             raise RuntimeError("Rebalancer.exchange: an exchange started with start() is pending; wait() first")
-        s = self._take_step(step)
-        out = self._exchange(block, s, self._measurement(s))
+        s, measure = self._begin(step)
+        out = self._exchange(block, s, measure)
         self._snapshot = None  # done: the next exchange plans from the live state
         if self.timer:
             self.timer.mark(s)
@@ -489,8 +430,7 @@ class Rebalancer:
         """Begin rebalancing ``block`` in the background (e.g. the next step's, during this one)."""
         if self._thread is not None:
             raise RuntimeError("Rebalancer.start: the previous exchange was not collected with wait()")
-        s = self._take_step(step)
-        measure = self._measurement(s)
+        s, measure = self._begin(step)
 
         def run():
             try:
@@ -507,14 +447,12 @@ class Rebalancer:
         if self._thread is None:
             raise RuntimeError("Rebalancer.wait: nothing was started")
         t0 = time.perf_counter()
-        # The collectives time out after timeout_s each (three of them at most); this bound
-        # only matters if the thread is stuck outside them.
-        self._thread.join(timeout=4 * self.timeout_s + 30)
+        # Each collective times out after timeout_s (three at most): this bound is for a thread stuck outside them.
+        most = 4 * self.timeout_s + 30
+        self._thread.join(timeout=most)
         waited = (time.perf_counter() - t0) * 1e3
         if self._thread.is_alive():
-            raise RebalanceError(
-                f"rebalance: rank {self.rank}: the exchange thread did not finish within {4 * self.timeout_s + 30:g} s"
-            )
+            raise RebalanceError(f"rebalance: rank {self.rank}: the exchange thread did not finish within {most:g} s")
         self._thread, result, self._result = None, self._result, None
         if isinstance(result, BaseException):
             raise result

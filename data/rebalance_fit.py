@@ -1,15 +1,10 @@
 """Online fit of the rebalancer's cost model and a speed per rank, from measured step times.
 
-``fit_online``: a window of steps per rank, each its forward+backward seconds and length
-features (sum L, sum L^2, sum L*min(L, window): the terms of ``data.rebalance_plan.Cost``),
-under time = cost(features) / speed[rank]; speeds and cost refitted in turn (3 rounds), the
-cost scaled so the window's total equals the configured model's (only c(L)'s shape changes).
-The configured cost is kept below ``min_steps`` steps, for a singular system or a relative
-RMS residual above ``max_residual``; each coefficient stays within a factor ``bound`` of the
-configured one. ``OnlineModel``: the window and the cost and speeds the plans use, with the
-noise and change safeguards of docs/rebalancing.md. Deterministic: every sum is ``math.fsum``
-of elementwise IEEE operations, the solve in Python floats, so ranks with the same numbers
-get the same fit bit for bit.
+``fit_online`` fits a window of steps per rank (forward+backward seconds and the length features of
+``data.rebalance_plan.Cost``) under time = cost(features) / speed[rank]; ``OnlineModel`` keeps the
+window and the cost and speeds the plans use, with the safeguards of docs/rebalancing.md.
+Deterministic: every sum is ``math.fsum`` of elementwise IEEE operations, the solve in Python floats,
+so ranks with the same numbers get the same fit bit for bit.
 """
 
 from __future__ import annotations
@@ -71,7 +66,12 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 
 def fit_online(features, times, configured, *, min_steps: int = 8, bound: float = 4.0, max_residual=0.25) -> Fit:
     """Fit ``Cost`` and per-rank speeds to ``features`` [W][T][3] and ``times`` [W][T] (seconds).
-    Ranks with no steps yet get the mean speed of the others (1.0 when none has any)."""
+
+    Speeds and cost are refitted in turn (3 rounds), the cost scaled so the window's total equals the
+    configured model's (only c(L)'s shape changes), each coefficient within a factor ``bound`` of the
+    configured one. The configured cost is kept (``fitted`` False) while the median rank has fewer than
+    ``min_steps`` steps, for a singular system or a relative RMS residual above ``max_residual``. Ranks
+    with no steps yet get the mean speed of the others (1.0 when none has any)."""
     cfg = check_cost(configured)
     if bound < 1 or not math.isfinite(bound):
         raise ValueError(f"fit_online: bound must be a finite factor >= 1, got {bound}")
@@ -116,7 +116,6 @@ def fit_online(features, times, configured, *, min_steps: int = 8, bound: float 
     # Columns scaled by the configured coefficients: the unknowns are then ratios near 1.
     X, n = F[:, cols] * np.array([base[i] for i in cols]), len(cols)
     m = [[_sum(X[:, i] * X[:, j]) for j in range(n)] for i in range(n)]
-    # Alternate: speeds from the current cost, then the cost from those speeds (3 rounds).
     for _ in range(3):
         y = t * np.repeat(speeds, counts)  # each step's time in cost units
         ratios = _solve(m, [_sum(X[:, i] * y) for i in range(n)])
@@ -125,7 +124,6 @@ def fit_online(features, times, configured, *, min_steps: int = 8, bound: float 
         coef = [0.0, 0.0, 0.0]
         for q, i in zip(ratios, cols):
             coef[i] = min(max(q, 1.0 / bound), bound) * base[i]
-        # Same total cost over the window as the configured model: only the shape of c(L) changes.
         norm = _sum(_costs(cfg, F)) / _sum(_costs(Cost(*coef, cfg.window), F))
         fitted = Cost(coef[0] * norm, coef[1] * norm, coef[2] * norm, cfg.window)
         speeds = speeds_for(fitted)
@@ -137,7 +135,6 @@ def fit_online(features, times, configured, *, min_steps: int = 8, bound: float 
 
 
 NOISE_Z = 5.0  # standard errors that count as a change of speed
-
 RECENT = 6  # steps that show a rank's change of speed
 
 
@@ -183,9 +180,8 @@ class OnlineModel:
         steps = sorted(counts)[self.world_size // 2]
         target = [1.0] * self.world_size
         if steps >= min_steps:
-            # A speed within z standard errors (of its steps' scatter, at least the median rank's;
-            # z above the largest of W normal draws: 5.0 at W = 512) of the median is the median,
-            # or noise would give the most over-estimated rank too much work; so is one of < 2 steps.
+            # A speed within z standard errors of the median is the median, as is one of < 2 steps,
+            # so noise gives no rank extra work (docs/rebalancing.md, safeguards).
             z = 1.5 + math.sqrt(2 * math.log(max(self.world_size, 2)))
             mid, typical = (sorted(x)[self.world_size // 2] for x in (fit.speeds, fit.scatter))
             near = [

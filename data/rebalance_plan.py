@@ -1,26 +1,11 @@
 """Cross-rank rebalancing of sequence lengths, the plan: which rank holds which sample.
 
-Pure and deterministic: numpy only, no process group (``data.rebalance`` runs the exchange
-that carries the plan out, ``bench.rebalance_sim`` simulates it at thousands of ranks). Every
-rank computes the same plan from the lengths all ranks gathered: integer arithmetic and
-sorts on unique keys, so the results are bit-identical everywhere.
-
-Strategies: ``none`` (identity), ``stripe`` (the MLPerf submissions: sort all W*B sequences
-by length, rank r takes every W-th from offset r), ``balanced``: samples stay where they
-are, then the most and least loaded ranks swap samples in pairs until max/mean cost is
-within ``tol`` of 1 (``_Swapper``), and ``measured``: the same with a speed per rank, each
-rank's share of the cost in proportion to its speed (equal predicted times cost / speed).
-Each sample moves at most once. With ``group_size`` G it is hierarchical: a few rounds of
-pairs across the job, chosen from loads alone, then balancing inside groups of G ranks; a
-rank then computes only what its group depends on, O(G * 2**cross_rounds * B) instead of
-O(W * B) per round. Every rank keeps exactly B samples, so the global batch is the same set
-of samples, only placed differently.
-
-``assign`` gives the whole plan (``Assignment``); ``plan_for_rank`` one rank's part of it
-(``RankPlan``: what it sends and receives); the cost of a sample is
-c(L) = a*L + b*L^2 + b_local*L*min(L, window) (``Cost``: the linear layers, the global
-attention layers and the sliding-window ones; ``DEFAULT_COST`` from BERT-large's FLOPs,
-which has no local layers; ``bench.fit_cost`` fits a, b, b_local to measured layer times).
+Pure and deterministic: numpy only, no process group (``data.rebalance`` carries the plan out,
+``bench.rebalance_sim`` simulates it at thousands of ranks). Every rank computes the same plan from
+the lengths all ranks gathered: integer costs and sorts on unique keys, so it is bit-identical
+everywhere. Every rank keeps exactly B samples and each sample moves at most once. ``assign`` gives
+the whole plan (``Assignment``), ``plan_for_rank`` one rank's part of it (``RankPlan``). The
+strategies (``STRATEGIES``), the hierarchical mode and the cost model: docs/rebalancing.md.
 
 Shapes: W ranks, B samples per rank, N = W * B samples in the global batch.
 """
@@ -34,9 +19,8 @@ import numpy as np
 
 from data.samples import _offsets
 
-# The exchange all-gathers, per rank, a header of HEADER_WORDS int32 words (MEASURE_WORDS
-# more with ``measured``) and one word per sample (its length and masked count): the plan's
-# input. Named here so that the simulator counts the exchange's bytes without importing it.
+# The exchange all-gathers per rank a header of HEADER_WORDS int32 words (MEASURE_WORDS more with ``measured``),
+# then one word per sample: the plan's input. Named here so the simulator counts its bytes without importing it.
 HEADER_WORDS = 7
 MEASURE_WORDS = 9
 
@@ -45,14 +29,12 @@ _SPEED_STEPS = 1 << 10  # measured: speeds as integer weights, so every rank get
 
 
 class Cost(NamedTuple):
-    """Per-sample cost c(L) = a*L + b*L^2 + b_local*L*min(L, window) (arbitrary units; only
-    ratios matter).
+    """Per-sample cost c(L) = a*L + b*L^2 + b_local*L*min(L, window) (arbitrary units; only ratios matter).
 
-    a: the per-token work of every layer (projections, MLP, norms); b: the global attention
-    layers together (each query attends to all L keys); b_local, window: the sliding-window
-    layers together, where a query attends to at most ``window`` keys (the band |i - j| <=
-    window // 2 holds window + 1 keys; the +1 is left in a). A model with n_g global and n_l
-    local layers has b = n_g * b_layer and b_local = n_l * b_layer_local.
+    a: the per-token work of every layer (projections, MLP, norms); b: the global attention layers
+    together (each query attends to all L keys); b_local, window: the sliding-window layers together,
+    where a query attends to at most ``window`` keys (the band |i - j| <= window // 2 holds window + 1
+    keys; the +1 is left in a). n_g global and n_l local layers: b = n_g * b_layer, b_local = n_l * b_layer_local.
     """
 
     a: float
@@ -61,21 +43,13 @@ class Cost(NamedTuple):
     window: int = 0
 
 
-# BERT-large (24 layers, hidden h = 1024, intermediate 4h), FLOPs per token, fwd + bwd = 3x fwd:
-#   linear layers: QKV + output projection 4 * (2*h*h) + FFN 2 * (2*h*4h) = 24 h^2 per layer,
-#                  -> 24 layers * 3 * 24 h^2 = 1728 h^2 per token, independent of L;
-#   attention:     scores (2*L*h) + weighted sum of V (2*L*h) = 4 L h per layer,
-#                  -> 24 layers * 3 * 4 L h = 288 h L per token, so 288 h L^2 per sequence.
-# c(L) = 1728 h^2 L + 288 h L^2  ~  L + L^2 / (6 h): a = 1, b = 1 / 6144 (attention equals
-# the linear layers at L = 6144; at L = 512 it adds 8%). Embeddings and the MLM head (only at
-# masked positions) are left out: they are a few % and also linear in L. Kernels do not reach
-# equal FLOP/s on both parts, so measured step times can be fitted to a and b instead.
+# BERT-large's FLOPs (h = 1024): c(L) = 1728 h^2 L + 288 h L^2 ~ L + L^2 / (6 h), so a = 1 and b = 1 / 6144
+# (derived in docs/rebalancing.md). Measured step times can be fitted to a and b instead.
 BERT_LARGE_HIDDEN = 1024
 DEFAULT_COST = Cost(a=1.0, b=1.0 / (6 * BERT_LARGE_HIDDEN))
 
-# Integer costs: every rank must compute a bit-identical plan, and float sums may round
-# differently across CPUs (SIMD widths); integer sums cannot. A sample of maximal length
-# costs 2**20, so W*B*2**20 stays far inside int64 for any realistic W.
+# Integer costs: every rank must compute a bit-identical plan, and float sums may round differently across
+# CPUs (SIMD widths); integer sums cannot. A sample of maximal length costs 2**20, so W*B*2**20 stays far inside int64.
 _COST_SCALE_MAX = 1 << 20
 
 
@@ -92,13 +66,10 @@ def imbalance(costs, weights=None) -> float:
     c = np.asarray(costs, dtype=np.float64)
     if c.ndim != 1 or c.size == 0:
         raise ValueError(f"imbalance: expected a non-empty 1-D array of per-rank costs, got shape {c.shape}")
-    mean = c.mean()
-    if mean <= 0:
+    if c.mean() <= 0:
         raise ValueError("imbalance: per-rank costs must have a positive mean")
-    if weights is not None:
-        w = np.asarray(weights, dtype=np.float64)
-        return float((c / w).max() / (c.sum() / w.sum()))
-    return float(c.max() / mean)
+    w = np.ones_like(c) if weights is None else np.asarray(weights, dtype=np.float64)
+    return float((c / w).max() / (c.sum() / w.sum()))
 
 
 @dataclass(frozen=True)
@@ -121,17 +92,9 @@ class Assignment:
     weights: np.ndarray | None = None
 
     @property
-    def world_size(self) -> int:
-        return self.src_rank.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return self.src_rank.shape[1]
-
-    @property
     def moved(self) -> int:
         """Samples that change rank (each is sent once and received once)."""
-        return int((self.dest_rank != np.arange(self.world_size)[:, None]).sum())
+        return int((self.dest_rank != np.arange(len(self.dest_rank))[:, None]).sum())
 
     @property
     def imbalance_before(self) -> float:
@@ -202,12 +165,11 @@ def _stripe(L: np.ndarray) -> np.ndarray:
 class _Swapper:
     """Pairwise swaps between ranks, on integer costs, where every sample moves at most once.
 
-    State, for the ranks whose samples are tracked (``rows``): ``K[x]`` holds one int64 key
-    per sample still at its own rank x, cost in the high bits and global id in the low bits,
-    sorted ascending when used (``swap``); positions of samples that left (or that x
-    received, which are frozen where they land) hold -1 and sort first. Moving each sample at most once is what lets a
-    rank compute only its part of the plan (``plan_for_rank``): a sender knows where its
-    samples end up without following them further.
+    State, for the ranks whose samples are tracked (``rows``): ``K[x]`` holds one int64 key per sample
+    still at its own rank x, cost in the high bits and global id in the low bits, sorted ascending when
+    used (``swap``); positions of samples that left (or that x received, which are frozen where they
+    land) hold -1 and sort first. Moving each sample at most once is what lets a rank compute only its
+    part of the plan (``plan_for_rank``): a sender knows where its samples end up without following them.
     """
 
     def __init__(self, q: np.ndarray, L: np.ndarray, load: np.ndarray, rows: np.ndarray, fine_candidates: int = 8):
@@ -221,17 +183,17 @@ class _Swapper:
         self.nfz = np.zeros(W, dtype=np.int64)  # frozen (-1) entries per row
         self.load = load.copy()
         self.nf = min(fine_candidates, B)
-        self.moved_gid: list[np.ndarray] = []
-        self.moved_to: list[np.ndarray] = []
+        self.moved_gid: list[np.ndarray] = [np.zeros(0, np.int64)]
+        self.moved_to: list[np.ndarray] = [np.zeros(0, np.int64)]
 
     def swap(self, over: np.ndarray, under: np.ndarray, t: np.ndarray) -> int:
         """Move about t[p] of cost from rank over[p] to rank under[p] for every pair p.
 
-        First whole swaps of the heavy rank's largest samples against the light rank's
-        smallest (most cost per moved pair, so fewest moves), then one "fine" swap whose cost
-        difference is nearest to what is left, among ``nf`` of the heavy rank's samples spread
-        over its row (equal costs, e.g. many L = 512, are no choice) and, for each, the light
-        rank's sample nearest to it (one vectorised searchsorted). Returns the samples moved.
+        First whole swaps of the heavy rank's largest samples against the light rank's smallest (most
+        cost per moved pair, so fewest moves), then one "fine" swap whose cost difference is nearest to
+        what is left, among ``nf`` of the heavy rank's samples spread over its row (equal costs, e.g.
+        many L = 512, are no choice) and, for each, the light rank's sample nearest to it (one
+        vectorised searchsorted). Returns the samples moved.
         """
         B, sh, big = self.B, self.shift, self.big
         P = len(over)
@@ -283,9 +245,8 @@ class _Swapper:
             return 0
         ro, ru = over[pp], under[pp]
         co, cu = B - 1 - i_o, j_u + self.nfz[under][pp]
-        gid_o = self.K[ro, co] & ((1 << sh) - 1)
-        gid_u = self.K[ru, cu] & ((1 << sh) - 1)
-        self.moved_gid += [gid_o, gid_u]
+        gid_mask = (1 << sh) - 1
+        self.moved_gid += [self.K[ro, co] & gid_mask, self.K[ru, cu] & gid_mask]
         self.moved_to += [ru, ro]
         delta = np.bincount(pp, weights=(a[pp, i_o] - b[pp, j_u]), minlength=P).astype(np.int64)
         self.load[over] -= delta
@@ -298,13 +259,12 @@ class _Swapper:
         return 2 * len(pp)
 
     def balance_groups(self, groups: np.ndarray, tol: float, max_rounds: int, w: np.ndarray) -> None:
-        """Balance the ranks within each row of ``groups`` [ng, G] towards their group's mean
-        (rank r's share in proportion to its weight ``w[r]``; all ones: equal shares).
+        """Balance the ranks within each row of ``groups`` [ng, G] towards their group's mean (rank r's
+        share in proportion to its weight ``w[r]``; all ones: equal shares).
 
-        Each round pairs the i-th most loaded rank of a group with its i-th least loaded and
-        moves t = min(excess, half the gap): the pair ends equal, or the heavy one at the mean
-        when the light one has room to spare. Ranks within ``tol`` of the mean are left alone,
-        which is what keeps moves low.
+        Each round pairs the i-th most loaded rank of a group with its i-th least loaded and moves
+        t = min(excess, half the gap): the pair ends equal, or the heavy one at the mean when the light
+        one has room to spare. Ranks within ``tol`` of the mean are left alone, which keeps moves low.
         """
         ng, G = groups.shape
         half = G // 2
@@ -331,19 +291,15 @@ class _Swapper:
 
     def dest(self) -> tuple[np.ndarray, np.ndarray]:
         """(global ids, destination ranks) of every sample moved so far."""
-        if not self.moved_gid:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(self.moved_gid), np.concatenate(self.moved_to)
 
 
-def _cross_group_pairs(
-    load: np.ndarray, tol: float, rounds: int, w: np.ndarray
-) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The pairs (over, under, t) of each cross-group round, from loads alone.
+def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int, w: np.ndarray) -> tuple[list, np.ndarray]:
+    """The pairs (over, under, t) of each cross-group round, from loads alone, and the loads they predict.
 
-    Pairing uses loads *predicted* by assuming every pair moves exactly t, so it needs no
-    sample: every rank computes the same pairs in O(W log W) per round, and each pair's
-    actual swap depends only on the two ranks' histories (see ``plan_for_rank``).
+    Pairing uses loads *predicted* by assuming every pair moves exactly t, so it needs no sample: every
+    rank computes the same pairs in O(W log W) per round, and each pair's actual swap depends only on
+    the two ranks' histories (see ``plan_for_rank``).
     """
     W = len(load)
     p = load.copy()
@@ -364,47 +320,27 @@ def _cross_group_pairs(
         p[over] -= t
         p[under] += t
         out.append((over, under, t))
-    return out
+    return out, p
 
 
-def _balanced_moves(
-    L: np.ndarray,
-    q: np.ndarray,
-    tol: float,
-    max_rounds: int,
-    group_size: int | None,
-    cross_rounds: int,
-    only_group: int | None = None,
-    load: np.ndarray | None = None,
-    w: np.ndarray | None = None,
-):
+def _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group=None):
     """(moved global ids, their destinations, loads after, planned loads after) of ``balanced``.
 
-    Loads after are exact for the ranks whose samples were followed (all, unless
-    ``only_group``); planned loads assume every cross-group pair moved exactly its target and
-    every group then reached its mean (equal to the loads after for the flat plan).
-
-    Flat (``group_size`` None): all ranks form one group, balanced by ``_Swapper.balance_groups``.
-    Hierarchical: ``cross_rounds`` rounds of pairs across the whole job (``_cross_group_pairs``),
-    then balance within groups of ``group_size`` consecutive ranks (a node). With
-    ``only_group`` set, only the swaps that group's final samples depend on are computed: its
-    ranks' partners in the last cross round, their partners in the round before, and so on,
-    at most group_size * 2**cross_rounds ranks, whatever W is. The moves this returns for
-    pairs that touch that group are exactly those of the full computation.
+    ``load``: [W] quantised loads before; ``w``: [W] speed weights or None (all equal). Loads after are
+    exact for the ranks whose samples were followed (all, unless ``only_group``); planned loads assume
+    every cross-group pair moved exactly its target and every group then reached its mean.
+    Hierarchical (``group_size`` < W): ``cross_rounds`` rounds of pairs across the job, then balancing
+    within groups of ``group_size`` consecutive ranks (a node). With ``only_group``, only the swaps that
+    group's final samples depend on are computed (its ranks' partners in the last cross round, theirs
+    in the round before, ...: at most group_size * 2**cross_rounds ranks, whatever W is), exactly as
+    the full computation does them.
     """
     W, B = L.shape
     w = np.ones(W, np.int64) if w is None else w
-    if load is None:
-        load = q[L].sum(1)  # one pass over W*B; everything else below is O(group) with only_group
-    if group_size is None or group_size >= W:
-        sw = _Swapper(q, L, load, np.arange(W))
-        sw.balance_groups(np.arange(W)[None, :], tol, max_rounds, w)
-        gid, to = sw.dest()
-        return gid, to, sw.load, sw.load
-    G = group_size
+    G = W if group_size is None or group_size >= W else group_size  # flat: one group, no cross rounds
     if W % G:
         raise ValueError(f"group_size: {G} does not divide the world size {W}")
-    pairs = _cross_group_pairs(load, tol, cross_rounds, w)
+    pairs, planned = _cross_group_pairs(load, tol, cross_rounds if G < W else 0, w)
     if only_group is None:
         needed = [np.ones(W, bool)] * (len(pairs) + 1)
     else:
@@ -415,10 +351,9 @@ def _balanced_moves(
         for over, under, _ in reversed(pairs):
             partner = np.full(W, -1)
             partner[over], partner[under] = under, over
-            prev = need.copy()
-            prev[partner[need & (partner >= 0)]] = True
-            needed.insert(0, prev)
-            need = prev
+            need = need.copy()
+            need[partner[need & (partner >= 0)]] = True
+            needed.insert(0, need)
     sw = _Swapper(q, L, load, np.flatnonzero(needed[0]))
     for r, (over, under, t) in enumerate(pairs):
         keep = needed[r + 1][over] | needed[r + 1][under]
@@ -429,10 +364,6 @@ def _balanced_moves(
         groups = groups[only_group : only_group + 1]
     sw.balance_groups(groups, tol, max_rounds, w)
     gid, to = sw.dest()
-    planned = load.copy()
-    for over, under, t in pairs:
-        planned[over] -= t
-        planned[under] += t
     wg = w.reshape(W // G, G)  # each group's total, shared in proportion to the weights
     planned = (planned.reshape(W // G, G).sum(1)[:, None] * wg / wg.sum(1)[:, None]).ravel()
     return gid, to, sw.load, planned
@@ -451,16 +382,13 @@ def assign(
     """The plan every rank computes identically from the all-gathered lengths.
 
     lengths_per_rank: [W, B] integer array (or a list of W arrays of B lengths), all >= 1.
-    strategy: "none" | "stripe" | "balanced" | "measured" (``balanced`` with ``speeds``, W
-        positive numbers: rank r's share of the cost in proportion to speeds[r]).
-    cost: (a, b) of c(L) = a*L + b*L^2, or (a, b, b_local, window) (``Cost``); default from
-        BERT-large FLOPs (``DEFAULT_COST``).
-    tol: ``balanced`` stops moving samples once max/mean cost <= 1 + tol; assignments within
-        tol count as equally balanced and the one with fewer moves is preferred.
-    group_size, cross_rounds: ``balanced`` only. None: one flat balancing over all ranks.
-        A number G (e.g. the GPUs of a node): ``cross_rounds`` rounds of pairs across the job,
-        then balancing within groups of G consecutive ranks, which lets each rank compute just
-        its own part (``plan_for_rank``); this function computes every part.
+    strategy: one of ``STRATEGIES``; ``measured`` is ``balanced`` with ``speeds``, W positive numbers:
+        rank r's share of the cost in proportion to speeds[r]. cost: a ``Cost`` or its tuple.
+    tol: ``balanced`` stops moving samples once max/mean cost <= 1 + tol; assignments within tol count
+        as equally balanced and the one with fewer moves is preferred.
+    group_size, cross_rounds: ``balanced`` only. None: one flat balancing over all ranks. A number G
+        (e.g. the GPUs of a node): ``cross_rounds`` rounds of pairs across the job, then balancing
+        within groups of G consecutive ranks, so each rank can compute just its part (``plan_for_rank``).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -474,25 +402,17 @@ def assign(
     exact, q = _cost_tables(int(L.max()), cost)
     unit = exact[-1] / q[-1]  # reported costs: quantised costs in the caller's units
     load = q[L].sum(1)  # [W]
+    ranks = np.repeat(np.arange(W, dtype=np.int32), B)  # [N]: each sample's own rank
     if strategy == "none":
-        ranks = np.broadcast_to(np.arange(W, dtype=np.int32)[:, None], (W, B))
-        before = load * unit
-        return Assignment(
-            strategy,
-            src_rank=ranks,
-            src_index=np.broadcast_to(np.arange(B, dtype=np.int32), (W, B)),
-            dest_rank=ranks,
-            costs_before=before,
-            costs_after=before,
-        )
-    if strategy == "stripe":
+        G, after, dest = np.arange(W * B).reshape(W, B), load, ranks
+    elif strategy == "stripe":
         G = np.sort(_stripe(L), axis=1)  # deterministic order: by (source rank, source index)
         after = q[L].ravel()[G].sum(1)
         dest = np.empty(W * B, dtype=np.int32)
-        dest[G.ravel()] = np.repeat(np.arange(W, dtype=np.int32), B)
+        dest[G.ravel()] = ranks
     else:
-        gid, to, after, _ = _balanced_moves(L, q, tol, max_rounds, group_size, cross_rounds, load=load, w=w)
-        dest = np.repeat(np.arange(W, dtype=np.int32), B)
+        gid, to, after, _ = _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds)
+        dest = ranks.copy()
         dest[gid] = to
         # stable: within a rank, by global id = (source rank, source index); int16 sorts in O(N)
         G = np.argsort(dest.astype(np.int16) if W < 1 << 15 else dest, kind="stable").reshape(W, B)
@@ -509,8 +429,8 @@ def assign(
 
 
 def _weights_for(strategy: str, speeds, W: int) -> np.ndarray | None:
-    """``measured``'s integer weights [W] (1/1024 steps of the fastest speed); equal speeds
-    give all ones, so ``measured`` then plans exactly as ``balanced``. None otherwise."""
+    """``measured``'s integer weights [W] (1/1024 steps of the fastest speed); equal speeds give all
+    ones, so ``measured`` then plans exactly as ``balanced``. None otherwise."""
     if (strategy == "measured") != (speeds is not None):
         raise ValueError(f"speeds: needed by strategy 'measured' and only by it (strategy {strategy!r})")
     if speeds is None:
@@ -526,12 +446,11 @@ def _weights_for(strategy: str, speeds, W: int) -> np.ndarray | None:
 class RankPlan:
     """One rank's part of the plan: what it sends and what it receives.
 
-    send_index, send_dest: [S] the samples of this rank's batch that leave, and where to;
-        ordered by (destination, index), the order they are packed for the all-to-all.
+    send_index, send_dest: [S] the samples of this rank's batch that leave, and where to; ordered by
+        (destination, index), the order they are packed for the all-to-all.
     recv_rank, recv_index: [R] the samples that arrive, ordered by (source rank, index).
-    imbalance_before: exact. imbalance_after: exact, except with ``group_size`` where each
-        rank follows only its own group: then it is planned (cross-group pairs assumed to
-        hit their targets, groups their means).
+    imbalance_before: exact. imbalance_after: exact, except with ``group_size`` where each rank follows
+        only its own group: then it is planned (cross-group pairs hit their targets, groups their means).
     moved: samples that change rank, over all ranks; None where only planned.
     """
 
@@ -564,39 +483,20 @@ def plan_for_rank(
         raise ValueError(f"rank: expected 0..{W - 1}, got {rank}")
     if strategy not in ("balanced", "measured") or group_size is None or group_size >= W:
         A = assign(L, strategy, cost, tol, max_rounds, group_size, cross_rounds, speeds)
-        dest = A.dest_rank[rank]
-        send = np.argsort(dest, kind="stable")
-        send = send[dest[send] != rank]
-        incoming = A.src_rank[rank] != rank
-        return RankPlan(
-            rank,
-            send_index=send,
-            send_dest=dest[send].astype(np.int64),
-            recv_rank=A.src_rank[rank][incoming].astype(np.int64),
-            recv_index=A.src_index[rank][incoming].astype(np.int64),
-            imbalance_before=A.imbalance_before,
-            imbalance_after=A.imbalance_after,
-            moved=A.moved,
-        )
-    if not 0 <= tol < 1:
-        raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
-    w = _weights_for(strategy, speeds, W)
-    _, q = _cost_tables(int(L.max()), cost)
-    load = q[L].sum(1)
-    gid, to, _, planned = _balanced_moves(
-        L, q, tol, max_rounds, group_size, cross_rounds, only_group=rank // group_size, load=load, w=w
-    )
+        dest = A.dest_rank.ravel().astype(np.int64)
+        gid = np.flatnonzero(dest != np.arange(W * B) // B)  # the samples that change rank
+        to, before, after, moved = dest[gid], A.imbalance_before, A.imbalance_after, A.moved
+    else:
+        if not 0 <= tol < 1:
+            raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
+        w = _weights_for(strategy, speeds, W)
+        _, q = _cost_tables(int(L.max()), cost)
+        load = q[L].sum(1)  # one pass over W*B; everything else is O(group_size * 2**cross_rounds * B)
+        only_group = rank // group_size
+        gid, to, _, planned = _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group)
+        before, after, moved = imbalance(load, w), imbalance(planned, w), None
     out = (gid // B == rank) & (to != rank)
     send_dest, send_index = to[out], gid[out] % B
     order = np.lexsort((send_index, send_dest))
-    recv = np.sort(gid[to == rank])
-    return RankPlan(
-        rank,
-        send_index=send_index[order],
-        send_dest=send_dest[order],
-        recv_rank=recv // B,
-        recv_index=recv % B,
-        imbalance_before=imbalance(load, w),
-        imbalance_after=imbalance(planned, w),
-        moved=None,
-    )
+    recv = np.sort(gid[to == rank])  # by global id: (source rank, source index)
+    return RankPlan(rank, send_index[order], send_dest[order], recv // B, recv % B, before, after, moved)
