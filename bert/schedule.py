@@ -64,22 +64,16 @@ def lr_at_tensor(
 
 
 class PolyWarmupScheduler:
-    """Sets ``lr_at(step)`` in every parameter group of ``optimizer``.
+    """Sets ``lr_at(step)`` in every parameter group of ``optimizer``: ``optim``'s peak ``lr``,
+    ``warmup_steps`` from ``start_warmup_step`` and decay of ``poly_power`` over ``max_steps``, or with
+    ``optim.schedule`` wsd / wsd_linear ``wsd_lr_at`` (the final decay over ``optim.decay_steps``).
+    The groups start at update 0's rate; each ``step()`` (after an applied update) sets the next.
+    ``state_dict()`` holds only the count: the hyper-parameters come from the config on resume.
 
-    The schedule of ``optim`` (a ``bert.train_config.OptimSection``): peak ``optim.lr``,
-    ``optim.warmup_steps`` from ``optim.start_warmup_step``, decay of power ``optim.poly_power``
-    over the run's ``max_steps``. With
-    ``optim.schedule`` ``wsd`` it is ``wsd_lr_at`` instead: warm-up, constant, and a decay
-    (``optim.decay_shape``: wsd_linear's is linear) over the last ``optim.decay_steps`` of those steps.
-    At construction the groups get the rate of update 0; each ``step()`` (called after an
-    applied update) advances the count and sets the next rate. ``state_dict()`` holds only
-    the count: the hyper-parameters come from the configuration when a run resumes.
-
-    ``device`` given: the count and the rate live on that device, the rate as one 0-dim
-    float64 tensor that every group holds (``group["lr"]``, updated in place, so a captured
-    graph sees each new value), and ``step(found_inf)`` advances the count only where
-    ``found_inf`` is zero, without the host reading it. ``step_count`` and ``last_lr`` then
-    read the device (for logs and checkpoints, not inside a step).
+    ``device`` given: the count and the rate live on that device, the rate as one 0-dim float64
+    tensor every group holds (updated in place, so a captured graph sees each new value), and
+    ``step(found_inf)`` advances the count only where ``found_inf`` is zero, without a host read.
+    ``step_count`` and ``last_lr`` then read the device (for logs and checkpoints, not in a step).
     """
 
     def __init__(
@@ -90,43 +84,35 @@ class PolyWarmupScheduler:
         end_lr: float = 0.0,
         device: torch.device | str | None = None,
     ):
-        base_lr, total_steps, warmup_steps = optim.lr, max_steps, optim.warmup_steps
-        start_warmup_step, power = optim.start_warmup_step, optim.poly_power
-        _check(math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}")
-        _check(
-            isinstance(total_steps, int) and total_steps >= 1,
-            "total_steps",
-            f"must be an integer >= 1, got {total_steps!r}",
-        )
-        _check(
-            isinstance(warmup_steps, int) and warmup_steps >= 0,
-            "warmup_steps",
-            f"must be an integer >= 0, got {warmup_steps!r}",
-        )
-        _check(
-            isinstance(start_warmup_step, int), "start_warmup_step", f"must be an integer, got {start_warmup_step!r}"
-        )
-        _check(math.isfinite(power) and power >= 0, "power", f"must be finite and >= 0, got {power}")
-        _check(
-            math.isfinite(end_lr) and 0 <= end_lr <= base_lr,
-            "end_lr",
-            f"must lie in [0, base_lr={base_lr}], got {end_lr}",
-        )
-        self.optimizer = optimizer
-        self.base_lr = float(base_lr)
-        self.total_steps = total_steps
-        self.warmup_steps = warmup_steps
-        self.start_warmup_step = start_warmup_step
-        self.power = float(power)
-        self.end_lr = float(end_lr)
-        self.decay_steps, self.decay_shape = optim.decay_steps, optim.decay_shape
-        self.schedule = "poly" if optim.schedule == "poly" else "wsd"
-        if self.schedule == "wsd":
-            _check(
-                warmup_steps + self.decay_steps <= total_steps,
+        base_lr, warmup, start, power = optim.lr, optim.warmup_steps, optim.start_warmup_step, optim.poly_power
+        total, wsd = max_steps, optim.schedule != "poly"
+        for ok, name, what in (
+            (math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}"),
+            (isinstance(total, int) and total >= 1, "total_steps", f"must be an integer >= 1, got {total!r}"),
+            (isinstance(warmup, int) and warmup >= 0, "warmup_steps", f"must be an integer >= 0, got {warmup!r}"),
+            (isinstance(start, int), "start_warmup_step", f"must be an integer, got {start!r}"),
+            (math.isfinite(power) and power >= 0, "power", f"must be finite and >= 0, got {power}"),
+            (
+                math.isfinite(end_lr) and 0 <= end_lr <= base_lr,
+                "end_lr",
+                f"must lie in [0, base_lr={base_lr}], got {end_lr}",
+            ),
+            (
+                not wsd or warmup + optim.decay_steps <= total,
                 "optim.decay_steps",
-                f"warm-up ({warmup_steps}) and decay ({self.decay_steps}) exceed the {total_steps} steps",
-            )
+                f"warm-up ({warmup}) and decay ({optim.decay_steps}) exceed the {total} steps",
+            ),
+        ):
+            if not ok:
+                raise ValueError(f"{name}: {what}")
+        self.optimizer = optimizer
+        self.schedule = "wsd" if wsd else "poly"
+        # The keyword arguments of (wsd_)lr_at(_tensor).
+        self._hp = dict(base_lr=float(base_lr), total_steps=total, warmup_steps=warmup, end_lr=float(end_lr))
+        if wsd:
+            self._hp.update(decay_steps=optim.decay_steps, decay_shape=optim.decay_shape)
+        else:
+            self._hp.update(start_warmup_step=start, power=float(power))
         self.device = None if device is None else torch.device(device)
         self._count = 0  # updates applied so far = the 0-based step of the next update
         self.lr = None  # on the device: the rate of the next update, a 0-dim float64 tensor
@@ -140,9 +126,7 @@ class PolyWarmupScheduler:
         return int(self._count)
 
     def lr_at(self, step: int) -> float:
-        if self.schedule == "wsd":
-            return wsd_lr_at(step, **self._wsd_hyperparameters())
-        return lr_at(step, **self._hyperparameters())
+        return (wsd_lr_at if self.schedule == "wsd" else lr_at)(step, **self._hp)
 
     @property
     def last_lr(self) -> float:
@@ -159,31 +143,9 @@ class PolyWarmupScheduler:
             self._count = self._count + (found_inf == 0).to(torch.int64)
         self._apply()
 
-    def _hyperparameters(self) -> dict:
-        return dict(
-            base_lr=self.base_lr,
-            total_steps=self.total_steps,
-            warmup_steps=self.warmup_steps,
-            start_warmup_step=self.start_warmup_step,
-            power=self.power,
-            end_lr=self.end_lr,
-        )
-
     def _lr_tensor(self, step: torch.Tensor) -> torch.Tensor:
         """``lr_at`` of a 0-dim step tensor, on its device (no host read)."""
-        if self.schedule == "wsd":
-            return wsd_lr_at_tensor(step, **self._wsd_hyperparameters())
-        return lr_at_tensor(step, **self._hyperparameters())
-
-    def _wsd_hyperparameters(self) -> dict:
-        return dict(
-            base_lr=self.base_lr,
-            total_steps=self.total_steps,
-            warmup_steps=self.warmup_steps,
-            decay_steps=self.decay_steps,
-            decay_shape=self.decay_shape,
-            end_lr=self.end_lr,
-        )
+        return (wsd_lr_at_tensor if self.schedule == "wsd" else lr_at_tensor)(step, **self._hp)
 
     def applied_lr(self) -> torch.Tensor:
         """Device mode: the rate of the last applied update (update 0's before any), a 0-dim
@@ -208,11 +170,6 @@ class PolyWarmupScheduler:
         count = int(state["step_count"])
         self._count = count if self.device is None else torch.full((), count, dtype=torch.int64, device=self.device)
         self._apply()
-
-
-def _check(ok: bool, field: str, what: str) -> None:
-    if not ok:
-        raise ValueError(f"{field}: {what}")
 
 
 # ---- warmup-stable-decay ------------------------------------------------------------------------
