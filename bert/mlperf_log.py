@@ -35,23 +35,11 @@ BENCHMARK = C.BERT
 PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")
 
 # optim.name -> its opt_name (MLPerf's own names, mllog.constants LAMB / ADAMW) and the keys of
-# its epsilon, betas, weight decay and poly-decay power. MLPerf names no poly power for AdamW,
-# and no StableAdamW (open division only): it logs as itself with AdamW's keys.
+# its epsilon, betas and weight decay. MLPerf names no StableAdamW (open division only): it logs
+# as itself with AdamW's keys. MLPerf names a poly-decay power for LAMB only.
 _OPTIMIZER_KEYS = {
-    C.LAMB: (
-        C.OPT_LAMB_EPSILON,
-        C.OPT_LAMB_BETA_1,
-        C.OPT_LAMB_BETA_2,
-        C.OPT_LAMB_WEIGHT_DECAY,
-        C.OPT_LAMB_LR_DECAY_POLY_POWER,
-    ),
-    C.ADAMW: (
-        C.OPT_ADAMW_EPSILON,
-        C.OPT_ADAMW_BETA_1,
-        C.OPT_ADAMW_BETA_2,
-        C.OPT_ADAMW_WEIGHT_DECAY,
-        "opt_learning_rate_decay_poly_power",
-    ),
+    C.LAMB: (C.OPT_LAMB_EPSILON, C.OPT_LAMB_BETA_1, C.OPT_LAMB_BETA_2, C.OPT_LAMB_WEIGHT_DECAY),
+    C.ADAMW: (C.OPT_ADAMW_EPSILON, C.OPT_ADAMW_BETA_1, C.OPT_ADAMW_BETA_2, C.OPT_ADAMW_WEIGHT_DECAY),
 }
 _OPTIMIZER_KEYS["stable_adamw"] = _OPTIMIZER_KEYS[C.ADAMW]
 
@@ -91,44 +79,35 @@ class MLPerfLogger:
             raise ValueError(f"MLPerf log: submission status must be one of {SUBMISSION_STATUSES}, got {status!r}")
         if resume and path is None:
             raise ValueError("MLPerf log: resume needs a log file path, got None")
-        self.rank = rank
-        self.division = division
-        self.submitter = submitter
-        self.platform = platform
-        self.status = status
+        self.rank, self.division, self.status = rank, division, status
+        self.submitter, self.platform = submitter, platform
         self.path = None if path is None else Path(path)
 
-        self._phase = _NEW
+        # Resumed: rank 0 checks the file below; every rank follows, so the same calls are valid everywhere.
+        self._phase = _RUNNING if resume else _NEW
         self._done: set[str] = set()  # keys allowed once that have been logged
+        if resume:
+            self._done |= {C.CACHE_CLEAR, C.INIT_START, "submission_info", "hyperparameters", C.INIT_STOP, C.RUN_START}
         self._open: dict[str, int] = {}  # open intervals (epoch, block, eval) -> start samples
         self._samples = 0  # largest samples count logged so far, to catch counters going back
 
         self._logger = logging.Logger(f"{__name__}.rank{rank}")  # unregistered: no propagation
         self._handlers: list[logging.Handler] = []
-        if rank != 0:
-            self._mllog = None
-        else:
+        self._mllog = None
+        if rank == 0:
             if resume:
                 _check_resumable(self.path)
-            self._add_handlers(self.path, echo, mode="a" if resume else "w")
+            if self.path is not None:
+                try:
+                    handler = logging.FileHandler(self.path, mode="a" if resume else "w", encoding="utf-8")
+                except OSError as e:
+                    raise ValueError(f"MLPerf log: cannot open {self.path} for writing: {e.strerror or e}") from None
+                self._handlers.append(handler)
+            if self.path is None or echo:
+                self._handlers.append(logging.StreamHandler(sys.stdout))
+            for handler in self._handlers:
+                self._logger.addHandler(handler)
             self._mllog = MLLogger(logger=self._logger, root_dir=re.escape(_REPO_ROOT))
-        if resume:
-            # Rank 0 checked the file; other ranks follow the same state so that the same
-            # calls are valid everywhere.
-            self._phase = _RUNNING
-            self._done |= {C.CACHE_CLEAR, C.INIT_START, "submission_info", "hyperparameters", C.INIT_STOP, C.RUN_START}
-
-    def _add_handlers(self, path: Path | None, echo: bool, mode: str) -> None:
-        if path is not None:
-            try:
-                handler: logging.Handler = logging.FileHandler(path, mode=mode, encoding="utf-8")
-            except OSError as e:
-                raise ValueError(f"MLPerf log: cannot open {path} for writing: {e.strerror or e}") from None
-            self._handlers.append(handler)
-        if path is None or echo:
-            self._handlers.append(logging.StreamHandler(sys.stdout))
-        for handler in self._handlers:
-            self._logger.addHandler(handler)
 
     def close(self) -> None:
         """Flushes and closes the log file. Further calls still validate but write nothing."""
@@ -141,9 +120,8 @@ class MLPerfLogger:
     # -- initialisation: before run_start ------------------------------------------------
 
     def cache_clear(self, cleared: bool = True) -> None:
-        """Logs whether the file-system caches were dropped before the run (required once;
-        before init_start in submissions, where the launcher clears them). Log the truth:
-        ``launch/run_and_time.sh`` says whether it could."""
+        """Logs whether the file-system caches were dropped before the run, truthfully (required once; before
+        init_start in submissions, where the launcher clears them; ``launch/run_and_time.sh`` says whether it could)."""
         self._expect(C.CACHE_CLEAR, (_NEW, _INIT, _READY), once=True)
         self._emit("event", C.CACHE_CLEAR, bool(cleared))
 
@@ -193,7 +171,8 @@ class MLPerfLogger:
         self._expect("hyperparameters", (_INIT,), once=True)
         if optimizer not in _OPTIMIZER_KEYS:
             raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(_OPTIMIZER_KEYS)}")
-        eps_key, beta_1_key, beta_2_key, decay_key, power_key = _OPTIMIZER_KEYS[optimizer]
+        eps_key, beta_1_key, beta_2_key, decay_key = _OPTIMIZER_KEYS[optimizer]
+        power_key = C.OPT_LAMB_LR_DECAY_POLY_POWER if optimizer == C.LAMB else "opt_learning_rate_decay_poly_power"
         beta_1, beta_2 = betas
         values: list[tuple[str, Any]] = [
             (C.SEED, _int(C.SEED, seed)),
@@ -358,8 +337,7 @@ class MLPerfLogger:
         """Writes one line; ``helper_frames``: calls between the public method and here."""
         if self._mllog is None:  # not rank 0, or closed
             return
-        log_fn = {"start": self._mllog.start, "end": self._mllog.end, "event": self._mllog.event}[kind]
-        log_fn(key=key, value=value, metadata=metadata, stack_offset=_STACK_OFFSET + helper_frames)
+        getattr(self._mllog, kind)(key=key, value=value, metadata=metadata, stack_offset=_STACK_OFFSET + helper_frames)
 
 
 def _int(name: str, value: Any, least: int = 0) -> int:

@@ -1,17 +1,7 @@
-"""Learning-rate schedules: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT);
-or warmup-stable-decay (ModernBERT's; ``wsd_lr_at`` at the bottom).
-
-The trainer calls ``scheduler.step()`` after every applied update (a skipped fp16 step does
-not advance it); it writes the next update's rate into every parameter group. As MLPerf's
-reference ``create_optimizer``, with g the 0-based global step:
-
-    decay(g)  = (base_lr - end_lr) * (1 - min(g, total_steps) / total_steps) ** power + end_lr
-    w         = g - start_warmup_step
-    lr(g)     = base_lr * w / warmup_steps    if warmup_steps > 0 and w < warmup_steps
-                decay(g)                      otherwise
-
-and 0 for w < 0, where the reference would give a negative rate. NVIDIA's PyTorch scheduler
-agrees when ``start_warmup_step == 0`` and is one step later otherwise.
+"""Learning-rate schedules: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT's
+reference ``create_optimizer``: the formula is docs/training.md's, "Optimizer, schedule and
+clipping"), or warmup-stable-decay (ModernBERT's; ``wsd_lr_at`` at the bottom). The trainer calls
+``scheduler.step()`` after every applied update; it writes the next update's rate into every group.
 """
 
 from __future__ import annotations
@@ -148,8 +138,7 @@ class PolyWarmupScheduler:
         return (wsd_lr_at_tensor if self.schedule == "wsd" else lr_at_tensor)(step, **self._hp)
 
     def applied_lr(self) -> torch.Tensor:
-        """Device mode: the rate of the last applied update (update 0's before any), a 0-dim
-        float64 device tensor, for the logs (no read until the caller reads it)."""
+        """Device mode: the last applied update's rate (update 0's before any), a 0-dim float64 device tensor."""
         return self._lr_tensor((self._count - 1).clamp(min=0))
 
     def _apply(self) -> None:
@@ -185,12 +174,11 @@ def wsd_lr_at(
     decay_shape: str = "1-sqrt",
     end_lr: float = 0.0,
 ) -> float:
-    """Warmup-stable-decay (ModernBERT's "trapezoidal" schedule, arXiv:2412.13663 section 2.2):
-    a linear warm-up over ``warmup_steps`` to ``base_lr``, constant, then over the last
-    ``decay_steps`` of ``total_steps`` a decay to ``end_lr``, linear or one-minus-sqrt
-    (lr = end + (base - end) * (1 - sqrt(p)) at progress p of the decay; Hägele et al. 2024,
-    arXiv:2405.18392, which ModernBERT uses). Step 0-based as ``lr_at``; past ``total_steps``
-    the rate stays ``end_lr``."""
+    """Warmup-stable-decay (ModernBERT's "trapezoidal" schedule, arXiv:2412.13663 section 2.2): a linear warm-up over
+    ``warmup_steps`` to ``base_lr``, constant, then over the last ``decay_steps`` of ``total_steps`` a decay to
+    ``end_lr``, linear or one-minus-sqrt (lr = end + (base - end) * (1 - sqrt(p)) at progress p of the decay; Hägele et
+    al. 2024, arXiv:2405.18392, which ModernBERT uses). Step 0-based as ``lr_at``; past ``total_steps`` the rate stays
+    ``end_lr``."""
     if step < warmup_steps:
         return base_lr * step / warmup_steps
     decay_start = total_steps - decay_steps
