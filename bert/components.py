@@ -40,12 +40,6 @@ if TYPE_CHECKING:  # mlperf_logging is optional: imported by build_mlperf_logger
     from bert.mlperf_log import MLPerfLogger
 
 
-# The model.* fields that override the architecture's.
-_MODEL_OVERRIDES = (
-    "hidden_dropout_prob attention_probs_dropout_prob vocab_size rope_theta_global rope_theta_local".split()
-)
-
-
 def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
     """train.device: the rank's CUDA device (launch.distributed's pick) or the CPU, once what
     the config check cannot see is checked: the number of ranks, the device, the files. Creates
@@ -109,9 +103,8 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
 def build_model(
     model: ModelSection, config: BertConfig, train: TrainSection | None = None, device: torch.device | None = None
 ) -> BertForPreTraining:
-    """The model of ``config`` with model.attention (and its options), model.fused_ops,
-    model.bias_gelu and model.rotary_kernel; with ``train``, its encoder's linear layers in
-    train.fp8 (bert.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs)."""
+    """The model of ``config`` and the model.* backends; with ``train``, its encoder's linear layers
+    in train.fp8 (bert.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs)."""
     built = BertForPreTraining(
         config,
         attention=model.attention,
@@ -149,27 +142,22 @@ def build_graphs(cfg: RunConfig, micro_batch: int, model: BertForPreTraining, co
 def build_forward(
     model: torch.nn.Module, section: ModelSection, device: torch.device, coll: Collectives, sharded: bool = False
 ):
-    """(DDP wrapper or None, the module the steps call): DDP when there are several ranks
-    (its parameter broadcast guarded) and the model is not sharded (``apply_sharding`` made it
-    FSDP2's, which reduces the gradients itself), then torch.compile when model.compile is on."""
+    """(DDP wrapper or None, the module the steps call): DDP over several ranks unless the model is
+    sharded (FSDP2 reduces the gradients itself), then torch.compile when model.compile is on."""
     ddp = None
     if coll.world_size > 1 and not sharded:
         with coll.guard("the DDP setup (parameter broadcast)", -1):
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
-            )
+            ids = [device.index] if device.type == "cuda" else None
+            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     forward = ddp or model
     return ddp, torch.compile(forward) if section.compile else forward
 
 
 def build_optimization(cfg: RunConfig, model: torch.nn.Module, sharding: Sharding | None, device: torch.device):
-    """(optimizer, schedule, AdaGC or None, GradScaler or None) from ``cfg.optim`` and ``cfg.train``.
-
-    The schedule keeps its rate in a device tensor where the optimizer can skip on the device
-    (not apex's FusedLAMB: ``bert.optim.skips_on_device``). Sharded: LAMB on the shards, AdaGC's
-    thresholds per tensor on every rank with whole-tensor norms, and FSDP's ShardedGradScaler
-    (it all-reduces the overflow flag, so every rank skips alike). AdaGC is None for global
-    clipping and none (``Trainer.optimizer_step`` clips by norm itself); the scaler is fp16's."""
+    """(optimizer, schedule, AdaGC or None, fp16's GradScaler or None) from ``cfg.optim`` and ``cfg.train``.
+    The schedule's rate is a device tensor where the optimizer skips on the device (not apex's
+    FusedLAMB: ``bert.optim.skips_on_device``). Sharded: LAMB on the shards, AdaGC with whole-tensor
+    norms, FSDP's ShardedGradScaler (it all-reduces the overflow flag, so every rank skips alike)."""
     o = cfg.optim
     optimizer = build_sharded_lamb(o, model, sharding) if sharding else build_optimizer(o, model)
     device_lr = device if skips_on_device(optimizer) else None
@@ -200,10 +188,7 @@ def build_collator(data: DataSection, device: torch.device, max_batch_size: int)
 
 
 def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
-    """The cross-rank rebalancer of data.rebalance; None for data.rebalance=none.
-
-    ``data.rebalance`` sits below ``bert`` (where the config dataclasses live), so its
-    ``Rebalancer`` takes plain values, read from the sections here."""
+    """data.rebalance's cross-rank rebalancer (None for none), given plain values: ``data`` sits below ``bert``."""
     data = cfg.data
     if data.rebalance == "none":
         return None
@@ -211,7 +196,7 @@ def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
 
     return Rebalancer(
         data.rebalance,
-        data.rebalance_cost_tuple,
+        tuple(data.rebalance_cost),  # data.rebalance_plan.Cost's fields
         batch_size=local_batch,
         max_len=data.max_seq_length,
         timeout_s=timeout_s,
@@ -273,15 +258,14 @@ def build_metrics(log: LogSection, output_dir: str, is_main: bool, resume_step: 
     if log.tensorboard and is_main:
         from bert.tensorboard_sink import TensorBoardSink
 
-        metrics.sinks.append(
-            TensorBoardSink(os.path.join(output_dir, "tensorboard"), config, resume_step, metrics.records)
-        )
+        sink = TensorBoardSink(os.path.join(output_dir, "tensorboard"), config, resume_step, metrics.records)
+        metrics.sinks.append(sink)
     return metrics
 
 
 def build_loaders(cfg: RunConfig, rank: int, world: int, seed: int, model_config: BertConfig, warn, eval_loader=None):
     """(train loader, eval loader), the eval one built unless given, checked against the config
-    (``_check_data``). Both check every token id against the model's vocabulary as they read."""
+    (``_check_data``); both check every token id against the model's vocabulary."""
     vocab = model_config.vocab_size
     train = build_train_loader(cfg, rank, world, seed, vocab, warn)
     evals = eval_loader or build_eval_loader(cfg, rank, world, vocab)
@@ -294,8 +278,7 @@ def build_loaders(cfg: RunConfig, rank: int, world: int, seed: int, model_config
 
 
 def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_size: int, warn):
-    """This rank's share of data.train_dir, shuffled by ``seed``; token ids are checked
-    against ``vocab_size`` as they are read; ``warn`` hears of corrupt samples."""
+    """This rank's share of data.train_dir, shuffled by ``seed``; ``warn`` hears of corrupt samples."""
     from data.batch_ramp import RampedLoader
     from data.loader import PretrainingLoader
 
@@ -333,9 +316,8 @@ def build_eval_loader(cfg: RunConfig, rank: int, world: int, vocab_size: int):
 
 
 def _check_data(cfg: RunConfig, model_config: BertConfig, train_loader, eval_loader) -> None:
-    """The opened data against the config: the closed division's eval size, a next-sentence
-    head against masked-LM-only shards, and the first training shard's lengths and masked
-    positions against data.* (ConfigError naming both)."""
+    """The opened data against the config: the closed division's eval size, a next-sentence head against masked-LM-only
+    shards, and the first training shard's lengths and masked positions against data.* (ConfigError naming both)."""
     from data.hdf5io import inspect
 
     data = cfg.data
@@ -365,9 +347,8 @@ def _check_data(cfg: RunConfig, model_config: BertConfig, train_loader, eval_loa
 
 
 def build_warm_up_blocks(data: DataSection, vocab_size: int, micro_batch: int, cuda: bool) -> list:
-    """Synthetic SampleBlocks for ``Trainer.warm_up``: on a GPU one micro-batch at full length
-    (the allocator's worst case) and one of mixed lengths (the other length buckets'
-    kernels); on a CPU one tiny block."""
+    """Synthetic SampleBlocks for ``Trainer.warm_up``: on a GPU one micro-batch at full length (the
+    allocator's worst case) and one of mixed lengths (the other buckets' kernels); on a CPU one tiny block."""
     from data.synthetic import random_block
 
     seq = data.max_seq_length

@@ -1,12 +1,10 @@
 """CUDA graphs of the encoder, one per static shape (``train.cuda_graphs``; CUDA only).
 
-``EncoderGraphs`` is built by ``bert.components.build_graphs`` and handed to the model
-(``BertForPreTraining.encoder_graphs``): the embeddings and heads run eagerly, the encoder
-layers replay a graph per (T', B + 1) shape, captured the first time it is seen, forward and
-backward when training (``torch.cuda.make_graphed_callables``), forward only in evaluation.
-All graphs share one memory pool: they replay one after another, each one's outputs consumed
-before the next. Which backends a graph can replay, and why: ``kernels.registry`` (``graphs``,
-``device_dropout``) and docs/step.md, "CUDA graphs".
+``EncoderGraphs`` (``bert.components.build_graphs``, handed to ``BertForPreTraining.encoder_graphs``):
+the embeddings and heads run eagerly, the encoder layers replay a graph per (T', B + 1) shape,
+captured when first seen, forward and backward in training, forward only in evaluation; all share
+one memory pool (they replay one after another). Which backends can replay: ``kernels.registry``
+and docs/step.md, "CUDA graphs".
 
 Shape legend: N tokens (T' here), C hidden size.
 """
@@ -20,9 +18,8 @@ from kernels.interface import VarlenLayout
 
 
 class _Encoder(nn.Module):
-    """The model's layers as one module taking (x [N, C], cu_seqlens [B+1], position_ids [N]);
-    shares their parameters. Each layer gets its attention window (None: global) and, for a
-    rotary model, the model's rotary table."""
+    """The model's layers as one module taking (x [N, C], cu_seqlens [B+1], position_ids [N]); shares their parameters.
+    Each layer gets its attention window (None: global) and, for a rotary model, the model's rotary table."""
 
     def __init__(self, layers: nn.ModuleList, max_seqlen: int, rotary: nn.Module | None):
         super().__init__()
@@ -45,8 +42,7 @@ class EncoderGraphs:
     def __init__(self, layers: nn.ModuleList, max_seqlen: int, rotary: nn.Module | None = None, num_warmup_iters=3):
         if not torch.cuda.is_available():
             raise RuntimeError("train.cuda_graphs: CUDA graphs need a CUDA device")
-        self.layers, self.max_seqlen, self.num_warmup_iters = layers, max_seqlen, num_warmup_iters
-        self.rotary = rotary
+        self.layers, self.max_seqlen, self.rotary, self.num_warmup_iters = layers, max_seqlen, rotary, num_warmup_iters
         self.pool = torch.cuda.graph_pool_handle()
         self._train: dict[tuple[int, int], nn.Module] = {}
         self._eval: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor, Tensor]] = {}

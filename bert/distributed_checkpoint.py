@@ -1,15 +1,10 @@
 """Sharded training checkpoints of earlier code (DCP directories), read into the single file's dict.
 
 ``optim.shard`` runs used to write ``DIR/checkpoints/step_%08d/``: each rank's ``__<rank>_0.distcp``,
-DCP's ``.metadata``, rank 0's ``state.pt`` (the rest, in bert.train_checkpoint's file format) and
-``MANIFEST.json`` (every other file's size and SHA-256). ``bert.train_checkpoint.read`` checks the
-manifest; ``whole_state`` reads the shards into what a single file holds, for the one restore path.
-
-Reading never lets DCP open anything (docs/reliability.md, "Checkpoints"): ``.metadata`` is
-unpickled by an allow-list (DCP's metadata classes, ``torch.Size``, dtypes, layouts) and checked
-field by field; every storage path must be a plain file name the manifest lists and hashed;
-each record's byte range is read here and loaded like a single file's (``weights_only``, no
-compressed record); every element of every tensor must come from exactly one chunk.
+DCP's ``.metadata``, rank 0's ``state.pt`` (bert.train_checkpoint's file format) and ``MANIFEST.json``
+(every other file's size and SHA-256, checked by ``train_checkpoint.read``); ``whole_state`` reads the
+shards into what a single file holds. DCP never opens anything: the rules are docs/reliability.md's
+"Checkpoints" (allow-listed ``.metadata``, listed and hashed files, every element from one chunk).
 """
 
 from __future__ import annotations
@@ -22,21 +17,10 @@ import pickle
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from bert.safe_load import CheckpointError, load_archive
-from bert.train_checkpoint import (
-    MANIFEST,
-    STATE,
-    _first_line,
-    is_plain_name,
-    verify_dir,
-)
+from bert.train_checkpoint import MANIFEST, STATE, _first_line, copy_whole, is_plain_name, refuse_if, verify_dir
 from fileio import UnsafeFile, open_checked, read_checked
 
 __all__ = ["load_tensors", "read_metadata", "tensor_shapes", "whole_state"]
@@ -44,18 +28,9 @@ __all__ = ["load_tensors", "read_metadata", "tensor_shapes", "whole_state"]
 
 # ---- reading a DCP directory without DCP -----------------------------------------------------
 
-_ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "ChunkStorageMetadata",
-        "TensorStorageMetadata",
-        "TensorProperties",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
+_METADATA_CLASSES = "Metadata MetadataIndex ChunkStorageMetadata TensorStorageMetadata TensorProperties StorageMeta"
+_ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in _METADATA_CLASSES.split()} | {
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
@@ -110,9 +85,8 @@ def _metadata_problem(md) -> str | None:
 
 
 def read_metadata(path: str) -> Metadata:
-    """DCP's index of the checkpoint at ``path``, built by the restricted unpickler from a
-    bounded read and checked field by field (``_metadata_problem``); CheckpointError, one line
-    naming the file, for whatever else it holds."""
+    """DCP's index of the checkpoint at ``path``, built by the restricted unpickler from a bounded read and checked
+    field by field (``_metadata_problem``); CheckpointError, one line naming the file, for whatever else it holds."""
     file = os.path.join(path, ".metadata")
     try:
         data = read_checked(file, max_bytes=_MAX_METADATA, root=path, what="DCP metadata")
@@ -207,20 +181,12 @@ def load_tensors(path: str, tensors: dict[str, Tensor]) -> None:
     mesh, or whole tensors) in place from the checkpoint at ``path`` (verified against its
     manifest here), every element of every one written (CheckpointError naming the ones it
     lacks). Each rank reads the whole tensors and keeps its own part (no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     saved = read_tensors(path, verify_dir(path)["files"])
     missing = sorted(set(tensors) - set(saved))
     if missing:
         more = f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""
         raise CheckpointError(f"{path}: holds no {', '.join(missing[:4])}{more}: every tensor must be restored")
-    with torch.no_grad():
-        for key, target in tensors.items():
-            value = saved[key].to(target.device, target.dtype)
-            if isinstance(target, DTensor):
-                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
-                target = target.to_local()
-            target.copy_(value)
+    copy_whole((target, saved[key]) for key, target in tensors.items())
 
 
 # ---- an earlier code's sharded checkpoint as the single file's dict -----------------------------
@@ -232,8 +198,6 @@ def whole_state(saved: dict, model: torch.nn.Module, optimizer=None) -> dict:
     keyed by index into ``optimizer``'s parameter groups (the directory keys them by parameter
     name). Tensors are allocated in this run's shapes after the metadata's were checked against
     them (CheckpointError naming what does not fit); every rank of the default group calls it."""
-    from bert.train_checkpoint import refuse_if
-
     path = saved["sharded"]
     shapes = tensor_shapes(path)
     ours = {f"model/{k}": v for k, v in model.state_dict().items()}

@@ -1,10 +1,9 @@
 """Masked-LM evaluation: accuracy counted on the device, the eval set optionally kept there.
 
-``masked_lm_counts`` runs the model over batches and accumulates (correct, total) in one
-int64 device tensor, read once per evaluation by its caller; labels equal to
-``data.static_shapes.IGNORE`` are not counted. ``DeviceEvalSet`` (``eval.cache_on_device``)
-collates this rank's eval samples once and keeps the batches on the device; ``nbytes`` is
-their size (about 72 MB for MLPerf's eval set: [docs/step.md](../docs/step.md#the-timeline)).
+``masked_lm_counts`` accumulates (correct, total) in one int64 device tensor, read once per evaluation
+by its caller; labels equal to ``data.static_shapes.IGNORE`` are not counted. ``DeviceEvalSet``
+(``eval.cache_on_device``) keeps this rank's collated eval batches on the device; ``nbytes`` is their
+size (about 72 MB for MLPerf's eval set: [docs/step.md](../docs/step.md#the-timeline)).
 """
 
 from __future__ import annotations
@@ -66,9 +65,4 @@ class DeviceEvalSet:
     @property
     def nbytes(self) -> int:
         """Bytes of device memory the cached batches hold."""
-        return sum(
-            v.numel() * v.element_size()
-            for batch in self.batches
-            for v in vars(batch).values()
-            if isinstance(v, Tensor)
-        )
+        return sum(v.nbytes for batch in self.batches for v in vars(batch).values() if isinstance(v, Tensor))

@@ -1,14 +1,12 @@
 """The trainer's MLPerf run log (``:::MLLOG`` lines), written with ``mlperf_logging.mllog``.
 
-One ``MLPerfLogger`` per process; rank 0 writes, the other ranks' calls are checked and
-dropped. ``epoch_num`` is training samples consumed over all ranks. The calls must come in a
-run's order (else ``RuntimeError``): ``cache_clear``, ``init_start``, ``submission_info``,
-``hyperparameters``, ``init_stop``, ``run_start``, ``epoch_start(0)``, ``block_start(1, 1)``,
-per evaluation ``eval_start`` / ``eval_accuracy`` / ``eval_stop``, then ``block_stop``,
-``epoch_stop``, ``train_samples``, ``eval_samples``, ``run_stop(samples, status)``,
-``close``. A resumed run reopens the file with ``resume=True`` and continues from
-``epoch_start``. ``write_system_desc`` writes ``systems/<name>.json``. The checker it
-passes: [docs/mlperf.md](../docs/mlperf.md#the-log).
+One ``MLPerfLogger`` per process; rank 0 writes, the other ranks' calls are checked and dropped.
+``epoch_num`` is training samples consumed over all ranks. The calls must come in a run's order
+(else ``RuntimeError``): ``cache_clear``, ``init_start``, ``submission_info``, ``hyperparameters``,
+``init_stop``, ``run_start``, ``epoch_start(0)``, ``block_start(1, 1)``, per evaluation
+``eval_start`` / ``eval_accuracy`` / ``eval_stop``, then ``block_stop``, ``epoch_stop``,
+``train_samples``, ``eval_samples``, ``run_stop(samples, status)``, ``close``; a resumed run
+(``resume=True``) continues from ``epoch_start``. The checker: [docs/mlperf.md](../docs/mlperf.md#the-log).
 """
 
 from __future__ import annotations
@@ -37,23 +35,11 @@ BENCHMARK = C.BERT
 PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")
 
 # optim.name -> its opt_name (MLPerf's own names, mllog.constants LAMB / ADAMW) and the keys of
-# its epsilon, betas, weight decay and poly-decay power. MLPerf names no poly power for AdamW,
-# and no StableAdamW (open division only): it logs as itself with AdamW's keys.
+# its epsilon, betas and weight decay. MLPerf names no StableAdamW (open division only): it logs
+# as itself with AdamW's keys. MLPerf names a poly-decay power for LAMB only.
 _OPTIMIZER_KEYS = {
-    C.LAMB: (
-        C.OPT_LAMB_EPSILON,
-        C.OPT_LAMB_BETA_1,
-        C.OPT_LAMB_BETA_2,
-        C.OPT_LAMB_WEIGHT_DECAY,
-        C.OPT_LAMB_LR_DECAY_POLY_POWER,
-    ),
-    C.ADAMW: (
-        C.OPT_ADAMW_EPSILON,
-        C.OPT_ADAMW_BETA_1,
-        C.OPT_ADAMW_BETA_2,
-        C.OPT_ADAMW_WEIGHT_DECAY,
-        "opt_learning_rate_decay_poly_power",
-    ),
+    C.LAMB: (C.OPT_LAMB_EPSILON, C.OPT_LAMB_BETA_1, C.OPT_LAMB_BETA_2, C.OPT_LAMB_WEIGHT_DECAY),
+    C.ADAMW: (C.OPT_ADAMW_EPSILON, C.OPT_ADAMW_BETA_1, C.OPT_ADAMW_BETA_2, C.OPT_ADAMW_WEIGHT_DECAY),
 }
 _OPTIMIZER_KEYS["stable_adamw"] = _OPTIMIZER_KEYS[C.ADAMW]
 
@@ -69,21 +55,11 @@ _RUNNING, _STOPPED = "after run_start", "after run_stop"
 
 
 class MLPerfLogger:
-    """Writes one run's MLPerf log on rank 0; validates the call order on every rank.
-
-    Args:
-        path: log file; ``None`` writes the lines to stdout (where MLPerf submissions capture
-            them). Opened for writing (truncated), or for appending when ``resume``.
-        rank: this process's global rank; only rank 0 opens or writes anything.
-        division: ``"open"`` or ``"closed"``; decides which checker rules apply.
-        submitter: the ``submission_org`` value.
-        platform: the ``submission_platform`` value, ``<nodes>x<system>`` as in MLPerf logs,
-            e.g. ``"1xNVIDIA DGX A100"``; the system is the system description's name.
-        status: the ``submission_status`` value: onprem, cloud, research or preview.
-        echo: also print the lines to stdout when ``path`` is a file.
-        resume: continue an interrupted run's log at ``path``: it must hold ``run_start`` and
-            none of the closing keys (``train_samples``, ``eval_samples``, ``run_stop``); a
-            partial last line (the writer was killed) is cut off.
+    """Writes one run's MLPerf log on rank 0 (only rank 0 opens anything); validates the call order on
+    every rank. ``path`` None: the lines go to stdout (where submissions capture them); ``echo``: to
+    stdout as well. ``platform``: ``submission_platform``, ``<nodes>x<system>`` (``"1xNVIDIA DGX A100"``).
+    ``resume``: append to an interrupted run's log, which must hold ``run_start`` and none of
+    ``train_samples``, ``eval_samples``, ``run_stop``; a partial last line (a killed writer) is cut off.
     """
 
     def __init__(
@@ -103,44 +79,35 @@ class MLPerfLogger:
             raise ValueError(f"MLPerf log: submission status must be one of {SUBMISSION_STATUSES}, got {status!r}")
         if resume and path is None:
             raise ValueError("MLPerf log: resume needs a log file path, got None")
-        self.rank = rank
-        self.division = division
-        self.submitter = submitter
-        self.platform = platform
-        self.status = status
+        self.rank, self.division, self.status = rank, division, status
+        self.submitter, self.platform = submitter, platform
         self.path = None if path is None else Path(path)
 
-        self._phase = _NEW
+        # Resumed: rank 0 checks the file below; every rank follows, so the same calls are valid everywhere.
+        self._phase = _RUNNING if resume else _NEW
         self._done: set[str] = set()  # keys allowed once that have been logged
+        if resume:
+            self._done |= {C.CACHE_CLEAR, C.INIT_START, "submission_info", "hyperparameters", C.INIT_STOP, C.RUN_START}
         self._open: dict[str, int] = {}  # open intervals (epoch, block, eval) -> start samples
         self._samples = 0  # largest samples count logged so far, to catch counters going back
 
         self._logger = logging.Logger(f"{__name__}.rank{rank}")  # unregistered: no propagation
         self._handlers: list[logging.Handler] = []
-        if rank != 0:
-            self._mllog = None
-        else:
+        self._mllog = None
+        if rank == 0:
             if resume:
                 _check_resumable(self.path)
-            self._add_handlers(self.path, echo, mode="a" if resume else "w")
+            if self.path is not None:
+                try:
+                    handler = logging.FileHandler(self.path, mode="a" if resume else "w", encoding="utf-8")
+                except OSError as e:
+                    raise ValueError(f"MLPerf log: cannot open {self.path} for writing: {e.strerror or e}") from None
+                self._handlers.append(handler)
+            if self.path is None or echo:
+                self._handlers.append(logging.StreamHandler(sys.stdout))
+            for handler in self._handlers:
+                self._logger.addHandler(handler)
             self._mllog = MLLogger(logger=self._logger, root_dir=re.escape(_REPO_ROOT))
-        if resume:
-            # Rank 0 checked the file; other ranks follow the same state so that the same
-            # calls are valid everywhere.
-            self._phase = _RUNNING
-            self._done |= {C.CACHE_CLEAR, C.INIT_START, "submission_info", "hyperparameters", C.INIT_STOP, C.RUN_START}
-
-    def _add_handlers(self, path: Path | None, echo: bool, mode: str) -> None:
-        if path is not None:
-            try:
-                handler: logging.Handler = logging.FileHandler(path, mode=mode, encoding="utf-8")
-            except OSError as e:
-                raise ValueError(f"MLPerf log: cannot open {path} for writing: {e.strerror or e}") from None
-            self._handlers.append(handler)
-        if path is None or echo:
-            self._handlers.append(logging.StreamHandler(sys.stdout))
-        for handler in self._handlers:
-            self._logger.addHandler(handler)
 
     def close(self) -> None:
         """Flushes and closes the log file. Further calls still validate but write nothing."""
@@ -150,18 +117,11 @@ class MLPerfLogger:
         self._handlers.clear()
         self._mllog = None
 
-    def __enter__(self) -> MLPerfLogger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- initialisation: before run_start ------------------------------------------------
 
     def cache_clear(self, cleared: bool = True) -> None:
-        """Logs whether the file-system caches were dropped before the run (required once;
-        before init_start in submissions, where the launcher clears them). Log the truth:
-        ``launch/run_and_time.sh`` says whether it could."""
+        """Logs whether the file-system caches were dropped before the run, truthfully (required once; before
+        init_start in submissions, where the launcher clears them; ``launch/run_and_time.sh`` says whether it could)."""
         self._expect(C.CACHE_CLEAR, (_NEW, _INIT, _READY), once=True)
         self._emit("event", C.CACHE_CLEAR, bool(cleared))
 
@@ -203,37 +163,16 @@ class MLPerfLogger:
         decay_steps: int = 0,
         decay_shape: str = "1-sqrt",
     ) -> None:
-        """Logs the run's hyper-parameters under their MLPerf keys: ``opt_name`` and the
-        optimizer's own keys (``opt_lamb_*`` or ``opt_adamw_*``) name the optimizer that runs.
-        The closed division trains with LAMB (``bert.train_config`` refuses anything else).
-
-        Args:
-            seed: the run's base random seed (``seed``).
-            global_batch_size: sequences per optimizer step over all ranks.
-            local_batch_size: sequences per rank per forward pass (``d_batch_size``).
-            gradient_accumulation_steps: forward/backward passes per optimizer step.
-            max_sequence_length: longest sequence in tokens (512 for MLPerf data).
-            max_predictions_per_seq: masked positions per sequence at most (76).
-            optimizer: ``lamb``, ``adamw`` or ``stable_adamw`` (``optim.name``), logged as ``opt_name``.
-            learning_rate: peak LR (``opt_base_learning_rate``).
-            betas: the optimizer's (beta1, beta2).
-            epsilon: its epsilon (``opt_<name>_epsilon`` and ``opt_epsilon``).
-            weight_decay: its weight decay rate.
-            warmup_steps: linear warmup length in optimizer steps (logged as both
-                ``opt_learning_rate_warmup_steps`` and ``num_warmup_steps``).
-            start_warmup_step: step at which warmup starts (``start_warmup_step``).
-            train_steps: steps of the LR schedule (``opt_learning_rate_training_steps``).
-            poly_power: exponent of the polynomial decay (an MLPerf key for LAMB only;
-                ``opt_learning_rate_decay_poly_power`` otherwise).
-            schedule: ``poly`` (MLPerf's) or ``wsd`` (``optim.schedule``). A wsd run logs no
-                poly power, which would describe a decay it does not have, but
-                ``opt_learning_rate_decay_schedule`` (``wsd`` and ``decay_shape``) and
-                ``opt_learning_rate_decay_steps`` (``decay_steps``, the final decay's length).
-        """
+        """Logs the run's hyper-parameters under their MLPerf keys; ``opt_name`` (``optimizer``: lamb,
+        adamw, stable_adamw) and the optimizer's own keys (``opt_lamb_*`` / ``opt_adamw_*``) name the one
+        that runs. ``local_batch_size``: sequences per rank per forward pass (``d_batch_size``). A wsd
+        ``schedule`` logs no poly power (a decay it does not have) but ``opt_learning_rate_decay_schedule``
+        (``wsd <decay_shape>``) and ``opt_learning_rate_decay_steps``."""
         self._expect("hyperparameters", (_INIT,), once=True)
         if optimizer not in _OPTIMIZER_KEYS:
             raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(_OPTIMIZER_KEYS)}")
-        eps_key, beta_1_key, beta_2_key, decay_key, power_key = _OPTIMIZER_KEYS[optimizer]
+        eps_key, beta_1_key, beta_2_key, decay_key = _OPTIMIZER_KEYS[optimizer]
+        power_key = C.OPT_LAMB_LR_DECAY_POLY_POWER if optimizer == C.LAMB else "opt_learning_rate_decay_poly_power"
         beta_1, beta_2 = betas
         values: list[tuple[str, Any]] = [
             (C.SEED, _int(C.SEED, seed)),
@@ -267,13 +206,9 @@ class MLPerfLogger:
             self._emit("event", key, value)
 
     def precision(self, *, linear: str, attention: str) -> None:
-        """Logs the lowest numerical precision of the linear layers' and attention's math.
-
-        The keys (``lowest_numerical_precision_in_linear`` / ``_in_attn``) are in the mllog
-        constants and the rules from training 6.0; ruleset 5.0.0's checker passes keys it does
-        not know, so BERT's logs carry them too. Values: MLPerf's names (``fp8``,
-        ``bfloat16``, ``fp16``, ``fp32``).
-        """
+        """Logs the lowest numerical precision of the linear layers' and attention's math (``PRECISIONS``).
+        The keys are the rules' from training 6.0; ruleset 5.0.0's checker passes keys it does not
+        know, so BERT's logs carry them too."""
         values = ((C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, linear), (C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, attention))
         for key, value in values:  # checked before anything is written: a refused call logs nothing
             if value not in PRECISIONS:
@@ -310,11 +245,8 @@ class MLPerfLogger:
         self._stop_interval("epoch", C.EPOCH_STOP, samples, {C.EPOCH_NUM: samples})
 
     def block_start(self, samples: int, block_samples: int) -> None:
-        """Opens a block of training between evaluations.
-
-        ``samples`` is the count trained so far (``first_epoch_num``), ``block_samples`` the
-        samples the block is planned to train (``epoch_count``, > 0).
-        """
+        """Opens a block at ``samples`` trained (``first_epoch_num``), planned to train ``block_samples``
+        (``epoch_count``, > 0)."""
         samples, count = _int("samples", samples), _int("block_samples", block_samples, least=1)
         self._start_interval("block", C.BLOCK_START, samples, {C.FIRST_EPOCH_NUM: samples, C.EPOCH_COUNT: count})
 
@@ -405,8 +337,7 @@ class MLPerfLogger:
         """Writes one line; ``helper_frames``: calls between the public method and here."""
         if self._mllog is None:  # not rank 0, or closed
             return
-        log_fn = {"start": self._mllog.start, "end": self._mllog.end, "event": self._mllog.event}[kind]
-        log_fn(key=key, value=value, metadata=metadata, stack_offset=_STACK_OFFSET + helper_frames)
+        getattr(self._mllog, kind)(key=key, value=value, metadata=metadata, stack_offset=_STACK_OFFSET + helper_frames)
 
 
 def _int(name: str, value: Any, least: int = 0) -> int:
@@ -458,13 +389,9 @@ SYSTEM_DESC_STATUSES = system_desc.STATUSES
 def write_system_desc(
     path: str | os.PathLike, *, submitter: str, division: str, status: str, system_name: str, **fields: Any
 ) -> dict:
-    """Writes an MLPerf system description (``systems/<system_name>.json``) and returns it.
-
-    ``fields`` sets any other field of ``SYSTEM_DESC_FIELDS`` (spell ``accelerator_on-chip_
-    memories`` via ``**{...}``); fields not given are written as ``""`` for a person to fill
-    in. ``status`` is one of ``SYSTEM_DESC_STATUSES``. Written to a temporary name, then
-    renamed.
-    """
+    """Writes an MLPerf system description (``systems/<system_name>.json``) and returns it. ``fields``:
+    any other of ``SYSTEM_DESC_FIELDS`` (``**{...}`` for ``accelerator_on-chip_memories``); the rest
+    are written as ``""`` for a person to fill in."""
     unknown = sorted(set(fields) - set(SYSTEM_DESC_FIELDS))
     if unknown:
         raise ValueError(f"system description: unknown field(s) {unknown}")

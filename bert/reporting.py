@@ -1,12 +1,10 @@
 """What a run reports: the MLPerf hyper-parameters, a record per logged step, the summary.
 
-Rank 0 writes ``metrics.jsonl`` (``MetricsWriter``: one JSON object per logged step and per
-evaluation; on resume it drops the records past the checkpoint's step, so a resumed run's
-file equals an uninterrupted one's), the progress lines, ``summary.json``, its table and
-``curves.png``. ``DeviceCounters`` keeps what the steps leave on the device for the logs and
-reads it, with the record's other tensors, in one read per log interval (docs/step.md). The
-trainer calls these at initialisation, at logged steps, evaluations and the end; none runs
-on a step that does not log. Outputs: docs/training.md, "Outputs".
+Rank 0 writes ``metrics.jsonl`` (``MetricsWriter``; on resume the records past the checkpoint's step
+are dropped, so the file equals an uninterrupted run's), the progress lines, ``summary.json``, its
+table and ``curves.png``. ``DeviceCounters`` keeps what the steps leave on the device and reads it in
+one read per log interval (docs/step.md); nothing here runs on a step that does not log.
+Outputs: docs/training.md, "Outputs".
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -35,8 +32,7 @@ if TYPE_CHECKING:  # mlperf_logging is optional: imported only where the MLPerf 
 
 class MetricsWriter:
     def __init__(self, path: str, enabled: bool, resume_step: int | None = None):
-        self.path = path
-        self.enabled = enabled
+        self.path, self.enabled = path, enabled
         self.records: list[dict] = []
         self.sinks: list = []  # more receivers of every record (``write(record)``, ``close()``)
         if not enabled:
@@ -73,10 +69,7 @@ class Progress:
     """One line per logged step; a bar (on the same line) when stdout is a terminal."""
 
     def __init__(self, enabled: bool, total_steps: int):
-        self.enabled = enabled
-        self.total = total_steps
-        self.tty = sys.stdout.isatty()
-        self.start = time.time()
+        self.enabled, self.total, self.tty = enabled, total_steps, sys.stdout.isatty()
 
     def step(self, rec: dict) -> None:
         if not self.enabled:
@@ -108,12 +101,9 @@ def summary_table(summary: dict) -> str:
         ("time to train", f"{summary['time_to_train_s']:.1f} s"),
         ("skipped steps", summary["skipped_steps"]),
     ]
-    for key, label in (
-        ("corrupt_samples_skipped", "corrupt samples skipped"),
-        ("checkpoint_failures", "checkpoint failures"),
-    ):
-        if summary.get(key):
-            rows.append((label, summary[key]))
+    rows += [
+        (k.replace("_", " "), summary[k]) for k in ("corrupt_samples_skipped", "checkpoint_failures") if summary.get(k)
+    ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -124,17 +114,17 @@ def plot_curves(records: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_accuracy" in r]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot([r["samples"] for r in train], [r["loss"] for r in train])
-    ax1.set_xlabel("samples")
-    ax1.set_ylabel("training loss (MLM + NSP)")
-    ax1.grid(alpha=0.3)
-    ax2.plot([r["samples"] for r in evals], [r["eval_accuracy"] for r in evals], marker="o")
-    ax2.set_xlabel("samples")
-    ax2.set_ylabel("masked-LM accuracy (eval)")
-    ax2.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    curves = (
+        ("loss", "training loss (MLM + NSP)", {}),
+        ("eval_accuracy", "masked-LM accuracy (eval)", {"marker": "o"}),
+    )
+    for ax, (key, label, style) in zip(axes, curves):
+        kept = [r for r in records if key in r]
+        ax.plot([r["samples"] for r in kept], [r[key] for r in kept], **style)
+        ax.set_xlabel("samples")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     with publishing(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=100)
@@ -142,9 +132,8 @@ def plot_curves(records: list[dict], path: str) -> None:
 
 
 class SpikeCounter:
-    """Running spike score: a value is a spike when it is at least ``sigmas`` standard
-    deviations above the mean of the previous ``window`` finite values (a non-finite value
-    always is; the first two never are)."""
+    """Running spike score: a value is a spike when it is at least ``sigmas`` standard deviations above the mean of the
+    previous ``window`` finite values (a non-finite value always is; the first two never are)."""
 
     def __init__(self, sigmas: float = 7.0, window: int = 1000):
         self.sigmas = sigmas
@@ -172,8 +161,7 @@ class SpikeCounter:
 
 
 def spike_score(values: list[float], sigmas: float = 7.0, window: int = 1000) -> float:
-    """Percentage of values at least ``sigmas`` standard deviations above the mean of the
-    previous ``window`` values (all previous ones when fewer; the first two are never spikes)."""
+    """``SpikeCounter``'s score (a percentage) of ``values``."""
     counter = SpikeCounter(sigmas, window)
     for v in values:
         counter.add(v)
@@ -219,14 +207,8 @@ class DeviceCounters:
 
 
 # The rebalancer's numbers a step record carries (data.rebalance.ExchangeStats fields).
-REBALANCE_FIELDS = (
-    "imbalance_before",
-    "imbalance_after",
-    "samples_moved",
-    "samples_sent",
-    "exchange_ms",
-    "wait_ms",
-    "hidden_fraction",
+REBALANCE_FIELDS = tuple(
+    "imbalance_before imbalance_after samples_moved samples_sent exchange_ms wait_ms hidden_fraction".split()
 )
 
 
@@ -257,19 +239,11 @@ def log_hyperparameters(mllog: MLPerfLogger, cfg: RunConfig, seed: int, micro_ba
     mllog.precision(linear=fp8.mlperf_precision(t.fp8, t.precision), attention=fp8.mlperf_precision("off", t.precision))
 
 
-def step_record(
-    cfg: RunConfig,
-    state: TrainState,
-    parts: list[float],
-    lr: float,
-    grad_norm: float,
-    throughput: tuple[float, float],
-    adagc: dict,
-    rebalance,
-) -> dict:
-    """One metrics.jsonl record: ``parts`` the all-reduced [loss, mlm, nsp, simreg] of the
-    step, ``throughput`` (sequences/s, tokens/s) since the last record, ``adagc`` AdaGC's
-    numbers (``DeviceCounters.read``), ``rebalance`` the rebalancer's stats of the step or None."""
+def step_record(cfg: RunConfig, state: TrainState, got: dict, throughput: tuple[float, float], rebalance) -> dict:
+    """One metrics.jsonl record: ``got`` what ``DeviceCounters.read`` read (``parts``: the all-reduced
+    [loss, mlm, nsp, simreg] of the step, ``lr``, ``grad_norm``, ``adagc``), ``throughput``
+    (sequences/s, tokens/s) since the last record, ``rebalance`` the rebalancer's stats of the step or None."""
+    parts = got["parts"]
     rec = {
         "step": state.step,
         "samples": state.samples,
@@ -277,12 +251,12 @@ def step_record(
         "mlm_loss": parts[1],
         "nsp_loss": parts[2],
         **({"simreg_loss": parts[3]} if cfg.loss.simreg_weight else {}),
-        "lr": lr,
-        "grad_norm": grad_norm,
+        "lr": got["lr"],
+        "grad_norm": got["grad_norm"],
         "seq_per_s": throughput[0],
         "tokens_per_s": throughput[1],
         "skipped_steps": state.skipped,
-        **adagc,
+        **got["adagc"],
         **({"corrupt_samples": state.corrupt_samples} if cfg.data.on_corrupt == "skip" else {}),
     }
     if rebalance is not None:
@@ -357,14 +331,9 @@ def summary(
 def interrupted(state: TrainState, saved: bool, error: str | None, progress: Progress) -> dict:
     """A run stopped by SIGTERM at ``state.step``: the line that says how to resume, and its
     short summary (``saved``: its checkpoint was written)."""
-    progress.message(
-        f"stopping at step {state.step} as asked (SIGTERM); "
-        + (
-            "checkpoint saved, rerun with the same --output-dir to resume"
-            if saved
-            else "rerun with the same --output-dir to resume from the latest checkpoint"
-        )
-    )
+    done = "checkpoint saved, rerun with the same --output-dir to resume"
+    todo = "rerun with the same --output-dir to resume from the latest checkpoint"
+    progress.message(f"stopping at step {state.step} as asked (SIGTERM); {done if saved else todo}")
     return {
         "status": "interrupted",
         "steps": state.step,

@@ -1,17 +1,7 @@
-"""Learning-rate schedules: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT);
-or warmup-stable-decay (ModernBERT's; ``wsd_lr_at`` at the bottom).
-
-The trainer calls ``scheduler.step()`` after every applied update (a skipped fp16 step does
-not advance it); it writes the next update's rate into every parameter group. As MLPerf's
-reference ``create_optimizer``, with g the 0-based global step:
-
-    decay(g)  = (base_lr - end_lr) * (1 - min(g, total_steps) / total_steps) ** power + end_lr
-    w         = g - start_warmup_step
-    lr(g)     = base_lr * w / warmup_steps    if warmup_steps > 0 and w < warmup_steps
-                decay(g)                      otherwise
-
-and 0 for w < 0, where the reference would give a negative rate. NVIDIA's PyTorch scheduler
-agrees when ``start_warmup_step == 0`` and is one step later otherwise.
+"""Learning-rate schedules: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT's
+reference ``create_optimizer``: the formula is docs/training.md's, "Optimizer, schedule and
+clipping"), or warmup-stable-decay (ModernBERT's; ``wsd_lr_at`` at the bottom). The trainer calls
+``scheduler.step()`` after every applied update; it writes the next update's rate into every group.
 """
 
 from __future__ import annotations
@@ -64,22 +54,16 @@ def lr_at_tensor(
 
 
 class PolyWarmupScheduler:
-    """Sets ``lr_at(step)`` in every parameter group of ``optimizer``.
+    """Sets ``lr_at(step)`` in every parameter group of ``optimizer``: ``optim``'s peak ``lr``,
+    ``warmup_steps`` from ``start_warmup_step`` and decay of ``poly_power`` over ``max_steps``, or with
+    ``optim.schedule`` wsd / wsd_linear ``wsd_lr_at`` (the final decay over ``optim.decay_steps``).
+    The groups start at update 0's rate; each ``step()`` (after an applied update) sets the next.
+    ``state_dict()`` holds only the count: the hyper-parameters come from the config on resume.
 
-    The schedule of ``optim`` (a ``bert.train_config.OptimSection``): peak ``optim.lr``,
-    ``optim.warmup_steps`` from ``optim.start_warmup_step``, decay of power ``optim.poly_power``
-    over the run's ``max_steps``. With
-    ``optim.schedule`` ``wsd`` it is ``wsd_lr_at`` instead: warm-up, constant, and a decay
-    (``optim.decay_shape``: wsd_linear's is linear) over the last ``optim.decay_steps`` of those steps.
-    At construction the groups get the rate of update 0; each ``step()`` (called after an
-    applied update) advances the count and sets the next rate. ``state_dict()`` holds only
-    the count: the hyper-parameters come from the configuration when a run resumes.
-
-    ``device`` given: the count and the rate live on that device, the rate as one 0-dim
-    float64 tensor that every group holds (``group["lr"]``, updated in place, so a captured
-    graph sees each new value), and ``step(found_inf)`` advances the count only where
-    ``found_inf`` is zero, without the host reading it. ``step_count`` and ``last_lr`` then
-    read the device (for logs and checkpoints, not inside a step).
+    ``device`` given: the count and the rate live on that device, the rate as one 0-dim float64
+    tensor every group holds (updated in place, so a captured graph sees each new value), and
+    ``step(found_inf)`` advances the count only where ``found_inf`` is zero, without a host read.
+    ``step_count`` and ``last_lr`` then read the device (for logs and checkpoints, not in a step).
     """
 
     def __init__(
@@ -90,43 +74,35 @@ class PolyWarmupScheduler:
         end_lr: float = 0.0,
         device: torch.device | str | None = None,
     ):
-        base_lr, total_steps, warmup_steps = optim.lr, max_steps, optim.warmup_steps
-        start_warmup_step, power = optim.start_warmup_step, optim.poly_power
-        _check(math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}")
-        _check(
-            isinstance(total_steps, int) and total_steps >= 1,
-            "total_steps",
-            f"must be an integer >= 1, got {total_steps!r}",
-        )
-        _check(
-            isinstance(warmup_steps, int) and warmup_steps >= 0,
-            "warmup_steps",
-            f"must be an integer >= 0, got {warmup_steps!r}",
-        )
-        _check(
-            isinstance(start_warmup_step, int), "start_warmup_step", f"must be an integer, got {start_warmup_step!r}"
-        )
-        _check(math.isfinite(power) and power >= 0, "power", f"must be finite and >= 0, got {power}")
-        _check(
-            math.isfinite(end_lr) and 0 <= end_lr <= base_lr,
-            "end_lr",
-            f"must lie in [0, base_lr={base_lr}], got {end_lr}",
-        )
-        self.optimizer = optimizer
-        self.base_lr = float(base_lr)
-        self.total_steps = total_steps
-        self.warmup_steps = warmup_steps
-        self.start_warmup_step = start_warmup_step
-        self.power = float(power)
-        self.end_lr = float(end_lr)
-        self.decay_steps, self.decay_shape = optim.decay_steps, optim.decay_shape
-        self.schedule = "poly" if optim.schedule == "poly" else "wsd"
-        if self.schedule == "wsd":
-            _check(
-                warmup_steps + self.decay_steps <= total_steps,
+        base_lr, warmup, start, power = optim.lr, optim.warmup_steps, optim.start_warmup_step, optim.poly_power
+        total, wsd = max_steps, optim.schedule != "poly"
+        for ok, name, what in (
+            (math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}"),
+            (isinstance(total, int) and total >= 1, "total_steps", f"must be an integer >= 1, got {total!r}"),
+            (isinstance(warmup, int) and warmup >= 0, "warmup_steps", f"must be an integer >= 0, got {warmup!r}"),
+            (isinstance(start, int), "start_warmup_step", f"must be an integer, got {start!r}"),
+            (math.isfinite(power) and power >= 0, "power", f"must be finite and >= 0, got {power}"),
+            (
+                math.isfinite(end_lr) and 0 <= end_lr <= base_lr,
+                "end_lr",
+                f"must lie in [0, base_lr={base_lr}], got {end_lr}",
+            ),
+            (
+                not wsd or warmup + optim.decay_steps <= total,
                 "optim.decay_steps",
-                f"warm-up ({warmup_steps}) and decay ({self.decay_steps}) exceed the {total_steps} steps",
-            )
+                f"warm-up ({warmup}) and decay ({optim.decay_steps}) exceed the {total} steps",
+            ),
+        ):
+            if not ok:
+                raise ValueError(f"{name}: {what}")
+        self.optimizer = optimizer
+        self.schedule = "wsd" if wsd else "poly"
+        # The keyword arguments of (wsd_)lr_at(_tensor).
+        self._hp = dict(base_lr=float(base_lr), total_steps=total, warmup_steps=warmup, end_lr=float(end_lr))
+        if wsd:
+            self._hp.update(decay_steps=optim.decay_steps, decay_shape=optim.decay_shape)
+        else:
+            self._hp.update(start_warmup_step=start, power=float(power))
         self.device = None if device is None else torch.device(device)
         self._count = 0  # updates applied so far = the 0-based step of the next update
         self.lr = None  # on the device: the rate of the next update, a 0-dim float64 tensor
@@ -140,9 +116,7 @@ class PolyWarmupScheduler:
         return int(self._count)
 
     def lr_at(self, step: int) -> float:
-        if self.schedule == "wsd":
-            return wsd_lr_at(step, **self._wsd_hyperparameters())
-        return lr_at(step, **self._hyperparameters())
+        return (wsd_lr_at if self.schedule == "wsd" else lr_at)(step, **self._hp)
 
     @property
     def last_lr(self) -> float:
@@ -159,35 +133,12 @@ class PolyWarmupScheduler:
             self._count = self._count + (found_inf == 0).to(torch.int64)
         self._apply()
 
-    def _hyperparameters(self) -> dict:
-        return dict(
-            base_lr=self.base_lr,
-            total_steps=self.total_steps,
-            warmup_steps=self.warmup_steps,
-            start_warmup_step=self.start_warmup_step,
-            power=self.power,
-            end_lr=self.end_lr,
-        )
-
     def _lr_tensor(self, step: torch.Tensor) -> torch.Tensor:
         """``lr_at`` of a 0-dim step tensor, on its device (no host read)."""
-        if self.schedule == "wsd":
-            return wsd_lr_at_tensor(step, **self._wsd_hyperparameters())
-        return lr_at_tensor(step, **self._hyperparameters())
-
-    def _wsd_hyperparameters(self) -> dict:
-        return dict(
-            base_lr=self.base_lr,
-            total_steps=self.total_steps,
-            warmup_steps=self.warmup_steps,
-            decay_steps=self.decay_steps,
-            decay_shape=self.decay_shape,
-            end_lr=self.end_lr,
-        )
+        return (wsd_lr_at_tensor if self.schedule == "wsd" else lr_at_tensor)(step, **self._hp)
 
     def applied_lr(self) -> torch.Tensor:
-        """Device mode: the rate of the last applied update (update 0's before any), a 0-dim
-        float64 device tensor, for the logs (no read until the caller reads it)."""
+        """Device mode: the last applied update's rate (update 0's before any), a 0-dim float64 device tensor."""
         return self._lr_tensor((self._count - 1).clamp(min=0))
 
     def _apply(self) -> None:
@@ -210,11 +161,6 @@ class PolyWarmupScheduler:
         self._apply()
 
 
-def _check(ok: bool, field: str, what: str) -> None:
-    if not ok:
-        raise ValueError(f"{field}: {what}")
-
-
 # ---- warmup-stable-decay ------------------------------------------------------------------------
 
 
@@ -228,12 +174,11 @@ def wsd_lr_at(
     decay_shape: str = "1-sqrt",
     end_lr: float = 0.0,
 ) -> float:
-    """Warmup-stable-decay (ModernBERT's "trapezoidal" schedule, arXiv:2412.13663 section 2.2):
-    a linear warm-up over ``warmup_steps`` to ``base_lr``, constant, then over the last
-    ``decay_steps`` of ``total_steps`` a decay to ``end_lr``, linear or one-minus-sqrt
-    (lr = end + (base - end) * (1 - sqrt(p)) at progress p of the decay; Hägele et al. 2024,
-    arXiv:2405.18392, which ModernBERT uses). Step 0-based as ``lr_at``; past ``total_steps``
-    the rate stays ``end_lr``."""
+    """Warmup-stable-decay (ModernBERT's "trapezoidal" schedule, arXiv:2412.13663 section 2.2): a linear warm-up over
+    ``warmup_steps`` to ``base_lr``, constant, then over the last ``decay_steps`` of ``total_steps`` a decay to
+    ``end_lr``, linear or one-minus-sqrt (lr = end + (base - end) * (1 - sqrt(p)) at progress p of the decay; Hägele et
+    al. 2024, arXiv:2405.18392, which ModernBERT uses). Step 0-based as ``lr_at``; past ``total_steps`` the rate stays
+    ``end_lr``."""
     if step < warmup_steps:
         return base_lr * step / warmup_steps
     decay_start = total_steps - decay_steps

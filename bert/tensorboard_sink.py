@@ -1,9 +1,8 @@
 """TensorBoard event files for a run (``log.tensorboard: true``): OUTPUT_DIR/tensorboard/.
 
-A sink of ``bert.reporting.MetricsWriter`` (rank 0): every ``metrics.jsonl`` record becomes
-scalars at its global step, and the resolved config is text (tag ``config``). A resumed run
-opens a new event file with ``purge_step`` = checkpoint step + 1 and replays the spike
-counters from ``metrics.jsonl``. The tags: [docs/extensions.md](../docs/extensions.md#tensorboard).
+A sink of ``bert.reporting.MetricsWriter`` (rank 0): every ``metrics.jsonl`` record becomes scalars
+at its global step; a resumed run purges the steps after its checkpoint and replays the spike counters.
+The tags and the resume: [docs/extensions.md](../docs/extensions.md#tensorboard).
 """
 
 from __future__ import annotations

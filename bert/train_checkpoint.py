@@ -1,17 +1,11 @@
 """Training checkpoints: one checksummed file per step, one writer, one restore path.
 
-``write_checkpoint`` saves the run's state as ``DIR/checkpoints/step_%08d.pt`` (rank 0 writes; a
-sharded run's tensors are gathered whole first); ``find_checkpoint`` finds the newest one that
-verifies, the same on every rank; ``resume`` restores it into the run's parts, whole or sharded
-at any world size, or the next older one when it does not fit.
-
-A file is the ``torch.save`` of plain data followed by ``\\nBERT-CHECKPOINT sha256=<64 hex>
-size=<16 digits>\\n`` (``head -c -111 FILE | sha256sum`` checks it), streamed to a temporary
-name and renamed over its final one: a final name always holds a whole file, older ones are
-pruned only after that, and a failed write leaves no temporary file (``CheckpointWriteError``).
-Reading never runs code; a damaged or refused checkpoint is named and the next older one tried.
-Earlier code's sharded directories are read into the same dict (bert.distributed_checkpoint).
-Why one file and what it costs: docs/sharding.md; the fault cases: docs/reliability.md.
+``write_checkpoint`` saves ``DIR/checkpoints/step_%08d.pt`` (rank 0; a sharded run gathers first);
+``find_checkpoint`` finds the newest that verifies, the same on every rank; ``resume`` restores it,
+whole or sharded at any world size, or the next older one when it does not fit. A file is the
+``torch.save`` of plain data and ``\\nBERT-CHECKPOINT sha256=<64 hex> size=<16 digits>\\n``
+(``head -c -111 FILE | sha256sum``), streamed to a temporary name and renamed over its final one.
+Reading never runs code. docs/sharding.md, "Checkpoints that reshard"; faults: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -52,17 +46,15 @@ def checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:08d}.pt")
 
 
-# An earlier code's sharded checkpoint is a directory: DCP's files, rank 0's STATE (this
-# module's file format) and MANIFEST (every other file's size and SHA-256), written last.
+# An earlier code's sharded checkpoint directory (bert.distributed_checkpoint): MANIFEST was written last.
 MANIFEST = "MANIFEST.json"
 STATE = "state.pt"
 _DIR_FORMAT = "bert-sharded-checkpoint/1"
 
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
-    """(step, path) of every ``step_*.pt`` file and sharded ``step_*`` directory under its final
-    name, oldest first (a step saved both ways: the directory sorts after the file, so it is
-    the one tried first)."""
+    """(step, path) of every ``step_*.pt`` file and sharded ``step_*`` directory under its final name, oldest first (a
+    step saved both ways: the directory sorts after the file, so it is the one tried first)."""
     found = []
     for path in glob.glob(os.path.join(glob.escape(directory), "step_*")):
         m = _NAME_RE.match(os.path.basename(path))
@@ -104,8 +96,7 @@ class _HashingSink:
         n = len(view)
         try:
             while view:
-                written = os.write(self.fd, view)
-                view = view[written:]
+                view = view[os.write(self.fd, view) :]
         except OSError as e:
             self.error = e
             raise
@@ -158,9 +149,8 @@ def write_file(path: str, state) -> str:
             if sink.error is None:
                 raise  # not the file system: a bug to see
             raise sink.error from None
-        view = memoryview(b"%s%s size=%016d\n" % (_TRAILER_PREFIX, sink.sha.hexdigest().encode(), sink.size))
-        while view:
-            view = view[os.write(fd, view) :]
+        trailer = b"%s%s size=%016d\n" % (_TRAILER_PREFIX, sink.sha.hexdigest().encode(), sink.size)
+        sink.write(trailer)  # after the digest was taken: the sink's hash and size no longer matter
         os.close(fd)
         fd = -1
         publish(tmp, path)
@@ -267,13 +257,9 @@ def verify_dir(path: str) -> dict:
 
 
 def read(path: str) -> dict:
-    """Verify and load one checkpoint (on the CPU) without running anything in it; its
-    ``counters`` must hold an integer ``step``.
-
-    A sharded checkpoint (a directory, bert.distributed_checkpoint) is checked against its
-    manifest and gives its ``state.pt`` with ``"sharded": path`` added: its tensors are read
-    into the resuming run's layout by ``distributed_checkpoint.load_tensors``.
-    """
+    """Verify and load one checkpoint (on the CPU) without running anything in it; its ``counters``
+    must hold an integer ``step``. A sharded directory (bert.distributed_checkpoint) is checked against
+    its manifest and gives its ``state.pt`` with ``"sharded": path`` added."""
     manifest = verify_dir(path) if os.path.isdir(path) else None
     state = read_file(path) if manifest is None else read_file(os.path.join(path, STATE), root=path)
     counters = state.get("counters") if isinstance(state, dict) else None
@@ -307,13 +293,9 @@ def _first_line(e: BaseException) -> str:
 def load_latest(
     directory: str, warn=print, accept: Callable[[dict], None] | None = None, older_than: str | None = None
 ) -> tuple[str, dict] | None:
-    """(path, state) of the newest checkpoint that verifies and that ``accept`` takes (it
-    raises CheckpointError to refuse one); None when there is none at all. ``older_than``
-    (a checkpoint's path) looks only at checkpoints of earlier steps.
-
-    Each damaged or refused one is reported through ``warn`` before the next older one is
-    tried; if all are, CheckpointError names them.
-    """
+    """(path, state) of the newest checkpoint that verifies and that ``accept`` takes (it raises
+    CheckpointError to refuse one), only of steps before ``older_than`` (a path) if given; None when
+    there is none. Each refused one is reported to ``warn``; if all are, CheckpointError names them."""
     found = list_checkpoints(directory)
     if older_than is not None:
         limit = next((step for step, path in found if path == older_than), None)
@@ -343,9 +325,8 @@ def load_latest(
 
 
 def to_checkpoint(state: TrainState, parts: dict, loader: dict, config: dict) -> dict:
-    """What a training checkpoint holds: ``parts`` (model, optimizer, schedule, adagc, scaler;
-    None for a part the run has not) by their state dicts, the loader's position, the
-    counters and the run's config (for ``bert.export``)."""
+    """What a training checkpoint holds: ``parts`` (model, optimizer, schedule, adagc, scaler; None for a part the run
+    has not) by their state dicts, the loader's position, the counters and the run's config (for ``bert.export``)."""
     states = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
     return {**states, "loader": loader, "counters": state.counters(), "config": config}
 
@@ -368,10 +349,9 @@ def _gathered(value, keep: bool):
 def write_checkpoint(
     directory: str, state: TrainState, parts: dict, loader: dict, cfg, coll: Collectives
 ) -> str | None:
-    """Write the step's checkpoint, one file, on rank 0; returns the error the file system gave
-    there, else None (the caller agrees the outcome over the ranks). A sharded run
-    (``optim.shard``) first gathers its tensors whole, every rank taking part. The newest
-    ``cfg.checkpoint.keep`` are kept."""
+    """Write the step's checkpoint, one file, on rank 0; returns the error the file system gave there, else None (the
+    caller agrees the outcome over the ranks). A sharded run (``optim.shard``) first gathers its tensors whole, every
+    rank taking part. The newest ``cfg.checkpoint.keep`` are kept."""
     is_main, sharded = coll.rank == 0, isinstance(parts["optimizer"], ShardedLamb)
     if not (is_main or sharded):
         return None
@@ -405,9 +385,8 @@ def find_checkpoint(directory: str, coll: Collectives, device: torch.device, war
     steps = coll.all_reduce(torch.tensor([step, -step], device=device), "the resume check", step, op=dist.ReduceOp.MAX)
     if int(steps[0]) != -int(steps[1]):
         raise CheckpointError(
-            f"{directory}: the ranks resumed from different steps ({-int(steps[1])} to "
-            f"{int(steps[0])}; rank {coll.rank} from {step}): every rank must see the "
-            f"same checkpoints"
+            f"{directory}: the ranks resumed from different steps ({-int(steps[1])} to {int(steps[0])}; rank "
+            f"{coll.rank} from {step}): every rank must see the same checkpoints"
         )
     return found
 
@@ -436,14 +415,10 @@ def resume(found: tuple[str, dict], directory: str, parts: dict, warn) -> tuple[
 
 
 def restore(saved: dict, parts: dict) -> TrainState:
-    """Check ``saved`` against this run's ``parts`` (as for ``to_checkpoint``), load it into
-    them and return its counters; CheckpointError when it does not fit (parts loaded before
-    the failing one are overwritten by the next checkpoint tried). The loader's position
-    (``saved["loader"]``) is the caller's to apply, once the data is open.
-
-    The saved tensors are whole; a sharded run keeps its part of each (``_load_into_shards``),
-    so a checkpoint resumes at any world size and any ``optim.shard``. An earlier code's
-    sharded directory is first read into the same dict (bert.distributed_checkpoint)."""
+    """Check ``saved`` against this run's ``parts`` (as for ``to_checkpoint``), load it into them and
+    return its counters; CheckpointError when it does not fit (parts loaded before the failing one
+    are overwritten by the next checkpoint tried). ``saved["loader"]`` is the caller's to apply.
+    A sharded run keeps its part of each whole tensor (``_load_into_shards``)."""
     model, optimizer = parts["model"], parts["optimizer"]
     if "sharded" in saved:
         from bert.distributed_checkpoint import whole_state
@@ -473,8 +448,6 @@ def _load_into_shards(saved: dict, model: torch.nn.Module, optimizer) -> None:
     """Whole tensors (moments keyed by index, as ``check_fits`` checked) into this run's DTensor
     shards: each rank keeps its own part of every tensor (no communication: every rank read
     the file). Moments the saved run had not created yet stay zeros, as LAMB starts them."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     for group, kept in zip(optimizer.param_groups, saved["optimizer"]["param_groups"]):
         group.update({k: v for k, v in kept.items() if k != "params"})
     indices = (i for g in saved["optimizer"]["param_groups"] for i in g["params"])
@@ -485,14 +458,20 @@ def _load_into_shards(saved: dict, model: torch.nn.Module, optimizer) -> None:
     for index, moments in saved["optimizer"]["state"].items():
         ours = optimizer.state[params[index]]
         pairs += [(ours[k], v) for k, v in moments.items() if isinstance(ours.get(k), torch.Tensor)]
+    copy_whole(pairs)
+
+
+def copy_whole(pairs) -> None:
+    """Each (target, whole tensor) copied: a DTensor target keeps its own part (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     with torch.no_grad():
         for target, value in pairs:
             value = value.to(target.device, target.dtype)
             if isinstance(target, DTensor):
-                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
-                target.to_local().copy_(value.to_local())
-            else:
-                target.copy_(value)
+                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+                target = target.to_local()
+            target.copy_(value)
 
 
 def check_fits(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
@@ -528,9 +507,8 @@ def refuse_if(what: str, problems: list[str]) -> None:
 def _check_optimizer(groups: list[dict], saved: dict) -> None:
     try:
         sizes = [len(g["params"]) for g in saved["param_groups"]]
-        params = dict(
-            zip((i for g in saved["param_groups"] for i in g["params"]), (p for g in groups for p in g["params"]))
-        )
+        indices = (i for g in saved["param_groups"] for i in g["params"])
+        params = dict(zip(indices, (p for g in groups for p in g["params"])))
         moments = dict(saved["state"])
     except (KeyError, TypeError, ValueError):
         raise CheckpointError("the optimizer state is not param_groups with params, and state") from None

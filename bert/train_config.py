@@ -31,20 +31,12 @@ class ConfigError(ValueError):
     """An invalid run configuration; the message names the key."""
 
 
-def _check(section: str, obj) -> None:
-    """Types and choices of every field (called from each section's __post_init__)."""
-    cli.check_choices(section, obj, ConfigError)
-
-
 def _in_range(key: str, value, least=None, most=None, above=None) -> None:
     """``value`` (None: unset) within [least, most], or above ``above``."""
     if value is None:
         return
-    if (
-        (least is not None and value < least)
-        or (most is not None and value > most)
-        or (above is not None and value <= above)
-    ):
+    too_low = (least is not None and value < least) or (above is not None and value <= above)
+    if too_low or (most is not None and value > most):
         low = f"> {above}" if above is not None else f">= {least}" if least is not None else ""
         high = f"<= {most:,}" if most is not None else ""
         raise ConfigError(f"{key}: must be {' and '.join(x for x in (low, high) if x)}, got {cli.short(value, 40)}")
@@ -104,7 +96,7 @@ class ModelSection:
     compile: bool = opt(False, "wrap the model in torch.compile")
 
     def __post_init__(self):
-        _check("model", self)
+        cli.check_choices("model", self, ConfigError)  # types and choices of every field
         names = [f.name for f in fields(BertConfig)]
         bad = next((k for k in self.overrides if k not in names), None)
         if bad is not None:
@@ -158,14 +150,13 @@ class DataSection:
     )
     on_corrupt: str = opt(
         "fail",
-        "a training sample that fails validation or cannot be read: fail stops the run "
-        "naming file and sample; skip replaces it by the next good sample of the "
-        "epoch's stream and counts it (metrics corrupt_samples, summary)",
+        "a training sample that fails validation or cannot be read: fail stops the run naming file and sample; skip "
+        "replaces it by the next good sample of the epoch's stream and counts it (metrics corrupt_samples, summary)",
         ("fail", "skip"),
     )
 
     def __post_init__(self):
-        _check("data", self)
+        cli.check_choices("data", self, ConfigError)
         _in_range("data.max_seq_length", self.max_seq_length, least=1, most=1 << 20)
         _in_range("data.max_predictions_per_seq", self.max_predictions_per_seq, least=1, most=1 << 20)
         _positive("data.rebalance_group_size", self.rebalance_group_size)
@@ -177,11 +168,6 @@ class DataSection:
         if window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1:
             raise ConfigError(f"data.rebalance_measured: expected window >= 2, bound >= 1, 0 < rate <= 1, got {got}")
 
-    @property
-    def rebalance_cost_tuple(self) -> tuple:
-        """``data.rebalance_plan.Cost``'s fields: (a, b) or (a, b, b_local, window)."""
-        return tuple(self.rebalance_cost)
-
 
 @dataclass
 class TrainSection:
@@ -191,9 +177,8 @@ class TrainSection:
     max_samples: int = opt(4_500_000, "stop (status aborted) after this many training samples")
     seed: int | None = opt(
         None,
-        "seeds data order, initialisation and dropout; unset (null): rank 0 draws "
-        "one from the OS and broadcasts it, so each run has its own (MLPerf closed "
-        "division); the seed used is logged and kept in checkpoints",
+        "seeds data order, initialisation and dropout; unset (null): rank 0 draws one from the OS and broadcasts it, "
+        "so each run has its own (MLPerf closed division); the seed used is logged and kept in checkpoints",
     )
     precision: str = opt(
         "fp32", "fp32; bf16 autocast (CPU, CUDA); fp16 with a gradient scaler (CUDA)", ("fp32", "bf16", "fp16")
@@ -219,9 +204,8 @@ class TrainSection:
     )
     static_token_bucket: int | str = opt(
         "auto",
-        "the token bucket of train.static_shapes (masked positions: multiples of 64); auto: 2% of "
-        "micro-batch x data.max_seq_length, a multiple of 64 (about 2% padding, 15 shapes over "
-        "MLPerf's 8-GPU recipe; docs/step.md)",
+        "the token bucket of train.static_shapes (masked positions: multiples of 64); auto: 2% of micro-batch x "
+        "data.max_seq_length, a multiple of 64 (about 2% padding, 15 shapes over MLPerf's 8-GPU recipe; docs/step.md)",
     )
     cuda_graphs: bool = opt(
         False,
@@ -231,29 +215,20 @@ class TrainSection:
     batch_size_warmup: tuple[int, int] | None = opt(
         None,
         "batch-size warm-up (ModernBERT's), [start, steps]: the global batch of step 0, a multiple of "
-        "global_batch_size / grad_accum_steps (one micro-batch on every rank), growing by that much "
-        "at equal intervals to global_batch_size at step `steps`; null: off "
-        "(data/batch_ramp.py, docs/modern_encoders.md)",
+        "global_batch_size / grad_accum_steps (one micro-batch on every rank), growing by that much at equal intervals "
+        "to global_batch_size at step `steps`; null: off (data/batch_ramp.py, docs/modern_encoders.md)",
     )
 
     def __post_init__(self):
-        _check("train", self)
-        for name in (
-            "global_batch_size",
-            "grad_accum_steps",
-            "max_steps",
-            "max_samples",
-            "log_interval_steps",
-            "max_nonfinite_steps",
-        ):
+        cli.check_choices("train", self, ConfigError)
+        positive = "global_batch_size grad_accum_steps max_steps max_samples log_interval_steps max_nonfinite_steps"
+        for name in positive.split():
             _positive(f"train.{name}", getattr(self, name))
         _in_range("train.seed", self.seed, least=0)
         _auto_or_positive("train.static_token_bucket", self.static_token_bucket, "a number of tokens")
-        if self.batch_size_warmup is not None:
-            self._check_batch_size_warmup(*self.batch_size_warmup)
-
-    def _check_batch_size_warmup(self, start: int, steps: int) -> None:
-        key, full = "train.batch_size_warmup", self.global_batch_size
+        if self.batch_size_warmup is None:
+            return
+        (start, steps), key, full = self.batch_size_warmup, "train.batch_size_warmup", self.global_batch_size
         unit = full // self.grad_accum_steps
         if not 0 < start < full:
             raise ConfigError(f"{key}: start {start} must lie in [1, train.global_batch_size {full})")
@@ -270,19 +245,17 @@ class TrainSection:
 class EvalSection:
     interval_samples: int | str = opt(
         "auto",
-        "evaluate every this many training samples; auto: MLPerf's rule, "
-        "floor(0.05 x (230.23 x global batch + 3,000,000) / 25,000) x "
-        "25,000",
+        "evaluate every this many training samples; auto: MLPerf's rule, floor(0.05 x (230.23 x global batch + "
+        "3,000,000) / 25,000) x 25,000",
     )
     target_accuracy: float = opt(0.720, "stop with status success at this masked-LM accuracy")
     batch_size: int = opt(125, "eval sequences per rank per batch")
     max_samples: int | None = opt(None, "evaluate on the first N eval samples only (MLPerf: all)")
     at_start: bool = opt(
         False,
-        "evaluate the initial weights before training, during initialisation (untimed, "
-        "not an MLPerf eval_accuracy event): MLPerf's phase-1 checkpoint scores about "
-        "0.34, which checks that it loaded right. Not in the closed division, where "
-        "nothing may read the dataset before run_start",
+        "evaluate the initial weights before training, during initialisation (untimed, not an MLPerf eval_accuracy "
+        "event): MLPerf's phase-1 checkpoint scores about 0.34, which checks that it loaded right. Not in the closed "
+        "division, where nothing may read the dataset before run_start",
     )
     cache_on_device: bool = opt(
         False,
@@ -291,7 +264,7 @@ class EvalSection:
     )
 
     def __post_init__(self):
-        _check("eval", self)
+        cli.check_choices("eval", self, ConfigError)
         _auto_or_positive("eval.interval_samples", self.interval_samples, "a number of samples")
         _positive("eval.batch_size", self.batch_size)
         _positive("eval.max_samples", self.max_samples)
@@ -306,7 +279,7 @@ class AdaGCSection:
     warmup_steps: int = opt(100, "steps of global-norm clipping at optim.max_grad_norm before per-tensor clipping")
 
     def __post_init__(self):
-        _check("optim.adagc", self)
+        cli.check_choices("optim.adagc", self, ConfigError)
         _positive("optim.adagc.lambda_rel", self.lambda_rel)
         _positive("optim.adagc.warmup_steps", self.warmup_steps, allow_zero=True)
         if not 0.0 <= self.beta < 1.0:
@@ -326,9 +299,8 @@ class OptimSection:
     weight_decay: float = opt(0.01, "decoupled weight decay (not on biases and LayerNorm)")
     decouple_lr: bool = opt(
         False,
-        "adamw / stable_adamw: weight decay independent of the learning rate's size, "
-        "w <- w (1 - lr_t / optim.lr x weight_decay) (fully decoupled; ModernBERT's); false: torch's "
-        "w <- w (1 - lr_t x weight_decay)",
+        "adamw / stable_adamw: weight decay independent of the learning rate's size, w <- w (1 - lr_t / optim.lr x "
+        "weight_decay) (fully decoupled; ModernBERT's); false: torch's w <- w (1 - lr_t x weight_decay)",
     )
     eps: float = opt(1e-6, "Adam/LAMB epsilon")
     warmup_steps: int = opt(0, "linear warm-up steps")
@@ -336,9 +308,8 @@ class OptimSection:
     poly_power: float = opt(1.0, "power of the polynomial decay to 0")
     schedule: str = opt(
         "poly",
-        "poly: warm-up then polynomial decay to 0 at train.max_steps (MLPerf); wsd: warm-up, constant, then "
-        "a 1-sqrt decay over the last decay_steps (ModernBERT's warmup-stable-decay); wsd_linear: "
-        "the same with a linear decay",
+        "poly: warm-up then polynomial decay to 0 at train.max_steps (MLPerf); wsd: warm-up, constant, then a 1-sqrt "
+        "decay over the last decay_steps (ModernBERT's warmup-stable-decay); wsd_linear: the same with a linear decay",
         ("poly", "wsd", "wsd_linear"),
     )
     decay_steps: int = opt(0, "wsd: steps of the final decay (0: constant to the end)")
@@ -363,7 +334,7 @@ class OptimSection:
         return "linear" if self.schedule == "wsd_linear" else "1-sqrt"
 
     def __post_init__(self):
-        _check("optim", self)
+        cli.check_choices("optim", self, ConfigError)
         if isinstance(self.shard, str) and self.shard not in ("none", "dp"):
             raise ConfigError(f"optim.shard: expected none, dp or a group size, got {cli.short(self.shard)}")
         _in_range("optim.shard", None if isinstance(self.shard, str) else self.shard, least=1)
@@ -397,7 +368,7 @@ class LossSection:
     simreg_scope: str = opt("masked", "SimReg tokens: the masked positions or all tokens", ("masked", "all"))
 
     def __post_init__(self):
-        _check("loss", self)
+        cli.check_choices("loss", self, ConfigError)
         _positive("loss.simreg_weight", self.simreg_weight, allow_zero=True)
         _positive("loss.simreg_temperature", self.simreg_temperature)
 
@@ -413,7 +384,7 @@ class DebugSection:
     nonfinite_value: str = opt("nan", "what debug.nonfinite_steps writes into the gradient", ("nan", "inf", "-inf"))
 
     def __post_init__(self):
-        _check("debug", self)
+        cli.check_choices("debug", self, ConfigError)
 
 
 @dataclass
@@ -430,7 +401,7 @@ class LogSection:
     tensorboard: bool = opt(False, "write TensorBoard events to OUTPUT_DIR/tensorboard/ (rank 0)")
 
     def __post_init__(self):
-        _check("log", self)
+        cli.check_choices("log", self, ConfigError)
 
 
 @dataclass
@@ -441,14 +412,13 @@ class CheckpointSection:
     at_end: bool = opt(False, "also save when the run ends (the final weights, for python -m bert.export)")
     on_error: str = opt(
         "continue",
-        "a checkpoint that cannot be written (no space, no permission): the error "
-        "is reported, the previous checkpoint kept, and the run goes on or stops "
-        "(status aborted, exit status 1)",
+        "a checkpoint that cannot be written (no space, no permission): the error is reported, the previous checkpoint "
+        "kept, and the run goes on or stops (status aborted, exit status 1)",
         ("continue", "stop"),
     )
 
     def __post_init__(self):
-        _check("checkpoint", self)
+        cli.check_choices("checkpoint", self, ConfigError)
         _positive("checkpoint.interval_steps", self.interval_steps, allow_zero=True)
         _positive("checkpoint.keep", self.keep)
 
@@ -460,7 +430,7 @@ class DistSection:
     )
 
     def __post_init__(self):
-        _check("dist", self)
+        cli.check_choices("dist", self, ConfigError)
         _in_range("dist.timeout_s", self.timeout_s, above=0, most=7 * 86400)
 
 
@@ -469,7 +439,6 @@ CLOSED_EVAL_SAMPLES = 10_000
 CLOSED_TARGET_ACCURACY = 0.720
 CLOSED_MAX_SEQ_LENGTH = 512
 CLOSED_MAX_GRAD_NORM = 1.0
-CLOSED_DROPOUT = 0.1
 
 
 def mlperf_eval_interval(global_batch_size: int) -> int:
@@ -500,11 +469,7 @@ def check_closed_division(cfg: RunConfig) -> None:
         ("data.max_seq_length", cfg.data.max_seq_length == CLOSED_MAX_SEQ_LENGTH, f"uses {CLOSED_MAX_SEQ_LENGTH}"),
         ("checkpoint.init", bool(cfg.checkpoint.init), "starts from the phase-1 checkpoint (model.ckpt-28252)"),
         ("eval.interval_samples", e.interval_samples in ("auto", rule), f"evaluates every {rule:,} samples (auto)"),
-        (
-            "eval.max_samples",
-            e.max_samples is None,
-            f"evaluates on all {CLOSED_EVAL_SAMPLES:,} samples; leave it unset",
-        ),
+        ("eval.max_samples", not e.max_samples, f"evaluates on all {CLOSED_EVAL_SAMPLES:,} samples; leave it unset"),
         ("eval.target_accuracy", e.target_accuracy == CLOSED_TARGET_ACCURACY, f"stops at {CLOSED_TARGET_ACCURACY}"),
         ("debug.spike_steps", not debug.spike_steps, "trains without injected faults; leave it empty"),
         ("debug.nonfinite_steps", not debug.nonfinite_steps, "trains without injected faults; leave it empty"),
@@ -524,19 +489,15 @@ def check_closed_division(cfg: RunConfig) -> None:
         )
 
 
-def read_model_config_file(path: str) -> BertConfig:
-    """model.config_file's architecture; ConfigError naming the file and the field it gets wrong
-    (an unknown hidden_act, for instance), so a bad file is found when the config is checked."""
+def model_shape(model: ModelSection) -> BertConfig:
+    """model.preset or model.config_file, with model.overrides (checked by BertConfig); a bad
+    config_file is a ConfigError naming the file and the field it gets wrong (an unknown hidden_act)."""
+    path = model.config_file
     try:
-        return BertConfig.from_json(path)
+        base = BertConfig.from_json(path) if path else PRESETS[model.preset]
     except (BertConfigError, OSError) as e:
         message = str(e) if str(e).startswith(path) else f"{path}: {e}"
         raise ConfigError(f"model.config_file: {message}") from None
-
-
-def model_shape(model: ModelSection) -> BertConfig:
-    """model.preset or model.config_file, with model.overrides (checked by BertConfig)."""
-    base = read_model_config_file(model.config_file) if model.config_file else PRESETS[model.preset]
     try:
         return replace(base, **model.overrides)
     except BertConfigError as e:
@@ -548,25 +509,22 @@ def check_cuda_graphs(cfg: RunConfig) -> None:
     """train.cuda_graphs: the combinations a CUDA graph can replay (raised before any work)."""
     import torch
 
-    t = cfg.train
-    if t.device == "cpu" or not torch.cuda.is_available():
-        raise ConfigError("train.cuda_graphs: CUDA graphs need a CUDA device (train.device=cuda on a GPU)")
-    if not t.static_shapes:
-        raise ConfigError("train.cuda_graphs: a graph replays fixed shapes; set train.static_shapes=true")
+    t, cuda = cfg.train, cfg.train.device != "cpu" and torch.cuda.is_available()
     refused = registry.graph_refusal(cfg.model.attention, 0.0)  # the dropout: when the model is built
-    if refused:
-        raise ConfigError(f"train.cuda_graphs: {refused}")
-    if cfg.model.compile:
-        raise ConfigError("train.cuda_graphs: model.compile captures its own graphs; use one of the two")
-    if cfg.optim.shard != "none":
-        raise ConfigError(
-            "train.cuda_graphs: optim.shard's FSDP2 gathers each layer's weights in hooks a graph cannot "
-            "replay; set optim.shard=none"
-        )
-    if cfg.loss.simreg_weight > 0:
-        raise ConfigError(
-            "train.cuda_graphs: SimReg sizes its blocks from the batch on the host; set loss.simreg_weight=0"
-        )
+    rules = (  # (refused, why): the first that applies is raised
+        (not cuda, "CUDA graphs need a CUDA device (train.device=cuda on a GPU)"),
+        (not t.static_shapes, "a graph replays fixed shapes; set train.static_shapes=true"),
+        (refused, refused),
+        (cfg.model.compile, "model.compile captures its own graphs; use one of the two"),
+        (
+            cfg.optim.shard != "none",
+            "optim.shard's FSDP2 gathers each layer's weights in hooks a graph cannot replay; set optim.shard=none",
+        ),
+        (cfg.loss.simreg_weight > 0, "SimReg sizes its blocks from the batch on the host; set loss.simreg_weight=0"),
+    )
+    why = next((why for bad, why in rules if bad), None)
+    if why:
+        raise ConfigError(f"train.cuda_graphs: {why}")
 
 
 def check_cross_fields(cfg: RunConfig) -> None:

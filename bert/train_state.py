@@ -1,10 +1,8 @@
 """The training state: the run's counters in one object, and the run's seeds.
 
-``TrainState`` holds what the loop counts (steps, samples, tokens, skipped steps, ...) and the
-seed the run started with; it is saved under a checkpoint's ``"counters"`` key (the field names
-are the keys) and read back by ``TrainState.from_counters``, which refuses a value of the wrong
-kind. ``resolve_seed`` gives the run's seed, ``seed_step`` each step's dropout seeds from it.
-Checkpoints themselves are ``bert.train_checkpoint``'s.
+``TrainState`` (what the loop counts, and the run's seed) is a checkpoint's ``"counters"`` entry,
+field names as keys, read back by ``TrainState.from_counters``. ``resolve_seed`` gives the run's
+seed, ``seed_step`` each step's dropout seeds from it.
 """
 
 from __future__ import annotations
@@ -79,9 +77,8 @@ def step_seed(seed: int, step: int, rank: int, stream: int = 0) -> int:
 
 
 def seed_step(seed: int, step: int, rank: int, philox: torch.Tensor) -> None:
-    """Dropout's seeds for one step, from (run seed, step, rank) alone: torch's generators and
-    the kernels' device Philox state ``philox`` (set from the host, no read of the device).
-    So a resumed run draws exactly the masks an uninterrupted one would, with no RNG state
-    saved."""
+    """Dropout's seeds for one step, from (run seed, step, rank) alone: torch's generators and the kernels' device
+    Philox state ``philox`` (set from the host, no read of the device). So a resumed run draws exactly the masks an
+    uninterrupted one would, with no RNG state saved."""
     torch.manual_seed(step_seed(seed, step, rank))
     seed_philox_(philox, step_seed(seed, step, rank, stream=1))

@@ -1,15 +1,11 @@
 """The training loop: named steps from a global batch to an MLPerf result.
 
-``Trainer(cfg, output_dir, dist_info).train()`` builds its parts from their config sections
-(``bert.components``), resumes from ``output_dir/checkpoints`` when a checkpoint is there
-(``bert.train_checkpoint``: one writer, one restore path) and runs, per global step,
-``train_step`` (this rank's micro-batches through ``forward_backward``, the losses normalised
-by global counts agreed on the host),
-``optimizer_step`` (clip, skip a non-finite update on the device, update, schedule),
-``evaluate`` every eval interval and ``save_checkpoint`` at its interval and on SIGTERM;
-``bert.reporting`` reports it. A step reads nothing back from the device; collectives fail
-within ``dist.timeout_s`` naming the missing ranks; dropout is re-seeded every step from
-(seed, step, rank). docs/training.md, "The training loop", and docs/step.md say how and why.
+``Trainer(cfg, output_dir, dist_info).train()`` builds its parts (``bert.components``), resumes
+from ``output_dir/checkpoints`` (``bert.train_checkpoint``) and runs per global step
+``train_step`` (losses normalised by global counts agreed on the host) and ``optimizer_step``
+(a non-finite update skipped on the device), ``evaluate`` every eval interval and
+``save_checkpoint`` at its interval and on SIGTERM. A step reads nothing back from the device.
+How and why: docs/training.md, "The training loop", and docs/step.md.
 
 Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 """
@@ -101,7 +97,8 @@ class Trainer:
         self.train_loader = self.eval_loader = self.planner = self._collator = None  # opened by train()
         self.shapes_seen: set[tuple[int, int]] = set()  # (tokens, masked) of the micro-batches run
         self.progress = Progress(self.is_main, t.max_steps)
-        found = find_checkpoint(self._checkpoint_dir(), self.coll, self.device, self.progress.message)
+        self.checkpoint_dir = os.path.join(output_dir, "checkpoints")
+        found = find_checkpoint(self.checkpoint_dir, self.coll, self.device, self.progress.message)
         self.resumed = found is not None
         # The run's seed: the config's, else one rank 0 draws from the OS; a resumed run keeps its own.
         self.state.seed = resolve_seed(t.seed, found[1] if found else None, self.coll, self.device)
@@ -110,14 +107,23 @@ class Trainer:
         self.optimizer, self.schedule, self.adagc, self.scaler = components.build_optimization(
             cfg, self.model, self.sharding, self.device
         )
-        self.rebalancer = self._build_rebalancer() if self.world > 1 else None
+        self.rebalancer = None  # data.rebalance's exchange; measured plans from this rank's step times
+        if self.world > 1:
+            with self.coll.guard("the rebalancer's settings check", -1):
+                self.rebalancer = components.build_rebalancer(cfg, self.local_batch, cfg.dist.timeout_s)
+            if cfg.data.rebalance == "measured":
+                self.rebalancer.timer = StepTimer(self.model, self.device)
         self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
         graphed = self.static if t.cuda_graphs else None  # graphed eval replays padded shapes
         self.eval_batches = EvalBatches(cfg.eval, self.device, self._collate, self.progress.message, graphed)
         # What a checkpoint saves and restores besides the counters (bert.train_state).
         self.parts = {"model": self.model, "optimizer": self.optimizer, "schedule": self.schedule}
         self.parts.update(adagc=self.adagc, scaler=self.scaler)
-        self._loader_state = self._resume(found) if found is not None else None  # applied when the data opens
+        self._loader_state = None  # the loader position, applied when the data opens
+        if found is not None:  # the newest good checkpoint's parts and counters restored
+            restored, self._loader_state = resume(found, self.checkpoint_dir, self.parts, self.progress.message)
+            restored.seed = self.state.seed  # the newest checkpoint's (resolve_seed); an older one's is the same
+            self.state = restored
         self.counters = DeviceCounters(self.device, self.state.skipped, self.state.nonfinite_in_row)
         resume_step = self.state.step if self.resumed else None
         self.metrics = components.build_metrics(cfg.log, output_dir, self.is_main, resume_step, cfg.to_dict())
@@ -157,21 +163,6 @@ class Trainer:
             cfg, self.micro_batch, self.model, self.model_config
         )
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
-
-    def _build_rebalancer(self):
-        """data.rebalance's exchange; ``measured`` plans from this rank's forward+backward times."""
-        with self.coll.guard("the rebalancer's settings check", -1):
-            rebalancer = components.build_rebalancer(self.cfg, self.local_batch, self.cfg.dist.timeout_s)
-        if self.cfg.data.rebalance == "measured":
-            rebalancer.timer = StepTimer(self.model, self.device)
-        return rebalancer
-
-    def _resume(self, found) -> dict:
-        """The newest good checkpoint's parts and counters restored; returns the loader position."""
-        restored, loader_state = resume(found, self._checkpoint_dir(), self.parts, self.progress.message)
-        restored.seed = self.state.seed  # the newest checkpoint's (resolve_seed); an older one's is the same
-        self.state = restored
-        return loader_state
 
     def _warn(self, message: str) -> None:
         """A warning every rank may have (a corrupt shard is found by the rank that reads it)."""
@@ -249,40 +240,36 @@ class Trainer:
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, skip a non-finite update, step LAMB and the schedule, all decided on the device.
         Returns (applied, grad norm) as 0-dim device tensors (reading them syncs)."""
-        if self.sharding is None:
-            return self._optimizer_step()
         # Sharded, the norms of the clipping and of LAMB's trust ratios are all-reduces.
-        with self.coll.guard("the optimizer's norm all-reduce (optim.shard)", self.state.step + 1):
-            return self._optimizer_step()
-
-    def _optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        view = {"local": self.sharding.local, "norms": self.sharding.norms} if self.sharding else {}
-        clip_stats = None  # AdaGC's, for the logs
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        inject_debug_faults(self.cfg.debug, self.model, self.state.step + 1)
-        if self.adagc is not None:
-            # AdaGC needs no global norm to clip; the sum of its per-tensor norms is kept for
-            # the non-finite check and the logs.
-            clip_stats = self.adagc.clip_(compute_global_norm=True)
-            norm = clip_stats.global_norm
-        elif self.cfg.optim.clip == "global":
-            norm = clip_global_(params, self.cfg.optim.max_grad_norm, **view)
-        else:
-            local, norms = view.get("local", lambda g: g), view.get("norms", tensor_norms)
-            norm = torch.linalg.vector_norm(norms([local(p.grad) for p in params]))
-        # No update on non-finite gradients: the optimizer, schedule and AdaGC skip on the device
-        # (bert.optim); fp16's GradScaler decides its own skip on the host (scaler.step reads).
-        found_inf = ~torch.isfinite(norm)
-        apply_update(self.optimizer, self.schedule, found_inf, self.scaler)
-        if self.adagc is not None:
-            # AdaGC kept its thresholds on the non-finite step but counted it; the skipped
-            # step leaves all optimizer state as it was, its step count included.
-            self.adagc.unstep_(found_inf)
-        self.counters.update(found_inf, norm, clip_stats)
-        self.optimizer.zero_grad(set_to_none=True)
-        return ~found_inf, norm
+        what = "the optimizer's norm all-reduce (optim.shard)"
+        with self.coll.guard(what, self.state.step + 1) if self.sharding else contextlib.nullcontext():
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            view = {"local": self.sharding.local, "norms": self.sharding.norms} if self.sharding else {}
+            clip_stats = None  # AdaGC's, for the logs
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            inject_debug_faults(self.cfg.debug, self.model, self.state.step + 1)
+            if self.adagc is not None:
+                # AdaGC needs no global norm to clip; the sum of its per-tensor norms is kept for
+                # the non-finite check and the logs.
+                clip_stats = self.adagc.clip_(compute_global_norm=True)
+                norm = clip_stats.global_norm
+            elif self.cfg.optim.clip == "global":
+                norm = clip_global_(params, self.cfg.optim.max_grad_norm, **view)
+            else:
+                local, norms = view.get("local", lambda g: g), view.get("norms", tensor_norms)
+                norm = torch.linalg.vector_norm(norms([local(p.grad) for p in params]))
+            # No update on non-finite gradients: the optimizer, schedule and AdaGC skip on the device
+            # (bert.optim); fp16's GradScaler decides its own skip on the host (scaler.step reads).
+            found_inf = ~torch.isfinite(norm)
+            apply_update(self.optimizer, self.schedule, found_inf, self.scaler)
+            if self.adagc is not None:
+                # AdaGC kept its thresholds on the non-finite step but counted it; the skipped
+                # step leaves all optimizer state as it was, its step count included.
+                self.adagc.unstep_(found_inf)
+            self.counters.update(found_inf, norm, clip_stats)
+            self.optimizer.zero_grad(set_to_none=True)
+            return ~found_inf, norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -310,28 +297,23 @@ class Trainer:
         self.stop_requested = True
 
     def _log_start(self) -> None:
-        """Warm up, end initialisation, start the clock, then open the data."""
-        log = self.mllog
-        if self.resumed:
-            self._clock_started = time.time()
-            self._open_data()
-            self.progress.message(f"resumed from step {self.state.step} ({self.state.samples} samples)")
-            log.epoch_start(self.state.samples)
-            return
-        self.warm_up()
-        if self.cfg.eval.at_start:
-            self.evaluate_at_start()
-        log.init_stop()
-        log.run_start()
+        """A fresh run: warm up, end initialisation, start the clock. Then open the data."""
+        if not self.resumed:
+            self.warm_up()
+            if self.cfg.eval.at_start:
+                self.evaluate_at_start()
+            self.mllog.init_stop()
+            self.mllog.run_start()
         self._clock_started = time.time()  # the summary's time to train counts from here, as MLPerf's
         self._open_data()
-        log.epoch_start(0)
+        if self.resumed:
+            self.progress.message(f"resumed from step {self.state.step} ({self.state.samples} samples)")
+        self.mllog.epoch_start(self.state.samples)  # 0 for a fresh run
 
     def warm_up(self) -> None:
-        """Forward and backward on synthetic batches before the clock starts, so that kernel
-        compilation and autotuning (Triton, torch.compile) and the allocator's first growth
-        are not timed. It leaves no trace: no optimizer step, gradients dropped, RNG states
-        restored. The batches: ``bert.components.build_warm_up_blocks``."""
+        """Forward and backward on synthetic batches (``components.build_warm_up_blocks``) before the
+        clock, so compilation, autotuning and the allocator's first growth are not timed. It leaves
+        no trace: no optimizer step, gradients dropped, RNG states restored."""
         cuda = self.device.type == "cuda"
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
@@ -399,8 +381,10 @@ class Trainer:
             ckpt_due = cfg.checkpoint.interval_steps and self.state.step % cfg.checkpoint.interval_steps == 0
             if status is None and (ckpt_due or self.stop_agreed):
                 saved = self.save_checkpoint()
-                if self.stop_agreed:
-                    return self._stop_as_asked(saved)
+                if self.stop_agreed:  # SIGTERM: the run ends as interrupted, its checkpoint written or not
+                    self.planner.drain()  # the exchange started for a step that will not run
+                    self.mllog.close()
+                    return reporting.interrupted(self.state, saved, self.error, self.progress)
                 if not saved and cfg.checkpoint.on_error == "stop":
                     status = "aborted"
         time_to_train = time.time() - run_start
@@ -436,9 +420,7 @@ class Trainer:
         start, samples, tokens = self._window
         elapsed = max(time.time() - start, 1e-9)
         throughput = (samples / elapsed, tokens / elapsed)
-        rec = reporting.step_record(
-            self.cfg, self.state, got["parts"], got["lr"], got["grad_norm"], throughput, got["adagc"], rebalance
-        )
+        rec = reporting.step_record(self.cfg, self.state, got, throughput, rebalance)
         self.metrics.write(rec)
         self.progress.step(rec)
         self._window = [time.time(), 0, 0]
@@ -449,33 +431,17 @@ class Trainer:
         crossed = s.samples // self.eval_interval > s.last_eval_samples // self.eval_interval
         at_limit = s.step >= t.max_steps or s.samples >= t.max_samples
         if crossed or (at_limit and s.last_eval_samples != s.samples):
-            self._run_eval()
+            self.mllog.eval_start(s.samples)
+            s.eval_accuracy, s.last_eval_samples = self.evaluate(), s.samples
+            self.mllog.eval_accuracy(s.samples, s.eval_accuracy)
+            self.mllog.eval_stop(s.samples)
+            reporting.report_eval(self.metrics, self.progress, s, self.cfg.eval.target_accuracy)
             if s.eval_accuracy >= self.cfg.eval.target_accuracy:
                 return "success"
         return "aborted" if status is None and at_limit else status
 
-    def _stop_as_asked(self, saved: bool) -> dict:
-        """SIGTERM: the checkpoint is written (or failed); the run ends as interrupted."""
-        self._drain_rebalancer()
-        self.mllog.close()
-        return reporting.interrupted(self.state, saved, self.error, self.progress)
-
-    def _run_eval(self) -> None:
-        self.mllog.eval_start(self.state.samples)
-        acc = self.evaluate()
-        self.state.eval_accuracy = acc
-        self.state.last_eval_samples = self.state.samples
-        self.mllog.eval_accuracy(self.state.samples, acc)
-        self.mllog.eval_stop(self.state.samples)
-        reporting.report_eval(self.metrics, self.progress, self.state, self.cfg.eval.target_accuracy)
-
-    def _drain_rebalancer(self) -> None:
-        """Collect the exchange started for a step that will not run (every rank started it)."""
-        if self.planner is not None:
-            self.planner.drain()
-
     def _finish(self, status: str, time_to_train: float) -> dict:
-        self._drain_rebalancer()
+        self.planner.drain()
         self._read_counters()
         reporting.log_run_stop(self.mllog, self.state.samples, self.eval_loader.total_samples, status)
         summary = reporting.summary(self.state, status, time_to_train, self.world, self.metrics.records, self.error)
@@ -486,21 +452,15 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------
 
-    def _checkpoint_dir(self) -> str:
-        return os.path.join(self.out, "checkpoints")
-
     def save_checkpoint(self) -> bool:
-        """Rank 0 writes the checkpoint; every rank learns whether it worked. Returns success.
-
-        A write the file system refuses is reported with the checkpoint that is kept instead;
-        the caller goes on or stops by checkpoint.on_error.
-        """
+        """Rank 0 writes the checkpoint; every rank learns whether it worked. Returns success; a
+        refused write is reported with the checkpoint kept, the caller goes on or stops by checkpoint.on_error."""
         self._read_counters()  # the skipped-step counters live on the device
         # The rebalancer has already drawn the next step's samples from the loader: the
         # position to resume at is the number of steps trained.
         rebalance = self.rebalancer.state_dict() if self.rebalancer else {}
         loader = {**self.train_loader.state_dict(), "step": self.state.step, **rebalance}
-        error = write_checkpoint(self._checkpoint_dir(), self.state, self.parts, loader, self.cfg, self.coll)
+        error = write_checkpoint(self.checkpoint_dir, self.state, self.parts, loader, self.cfg, self.coll)
         failed = self.coll.all_reduce(
             torch.tensor([int(error is not None)], device=self.device), "the checkpoint commit", self.state.step
         )
@@ -508,7 +468,7 @@ class Trainer:
             return True
         self.state.checkpoint_failures += 1
         if self.is_main:
-            directory = self._checkpoint_dir()
+            directory = self.checkpoint_dir
             reporting.checkpoint_failed(self.progress, self.state.step, error, directory, self.cfg.checkpoint)
         if self.cfg.checkpoint.on_error == "stop" or self.stop_agreed:
             detail = f": {error}" if error else ""
