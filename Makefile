@@ -66,7 +66,8 @@ test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not multiprocess and not gpu and not cluster" --durations=20
 
 # Every deselected tier too: the attention peer suite's whole matrix (-m full_matrix; in Triton's
-# interpreter its long lengths are scaled down, tests/kernels/test_attention_peer.py) with the
+# interpreter its long lengths are scaled down, tests/kernels/test_attention_peer.py; each case is
+# a group of its own, so both workers share it: tests/conftest.py) with the
 # rest of the suite, on two workers; prints its wall time.
 test-full: setup
 	@start=$$(date +%s); \

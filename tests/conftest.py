@@ -20,7 +20,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # and the namespace clusters use fixed names and subnets (tests/cluster/common.py,
 # test_nic_selection.py), so two clusters must never exist at once. The group has the most tests,
 # so xdist hands it out first and the longest chain starts at once. Every other test goes to a
-# worker with the rest of its module, so a module's fixtures are built once.
+# worker with the rest of its module, so a module's fixtures are built once, except the attention
+# peer suite's whole matrix (`make test-full`): each of its cases is a group of its own, so both
+# workers share it (as one module it kept one core busy for over an hour while the other idled).
 PROCESS_TESTS = ("tests/cluster/", "tests/launch/test_nic_selection.py")
 
 
@@ -30,5 +32,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = str(item.path).removeprefix(root)
         several = item.get_closest_marker("multiprocess") or item.get_closest_marker("cluster")
-        group = "processes" if several or path.startswith(PROCESS_TESTS) else path
+        if several or path.startswith(PROCESS_TESTS):
+            group = "processes"
+        elif item.get_closest_marker("full_matrix"):
+            group = item.nodeid
+        else:
+            group = path
         item.add_marker(pytest.mark.xdist_group(group))
