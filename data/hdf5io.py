@@ -605,11 +605,12 @@ def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
 def _write_rows(f: h5py.File, rows: int, columns) -> None:
     """One (rows,) variable-length dataset per (key, flat values, values per row, dtype). h5py
     turns pieces that all have the same length into one 2-D array, which does not fit the
-    dataset (e.g. every sample with the same masked count), so those are written one by one."""
+    dataset (e.g. every sample with the same masked count, or a block of one sample), so those
+    are written one by one."""
     for key, flat, counts, dtype in columns:
         ds = f.create_dataset(key, (rows,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
         pieces = _split(np.asarray(flat), counts, dtype)
-        if rows > 1 and len({len(p) for p in pieces}) == 1:
+        if len({len(p) for p in pieces}) == 1:
             for i, piece in enumerate(pieces):
                 ds[i] = piece
         elif rows:

@@ -13,7 +13,7 @@ import pytest
 
 from data.convert import main as convert_main
 from data.errors import DataError, cli_main
-from data.hdf5io import inspect, read_file, to_fixed_arrays, write_fixed, write_varlength
+from data.hdf5io import inspect, read_file, to_fixed_arrays, write_fixed, write_packed, write_varlength
 from data.stats import describe
 from data.stats import main as stats_main
 from data.synthetic import random_block
@@ -68,6 +68,15 @@ def test_varlength_round_trip(block, tmp_path):
         assert f["next_sentence_labels"].dtype == np.int8
     info = inspect(path)
     assert (info.layout, info.num_samples, info.max_seq_length, info.max_predictions) == ("varlength", 40, S, P)
+
+
+def test_a_block_of_one_sample_round_trips_in_every_layout(block, tmp_path):
+    # h5py reads a list of one row as a 2-D array that the (1,) dataset cannot take.
+    one = block.select(np.arange(1))
+    for name, write in (("f", write_fixed), ("v", write_varlength), ("p", write_packed)):
+        write(tmp_path / f"{name}.hdf5", one, S, P)
+        got = read_file(tmp_path / f"{name}.hdf5", vocab_size=V)
+        assert got.equals(one), name
 
 
 def test_row_ranges_and_identical_bytes(block, tmp_path):
