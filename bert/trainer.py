@@ -107,23 +107,14 @@ class Trainer:
         self.optimizer, self.schedule, self.adagc, self.scaler = components.build_optimization(
             cfg, self.model, self.sharding, self.device
         )
-        self.rebalancer = None  # data.rebalance's exchange; measured plans from this rank's step times
-        if self.world > 1:
-            with self.coll.guard("the rebalancer's settings check", -1):
-                self.rebalancer = components.build_rebalancer(cfg, self.local_batch, cfg.dist.timeout_s)
-            if cfg.data.rebalance == "measured":
-                self.rebalancer.timer = StepTimer(self.model, self.device)
+        self.rebalancer = self._build_rebalancer() if self.world > 1 else None
         self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
         graphed = self.static if t.cuda_graphs else None  # graphed eval replays padded shapes
         self.eval_batches = EvalBatches(cfg.eval, self.device, self._collate, self.progress.message, graphed)
         # What a checkpoint saves and restores besides the counters (bert.train_state).
         self.parts = {"model": self.model, "optimizer": self.optimizer, "schedule": self.schedule}
         self.parts.update(adagc=self.adagc, scaler=self.scaler)
-        self._loader_state = None  # the loader position, applied when the data opens
-        if found is not None:  # the newest good checkpoint's parts and counters restored
-            restored, self._loader_state = resume(found, self.checkpoint_dir, self.parts, self.progress.message)
-            restored.seed = self.state.seed  # the newest checkpoint's (resolve_seed); an older one's is the same
-            self.state = restored
+        self._loader_state = self._resume(found) if found is not None else None  # applied when the data opens
         self.counters = DeviceCounters(self.device, self.state.skipped, self.state.nonfinite_in_row)
         resume_step = self.state.step if self.resumed else None
         self.metrics = components.build_metrics(cfg.log, output_dir, self.is_main, resume_step, cfg.to_dict())
@@ -163,6 +154,21 @@ class Trainer:
             cfg, self.micro_batch, self.model, self.model_config
         )
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
+
+    def _build_rebalancer(self):
+        """data.rebalance's exchange; ``measured`` plans from this rank's forward+backward times."""
+        with self.coll.guard("the rebalancer's settings check", -1):
+            rebalancer = components.build_rebalancer(self.cfg, self.local_batch, self.cfg.dist.timeout_s)
+        if self.cfg.data.rebalance == "measured":
+            rebalancer.timer = StepTimer(self.model, self.device)
+        return rebalancer
+
+    def _resume(self, found) -> dict:
+        """The newest good checkpoint's parts and counters restored; returns the loader position."""
+        restored, loader_state = resume(found, self.checkpoint_dir, self.parts, self.progress.message)
+        restored.seed = self.state.seed  # the newest checkpoint's (resolve_seed); an older one's is the same
+        self.state = restored
+        return loader_state
 
     def _warn(self, message: str) -> None:
         """A warning every rank may have (a corrupt shard is found by the rank that reads it)."""

@@ -1,5 +1,6 @@
 """The trainer end to end on a tiny synthetic dataset (CPU, fp32)."""
 
+import inspect
 import json
 import math
 import os
@@ -370,3 +371,9 @@ def test_triton_dropout_is_reproducible_from_the_seed_and_resumes_bitwise(tmp_pa
     assert before + after == whole
     assert len(losses(tmp_path / "a")) == 2
     assert losses(tmp_path / "parts") == losses(tmp_path / "a")  # bitwise: the same floats
+
+
+def test_the_trainer_s_constructor_stays_short():
+    # Issue 32: `Trainer.__init__` reads as the list of the run's parts, at most 40 lines.
+    lines = len(inspect.getsource(Trainer.__init__).splitlines())
+    assert lines <= 40, f"Trainer.__init__ is {lines} lines; move a part's set-up into a helper"
