@@ -76,24 +76,29 @@ class PolyWarmupScheduler:
     ):
         base_lr, warmup, start, power = optim.lr, optim.warmup_steps, optim.start_warmup_step, optim.poly_power
         total, wsd = max_steps, optim.schedule != "poly"
+        # In order, each condition evaluated only once the ones before it hold (as a chain of ifs).
         for ok, name, what in (
-            (math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}"),
-            (isinstance(total, int) and total >= 1, "total_steps", f"must be an integer >= 1, got {total!r}"),
-            (isinstance(warmup, int) and warmup >= 0, "warmup_steps", f"must be an integer >= 0, got {warmup!r}"),
-            (isinstance(start, int), "start_warmup_step", f"must be an integer, got {start!r}"),
-            (math.isfinite(power) and power >= 0, "power", f"must be finite and >= 0, got {power}"),
+            (lambda: math.isfinite(base_lr) and base_lr >= 0, "base_lr", f"must be finite and >= 0, got {base_lr}"),
+            (lambda: isinstance(total, int) and total >= 1, "total_steps", f"must be an integer >= 1, got {total!r}"),
             (
-                math.isfinite(end_lr) and 0 <= end_lr <= base_lr,
+                lambda: isinstance(warmup, int) and warmup >= 0,
+                "warmup_steps",
+                f"must be an integer >= 0, got {warmup!r}",
+            ),
+            (lambda: isinstance(start, int), "start_warmup_step", f"must be an integer, got {start!r}"),
+            (lambda: math.isfinite(power) and power >= 0, "power", f"must be finite and >= 0, got {power}"),
+            (
+                lambda: math.isfinite(end_lr) and 0 <= end_lr <= base_lr,
                 "end_lr",
                 f"must lie in [0, base_lr={base_lr}], got {end_lr}",
             ),
             (
-                not wsd or warmup + optim.decay_steps <= total,
+                lambda: not wsd or warmup + optim.decay_steps <= total,
                 "optim.decay_steps",
                 f"warm-up ({warmup}) and decay ({optim.decay_steps}) exceed the {total} steps",
             ),
         ):
-            if not ok:
+            if not ok():
                 raise ValueError(f"{name}: {what}")
         self.optimizer = optimizer
         self.schedule = "wsd" if wsd else "poly"
