@@ -11,6 +11,16 @@ two trees' ``bench/throughput.py`` run one after the other, alternating which go
 new seq/s / base seq/s, as the median over the pairs of the ratio within a pair: a pair runs
 within a minute, so the machine's drift over the whole run cancels out of it.
 
+``--interleave ROUNDS`` times single rounds back to back, for a machine whose speed drifts
+within a minute (a shared VM): a pair is then one long-lived process per tree, each building its
+tree's variants once, started one after the other (in alternating order, pair by pair), which
+take turns ``ROUNDS`` times, one ``--batches`` round at a time while the other waits idle (the
+order alternates round by round), after their ``--warmup-rounds``. A round's ratio is base
+seconds / new seconds of two rounds run back to back; a pair's is the median of its rounds'.
+A process keeps a speed of its own on such a machine (a tree against itself: pairs 0.86 to
+1.22, docs/throughput.md), so many short pairs beat one long one. ``--rounds`` is not used in
+that mode.
+
 ``--new`` is the working tree by default (uncommitted changes included); ``--base-tree`` takes
 an existing checkout instead of ``--base``. Exit status 2 with one line on a bad argument or a
 run that fails (its last output line is shown).
@@ -26,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,6 +95,10 @@ def compare(new: Path, base: Path, pairs: int, args: list[str], log=print) -> di
                 f"pair {i + 1}/{pairs} ({order[0][0]} first): "
                 + ", ".join(f"{v} {r[-1]:.3f}" for v, r in sorted(ratios.items()))
             )
+    return summary(ratios, rates)
+
+
+def summary(ratios: dict[str, list[float]], rates: dict[str, dict[str, list[float]]]) -> dict:
     if not ratios:
         raise CompareError("the two revisions timed no variant in common")
     return {
@@ -97,30 +112,177 @@ def compare(new: Path, base: Path, pairs: int, args: list[str], log=print) -> di
     }
 
 
+class _Stop(Exception):
+    """The coordinator closed the worker's input: no more rounds."""
+
+
+def worker(argv: list[str], commands=None, replies=None) -> int:
+    """One tree's side of ``--interleave``, run as ``compare_revisions.py --worker -- ARGS`` with
+    ``PYTHONPATH`` set to that tree: the tree's own ``bench/throughput.py`` builds and checks its
+    variants as it always does, then, instead of timing its rounds, waits for a line on
+    ``commands`` and answers each with one round's seconds per variant (a JSON line on
+    ``replies``); the first reply says it is ready and how many sequences a round trains on.
+    The tree's own output goes to stderr."""
+    from bench import throughput
+
+    commands = sys.stdin if commands is None else commands
+    replies = sys.stdout if replies is None else replies
+    sequences = []
+    build_variants = throughput.build_variants
+
+    def capture_blocks(names, explicit, config, blocks, *rest):
+        sequences.append(sum(len(b) for b in blocks))
+        return build_variants(names, explicit, config, blocks, *rest)
+
+    def answer(message: dict) -> None:
+        replies.write(json.dumps(message) + "\n")
+        replies.flush()
+
+    def serve(variants, rounds, warmup_rounds, device, precision, log):
+        active = [v for v in variants if not v.skipped]
+
+        def one_round() -> dict[str, float]:
+            seconds = {}
+            for v in active:
+                throughput.sync(device)
+                t = time.perf_counter()
+                for inp in v.inputs:
+                    throughput.train_step(v, inp, device, precision)
+                throughput.sync(device)
+                seconds[v.name] = time.perf_counter() - t
+            return seconds
+
+        for _ in range(warmup_rounds):
+            one_round()
+        answer({"ready": str(Path(throughput.__file__).resolve().parents[1]), "sequences": sequences[0]})
+        while commands.readline():
+            answer({"seconds": one_round()})
+        raise _Stop
+
+    throughput.build_variants, throughput.measure = capture_blocks, serve
+    stdout, sys.stdout = sys.stdout, sys.stderr
+    try:
+        return throughput.main(argv)
+    except _Stop:
+        return 0
+    finally:
+        sys.stdout = stdout
+
+
+class Worker:
+    """A ``worker`` process of one tree, driven one round at a time."""
+
+    def __init__(self, tree: Path, args: list[str], log_dir: Path, label: str):
+        self.tree, self.log = tree, log_dir / f"{label}.log"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--", *args]
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen(
+                cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+            )
+        ready = self._reply()
+        if Path(ready["ready"]) != tree:
+            self.close()
+            raise CompareError(f"{tree}: its worker imported bench/throughput.py from {ready['ready']}")
+        self.sequences = ready["sequences"]
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            lines = self.log.read_text().strip().splitlines() or ["no output"]
+            raise CompareError(f"{self.tree}: bench/throughput.py exited {self.proc.returncode}: {lines[-1]}")
+        return json.loads(line)
+
+    def round(self) -> dict[str, float]:
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        return self._reply()["seconds"]
+
+    def close(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def interleave(new: Path, base: Path, pairs: int, args: list[str], rounds: int, log=print, start=Worker) -> dict:
+    """``--interleave ROUNDS``: ``pairs`` pairs of workers, one per tree, each pair taking turns
+    a round at a time ``rounds`` times; a pair's ratio is the median of its rounds' ratios."""
+    ratios: dict[str, list[float]] = {}
+    rates: dict[str, dict[str, list[float]]] = {"new": {}, "base": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(pairs):
+            order = [("new", new), ("base", base)] if i % 2 == 0 else [("base", base), ("new", new)]
+            workers = {}
+            per_round: dict[str, list[float]] = {}
+            try:
+                for label, tree in order:  # one at a time: their warm-up rounds do not overlap
+                    workers[label] = start(tree, args, Path(tmp), label)
+                for r in range(rounds):
+                    turn = order if r % 2 == 0 else order[::-1]
+                    got = {label: workers[label].round() for label, _ in turn}
+                    for label, seconds in got.items():
+                        for variant, sec in seconds.items():
+                            rates[label].setdefault(variant, []).append(workers[label].sequences / sec)
+                    for variant in set(got["new"]) & set(got["base"]):
+                        per_round.setdefault(variant, []).append(got["base"][variant] / got["new"][variant])
+            finally:
+                for w in workers.values():
+                    w.close()
+            for variant, r in per_round.items():
+                ratios.setdefault(variant, []).append(statistics.median(r))
+            log(
+                f"pair {i + 1}/{pairs} ({order[0][0]} first, {rounds} rounds each): "
+                + ", ".join(
+                    f"{v} {r[-1]:.3f} (rounds {min(per_round[v]):.3f} to {max(per_round[v]):.3f})"
+                    for v, r in sorted(ratios.items())
+                )
+            )
+    return summary(ratios, rates)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
+    if own == ["--worker"]:
+        return worker(passthrough)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="the revision to compare against (git rev)")
     ap.add_argument("--base-tree", help="an existing checkout to compare against (instead of --base)")
     ap.add_argument("--new", default=str(REPO), help="the tree measured against the base (default: this one)")
     ap.add_argument("--data", required=True, help="passed to bench/throughput.py --data")
     ap.add_argument("--pairs", type=int, default=5, help="alternating pairs of runs (the median ratio is reported)")
+    ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="each pair: one process per tree, taking turns ROUNDS single rounds (see above)",
+    )
     ap.add_argument("--json", help="write the ratios here")
     args = ap.parse_args(own)
     if args.pairs < 1:
         ap.error("--pairs must be >= 1")
+    if args.interleave < 0:
+        ap.error("--interleave must be >= 1 round")
     bench_args = ["--data", str(Path(args.data).resolve()), *passthrough]
     new = Path(args.new).resolve()
     try:
         with base_tree(args.base, args.base_tree) as tree:
-            result = compare(new, tree, args.pairs, bench_args)
+            if args.interleave:
+                result = interleave(new, tree, args.pairs, bench_args, args.interleave)
+            else:
+                result = compare(new, tree, args.pairs, bench_args)
         base_name = args.base_tree or args.base
     except CompareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"\nnew ({new}) against base ({base_name}), median of {args.pairs} pairs:")
+    what = f"pairs of processes, {args.interleave} rounds each" if args.interleave else "pairs"
+    print(f"\nnew ({new}) against base ({base_name}), median of {args.pairs} {what}:")
     for variant, r in sorted(result.items()):
         print(
             f"  {variant:<24} {r['new_seq_per_s_median']:8.2f} vs {r['base_seq_per_s_median']:8.2f} seq/s"

@@ -341,6 +341,77 @@ def test_compare_revisions_alternates_which_tree_goes_first(monkeypatch, tmp_pat
     assert ["(new first)" in line for line in lines] == [True, False, True]
 
 
+def test_interleave_alternates_start_and_round_order_and_takes_each_pairs_median(tmp_path):
+    """--interleave: pair 1 starts new then base and its rounds run new, base / base, new / ...;
+    pair 2 starts base first; a round's ratio is base seconds / new seconds, a pair's the median."""
+    from pathlib import Path
+
+    from bench import compare_revisions
+
+    events = []
+    seconds = {"new": iter([1.0, 1.0, 2.0, 1.0, 1.0, 1.0]), "base": iter([2.0, 3.0, 2.0, 1.0, 2.0, 4.0])}
+
+    class FakeWorker:
+        def __init__(self, tree, args, log_dir, label):
+            self.label, self.sequences = tree.name, 8
+            events.append(f"start {self.label}")
+
+        def round(self):
+            events.append(self.label)
+            return {"v": next(seconds[self.label])}
+
+        def close(self):
+            events.append(f"close {self.label}")
+
+    lines = []
+    got = compare_revisions.interleave(Path("new"), Path("base"), 2, [], 3, log=lines.append, start=FakeWorker)
+    assert events == [
+        "start new", "start base", "new", "base", "base", "new", "new", "base", "close new", "close base",
+        "start base", "start new", "base", "new", "new", "base", "base", "new", "close base", "close new",
+    ]  # fmt: skip
+    # pair 1: rounds 2/1, 3/1, 2/2 -> median 2; pair 2: rounds 1/1, 2/1, 4/1 -> median 2
+    assert got["v"]["ratios"] == [2.0, 2.0] and got["v"]["ratio_median"] == 2.0
+    assert got["v"]["new_seq_per_s_median"] == 8.0 and got["v"]["base_seq_per_s_median"] == 4.0
+    assert ["(new first" in line for line in lines] == [True, False]
+
+
+def test_an_interleave_worker_times_one_round_of_its_tree_per_command(data_dir, tmp_path):
+    """The worker's side, in this process: the tree's own variants built and checked, one
+    ready line (this tree, the round's sequences), then one reply a command, until EOF."""
+    import io
+
+    from bench import compare_revisions
+
+    replies = io.StringIO()
+    args = tiny_throughput_args(data_dir, tmp_path / "unused.json") + ["--variants", "unpadded/reference"]
+    assert compare_revisions.worker(args, commands=io.StringIO("round\nround\n"), replies=replies) == 0
+    lines = [json.loads(line) for line in replies.getvalue().splitlines()]
+    assert lines[0] == {"ready": str(compare_revisions.REPO), "sequences": 4}
+    assert len(lines) == 3 and all(set(line["seconds"]) == {"unpadded/reference"} for line in lines[1:])
+    assert all(line["seconds"]["unpadded/reference"] > 0 for line in lines[1:])
+    assert not (tmp_path / "unused.json").exists()  # the tree's report is never reached
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two pairs of benchmark processes
+def test_interleave_runs_both_trees_and_refuses_a_worker_that_imported_another_tree(data_dir, tmp_path, capsys):
+    from bench import compare_revisions
+
+    passthrough = tiny_throughput_args(data_dir, tmp_path / "unused.json")[2:-2]
+    common = ["--data", str(data_dir), "--pairs", "1", "--interleave", "2"]
+    out = tmp_path / "ratios.json"
+    tail = ["--", *passthrough, "--variants", "unpadded/reference"]
+    code = compare_revisions.main([*common, "--base-tree", str(compare_revisions.REPO), "--json", str(out), *tail])
+    assert code == 0 and "median of 1 pairs of processes, 2 rounds each" in capsys.readouterr().out
+    assert len(json.loads(out.read_text())["unpadded/reference"]["ratios"]) == 1
+    # A "tree" without bench/: its worker imports this checkout's (the editable install) instead.
+    not_a_tree = tmp_path / "empty"
+    not_a_tree.mkdir()
+    assert compare_revisions.main([*common, "--base-tree", str(not_a_tree), *tail]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {not_a_tree}: its worker imported bench/throughput.py from")
+
+
 def test_compare_revisions_names_a_base_git_cannot_check_out(data_dir, capsys):
     from bench import compare_revisions
 
