@@ -78,12 +78,17 @@ def run_tree(tree: Path, args: list[str], out: Path) -> dict[str, float]:
     return {r["variant"]: r["seq_per_s"] for r in rows if "seq_per_s" in r}
 
 
+def pair_orders(new: Path, base: Path, pairs: int):
+    """(i, [(label, tree), ...]) for each pair: new first, then base first, and so on."""
+    for i in range(pairs):
+        yield i, [("new", new), ("base", base)] if i % 2 == 0 else [("base", base), ("new", new)]
+
+
 def compare(new: Path, base: Path, pairs: int, args: list[str], log=print) -> dict:
     ratios: dict[str, list[float]] = {}
     rates: dict[str, dict[str, list[float]]] = {"new": {}, "base": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(pairs):
-            order = [("new", new), ("base", base)] if i % 2 == 0 else [("base", base), ("new", new)]
+        for i, order in pair_orders(new, base, pairs):
             got = {}
             for label, tree in order:
                 got[label] = run_tree(tree, args, Path(tmp) / f"{label}-{i}.json")
@@ -214,8 +219,7 @@ def interleave(new: Path, base: Path, pairs: int, args: list[str], rounds: int, 
     ratios: dict[str, list[float]] = {}
     rates: dict[str, dict[str, list[float]]] = {"new": {}, "base": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(pairs):
-            order = [("new", new), ("base", base)] if i % 2 == 0 else [("base", base), ("new", new)]
+        for i, order in pair_orders(new, base, pairs):
             workers = {}
             per_round: dict[str, list[float]] = {}
             try:
