@@ -200,8 +200,11 @@ class Worker:
         return json.loads(line)
 
     def round(self) -> dict[str, float]:
-        self.proc.stdin.write("round\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write("round\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it exited: _reply names why
         return self._reply()["seconds"]
 
     def close(self) -> None:
@@ -272,7 +275,7 @@ def main(argv=None) -> int:
     if args.pairs < 1:
         ap.error("--pairs must be >= 1")
     if args.interleave < 0:
-        ap.error("--interleave must be >= 1 round")
+        ap.error("--interleave must be >= 1 round (0, the default, times whole runs)")
     bench_args = ["--data", str(Path(args.data).resolve()), *passthrough]
     new = Path(args.new).resolve()
     try:
