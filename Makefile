@@ -18,7 +18,7 @@ setup: $(VENV)/.installed
 # does. Elsewhere the
 # pinned torch is installed (the CPU build on a machine without a GPU).
 #
-# Then the project itself, editable (`pip install -e .`): the checkout's bert/, data/, kernels/,
+# Then the project itself, editable (`pip install -e .`): the checkout's bert/, common/, data/, kernels/,
 # launch/, bench/ and run_pretraining.py are importable from anywhere (so `python bench/x.py`
 # needs no sys.path edit) and the console entry points (bert-pretrain, bert-prepare, ...) are on
 # the venv's PATH. --no-deps: the requirements above are the pins; --no-build-isolation: build
@@ -47,7 +47,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt
 	fi; \
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .; \
 	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true; \
-	$(PY) -m compileall -q -j 0 bert data kernels launch bench tests run_pretraining.py >/dev/null; \
+	$(PY) -m compileall -q -j 0 bert common data kernels launch bench tools tests run_pretraining.py >/dev/null; \
 	touch $@
 
 # Everything (unit, multi-process, GPU where there is one, cluster where root); the 20 slowest
@@ -99,7 +99,7 @@ lint: setup
 demo: setup
 	@set -e; \
 	if [ -n "$(TEXT)" ]; then input="$(TEXT)"; fmt=text; \
-	else $(PY) -m data.demo_corpus $(DATA)/corpus.txt; input=$(DATA)/corpus.txt; fmt=bert; fi; \
+	else $(PY) -m data.prepare.demo_corpus $(DATA)/corpus.txt; input=$(DATA)/corpus.txt; fmt=bert; fi; \
 	$(PY) -m data.prepare --input $$input --input-format $$fmt --train-vocab 8000 --output-dir $(DATA) \
 	    --max-seq-length 128 --max-predictions 20 --dupe-factor 10 --shards 4 --eval-samples 1000 --workers 2; \
 	rm -rf $(OUTPUT)/checkpoints $(OUTPUT)/metrics.jsonl $(OUTPUT)/summary.json $(OUTPUT)/mlperf.log; \
@@ -109,7 +109,7 @@ demo: setup
 	echo; echo "MLPerf log:  $(OUTPUT)/mlperf.log"; echo "metrics:     $(OUTPUT)/metrics.jsonl"; \
 	echo "summary:     $(OUTPUT)/summary.json"; echo "curves:      $(OUTPUT)/curves.png"; \
 	echo "check the log: $(PY) -m mlperf_logging.compliance_checker --usage training --ruleset 5.0.0 $(OUTPUT)/mlperf.log"; \
-	echo; $(PY) -m bert.export $(OUTPUT) --output $(OUTPUT)-hf; \
+	echo; $(PY) -m bert.checkpoint.export $(OUTPUT) --output $(OUTPUT)-hf; \
 	$(PY) bench/finetune.py $(OUTPUT)-hf --json $(OUTPUT)/finetune.json
 
 clean:

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import NoReturn
 
-from bert.train_config import ConfigError, describe, load_config
+from bert.config import ConfigError, describe, load_config
 from launch.versions import too_old
 
 
@@ -44,10 +44,10 @@ def main(argv=None) -> int:
         print(f"error: {old}", file=sys.stderr)
         return 2
     # Imported after the config is valid, so a typo is reported before torch loads.
-    from bert.collectives import CollectiveError, announce_exit, hold_store
-    from bert.safe_load import CheckpointError
-    from bert.trainer import Trainer, TrainingError
-    from data.rebalance import RebalanceError
+    from bert.checkpoint.safe_load import CheckpointError
+    from bert.distributed.collectives import CollectiveError, announce_exit, hold_store
+    from bert.train.trainer import Trainer, TrainingError
+    from data.rebalance.exchange import RebalanceError
     from kernels.interface import BackendUnavailable
     from launch.distributed import LaunchError, destroy, init_distributed
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     broken = False  # a failed collective leaves the process group unusable: do not tear it down
     store = None  # set when this rank stops on its own error and told the others why
     try:
-        from data.errors import DataError
+        from common.errors import DataError
 
         trainer = Trainer(cfg, args.output_dir, info)
         if info.rank == 0:

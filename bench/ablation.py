@@ -34,7 +34,7 @@ accuracy) and that against the baseline's, the loss and gradient-norm spike scor
 loss rise after injected spikes, and sequences/s.
 
 Without ``--data``, the demo corpus is prepared as ``make demo`` does (``python -m
-data.demo_corpus`` then ``python -m data.prepare --train-vocab 8000 --max-seq-length 128
+data.prepare.demo_corpus`` then ``python -m data.prepare --train-vocab 8000 --max-seq-length 128
 ...``) into ``--data-cache`` and reused while its manifest matches.
 
 Writes ``OUT/ablation.json`` (setup, per-arm statistics, every run's summary and curves),
@@ -54,8 +54,8 @@ import sys
 import time
 from pathlib import Path
 
-from bert.train_config import ConfigError, load_config
-from fileio import publishing, write_text
+from bert.config import ConfigError, load_config
+from common.files import publishing, write_text
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ def prepare_demo(cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     corpus = cache / "corpus.txt"
     for cmd in (
-        [sys.executable, "-m", "data.demo_corpus", str(corpus)],
+        [sys.executable, "-m", "data.prepare.demo_corpus", str(corpus)],
         [sys.executable, "-m", "data.prepare", "--input", str(corpus), "--output-dir", str(cache), *DEMO_PREPARE],
     ):
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

@@ -31,8 +31,8 @@ _TITLE = re.compile(r"^ = [^=].* = $")  # a top-level heading; sections are " = 
 
 def article_token_counts(paths: list[str], vocab: str) -> list[int]:
     """Tokens per article of WikiText-format files (data.prepare's WordPiece tokenisation)."""
-    from data.text import parse_documents
-    from data.tokenization import load_vocab, make_tokenizer
+    from data.prepare.text import parse_documents
+    from data.prepare.tokenization import load_vocab, make_tokenizer
 
     tok = make_tokenizer(load_vocab(vocab))
     counts = []
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         "articles": len(counts),
         "article_tokens": counts,
     }
-    from fileio import write_text
+    from common.files import write_text
 
     write_text(args.output, json.dumps(record) + "\n")
     c = np.asarray(counts)

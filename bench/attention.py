@@ -427,7 +427,7 @@ def main(argv=None) -> int:
     if args.window is not None:
         failed += window_report(args, report, gpu)
     if args.json:
-        from fileio import write_text
+        from common.files import write_text
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,11 +33,11 @@ def worker(args) -> None:
     answered by the seconds it took."""
     import torch
 
-    from bert import train_checkpoint as tc
-    from bert import train_state
-    from bert.config import BertConfig
-    from bert.model import BertForPreTraining
-    from bert.optim import Lamb, param_groups_for
+    from bert.checkpoint import training as tc
+    from bert.model.config import BertConfig
+    from bert.model.pretraining import BertForPreTraining
+    from bert.optim.optimizers import Lamb, param_groups_for
+    from bert.train import state as train_state
 
     # This revision's trainer path: the functions live in train_checkpoint now, in train_state before.
     home = tc if hasattr(tc, "restore") else train_state

@@ -296,7 +296,7 @@ def main(argv=None) -> int:
             f"  ratio {r['ratio_median']:.3f}  (pairs: {', '.join(f'{x:.3f}' for x in r['ratios'])})"
         )
     if args.json:
-        from fileio import write_text
+        from common.files import write_text
 
         write_text(Path(args.json), json.dumps(result, indent=1) + "\n")
     return 0

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 # Only light imports at the top: preparation's worker processes re-import this script.
-from data.errors import cli_main
-from data.prepare import PrepareConfig, prepare
+from common.errors import cli_main
+from data.prepare.shards import PrepareConfig, prepare
 
 REPO = Path(__file__).resolve().parents[1]
 

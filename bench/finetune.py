@@ -1,6 +1,6 @@
 """Fine-tune an exported model with transformers, against the same architecture from scratch.
 
-    python -m bert.export results/demo --output results/demo-hf
+    python -m bert.checkpoint.export results/demo --output results/demo-hf
     python bench/finetune.py results/demo-hf
 
 The task (built from the text ``make demo`` pretrains on, CPython's ``pydoc_data.topics``):
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from fileio import write_text
+from common.files import write_text
 
 
 class FinetuneError(RuntimeError):
@@ -104,7 +104,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    ap.add_argument("hf_dir", metavar="HF_DIR", help="a directory written by python -m bert.export")
+    ap.add_argument("hf_dir", metavar="HF_DIR", help="a directory written by python -m bert.checkpoint.export")
     ap.add_argument("--topics", type=int, default=4, help="classes: the topics with the most paragraphs")
     ap.add_argument("--min-words", type=int, default=12, help="shorter paragraphs are left out")
     ap.add_argument("--test-share", type=float, default=1 / 3, help="share of each topic's paragraphs held out")
@@ -128,7 +128,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from bert.fp8 import import_torchao_quietly
+    from bert.model.fp8 import import_torchao_quietly
 
     import_torchao_quietly()  # transformers imports torchao when it is installed; its load warnings are noise here
     try:
@@ -142,7 +142,7 @@ def _main(args) -> int:
     hf = Path(args.hf_dir)
     if not (hf / "config.json").is_file() or not (hf / "vocab.txt").is_file():
         raise FinetuneError(
-            f"{hf}: no config.json and vocab.txt (write it with python -m bert.export RUN_DIR --output {hf})"
+            f"{hf}: no config.json and vocab.txt (write it with python -m bert.checkpoint.export RUN_DIR --output {hf})"
         )
     import torch
     from transformers import (

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data.rebalance_plan import Cost, check_cost, sample_costs
+from data.rebalance.plan import Cost, check_cost, sample_costs
 from kernels.interface import BackendUnavailable, VarlenLayout
 from kernels.registry import get_backend
 
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     print(", ".join(f"{L}: {c / costs[0]:.3g}" for L, c in zip(lengths, costs)))
     print(config_line(cost))
     if args.json:
-        from fileio import write_text
+        from common.files import write_text
 
         record = {"args": vars(args), "rows": rows, "per_layer": {"a1": a1, "b1": b1, "l1": l1}, "cost": cost._asdict()}
         write_text(args.json, json.dumps(record, indent=1) + "\n")

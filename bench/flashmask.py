@@ -369,7 +369,7 @@ def main(argv=None) -> int:
         print_cpu(report)
         failed = [] if report["exact"] else ["tile counts"]
     if args.json:
-        from fileio import write_text
+        from common.files import write_text
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

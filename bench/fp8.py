@@ -36,17 +36,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.attention import cuda_ms
-from fileio import write_text
+from common.files import write_text
 
 RECIPES = ("off", "tensorwise", "rowwise")
-# Norm-wise relative error of an FP8 GEMM against fp32 (tests/bert/test_fp8.py states why).
+# Norm-wise relative error of an FP8 GEMM against fp32 (tests/bert/model/test_fp8.py states why).
 FP8_BOUND = {"y": 0.06, "dx": 0.10, "dw": 0.10}
 ENCODER = {"qkv": (1024, 3072), "attn_out": (1024, 1024), "ffn_in": (1024, 4096), "ffn_out": (4096, 1024)}
 
 
 def ffn_in_impls():
-    from kernels.fused_ops import bias_gelu
-    from kernels.gemm_epilogue import linear_bias_gelu
+    from kernels.ops.fused import bias_gelu
+    from kernels.ops.gemm_epilogue import linear_bias_gelu
 
     return {
         "eager": lambda x, w, b: F.gelu(F.linear(x, w, b)),
@@ -111,7 +111,7 @@ class _Encoder(nn.Module):
 
 
 def _linear(c: int, o: int, recipe: str, device, seed: int) -> nn.Linear:
-    from bert.fp8 import convert_encoder
+    from bert.model.fp8 import convert_encoder
 
     torch.manual_seed(seed)
     enc = _Encoder(c, o).to(device)
@@ -163,7 +163,7 @@ def bench_train_step(args, gpu: bool) -> dict:
 
     from bench.lengths import LengthSampler
     from bench.train_step import make_batch, run_variant
-    from bert.config import BertConfig
+    from bert.model.config import BertConfig
 
     sampler = LengthSampler(args.data_dir, 0)
     if gpu:

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from fileio import write_text
+from common.files import write_text
 
 
 def _ops(hidden: int, inter: int, dropout: float):
     """name -> (fused fn, reference fn, input shapes), each fn taking (x, bias, residual, w, b)."""
-    from kernels import fused_ops as fo
+    from kernels.ops import fused as fo
 
     return {
         "bias_gelu": (

@@ -186,7 +186,7 @@ if have pytest; then
     workers=$(( $(nproc 2>/dev/null || echo 8) / 2 )); workers=$(( workers > 8 ? 8 : (workers < 1 ? 1 : workers) ))
     if have xdist; then PYTEST+=(-n "$workers"); else echo "pytest-xdist not installed: tests run serially"; fi
     run_stage kernel_tests 60 "$PYTHON" -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_flashmask_gpu.py \
-        tests/kernels/test_gemm_epilogue.py -m gpu "${PYTEST[@]}" --junitxml="$OUT/kernel_tests.xml" -o timeout=55
+        tests/kernels/ops/test_gemm_epilogue.py -m gpu "${PYTEST[@]}" --junitxml="$OUT/kernel_tests.xml" -o timeout=55
     # The peer suite (flash-attention's error rule) on the compiled kernels: the default subset
     # (every kernel, dtype and head dim) and the whole matrix at BERT-large's head dim 64 at its
     # two longest block-crossing lengths (the full matrix: `make test-full` on a GPU).
@@ -201,8 +201,8 @@ run_stage train_step 95 "$PYTHON" bench/train_step.py --steps 20 --json "$OUT/tr
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
 
 if have pytest; then
-    run_stage model_tests 45 "$PYTHON" -m pytest tests/bert/test_fp8.py tests/bert/test_sharded_optim_gpu.py \
-        tests/bert/test_cuda_graphs.py tests/bert/test_modernbert_recipe.py -m gpu "${PYTEST[@]}" \
+    run_stage model_tests 45 "$PYTHON" -m pytest tests/bert/model/test_fp8.py tests/bert/optim/test_shard_gpu.py \
+        tests/bert/train/test_cuda_graphs.py tests/bert/optim/test_modernbert_recipe.py -m gpu "${PYTEST[@]}" \
         --junitxml="$OUT/model_tests.xml" -o timeout=40
 else
     skip_stage model_tests "pytest is not installed"

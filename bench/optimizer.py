@@ -59,8 +59,8 @@ def _sync() -> None:
 
 
 def _model(preset: str, vocab: int):
-    from bert.config import BertConfig
-    from bert.model import BertForPreTraining
+    from bert.model.config import BertConfig
+    from bert.model.pretraining import BertForPreTraining
 
     torch.manual_seed(0)
     config = BertConfig.preset(preset, vocab_size=vocab, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -69,9 +69,9 @@ def _model(preset: str, vocab: int):
 
 def _engine(model, sharded: bool):
     """(optimizer, local, norms, forward) for the unsharded (DDP) or sharded (FSDP2, one group) variant."""
-    from bert.optim import build_optimizer
-    from bert.sharded_optim import WholeNorms, apply_sharding, build_sharded_lamb, local_shard
-    from bert.train_config import OptimSection
+    from bert.config import OptimSection
+    from bert.optim.optimizers import build_optimizer
+    from bert.optim.shard import WholeNorms, apply_sharding, build_sharded_lamb, local_shard
 
     optim = OptimSection(lr=1e-3, shard="dp" if sharded else "none")
     device = _device()
@@ -90,8 +90,8 @@ def _median_ms(times: list[float]) -> float:
 
 
 def worker_optimizer(args) -> dict:
-    from bert.clipping import clip_global_
-    from bert.sharded_optim import optimizer_state_bytes
+    from bert.optim.clipping import clip_global_
+    from bert.optim.shard import optimizer_state_bytes
 
     out = {}
     for name, sharded in (("unsharded", False), ("sharded", True)):
@@ -144,8 +144,8 @@ def worker_clipping(args) -> dict:
 
 
 def worker_step(args) -> dict:
-    from bert.clipping import clip_global_
-    from bert.losses import pretraining_loss
+    from bert.optim.clipping import clip_global_
+    from bert.train.losses import pretraining_loss
     from data.collate import make_collator
     from data.synthetic import random_block
 
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
         "goals": goals,
     }
     if args.json:
-        from fileio import write_text
+        from common.files import write_text
 
         write_text(args.json, json.dumps(result, indent=1) + "\n")
     return 0

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from fileio import write_text
+from common.files import write_text
 
 PRESETS = ("default", "small")
 

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from bench.fit_cost import _Layer, time_layer
-from bert.step_timer import StepTimer
-from data.rebalance_fit import OnlineModel, length_features
-from data.rebalance_plan import Cost, sample_costs
-from fileio import write_text
+from bert.train.step_timer import StepTimer
+from common.files import write_text
+from data.rebalance.fit import OnlineModel, length_features
+from data.rebalance.plan import Cost, sample_costs
 from kernels.interface import VarlenLayout
 from kernels.registry import get_backend
 

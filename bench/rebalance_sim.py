@@ -59,8 +59,9 @@ import numpy as np
 
 from bench.article_lengths import load as load_article_lengths
 from bench.article_lengths import sequence_lengths
-from data.rebalance_fit import OnlineModel
-from data.rebalance_plan import (
+from common.files import publishing, write_text
+from data.rebalance.fit import OnlineModel
+from data.rebalance.plan import (
     DEFAULT_COST,
     HEADER_WORDS,
     STRATEGIES,
@@ -70,7 +71,6 @@ from data.rebalance_plan import (
     plan_for_rank,
     sample_costs,
 )
-from fileio import publishing, write_text
 
 MAX_PREDICTIONS = 76  # MLPerf: max_predictions_per_seq
 MASKED_LM_PROB = 0.15

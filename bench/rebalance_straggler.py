@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fileio import write_text
+from common.files import write_text
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "launch" / "configs" / "cpu_demo.yaml"
@@ -38,8 +38,8 @@ CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 
 def write_data(directory: Path, seq_len: int) -> tuple[str, str]:
     """Synthetic shards (lengths uniform in [5, seq_len]) and an eval file."""
+    from common.files import publish
     from data.synthetic import write_shards
-    from fileio import publish
 
     train, evaldir = directory / "train", directory / "eval"
     train.mkdir(parents=True)

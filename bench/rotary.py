@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fileio import write_text
+from common.files import write_text
 
 
 def _inputs(tokens: int, heads: int, head_dim: int, dtype, device, seed: int = 0):
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from kernels.rotary import apply_rotary, apply_rotary_reference, rotary_tables
+    from kernels.ops.rotary import apply_rotary, apply_rotary_reference, rotary_tables
 
     device = "cuda" if gpu else "cpu"
     tokens = args.tokens if gpu else 67

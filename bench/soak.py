@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fileio import publish, write_text
+from common.files import publish, write_text
 
 REPO = Path(__file__).resolve().parents[1]
 

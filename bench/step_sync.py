@@ -62,11 +62,11 @@ class Step:
     """One training step as the trainer runs it: host counts, forward, backward, clip, skip, LAMB, schedule."""
 
     def __init__(self, config, attention: str, shapes, graphs: bool, device, amp_dtype):
-        from bert.cuda_graphs import EncoderGraphs
-        from bert.model import BertForPreTraining
-        from bert.optim import build_optimizer
-        from bert.schedule import PolyWarmupScheduler
-        from bert.train_config import OptimSection
+        from bert.config import OptimSection
+        from bert.model.pretraining import BertForPreTraining
+        from bert.optim.optimizers import build_optimizer
+        from bert.optim.schedule import PolyWarmupScheduler
+        from bert.train.cuda_graphs import EncoderGraphs
 
         with torch.device(device):
             self.model = BertForPreTraining(config, attention=attention)
@@ -90,8 +90,8 @@ class Step:
         return batch.to(self.device, non_blocking=True)
 
     def __call__(self, block, batch) -> None:
-        from bert.clipping import clip_global_
-        from bert.losses import pretraining_loss
+        from bert.optim.clipping import clip_global_
+        from bert.train.losses import pretraining_loss
 
         masked, seqs = int(block.masked_counts.sum()), len(block)  # host facts of the data
         with torch.autocast(
@@ -175,9 +175,9 @@ def run_variant(name, config, blocks, args, device, amp_dtype) -> dict:
 
 
 def run_eval(config, sampler, args, device, amp_dtype, graphs: bool) -> dict:
-    from bert.cuda_graphs import EncoderGraphs
-    from bert.eval_cache import DeviceEvalSet, masked_lm_counts
-    from bert.model import BertForPreTraining
+    from bert.model.pretraining import BertForPreTraining
+    from bert.train.cuda_graphs import EncoderGraphs
+    from bert.train.evaluate import DeviceEvalSet, masked_lm_counts
     from data.collate import collate_unpadded
     from data.static_shapes import StaticShapes, auto_token_bucket
 
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    from bert.config import BertConfig
+    from bert.model.config import BertConfig
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")

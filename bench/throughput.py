@@ -51,8 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bert.config import PRESETS, BertConfig
-from fileio import publishing, write_text
+from bert.model.config import PRESETS, BertConfig
+from common.files import publishing, write_text
 from kernels.interface import BackendUnavailable
 from kernels.registry import backend_names, get_backend
 
@@ -84,7 +84,7 @@ class Variant:
 
 def load_blocks(data: Path, batch_size: int, batches: int, seed: int, vocab_size: int):
     """``batches`` consecutive training batches of the loader, and the data-wide lengths."""
-    from data.errors import DataError
+    from common.errors import DataError
     from data.hdf5io import inspect, list_files, read_file
     from data.loader import PretrainingLoader
 
@@ -144,7 +144,7 @@ def hf_loss(model, inp):
 
 
 def our_loss(model, batch):
-    from bert.losses import pretraining_loss
+    from bert.train.losses import pretraining_loss
 
     out = model(batch)
     loss, _ = pretraining_loss(
@@ -183,7 +183,7 @@ def hf_model_for(config: BertConfig, hf_attention: str):
         return transformers.BertForPreTraining(
             transformers.BertConfig(**config.to_dict(), attn_implementation=hf_attention)
         )
-    from bert.hf_modernbert import config_to_hf
+    from bert.model.hf_modernbert import config_to_hf
 
     hf_config = transformers.ModernBertConfig(**config_to_hf(config), attn_implementation=hf_attention)
     return transformers.ModernBertForMaskedLM(hf_config)
@@ -200,10 +200,10 @@ def default_variants(device: torch.device) -> list[str]:
 def build_variants(
     names: list[str], explicit: bool, config: BertConfig, blocks, seq_len: int, device, hf_attention: str, seed: int
 ) -> list[Variant]:
-    from bert.model import BertForPreTraining
-    from bert.optim import build_optimizer
-    from bert.pretrained import load_hf_state_dict
-    from bert.train_config import OptimSection
+    from bert.checkpoint.pretrained import load_hf_state_dict
+    from bert.config import OptimSection
+    from bert.model.pretraining import BertForPreTraining
+    from bert.optim.optimizers import build_optimizer
     from data.collate import collate_padded, collate_unpadded, make_collator
 
     torch.manual_seed(seed)
@@ -268,7 +268,7 @@ def sync(device) -> None:
 
 
 def train_step(v: Variant, inp, device, precision: str) -> None:
-    from bert.clipping import clip_global_
+    from bert.optim.clipping import clip_global_
 
     with autocast(device, precision):
         loss = v.loss_fn(v.model, inp)
@@ -525,7 +525,7 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-    from bert.config import ConfigError
+    from bert.model.config import ConfigError
 
     def log(msg: str) -> None:
         print(msg, flush=True)

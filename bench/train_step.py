@@ -123,10 +123,10 @@ def model_flops(config, batch) -> float:
 
 def run_variant(variant, config, batches, args, device, fp8: str = "off"):
     """Median seconds of one training step; ``fp8``: ``train.fp8`` (bench/fp8.py compares them)."""
-    from bert.fp8 import convert_encoder
-    from bert.model import BertForPreTraining
-    from bert.optim import build_optimizer
-    from bert.train_config import OptimSection
+    from bert.config import OptimSection
+    from bert.model.fp8 import convert_encoder
+    from bert.model.pretraining import BertForPreTraining
+    from bert.optim.optimizers import build_optimizer
     from data.batch import pad
 
     backend, fused, layout = parse_variant(variant)
@@ -173,7 +173,7 @@ def run_variant(variant, config, batches, args, device, fp8: str = "off"):
 
 def write_report(report: dict, path: str | None) -> None:
     if path:
-        from fileio import write_text
+        from common.files import write_text
 
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_text(Path(path), json.dumps(report, indent=1))
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    from bert.config import BertConfig
+    from bert.model.config import BertConfig
     from kernels.interface import BackendUnavailable
 
     gpu = torch.cuda.is_available()

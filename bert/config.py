@@ -1,298 +1,647 @@
-"""The encoder's hyper-parameters: ``BertConfig``, its presets, and JSON I/O.
+"""The run configuration: one typed dataclass per component, loaded from YAML.
 
-The first block of fields is BERT's own (``bert_config.json`` and transformers' ``config.json``
-load directly); the second says how the encoder is assembled (``bert.layers``), BERT by default
-and written to JSON only where it differs. Every field is checked on construction, and the
-parameters' memory before anything is built. Presets and their sources: docs/modern_encoders.md.
+``load_config(path, overrides)`` reads ``launch/configs/*.yaml`` (a mapping of sections to
+fields) and applies command-line overrides ``section.field=value`` (``data.cli``: values
+parsed as YAML, a string field takes the text as it is). Every field has its default and its
+meaning here, once, and is checked where it is defined; ``describe()`` prints them for
+``--help``. Anything invalid raises ``ConfigError``, one line naming ``section.field``
+(docs/training.md, "Configuration").
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
-import os
-from dataclasses import asdict, dataclass, field, fields, replace
+import typing
+from dataclasses import dataclass, field, fields, replace
 
-from data.cli import cut, short
-from fileio import UnsafeFile, read_checked, write_text
+from bert.model.config import PRESETS, BertConfig
+from bert.model.config import ConfigError as BertConfigError
+from common import config as cli
+from common.config import option as opt
+from data.rebalance.plan import check_cost
+from kernels import registry
+from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
 
-ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
-NORM_PLACEMENTS = ("post", "pre")
-NORM_KINDS = ("layernorm", "rmsnorm")
-POSITION_KINDS = ("absolute", "rotary")
-MLP_KINDS = ("dense", "gated")
-LAYER_TYPES = ("global", "local")
-INIT_SCHEMES = ("bert", "modernbert")
-
-# Keys transformers writes into config.json that describe its own bookkeeping, not the
-# architecture. Any other unknown key is an error.
-_HF_METADATA = set(
-    "architectures model_type torch_dtype dtype transformers_version pad_token_id use_cache classifier_dropout "
-    "gradient_checkpointing directionality pooler_fc_size pooler_num_attention_heads pooler_num_fc_layers "
-    "pooler_size_per_head pooler_type output_past bos_token_id eos_token_id id2label label2id output_hidden_states "
-    "output_attentions return_dict is_decoder add_cross_attention tie_word_embeddings position_embedding_type "
-    "problem_type".split()
-)
+# data.layout -> the attention layout the model builds from such a batch.
+ATTENTION_LAYOUTS = {"unpadded": VarlenLayout, "padded": PaddedLayout, "packed": PackedLayout}
 
 
 class ConfigError(ValueError):
-    """A model configuration that is invalid; the message names the field."""
+    """An invalid run configuration; the message names the key."""
 
 
-MAX_INT = 2**31 - 1  # every size indexes int32 tensors somewhere
-_INT_LEAST = {"type_vocab_size": 0, "local_window": 2}  # 0 token types: none; a window of 1 is no band
-_PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob")
-_CHOICES = {
-    "hidden_act": ACTIVATIONS,
-    "norm_placement": NORM_PLACEMENTS,
-    "norm_kind": NORM_KINDS,
-    "position_embedding": POSITION_KINDS,
-    "mlp": MLP_KINDS,
-    "init_scheme": INIT_SCHEMES,
-}
+def _in_range(key: str, value, least=None, most=None, above=None) -> None:
+    """``value`` (None: unset) within [least, most], or above ``above``."""
+    if value is None:
+        return
+    too_low = (least is not None and value < least) or (above is not None and value <= above)
+    if too_low or (most is not None and value > most):
+        low = f"> {above}" if above is not None else f">= {least}" if least is not None else ""
+        high = f"<= {most:,}" if most is not None else ""
+        raise ConfigError(f"{key}: must be {' and '.join(x for x in (low, high) if x)}, got {cli.short(value, 40)}")
 
 
-def _finite(x) -> bool:
-    try:
-        return math.isfinite(float(x))
-    except OverflowError:  # an integer past float's range
-        return False
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise ConfigError(f"{key}: must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
 
 
-def check_fits_memory(config: BertConfig) -> None:
-    """ConfigError, with the estimate, when the fp32 parameters alone exceed the machine's memory
-    (checked before anything is allocated: a typo of 10**9 is a line, not a MemoryError)."""
-    need, have = 4 * config.parameter_count(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
+def _auto_or_positive(key: str, value, what: str) -> None:
+    """A field that is ``auto`` or a positive integer."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise ConfigError(f"{key}: expected {what} or auto, got {cli.short(value)}")
+    else:
+        _positive(key, value)
+
+
+@dataclass
+class ModelSection:
+    preset: str = opt(
+        "large", "architecture (bert.config.PRESETS): BERT's, or a ModernBERT-class encoder", tuple(PRESETS)
+    )
+    config_file: str | None = opt(None, "bert_config.json or transformers config.json; overrides preset")
+    overrides: dict = opt(
+        {},
+        "BertConfig fields over the preset's or config_file's (bert/model/config.py checks them), e.g. "
+        "model.overrides.vocab_size=96, model.overrides.hidden_dropout_prob=0 or "
+        "model.overrides.rope_theta_global=160000 (a context-extension phase)",
+    )
+    attention: str = opt(
+        "reference",
+        "attention backend (kernels.registry): "
+        + "; ".join(
+            f"{', '.join(registry.backends_for(lay))} ({kind} layout)" for kind, lay in ATTENTION_LAYOUTS.items()
+        ),
+        registry.BACKENDS.keys(),  # a live view: a backend registered later is a choice too
+    )
+    attention_options: dict = opt(
+        {},
+        "the backend's own options (kernels.registry; the backend checks the values), e.g. triton_grouped's "
+        "model.attention_options.buckets=[128,256,512,1024] (sequence-length buckets, one launch per "
+        "group; default 128/256/384/512) and num_streams (CUDA streams, default 4)",
+    )
+    fused_ops: bool = opt(False, "fused Triton bias+GELU and bias+dropout+residual+LayerNorm (post-norm BERT)")
+    bias_gelu: str = opt(
+        "auto",
+        "the FFN-in's bias+GELU: eager (GEMM with bias, then GELU), triton (GEMM, then the fused "
+        "Triton kernel), epilogue (in the GEMM: cuBLASLt's GELU epilogue, tanh GELU on CUDA; "
+        "docs/fp8.md); auto: triton with model.fused_ops, else eager",
+        ("auto", "eager", "triton", "epilogue"),
+    )
+    rotary_kernel: str = opt(
+        "torch", "rotary models: apply RoPE with the PyTorch reference or the Triton kernel", ("torch", "triton")
+    )
+    compile: bool = opt(False, "wrap the model in torch.compile")
+
+    def __post_init__(self):
+        cli.check_choices("model", self, ConfigError)  # types and choices of every field
+        names = [f.name for f in fields(BertConfig)]
+        bad = next((k for k in self.overrides if k not in names), None)
+        if bad is not None:
+            raise ConfigError(f"model.overrides.{cli.cut(str(bad), 60)}: not a BertConfig field; valid: {names}")
+        takes = registry.BACKENDS[self.attention].options
+        bad = next((k for k in self.attention_options if k not in takes), None)
+        if bad is not None:
+            raise ConfigError(
+                f"model.attention_options.{cli.cut(str(bad), 60)}: {self.attention} takes no such option; "
+                f"its options: {list(takes)}"
+            )
+
+
+@dataclass
+class DataSection:
+    train_dir: str = opt("", "directory of training shards (part_*.hdf5), fixed or varlength layout")
+    eval_file: str = opt("", "the eval HDF5 file (MLPerf: 10,000 samples)")
+    layout: str = opt(
+        "unpadded",
+        "batch layout fed to the model: unpadded (flat tokens, cu_seqlens), padded "
+        "([B, max_seq_length], the baseline) or packed (rows of max_seq_length holding "
+        "several whole sequences); model.attention names a backend that takes it",
+        tuple(ATTENTION_LAYOUTS),
+    )
+    backend: str = opt("torch", "loader backend", ("torch", "dali"))
+    max_seq_length: int = opt(512, "sequence length of the data; the padded layout pads to it")
+    vocab_file: str | None = opt(None, "vocabulary the data was made with; sets the model's vocab_size")
+    max_predictions_per_seq: int = opt(
+        76,
+        "masked positions per sequence at most (MLPerf data: 76); logged before "
+        "the data is opened, then checked against it",
+    )
+    rebalance: str = opt(
+        "balanced",
+        "cross-rank sequence-length rebalancing each step (stripe: the MLPerf submissions' sort-and-stride; "
+        "measured: balanced with the cost and a speed per rank fitted to measured step times)",
+        ("none", "stripe", "balanced", "measured"),
+    )
+    rebalance_cost: list[float] = opt(
+        [1.0, 1.0 / 6144],
+        "[a, b] of the per-sample cost a*L + b*L^2, or [a, b, b_local, window] adding the sliding-window "
+        "layers' b_local*L*min(L, window) (python -m bench.fit_cost fits all four; docs/rebalancing.md)",
+    )
+    rebalance_measured: tuple[int, float, float] = opt(
+        (32, 4.0, 0.1),
+        "measured: (window: steps kept per rank, bound: the factor a fitted coefficient stays within "
+        "of rebalance_cost's, rate: the largest relative change of a speed or coefficient per step)",
+    )
+    rebalance_group_size: int | None = opt(
+        None, "hierarchical rebalancing in groups of this many ranks (e.g. GPUs per node, for thousands of ranks)"
+    )
+    on_corrupt: str = opt(
+        "fail",
+        "a training sample that fails validation or cannot be read: fail stops the run naming file and sample; skip "
+        "replaces it by the next good sample of the epoch's stream and counts it (metrics corrupt_samples, summary)",
+        ("fail", "skip"),
+    )
+
+    def __post_init__(self):
+        cli.check_choices("data", self, ConfigError)
+        _in_range("data.max_seq_length", self.max_seq_length, least=1, most=1 << 20)
+        _in_range("data.max_predictions_per_seq", self.max_predictions_per_seq, least=1, most=1 << 20)
+        _positive("data.rebalance_group_size", self.rebalance_group_size)
+        try:
+            check_cost(self.rebalance_cost)
+        except ValueError as e:
+            raise ConfigError(f"data.rebalance_cost: {str(e).removeprefix('cost: ')}") from None
+        window, bound, rate = got = self.rebalance_measured
+        if window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1:
+            raise ConfigError(f"data.rebalance_measured: expected window >= 2, bound >= 1, 0 < rate <= 1, got {got}")
+
+
+@dataclass
+class TrainSection:
+    global_batch_size: int = opt(448, "sequences per optimizer step, over all ranks")
+    grad_accum_steps: int = opt(1, "micro-batches per optimizer step on each rank")
+    max_steps: int = opt(6700, "stop (status aborted) after this many optimizer steps")
+    max_samples: int = opt(4_500_000, "stop (status aborted) after this many training samples")
+    seed: int | None = opt(
+        None,
+        "seeds data order, initialisation and dropout; unset (null): rank 0 draws one from the OS and broadcasts it, "
+        "so each run has its own (MLPerf closed division); the seed used is logged and kept in checkpoints",
+    )
+    precision: str = opt(
+        "fp32", "fp32; bf16 autocast (CPU, CUDA); fp16 with a gradient scaler (CUDA)", ("fp32", "bf16", "fp16")
+    )
+    fp8: str = opt(
+        "off",
+        "FP8 GEMMs with dynamic scaling in the encoder's linear layers (QKV, attention output, "
+        "FFN in and out), one scale per tensor or per row (docs/fp8.md)",
+        ("off", "tensorwise", "rowwise"),
+    )
+    device: str = opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
+    log_interval_steps: int = opt(10, "steps between progress lines and metrics.jsonl records")
+    max_nonfinite_steps: int = opt(10, "consecutive non-finite losses before the run stops")
+    flat_host_memory: bool = opt(
+        False,
+        "fix glibc's mmap threshold at 128 KiB: host memory stays flat over long CPU runs, "
+        "but CPU training is ~1.5x slower (docs/reliability.md)",
+    )
+    static_shapes: bool = opt(
+        False,
+        "pad each micro-batch's tokens and masked positions up to a bucket, with one extra "
+        "sequence no loss or count sees (data/static_shapes.py; unpadded layout only)",
+    )
+    static_token_bucket: int | str = opt(
+        "auto",
+        "the token bucket of train.static_shapes (masked positions: multiples of 64); auto: 2% of micro-batch x "
+        "data.max_seq_length, a multiple of 64 (about 2% padding, 15 shapes over MLPerf's 8-GPU recipe; docs/step.md)",
+    )
+    cuda_graphs: bool = opt(
+        False,
+        "capture the encoder's forward and backward in a CUDA graph per shape bucket (CUDA only; "
+        "needs train.static_shapes and a graph-safe attention backend; docs/step.md)",
+    )
+    batch_size_warmup: tuple[int, int] | None = opt(
+        None,
+        "batch-size warm-up (ModernBERT's), [start, steps]: the global batch of step 0, a multiple of "
+        "global_batch_size / grad_accum_steps (one micro-batch on every rank), growing by that much at equal intervals "
+        "to global_batch_size at step `steps`; null: off (data/batch_ramp.py, docs/modern_encoders.md)",
+    )
+
+    def __post_init__(self):
+        cli.check_choices("train", self, ConfigError)
+        positive = "global_batch_size grad_accum_steps max_steps max_samples log_interval_steps max_nonfinite_steps"
+        for name in positive.split():
+            _positive(f"train.{name}", getattr(self, name))
+        _in_range("train.seed", self.seed, least=0)
+        _auto_or_positive("train.static_token_bucket", self.static_token_bucket, "a number of tokens")
+        if self.batch_size_warmup is None:
+            return
+        (start, steps), key, full = self.batch_size_warmup, "train.batch_size_warmup", self.global_batch_size
+        unit = full // self.grad_accum_steps
+        if not 0 < start < full:
+            raise ConfigError(f"{key}: start {start} must lie in [1, train.global_batch_size {full})")
+        if self.global_batch_size % self.grad_accum_steps == 0 and start % unit:
+            raise ConfigError(
+                f"{key}: start {start} is not a multiple of train.global_batch_size / "
+                f"train.grad_accum_steps = {unit} (the ramp grows one micro-batch per rank at a time)"
+            )
+        if steps < 1:
+            raise ConfigError(f"{key}: steps must be >= 1, got {steps}")
+
+
+@dataclass
+class EvalSection:
+    interval_samples: int | str = opt(
+        "auto",
+        "evaluate every this many training samples; auto: MLPerf's rule, floor(0.05 x (230.23 x global batch + "
+        "3,000,000) / 25,000) x 25,000",
+    )
+    target_accuracy: float = opt(0.720, "stop with status success at this masked-LM accuracy")
+    batch_size: int = opt(125, "eval sequences per rank per batch")
+    max_samples: int | None = opt(None, "evaluate on the first N eval samples only (MLPerf: all)")
+    at_start: bool = opt(
+        False,
+        "evaluate the initial weights before training, during initialisation (untimed, not an MLPerf eval_accuracy "
+        "event): MLPerf's phase-1 checkpoint scores about 0.34, which checks that it loaded right. Not in the closed "
+        "division, where nothing may read the dataset before run_start",
+    )
+    cache_on_device: bool = opt(
+        False,
+        "collate the eval set once and keep its batches on the device (about 75 MB for "
+        "MLPerf's 10,000 samples; docs/step.md); accuracy is read once per evaluation either way",
+    )
+
+    def __post_init__(self):
+        cli.check_choices("eval", self, ConfigError)
+        _auto_or_positive("eval.interval_samples", self.interval_samples, "a number of samples")
+        _positive("eval.batch_size", self.batch_size)
+        _positive("eval.max_samples", self.max_samples)
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise ConfigError(f"eval.target_accuracy: must lie in (0, 1], got {self.target_accuracy}")
+
+
+@dataclass
+class AdaGCSection:
+    lambda_rel: float = opt(1.04, "after warm-up, clip tensor i at lambda_rel x its running threshold")
+    beta: float = opt(0.99, "EMA factor of the per-tensor thresholds")
+    warmup_steps: int = opt(100, "steps of global-norm clipping at optim.max_grad_norm before per-tensor clipping")
+
+    def __post_init__(self):
+        cli.check_choices("optim.adagc", self, ConfigError)
+        _positive("optim.adagc.lambda_rel", self.lambda_rel)
+        _positive("optim.adagc.warmup_steps", self.warmup_steps, allow_zero=True)
+        if not 0.0 <= self.beta < 1.0:
+            raise ConfigError(f"optim.adagc.beta: must lie in [0, 1), got {self.beta}")
+
+
+@dataclass
+class OptimSection:
+    name: str = opt(
+        "lamb",
+        "optimizer: lamb (MLPerf's), adamw (decoupled weight decay), or stable_adamw (AdamW with "
+        "StableAdamW's per-tensor update clipping, ModernBERT's; docs/modern_encoders.md)",
+        ("lamb", "adamw", "stable_adamw"),
+    )
+    lr: float = opt(4.25e-4, "peak learning rate")
+    betas: tuple[float, float] = opt((0.9, 0.999), "Adam/LAMB betas")
+    weight_decay: float = opt(0.01, "decoupled weight decay (not on biases and LayerNorm)")
+    decouple_lr: bool = opt(
+        False,
+        "adamw / stable_adamw: weight decay independent of the learning rate's size, w <- w (1 - lr_t / optim.lr x "
+        "weight_decay) (fully decoupled; ModernBERT's); false: torch's w <- w (1 - lr_t x weight_decay)",
+    )
+    eps: float = opt(1e-6, "Adam/LAMB epsilon")
+    warmup_steps: int = opt(0, "linear warm-up steps")
+    start_warmup_step: int = opt(0, "step at which warm-up starts (MLPerf's start_warmup_step)")
+    poly_power: float = opt(1.0, "power of the polynomial decay to 0")
+    schedule: str = opt(
+        "poly",
+        "poly: warm-up then polynomial decay to 0 at train.max_steps (MLPerf); wsd: warm-up, constant, then a 1-sqrt "
+        "decay over the last decay_steps (ModernBERT's warmup-stable-decay); wsd_linear: the same with a linear decay",
+        ("poly", "wsd", "wsd_linear"),
+    )
+    decay_steps: int = opt(0, "wsd: steps of the final decay (0: constant to the end)")
+    clip: str = opt(
+        "global", "gradient clipping: global norm, AdaGC (per tensor, adaptive) or none", ("global", "adagc", "none")
+    )
+    max_grad_norm: float = opt(1.0, "global-norm clipping threshold")
+    adagc: AdaGCSection = field(default_factory=AdaGCSection, metadata={"help": "AdaGC's parameters"})
+    shard: int | str = opt(
+        "none",
+        "split the optimizer state and update over a group of ranks (FSDP2, docs/sharding.md): "
+        "none (every rank updates everything, DDP), dp (all ranks), or a group size dividing the "
+        "ranks (HSDP: groups of that many ranks, replicated across groups)",
+    )
+    reduce_dtype: str = opt(
+        "fp32", "dtype gradients are reduce-scattered in (optim.shard only)", ("fp32", "bf16", "fp16")
+    )
+
+    @property
+    def decay_shape(self) -> str:
+        """The final decay of optim.schedule wsd (1-sqrt) or wsd_linear (linear)."""
+        return "linear" if self.schedule == "wsd_linear" else "1-sqrt"
+
+    def __post_init__(self):
+        cli.check_choices("optim", self, ConfigError)
+        if isinstance(self.shard, str) and self.shard not in ("none", "dp"):
+            raise ConfigError(f"optim.shard: expected none, dp or a group size, got {cli.short(self.shard)}")
+        _in_range("optim.shard", None if isinstance(self.shard, str) else self.shard, least=1)
+        if self.decouple_lr and self.name == "lamb":
+            raise ConfigError(
+                "optim.decouple_lr: applies to adamw and stable_adamw (LAMB decays inside its trust ratio)"
+            )
+        if self.shard != "none" and self.name != "lamb":
+            raise ConfigError(f"optim.shard: sharding runs LAMB (optim.name=lamb), got optim.name={self.name!r}")
+        if self.shard == "none" and self.reduce_dtype != "fp32":
+            raise ConfigError(
+                f"optim.reduce_dtype: {self.reduce_dtype} applies to sharded gradients; set optim.shard "
+                "(unsharded DDP reduces in fp32)"
+            )
+        _positive("optim.lr", self.lr)
+        _positive("optim.eps", self.eps)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("optim.max_grad_norm", self.max_grad_norm)
+        _positive("optim.decay_steps", self.decay_steps, allow_zero=True)
+        if self.schedule != "poly" and self.start_warmup_step:
+            raise ConfigError("optim.start_warmup_step: the wsd schedule warms up from step 0; leave it 0")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas: each must lie in [0, 1), got {list(self.betas)}")
+
+
+@dataclass
+class LossSection:
+    simreg_weight: float = opt(0.0, "weight of the SimReg contrastive regulariser (0: off, costs nothing)")
+    simreg_temperature: float = opt(0.1, "SimReg softmax temperature")
+    simreg_scope: str = opt("masked", "SimReg tokens: the masked positions or all tokens", ("masked", "all"))
+
+    def __post_init__(self):
+        cli.check_choices("loss", self, ConfigError)
+        _positive("loss.simreg_weight", self.simreg_weight, allow_zero=True)
+        _positive("loss.simreg_temperature", self.simreg_temperature)
+
+
+@dataclass
+class DebugSection:
+    spike_steps: list[int] = opt([], "optimizer steps (1-based) at which gradients are multiplied by spike_factor")
+    spike_params: list[str] = opt([], "parameter-name substrings the spikes hit (empty: every parameter)")
+    spike_factor: float = opt(100.0, "gradient multiplier at spike steps")
+    nonfinite_steps: list[int] = opt(
+        [], "optimizer steps at which a gradient entry is set to nonfinite_value (tests the skip)"
+    )
+    nonfinite_value: str = opt("nan", "what debug.nonfinite_steps writes into the gradient", ("nan", "inf", "-inf"))
+
+    def __post_init__(self):
+        cli.check_choices("debug", self, ConfigError)
+
+
+@dataclass
+class LogSection:
+    division: str = opt("open", "MLPerf division written to the log", ("open", "closed"))
+    submitter: str = opt(
+        "",
+        "MLPerf submitter (submission_org): your organisation; the closed division "
+        "needs it set, the open division logs unpadded-bert when it is empty",
+    )
+    platform: str = opt("", "MLPerf platform name (default: the device)")
+    mlperf: bool = opt(True, "write OUTPUT_DIR/mlperf.log (needs mlperf_logging); false: train without it")
+    plot: bool = opt(True, "write curves.png at the end")
+    tensorboard: bool = opt(False, "write TensorBoard events to OUTPUT_DIR/tensorboard/ (rank 0)")
+
+    def __post_init__(self):
+        cli.check_choices("log", self, ConfigError)
+
+
+@dataclass
+class CheckpointSection:
+    interval_steps: int = opt(0, "save every this many steps (0: only on SIGTERM)")
+    init: str | None = opt(None, "initial weights: a transformers directory or NVIDIA's MLPerf .pt")
+    keep: int = opt(2, "checkpoints kept in DIR/checkpoints")
+    at_end: bool = opt(False, "also save when the run ends (the final weights, for python -m bert.checkpoint.export)")
+    on_error: str = opt(
+        "continue",
+        "a checkpoint that cannot be written (no space, no permission): the error is reported, the previous checkpoint "
+        "kept, and the run goes on or stops (status aborted, exit status 1)",
+        ("continue", "stop"),
+    )
+
+    def __post_init__(self):
+        cli.check_choices("checkpoint", self, ConfigError)
+        _positive("checkpoint.interval_steps", self.interval_steps, allow_zero=True)
+        _positive("checkpoint.keep", self.keep)
+
+
+@dataclass
+class DistSection:
+    timeout_s: float = opt(
+        600.0, "collectives fail instead of hanging after this many seconds (at most a week; nccl on CUDA, else gloo)"
+    )
+
+    def __post_init__(self):
+        cli.check_choices("dist", self, ConfigError)
+        _in_range("dist.timeout_s", self.timeout_s, above=0, most=7 * 86400)
+
+
+# MLPerf BERT (v5.0, its last round): what the closed division fixes.
+CLOSED_EVAL_SAMPLES = 10_000
+CLOSED_TARGET_ACCURACY = 0.720
+CLOSED_MAX_SEQ_LENGTH = 512
+CLOSED_MAX_GRAD_NORM = 1.0
+
+
+def mlperf_eval_interval(global_batch_size: int) -> int:
+    """Samples between evaluations by the rule: floor(0.05 x (230.23 x GBS + 3,000,000) / 25,000) x 25,000."""
+    return math.floor(0.05 * (230.23 * global_batch_size + 3_000_000) / 25_000) * 25_000
+
+
+def eval_interval(cfg: RunConfig) -> int:
+    """eval.interval_samples in samples (``auto`` resolved by the rule)."""
+    value = cfg.eval.interval_samples
+    return mlperf_eval_interval(cfg.train.global_batch_size) if value == "auto" else value
+
+
+def check_closed_division(cfg: RunConfig) -> None:
+    """log.division=closed: refuse what the MLPerf rules forbid or the benchmark fixes (one field per error)."""
+    m, o, t, e, debug = cfg.model, cfg.optim, cfg.train, cfg.eval, cfg.debug
+    rule, why = mlperf_eval_interval(t.global_batch_size), "the closed division"
+    rules = (  # (key, allowed, what the division does)
+        ("log.submitter", cfg.log.submitter != "", "logs your organisation as submission_org; set it"),
+        ("optim.name", o.name == "lamb", f"trains with LAMB, got {o.name!r}"),
+        ("train.batch_size_warmup", t.batch_size_warmup is None, "trains at one global batch size; leave it null"),
+        ("optim.clip", o.clip == "global", f"clips by global norm as the reference does, got {o.clip!r}"),
+        ("optim.max_grad_norm", o.max_grad_norm == CLOSED_MAX_GRAD_NORM, f"clips at {CLOSED_MAX_GRAD_NORM}"),
+        ("eval.at_start", not e.at_start, "starts the clock before anything reads the dataset; evaluate it open"),
+        ("loss.simreg_weight", cfg.loss.simreg_weight == 0, "trains on the reference loss (MLM + NSP); set it 0"),
+        ("model.preset", m.preset == "large", f"trains BERT-large, got {m.preset!r}"),
+        ("optim.schedule", o.schedule == "poly", f"decays polynomially as the reference does, got {o.schedule!r}"),
+        ("data.max_seq_length", cfg.data.max_seq_length == CLOSED_MAX_SEQ_LENGTH, f"uses {CLOSED_MAX_SEQ_LENGTH}"),
+        ("checkpoint.init", bool(cfg.checkpoint.init), "starts from the phase-1 checkpoint (model.ckpt-28252)"),
+        ("eval.interval_samples", e.interval_samples in ("auto", rule), f"evaluates every {rule:,} samples (auto)"),
+        ("eval.max_samples", not e.max_samples, f"evaluates on all {CLOSED_EVAL_SAMPLES:,} samples; leave it unset"),
+        ("eval.target_accuracy", e.target_accuracy == CLOSED_TARGET_ACCURACY, f"stops at {CLOSED_TARGET_ACCURACY}"),
+        ("debug.spike_steps", not debug.spike_steps, "trains without injected faults; leave it empty"),
+        ("debug.nonfinite_steps", not debug.nonfinite_steps, "trains without injected faults; leave it empty"),
+    )
+    broken = next((r for r in rules if not r[1]), None)
+    if broken is not None:
+        raise ConfigError(f"{broken[0]}: {why} {broken[2]}")
+    shape, large = model_shape(m), PRESETS["large"]
+    differs = next((f.name for f in fields(large) if getattr(shape, f.name) != getattr(large, f.name)), None)
+    if differs is not None:
+        want, got = getattr(large, differs), cli.short(getattr(shape, differs))
+        if differs in m.overrides:
+            raise ConfigError(f"model.overrides.{differs}: {why} trains BERT-large ({differs} {want!r}), got {got}")
         raise ConfigError(
-            f"the model's fp32 parameters alone take {need / 2**30:,.4g} GiB (vocab_size {config.vocab_size}, "
-            f"hidden_size {config.hidden_size}, num_hidden_layers {config.num_hidden_layers}, "
-            f"max_position_embeddings {config.max_position_embeddings}), more than this machine's "
-            f"{have / 2**30:,.0f} GiB"
+            f"model.config_file: {why} trains BERT-large, but {m.config_file} sets {differs} {got} "
+            f"(BERT-large: {want!r})"
         )
 
 
-def _part(default):
-    """A field saying how the encoder is assembled; written to JSON only where it is not BERT's."""
-    return field(default=default, metadata={"part": True})
+def model_shape(model: ModelSection) -> BertConfig:
+    """model.preset or model.config_file, with model.overrides (checked by BertConfig); a bad
+    config_file is a ConfigError naming the file and the field it gets wrong (an unknown hidden_act)."""
+    path = model.config_file
+    try:
+        base = BertConfig.from_json(path) if path else PRESETS[model.preset]
+    except (BertConfigError, OSError) as e:
+        message = str(e) if str(e).startswith(path) else f"{path}: {e}"
+        raise ConfigError(f"model.config_file: {message}") from None
+    try:
+        return replace(base, **model.overrides)
+    except BertConfigError as e:
+        name, _, why = str(e).partition(": ")
+        raise ConfigError(f"model.overrides.{name}: {why}" if name in model.overrides else f"model: {e}") from None
 
 
-def alternating_layers(num_layers: int, global_every: int) -> tuple[str, ...]:
-    """ModernBERT's pattern: layer i is global when i % global_every == 0, else local."""
-    return tuple("global" if i % global_every == 0 else "local" for i in range(num_layers))
+def check_cuda_graphs(cfg: RunConfig) -> None:
+    """train.cuda_graphs: the combinations a CUDA graph can replay (raised before any work)."""
+    import torch
+
+    t, cuda = cfg.train, cfg.train.device != "cpu" and torch.cuda.is_available()
+    refused = registry.graph_refusal(cfg.model.attention, 0.0)  # the dropout: when the model is built
+    rules = (  # (refused, why): the first that applies is raised
+        (not cuda, "CUDA graphs need a CUDA device (train.device=cuda on a GPU)"),
+        (not t.static_shapes, "a graph replays fixed shapes; set train.static_shapes=true"),
+        (refused, refused),
+        (cfg.model.compile, "model.compile captures its own graphs; use one of the two"),
+        (
+            cfg.optim.shard != "none",
+            "optim.shard's FSDP2 gathers each layer's weights in hooks a graph cannot replay; set optim.shard=none",
+        ),
+        (cfg.loss.simreg_weight > 0, "SimReg sizes its blocks from the batch on the host; set loss.simreg_weight=0"),
+    )
+    why = next((why for bad, why in rules if bad), None)
+    if why:
+        raise ConfigError(f"train.cuda_graphs: {why}")
 
 
-@dataclass(frozen=True)
-class BertConfig:
-    vocab_size: int = 30522
-    hidden_size: int = 1024
-    num_hidden_layers: int = 24
-    num_attention_heads: int = 16
-    intermediate_size: int = 4096
-    hidden_act: str = "gelu"
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
-    initializer_range: float = 0.02
-    # ---- how the encoder is assembled (bert.layers); the defaults are BERT ------------------
-    # post: x = norm(x + f(x)) (BERT); pre: x = x + f(norm(x)) with a final norm after the last layer.
-    norm_placement: str = _part("post")
-    norm_kind: str = _part("layernorm")  # layernorm or rmsnorm (RMSNorm never has a bias)
-    norm_bias: bool = _part(True)  # LayerNorm with a bias (BERT) or without (ModernBERT)
-    position_embedding: str = _part("absolute")  # absolute: a learned table; rotary: RoPE on q and k
-    rope_theta_global: float = _part(10000.0)  # rotary base of global layers
-    rope_theta_local: float = _part(10000.0)  # rotary base of local (sliding-window) layers
-    # dense: act(W x); gated: act(W_in x) * (W_gate x), one fused linear [2*intermediate, hidden],
-    # input half first (GeGLU with hidden_act gelu, SwiGLU with silu).
-    mlp: str = _part("dense")
-    attention_bias: bool = _part(True)  # biases of the QKV and output projections
-    mlp_bias: bool = _part(True)  # biases of the MLP's two projections
-    head_bias: bool = _part(True)  # bias of the masked-LM head's transform
-    decoder_bias: bool = _part(True)  # the masked-LM decoder's bias (the decoder weight is the word embeddings)
-    embedding_norm: bool = _part(True)  # a norm after the embeddings
-    first_attn_norm: bool = _part(True)  # pre-norm: a norm before layer 0's attention (ModernBERT has none)
-    next_sentence: bool = _part(True)  # the pooler and the next-sentence head (BERT's NSP)
-    # Per layer, "global" or "local" (attention inside |i - j| <= local_window // 2 of the same
-    # sequence); empty: every layer global. ``alternating_layers`` writes ModernBERT's pattern.
-    layer_types: tuple[str, ...] = _part(())
-    local_window: int = _part(128)
-    # bert: normal(0, initializer_range) everywhere; modernbert: truncated at 2 std, output
-    # projections (attention, MLP, head transform) at initializer_range / sqrt(2 * layers).
-    init_scheme: str = _part("bert")
-
-    def __post_init__(self):
-        for f in fields(self):
-            value, name = getattr(self, f.name), f.name
-            if f.type == "int":
-                least = _INT_LEAST.get(name, 1)
-                if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_INT:
-                    raise ConfigError(f"{name}: must be an integer in [{least}, {MAX_INT:,}], got {short(value)}")
-            elif f.type == "float":
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-                    raise ConfigError(f"{name}: must be a finite number, got {short(value)}")
-                object.__setattr__(self, name, float(value))
-                if name in _PROBABILITIES and not 0.0 <= value < 1.0:
-                    raise ConfigError(f"{name}: must lie in [0, 1), got {value!r}")
-                if name not in _PROBABILITIES and value <= 0:
-                    raise ConfigError(f"{name}: must be a positive number, got {value!r}")
-            elif f.type == "bool" and not isinstance(value, bool):
-                raise ConfigError(f"{name}: must be true or false, got {short(value)}")
-            elif f.type == "str" and value not in _CHOICES[name]:
-                raise ConfigError(f"{name}: {short(value)} is not one of {_CHOICES[name]}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"hidden_size: {self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
-            )
-        if isinstance(self.layer_types, list):  # from JSON
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if not isinstance(self.layer_types, tuple) or any(t not in LAYER_TYPES for t in self.layer_types):
-            raise ConfigError(f"layer_types: expected a list of {LAYER_TYPES}, got {short(self.layer_types)}")
-        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(
-                f"layer_types: {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}"
-            )
-        check_fits_memory(self)
-        if self.position_embedding == "rotary" and self.head_dim % 2:
-            raise ConfigError(f"position_embedding: rotary needs an even head dim, got {self.head_dim}")
-        if self.norm_kind == "rmsnorm" and self.norm_bias:
-            raise ConfigError("norm_bias: RMSNorm has no bias; set norm_bias false")
-
-    def parameter_count(self) -> int:
-        """Parameters of ``bert.model.BertForPreTraining`` for this config (tests check it), with
-        the rotary tables' elements, computed without building anything."""
-        H, inner, V = self.hidden_size, self.intermediate_size, self.vocab_size
-        norm = H * (2 if self.norm_kind == "layernorm" and self.norm_bias else 1)
-        ab, mb = int(self.attention_bias), int(self.mlp_bias)
-        width = 2 * inner if self.mlp == "gated" else inner
-        layer = 4 * H * H + 4 * H * ab + width * (H + mb) + H * (inner + mb) + 2 * norm
-        attn_norms_missing = 1 if self.norm_placement == "pre" and not self.first_attn_norm else 0
-        n = V * H + self.type_vocab_size * H + norm * self.embedding_norm + self.num_hidden_layers * layer
-        n -= norm * attn_norms_missing
-        if self.position_embedding == "absolute":
-            n += self.max_position_embeddings * H
-        else:  # cos and sin tables per layer type
-            n += 2 * len(set(self.layer_types) or {"global"}) * self.max_position_embeddings * (self.head_dim // 2)
-        n += norm * (self.norm_placement == "pre") + H * H + H * self.head_bias + norm + V * self.decoder_bias
-        return n + (H * H + H + 2 * H + 2) * self.next_sentence
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """Per layer, the attention window (None: global)."""
-        types = self.layer_types or ("global",) * self.num_hidden_layers
-        return tuple(self.local_window if t == "local" else None for t in types)
-
-    @property
-    def is_bert(self) -> bool:
-        """Whether every part field is BERT's (the architecture transformers' BertForPreTraining is)."""
-        return all(getattr(self, f.name) == f.default for f in fields(self) if f.metadata.get("part"))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def preset(cls, name: str, **overrides) -> BertConfig:
-        if name not in PRESETS:
-            raise ConfigError(f"preset: unknown {name!r}; choose one of {sorted(PRESETS)}")
-        return replace(PRESETS[name], **overrides)
-
-    @classmethod
-    def from_dict(cls, values: dict, source: str = "config") -> BertConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known - _HF_METADATA)
-        if unknown:
-            raise ConfigError(f"{source}: unknown field(s) {unknown}")
-        if values.get("position_embedding_type", "absolute") != "absolute":
-            raise ConfigError(f"{source}: position_embedding_type must be 'absolute'")
-        if values.get("tie_word_embeddings", True) is not True:
-            raise ConfigError(f"{source}: tie_word_embeddings must be true (the MLM decoder is tied)")
-        return cls(**{k: v for k, v in values.items() if k in known})
-
-    @classmethod
-    def from_json(cls, path: str) -> BertConfig:
-        """Read BERT's ``bert_config.json``, or transformers' ``config.json`` of a BERT or of a
-        ModernBERT (``model_type`` "modernbert", mapped by ``bert.hf_modernbert``)."""
-        try:
-            values = json.loads(read_checked(path, max_bytes=1 << 20, what="model config"))
-        except UnsafeFile as e:
-            raise ConfigError(str(e)) from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read a JSON model config ({e.strerror or e})") from None
-        except (ValueError, RecursionError) as e:  # not JSON, an integer of 4,300+ digits, deep nesting
-            raise ConfigError(
-                f"{path}: not a JSON model config ({cut(str(e).splitlines()[0] if str(e) else type(e).__name__)})"
-            ) from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        try:
-            if values.get("model_type", "bert") != "bert":
-                from bert.pretrained import adapter  # the adapters import this module
-
-                return adapter(values["model_type"]).config_from_hf(values, source=path)
-            return cls.from_dict(values, source=path)
-        except (ConfigError, TypeError) as e:
-            raise ConfigError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
-
-    def to_dict(self, transformers: bool = False) -> dict:
-        """BERT's fields, and the part fields that differ from BERT's; ``transformers=True``:
-        transformers' ``BertConfig`` (other architectures: ``bert.hf_modernbert``)."""
-        parts = {f.name: f.default for f in fields(self) if f.metadata.get("part")}
-        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-        out = {k: v for k, v in out.items() if k not in parts or getattr(self, k) != parts[k]}
-        if transformers:
-            if not self.is_bert:
-                raise ConfigError("to_dict: only a BERT-shaped config is a transformers BertConfig")
-            out.update(
-                architectures=["BertForPreTraining"],
-                model_type="bert",
-                pad_token_id=0,
-                position_embedding_type="absolute",
-                tie_word_embeddings=True,
-            )
-        return out
-
-    def to_json(self, path: str, transformers: bool = False) -> None:
-        """Write ``bert_config.json`` (BERT's) or, with ``transformers=True``, ``config.json``."""
-        write_text(path, json.dumps(self.to_dict(transformers), indent=2, sort_keys=True) + "\n")
+def check_cross_fields(cfg: RunConfig) -> None:
+    """Constraints between sections (raised before any work)."""
+    model_shape(cfg.model)
+    layout, attention = cfg.data.layout, cfg.model.attention
+    takes = registry.layouts_of(attention)
+    if ATTENTION_LAYOUTS[layout] not in takes:  # whether the machine can run it is checked when it is built
+        need = " or ".join(kind for kind, lay in ATTENTION_LAYOUTS.items() if lay in takes)
+        raise ConfigError(
+            f"model.attention: {attention} needs data.layout={need}, got {layout!r}; data.layout={layout} runs "
+            f"with {', '.join(registry.backends_for(ATTENTION_LAYOUTS[layout]))}"
+        )
+    if cfg.loss.simreg_weight > 0 and layout == "padded":
+        raise ConfigError("loss.simreg_weight: SimReg runs on the unpadded and packed layouts, not padded")
+    if layout == "packed" and cfg.data.backend != "torch":
+        raise ConfigError("data.backend: the packed layout collates with 'torch' only")
+    if cfg.train.fp8 != "off" and cfg.model.bias_gelu == "epilogue":
+        raise ConfigError(
+            "model.bias_gelu: epilogue is a bf16/fp32 GEMM; with train.fp8 the FFN-in GEMM is FP8 (use triton or eager)"
+        )
+    t = cfg.train
+    if t.static_shapes and layout != "unpadded":
+        raise ConfigError(f"train.static_shapes: pads unpadded batches; data.layout is {layout!r}")
+    if t.static_token_bucket != "auto":  # more than a micro-batch on one rank holds pads them all alike
+        most = cfg.data.max_seq_length * t.global_batch_size
+        _in_range("train.static_token_bucket", t.static_token_bucket, most=most)
+    if t.cuda_graphs:
+        check_cuda_graphs(cfg)
+    if cfg.log.division == "closed":
+        check_closed_division(cfg)
 
 
-def _modernbert(**shape) -> BertConfig:
-    """ModernBERT's architecture (arXiv:2412.13663, section 2.1; transformers' ``ModernBertConfig``
-    defaults), sized by ``shape``; the values and their sources: docs/modern_encoders.md."""
-    layers = shape.pop("num_hidden_layers", 22)
-    values = dict(vocab_size=50368, num_hidden_layers=layers, max_position_embeddings=8192, type_vocab_size=0)
-    values.update(hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    values.update(norm_placement="pre", norm_bias=False, layer_norm_eps=1e-5, first_attn_norm=False)
-    values.update(position_embedding="rotary", rope_theta_global=160000.0, rope_theta_local=10000.0)
-    values.update(mlp="gated", attention_bias=False, mlp_bias=False, head_bias=False, next_sentence=False)
-    values.update(layer_types=alternating_layers(layers, 3), local_window=128, init_scheme="modernbert")
-    values.update(shape)
-    return BertConfig(**values)
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    loss: LossSection = field(default_factory=LossSection)
+    log: LogSection = field(default_factory=LogSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    dist: DistSection = field(default_factory=DistSection)
+    debug: DebugSection = field(default_factory=DebugSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
-PRESETS = {
-    "tiny": BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
-    "small": BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
-    "base": BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
-    "large": BertConfig(),
-    # The paper's "GLU expansion of 2,304" (5,248 large) is the fused input+gate width.
-    "modernbert_base": _modernbert(
-        hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152
-    ),
-    "modernbert_large": _modernbert(
-        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624
-    ),
-    # ModernBERT's shape at CPU size (tests, the demo): 4 layers (global, local, local, global)
-    # with a 32-token window, so sequences of the demo (up to 128) are longer than the window.
-    "modernbert_tiny": _modernbert(
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        intermediate_size=192,
-        max_position_embeddings=512,
-        local_window=32,
-        rope_theta_global=10000.0,
-    ),
-}
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(RunConfig)}
+
+
+def build_config(values: dict) -> RunConfig:
+    sections = _sections()
+    if not isinstance(values, dict):
+        raise ConfigError("config: expected a mapping of sections")
+    unknown = sorted(set(values) - set(sections), key=str)
+    if unknown:
+        raise ConfigError(f"config: unknown section {cli.short(unknown[0], 60)}; valid: {sorted(sections)}")
+    built = {name: cli.coerce(name, values.get(name) or {}, cls, ConfigError) for name, cls in sections.items()}
+    cfg = RunConfig(**built)
+    check_cross_fields(cfg)
+    return cfg
+
+
+def _field_hint(cls, name: str, parts: list[str]):
+    """The annotation of field ``name`` of ``cls``; ConfigError if it has none."""
+    valid = [f.name for f in fields(cls)]
+    if name not in valid:
+        what, where = ("section", "config") if cls is RunConfig else ("field", ".".join(parts[:-1]))
+        raise ConfigError(f"{cli.cut('.'.join(parts), 100)}: unknown {what}; valid {what}s of {where}: {valid}")
+    return typing.get_type_hints(cls)[name]
+
+
+def apply_override(values: dict, override: str) -> None:
+    """``section.field=value`` (or ``section.mapping.key=value``) into the YAML's ``values``."""
+    key, eq, raw = override.partition("=")
+    parts = key.split(".")
+    if not eq or len(parts) < 2:
+        raise ConfigError(f"{cli.short(override, 100)}: overrides take the form section.field=value")
+    cls, target = RunConfig, values
+    for depth, name in enumerate(parts[:-1]):
+        hint = cli.optional(_field_hint(cls, name, parts[: depth + 1]))[0]
+        if not isinstance(target.get(name), dict):
+            target[name] = {}
+        target = target[name]
+        if hint is dict:  # a mapping field: the rest of the key is one of its keys
+            if depth != len(parts) - 2:
+                raise ConfigError(f"{cli.cut(key, 100)}: {'.'.join(parts[: depth + 1])} takes one key after it")
+            target[parts[-1]] = cli.parse_text(raw, typing.Any, key, ConfigError)
+            return
+        if not dataclasses.is_dataclass(hint):
+            raise ConfigError(f"{cli.cut(key, 100)}: {'.'.join(parts[: depth + 1])} has no fields")
+        cls = hint
+    target[parts[-1]] = cli.parse_text(raw, _field_hint(cls, parts[-1], parts), key, ConfigError)
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
+    values = (cli.load_yaml(path, ConfigError) if path else None) or {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections")
+    for o in overrides:
+        apply_override(values, o)
+    try:
+        return build_config(values)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def field_names() -> list[str]:
+    """Every settable ``section.field`` (a mapping field counts once)."""
+    return [line.split(" = ")[0].strip() for line in describe().splitlines() if " = " in line]
+
+
+def describe() -> str:
+    """Every field with its default and meaning, for --help."""
+    sections = _sections().items()
+    return "\n".join(line for name, cls in sections for line in (f"{name}:", *cli.describe(cls, name)))

@@ -19,9 +19,9 @@ from torch import Tensor
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from bert.safe_load import CheckpointError, load_archive
-from bert.train_checkpoint import MANIFEST, STATE, _first_line, copy_whole, is_plain_name, refuse_if, verify_dir
-from fileio import UnsafeFile, open_checked, read_checked
+from bert.checkpoint.safe_load import CheckpointError, load_archive
+from bert.checkpoint.training import MANIFEST, STATE, _first_line, copy_whole, is_plain_name, refuse_if, verify_dir
+from common.files import UnsafeFile, open_checked, read_checked
 
 __all__ = ["load_tensors", "read_metadata", "tensor_shapes", "whole_state"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from data.errors import DataError
+from common.errors import DataError
 from data.samples import SampleBlock
 
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from common.errors import DataError
 from data.batch import PaddedBatch, UnpaddedBatch
-from data.errors import DataError
 from data.samples import SampleBlock, _offsets
 
 BACKENDS = ("torch", "dali")

@@ -16,9 +16,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from data.errors import DataError
+from common.errors import DataError
+from common.files import UnsafeFile, open_checked, publish
 from data.samples import SampleBlock, _offsets
-from fileio import UnsafeFile, open_checked, publish
 
 FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 VARLENGTH_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common.errors import DataError
 from data.collate import BACKENDS, make_collator
-from data.errors import DataError
 from data.hdf5io import inspect, list_files, read_file, read_valid
 from data.samples import SampleBlock, _gather_ranges, _offsets
 

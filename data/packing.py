@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from common.errors import DataError
 from data.batch import PackedBatch, UnpaddedBatch
 from data.collate import _check_block, _rows
-from data.errors import DataError
 from data.samples import SampleBlock, _offsets
 
 

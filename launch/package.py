@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fileio import publishing_dir
+from common.files import publishing_dir
 from launch import system_desc
 from launch.summarize import SummaryError, find_logs, read_events
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fileio import file_digest, publishing, write_text
+from common.files import file_digest, publishing, write_text
 
 TOKEN = ":::MLLOG"
 DEFAULT_RULESET = "5.0.0"

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fileio import write_text
+from common.files import write_text
 
 # The fields the 5.0.0 package checker requires, in the order MLPerf's own files list them.
 FIELDS = tuple(

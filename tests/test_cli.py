@@ -28,7 +28,7 @@ import tomllib
 from data.synthetic import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("bench", "bert", "data", "fileio", "kernels", "launch")
+PACKAGES = ("bench", "bert", "data", "common.files", "kernels", "launch")
 SYS_PATH_EDITS = ("append", "extend", "insert", "remove", "pop", "clear", "reverse", "sort", "__setitem__")
 
 
@@ -124,7 +124,7 @@ def test_console_scripts_are_the_clis_main_functions():
 
 def test_every_cli_shows_help_as_module_and_as_script(tmp_path, installed):
     files = cli_files()
-    assert {"bench/throughput.py", "data/prepare.py", "launch/summarize.py"} <= {
+    assert {"bench/throughput.py", "data/prepare/shards.py", "launch/summarize.py"} <= {
         f.relative_to(REPO).as_posix() for f in files
     }
     runs = []

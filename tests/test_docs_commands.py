@@ -2,7 +2,7 @@
 
 The README, CONTRIBUTING.md, docs/*.md and the READMEs next to the code show commands to
 type. This test reads their shell code blocks (and inline code that starts like a command:
-`python -m data.stats DIR`) and checks, for this project's own tools only:
+`python -m data.prepare.stats DIR`) and checks, for this project's own tools only:
 
 - ``python -m pkg.mod`` / ``.venv/bin/python -m pkg.mod`` / ``python path/script.py`` /
   ``path/script.py`` (also after ``torchrun`` or ``mpirun`` and their own flags): the module

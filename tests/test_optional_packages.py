@@ -3,7 +3,7 @@ runs without mlperf_logging when log.mlperf=false, and bench/gpu_check.sh's CPU 
 mlperf_logging, torchao, flash_attn and apex blocked from import
 (tests/blocked_imports/sitecustomize.py), collects and skips the GPU tests and names each
 skipped part. (Without the switch the MLPerf log's error names the package and the switch:
-tests/bert/test_mlperf_log.py.)"""
+tests/bert/report/test_mlperf_log.py.)"""
 
 import json
 import os
@@ -11,14 +11,14 @@ import re
 import subprocess
 import sys
 
-from tests.bert.test_trainer import dataset, run_in_process  # noqa: F401 (a fixture)
+from tests.bert.train.test_trainer import dataset, run_in_process  # noqa: F401 (a fixture)
 from tests.helpers import REPO
 
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 
 
 def test_training_runs_without_mlperf_logging_when_log_mlperf_is_false(dataset, tmp_path, monkeypatch):  # noqa: F811
-    for name in ("mlperf_logging", "bert.mlperf_log"):  # None in sys.modules: any import of them fails
+    for name in ("mlperf_logging", "bert.report.mlperf_log"):  # None in sys.modules: any import of them fails
         monkeypatch.setitem(sys.modules, name, None)
     summary = run_in_process(dataset, tmp_path, "train.max_steps=2", "log.mlperf=false")
     assert summary["steps"] == 2 and not (tmp_path / "mlperf.log").exists()

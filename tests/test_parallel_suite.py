@@ -21,7 +21,7 @@ def ran():
     """(worker, test, group) of each test of one run under `make test-full`'s options."""
     argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup"]
     argv += ["-m", "full_matrix or not full_matrix", "tests/launch/test_nic_selection.py"]
-    argv += ["tests/data/test_rebalance_plan.py", *CASES]
+    argv += ["tests/data/rebalance/test_plan.py", *CASES]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     ran = re.findall(r"^\[(gw\d)\] \[ *\d+%\] PASSED (.+?)@(.+?) *$", proc.stdout, re.M)
@@ -34,7 +34,7 @@ def test_the_multi_process_tests_run_on_one_worker_under_make_tests_options(ran)
     assert nic and all(group == "processes" for _, group in nic), ran
     assert len({worker for worker, _ in nic}) == 1, ran  # one worker ran every one of them
     modules = {group for _, test, group in ran if "test_rebalance_plan" in test}
-    assert modules == {"tests/data/test_rebalance_plan.py"}  # the in-process tests go a module at a time
+    assert modules == {"tests/data/rebalance/test_plan.py"}  # the in-process tests go a module at a time
 
 
 def test_each_case_of_the_whole_matrix_is_a_group_of_its_own(ran):

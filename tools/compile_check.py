@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fileio import write_text
+from common.files import write_text
 
 MAX_SHARED = 227 * 1024  # bytes of shared memory a Hopper block can opt into
 
@@ -191,7 +191,8 @@ def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
 def _compile_fused(registers: bool) -> list[dict]:
     import torch
 
-    from kernels import fused_ops, runtime
+    from kernels import runtime
+    from kernels.ops import fused as fused_ops
 
     module = runtime.load(interpret=False, source=fused_ops.JIT_SOURCE)
     records: list[dict] = []
@@ -223,7 +224,8 @@ def _compile_rotary(registers: bool, head_dims: tuple[int, ...]) -> list[dict]:
     the fused QKV projection and int64 positions, as the model calls it."""
     import torch
 
-    from kernels import rotary, runtime
+    from kernels import runtime
+    from kernels.ops import rotary
 
     module = runtime.load(interpret=False, source=rotary.JIT_SOURCE)
     records: list[dict] = []

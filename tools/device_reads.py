@@ -1,6 +1,6 @@
 """Count the host's reads of device tensors: the syncs a training step must not have.
 
-A diagnostic for tests and benchmarks (``tests/bert/test_no_device_reads.py``,
+A diagnostic for tests and benchmarks (``tests/bert/train/test_no_device_reads.py``,
 ``bench/step_sync.py``), not part of the training data flow. On a GPU,
 ``torch.cuda.set_sync_debug_mode`` sees every sync; on the CPU there is no device to wait
 for, so ``DeviceReads`` counts what *would* be a read on a GPU, from inside the process:

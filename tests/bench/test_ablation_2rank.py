@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-import tests.bert.test_trainer_distributed as distributed
-from tests.bert.test_trainer import losses, run_in_process
+import tests.bert.train.test_trainer_distributed as distributed
+from tests.bert.train.test_trainer import losses, run_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

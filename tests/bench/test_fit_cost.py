@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from bench import fit_cost
-from bert.train_config import load_config
+from bert.config import load_config
 
 
 def test_fit_recovers_known_coefficients():

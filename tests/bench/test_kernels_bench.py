@@ -68,7 +68,7 @@ def test_train_step_bench_smoke_runs_on_cpu(tmp_path):
 
 
 def test_model_flops_count_real_tokens_only():
-    from bert.config import BertConfig
+    from bert.model.config import BertConfig
     from tests.batches import random_batch
 
     config = BertConfig.preset("large")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench import rebalance_sim as sim
-from data.rebalance_plan import assign
+from data.rebalance.plan import assign
 
 
 def write_fixed(path, lengths, masked):

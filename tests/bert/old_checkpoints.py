@@ -10,8 +10,8 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from bert import train_checkpoint as tc
-from fileio import file_digest
+from bert.checkpoint import training as tc
+from common.files import file_digest
 
 
 def write_old_checkpoint(directory, step: int, tensors: dict, state: dict) -> str:

@@ -12,12 +12,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from bert import distributed_checkpoint as dc
-from bert import train_checkpoint as tc
-from bert.config import BertConfig
-from bert.model import BertForPreTraining
-from bert.optim import Lamb, param_groups_for
-from bert.safe_load import CheckpointError
-from fileio import file_digest
+from bert.checkpoint import training as tc
+from bert.checkpoint.safe_load import CheckpointError
+from bert.model.config import BertConfig
+from bert.model.pretraining import BertForPreTraining
+from bert.optim.optimizers import Lamb, param_groups_for
+from common.files import file_digest
 from tests.bert.old_checkpoints import optimizer_groups, training_tensors, write_old_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")

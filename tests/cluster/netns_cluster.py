@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from fileio import publishing
+from common.files import publishing
 
 IFNAME = "cl0"  # each host's cluster interface
 STATE_ROOT = "/run/netns-cluster"

@@ -9,9 +9,9 @@ from dataclasses import fields
 import pytest
 import torch
 
+from common.errors import DataError
 from data.batch import pad, unpad
 from data.collate import collate_padded, collate_unpadded, make_collator
-from data.errors import DataError
 from data.hdf5io import to_fixed_arrays
 from data.loader import EvalLoader, PretrainingLoader
 from data.samples import SampleBlock

@@ -11,11 +11,11 @@ import h5py
 import numpy as np
 import pytest
 
-from data.convert import main as convert_main
-from data.errors import DataError, cli_main
+from common.errors import DataError, cli_main
 from data.hdf5io import inspect, read_file, to_fixed_arrays, write_fixed, write_packed, write_varlength
-from data.stats import describe
-from data.stats import main as stats_main
+from data.prepare.convert import main as convert_main
+from data.prepare.stats import describe
+from data.prepare.stats import main as stats_main
 from data.synthetic import random_block
 from tests.helpers import REPO
 
@@ -267,7 +267,10 @@ def test_stats_cli_process(tmp_path):
     write_varlength(d / "part_00001_of_00002.hdf5", blk.select(np.arange(30, 64)), S, P)
     png = tmp_path / "h.png"
     p = subprocess.run(
-        [sys.executable, "-m", "data.stats", str(d), "--png", str(png)], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "data.prepare.stats", str(d), "--png", str(png)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert p.returncode == 0, p.stderr
     assert f"{d}: 2 file(s), fixed/varlength layout, 64 samples, {blk.num_tokens} tokens" in p.stdout
@@ -279,5 +282,5 @@ def test_stats_cli_process(tmp_path):
     assert s["length"]["mean"] == pytest.approx(blk.seq_lens.mean())
     assert s["masked_per_sample"]["mean"] == pytest.approx(blk.masked_counts.mean())
     bad = tmp_path / "nothing"
-    p = subprocess.run([sys.executable, "-m", "data.stats", str(bad)], cwd=REPO, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "data.prepare.stats", str(bad)], cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr == f"error: {bad}: no such file or directory\n"

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from data.errors import DataError
+from common.errors import DataError
 from data.hdf5io import read_file, write_fixed
 from data.loader import EvalLoader, PretrainingLoader, default_lanes, eval_slice
 from data.samples import SampleBlock
@@ -160,7 +160,7 @@ def test_resume_refuses_another_sample_order(shards):
 
 
 def test_varlength_shards_load_the_same_batches(shards, tmp_path):
-    from data.convert import convert_file
+    from data.prepare.convert import convert_file
 
     for f in shards.iterdir():
         convert_file(f, tmp_path / f.name, "varlength")

@@ -11,13 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.errors import DataError, cli_main
 from data.batch import PackedBatch
 from data.collate import collate_unpadded
-from data.convert import main as convert_main
-from data.errors import DataError, cli_main
 from data.hdf5io import PACKED_KEYS, inspect, read_file, write_file, write_fixed
 from data.loader import EvalLoader, PretrainingLoader
 from data.packing import collate_packed, first_fit_decreasing, unpack
+from data.prepare.convert import main as convert_main
 from data.synthetic import random_block, write_shards
 
 S, P, V = 64, 10, 300

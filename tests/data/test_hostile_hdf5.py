@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from data.errors import DataError
+from common.errors import DataError
 from data.hdf5io import inspect, read_file, write_varlength
 from data.loader import PretrainingLoader
 from data.synthetic import random_block

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from bert.config import BertConfig
-from bert.losses import pretraining_loss, simreg_loss
-from bert.model import BertForPreTraining
-from bert.optim import build_optimizer
-from bert.train_config import OptimSection
+from bert.config import OptimSection
+from bert.model.config import BertConfig
+from bert.model.pretraining import BertForPreTraining
+from bert.optim.optimizers import build_optimizer
+from bert.train.losses import pretraining_loss, simreg_loss
 from data.collate import collate_unpadded
 from data.static_shapes import IGNORE, StaticShapes, auto_token_bucket, real_part
 from data.synthetic import random_block

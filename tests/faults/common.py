@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.bert.test_trainer import ROOT, TINY, losses, run_in_process  # noqa: F401 - re-exported
+from tests.bert.train.test_trainer import ROOT, TINY, losses, run_in_process  # noqa: F401 - re-exported
 from tests.helpers import Job, clean_env, free_port  # noqa: F401 - re-exported
 
 REFERENCE_STEPS = ("train.max_steps=12", "checkpoint.interval_steps=4")

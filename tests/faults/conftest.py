@@ -19,7 +19,7 @@ def one_thread():
 
 @pytest.fixture(scope="package")
 def dataset(tmp_path_factory):
-    """The tiny synthetic training set and eval file of tests/bert/test_trainer.py."""
+    """The tiny synthetic training set and eval file of tests/bert/train/test_trainer.py."""
     return write_dataset(str(tmp_path_factory.mktemp("faults-data")))
 
 

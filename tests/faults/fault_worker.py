@@ -36,7 +36,7 @@ def _install_faults() -> None:
 
     delay = float(os.environ.get("FAULT_STEP_DELAY_S", "0"))
     if delay:
-        from bert.trainer import Trainer
+        from bert.train.trainer import Trainer
 
         step = Trainer.optimizer_step
 
@@ -49,7 +49,7 @@ def _install_faults() -> None:
 
     stall = os.environ.get("FAULT_STALL_CHECKPOINT")
     if stall:
-        from bert import train_checkpoint
+        from bert.checkpoint import training as train_checkpoint
 
         write = train_checkpoint._HashingSink.write
         name = f".step_{int(stall):08d}.pt.tmp"
@@ -66,7 +66,7 @@ def _install_faults() -> None:
 
     stop_at = os.environ.get("FAULT_STOP_AT_STEP")
     if stop_at:
-        from bert.trainer import Trainer
+        from bert.train.trainer import Trainer
 
         train_step = Trainer.train_step
 

@@ -12,10 +12,10 @@ import shutil
 import pytest
 import torch
 
-import fileio
 import run_pretraining
-from bert import train_checkpoint
-from bert.safe_load import CheckpointError
+from bert.checkpoint import training as train_checkpoint
+from bert.checkpoint.safe_load import CheckpointError
+from common import files
 from tests.faults.common import (
     PYTHON,
     REFERENCE_STEPS,
@@ -165,7 +165,7 @@ def kill_points(tmp_path, monkeypatch, prepare, save):
         prepare(root)
         killer = KillingOs(os, root, left, at)
         monkeypatch.setattr(train_checkpoint, "os", killer)
-        monkeypatch.setattr(fileio, "os", killer)
+        monkeypatch.setattr(files, "os", killer)
         try:
             save(root)
         except BaseException:  # Killed, or what torch.save turned it into on its way out
@@ -202,15 +202,15 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_good_checkpoint_to_resume(tmp_pa
 
 
 def test_a_kill_at_any_point_of_an_export_leaves_the_old_or_the_new_one(tmp_path, monkeypatch):
-    """``fileio.publishing_dir`` over an existing export: a kill between moving the old one aside
+    """``files.publishing_dir`` over an existing export: a kill between moving the old one aside
     and renaming the new one in leaves ``.export.old``, which the next export puts back first."""
 
     def export(root, text):
-        with fileio.publishing_dir(root / "export") as staging:
+        with files.publishing_dir(root / "export") as staging:
             (staging / "weights").write_text(text)
 
     for left in kill_points(tmp_path, monkeypatch, lambda r: export(r, "old"), lambda r: export(r, "new")):
-        with pytest.raises(RuntimeError), fileio.publishing_dir(left / "export"):
+        with pytest.raises(RuntimeError), files.publishing_dir(left / "export"):
             raise RuntimeError("the next export fails: only its start (the recovery) ran")
         assert (left / "export" / "weights").read_text() in ("old", "new")
         assert not (left / ".export.old").exists()
@@ -350,10 +350,10 @@ def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(dataset, tmp_pat
 def test_a_sharded_directory_of_earlier_code_resumes(dataset, reference, tmp_path, capsys):
     """Step 4 rewritten as the DCP directory earlier code wrote for optim.shard runs: the run
     resumes from it and trains exactly what the uninterrupted run trained."""
-    from bert.components import build_model_config
-    from bert.model import BertForPreTraining
-    from bert.optim import Lamb, param_groups_for
-    from bert.train_config import build_config
+    from bert.config import build_config
+    from bert.model.pretraining import BertForPreTraining
+    from bert.optim.optimizers import Lamb, param_groups_for
+    from bert.train.build import build_model_config
     from tests.bert.old_checkpoints import from_single_file
 
     run_in_process(dataset, tmp_path, *REFERENCE_STEPS, stop_after=3)  # as SIGTERM at step 4 does

@@ -31,12 +31,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
 from bert import distributed_checkpoint as dc
-from bert import train_checkpoint as tc
-from bert.config import BertConfig, ConfigError
-from bert.model import BertForPreTraining
-from bert.optim import param_groups_for
-from bert.safe_load import CheckpointError, read_config_and_weights
-from tests.bert.test_tf_checkpoint import PREFIX
+from bert.checkpoint import training as tc
+from bert.checkpoint.safe_load import CheckpointError, read_config_and_weights
+from bert.model.config import BertConfig, ConfigError
+from bert.model.pretraining import BertForPreTraining
+from bert.optim.optimizers import param_groups_for
+from tests.bert.checkpoint.test_tf_reader import PREFIX
 from tests.faults.common import run_in_process, spawn_ranks, summary
 
 BASE = ("train.max_steps=4", "checkpoint.interval_steps=2")

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import run_pretraining
-from data.errors import DataError
+from common.errors import DataError
 from data.loader import PretrainingLoader
-from data.rebalance import check_block
+from data.rebalance.exchange import check_block
 from tests.batches import write_dataset
 from tests.faults.common import losses, metrics, run_args, run_in_process, spawn_ranks, summary
 

@@ -20,11 +20,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bert.train_config import ConfigError, RunConfig, build_config, load_config
-from data.errors import DataError
+from bert.config import ConfigError, RunConfig, build_config, load_config
+from common.errors import DataError
 from data.hdf5io import FIXED_KEYS, VARLENGTH_KEYS, inspect, read_file, read_valid, write_fixed, write_varlength
-from data.prepare import PrepareConfig, prepare
-from data.rebalance import check_block
+from data.prepare.shards import PrepareConfig, prepare
+from data.rebalance.exchange import check_block
 from tests.batches import fixed_layout
 
 pytestmark = pytest.mark.slow  # 2,450 generated cases

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from bert.train_config import load_config
-from bert.trainer import Trainer
+from bert.config import load_config
+from bert.train.trainer import Trainer
 from launch.distributed import init_distributed
 from tests.faults.common import metrics, run_args
 

@@ -160,8 +160,8 @@ def test_a_stopped_peer_makes_the_others_fail_within_the_timeout(dataset, tmp_pa
 
 
 def test_backend_errors_are_recognised_and_shortened():
-    from bert.collectives import backend_reason, is_comm_error
-    from data.rebalance import RebalanceError
+    from bert.distributed.collectives import backend_reason, is_comm_error
+    from data.rebalance.exchange import RebalanceError
 
     gloo = RuntimeError(
         "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bert import train_checkpoint
+from bert.checkpoint import training as train_checkpoint
 from tests.faults.common import REFERENCE_STEPS, read_pid, spawn_ranks, wait_for
 from tests.faults.common import losses as run_losses
 
@@ -31,7 +31,7 @@ def test_sigkill_mid_sharded_save_resumes_from_the_previous_checkpoint(dataset, 
 
     # Rerun on the same directory: the unfinished write is removed, the run resumes at step 4
     # and trains what the uninterrupted run trains (2 ranks against 1: rel 1e-5, as
-    # tests/bert/test_trainer_distributed.py).
+    # tests/bert/train/test_trainer_distributed.py).
     jobs = spawn_ranks(2, out, dataset, *SHARDED, log_dir=str(logs))
     for job in jobs:
         assert job.wait(300, "a rank of the resumed run") == 0, job.output()[-3000:]

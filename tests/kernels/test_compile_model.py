@@ -26,8 +26,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bert.config import BertConfig  # noqa: E402
-from bert.model import BertForPreTraining  # noqa: E402
+from bert.model.config import BertConfig  # noqa: E402
+from bert.model.pretraining import BertForPreTraining  # noqa: E402
 from tests.batches import random_batch  # noqa: E402
 
 BATCHES = ([1, 40, 17], [9, 33, 5, 28], [12, 7, 50])  # T = 58, 75, 69: static, then dynamic, then reused

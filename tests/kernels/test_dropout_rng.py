@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import kernels.varlen_attention as va  # noqa: E402
-from kernels.fused_ops import bias_dropout_add_layer_norm, bias_dropout_add_layer_norm_with_mask  # noqa: E402
+from kernels.ops.fused import bias_dropout_add_layer_norm, bias_dropout_add_layer_norm_with_mask  # noqa: E402
 from kernels.runtime import draw_philox, philox_from, philox_state, seed_philox_  # noqa: E402
 from kernels.varlen_attention import Call, varlen_attention, varlen_attention_with_dropout_mask  # noqa: E402
 from tests.kernels.test_kernels_attention import make_inputs, masked_reference, run  # noqa: E402
@@ -97,7 +97,7 @@ def test_fused_op_calls_in_a_row_differ_restoring_the_state_repeats_them_and_bac
 def test_a_step_seed_reproduces_its_masks_and_another_seed_or_step_differs():
     """The trainer's per-step seeding (bert.train_state.seed_step): the masks depend on (run
     seed, step, rank) alone, not on what the state drew before."""
-    from bert.train_state import seed_step
+    from bert.train.state import seed_step
 
     g = torch.Generator().manual_seed(6)
     x, res, vec = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g), torch.randn(64, generator=g)

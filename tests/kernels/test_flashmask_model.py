@@ -12,8 +12,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bert.config import BertConfig  # noqa: E402
-from bert.model import BertForPreTraining  # noqa: E402
+from bert.model.config import BertConfig  # noqa: E402
+from bert.model.pretraining import BertForPreTraining  # noqa: E402
 from data.collate import collate_unpadded  # noqa: E402
 from data.hdf5io import from_fixed_arrays  # noqa: E402
 from data.packing import collate_packed  # noqa: E402

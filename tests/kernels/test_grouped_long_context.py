@@ -3,7 +3,7 @@
 kernels.grouped takes any increasing bucket list (no limit of its own); the long-context
 list used in docs/rebalancing.md is checked here through the plan and the config."""
 
-from bert.train_config import ModelSection
+from bert.config import ModelSection
 from kernels.grouped import plan_groups
 
 LONG_BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192]

@@ -186,7 +186,7 @@ def test_flash_attn_window_matches_the_reference_band(window):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_ops_within_twice_pytorch(dtype):
-    from kernels.fused_ops import (
+    from kernels.ops.fused import (
         bias_dropout_add_layer_norm,
         bias_dropout_add_layer_norm_reference,
         bias_gelu,
@@ -220,8 +220,8 @@ def test_fused_ops_within_twice_pytorch(dtype):
 
 
 def test_model_step_matches_reference_on_gpu():
-    from bert.config import BertConfig
-    from bert.model import BertForPreTraining
+    from bert.model.config import BertConfig
+    from bert.model.pretraining import BertForPreTraining
     from tests.batches import random_batch
 
     torch.manual_seed(0)

@@ -11,8 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bert.config import BertConfig  # noqa: E402
-from bert.model import BertForPreTraining  # noqa: E402
+from bert.model.config import BertConfig  # noqa: E402
+from bert.model.pretraining import BertForPreTraining  # noqa: E402
 from tests.batches import random_batch  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from launch import package, summarize, system_desc
-from tests.bert.test_trainer import dataset, run_in_process  # noqa: F401 - dataset is a fixture
+from tests.bert.train.test_trainer import dataset, run_in_process  # noqa: F401 - dataset is a fixture
 
 pytest.importorskip("mlperf_logging")
 

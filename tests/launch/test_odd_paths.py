@@ -19,7 +19,7 @@ import subprocess
 import pytest
 import yaml
 
-from bert.train_config import load_config
+from bert.config import load_config
 from tests.batches import write_dataset
 from tests.helpers import REPO, clean_env, launcher, run_launched
 
@@ -163,7 +163,7 @@ def test_slurm_sub(odd):
 def test_a_real_run_with_every_path_odd(odd):
     """run_and_time.sh -> run_pretraining.py: config, data, output directory and checkpoints all
     under the odd path; keep=1 prunes the older checkpoint by listing the odd directory."""
-    from tests.bert.test_trainer import TINY
+    from tests.bert.train.test_trainer import TINY
 
     data = odd / "data 'd' \"q\" ü [2]"
     train, eval_file = write_dataset(str(data))

@@ -1,0 +1,83 @@
+"""MLPerf's TensorFlow starting point -> this project's checkpoint or a transformers directory.
+
+    python -m bert.checkpoint.convert_tf --tf-checkpoint model.ckpt-28252 --bert-config bert_config.json \
+        --output phase1.pt          # NVIDIA-style {"model": transformers names}, for checkpoint.init
+    python -m bert.checkpoint.convert_tf ... --output phase1-hf/   # BertForPreTraining.from_pretrained loads it
+
+Every weight must find its place (a missing or misshapen one is named); the LAMB slots and
+``global_step`` are skipped. Optional: ``checkpoint.init`` takes the prefix directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from bert.checkpoint.pretrained import export_hf, load_hf_state_dict, to_hf_state_dict
+from bert.checkpoint.safe_load import CheckpointError
+from bert.checkpoint.tf_reader import TFCheckpointError, google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
+from bert.model.config import BertConfig, ConfigError
+from bert.model.pretraining import BertForPreTraining
+from common.files import publishing
+
+
+def convert(prefix: str, config: BertConfig) -> tuple[BertForPreTraining, list[str]]:
+    """The model with the checkpoint's weights, and the variables skipped (slots, counters)."""
+    model = BertForPreTraining(config)
+    skipped_slots = []
+
+    def wanted(name: str) -> bool:  # the slots are two thirds of the bytes: never read them
+        if is_slot_or_counter(name):
+            skipped_slots.append(name)
+            return False
+        return True
+
+    variables = read_tf_checkpoint(prefix, include=wanted)
+    weights, skipped = google_bert_to_hf(variables)
+    load_hf_state_dict(model, {k: torch.from_numpy(v) for k, v in weights.items()})
+    return model, sorted(skipped_slots + skipped)
+
+
+def save_pt(model: BertForPreTraining, path: str) -> None:
+    """NVIDIA's MLPerf layout ({"model": transformers names}), written under a temporary name."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    state = {k: v.detach().clone().contiguous() for k, v in to_hf_state_dict(model).items()}
+    with publishing(path) as tmp:
+        torch.save({"model": state}, tmp)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bert.checkpoint.convert_tf", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--tf-checkpoint",
+        required=True,
+        metavar="PREFIX",
+        help="TensorFlow checkpoint prefix (PREFIX.index and PREFIX.data-* exist)",
+    )
+    p.add_argument("--bert-config", required=True, help="Google BERT's bert_config.json")
+    p.add_argument(
+        "--output",
+        required=True,
+        help="ending in .pt: the project's checkpoint for checkpoint.init; else a transformers directory",
+    )
+    args = p.parse_args(argv)
+    try:
+        config = BertConfig.from_json(args.bert_config)
+        model, skipped = convert(args.tf_checkpoint, config)
+        if args.output.endswith(".pt"):
+            save_pt(model, args.output)
+        else:
+            export_hf(model, args.output)
+    except (TFCheckpointError, CheckpointError, ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.output}: {n:,} parameters; skipped {len(skipped)} variables (optimizer slots, counters)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""A run's checkpoint -> a transformers directory: ``python -m bert.checkpoint.export RUN_DIR --output HF_DIR``.
+
+Reads the newest checkpoint of ``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint``: a
+name there, a step number or a path; shards read into whole tensors), rebuilds the model from
+its stored config and publishes, whole, what ``AutoTokenizer`` and
+``AutoModel*.from_pretrained(HF_DIR)`` load offline:
+
+    config.json, model.safetensors        bert.pretrained.export_hf (transformers names)
+    vocab.txt                             the run's data.vocab_file (or --vocab)
+    tokenizer_config.json                 BertTokenizer, lower case, model_max_length
+    special_tokens_map.json               [UNK] [SEP] [PAD] [CLS] [MASK]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+from common.files import publishing_dir
+
+SPECIAL_TOKENS = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
+
+
+class ExportError(RuntimeError):
+    """Bad input; the message is the one line the CLI prints."""
+
+
+def find_checkpoint(run_dir: str, name: str | None) -> str:
+    """The checkpoint to export: ``name`` (file or directory name, step number or path) or the newest."""
+    from bert.checkpoint import training as train_checkpoint
+
+    directory = os.path.join(run_dir, "checkpoints")
+    if name is None:
+        found = train_checkpoint.list_checkpoints(directory) if os.path.isdir(directory) else []
+        if not found:
+            raise ExportError(f"{run_dir}: no checkpoints/step_* (train with checkpoint.interval_steps > 0)")
+        return found[-1][1]
+    candidates = [name, os.path.join(directory, name)]
+    if name.isdigit():  # the file, or an earlier sharded run's directory
+        candidates += [
+            train_checkpoint.checkpoint_path(directory, int(name)),
+            os.path.join(directory, f"step_{int(name):08d}"),
+        ]
+    for path in candidates:
+        if os.path.isfile(path) or os.path.isfile(os.path.join(path, train_checkpoint.MANIFEST)):
+            return path
+    raise ExportError(f"--checkpoint: {name!r} is neither a file nor a step in {directory}")
+
+
+def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str | None = None):
+    """(model with the checkpoint's weights, vocab.txt path, max_seq_length, checkpoint path).
+
+    With ``checkpoint`` None the newest checkpoint that verifies is used; a damaged newest one
+    is reported and the previous tried (bert.train_checkpoint.load_latest)."""
+    from bert.checkpoint import training as train_checkpoint
+    from bert.checkpoint.safe_load import CheckpointError
+    from bert.config import ConfigError, build_config
+    from bert.model.pretraining import BertForPreTraining
+    from bert.train.build import build_model_config
+
+    path = find_checkpoint(run_dir, checkpoint)
+    try:
+        if checkpoint is None:
+            path, state = train_checkpoint.load_latest(os.path.dirname(path), warn=lambda m: print(m, file=sys.stderr))
+        else:
+            state = train_checkpoint.read(path)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    if "config" not in state:
+        raise ExportError(f"{path}: holds no run config (written by an older trainer)")
+    values = dict(state["config"])
+    if vocab_file is not None:
+        values["data"] = {**values.get("data", {}), "vocab_file": vocab_file}
+    try:
+        cfg = build_config(values)
+        model_config = build_model_config(cfg)
+    except ConfigError as e:
+        raise ExportError(f"{path}: its config: {e}") from None
+    vocab = cfg.data.vocab_file
+    if not vocab or not os.path.isfile(vocab):
+        raise ExportError(f"the run's data.vocab_file {vocab!r} is not a file here: give --vocab PATH")
+    model = BertForPreTraining(model_config)
+    try:
+        if "sharded" in state:  # an earlier code's directory of shards: read into whole tensors
+            from bert.distributed_checkpoint import whole_state
+
+            state = whole_state(state, model)
+        model.load_state_dict(state["model"])
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    except RuntimeError as e:
+        raise ExportError(
+            f"{path}: the weights do not fit the model its config describes ({str(e).splitlines()[0]})"
+        ) from None
+    return model, vocab, cfg.data.max_seq_length, path
+
+
+def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> None:
+    """vocab.txt, tokenizer_config.json, special_tokens_map.json for transformers' BertTokenizer
+    with the normalisation of data.tokenization (uncased: lower case, accents stripped), and
+    tokenizer.json: data.tokenization's own WordPiece with BERT's [CLS]/[SEP] template, which
+    AutoTokenizer needs where the model type registers no WordPiece class (ModernBERT)."""
+    shutil.copyfile(vocab_file, os.path.join(directory, "vocab.txt"))
+    with open(vocab_file, encoding="utf-8") as f:
+        tokens = {line.rstrip("\n") for line in f}
+    missing = [t for t in SPECIAL_TOKENS.values() if t not in tokens]
+    if missing:
+        raise ExportError(f"{vocab_file}: the vocabulary lacks {missing}")
+    config = dict(tokenizer_class="BertTokenizer", do_lower_case=True, strip_accents=None, tokenize_chinese_chars=True)
+    config.update(model_max_length=max_length, clean_up_tokenization_spaces=True, **SPECIAL_TOKENS)
+    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", SPECIAL_TOKENS)):
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
+            f.write("\n")
+    _fast_tokenizer(vocab_file).save(os.path.join(directory, "tokenizer.json"))
+
+
+def _fast_tokenizer(vocab_file: str):
+    from tokenizers import decoders, processors
+
+    from data.prepare.tokenization import load_vocab, make_tokenizer
+
+    vocab = load_vocab(vocab_file)
+    tok = make_tokenizer(vocab)
+    cls, sep = vocab.ids["[CLS]"], vocab.ids["[SEP]"]
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return tok
+
+
+def export_run(run_dir: str, output: str, checkpoint: str | None = None, vocab_file: str | None = None) -> str:
+    """Write ``output`` (see the module docstring); returns the checkpoint exported."""
+    from bert.checkpoint.pretrained import export_hf
+
+    model, vocab, max_length, path = load_run_model(run_dir, checkpoint, vocab_file)
+    output = os.path.abspath(output)
+    with publishing_dir(output) as staging:
+        export_hf(model, str(staging))
+        write_tokenizer_files(str(staging), vocab, max_length)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bert.checkpoint.export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", metavar="RUN_DIR", help="a training run's --output-dir")
+    ap.add_argument("--output", required=True, metavar="HF_DIR", help="the transformers directory to write")
+    ap.add_argument(
+        "--checkpoint",
+        metavar="NAME",
+        help="step_XXXXXXXX.pt or step_XXXXXXXX, a step number, or a path (default: newest)",
+    )
+    ap.add_argument("--vocab", help="vocab.txt (default: the run's data.vocab_file)")
+    args = ap.parse_args(argv)
+    try:
+        path = export_run(args.run_dir, args.output, args.checkpoint, args.vocab)
+    except (ExportError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {path} -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,528 @@
+"""Training checkpoints: one checksummed file per step, one writer, one restore path.
+
+``write_checkpoint`` saves ``DIR/checkpoints/step_%08d.pt`` (rank 0; a sharded run gathers first);
+``find_checkpoint`` finds the newest that verifies, the same on every rank; ``resume`` restores it,
+whole or sharded at any world size, or the next older one when it does not fit. A file is the
+``torch.save`` of plain data and ``\\nBERT-CHECKPOINT sha256=<64 hex> size=<16 digits>\\n``
+(``head -c -111 FILE | sha256sum``), streamed to a temporary name and renamed over its final one.
+Reading never runs code. docs/sharding.md, "Checkpoints that reshard"; faults: docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from bert.checkpoint.safe_load import CheckpointError, plain_data_problem, safe_torch_load
+from bert.distributed.collectives import Collectives
+from bert.optim.shard import ShardedLamb, reshard
+from bert.train.state import TrainState
+from common.files import UnsafeFile, file_digest, open_checked, publish, read_checked
+
+_TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
+_TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
+TRAILER_BYTES = len(_TRAILER_PREFIX) + 64 + len(b" size=") + 16 + 1
+_NAME_RE = re.compile(r"step_(\d{8,})(\.pt)?\Z")  # a file, or an earlier sharded checkpoint's directory
+_READ_CHUNK = 1 << 22
+
+# The entries a training checkpoint must hold (``to_checkpoint``).
+REQUIRED_PARTS = ("model", "optimizer", "schedule", "loader", "counters")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message names the file and the OS error."""
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step_{step:08d}.pt")
+
+
+# An earlier code's sharded checkpoint directory (bert.distributed_checkpoint): MANIFEST was written last.
+MANIFEST = "MANIFEST.json"
+STATE = "state.pt"
+_DIR_FORMAT = "bert-sharded-checkpoint/1"
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of every ``step_*.pt`` file and sharded ``step_*`` directory under its final name, oldest first (a
+    step saved both ways: the directory sorts after the file, so it is the one tried first)."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(directory), "step_*")):
+        m = _NAME_RE.match(os.path.basename(path))
+        if m and (m.group(2) is None) == os.path.isdir(path):
+            found.append((int(m.group(1)), m.group(2) is None, path))
+    return [(step, path) for step, _, path in sorted(found)]
+
+
+def _remove(path: str) -> None:
+    """Remove a file, a link (never what it points to) or a directory tree."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def remove_temporaries(directory: str) -> list[str]:
+    """Delete what killed writes left (``.step_*.tmp`` files, directories or links); returns their names."""
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.tmp")):
+        with contextlib.suppress(FileNotFoundError):
+            _remove(path)
+            removed.append(os.path.basename(path))
+    return removed
+
+
+class _HashingSink:
+    """A write-only file for ``torch.save`` that hashes what passes through it."""
+
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path = fd, path
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.error: OSError | None = None  # torch.save turns it into a RuntimeError; keep the cause
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        n = len(view)
+        try:
+            while view:
+                view = view[os.write(self.fd, view) :]
+        except OSError as e:
+            self.error = e
+            raise
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def save(directory: str, step: int, state: dict, keep: int) -> str:
+    """Write ``state`` (plain data, else TypeError: ``read`` would refuse it) as the checkpoint of
+    ``step`` and keep the newest ``keep``; returns its path. CheckpointWriteError (no temporary
+    file left, older checkpoints untouched) when the file system refuses the write."""
+    problem = plain_data_problem(state)
+    if problem:
+        raise TypeError(f"checkpoint state of step {step}: {problem}")
+    return write(directory, step, state, keep)
+
+
+def write(directory: str, step: int, state, keep: int) -> str:
+    """``save`` without the plain-data check: the file format only (tests write hostile files with it)."""
+    path = write_file(checkpoint_path(directory, step), state)
+    prune(directory, keep)
+    return path
+
+
+def prune(directory: str, keep: int) -> None:
+    """Remove the checkpoints beyond the newest ``keep``."""
+    for _, old in list_checkpoints(directory)[:-keep]:
+        with contextlib.suppress(OSError):  # one that cannot be removed costs space, not correctness
+            _remove(old)
+
+
+def write_file(path: str, state) -> str:
+    """One checksummed file at ``path``: streamed to ``.NAME.tmp`` beside it, fsynced and renamed
+    over ``path`` (so an existing ``path`` is replaced whole, never removed first). Whatever
+    fails, the temporary file is gone afterwards; an OS error is CheckpointWriteError."""
+    directory = os.path.dirname(path)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
+    fd = -1
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)  # a killed earlier write's (or a link): never written through
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        sink = _HashingSink(fd, tmp)
+        try:
+            torch.save(state, sink)
+        except RuntimeError:
+            if sink.error is None:
+                raise  # not the file system: a bug to see
+            raise sink.error from None
+        trailer = b"%s%s size=%016d\n" % (_TRAILER_PREFIX, sink.sha.hexdigest().encode(), sink.size)
+        sink.write(trailer)  # after the digest was taken: the sink's hash and size no longer matter
+        os.close(fd)
+        fd = -1
+        publish(tmp, path)
+    except BaseException as e:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if not isinstance(e, OSError):
+            raise
+        what = e.strerror or str(e)
+        raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({what})") from None
+    return path
+
+
+def verify(path: str, root: str | None = None) -> None:
+    """Check the trailer and the SHA-256 of ``path`` (a regular file, inside ``root`` when
+    given: ``fileio.open_checked``); raises CheckpointError saying what is wrong."""
+    try:
+        with open_checked(path, root=root, what="a checkpoint") as f:
+            total = os.fstat(f.fileno()).st_size
+            if total < TRAILER_BYTES:
+                raise CheckpointError(f"{path}: {total} bytes, too short to be a checkpoint (cut short?)")
+            f.seek(total - TRAILER_BYTES)
+            m = _TRAILER_RE.match(f.read(TRAILER_BYTES))
+            if m is None:
+                raise CheckpointError(
+                    f"{path}: no checksum trailer at the end (cut short, or not written by this trainer)"
+                )
+            want, size = m.group(1).decode(), int(m.group(2))
+            if size != total - TRAILER_BYTES:
+                raise CheckpointError(
+                    f"{path}: the trailer records {size} bytes of state, the file holds {total - TRAILER_BYTES}"
+                )
+            f.seek(0)
+            sha = hashlib.sha256()
+            left = size
+            while left:
+                piece = f.read(min(_READ_CHUNK, left))
+                if not piece:
+                    raise CheckpointError(f"{path}: ended early while reading")
+                sha.update(piece)
+                left -= len(piece)
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    if sha.hexdigest() != want:
+        raise CheckpointError(
+            f"{path}: checksum mismatch (damaged: SHA-256 {sha.hexdigest()[:12]}..., recorded {want[:12]}...)"
+        )
+
+
+_MAX_MANIFEST = 1 << 20  # a few entries per rank: 256 ranks list ~60 KB
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def is_plain_name(name) -> bool:
+    """Whether ``name`` is a file name of the directory itself: no path, not ``.`` or ``..``."""
+    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name and "\0" not in name
+
+
+def verify_dir(path: str) -> dict:
+    """Check every file of the checkpoint directory against its manifest (a small JSON object
+    of this format, an integer ``step``, plain file names); returns the manifest. Each file must
+    be regular and inside the directory (``fileio.open_checked``: a FIFO is refused at once)."""
+    file = os.path.join(path, MANIFEST)
+    try:
+        manifest = json.loads(read_checked(file, max_bytes=_MAX_MANIFEST, root=path, what="the manifest"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {MANIFEST} (an unfinished write, or not written by this trainer)") from None
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{file}: not readable JSON ({_first_line(e)})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != _DIR_FORMAT:
+        raise CheckpointError(f"{file}: not a sharded training checkpoint's manifest (no 'format' {_DIR_FORMAT!r})")
+    step, files = manifest.get("step"), manifest.get("files")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{file}: 'step' is {step!r}, not an integer >= 0")
+    if not isinstance(files, dict) or STATE not in files or ".metadata" not in files:
+        raise CheckpointError(f"{file}: 'files' does not list {STATE} and .metadata")
+    for name, entry in files.items():
+        if not is_plain_name(name) or name == MANIFEST:
+            raise CheckpointError(f"{file}: 'files' names {name!r}, not a file of this directory")
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or not _SHA256.match(str(entry.get("sha256"))):
+            raise CheckpointError(f"{file}: the entry of {name} is not {{'bytes': <int>, 'sha256': <64 hex>}}")
+        try:
+            found = os.path.getsize(os.path.join(path, name))
+            if found != size:
+                raise CheckpointError(f"{path}: {name} holds {found} bytes, the manifest records {size}")
+            digest = file_digest(os.path.join(path, name), "sha256", root=path)
+        except UnsafeFile as e:
+            raise CheckpointError(str(e)) from None
+        except OSError:
+            raise CheckpointError(f"{path}: {name} is missing") from None
+        if digest != entry["sha256"]:
+            raise CheckpointError(
+                f"{path}: {name}: checksum mismatch (damaged: SHA-256 {digest[:12]}..., recorded "
+                f"{entry['sha256'][:12]}...)"
+            )
+    return manifest
+
+
+def read(path: str) -> dict:
+    """Verify and load one checkpoint (on the CPU) without running anything in it; its ``counters``
+    must hold an integer ``step``. A sharded directory (bert.distributed_checkpoint) is checked against
+    its manifest and gives its ``state.pt`` with ``"sharded": path`` added."""
+    manifest = verify_dir(path) if os.path.isdir(path) else None
+    state = read_file(path) if manifest is None else read_file(os.path.join(path, STATE), root=path)
+    counters = state.get("counters") if isinstance(state, dict) else None
+    step = counters.get("step") if isinstance(counters, dict) else None
+    if not isinstance(counters, dict):
+        raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path}: counter 'step' is {step!r}, not an integer >= 0")
+    if manifest is not None and step != manifest["step"]:
+        raise CheckpointError(f"{path}: {STATE} is of step {step}, the manifest of step {manifest['step']}")
+    return state if manifest is None else {**state, "sharded": path}
+
+
+def read_file(path: str, root: str | None = None):
+    """Verify and load one checksummed file of plain data (inside ``root`` when given)."""
+    verify(path, root)
+    # Only the bytes before the trailer are the archive: records may not reach beyond them.
+    state = safe_torch_load(path, limit=os.path.getsize(path) - TRAILER_BYTES, archive_only=True, root=root)
+    problem = plain_data_problem(state)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; only tensors, numbers, strings, lists and dicts are loaded")
+    return state
+
+
+def _first_line(e: BaseException) -> str:
+    """The last non-empty line of an exception's message (torch puts the cause there), or its type."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
+def load_latest(
+    directory: str, warn=print, accept: Callable[[dict], None] | None = None, older_than: str | None = None
+) -> tuple[str, dict] | None:
+    """(path, state) of the newest checkpoint that verifies and that ``accept`` takes (it raises
+    CheckpointError to refuse one), only of steps before ``older_than`` (a path) if given; None when
+    there is none. Each refused one is reported to ``warn``; if all are, CheckpointError names them."""
+    found = list_checkpoints(directory)
+    if older_than is not None:
+        limit = next((step for step, path in found if path == older_than), None)
+        found = [(step, path) for step, path in found if limit is None or step < limit]
+    problems = []
+    for _, path in reversed(found):
+        try:
+            state = read(path)
+            if accept is not None:
+                try:
+                    accept(state)
+                except CheckpointError as e:
+                    raise CheckpointError(f"{path}: {e}") from None
+            return path, state
+        except CheckpointError as e:
+            problems.append(str(e))
+            warn(f"warning: {e}; trying the previous checkpoint")
+    if problems:
+        raise CheckpointError(
+            f"every checkpoint in {directory} is damaged or refused ({'; '.join(problems)}); "
+            f"move them away to start the run over"
+        )
+    return None
+
+
+# ---- the run's state: one writer, one restore path ---------------------------------------------
+
+
+def to_checkpoint(state: TrainState, parts: dict, loader: dict, config: dict) -> dict:
+    """What a training checkpoint holds: ``parts`` (model, optimizer, schedule, adagc, scaler; None for a part the run
+    has not) by their state dicts, the loader's position, the counters and the run's config (for ``bert.export``)."""
+    states = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
+    return {**states, "loader": loader, "counters": state.counters(), "config": config}
+
+
+def _gathered(value, keep: bool):
+    """``value`` with every DTensor in it gathered whole onto the CPU, where ``keep`` (None in
+    its place elsewhere). A collective: every rank walks the same structure in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        whole = value.full_tensor()
+        return whole.cpu() if keep else None
+    if isinstance(value, dict):
+        return {k: _gathered(v, keep) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_gathered(v, keep) for v in value)
+    return value
+
+
+def write_checkpoint(
+    directory: str, state: TrainState, parts: dict, loader: dict, cfg, coll: Collectives
+) -> str | None:
+    """Write the step's checkpoint, one file, on rank 0; returns the error the file system gave there, else None (the
+    caller agrees the outcome over the ranks). A sharded run (``optim.shard``) first gathers its tensors whole, every
+    rank taking part. The newest ``cfg.checkpoint.keep`` are kept."""
+    is_main, sharded = coll.rank == 0, isinstance(parts["optimizer"], ShardedLamb)
+    if not (is_main or sharded):
+        return None
+    if sharded:
+        reshard(parts["model"])  # the DTensors the optimizer holds are the model's parameters again
+    checkpoint = to_checkpoint(state, parts, loader, cfg.to_dict())
+    if sharded:
+        with coll.guard("the checkpoint's gather", state.step):
+            checkpoint = _gathered(checkpoint, is_main)
+    if not is_main:
+        return None
+    try:
+        save(directory, state.step, checkpoint, cfg.checkpoint.keep)
+    except CheckpointWriteError as e:
+        return str(e)
+    return None
+
+
+def find_checkpoint(directory: str, coll: Collectives, device: torch.device, warn) -> tuple[str, dict] | None:
+    """The newest checkpoint in ``directory`` that verifies (damaged ones are named to ``warn``
+    and passed over), as (path, state), after rank 0 removed unfinished writes; checks that
+    every rank found the same step (CheckpointError). None: start fresh."""
+    if coll.rank == 0 and os.path.isdir(directory):
+        for name in remove_temporaries(directory):
+            warn(f"removed {name}, the unfinished write of a killed run")
+    # The model does not exist yet (the seed it is built with may come from the checkpoint):
+    # whether the state fits it is checked when it is loaded (check_fits).
+    found = load_latest(directory, warn=warn) if os.path.isdir(directory) else None
+    step = found[1]["counters"]["step"] if found is not None else 0
+    # Ranks that see different checkpoint directories (node-local disks) would diverge silently.
+    steps = coll.all_reduce(torch.tensor([step, -step], device=device), "the resume check", step, op=dist.ReduceOp.MAX)
+    if int(steps[0]) != -int(steps[1]):
+        raise CheckpointError(
+            f"{directory}: the ranks resumed from different steps ({-int(steps[1])} to {int(steps[0])}; rank "
+            f"{coll.rank} from {step}): every rank must see the same checkpoints"
+        )
+    return found
+
+
+def resume(found: tuple[str, dict], directory: str, parts: dict, warn) -> tuple[TrainState, dict]:
+    """Restore ``found`` (path, state) into ``parts``; a checkpoint that does not fit this run is
+    refused like a damaged one (named to ``warn``) and the next older one in ``directory`` is
+    tried (CheckpointError when none is left). Returns its counters and its loader position."""
+    path, saved = found
+    try:
+        return restore(saved, parts), saved["loader"]
+    except CheckpointError as e:
+        warn(f"warning: {path}: {e}; trying the previous checkpoint")
+    restored: list[TrainState] = []
+
+    def accept(state: dict) -> None:  # CheckpointError refuses it
+        restored.append(restore(state, parts))
+
+    older = load_latest(directory, warn=warn, accept=accept, older_than=path)
+    if older is None:
+        raise CheckpointError(
+            f"every checkpoint in {directory} is damaged or refused ({path} does "
+            f"not fit this run); move them away to start the run over"
+        )
+    return restored[-1], older[1]["loader"]
+
+
+def restore(saved: dict, parts: dict) -> TrainState:
+    """Check ``saved`` against this run's ``parts`` (as for ``to_checkpoint``), load it into them and
+    return its counters; CheckpointError when it does not fit (parts loaded before the failing one
+    are overwritten by the next checkpoint tried). ``saved["loader"]`` is the caller's to apply.
+    A sharded run keeps its part of each whole tensor (``_load_into_shards``)."""
+    model, optimizer = parts["model"], parts["optimizer"]
+    if "sharded" in saved:
+        from bert.distributed_checkpoint import whole_state
+
+        saved = whole_state(saved, model, optimizer)
+    state = check_fits(saved, model, optimizer)
+    sharded = isinstance(optimizer, ShardedLamb)
+    try:
+        # Each part's load_state_dict checks its input before changing anything.
+        for name in ("adagc", "scaler"):
+            if parts[name] is not None and saved.get(name):
+                parts[name].load_state_dict(saved[name])
+        parts["schedule"].load_state_dict(saved["schedule"])
+        if not sharded:
+            optimizer.load_state_dict(saved["optimizer"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # DataError is a ValueError
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"does not fit this run ({first})") from None
+    if sharded:
+        _load_into_shards(saved, model, optimizer)
+    else:
+        model.load_state_dict(saved["model"])
+    return state
+
+
+def _load_into_shards(saved: dict, model: torch.nn.Module, optimizer) -> None:
+    """Whole tensors (moments keyed by index, as ``check_fits`` checked) into this run's DTensor
+    shards: each rank keeps its own part of every tensor (no communication: every rank read
+    the file). Moments the saved run had not created yet stay zeros, as LAMB starts them."""
+    for group, kept in zip(optimizer.param_groups, saved["optimizer"]["param_groups"]):
+        group.update({k: v for k, v in kept.items() if k != "params"})
+    indices = (i for g in saved["optimizer"]["param_groups"] for i in g["params"])
+    params = dict(zip(indices, (p for g in optimizer.param_groups for p in g["params"])))
+    pairs = [(target, saved["model"][k]) for k, target in model.state_dict().items()]
+    for p in params.values():
+        optimizer.init_state(p)
+    for index, moments in saved["optimizer"]["state"].items():
+        ours = optimizer.state[params[index]]
+        pairs += [(ours[k], v) for k, v in moments.items() if isinstance(ours.get(k), torch.Tensor)]
+    copy_whole(pairs)
+
+
+def copy_whole(pairs) -> None:
+    """Each (target, whole tensor) copied: a DTensor target keeps its own part (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for target, value in pairs:
+            value = value.to(target.device, target.dtype)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+                target = target.to_local()
+            target.copy_(value)
+
+
+def check_fits(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    """Refuse (CheckpointError) a state whose parts are missing or whose tensors do not fit
+    ``model`` and ``optimizer``; returns its counters as a ``TrainState``."""
+    for key in REQUIRED_PARTS:
+        if not isinstance(state.get(key), dict):
+            raise CheckpointError(f"no {key!r} state")
+    _check_model(model.state_dict(), state["model"])
+    _check_optimizer(optimizer.param_groups, state["optimizer"])
+    return TrainState.from_counters(state["counters"])
+
+
+def _check_model(ours: dict, theirs: dict) -> None:
+    problems = [f"missing {k}" for k in ours if k not in theirs]
+    problems += [f"unexpected {k}" for k in theirs if k not in ours]
+    for k, t in theirs.items():
+        want = ours.get(k)
+        if want is not None and (not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype):
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            problems.append(f"{k} is {got}, the model has {want.dtype} {tuple(want.shape)}")
+    refuse_if("the model weights do not fit this model", problems)
+
+
+def refuse_if(what: str, problems: list[str]) -> None:
+    """CheckpointError naming the first four problems (and how many more), when there are any."""
+    if problems:
+        raise CheckpointError(
+            f"{what} ({'; '.join(problems[:4])}" + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + ")"
+        )
+
+
+def _check_optimizer(groups: list[dict], saved: dict) -> None:
+    try:
+        sizes = [len(g["params"]) for g in saved["param_groups"]]
+        indices = (i for g in saved["param_groups"] for i in g["params"])
+        params = dict(zip(indices, (p for g in groups for p in g["params"])))
+        moments = dict(saved["state"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError("the optimizer state is not param_groups with params, and state") from None
+    if sizes != [len(g["params"]) for g in groups]:
+        raise CheckpointError(
+            f"the optimizer state has parameter groups of sizes {sizes}, this optimizer "
+            f"{[len(g['params']) for g in groups]}"
+        )
+    for i, entry in moments.items():
+        if i not in params or not isinstance(entry, dict):
+            raise CheckpointError(f"the optimizer state names parameter {i!r}, which it has no group for")
+        for name, t in entry.items():
+            if isinstance(t, torch.Tensor) and t.dim() and (t.shape != params[i].shape or not t.is_floating_point()):
+                raise CheckpointError(
+                    f"the optimizer's {name} of parameter {i} is {t.dtype} {tuple(t.shape)}, "
+                    f"the parameter {params[i].dtype} {tuple(params[i].shape)}"
+                )

@@ -1,0 +1,6 @@
+"""The encoder and its heads, assembled from a ``BertConfig`` (``config``): embeddings, layers
+(``layers``), BERT for pretraining (``pretraining.BertForPreTraining``), FP8 linears (``fp8``), and one
+transformers adapter per ``model_type`` (``hf_bert``, ``hf_modernbert``).
+
+Imports: ``kernels``, ``data`` (batch types) and ``common``; nothing else of ``bert``.
+"""

@@ -1,0 +1,138 @@
+"""BERT for pretraining on unpadded batches: embeddings -> encoder -> MLM and NSP heads.
+
+The encoder is assembled from parts (``bert.layers``) as its ``BertConfig`` says. It runs on a
+flat token dimension; the attention backend (``kernels.registry``) learns the sequences from a
+layout, one per layer window. The MLM head runs only at the M masked positions. Numerics match
+``transformers.BertForPreTraining`` and ``ModernBertForMaskedLM`` given the same weights
+(``bert.pretrained``); the query, key and value projections are one ``[3*hidden, hidden]`` linear.
+
+Shape legend: N tokens the layers run on (T unpadded, B*S padded, R*S packed), B sequences,
+M masked positions, H heads, D head dim, C hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bert.model.config import BertConfig
+from bert.model.layers import BIAS_GELU, Embeddings, EncoderLayer, Rotary, activation, init_weights, make_norm
+from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
+from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
+from kernels.registry import get_backend
+
+
+@dataclass
+class PretrainingOutput:
+    mlm_logits: Tensor  # [M, V]
+    nsp_logits: Tensor | None  # [B, 2]; None without a next-sentence head (config.next_sentence false)
+    hidden_states: Tensor  # [N, C], the last encoder layer (after the final norm of a pre-norm encoder)
+
+
+def windowed(layout, window: int | None):
+    """``layout`` restricted to the band |i - j| <= window // 2 (None: the layout itself). The
+    packed layout carries a window in its FlashMask bounds (kernels.masks.window_bounds)."""
+    if window is None:
+        return layout
+    if isinstance(layout, PackedLayout):
+        from kernels.masks import window_bounds
+
+        return PackedLayout(window_bounds(layout.startend_row_indices, window, n=2), layout.causal)
+    return dataclasses.replace(layout, window=window)
+
+
+class BertForPreTraining(nn.Module):
+    """BERT with the masked-LM and next-sentence heads. ``attention``: the backend's name
+    (``kernels.registry``), ``attention_options`` its settings; ``fused_ops``: the bias+GELU and
+    bias+dropout+residual+LayerNorm Triton kernels (post-norm BERT only); ``bias_gelu``: the
+    FFN-in's bias+GELU alone, ``eager``, ``triton`` or ``epilogue`` (in the GEMM,
+    ``kernels.gemm_epilogue``), ``auto`` = ``triton`` with ``fused_ops``, else ``eager`` (a gated
+    MLP: always); ``rotary_kernel``: ``torch`` (the reference) or ``triton`` (``kernels.rotary``).
+    """
+
+    def __init__(
+        self,
+        config: BertConfig,
+        attention: str = "reference",
+        fused_ops: bool = False,
+        attention_options: dict | None = None,
+        bias_gelu: str = "auto",
+        rotary_kernel: str = "torch",
+    ):
+        super().__init__()
+        self.config = config
+        self.attention = attention
+        if bias_gelu == "auto":
+            bias_gelu = "triton" if fused_ops and config.mlp == "dense" else "eager"
+        if bias_gelu not in BIAS_GELU:
+            raise ValueError(f"model.bias_gelu: {bias_gelu!r} is not one of {['auto', *BIAS_GELU]}")
+        if bias_gelu != "eager" and (config.hidden_act != "gelu" or config.mlp != "dense" or not config.mlp_bias):
+            raise ValueError(
+                f"model.bias_gelu: {bias_gelu} implements bias + erf GELU of a dense MLP, not "
+                f"hidden_act={config.hidden_act!r}, mlp={config.mlp!r}, mlp_bias={config.mlp_bias}"
+            )
+        if fused_ops:
+            if config.hidden_act != "gelu":
+                raise ValueError(f"model.fused_ops: the fused kernels implement erf GELU, not {config.hidden_act!r}")
+            bert_block = dict(norm_placement="post", norm_kind="layernorm", norm_bias=True, mlp="dense")
+            bert_block.update(attention_bias=True, mlp_bias=True)
+            other = [f"{k}={getattr(config, k)!r}" for k, v in bert_block.items() if getattr(config, k) != v]
+            if other:
+                raise ValueError(f"model.fused_ops: the fused kernels implement BERT's post-LN block, not {other[0]}")
+        attention_fn = get_backend(attention, **(attention_options or {}))
+        c = config.hidden_size
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(
+            EncoderLayer(config, i, attention_fn, fused_ops, bias_gelu) for i in range(config.num_hidden_layers)
+        )
+        self.final_norm = make_norm(config) if config.norm_placement == "pre" else None
+        self.rotary = Rotary(config, rotary_kernel) if config.position_embedding == "rotary" else None
+        self.pooler = nn.Linear(c, c) if config.next_sentence else None
+        self.mlm_transform = nn.Linear(c, c, bias=config.head_bias)
+        self.mlm_norm = make_norm(config)
+        self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.decoder_bias else None
+        self.nsp = nn.Linear(c, 2) if config.next_sentence else None
+        self.act = activation(config.hidden_act)
+        # bert.cuda_graphs.EncoderGraphs (train.cuda_graphs): replays the layers for unpadded batches.
+        self.encoder_graphs = None
+        init_weights(self, config)
+
+    def forward(self, batch: UnpaddedBatch | PaddedBatch | PackedBatch) -> PretrainingOutput:
+        if isinstance(batch, UnpaddedBatch):
+            ids, seg, pos = batch.input_ids, batch.segment_ids, batch.position_ids  # [T]
+            # The collator's lengths let grouped attention plan on the host. Not under
+            # torch.compile: a tuple of B ints in the graph would be specialised on per batch;
+            # there the op reads cu_seqlens once per batch, as without them.
+            lens = None if torch.compiler.is_compiling() else batch.host_seqlens
+            layout = VarlenLayout(batch.cu_seqlens, batch.max_seqlen, host_seqlens=lens)
+            cls_index = batch.cu_seqlens[:-1].long()  # [B]
+        elif isinstance(batch, PaddedBatch):
+            b, s = batch.input_ids.shape
+            ids, seg, pos = (x.reshape(-1) for x in (batch.input_ids, batch.segment_ids, batch.position_ids))
+            layout = PaddedLayout(batch.attention_mask)
+            cls_index = torch.arange(b, device=ids.device) * s
+        elif isinstance(batch, PackedBatch):  # R*S tokens, several sequences per row
+            ids, seg, pos = (x.reshape(-1) for x in (batch.input_ids, batch.segment_ids, batch.position_ids))
+            layout = PackedLayout(batch.startend_row_indices)
+            cls_index = batch.cls_positions
+        else:
+            raise TypeError(f"batch: expected UnpaddedBatch, PaddedBatch or PackedBatch, got {type(batch).__name__}")
+
+        layouts = {window: windowed(layout, window) for window in set(self.config.layer_windows)}
+        x_NC = self.embeddings(ids, seg, pos)
+        if self.encoder_graphs is not None and isinstance(batch, UnpaddedBatch):
+            x_NC = self.encoder_graphs(x_NC, batch.cu_seqlens, pos)
+        else:
+            for layer in self.layers:
+                x_NC = layer(x_NC, layouts[layer.window], pos, self.rotary)
+        if self.final_norm is not None:
+            x_NC = self.final_norm(x_NC)
+
+        nsp_logits = None if self.nsp is None else self.nsp(torch.tanh(self.pooler(x_NC[cls_index])))  # [B, 2]
+        m_MC = self.mlm_norm(self.act(self.mlm_transform(x_NC[batch.mlm_positions])))
+        mlm_logits = F.linear(m_MC, self.embeddings.word.weight, self.mlm_bias)  # tied decoder
+        return PretrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits, hidden_states=x_NC)

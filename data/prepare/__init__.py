@@ -1,0 +1,8 @@
+"""Offline dataset tools, apart from the runtime path: text -> MLPerf-format HDF5 shards
+(``shards``, run as ``python -m data.prepare``), the text reader and tokenizers, MLPerf's reference
+pipeline (``mlperf_reference``, ``mlperf_dataset``), checksums (``verify``), layout conversion,
+statistics and the demo corpus.
+
+Imports: ``data`` (samples, HDF5 formats) and ``common``; the trainer never imports this package,
+except the vocabulary reader that export uses.
+"""

@@ -1,0 +1,165 @@
+"""NVIDIA's per-shard checksums of MLPerf BERT data: ``python -m data.prepare.verify``.
+
+A shard's checksum is NVIDIA's (``hdf5_md5.py``): the md5 of each row's ``str(input_ids[i].tolist())``,
+then the md5 of ``str()`` of that list of digests. A checksum list has one ``name<TAB>md5`` line per
+file; the published ones (NVIDIA's MLPerf v4.0) are in ``data/prepare/checksums/``. Usage and the exit status:
+[docs/data.md](../docs/data.md#the-real-mlperf-dataset-step-by-step). ``content_digest`` is the tests'
+stronger check: the md5 over every dataset of a file (names, dtypes, shapes, values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from common.errors import DataError, cli_main
+from data.hdf5io import READ_ROWS, check_links, check_storage, open_hdf5
+from data.prepare.progress import progress as bar
+
+CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"
+PUBLISHED = {  # (what, shard count) -> published list
+    ("varlength", 2048): "2048_shards_varlength.chk",
+    ("varlength", 4320): "4320_shards_varlength.chk",
+    ("shuffled", 4320): "4320_shards_varlength_shuffled.chk",
+    ("eval", 1): "eval_varlength.chk",
+}
+
+
+def published_list(what: str, shards: int) -> Path | None:
+    """The shipped checksum list for this stage and shard count, if NVIDIA published one."""
+    name = PUBLISHED.get((what, shards))
+    return CHECKSUM_DIR / name if name else None
+
+
+def shard_checksum(path) -> str:
+    """NVIDIA's checksum of one HDF5 file (fixed or varlength layout)."""
+    digests = []
+    with open_hdf5(path) as f:
+        if "input_ids" not in f:
+            raise DataError(f"{path}: missing key 'input_ids'")
+        check_links(path, f)
+        for rows in _pieces(path, "input_ids", f["input_ids"]):
+            digests += [hashlib.md5(str(row.tolist()).encode()).hexdigest() for row in rows]
+    return hashlib.md5(str(digests).encode()).hexdigest()
+
+
+def _pieces(path, key: str, ds):
+    """A dataset's rows, READ_ROWS at a time, once its storage passed ``hdf5io.check_storage``."""
+    try:
+        check_storage(path, key, ds)
+        for a in range(0, ds.shape[0], READ_ROWS):
+            yield ds[a : a + READ_ROWS]
+    except (OSError, RuntimeError, ValueError, TypeError) as e:
+        raise DataError(f"{path}: cannot read {key} (truncated or corrupt?): {str(e).splitlines()[0]}") from None
+
+
+def content_digest(path) -> str:
+    """md5 over every dataset of an HDF5 file: name, dtype, shape and values (row by row for
+    variable-length data), in name order."""
+    h = hashlib.md5()
+    with open_hdf5(path) as f:
+        check_links(path, f)
+        for name in sorted(f.keys()):
+            ds = f[name]
+            base = h5py.check_vlen_dtype(ds.dtype)
+            h.update(f"{name}|{(base or ds.dtype).str}|{'vlen' if base is not None else ''}|{ds.shape}|".encode())
+            for data in _pieces(path, name, ds):
+                if base is None:
+                    h.update(np.ascontiguousarray(data).tobytes())
+                    continue
+                for row in data:
+                    row = np.ascontiguousarray(row, dtype=base)
+                    h.update(len(row).to_bytes(8, "little") + row.tobytes())
+    return h.hexdigest()
+
+
+def read_checksums(path) -> dict[str, str]:
+    """A checksum list: ``name<TAB>md5`` (any whitespace) per line -> {name: md5}."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the checksum list ({e.strerror or e})") from None
+    out: dict[str, str] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        if len(parts) != 2 or len(parts[1]) != 32:
+            raise DataError(f"{path}: line {n}: expected 'name<TAB>md5', got {line!r}")
+        out[parts[0]] = parts[1].lower()
+    if not out:
+        raise DataError(f"{path}: the checksum list is empty")
+    return out
+
+
+def _checksum_task(path: str) -> tuple[str, str | None, str | None]:
+    try:
+        return path, shard_checksum(path), None
+    except DataError as e:
+        return path, None, str(e)
+
+
+def verify(paths: list, checksums: dict[str, str], workers: int = 1, progress=None) -> list[str]:
+    """Problems (one line each) of the files named in ``checksums`` found under ``paths``
+    (directories, or files); an empty list means every listed file is there and matches."""
+    found: dict[str, Path] = {}
+    for p in map(Path, paths):
+        if p.is_dir():
+            for name in checksums:
+                if name not in found and (p / name).is_file():
+                    found[name] = p / name
+        elif p.is_file():
+            found.setdefault(p.name, p)
+        else:
+            raise DataError(f"{p}: no such file or directory")
+    problems = [f"{name}: missing" for name in checksums if name not in found]
+    todo = [str(found[name]) for name in checksums if name in found]
+    if workers > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            results = list(_bar(pool.map(_checksum_task, todo, chunksize=4), len(todo), progress))
+    else:
+        results = list(_bar(map(_checksum_task, todo), len(todo), progress))
+    for path, got, error in results:
+        if error is not None:
+            problems.append(error)
+        elif got != checksums[Path(path).name]:
+            problems.append(f"{path}: checksum {got}, expected {checksums[Path(path).name]}")
+    return problems
+
+
+def _bar(it, total: int, desc: str | None):
+    return it if desc is None else bar(it, total=total, desc=desc, unit="file")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m data.prepare.verify", description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="+", help="directories holding the files, or the files")
+    ap.add_argument(
+        "--checksums", required=True, help=f"a checksum list (name<TAB>md5 lines), e.g. one of {CHECKSUM_DIR}/*.chk"
+    )
+    ap.add_argument("--workers", type=int, default=1, help="processes computing checksums")
+    args = ap.parse_args(argv)
+    if args.workers < 1:
+        raise DataError(f"--workers {args.workers}: must be >= 1")
+    expected = read_checksums(args.checksums)
+    problems = verify(args.paths, expected, args.workers, progress="checksums")
+    for p in problems:
+        print(f"mismatch: {p}" if "checksum" in p else f"error: {p}", file=sys.stderr)
+    if problems:
+        print(
+            f"error: {len(problems)} of {len(expected)} file(s) failed the checks in {args.checksums}", file=sys.stderr
+        )
+        return 1
+    print(f"ok: {len(expected)} file(s) match {args.checksums}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))
