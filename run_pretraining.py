@@ -6,7 +6,8 @@ Several ranks: torchrun, mpirun or srun (launch/). ``--help`` lists every config
 field. Exit status: 0 when the run ends (success, aborted at its limits, or SIGTERM after a
 checkpoint); 2 for bad input (configuration, data, checkpoint); 1 when the run fails on the
 way (a lost peer, a checkpoint or file that cannot be written); each as one line naming
-what and where. A traceback means a bug.
+what and where (``common.errors.UserError``, the only exception caught here). A traceback
+means a bug.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import os
 import sys
 from typing import NoReturn
 
-from bert.config import ConfigError, describe, load_config
+from bert.config import describe, load_config
+from common.errors import UserError
 from launch.versions import too_old
 
 
@@ -37,30 +39,26 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status
     if old := too_old():
         print(f"error: {old}", file=sys.stderr)
         return 2
     # Imported after the config is valid, so a typo is reported before torch loads.
-    from bert.checkpoint.safe_load import CheckpointError
     from bert.distributed.collectives import CollectiveError, announce_exit, hold_store
-    from bert.train.trainer import Trainer, TrainingError
+    from bert.train.trainer import Trainer
     from data.rebalance.exchange import RebalanceError
-    from kernels.interface import BackendUnavailable
-    from launch.distributed import LaunchError, destroy, init_distributed
+    from launch.distributed import destroy, init_distributed
 
     try:
         info = init_distributed(None, cfg.dist.timeout_s)
-    except LaunchError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status
     broken = False  # a failed collective leaves the process group unusable: do not tear it down
     store = None  # set when this rank stops on its own error and told the others why
     try:
-        from common.errors import DataError
-
         trainer = Trainer(cfg, args.output_dir, info)
         if info.rank == 0:
             print(
@@ -73,26 +71,16 @@ def main(argv=None) -> int:
                 flush=True,
             )
         summary = trainer.train()
-    # BackendUnavailable: model.attention cannot run on this machine (e.g. Triton without a GPU
-    # or TRITON_INTERPRET), found when the model is built: a configuration error too.
-    except (ConfigError, BackendUnavailable, CheckpointError, DataError, TrainingError, ValueError) as e:
-        print(f"error (rank {info.rank}): {e}", file=sys.stderr, flush=True)
-        store = announce_exit(info.rank, info.world_size, str(e))
-        return 2
-    except CollectiveError as e:  # names the rank, the collective and the ranks that did not answer
-        broken = True
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except RebalanceError as e:
-        broken = True
-        print(f"error (rank {info.rank}): {e}", file=sys.stderr, flush=True)
-        store = announce_exit(info.rank, info.world_size, str(e))
-        return 1
-    except OSError as e:  # an output file that cannot be written: disk full, permissions
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"error (rank {info.rank}): {where}{e.strerror or e}", file=sys.stderr, flush=True)
-        store = announce_exit(info.rank, info.world_size, f"{where}{e.strerror or e}")
-        return 1
+    except UserError as e:
+        # A failed collective names the rank, the collective and the ranks that did not answer;
+        # it and a failed exchange leave the process group unusable.
+        broken = isinstance(e, (CollectiveError, RebalanceError))
+        print(
+            f"error{'' if isinstance(e, CollectiveError) else f' (rank {info.rank})'}: {e}", file=sys.stderr, flush=True
+        )
+        if not isinstance(e, CollectiveError):
+            store = announce_exit(info.rank, info.world_size, str(e))
+        return e.exit_status
     finally:
         if not broken:
             destroy()  # its connections close when this process ends; the others' watchers read why first

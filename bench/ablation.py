@@ -54,7 +54,8 @@ import sys
 import time
 from pathlib import Path
 
-from bert.config import ConfigError, load_config
+from bert.config import load_config
+from common.errors import ConfigError
 from common.files import publishing, write_text
 
 REPO = Path(__file__).resolve().parents[1]

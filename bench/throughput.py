@@ -525,7 +525,7 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-    from bert.model.config import ConfigError
+    from common.errors import ConfigError
 
     def log(msg: str) -> None:
         print(msg, flush=True)

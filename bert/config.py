@@ -16,19 +16,15 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 
 from bert.model.config import PRESETS, BertConfig
-from bert.model.config import ConfigError as BertConfigError
 from common import config as cli
 from common.config import option as opt
+from common.errors import ConfigError
 from data.rebalance.plan import check_cost
 from kernels import registry
 from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
 
 # data.layout -> the attention layout the model builds from such a batch.
 ATTENTION_LAYOUTS = {"unpadded": VarlenLayout, "padded": PaddedLayout, "packed": PackedLayout}
-
-
-class ConfigError(ValueError):
-    """An invalid run configuration; the message names the key."""
 
 
 def _in_range(key: str, value, least=None, most=None, above=None) -> None:
@@ -495,12 +491,12 @@ def model_shape(model: ModelSection) -> BertConfig:
     path = model.config_file
     try:
         base = BertConfig.from_json(path) if path else PRESETS[model.preset]
-    except (BertConfigError, OSError) as e:
+    except (ConfigError, OSError) as e:
         message = str(e) if str(e).startswith(path) else f"{path}: {e}"
         raise ConfigError(f"model.config_file: {message}") from None
     try:
         return replace(base, **model.overrides)
-    except BertConfigError as e:
+    except ConfigError as e:
         name, _, why = str(e).partition(": ")
         raise ConfigError(f"model.overrides.{name}: {why}" if name in model.overrides else f"model: {e}") from None
 

@@ -16,11 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.errors import UserError
+
 if TYPE_CHECKING:  # importing the interface (and the registry) does not import torch
     from torch import Tensor
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(UserError):
     """The configured attention backend cannot run on this machine, layout or setting."""
 
 

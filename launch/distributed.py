@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common.errors import UserError
+
 DEFAULT_TIMEOUT_S = 1800.0
 
 # (launcher name, rank var, size var, local rank vars in order of preference)
@@ -35,7 +37,7 @@ MPI_LAUNCHERS = ("openmpi", "mpich")
 _initialised: DistInfo | None = None  # what init_distributed set up in this process
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError):
     """The launch environment is inconsistent or incomplete; the message names the variable."""
 
 

@@ -25,6 +25,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.errors import UserError
 from common.files import publishing_dir
 from launch import system_desc
 from launch.summarize import SummaryError, find_logs, read_events
@@ -38,7 +39,7 @@ DEFAULT_IMPLEMENTATION = "pytorch_unpadded"
 _SKIP_DIRS = {".git", ".venv", "results", "__pycache__", ".pytest_cache", ".ruff_cache", "node_modules"}
 
 
-class PackageError(Exception):
+class PackageError(UserError):
     """Bad input; the message names the file or option."""
 
 

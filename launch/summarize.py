@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.errors import UserError
 from common.files import file_digest, publishing, write_text
 
 TOKEN = ":::MLLOG"
@@ -30,7 +31,7 @@ DEFAULT_RCP_RULESET = "5.0.0"  # BERT's last round: its RCPs score any set, olde
 OFFICIAL_RUNS = 10
 
 
-class SummaryError(Exception):
+class SummaryError(UserError):
     """Bad input; the message names the file (and line)."""
 
 

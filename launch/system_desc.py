@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common.errors import UserError
 from common.files import write_text
 
 # The fields the 5.0.0 package checker requires, in the order MLPerf's own files list them.
@@ -42,7 +43,7 @@ STATUSES = ("Available on-premise", "Available cloud", "Research, Development, o
 DIVISIONS = ("closed", "open")
 
 
-class SystemDescError(ValueError):
+class SystemDescError(UserError):
     """Bad input for a system description; the message names the field."""
 
 

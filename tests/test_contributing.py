@@ -48,7 +48,8 @@ def test_file_map_check_catches_a_new_and_a_gone_module(tmp_path):
     (tmp_path / "bert" / "__init__.py").write_text("")
     (tmp_path / "bert" / "newcomer.py").write_text("x = 1\n")
     (tmp_path / "CONTRIBUTING.md").write_text(
-        "## Where the code lives\n\n| `bert/model/pretraining.py`, `data/gone.py` | ... |\n\n## Habits\n`bert/newcomer.py`\n"
+        "## Where the code lives\n\n| `bert/model/pretraining.py`, `data/gone.py` | ... |\n\n"
+        "## Habits\n`bert/newcomer.py`\n"
     )
     assert mapped_problems(tmp_path) == [
         "bert/newcomer.py: not in CONTRIBUTING's file map",

@@ -17,10 +17,10 @@ import sys
 import torch
 
 from bert.checkpoint.pretrained import export_hf, load_hf_state_dict, to_hf_state_dict
-from bert.checkpoint.safe_load import CheckpointError
-from bert.checkpoint.tf_reader import TFCheckpointError, google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
-from bert.model.config import BertConfig, ConfigError
+from bert.checkpoint.tf_reader import google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
+from bert.model.config import BertConfig
 from bert.model.pretraining import BertForPreTraining
+from common.errors import CheckpointError, ConfigError
 from common.files import publishing
 
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             save_pt(model, args.output)
         else:
             export_hf(model, args.output)
-    except (TFCheckpointError, CheckpointError, ConfigError, OSError) as e:
+    except (CheckpointError, ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     n = sum(p.numel() for p in model.parameters())

@@ -19,12 +19,13 @@ import os
 import shutil
 import sys
 
+from common.errors import UserError
 from common.files import publishing_dir
 
 SPECIAL_TOKENS = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError):
     """Bad input; the message is the one line the CLI prints."""
 
 
@@ -39,13 +40,12 @@ def find_checkpoint(run_dir: str, name: str | None) -> str:
             raise ExportError(f"{run_dir}: no checkpoints/step_* (train with checkpoint.interval_steps > 0)")
         return found[-1][1]
     candidates = [name, os.path.join(directory, name)]
-    if name.isdigit():  # the file, or an earlier sharded run's directory
-        candidates += [
-            train_checkpoint.checkpoint_path(directory, int(name)),
-            os.path.join(directory, f"step_{int(name):08d}"),
-        ]
+    if name.isdigit():
+        candidates.append(train_checkpoint.checkpoint_path(directory, int(name)))
     for path in candidates:
-        if os.path.isfile(path) or os.path.isfile(os.path.join(path, train_checkpoint.MANIFEST)):
+        if os.path.isdir(path) and os.path.basename(path).startswith("step_"):
+            train_checkpoint.refuse_directory(path)
+        if os.path.isfile(path):
             return path
     raise ExportError(f"--checkpoint: {name!r} is neither a file nor a step in {directory}")
 
@@ -56,10 +56,10 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     With ``checkpoint`` None the newest checkpoint that verifies is used; a damaged newest one
     is reported and the previous tried (bert.train_checkpoint.load_latest)."""
     from bert.checkpoint import training as train_checkpoint
-    from bert.checkpoint.safe_load import CheckpointError
-    from bert.config import ConfigError, build_config
+    from bert.config import build_config
     from bert.model.pretraining import BertForPreTraining
     from bert.train.build import build_model_config
+    from common.errors import CheckpointError, ConfigError
 
     path = find_checkpoint(run_dir, checkpoint)
     try:
@@ -84,10 +84,6 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
         raise ExportError(f"the run's data.vocab_file {vocab!r} is not a file here: give --vocab PATH")
     model = BertForPreTraining(model_config)
     try:
-        if "sharded" in state:  # an earlier code's directory of shards: read into whole tensors
-            from bert.distributed_checkpoint import whole_state
-
-            state = whole_state(state, model)
         model.load_state_dict(state["model"])
     except CheckpointError as e:
         raise ExportError(str(e)) from None

@@ -22,8 +22,9 @@ import os
 import torch
 from torch import Tensor
 
-from bert.checkpoint.safe_load import CheckpointError, read_config_and_weights
-from bert.model.config import BertConfig, ConfigError
+from bert.checkpoint.safe_load import read_config_and_weights
+from bert.model.config import BertConfig
+from common.errors import CheckpointError, ConfigError
 from common.files import publishing_dir
 
 ADAPTERS = {"bert": "bert.model.hf_bert", "modernbert": "bert.model.hf_modernbert"}

@@ -17,21 +17,12 @@ import zipfile
 import torch
 from torch import Tensor
 
-from bert.checkpoint.tf_reader import (
-    TFCheckpointError,
-    google_bert_to_hf,
-    is_slot_or_counter,
-    is_tf_checkpoint,
-    read_tf_checkpoint,
-)
+from bert.checkpoint.tf_reader import google_bert_to_hf, is_slot_or_counter, is_tf_checkpoint, read_tf_checkpoint
 from bert.model.config import BertConfig
+from common.errors import CheckpointError
 from common.files import UnsafeFile, open_checked
 
 __all__ = ["CheckpointError", "plain_data_problem", "safe_torch_load", "read_safetensors", "read_config_and_weights"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model, or that is refused; the message lists every problem."""
 
 
 _PLAIN_SCALARS = (str, int, float, bool, type(None))
@@ -180,7 +171,7 @@ def _read_tf(prefix: str) -> dict[str, Tensor]:
     try:
         variables = read_tf_checkpoint(prefix, include=lambda name: not is_slot_or_counter(name))
         weights, _ = google_bert_to_hf(variables)
-    except TFCheckpointError as e:
+    except CheckpointError as e:
         raise CheckpointError(str(e) if str(e).startswith(prefix) else f"{prefix}: {e}") from None
     return {k: torch.from_numpy(v) for k, v in weights.items()}
 

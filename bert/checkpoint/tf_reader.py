@@ -4,7 +4,7 @@ A TF V2 checkpoint ``PREFIX`` is ``PREFIX.index`` (a LevelDB-format table: under
 key a ``BundleHeaderProto``, under each variable's name a ``BundleEntryProto`` with dtype,
 shape, shard, offset, size and masked CRC-32C) and ``PREFIX.data-0000N-of-0000M`` (the raw
 bytes). ``read_tf_checkpoint(prefix)`` returns every variable as a numpy array, bitwise,
-every block and tensor checked against its CRC-32C (a ``TFCheckpointError`` names the file
+every block and tensor checked against its CRC-32C (a ``CheckpointError`` names the file
 and variable); the protobufs are decoded here, so only ``google_crc32c`` is needed.
 ``google_bert_to_hf(variables)`` renames Google BERT's variables to ``BertForPreTraining``'s
 (dense kernels transposed) and lists what it skipped.
@@ -19,13 +19,10 @@ import struct
 
 import numpy as np
 
+from common.errors import CheckpointError
 from common.files import UnsafeFile, open_checked, read_checked
 
-__all__ = ["TFCheckpointError", "read_tf_checkpoint", "is_tf_checkpoint", "google_bert_to_hf"]
-
-
-class TFCheckpointError(ValueError):
-    """A TensorFlow checkpoint that cannot be read; the message names the file and entry."""
+__all__ = ["read_tf_checkpoint", "is_tf_checkpoint", "google_bert_to_hf"]
 
 
 # tensorflow/core/framework/types.proto: DataType -> numpy dtype (little-endian).
@@ -125,14 +122,14 @@ def _read_block(data: bytes, offset: int, size: int, path: str) -> memoryview:
     """A block's contents after checking its 5-byte trailer (compression type, masked CRC)."""
     end = offset + size
     if end + 5 > len(data):
-        raise TFCheckpointError(f"{path}: truncated (a table block ends at byte {end + 5}, the file has {len(data)})")
+        raise CheckpointError(f"{path}: truncated (a table block ends at byte {end + 5}, the file has {len(data)})")
     block = memoryview(data)[offset:end]
     kind = data[end]
     stored = struct.unpack_from("<I", data, end + 1)[0]
     if _crc32c(memoryview(data)[offset : end + 1]) != _unmask(stored):
-        raise TFCheckpointError(f"{path}: checksum mismatch in the table block at byte {offset}")
+        raise CheckpointError(f"{path}: checksum mismatch in the table block at byte {offset}")
     if kind != 0:
-        raise TFCheckpointError(
+        raise CheckpointError(
             f"{path}: table block at byte {offset} is compressed (type {kind}); "
             "TensorFlow writes checkpoint indexes uncompressed"
         )
@@ -158,14 +155,14 @@ def _read_index(path: str) -> dict[bytes, bytes]:
     try:
         data = read_checked(path, max_bytes=1 << 30, what="a TensorFlow checkpoint index")
     except FileNotFoundError:
-        raise TFCheckpointError(f"{path}: no such file (a TensorFlow checkpoint PREFIX needs PREFIX.index)") from None
+        raise CheckpointError(f"{path}: no such file (a TensorFlow checkpoint PREFIX needs PREFIX.index)") from None
     except UnsafeFile as e:
-        raise TFCheckpointError(str(e)) from None
+        raise CheckpointError(str(e)) from None
     if len(data) < _FOOTER_SIZE:
-        raise TFCheckpointError(f"{path}: truncated ({len(data)} bytes, shorter than the table footer)")
+        raise CheckpointError(f"{path}: truncated ({len(data)} bytes, shorter than the table footer)")
     footer = data[-_FOOTER_SIZE:]
     if struct.unpack_from("<Q", footer, 40)[0] != _TABLE_MAGIC:
-        raise TFCheckpointError(f"{path}: not a TensorFlow checkpoint index (bad table magic number)")
+        raise CheckpointError(f"{path}: not a TensorFlow checkpoint index (bad table magic number)")
     try:
         _, pos = _varint(footer, 0)  # metaindex handle: offset, size (unused)
         _, pos = _varint(footer, pos)
@@ -178,9 +175,7 @@ def _read_index(path: str) -> dict[bytes, bytes]:
             for key, value in _block_entries(_read_block(data, offset, size, path)):
                 entries[key] = value
     except (IndexError, ValueError, struct.error) as e:
-        if isinstance(e, TFCheckpointError):
-            raise
-        raise TFCheckpointError(f"{path}: malformed table ({e})") from None
+        raise CheckpointError(f"{path}: malformed table ({e})") from None
     return entries
 
 
@@ -203,10 +198,10 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
     entries = _read_index(index_path)
     header = entries.pop(b"", None)
     if header is None:
-        raise TFCheckpointError(f"{index_path}: no bundle header (not a TF V2 checkpoint index)")
+        raise CheckpointError(f"{index_path}: no bundle header (not a TF V2 checkpoint index)")
     num_shards, endianness = _parse_header(header)
     if endianness != 0:
-        raise TFCheckpointError(f"{index_path}: big-endian checkpoints are not supported")
+        raise CheckpointError(f"{index_path}: big-endian checkpoints are not supported")
     shards, out = {}, {}
     try:
         for raw_name, value in sorted(entries.items()):
@@ -216,44 +211,42 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
             entry = _parse_entry(value)
             where = f"{prefix} variable {name!r}"
             if entry["sliced"]:
-                raise TFCheckpointError(f"{where}: partitioned (sliced) variables are not supported")
+                raise CheckpointError(f"{where}: partitioned (sliced) variables are not supported")
             dtype = _DTYPES.get(entry["dtype"])
             if dtype is None:
                 kind = _DTYPE_NAMES.get(entry["dtype"], f"DataType {entry['dtype']}")
-                raise TFCheckpointError(f"{where}: dtype {kind} is not supported")
+                raise CheckpointError(f"{where}: dtype {kind} is not supported")
             if entry["shape"] is None or any(d < 0 for d in entry["shape"]):
-                raise TFCheckpointError(f"{where}: unknown shape")
+                raise CheckpointError(f"{where}: unknown shape")
             shape = tuple(entry["shape"])
             expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
             if entry["size"] != expected:
-                raise TFCheckpointError(
+                raise CheckpointError(
                     f"{where}: {entry['size']} bytes stored for shape {list(shape)} of {np.dtype(dtype).name}"
                 )
             shard = entry["shard_id"]
             if shard not in shards:
                 if shard >= num_shards:
-                    raise TFCheckpointError(f"{where}: shard {shard}, but the header says {num_shards} shards")
+                    raise CheckpointError(f"{where}: shard {shard}, but the header says {num_shards} shards")
                 data_path = f"{prefix}.data-{shard:05d}-of-{num_shards:05d}"
                 try:  # a FIFO or a device is refused at once (fileio.open_checked)
                     shards[shard] = open_checked(data_path, what="a TensorFlow data shard")
                 except FileNotFoundError:
-                    raise TFCheckpointError(f"{data_path}: missing data shard ({where} is stored there)") from None
+                    raise CheckpointError(f"{data_path}: missing data shard ({where} is stored there)") from None
                 except UnsafeFile as e:
-                    raise TFCheckpointError(str(e)) from None
+                    raise CheckpointError(str(e)) from None
             f = shards[shard]
             f.seek(entry["offset"])
             raw = f.read(entry["size"])
             if len(raw) != entry["size"]:
-                raise TFCheckpointError(
+                raise CheckpointError(
                     f"{f.name}: truncated ({where} needs bytes {entry['offset']}..{entry['offset'] + entry['size']})"
                 )
             if entry["crc32c"] is not None and _crc32c(raw) != _unmask(entry["crc32c"]):
-                raise TFCheckpointError(f"{f.name}: checksum mismatch in {where}")
+                raise CheckpointError(f"{f.name}: checksum mismatch in {where}")
             out[name] = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
     except (IndexError, ValueError, struct.error) as e:
-        if isinstance(e, TFCheckpointError):
-            raise
-        raise TFCheckpointError(f"{index_path}: malformed entry ({e})") from None
+        raise CheckpointError(f"{index_path}: malformed entry ({e})") from None
     finally:
         for f in shards.values():
             f.close()
@@ -310,7 +303,7 @@ def google_bert_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict[str, np.nd
             continue
         out[hf] = value.T.copy() if name.endswith("/kernel") else value
     if unknown:
-        raise TFCheckpointError(f"unknown BERT variables (not Google BERT's names?): {sorted(unknown)}")
+        raise CheckpointError(f"unknown BERT variables (not Google BERT's names?): {sorted(unknown)}")
     return out, sorted(skipped)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -22,23 +21,24 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from bert.checkpoint.safe_load import CheckpointError, plain_data_problem, safe_torch_load
+from bert.checkpoint.safe_load import plain_data_problem, safe_torch_load
 from bert.distributed.collectives import Collectives
 from bert.optim.shard import ShardedLamb, reshard
 from bert.train.state import TrainState
-from common.files import UnsafeFile, file_digest, open_checked, publish, read_checked
+from common.errors import CheckpointError, RunFailure, UserError
+from common.files import UnsafeFile, open_checked, publish
 
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
 _TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
 TRAILER_BYTES = len(_TRAILER_PREFIX) + 64 + len(b" size=") + 16 + 1
-_NAME_RE = re.compile(r"step_(\d{8,})(\.pt)?\Z")  # a file, or an earlier sharded checkpoint's directory
+_NAME_RE = re.compile(r"step_(\d{8,})(\.pt)?\Z")  # a checkpoint file, or a directory this version refuses
 _READ_CHUNK = 1 << 22
 
 # The entries a training checkpoint must hold (``to_checkpoint``).
 REQUIRED_PARTS = ("model", "optimizer", "schedule", "loader", "counters")
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(RunFailure):
     """A checkpoint could not be written; the message names the file and the OS error."""
 
 
@@ -46,21 +46,27 @@ def checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:08d}.pt")
 
 
-# An earlier code's sharded checkpoint directory (bert.distributed_checkpoint): MANIFEST was written last.
-MANIFEST = "MANIFEST.json"
-STATE = "state.pt"
-_DIR_FORMAT = "bert-sharded-checkpoint/1"
+def refuse_directory(path: str) -> None:
+    """A ``step_*`` directory is the sharded DCP-directory format that unreleased code wrote before
+    the single file: refused in one line that says what to do."""
+    raise CheckpointError(
+        f"{path}: a sharded checkpoint directory (DCP-directory format), which no release wrote and this "
+        f"version does not read; move it out of the checkpoint directory (the run then resumes from the "
+        f"newest step_*.pt file, or starts over)"
+    )
 
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
-    """(step, path) of every ``step_*.pt`` file and sharded ``step_*`` directory under its final name, oldest first (a
-    step saved both ways: the directory sorts after the file, so it is the one tried first)."""
+    """(step, path) of every ``step_*.pt`` file under its final name, oldest first; a ``step_*``
+    directory there is refused (``refuse_directory``)."""
     found = []
     for path in glob.glob(os.path.join(glob.escape(directory), "step_*")):
         m = _NAME_RE.match(os.path.basename(path))
-        if m and (m.group(2) is None) == os.path.isdir(path):
-            found.append((int(m.group(1)), m.group(2) is None, path))
-    return [(step, path) for step, _, path in sorted(found)]
+        if m and m.group(2) is None and os.path.isdir(path):
+            refuse_directory(path)
+        if m and m.group(2) is not None and not os.path.isdir(path):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
 
 
 def _remove(path: str) -> None:
@@ -204,73 +210,19 @@ def verify(path: str, root: str | None = None) -> None:
         )
 
 
-_MAX_MANIFEST = 1 << 20  # a few entries per rank: 256 ranks list ~60 KB
-_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
-
-
-def is_plain_name(name) -> bool:
-    """Whether ``name`` is a file name of the directory itself: no path, not ``.`` or ``..``."""
-    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name and "\0" not in name
-
-
-def verify_dir(path: str) -> dict:
-    """Check every file of the checkpoint directory against its manifest (a small JSON object
-    of this format, an integer ``step``, plain file names); returns the manifest. Each file must
-    be regular and inside the directory (``fileio.open_checked``: a FIFO is refused at once)."""
-    file = os.path.join(path, MANIFEST)
-    try:
-        manifest = json.loads(read_checked(file, max_bytes=_MAX_MANIFEST, root=path, what="the manifest"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {MANIFEST} (an unfinished write, or not written by this trainer)") from None
-    except UnsafeFile as e:
-        raise CheckpointError(str(e)) from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{file}: not readable JSON ({_first_line(e)})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != _DIR_FORMAT:
-        raise CheckpointError(f"{file}: not a sharded training checkpoint's manifest (no 'format' {_DIR_FORMAT!r})")
-    step, files = manifest.get("step"), manifest.get("files")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"{file}: 'step' is {step!r}, not an integer >= 0")
-    if not isinstance(files, dict) or STATE not in files or ".metadata" not in files:
-        raise CheckpointError(f"{file}: 'files' does not list {STATE} and .metadata")
-    for name, entry in files.items():
-        if not is_plain_name(name) or name == MANIFEST:
-            raise CheckpointError(f"{file}: 'files' names {name!r}, not a file of this directory")
-        size = entry.get("bytes") if isinstance(entry, dict) else None
-        if not isinstance(size, int) or isinstance(size, bool) or not _SHA256.match(str(entry.get("sha256"))):
-            raise CheckpointError(f"{file}: the entry of {name} is not {{'bytes': <int>, 'sha256': <64 hex>}}")
-        try:
-            found = os.path.getsize(os.path.join(path, name))
-            if found != size:
-                raise CheckpointError(f"{path}: {name} holds {found} bytes, the manifest records {size}")
-            digest = file_digest(os.path.join(path, name), "sha256", root=path)
-        except UnsafeFile as e:
-            raise CheckpointError(str(e)) from None
-        except OSError:
-            raise CheckpointError(f"{path}: {name} is missing") from None
-        if digest != entry["sha256"]:
-            raise CheckpointError(
-                f"{path}: {name}: checksum mismatch (damaged: SHA-256 {digest[:12]}..., recorded "
-                f"{entry['sha256'][:12]}...)"
-            )
-    return manifest
-
-
 def read(path: str) -> dict:
-    """Verify and load one checkpoint (on the CPU) without running anything in it; its ``counters``
-    must hold an integer ``step``. A sharded directory (bert.distributed_checkpoint) is checked against
-    its manifest and gives its ``state.pt`` with ``"sharded": path`` added."""
-    manifest = verify_dir(path) if os.path.isdir(path) else None
-    state = read_file(path) if manifest is None else read_file(os.path.join(path, STATE), root=path)
+    """Verify and load one checkpoint file (on the CPU) without running anything in it; its
+    ``counters`` must hold an integer ``step``."""
+    if os.path.isdir(path):
+        refuse_directory(path)
+    state = read_file(path)
     counters = state.get("counters") if isinstance(state, dict) else None
     step = counters.get("step") if isinstance(counters, dict) else None
     if not isinstance(counters, dict):
         raise CheckpointError(f"{path}: not a training checkpoint (no 'counters')")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: counter 'step' is {step!r}, not an integer >= 0")
-    if manifest is not None and step != manifest["step"]:
-        raise CheckpointError(f"{path}: {STATE} is of step {step}, the manifest of step {manifest['step']}")
-    return state if manifest is None else {**state, "sharded": path}
+    return state
 
 
 def read_file(path: str, root: str | None = None):
@@ -420,10 +372,6 @@ def restore(saved: dict, parts: dict) -> TrainState:
     are overwritten by the next checkpoint tried). ``saved["loader"]`` is the caller's to apply.
     A sharded run keeps its part of each whole tensor (``_load_into_shards``)."""
     model, optimizer = parts["model"], parts["optimizer"]
-    if "sharded" in saved:
-        from bert.distributed_checkpoint import whole_state
-
-        saved = whole_state(saved, model, optimizer)
     state = check_fits(saved, model, optimizer)
     sharded = isinstance(optimizer, ShardedLamb)
     try:
@@ -434,7 +382,7 @@ def restore(saved: dict, parts: dict) -> TrainState:
         parts["schedule"].load_state_dict(saved["schedule"])
         if not sharded:
             optimizer.load_state_dict(saved["optimizer"])
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # DataError is a ValueError
+    except (UserError, ValueError, KeyError, TypeError, RuntimeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"does not fit this run ({first})") from None
     if sharded:

@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common.errors import RunFailure
+
 # What backends put in the messages of communication failures (gloo raises plain RuntimeErrors);
 # "pair closure": gloo, on a rank whose peer in the same process timed out first.
 _COMM_ERROR = re.compile("gloo|Connection closed|Connection reset|Timed out|timed out|NCCL|Broken pipe|pair closure")
@@ -31,7 +33,7 @@ WATCH_EVERY_S = 0.5
 EXIT_KEY = "fault/exit"  # "<rank>:<message>" of the first rank that stopped on its own error
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(RunFailure):
     """A collective failed (timeout, or a peer went away); the message names it, the step and the ranks."""
 
 

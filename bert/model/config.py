@@ -14,6 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from common.config import cut, short
+from common.errors import ConfigError
 from common.files import UnsafeFile, read_checked, write_text
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
@@ -33,10 +34,6 @@ _HF_METADATA = set(
     "output_attentions return_dict is_decoder add_cross_attention tie_word_embeddings position_embedding_type "
     "problem_type".split()
 )
-
-
-class ConfigError(ValueError):
-    """A model configuration that is invalid; the message names the field."""
 
 
 MAX_INT = 2**31 - 1  # every size indexes int32 tensors somewhere

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bert.config import ConfigError
+from common.errors import ConfigError
 
 RECIPES = ("tensorwise", "rowwise")
 # cuBLASLt's FP8 GEMMs need the reduced and output dimensions to be multiples of 16.

@@ -13,8 +13,9 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from bert.model.config import _HF_METADATA, BertConfig, ConfigError, alternating_layers
+from bert.model.config import _HF_METADATA, BertConfig, alternating_layers
 from common.config import short
+from common.errors import ConfigError
 
 _TYPES = {"full_attention": "global", "sliding_attention": "local"}
 _HF_TYPES = {v: k for k, v in _TYPES.items()}

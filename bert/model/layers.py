@@ -15,8 +15,9 @@ from functools import partial
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bert.model.config import ACTIVATIONS, BertConfig, ConfigError
+from bert.model.config import ACTIVATIONS, BertConfig
 from bert.model.fp8 import matmul
+from common.errors import ConfigError
 from kernels.ops.gemm_epilogue import linear_bias_gelu
 
 BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU implementations

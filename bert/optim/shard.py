@@ -16,8 +16,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from bert.config import ConfigError, OptimSection
+from bert.config import OptimSection
 from bert.optim.optimizers import Lamb, param_groups_for
+from common.errors import ConfigError
 
 SHARD, REPLICATE = "shard", "replicate"  # the mesh's dimension names
 

@@ -24,6 +24,7 @@ from bert.config import CheckpointSection, RunConfig
 from bert.model import fp8
 from bert.optim.clipping import ClipStats
 from bert.train.state import TrainState
+from common.errors import writing
 from common.files import publishing, write_text
 
 if TYPE_CHECKING:  # mlperf_logging is optional: imported only where the MLPerf log is written
@@ -54,7 +55,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.records.append(record)
-        with open(self.path, "a", encoding="utf-8") as f:
+        with writing(self.path), open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         for sink in self.sinks:
             sink.write(record)
@@ -126,7 +127,7 @@ def plot_curves(records: list[dict], path: str) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    with publishing(path, suffix=".png") as tmp:
+    with writing(path), publishing(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=100)
     plt.close(fig)
 
@@ -344,7 +345,9 @@ def interrupted(state: TrainState, saved: bool, error: str | None, progress: Pro
 
 def publish_summary(summary: dict, output_dir: str, metrics: MetricsWriter, progress: Progress, plot: bool) -> None:
     """Rank 0: OUTPUT_DIR/summary.json, curves.png (log.plot) and the table on stdout."""
-    write_text(os.path.join(output_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
+    path = os.path.join(output_dir, "summary.json")
+    with writing(path):
+        write_text(path, json.dumps(summary, indent=2) + "\n")
     if plot:
         plot_curves(metrics.records, os.path.join(output_dir, "curves.png"))
     progress.message("\nsummary\n" + summary_table(summary))

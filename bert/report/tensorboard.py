@@ -30,8 +30,8 @@ SCALARS = {
 
 class TensorBoardSink:
     def __init__(self, log_dir: str, config: dict, resume_step: int | None = None, history: list[dict] = ()):
-        from bert.config import ConfigError
         from bert.report.metrics import SpikeCounter
+        from common.errors import ConfigError
 
         try:
             from torch.utils.tensorboard import SummaryWriter

@@ -16,7 +16,6 @@ import torch
 from bert.config import (
     ATTENTION_LAYOUTS,
     CLOSED_EVAL_SAMPLES,
-    ConfigError,
     DataSection,
     LogSection,
     ModelSection,
@@ -27,13 +26,13 @@ from bert.config import (
 from bert.distributed.collectives import Collectives
 from bert.model import fp8
 from bert.model.config import BertConfig
-from bert.model.config import ConfigError as BertConfigError
 from bert.model.pretraining import BertForPreTraining
 from bert.optim.clipping import AdaGC
 from bert.optim.optimizers import build_optimizer, skips_on_device
 from bert.optim.schedule import PolyWarmupScheduler
 from bert.optim.shard import Sharding, build_sharded_lamb
 from bert.report.metrics import MetricsWriter
+from common.errors import ConfigError
 from kernels import registry
 
 if TYPE_CHECKING:  # mlperf_logging is optional: imported by build_mlperf_logger
@@ -84,7 +83,7 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
             raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from None
         try:
             config = replace(config, vocab_size=size)
-        except BertConfigError as e:
+        except ConfigError as e:
             raise ConfigError(f"data.vocab_file: {e}") from None
     if any(w is not None for w in config.layer_windows) and cfg.data.layout != "packed":
         # Local layers hand the backend a windowed layout; the packed layout carries the window

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bert.checkpoint.safe_load import CheckpointError
 from bert.distributed.collectives import Collectives
+from common.errors import CheckpointError
 from kernels.runtime import seed_philox_
 
 

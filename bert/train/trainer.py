@@ -46,10 +46,6 @@ from kernels.runtime import philox_from, philox_state
 CACHE_CLEARED_ENV = "MLPERF_CACHE_CLEARED"
 
 
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. too many non-finite steps); the message says why."""
-
-
 @dataclass
 class StepResult:
     loss_parts: torch.Tensor  # [4] local: loss, mlm loss, nsp loss, simreg (each / global count)

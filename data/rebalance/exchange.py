@@ -18,13 +18,14 @@ from datetime import timedelta
 
 import numpy as np
 
+from common.errors import RunFailure
 from data.batch_ramp import BatchRamp
 from data.rebalance.fit import OnlineModel, length_features
 from data.rebalance.plan import DEFAULT_COST, HEADER_WORDS, MEASURE_WORDS, STRATEGIES, Cost, check_cost, plan_for_rank
 from data.samples import SampleBlock, _offsets
 
 
-class RebalanceError(RuntimeError):
+class RebalanceError(RunFailure):
     """Bad input or a failed collective; raised identically on every rank where possible."""
 
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from bert.config import ConfigError, field_names, load_config
+from bert.config import field_names, load_config
+from common.errors import ConfigError
 
 # 376 bytes: nine levels of nine aliases, about 3.9e8 leaves if expanded.
 ALIAS_BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(

@@ -14,8 +14,8 @@ import torch
 
 import run_pretraining
 from bert.checkpoint import training as train_checkpoint
-from bert.checkpoint.safe_load import CheckpointError
 from common import files
+from common.errors import CheckpointError
 from tests.faults.common import (
     PYTHON,
     REFERENCE_STEPS,
@@ -342,28 +342,3 @@ def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(dataset, tmp_pat
     assert err[0].startswith(
         f"error (rank 0): every checkpoint in {ckpt_dir(tmp_path)} is damaged or refused ({path}: no checksum trailer"
     )
-
-
-# ---- a sharded checkpoint directory written by earlier code ------------------------------------
-
-
-def test_a_sharded_directory_of_earlier_code_resumes(dataset, reference, tmp_path, capsys):
-    """Step 4 rewritten as the DCP directory earlier code wrote for optim.shard runs: the run
-    resumes from it and trains exactly what the uninterrupted run trained."""
-    from bert.config import build_config
-    from bert.model.pretraining import BertForPreTraining
-    from bert.optim.optimizers import Lamb, param_groups_for
-    from bert.train.build import build_model_config
-    from tests.bert.old_checkpoints import from_single_file
-
-    run_in_process(dataset, tmp_path, *REFERENCE_STEPS, stop_after=3)  # as SIGTERM at step 4 does
-    path = os.path.join(ckpt_dir(tmp_path), "step_00000004.pt")
-    cfg = build_config(train_checkpoint.read(path)["config"])
-    model = BertForPreTraining(build_model_config(cfg))
-    from_single_file(path, ckpt_dir(tmp_path), model, Lamb(param_groups_for(model, cfg.optim.weight_decay), lr=1.0))
-    assert names(tmp_path) == ["step_00000004"]
-    capsys.readouterr()
-    s = run_in_process(dataset, tmp_path, *REFERENCE_STEPS)
-    assert "resumed from step 4" in capsys.readouterr().out
-    assert s["steps"] == 12 and losses(tmp_path) == reference
-    assert names(tmp_path) == ["step_00000004", "step_00000008.pt"]

@@ -20,8 +20,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bert.config import ConfigError, RunConfig, build_config, load_config
-from common.errors import DataError
+from bert.config import RunConfig, build_config, load_config
+from common.errors import ConfigError, DataError
 from data.hdf5io import FIXED_KEYS, VARLENGTH_KEYS, inspect, read_file, read_valid, write_fixed, write_varlength
 from data.prepare.shards import PrepareConfig, prepare
 from data.rebalance.exchange import check_block

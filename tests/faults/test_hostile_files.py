@@ -22,9 +22,9 @@ import torch
 import run_pretraining
 from bert.checkpoint import training as train_checkpoint
 from bert.checkpoint.pretrained import export_hf, load_pretrained, to_hf_state_dict
-from bert.checkpoint.safe_load import CheckpointError
 from bert.model.config import BertConfig
 from bert.model.pretraining import BertForPreTraining
+from common.errors import CheckpointError
 from tests.faults.common import losses, run_args, run_in_process
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")

@@ -7,9 +7,9 @@ import torch
 import transformers
 
 from bert.checkpoint.pretrained import export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
-from bert.checkpoint.safe_load import CheckpointError
-from bert.model.config import BertConfig, ConfigError
+from bert.model.config import BertConfig
 from bert.model.pretraining import BertForPreTraining
+from common.errors import CheckpointError, ConfigError
 from tests.batches import random_batch
 from tests.bert.model.test_model import hf_logits, hf_model
 

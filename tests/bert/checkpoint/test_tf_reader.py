@@ -14,10 +14,10 @@ import transformers
 
 from bert.checkpoint.convert_tf import main as convert_main
 from bert.checkpoint.pretrained import load_pretrained, to_hf_state_dict
-from bert.checkpoint.safe_load import CheckpointError
-from bert.checkpoint.tf_reader import TFCheckpointError, read_tf_checkpoint
+from bert.checkpoint.tf_reader import read_tf_checkpoint
 from bert.model.config import BertConfig
 from bert.model.pretraining import BertForPreTraining
+from common.errors import CheckpointError
 from tests.batches import random_batch
 from tests.bert.model.test_model import hf_logits, hf_model
 
@@ -88,27 +88,27 @@ def test_damaged_checkpoints_give_clean_errors(tmp_path):
     blob = open(data, "rb").read()
 
     open(data, "wb").write(blob[: len(blob) // 2])
-    with pytest.raises(TFCheckpointError, match="truncated"):
+    with pytest.raises(CheckpointError, match="truncated"):
         read_tf_checkpoint(prefix)
 
     flipped = bytearray(blob)
     flipped[len(blob) // 3] ^= 0x40
     open(data, "wb").write(bytes(flipped))
-    with pytest.raises(TFCheckpointError, match="checksum mismatch in .* variable"):
+    with pytest.raises(CheckpointError, match="checksum mismatch in .* variable"):
         read_tf_checkpoint(prefix)
 
     os.remove(data)
-    with pytest.raises(TFCheckpointError, match="missing data shard"):
+    with pytest.raises(CheckpointError, match="missing data shard"):
         read_tf_checkpoint(prefix)
 
     index = bytearray(open(prefix + ".index", "rb").read())
     index[10] ^= 0x01
     open(prefix + ".index", "wb").write(bytes(index))
-    with pytest.raises(TFCheckpointError, match="checksum mismatch in the table block"):
+    with pytest.raises(CheckpointError, match="checksum mismatch in the table block"):
         read_tf_checkpoint(prefix)
 
     os.remove(prefix + ".index")
-    with pytest.raises(TFCheckpointError, match=r"model.ckpt-7.index: no such file"):
+    with pytest.raises(CheckpointError, match=r"model.ckpt-7.index: no such file"):
         read_tf_checkpoint(prefix)
     with pytest.raises(CheckpointError, match="nor a TensorFlow checkpoint prefix"):
         load_pretrained(BertForPreTraining(BertConfig.from_json(CONFIG_JSON)), prefix)

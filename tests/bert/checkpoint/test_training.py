@@ -1,7 +1,6 @@
-"""bert.train_checkpoint's writer and restore path in one process: a sharded run (FSDP2 on a
+"""bert.checkpoint.training's writer and restore path in one process: a sharded run (FSDP2 on a
 group of one) writes the single file of whole tensors, which resumes unsharded and sharded
-with every weight and moment equal; an earlier code's sharded directory that does not fit is
-refused before anything is read (the multi-rank runs: test_trainer_sharded.py)."""
+with every weight and moment equal (the multi-rank runs: tests/bert/train/test_trainer_sharded.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +12,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from bert.checkpoint import training as tc
-from bert.checkpoint.safe_load import CheckpointError
 from bert.config import OptimSection, load_config
 from bert.model.config import BertConfig
 from bert.model.pretraining import BertForPreTraining
 from bert.optim.optimizers import build_optimizer
 from bert.optim.shard import apply_sharding, build_sharded_lamb, local_shard
 from bert.train.state import TrainState
-from tests.bert.old_checkpoints import optimizer_groups, training_tensors, write_old_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
@@ -74,35 +71,3 @@ def test_a_sharded_run_writes_whole_tensors_that_resume_unsharded_and_sharded(tm
         for key, value in want.items():
             assert torch.equal(got[key], value), key
         assert [g["step"] for g in run["optimizer"].param_groups] == [1, 1]
-
-
-@pytest.mark.parametrize(
-    "damage, message",
-    [
-        (lambda t: t.pop("optim/embeddings.word.weight/exp_avg"), "missing optim/embeddings.word.weight/exp_avg"),
-        (lambda t: t.update({"model/embeddings.word.weight": torch.zeros(97, 128)}), r"is torch.float32 \(97, 128\)"),
-        (lambda t: t.update({"model/extra": torch.zeros(2)}), "unexpected model/extra"),
-    ],
-    ids=["missing-moment", "other-shape", "unexpected-tensor"],
-)
-def test_an_earlier_sharded_directory_that_does_not_fit_is_refused(unsharded, tmp_path, damage, message):
-    tensors = training_tensors(unsharded["model"], unsharded["optimizer"])
-    damage(tensors)
-    state = {"counters": {"step": 3}, "optimizer_groups": optimizer_groups(unsharded["optimizer"].param_groups)}
-    path = write_old_checkpoint(tmp_path, 3, tensors, state)
-    with pytest.raises(CheckpointError, match=message):
-        tc.restore(tc.read(path), unsharded)  # refused before anything is loaded: the run itself will do
-
-
-def test_an_earlier_sharded_directory_gives_the_model_alone_to_the_export(unsharded, tmp_path):
-    """bert.export reads the weights only (no optimizer): the moments are not needed."""
-    from bert.distributed_checkpoint import whole_state
-
-    tensors = {
-        k: v for k, v in training_tensors(unsharded["model"], unsharded["optimizer"]).items() if "optim/" not in k
-    }
-    path = write_old_checkpoint(tmp_path, 3, tensors, {"counters": {"step": 3}, "optimizer_groups": []})
-    state = whole_state(tc.read(path), BertForPreTraining(BertConfig.preset("tiny", vocab_size=96)))
-    assert "optimizer" not in state and state.keys() >= {"model", "counters"}
-    for key, value in unsharded["model"].state_dict().items():
-        assert torch.equal(state["model"][key], value), key

@@ -4,7 +4,8 @@ backend this machine cannot run: one line, exit 2) are in test_trainer.py."""
 
 import pytest
 
-from bert.config import ConfigError, load_config
+from bert.config import load_config
+from common.errors import ConfigError
 
 
 @pytest.mark.parametrize(

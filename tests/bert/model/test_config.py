@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from bert.model.config import PRESETS, BertConfig, ConfigError
+from bert.model.config import PRESETS, BertConfig
+from common.errors import ConfigError
 
 
 def test_large_preset_is_mlperf_bert_large():
@@ -96,12 +97,11 @@ def test_an_unknown_activation_is_a_config_error_not_relu():
 
 def test_a_config_file_with_an_unknown_activation_is_found_when_the_config_is_checked(tmp_path, capsys):
     import run_pretraining
-    from bert.config import ConfigError as RunConfigError
     from bert.config import load_config
 
     path = tmp_path / "bert_config.json"
     path.write_text(json.dumps({**BertConfig.preset("tiny").to_dict(), "hidden_act": "swish"}))
-    with pytest.raises(RunConfigError, match=rf"^model.config_file: {path}: hidden_act: 'swish'"):
+    with pytest.raises(ConfigError, match=rf"^model.config_file: {path}: hidden_act: 'swish'"):
         load_config(None, [f"model.config_file={path}"])
     # From the command line: one line naming the file and the field, exit status 2, nothing done yet.
     out = tmp_path / "out"

@@ -17,11 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from bert.config import ConfigError, load_config
+from bert.config import load_config
 from bert.model import fp8
 from bert.model.config import BertConfig
 from bert.model.pretraining import BertForPreTraining
 from bert.train.trainer import Trainer
+from common.errors import ConfigError
 from launch.distributed import init_distributed
 from tests.batches import random_batch, write_learnable_dataset
 from tests.bert.train.test_trainer import dataset, losses, overrides, run_in_process  # noqa: F401 (a fixture)

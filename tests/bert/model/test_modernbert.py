@@ -14,10 +14,10 @@ import torch.nn.functional as F
 import transformers
 
 from bert.checkpoint.pretrained import export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
-from bert.checkpoint.safe_load import CheckpointError
-from bert.model.config import BertConfig, ConfigError, alternating_layers
+from bert.model.config import BertConfig, alternating_layers
 from bert.model.hf_modernbert import config_from_hf, config_to_hf
 from bert.model.pretraining import BertForPreTraining
+from common.errors import CheckpointError, ConfigError
 from data.batch import UnpaddedBatch, pad
 from tests.batches import random_batch
 

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from bert.config import ConfigError, OptimSection, load_config
+from bert.config import OptimSection, load_config
 from bert.optim.optimizers import build_optimizer, param_groups_for
-from common.errors import DataError
+from common.errors import ConfigError, DataError
 from data.batch_ramp import BatchRamp
 from tests.batches import write_learnable_dataset
 from tests.bert.optim.test_optimizers import TinyNet, _loss

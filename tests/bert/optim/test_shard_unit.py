@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
-from bert.config import ConfigError, OptimSection, load_config
+from bert.config import OptimSection, load_config
 from bert.optim.shard import apply_sharding, build_sharded_lamb, optimizer_state_bytes, shard_group_size
+from common.errors import ConfigError
 from tests.bert.report.test_closed_division import CLOSED
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")

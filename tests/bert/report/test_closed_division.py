@@ -8,10 +8,11 @@ import pytest
 
 import data.hdf5io
 import run_pretraining
-from bert.config import ConfigError, load_config, mlperf_eval_interval
+from bert.config import load_config, mlperf_eval_interval
 from bert.report.mlperf_log import MLPerfLogger
 from bert.train import build as components
 from bert.train import trainer as trainer_module
+from common.errors import ConfigError
 from tests.bert.train.test_trainer import dataset, losses, run_in_process  # noqa: F401 - dataset is a fixture
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bert.config import ConfigError, load_config
+from bert.config import load_config
 from bert.model.config import BertConfig
 from bert.model.pretraining import BertForPreTraining
 from bert.train.losses import pretraining_loss
+from common.errors import ConfigError
 from data.collate import collate_unpadded
 from data.static_shapes import StaticShapes
 from data.synthetic import random_block

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from bert.checkpoint.export import main as export_main
-from bert.config import ConfigError, load_config
+from bert.config import load_config
 from bert.train.trainer import Trainer
+from common.errors import ConfigError
 from launch.distributed import init_distributed
 from tests.bert.checkpoint.test_export import TEXT, write_vocab
 from tests.bert.train.test_modernbert_training import MODERN, records
