@@ -33,14 +33,24 @@ def worker(args) -> None:
     answered by the seconds it took."""
     import torch
 
-    from bert.checkpoint import training as tc
-    from bert.model.config import BertConfig
-    from bert.model.pretraining import BertForPreTraining
-    from bert.optim.optimizers import Lamb, param_groups_for
-    from bert.train import state as train_state
+    try:  # this layout, or the flat bert/ before issue 43 (the base revision's)
+        from bert.checkpoint import training as tc
+        from bert.model.config import BertConfig
+        from bert.model.pretraining import BertForPreTraining
+        from bert.optim.optimizers import Lamb, param_groups_for
+        from bert.state import TrainState
 
-    # This revision's trainer path: the functions live in train_checkpoint now, in train_state before.
-    home = tc if hasattr(tc, "restore") else train_state
+        home = tc
+    except ImportError:
+        from bert import train_checkpoint as tc
+        from bert import train_state
+        from bert.config import BertConfig
+        from bert.model import BertForPreTraining
+        from bert.optim import Lamb, param_groups_for
+
+        TrainState = train_state.TrainState
+        home = tc if hasattr(tc, "restore") else train_state  # where to_checkpoint and restore lived
+
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig.preset(args.preset, vocab_size=args.vocab))
     optimizer = Lamb(param_groups_for(model, 0.01), lr=1e-3)
@@ -56,7 +66,7 @@ def worker(args) -> None:
             step = int(step)
             start = time.perf_counter()
             if what == "save":
-                state = home.to_checkpoint(train_state.TrainState(step=step), parts, {"step": step}, {"run": "bench"})
+                state = home.to_checkpoint(TrainState(step=step), parts, {"step": step}, {"run": "bench"})
                 tc.save(directory, step, state, keep=2)
             else:
                 home.restore(tc.read(tc.checkpoint_path(directory, step)), parts)

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from bert.model.config import PRESETS, BertConfig
+from bert.model.hf import read_config
 from common.files import publishing, write_text
 from kernels.interface import BackendUnavailable
 from kernels.registry import backend_names, get_backend
@@ -200,8 +201,8 @@ def default_variants(device: torch.device) -> list[str]:
 def build_variants(
     names: list[str], explicit: bool, config: BertConfig, blocks, seq_len: int, device, hf_attention: str, seed: int
 ) -> list[Variant]:
-    from bert.checkpoint.pretrained import load_hf_state_dict
     from bert.config import OptimSection
+    from bert.model.hf import load_hf_state_dict
     from bert.model.pretraining import BertForPreTraining
     from bert.optim.optimizers import build_optimizer
     from data.collate import collate_padded, collate_unpadded, make_collator
@@ -536,7 +537,7 @@ def _main(args) -> int:
         "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     )
     try:
-        config = BertConfig.from_json(args.model_config) if args.model_config else BertConfig.preset(args.model)
+        config = read_config(args.model_config) if args.model_config else BertConfig.preset(args.model)
         if args.vocab_size:
             config = replace(config, vocab_size=args.vocab_size)
         if args.layers:

@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 
 from bert.model.config import PRESETS, BertConfig
+from bert.model.hf import read_config
 from common import config as cli
 from common.config import option as opt
 from common.errors import ConfigError
@@ -490,7 +491,7 @@ def model_shape(model: ModelSection) -> BertConfig:
     config_file is a ConfigError naming the file and the field it gets wrong (an unknown hidden_act)."""
     path = model.config_file
     try:
-        base = BertConfig.from_json(path) if path else PRESETS[model.preset]
+        base = read_config(path) if path else PRESETS[model.preset]
     except (ConfigError, OSError) as e:
         message = str(e) if str(e).startswith(path) else f"{path}: {e}"
         raise ConfigError(f"model.config_file: {message}") from None

@@ -2,5 +2,6 @@
 (``common.errors.UserError``), the config framework (``common.config``: typed dataclass fields read
 from YAML and ``section.field=value``), and files published whole (``common.files``).
 
-Imports: the standard library, numpy and PyYAML only; every other package may import this one.
+Imports: the standard library, numpy and PyYAML, nothing of the project; every other package
+may import this one.
 """

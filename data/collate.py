@@ -7,17 +7,12 @@ baseline) give exactly what ``data.batch.unpad`` / ``pad`` give for the same sam
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
 from common.errors import DataError
 from data.batch import PaddedBatch, UnpaddedBatch
 from data.samples import SampleBlock, _offsets
-
-BACKENDS = ("torch", "dali")
-LAYOUTS = ("unpadded", "padded", "packed")
 
 
 def _long(a: np.ndarray) -> torch.Tensor:
@@ -86,40 +81,3 @@ def collate_padded(block: SampleBlock, seq_len: int) -> PaddedBatch:
         mlm_labels=_long(block.masked_ids),
         nsp_labels=_long(block.nsp_labels),
     )
-
-
-def make_collator(
-    backend: str = "torch",
-    layout: str = "unpadded",
-    seq_len: int | None = None,
-    device_id: int | None = None,
-    max_batch_size: int = 1024,
-) -> Callable[[SampleBlock], UnpaddedBatch | PaddedBatch]:
-    """A function SampleBlock -> batch.
-
-    backend: ``torch`` (this module) or ``dali`` (a DALI pipeline; ``device_id`` None runs
-    it on the CPU, an int on that GPU, whose batches then live on that GPU).
-    layout: ``unpadded``, ``padded`` or ``packed`` (``seq_len`` required: the padded length or
-    the row length; packing is first-fit decreasing, ``data.packing``, torch backend only).
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
-    if layout in ("padded", "packed") and seq_len is None:
-        raise ValueError(f"layout {layout!r} needs seq_len")
-    if backend == "torch":
-        if device_id is not None:
-            raise ValueError("backend 'torch' collates on the CPU; move the batch with batch.to(device)")
-        if layout == "unpadded":
-            return collate_unpadded
-        if layout == "packed":
-            from data.packing import collate_packed
-
-            return lambda block: collate_packed(block, seq_len)
-        return lambda block: collate_padded(block, seq_len)
-    if layout == "packed":
-        raise ValueError(f"layout 'packed' collates with backend 'torch' only, not {backend!r}")
-    if backend == "dali":
-        from data.dali_loader import DaliCollator
-
-        return DaliCollator(layout=layout, seq_len=seq_len, device_id=device_id, max_batch_size=max_batch_size)
-    raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")

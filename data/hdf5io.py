@@ -676,6 +676,7 @@ def write_packed(
     """Write ``block`` in the packed layout: its sequences packed first-fit decreasing into
     packs of at most ``max_seq_length`` tokens (``data.packing``), pack after pack
     (``next_sentence`` and ``vocab_size`` as for ``write_varlength``)."""
+    # Imported here: data.packing brings torch (1.4 s), which the offline data tools never need.
     from data.packing import first_fit_decreasing
 
     _check_most(f"{path}: ", block.masked_counts, max_predictions, "masked positions")

@@ -10,6 +10,7 @@ step t depends only on the files, the seed, G and the lanes L, never on W (nor o
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import DataError
-from data.collate import BACKENDS, make_collator
+from data.batch import PaddedBatch, UnpaddedBatch
+from data.collate import collate_padded, collate_unpadded
+from data.dali_loader import DaliCollator
 from data.hdf5io import inspect, list_files, read_file, read_valid
+from data.packing import collate_packed
 from data.samples import SampleBlock, _gather_ranges, _offsets
 
 STATE_FORMAT = "PretrainingLoader/1"
@@ -41,6 +45,43 @@ def dataset_vocab_size(path) -> int | None:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise DataError(f"{m}: cannot read the vocabulary size ({e})") from None
     return None
+
+
+COLLATOR_BACKENDS = ("torch", "dali")  # data.backend: who turns SampleBlocks into batches
+LAYOUTS = ("unpadded", "padded", "packed")
+
+
+def make_collator(
+    backend: str = "torch",
+    layout: str = "unpadded",
+    seq_len: int | None = None,
+    device_id: int | None = None,
+    max_batch_size: int = 1024,
+) -> Callable[[SampleBlock], UnpaddedBatch | PaddedBatch]:
+    """A function SampleBlock -> batch.
+
+    backend: ``torch`` (``data.collate``, ``data.packing``) or ``dali`` (a DALI pipeline; ``device_id`` None runs
+    it on the CPU, an int on that GPU, whose batches then live on that GPU).
+    layout: ``unpadded``, ``padded`` or ``packed`` (``seq_len`` required: the padded length or
+    the row length; packing is first-fit decreasing, ``data.packing``, torch backend only).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    if layout in ("padded", "packed") and seq_len is None:
+        raise ValueError(f"layout {layout!r} needs seq_len")
+    if backend == "torch":
+        if device_id is not None:
+            raise ValueError("backend 'torch' collates on the CPU; move the batch with batch.to(device)")
+        if layout == "unpadded":
+            return collate_unpadded
+        if layout == "packed":
+            return lambda block: collate_packed(block, seq_len)
+        return lambda block: collate_padded(block, seq_len)
+    if layout == "packed":
+        raise ValueError(f"layout 'packed' collates with backend 'torch' only, not {backend!r}")
+    if backend == "dali":
+        return DaliCollator(layout=layout, seq_len=seq_len, device_id=device_id, max_batch_size=max_batch_size)
+    raise ValueError(f"backend {backend!r}: expected one of {', '.join(COLLATOR_BACKENDS)}")
 
 
 @dataclass(frozen=True, order=True)
@@ -203,8 +244,8 @@ class PretrainingLoader:
         self.lanes = default_lanes(global_batch_size) if lanes is None else lanes
         if self.lanes < 1 or global_batch_size % self.lanes:
             raise ValueError(f"lanes {self.lanes} must divide global_batch_size {global_batch_size}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+        if backend not in COLLATOR_BACKENDS:
+            raise ValueError(f"backend {backend!r}: expected one of {', '.join(COLLATOR_BACKENDS)}")
         if seed < 0:
             raise ValueError(f"seed {seed}: must be >= 0")
         self.global_batch_size = global_batch_size
@@ -519,8 +560,8 @@ class EvalLoader:
             raise ValueError(f"max_samples {max_samples}: must be >= 1")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+        if backend not in COLLATOR_BACKENDS:
+            raise ValueError(f"backend {backend!r}: expected one of {', '.join(COLLATOR_BACKENDS)}")
         self.path = Path(path)
         self.batch_size, self.backend = batch_size, backend
         if vocab_size is None:

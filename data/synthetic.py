@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.hdf5io import write_file
 from data.samples import SampleBlock
 
 
@@ -52,7 +53,6 @@ def write_shards(
     vocab_size: int = 1000,
 ) -> list[Path]:
     """HDF5 files ``part_%05d_of_%05d.hdf5`` with the given sample counts."""
-    from data.hdf5io import write_file
 
     paths = [Path(directory) / f"part_{i:05d}_of_{len(sizes):05d}.hdf5" for i in range(len(sizes))]
     for i, (p, n) in enumerate(zip(paths, sizes)):

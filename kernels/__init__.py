@@ -6,6 +6,8 @@ tests/test_layering.py): ``interface`` (the one attention call, its layouts and 
 ``runtime``; ``reference`` and the device code ``triton_jit``, ``fused_ops_jit``,
 ``rotary_jit`` (loaded by ``runtime`` from their files); ``varlen_attention``, ``fused_ops``,
 ``rotary``, ``gemm_epilogue``, ``library_backends``; ``flashmask``; ``registry`` (every
-backend by name, where the model picks one). Importing the package imports neither Triton
-nor a kernel, and nothing here imports ``bert/``.
+backend by name, where the model picks one); ``ops/``, the fused elementwise ops. Importing the
+package imports neither Triton nor a kernel.
+
+Imports: ``common`` only; never ``bert``, ``data`` or ``launch``.
 """

@@ -28,6 +28,7 @@ from kernels.interface import (
     VarlenLayout,
     requested_settings,
 )
+from kernels.runtime import check_runnable
 
 if TYPE_CHECKING:  # importing the registry does not import torch: the configuration names backends first
     from torch import Tensor
@@ -173,8 +174,6 @@ def get_backend(name: str, **options) -> AttentionFn:
     if unknown:
         raise ValueError(f"model.attention={name}: takes no option {unknown}; its options: {list(spec.options)}")
     if spec.triton:
-        from kernels.runtime import check_runnable
-
         check_runnable(f"model.attention={name}")
     fn = spec.load(**options)
 

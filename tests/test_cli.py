@@ -28,7 +28,7 @@ import tomllib
 from data.synthetic import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("bench", "bert", "data", "common.files", "kernels", "launch")
+PACKAGES = ("bench", "bert", "data", "common", "kernels", "launch")
 SYS_PATH_EDITS = ("append", "extend", "insert", "remove", "pop", "clear", "reverse", "sort", "__setitem__")
 
 

@@ -6,8 +6,8 @@ import re
 
 from tests.helpers import REPO
 
-MAPPED = ("bert", "data", "kernels", "launch", "common.files", "tools")
-APPLICATION = ("bert", "data", "kernels", "launch", "common.files")
+MAPPED = ("bert", "data", "kernels", "launch", "common", "tools")
+APPLICATION = ("bert", "data", "kernels", "launch", "common")
 
 
 def file_map(text: str) -> str:

@@ -1,21 +1,16 @@
-"""Imports run downhill only (DESIGN.md, "Layout").
+"""Imports run downhill only (DESIGN.md, "Layout"), as each package's opening lines say.
 
-The allowed order is written once, in ``LAYERS``: a module may import its own package and
-any package in a LOWER layer, never one in its own layer or above. So:
+Three rules, each written once here:
 
-- ``bench/`` (benchmarks) may import everything below, ``run_pretraining`` included;
-- ``run_pretraining.py`` (the entry point) and ``tools/`` (developer and test tools) may import
-  ``bert``, ``kernels``, ``data``, ``launch``, and not each other;
-- ``bert/`` (the model, trainer, logging) may import ``kernels``, ``data``, ``launch``;
-- ``kernels/``, ``data/`` and ``launch/`` form the bottom layer and import NONE of each
-  other: the attention interface lives in ``kernels``, batch types in ``data``, process
-  setup in ``launch``, and the code that needs two of them lives in ``bert`` or above;
-- ``fileio/`` (files published whole, streamed digests) lies below them all and imports
-  nothing of the project, so every package can publish its files through it.
-
-Inside a package listed in ``MODULE_LAYERS`` the same holds between its modules: a module may
-import only modules of a lower layer of its package, so the package has no import circle (for
-``kernels/``: the interface at the bottom, the registry at the top).
+- ``LAYERS``: a top-level package may import only packages of a LOWER layer: ``bench`` > the
+  entry point and ``tools`` > ``bert`` > ``kernels``, ``data``, ``launch`` (which import none
+  of each other) > ``common`` (which imports nothing of the project).
+- Every package's ``__init__.py`` docstring has an ``Imports:`` paragraph naming, in double
+  backticks, what its modules may import outside the package itself; an import leaving the
+  package that it does not name (or a prefix of) is a violation. So the contract a reader sees
+  is the one enforced (``bert.model`` may not import the trainer, nor ``data`` anything of ``bert``).
+- No import circles anywhere in the application, even inside one folder; and inside
+  ``kernels/`` (``MODULE_LAYERS``) each module imports only modules of a lower layer.
 
 Every import statement counts, wherever it is (lazy imports inside functions included), as do
 ``__import__("pkg.mod")`` and ``importlib.import_module("pkg.mod")`` with a literal name.
@@ -25,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +38,9 @@ LAYERS = {
     "kernels": 0,
     "data": 0,
     "launch": 0,
-    "common.files": -1,
+    "common": -1,
 }
+APPLICATION = ("bert", "data", "kernels", "launch", "common")
 
 # Package -> {module: layer} inside it. A module imports only modules of a lower layer; every
 # module of the package must be listed (a new module is placed here on purpose).
@@ -51,29 +48,25 @@ MODULE_LAYERS = {
     "kernels": {
         "__init__": 0,  # imports nothing
         "interface": 0,  # layouts, AttentionFn, BackendUnavailable, settings: imports nothing of the project
-        "gemm_epilogue": 0,  # the FFN-in GEMM with bias+GELU in its epilogue: imports nothing of the project
         "masks": 1,  # FlashMask semantics and builders, pure PyTorch
         "tiles": 1,
         "grouped": 1,
         "runtime": 1,  # compiled or interpreted Triton
         "reference": 2,  # the reference and padded backends
         "triton_jit": 2,  # the device code of the attention kernel family
-        "fused_ops_jit": 2,  # the fused ops' device code (shares the family's dropout mask)
-        "rotary_jit": 2,  # device code of the rotary embedding
         "varlen_attention": 3,  # the Triton backends
-        "fused_ops": 3,
-        "rotary": 3,  # rotary embedding: Triton kernel and PyTorch reference
         "library_backends": 3,
         "flashmask": 4,  # shares the varlen kernels' dropout seeds
         "registry": 5,  # every backend by name
+        "ops": 2,  # the fused elementwise ops (a sub-package): interface and runtime only
     },
 }
 
 # module path -> top-level modules it must not import at all (beyond the layer rule).
 FORBIDDEN = {
     # The plan is pure: the simulator and the plan tests run without process groups.
-    "data/rebalance/plan.py": ("torch", "data.rebalance"),
-    "bench/rebalance_sim.py": ("torch", "data.rebalance"),
+    "data/rebalance/plan.py": ("torch", "data.rebalance.exchange"),
+    "bench/rebalance_sim.py": ("torch", "data.rebalance.exchange"),
 }
 
 
@@ -156,6 +149,104 @@ def module_violations(root: Path) -> list[str]:
                         f"(layer {layers[target]}: {where})"
                     )
     return problems
+
+
+def package_contract(init: Path) -> list[str] | None:
+    """The project names of the ``Imports:`` paragraph of a package's docstring (None: no paragraph)."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    match = re.search(r"^Imports:(.*?)(?:\n\n|\Z)", doc, re.M | re.S)
+    if match is None:
+        return None
+    return [n for n in re.findall(r"``([\w.]+)``", match.group(1)) if n.split(".")[0] in LAYERS]
+
+
+def contract_violations(root: Path) -> list[str]:
+    """Imports that leave a package for a name its ``Imports:`` paragraph does not allow."""
+    problems = []
+    for init in sorted(p for top in APPLICATION for p in (root / top).rglob("__init__.py")):
+        package = ".".join(init.parent.relative_to(root).parts)
+        allowed = package_contract(init)
+        if allowed is None:
+            problems.append(f"{init.relative_to(root)}: no 'Imports:' paragraph in its docstring")
+            continue
+        for path in sorted(init.parent.glob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for line, name in imported_names(tree, package):
+                if name.split(".")[0] not in LAYERS or name == package or name.startswith(package + "."):
+                    continue
+                if not any(name == a or name.startswith(a + ".") for a in allowed):
+                    problems.append(
+                        f"{path.relative_to(root)}:{line}: imports {name}, which {package}'s Imports: omits"
+                    )
+    return problems
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Every set of application modules that import each other, directly or around a circle."""
+    modules = {}
+    for top in APPLICATION:
+        for path in (root / top).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = imported_names(ast.parse(path.read_text()), package, with_names=True)
+        found += imported_names(ast.parse(path.read_text()), package)
+        graph[name] = {n for _, n in found if n in modules and n != name}
+    index, low, stack, circles, counter = {}, {}, [], [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_every_package_keeps_its_imports_contract():
+    problems = contract_violations(REPO)
+    assert not problems, "imports a package's docstring does not allow:\n" + "\n".join(problems)
+
+
+def test_no_import_circles():
+    assert import_circles(REPO) == []
+
+
+def test_contract_checker_names_file_and_line(tmp_path):
+    (tmp_path / "data" / "prepare").mkdir(parents=True)
+    (tmp_path / "data" / "__init__.py").write_text('"""Data.\n\nImports: ``common`` only.\n"""\n')
+    (tmp_path / "data" / "prepare" / "__init__.py").write_text('"""Offline.\n\nImports: ``data.samples``.\n"""\n')
+    (tmp_path / "data" / "prepare" / "x.py").write_text("from data.samples import S\nfrom data.loader import L\n")
+    (tmp_path / "data" / "y.py").write_text("from common.files import f\nimport bert\n")
+    assert contract_violations(tmp_path) == [
+        "data/y.py:2: imports bert, which data's Imports: omits",
+        "data/prepare/x.py:2: imports data.loader, which data.prepare's Imports: omits",
+    ]
+
+
+def test_circle_checker_finds_a_circle_inside_one_folder(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "__init__.py").write_text("")
+    (tmp_path / "data" / "a.py").write_text("from data.b import x\n")
+    (tmp_path / "data" / "b.py").write_text("def f():\n    from data import a\n")
+    (tmp_path / "data" / "c.py").write_text("from data import a\n")
+    assert import_circles(tmp_path) == [["data.a", "data.b"]]
 
 
 def test_imports_run_downhill():
@@ -242,14 +333,15 @@ def test_module_checker_wants_every_module_placed(tmp_path):
 
 def test_checker_catches_forbidden_module(tmp_path):
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "rebalance_plan.py").write_text("import numpy\nimport torch.distributed as dist\n")
+    (tmp_path / "data" / "rebalance").mkdir(parents=True)
+    (tmp_path / "data" / "rebalance" / "plan.py").write_text("import numpy\nimport torch.distributed as dist\n")
     assert violations(tmp_path) == ["data/rebalance/plan.py:2: imports torch.distributed, which this module must not"]
 
 
 def test_rebalance_plan_and_simulator_load_no_exchange_and_no_torch():
     code = (
-        "import sys, bench.rebalance_sim, data.rebalance_plan; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m == 'data.rebalance'))"
+        "import sys, bench.rebalance_sim, data.rebalance.plan; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m == 'data.rebalance.exchange'))"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

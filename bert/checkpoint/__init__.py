@@ -3,5 +3,6 @@ restore path), reading files that may come from anyone (``safe_load``), TensorFl
 checkpoint without TensorFlow (``tf_reader``, ``convert_tf``), and transformers import/export
 (``pretrained``, ``export``).
 
-Imports: ``bert.model``, ``bert.optim``, ``bert.distributed``, ``bert.config``, ``common``; never the trainer.
+Imports: ``bert.model``, ``bert.config``, ``bert.state``, ``bert.optim``, ``bert.distributed``,
+``data.prepare.tokenization`` (the vocabulary an export ships) and ``common``; never the trainer.
 """

@@ -16,9 +16,10 @@ import sys
 
 import torch
 
-from bert.checkpoint.pretrained import export_hf, load_hf_state_dict, to_hf_state_dict
+from bert.checkpoint.pretrained import export_hf
 from bert.checkpoint.tf_reader import google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
 from bert.model.config import BertConfig
+from bert.model.hf import load_hf_state_dict, read_config, to_hf_state_dict
 from bert.model.pretraining import BertForPreTraining
 from common.errors import CheckpointError, ConfigError
 from common.files import publishing
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     try:
-        config = BertConfig.from_json(args.bert_config)
+        config = read_config(args.bert_config)
         model, skipped = convert(args.tf_checkpoint, config)
         if args.output.endswith(".pt"):
             save_pt(model, args.output)

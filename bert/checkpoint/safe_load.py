@@ -19,6 +19,7 @@ from torch import Tensor
 
 from bert.checkpoint.tf_reader import google_bert_to_hf, is_slot_or_counter, is_tf_checkpoint, read_tf_checkpoint
 from bert.model.config import BertConfig
+from bert.model.hf import read_config
 from common.errors import CheckpointError
 from common.files import UnsafeFile, open_checked
 
@@ -184,7 +185,7 @@ def read_config_and_weights(path: str) -> tuple[BertConfig | None, dict[str, Ten
     if is_tf_checkpoint(path):
         return None, _read_tf(path)
     if os.path.isdir(path):
-        config = BertConfig.from_json(os.path.join(path, "config.json"))
+        config = read_config(os.path.join(path, "config.json"))
         st = os.path.join(path, "model.safetensors")
         bin_ = os.path.join(path, "pytorch_model.bin")
         if os.path.exists(st):

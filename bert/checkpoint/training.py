@@ -24,7 +24,7 @@ import torch.distributed as dist
 from bert.checkpoint.safe_load import plain_data_problem, safe_torch_load
 from bert.distributed.collectives import Collectives
 from bert.optim.shard import ShardedLamb, reshard
-from bert.train.state import TrainState
+from bert.state import TrainState
 from common.errors import CheckpointError, RunFailure, UserError
 from common.files import UnsafeFile, open_checked, publish
 

@@ -2,5 +2,5 @@
 (``layers``), BERT for pretraining (``pretraining.BertForPreTraining``), FP8 linears (``fp8``), and one
 transformers adapter per ``model_type`` (``hf_bert``, ``hf_modernbert``).
 
-Imports: ``kernels``, ``data`` (batch types) and ``common``; nothing else of ``bert``.
+Imports: ``kernels``, ``data.batch`` (the batch types) and ``common``; nothing else of ``bert``.
 """

@@ -13,9 +13,9 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from common.config import cut, short
+from common.config import short
 from common.errors import ConfigError
-from common.files import UnsafeFile, read_checked, write_text
+from common.files import write_text
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 NORM_PLACEMENTS = ("post", "pre")
@@ -206,31 +206,6 @@ class BertConfig:
         if values.get("tie_word_embeddings", True) is not True:
             raise ConfigError(f"{source}: tie_word_embeddings must be true (the MLM decoder is tied)")
         return cls(**{k: v for k, v in values.items() if k in known})
-
-    @classmethod
-    def from_json(cls, path: str) -> BertConfig:
-        """Read BERT's ``bert_config.json``, or transformers' ``config.json`` of a BERT or of a
-        ModernBERT (``model_type`` "modernbert", mapped by ``bert.hf_modernbert``)."""
-        try:
-            values = json.loads(read_checked(path, max_bytes=1 << 20, what="model config"))
-        except UnsafeFile as e:
-            raise ConfigError(str(e)) from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read a JSON model config ({e.strerror or e})") from None
-        except (ValueError, RecursionError) as e:  # not JSON, an integer of 4,300+ digits, deep nesting
-            raise ConfigError(
-                f"{path}: not a JSON model config ({cut(str(e).splitlines()[0] if str(e) else type(e).__name__)})"
-            ) from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        try:
-            if values.get("model_type", "bert") != "bert":
-                from bert.checkpoint.pretrained import adapter  # the adapters import this module
-
-                return adapter(values["model_type"]).config_from_hf(values, source=path)
-            return cls.from_dict(values, source=path)
-        except (ConfigError, TypeError) as e:
-            raise ConfigError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
 
     def to_dict(self, transformers: bool = False) -> dict:
         """BERT's fields, and the part fields that differ from BERT's; ``transformers=True``:

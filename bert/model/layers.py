@@ -18,7 +18,9 @@ from torch import Tensor, nn
 from bert.model.config import ACTIVATIONS, BertConfig
 from bert.model.fp8 import matmul
 from common.errors import ConfigError
+from kernels.ops import rotary
 from kernels.ops.gemm_epilogue import linear_bias_gelu
+from kernels.ops.rotary import rotary_tables
 
 BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU implementations
 
@@ -67,7 +69,6 @@ class Rotary(nn.Module):
 
     def __init__(self, config: BertConfig, kernel: str):
         super().__init__()
-        from kernels.ops.rotary import rotary_tables
 
         if kernel not in ("torch", "triton"):
             raise ValueError(f"model.rotary_kernel: {kernel!r} is not one of ('torch', 'triton')")
@@ -78,7 +79,6 @@ class Rotary(nn.Module):
             self.register_buffer(f"{kind}_sin", sin, persistent=False)
 
     def forward(self, x_NHD: Tensor, position_ids: Tensor, kind: str) -> Tensor:
-        from kernels.ops import rotary
 
         fn = rotary.apply_rotary if self.kernel == "triton" else rotary.apply_rotary_reference
         return fn(x_NHD, getattr(self, f"{kind}_cos"), getattr(self, f"{kind}_sin"), position_ids)

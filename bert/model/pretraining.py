@@ -23,6 +23,7 @@ from bert.model.config import BertConfig
 from bert.model.layers import BIAS_GELU, Embeddings, EncoderLayer, Rotary, activation, init_weights, make_norm
 from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
 from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
+from kernels.masks import window_bounds
 from kernels.registry import get_backend
 
 
@@ -39,8 +40,6 @@ def windowed(layout, window: int | None):
     if window is None:
         return layout
     if isinstance(layout, PackedLayout):
-        from kernels.masks import window_bounds
-
         return PackedLayout(window_bounds(layout.startend_row_indices, window, n=2), layout.causal)
     return dataclasses.replace(layout, window=window)
 

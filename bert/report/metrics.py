@@ -23,7 +23,7 @@ from bert.checkpoint.training import list_checkpoints
 from bert.config import CheckpointSection, RunConfig
 from bert.model import fp8
 from bert.optim.clipping import ClipStats
-from bert.train.state import TrainState
+from bert.state import TrainState
 from common.errors import writing
 from common.files import publishing, write_text
 

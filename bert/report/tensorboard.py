@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import os
 
+from bert.report.metrics import SpikeCounter
+from common.errors import ConfigError
+
 SCALARS = {
     "loss": "loss/total",
     "mlm_loss": "loss/mlm",
@@ -30,8 +33,6 @@ SCALARS = {
 
 class TensorBoardSink:
     def __init__(self, log_dir: str, config: dict, resume_step: int | None = None, history: list[dict] = ()):
-        from bert.report.metrics import SpikeCounter
-        from common.errors import ConfigError
 
         try:
             from torch.utils.tensorboard import SummaryWriter

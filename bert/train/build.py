@@ -180,7 +180,7 @@ def build_grad_scaler(train: TrainSection, sharding: Sharding | None):
 def build_collator(data: DataSection, device: torch.device, max_batch_size: int):
     """SampleBlock -> data.layout's batch, by data.backend. DALI collates on this rank's GPU
     when there is one; torch collates on the CPU and the batch is moved with a non-blocking copy."""
-    from data.collate import make_collator
+    from data.loader import make_collator
 
     device_id = device.index if data.backend == "dali" and device.type == "cuda" else None
     return make_collator(data.backend, data.layout, data.max_seq_length, device_id, max_batch_size=max_batch_size)

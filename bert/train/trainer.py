@@ -31,11 +31,11 @@ from bert.optim.optimizers import apply_update
 from bert.optim.shard import apply_sharding, local_shard, reshard
 from bert.report import metrics as reporting
 from bert.report.metrics import DeviceCounters, Progress
+from bert.state import TrainState, resolve_seed, seed_step
 from bert.train import build as components
 from bert.train.evaluate import EvalBatches, masked_lm_counts
 from bert.train.host_counts import CountAgreement, StepPlanner
 from bert.train.losses import pretraining_loss, simreg_term
-from bert.train.state import TrainState, resolve_seed, seed_step
 from bert.train.step_timer import StepTimer
 from data.batch import to_device
 from data.samples import SampleBlock
@@ -108,7 +108,7 @@ class Trainer:
         self.agreement = CountAgreement(self.world, cfg.dist.timeout_s)  # after the rebalancer's group
         graphed = self.static if t.cuda_graphs else None  # graphed eval replays padded shapes
         self.eval_batches = EvalBatches(cfg.eval, self.device, self._collate, self.progress.message, graphed)
-        # What a checkpoint saves and restores besides the counters (bert.train_state).
+        # What a checkpoint saves and restores besides the counters (bert.state).
         self.parts = {"model": self.model, "optimizer": self.optimizer, "schedule": self.schedule}
         self.parts.update(adagc=self.adagc, scaler=self.scaler)
         self._loader_state = self._resume(found) if found is not None else None  # applied when the data opens

@@ -3,6 +3,6 @@
 pipeline (``mlperf_reference``, ``mlperf_dataset``), checksums (``verify``), layout conversion,
 statistics and the demo corpus.
 
-Imports: ``data`` (samples, HDF5 formats) and ``common``; the trainer never imports this package,
-except the vocabulary reader that export uses.
+Imports: ``data.samples``, ``data.hdf5io`` and ``common``; of this package the trainer imports
+only the vocabulary reader that an export ships.
 """

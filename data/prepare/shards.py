@@ -32,6 +32,8 @@ from common.errors import DataError, cli_main
 from common.files import md5sum, publish, write_text
 from data.hdf5io import ALL_LAYOUTS, write_file
 from data.prepare import text
+from data.prepare.mlperf_dataset import Pool, prepare_files
+from data.prepare.mlperf_reference import RefParams
 from data.prepare.progress import progress
 from data.prepare.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
 from data.prepare.tokenization import MAX_VOCAB_SIZE, Vocab, encode, load_tokenizer, train_wordpiece, write_vocab
@@ -929,8 +931,6 @@ def main(argv=None) -> int:
 
 def _main_reference(args) -> int:
     """``--reference``: one reference-identical fixed-layout file per input file."""
-    from data.prepare.mlperf_dataset import Pool, prepare_files
-    from data.prepare.mlperf_reference import RefParams
 
     if refused := refused_by_reference(args):
         raise DataError(

@@ -2,5 +2,5 @@
 which rank holds which sample), the online fit of the cost model and rank speeds (``fit``), and the
 exchange that moves the planned samples between ranks (``exchange.Rebalancer``).
 
-Imports: ``data`` (samples, the batch ramp) and ``common``; ``plan`` imports no torch at all.
+Imports: ``data.samples``, ``data.batch_ramp`` and ``common``; ``plan`` imports no torch at all.
 """

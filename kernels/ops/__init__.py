@@ -3,5 +3,5 @@ and bias+dropout+residual+LayerNorm (``fused``), rotary embedding (``rotary``), 
 with a bias+GELU epilogue (``gemm_epilogue``); ``*_jit`` files hold the device code that
 ``kernels.runtime`` loads.
 
-Imports: ``kernels`` (interface, runtime, the attention family's dropout) only.
+Imports: ``kernels.interface`` and ``kernels.runtime`` only.
 """

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from kernels.interface import BackendUnavailable
+from kernels.runtime import jit_kernels
 
 
 def rotary_tables(head_dim: int, theta: float, max_positions: int, device=None) -> tuple[Tensor, Tensor]:
@@ -56,7 +57,6 @@ JIT_SOURCE = Path(__file__).with_name("rotary_jit.py")  # the device code, loade
 
 
 def _launch(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, inverse: bool) -> Tensor:
-    from kernels.runtime import jit_kernels
 
     kern = jit_kernels(x.device, "rotary kernel", JIT_SOURCE)  # raises BackendUnavailable when it cannot
     if x.stride(-1) != 1:

@@ -11,9 +11,9 @@ import torch
 
 from common.errors import DataError
 from data.batch import pad, unpad
-from data.collate import collate_padded, collate_unpadded, make_collator
+from data.collate import collate_padded, collate_unpadded
 from data.hdf5io import to_fixed_arrays
-from data.loader import EvalLoader, PretrainingLoader
+from data.loader import EvalLoader, PretrainingLoader, make_collator
 from data.samples import SampleBlock
 from data.synthetic import random_block, write_shards
 

@@ -21,8 +21,9 @@ import torch
 
 import run_pretraining
 from bert.checkpoint import training as train_checkpoint
-from bert.checkpoint.pretrained import export_hf, load_pretrained, to_hf_state_dict
+from bert.checkpoint.pretrained import export_hf, load_pretrained
 from bert.model.config import BertConfig
+from bert.model.hf import to_hf_state_dict
 from bert.model.pretraining import BertForPreTraining
 from common.errors import CheckpointError
 from tests.faults.common import losses, run_args, run_in_process

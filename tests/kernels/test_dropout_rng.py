@@ -95,9 +95,9 @@ def test_fused_op_calls_in_a_row_differ_restoring_the_state_repeats_them_and_bac
 
 
 def test_a_step_seed_reproduces_its_masks_and_another_seed_or_step_differs():
-    """The trainer's per-step seeding (bert.train_state.seed_step): the masks depend on (run
+    """The trainer's per-step seeding (bert.state.seed_step): the masks depend on (run
     seed, step, rank) alone, not on what the state drew before."""
-    from bert.train.state import seed_step
+    from bert.state import seed_step
 
     g = torch.Generator().manual_seed(6)
     x, res, vec = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g), torch.randn(64, generator=g)

@@ -6,8 +6,9 @@ import pytest
 import torch
 import transformers
 
-from bert.checkpoint.pretrained import export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
+from bert.checkpoint.pretrained import export_hf, load_pretrained
 from bert.model.config import BertConfig
+from bert.model.hf import load_hf_state_dict, read_config, to_hf_state_dict
 from bert.model.pretraining import BertForPreTraining
 from common.errors import CheckpointError, ConfigError
 from tests.batches import random_batch
@@ -117,7 +118,7 @@ def test_a_family_without_an_adapter_is_one_line(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "roberta", "hidden_size": 36}')
     with pytest.raises(ConfigError, match=r"model_type 'roberta': no transformers adapter here \(one of \['bert'"):
-        BertConfig.from_json(str(path))
+        read_config(str(path))
     rms = BertForPreTraining(BertConfig.preset("tiny", norm_kind="rmsnorm", norm_bias=False))
     with pytest.raises(CheckpointError, match=r"no transformers class holds this config \(norm_kind='rmsnorm'"):
         load_hf_state_dict(rms, {})

@@ -13,9 +13,10 @@ import torch
 import transformers
 
 from bert.checkpoint.convert_tf import main as convert_main
-from bert.checkpoint.pretrained import load_pretrained, to_hf_state_dict
+from bert.checkpoint.pretrained import load_pretrained
 from bert.checkpoint.tf_reader import read_tf_checkpoint
 from bert.model.config import BertConfig
+from bert.model.hf import read_config, to_hf_state_dict
 from bert.model.pretraining import BertForPreTraining
 from common.errors import CheckpointError
 from tests.batches import random_batch
@@ -42,7 +43,7 @@ def test_reads_every_variable_bitwise_as_tensorflow_does():
 
 
 def test_converted_model_matches_transformers(tmp_path):
-    config = BertConfig.from_json(CONFIG_JSON)
+    config = read_config(CONFIG_JSON)
     ours = BertForPreTraining(config).eval()
     load_pretrained(ours, PREFIX)  # checkpoint.init takes the prefix directly
     tf = expected()
@@ -111,7 +112,7 @@ def test_damaged_checkpoints_give_clean_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"model.ckpt-7.index: no such file"):
         read_tf_checkpoint(prefix)
     with pytest.raises(CheckpointError, match="nor a TensorFlow checkpoint prefix"):
-        load_pretrained(BertForPreTraining(BertConfig.from_json(CONFIG_JSON)), prefix)
+        load_pretrained(BertForPreTraining(read_config(CONFIG_JSON)), prefix)
 
 
 def test_cli_reports_one_line_and_fails(tmp_path):

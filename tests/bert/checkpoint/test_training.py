@@ -17,7 +17,7 @@ from bert.model.config import BertConfig
 from bert.model.pretraining import BertForPreTraining
 from bert.optim.optimizers import build_optimizer
 from bert.optim.shard import apply_sharding, build_sharded_lamb, local_shard
-from bert.train.state import TrainState
+from bert.state import TrainState
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

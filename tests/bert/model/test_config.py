@@ -4,6 +4,7 @@ import os
 import pytest
 
 from bert.model.config import PRESETS, BertConfig
+from bert.model.hf import read_config
 from common.errors import ConfigError
 
 
@@ -26,7 +27,7 @@ def test_json_round_trip_bert_and_transformers(tmp_path):
     for transformers in (False, True):
         path = tmp_path / f"c{transformers}.json"
         c.to_json(str(path), transformers=transformers)
-        assert BertConfig.from_json(str(path)) == c
+        assert read_config(str(path)) == c
     # BERT's original bert_config.json has no layer_norm_eps: the default applies.
     bert_json = {
         "attention_probs_dropout_prob": 0.1,
@@ -42,7 +43,7 @@ def test_json_round_trip_bert_and_transformers(tmp_path):
         "vocab_size": 30522,
     }
     (tmp_path / "bert_config.json").write_text(json.dumps(bert_json))
-    assert BertConfig.from_json(str(tmp_path / "bert_config.json")) == BertConfig.preset("large")
+    assert read_config(str(tmp_path / "bert_config.json")) == BertConfig.preset("large")
 
 
 def test_transformers_written_config_loads(tmp_path):
@@ -50,7 +51,7 @@ def test_transformers_written_config_loads(tmp_path):
     transformers.BertConfig(
         hidden_size=12, num_attention_heads=3, num_hidden_layers=1, intermediate_size=20, vocab_size=50
     ).save_pretrained(str(tmp_path))
-    c = BertConfig.from_json(str(tmp_path / "config.json"))
+    c = read_config(str(tmp_path / "config.json"))
     assert (c.hidden_size, c.num_attention_heads, c.vocab_size) == (12, 3, 50)
 
 
@@ -74,7 +75,7 @@ def test_unknown_field_is_named(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({**BertConfig.preset("tiny").to_dict(), "hiden_size": 3}))
     with pytest.raises(ConfigError, match="hiden_size"):
-        BertConfig.from_json(str(path))
+        read_config(str(path))
     with pytest.raises(ConfigError, match="preset"):
         BertConfig.preset("huge")
 
@@ -137,7 +138,7 @@ def test_hostile_config_json_is_one_line_naming_the_field(tmp_path, values, mess
     path = tmp_path / "config.json"
     path.write_text(json.dumps(values))  # NaN and Infinity as Python's json writes them
     with pytest.raises(ConfigError) as e:
-        BertConfig.from_json(str(path))
+        read_config(str(path))
     text = str(e.value)
     assert text.startswith(f"{path}: ") and message in text and "\n" not in text and len(text) < 400, text
 
@@ -151,7 +152,7 @@ def test_unreadable_config_json_is_one_line(tmp_path):
     os.mkfifo(fifo)
     for path, message in ((digits, "not a JSON model config"), (deep, "not a JSON model config"), (fifo, "regular")):
         with pytest.raises(ConfigError) as e:
-            BertConfig.from_json(str(path))
+            read_config(str(path))
         assert str(e.value).startswith(f"{path}: ") and message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from bert.checkpoint.pretrained import load_hf_state_dict, to_hf_state_dict
 from bert.model.config import BertConfig
+from bert.model.hf import load_hf_state_dict, to_hf_state_dict
 from bert.model.pretraining import BertForPreTraining
 from data.batch import pad
 from tests.batches import random_batch

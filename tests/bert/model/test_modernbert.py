@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from bert.checkpoint.pretrained import export_hf, load_hf_state_dict, load_pretrained, to_hf_state_dict
+from bert.checkpoint.pretrained import export_hf, load_pretrained
 from bert.model.config import BertConfig, alternating_layers
+from bert.model.hf import load_hf_state_dict, read_config, to_hf_state_dict
 from bert.model.hf_modernbert import config_from_hf, config_to_hf
 from bert.model.pretraining import BertForPreTraining
 from common.errors import CheckpointError, ConfigError
@@ -143,7 +144,7 @@ def test_export_loads_with_auto_classes(seed, tmp_path):
     assert (ours(batch).mlm_logits - hf_mlm_logits(theirs.eval(), batch)).abs().max() <= 1e-4
 
     # And back: the directory loads into a fresh model bit for bit.
-    again = BertForPreTraining(BertConfig.from_json(str(tmp_path / "hf" / "config.json")))
+    again = BertForPreTraining(read_config(str(tmp_path / "hf" / "config.json")))
     assert again.config == config
     load_pretrained(again, str(tmp_path / "hf"))
     for name, p in ours.state_dict().items():

@@ -28,7 +28,7 @@ from bert.optim.clipping import AdaGC, clip_global_  # noqa: E402
 from bert.optim.optimizers import build_optimizer  # noqa: E402
 from bert.optim.shard import WholeNorms, apply_sharding, build_sharded_lamb, local_shard, optimizer_state_bytes
 from bert.train.losses import pretraining_loss  # noqa: E402
-from data.collate import make_collator  # noqa: E402
+from data.loader import make_collator  # noqa: E402
 from data.synthetic import random_block  # noqa: E402
 
 VOCAB, SEQ, PER_RANK = 96, 32, 4

@@ -37,7 +37,7 @@ def _model():
 
 
 def _batch(step: int):
-    from data.collate import make_collator
+    from data.loader import make_collator
     from data.synthetic import random_block
 
     block = random_block(8, seed=step, max_seq_length=64, max_predictions=8, vocab_size=96)

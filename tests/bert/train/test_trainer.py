@@ -356,7 +356,7 @@ def test_triton_dropout_is_reproducible_from_the_seed_and_resumes_bitwise(tmp_pa
     another state, and a fresh run of the same seed, interrupted after step 1 and resumed,
     the first run's states and losses, bitwise (nothing of the state is saved). The masks as
     a function of the state (and another seed's masks): tests/kernels/test_dropout_rng.py."""
-    from bert.train.state import step_seed
+    from bert.state import step_seed
 
     extra = tiny_triton_dropout(tmp_path)
     _, whole = _run_recording_philox([*extra, "train.seed=5"], tmp_path / "a")
