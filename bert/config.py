@@ -160,7 +160,7 @@ class DataSection:
         try:
             check_cost(self.rebalance_cost)
         except ValueError as e:
-            raise ConfigError(f"data.rebalance_cost: {str(e).removeprefix('cost: ')}") from None
+            raise ConfigError(f"data.rebalance_cost: {str(e).removeprefix('cost: ')}") from e
         window, bound, rate = got = self.rebalance_measured
         if window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1:
             raise ConfigError(f"data.rebalance_measured: expected window >= 2, bound >= 1, 0 < rate <= 1, got {got}")
@@ -494,12 +494,12 @@ def model_shape(model: ModelSection) -> BertConfig:
         base = read_config(path) if path else PRESETS[model.preset]
     except (ConfigError, OSError) as e:
         message = str(e) if str(e).startswith(path) else f"{path}: {e}"
-        raise ConfigError(f"model.config_file: {message}") from None
+        raise ConfigError(f"model.config_file: {message}") from e
     try:
         return replace(base, **model.overrides)
     except ConfigError as e:
         name, _, why = str(e).partition(": ")
-        raise ConfigError(f"model.overrides.{name}: {why}" if name in model.overrides else f"model: {e}") from None
+        raise ConfigError(f"model.overrides.{name}: {why}" if name in model.overrides else f"model: {e}") from e
 
 
 def check_cuda_graphs(cfg: RunConfig) -> None:
@@ -630,7 +630,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
     try:
         return build_config(values)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from e
 
 
 def field_names() -> list[str]:

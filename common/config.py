@@ -153,9 +153,9 @@ def parse_yaml(text: str, where: str, error=ValueError):
         mark = getattr(e, "problem_mark", None)
         at = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise error(f"{where} not valid YAML ({at}{cut(problem)})") from None
+        raise error(f"{where} not valid YAML ({at}{cut(problem)})") from e
     except ValueError as e:  # an integer of more than 4,300 digits
-        raise error(f"{where} not a valid value ({cut(str(e).split(':')[0], 80)})") from None
+        raise error(f"{where} not a valid value ({cut(str(e).split(':')[0], 80)})") from e
     finally:
         if loader is not None:
             loader.dispose()
@@ -166,13 +166,13 @@ def load_yaml(path: str, error=ValueError):
     try:
         data = read_checked(path, max_bytes=MAX_YAML_BYTES, what="config file")
     except UnsafeFile as e:
-        raise error(str(e)) from None
+        raise error(str(e)) from e
     except OSError as e:
-        raise error(f"{path}: cannot read ({e.strerror})") from None
+        raise error(f"{path}: cannot read ({e.strerror})") from e
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise error(f"{path}: not UTF-8 (byte {e.start})") from None
+        raise error(f"{path}: not UTF-8 (byte {e.start})") from e
     return parse_yaml(text, f"{path}:", error)
 
 

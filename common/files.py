@@ -154,7 +154,7 @@ def open_checked(
     except FileNotFoundError:
         raise
     except OSError as e:
-        raise UnsafeFile(f"{path}: {what} cannot be opened ({e.strerror})") from None
+        raise UnsafeFile(f"{path}: {what} cannot be opened ({e.strerror})") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -51,7 +51,7 @@ class DaliCollator:
             import nvidia.dali.types as types
             from nvidia.dali import Pipeline
         except ImportError as e:
-            raise RuntimeError(f"backend 'dali' needs NVIDIA DALI (pip install nvidia-dali-cuda120): {e}") from None
+            raise RuntimeError(f"backend 'dali' needs NVIDIA DALI (pip install nvidia-dali-cuda120): {e}") from e
         self.layout, self.seq_len, self.device_id, self.max_batch_size = layout, seq_len, device_id, max_batch_size
         self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
         pipe = Pipeline(

@@ -82,7 +82,7 @@ def open_hdf5(path) -> h5py.File:
     except FileNotFoundError:
         _fail(path, "no such file")
     except UnsafeFile as e:
-        raise DataError(str(e)) from None
+        raise DataError(str(e)) from e
     except OSError as e:
         _fail(path, f"not a readable HDF5 file (truncated or corrupt?): {str(e).splitlines()[0]}")
 
@@ -566,7 +566,7 @@ class _AtomicFile:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.f = h5py.File(self.tmp, "w", libver="earliest", track_order=False)
         except OSError as e:
-            raise DataError(f"{self.path}: cannot write ({e.strerror or str(e).splitlines()[0]})") from None
+            raise DataError(f"{self.path}: cannot write ({e.strerror or str(e).splitlines()[0]})") from e
         return self.f
 
     def __exit__(self, exc_type, exc, tb):
@@ -576,7 +576,7 @@ class _AtomicFile:
                 publish(self.tmp, self.path)
         except OSError as e:
             self.tmp.unlink(missing_ok=True)
-            raise DataError(f"{self.path}: cannot write ({e.strerror or e})") from None
+            raise DataError(f"{self.path}: cannot write ({e.strerror or e})") from e
         finally:
             if exc_type is not None:
                 self.tmp.unlink(missing_ok=True)
@@ -683,7 +683,7 @@ def write_packed(
     try:
         row, offset, num_packs = first_fit_decreasing(block.seq_lens, max_seq_length)
     except DataError as e:
-        raise DataError(f"{path}: {e}") from None
+        raise DataError(f"{path}: {e}") from e
     order = np.lexsort((offset, row))  # sequences pack after pack, in their order within the pack
     packed = block.select(order)
     lens = packed.seq_lens.astype(np.int64)

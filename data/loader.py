@@ -43,7 +43,7 @@ def dataset_vocab_size(path) -> int | None:
             try:
                 return int(json.loads(m.read_text())["vocab"]["size"])
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise DataError(f"{m}: cannot read the vocabulary size ({e})") from None
+                raise DataError(f"{m}: cannot read the vocabulary size ({e})") from e
     return None
 
 

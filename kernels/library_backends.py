@@ -36,7 +36,7 @@ def load_flash_attn() -> AttentionFn:
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError as e:
-        raise BackendUnavailable(f"model.attention=flash_attn: the flash_attn package is not installed ({e})") from None
+        raise BackendUnavailable(f"model.attention=flash_attn: the flash_attn package is not installed ({e})") from e
     _need_cuda("flash_attn")
     has_window = "window_size" in inspect.signature(flash_attn_varlen_func).parameters
 

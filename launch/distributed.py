@@ -147,7 +147,7 @@ def interface_address(ifname: str) -> str:
             raise LaunchError(
                 f"network interface {ifname!r} (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) "
                 f"has no IPv4 address here: {e.strerror}"
-            ) from None
+            ) from e
     return socket.inet_ntoa(packed[20:24])
 
 
@@ -165,7 +165,7 @@ def _resolve_with_mpi(launch: LaunchEnv) -> LaunchEnv:
         raise LaunchError(
             f"launched by {launch.launcher} without MASTER_ADDR/MASTER_PORT (or local rank): "
             f"install mpi4py, or export them to every rank ({e})"
-        ) from None
+        ) from e
     comm = MPI.COMM_WORLD
     if comm.Get_rank() != launch.rank or comm.Get_size() != launch.world_size:
         raise LaunchError(

@@ -70,7 +70,7 @@ def collect_logs(inputs: list[str]) -> list[Path]:
                     raise PackageError(f"{log}: submission_benchmark is {benchmark!r}, not {BENCHMARK!r}")
                 logs.append(log)
     except SummaryError as e:  # find_logs and read_events name the file
-        raise PackageError(str(e)) from None
+        raise PackageError(str(e)) from e
     if not logs:
         raise PackageError("no result logs among the inputs")
     if len(set(map(os.path.realpath, logs))) != len(logs):
@@ -97,9 +97,9 @@ def load_system_desc(path: str, org: str, system: str, division: str) -> dict:
         with open(path, encoding="utf-8") as f:
             desc = json.load(f)
     except OSError as e:
-        raise PackageError(f"{path}: cannot read ({e.strerror})") from None
+        raise PackageError(f"{path}: cannot read ({e.strerror})") from e
     except json.JSONDecodeError as e:
-        raise PackageError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        raise PackageError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from e
     if not isinstance(desc, dict):
         raise PackageError(f"{path}: expected a JSON object of system-description fields")
     desc.setdefault("submitter", org)
@@ -111,7 +111,7 @@ def load_system_desc(path: str, org: str, system: str, division: str) -> dict:
     try:
         system_desc.check(desc)
     except system_desc.SystemDescError as e:
-        raise PackageError(f"{path}: {e}") from None
+        raise PackageError(f"{path}: {e}") from e
     return desc
 
 
@@ -284,7 +284,7 @@ def make_package(args) -> tuple[Path, list[Verdict]]:
                 fields={"submitter": args.org, "division": args.division, "system_name": args.system},
             )
         except system_desc.SystemDescError as e:
-            raise PackageError(f"system description: {e}") from None
+            raise PackageError(f"system description: {e}") from e
 
     with publishing_dir(out) as staging:  # replaces an empty out (checked above)
         build_tree(staging, args.org, args.system, logs, desc, code, args.implementation)

@@ -90,7 +90,7 @@ def read_events(path: Path) -> list[Event]:
         with open(path, encoding="utf-8", errors="replace") as f:
             lines = list(f)
     except OSError as e:
-        raise SummaryError(f"{path}: cannot read ({e.strerror})") from None
+        raise SummaryError(f"{path}: cannot read ({e.strerror})") from e
     for lineno, line in enumerate(lines, start=1):
         at = line.rfind(TOKEN)  # the checker also keeps what follows the last token
         if at < 0:
@@ -98,7 +98,7 @@ def read_events(path: Path) -> list[Event]:
         try:
             record = json.loads(line[at + len(TOKEN) :])
         except json.JSONDecodeError as e:
-            raise SummaryError(f"{path}:{lineno}: cannot parse {TOKEN} line ({e.msg})") from None
+            raise SummaryError(f"{path}:{lineno}: cannot parse {TOKEN} line ({e.msg})") from e
         if not isinstance(record, dict) or not isinstance(record.get("key"), str):
             raise SummaryError(f"{path}:{lineno}: {TOKEN} record has no 'key'")
         time_ms = record.get("time_ms")

@@ -68,7 +68,7 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
         else:
             state = train_checkpoint.read(path)
     except CheckpointError as e:
-        raise ExportError(str(e)) from None
+        raise ExportError(str(e)) from e
     if "config" not in state:
         raise ExportError(f"{path}: holds no run config (written by an older trainer)")
     values = dict(state["config"])
@@ -78,7 +78,7 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
         cfg = build_config(values)
         model_config = build_model_config(cfg)
     except ConfigError as e:
-        raise ExportError(f"{path}: its config: {e}") from None
+        raise ExportError(f"{path}: its config: {e}") from e
     vocab = cfg.data.vocab_file
     if not vocab or not os.path.isfile(vocab):
         raise ExportError(f"the run's data.vocab_file {vocab!r} is not a file here: give --vocab PATH")
@@ -86,11 +86,11 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     try:
         model.load_state_dict(state["model"])
     except CheckpointError as e:
-        raise ExportError(str(e)) from None
+        raise ExportError(str(e)) from e
     except RuntimeError as e:
         raise ExportError(
             f"{path}: the weights do not fit the model its config describes ({str(e).splitlines()[0]})"
-        ) from None
+        ) from e
     return model, vocab, cfg.data.max_seq_length, path
 
 

@@ -25,7 +25,7 @@ def load_pretrained(model, path: str) -> None:
         rows = adapter_for(model.config).VOCAB_ROWS
         load_hf_state_dict(model, drop_vocab_padding(state_dict, model.config.vocab_size, rows))
     except (CheckpointError, ConfigError) as e:
-        raise CheckpointError(f"{path}: {e}") from None
+        raise CheckpointError(f"{path}: {e}") from e
 
 
 def export_hf(model, directory: str) -> None:

@@ -89,7 +89,7 @@ def _check_archive(path: str, window: _Window) -> None:
         with zipfile.ZipFile(window) as z:
             infos = z.infolist()
     except Exception as e:  # noqa: BLE001 - BadZipFile, EOFError, NotImplementedError (a version field)...: not ours
-        raise CheckpointError(f"{path}: not a readable torch.save archive ({e})") from None
+        raise CheckpointError(f"{path}: not a readable torch.save archive ({e})") from e
     total = 0
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
@@ -127,9 +127,9 @@ def safe_torch_load(path: str, limit: int | None = None, archive_only: bool = Fa
         with open_checked(path, root=root, what="a torch file") as f:
             return load_archive(path, f, os.fstat(f.fileno()).st_size if limit is None else limit, archive_only)
     except UnsafeFile as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(str(e)) from e
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
 
 
 def load_archive(name: str, f, size: int, archive_only: bool = True):
@@ -147,10 +147,10 @@ def load_archive(name: str, f, size: int, archive_only: bool = True):
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{name}: {_refusal(e)}") from None
+        raise CheckpointError(f"{name}: {_refusal(e)}") from e
     except Exception as e:  # noqa: BLE001 - whatever else a malformed file raises, it is a bad file
         first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{name}: cannot be loaded ({type(e).__name__}: {first})") from None
+        raise CheckpointError(f"{name}: cannot be loaded ({type(e).__name__}: {first})") from e
 
 
 def read_safetensors(path: str) -> dict[str, Tensor]:
@@ -160,12 +160,12 @@ def read_safetensors(path: str) -> dict[str, Tensor]:
         open_checked(path, what="a safetensors file").close()  # a FIFO or a device is refused, not opened
         return load_file(path, device="cpu")
     except UnsafeFile as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(str(e)) from e
     except BaseException as e:  # noqa: BLE001 - SafetensorError, OSError, a Rust panic (a BaseException)...
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{path}: cannot read safetensors ({type(e).__name__}: {first})") from None
+        raise CheckpointError(f"{path}: cannot read safetensors ({type(e).__name__}: {first})") from e
 
 
 def _read_tf(prefix: str) -> dict[str, Tensor]:
@@ -173,7 +173,7 @@ def _read_tf(prefix: str) -> dict[str, Tensor]:
         variables = read_tf_checkpoint(prefix, include=lambda name: not is_slot_or_counter(name))
         weights, _ = google_bert_to_hf(variables)
     except CheckpointError as e:
-        raise CheckpointError(str(e) if str(e).startswith(prefix) else f"{prefix}: {e}") from None
+        raise CheckpointError(str(e) if str(e).startswith(prefix) else f"{prefix}: {e}") from e
     return {k: torch.from_numpy(v) for k, v in weights.items()}
 
 

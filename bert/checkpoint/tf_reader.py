@@ -157,7 +157,7 @@ def _read_index(path: str) -> dict[bytes, bytes]:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file (a TensorFlow checkpoint PREFIX needs PREFIX.index)") from None
     except UnsafeFile as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(str(e)) from e
     if len(data) < _FOOTER_SIZE:
         raise CheckpointError(f"{path}: truncated ({len(data)} bytes, shorter than the table footer)")
     footer = data[-_FOOTER_SIZE:]
@@ -175,7 +175,7 @@ def _read_index(path: str) -> dict[bytes, bytes]:
             for key, value in _block_entries(_read_block(data, offset, size, path)):
                 entries[key] = value
     except (IndexError, ValueError, struct.error) as e:
-        raise CheckpointError(f"{path}: malformed table ({e})") from None
+        raise CheckpointError(f"{path}: malformed table ({e})") from e
     return entries
 
 
@@ -234,7 +234,7 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
                 except FileNotFoundError:
                     raise CheckpointError(f"{data_path}: missing data shard ({where} is stored there)") from None
                 except UnsafeFile as e:
-                    raise CheckpointError(str(e)) from None
+                    raise CheckpointError(str(e)) from e
             f = shards[shard]
             f.seek(entry["offset"])
             raw = f.read(entry["size"])
@@ -246,7 +246,7 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
                 raise CheckpointError(f"{f.name}: checksum mismatch in {where}")
             out[name] = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
     except (IndexError, ValueError, struct.error) as e:
-        raise CheckpointError(f"{index_path}: malformed entry ({e})") from None
+        raise CheckpointError(f"{index_path}: malformed entry ({e})") from e
     finally:
         for f in shards.values():
             f.close()

@@ -168,7 +168,7 @@ def write_file(path: str, state) -> str:
         if not isinstance(e, OSError):
             raise
         what = e.strerror or str(e)
-        raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({what})") from None
+        raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({what})") from e
     return path
 
 
@@ -201,9 +201,9 @@ def verify(path: str, root: str | None = None) -> None:
                 sha.update(piece)
                 left -= len(piece)
     except UnsafeFile as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(str(e)) from e
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
     if sha.hexdigest() != want:
         raise CheckpointError(
             f"{path}: checksum mismatch (damaged: SHA-256 {sha.hexdigest()[:12]}..., recorded {want[:12]}...)"
@@ -260,7 +260,7 @@ def load_latest(
                 try:
                     accept(state)
                 except CheckpointError as e:
-                    raise CheckpointError(f"{path}: {e}") from None
+                    raise CheckpointError(f"{path}: {e}") from e
             return path, state
         except CheckpointError as e:
             problems.append(str(e))
@@ -384,7 +384,7 @@ def restore(saved: dict, parts: dict) -> TrainState:
             optimizer.load_state_dict(saved["optimizer"])
     except (UserError, ValueError, KeyError, TypeError, RuntimeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"does not fit this run ({first})") from None
+        raise CheckpointError(f"does not fit this run ({first})") from e
     if sharded:
         _load_into_shards(saved, model, optimizer)
     else:

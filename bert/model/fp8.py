@@ -56,7 +56,7 @@ def _torchao():
             import torchao.float8 as ao_float8
             from torchao.float8 import float8_linear, float8_linear_utils
     except ImportError as e:
-        raise ConfigError(f"train.fp8: needs torchao (pip install -r requirements.txt): {e}") from None
+        raise ConfigError(f"train.fp8: needs torchao (pip install -r requirements.txt): {e}") from e
     return ao_float8, float8_linear, float8_linear_utils
 
 

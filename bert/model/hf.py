@@ -61,7 +61,7 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
     try:
         family = adapter_for(cfg)
     except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(str(e)) from e
     wanted = family.hf_names(cfg)
     missing = sorted(wanted - set(state_dict))
     unexpected = sorted(set(state_dict) - wanted - set(family.TIED) - family.IGNORED)

@@ -106,7 +106,7 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
             raise ConfigError(f"global_attn_every_n_layers: must be a positive integer, got {short(every)}")
         return replace(shape, layer_types=alternating_layers(shape.num_hidden_layers, every))
     except (ConfigError, TypeError) as e:
-        raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(f"{source}: {e}") from e
 
 
 # BertConfig fields transformers' ModernBERT fixes; a config with another value has no

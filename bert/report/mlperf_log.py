@@ -101,7 +101,7 @@ class MLPerfLogger:
                 try:
                     handler = logging.FileHandler(self.path, mode="a" if resume else "w", encoding="utf-8")
                 except OSError as e:
-                    raise ValueError(f"MLPerf log: cannot open {self.path} for writing: {e.strerror or e}") from None
+                    raise ValueError(f"MLPerf log: cannot open {self.path} for writing: {e.strerror or e}") from e
                 self._handlers.append(handler)
             if self.path is None or echo:
                 self._handlers.append(logging.StreamHandler(sys.stdout))
@@ -362,7 +362,7 @@ def _check_resumable(path: Path) -> None:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise ValueError(f"MLPerf log: cannot resume {path}: {e.strerror or e}") from None
+        raise ValueError(f"MLPerf log: cannot resume {path}: {e.strerror or e}") from e
     if data and not data.endswith(b"\n"):
         # Killed while writing a line: drop the fragment, which the checker cannot parse.
         with open(path, "r+b") as f:

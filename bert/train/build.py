@@ -67,7 +67,7 @@ def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
             open(probe, "w").close()
             os.remove(probe)
         except OSError as e:
-            raise ConfigError(f"--output-dir: {output_dir!r} is not writable ({e.strerror})") from None
+            raise ConfigError(f"--output-dir: {output_dir!r} is not writable ({e.strerror})") from e
     return device
 
 
@@ -80,11 +80,11 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
             with open(cfg.data.vocab_file, encoding="utf-8") as f:
                 size = sum(1 for line in f if line.strip())
         except OSError as e:
-            raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from None
+            raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from e
         try:
             config = replace(config, vocab_size=size)
         except ConfigError as e:
-            raise ConfigError(f"data.vocab_file: {e}") from None
+            raise ConfigError(f"data.vocab_file: {e}") from e
     if any(w is not None for w in config.layer_windows) and cfg.data.layout != "packed":
         # Local layers hand the backend a windowed layout; the packed layout carries the window
         # in its FlashMask bounds instead.
@@ -238,7 +238,7 @@ def build_mlperf_logger(
         raise ConfigError(
             "log: the MLPerf log (mlperf.log) needs mlperf_logging (pip install -r requirements.txt;"
             f" log.mlperf=false trains without it): {e}"
-        ) from None
+        ) from e
     platform = log.platform or (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     return MLPerfLogger(
         os.path.join(output_dir, "mlperf.log"),

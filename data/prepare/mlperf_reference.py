@@ -39,7 +39,7 @@ class RefVocab:
                 for line in fh:
                     self.ids.setdefault(line.strip(), len(self.ids))
         except OSError as e:
-            raise DataError(f"{path}: cannot read the vocabulary ({e.strerror or e})") from None
+            raise DataError(f"{path}: cannot read the vocabulary ({e.strerror or e})") from e
         except UnicodeDecodeError:
             raise DataError(f"{path}: vocabulary is not UTF-8") from None
         if missing := [t for t in ("[UNK]", "[CLS]", "[SEP]", "[MASK]") if t not in self.ids]:
@@ -168,7 +168,7 @@ def read_documents(path: str | os.PathLike, tokenizer: RefTokenizer) -> Document
         with open(path, encoding="utf-8", newline=None) as fh:
             lines = [line.strip() for line in fh]
     except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from e
     except UnicodeDecodeError:
         raise DataError(f"{path}: line {_first_bad_line(path)}: not UTF-8") from None
     docs: list[list[list[int]]] = [[]]

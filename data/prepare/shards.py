@@ -575,7 +575,7 @@ def _prepare_output_dir(out: Path) -> Path:
             (tmp / sub).mkdir(parents=True)
         return tmp
     except OSError as e:
-        raise DataError(f"{out}: the output directory cannot be written ({e.strerror or e})") from None
+        raise DataError(f"{out}: the output directory cannot be written ({e.strerror or e})") from e
 
 
 def _split_tasks(doc_tokens: np.ndarray, pool: np.ndarray, target_tokens: int) -> list[tuple[int, int]]:
@@ -882,7 +882,7 @@ def _install(out: Path, tmp: Path, names: list[str], has_eval: bool, manifest: d
                 (out / other).unlink(missing_ok=True)
         write_text(out / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     except OSError as e:
-        raise DataError(f"{out}: cannot install the prepared files ({e.strerror or e})") from None
+        raise DataError(f"{out}: cannot install the prepared files ({e.strerror or e})") from e
 
 
 def build_parser(config: type[PrepareConfig] = PrepareConfig) -> argparse.ArgumentParser:

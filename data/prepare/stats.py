@@ -26,7 +26,7 @@ def _manifest_near(path: Path) -> dict | None:
             try:
                 return json.loads(m.read_text())
             except (OSError, ValueError) as e:
-                raise DataError(f"{m}: cannot read the manifest ({e})") from None
+                raise DataError(f"{m}: cannot read the manifest ({e})") from e
     return None
 
 
@@ -111,7 +111,7 @@ def plot(s: dict, png: str, title: str) -> None:
         with publishing(png, suffix=".png") as tmp:
             fig.savefig(tmp, dpi=120)
     except OSError as e:
-        raise DataError(f"{png}: cannot write ({e.strerror or e})") from None
+        raise DataError(f"{png}: cannot write ({e.strerror or e})") from e
     finally:
         plt.close(fig)
 

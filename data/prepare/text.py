@@ -107,9 +107,9 @@ def find_chunks(path: Path, fmt: str, chunk_bytes: int = CHUNK_BYTES) -> list[Ch
                 start = end
             return chunks
     except UnsafeFile as e:
-        raise DataError(str(e)) from None
+        raise DataError(str(e)) from e
     except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from e
 
 
 def read_chunk(chunk: Chunk) -> tuple[list[str], int, int]:
@@ -120,9 +120,9 @@ def read_chunk(chunk: Chunk) -> tuple[list[str], int, int]:
             fh.seek(chunk.start)
             raw = fh.read(chunk.end - chunk.start)
     except UnsafeFile as e:
-        raise DataError(str(e)) from None
+        raise DataError(str(e)) from e
     except OSError as e:
-        raise DataError(f"{chunk.path}: cannot read ({e.strerror or e})") from None
+        raise DataError(f"{chunk.path}: cannot read ({e.strerror or e})") from e
     lines, bad, first = decode_lines(raw)
     return lines, bad, (chunk.first_line + first if first >= 0 else -1)
 

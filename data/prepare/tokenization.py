@@ -73,7 +73,7 @@ def load_vocab(path: str | os.PathLike) -> Vocab:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise DataError(f"{path}: line {line}: vocabulary is not UTF-8") from None
+        raise DataError(f"{path}: line {line}: vocabulary is not UTF-8") from e
     tokens = text.split("\n")
     if tokens and tokens[-1] == "":
         tokens.pop()
@@ -90,9 +90,9 @@ def _read(path: Path, what: str) -> bytes:
     try:
         return read_checked(path, max_bytes=MAX_FILE_BYTES, what=what)
     except UnsafeFile as e:
-        raise DataError(str(e)) from None
+        raise DataError(str(e)) from e
     except OSError as e:
-        raise DataError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+        raise DataError(f"{path}: cannot read the {what} ({e.strerror or e})") from e
 
 
 def _growth(node) -> float:
@@ -138,7 +138,7 @@ def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
     except UnicodeDecodeError:
         raise DataError(f"{path}: the tokenizer file is not UTF-8") from None
     except (ValueError, RecursionError, AttributeError) as e:
-        raise DataError(f"{path}: not a tokenizers JSON file ({_first_line(e)})") from None
+        raise DataError(f"{path}: not a tokenizers JSON file ({_first_line(e)})") from e
     if growth > MAX_GROWTH:
         raise DataError(f"{path}: its normalizer can make {growth:,.0f} characters of one (at most {MAX_GROWTH})")
     try:
@@ -146,7 +146,7 @@ def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
     except BaseException as e:  # a bare Exception for every parse error; a bad regex may panic
         if _is_abort(e):
             raise
-        raise DataError(f"{path}: not a tokenizers JSON file ({_first_line(e)})") from None
+        raise DataError(f"{path}: not a tokenizers JSON file ({_first_line(e)})") from e
     tok.no_padding()  # the preparation decides lengths, not the file
     tok.no_truncation()
     by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
@@ -188,7 +188,7 @@ def encode(tok, texts: list[str], source: str) -> list:
         except BaseException as e:
             if _is_abort(e):
                 raise
-            raise DataError(f"{source}: the tokenizer failed on {flat[a][:40]!r}...: {_first_line(e)}") from None
+            raise DataError(f"{source}: the tokenizer failed on {flat[a][:40]!r}...: {_first_line(e)}") from e
         took = time.monotonic() - start
         if took > SLOW_AFTER_S + chars / MIN_CHARS_PER_S:
             raise DataError(
@@ -214,7 +214,7 @@ def write_vocab(path: str | os.PathLike, tokens: list[str]) -> None:
     try:
         write_text(path, "".join(t + "\n" for t in tokens))
     except OSError as e:
-        raise DataError(f"{path}: cannot write the vocabulary ({e.strerror or e})") from None
+        raise DataError(f"{path}: cannot write the vocabulary ({e.strerror or e})") from e
 
 
 def _normalizer_and_pretokenizer():

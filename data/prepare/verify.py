@@ -57,7 +57,7 @@ def _pieces(path, key: str, ds):
         for a in range(0, ds.shape[0], READ_ROWS):
             yield ds[a : a + READ_ROWS]
     except (OSError, RuntimeError, ValueError, TypeError) as e:
-        raise DataError(f"{path}: cannot read {key} (truncated or corrupt?): {str(e).splitlines()[0]}") from None
+        raise DataError(f"{path}: cannot read {key} (truncated or corrupt?): {str(e).splitlines()[0]}") from e
 
 
 def content_digest(path) -> str:
@@ -85,7 +85,7 @@ def read_checksums(path) -> dict[str, str]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise DataError(f"{path}: cannot read the checksum list ({e.strerror or e})") from None
+        raise DataError(f"{path}: cannot read the checksum list ({e.strerror or e})") from e
     out: dict[str, str] = {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
