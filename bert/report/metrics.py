@@ -207,7 +207,7 @@ class DeviceCounters:
         return out
 
 
-# The rebalancer's numbers a step record carries (data.rebalance.ExchangeStats fields).
+# The rebalancer's numbers a step record carries (data.rebalance.exchange.ExchangeStats fields).
 REBALANCE_FIELDS = tuple(
     "imbalance_before imbalance_after samples_moved samples_sent exchange_ms wait_ms hidden_fraction".split()
 )

@@ -1,4 +1,4 @@
-"""Multi-process check of data.rebalance.Rebalancer; launched by tests/data/rebalance/test_exchange_dist.py.
+"""Multi-process check of data.rebalance.exchange.Rebalancer; launched by tests/data/rebalance/test_exchange_dist.py.
 
 Run under torchrun or mpirun (``launch.distributed.init_distributed`` reads either). Every
 rank can rebuild every rank's input block from the seed, so each rank checks its output
