@@ -3,11 +3,10 @@
 Modules from the bottom up (each imports only those before it: ``MODULE_LAYERS`` in
 tests/test_layering.py): ``interface`` (the one attention call, its layouts and settings,
 ``BackendUnavailable``; imports nothing of the project); ``masks``, ``tiles``, ``grouped``,
-``runtime``; ``reference`` and the device code ``triton_jit``, ``fused_ops_jit``,
-``rotary_jit`` (loaded by ``runtime`` from their files); ``varlen_attention``, ``fused_ops``,
-``rotary``, ``gemm_epilogue``, ``library_backends``; ``flashmask``; ``registry`` (every
-backend by name, where the model picks one); ``ops/``, the fused elementwise ops. Importing the
-package imports neither Triton nor a kernel.
+``runtime``; ``reference`` and the device code ``triton_jit`` (loaded by ``runtime`` from its
+file); ``varlen_attention``, ``library_backends``; ``flashmask``; ``registry`` (every backend by
+name, where the model picks one); ``ops/``, the fused elementwise ops and the rotary embedding.
+Importing the package imports neither Triton nor a kernel.
 
 Imports: ``common`` only; never ``bert``, ``data`` or ``launch``.
 """
