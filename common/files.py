@@ -59,17 +59,34 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def publishing(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; write the file there. On a clean exit it is
-    published as ``path``; on an error it is removed and ``path`` is left as it was.
-    ``suffix`` ends the temporary name (default: ``path``'s own suffix)."""
+def publishing_fd(path: str | os.PathLike, suffix: str | None = None) -> Iterator[int]:
+    """Yield a descriptor open for writing on a new temporary file beside ``path``: created
+    exclusively and never through a link (a killed writer's file or link of that name is removed
+    first). On a clean exit it is closed and published as ``path``; on any error closed and
+    removed, and ``path`` is left as it was. ``suffix`` ends the temporary name (default:
+    ``path``'s own suffix)."""
     path = Path(path)
     tmp = _temp_name(path, path.suffix if suffix is None else suffix)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
-        yield tmp
+        try:
+            yield fd
+        finally:
+            os.close(fd)
         publish(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # never hides the error that got here
+            os.remove(tmp)
+
+
+@contextlib.contextmanager
+def publishing(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
+    """``publishing_fd`` for a writer that opens the file by its name: yields the temporary path."""
+    path = Path(path)
+    with publishing_fd(path, suffix):
+        yield _temp_name(path, path.suffix if suffix is None else suffix)
 
 
 @contextlib.contextmanager

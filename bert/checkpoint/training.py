@@ -26,7 +26,7 @@ from bert.distributed.collectives import Collectives
 from bert.optim.shard import ShardedLamb, reshard
 from bert.train.state import TrainState
 from common.errors import CheckpointError, RunFailure, UserError
-from common.files import UnsafeFile, open_checked, publish
+from common.files import UnsafeFile, open_checked, publishing_fd
 
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
 _TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
@@ -78,9 +78,9 @@ def _remove(path: str) -> None:
 
 
 def remove_temporaries(directory: str) -> list[str]:
-    """Delete what killed writes left (``.step_*.tmp`` files, directories or links); returns their names."""
+    """Delete what killed writes left (``.step_*.tmp*`` files, directories or links); returns their names."""
     removed = []
-    for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.tmp")):
+    for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.tmp*")):
         with contextlib.suppress(FileNotFoundError):
             _remove(path)
             removed.append(os.path.basename(path))
@@ -138,37 +138,21 @@ def prune(directory: str, keep: int) -> None:
 
 
 def write_file(path: str, state) -> str:
-    """One checksummed file at ``path``: streamed to ``.NAME.tmp`` beside it, fsynced and renamed
-    over ``path`` (so an existing ``path`` is replaced whole, never removed first). Whatever
-    fails, the temporary file is gone afterwards; an OS error is CheckpointWriteError."""
-    directory = os.path.dirname(path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
-    fd = -1
+    """One checksummed file at ``path``, streamed to a temporary name beside it and published
+    (``common.files.publishing_fd``: an existing ``path`` is replaced whole, never removed first).
+    Whatever fails, the temporary file is gone afterwards; an OS error is CheckpointWriteError."""
     try:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)  # a killed earlier write's (or a link): never written through
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        sink = _HashingSink(fd, tmp)
-        try:
-            torch.save(state, sink)
-        except RuntimeError:
-            if sink.error is None:
-                raise  # not the file system: a bug to see
-            raise sink.error from None
-        trailer = b"%s%s size=%016d\n" % (_TRAILER_PREFIX, sink.sha.hexdigest().encode(), sink.size)
-        sink.write(trailer)  # after the digest was taken: the sink's hash and size no longer matter
-        os.close(fd)
-        fd = -1
-        publish(tmp, path)
-    except BaseException as e:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if not isinstance(e, OSError):
-            raise
-        what = e.strerror or str(e)
-        raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({what})") from None
+        with publishing_fd(path, suffix="") as fd:
+            sink = _HashingSink(fd, path)
+            try:
+                torch.save(state, sink)
+            except RuntimeError:
+                if sink.error is None:
+                    raise  # not the file system: a bug to see
+                raise sink.error from None
+            sink.write(b"%s%s size=%016d\n" % (_TRAILER_PREFIX, sink.sha.hexdigest().encode(), sink.size))
+    except OSError as e:
+        raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({e.strerror or e})") from None
     return path
 
 
