@@ -16,7 +16,7 @@ from common.errors import DataError
 from data.batch import PaddedBatch, UnpaddedBatch
 from data.samples import SampleBlock, _offsets
 
-BACKENDS = ("torch", "dali")
+COLLATE_BACKENDS = ("torch", "dali")
 LAYOUTS = ("unpadded", "padded", "packed")
 
 
@@ -122,4 +122,4 @@ def make_collator(
         from data.dali_loader import DaliCollator
 
         return DaliCollator(layout=layout, seq_len=seq_len, device_id=device_id, max_batch_size=max_batch_size)
-    raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    raise ValueError(f"backend {backend!r}: expected one of {', '.join(COLLATE_BACKENDS)}")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import DataError
-from data.collate import BACKENDS, make_collator
+from data.collate import make_collator
 from data.hdf5io import inspect, list_files, read_file, read_valid
 from data.samples import SampleBlock, _gather_ranges, _offsets
 
@@ -203,8 +203,6 @@ class PretrainingLoader:
         self.lanes = default_lanes(global_batch_size) if lanes is None else lanes
         if self.lanes < 1 or global_batch_size % self.lanes:
             raise ValueError(f"lanes {self.lanes} must divide global_batch_size {global_batch_size}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
         if seed < 0:
             raise ValueError(f"seed {seed}: must be >= 0")
         self.global_batch_size = global_batch_size
@@ -519,8 +517,6 @@ class EvalLoader:
             raise ValueError(f"max_samples {max_samples}: must be >= 1")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
         self.path = Path(path)
         self.batch_size, self.backend = batch_size, backend
         if vocab_size is None:

@@ -29,7 +29,7 @@ class ExportError(UserError):
     """Bad input; the message is the one line the CLI prints."""
 
 
-def find_checkpoint(run_dir: str, name: str | None) -> str:
+def checkpoint_to_export(run_dir: str, name: str | None) -> str:
     """The checkpoint to export: ``name`` (file or directory name, step number or path) or the newest."""
     from bert.checkpoint import training as train_checkpoint
 
@@ -61,7 +61,7 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     from bert.train.build import build_model_config
     from common.errors import CheckpointError, ConfigError
 
-    path = find_checkpoint(run_dir, checkpoint)
+    path = checkpoint_to_export(run_dir, checkpoint)
     try:
         if checkpoint is None:
             path, state = train_checkpoint.load_latest(os.path.dirname(path), warn=lambda m: print(m, file=sys.stderr))
