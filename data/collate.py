@@ -20,6 +20,12 @@ COLLATE_BACKENDS = ("torch", "dali")
 LAYOUTS = ("unpadded", "padded", "packed")
 
 
+def check_backend(backend: str) -> None:
+    """A collation backend (the loaders check it when built, before any batch is asked for)."""
+    if backend not in COLLATE_BACKENDS:
+        raise ValueError(f"backend {backend!r}: expected one of {', '.join(COLLATE_BACKENDS)}")
+
+
 def _long(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
@@ -118,8 +124,7 @@ def make_collator(
         return lambda block: collate_padded(block, seq_len)
     if layout == "packed":
         raise ValueError(f"layout 'packed' collates with backend 'torch' only, not {backend!r}")
-    if backend == "dali":
-        from data.dali_loader import DaliCollator
+    check_backend(backend)
+    from data.dali_loader import DaliCollator
 
-        return DaliCollator(layout=layout, seq_len=seq_len, device_id=device_id, max_batch_size=max_batch_size)
-    raise ValueError(f"backend {backend!r}: expected one of {', '.join(COLLATE_BACKENDS)}")
+    return DaliCollator(layout=layout, seq_len=seq_len, device_id=device_id, max_batch_size=max_batch_size)

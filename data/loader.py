@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import DataError
-from data.collate import make_collator
+from data.collate import check_backend, make_collator
 from data.hdf5io import inspect, list_files, read_file, read_valid
 from data.samples import SampleBlock, _gather_ranges, _offsets
 
@@ -203,6 +203,7 @@ class PretrainingLoader:
         self.lanes = default_lanes(global_batch_size) if lanes is None else lanes
         if self.lanes < 1 or global_batch_size % self.lanes:
             raise ValueError(f"lanes {self.lanes} must divide global_batch_size {global_batch_size}")
+        check_backend(backend)
         if seed < 0:
             raise ValueError(f"seed {seed}: must be >= 0")
         self.global_batch_size = global_batch_size
@@ -517,6 +518,7 @@ class EvalLoader:
             raise ValueError(f"max_samples {max_samples}: must be >= 1")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
+        check_backend(backend)
         self.path = Path(path)
         self.batch_size, self.backend = batch_size, backend
         if vocab_size is None:
