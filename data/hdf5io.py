@@ -32,7 +32,7 @@ FIXED_DTYPES = {
     "masked_lm_ids": np.int16,
     "next_sentence_labels": np.int8,
 }
-LAYOUTS = ("fixed", "varlength")
+FILE_LAYOUTS = ("fixed", "varlength")
 PACKED = "packed"
 PACKED_KEYS = (
     "input_ids",
@@ -44,8 +44,8 @@ PACKED_KEYS = (
     "next_sentence_labels",
 )
 PACKED_DTYPES = {**FIXED_DTYPES, "packed_input_len": np.int16, "packed_masked_lm_len": np.int16}
-ALL_LAYOUTS = LAYOUTS + (PACKED,)  # what data.convert writes; LAYOUTS: what data.prepare writes
-MAX_FILE_BYTES = 1 << 40
+ALL_LAYOUTS = FILE_LAYOUTS + (PACKED,)  # what data.convert writes; FILE_LAYOUTS: what data.prepare writes
+MAX_SHARD_BYTES = 1 << 40
 READ_ROWS = 16384  # samples read and validated at a time
 MAX_CHUNK_BYTES = 64 << 20  # an HDF5 storage chunk is decompressed whole
 MAX_COMPRESSION = 1024  # declared bytes per stored byte of a compressed dataset (gzip's limit is ~1032)
@@ -79,7 +79,7 @@ def open_hdf5(path) -> h5py.File:
     """``path`` opened for reading once ``fileio.open_checked`` passed it (a regular file of a
     bounded size: a FIFO or a device is refused, never waited on); DataError otherwise."""
     try:
-        open_checked(path, max_bytes=MAX_FILE_BYTES, what="HDF5 file").close()
+        open_checked(path, max_bytes=MAX_SHARD_BYTES, what="HDF5 file").close()
         return h5py.File(path, "r")
     except FileNotFoundError:
         _fail(path, "no such file")

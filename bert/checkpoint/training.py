@@ -125,7 +125,7 @@ def save(directory: str, step: int, state: dict, keep: int) -> str:
 
 def write(directory: str, step: int, state, keep: int) -> str:
     """``save`` without the plain-data check: the file format only (tests write hostile files with it)."""
-    path = write_file(checkpoint_path(directory, step), state)
+    path = _write_checksummed(checkpoint_path(directory, step), state)
     prune(directory, keep)
     return path
 
@@ -137,7 +137,7 @@ def prune(directory: str, keep: int) -> None:
             _remove(old)
 
 
-def write_file(path: str, state) -> str:
+def _write_checksummed(path: str, state) -> str:
     """One checksummed file at ``path``, streamed to a temporary name beside it and published
     (``common.files.publishing_fd``: an existing ``path`` is replaced whole, never removed first).
     Whatever fails, the temporary file is gone afterwards; an OS error is CheckpointWriteError."""
@@ -156,11 +156,11 @@ def write_file(path: str, state) -> str:
     return path
 
 
-def verify(path: str, root: str | None = None) -> None:
-    """Check the trailer and the SHA-256 of ``path`` (a regular file, inside ``root`` when
-    given: ``fileio.open_checked``); raises CheckpointError saying what is wrong."""
+def verify_checksum(path: str) -> None:
+    """Check the trailer and the SHA-256 of ``path`` (a regular file: ``common.files.open_checked``);
+    raises CheckpointError saying what is wrong."""
     try:
-        with open_checked(path, root=root, what="a checkpoint") as f:
+        with open_checked(path, what="a checkpoint") as f:
             total = os.fstat(f.fileno()).st_size
             if total < TRAILER_BYTES:
                 raise CheckpointError(f"{path}: {total} bytes, too short to be a checkpoint (cut short?)")
@@ -199,7 +199,12 @@ def read(path: str) -> dict:
     ``counters`` must hold an integer ``step``."""
     if os.path.isdir(path):
         refuse_directory(path)
-    state = read_file(path)
+    verify_checksum(path)
+    # Only the bytes before the trailer are the archive: records may not reach beyond them.
+    state = safe_torch_load(path, limit=os.path.getsize(path) - TRAILER_BYTES, archive_only=True)
+    problem = plain_data_problem(state)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; only tensors, numbers, strings, lists and dicts are loaded")
     counters = state.get("counters") if isinstance(state, dict) else None
     step = counters.get("step") if isinstance(counters, dict) else None
     if not isinstance(counters, dict):
@@ -207,23 +212,6 @@ def read(path: str) -> dict:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: counter 'step' is {step!r}, not an integer >= 0")
     return state
-
-
-def read_file(path: str, root: str | None = None):
-    """Verify and load one checksummed file of plain data (inside ``root`` when given)."""
-    verify(path, root)
-    # Only the bytes before the trailer are the archive: records may not reach beyond them.
-    state = safe_torch_load(path, limit=os.path.getsize(path) - TRAILER_BYTES, archive_only=True, root=root)
-    problem = plain_data_problem(state)
-    if problem:
-        raise CheckpointError(f"{path}: {problem}; only tensors, numbers, strings, lists and dicts are loaded")
-    return state
-
-
-def _first_line(e: BaseException) -> str:
-    """The last non-empty line of an exception's message (torch puts the cause there), or its type."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__
 
 
 def load_latest(

@@ -36,7 +36,7 @@ _HF_METADATA = set(
 )
 
 
-MAX_INT = 2**31 - 1  # every size indexes int32 tensors somewhere
+MAX_SIZE = 2**31 - 1  # every size indexes int32 tensors somewhere
 _INT_LEAST = {"type_vocab_size": 0, "local_window": 2}  # 0 token types: none; a window of 1 is no band
 _PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob")
 _CHOICES = {
@@ -124,8 +124,8 @@ class BertConfig:
             value, name = getattr(self, f.name), f.name
             if f.type == "int":
                 least = _INT_LEAST.get(name, 1)
-                if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_INT:
-                    raise ConfigError(f"{name}: must be an integer in [{least}, {MAX_INT:,}], got {short(value)}")
+                if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_SIZE:
+                    raise ConfigError(f"{name}: must be an integer in [{least}, {MAX_SIZE:,}], got {short(value)}")
             elif f.type == "float":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
                     raise ConfigError(f"{name}: must be a finite number, got {short(value)}")
