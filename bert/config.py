@@ -658,4 +658,4 @@ def field_names() -> list[str]:
 def describe() -> str:
     """Every field with its default and meaning, for --help."""
     sections = _sections().items()
-    return "\n".join(line for name, cls in sections for line in (f"{name}:", *cli.describe(cls, name)))
+    return "\n".join(line for name, cls in sections for line in (f"{name}:", *cli.describe_fields(cls, name)))

@@ -101,7 +101,7 @@ def publishing_dir(path: str | os.PathLike) -> Iterator[Path]:
     old = path.with_name(f".{path.name}.old")
     if os.path.lexists(old):
         if os.path.lexists(path):
-            _remove_tree(old)  # the swap had finished: the leftover is the replaced one
+            remove_tree(old)  # the swap had finished: the leftover is the replaced one
         else:
             os.replace(old, path)  # killed between the renames: the old one is the last good one
     tmp = _temp_name(path, "")
@@ -118,17 +118,18 @@ def publishing_dir(path: str | os.PathLike) -> Iterator[Path]:
             if moved and not os.path.lexists(path):
                 os.replace(old, path)
             raise
-        _remove_tree(old)
+        remove_tree(old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: str | os.PathLike) -> None:
     """Remove a directory tree, a file or a link (never what a link points to), if there."""
-    if path.is_dir() and not path.is_symlink():
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -15,7 +15,6 @@ import glob
 import hashlib
 import os
 import re
-import shutil
 from collections.abc import Callable
 
 import torch
@@ -26,7 +25,7 @@ from bert.distributed.collectives import Collectives
 from bert.optim.shard import ShardedLamb, reshard
 from bert.train.state import TrainState
 from common.errors import CheckpointError, RunFailure, UserError
-from common.files import UnsafeFile, open_checked, publishing_fd
+from common.files import UnsafeFile, open_checked, publishing_fd, remove_tree
 
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
 _TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
@@ -69,20 +68,12 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def _remove(path: str) -> None:
-    """Remove a file, a link (never what it points to) or a directory tree."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.remove(path)
-
-
 def remove_temporaries(directory: str) -> list[str]:
     """Delete what killed writes left (``.step_*.tmp*`` files, directories or links); returns their names."""
     removed = []
     for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.tmp*")):
-        with contextlib.suppress(FileNotFoundError):
-            _remove(path)
+        if os.path.lexists(path):
+            remove_tree(path)
             removed.append(os.path.basename(path))
     return removed
 
@@ -134,7 +125,7 @@ def prune(directory: str, keep: int) -> None:
     """Remove the checkpoints beyond the newest ``keep``."""
     for _, old in list_checkpoints(directory)[:-keep]:
         with contextlib.suppress(OSError):  # one that cannot be removed costs space, not correctness
-            _remove(old)
+            remove_tree(old)
 
 
 def _write_checksummed(path: str, state) -> str:
