@@ -152,21 +152,12 @@ class UnsafeFile(OSError):
     """A file the application will not read: its message is one line naming the file and the rule."""
 
 
-def _inside(path: str, root: str | os.PathLike) -> bool:
-    real, top = os.path.realpath(path), os.path.realpath(root)
-    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
-
-
-def open_checked(
-    path: str | os.PathLike, *, max_bytes: int | None = None, root: str | os.PathLike | None = None, what: str = "file"
-):
+def open_checked(path: str | os.PathLike, *, max_bytes: int | None = None, what: str = "file"):
     """Open ``path`` for binary reading, refusing in one line (``UnsafeFile``) anything but a
-    regular file: a FIFO, a device, a directory, a symlink whose target leaves ``root`` (when
-    given), or a file over ``max_bytes`` (a missing file is ``FileNotFoundError``). The open
-    is non-blocking, so a FIFO never hangs it; the returned file reads normally."""
+    regular file: a FIFO, a device, a directory, or a file over ``max_bytes`` (a missing file is
+    ``FileNotFoundError``). The open is non-blocking, so a FIFO never hangs it; the returned
+    file reads normally."""
     path = os.fspath(path)
-    if root is not None and not _inside(path, root):
-        raise UnsafeFile(f"{path}: {what} leads outside {os.fspath(root)} (a symlink or '..'); refused")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -189,22 +180,22 @@ def open_checked(
         raise
 
 
-def read_checked(path: str | os.PathLike, *, max_bytes: int, root=None, what: str = "file") -> bytes:
+def read_checked(path: str | os.PathLike, *, max_bytes: int, what: str = "file") -> bytes:
     """The whole of a checked file (``open_checked``), never more than ``max_bytes`` read even
     if it grows while being read."""
-    with open_checked(path, max_bytes=max_bytes, root=root, what=what) as f:
+    with open_checked(path, max_bytes=max_bytes, what=what) as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise UnsafeFile(f"{os.fspath(path)}: {what} grew past {max_bytes:,} bytes while read; refused")
     return data
 
 
-def file_digest(path: str | os.PathLike, name: str = "md5", root=None) -> str:
+def file_digest(path: str | os.PathLike, name: str = "md5") -> str:
     """Hex digest (hashlib algorithm ``name``) of a regular file (``open_checked``: a FIFO or
     ``/dev/zero`` is refused, never hashed forever), read in 1 MiB pieces: a shard of
     gigabytes is never held in memory."""
     h = hashlib.new(name)
-    with open_checked(path, root=root) as f:
+    with open_checked(path) as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
