@@ -190,7 +190,6 @@ class PretrainingLoader:
             raise ValueError(f"on_corrupt {on_corrupt!r}: expected one of {', '.join(ON_CORRUPT)}")
         self.on_corrupt = on_corrupt
         self._warn = warn or (lambda message: None)
-        self.corrupt_found = 0  # corrupt samples met in the shards read so far (skip)
         self._substituted: dict[int, int] = {}  # step -> samples of this rank's block replaced
         self._spares: dict[int, _Loaded] = {}  # shards read only to take replacements from
         self.files = list_files(train_dir_or_files)
@@ -291,7 +290,6 @@ class PretrainingLoader:
         inside = rows < n
         index[rows[inside]] = np.flatnonzero(inside)
         bad = int((index < 0).sum())
-        self.corrupt_found += bad
         shown = "; ".join(p.removeprefix(f"{path}: ") for p in problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         self._warn(f"{path}: {bad} of {n} samples corrupt, skipped (data.on_corrupt=skip): {shown}{more}")
