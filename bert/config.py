@@ -15,7 +15,7 @@ import math
 import typing
 from dataclasses import dataclass, field, fields, replace
 
-from bert.model.config import PRESETS, BertConfig
+from bert.model.config import PRESETS, BertConfig, resolve_bias_gelu
 from common import config as cli
 from common.config import option as opt
 from common.errors import ConfigError
@@ -106,6 +106,7 @@ class ModelSection:
             )
         # The architecture, resolved once: not a field (it follows from preset, config_file, overrides).
         self.shape = model_shape(self)
+        resolve_bias_gelu(self.shape, self.fused_ops, self.bias_gelu)
 
 
 @dataclass

@@ -20,9 +20,6 @@ from bert.model.fp8 import matmul
 from common.errors import ConfigError
 from kernels.ops.gemm_epilogue import linear_bias_gelu
 
-BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU implementations
-
-
 # hidden_act -> the function; the names are bert.config.ACTIVATIONS.
 _gelu_tanh = partial(F.gelu, approximate="tanh")
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu, "silu": F.silu}
