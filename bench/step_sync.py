@@ -65,7 +65,7 @@ class Step:
         from bert.config import OptimSection
         from bert.model.pretraining import BertForPreTraining
         from bert.optim.optimizers import build_optimizer
-        from bert.optim.schedule import PolyWarmupScheduler
+        from bert.optim.schedule import WarmupDecaySchedule
         from bert.train.cuda_graphs import EncoderGraphs
 
         with torch.device(device):
@@ -75,7 +75,7 @@ class Step:
             self.model.encoder_graphs = EncoderGraphs(self.model.layers, shapes.max_seqlen)
         section = OptimSection(name="lamb", lr=4.25e-4)
         self.optimizer = build_optimizer(section, self.model)
-        self.schedule = PolyWarmupScheduler(self.optimizer, section, max_steps=10_000, device=device)
+        self.schedule = WarmupDecaySchedule(self.optimizer, section, max_steps=10_000, device=device)
         self.shapes, self.device, self.amp_dtype = shapes, device, amp_dtype
         self.graphs = graphs
 

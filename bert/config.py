@@ -15,7 +15,7 @@ import math
 import typing
 from dataclasses import dataclass, field, fields, replace
 
-from bert.model.config import PRESETS, BertConfig
+from bert.model.config import PRESETS, BertConfig, resolve_bias_gelu
 from bert.model.hf import read_config
 from common import config as cli
 from common.config import option as opt
@@ -105,6 +105,9 @@ class ModelSection:
                 f"model.attention_options.{cli.cut(str(bad), 60)}: {self.attention} takes no such option; "
                 f"its options: {list(takes)}"
             )
+        # The architecture, resolved once: not a field (it follows from preset, config_file, overrides).
+        self.shape = model_shape(self)
+        resolve_bias_gelu(self.shape, self.fused_ops, self.bias_gelu)
 
 
 @dataclass
@@ -352,6 +355,7 @@ class OptimSection:
         _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("optim.max_grad_norm", self.max_grad_norm)
         _positive("optim.decay_steps", self.decay_steps, allow_zero=True)
+        _positive("optim.poly_power", self.poly_power, allow_zero=True)
         if self.schedule != "poly" and self.start_warmup_step:
             raise ConfigError("optim.start_warmup_step: the wsd schedule warms up from step 0; leave it 0")
         if not all(0.0 <= b < 1.0 for b in self.betas):
@@ -474,7 +478,7 @@ def check_closed_division(cfg: RunConfig) -> None:
     broken = next((r for r in rules if not r[1]), None)
     if broken is not None:
         raise ConfigError(f"{broken[0]}: {why} {broken[2]}")
-    shape, large = model_shape(m), PRESETS["large"]
+    shape, large = m.shape, PRESETS["large"]
     differs = next((f.name for f in fields(large) if getattr(shape, f.name) != getattr(large, f.name)), None)
     if differs is not None:
         want, got = getattr(large, differs), cli.short(getattr(shape, differs))
@@ -507,7 +511,7 @@ def check_cuda_graphs(cfg: RunConfig) -> None:
     import torch
 
     t, cuda = cfg.train, cfg.train.device != "cpu" and torch.cuda.is_available()
-    refused = registry.graph_refusal(cfg.model.attention, 0.0)  # the dropout: when the model is built
+    refused = registry.graph_refusal(cfg.model.attention, cfg.model.shape.attention_probs_dropout_prob)
     rules = (  # (refused, why): the first that applies is raised
         (not cuda, "CUDA graphs need a CUDA device (train.device=cuda on a GPU)"),
         (not t.static_shapes, "a graph replays fixed shapes; set train.static_shapes=true"),
@@ -525,15 +529,30 @@ def check_cuda_graphs(cfg: RunConfig) -> None:
 
 
 def check_cross_fields(cfg: RunConfig) -> None:
-    """Constraints between sections (raised before any work)."""
-    model_shape(cfg.model)
-    layout, attention = cfg.data.layout, cfg.model.attention
+    """Every constraint between sections (raised before any work; a field alone is checked by its section)."""
+    layout, attention, shape = cfg.data.layout, cfg.model.attention, cfg.model.shape
     takes = registry.layouts_of(attention)
     if ATTENTION_LAYOUTS[layout] not in takes:  # whether the machine can run it is checked when it is built
         need = " or ".join(kind for kind, lay in ATTENTION_LAYOUTS.items() if lay in takes)
         raise ConfigError(
             f"model.attention: {attention} needs data.layout={need}, got {layout!r}; data.layout={layout} runs "
             f"with {', '.join(registry.backends_for(ATTENTION_LAYOUTS[layout]))}"
+        )
+    if any(w is not None for w in shape.layer_windows) and layout != "packed":
+        # Local layers hand the backend a windowed layout; the packed layout carries the window
+        # in its FlashMask bounds instead.
+        reason = registry.refusal(attention, ATTENTION_LAYOUTS[layout], ["window"])
+        if reason:
+            raise ConfigError(f"model.attention: the model has local (sliding-window) layers; {reason}")
+    if cfg.data.max_seq_length > shape.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "
+            f"max_position_embeddings ({shape.max_position_embeddings})"
+        )
+    o, steps = cfg.optim, cfg.train.max_steps
+    if o.schedule != "poly" and o.warmup_steps + o.decay_steps > steps:
+        raise ConfigError(
+            f"optim.decay_steps: warm-up ({o.warmup_steps}) and decay ({o.decay_steps}) exceed the {steps} steps"
         )
     if cfg.loss.simreg_weight > 0 and layout == "padded":
         raise ConfigError("loss.simreg_weight: SimReg runs on the unpadded and packed layouts, not padded")
@@ -641,4 +660,4 @@ def field_names() -> list[str]:
 def describe() -> str:
     """Every field with its default and meaning, for --help."""
     sections = _sections().items()
-    return "\n".join(line for name, cls in sections for line in (f"{name}:", *cli.describe(cls, name)))
+    return "\n".join(line for name, cls in sections for line in (f"{name}:", *cli.describe_fields(cls, name)))

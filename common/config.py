@@ -189,12 +189,12 @@ def parse_text(raw: str, hint, key: str, error=ValueError):
     return parse_yaml(raw, f"{key}:", error)
 
 
-def describe(cls, prefix: str) -> list[str]:
+def describe_fields(cls, prefix: str) -> list[str]:
     """``prefix.field = default`` and its help, for every field of ``cls`` (nested ones too)."""
     lines, hints = [], typing.get_type_hints(cls)
     for f in fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
-            lines.extend(describe(hints[f.name], f"{prefix}.{f.name}"))
+            lines.extend(describe_fields(hints[f.name], f"{prefix}.{f.name}"))
             continue
         default = f.default if f.default is not MISSING else f.default_factory()
         choices = f.metadata.get("choices")

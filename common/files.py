@@ -59,17 +59,34 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def publishing(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; write the file there. On a clean exit it is
-    published as ``path``; on an error it is removed and ``path`` is left as it was.
-    ``suffix`` ends the temporary name (default: ``path``'s own suffix)."""
+def publishing_fd(path: str | os.PathLike, suffix: str | None = None) -> Iterator[int]:
+    """Yield a descriptor open for writing on a new temporary file beside ``path``: created
+    exclusively and never through a link (a killed writer's file or link of that name is removed
+    first). On a clean exit it is closed and published as ``path``; on any error closed and
+    removed, and ``path`` is left as it was. ``suffix`` ends the temporary name (default:
+    ``path``'s own suffix)."""
     path = Path(path)
     tmp = _temp_name(path, path.suffix if suffix is None else suffix)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
-        yield tmp
+        try:
+            yield fd
+        finally:
+            os.close(fd)
         publish(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # never hides the error that got here
+            os.remove(tmp)
+
+
+@contextlib.contextmanager
+def publishing(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
+    """``publishing_fd`` for a writer that opens the file by its name: yields the temporary path."""
+    path = Path(path)
+    with publishing_fd(path, suffix):
+        yield _temp_name(path, path.suffix if suffix is None else suffix)
 
 
 @contextlib.contextmanager
@@ -84,7 +101,7 @@ def publishing_dir(path: str | os.PathLike) -> Iterator[Path]:
     old = path.with_name(f".{path.name}.old")
     if os.path.lexists(old):
         if os.path.lexists(path):
-            _remove_tree(old)  # the swap had finished: the leftover is the replaced one
+            remove_tree(old)  # the swap had finished: the leftover is the replaced one
         else:
             os.replace(old, path)  # killed between the renames: the old one is the last good one
     tmp = _temp_name(path, "")
@@ -101,17 +118,18 @@ def publishing_dir(path: str | os.PathLike) -> Iterator[Path]:
             if moved and not os.path.lexists(path):
                 os.replace(old, path)
             raise
-        _remove_tree(old)
+        remove_tree(old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: str | os.PathLike) -> None:
     """Remove a directory tree, a file or a link (never what a link points to), if there."""
-    if path.is_dir() and not path.is_symlink():
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -134,21 +152,12 @@ class UnsafeFile(OSError):
     """A file the application will not read: its message is one line naming the file and the rule."""
 
 
-def _inside(path: str, root: str | os.PathLike) -> bool:
-    real, top = os.path.realpath(path), os.path.realpath(root)
-    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
-
-
-def open_checked(
-    path: str | os.PathLike, *, max_bytes: int | None = None, root: str | os.PathLike | None = None, what: str = "file"
-):
+def open_checked(path: str | os.PathLike, *, max_bytes: int | None = None, what: str = "file"):
     """Open ``path`` for binary reading, refusing in one line (``UnsafeFile``) anything but a
-    regular file: a FIFO, a device, a directory, a symlink whose target leaves ``root`` (when
-    given), or a file over ``max_bytes`` (a missing file is ``FileNotFoundError``). The open
-    is non-blocking, so a FIFO never hangs it; the returned file reads normally."""
+    regular file: a FIFO, a device, a directory, or a file over ``max_bytes`` (a missing file is
+    ``FileNotFoundError``). The open is non-blocking, so a FIFO never hangs it; the returned
+    file reads normally."""
     path = os.fspath(path)
-    if root is not None and not _inside(path, root):
-        raise UnsafeFile(f"{path}: {what} leads outside {os.fspath(root)} (a symlink or '..'); refused")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -171,22 +180,22 @@ def open_checked(
         raise
 
 
-def read_checked(path: str | os.PathLike, *, max_bytes: int, root=None, what: str = "file") -> bytes:
+def read_checked(path: str | os.PathLike, *, max_bytes: int, what: str = "file") -> bytes:
     """The whole of a checked file (``open_checked``), never more than ``max_bytes`` read even
     if it grows while being read."""
-    with open_checked(path, max_bytes=max_bytes, root=root, what=what) as f:
+    with open_checked(path, max_bytes=max_bytes, what=what) as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise UnsafeFile(f"{os.fspath(path)}: {what} grew past {max_bytes:,} bytes while read; refused")
     return data
 
 
-def file_digest(path: str | os.PathLike, name: str = "md5", root=None) -> str:
+def file_digest(path: str | os.PathLike, name: str = "md5") -> str:
     """Hex digest (hashlib algorithm ``name``) of a regular file (``open_checked``: a FIFO or
     ``/dev/zero`` is refused, never hashed forever), read in 1 MiB pieces: a shard of
     gigabytes is never held in memory."""
     h = hashlib.new(name)
-    with open_checked(path, root=root) as f:
+    with open_checked(path) as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()

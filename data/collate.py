@@ -14,6 +14,15 @@ from common.errors import DataError
 from data.batch import PaddedBatch, UnpaddedBatch
 from data.samples import SampleBlock, _offsets
 
+COLLATE_BACKENDS = ("torch", "dali")
+LAYOUTS = ("unpadded", "padded", "packed")
+
+
+def check_backend(backend: str) -> None:
+    """A collation backend (the loaders check it when built, before any batch is asked for)."""
+    if backend not in COLLATE_BACKENDS:
+        raise ValueError(f"backend {backend!r}: expected one of {', '.join(COLLATE_BACKENDS)}")
+
 
 def _long(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))

@@ -9,7 +9,9 @@ for identical content. The layouts, their attributes and the checks: docs/data.m
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import h5py
 import numpy as np
 
 from common.errors import DataError
-from common.files import UnsafeFile, open_checked, publish
+from common.files import UnsafeFile, open_checked, publishing
 from data.samples import SampleBlock, _offsets
 
 FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -30,7 +32,7 @@ FIXED_DTYPES = {
     "masked_lm_ids": np.int16,
     "next_sentence_labels": np.int8,
 }
-LAYOUTS = ("fixed", "varlength")
+FILE_LAYOUTS = ("fixed", "varlength")
 PACKED = "packed"
 PACKED_KEYS = (
     "input_ids",
@@ -42,8 +44,8 @@ PACKED_KEYS = (
     "next_sentence_labels",
 )
 PACKED_DTYPES = {**FIXED_DTYPES, "packed_input_len": np.int16, "packed_masked_lm_len": np.int16}
-ALL_LAYOUTS = LAYOUTS + (PACKED,)  # what data.convert writes; LAYOUTS: what data.prepare writes
-MAX_FILE_BYTES = 1 << 40
+ALL_LAYOUTS = FILE_LAYOUTS + (PACKED,)  # what data.convert writes; FILE_LAYOUTS: what data.prepare writes
+MAX_SHARD_BYTES = 1 << 40
 READ_ROWS = 16384  # samples read and validated at a time
 MAX_CHUNK_BYTES = 64 << 20  # an HDF5 storage chunk is decompressed whole
 MAX_COMPRESSION = 1024  # declared bytes per stored byte of a compressed dataset (gzip's limit is ~1032)
@@ -77,7 +79,7 @@ def open_hdf5(path) -> h5py.File:
     """``path`` opened for reading once ``fileio.open_checked`` passed it (a regular file of a
     bounded size: a FIFO or a device is refused, never waited on); DataError otherwise."""
     try:
-        open_checked(path, max_bytes=MAX_FILE_BYTES, what="HDF5 file").close()
+        open_checked(path, max_bytes=MAX_SHARD_BYTES, what="HDF5 file").close()
         return h5py.File(path, "r")
     except FileNotFoundError:
         _fail(path, "no such file")
@@ -554,33 +556,17 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
     return out
 
 
-class _AtomicFile:
-    """An HDF5 file written under a temporary name and renamed to ``path`` on success."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-
-    def __enter__(self) -> h5py.File:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = h5py.File(self.tmp, "w", libver="earliest", track_order=False)
-        except OSError as e:
-            raise DataError(f"{self.path}: cannot write ({e.strerror or str(e).splitlines()[0]})") from e
-        return self.f
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            self.f.close()
-            if exc_type is None:
-                publish(self.tmp, self.path)
-        except OSError as e:
-            self.tmp.unlink(missing_ok=True)
-            raise DataError(f"{self.path}: cannot write ({e.strerror or e})") from e
-        finally:
-            if exc_type is not None:
-                self.tmp.unlink(missing_ok=True)
-        return False
+@contextlib.contextmanager
+def _publishing_hdf5(path) -> Iterator[h5py.File]:
+    """An HDF5 file written under a temporary name and published as ``path`` on success
+    (``common.files.publishing``); an OS error is a DataError naming ``path``."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with publishing(path, suffix="") as tmp, h5py.File(tmp, "w", libver="earliest", track_order=False) as f:
+            yield f
+    except OSError as e:
+        raise DataError(f"{path}: cannot write ({e.strerror or str(e).splitlines()[0]})") from e
 
 
 def write_fixed(path, block: SampleBlock, max_seq_length: int, max_predictions: int) -> None:
@@ -590,7 +576,7 @@ def write_fixed(path, block: SampleBlock, max_seq_length: int, max_predictions: 
 
 def write_fixed_arrays(path, arrays: dict) -> None:
     """Write the six fixed-layout arrays as given (cast to MLPerf's dtypes), in MLPerf's key order."""
-    with _AtomicFile(path) as f:
+    with _publishing_hdf5(path) as f:
         for key in FIXED_KEYS:
             data = np.asarray(arrays[key]).astype(FIXED_DTYPES[key], copy=False)
             f.create_dataset(key, data=data, track_times=False)
@@ -647,7 +633,7 @@ def write_varlength(
     _check_most(f"{path}: ", lens, max_seq_length, "tokens")
     _check_most(f"{path}: ", counts, max_predictions, "masked positions")
     ids = id_dtype(vocab_size)
-    with _AtomicFile(path) as f:
+    with _publishing_hdf5(path) as f:
         columns = (
             ("input_ids", block.input_ids, lens, ids),
             ("segment_ids", block.segment_ids, lens, np.int8),
@@ -703,7 +689,7 @@ def write_packed(
         ("packed_masked_lm_len", counts, seqs_per_pack),
         ("next_sentence_labels", packed.nsp_labels, seqs_per_pack),
     )
-    with _AtomicFile(path) as f:
+    with _publishing_hdf5(path) as f:
         _write_rows(
             f, num_packs, [(*c, dtypes[c[0]]) for c in columns if next_sentence or c[0] != "next_sentence_labels"]
         )

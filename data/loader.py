@@ -19,7 +19,7 @@ import numpy as np
 
 from common.errors import DataError
 from data.batch import PaddedBatch, UnpaddedBatch
-from data.collate import collate_padded, collate_unpadded
+from data.collate import LAYOUTS, check_backend, collate_padded, collate_unpadded
 from data.dali_loader import DaliCollator
 from data.hdf5io import inspect, list_files, read_file, read_valid
 from data.packing import collate_packed
@@ -45,10 +45,6 @@ def dataset_vocab_size(path) -> int | None:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise DataError(f"{m}: cannot read the vocabulary size ({e})") from e
     return None
-
-
-COLLATOR_BACKENDS = ("torch", "dali")  # data.backend: who turns SampleBlocks into batches
-LAYOUTS = ("unpadded", "padded", "packed")
 
 
 def make_collator(
@@ -79,9 +75,8 @@ def make_collator(
         return lambda block: collate_padded(block, seq_len)
     if layout == "packed":
         raise ValueError(f"layout 'packed' collates with backend 'torch' only, not {backend!r}")
-    if backend == "dali":
-        return DaliCollator(layout=layout, seq_len=seq_len, device_id=device_id, max_batch_size=max_batch_size)
-    raise ValueError(f"backend {backend!r}: expected one of {', '.join(COLLATOR_BACKENDS)}")
+    check_backend(backend)
+    return DaliCollator(layout=layout, seq_len=seq_len, device_id=device_id, max_batch_size=max_batch_size)
 
 
 @dataclass(frozen=True, order=True)
@@ -231,7 +226,6 @@ class PretrainingLoader:
             raise ValueError(f"on_corrupt {on_corrupt!r}: expected one of {', '.join(ON_CORRUPT)}")
         self.on_corrupt = on_corrupt
         self._warn = warn or (lambda message: None)
-        self.corrupt_found = 0  # corrupt samples met in the shards read so far (skip)
         self._substituted: dict[int, int] = {}  # step -> samples of this rank's block replaced
         self._spares: dict[int, _Loaded] = {}  # shards read only to take replacements from
         self.files = list_files(train_dir_or_files)
@@ -244,8 +238,7 @@ class PretrainingLoader:
         self.lanes = default_lanes(global_batch_size) if lanes is None else lanes
         if self.lanes < 1 or global_batch_size % self.lanes:
             raise ValueError(f"lanes {self.lanes} must divide global_batch_size {global_batch_size}")
-        if backend not in COLLATOR_BACKENDS:
-            raise ValueError(f"backend {backend!r}: expected one of {', '.join(COLLATOR_BACKENDS)}")
+        check_backend(backend)
         if seed < 0:
             raise ValueError(f"seed {seed}: must be >= 0")
         self.global_batch_size = global_batch_size
@@ -333,7 +326,6 @@ class PretrainingLoader:
         inside = rows < n
         index[rows[inside]] = np.flatnonzero(inside)
         bad = int((index < 0).sum())
-        self.corrupt_found += bad
         shown = "; ".join(p.removeprefix(f"{path}: ") for p in problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         self._warn(f"{path}: {bad} of {n} samples corrupt, skipped (data.on_corrupt=skip): {shown}{more}")
@@ -560,8 +552,7 @@ class EvalLoader:
             raise ValueError(f"max_samples {max_samples}: must be >= 1")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
-        if backend not in COLLATOR_BACKENDS:
-            raise ValueError(f"backend {backend!r}: expected one of {', '.join(COLLATOR_BACKENDS)}")
+        check_backend(backend)
         self.path = Path(path)
         self.batch_size, self.backend = batch_size, backend
         if vocab_size is None:

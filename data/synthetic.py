@@ -1,11 +1,10 @@
-"""Synthetic data for tests and benchmarks: random SampleBlocks, HDF5 shards and text corpora.
+"""Synthetic data for tests and benchmarks: random SampleBlocks and HDF5 shards.
 
 Everything here is seeded by its caller, so a failing test reproduces.
 """
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 import numpy as np
@@ -59,32 +58,3 @@ def write_shards(
         block = random_block(n, seed * 1000 + i, max_seq_length, max_predictions, vocab_size)
         write_file(p, block, layout, max_seq_length, max_predictions)
     return paths
-
-
-def word_vocab(num_words: int, num_docs: int, max_sentences: int = 12) -> list[str]:
-    """The specials, letters, digits and '.', then whole words ``w0``.., ``s0``.. and
-    ``doc0``.. (in that order, so a token's kind and number follow from its id)."""
-    letters = list(string.ascii_lowercase + string.digits + ".")
-    words = [f"{kind}{i}" for kind, n in (("w", num_words), ("s", max_sentences), ("doc", num_docs)) for i in range(n)]
-    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters, *("##" + c for c in letters), *words]
-
-
-def corpus(num_docs: int, seed: int, num_words: int = 200, sentences=(1, 12), words=(3, 30)) -> list[list[str]]:
-    """Documents of sentences. Sentence k of document d starts with the words ``docD sK``,
-    so tests can tell which document and sentence a token came from."""
-    rng = np.random.default_rng(seed)
-    docs = []
-    for d in range(num_docs):
-        doc = []
-        for k in range(int(rng.integers(sentences[0], sentences[1] + 1))):
-            n = int(rng.integers(words[0], words[1] + 1))
-            doc.append(" ".join([f"doc{d}", f"s{k}"] + [f"w{w}" for w in rng.integers(0, num_words, n)]) + " .")
-        docs.append(doc)
-    return docs
-
-
-def write_bert_text(path, docs: list[list[str]]) -> Path:
-    """Write documents in the ``bert`` input format (a sentence per line, blank line between)."""
-    path = Path(path)
-    path.write_text("\n\n".join("\n".join(doc) for doc in docs) + "\n", encoding="utf-8")
-    return path

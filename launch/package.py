@@ -279,7 +279,7 @@ def make_package(args) -> tuple[Path, list[Verdict]]:
         desc = load_system_desc(args.system_desc, args.org, args.system, args.division)
     else:
         try:
-            desc = system_desc.describe(
+            desc = system_desc.machine_description(
                 nodes=int(nodes_of(logs)),
                 fields={"submitter": args.org, "division": args.division, "system_name": args.system},
             )

@@ -168,7 +168,7 @@ def software_fields() -> dict[str, Any]:
     return {"framework": f"PyTorch {torch.__version__}", "other_software_stack": ", ".join(parts)}
 
 
-def describe(*, nodes: int = 1, fields: dict[str, Any] | None = None) -> dict[str, Any]:
+def machine_description(*, nodes: int = 1, fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every field of ``FIELDS``: measured here, then ``fields`` on top; checked by ``check``."""
     desc: dict[str, Any] = {name: "" for name in FIELDS}
     desc.update(division="closed", status=STATUSES[0], number_of_nodes=nodes)
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     try:
         if args.nodes < 1:
             raise SystemDescError(f"--nodes: must be >= 1, got {args.nodes}")
-        desc = describe(nodes=args.nodes, fields=parse_fields(args.field))
+        desc = machine_description(nodes=args.nodes, fields=parse_fields(args.field))
         write(args.output, desc)
     except SystemDescError as e:
         print(f"system_desc: {e}", file=sys.stderr)

@@ -22,14 +22,16 @@ import sys
 from common.errors import UserError
 from common.files import publishing_dir
 
-SPECIAL_TOKENS = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
+SPECIAL_TOKENS_MAP = dict(
+    unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]"
+)
 
 
 class ExportError(UserError):
     """Bad input; the message is the one line the CLI prints."""
 
 
-def find_checkpoint(run_dir: str, name: str | None) -> str:
+def checkpoint_to_export(run_dir: str, name: str | None) -> str:
     """The checkpoint to export: ``name`` (file or directory name, step number or path) or the newest."""
     from bert.checkpoint import training as train_checkpoint
 
@@ -61,7 +63,7 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     from bert.train.build import build_model_config
     from common.errors import CheckpointError, ConfigError
 
-    path = find_checkpoint(run_dir, checkpoint)
+    path = checkpoint_to_export(run_dir, checkpoint)
     try:
         if checkpoint is None:
             path, state = train_checkpoint.load_latest(os.path.dirname(path), warn=lambda m: print(m, file=sys.stderr))
@@ -102,12 +104,12 @@ def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> N
     shutil.copyfile(vocab_file, os.path.join(directory, "vocab.txt"))
     with open(vocab_file, encoding="utf-8") as f:
         tokens = {line.rstrip("\n") for line in f}
-    missing = [t for t in SPECIAL_TOKENS.values() if t not in tokens]
+    missing = [t for t in SPECIAL_TOKENS_MAP.values() if t not in tokens]
     if missing:
         raise ExportError(f"{vocab_file}: the vocabulary lacks {missing}")
     config = dict(tokenizer_class="BertTokenizer", do_lower_case=True, strip_accents=None, tokenize_chinese_chars=True)
-    config.update(model_max_length=max_length, clean_up_tokenization_spaces=True, **SPECIAL_TOKENS)
-    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", SPECIAL_TOKENS)):
+    config.update(model_max_length=max_length, clean_up_tokenization_spaces=True, **SPECIAL_TOKENS_MAP)
+    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", SPECIAL_TOKENS_MAP)):
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2)
             f.write("\n")

@@ -120,11 +120,11 @@ def _refusal(e: pickle.UnpicklingError) -> str:
     return f"refused by the weights-only unpickler ({detail.split('. ')[0].rstrip('.')})"
 
 
-def safe_torch_load(path: str, limit: int | None = None, archive_only: bool = False, root: str | None = None):
-    """``load_archive`` of the file ``path`` (``fileio.open_checked``: regular, inside ``root`` if
-    given); ``limit``: the bytes of ``path`` that belong to the archive (default: all)."""
+def safe_torch_load(path: str, limit: int | None = None, archive_only: bool = False):
+    """``load_archive`` of the regular file ``path`` (``common.files.open_checked``); ``limit``:
+    the bytes of ``path`` that belong to the archive (default: all)."""
     try:
-        with open_checked(path, root=root, what="a torch file") as f:
+        with open_checked(path, what="a torch file") as f:
             return load_archive(path, f, os.fstat(f.fileno()).st_size if limit is None else limit, archive_only)
     except UnsafeFile as e:
         raise CheckpointError(str(e)) from e

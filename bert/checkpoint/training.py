@@ -15,7 +15,6 @@ import glob
 import hashlib
 import os
 import re
-import shutil
 from collections.abc import Callable
 
 import torch
@@ -26,7 +25,7 @@ from bert.distributed.collectives import Collectives
 from bert.optim.shard import ShardedLamb, reshard
 from bert.state import TrainState
 from common.errors import CheckpointError, RunFailure, UserError
-from common.files import UnsafeFile, open_checked, publish
+from common.files import UnsafeFile, open_checked, publishing_fd, remove_tree
 
 _TRAILER_PREFIX = b"\nBERT-CHECKPOINT sha256="
 _TRAILER_RE = re.compile(rb"\nBERT-CHECKPOINT sha256=([0-9a-f]{64}) size=(\d{16})\n\Z")
@@ -69,20 +68,12 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def _remove(path: str) -> None:
-    """Remove a file, a link (never what it points to) or a directory tree."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.remove(path)
-
-
 def remove_temporaries(directory: str) -> list[str]:
-    """Delete what killed writes left (``.step_*.tmp`` files, directories or links); returns their names."""
+    """Delete what killed writes left (``.step_*.tmp*`` files, directories or links); returns their names."""
     removed = []
-    for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.tmp")):
-        with contextlib.suppress(FileNotFoundError):
-            _remove(path)
+    for path in glob.glob(os.path.join(glob.escape(directory), ".step_*.tmp*")):
+        if os.path.lexists(path):
+            remove_tree(path)
             removed.append(os.path.basename(path))
     return removed
 
@@ -125,7 +116,7 @@ def save(directory: str, step: int, state: dict, keep: int) -> str:
 
 def write(directory: str, step: int, state, keep: int) -> str:
     """``save`` without the plain-data check: the file format only (tests write hostile files with it)."""
-    path = write_file(checkpoint_path(directory, step), state)
+    path = _write_checksummed(checkpoint_path(directory, step), state)
     prune(directory, keep)
     return path
 
@@ -134,49 +125,33 @@ def prune(directory: str, keep: int) -> None:
     """Remove the checkpoints beyond the newest ``keep``."""
     for _, old in list_checkpoints(directory)[:-keep]:
         with contextlib.suppress(OSError):  # one that cannot be removed costs space, not correctness
-            _remove(old)
+            remove_tree(old)
 
 
-def write_file(path: str, state) -> str:
-    """One checksummed file at ``path``: streamed to ``.NAME.tmp`` beside it, fsynced and renamed
-    over ``path`` (so an existing ``path`` is replaced whole, never removed first). Whatever
-    fails, the temporary file is gone afterwards; an OS error is CheckpointWriteError."""
-    directory = os.path.dirname(path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
-    fd = -1
+def _write_checksummed(path: str, state) -> str:
+    """One checksummed file at ``path``, streamed to a temporary name beside it and published
+    (``common.files.publishing_fd``: an existing ``path`` is replaced whole, never removed first).
+    Whatever fails, the temporary file is gone afterwards; an OS error is CheckpointWriteError."""
     try:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)  # a killed earlier write's (or a link): never written through
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        sink = _HashingSink(fd, tmp)
-        try:
-            torch.save(state, sink)
-        except RuntimeError:
-            if sink.error is None:
-                raise  # not the file system: a bug to see
-            raise sink.error from None
-        trailer = b"%s%s size=%016d\n" % (_TRAILER_PREFIX, sink.sha.hexdigest().encode(), sink.size)
-        sink.write(trailer)  # after the digest was taken: the sink's hash and size no longer matter
-        os.close(fd)
-        fd = -1
-        publish(tmp, path)
-    except BaseException as e:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if not isinstance(e, OSError):
-            raise
-        what = e.strerror or str(e)
-        raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({what})") from e
+        with publishing_fd(path, suffix="") as fd:
+            sink = _HashingSink(fd, path)
+            try:
+                torch.save(state, sink)
+            except RuntimeError:
+                if sink.error is None:
+                    raise  # not the file system: a bug to see
+                raise sink.error from None
+            sink.write(b"%s%s size=%016d\n" % (_TRAILER_PREFIX, sink.sha.hexdigest().encode(), sink.size))
+    except OSError as e:
+        raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({e.strerror or e})") from e
     return path
 
 
-def verify(path: str, root: str | None = None) -> None:
-    """Check the trailer and the SHA-256 of ``path`` (a regular file, inside ``root`` when
-    given: ``fileio.open_checked``); raises CheckpointError saying what is wrong."""
+def verify_checksum(path: str) -> None:
+    """Check the trailer and the SHA-256 of ``path`` (a regular file: ``common.files.open_checked``);
+    raises CheckpointError saying what is wrong."""
     try:
-        with open_checked(path, root=root, what="a checkpoint") as f:
+        with open_checked(path, what="a checkpoint") as f:
             total = os.fstat(f.fileno()).st_size
             if total < TRAILER_BYTES:
                 raise CheckpointError(f"{path}: {total} bytes, too short to be a checkpoint (cut short?)")
@@ -215,7 +190,12 @@ def read(path: str) -> dict:
     ``counters`` must hold an integer ``step``."""
     if os.path.isdir(path):
         refuse_directory(path)
-    state = read_file(path)
+    verify_checksum(path)
+    # Only the bytes before the trailer are the archive: records may not reach beyond them.
+    state = safe_torch_load(path, limit=os.path.getsize(path) - TRAILER_BYTES, archive_only=True)
+    problem = plain_data_problem(state)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; only tensors, numbers, strings, lists and dicts are loaded")
     counters = state.get("counters") if isinstance(state, dict) else None
     step = counters.get("step") if isinstance(counters, dict) else None
     if not isinstance(counters, dict):
@@ -223,23 +203,6 @@ def read(path: str) -> dict:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: counter 'step' is {step!r}, not an integer >= 0")
     return state
-
-
-def read_file(path: str, root: str | None = None):
-    """Verify and load one checksummed file of plain data (inside ``root`` when given)."""
-    verify(path, root)
-    # Only the bytes before the trailer are the archive: records may not reach beyond them.
-    state = safe_torch_load(path, limit=os.path.getsize(path) - TRAILER_BYTES, archive_only=True, root=root)
-    problem = plain_data_problem(state)
-    if problem:
-        raise CheckpointError(f"{path}: {problem}; only tensors, numbers, strings, lists and dicts are loaded")
-    return state
-
-
-def _first_line(e: BaseException) -> str:
-    """The last non-empty line of an exception's message (torch puts the cause there), or its type."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__
 
 
 def load_latest(

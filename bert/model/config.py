@@ -36,7 +36,7 @@ _HF_METADATA = set(
 )
 
 
-MAX_INT = 2**31 - 1  # every size indexes int32 tensors somewhere
+MAX_SIZE = 2**31 - 1  # every size indexes int32 tensors somewhere
 _INT_LEAST = {"type_vocab_size": 0, "local_window": 2}  # 0 token types: none; a window of 1 is no band
 _PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob")
 _CHOICES = {
@@ -124,8 +124,8 @@ class BertConfig:
             value, name = getattr(self, f.name), f.name
             if f.type == "int":
                 least = _INT_LEAST.get(name, 1)
-                if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_INT:
-                    raise ConfigError(f"{name}: must be an integer in [{least}, {MAX_INT:,}], got {short(value)}")
+                if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_SIZE:
+                    raise ConfigError(f"{name}: must be an integer in [{least}, {MAX_SIZE:,}], got {short(value)}")
             elif f.type == "float":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
                     raise ConfigError(f"{name}: must be a finite number, got {short(value)}")
@@ -268,3 +268,29 @@ PRESETS = {
         rope_theta_global=10000.0,
     ),
 }
+
+
+BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU implementations
+
+
+def resolve_bias_gelu(config: BertConfig, fused_ops: bool, bias_gelu: str) -> str:
+    """The FFN-in's bias+GELU (``auto`` resolved: triton with the fused kernels on a dense MLP, else
+    eager), with ``fused_ops``, checked against the block they implement (ConfigError naming the field)."""
+    if bias_gelu == "auto":
+        bias_gelu = "triton" if fused_ops and config.mlp == "dense" else "eager"
+    if bias_gelu not in BIAS_GELU:
+        raise ConfigError(f"model.bias_gelu: {bias_gelu!r} is not one of {['auto', *BIAS_GELU]}")
+    if bias_gelu != "eager" and (config.hidden_act != "gelu" or config.mlp != "dense" or not config.mlp_bias):
+        raise ConfigError(
+            f"model.bias_gelu: {bias_gelu} implements bias + erf GELU of a dense MLP, not "
+            f"hidden_act={config.hidden_act!r}, mlp={config.mlp!r}, mlp_bias={config.mlp_bias}"
+        )
+    if fused_ops:
+        if config.hidden_act != "gelu":
+            raise ConfigError(f"model.fused_ops: the fused kernels implement erf GELU, not {config.hidden_act!r}")
+        bert_block = dict(norm_placement="post", norm_kind="layernorm", norm_bias=True, mlp="dense")
+        bert_block.update(attention_bias=True, mlp_bias=True)
+        other = [f"{k}={getattr(config, k)!r}" for k, v in bert_block.items() if getattr(config, k) != v]
+        if other:
+            raise ConfigError(f"model.fused_ops: the fused kernels implement BERT's post-LN block, not {other[0]}")
+    return bias_gelu

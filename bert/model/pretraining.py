@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bert.model.config import BertConfig
-from bert.model.layers import BIAS_GELU, Embeddings, EncoderLayer, Rotary, activation, init_weights, make_norm
+from bert.model.config import BertConfig, resolve_bias_gelu
+from bert.model.layers import Embeddings, EncoderLayer, Rotary, activation, init_weights, make_norm
 from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
 from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
 from kernels.masks import window_bounds
@@ -65,23 +65,7 @@ class BertForPreTraining(nn.Module):
         super().__init__()
         self.config = config
         self.attention = attention
-        if bias_gelu == "auto":
-            bias_gelu = "triton" if fused_ops and config.mlp == "dense" else "eager"
-        if bias_gelu not in BIAS_GELU:
-            raise ValueError(f"model.bias_gelu: {bias_gelu!r} is not one of {['auto', *BIAS_GELU]}")
-        if bias_gelu != "eager" and (config.hidden_act != "gelu" or config.mlp != "dense" or not config.mlp_bias):
-            raise ValueError(
-                f"model.bias_gelu: {bias_gelu} implements bias + erf GELU of a dense MLP, not "
-                f"hidden_act={config.hidden_act!r}, mlp={config.mlp!r}, mlp_bias={config.mlp_bias}"
-            )
-        if fused_ops:
-            if config.hidden_act != "gelu":
-                raise ValueError(f"model.fused_ops: the fused kernels implement erf GELU, not {config.hidden_act!r}")
-            bert_block = dict(norm_placement="post", norm_kind="layernorm", norm_bias=True, mlp="dense")
-            bert_block.update(attention_bias=True, mlp_bias=True)
-            other = [f"{k}={getattr(config, k)!r}" for k, v in bert_block.items() if getattr(config, k) != v]
-            if other:
-                raise ValueError(f"model.fused_ops: the fused kernels implement BERT's post-LN block, not {other[0]}")
+        bias_gelu = resolve_bias_gelu(config, fused_ops, bias_gelu)  # the one check, for raw arguments too
         attention_fn = get_backend(attention, **(attention_options or {}))
         c = config.hidden_size
         self.embeddings = Embeddings(config)

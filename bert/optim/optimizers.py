@@ -313,8 +313,6 @@ def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -
     if name in ("adamw", "stable_adamw"):
         kind = StableAdamW if name == "stable_adamw" else AdamW
         return kind(groups, lr=lr, betas=betas, eps=eps, decouple_lr=optim.decouple_lr)
-    if name != "lamb":
-        raise ValueError(f"optim.name: unknown optimizer {name!r}; choose from 'lamb', 'adamw', 'stable_adamw'")
     if impl not in ("auto", "apex", "torch"):
         raise ValueError(f"impl: unknown LAMB implementation {impl!r}; choose from 'auto', 'apex', 'torch'")
     on_cuda = all(p.is_cuda for g in groups for p in g["params"])

@@ -25,8 +25,6 @@ from typing import Any
 from mlperf_logging.mllog import constants as C
 from mlperf_logging.mllog.mllog import MLLogger
 
-from launch import system_desc
-
 DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 SUBMISSION_STATUSES = ("onprem", "cloud", "research", "preview")  # log values, as in NVIDIA's logs
@@ -378,28 +376,3 @@ def _check_resumable(path: Path) -> None:
     ended = sorted(keys & {C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.RUN_STOP})
     if ended:
         raise ValueError(f"MLPerf log: cannot resume {path}: the run already ended (it has {', '.join(ended)})")
-
-
-# The fields systems/<system_name>.json must have and the "status" values the 5.0.0 package
-# checker accepts: launch.system_desc owns them (and fills them in from the machine).
-SYSTEM_DESC_FIELDS = system_desc.FIELDS
-SYSTEM_DESC_STATUSES = system_desc.STATUSES
-
-
-def write_system_desc(
-    path: str | os.PathLike, *, submitter: str, division: str, status: str, system_name: str, **fields: Any
-) -> dict:
-    """Writes an MLPerf system description (``systems/<system_name>.json``) and returns it. ``fields``:
-    any other of ``SYSTEM_DESC_FIELDS`` (``**{...}`` for ``accelerator_on-chip_memories``); the rest
-    are written as ``""`` for a person to fill in."""
-    unknown = sorted(set(fields) - set(SYSTEM_DESC_FIELDS))
-    if unknown:
-        raise ValueError(f"system description: unknown field(s) {unknown}")
-    if division not in DIVISIONS:
-        raise ValueError(f"system description: division must be one of {DIVISIONS}, got {division!r}")
-    if status not in SYSTEM_DESC_STATUSES:
-        raise ValueError(f"system description: status must be one of {SYSTEM_DESC_STATUSES}, got {status!r}")
-    desc = {name: "" for name in SYSTEM_DESC_FIELDS}
-    desc.update(fields, submitter=submitter, division=division, status=status, system_name=system_name)
-    system_desc.write(path, desc)
-    return desc

@@ -14,14 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from bert.config import (
-    ATTENTION_LAYOUTS,
     CLOSED_EVAL_SAMPLES,
     DataSection,
     LogSection,
     ModelSection,
     RunConfig,
     TrainSection,
-    model_shape,
 )
 from bert.distributed.collectives import Collectives
 from bert.model import fp8
@@ -29,11 +27,10 @@ from bert.model.config import BertConfig
 from bert.model.pretraining import BertForPreTraining
 from bert.optim.clipping import AdaGC
 from bert.optim.optimizers import build_optimizer, skips_on_device
-from bert.optim.schedule import PolyWarmupScheduler
+from bert.optim.schedule import WarmupDecaySchedule
 from bert.optim.shard import Sharding, build_sharded_lamb
 from bert.report.metrics import MetricsWriter
 from common.errors import ConfigError
-from kernels import registry
 
 if TYPE_CHECKING:  # mlperf_logging is optional: imported by build_mlperf_logger
     from bert.report.mlperf_log import MLPerfLogger
@@ -72,9 +69,10 @@ def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
 
 
 def build_model_config(cfg: RunConfig) -> BertConfig:
-    """The architecture: model.preset or model.config_file, with model.overrides; a
-    data.vocab_file (a vocabulary trained with the data) sets the vocabulary size."""
-    config = model_shape(cfg.model)
+    """The architecture: model.preset or model.config_file, with model.overrides (``cfg.model.shape``,
+    checked against the other sections with the config); a data.vocab_file (a vocabulary trained
+    with the data) sets the vocabulary size."""
+    config = cfg.model.shape
     if "vocab_size" not in cfg.model.overrides and cfg.data.vocab_file:
         try:
             with open(cfg.data.vocab_file, encoding="utf-8") as f:
@@ -85,17 +83,6 @@ def build_model_config(cfg: RunConfig) -> BertConfig:
             config = replace(config, vocab_size=size)
         except ConfigError as e:
             raise ConfigError(f"data.vocab_file: {e}") from e
-    if any(w is not None for w in config.layer_windows) and cfg.data.layout != "packed":
-        # Local layers hand the backend a windowed layout; the packed layout carries the window
-        # in its FlashMask bounds instead.
-        reason = registry.refusal(cfg.model.attention, ATTENTION_LAYOUTS[cfg.data.layout], ["window"])
-        if reason:
-            raise ConfigError(f"model.attention: the model has local (sliding-window) layers; {reason}")
-    if cfg.data.max_seq_length > config.max_position_embeddings:
-        raise ConfigError(
-            f"data.max_seq_length: {cfg.data.max_seq_length} exceeds the model's "
-            f"max_position_embeddings ({config.max_position_embeddings})"
-        )
     return config
 
 
@@ -117,10 +104,9 @@ def build_model(
     return built
 
 
-def build_graphs(cfg: RunConfig, micro_batch: int, model: BertForPreTraining, config: BertConfig):
+def build_graphs(cfg: RunConfig, micro_batch: int, model: BertForPreTraining):
     """(train.static_shapes' buckets (``data.static_shapes``) or None, train.cuda_graphs'
-    ``bert.cuda_graphs.EncoderGraphs`` for ``model`` or None). A dropout the graphs would freeze
-    is a ConfigError (``kernels.registry.graph_refusal``; the rest was checked with the config)."""
+    ``bert.cuda_graphs.EncoderGraphs`` for ``model`` or None); the config checked what graphs can replay."""
     from data.static_shapes import MASKED_BUCKET, StaticShapes, auto_token_bucket
 
     t, seq = cfg.train, cfg.data.max_seq_length
@@ -132,9 +118,6 @@ def build_graphs(cfg: RunConfig, micro_batch: int, model: BertForPreTraining, co
         return shapes, None
     from bert.train.cuda_graphs import EncoderGraphs
 
-    why = registry.graph_refusal(cfg.model.attention, config.attention_probs_dropout_prob)
-    if why:
-        raise ConfigError(f"train.cuda_graphs: {why}")
     return shapes, EncoderGraphs(model.layers, shapes.max_seqlen, model.rotary)
 
 
@@ -160,7 +143,7 @@ def build_optimization(cfg: RunConfig, model: torch.nn.Module, sharding: Shardin
     o = cfg.optim
     optimizer = build_sharded_lamb(o, model, sharding) if sharding else build_optimizer(o, model)
     device_lr = device if skips_on_device(optimizer) else None
-    schedule = PolyWarmupScheduler(optimizer, o, cfg.train.max_steps, device=device_lr)
+    schedule = WarmupDecaySchedule(optimizer, o, cfg.train.max_steps, device=device_lr)
     view = {"local": sharding.local, "norms": sharding.norms} if sharding else {}
     adagc = AdaGC(model.named_parameters(), o.adagc, o.max_grad_norm, **view) if o.clip == "adagc" else None
     return optimizer, schedule, adagc, build_grad_scaler(cfg.train, sharding)

@@ -147,9 +147,7 @@ class Trainer:
         self.ddp, self.forward = components.build_forward(
             self.model, cfg.model, self.device, self.coll, self.sharding is not None
         )
-        self.static, self.model.encoder_graphs = components.build_graphs(
-            cfg, self.micro_batch, self.model, self.model_config
-        )
+        self.static, self.model.encoder_graphs = components.build_graphs(cfg, self.micro_batch, self.model)
         self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
 
     def _build_rebalancer(self):

@@ -30,7 +30,7 @@ def _manifest_near(path: Path) -> dict | None:
     return None
 
 
-def describe(
+def shard_stats(
     files: list[Path], max_seq_length: int | None = None, vocab_size: int | None = None, bins: int = 16
 ) -> dict:
     """Statistics over all samples of ``files`` (each read and validated)."""
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     manifest = _manifest_near(Path(args.paths[0]))
     vocab_size = manifest["vocab"]["size"] if manifest else None
     seq = args.max_seq_length or (manifest["parameters"]["max_seq_length"] if manifest else None)
-    s = describe(files, max_seq_length=seq, vocab_size=vocab_size, bins=args.bins)
+    s = shard_stats(files, max_seq_length=seq, vocab_size=vocab_size, bins=args.bins)
     print(format_report(args.paths[0] if len(args.paths) == 1 else f"{len(files)} files", s))
     if args.png:
         plot(s, args.png, Path(args.paths[0]).name)

@@ -30,7 +30,7 @@ MAX_VOCAB_SIZE = 32768
 # and varlength / packed files then hold ids as int32 (data.hdf5io.id_dtype).
 MAX_WIDE_VOCAB_SIZE = 65536
 MAX_WORD_CHARS = 100
-MAX_FILE_BYTES = 64 << 20  # a vocab.txt or tokenizer JSON (ModernBERT's: 3.5 MB)
+MAX_TOKENIZER_BYTES = 64 << 20  # a vocab.txt or tokenizer JSON (ModernBERT's: 3.5 MB)
 # Bounds on what a tokenizer JSON's pipeline may do to a document (docs/data.md#tokenizer-json):
 MAX_GROWTH = 100  # characters a chain of Replace normalizers may make of one
 TOKENS_PER_CHAR = 8  # byte-level BPE needs up to 4 per character
@@ -88,7 +88,7 @@ def load_vocab(path: str | os.PathLike) -> Vocab:
 
 def _read(path: Path, what: str) -> bytes:
     try:
-        return read_checked(path, max_bytes=MAX_FILE_BYTES, what=what)
+        return read_checked(path, max_bytes=MAX_TOKENIZER_BYTES, what=what)
     except UnsafeFile as e:
         raise DataError(str(e)) from e
     except OSError as e:

@@ -85,6 +85,12 @@ def test_out_of_bounds_values_are_refused_by_name(override, message):
     _refused(None, [override], match=message)
 
 
+def test_the_schedule_is_checked_with_the_config_not_when_it_is_built():
+    _refused(None, ["optim.poly_power=-1"], match="optim.poly_power: must be non-negative")
+    wsd = ["optim.schedule=wsd", "optim.warmup_steps=4", "optim.decay_steps=7", "train.max_steps=10"]
+    _refused(None, wsd, match="optim.decay_steps: warm-up (4) and decay (7) exceed the 10 steps")
+
+
 def test_the_config_fits_on_a_page():
     """Issue 32: at most 80 fields (a mapping field counts once), each documented once in --help."""
     names = field_names()

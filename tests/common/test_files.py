@@ -165,25 +165,20 @@ def test_open_checked_refuses_what_is_not_a_regular_file_at_once(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)  # opening it for reading in blocking mode would wait for a writer forever
     (tmp_path / "zero").symlink_to("/dev/zero")
-    outside = tmp_path.parent / f"{tmp_path.name}-outside.bin"
-    outside.write_bytes(b"x")
-    (tmp_path / "escape").symlink_to(outside)
     (tmp_path / "big").write_bytes(b"y" * 11)
     cases = {
         fifo: "a FIFO",
         tmp_path / "zero": "a device",
         tmp_path: "a directory",
-        tmp_path / "escape": "outside",
         tmp_path / "big": "11 bytes, over the 10",
     }
     for path, rule in cases.items():
         with pytest.raises(files.UnsafeFile) as e:
-            root = tmp_path if path.name == "escape" else None
-            files.read_checked(path, max_bytes=10, root=root, what="test file")
+            files.read_checked(path, max_bytes=10, what="test file")
         assert rule in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(files.UnsafeFile, match="a device"):
         files.file_digest(tmp_path / "zero")  # was: hashing /dev/zero forever
     (tmp_path / "ok").write_bytes(b"0123456789")
-    assert files.read_checked(tmp_path / "ok", max_bytes=10, root=tmp_path) == b"0123456789"
+    assert files.read_checked(tmp_path / "ok", max_bytes=10) == b"0123456789"
     with pytest.raises(FileNotFoundError):
         files.read_checked(tmp_path / "missing", max_bytes=10)

@@ -14,8 +14,8 @@ import pytest
 from common.errors import DataError, cli_main
 from data.hdf5io import inspect, read_file, to_fixed_arrays, write_fixed, write_packed, write_varlength
 from data.prepare.convert import main as convert_main
-from data.prepare.stats import describe
 from data.prepare.stats import main as stats_main
+from data.prepare.stats import shard_stats
 from data.synthetic import random_block
 from tests.helpers import REPO
 
@@ -277,7 +277,7 @@ def test_stats_cli_process(tmp_path):
     ratio = S * 64 / blk.num_tokens
     assert f"padding ratio (max_seq_length x samples / tokens): {ratio:.3f}" in p.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    s = describe(sorted(d.iterdir()))
+    s = shard_stats(sorted(d.iterdir()))
     assert s["samples"] == 64 and sum(s["histogram"]["counts"]) == 64
     assert s["length"]["mean"] == pytest.approx(blk.seq_lens.mean())
     assert s["masked_per_sample"]["mean"] == pytest.approx(blk.masked_counts.mean())

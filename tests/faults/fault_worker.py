@@ -52,7 +52,7 @@ def _install_faults() -> None:
         from bert.checkpoint import training as train_checkpoint
 
         write = train_checkpoint._HashingSink.write
-        name = f".step_{int(stall):08d}.pt.tmp"
+        name = f"step_{int(stall):08d}.pt"  # the file the sink's bytes are published as
 
         def stalling_write(self, data):
             n = write(self, data)

@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -106,16 +107,16 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(dataset, referenc
     )
     wait_for(lambda: (marks / "stalled").exists(), 120, [job], "the write of the step-8 checkpoint")
     job.kill()  # SIGKILL, half-way through the file
-    tmp = os.path.join(ckpt_dir(out), ".step_00000008.pt.tmp")
-    assert names(out) == [".step_00000008.pt.tmp", "step_00000004.pt"]
-    assert os.path.getsize(tmp) > 4096
+    left, kept = names(out)
+    assert re.fullmatch(r"\.step_00000008\.pt\.tmp\d+", left) and kept == "step_00000004.pt"
+    assert os.path.getsize(os.path.join(ckpt_dir(out), left)) > 4096
     assert train_checkpoint.read(os.path.join(ckpt_dir(out), "step_00000004.pt"))["counters"]["step"] == 4
 
     # Rerun with the same output directory: the leftover goes, the run resumes at step 4 and
     # trains exactly what the uninterrupted run trained.
     s = run_in_process(dataset, out, *REFERENCE_STEPS)
     printed = capsys.readouterr().out
-    assert "removed .step_00000008.pt.tmp" in printed and "resumed from step 4" in printed
+    assert f"removed {left}" in printed and "resumed from step 4" in printed
     assert s["steps"] == 12 and losses(out) == reference
     assert names(out) == ["step_00000004.pt", "step_00000008.pt"]
 
@@ -229,7 +230,8 @@ def test_cleanup_unlinks_links_and_a_write_never_goes_through_one(tmp_path):
         ".step_00000008.tmp",
     ]
     assert os.listdir(directory) == [] and os.listdir(target) == ["keep"]
-    os.symlink(target / "keep", directory / ".step_00000004.pt.tmp")  # left there after the start
+    # A link under the very name the writer uses (a killed writer of this pid's), left after the start:
+    os.symlink(target / "keep", directory / f".step_00000004.pt.tmp{os.getpid()}")
     train_checkpoint.save(str(directory), 4, {"counters": {"step": 4}}, keep=2)
     assert (target / "keep").read_text() == "x" and os.listdir(directory) == ["step_00000004.pt"]
 
@@ -249,7 +251,7 @@ def test_a_write_stopped_by_anything_leaves_no_temporary_file(tmp_path, monkeypa
 
 
 class RefusingOs:
-    """``os`` as bert.train_checkpoint sees it, refusing the checkpoint of one step:
+    """``os`` as bert.checkpoint.training and common.files see it, refusing the checkpoint of one step:
     ENOSPC after some bytes were written, or EACCES when the file is created."""
 
     def __init__(self, real, err: int, step: int):
@@ -260,10 +262,11 @@ class RefusingOs:
         return getattr(self._real, name)
 
     def open(self, path, flags, mode=0o777):
-        if os.path.basename(path) == self.name and self.err == errno.EACCES:
+        ours = os.path.basename(path).startswith(self.name)
+        if ours and self.err == errno.EACCES:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
         fd = self._real.open(path, flags, mode)
-        if os.path.basename(path) == self.name:
+        if ours and flags & os.O_WRONLY:
             self.fd = fd
         return fd
 
@@ -278,7 +281,9 @@ class RefusingOs:
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EACCES], ids=["no-space", "no-permission"])
 def test_a_refused_write_is_reported_and_the_run_continues(dataset, reference, tmp_path, monkeypatch, capsys, err):
-    monkeypatch.setattr(train_checkpoint, "os", RefusingOs(os, err, step=8))
+    refusing = RefusingOs(os, err, step=8)
+    monkeypatch.setattr(train_checkpoint, "os", refusing)
+    monkeypatch.setattr(files, "os", refusing)
     s = run_in_process(dataset, tmp_path, *REFERENCE_STEPS)
     printed = capsys.readouterr().out
     path = os.path.join(ckpt_dir(tmp_path), "step_00000008.pt")
@@ -292,7 +297,9 @@ def test_a_refused_write_is_reported_and_the_run_continues(dataset, reference, t
 
 
 def test_a_refused_write_stops_the_run_when_configured(dataset, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train_checkpoint, "os", RefusingOs(os, errno.ENOSPC, step=8))
+    refusing = RefusingOs(os, errno.ENOSPC, step=8)
+    monkeypatch.setattr(train_checkpoint, "os", refusing)
+    monkeypatch.setattr(files, "os", refusing)
     code = run_pretraining.main(
         ["--output-dir", str(tmp_path), *run_args(dataset, *REFERENCE_STEPS, "checkpoint.on_error=stop")]
     )

@@ -83,7 +83,7 @@ def one_line(text: str) -> str:
 def test_payload_under_a_valid_checksum_never_runs(tmp_path):
     marker = tmp_path / "MARKER"
     path = train_checkpoint.write(str(tmp_path), 8, {"counters": {"step": 8}, "evil": Payload(marker)}, keep=2)
-    train_checkpoint.verify(path)  # the checksum is valid: it detects damage, not intent
+    train_checkpoint.verify_checksum(path)  # the checksum is valid: it detects damage, not intent
     with pytest.raises(CheckpointError) as e:
         train_checkpoint.read(path)
     assert one_line(str(e.value)) == (

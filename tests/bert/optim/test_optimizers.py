@@ -12,7 +12,8 @@ from torch import nn
 
 from bert.config import OptimSection
 from bert.optim.optimizers import Lamb, apex_lamb_available, build_optimizer, param_groups_for
-from bert.optim.schedule import PolyWarmupScheduler, lr_at
+from bert.optim.schedule import WarmupDecaySchedule, poly_lr_at, wsd_lr_at
+from common.errors import ConfigError
 
 
 class TinyNet(nn.Module):
@@ -185,11 +186,11 @@ def test_build_optimizer_choices():
     opt = build_optimizer(OptimSection(name="adamw", lr=1e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1), model)
     assert isinstance(opt, torch.optim.AdamW)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0] and opt.param_groups[0]["betas"] == (0.8, 0.99)
-    with pytest.raises(ValueError, match="optim.name"):
+    with pytest.raises(ConfigError, match="optim.name"):
         build_optimizer(OptimSection(name="sgd", lr=1e-3), model)
-    with pytest.raises(ValueError, match="optim.lr"):
+    with pytest.raises(ConfigError, match="optim.lr"):
         build_optimizer(OptimSection(name="lamb", lr=-1.0), model)
-    with pytest.raises(ValueError, match="optim.betas"):
+    with pytest.raises(ConfigError, match="optim.betas"):
         build_optimizer(OptimSection(name="lamb", lr=1e-3, betas=(0.9, 1.0)), model)
     if not (apex_lamb_available() and torch.cuda.is_available()):
         with pytest.raises(ValueError, match="impl: 'apex' asked for"):
@@ -202,27 +203,29 @@ def test_build_optimizer_choices():
 def test_lr_hand_computed_values():
     kw = dict(base_lr=4.0, total_steps=10, warmup_steps=4)
     # Warm-up 0, 1, 2, 3 -> base * g / 4; then 4 * (1 - g/10); constant 0 past the end.
-    assert [lr_at(g, **kw) for g in range(13)] == pytest.approx(
+    assert [poly_lr_at(g, **kw) for g in range(13)] == pytest.approx(
         [0.0, 1.0, 2.0, 3.0, 2.4, 2.0, 1.6, 1.2, 0.8, 0.4, 0.0, 0.0, 0.0]
     )
     # start_warmup_step = -2: the ramp starts two steps in (w = g + 2); decay still from step 0.
-    assert [lr_at(g, start_warmup_step=-2, **kw) for g in range(4)] == pytest.approx([2.0, 3.0, 3.2, 2.8])
+    assert [poly_lr_at(g, start_warmup_step=-2, **kw) for g in range(4)] == pytest.approx([2.0, 3.0, 3.2, 2.8])
     # A positive start keeps the rate at 0 until the ramp begins.
-    assert [lr_at(g, start_warmup_step=3, **kw) for g in (0, 2, 3, 4, 7)] == pytest.approx([0.0, 0.0, 0.0, 1.0, 1.2])
+    assert [poly_lr_at(g, start_warmup_step=3, **kw) for g in (0, 2, 3, 4, 7)] == pytest.approx(
+        [0.0, 0.0, 0.0, 1.0, 1.2]
+    )
     # No warm-up, power 2, end_lr 1: (4 - 1) * (1 - g/10)^2 + 1.
-    assert [lr_at(g, base_lr=4.0, total_steps=10, power=2.0, end_lr=1.0) for g in (0, 5, 10)] == pytest.approx(
+    assert [poly_lr_at(g, base_lr=4.0, total_steps=10, power=2.0, end_lr=1.0) for g in (0, 5, 10)] == pytest.approx(
         [4.0, 1.75, 1.0]
     )
     # The v2.0 8-GPU recipe: no warm-up, linear decay over 6700 steps from 4.25e-4.
     recipe = dict(base_lr=4.25e-4, total_steps=6700)
-    assert lr_at(0, **recipe) == 4.25e-4 and lr_at(6700, **recipe) == 0.0
-    assert math.isclose(lr_at(3350, **recipe), 2.125e-4)
+    assert poly_lr_at(0, **recipe) == 4.25e-4 and poly_lr_at(6700, **recipe) == 0.0
+    assert math.isclose(poly_lr_at(3350, **recipe), 2.125e-4)
 
 
 def test_scheduler_drives_the_optimizer_and_resumes():
     model = TinyNet()
     opt = build_optimizer(OptimSection(name="lamb", lr=1.0), model)
-    sched = PolyWarmupScheduler(opt, OptimSection(lr=4.0, warmup_steps=4), max_steps=10)
+    sched = WarmupDecaySchedule(opt, OptimSection(lr=4.0, warmup_steps=4), max_steps=10)
     seen = []
     for _ in range(6):
         seen.append([g["lr"] for g in opt.param_groups])
@@ -230,7 +233,7 @@ def test_scheduler_drives_the_optimizer_and_resumes():
     assert all(a == b for a, b in seen)  # every group gets the rate
     assert [a for a, _ in seen] == pytest.approx([0.0, 1.0, 2.0, 3.0, 2.4, 2.0])
     state = sched.state_dict()
-    other = PolyWarmupScheduler(
+    other = WarmupDecaySchedule(
         build_optimizer(OptimSection(name="lamb", lr=1.0), TinyNet()),
         OptimSection(lr=4.0, warmup_steps=4),
         max_steps=10,
@@ -238,10 +241,25 @@ def test_scheduler_drives_the_optimizer_and_resumes():
     other.load_state_dict(state)
     assert other.last_lr == sched.last_lr == pytest.approx(1.6)
     assert all(g["lr"] == pytest.approx(1.6) for g in other.optimizer.param_groups)
-    with pytest.raises(ValueError, match="total_steps"):
-        PolyWarmupScheduler(opt, OptimSection(lr=1.0), max_steps=0)
-    with pytest.raises(ValueError, match="warmup_steps"):
-        PolyWarmupScheduler(opt, OptimSection(lr=1.0, warmup_steps=-1), max_steps=5)
+    with pytest.raises(ValueError, match="end_lr"):  # the one value the config does not check
+        WarmupDecaySchedule(opt, OptimSection(lr=1.0), max_steps=5, end_lr=2.0)
+
+
+@pytest.mark.parametrize(
+    "formula, kw",
+    [
+        (poly_lr_at, dict(base_lr=4.25e-4, total_steps=40, warmup_steps=7, start_warmup_step=-2, power=2.0)),
+        (poly_lr_at, dict(base_lr=4.0, total_steps=10, warmup_steps=0, power=0.5, end_lr=1e-6)),
+        (wsd_lr_at, dict(base_lr=8e-4, total_steps=40, warmup_steps=5, decay_steps=9, end_lr=1e-5)),
+        (wsd_lr_at, dict(base_lr=8e-4, total_steps=40, warmup_steps=5, decay_steps=9, decay_shape="linear")),
+        (wsd_lr_at, dict(base_lr=8e-4, total_steps=40, warmup_steps=0, decay_steps=0)),
+    ],
+)
+def test_each_formula_gives_the_host_and_the_device_the_same_bits(formula, kw):
+    """One expression serves an int step and a step tensor: every step's rate equal bitwise (past the end too)."""
+    for step in range(50):
+        host, dev = formula(step, **kw), formula(torch.tensor(step), **kw)
+        assert isinstance(host, float) and dev.dtype == torch.float64 and dev.item() == host, step
 
 
 # ---- the device-side skip (step(found_inf=...)) -----------------------------------------
@@ -281,8 +299,8 @@ def test_found_inf_skips_bitwise_and_reads_nothing(name):
     twin = copy.deepcopy(model)
     opt, twin_opt = _optimizer(name, model), _optimizer(name, twin)
     section = OptimSection(lr=0.02, warmup_steps=2)
-    sched = PolyWarmupScheduler(opt, section, max_steps=20, device="cpu")
-    twin_sched = PolyWarmupScheduler(twin_opt, section, max_steps=20, device="cpu")
+    sched = WarmupDecaySchedule(opt, section, max_steps=20, device="cpu")
+    twin_sched = WarmupDecaySchedule(twin_opt, section, max_steps=20, device="cpu")
     skipped = 0
     for step in range(6):
         bad = step in (1, 3)
@@ -353,7 +371,7 @@ def test_device_schedule_equals_host_schedule():
     section = OptimSection(lr=4.25e-4, warmup_steps=7, start_warmup_step=-2, poly_power=2.0)
 
     def sched(**kw):
-        return PolyWarmupScheduler(build_optimizer(OptimSection(lr=1.0), TinyNet()), section, 30, end_lr=1e-6, **kw)
+        return WarmupDecaySchedule(build_optimizer(OptimSection(lr=1.0), TinyNet()), section, 30, end_lr=1e-6, **kw)
 
     host, dev = sched(), sched(device="cpu")
     for _ in range(35):
@@ -376,7 +394,7 @@ def test_apply_update_reads_the_flag_only_for_an_optimizer_that_cannot_skip_on_t
 
     model = TinyNet()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    host_sched = PolyWarmupScheduler(sgd, OptimSection(lr=0.1), max_steps=10)
+    host_sched = WarmupDecaySchedule(sgd, OptimSection(lr=0.1), max_steps=10)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     before = copy.deepcopy(model.state_dict())
@@ -386,7 +404,7 @@ def test_apply_update_reads_the_flag_only_for_an_optimizer_that_cannot_skip_on_t
     assert host_sched.step_count == 1 and not torch.equal(before["fc.weight"], model.fc.weight)
 
     lamb = _optimizer("lamb", model)
-    sched = PolyWarmupScheduler(lamb, OptimSection(lr=0.02), max_steps=10, device="cpu")
+    sched = WarmupDecaySchedule(lamb, OptimSection(lr=0.02), max_steps=10, device="cpu")
     with DeviceReads(list(model.parameters()) + [sched.lr]) as reads:
         apply_update(lamb, sched, torch.isfinite(model.fc.weight.grad).all().logical_not())
     assert reads.total == 0 and sched.step_count == 1

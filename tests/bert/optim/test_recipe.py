@@ -38,14 +38,14 @@ def test_wsd_on_the_device_equals_the_host_schedule_bitwise(shape, decay_steps):
     """The trainer keeps the rate in a device tensor (bert.schedule, device=...): under
     optim.schedule=wsd it must be wsd_lr_at's value, not the poly schedule's."""
     from bert.config import OptimSection
-    from bert.optim.schedule import PolyWarmupScheduler
+    from bert.optim.schedule import WarmupDecaySchedule
 
     section = OptimSection(
         lr=8e-4, warmup_steps=10, schedule="wsd" if shape == "1-sqrt" else "wsd_linear", decay_steps=decay_steps
     )
 
     def scheduler(**kw):
-        return PolyWarmupScheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), section, 100, **kw)
+        return WarmupDecaySchedule(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), section, 100, **kw)
 
     host, dev = scheduler(), scheduler(device="cpu")
     for step in range(110):

@@ -1,13 +1,14 @@
 """data.prepare on a synthetic corpus: MLPerf layout, masking and NSP semantics, eval
 hold-out, determinism across worker counts, the input formats, and every bad text input.
 
-The corpus (data.synthetic.corpus) starts every sentence with ``docD sK``, whole-word
+The corpus (``corpus`` below) starts every sentence with ``docD sK``, whole-word
 vocabulary entries, so each token's document and sentence can be read back from the ids.
 """
 
 from __future__ import annotations
 
 import json
+import string
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,39 @@ from data.hdf5io import read_file
 from data.prepare.shards import PrepareConfig, prepare
 from data.prepare.shards import main as prepare_main
 from data.prepare.text import parse_documents, split_sentences
-from data.synthetic import corpus, word_vocab, write_bert_text
 from tests.helpers import REPO
+
+# ---- a text corpus whose tokens say where they came from -----------------------------------
+
+
+def word_vocab(num_words: int, num_docs: int, max_sentences: int = 12) -> list[str]:
+    """The specials, letters, digits and '.', then whole words ``w0``.., ``s0``.. and
+    ``doc0``.. (in that order, so a token's kind and number follow from its id)."""
+    letters = list(string.ascii_lowercase + string.digits + ".")
+    words = [f"{kind}{i}" for kind, n in (("w", num_words), ("s", max_sentences), ("doc", num_docs)) for i in range(n)]
+    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters, *("##" + c for c in letters), *words]
+
+
+def corpus(num_docs: int, seed: int, num_words: int = 200, sentences=(1, 12), words=(3, 30)) -> list[list[str]]:
+    """Documents of sentences. Sentence k of document d starts with the words ``docD sK``,
+    so tests can tell which document and sentence a token came from."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for d in range(num_docs):
+        doc = []
+        for k in range(int(rng.integers(sentences[0], sentences[1] + 1))):
+            n = int(rng.integers(words[0], words[1] + 1))
+            doc.append(" ".join([f"doc{d}", f"s{k}"] + [f"w{w}" for w in rng.integers(0, num_words, n)]) + " .")
+        docs.append(doc)
+    return docs
+
+
+def write_bert_text(path, docs: list[list[str]]) -> Path:
+    """Write documents in the ``bert`` input format (a sentence per line, blank line between)."""
+    path = Path(path)
+    path.write_text("\n\n".join("\n".join(doc) for doc in docs) + "\n", encoding="utf-8")
+    return path
+
 
 NUM_DOCS, NUM_WORDS, MAX_SENT = 300, 200, 12
 SEQ, PRED = 64, 10
@@ -214,7 +246,7 @@ def test_identical_for_any_worker_count(corpus_files, prepared, tmp_path, monkey
     out1, _ = prepared
     out2 = tmp_path / "w2"
     monkeypatch.setattr(data.prepare.text, "CHUNK_BYTES", 20_000)
-    monkeypatch.setattr(data.prepare, "PAIR_TASK_TOKENS", (5_000, 5_000))
+    monkeypatch.setattr(data.prepare.shards, "PAIR_TASK_TOKENS", (5_000, 5_000))
     logged = []
     prepare(_config(src, vocab, out2, workers=2), log=logged.append)
     assert any("(8 chunk(s)" in m for m in logged), logged
