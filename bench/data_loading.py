@@ -89,8 +89,7 @@ def bench_loader(args, data: Path) -> None:
 
     import torch
 
-    from data.collate import make_collator
-    from data.loader import PretrainingLoader
+    from data.loader import PretrainingLoader, make_collator
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

@@ -146,7 +146,7 @@ def worker_clipping(args) -> dict:
 def worker_step(args) -> dict:
     from bert.optim.clipping import clip_global_
     from bert.train.losses import pretraining_loss
-    from data.collate import make_collator
+    from data.loader import make_collator
     from data.synthetic import random_block
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -205,7 +205,8 @@ def build_variants(
     from bert.model.hf import load_hf_state_dict
     from bert.model.pretraining import BertForPreTraining
     from bert.optim.optimizers import build_optimizer
-    from data.collate import collate_padded, collate_unpadded, make_collator
+    from data.collate import collate_padded, collate_unpadded
+    from data.loader import make_collator
 
     torch.manual_seed(seed)
     hf_model = hf_model_for(config, hf_attention)

@@ -661,3 +661,21 @@ def describe() -> str:
     """Every field with its default and meaning, for --help."""
     sections = _sections().items()
     return "\n".join(line for name, cls in sections for line in (f"{name}:", *cli.describe_fields(cls, name)))
+
+
+def build_model_config(cfg: RunConfig) -> BertConfig:
+    """The architecture: model.preset or model.config_file, with model.overrides (``cfg.model.shape``,
+    checked against the other sections with the config); a data.vocab_file (a vocabulary trained
+    with the data) sets the vocabulary size."""
+    config = cfg.model.shape
+    if "vocab_size" not in cfg.model.overrides and cfg.data.vocab_file:
+        try:
+            with open(cfg.data.vocab_file, encoding="utf-8") as f:
+                size = sum(1 for line in f if line.strip())
+        except OSError as e:
+            raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from e
+        try:
+            config = replace(config, vocab_size=size)
+        except ConfigError as e:
+            raise ConfigError(f"data.vocab_file: {e}") from e
+    return config

@@ -56,7 +56,7 @@ import contextlib, io, json, os, runpy, sys
 repo, runs = sys.argv[1], json.load(sys.stdin)
 base_path, base_env, results = list(sys.path), dict(os.environ), []
 for how, target in runs:
-    project = ("bench", "bert", "data", "fileio", "kernels", "launch", "run_pretraining")
+    project = ("bench", "bert", "common", "data", "kernels", "launch", "tools", "run_pretraining")
     dirs = tuple(os.path.join(repo, p) + os.sep for p in project[:-1])
     for name in [m for m, mod in sys.modules.items()
                  if m.split(".")[0] in project or (getattr(mod, "__file__", None) or "").startswith(dirs)]:
@@ -90,7 +90,7 @@ os._exit(0)  # skip interpreter teardown: modules were dropped and re-imported u
 def installed(tmp_path_factory):
     """Runs by path see the project only through the package ``make setup`` installs
     (editable, from this checkout): say so plainly when this interpreter lacks it."""
-    code = "import bert, fileio; print(bert.__file__); print(fileio.__file__)"
+    code = "import bert, common; print(bert.__file__); print(common.__file__)"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path_factory.mktemp("anywhere"), env=env, capture_output=True, text=True

@@ -33,7 +33,7 @@ def test_the_multi_process_tests_run_on_one_worker_under_make_tests_options(ran)
     nic = [(worker, group) for worker, test, group in ran if test.startswith("tests/launch/test_nic_selection.py")]
     assert nic and all(group == "processes" for _, group in nic), ran
     assert len({worker for worker, _ in nic}) == 1, ran  # one worker ran every one of them
-    modules = {group for _, test, group in ran if "test_rebalance_plan" in test}
+    modules = {group for _, test, group in ran if "rebalance/test_plan" in test}
     assert modules == {"tests/data/rebalance/test_plan.py"}  # the in-process tests go a module at a time
 
 

@@ -19,8 +19,13 @@ import os
 import shutil
 import sys
 
-from common.errors import UserError
+from bert.checkpoint import training as train_checkpoint
+from bert.checkpoint.pretrained import export_hf
+from bert.config import build_config, build_model_config
+from bert.model.pretraining import BertForPreTraining
+from common.errors import CheckpointError, ConfigError, UserError
 from common.files import publishing_dir
+from data.prepare.tokenization import load_vocab, make_tokenizer
 
 SPECIAL_TOKENS_MAP = dict(
     unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]"
@@ -33,7 +38,6 @@ class ExportError(UserError):
 
 def checkpoint_to_export(run_dir: str, name: str | None) -> str:
     """The checkpoint to export: ``name`` (file or directory name, step number or path) or the newest."""
-    from bert.checkpoint import training as train_checkpoint
 
     directory = os.path.join(run_dir, "checkpoints")
     if name is None:
@@ -57,11 +61,6 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
 
     With ``checkpoint`` None the newest checkpoint that verifies is used; a damaged newest one
     is reported and the previous tried (bert.train_checkpoint.load_latest)."""
-    from bert.checkpoint import training as train_checkpoint
-    from bert.config import build_config
-    from bert.model.pretraining import BertForPreTraining
-    from bert.train.build import build_model_config
-    from common.errors import CheckpointError, ConfigError
 
     path = checkpoint_to_export(run_dir, checkpoint)
     try:
@@ -119,8 +118,6 @@ def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> N
 def _fast_tokenizer(vocab_file: str):
     from tokenizers import decoders, processors
 
-    from data.prepare.tokenization import load_vocab, make_tokenizer
-
     vocab = load_vocab(vocab_file)
     tok = make_tokenizer(vocab)
     cls, sep = vocab.ids["[CLS]"], vocab.ids["[SEP]"]
@@ -133,7 +130,6 @@ def _fast_tokenizer(vocab_file: str):
 
 def export_run(run_dir: str, output: str, checkpoint: str | None = None, vocab_file: str | None = None) -> str:
     """Write ``output`` (see the module docstring); returns the checkpoint exported."""
-    from bert.checkpoint.pretrained import export_hf
 
     model, vocab, max_length, path = load_run_model(run_dir, checkpoint, vocab_file)
     output = os.path.abspath(output)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from bert.model.config import ACTIVATIONS, BertConfig
 from bert.model.fp8 import matmul
 from common.errors import ConfigError
+from kernels.ops import fused as fused_ops
 from kernels.ops import rotary
 from kernels.ops.gemm_epilogue import linear_bias_gelu
 from kernels.ops.rotary import rotary_tables
@@ -133,7 +134,7 @@ class EncoderLayer(nn.Module):
             input_NI, gate_NI = self.ffn_in(x_NC).chunk(2, dim=-1)
             return self.act(input_NI) * gate_NI
         if self.bias_gelu == "triton":
-            return _fused().bias_gelu(matmul(self.ffn_in, x_NC), self.ffn_in.bias)
+            return fused_ops.bias_gelu(matmul(self.ffn_in, x_NC), self.ffn_in.bias)
         if self.bias_gelu == "epilogue":
             return linear_bias_gelu(x_NC, self.ffn_in.weight, self.ffn_in.bias)
         return self.act(self.ffn_in(x_NC))
@@ -141,7 +142,7 @@ class EncoderLayer(nn.Module):
     def _residual_norm(self, h: Tensor, proj: nn.Linear, residual: Tensor, norm: nn.LayerNorm) -> Tensor:
         """LayerNorm(residual + dropout(proj(h)))."""
         if self.fused_ops:
-            return _fused().bias_dropout_add_layer_norm(
+            return fused_ops.bias_dropout_add_layer_norm(
                 matmul(proj, h),
                 proj.bias,
                 residual,
@@ -152,12 +153,6 @@ class EncoderLayer(nn.Module):
                 self.training,
             )
         return norm(residual + F.dropout(proj(h), self.hidden_dropout, self.training))
-
-
-def _fused():
-    import kernels.ops.fused as fused_ops  # imported on use: Triton only when asked for
-
-    return fused_ops
 
 
 def init_weights(model: nn.Module, config: BertConfig) -> None:

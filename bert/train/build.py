@@ -8,7 +8,6 @@ unpacked on the way. Backend facts come from ``kernels.registry``, never from a 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +29,15 @@ from bert.optim.optimizers import build_optimizer, skips_on_device
 from bert.optim.schedule import WarmupDecaySchedule
 from bert.optim.shard import Sharding, build_sharded_lamb
 from bert.report.metrics import MetricsWriter
+from bert.report.tensorboard import TensorBoardSink
+from bert.train.cuda_graphs import EncoderGraphs
 from common.errors import ConfigError
+from data.batch_ramp import BatchRamp, RampedLoader
+from data.hdf5io import inspect
+from data.loader import EvalLoader, PretrainingLoader, make_collator
+from data.rebalance.exchange import Rebalancer
+from data.static_shapes import MASKED_BUCKET, StaticShapes, auto_token_bucket
+from data.synthetic import random_block
 
 if TYPE_CHECKING:  # mlperf_logging is optional: imported by build_mlperf_logger
     from bert.report.mlperf_log import MLPerfLogger
@@ -68,24 +75,6 @@ def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
     return device
 
 
-def build_model_config(cfg: RunConfig) -> BertConfig:
-    """The architecture: model.preset or model.config_file, with model.overrides (``cfg.model.shape``,
-    checked against the other sections with the config); a data.vocab_file (a vocabulary trained
-    with the data) sets the vocabulary size."""
-    config = cfg.model.shape
-    if "vocab_size" not in cfg.model.overrides and cfg.data.vocab_file:
-        try:
-            with open(cfg.data.vocab_file, encoding="utf-8") as f:
-                size = sum(1 for line in f if line.strip())
-        except OSError as e:
-            raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from e
-        try:
-            config = replace(config, vocab_size=size)
-        except ConfigError as e:
-            raise ConfigError(f"data.vocab_file: {e}") from e
-    return config
-
-
 def build_model(
     model: ModelSection, config: BertConfig, train: TrainSection | None = None, device: torch.device | None = None
 ) -> BertForPreTraining:
@@ -107,7 +96,6 @@ def build_model(
 def build_graphs(cfg: RunConfig, micro_batch: int, model: BertForPreTraining):
     """(train.static_shapes' buckets (``data.static_shapes``) or None, train.cuda_graphs'
     ``bert.cuda_graphs.EncoderGraphs`` for ``model`` or None); the config checked what graphs can replay."""
-    from data.static_shapes import MASKED_BUCKET, StaticShapes, auto_token_bucket
 
     t, seq = cfg.train, cfg.data.max_seq_length
     if not t.static_shapes:
@@ -116,7 +104,6 @@ def build_graphs(cfg: RunConfig, micro_batch: int, model: BertForPreTraining):
     shapes = StaticShapes(bucket, MASKED_BUCKET, max(seq, bucket))
     if not t.cuda_graphs:
         return shapes, None
-    from bert.train.cuda_graphs import EncoderGraphs
 
     return shapes, EncoderGraphs(model.layers, shapes.max_seqlen, model.rotary)
 
@@ -163,7 +150,6 @@ def build_grad_scaler(train: TrainSection, sharding: Sharding | None):
 def build_collator(data: DataSection, device: torch.device, max_batch_size: int):
     """SampleBlock -> data.layout's batch, by data.backend. DALI collates on this rank's GPU
     when there is one; torch collates on the CPU and the batch is moved with a non-blocking copy."""
-    from data.loader import make_collator
 
     device_id = device.index if data.backend == "dali" and device.type == "cuda" else None
     return make_collator(data.backend, data.layout, data.max_seq_length, device_id, max_batch_size=max_batch_size)
@@ -174,7 +160,6 @@ def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
     data = cfg.data
     if data.rebalance == "none":
         return None
-    from data.rebalance.exchange import Rebalancer
 
     return Rebalancer(
         data.rebalance,
@@ -192,7 +177,6 @@ def build_batch_ramp(train: TrainSection):
     """train.batch_size_warmup's ``data.batch_ramp.BatchRamp``, or None when the warm-up is off."""
     if train.batch_size_warmup is None:
         return None
-    from data.batch_ramp import BatchRamp
 
     (start, steps), unit = train.batch_size_warmup, train.global_batch_size // train.grad_accum_steps
     return BatchRamp(unit, start // unit, train.grad_accum_steps, steps)
@@ -238,8 +222,6 @@ def build_metrics(log: LogSection, output_dir: str, is_main: bool, resume_step: 
     ``resume_step``: the checkpoint's step on a resume (later records are dropped), else None."""
     metrics = MetricsWriter(os.path.join(output_dir, "metrics.jsonl"), is_main, resume_step=resume_step)
     if log.tensorboard and is_main:
-        from bert.report.tensorboard import TensorBoardSink
-
         sink = TensorBoardSink(os.path.join(output_dir, "tensorboard"), config, resume_step, metrics.records)
         metrics.sinks.append(sink)
     return metrics
@@ -261,8 +243,6 @@ def build_loaders(cfg: RunConfig, rank: int, world: int, seed: int, model_config
 
 def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_size: int, warn):
     """This rank's share of data.train_dir, shuffled by ``seed``; ``warn`` hears of corrupt samples."""
-    from data.batch_ramp import RampedLoader
-    from data.loader import PretrainingLoader
 
     # With a batch-size warm-up the loader is planned at the ramp's unit, drawn k units a step.
     ramp = build_batch_ramp(cfg.train)
@@ -283,7 +263,6 @@ def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_s
 
 def build_eval_loader(cfg: RunConfig, rank: int, world: int, vocab_size: int):
     """This rank's share of data.eval_file (eval.max_samples of it, if set)."""
-    from data.loader import EvalLoader
 
     return EvalLoader(
         cfg.data.eval_file,
@@ -300,7 +279,6 @@ def build_eval_loader(cfg: RunConfig, rank: int, world: int, vocab_size: int):
 def _check_data(cfg: RunConfig, model_config: BertConfig, train_loader, eval_loader) -> None:
     """The opened data against the config: the closed division's eval size, a next-sentence head against masked-LM-only
     shards, and the first training shard's lengths and masked positions against data.* (ConfigError naming both)."""
-    from data.hdf5io import inspect
 
     data = cfg.data
     if cfg.log.division == "closed" and eval_loader.total_samples != CLOSED_EVAL_SAMPLES:
@@ -331,7 +309,6 @@ def _check_data(cfg: RunConfig, model_config: BertConfig, train_loader, eval_loa
 def build_warm_up_blocks(data: DataSection, vocab_size: int, micro_batch: int, cuda: bool) -> list:
     """Synthetic SampleBlocks for ``Trainer.warm_up``: on a GPU one micro-batch at full length (the
     allocator's worst case) and one of mixed lengths (the other buckets' kernels); on a CPU one tiny block."""
-    from data.synthetic import random_block
 
     seq = data.max_seq_length
     predictions = min(data.max_predictions_per_seq, max(1, seq // 8))

@@ -24,7 +24,7 @@ import torch
 
 from bert.checkpoint.pretrained import load_pretrained
 from bert.checkpoint.training import find_checkpoint, resume, write_checkpoint
-from bert.config import DebugSection, RunConfig, eval_interval
+from bert.config import DebugSection, RunConfig, build_model_config, eval_interval
 from bert.distributed.collectives import Collectives
 from bert.optim.clipping import clip_global_, tensor_norms
 from bert.optim.optimizers import apply_update
@@ -132,7 +132,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         if t.flat_host_memory:
             map_large_allocations()
-        self.model_config = components.build_model_config(cfg)
+        self.model_config = build_model_config(cfg)
         torch.manual_seed(self.state.seed)  # same initial weights on every rank
         # The kernels' dropout state (kernels.runtime): seeded each step, advanced on the device.
         self.philox = philox_state(self.device)

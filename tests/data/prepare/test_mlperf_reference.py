@@ -196,7 +196,7 @@ def test_published_checksums_apply_only_with_mlperfs_shards_and_parameters(tmp_p
     assert names(shards=4320, params=RefParams(dupe_factor=5)) == []
     assert names(shards=4320, eval_samples=500) == ["4320_shards_varlength.chk", "4320_shards_varlength_shuffled.chk"]
     lines = (
-        Path(__file__).resolve().parents[2] / "data/prepare/checksums/4320_shards_varlength_shuffled.chk"
+        Path(__file__).resolve().parents[3] / "data/prepare/checksums/4320_shards_varlength_shuffled.chk"
     ).read_text()
     assert len(lines.splitlines()) == 4320
 
