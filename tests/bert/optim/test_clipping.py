@@ -11,6 +11,7 @@ from torch import nn
 
 from bert.config import AdaGCSection
 from bert.optim.clipping import AdaGC, clip_global_
+from common.errors import ConfigError
 
 SHAPES = [(8, 5), (5,), (3, 4, 2), (1,), (16,), (7, 7)]
 
@@ -178,7 +179,7 @@ def test_adagc_state_validation():
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="missing key 'gamma'"):
         adagc.load_state_dict({"step": 1, "names": [], "has_gamma": torch.zeros(0)})
-    with pytest.raises(ValueError, match="optim.adagc.beta"):
+    with pytest.raises(ConfigError, match="optim.adagc.beta"):
         AdaGC([("p", params[0])], AdaGCSection(beta=1.0))
 
 
