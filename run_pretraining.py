@@ -45,6 +45,7 @@ def main(argv=None) -> int:
         return 2
     # Imported after the config is valid, so a typo is reported before torch loads.
     from bert.collectives import CollectiveError, announce_exit, hold_store
+    from bert.distributed.fault_tolerance import FaultToleranceError
     from bert.safe_load import CheckpointError
     from bert.trainer import Trainer, TrainingError
     from data.rebalance import RebalanceError
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
         print(f"error (rank {info.rank}): {e}", file=sys.stderr, flush=True)
         store = announce_exit(info.rank, info.world_size, str(e))
         return 2
-    except CollectiveError as e:  # names the rank, the collective and the ranks that did not answer
+    except (CollectiveError, FaultToleranceError) as e:  # names the collective (the quorum) and who did not answer
         broken = True
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -97,7 +97,7 @@ class FaultTolerance:
         import torchft
 
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         # A healing replica reads the peer's state from a read-only buffer and copies it into its own parts.
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
@@ -146,6 +146,7 @@ class FaultTolerance:
             rank, size = self.manager.participating_rank(), self.manager.num_participants()
         except Exception as e:  # noqa: BLE001 - torchft raises plain RuntimeErrors from its RPCs
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = reason.split(", details:")[0]  # the RPC status and message, not its empty metadata
             raise FaultToleranceError(
                 f"replica {self.replica}: the quorum of step {step + 1} failed after {time.monotonic() - start:.1f} s: "
                 f"no answer from the Lighthouse at {self.lighthouse} (killed, stopped or unreachable): {reason}"
