@@ -432,28 +432,15 @@ class DistSection:
 
     fault_tolerance: str = opt(
         "off",
-        "torchft: each process is a replica that joins a quorum every step (a Lighthouse server, TORCHFT_LIGHTHOUSE or "
-        "dist.ft_lighthouse); a lost replica costs the step it failed, redone by the others on the same samples "
-        "(docs/reliability.md, 'Per-step fault tolerance')",
+        "torchft: each process is a replica that joins a quorum every step through a Lighthouse; a lost replica "
+        "costs the step it failed, redone by the others on the same samples; torchft's own variables set the rest "
+        "(TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, TORCHFT_TIMEOUT_SEC; docs/reliability.md)",
         ("off", "torchft"),
-    )
-    ft_lighthouse: str = opt("", "torchft: the Lighthouse's address, http://HOST:PORT (empty: $TORCHFT_LIGHTHOUSE)")
-    ft_replica_id: int | None = opt(
-        None, "torchft: this replica's number (null: $REPLICA_GROUP_ID, else 0); its outputs go to OUT/replica_<id>/"
-    )
-    ft_min_replicas: int = opt(1, "torchft: a step is committed only when at least this many replicas ran it")
-    ft_timeout_s: float = opt(
-        10.0,
-        "torchft: a replica that does not answer (killed, stopped, cut off) fails the step after this many seconds and "
-        "is left out of the next quorum; also bounds each quorum",
     )
 
     def __post_init__(self):
         cli.check_choices("dist", self, ConfigError)
         _in_range("dist.timeout_s", self.timeout_s, above=0, most=7 * 86400)
-        _positive("dist.ft_min_replicas", self.ft_min_replicas)
-        _positive("dist.ft_replica_id", self.ft_replica_id, allow_zero=True)
-        _in_range("dist.ft_timeout_s", self.ft_timeout_s, above=0, most=86400)
 
 
 # MLPerf BERT (v5.0, its last round): what the closed division fixes.

@@ -98,7 +98,7 @@ class Trainer:
                     f"(launch/run_torchrun.sh with FT_REPLICAS), not {self.world} ranks in one group"
                 )
             # Each replica logs on its own (the same numbers); the checkpoints are shared.
-            self.out = os.path.join(output_dir, f"replica_{replica_number(cfg.dist)}")
+            self.out = os.path.join(output_dir, f"replica_{replica_number()}")
             os.makedirs(self.out, exist_ok=True)
         self.coll = Collectives(self.rank, self.world, cfg.dist.timeout_s)
         self.local_batch = t.global_batch_size // self.world

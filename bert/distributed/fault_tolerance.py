@@ -30,37 +30,50 @@ import numpy as np
 import torch
 
 from bert.host_counts import StepCounts, local_counts
+from bert.train_config import ConfigError
 from data.rebalance import ExchangeStats
 from data.rebalance_plan import assign
 from data.samples import SampleBlock
 from launch.distributed import chosen_interface, interface_address
 
+# torchft's own variables (its Manager reads the two timeouts too; they take precedence there).
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_ENV = "REPLICA_GROUP_ID"
+TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"  # a silent replica fails the step after this long, and is left out
+QUORUM_TIMEOUT_ENV = (
+    "TORCHFT_QUORUM_TIMEOUT_SEC"  # no quorum within this long ends the replica (default dist.timeout_s)
+)
+DEFAULT_TIMEOUT_S = 10
 
 
 class FaultToleranceError(RuntimeError):
     """The replica cannot go on (no quorum: the Lighthouse is gone or unreachable); one line."""
 
 
-def replica_number(section) -> int:
-    """dist.ft_replica_id, else $REPLICA_GROUP_ID, else 0."""
-    if section.ft_replica_id is not None:
-        return int(section.ft_replica_id)
+def replica_number() -> int:
+    """$REPLICA_GROUP_ID (torchft's name for it), else 0."""
     value = os.environ.get(REPLICA_ENV, "0")
     if not value.isdigit():
-        raise FaultToleranceError(f"{REPLICA_ENV}={value!r} is not a replica number (an integer >= 0)")
+        raise ConfigError(f"{REPLICA_ENV}={value!r} is not a replica number (an integer >= 0)")
     return int(value)
 
 
-def lighthouse_address(section) -> str:
-    address = section.ft_lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+def settings(env=os.environ) -> tuple[str, int, int]:
+    """(Lighthouse address, step timeout s, quorum timeout s or 0: dist.timeout_s) from torchft's
+    own variables (whole seconds, as torchft reads them); ConfigError names one that is missing or wrong."""
+    address = env.get(LIGHTHOUSE_ENV, "")
     if not address:
-        raise FaultToleranceError(
-            f"dist.fault_tolerance=torchft needs a Lighthouse: set {LIGHTHOUSE_ENV}=http://HOST:PORT or "
-            "dist.ft_lighthouse (launch/run_torchrun.sh starts one)"
+        raise ConfigError(
+            f"dist.fault_tolerance=torchft needs a Lighthouse: set {LIGHTHOUSE_ENV}=http://HOST:PORT "
+            "(launch/run_torchrun.sh starts one with FT_REPLICAS)"
         )
-    return address
+    values = []
+    for name, default in ((TIMEOUT_ENV, DEFAULT_TIMEOUT_S), (QUORUM_TIMEOUT_ENV, 0)):
+        text = env.get(name, str(default))
+        values.append(int(text) if text.isdigit() else -1)
+        if values[-1] < 0 or (values[-1] == 0 and name == TIMEOUT_ENV):
+            raise ConfigError(f"{name}={text!r}: expected a whole number of seconds > 0")
+    return address, values[0], values[1]
 
 
 @dataclass(frozen=True)
@@ -101,9 +114,9 @@ class FaultTolerance:
         # A healing replica reads the peer's state from a read-only buffer and copies it into its own parts.
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
-        self.replica = replica_number(section)
-        self.lighthouse = lighthouse_address(section)
-        timeout = timedelta(seconds=section.ft_timeout_s)
+        self.replica = replica_number()
+        self.lighthouse, timeout_s, quorum_s = settings()
+        timeout = timedelta(seconds=timeout_s)
         # The store the quorum's process groups meet in; other replicas reach it by this host's name.
         ifname = chosen_interface(os.environ)
         host = interface_address(ifname) if ifname else socket.gethostname()
@@ -116,12 +129,13 @@ class FaultTolerance:
             pg=pg,
             load_state_dict=load_state_dict,
             state_dict=state_dict,
-            min_replica_size=section.ft_min_replicas,
+            # The Lighthouse's --min_replicas is the smallest quorum it forms; each formed one commits.
+            min_replica_size=1,
             # The step's share of the batch depends on the quorum, so the step waits for it anyway;
             # a synchronous quorum also heals before the step, so a returning replica takes part at once.
             use_async_quorum=False,
             timeout=timeout,
-            quorum_timeout=timedelta(seconds=section.timeout_s),
+            quorum_timeout=timedelta(seconds=quorum_s or section.timeout_s),
             connect_timeout=timeout,
             rank=0,
             world_size=1,
@@ -149,7 +163,8 @@ class FaultTolerance:
             reason = reason.split(", details:")[0]  # the RPC status and message, not its empty metadata
             raise FaultToleranceError(
                 f"replica {self.replica}: the quorum of step {step + 1} failed after {time.monotonic() - start:.1f} s: "
-                f"no answer from the Lighthouse at {self.lighthouse} (killed, stopped or unreachable): {reason}"
+                f"no quorum from the Lighthouse at {self.lighthouse} (killed, unreachable, or fewer replicas alive "
+                f"than its --min_replicas): {reason}"
             ) from None
         seconds = time.monotonic() - start
         self.quorum_seconds += seconds

@@ -5,7 +5,7 @@ samples and their losses equal the uninterrupted single-process run's (1e-5 rela
 Two runs cover the cases (each replica a process, a real ``torchft_lighthouse`` beside them):
 three replicas losing one at a step drawn from a seeded generator, that one restarted and healed
 from a peer (its weights and LAMB state then bitwise equal to the others'), then two lost in a row;
-and two replicas, one stopped with SIGSTOP (dropped after dist.ft_timeout_s), then the Lighthouse
+and two replicas, one stopped with SIGSTOP (dropped after TORCHFT_TIMEOUT_SEC), then the Lighthouse
 killed (each replica ends with one line naming it).
 """
 
@@ -26,7 +26,7 @@ torchft = pytest.importorskip("torchft", reason="dist.fault_tolerance=torchft ne
 
 # 12 = 3 x 4 = 2 x 6: the global batch splits evenly over 3, 2 or 1 replicas (balanced rebalancing on).
 STEPS = ("train.global_batch_size=12", "train.max_steps=14", "data.rebalance=balanced", "eval.interval_samples=84")
-FT = ("dist.fault_tolerance=torchft", "dist.ft_timeout_s=3", "dist.timeout_s=8", "checkpoint.interval_steps=4")
+FT = ("dist.fault_tolerance=torchft", "dist.timeout_s=8", "checkpoint.interval_steps=4")
 DELAY_S = 0.35  # per step: the window in which a replica is killed or stopped
 LIGHTHOUSE = os.path.join(os.path.dirname(PYTHON), "torchft_lighthouse")
 
@@ -57,6 +57,7 @@ def start_replica(i: int, out, dataset, address: str, marks, tmp_path, tag: str 
     env = clean_env(
         REPLICA_GROUP_ID=i,
         TORCHFT_LIGHTHOUSE=address,
+        TORCHFT_TIMEOUT_SEC=3,  # a silent replica fails the step after 3 s (dist.timeout_s=8 bounds a quorum)
         FAULT_MARK_DIR=marks,
         FAULT_STEP_DELAY_S=DELAY_S,
         FAULT_STATE_HASH=1,
@@ -165,7 +166,7 @@ def test_a_stopped_replica_is_dropped_then_the_lighthouse_killed_ends_the_run(da
         start = time.monotonic()
         wait_for(lambda: trained(out, 0) > at + 1, 60, jobs[:1], "replica 0 going on alone")
         dropped_after = time.monotonic() - start
-        # dist.ft_timeout_s=3 fails the step; the Lighthouse drops the silent replica 2 s after its last heartbeat.
+        # TORCHFT_TIMEOUT_SEC=3 fails the step; the Lighthouse drops the silent replica 2 s after its last heartbeat.
         assert dropped_after < 3 + 2 + 8, f"the stopped replica held the run for {dropped_after:.1f} s"
         lighthouse.kill()
         rc = jobs[0].wait(60, "replica 0 after the Lighthouse was killed")
@@ -177,6 +178,6 @@ def test_a_stopped_replica_is_dropped_then_the_lighthouse_killed_ends_the_run(da
     log = jobs[0].output()
     assert rc == 1, log[-3000:]
     errors = [line for line in log.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and f"no answer from the Lighthouse at {address}" in errors[0], log[-3000:]
+    assert len(errors) == 1 and f"no quorum from the Lighthouse at {address}" in errors[0], log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     check_losses(out, 0, uninterrupted)
