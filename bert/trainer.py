@@ -456,13 +456,15 @@ class Trainer:
                 iter(self.train_loader), self.train_loader, self.rebalancer, self.agreement, self.coll, scope
             )
             self.planner.begin(self.state.step)
-        status = None
+        status, retried_since = None, None
         while status is None:
-            step_start = time.time()
+            step_start = retried_since or time.time()
             if self.ft is not None:
                 result, rebalance = self.replica_step()
-                if result is None:
+                if result is None:  # the failed try's time is the step's too
+                    retried_since = step_start
                     continue
+                retried_since = None
             else:
                 block, rebalance = self.planner.next_block(self.state.step)
                 step_start = time.time()
@@ -542,6 +544,8 @@ class Trainer:
         reporting.log_run_stop(self.mllog, self.state.samples, self.eval_loader.total_samples, status)
         summary = reporting.summary(self.state, status, time_to_train, self.world, self.metrics.records, self.error)
         summary["distinct_shapes"] = len(self.shapes_seen)
+        if self.ft is not None:  # the quorums' host time, apart from the steps' (it is inside train_seconds)
+            summary.update(quorums=self.ft.quorums, quorum_seconds=self.ft.quorum_seconds)
         if self.is_main:
             reporting.publish_summary(summary, self.out, self.metrics, self.progress, self.cfg.log.plot)
         return summary
