@@ -82,6 +82,9 @@ def inject_debug_faults(debug: DebugSection, model: torch.nn.Module, step: int) 
 
 
 class Trainer:
+    ft: FaultTolerance | None = None  # dist.fault_tolerance=torchft's manager, built last by __init__
+    ft_rank = 0  # this replica's rank in the last quorum (rank 0 writes the checkpoints)
+
     def __init__(self, cfg: RunConfig, output_dir: str, dist_info):
         """Builds every part but the data loaders: MLPerf's clock (``run_start``) starts
         before anything touches the dataset, so ``train()`` opens the data after it."""
@@ -89,17 +92,7 @@ class Trainer:
         self.rank, self.world, self.is_main = dist_info.rank, dist_info.world_size, dist_info.rank == 0
         self.device = components.build_device(cfg, dist_info, output_dir)
         self.checkpoint_dir = os.path.join(output_dir, "checkpoints")
-        self.ft: FaultTolerance | None = None  # dist.fault_tolerance=torchft: built once the parts are
-        self.ft_rank = 0  # this replica's rank in the last quorum (rank 0 writes the checkpoints)
-        if cfg.dist.fault_tolerance == "torchft":
-            if self.world > 1:
-                raise ConfigError(
-                    f"dist.fault_tolerance: a replica group is one rank; start each replica as its own process "
-                    f"(launch/run_torchrun.sh with FT_REPLICAS), not {self.world} ranks in one group"
-                )
-            # Each replica logs on its own (the same numbers); the checkpoints are shared.
-            self.out = os.path.join(output_dir, f"replica_{replica_number()}")
-            os.makedirs(self.out, exist_ok=True)
+        self.out = self._replica_dir(output_dir) if cfg.dist.fault_tolerance == "torchft" else output_dir
         self.coll = Collectives(self.rank, self.world, cfg.dist.timeout_s)
         self.local_batch = t.global_batch_size // self.world
         self.micro_batch = self.local_batch // t.grad_accum_steps
@@ -130,10 +123,25 @@ class Trainer:
         self.counters = DeviceCounters(self.device, self.state.skipped, self.state.nonfinite_in_row)
         resume_step = self.state.step if self.resumed else None
         self.metrics = components.build_metrics(cfg.log, self.out, self.is_main, resume_step, cfg.to_dict())
-        if cfg.dist.fault_tolerance == "torchft":
-            self.ft = FaultTolerance(
-                cfg.dist, self.device, self._replica_state, self._load_replica_state, self.state.step
+        self.ft = self._join_quorums() if cfg.dist.fault_tolerance == "torchft" else None
+
+    def _replica_dir(self, output_dir: str) -> str:
+        """dist.fault_tolerance: OUT/replica_<id>, where this replica logs on its own (the same numbers
+        as the others); the checkpoints stay shared in OUT/checkpoints."""
+        if self.world > 1:
+            raise ConfigError(
+                f"dist.fault_tolerance: a replica group is one rank; start each replica as its own process "
+                f"(launch/run_torchrun.sh with FT_REPLICAS), not {self.world} ranks in one group"
             )
+        out = os.path.join(output_dir, f"replica_{replica_number()}")
+        os.makedirs(out, exist_ok=True)
+        return out
+
+    def _join_quorums(self) -> FaultTolerance:
+        """dist.fault_tolerance: this replica's torchft manager, at the step it starts from."""
+        return FaultTolerance(
+            self.cfg.dist, self.device, self._replica_state, self._load_replica_state, self.state.step
+        )
 
     def _start_mlperf_log(self, dist_info) -> None:
         """mlperf.log; a fresh run's initialisation (untimed, at most 30 minutes) starts here."""
