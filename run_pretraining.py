@@ -47,6 +47,7 @@ def main(argv=None) -> int:
         return 2
     # Imported after the config is valid, so a typo is reported before torch loads.
     from bert.distributed.collectives import CollectiveError, announce_exit, hold_store
+    from bert.distributed.fault_tolerance import FaultToleranceError
     from bert.train.trainer import Trainer
     from data.rebalance.exchange import RebalanceError
     from launch.distributed import destroy, init_distributed
@@ -72,13 +73,12 @@ def main(argv=None) -> int:
             )
         summary = trainer.train()
     except UserError as e:
-        # A failed collective names the rank, the collective and the ranks that did not answer;
-        # it and a failed exchange leave the process group unusable.
-        broken = isinstance(e, (CollectiveError, RebalanceError))
-        print(
-            f"error{'' if isinstance(e, CollectiveError) else f' (rank {info.rank})'}: {e}", file=sys.stderr, flush=True
-        )
-        if not isinstance(e, CollectiveError):
+        # A failed collective (or quorum) names the rank, the collective and the ranks that did
+        # not answer; it and a failed exchange leave the process group unusable.
+        lost = isinstance(e, (CollectiveError, FaultToleranceError))
+        broken = lost or isinstance(e, RebalanceError)
+        print(f"error{'' if lost else f' (rank {info.rank})'}: {e}", file=sys.stderr, flush=True)
+        if not lost:
             store = announce_exit(info.rank, info.world_size, str(e))
         return e.exit_status
     finally:

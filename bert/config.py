@@ -11,6 +11,7 @@ meaning here, once, and is checked where it is defined; ``describe()`` prints th
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -430,6 +431,14 @@ class DistSection:
         600.0, "collectives fail instead of hanging after this many seconds (at most a week; nccl on CUDA, else gloo)"
     )
 
+    fault_tolerance: str = opt(
+        "off",
+        "torchft: each process is a replica that joins a quorum every step through a Lighthouse; a lost replica "
+        "costs the step it failed, redone by the others on the same samples; torchft's own variables set the rest "
+        "(TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, TORCHFT_TIMEOUT_SEC; docs/reliability.md)",
+        ("off", "torchft"),
+    )
+
     def __post_init__(self):
         cli.check_choices("dist", self, ConfigError)
         _in_range("dist.timeout_s", self.timeout_s, above=0, most=7 * 86400)
@@ -474,6 +483,12 @@ def check_closed_division(cfg: RunConfig) -> None:
         ("eval.target_accuracy", e.target_accuracy == CLOSED_TARGET_ACCURACY, f"stops at {CLOSED_TARGET_ACCURACY}"),
         ("debug.spike_steps", not debug.spike_steps, "trains without injected faults; leave it empty"),
         ("debug.nonfinite_steps", not debug.nonfinite_steps, "trains without injected faults; leave it empty"),
+        (
+            "dist.fault_tolerance",
+            cfg.dist.fault_tolerance == "off",
+            "times one run on the system it declares (training rules: a result is for a defined set of hardware); "
+            "a run that drops replicas trains part of its time on a smaller one; set it off",
+        ),
     )
     broken = next((r for r in rules if not r[1]), None)
     if broken is not None:
@@ -528,6 +543,33 @@ def check_cuda_graphs(cfg: RunConfig) -> None:
         raise ConfigError(f"train.cuda_graphs: {why}")
 
 
+def check_fault_tolerance(cfg: RunConfig) -> None:
+    """dist.fault_tolerance=torchft: torchft installed, and what a replica cannot yet do refused (one line each).
+    Why each: docs/reliability.md, 'Per-step fault tolerance'."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "dist.fault_tolerance: torchft is not installed (pip install -e '.[ft]', or "
+            "pip install torchft==0.2.0); dist.fault_tolerance=off trains without it"
+        )
+    t, d = cfg.train, cfg.data
+    rules = (  # (key, refused, why)
+        ("train.seed", t.seed is None, "every replica builds the same initial weights from it; set it"),
+        (
+            "optim.shard",
+            cfg.optim.shard != "none",
+            "HSDP (sharded inside a replica group, fault tolerant across) is the design, not built yet; "
+            "a replica group is one rank: set optim.shard=none",
+        ),
+        ("data.rebalance", d.rebalance == "measured", "measured plans need every replica's step times; use balanced"),
+        ("train.batch_size_warmup", t.batch_size_warmup is not None, "replicas split one fixed global batch"),
+        ("train.static_shapes", t.static_shapes, "a replica's share changes with the quorum; leave it false"),
+        ("data.backend", d.backend != "torch", "replicas collate their share with 'torch'"),
+    )
+    broken = next((r for r in rules if r[1]), None)
+    if broken is not None:
+        raise ConfigError(f"{broken[0]}: with dist.fault_tolerance=torchft, {broken[2]}")
+
+
 def check_cross_fields(cfg: RunConfig) -> None:
     """Every constraint between sections (raised before any work; a field alone is checked by its section)."""
     layout, attention, shape = cfg.data.layout, cfg.model.attention, cfg.model.shape
@@ -570,6 +612,8 @@ def check_cross_fields(cfg: RunConfig) -> None:
         _in_range("train.static_token_bucket", t.static_token_bucket, most=most)
     if t.cuda_graphs:
         check_cuda_graphs(cfg)
+    if cfg.dist.fault_tolerance != "off":
+        check_fault_tolerance(cfg)
     if cfg.log.division == "closed":
         check_closed_division(cfg)
 

@@ -15,6 +15,13 @@
 # draws its own from the OS (rank 0, broadcast), as MLPerf's closed division wants.
 # PYTHON and TRAIN_SCRIPT override the interpreter and the entry point (run_pretraining.py);
 # MAX_RESTARTS (default 0) is torchrun's --max-restarts.
+# FT_REPLICAS=R: per-step fault tolerance (dist.fault_tolerance=torchft, docs/reliability.md): R
+# replicas on this node, each one process (GPUS_PER_NODE must be 1), replica ids NODE_RANK*R..;
+# the node with NODE_RANK 0 (default) starts the Lighthouse on FT_LIGHTHOUSE_PORT (default 29510),
+# which the others reach at MASTER_ADDR (TORCHFT_LIGHTHOUSE overrides it; nothing is started then).
+# FT_MIN_REPLICAS (default 1) is the smallest quorum; FT_JOIN_TIMEOUT_MS (default 10000) how long
+# a quorum waits for stragglers. The run succeeds when one replica finishes. Several nodes:
+#   NODE_RANK=k MASTER_ADDR=node0 FT_REPLICAS=8 launch/run_torchrun.sh NNODES 1 CONFIG OUT ...
 set -euo pipefail
 
 if (( $# < 4 )); then
@@ -32,6 +39,35 @@ train_script=${TRAIN_SCRIPT:-$repo/run_pretraining.py}
 
 if [[ -n ${SOCKET_IFNAME:-} ]]; then
     export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$SOCKET_IFNAME}
+fi
+
+if [[ -n ${FT_REPLICAS:-} ]]; then
+    [[ $FT_REPLICAS =~ ^[1-9][0-9]*$ && $nproc == 1 && $nnodes =~ ^[1-9][0-9]*$ ]] ||
+        { echo "$0: FT_REPLICAS needs a positive count, GPUS_PER_NODE 1 (a replica is one rank) and a plain NNODES" >&2; exit 2; }
+    export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    node=${NODE_RANK:-0} port=${FT_LIGHTHOUSE_PORT:-29510} pids=()
+    if [[ -z ${TORCHFT_LIGHTHOUSE:-} ]]; then
+        if (( node == 0 )); then
+            lighthouse=$(dirname "$python")/torchft_lighthouse
+            [[ -x $lighthouse ]] || lighthouse=$(command -v torchft_lighthouse) ||
+                { echo "$0: FT_REPLICAS: no torchft_lighthouse (pip install -e '.[ft]')" >&2; exit 2; }
+            "$lighthouse" --min_replicas "${FT_MIN_REPLICAS:-1}" --bind "[::]:$port" \
+                --join_timeout_ms "${FT_JOIN_TIMEOUT_MS:-10000}" >"${FT_LIGHTHOUSE_LOG:-/dev/null}" 2>&1 &
+            lighthouse_pid=$!
+            trap 'kill "$lighthouse_pid" 2>/dev/null || true' EXIT
+        fi
+        export TORCHFT_LIGHTHOUSE=http://${MASTER_ADDR:-$(hostname)}:$port
+    fi
+    for ((i = 0; i < FT_REPLICAS; i++)); do
+        gpu=()  # one GPU per replica on a GPU node
+        if command -v nvidia-smi >/dev/null && [[ -z ${CUDA_VISIBLE_DEVICES:-} ]]; then gpu=(CUDA_VISIBLE_DEVICES=$i); fi
+        env "${gpu[@]}" REPLICA_GROUP_ID=$((node * FT_REPLICAS + i)) "$python" "$train_script" --config "$config" \
+            --output-dir "$output_dir" dist.fault_tolerance=torchft ${SEED:+"train.seed=$SEED"} "$@" &
+        pids+=($!)
+    done
+    status=1  # a lost replica is what this mode survives: the run worked if one replica finished
+    for pid in "${pids[@]}"; do wait "$pid" && status=0; done
+    exit "$status"
 fi
 
 if [[ $nnodes == *:* ]]; then

@@ -27,6 +27,7 @@ from mlperf_logging.mllog.mllog import MLLogger
 
 DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
+QUORUM_KEY = "quorum_change"  # dist.fault_tolerance: not an MLPerf key (the closed division refuses the mode)
 SUBMISSION_STATUSES = ("onprem", "cloud", "research", "preview")  # log values, as in NVIDIA's logs
 BENCHMARK = C.BERT
 # The values the rules accept for lowest_numerical_precision_in_* that this trainer can produce.
@@ -273,6 +274,12 @@ class MLPerfLogger:
         if not 0.0 <= accuracy <= 1.0:
             raise ValueError(f"MLPerf log: eval_accuracy must be a fraction in [0, 1], got {accuracy}")
         self._emit("event", C.EVAL_ACCURACY, accuracy, {C.EPOCH_NUM: samples})
+
+    def quorum(self, samples: int, replicas: int, step: int) -> None:
+        """dist.fault_tolerance (open division only): the step's quorum changed to ``replicas`` replicas."""
+        self._expect(QUORUM_KEY, (_RUNNING,))
+        metadata = {C.EPOCH_NUM: _int("samples", samples), "step": _int("step", step)}
+        self._emit("event", QUORUM_KEY, _int(QUORUM_KEY, replicas, least=1), metadata)
 
     def train_samples(self, samples: int) -> None:
         """Logs the samples trained in the whole run (once, before ``run_stop``)."""

@@ -23,9 +23,11 @@ import numpy as np
 import torch
 
 from bert.checkpoint.pretrained import load_pretrained
-from bert.checkpoint.training import find_checkpoint, resume, write_checkpoint
+from bert.checkpoint.training import find_checkpoint, restore, resume, to_checkpoint, write_checkpoint
 from bert.config import DebugSection, RunConfig, build_model_config, eval_interval
 from bert.distributed.collectives import Collectives
+from bert.distributed.fault_tolerance import FaultTolerance, Quorum, ReplicaPlanner, replica_number
+from bert.distributed.host_counts import CountAgreement, StepPlanner
 from bert.optim.clipping import clip_global_, tensor_norms
 from bert.optim.optimizers import apply_update
 from bert.optim.shard import apply_sharding, local_shard, reshard
@@ -34,9 +36,9 @@ from bert.report.metrics import DeviceCounters, Progress
 from bert.state import TrainState, resolve_seed, seed_step
 from bert.train import build as components
 from bert.train.evaluate import EvalBatches, masked_lm_counts
-from bert.train.host_counts import CountAgreement, StepPlanner
 from bert.train.losses import pretraining_loss, simreg_term
 from bert.train.step_timer import StepTimer
+from common.errors import ConfigError
 from data.batch import to_device
 from data.samples import SampleBlock
 from kernels.runtime import philox_from, philox_state
@@ -78,12 +80,17 @@ def inject_debug_faults(debug: DebugSection, model: torch.nn.Module, step: int) 
 
 
 class Trainer:
+    ft: FaultTolerance | None = None  # dist.fault_tolerance=torchft's manager, built last by __init__
+    ft_rank = 0  # this replica's rank in the last quorum (rank 0 writes the checkpoints)
+
     def __init__(self, cfg: RunConfig, output_dir: str, dist_info):
         """Builds every part but the data loaders: MLPerf's clock (``run_start``) starts
         before anything touches the dataset, so ``train()`` opens the data after it."""
         self.cfg, self.out, t = cfg, output_dir, cfg.train
         self.rank, self.world, self.is_main = dist_info.rank, dist_info.world_size, dist_info.rank == 0
         self.device = components.build_device(cfg, dist_info, output_dir)
+        self.checkpoint_dir = os.path.join(output_dir, "checkpoints")
+        self.out = self._replica_dir(output_dir) if cfg.dist.fault_tolerance == "torchft" else output_dir
         self.coll = Collectives(self.rank, self.world, cfg.dist.timeout_s)
         self.local_batch = t.global_batch_size // self.world
         self.micro_batch = self.local_batch // t.grad_accum_steps
@@ -94,7 +101,6 @@ class Trainer:
         self.train_loader = self.eval_loader = self.planner = self._collator = None  # opened by train()
         self.shapes_seen: set[tuple[int, int]] = set()  # (tokens, masked) of the micro-batches run
         self.progress = Progress(self.is_main, t.max_steps)
-        self.checkpoint_dir = os.path.join(output_dir, "checkpoints")
         found = find_checkpoint(self.checkpoint_dir, self.coll, self.device, self.progress.message)
         self.resumed = found is not None
         # The run's seed: the config's, else one rank 0 draws from the OS; a resumed run keeps its own.
@@ -114,7 +120,26 @@ class Trainer:
         self._loader_state = self._resume(found) if found is not None else None  # applied when the data opens
         self.counters = DeviceCounters(self.device, self.state.skipped, self.state.nonfinite_in_row)
         resume_step = self.state.step if self.resumed else None
-        self.metrics = components.build_metrics(cfg.log, output_dir, self.is_main, resume_step, cfg.to_dict())
+        self.metrics = components.build_metrics(cfg.log, self.out, self.is_main, resume_step, cfg.to_dict())
+        self.ft = self._join_quorums() if cfg.dist.fault_tolerance == "torchft" else None
+
+    def _replica_dir(self, output_dir: str) -> str:
+        """dist.fault_tolerance: OUT/replica_<id>, where this replica logs on its own (the same numbers
+        as the others); the checkpoints stay shared in OUT/checkpoints."""
+        if self.world > 1:
+            raise ConfigError(
+                f"dist.fault_tolerance: a replica group is one rank; start each replica as its own process "
+                f"(launch/run_torchrun.sh with FT_REPLICAS), not {self.world} ranks in one group"
+            )
+        out = os.path.join(output_dir, f"replica_{replica_number()}")
+        os.makedirs(out, exist_ok=True)
+        return out
+
+    def _join_quorums(self) -> FaultTolerance:
+        """dist.fault_tolerance: this replica's torchft manager, at the step it starts from."""
+        return FaultTolerance(
+            self.cfg.dist, self.device, self._replica_state, self._load_replica_state, self.state.step
+        )
 
     def _start_mlperf_log(self, dist_info) -> None:
         """mlperf.log; a fresh run's initialisation (untimed, at most 30 minutes) starts here."""
@@ -208,15 +233,24 @@ class Trainer:
             loss_parts = self.forward_backward(block, c.masked, c.sequences, c.anchors)
         return StepResult(loss_parts, c.sequences, c.tokens, c.corrupt)
 
-    def forward_backward(self, block: SampleBlock, num_masked: int, num_seqs: int, num_anchors: int) -> torch.Tensor:
-        """This rank's micro-batches through forward and backward; returns the [4] loss parts."""
+    def forward_backward(
+        self, block: SampleBlock, num_masked: int, num_seqs: int, num_anchors: int, replicas: int | None = None
+    ) -> torch.Tensor:
+        """This rank's micro-batches through forward and backward; returns the [4] loss parts.
+        ``replicas``: dist.fault_tolerance's live replicas, whose shares of the batch may differ in size."""
         loss_cfg = self.cfg.loss
         self.forward.train()
         loss_parts = torch.zeros(4, device=self.device)
-        scale = float(self.world)  # DDP and FSDP2 average gradients over ranks; the losses are sums
-        last = len(block) // self.micro_batch - 1  # train.grad_accum_steps; fewer in a batch-size warm-up
-        for i in range(last + 1):
-            mb = block.select(np.arange(i * self.micro_batch, (i + 1) * self.micro_batch))
+        # DDP, FSDP2 and torchft average gradients over ranks (replicas); the losses are sums.
+        scale = float(replicas or self.world)
+        if replicas is None:  # train.grad_accum_steps micro-batches; fewer in a batch-size warm-up
+            mb = self.micro_batch
+            chunks = [np.arange(i * mb, (i + 1) * mb) for i in range(len(block) // mb)]
+        else:
+            chunks = [c for c in np.array_split(np.arange(len(block)), self.cfg.train.grad_accum_steps) if len(c)]
+        last = len(chunks) - 1
+        for i, rows in enumerate(chunks):
+            mb = block.select(rows)
             # Padded to its bucket (train.static_shapes); real: the sizes without the padding.
             batch, real = self._micro_batch(mb)
             sync = self.ddp is None or i == last
@@ -237,6 +271,58 @@ class Trainer:
             mlm, nsp = stats["mlm_loss_sum"] / max(num_masked, 1), stats["nsp_loss_sum"] / max(num_seqs, 1)
             loss_parts += torch.stack([loss.detach(), mlm, nsp, simreg_part.detach()])
         return loss_parts
+
+    def replica_step(self):
+        """dist.fault_tolerance: one try at the step (StepResult, rebalance stats), or (None, None)
+        when the quorum did not commit it (a replica was lost): the caller tries again, the next
+        quorum redoing it on the same samples. A replica behind the others heals in the quorum."""
+        quorum = self.ft.begin_step(self.state.step)
+        step, self.ft_rank = self.state.step, quorum.rank  # a healed replica is at the others' step now
+        if quorum.changed:
+            self._quorum_changed(quorum)
+        block = self.planner.block(step)
+        seed_step(self.state.seed, step, quorum.rank, self.philox)
+        c = self.planner.counts(step, self.stop_requested)
+        self.stop_agreed = c.stop
+        share, rebalance = self.planner.share(block, step, quorum)
+        with philox_from(self.philox):
+            loss_parts = self.forward_backward(share, c.masked, c.sequences, c.anchors, replicas=quorum.size)
+        # The loss parts travel with the gradients: averaged, times the replicas, they are the sums.
+        loss_parts *= quorum.size
+        self.ft.average_([p.grad for p in self.model.parameters() if p.grad is not None] + [loss_parts])
+        if not self.ft.commit():
+            self.optimizer.zero_grad(set_to_none=True)
+            self.progress.message(
+                f"warning: replica {self.ft.replica}: step {step + 1} was not committed by the quorum "
+                f"of {quorum.size} (a replica was lost or stopped); redoing it on the same samples"
+            )
+            return None, None
+        return StepResult(loss_parts, c.sequences, c.tokens, c.corrupt), rebalance
+
+    def _quorum_changed(self, quorum: Quorum) -> None:
+        """One line per change of quorum, in the progress output, metrics.jsonl and mlperf.log."""
+        s = self.state
+        self.progress.message(
+            f"quorum {quorum.quorum_id}: step {s.step + 1}: {quorum.size} replica(s), replica "
+            f"{self.ft.replica} is rank {quorum.rank} ({quorum.seconds * 1e3:.0f} ms)"
+        )
+        rec = {"step": s.step, "samples": s.samples, "replicas": quorum.size, "replica_rank": quorum.rank}
+        self.metrics.write(rec | {"quorum_id": quorum.quorum_id, "quorum_ms": quorum.seconds * 1e3})
+        self.mllog.quorum(s.samples, quorum.size, s.step)
+
+    def _replica_state(self) -> dict:
+        """What a healing replica receives from this one (torchft calls it between steps): the
+        checkpoint's contents, the device counters read into them."""
+        self._read_counters()
+        loader = {**self.train_loader.state_dict(), "step": self.state.step}
+        return to_checkpoint(self.state, self.parts, loader, self.cfg.to_dict())
+
+    def _load_replica_state(self, saved: dict) -> None:
+        """A peer's ``_replica_state`` into this replica's parts and counters (torchft heals with it)."""
+        seed, self.state = self.state.seed, restore(saved, self.parts)
+        self.state.seed = seed  # the run's, the same on every replica
+        self.counters = DeviceCounters(self.device, self.state.skipped, self.state.nonfinite_in_row)
+        self.progress.message(f"replica {self.ft.replica}: recovered from a peer at step {self.state.step}")
 
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, skip a non-finite update, step LAMB and the schedule, all decided on the device.
@@ -293,6 +379,8 @@ class Trainer:
             if self.train_loader is not None:
                 self.train_loader.close()
             self.metrics.close()
+            if self.ft is not None:
+                self.ft.shutdown()
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
@@ -363,15 +451,28 @@ class Trainer:
         self.mllog.block_start(self.state.samples if self.resumed else 1, 1)
         self._window = [time.time(), 0, 0]  # since the last metrics record: start, samples, tokens
         scope = cfg.loss.simreg_scope if cfg.loss.simreg_weight > 0 else None  # SimReg's anchors counted on the host
-        self.planner = StepPlanner(
-            iter(self.train_loader), self.train_loader, self.rebalancer, self.agreement, self.coll, scope
-        )
-        self.planner.begin(self.state.step)
-        status = None
+        if self.ft is not None:  # every replica reads the whole global batch (bert.distributed.fault_tolerance)
+            d = cfg.data
+            cost = tuple(d.rebalance_cost)
+            self.planner = ReplicaPlanner(self.train_loader, d.rebalance, cost, d.rebalance_group_size, scope)
+        else:
+            self.planner = StepPlanner(
+                iter(self.train_loader), self.train_loader, self.rebalancer, self.agreement, self.coll, scope
+            )
+            self.planner.begin(self.state.step)
+        status, retried_since = None, None
         while status is None:
-            block, rebalance = self.planner.next_block(self.state.step)
-            step_start = time.time()
-            result = self.train_step(block)
+            step_start = retried_since or time.time()
+            if self.ft is not None:
+                result, rebalance = self.replica_step()
+                if result is None:  # the failed try's time is the step's too
+                    retried_since = step_start
+                    continue
+                retried_since = None
+            else:
+                block, rebalance = self.planner.next_block(self.state.step)
+                step_start = time.time()
+                result = self.train_step(block)
             self.optimizer_step()
             self._count(result, time.time() - step_start)
             if self.state.step % t.log_interval_steps == 0 or self.state.step == 1:
@@ -447,6 +548,8 @@ class Trainer:
         reporting.log_run_stop(self.mllog, self.state.samples, self.eval_loader.total_samples, status)
         summary = reporting.summary(self.state, status, time_to_train, self.world, self.metrics.records, self.error)
         summary["distinct_shapes"] = len(self.shapes_seen)
+        if self.ft is not None:  # the quorums' host time, apart from the steps' (it is inside train_seconds)
+            summary.update(quorums=self.ft.quorums, quorum_seconds=self.ft.quorum_seconds)
         if self.is_main:
             reporting.publish_summary(summary, self.out, self.metrics, self.progress, self.cfg.log.plot)
         return summary
@@ -455,7 +558,10 @@ class Trainer:
 
     def save_checkpoint(self) -> bool:
         """Rank 0 writes the checkpoint; every rank learns whether it worked. Returns success; a
-        refused write is reported with the checkpoint kept, the caller goes on or stops by checkpoint.on_error."""
+        refused write is reported with the checkpoint kept, the caller goes on or stops by checkpoint.on_error.
+        dist.fault_tolerance: the last quorum's rank 0 writes; the other replicas have nothing to do."""
+        if self.ft is not None and self.ft_rank != 0:
+            return True
         self._read_counters()  # the skipped-step counters live on the device
         # The rebalancer has already drawn the next step's samples from the loader: the
         # position to resume at is the number of steps trained.

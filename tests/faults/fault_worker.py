@@ -1,14 +1,19 @@
 """``run_pretraining.py`` with faults injected from the environment; the tests in tests/faults
 start it as the training script (directly, under torchrun or under mpirun).
 
-FAULT_MARK_DIR            write ``rank<R>.pid`` there at start, so a test can signal one rank
+FAULT_MARK_DIR            write ``rank<R>.pid`` there at start, so a test can signal one rank (R: the
+                          launcher's rank, or a torchft replica's REPLICA_GROUP_ID)
 FAULT_STEP_DELAY_S        sleep this long after each optimizer step: a window to kill or stop a
                           rank in, on a machine of any speed
+FAULT_HOLD_FILE           while this file exists, wait after each optimizer step (a test holds
+                          the run still while it restarts a replica)
 FAULT_STALL_CHECKPOINT    when writing the checkpoint of this step (rank 0 writes it, a sharded
                           run's too), stop after its first bytes, write ``stalled`` to
                           FAULT_MARK_DIR and wait to be killed
 FAULT_STOP_AT_STEP        ask the run to stop (what SIGTERM does) so that it checkpoints and
                           exits after this optimizer step
+FAULT_STATE_HASH          after each optimizer step, write the SHA-256 of the weights' and the
+                          optimizer state's bytes to FAULT_MARK_DIR/rank<R>.step<S> (replicas compare them)
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ sys.path.insert(0, ROOT)
 
 
 def _rank() -> str:
-    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "REPLICA_GROUP_ID"):
         if var in os.environ:
             return os.environ[var]
     return "0"
@@ -30,12 +35,14 @@ def _rank() -> str:
 
 def _install_faults() -> None:
     mark_dir = os.environ.get("FAULT_MARK_DIR")
+    rank = _rank()  # as launched: a single-rank replica's RANK becomes 0 once distributed is set up
     if mark_dir:
         with open(os.path.join(mark_dir, f"rank{_rank()}.pid"), "w") as f:
             f.write(str(os.getpid()))
 
     delay = float(os.environ.get("FAULT_STEP_DELAY_S", "0"))
-    if delay:
+    hold = os.environ.get("FAULT_HOLD_FILE")
+    if delay or hold:
         from bert.train.trainer import Trainer
 
         step = Trainer.optimizer_step
@@ -43,6 +50,8 @@ def _install_faults() -> None:
         def optimizer_step(self):
             result = step(self)
             time.sleep(delay)
+            while hold and os.path.exists(hold):
+                time.sleep(0.05)
             return result
 
         Trainer.optimizer_step = optimizer_step
@@ -76,6 +85,34 @@ def _install_faults() -> None:
             return train_step(self, block)
 
         Trainer.train_step = stopping_train_step
+
+    if os.environ.get("FAULT_STATE_HASH"):
+        from bert.trainer import Trainer
+
+        count = Trainer._count
+
+        def hashing_count(self, *args):
+            count(self, *args)
+            with open(os.path.join(mark_dir, f"rank{rank}.step{self.state.step}"), "w") as f:
+                f.write(state_hash(self.model, self.optimizer))
+
+        Trainer._count = hashing_count
+
+
+def state_hash(model, optimizer) -> str:
+    """SHA-256 over every weight and optimizer-state tensor's bytes, in a fixed order."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    tensors = list(model.state_dict().items())
+    for i, state in sorted(optimizer.state_dict()["state"].items()):
+        tensors += [(f"{i}.{k}", v) for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+    for name, t in tensors:
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 if __name__ == "__main__":

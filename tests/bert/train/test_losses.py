@@ -219,7 +219,7 @@ def test_pretraining_loss_empty_and_low_precision():
 
 
 def test_anchor_count_on_the_host_matches_simreg_loss():
-    from bert.train.losses import simreg_anchor_count
+    from bert.distributed.host_counts import simreg_anchor_count
     from data.collate import collate_unpadded
     from data.samples import SampleBlock
 

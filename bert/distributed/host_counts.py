@@ -16,8 +16,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert.train.losses import simreg_anchor_count
 from data.samples import SampleBlock
+
+
+def simreg_anchor_count(seq_lens, input_ids, masked_positions, masked_ids, masked_counts, scope: str = "masked") -> int:
+    """SimReg's anchor count for samples given as flat numpy arrays (a ``SampleBlock``'s).
+
+    Anchors depend on labels only, so the trainer counts them on the host and all-reduces them with
+    the step's other counts. A token is an anchor when another token of its sequence has its label.
+    """
+    if scope == "masked":
+        seq = np.repeat(np.arange(len(masked_counts)), masked_counts)
+        labels = np.asarray(masked_ids, dtype=np.int64)
+    else:
+        labels = np.asarray(input_ids, dtype=np.int64).copy()
+        starts = np.concatenate([[0], np.cumsum(seq_lens)[:-1]]).astype(np.int64)
+        flat = np.repeat(starts, masked_counts) + np.asarray(masked_positions, dtype=np.int64)
+        labels[flat] = masked_ids
+        seq = np.repeat(np.arange(len(seq_lens)), seq_lens)
+    if labels.size == 0:
+        return 0
+    keys = seq.astype(np.int64) * (int(labels.max()) + 1) + labels
+    _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+    return int((counts[inverse] >= 2).sum())
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bert.train.host_counts import CountAgreement, StepCounts, local_counts
-from bert.train.losses import simreg_anchor_count
+from bert.distributed.host_counts import CountAgreement, StepCounts, local_counts, simreg_anchor_count
 from data.synthetic import random_block
 
 
