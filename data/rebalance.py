@@ -147,6 +147,7 @@ class ExchangeStats:
     samples_moved: int | None  # over all ranks; None with group_size (each rank plans its group)
     samples_sent: int  # this rank
     samples_received: int
+    token_share: float  # this rank's tokens after the exchange over the mean rank's
     gather_bytes_received: int  # the all-gathered headers and lengths, this rank
     payload_bytes_sent: int  # the all-to-all, this rank
     payload_bytes_received: int
@@ -365,6 +366,7 @@ class Rebalancer:
             samples_moved=plan.moved,
             samples_sent=len(send_idx),
             samples_received=len(recv_r),
+            token_share=float(out.seq_lens.sum()) * W / max(int(lengths.sum()), 1),
             gather_bytes_received=int(hdr.size * 4),
             payload_bytes_sent=int(in_splits.sum() * 4),
             payload_bytes_received=int(out_splits.sum() * 4),
