@@ -202,7 +202,9 @@ def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
         timeout_s=timeout_s,
         group_size=data.rebalance_group_size,
         ramp=build_batch_ramp(cfg.train),
-        measured=data.rebalance_measured,
+        measured=data.rebalance_measured[:3],
+        max_share=data.rebalance_measured[3],
+        min_samples=cfg.train.grad_accum_steps,  # one sample per micro-batch at least
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import signal
 import time
@@ -183,7 +184,9 @@ class Trainer:
     def _collate(self, block: SampleBlock):
         """SampleBlock -> the configured batch layout, by the configured backend (torch, dali)."""
         if self._collator is None:
-            most = max(self.micro_batch, self.cfg.eval.batch_size)
+            # data.rebalance=measured: a rank's micro-batch may hold up to max_share times its share
+            share = self.cfg.data.rebalance_measured[3] if self.cfg.data.rebalance == "measured" else 1.0
+            most = max(math.ceil(self.micro_batch * share), self.cfg.eval.batch_size)
             self._collator = components.build_collator(self.cfg.data, self.device, most)
         return self._collator(block)
 
@@ -219,9 +222,13 @@ class Trainer:
         self.forward.train()
         loss_parts = torch.zeros(4, device=self.device)
         scale = float(self.world)  # DDP and FSDP2 average gradients over ranks; the losses are sums
-        last = len(block) // self.micro_batch - 1  # train.grad_accum_steps; fewer in a batch-size warm-up
-        for i in range(last + 1):
-            mb = block.select(np.arange(i * self.micro_batch, (i + 1) * self.micro_batch))
+        # train.grad_accum_steps micro-batches (fewer in a batch-size warm-up), as many on every rank: from the
+        # step's agreed count, since data.rebalance=measured leaves a slow rank fewer samples than a fast one.
+        n = num_seqs // self.world // self.micro_batch
+        ends = len(block) * np.arange(n + 1) // n  # equal blocks: micro_batch each
+        last = n - 1
+        for i in range(n):
+            mb = block.select(np.arange(ends[i], ends[i + 1]))
             # Padded to its bucket (train.static_shapes); real: the sizes without the padding.
             batch, real = self._micro_batch(mb)
             sync = self.ddp is None or i == last

@@ -176,6 +176,9 @@ class Rebalancer:
         ``RebalanceError`` on the others after this long, never a hang.
     measured: (window steps, bound, rate) of the ``OnlineModel``; ``timer`` (a
         ``bert.step_timer.StepTimer``, set by the caller) feeds it; without one it plans as ``balanced``.
+    max_share, min_samples: ``measured`` only: with unequal speeds a rank may end a step holding up to
+        max_share times its batch_size samples and no fewer than min_samples (e.g. its micro-batches);
+        max_share 1: exactly batch_size, swaps only (``assign``'s max_samples).
     """
 
     def __init__(
@@ -193,6 +196,8 @@ class Rebalancer:
         cross_rounds: int = 3,
         ramp: BatchRamp | None = None,
         measured: tuple = (32, 4.0, 0.1),
+        max_share: float = 2.0,
+        min_samples: int = 1,
     ):
         import torch.distributed as dist
 
@@ -204,6 +209,10 @@ class Rebalancer:
             raise ValueError(f"max_len: expected 1..65535, got {max_len}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: expected > 0, got {timeout_s}")
+        if not (1 <= max_share < float("inf") and 1 <= min_samples <= batch_size):
+            raise ValueError(
+                f"max_share, min_samples: expected >= 1 and 1..{batch_size}, got {max_share}, {min_samples}"
+            )
         cost = check_cost(cost)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Rebalancer: torch.distributed is not initialised (call launch.distributed first)")
@@ -224,6 +233,7 @@ class Rebalancer:
             raise ValueError(f"cross_rounds: expected >= 0, got {cross_rounds}")
         self.group_size, self.cross_rounds = group_size, cross_rounds
         self.measured, self.timer = tuple(measured), None
+        self.max_share, self.min_samples = float(max_share), int(min_samples)
         self.online = OnlineModel(cost, self.world_size, *measured)  # the cost and speeds the plans use
         self._delivered: dict[int, tuple] = {}  # this rank's blocks' length features, by step
         self._snapshot = None  # the state the pending exchange started from (state_dict)
@@ -255,6 +265,7 @@ class Rebalancer:
     def _check_settings_agree(self) -> None:
         # Ranks with different settings would compute different plans; catch it once, here.
         settings = (*self.cost, self.tol, self.group_size, self.cross_rounds, self.ramp, self.measured)
+        settings += (self.max_share, self.min_samples)
         crc = zlib.crc32(repr(settings).encode()) & 0x7FFFFFFF
         mine = [_MAGIC, STRATEGIES.index(self.strategy), crc, self.batch_size, self.max_len, self.expected_world_size]
         allv = self._all_gather(np.array(mine, dtype=np.int32), -1, "the settings check")
@@ -268,7 +279,10 @@ class Rebalancer:
                     f"rank {r}: strategy {STRATEGIES[allv[r, 1]]!r} differs from rank 0's {STRATEGIES[allv[0, 1]]!r}"
                 )
             if allv[r, 2] != allv[0, 2]:
-                problems.append(f"rank {r}: cost, tol, group_size, cross_rounds or the batch ramp differ from rank 0's")
+                problems.append(
+                    f"rank {r}: cost, tol, group_size, cross_rounds, the batch ramp, measured, max_share or "
+                    "min_samples differ from rank 0's"
+                )
             for f, name in ((3, "batch_size"), (4, "max_len")):
                 if allv[r, f] != allv[0, f]:
                     problems.append(f"rank {r}: {name} {allv[r, f]} differs from rank 0's {allv[0, f]}")
@@ -329,8 +343,10 @@ class Rebalancer:
         at = HEADER_WORDS + (MEASURE_WORDS if self.strategy == "measured" else 0)
         words = hdr[:, at:].astype(np.int64)  # [W, B]
         lengths, masked = words & 0xFFFF, words >> 16
-        speeds = self.online.speeds if self.strategy == "measured" else None
-        opts = dict(tol=self.tol, group_size=self.group_size, cross_rounds=self.cross_rounds, speeds=speeds)
+        opts = dict(tol=self.tol, group_size=self.group_size, cross_rounds=self.cross_rounds)
+        if self.strategy == "measured":
+            bounds = dict(max_samples=int(B * self.max_share), min_samples=min(self.min_samples, B))
+            opts.update(speeds=self.online.speeds, **bounds)
         plan = plan_for_rank(lengths, me, self.strategy, self.online.cost, **opts)
         t2 = time.perf_counter()
 
