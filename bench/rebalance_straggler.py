@@ -109,8 +109,8 @@ def run(strategy: str, straggler: bool, args, data: list[str], out: Path) -> dic
     env[marker.split("=")[0]] = marker.split("=")[1]
     cmd = [str(REPO / "launch" / "run_torchrun.sh"), "1", "2", str(CONFIG), str(out), *overrides]
     quotas = (args.quota, args.quota / (args.slow if straggler else 1.0))
+    log = open(out.parent / f"{out.name}.log", "w")  # before the cgroups: nothing to remove if it fails
     groups = [_cpu_group(f"rebalance-straggler-{os.getpid()}-{r}", q) for r, q in enumerate(quotas)]
-    log = open(out.parent / f"{out.name}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         pinned, t0 = {}, time.time()
@@ -179,6 +179,8 @@ def main(argv=None) -> int:
     strategies = ("balanced", "measured") if args.strategy is None else (args.strategy,)
     with tempfile.TemporaryDirectory(prefix="straggler-") as tmp:
         tmp = Path(args.keep or tmp)
+        if args.keep:
+            tmp.mkdir(parents=True)  # a new one: --data writes nothing there before the runs
         data = prepared_data(Path(args.data)) if args.data else write_data(tmp / "data", args.seq_len)
         records = []
         for straggler in cases:
