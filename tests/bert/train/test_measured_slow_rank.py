@@ -1,7 +1,7 @@
 """2 CPU ranks, rank 1 about half as fast, ``data.rebalance=measured`` on demo-corpus lengths.
 
 The ranks' speeds are set by tests/faults/fault_worker.py's ``FAULT_SLEEP_PER_TOKEN``: each rank's
-forward+backward sleeps 0.1 ms (rank 0) or 0.2 ms (rank 1) per token, inside the interval the trainer's
+forward+backward sleeps 0.4 ms (rank 0) or 0.8 ms (rank 1) per token, inside the interval the trainer's
 ``bert.step_timer`` measures, so the time hardly depends on the machine's load and the whole path runs
 for real: the timer, the fit, the plan, the exchange and micro-batches of another size on each rank.
 70% of the lengths are the maximum (the demo corpus's histogram,
@@ -24,7 +24,7 @@ from tests.helpers import clean_env, run_launched
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 SEQ = 128
-STEPS = 16
+STEPS = 12
 SETTINGS = [
     f"data.max_seq_length={SEQ}",
     "train.global_batch_size=32",
@@ -53,14 +53,14 @@ def test_slow_rank_gets_its_share_of_the_tokens(dataset, tmp_path):
     data = [f"data.train_dir={train}", f"data.eval_file={eval_file}"]
     args = [f"{ROOT}/launch/run_torchrun.sh", "1", "2", f"{ROOT}/launch/configs/cpu_demo.yaml", str(tmp_path / "two")]
     measured = ["data.rebalance=measured", "data.rebalance_measured=[6,4,0.25,2]"]
-    env = clean_env(TRAIN_SCRIPT=WORKER, FAULT_SLEEP_PER_TOKEN="1e-4,2e-4")
+    env = clean_env(TRAIN_SCRIPT=WORKER, FAULT_SLEEP_PER_TOKEN="4e-4,8e-4")
     run_launched([*args, *TINY, *SETTINGS, *data, *measured], 240, env=env, what="run_torchrun.sh")
     records = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
-    late = [r["rebalance"] for r in records if "loss" in r][-4:]  # the fit has settled
+    late = [r["rebalance"] for r in records if "loss" in r][-3:]  # the fit has settled
     # rank 0's tokens over the mean rank's: 2 ranks, rank 1 holds 2 - share
     ratio = float(np.median([2 / r["token_share"] - 1 for r in late]))
     speeds = float(np.median([r["speed_min"] / r["speed_max"] for r in late]))
-    assert 0.4 <= speeds <= 0.6, late[-1]
+    assert 0.4 <= speeds <= 0.65, late[-1]
     assert ratio == pytest.approx(speeds, rel=0.10), (ratio, speeds)  # the tokens follow the fitted speeds
     assert float(np.median([r["imbalance_after"] for r in late])) <= 1.05, late[-1]
     # the same global batch, placed differently: the single-rank run's losses
