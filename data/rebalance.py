@@ -164,7 +164,8 @@ class Rebalancer:
     """Balances sequence lengths across the ranks of ``group``, one exchange per step.
 
     strategy: one of ``STRATEGIES``; cost: a ``data.rebalance_plan.Cost`` or its tuple.
-    batch_size: samples per rank per step (every rank must hold exactly this many); with ``ramp`` (a
+    batch_size: samples per rank per step (every rank must bring exactly this many; ``measured`` may hand
+        a rank back fewer or more, see max_share); with ``ramp`` (a
         ``data.batch_ramp.BatchRamp``) step s holds ``ramp.batch_size(s) / world_size`` instead.
     max_len: the longest allowed sequence. world_size: how many ranks this rank expects (default: the
         group's size); a rank expecting another number is named in the error.

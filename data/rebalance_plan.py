@@ -3,7 +3,8 @@
 Pure and deterministic: numpy only, no process group (``data.rebalance`` carries the plan out,
 ``bench.rebalance_sim`` simulates it at thousands of ranks). Every rank computes the same plan from
 the lengths all ranks gathered: integer costs and sorts on unique keys, so it is bit-identical
-everywhere. Every rank keeps exactly B samples and each sample moves at most once. ``assign`` gives
+everywhere. Every rank keeps exactly B samples (except ``measured`` with unequal speeds and
+``max_samples``: then from ``min_samples`` to ``max_samples``) and each sample moves at most once. ``assign`` gives
 the whole plan (``Assignment``), ``plan_for_rank`` one rank's part of it (``RankPlan``). The
 strategies (``STRATEGIES``), the hierarchical mode and the cost model: docs/rebalancing.md.
 
