@@ -61,7 +61,7 @@ def write_data(directory: Path, seq_len: int) -> list[str]:
     (path,) = write_shards(evaldir, [64], 1, max_seq_length=seq_len, max_predictions=20, vocab_size=1000)
     eval_file = evaldir / "part_eval_10k.hdf5"
     publish(path, eval_file)
-    return [f"data.train_dir={train}", f"data.eval_file={eval_file}", "model.vocab_size=1000"]
+    return [f"data.train_dir={train}", f"data.eval_file={eval_file}", "model.overrides.vocab_size=1000"]
 
 
 def _rank_pids(marker: str) -> dict[int, int]:
