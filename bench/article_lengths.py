@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     counts = article_token_counts(args.files, args.vocab)
     record = {
         "source": [Path(f).name for f in args.files],
-        "tokenizer": f"data.tokenization WordPiece, {Path(args.vocab).name}",
+        "tokenizer": f"data.prepare.tokenization WordPiece, {Path(args.vocab).name}",
         "articles": len(counts),
         "article_tokens": counts,
     }

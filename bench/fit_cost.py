@@ -1,6 +1,6 @@
 """Fit the rebalancing cost model to layer times measured on this machine.
 
-``data.rebalance_plan.Cost`` prices a sequence of L tokens at
+``data.rebalance.plan.Cost`` prices a sequence of L tokens at
 c(L) = a*L + b*L^2 + b_local*L*min(L, window): the per-token work of every layer, the global
 attention layers and the sliding-window ones. This script measures those coefficients
 instead of deriving them from FLOPs (kernels do not reach the same FLOP/s on matmuls and on

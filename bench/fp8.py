@@ -7,12 +7,12 @@ Three parts, each timed with CUDA events (medians), the JSON rewritten after eac
 - ``ffn_in``: GELU(x @ W.T + b) at BERT-large's FFN-in ([rows, 1024] x [4096, 1024], bf16),
   forward+backward and forward only, for ``eager`` (F.linear with bias, then GELU),
   ``triton`` (F.linear, then the fused Triton bias+GELU) and ``epilogue`` (bias and GELU in
-  the GEMM, ``kernels.gemm_epilogue``); ratios against eager, and the fastest named
+  the GEMM, ``kernels.ops.gemm_epilogue``); ratios against eager, and the fastest named
   (``model.bias_gelu``'s choice).
 - ``gemm``: the encoder's four linear layers (QKV, attention output, FFN in, FFN out) at
   ``--rows`` tokens (default 14,003: 56 sequences of BERT's mean length, and not a multiple
   of 16, so the weight-gradient GEMM's padding is in the time), forward+backward in bf16
-  autocast against FP8 tensorwise and rowwise (``bert.fp8``), eager.
+  autocast against FP8 tensorwise and rowwise (``bert.model.fp8``), eager.
 - ``train_step``: BERT-large training steps (``bench/train_step.py``'s loop: 56 sequences,
   unpadded, ``triton_grouped`` attention, fused ops, bf16 autocast, LAMB) with ``train.fp8``
   off, tensorwise and rowwise: sequences/s and the ratio to bf16 (the goal: FP8 >= 1.3x).
@@ -103,7 +103,7 @@ def bench_ffn_in(args, gpu: bool) -> dict:
 
 
 class _Encoder(nn.Module):
-    """One linear layer where bert.fp8 looks for the encoder (``layers``)."""
+    """One linear layer where bert.model.fp8 looks for the encoder (``layers``)."""
 
     def __init__(self, c: int, o: int):
         super().__init__()

@@ -6,7 +6,7 @@ Two ops at BERT-large's shapes (``--rows`` tokens: 56 sequences of about 250 rea
 bias+GELU on [rows, 4096] and bias+dropout+residual+LayerNorm on [rows, 1024] (dropout 0.1),
 bf16 activations with fp32 parameters as under autocast. Each is timed with CUDA events over
 ``--iters`` forward+backward passes after warm-up; reported: median milliseconds for the
-fused kernel and for the eager reference (``kernels.fused_ops.*_reference``) and their ratio
+fused kernel and for the eager reference (``kernels.ops.fused.*_reference``) and their ratio
 (above 1 = fused is faster). The JSON is rewritten after each op.
 
 Without a GPU it says so and checks correctness only: small shapes in Triton's interpreter,

@@ -5,8 +5,8 @@ of ``--lengths`` (batches of about ``--tokens`` tokens of one length) and fits
 t(L) = a1*L + b1*L^2 by least squares on relative errors, as ``bench.fit_cost`` does.
 Online: ``--steps`` training-like steps, each a varlen batch of about ``--tokens`` tokens,
 lengths drawn uniformly from half the shortest length to a top length drawn log-uniformly
-from the lengths' range (so that the steps differ in their mix of lengths), timed by ``bert.step_timer.StepTimer``
-(the trainer's hooks) and fed to ``data.rebalance_fit.OnlineModel`` as one rank's window,
+from the lengths' range (so that the steps differ in their mix of lengths), timed by ``bert.train.step_timer.StepTimer``
+(the trainer's hooks) and fed to ``data.rebalance.fit.OnlineModel`` as one rank's window,
 starting from the FLOP-derived cost of the layer. Printed: both fits as b/a (a = 1) and
 c(L) / c(L_min) at each length, and their largest relative difference (goal: <= 10%).
 

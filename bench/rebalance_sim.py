@@ -2,10 +2,10 @@
 
 For each world size W and strategy (none / stripe / balanced / balanced/g8) it draws
 ``--steps`` global batches of W x B sequence lengths, computes the plan with
-``data.rebalance_plan`` (timed, one core) and reports, as medians over the steps:
+``data.rebalance.plan`` (timed, one core) and reports, as medians over the steps:
 
 - imbalance: max rank cost / mean rank cost after the strategy (cost c(L) = a*L + b*L^2
-  + b_local*L*min(L, window), ``data.rebalance_plan.Cost``);
+  + b_local*L*min(L, window), ``data.rebalance.plan.Cost``);
 - moved/rank: samples that change rank, per rank;
 - bytes/rank: bytes one rank receives per step, the most loaded rank (max over ranks).
   ``none`` exchanges nothing. ``stripe`` is counted the way the MLPerf submissions move
@@ -17,7 +17,7 @@ For each world size W and strategy (none / stripe / balanced / balanced/g8) it d
 - assign_ms: the time one rank spends computing the plan (numpy, one thread). ``balanced``
   computes the whole plan on every rank; ``balanced/g8`` is the hierarchical mode
   (``group_size=8``), where a rank computes only what its group of 8 depends on
-  (``data.rebalance_plan.plan_for_rank``), so its imbalance and bytes come from the whole plan
+  (``data.rebalance.plan.plan_for_rank``), so its imbalance and bytes come from the whole plan
   and its assign_ms from ``plan_for_rank`` of a few ranks.
 
 Lengths come from a prepared data directory (``--data-dir``: MLPerf's fixed HDF5 layout,
@@ -35,7 +35,7 @@ fraction of the ranks runs at ``--slow-factor`` of the others' speed (with
 ``--throttle-period`` P, another such fraction is throttled for P steps, then not for P, and
 so on), each rank's measured time is its true time times 1 + ``--noise`` * U(-1, 1), and
 ``measured`` learns speeds and cost from those times as the trainer does
-(``data.rebalance_fit.OnlineModel``, the times arriving two steps late). Reported: the
+(``data.rebalance.fit.OnlineModel``, the times arriving two steps late). Reported: the
 predicted step time (the slowest rank's true time) over the ideal, total work over total
 speed, for ``stripe``, ``balanced`` and ``measured``, median (and 90th percentile) over the
 steps after ``--warmup``.
@@ -210,12 +210,18 @@ def simulate(world_sizes, batch: int, steps: int, seed: int, cost, draw, group_s
     return records
 
 
+ONSET_SETTLED = 1.05  # a throttling onset is caught up with once measured's step time is within 5% of ideal
+
+
 def simulate_speeds(
     W: int, batch: int, steps: int, warmup: int, seed: int, cost, draw, slow: tuple, noise: float, measured: tuple
 ) -> dict:
     """Heterogeneous ranks: predicted step time / ideal per strategy (see the module's doc).
 
-    slow: (fraction, factor, throttle period or 0). measured: (window, bound, rate)."""
+    slow: (fraction, factor, throttle period or 0). measured: (window, bound, rate, max_share), as
+    ``data.rebalance_measured``. With a period, ``onset_lag``: the median over the onsets after the warm-up
+    of the steps until measured's step time is within ``ONSET_SETTLED`` of ideal (0: at once)."""
+    *measured, max_share = measured
     rng = np.random.default_rng(seed)
     fraction, factor, period = slow
     n_slow = int(round(fraction * W))
@@ -223,7 +229,7 @@ def simulate_speeds(
     always, throttled = picked[:n_slow], picked[n_slow : 2 * n_slow] if period else picked[:0]
     online, pending = OnlineModel(cost, W, *measured), []  # measurements arrive 2 steps late
     ratios = {s: [] for s in ("stripe", "balanced", "measured")}
-    fit_ms = []
+    fit_ms, every = [], []  # every: measured's ratio at each step, warm-up included (the onsets' lag)
     for step in range(warmup + steps):
         speed = np.ones(W)
         speed[always] = factor
@@ -232,12 +238,16 @@ def simulate_speeds(
         L, _ = draw(rng, W * batch)
         L = L.reshape(W, batch)
         for s in ratios:
-            A = assign(L, s, cost, speeds=online.speeds if s == "measured" else None)
-            La = L[A.src_rank, A.src_index]  # [W, B] lengths each rank holds after the plan
+            opts = dict(speeds=online.speeds, max_samples=int(batch * max_share)) if s == "measured" else {}
+            A = assign(L, s, cost, **opts)
+            # [W, C] lengths each rank holds after the plan, 0 past its count (measured: counts differ)
+            La = np.where(A.src_rank >= 0, L[A.src_rank, A.src_index], 0)
             work = sample_costs(La, cost).sum(1)
             t = work / speed
+            ratio = float(t.max() / (work.sum() / speed.sum()))
             if step >= warmup:
-                ratios[s].append(float(t.max() / (work.sum() / speed.sum())))
+                ratios[s].append(ratio)
+        every.append(ratio)
         # the measured plan's times, as the ranks would measure them (noisy), for the model
         t_seen = t * (1 + noise * rng.uniform(-1, 1, W))
         w = cost.window
@@ -254,6 +264,13 @@ def simulate_speeds(
     for s, v in ratios.items():
         out[s] = float(np.median(v))
         out[s + "_p90"] = float(np.percentile(v, 90))
+    # Throttling's onsets after the warm-up: steps until measured's ratio is back within ONSET_SETTLED
+    lags = []
+    for s0 in range(period, warmup + steps, 2 * period) if period else ():
+        after = [j for j in range(min(period, warmup + steps - s0)) if every[s0 + j] <= ONSET_SETTLED]
+        if s0 >= warmup and after:
+            lags.append(after[0])
+    out["onset_lag"] = float(np.median(lags)) if lags else None
     out["refit_ms"] = float(np.median(fit_ms))
     return out
 
@@ -336,7 +353,14 @@ def main(argv=None) -> int:
     ap.add_argument("--throttle-period", type=int, default=0, help="P: as many more ranks slow for P steps of 2P")
     ap.add_argument("--noise", type=float, default=0.0, help="measured times: true times * (1 + NOISE * U(-1, 1))")
     ap.add_argument("--warmup", type=int, default=24, help="--slow-fraction: steps before the medians start")
-    ap.add_argument("--measured", type=float, nargs=3, default=(32, 4.0, 0.1), metavar=("WINDOW", "BOUND", "RATE"))
+    ap.add_argument(
+        "--measured",
+        type=float,
+        nargs=4,
+        default=(32, 4.0, 0.1, 2.0),
+        metavar=("WINDOW", "BOUND", "RATE", "MAX_SHARE"),
+        help="data.rebalance_measured",
+    )
     ap.add_argument("--json", help="write one record per (world size, strategy, group size)")
     ap.add_argument("--png", help="write the imbalance and bytes plots")
     args = ap.parse_args(argv)
@@ -388,8 +412,8 @@ def main(argv=None) -> int:
         if not (0 <= args.slow_fraction <= 0.5 and 0 < args.slow_factor <= 1 and args.noise >= 0):
             ap.error("--slow-fraction must be in [0, 0.5], --slow-factor in (0, 1], --noise >= 0")
         slow = (args.slow_fraction, args.slow_factor, args.throttle_period)
-        window, bound, rate = args.measured
-        measured = (int(window), bound, rate)
+        window, bound, rate, max_share = args.measured
+        measured = (int(window), bound, rate, max_share)
         print(f"{'W':>5} {'stripe':>8} {'balanced':>9} {'measured':>9} {'(p90)':>7}   predicted step time / ideal")
         records = []
         for W in args.world_sizes:
@@ -397,7 +421,9 @@ def main(argv=None) -> int:
                 W, args.batch, args.steps, args.warmup, args.seed, cost, draw, slow, args.noise, measured
             )
             records.append(r)
-            print(f"{W:>5} {r['stripe']:>8.4f} {r['balanced']:>9.4f} {r['measured']:>9.4f} {r['measured_p90']:>7.4f}")
+            lag = "" if r["onset_lag"] is None else f"   onset lag {r['onset_lag']:g} steps"
+            row = f"{r['stripe']:>8.4f} {r['balanced']:>9.4f} {r['measured']:>9.4f} {r['measured_p90']:>7.4f}"
+            print(f"{W:>5} {row}{lag}")
         if args.json:
             write_text(args.json, json.dumps(records, indent=1) + "\n")
         return 0

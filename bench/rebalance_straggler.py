@@ -1,6 +1,8 @@
 """A real 2-rank CPU run with a straggler: steady-state step time, ``measured`` vs ``balanced``.
 
-Trains BERT tiny on synthetic shards under ``launch/run_torchrun.sh`` (2 gloo ranks), rank r
+Trains BERT tiny on synthetic shards (lengths uniform in [5, --seq-len]), or with ``--data DIR`` on
+shards ``python -m data.prepare`` wrote to DIR (``make demo``'s demo corpus: DIR/train,
+DIR/eval/part_eval_10k.hdf5, DIR/vocab.txt), under ``launch/run_torchrun.sh`` (2 gloo ranks), rank r
 pinned to core r (``taskset``) and capped at ``--quota`` of a CPU by a cgroup the bench
 creates for it (v1 cpu controller, cfs quota; removed after the run), as soon as the ranks
 start. The straggler: rank 1's cap is ``--quota / --slow`` (default 2x slower). A cap below
@@ -11,7 +13,7 @@ batch over the logged sequences per second (with ``--repeats`` N, N interleaved 
 and the median of theirs). Printed side by side: measured / balanced step
 time and the fitted speeds (metrics.jsonl, ``rebalance.speed_min`` / ``speed_max``).
 
-    python -m bench.rebalance_straggler [--steps 40] [--measure 20] [--quota 0.4] [--slow 2] [--json FILE]
+    python -m bench.rebalance_straggler [--data DIR] [--steps 40] [--measure 20] [--quota 0.4] [--slow 2] [--json FILE]
 
 Needs root (the cgroups) and 2 cores.
 """
@@ -36,19 +38,31 @@ CONFIG = REPO / "launch" / "configs" / "cpu_demo.yaml"
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 
 
-def write_data(directory: Path, seq_len: int) -> tuple[str, str]:
-    """Synthetic shards (lengths uniform in [5, seq_len]) and an eval file."""
-    from common.files import publish
+def prepared_data(directory: Path) -> list[str]:
+    """The overrides that train on ``data.prepare``'s output in ``directory``; a one-line error if it is not one."""
+    paths = (directory / "train", directory / "eval" / "part_eval_10k.hdf5", directory / "vocab.txt")
+    for path in paths:
+        if not path.exists():
+            raise SystemExit(
+                f"rebalance_straggler: --data {directory}: {path} is missing (python -m data.prepare writes it)"
+            )
+    return [f"data.train_dir={paths[0]}", f"data.eval_file={paths[1]}", f"data.vocab_file={paths[2]}"]
+
+
+def write_data(directory: Path, seq_len: int) -> list[str]:
+    """Synthetic shards (lengths uniform in [5, seq_len]) and an eval file; the overrides that train on them."""
     from data.synthetic import write_shards
 
     train, evaldir = directory / "train", directory / "eval"
     train.mkdir(parents=True)
     evaldir.mkdir(parents=True)
     write_shards(train, [2048] * 4, 0, max_seq_length=seq_len, max_predictions=20, vocab_size=1000)
+    from common.files import publish
+
     (path,) = write_shards(evaldir, [64], 1, max_seq_length=seq_len, max_predictions=20, vocab_size=1000)
     eval_file = evaldir / "part_eval_10k.hdf5"
     publish(path, eval_file)
-    return str(train), str(eval_file)
+    return [f"data.train_dir={train}", f"data.eval_file={eval_file}", "model.overrides.vocab_size=1000"]
 
 
 def _rank_pids(marker: str) -> dict[int, int]:
@@ -74,15 +88,12 @@ def _cpu_group(name: str, cpus: float) -> Path:
     return group
 
 
-def run(strategy: str, straggler: bool, args, data: tuple[str, str], out: Path) -> dict:
-    train, eval_file = data
+def run(strategy: str, straggler: bool, args, data: list[str], out: Path) -> dict:
     overrides = [
+        *data,
         "model.preset=tiny",
         "model.attention=padded",
         f"data.max_seq_length={args.seq_len}",
-        f"data.train_dir={train}",
-        f"data.eval_file={eval_file}",
-        "model.vocab_size=1000",
         f"data.rebalance={strategy}",
         f"train.global_batch_size={args.global_batch}",
         f"train.max_steps={args.steps}",
@@ -99,8 +110,8 @@ def run(strategy: str, straggler: bool, args, data: tuple[str, str], out: Path) 
     env[marker.split("=")[0]] = marker.split("=")[1]
     cmd = [str(REPO / "launch" / "run_torchrun.sh"), "1", "2", str(CONFIG), str(out), *overrides]
     quotas = (args.quota, args.quota / (args.slow if straggler else 1.0))
+    log = open(out.parent / f"{out.name}.log", "w")  # before the cgroups: nothing to remove if it fails
     groups = [_cpu_group(f"rebalance-straggler-{os.getpid()}-{r}", q) for r, q in enumerate(quotas)]
-    log = open(out.parent / f"{out.name}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         pinned, t0 = {}, time.time()
@@ -135,11 +146,15 @@ def run(strategy: str, straggler: bool, args, data: tuple[str, str], out: Path) 
         step_ms=1e3 * float(np.median(step_s)),
         speed_ratio=last.get("speed_min", 1.0) / last.get("speed_max", 1.0),
         imbalance_before=float(np.median([r["rebalance"]["imbalance_before"] for r in steps])),
+        imbalance_after=float(np.median([r["rebalance"]["imbalance_after"] for r in steps])),
+        # rank 1's tokens over rank 0's, from rank 0's share of the mean (2 ranks: rank 1 holds 2 - share)
+        token_ratio=float(np.median([2 / r["rebalance"]["token_share"] - 1 for r in steps])),
     )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", help="train on data.prepare's shards in this directory (default: synthetic ones)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--measure", type=int, default=20, help="the last this many steps are the steady state")
     ap.add_argument("--global-batch", type=int, default=128)
@@ -165,7 +180,9 @@ def main(argv=None) -> int:
     strategies = ("balanced", "measured") if args.strategy is None else (args.strategy,)
     with tempfile.TemporaryDirectory(prefix="straggler-") as tmp:
         tmp = Path(args.keep or tmp)
-        data = write_data(tmp / "data", args.seq_len)
+        if args.keep:
+            tmp.mkdir(parents=True)  # a new one: --data writes nothing there before the runs
+        data = prepared_data(Path(args.data)) if args.data else write_data(tmp / "data", args.seq_len)
         records = []
         for straggler in cases:
             for i, strategy in [(i, s) for i in range(args.repeats) for s in strategies]:  # interleaved
@@ -173,7 +190,8 @@ def main(argv=None) -> int:
                 records.append(r)
                 print(
                     f"{'straggler' if straggler else 'equal':>9} {strategy:>9}: step {r['step_ms']:7.1f} ms, "
-                    f"fitted speed ratio {r['speed_ratio']:.3f}",
+                    f"fitted speed ratio {r['speed_ratio']:.3f}, imbalance_after {r['imbalance_after']:.3f}, "
+                    f"rank 1 / rank 0 tokens {r['token_ratio']:.3f}",
                     flush=True,
                 )
 

@@ -5,7 +5,7 @@
 q and k are strided views of one fused QKV output ``[T, 3, H, D]`` in bf16, as in the model
 (ModernBERT-base: 12 heads of 64), positions restarting every 1,024 tokens. Timed with CUDA
 events over ``--iters`` forward+backward passes after warm-up; reported: median milliseconds
-of ``kernels.rotary.apply_rotary`` and of ``apply_rotary_reference``, their ratio (above 1 =
+of ``kernels.ops.rotary.apply_rotary`` and of ``apply_rotary_reference``, their ratio (above 1 =
 the kernel is faster), and the kernel's effective bandwidth (bytes of q and k read and
 written, plus the gradients). That time is what applying rotary inside the attention kernel
 would save at most, since the attention kernel reads q and k anyway.

@@ -9,12 +9,12 @@ autocast, LAMB, global clipping, the device-side skip and schedule of the traine
 - ``dynamic:triton``  unpadded batches, one varlen launch per layer (no graphs);
 - ``dynamic:triton_grouped``  the same with grouped dispatch (planned on the host);
 - ``static:triton``  ``data.static_shapes`` padding, eager;
-- ``static:triton+graphs``  the same with the encoder in CUDA graphs (``bert.cuda_graphs``).
+- ``static:triton+graphs``  the same with the encoder in CUDA graphs (``bert.train.cuda_graphs``).
 
 Each reports the median step time as sequences/s, its ratio to ``dynamic:triton``, and the
 device reads of a steady-state step counted by ``torch.cuda.set_sync_debug_mode("warn")``
 (each synchronising call warns once). Then evaluation: 10,000 samples (``--eval-samples``)
-kept on the device (``bert.eval_cache``), seconds per evaluation, eager and graphed.
+kept on the device (``bert.train.evaluate``), seconds per evaluation, eager and graphed.
 Without a GPU it runs a two-step smoke of a tiny model on the CPU (no numbers worth
 reporting) and counts reads with ``tools.device_reads`` instead.
 """

@@ -23,7 +23,7 @@ time of a variant is the median of its rounds after ``--warmup-rounds``. Variant
                       the FlashMask bounds, in PyTorch; ask for it with --variants)
 
 Every variant starts from the same weights (transformers' initialisation, loaded into this
-project's model with ``bert.pretrained.load_hf_state_dict``), and before timing the first
+project's model with ``bert.checkpoint.pretrained.load_hf_state_dict``), and before timing the first
 batch's loss of each (dropout off) is checked against transformers' (1e-4 relative in fp32):
 the variants compute the same function. Collation happens before timing; only training is
 timed. Sequences/s and tokens/s (real tokens, for every variant) are reported with their

@@ -1,7 +1,7 @@
 """The run configuration: one typed dataclass per component, loaded from YAML.
 
 ``load_config(path, overrides)`` reads ``launch/configs/*.yaml`` (a mapping of sections to
-fields) and applies command-line overrides ``section.field=value`` (``data.cli``: values
+fields) and applies command-line overrides ``section.field=value`` (``common.config``: values
 parsed as YAML, a string field takes the text as it is). Every field has its default and its
 meaning here, once, and is checked where it is defined; ``describe()`` prints them for
 ``--help``. Anything invalid raises ``ConfigError``, one line naming ``section.field``
@@ -141,10 +141,12 @@ class DataSection:
         "[a, b] of the per-sample cost a*L + b*L^2, or [a, b, b_local, window] adding the sliding-window "
         "layers' b_local*L*min(L, window) (python -m bench.fit_cost fits all four; docs/rebalancing.md)",
     )
-    rebalance_measured: tuple[int, float, float] = opt(
-        (32, 4.0, 0.1),
+    rebalance_measured: tuple[int, float, float, float] = opt(
+        (32, 4.0, 0.1, 2.0),
         "measured: (window: steps kept per rank, bound: the factor a fitted coefficient stays within "
-        "of rebalance_cost's, rate: the largest relative change of a speed or coefficient per step)",
+        "of rebalance_cost's, rate: the largest relative change of a speed or coefficient per step, "
+        "max_share: the most samples a rank may hold, over its share of the batch; above 1 a slow rank "
+        "gives away more samples than it takes, which it needs where most have the maximum length)",
     )
     rebalance_group_size: int | None = opt(
         None, "hierarchical rebalancing in groups of this many ranks (e.g. GPUs per node, for thousands of ranks)"
@@ -165,9 +167,12 @@ class DataSection:
             check_cost(self.rebalance_cost)
         except ValueError as e:
             raise ConfigError(f"data.rebalance_cost: {str(e).removeprefix('cost: ')}") from e
-        window, bound, rate = got = self.rebalance_measured
-        if window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1:
-            raise ConfigError(f"data.rebalance_measured: expected window >= 2, bound >= 1, 0 < rate <= 1, got {got}")
+        window, bound, rate, max_share = got = self.rebalance_measured
+        if window < 2 or not 1 <= bound < math.inf or not 0 < rate <= 1 or not 1 <= max_share <= 16:
+            raise ConfigError(
+                "data.rebalance_measured: expected window >= 2, bound >= 1, 0 < rate <= 1, 1 <= max_share <= 16, "
+                f"got {got}"
+            )
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Typed dataclass fields read from text: the one helper behind the trainer's config
-(``bert.train_config``) and ``python -m data.prepare``'s options.
+(``bert.config``) and ``python -m data.prepare``'s options.
 
 Contract: ``option`` declares a field with its help and choices; ``coerce`` checks a value from
 YAML or the command line against the annotation (ints never bool and within 64 bits, floats

@@ -44,7 +44,7 @@ PACKED_KEYS = (
     "next_sentence_labels",
 )
 PACKED_DTYPES = {**FIXED_DTYPES, "packed_input_len": np.int16, "packed_masked_lm_len": np.int16}
-ALL_LAYOUTS = FILE_LAYOUTS + (PACKED,)  # what data.convert writes; FILE_LAYOUTS: what data.prepare writes
+ALL_LAYOUTS = FILE_LAYOUTS + (PACKED,)  # what data.prepare.convert writes; FILE_LAYOUTS: what data.prepare writes
 MAX_SHARD_BYTES = 1 << 40
 READ_ROWS = 16384  # samples read and validated at a time
 MAX_CHUNK_BYTES = 64 << 20  # an HDF5 storage chunk is decompressed whole

@@ -219,7 +219,7 @@ ROTARY_HEAD_DIMS = (64, 128)  # ModernBERT's 64 (base and large), and 128
 
 
 def _compile_rotary(registers: bool, head_dims: tuple[int, ...]) -> list[dict]:
-    """The rotary kernel (``kernels.rotary_jit``) in every dtype q and k reach it in (fp32;
+    """The rotary kernel (``kernels.ops.rotary_jit``) in every dtype q and k reach it in (fp32;
     bf16 and fp16 under autocast), forward and inverse (its backward), on the strided q view of
     the fused QKV projection and int64 positions, as the model calls it."""
     import torch

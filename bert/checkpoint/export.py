@@ -5,7 +5,7 @@ name there, a step number or a path; shards read into whole tensors), rebuilds t
 its stored config and publishes, whole, what ``AutoTokenizer`` and
 ``AutoModel*.from_pretrained(HF_DIR)`` load offline:
 
-    config.json, model.safetensors        bert.pretrained.export_hf (transformers names)
+    config.json, model.safetensors        bert.checkpoint.pretrained.export_hf (transformers names)
     vocab.txt                             the run's data.vocab_file (or --vocab)
     tokenizer_config.json                 BertTokenizer, lower case, model_max_length
     special_tokens_map.json               [UNK] [SEP] [PAD] [CLS] [MASK]
@@ -60,7 +60,7 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     """(model with the checkpoint's weights, vocab.txt path, max_seq_length, checkpoint path).
 
     With ``checkpoint`` None the newest checkpoint that verifies is used; a damaged newest one
-    is reported and the previous tried (bert.train_checkpoint.load_latest)."""
+    is reported and the previous tried (bert.checkpoint.training.load_latest)."""
 
     path = checkpoint_to_export(run_dir, checkpoint)
     try:
@@ -97,8 +97,8 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
 
 def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> None:
     """vocab.txt, tokenizer_config.json, special_tokens_map.json for transformers' BertTokenizer
-    with the normalisation of data.tokenization (uncased: lower case, accents stripped), and
-    tokenizer.json: data.tokenization's own WordPiece with BERT's [CLS]/[SEP] template, which
+    with the normalisation of data.prepare.tokenization (uncased: lower case, accents stripped), and
+    tokenizer.json: data.prepare.tokenization's own WordPiece with BERT's [CLS]/[SEP] template, which
     AutoTokenizer needs where the model type registers no WordPiece class (ModernBERT)."""
     shutil.copyfile(vocab_file, os.path.join(directory, "vocab.txt"))
     with open(vocab_file, encoding="utf-8") as f:

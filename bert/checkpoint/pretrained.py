@@ -16,7 +16,7 @@ from common.files import publishing_dir
 
 def load_pretrained(model, path: str) -> None:
     """Initialise ``model`` from a transformers directory, NVIDIA's MLPerf checkpoint or MLPerf's
-    TensorFlow checkpoint prefix (``bert.safe_load.read_config_and_weights``)."""
+    TensorFlow checkpoint prefix (``bert.checkpoint.safe_load.read_config_and_weights``)."""
     config, state_dict = read_config_and_weights(path)
     if config is not None and config != model.config:
         diff = {k: (v, getattr(model.config, k)) for k, v in config.to_dict().items() if getattr(model.config, k) != v}

@@ -241,7 +241,7 @@ def load_latest(
 
 def to_checkpoint(state: TrainState, parts: dict, loader: dict, config: dict) -> dict:
     """What a training checkpoint holds: ``parts`` (model, optimizer, schedule, adagc, scaler; None for a part the run
-    has not) by their state dicts, the loader's position, the counters and the run's config (for ``bert.export``)."""
+    has not) by their state dicts, the loader's position, the counters and the run's config (for the export)."""
     states = {name: part.state_dict() if part is not None else None for name, part in parts.items()}
     return {**states, "loader": loader, "counters": state.counters(), "config": config}
 

@@ -1,7 +1,7 @@
 """The encoder's hyper-parameters: ``BertConfig``, its presets, and JSON I/O.
 
 The first block of fields is BERT's own (``bert_config.json`` and transformers' ``config.json``
-load directly); the second says how the encoder is assembled (``bert.layers``), BERT by default
+load directly); the second says how the encoder is assembled (``bert.model.layers``), BERT by default
 and written to JSON only where it differs. Every field is checked on construction, and the
 parameters' memory before anything is built. Presets and their sources: docs/modern_encoders.md.
 """
@@ -93,7 +93,7 @@ class BertConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     initializer_range: float = 0.02
-    # ---- how the encoder is assembled (bert.layers); the defaults are BERT ------------------
+    # ---- how the encoder is assembled (bert.model.layers); the defaults are BERT ------------------
     # post: x = norm(x + f(x)) (BERT); pre: x = x + f(norm(x)) with a final norm after the last layer.
     norm_placement: str = _part("post")
     norm_kind: str = _part("layernorm")  # layernorm or rmsnorm (RMSNorm never has a bias)
@@ -209,7 +209,7 @@ class BertConfig:
 
     def to_dict(self, transformers: bool = False) -> dict:
         """BERT's fields, and the part fields that differ from BERT's; ``transformers=True``:
-        transformers' ``BertConfig`` (other architectures: ``bert.hf_modernbert``)."""
+        transformers' ``BertConfig`` (other architectures: ``bert.model.hf_modernbert``)."""
         parts = {f.name: f.default for f in fields(self) if f.metadata.get("part")}
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         out = {k: v for k, v in out.items() if k not in parts or getattr(self, k) != parts[k]}

@@ -1,10 +1,10 @@
 """BERT for pretraining on unpadded batches: embeddings -> encoder -> MLM and NSP heads.
 
-The encoder is assembled from parts (``bert.layers``) as its ``BertConfig`` says. It runs on a
+The encoder is assembled from parts (``bert.model.layers``) as its ``BertConfig`` says. It runs on a
 flat token dimension; the attention backend (``kernels.registry``) learns the sequences from a
 layout, one per layer window. The MLM head runs only at the M masked positions. Numerics match
 ``transformers.BertForPreTraining`` and ``ModernBertForMaskedLM`` given the same weights
-(``bert.pretrained``); the query, key and value projections are one ``[3*hidden, hidden]`` linear.
+(``bert.checkpoint.pretrained``); the query, key and value projections are one ``[3*hidden, hidden]`` linear.
 
 Shape legend: N tokens the layers run on (T unpadded, B*S padded, R*S packed), B sequences,
 M masked positions, H heads, D head dim, C hidden size, V vocabulary.
@@ -49,8 +49,8 @@ class BertForPreTraining(nn.Module):
     (``kernels.registry``), ``attention_options`` its settings; ``fused_ops``: the bias+GELU and
     bias+dropout+residual+LayerNorm Triton kernels (post-norm BERT only); ``bias_gelu``: the
     FFN-in's bias+GELU alone, ``eager``, ``triton`` or ``epilogue`` (in the GEMM,
-    ``kernels.gemm_epilogue``), ``auto`` = ``triton`` with ``fused_ops``, else ``eager`` (a gated
-    MLP: always); ``rotary_kernel``: ``torch`` (the reference) or ``triton`` (``kernels.rotary``).
+    ``kernels.ops.gemm_epilogue``), ``auto`` = ``triton`` with ``fused_ops``, else ``eager`` (a gated
+    MLP: always); ``rotary_kernel``: ``torch`` (the reference) or ``triton`` (``kernels.ops.rotary``).
     """
 
     def __init__(
@@ -80,7 +80,7 @@ class BertForPreTraining(nn.Module):
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.decoder_bias else None
         self.nsp = nn.Linear(c, 2) if config.next_sentence else None
         self.act = activation(config.hidden_act)
-        # bert.cuda_graphs.EncoderGraphs (train.cuda_graphs): replays the layers for unpadded batches.
+        # bert.train.cuda_graphs.EncoderGraphs (train.cuda_graphs): replays the layers for unpadded batches.
         self.encoder_graphs = None
         init_weights(self, config)
 

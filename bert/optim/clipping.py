@@ -39,7 +39,7 @@ def clip_global_(
 ) -> Tensor:
     """Scale all gradients in place so their global L2 norm is at most ``max_norm``; returns the
     norm before clipping (float32 0-d, on the device). A non-finite norm makes the gradients
-    non-finite, for the trainer's skip check. Sharded gradients (``bert.sharded_optim``): ``local``
+    non-finite, for the trainer's skip check. Sharded gradients (``bert.optim.shard``): ``local``
     gives this rank's shard of a gradient and ``norms`` the whole tensors' norms from the shards."""
     if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"optim.max_grad_norm: must be finite and > 0, got {max_norm}")

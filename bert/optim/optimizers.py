@@ -1,6 +1,6 @@
 """Optimizers: LAMB (MLPerf BERT's), AdamW and StableAdamW (ModernBERT's), with BERT's weight-decay exclusions.
 
-They run after clipping (``bert.clipping``), so none clips. ``Lamb`` is apex's ``FusedLAMB``
+They run after clipping (``bert.optim.clipping``), so none clips. ``Lamb`` is apex's ``FusedLAMB``
 on ``torch._foreach_*`` ops, with its state layout (a checkpoint moves between them). Every
 optimizer here takes ``step(found_inf=t)``: a 0-dim device tensor, nonzero when the gradients
 are not finite, that keeps parameters, moments and step counts bitwise as they were, never
@@ -95,7 +95,7 @@ class Lamb(torch.optim.Optimizer):
 
     def _local(self, t: Tensor) -> Tensor:
         """The tensor the update runs on: ``t`` itself here; a DTensor's local shard in
-        ``bert.sharded_optim.ShardedLamb`` (elementwise math needs no communication)."""
+        ``bert.optim.shard.ShardedLamb`` (elementwise math needs no communication)."""
         return t
 
     def _trust_norms(self, params: list[Tensor], update: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -305,7 +305,7 @@ def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -
     ``param_groups_for(model, optim.weight_decay)``. ``impl`` (LAMB only; benches and tests choose):
     ``auto`` = apex's FusedLAMB when available and the parameters are on CUDA, else ``Lamb``;
     ``apex`` = FusedLAMB or an error saying why not; ``torch`` = ``Lamb``. FusedLAMB's own
-    clipping is off (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.clipping``."""
+    clipping is off (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.optim.clipping``."""
     name, lr, betas, eps = optim.name, optim.lr, tuple(optim.betas), optim.eps
     groups = param_groups_for(model, optim.weight_decay)
     if not groups:

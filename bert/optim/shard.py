@@ -117,7 +117,7 @@ class ShardedLamb(Lamb):
 @dataclass
 class Sharding:
     """How the run is sharded (``apply_sharding``): the mesh, the ranks per shard group, and
-    what the clippers need to see gradients as whole tensors (``bert.clipping``'s ``local``
+    what the clippers need to see gradients as whole tensors (``bert.optim.clipping``'s ``local``
     and ``norms`` arguments)."""
 
     mesh: DeviceMesh

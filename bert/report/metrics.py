@@ -209,7 +209,8 @@ class DeviceCounters:
 
 # The rebalancer's numbers a step record carries (data.rebalance.exchange.ExchangeStats fields).
 REBALANCE_FIELDS = tuple(
-    "imbalance_before imbalance_after samples_moved samples_sent exchange_ms wait_ms hidden_fraction".split()
+    "imbalance_before imbalance_after samples_moved samples_sent token_share "
+    "exchange_ms wait_ms hidden_fraction".split()
 )
 
 

@@ -1,6 +1,6 @@
 """TensorBoard event files for a run (``log.tensorboard: true``): OUTPUT_DIR/tensorboard/.
 
-A sink of ``bert.reporting.MetricsWriter`` (rank 0): every ``metrics.jsonl`` record becomes scalars
+A sink of ``bert.report.metrics.MetricsWriter`` (rank 0): every ``metrics.jsonl`` record becomes scalars
 at its global step; a resumed run purges the steps after its checkpoint and replays the spike counters.
 The tags and the resume: [docs/extensions.md](../docs/extensions.md#tensorboard).
 """

@@ -1,6 +1,6 @@
 """The trainer's parts, each built from its configuration section: factories only.
 
-``bert.trainer.Trainer`` builds its parts here in one place (``bert.export`` reads the
+``bert.train.trainer.Trainer`` builds its parts here in one place (``bert.checkpoint.export`` reads the
 model's shape); a field added to a section is read here or by the part itself, never
 unpacked on the way. Backend facts come from ``kernels.registry``, never from a backend's name.
 """
@@ -79,7 +79,7 @@ def build_model(
     model: ModelSection, config: BertConfig, train: TrainSection | None = None, device: torch.device | None = None
 ) -> BertForPreTraining:
     """The model of ``config`` and the model.* backends; with ``train``, its encoder's linear layers
-    in train.fp8 (bert.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs)."""
+    in train.fp8 (bert.model.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs)."""
     built = BertForPreTraining(
         config,
         attention=model.attention,
@@ -95,7 +95,7 @@ def build_model(
 
 def build_graphs(cfg: RunConfig, micro_batch: int, model: BertForPreTraining):
     """(train.static_shapes' buckets (``data.static_shapes``) or None, train.cuda_graphs'
-    ``bert.cuda_graphs.EncoderGraphs`` for ``model`` or None); the config checked what graphs can replay."""
+    ``bert.train.cuda_graphs.EncoderGraphs`` for ``model`` or None); the config checked what graphs can replay."""
 
     t, seq = cfg.train, cfg.data.max_seq_length
     if not t.static_shapes:
@@ -163,13 +163,15 @@ def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
 
     return Rebalancer(
         data.rebalance,
-        tuple(data.rebalance_cost),  # data.rebalance_plan.Cost's fields
+        tuple(data.rebalance_cost),  # data.rebalance.plan.Cost's fields
         batch_size=local_batch,
         max_len=data.max_seq_length,
         timeout_s=timeout_s,
         group_size=data.rebalance_group_size,
         ramp=build_batch_ramp(cfg.train),
-        measured=data.rebalance_measured,
+        measured=data.rebalance_measured[:3],
+        max_share=data.rebalance_measured[3],
+        min_samples=cfg.train.grad_accum_steps,  # one sample per micro-batch at least
     )
 
 

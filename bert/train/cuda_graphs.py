@@ -1,6 +1,6 @@
 """CUDA graphs of the encoder, one per static shape (``train.cuda_graphs``; CUDA only).
 
-``EncoderGraphs`` (``bert.components.build_graphs``, handed to ``BertForPreTraining.encoder_graphs``):
+``EncoderGraphs`` (``bert.train.build.build_graphs``, handed to ``BertForPreTraining.encoder_graphs``):
 the embeddings and heads run eagerly, the encoder layers replay a graph per (T', B + 1) shape,
 captured when first seen, forward and backward in training, forward only in evaluation; all share
 one memory pool (they replay one after another). Which backends can replay: ``kernels.registry``

@@ -1,7 +1,7 @@
 """The training loop: named steps from a global batch to an MLPerf result.
 
-``Trainer(cfg, output_dir, dist_info).train()`` builds its parts (``bert.components``), resumes
-from ``output_dir/checkpoints`` (``bert.train_checkpoint``) and runs per global step
+``Trainer(cfg, output_dir, dist_info).train()`` builds its parts (``bert.train.build``), resumes
+from ``output_dir/checkpoints`` (``bert.checkpoint.training``) and runs per global step
 ``train_step`` (losses normalised by global counts agreed on the host) and ``optimizer_step``
 (a non-finite update skipped on the device), ``evaluate`` every eval interval and
 ``save_checkpoint`` at its interval and on SIGTERM. A step reads nothing back from the device.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import signal
 import time
@@ -165,7 +166,7 @@ class Trainer:
         if cfg.checkpoint.init:
             load_pretrained(self.model, cfg.checkpoint.init)
         self.model.to(self.device)
-        # optim.shard: FSDP2 splits the weights, gradients and LAMB's state (bert.sharded_optim).
+        # optim.shard: FSDP2 splits the weights, gradients and LAMB's state (bert.optim.shard).
         with self.coll.guard("the shard groups' setup", -1):
             self.sharding = apply_sharding(self.model, cfg.optim, t.precision, self.world, self.device.type)
         # forward: the model as the steps call it (DDP over ranks, torch.compile'd if asked).
@@ -203,7 +204,9 @@ class Trainer:
     def _collate(self, block: SampleBlock):
         """SampleBlock -> the configured batch layout, by the configured backend (torch, dali)."""
         if self._collator is None:
-            most = max(self.micro_batch, self.cfg.eval.batch_size)
+            # data.rebalance=measured: a rank's micro-batch may hold up to max_share times its share
+            share = self.cfg.data.rebalance_measured[3] if self.cfg.data.rebalance == "measured" else 1.0
+            most = max(math.ceil(self.micro_batch * share), self.cfg.eval.batch_size)
             self._collator = components.build_collator(self.cfg.data, self.device, most)
         return self._collator(block)
 
@@ -223,7 +226,7 @@ class Trainer:
         """Forward and backward over this rank's micro-batches of one global batch."""
         seed_step(self.state.seed, self.state.step, self.rank, self.philox)  # torch's and the kernels' dropout
         # The global counts the losses are normalised by, and any rank's stop request, agreed
-        # on the host from the data (bert.host_counts): nothing is read from the device.
+        # on the host from the data (bert.distributed.host_counts): nothing is read from the device.
         step = self.state.step
         c = self.planner.agree(step, self.stop_requested)
         self.stop_agreed = c.stop
@@ -243,9 +246,12 @@ class Trainer:
         loss_parts = torch.zeros(4, device=self.device)
         # DDP, FSDP2 and torchft average gradients over ranks (replicas); the losses are sums.
         scale = float(replicas or self.world)
-        if replicas is None:  # train.grad_accum_steps micro-batches; fewer in a batch-size warm-up
-            mb = self.micro_batch
-            chunks = [np.arange(i * mb, (i + 1) * mb) for i in range(len(block) // mb)]
+        if replicas is None:
+            # train.grad_accum_steps micro-batches (fewer in a batch-size warm-up), as many on every rank: from
+            # the step's agreed count, since data.rebalance=measured leaves a slow rank fewer samples than a fast one.
+            n = num_seqs // self.world // self.micro_batch
+            ends = len(block) * np.arange(n + 1) // n  # equal blocks: micro_batch each
+            chunks = [np.arange(ends[i], ends[i + 1]) for i in range(n)]
         else:
             chunks = [c for c in np.array_split(np.arange(len(block)), self.cfg.train.grad_accum_steps) if len(c)]
         last = len(chunks) - 1

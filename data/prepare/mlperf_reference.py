@@ -2,7 +2,7 @@
 
 Reproduces ``create_pretraining_data.py`` run on each text part on its own with
 ``random.Random(seed)``: the same samples in the same order, bit for bit, one fixed-layout
-HDF5 file per input file, so ``data.mlperf_dataset``'s chop, shuffle and checksums match the
+HDF5 file per input file, so ``data.prepare.mlperf_dataset``'s chop, shuffle and checksums match the
 published ones. Written from the reference's behaviour, every draw in its order; pure-ASCII
 lines go through ``tokenizers``, the others through the Python tokenizer below:
 [docs/data.md](../docs/data.md#how-it-matches-the-reference).

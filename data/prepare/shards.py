@@ -44,7 +44,7 @@ OBJECTIVES = ("nsp", "mlm")
 VOCAB_FILES = ("vocab.txt", "tokenizer.json")  # the copy in --output-dir: of --vocab / --train-vocab, of --tokenizer
 TRAIN_TAG, EVAL_TAG = 0, 1
 MASK_ROWS = 4096  # rows masked at once (bounds the [rows, S] scratch arrays)
-# Work size (like data.text.CHUNK_BYTES): it changes how work is split, never the output.
+# Work size (like data.prepare.text.CHUNK_BYTES): it changes how work is split, never the output.
 PAIR_TASK_TOKENS = (100_000, 8_000_000)  # document tokens per pairing task: min, max
 # Stage 3's per-pair columns (beside "tokens", the pairs' uint16 ids end to end).
 PAIR_DTYPES = {"seq_len": np.int32, "len_a": np.int32, "nsp": np.int8, "key": np.int64, "canon": np.int64}
@@ -901,7 +901,7 @@ def build_parser(config: type[PrepareConfig] = PrepareConfig) -> argparse.Argume
                 action="store_true",
                 help="MLPerf's reference create_pretraining_data.py, sample for sample: one fixed-layout "
                 "OUTPUT_DIR/<input name>.hdf5 per input file, each made with a fresh random.Random(seed) "
-                "(data.reference); takes --vocab, the sizes, --dupe-factor, --seed and --workers only",
+                "(data.prepare.mlperf_reference); takes --vocab, the sizes, --dupe-factor, --seed and --workers only",
             )
     return ap
 

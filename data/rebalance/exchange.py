@@ -1,7 +1,7 @@
 """Cross-rank rebalancing of sequence lengths, the exchange: moves the planned samples.
 
 Between the loader and the collator, each step: one all-gather of a fixed-size header and one int32
-word per sample (length | masked count << 16), this rank's part of the plan (``data.rebalance_plan``),
+word per sample (length | masked count << 16), this rank's part of the plan (``data.rebalance.plan``),
 then ONE variable-size ``all_to_all_single`` of the samples that change rank (``pack_samples``); the
 block comes back ordered by (source rank, source index). ``Rebalancer.start`` runs the exchange in a
 background thread on its own gloo group, ``wait`` returns it. docs/rebalancing.md.
@@ -30,7 +30,7 @@ class RebalanceError(RunFailure):
 
 
 _MAGIC = 0x52424C31  # "RBL1": a header that does not start with it is not ours
-# Per-step header of HEADER_WORDS (data.rebalance_plan) words: magic, step, expected world size, sample
+# Per-step header of HEADER_WORDS (data.rebalance.plan) words: magic, step, expected world size, sample
 # count, error code, error sample, error value; then one word per sample (length | masked count << 16)
 _MAX_MASKED = (1 << 15) - 1
 _MAX_TOKEN_ID = (1 << 30) - 1  # a token word is input_id * 2 + segment_id
@@ -139,7 +139,7 @@ def unpack_samples(
 
 @dataclass
 class ExchangeStats:
-    """One step of rebalancing; metrics.jsonl carries its fields (``bert.reporting.REBALANCE_FIELDS``)."""
+    """One step of rebalancing; metrics.jsonl carries its fields (``bert.report.metrics.REBALANCE_FIELDS``)."""
 
     step: int
     strategy: str
@@ -148,6 +148,7 @@ class ExchangeStats:
     samples_moved: int | None  # over all ranks; None with group_size (each rank plans its group)
     samples_sent: int  # this rank
     samples_received: int
+    token_share: float  # this rank's tokens after the exchange over the mean rank's
     gather_bytes_received: int  # the all-gathered headers and lengths, this rank
     payload_bytes_sent: int  # the all-to-all, this rank
     payload_bytes_received: int
@@ -163,8 +164,9 @@ class ExchangeStats:
 class Rebalancer:
     """Balances sequence lengths across the ranks of ``group``, one exchange per step.
 
-    strategy: one of ``STRATEGIES``; cost: a ``data.rebalance_plan.Cost`` or its tuple.
-    batch_size: samples per rank per step (every rank must hold exactly this many); with ``ramp`` (a
+    strategy: one of ``STRATEGIES``; cost: a ``data.rebalance.plan.Cost`` or its tuple.
+    batch_size: samples per rank per step (every rank must bring exactly this many; ``measured`` may hand
+        a rank back fewer or more, see max_share); with ``ramp`` (a
         ``data.batch_ramp.BatchRamp``) step s holds ``ramp.batch_size(s) / world_size`` instead.
     max_len: the longest allowed sequence. world_size: how many ranks this rank expects (default: the
         group's size); a rank expecting another number is named in the error.
@@ -175,7 +177,10 @@ class Rebalancer:
     timeout_s: the new group's collective timeout; a rank that stops calling the exchange turns into a
         ``RebalanceError`` on the others after this long, never a hang.
     measured: (window steps, bound, rate) of the ``OnlineModel``; ``timer`` (a
-        ``bert.step_timer.StepTimer``, set by the caller) feeds it; without one it plans as ``balanced``.
+        ``bert.train.step_timer.StepTimer``, set by the caller) feeds it; without one it plans as ``balanced``.
+    max_share, min_samples: ``measured`` only: with unequal speeds a rank may end a step holding up to
+        max_share times its batch_size samples and no fewer than min_samples (e.g. its micro-batches);
+        max_share 1: exactly batch_size, swaps only (``assign``'s max_samples).
     """
 
     def __init__(
@@ -193,6 +198,8 @@ class Rebalancer:
         cross_rounds: int = 3,
         ramp: BatchRamp | None = None,
         measured: tuple = (32, 4.0, 0.1),
+        max_share: float = 2.0,
+        min_samples: int = 1,
     ):
         import torch.distributed as dist
 
@@ -204,6 +211,10 @@ class Rebalancer:
             raise ValueError(f"max_len: expected 1..65535, got {max_len}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: expected > 0, got {timeout_s}")
+        if not (1 <= max_share < float("inf") and 1 <= min_samples <= batch_size):
+            raise ValueError(
+                f"max_share, min_samples: expected >= 1 and 1..{batch_size}, got {max_share}, {min_samples}"
+            )
         cost = check_cost(cost)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Rebalancer: torch.distributed is not initialised (call launch.distributed first)")
@@ -224,6 +235,7 @@ class Rebalancer:
             raise ValueError(f"cross_rounds: expected >= 0, got {cross_rounds}")
         self.group_size, self.cross_rounds = group_size, cross_rounds
         self.measured, self.timer = tuple(measured), None
+        self.max_share, self.min_samples = float(max_share), int(min_samples)
         self.online = OnlineModel(cost, self.world_size, *measured)  # the cost and speeds the plans use
         self._delivered: dict[int, tuple] = {}  # this rank's blocks' length features, by step
         self._snapshot = None  # the state the pending exchange started from (state_dict)
@@ -255,6 +267,7 @@ class Rebalancer:
     def _check_settings_agree(self) -> None:
         # Ranks with different settings would compute different plans; catch it once, here.
         settings = (*self.cost, self.tol, self.group_size, self.cross_rounds, self.ramp, self.measured)
+        settings += (self.max_share, self.min_samples)
         crc = zlib.crc32(repr(settings).encode()) & 0x7FFFFFFF
         mine = [_MAGIC, STRATEGIES.index(self.strategy), crc, self.batch_size, self.max_len, self.expected_world_size]
         allv = self._all_gather(np.array(mine, dtype=np.int32), -1, "the settings check")
@@ -268,7 +281,10 @@ class Rebalancer:
                     f"rank {r}: strategy {STRATEGIES[allv[r, 1]]!r} differs from rank 0's {STRATEGIES[allv[0, 1]]!r}"
                 )
             if allv[r, 2] != allv[0, 2]:
-                problems.append(f"rank {r}: cost, tol, group_size, cross_rounds or the batch ramp differ from rank 0's")
+                problems.append(
+                    f"rank {r}: cost, tol, group_size, cross_rounds, the batch ramp, measured, max_share or "
+                    "min_samples differ from rank 0's"
+                )
             for f, name in ((3, "batch_size"), (4, "max_len")):
                 if allv[r, f] != allv[0, f]:
                     problems.append(f"rank {r}: {name} {allv[r, f]} differs from rank 0's {allv[0, f]}")
@@ -329,8 +345,10 @@ class Rebalancer:
         at = HEADER_WORDS + (MEASURE_WORDS if self.strategy == "measured" else 0)
         words = hdr[:, at:].astype(np.int64)  # [W, B]
         lengths, masked = words & 0xFFFF, words >> 16
-        speeds = self.online.speeds if self.strategy == "measured" else None
-        opts = dict(tol=self.tol, group_size=self.group_size, cross_rounds=self.cross_rounds, speeds=speeds)
+        opts = dict(tol=self.tol, group_size=self.group_size, cross_rounds=self.cross_rounds)
+        if self.strategy == "measured":
+            bounds = dict(max_samples=int(B * self.max_share), min_samples=min(self.min_samples, B))
+            opts.update(speeds=self.online.speeds, **bounds)
         plan = plan_for_rank(lengths, me, self.strategy, self.online.cost, **opts)
         t2 = time.perf_counter()
 
@@ -366,6 +384,7 @@ class Rebalancer:
             samples_moved=plan.moved,
             samples_sent=len(send_idx),
             samples_received=len(recv_r),
+            token_share=float(out.seq_lens.sum()) * W / max(int(lengths.sum()), 1),
             gather_bytes_received=int(hdr.size * 4),
             payload_bytes_sent=int(in_splits.sum() * 4),
             payload_bytes_received=int(out_splits.sum() * 4),

@@ -1,7 +1,7 @@
 """Online fit of the rebalancer's cost model and a speed per rank, from measured step times.
 
 ``fit_online`` fits a window of steps per rank (forward+backward seconds and the length features of
-``data.rebalance_plan.Cost``) under time = cost(features) / speed[rank]; ``OnlineModel`` keeps the
+``data.rebalance.plan.Cost``) under time = cost(features) / speed[rank]; ``OnlineModel`` keeps the
 window and the cost and speeds the plans use, with the safeguards of docs/rebalancing.md.
 Deterministic: every sum is ``math.fsum`` of elementwise IEEE operations, the solve in Python floats,
 so ranks with the same numbers get the same fit bit for bit.
@@ -135,7 +135,8 @@ def fit_online(features, times, configured, *, min_steps: int = 8, bound: float 
 
 
 NOISE_Z = 5.0  # standard errors that count as a change of speed
-RECENT = 6  # steps that show a rank's change of speed
+RECENT = 6  # the most recent steps tested for a change of speed
+SHOWN = 2  # the fewest: two steps in a row, so that one odd step is never a change
 
 
 class OnlineModel:
@@ -153,26 +154,46 @@ class OnlineModel:
         self.window, self.bound, self.rate = int(window), float(bound), float(rate)
         self.steps = [deque(maxlen=self.window) for _ in range(world_size)]  # (sum L, L^2, local, seconds)
         self.speeds, self.cost = (1.0,) * world_size, self.configured
+        # ranks that changed speed and have RECENT steps or fewer since: their scatter over the whole window
+        self.changed: dict[int, float] = {}
 
     def add(self, rank: int, features, seconds: float) -> None:
         f = (*(float(x) for x in features), float(seconds))
         if all(math.isfinite(x) and x >= 0 for x in f) and f[0] > 0 and seconds > 0:
             self.steps[rank].append(f)
 
-    def _forget_changed(self) -> None:
-        """A rank whose last RECENT steps' speed differs from its earlier ones' by more than
-        NOISE_Z standard errors changed speed (throttling): its earlier steps are dropped."""
-        for d in (d for d in self.steps if len(d) >= 2 * RECENT):
+    def _forget_changed(self) -> dict[int, float]:
+        """A rank whose last k steps' speed (k = SHOWN..RECENT, the first that shows it) differs from its
+        earlier ones' (at least RECENT of them) by more than NOISE_Z standard errors changed speed
+        (throttling): its earlier steps are dropped. Returns {rank: the relative scatter of its steps
+        about the two speeds}, from the whole window: the few steps kept say little of it. A rank that
+        changed recently (``changed``) is tested with the scatter it had, so SHOWN earlier steps suffice:
+        a change that ends soon, or two odd steps taken for one, is undone as fast as it was made."""
+        changed = {}
+        for r, d in enumerate(self.steps):
+            known = self.changed.get(r)
+            least = RECENT if known is None else SHOWN  # earlier steps needed
+            if len(d) < least + SHOWN:
+                continue
             a = np.array(d)
-            old, new = np.split(_costs(self.cost, a[:, :3]) / a[:, 3], [len(d) - RECENT])
-            m_old, m_new = _sum(old) / len(old), _sum(new) / RECENT
-            var = (_sum((old - m_old) ** 2) + _sum((new - m_new) ** 2)) / (len(d) - 2)
-            if abs(m_new - m_old) > NOISE_Z * math.sqrt(var * (1 / len(old) + 1 / RECENT)):
-                for _ in range(len(old)):
-                    d.popleft()
+            q = _costs(self.cost, a[:, :3]) / a[:, 3]
+            for k in range(SHOWN, min(RECENT, len(d) - least) + 1):
+                old, new = q[:-k], q[-k:]
+                m_old, m_new = _sum(old) / len(old), _sum(new) / k
+                var = (_sum((old - m_old) ** 2) + _sum((new - m_new) ** 2)) / (len(d) - 2)
+                if known is not None:
+                    var = max(var, (known * m_old) ** 2)
+                if abs(m_new - m_old) > NOISE_Z * math.sqrt(var * (1 / len(old) + 1 / k)):
+                    for _ in range(len(old)):
+                        d.popleft()
+                    rel = (_sum((old / m_old - 1) ** 2) + _sum((new / m_new - 1) ** 2)) / (len(q) - 2)
+                    changed[r] = max(math.sqrt(rel), known or 0.0)
+                    break
+        return changed
 
     def refit(self) -> dict:
-        self._forget_changed()
+        fresh = self._forget_changed()
+        self.changed.update(fresh)
         feats, times = [[e[:3] for e in d] for d in self.steps], [[e[3] for e in d] for d in self.steps]
         min_steps = min(8, self.window)
         fit = fit_online(feats, times, self.configured, min_steps=min_steps, bound=self.bound)
@@ -184,16 +205,23 @@ class OnlineModel:
             # so noise gives no rank extra work (docs/rebalancing.md, safeguards).
             z = 1.5 + math.sqrt(2 * math.log(max(self.world_size, 2)))
             mid, typical = (sorted(x)[self.world_size // 2] for x in (fit.speeds, fit.scatter))
+            # a rank that changed speed: the scatter of its whole window, not of the few steps kept (_forget_changed)
+            scatter = [self.changed.get(r, e) for r, e in enumerate(fit.scatter)]
             near = [
                 n < 2 or abs(s - mid) <= z * max(e, typical) / math.sqrt(n) * s
-                for s, e, n in zip(fit.speeds, fit.scatter, counts)
+                for s, e, n in zip(fit.speeds, scatter, counts)
             ]
             target = [mid if n else s for s, n in zip(fit.speeds, near)]
             mean = math.fsum(target) / self.world_size
             target = [s / mean for s in target]
         lo, hi = 1 - self.rate, 1 + self.rate
         toward = lambda old, new: min(max(new, old * lo), old * hi)  # noqa: E731
-        self.speeds = tuple(toward(o, n) for o, n in zip(self.speeds, target))
+        # A rank that has just changed speed (by NOISE_Z standard errors, shown in SHOWN steps or more) takes
+        # the speed fitted to its steps since at once: the rate limit is for noise, and waiting for it kept
+        # a throttled rank's old share for steps after the change was known. Later steps, few and so exposed
+        # to one odd step, move it at the rate again.
+        self.changed = {r: e for r, e in self.changed.items() if len(self.steps[r]) <= RECENT}
+        self.speeds = tuple(n if r in fresh else toward(o, n) for r, (o, n) in enumerate(zip(self.speeds, target)))
         self.cost = Cost(*(toward(o, n) for o, n in zip(self.cost[:3], fit.cost[:3])), self.configured.window)
         c = self.cost
         out = dict(fit_a=c.a, fit_b=c.b, fit_b_local=c.b_local, fitted=int(fit.fitted), window_steps=steps)
@@ -202,7 +230,12 @@ class OnlineModel:
 
     def state_dict(self) -> dict:
         window = [[list(e) for e in d] for d in self.steps]
-        return {"window": window, "speeds": list(self.speeds), "cost": list(self.cost)}
+        return {
+            "window": window,
+            "speeds": list(self.speeds),
+            "cost": list(self.cost),
+            "changed": sorted(self.changed.items()),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["speeds"]) != self.world_size:
@@ -211,3 +244,4 @@ class OnlineModel:
             d.clear()
             d.extend(tuple(float(x) for x in e) for e in entries)
         self.speeds, self.cost = tuple(float(s) for s in state["speeds"]), check_cost(state["cost"])
+        self.changed = {int(r): float(e) for r, e in state.get("changed", [])}  # none in checkpoints before issue 46

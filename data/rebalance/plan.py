@@ -3,7 +3,8 @@
 Pure and deterministic: numpy only, no process group (``data.rebalance`` carries the plan out,
 ``bench.rebalance_sim`` simulates it at thousands of ranks). Every rank computes the same plan from
 the lengths all ranks gathered: integer costs and sorts on unique keys, so it is bit-identical
-everywhere. Every rank keeps exactly B samples and each sample moves at most once. ``assign`` gives
+everywhere. Every rank keeps exactly B samples (except ``measured`` with unequal speeds and
+``max_samples``: then from ``min_samples`` to ``max_samples``) and each sample moves at most once. ``assign`` gives
 the whole plan (``Assignment``), ``plan_for_rank`` one rank's part of it (``RankPlan``). The
 strategies (``STRATEGIES``), the hierarchical mode and the cost model: docs/rebalancing.md.
 
@@ -76,8 +77,9 @@ def imbalance(costs, weights=None) -> float:
 class Assignment:
     """Which samples each rank holds after the exchange.
 
-    src_rank, src_index: [W, B] int32; rank r's j-th sample is sample ``src_index[r, j]`` of
-        rank ``src_rank[r, j]``'s batch. Each row is sorted by (src_rank, src_index).
+    src_rank, src_index: [W, C] int32, C the most samples a rank holds (B, except with ``measured``'s
+        ``max_samples``); rank r's j-th sample is sample ``src_index[r, j]`` of rank ``src_rank[r, j]``'s
+        batch, for j < ``counts[r]``; -1 after. Each row is sorted by (src_rank, src_index).
     dest_rank: [W, B] int32; sample j of rank s goes to rank ``dest_rank[s, j]``.
     costs_before, costs_after: [W] float64 per-rank costs.
     weights: [W] int64 speed weights (``measured``) or None: imbalances are then in time.
@@ -90,6 +92,11 @@ class Assignment:
     costs_before: np.ndarray
     costs_after: np.ndarray
     weights: np.ndarray | None = None
+
+    @property
+    def counts(self) -> np.ndarray:
+        """[W] samples each rank holds after the exchange."""
+        return (self.src_rank >= 0).sum(1)
 
     @property
     def moved(self) -> int:
@@ -170,16 +177,33 @@ class _Swapper:
     used (``swap``); positions of samples that left (or that x received, which are frozen where they
     land) hold -1 and sort first. Moving each sample at most once is what lets a rank compute only its
     part of the plan (``plan_for_rank``): a sender knows where its samples end up without following them.
+
+    ``extra`` > 0 lets ranks hold different numbers of samples: each row gets that many empty slots of
+    cost 0 (global ids from W * B up), which sort before every real sample, so swapping a heavy rank's
+    sample with a light rank's empty slot moves it one way. A rank keeps at least ``floor`` samples and
+    holds at most B + extra. With ``extra`` = 0 (``balanced``) every rank keeps exactly B.
     """
 
-    def __init__(self, q: np.ndarray, L: np.ndarray, load: np.ndarray, rows: np.ndarray, fine_candidates: int = 8):
-        W, B = L.shape
-        self.W, self.B = W, B
+    def __init__(
+        self,
+        q: np.ndarray,
+        L: np.ndarray,
+        load: np.ndarray,
+        rows: np.ndarray,
+        fine_candidates: int = 8,
+        extra: int = 0,
+        floor: int = 1,
+    ):
+        W, n = L.shape
+        B = n + extra  # slots per row
+        self.W, self.B, self.floor, self.extra = W, B, floor, extra
         self.shift = max(1, (W * B - 1).bit_length())
         self.big = int(q.max()) + 2  # above every cost: marks "no sample here" for the light rank
         self.K = np.empty((W, B), dtype=np.int64)
-        gid = rows[:, None].astype(np.int64) * B + np.arange(B)
-        self.K[rows] = (q[L[rows]] << self.shift) | gid  # rows are sorted when first used
+        gid = rows[:, None].astype(np.int64) * n + np.arange(n)
+        self.K[rows, :n] = (q[L[rows]] << self.shift) | gid  # rows are sorted when first used
+        self.K[rows, n:] = W * n + rows[:, None].astype(np.int64) * extra + np.arange(extra)  # empty: cost 0
+        self.real = np.full(W, n, dtype=np.int64)  # samples each rank holds
         self.nfz = np.zeros(W, dtype=np.int64)  # frozen (-1) entries per row
         self.load = load.copy()
         self.nf = min(fine_candidates, B)
@@ -201,11 +225,16 @@ class _Swapper:
         # sort only the rows used in this round (they shrink fast) and keep them sorted
         Ko = self.K[over] = np.sort(self.K[over], axis=1)
         Ku = self.K[under] = np.sort(self.K[under], axis=1)
-        n_o = B - self.nfz[over]  # movable samples per heavy rank
-        n_u = B - self.nfz[under]
+        empty = lambda K: ((K >= 0) & (K < 1 << sh)).sum(1)  # noqa: E731  (movable empty slots per row)
+        n_o = B - self.nfz[over] - empty(Ko)  # movable samples per heavy rank (its empty slots come last in a)
+        # the light rank's empty slots beyond what the heavy one may give away (it keeps ``floor``) are skipped
+        e_u = empty(Ku)
+        skip = e_u - np.minimum(e_u, np.maximum(self.real[over] - self.floor, 0))
+        n_u = B - self.nfz[under] - skip
         a = Ko[:, ::-1] >> sh  # [P, B] heavy costs, largest first; frozen (-1) last
-        # light costs, smallest first; frozen entries (first in the row) shifted out, "big" after
-        at_u = cols[None, :] + self.nfz[under][:, None]
+        # light costs, smallest first (empty slots: 0); frozen entries (first in the row) and the skipped
+        # empty slots shifted out, "big" after
+        at_u = cols[None, :] + (self.nfz[under] + skip)[:, None]
         b = Ku.ravel()[np.minimum(at_u, B - 1) + (rows * B)[:, None]] >> sh
         b[at_u >= B] = big
         d = a - b  # non-increasing along each row
@@ -244,13 +273,16 @@ class _Swapper:
         if len(pp) == 0:
             return 0
         ro, ru = over[pp], under[pp]
-        co, cu = B - 1 - i_o, j_u + self.nfz[under][pp]
+        co, cu = B - 1 - i_o, j_u + (self.nfz[under] + skip)[pp]
         gid_mask = (1 << sh) - 1
         self.moved_gid += [self.K[ro, co] & gid_mask, self.K[ru, cu] & gid_mask]
         self.moved_to += [ru, ro]
         delta = np.bincount(pp, weights=(a[pp, i_o] - b[pp, j_u]), minlength=P).astype(np.int64)
         self.load[over] -= delta
         self.load[under] += delta
+        one_way = np.bincount(pp, weights=(b[pp, j_u] == 0), minlength=P).astype(np.int64)  # into empty slots
+        self.real[over] -= one_way
+        self.real[under] += one_way
         self.K[ro, co] = -1
         self.K[ru, cu] = -1
         n = np.bincount(pp, minlength=P)
@@ -265,12 +297,15 @@ class _Swapper:
         Each round pairs the i-th most loaded rank of a group with its i-th least loaded and moves
         t = min(excess, half the gap): the pair ends equal, or the heavy one at the mean when the light
         one has room to spare. Ranks within ``tol`` of the mean are left alone, which keeps moves low.
+        With empty slots (``extra``) the least loaded rank may be full and take no more samples: a round
+        that moves nothing is tried again pairing the i-th most loaded with the (i + 1)-th least, and so on.
         """
         ng, G = groups.shape
         half = G // 2
         gi = np.arange(ng)[:, None]
         wg = w[groups]
         wt = wg.sum(1)[:, None]
+        rotate = 0
         for _ in range(max_rounds):
             lg = self.load[groups]
             tot = lg.sum(1)[:, None]
@@ -279,15 +314,17 @@ class _Swapper:
             if G < 2 or (e <= slack).all():
                 return
             order = np.argsort(e, axis=1, kind="stable")
-            under_l, over_l = order[:, :half], order[:, ::-1][:, :half]
+            under_l, over_l = np.roll(order[:, :half], -rotate, axis=1), order[:, ::-1][:, :half]
             eo, eu = e[gi, over_l], e[gi, under_l]
             t = np.minimum(eo, (eo - eu) // 2) // wt
             act = (eo > slack[gi, over_l]) & (t > 0)
-            if not act.any():
-                return
             over, under = groups[gi, over_l][act], groups[gi, under_l][act]
-            if self.swap(over, under, t[act]) == 0:
-                return
+            if not act.any() or self.swap(over, under, t[act]) == 0:
+                rotate += 1
+                if not self.extra or rotate >= half:
+                    return
+                continue
+            rotate = 0
 
     def dest(self) -> tuple[np.ndarray, np.ndarray]:
         """(global ids, destination ranks) of every sample moved so far."""
@@ -323,10 +360,11 @@ def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int, w: np.ndarray)
     return out, p
 
 
-def _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group=None):
+def _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group=None, extra=0, floor=1):
     """(moved global ids, their destinations, loads after, planned loads after) of ``balanced``.
 
-    ``load``: [W] quantised loads before; ``w``: [W] speed weights or None (all equal). Loads after are
+    ``load``: [W] quantised loads before; ``w``: [W] speed weights or None (all equal); ``extra``,
+    ``floor``: a rank holds floor..B + extra samples (``_Swapper``; 0: exactly B). Loads after are
     exact for the ranks whose samples were followed (all, unless ``only_group``); planned loads assume
     every cross-group pair moved exactly its target and every group then reached its mean.
     Hierarchical (``group_size`` < W): ``cross_rounds`` rounds of pairs across the job, then balancing
@@ -354,7 +392,7 @@ def _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, on
             need = need.copy()
             need[partner[need & (partner >= 0)]] = True
             needed.insert(0, need)
-    sw = _Swapper(q, L, load, np.flatnonzero(needed[0]))
+    sw = _Swapper(q, L, load, np.flatnonzero(needed[0]), extra=extra, floor=floor)
     for r, (over, under, t) in enumerate(pairs):
         keep = needed[r + 1][over] | needed[r + 1][under]
         if keep.any():
@@ -364,6 +402,8 @@ def _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, on
         groups = groups[only_group : only_group + 1]
     sw.balance_groups(groups, tol, max_rounds, w)
     gid, to = sw.dest()
+    real = gid < W * B  # the empty slots' moves are no samples'
+    gid, to = gid[real], to[real]
     wg = w.reshape(W // G, G)  # each group's total, shared in proportion to the weights
     planned = (planned.reshape(W // G, G).sum(1)[:, None] * wg / wg.sum(1)[:, None]).ravel()
     return gid, to, sw.load, planned
@@ -378,6 +418,8 @@ def assign(
     group_size: int | None = None,
     cross_rounds: int = 3,
     speeds=None,
+    max_samples: int | None = None,
+    min_samples: int = 1,
 ) -> Assignment:
     """The plan every rank computes identically from the all-gathered lengths.
 
@@ -389,6 +431,11 @@ def assign(
     group_size, cross_rounds: ``balanced`` only. None: one flat balancing over all ranks. A number G
         (e.g. the GPUs of a node): ``cross_rounds`` rounds of pairs across the job, then balancing
         within groups of G consecutive ranks, so each rank can compute just its part (``plan_for_rank``).
+    max_samples, min_samples: ``measured`` only: a rank may hold from min_samples to max_samples samples
+        (default B: every rank keeps exactly B). Where few sequences are short, swaps alone cannot give a
+        slow rank its share (two ranks at 1 : 0.5 with most sequences at the maximum length: the slow one
+        keeps about 0.75 of the fast one's tokens); moving samples one way can. Equal speeds keep B each,
+        so the plan is ``balanced``'s.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -399,6 +446,7 @@ def assign(
     L = _as_matrix(lengths_per_rank)
     W, B = L.shape
     w = _weights_for(strategy, speeds, W)
+    extra, floor = _count_bounds(w, B, max_samples, min_samples)
     exact, q = _cost_tables(int(L.max()), cost)
     unit = exact[-1] / q[-1]  # reported costs: quantised costs in the caller's units
     load = q[L].sum(1)  # [W]
@@ -411,12 +459,18 @@ def assign(
         dest = np.empty(W * B, dtype=np.int32)
         dest[G.ravel()] = ranks
     else:
-        gid, to, after, _ = _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds)
+        opts = dict(extra=extra, floor=floor)
+        gid, to, after, _ = _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, **opts)
         dest = ranks.copy()
         dest[gid] = to
         # stable: within a rank, by global id = (source rank, source index); int16 sorts in O(N)
-        G = np.argsort(dest.astype(np.int16) if W < 1 << 15 else dest, kind="stable").reshape(W, B)
+        order = np.argsort(dest.astype(np.int16) if W < 1 << 15 else dest, kind="stable")
+        counts = np.bincount(dest, minlength=W)
+        G = np.full((W, int(counts.max())), -1, dtype=np.int64)
+        at = dest[order]
+        G[at, np.arange(W * B) - _offsets(counts)[:-1][at]] = order
     src_rank, src_index = np.divmod(G.astype(np.int32), np.int32(B))
+    src_rank[G < 0], src_index[G < 0] = -1, -1
     return Assignment(
         strategy,
         src_rank=src_rank,
@@ -426,6 +480,21 @@ def assign(
         costs_after=after * unit,
         weights=w,
     )
+
+
+def _count_bounds(w, B: int, max_samples, min_samples: int) -> tuple[int, int]:
+    """(empty slots per rank, the fewest samples a rank keeps) for ``_Swapper``; no empty slots unless
+    ``measured``'s weights differ (equal speeds: exactly ``balanced``)."""
+    if max_samples is None:
+        return 0, 1
+    if w is None:
+        raise ValueError("max_samples: only strategy 'measured' moves samples one way")
+    if not (B <= max_samples and 1 <= min_samples <= B):
+        raise ValueError(
+            f"max_samples, min_samples: expected 1 <= min_samples <= {B} <= max_samples, got "
+            f"{min_samples}, {max_samples}"
+        )
+    return (int(max_samples) - B if w.min() < w.max() else 0), int(min_samples)
 
 
 def _weights_for(strategy: str, speeds, W: int) -> np.ndarray | None:
@@ -474,6 +543,8 @@ def plan_for_rank(
     group_size: int | None = None,
     cross_rounds: int = 3,
     speeds=None,
+    max_samples: int | None = None,
+    min_samples: int = 1,
 ) -> RankPlan:
     """This rank's part of ``assign(...)``, identical to it, computed in O(W*B) adds plus
     O(group_size * 2**cross_rounds * B) with ``group_size`` (instead of the whole plan)."""
@@ -482,7 +553,7 @@ def plan_for_rank(
     if not 0 <= rank < W:
         raise ValueError(f"rank: expected 0..{W - 1}, got {rank}")
     if strategy not in ("balanced", "measured") or group_size is None or group_size >= W:
-        A = assign(L, strategy, cost, tol, max_rounds, group_size, cross_rounds, speeds)
+        A = assign(L, strategy, cost, tol, max_rounds, group_size, cross_rounds, speeds, max_samples, min_samples)
         dest = A.dest_rank.ravel().astype(np.int64)
         gid = np.flatnonzero(dest != np.arange(W * B) // B)  # the samples that change rank
         to, before, after, moved = dest[gid], A.imbalance_before, A.imbalance_after, A.moved
@@ -490,10 +561,12 @@ def plan_for_rank(
         if not 0 <= tol < 1:
             raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
         w = _weights_for(strategy, speeds, W)
+        extra, floor = _count_bounds(w, B, max_samples, min_samples)
         _, q = _cost_tables(int(L.max()), cost)
         load = q[L].sum(1)  # one pass over W*B; everything else is O(group_size * 2**cross_rounds * B)
         only_group = rank // group_size
-        gid, to, _, planned = _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group)
+        args = (L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group, extra, floor)
+        gid, to, _, planned = _balanced_moves(*args)
         before, after, moved = imbalance(load, w), imbalance(planned, w), None
     out = (gid // B == rank) & (to != rank)
     send_dest, send_index = to[out], gid[out] % B

@@ -1,6 +1,6 @@
-"""Triton device code of the fused elementwise ops (``kernels.fused_ops``), with their launchers.
+"""Triton device code of the fused elementwise ops (``kernels.ops.fused``), with their launchers.
 
-Do not import this module directly: ``kernels.fused_ops`` loads it through
+Do not import this module directly: ``kernels.ops.fused`` loads it through
 ``kernels.runtime.jit_kernels`` in the mode Triton itself was imported in. Rows of N features,
 contiguous; math in fp32. The dropout keep mask and the rounding cast are the attention
 family's (``kernels/triton_jit.py``), so every kernel draws dropout the same way.

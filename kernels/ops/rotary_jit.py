@@ -1,4 +1,4 @@
-"""Triton device code of the rotary embedding (``kernels.rotary``), with its launcher; loaded
+"""Triton device code of the rotary embedding (``kernels.ops.rotary``), with its launcher; loaded
 by ``kernels.runtime`` in Triton's mode, never imported directly.
 
 A program rotates BLOCK_N tokens of one head in fp32 from the fp32 cos/sin tables
@@ -10,7 +10,7 @@ import os
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set by the loader in kernels.rotary
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set by the loader in kernels.ops.rotary
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """HDF5 readers/writers for the fixed and varlength layouts, their validation (every bad
-file named with the sample), data.convert round trips and data.stats."""
+file named with the sample), data.prepare.convert round trips and data.prepare.stats."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The packed layout: first-fit-decreasing packing, ``collate_packed`` (PackedBatch), NVIDIA's
-packed HDF5 layout (writer, validating reader, ``data.convert --to packed``) and the loader
+packed HDF5 layout (writer, validating reader, ``data.prepare.convert --to packed``) and the loader
 on packed files."""
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ FAULT_STOP_AT_STEP        ask the run to stop (what SIGTERM does) so that it che
                           exits after this optimizer step
 FAULT_STATE_HASH          after each optimizer step, write the SHA-256 of the weights' and the
                           optimizer state's bytes to FAULT_MARK_DIR/rank<R>.step<S> (replicas compare them)
+FAULT_SLEEP_PER_TOKEN     "S0,S1,...": rank r's forward+backward sleeps Sr seconds per token of
+                          its micro-batch (``TokenSleep``): ranks of known speeds, for
+                          data.rebalance=measured
 """
 
 from __future__ import annotations
@@ -31,6 +34,28 @@ def _rank() -> str:
         if var in os.environ:
             return os.environ[var]
     return "0"
+
+
+class TokenSleep:
+    """Adds ``seconds`` per token to ``model``'s training forward+backward: the end of each backward
+    sleeps that long for the micro-batch's tokens. Registered before the trainer's
+    ``bert.train.step_timer.StepTimer`` (a parameter's hooks run in the order registered), the sleep is inside
+    the interval the timer measures, and the other ranks wait for it in the gradient all-reduce, as for a
+    device whose time is its tokens' work. Sleeping, not spinning: on a shared CPU a busy loop would slow
+    the other ranks too, and a time that the sleep dominates hardly depends on the machine's load."""
+
+    def __init__(self, model, seconds: float):
+        self.seconds, self._tokens = seconds, None
+        model.register_forward_pre_hook(lambda m, args: self._begin(args[0]) if m.training else None)
+        next(p for p in model.parameters() if p.requires_grad).register_post_accumulate_grad_hook(self._sleep)
+
+    def _begin(self, batch) -> None:
+        self._tokens = int(batch.input_ids.numel())
+
+    def _sleep(self, param) -> None:
+        if self._tokens is not None:
+            time.sleep(self.seconds * self._tokens)
+            self._tokens = None
 
 
 def _install_faults() -> None:
@@ -73,6 +98,19 @@ def _install_faults() -> None:
 
         train_checkpoint._HashingSink.write = stalling_write
 
+    per_token = os.environ.get("FAULT_SLEEP_PER_TOKEN")
+    if per_token:
+        from bert.train.trainer import Trainer
+
+        seconds = [float(x) for x in per_token.split(",")]
+        build = Trainer._build_model
+
+        def build_model(self):
+            build(self)
+            TokenSleep(self.model, seconds[self.rank])
+
+        Trainer._build_model = build_model
+
     stop_at = os.environ.get("FAULT_STOP_AT_STEP")
     if stop_at:
         from bert.train.trainer import Trainer
@@ -87,7 +125,7 @@ def _install_faults() -> None:
         Trainer.train_step = stopping_train_step
 
     if os.environ.get("FAULT_STATE_HASH"):
-        from bert.trainer import Trainer
+        from bert.train.trainer import Trainer
 
         count = Trainer._count
 

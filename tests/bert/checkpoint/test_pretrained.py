@@ -113,7 +113,7 @@ def test_config_mismatch_and_bad_files(tmp_path):
 
 
 def test_a_family_without_an_adapter_is_one_line(tmp_path):
-    """config.json's model_type picks the adapter (bert.pretrained.ADAPTERS); another family's
+    """config.json's model_type picks the adapter (bert.checkpoint.pretrained.ADAPTERS); another family's
     config is refused naming it, not read as BERT."""
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "roberta", "hidden_size": 36}')

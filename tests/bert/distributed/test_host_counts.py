@@ -1,4 +1,4 @@
-"""bert.host_counts: a step's counts from the data are sums over samples, so the ranks' shares
+"""bert.distributed.host_counts: a step's counts from the data are sums over samples, so the ranks' shares
 add up to the global batch's however samples are spread (the rebalancer moves them)."""
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def test_stable_adamw_device_path_matches_its_host_path():
             _loss(m, step).backward()
         opt_a.step()
         for g in opt_b.param_groups:
-            g["lr"] = torch.tensor(0.02, dtype=torch.float64)  # as bert.schedule keeps it on the device
+            g["lr"] = torch.tensor(0.02, dtype=torch.float64)  # as bert.optim.schedule keeps it on the device
         opt_b.step(found_inf=torch.tensor(False))
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)

@@ -35,7 +35,7 @@ def test_wsd_schedule_shape():
 @pytest.mark.parametrize("shape", ["1-sqrt", "linear"])
 @pytest.mark.parametrize("decay_steps", [0, 20])
 def test_wsd_on_the_device_equals_the_host_schedule_bitwise(shape, decay_steps):
-    """The trainer keeps the rate in a device tensor (bert.schedule, device=...): under
+    """The trainer keeps the rate in a device tensor (bert.optim.schedule, device=...): under
     optim.schedule=wsd it must be wsd_lr_at's value, not the poly schedule's."""
     from bert.config import OptimSection
     from bert.optim.schedule import WarmupDecaySchedule

@@ -1,4 +1,4 @@
-"""Sharded LAMB (bert.sharded_optim) against the unsharded optimizer, at 2 and 4 gloo ranks.
+"""Sharded LAMB (bert.optim.shard) against the unsharded optimizer, at 2 and 4 gloo ranks.
 
 Each case runs tests/bert/optim/sharded_worker.py under torchrun twice: DDP + ``Lamb`` (the
 reference) and FSDP2 + ``ShardedLamb``, same seeds and batches, dropout off, fp32. The

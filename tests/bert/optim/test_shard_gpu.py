@@ -87,7 +87,7 @@ def test_group_of_one_bf16_matches_unsharded(nccl_group):
 
 
 def test_fp16_sharded_scaler_steps_and_skips(nccl_group):
-    """fp16 with FSDP2 and ShardedGradScaler (bert.components.build_grad_scaler): the scaler
+    """fp16 with FSDP2 and ShardedGradScaler (bert.train.build.build_grad_scaler): the scaler
     unscales DTensor gradients, and an overflow lowers the scale and skips the update."""
     from bert.config import OptimSection, TrainSection
     from bert.optim.shard import apply_sharding, build_sharded_lamb

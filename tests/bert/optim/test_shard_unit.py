@@ -1,4 +1,4 @@
-"""bert.sharded_optim in one process: the config fields, the refusals, and a group of one rank
+"""bert.optim.shard in one process: the config fields, the refusals, and a group of one rank
 that must step exactly as the unsharded optimizer (the multi-rank tests: test_sharded_optim.py)."""
 
 from __future__ import annotations

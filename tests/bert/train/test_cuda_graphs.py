@@ -1,4 +1,4 @@
-"""CUDA graphs of the encoder (bert.cuda_graphs): GPU-only, with the CPU-side refusals."""
+"""CUDA graphs of the encoder (bert.train.cuda_graphs): GPU-only, with the CPU-side refusals."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def test_the_closed_division_refuses_a_modernbert_config_in_one_line(tmp_path, c
 
 @pytest.fixture(scope="module")
 def demo_data(tmp_path_factory):
-    """The demo's text (CPython's pydoc topics, data.demo_corpus) prepared masked-LM only."""
+    """The demo's text (CPython's pydoc topics, data.prepare.demo_corpus) prepared masked-LM only."""
     from data.prepare.demo_corpus import write_corpus
     from data.prepare.shards import main as prepare
 

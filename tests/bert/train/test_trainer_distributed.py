@@ -59,7 +59,7 @@ def launch(script, ranks, out, dataset, *extra, timeout=240):
 )
 def test_two_ranks_match_one_rank(script, strategy, dataset, single_rank, tmp_path):
     """Rebalancing moves samples between ranks; the global batch and so the loss stay the same."""
-    launch(script, 2, tmp_path, dataset, f"data.rebalance={strategy}", "data.rebalance_measured=[2,4,0.5]")
+    launch(script, 2, tmp_path, dataset, f"data.rebalance={strategy}", "data.rebalance_measured=[2,4,0.5,2]")
     two = losses(tmp_path)
     assert len(two) == len(single_rank) == 5
     assert two == pytest.approx(single_rank, rel=1e-5)

@@ -39,7 +39,7 @@ def test_static_shapes_train_the_same_losses_over_100_steps(dataset, tmp_path):
 
 @torch.no_grad()
 def todays_evaluation(trainer) -> float:
-    """The evaluation loop as it was written before bert.eval_cache: batch by batch from the loader."""
+    """The evaluation loop as it was written before bert.train.evaluate: batch by batch from the loader."""
     trainer.model.eval()
     correct = total = 0
     for block in trainer.eval_loader:

@@ -1,4 +1,5 @@
-"""data.reference, data.mlperf_dataset and data.verify against MLPerf's reference preprocessing.
+"""data.prepare.mlperf_reference, data.prepare.mlperf_dataset and data.prepare.verify against MLPerf's
+reference preprocessing.
 
 The golden files in fixtures/mlperf_reference/ were made by running NVIDIA's reference
 scripts (create_pretraining_data.py, chop, convert_fixed2variable, shuffle_indices/samples,
@@ -316,7 +317,7 @@ def test_the_trainer_loaders_read_the_pipeline_output_unpadded_and_packed(s128, 
 
     assert set(keys(blocks)) <= set(keys(all_samples))
     assert len(keys(blocks)) == steps * g
-    # Packed, after data.convert: the same samples.
+    # Packed, after data.prepare.convert: the same samples.
     packed = tmp_path / "packed"
     assert cli_main(convert_main, [str(shuffled), str(packed), "--to", "packed", "--max-seq-length", "128"]) == 0
     assert keys([read_file(f) for f in sorted(packed.iterdir())]) == keys(all_samples)

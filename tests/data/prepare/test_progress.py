@@ -1,4 +1,4 @@
-"""data.progress: a bar with rate and ETA on a terminal, nothing on anything else."""
+"""data.prepare.progress: a bar with rate and ETA on a terminal, nothing on anything else."""
 
 import io
 

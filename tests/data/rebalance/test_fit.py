@@ -1,4 +1,4 @@
-"""data.rebalance_fit: the online cost fit and per-rank speeds against known synthetic truth."""
+"""data.rebalance.fit: the online cost fit and per-rank speeds against known synthetic truth."""
 
 import math
 

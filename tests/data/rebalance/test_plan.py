@@ -1,4 +1,4 @@
-"""Pure tests of data.rebalance_plan: costs, strategies, assign, plan_for_rank.
+"""Pure tests of data.rebalance.plan: costs, strategies, assign, plan_for_rank.
 
 Packing and input checks of the exchange are in test_rebalance_packing.py, the
 multi-process exchange in test_rebalance_dist.py. Seeds are fixed in each test.
