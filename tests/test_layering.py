@@ -66,6 +66,7 @@ MODULE_LAYERS = {
         "library_backends": 3,
         "flashmask": 4,  # shares the varlen kernels' dropout seeds
         "registry": 5,  # every backend by name
+        "context_parallel": 6,  # attention over documents split across ranks: wraps a registry backend
     },
 }
 
