@@ -12,18 +12,25 @@ document, so absolute embeddings and RoPE see what one rank would; masked positi
 their tokens; a piece that does not start its document has no [CLS], so its NSP label is -100
 (cross-entropy's ignore index). The attention across ranks: ``kernels.context_parallel``;
 design and numbers: docs/context_parallel.md.
+
+In the trainer, ``ContextPool`` does it per micro-batch on the host: each rank keeps its own
+short samples, the group all-gathers its ranks' long ones (a gloo group, so it never queues
+behind device work), and every rank splits the same list of long documents.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from data.batch import UnpaddedBatch
+from data.samples import SampleBlock
 from kernels.context_parallel import ContextShard
 
 NO_NSP = -100  # F.cross_entropy's ignore_index: the NSP label of a piece without [CLS]
@@ -36,12 +43,23 @@ class ContextBatch:
     batch: UnpaddedBatch
     shard: ContextShard
 
+    def _map(self, fn) -> ContextBatch:
+        return ContextBatch(self.batch._map(fn), self.shard)
+
     def to(self, device, non_blocking: bool = False) -> ContextBatch:
         return ContextBatch(self.batch.to(device, non_blocking=non_blocking), self.shard)
 
     @property
     def num_sequences(self) -> int:
         return self.batch.num_sequences
+
+    @property
+    def mlm_labels(self) -> Tensor:  # the loss reads the labels as from an UnpaddedBatch
+        return self.batch.mlm_labels
+
+    @property
+    def nsp_labels(self) -> Tensor:
+        return self.batch.nsp_labels
 
 
 @dataclass(frozen=True)
@@ -120,3 +138,28 @@ def nsp_count(batch: UnpaddedBatch | ContextBatch) -> int:
     """The sequences whose NSP label counts (a piece without [CLS] does not)."""
     labels: Tensor = batch.batch.nsp_labels if isinstance(batch, ContextBatch) else batch.nsp_labels
     return int((labels != NO_NSP).sum())
+
+
+class ContextPool:
+    """Per micro-batch: this rank's SampleBlock -> its ContextBatch (module docstring). Build it
+    on every rank at the same point (it creates process groups)."""
+
+    def __init__(self, size: int, threshold: int, timeout_s: float):
+        self.groups = context_groups(size)
+        self.threshold = threshold
+        self.host_group = None  # gloo, for the samples; None when the group is the world and on gloo already
+        world = dist.get_world_size()
+        timeout = timedelta(seconds=timeout_s)
+        for g in range(world // size):
+            group = dist.new_group(list(range(g * size, (g + 1) * size)), backend="gloo", timeout=timeout)
+            if g == self.groups.index:
+                self.host_group = group
+
+    def __call__(self, block: SampleBlock, collate: Callable[[SampleBlock], UnpaddedBatch]) -> ContextBatch:
+        long = block.seq_lens > self.threshold
+        gathered: list = [None] * self.groups.size
+        dist.all_gather_object(gathered, block.select(np.flatnonzero(long)), group=self.host_group)
+        short = block.select(np.flatnonzero(~long))
+        pooled = SampleBlock.concat([short, *gathered])
+        owners = [self.groups.rank] * len(short) + [0] * (len(pooled) - len(short))  # the long ones are split
+        return split_batch(collate(pooled), self.groups.rank, self.groups.size, self.threshold, owners)
