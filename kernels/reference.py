@@ -29,10 +29,16 @@ def band(length: int, window: int | None, device=None) -> Tensor | None:
     """[L, L] bool, True where query i may see key j: |i - j| <= window // 2; None without a
     window or when the band covers every pair (so a window of at least twice the length is
     exactly no window)."""
-    if window is None or window // 2 >= length - 1:
+    if no_band(length, window):
         return None
     pos = torch.arange(length, device=device)
     return (pos[:, None] - pos[None, :]).abs() <= window // 2
+
+
+def no_band(length: int, window: int | None) -> bool:
+    """Whether a window leaves every pair of a sequence of ``length`` in reach (``band`` is None),
+    decided without building the [L, L] band (8 bytes a pair: 512 MiB at 8,192 tokens)."""
+    return window is None or window // 2 >= length - 1
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
@@ -123,7 +129,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: f
     for (start, end), (k0, k1) in zip(_pairs(bounds), _pairs(_key_bounds(layout, bounds))):
         q_hld = q[start:end].transpose(0, 1)  # [H, L, D]
         k_hld, v_hld = (x[k0:k1].transpose(0, 1) for x in (k, v))  # [H, Lk, D]
-        if band(end - start, layout.window) is None:
+        if no_band(end - start, layout.window):
             # [1, H, L, D]: the CPU's fused (flash) kernel takes 4-D inputs only; 3-D runs the math path.
             o_hld = F.scaled_dot_product_attention(q_hld[None], k_hld[None], v_hld[None], dropout_p=p)[0]
         else:

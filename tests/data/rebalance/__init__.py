@@ -1,0 +1,1 @@
+"""Tests of the rebalancer (data.rebalance): its plan, its exchange, its cost fit."""
