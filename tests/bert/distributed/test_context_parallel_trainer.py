@@ -1,6 +1,7 @@
 """dist.context_parallel=[2,40] through the trainer: 2 ranks with every sequence above 40 tokens split
-across them train as one rank does (the same losses), and the combinations that cannot split
-a document are refused in one line when the configuration loads."""
+across them train as one rank does (the same losses), a checkpoint written under it resumes with
+context parallelism off, and the combinations that cannot split a document are refused in one
+line when the configuration loads."""
 
 from __future__ import annotations
 
@@ -13,15 +14,29 @@ CP = ["model.attention=reference"]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # torchrun, 2 ranks
-def test_two_context_parallel_ranks_train_as_one_rank(dataset, tmp_path):  # noqa: F811
-    from tests.bert.test_trainer_distributed import STEPS, launch
+@pytest.mark.slow  # torchrun, 2 ranks, twice
+def test_two_context_parallel_ranks_train_as_one_rank_and_resume_without_it(dataset, tmp_path):  # noqa: F811
+    """Steps 1-3 at N = 2 with a checkpoint at step 3, steps 4-5 resumed from it at N = 1 (CP off):
+    the five losses are one rank's."""
+    from tests.bert.test_trainer_distributed import STEPS
+    from tests.faults.common import spawn_ranks
 
     run_in_process(dataset, tmp_path / "one", *STEPS, *CP)
-    launch("run_torchrun.sh", 2, tmp_path / "two", dataset, *CP, "dist.context_parallel=[2,40]", "data.rebalance=none")
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(one) == len(two) == 5
-    assert two == pytest.approx(one, rel=1e-5)
+    two, logs = tmp_path / "two", tmp_path / "logs"
+    logs.mkdir()
+    common = (*STEPS, *CP, "data.rebalance=none", "checkpoint.interval_steps=100")
+    # Asked to stop after step 3 (what SIGTERM does): it checkpoints step 3 and exits.
+    jobs = spawn_ranks(
+        2, two, dataset, *common, "dist.context_parallel=[2,40]", log_dir=str(logs), FAULT_STOP_AT_STEP=3
+    )
+    for job in jobs:
+        assert job.wait(300, "a CP rank asked to stop after step 3") == 0, job.output()[-3000:]
+    assert len(losses(two)) == 3
+    for job in spawn_ranks(2, two, dataset, *common, log_dir=str(logs)):
+        assert job.wait(300, "a rank resumed with CP off") == 0, job.output()[-3000:]
+    one, resumed = losses(tmp_path / "one"), losses(two)
+    assert len(one) == len(resumed) == 5
+    assert resumed == pytest.approx(one, rel=1e-5)
 
 
 @pytest.mark.parametrize(
