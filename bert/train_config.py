@@ -458,6 +458,7 @@ def check_context_parallel(cfg: RunConfig) -> None:
             + ("rows hold whole sequences kept apart by FlashMask bounds" if cfg.data.layout == "packed" else "pads"),
         ),
         (reason, f"attends pieces to whole documents (keys of their own); {reason}"),
+        (cfg.data.backend != "torch", "splits batches as the torch collator makes them; set data.backend=torch"),
         (t.static_shapes or t.cuda_graphs, "a piece's shapes change each step; set train.static_shapes=false"),
         (cfg.model.compile, "not traced by torch.compile; set model.compile=false"),
         (cfg.loss.simreg_weight > 0, "SimReg pairs tokens within a whole sequence; set loss.simreg_weight=0"),

@@ -46,6 +46,7 @@ def test_two_context_parallel_ranks_train_as_one_rank_and_resume_without_it(data
         (["data.layout=padded", "model.attention=padded"], r"data.layout=padded pads"),
         (["model.attention=padded"], r"keys of their own\); model.attention=padded: does not implement .*cu_seqlens_k"),
         (["train.static_shapes=true"], r"set train.static_shapes=false"),
+        (["data.backend=dali"], r"set data.backend=torch"),
         (["optim.shard=dp"], r"not run under optim.shard yet"),
         (
             ["dist.context_parallel=[0,40]"],
