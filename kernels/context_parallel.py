@@ -149,7 +149,7 @@ def _piece_offsets(shard: ContextShard) -> list[tuple[int, int]]:
 
 
 def _gather_doc(k_n: Tensor, v_n: Tensor, shard: ContextShard, d: int, group) -> Tensor:
-    """Document d's K/V [L, 2, H, D] from every rank's piece (a view of the gathered buffer)."""
+    """Document d's K/V from every rank's piece: [N*c, 2, H, D], the document's L rows first."""
     length = shard.doc_lens[d]
     c = -(-length // shard.size)
     send = k_n.new_zeros(c, 2, *k_n.shape[1:])  # [c, 2, H, D]: the piece, padded to c
@@ -157,19 +157,16 @@ def _gather_doc(k_n: Tensor, v_n: Tensor, shard: ContextShard, d: int, group) ->
     send[: k_n.shape[0], 1] = v_n
     full = send.new_empty(shard.size * c, *send.shape[1:])
     _all_gather(full, send, group=group)
-    return full[:length]
+    return full  # the document is full[:L]; the rest is padding
 
 
-def _scatter_grad(dk_L: Tensor | None, dv_L: Tensor | None, like: Tensor, shard: ContextShard, d: int, group):
-    """The sum over ranks of dK/dV [L, H, D] of document d, reduce-scattered: this rank's [c, 2, H, D]."""
-    length = shard.doc_lens[d]
-    c = -(-length // shard.size)
-    full = like.new_zeros(shard.size * c, 2, *like.shape[1:])
-    if dk_L is not None:
-        full[:length, 0] = dk_L
-        full[:length, 1] = dv_L
-    mine = full.new_empty(c, *full.shape[1:])
-    _reduce_scatter(mine, full, group=group)
+def _scatter_grad(buffer: Tensor, shard: ContextShard, d: int, group) -> Tensor:
+    """The sum over ranks of ``buffer`` (document d's dK/dV in its gathered K/V's buffer
+    [N*c, 2, H, D], reused so the backward holds one document-sized buffer less),
+    reduce-scattered: this rank's [c, 2, H, D]."""
+    c = -(-shard.doc_lens[d] // shard.size)
+    mine = buffer.new_empty(c, *buffer.shape[1:])
+    _reduce_scatter(mine, buffer, group=group)
     return mine
 
 
@@ -240,7 +237,7 @@ class _GlobalPieces(torch.autograd.Function):
     def forward(ctx, q_P, k_P, v_P, shard: ContextShard, group, attend):
         outs, saved = [], []
         for d, (o, n) in enumerate(_piece_offsets(shard)):
-            kv_L = _gather_doc(k_P[o : o + n], v_P[o : o + n], shard, d, group)
+            kv_L = _gather_doc(k_P[o : o + n], v_P[o : o + n], shard, d, group)[: shard.doc_lens[d]]
             if n:
                 out, kept = attend.forward(q_P[o : o + n], kv_L[:, 0], kv_L[:, 1])
                 outs.append(out)
@@ -257,7 +254,8 @@ class _GlobalPieces(torch.autograd.Function):
         dq_P, dk_P, dv_P = (torch.zeros_like(x) for x in (q_P, k_P, v_P))
         kept = iter(ctx.saved)
         for d, (o, n) in enumerate(_piece_offsets(shard)):
-            kv_L = _gather_doc(k_P[o : o + n], v_P[o : o + n], shard, d, group)
+            kv = _gather_doc(k_P[o : o + n], v_P[o : o + n], shard, d, group)
+            kv_L = kv[: shard.doc_lens[d]]
             dk_L = dv_L = None
             if n:
                 dq, dk_L, dv_L = ctx.attend.backward(
@@ -265,7 +263,15 @@ class _GlobalPieces(torch.autograd.Function):
                 )
                 dq_P[o : o + n] = dq
             del kv_L
-            mine = _scatter_grad(dk_L, dv_L, k_P, shard, d, group)
+            length = shard.doc_lens[d]
+            if dk_L is None:  # no piece here: this rank adds nothing
+                kv.zero_()
+            else:
+                kv[:length, 0], kv[:length, 1] = dk_L, dv_L
+                kv[length:] = 0
+            del dk_L, dv_L
+            mine = _scatter_grad(kv, shard, d, group)
+            del kv
             dk_P[o : o + n] = mine[:n, 0]
             dv_P[o : o + n] = mine[:n, 1]
         return dq_P, dk_P, dv_P, None, None, None
