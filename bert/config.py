@@ -435,6 +435,12 @@ class DistSection:
     timeout_s: float = opt(
         600.0, "collectives fail instead of hanging after this many seconds (at most a week; nccl on CUDA, else gloo)"
     )
+    context_parallel: tuple[int, int] = opt(
+        (1, 8192),
+        "[N, threshold]: sequences longer than threshold tokens are split across a context-parallel group of "
+        "N consecutive ranks (inside data parallelism), each rank holding 1/N of the document; shorter ones "
+        "stay whole (N of 1: off; docs/context_parallel.md)",
+    )
 
     fault_tolerance: str = opt(
         "off",
@@ -447,6 +453,36 @@ class DistSection:
     def __post_init__(self):
         cli.check_choices("dist", self, ConfigError)
         _in_range("dist.timeout_s", self.timeout_s, above=0, most=7 * 86400)
+        size, threshold = self.context_parallel
+        if not (1 <= size <= 1 << 16 and 1 <= threshold <= 1 << 30):
+            raise ConfigError(f"dist.context_parallel: expected [N >= 1, threshold >= 1], got {[size, threshold]}")
+
+    @property
+    def context_size(self) -> int:
+        return self.context_parallel[0]
+
+
+def check_context_parallel(cfg: RunConfig) -> None:
+    """dist.context_parallel's N > 1: the combinations that can split a document (raised before any work)."""
+    reason = registry.refusal(cfg.model.attention, VarlenLayout, ["cu_seqlens_k"])
+    t = cfg.train
+    rules = (  # (refused, why): the first that applies is raised
+        (
+            cfg.data.layout != "unpadded",
+            f"splits unpadded batches; data.layout={cfg.data.layout} "
+            + ("rows hold whole sequences kept apart by FlashMask bounds" if cfg.data.layout == "packed" else "pads"),
+        ),
+        (reason, f"attends pieces to whole documents (keys of their own); {reason}"),
+        (cfg.data.backend != "torch", "splits batches as the torch collator makes them; set data.backend=torch"),
+        (t.static_shapes or t.cuda_graphs, "a piece's shapes change each step; set train.static_shapes=false"),
+        (cfg.model.compile, "not traced by torch.compile; set model.compile=false"),
+        (cfg.loss.simreg_weight > 0, "SimReg pairs tokens within a whole sequence; set loss.simreg_weight=0"),
+        (cfg.optim.shard != "none", "not run under optim.shard yet; set optim.shard=none"),
+        (t.batch_size_warmup is not None, "not run with train.batch_size_warmup yet"),
+    )
+    why = next((why for bad, why in rules if bad), None)
+    if why:
+        raise ConfigError(f"dist.context_parallel={list(cfg.dist.context_parallel)}: {why}")
 
 
 # MLPerf BERT (v5.0, its last round): what the closed division fixes.
@@ -619,6 +655,8 @@ def check_cross_fields(cfg: RunConfig) -> None:
         check_cuda_graphs(cfg)
     if cfg.dist.fault_tolerance != "off":
         check_fault_tolerance(cfg)
+    if cfg.dist.context_size > 1:
+        check_context_parallel(cfg)
     if cfg.log.division == "closed":
         check_closed_division(cfg)
 

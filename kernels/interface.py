@@ -6,8 +6,11 @@ of B sequences, ``cu_seqlens [B+1]`` int32, and ``host_seqlens`` where the host 
 ``PaddedLayout`` (B*S tokens, a ``[B, S]`` key mask, True = real) or ``PackedLayout`` (R*S
 tokens, whole sequences kept apart by FlashMask bounds ``[R, 1, S, n]``, a window written
 into them). Per-layer settings are layout fields listed in ``SETTINGS`` with their "off"
-value: ``window``, the band |i - j| <= window // 2 inside each sequence; ``kernels.registry``
-refuses a setting to a backend without it. Imports nothing of the project, nor torch.
+value: ``window``, the band |i - j| <= window // 2 inside each sequence; ``cu_seqlens_k``,
+keys of their own (cross attention: sequence b's queries see keys ``cu_seqlens_k[b]:[b+1]`` of k,
+v ``[Tk, H, D]``; context parallelism's pieces against their whole documents);
+``kernels.registry`` refuses a setting to a backend without it. Imports nothing of the
+project, nor torch.
 """
 
 from __future__ import annotations
@@ -39,9 +42,18 @@ class VarlenLayout:
     # The B lengths cu_seqlens holds, as the host knows them (the collator's): not a setting (a
     # backend may ignore them); triton_grouped plans its launches from them without a device read.
     host_seqlens: tuple[int, ...] | None = None
+    # Keys of their own: [B+1] int32 offsets into k, v (None: the queries' own), and the longest.
+    cu_seqlens_k: Tensor | None = None
+    max_seqlen_k: int | None = None
 
     def __post_init__(self):
         check_window(self.window)
+        if (self.cu_seqlens_k is None) != (self.max_seqlen_k is None):
+            raise ValueError("cu_seqlens_k and max_seqlen_k: give both or neither")
+        if self.cu_seqlens_k is not None and self.window is not None:
+            raise ValueError(
+                "window with cu_seqlens_k: the band needs the queries' place among the keys; not supported"
+            )
         if self.host_seqlens is not None and not isinstance(self.host_seqlens, tuple):
             raise ValueError(f"host_seqlens: must be a tuple of ints or None, got {type(self.host_seqlens).__name__}")
 
@@ -65,7 +77,7 @@ Layout = VarlenLayout | PaddedLayout | PackedLayout
 AttentionFn = Callable[["Tensor", "Tensor", "Tensor", Layout, float, bool], "Tensor"]
 
 # Per-layer attention settings a layout may carry: field name -> the value that means "off".
-SETTINGS: dict[str, object] = {"window": None}
+SETTINGS: dict[str, object] = {"window": None, "cu_seqlens_k": None}
 
 
 def requested_settings(layout: Layout) -> dict[str, object]:

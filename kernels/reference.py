@@ -5,7 +5,8 @@ by sequence in the input dtype, the layout's mask written out densely (a window 
 |i - j| <= window // 2, packed bounds through ``kernels.masks``). ``padded`` is the
 baseline: pad -> ``scaled_dot_product_attention`` with a key mask -> unpad. ``sdpa`` is the
 CPU's fast unpadded path: SDPA sequence by sequence, a window through ``banded_sdpa`` (only
-the keys in reach, block by block). All three run everywhere and honour every setting.
+the keys in reach, block by block). All three run everywhere and honour every setting
+(``reference`` and ``sdpa`` also keys of their own, ``cu_seqlens_k``; ``padded`` not).
 
 Shape legend: T tokens, B sequences, S padded length, L one sequence's length, H heads,
 D head dim.
@@ -28,10 +29,16 @@ def band(length: int, window: int | None, device=None) -> Tensor | None:
     """[L, L] bool, True where query i may see key j: |i - j| <= window // 2; None without a
     window or when the band covers every pair (so a window of at least twice the length is
     exactly no window)."""
-    if window is None or window // 2 >= length - 1:
+    if no_band(length, window):
         return None
     pos = torch.arange(length, device=device)
     return (pos[:, None] - pos[None, :]).abs() <= window // 2
+
+
+def no_band(length: int, window: int | None) -> bool:
+    """Whether a window leaves every pair of a sequence of ``length`` in reach (``band`` is None),
+    decided without building the [L, L] band (8 bytes a pair: 512 MiB at 8,192 tokens)."""
+    return window is None or window // 2 >= length - 1
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
@@ -49,14 +56,26 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout
         return (probs @ v_bhsd).transpose(1, 2).reshape(q.shape)
     out = torch.empty_like(q)
     bounds = layout.cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q_hld, k_hld, v_hld = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, L, D]
-        scores = (q_hld @ k_hld.transpose(-1, -2)) * scale  # [H, L, L]
+    for (start, end), (k0, k1) in zip(_pairs(bounds), _pairs(_key_bounds(layout, bounds))):
+        q_hld = q[start:end].transpose(0, 1)  # [H, L, D]
+        k_hld, v_hld = (x[k0:k1].transpose(0, 1) for x in (k, v))  # [H, Lk, D]
+        scores = (q_hld @ k_hld.transpose(-1, -2)) * scale  # [H, L, Lk]
         allowed = band(end - start, layout.window, q.device)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         out[start:end] = (F.dropout(scores.softmax(-1), p) @ v_hld).transpose(0, 1)
     return out
+
+
+def _pairs(bounds: list[int]) -> list[tuple[int, int]]:
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _key_bounds(layout, query_bounds: list[int]) -> list[int]:
+    """The keys' offsets: ``cu_seqlens_k`` when the layout has keys of their own (cross
+    attention, no window: VarlenLayout refuses both), else the queries'."""
+    cu_k = getattr(layout, "cu_seqlens_k", None)
+    return query_bounds if cu_k is None else cu_k.tolist()
 
 
 def padded_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
@@ -107,9 +126,10 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: f
     p = dropout_p if training else 0.0
     out = torch.empty_like(q)
     bounds = [0, *itertools.accumulate(layout.host_seqlens)] if layout.host_seqlens else layout.cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q_hld, k_hld, v_hld = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, L, D]
-        if band(end - start, layout.window) is None:
+    for (start, end), (k0, k1) in zip(_pairs(bounds), _pairs(_key_bounds(layout, bounds))):
+        q_hld = q[start:end].transpose(0, 1)  # [H, L, D]
+        k_hld, v_hld = (x[k0:k1].transpose(0, 1) for x in (k, v))  # [H, Lk, D]
+        if no_band(end - start, layout.window):
             # [1, H, L, D]: the CPU's fused (flash) kernel takes 4-D inputs only; 3-D runs the math path.
             o_hld = F.scaled_dot_product_attention(q_hld[None], k_hld[None], v_hld[None], dropout_p=p)[0]
         else:

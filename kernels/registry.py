@@ -60,11 +60,12 @@ class Backend:
 
 
 _WINDOW = frozenset({"window"})
+_WINDOW_CROSS = frozenset({"window", "cu_seqlens_k"})
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("reference", "kernels.reference:reference_attention", _ANY, _WINDOW),
+        Backend("reference", "kernels.reference:reference_attention", _ANY, _WINDOW_CROSS),
         Backend(
             "padded",
             "kernels.reference:padded_attention",
@@ -73,12 +74,12 @@ BACKENDS: dict[str, Backend] = {
             graphs=True,
             device_dropout=True,  # torch's CUDA generator registers its Philox state with the graph
         ),
-        Backend("sdpa", "kernels.reference:sdpa_attention", (VarlenLayout,), _WINDOW),
+        Backend("sdpa", "kernels.reference:sdpa_attention", (VarlenLayout,), _WINDOW_CROSS),
         Backend(
             "triton",
             "kernels.varlen_attention:triton_backend",
             (VarlenLayout,),
-            _WINDOW,
+            _WINDOW_CROSS,
             triton=True,
             graphs=True,
             device_dropout=True,  # the kernels read their Philox state from the device (kernels.runtime)

@@ -407,9 +407,53 @@ def triton_backend(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropou
     """The ``triton`` backend: one varlen launch per call (the registry checks the layout)."""
     if layout.host_seqlens is not None:  # max_seqlen checked against the collator's lengths, not a read
         note_host_seqlens(layout.cu_seqlens, layout.host_seqlens)
-    return varlen_attention(
-        q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p if training else 0.0, window=layout.window
-    )
+    p = dropout_p if training else 0.0
+    if layout.cu_seqlens_k is not None:
+        return cross_attention(
+            q, k, v, layout.cu_seqlens, layout.max_seqlen, layout.cu_seqlens_k, layout.max_seqlen_k, p
+        )
+    return varlen_attention(q, k, v, layout.cu_seqlens, layout.max_seqlen, p, window=layout.window)
+
+
+def cross_call(
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    cu_seqlens_k: Tensor,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    head_dim: int = 64,
+) -> Call:
+    """The ``Call`` of sequence b's queries ``cu_seqlens[b]:[b+1]`` against its keys
+    ``cu_seqlens_k[b]:[b+1]`` (the kernels' SEPARATE_K mode, FlashMask's cross rows)."""
+    scale = float(softmax_scale) if softmax_scale is not None else head_dim**-0.5
+    return Call(cu_seqlens, int(max_seqlen), cu_seqlens_k, int(max_seqlen_k), softmax_scale=scale, dropout_p=dropout_p)
+
+
+def cross_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    cu_seqlens_k: Tensor,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> Tensor:
+    """``varlen_attention`` with keys of their own: q ``[T, H, D]``, k, v ``[Tk, H, D]``
+    (any token stride); sequence b's queries see keys ``cu_seqlens_k[b]:[b+1]``. No window."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[1:] != q.shape[1:]:
+        raise ValueError(
+            f"cross attention: q [T, H, D], k and v [Tk, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    check_inputs("cross attention", q, k, v, dropout_p)
+    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device or cu.numel() != cu_seqlens.numel():
+            raise ValueError(f"cross attention: {name} must be a [B+1] int32 tensor on {q.device}")
+    call = cross_call(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, float(dropout_p), softmax_scale, q.shape[-1])
+    return attention(q, k, v, call)
 
 
 def grouped_backend(buckets: Sequence[int] = DEFAULT_BUCKETS, num_streams: int = MAX_STREAMS):

@@ -59,6 +59,7 @@ MODULE_LAYERS = {
         "flashmask": 4,  # shares the varlen kernels' dropout seeds
         "registry": 5,  # every backend by name
         "ops": 2,  # the fused elementwise ops (a sub-package): interface and runtime only
+        "context_parallel": 6,  # attention over documents split across ranks: wraps a registry backend
     },
 }
 

@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bert.distributed.context_parallel import ContextBatch
 from bert.model.config import BertConfig, resolve_bias_gelu
 from bert.model.layers import Embeddings, EncoderLayer, Rotary, activation, init_weights, make_norm
 from data.batch import PackedBatch, PaddedBatch, UnpaddedBatch
+from kernels.context_parallel import ContextLayout, context_parallel_backend
 from kernels.interface import PackedLayout, PaddedLayout, VarlenLayout
 from kernels.masks import window_bounds
 from kernels.registry import get_backend
@@ -61,12 +63,17 @@ class BertForPreTraining(nn.Module):
         attention_options: dict | None = None,
         bias_gelu: str = "auto",
         rotary_kernel: str = "torch",
+        context_parallel: bool = False,
+        context_group=None,
     ):
         super().__init__()
         self.config = config
         self.attention = attention
         bias_gelu = resolve_bias_gelu(config, fused_ops, bias_gelu)  # the one check, for raw arguments too
         attention_fn = get_backend(attention, **(attention_options or {}))
+        if context_parallel:
+            attention_fn = context_parallel_backend(attention, **(attention_options or {}))
+        self.context_parallel, self.context_group = context_parallel, context_group
         c = config.hidden_size
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(
@@ -84,7 +91,12 @@ class BertForPreTraining(nn.Module):
         self.encoder_graphs = None
         init_weights(self, config)
 
-    def forward(self, batch: UnpaddedBatch | PaddedBatch | PackedBatch) -> PretrainingOutput:
+    def forward(self, batch: UnpaddedBatch | PaddedBatch | PackedBatch | ContextBatch) -> PretrainingOutput:
+        shard = None
+        if isinstance(batch, ContextBatch):
+            if not self.context_parallel:
+                raise ValueError("a ContextBatch needs a model built with context_parallel=True")
+            batch, shard = batch.batch, batch.shard
         if isinstance(batch, UnpaddedBatch):
             ids, seg, pos = batch.input_ids, batch.segment_ids, batch.position_ids  # [T]
             # The collator's lengths let grouped attention plan on the host. Not under
@@ -92,6 +104,8 @@ class BertForPreTraining(nn.Module):
             # there the op reads cu_seqlens once per batch, as without them.
             lens = None if torch.compiler.is_compiling() else batch.host_seqlens
             layout = VarlenLayout(batch.cu_seqlens, batch.max_seqlen, host_seqlens=lens)
+            if shard is not None:  # a piece's first token is no [CLS]: its NSP label is ignored
+                layout = ContextLayout(batch.cu_seqlens, batch.max_seqlen, shard, self.context_group)
             cls_index = batch.cu_seqlens[:-1].long()  # [B]
         elif isinstance(batch, PaddedBatch):
             b, s = batch.input_ids.shape
@@ -107,6 +121,8 @@ class BertForPreTraining(nn.Module):
 
         layouts = {window: windowed(layout, window) for window in set(self.config.layer_windows)}
         x_NC = self.embeddings(ids, seg, pos)
+        if self.encoder_graphs is not None and shard is not None:
+            raise ValueError("train.cuda_graphs: a graph replays one layout; context parallelism changes it each step")
         if self.encoder_graphs is not None and isinstance(batch, UnpaddedBatch):
             x_NC = self.encoder_graphs(x_NC, batch.cu_seqlens, pos)
         else:

@@ -27,6 +27,7 @@ from bert.checkpoint.pretrained import load_pretrained
 from bert.checkpoint.training import find_checkpoint, restore, resume, to_checkpoint, write_checkpoint
 from bert.config import DebugSection, RunConfig, build_model_config, eval_interval
 from bert.distributed.collectives import Collectives
+from bert.distributed.context_parallel import ContextPool
 from bert.distributed.fault_tolerance import FaultTolerance, Quorum, ReplicaPlanner, replica_number
 from bert.distributed.host_counts import CountAgreement, StepPlanner
 from bert.optim.clipping import clip_global_, tensor_norms
@@ -162,7 +163,16 @@ class Trainer:
         torch.manual_seed(self.state.seed)  # same initial weights on every rank
         # The kernels' dropout state (kernels.runtime): seeded each step, advanced on the device.
         self.philox = philox_state(self.device)
-        self.model = components.build_model(cfg.model, self.model_config, t, self.device)
+        # dist.context_parallel: documents above the threshold split across a group of ranks.
+        self.context_pool = None
+        if cfg.dist.context_size > 1:
+            with self.coll.guard("the context-parallel groups' setup", -1):
+                try:
+                    self.context_pool = ContextPool(*cfg.dist.context_parallel, cfg.dist.timeout_s)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+        context = self.context_pool.groups if self.context_pool else None
+        self.model = components.build_model(cfg.model, self.model_config, t, self.device, context)
         if cfg.checkpoint.init:
             load_pretrained(self.model, cfg.checkpoint.init)
         self.model.to(self.device)
@@ -213,6 +223,10 @@ class Trainer:
     def _micro_batch(self, block: SampleBlock, record: bool = True):
         """(``block`` collated, padded to its bucket under train.static_shapes, on the device;
         its real (tokens, sequences, masked) counts, from the host). ``record``: note its shape."""
+        if self.context_pool is not None:  # this rank's short samples and its pieces of the group's long ones
+            batch = self.context_pool(block, self._collate)
+            real = (batch.batch.num_tokens, len(block), int(block.masked_counts.sum()))
+            return to_device(batch, self.device), real
         batch = self._collate(block)
         real = (batch.num_tokens, len(block), int(block.masked_counts.sum()))
         batch = self.static.pad(batch) if self.static else batch

@@ -573,3 +573,69 @@ def plan_for_rank(
     order = np.lexsort((send_index, send_dest))
     recv = np.sort(gid[to == rank])  # by global id: (source rank, source index)
     return RankPlan(rank, send_index[order], send_dest[order], recv // B, recv % B, before, after, moved)
+
+
+@dataclass(frozen=True)
+class ContextPlacement:
+    """Where context parallelism puts a global batch (``place_context``).
+
+    group: [N] for each sample, the CP group that splits it (-1: it stays whole); rank: [N] the rank
+        a whole sample goes to (-1: split); predicted: [W] each rank's predicted time (cost / speed,
+        the caller's cost units); imbalance: max / mean of it.
+    """
+
+    group: np.ndarray
+    rank: np.ndarray
+    predicted: np.ndarray
+    imbalance: float
+
+
+def piece_costs(lengths, cp_size: int, cost: Cost | tuple = DEFAULT_COST) -> np.ndarray:
+    """The cost one rank of a CP group of ``cp_size`` pays for its piece of a document of length L:
+    its ceil(L / cp_size) queries against all L keys (global layers), against at most ``window``
+    keys (local ones), and its share of the per-token work: a*l + b*l*L + b_local*l*min(L, window)."""
+    c = check_cost(cost)
+    L = np.asarray(lengths, dtype=np.float64)
+    piece = np.ceil(L / cp_size)
+    return c.a * piece + c.b * piece * L + c.b_local * piece * np.minimum(L, c.window)
+
+
+def place_context(
+    lengths, world: int, cp_size: int, threshold: int, cost: Cost | tuple = DEFAULT_COST, speeds=None
+) -> ContextPlacement:
+    """Context parallelism's placement: every sample longer than ``threshold`` is split across one CP
+    group (``world // cp_size`` groups of ``cp_size`` consecutive ranks), costing ``piece_costs`` on
+    each of its ranks; every other sample goes whole to one rank. Longest-processing-time first: split
+    documents by decreasing cost to the group whose slowest rank would finish first, then whole samples
+    by decreasing cost to the rank that would finish first; predicted time = cost / speed (``speeds``:
+    W positive numbers, the measured strategy's, default equal). Integer costs and index tie-breaks: the
+    same placement on every rank. Pure, like the rest of the plan."""
+    L = np.asarray(lengths, dtype=np.int64).ravel()
+    if world < 1 or cp_size < 1 or world % cp_size:
+        raise ValueError(f"cp_size: expected a divisor of the world size {world}, got {cp_size}")
+    if threshold < 1 or (L < 1).any():
+        raise ValueError("threshold and lengths: expected >= 1")
+    w = np.ones(world, dtype=np.int64) if speeds is None else _weights_for("measured", speeds, world)
+    whole_q = sample_costs(L, cost)
+    piece_q = piece_costs(L, cp_size, cost)
+    scale = _COST_SCALE_MAX / max(float(whole_q.max()), 1e-300)
+    whole_i = np.maximum(np.rint(whole_q * scale), 1).astype(np.int64)
+    piece_i = np.maximum(np.rint(piece_q * scale), 1).astype(np.int64)
+    # Integer loads, times as load / speed weight: one correctly rounded division of the same
+    # integers on every rank (no float sums), so the comparisons agree everywhere.
+    load = np.zeros(world, dtype=np.int64)
+    group = np.full(L.size, -1, dtype=np.int64)
+    rank = np.full(L.size, -1, dtype=np.int64)
+    long = np.flatnonzero(L > threshold)
+    for i in long[np.lexsort((long, -piece_i[long]))]:  # by decreasing cost, then index
+        after = ((load + piece_i[i]) / w).reshape(-1, cp_size).max(1)  # each group's slowest rank
+        g = int(np.argmin(after))  # ties: the lowest group
+        group[i] = g
+        load[g * cp_size : (g + 1) * cp_size] += piece_i[i]
+    short = np.flatnonzero(L <= threshold)
+    for i in short[np.lexsort((short, -whole_i[short]))]:
+        r = int(np.argmin((load + whole_i[i]) / w))
+        rank[i] = r
+        load[r] += whole_i[i]
+    predicted = load / w / scale
+    return ContextPlacement(group, rank, predicted, float(predicted.max() / predicted.mean()))

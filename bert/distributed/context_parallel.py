@@ -1,0 +1,165 @@
+"""Context parallelism, the model side: which ranks form a CP group, and a group's batch cut
+into one batch per rank.
+
+A CP group is N consecutive ranks of the world (ranks g*N .. g*N + N - 1), inside data
+parallelism: every rank is still a data-parallel rank (DDP sums its gradients with all
+others', the loss is normalised by global counts), and the N ranks of a group share the
+documents longer than ``threshold`` tokens. ``split_batch`` takes the group's batch (the same
+on its N ranks) and returns this rank's ``ContextBatch``: its whole sequences (the short ones,
+as ``owners`` places them) first, then its piece of every long document
+(``kernels.context_parallel.ContextShard``). Position ids are each token's place in its whole
+document, so absolute embeddings and RoPE see what one rank would; masked positions follow
+their tokens; a piece that does not start its document has no [CLS], so its NSP label is -100
+(cross-entropy's ignore index). The attention across ranks: ``kernels.context_parallel``;
+design and numbers: docs/context_parallel.md.
+
+In the trainer, ``ContextPool`` does it per micro-batch on the host: each rank keeps its own
+short samples, the group all-gathers its ranks' long ones (a gloo group, so it never queues
+behind device work), and every rank splits the same list of long documents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from data.batch import UnpaddedBatch
+from data.samples import SampleBlock
+from kernels.context_parallel import ContextShard
+
+NO_NSP = -100  # F.cross_entropy's ignore_index: the NSP label of a piece without [CLS]
+
+
+@dataclass
+class ContextBatch:
+    """One rank's share of its CP group's batch: ``batch`` holds shard.seqlens' sequences."""
+
+    batch: UnpaddedBatch
+    shard: ContextShard
+
+    def _map(self, fn) -> ContextBatch:
+        return ContextBatch(self.batch._map(fn), self.shard)
+
+    def to(self, device, non_blocking: bool = False) -> ContextBatch:
+        return ContextBatch(self.batch.to(device, non_blocking=non_blocking), self.shard)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.batch.num_sequences
+
+    @property
+    def mlm_labels(self) -> Tensor:  # the loss reads the labels as from an UnpaddedBatch
+        return self.batch.mlm_labels
+
+    @property
+    def nsp_labels(self) -> Tensor:
+        return self.batch.nsp_labels
+
+
+@dataclass(frozen=True)
+class ContextGroups:
+    """This rank's CP group: ``group`` (a ProcessGroup, or None when the group is the whole
+    world), its index among the world's groups, and this rank's place in it."""
+
+    group: object
+    index: int
+    rank: int
+    size: int
+
+
+def context_groups(size: int) -> ContextGroups:
+    """The CP groups of N = ``size`` consecutive ranks (every rank creates every group, as
+    ``dist.new_group`` asks). ValueError unless N divides the world size."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"dist.context_parallel={size}: must divide the world size {world}")
+    if size == world:
+        return ContextGroups(None, 0, rank, size)
+    mine = None
+    for g in range(world // size):
+        group = dist.new_group(list(range(g * size, (g + 1) * size)))
+        if g == rank // size:
+            mine = group
+    return ContextGroups(mine, rank // size, rank % size, size)
+
+
+def split_batch(
+    batch: UnpaddedBatch, rank: int, size: int, threshold: int, owners: Sequence[int] | None = None
+) -> ContextBatch:
+    """The group's ``batch`` (on the host) -> rank ``rank``'s ContextBatch.
+
+    Sequences longer than ``threshold`` tokens are split over the ``size`` ranks; each other
+    sequence b stays whole on rank ``owners[b]`` (default: b % size, in batch order)."""
+    lens = batch.seqlens.tolist()
+    cu = batch.cu_seqlens.tolist()
+    if owners is None:
+        owners = [b % size for b in range(len(lens))]
+    if len(owners) != len(lens) or any(not 0 <= o < size for o in owners):
+        raise ValueError(f"split_batch: owners must give a rank in [0, {size}) for each of {len(lens)} sequences")
+    long = [b for b, n in enumerate(lens) if n > threshold]
+    whole = [b for b, n in enumerate(lens) if n <= threshold and owners[b] == rank]
+    shard = ContextShard(rank, size, tuple(lens[b] for b in whole), tuple(lens[b] for b in long))
+    rows, nsp = [], []
+    for b in whole:
+        rows.append(torch.arange(cu[b], cu[b + 1]))
+        nsp.append(int(batch.nsp_labels[b]))
+    for d, start, end in shard.pieces():
+        b = long[d]
+        rows.append(torch.arange(cu[b] + start, cu[b] + end))
+        nsp.append(int(batch.nsp_labels[b]) if start == 0 else NO_NSP)
+    rows_T = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    local = torch.full((batch.num_tokens,), -1, dtype=torch.long)
+    local[rows_T] = torch.arange(rows_T.numel())
+    m_local = local[batch.mlm_positions.long()]
+    here = m_local >= 0  # masked positions keep their order, among this rank's tokens
+    seqlens = shard.seqlens
+    cu_local = torch.tensor([0, *torch.tensor(seqlens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+    local_batch = UnpaddedBatch(
+        input_ids=batch.input_ids[rows_T],
+        segment_ids=batch.segment_ids[rows_T],
+        position_ids=batch.position_ids[rows_T],  # the place in the whole document: positions restart per sequence
+        cu_seqlens=cu_local,
+        max_seqlen=max(seqlens, default=0),
+        mlm_positions=m_local[here],
+        mlm_labels=batch.mlm_labels[here],
+        nsp_labels=torch.tensor(nsp, dtype=batch.nsp_labels.dtype),
+        host_seqlens=tuple(seqlens),
+    )
+    return ContextBatch(local_batch, shard)
+
+
+def nsp_count(batch: UnpaddedBatch | ContextBatch) -> int:
+    """The sequences whose NSP label counts (a piece without [CLS] does not)."""
+    labels: Tensor = batch.batch.nsp_labels if isinstance(batch, ContextBatch) else batch.nsp_labels
+    return int((labels != NO_NSP).sum())
+
+
+class ContextPool:
+    """Per micro-batch: this rank's SampleBlock -> its ContextBatch (module docstring). Build it
+    on every rank at the same point (it creates process groups)."""
+
+    def __init__(self, size: int, threshold: int, timeout_s: float):
+        self.groups = context_groups(size)
+        self.threshold = threshold
+        self.host_group = None  # gloo, for the samples; None when the group is the world and on gloo already
+        world = dist.get_world_size()
+        timeout = timedelta(seconds=timeout_s)
+        for g in range(world // size):
+            group = dist.new_group(list(range(g * size, (g + 1) * size)), backend="gloo", timeout=timeout)
+            if g == self.groups.index:
+                self.host_group = group
+
+    def __call__(self, block: SampleBlock, collate: Callable[[SampleBlock], UnpaddedBatch]) -> ContextBatch:
+        long = block.seq_lens > self.threshold
+        gathered: list = [None] * self.groups.size
+        dist.all_gather_object(gathered, block.select(np.flatnonzero(long)), group=self.host_group)
+        short = block.select(np.flatnonzero(~long))
+        pooled = SampleBlock.concat([short, *gathered])
+        owners = [self.groups.rank] * len(short) + [0] * (len(pooled) - len(short))  # the long ones are split
+        return split_batch(collate(pooled), self.groups.rank, self.groups.size, self.threshold, owners)
