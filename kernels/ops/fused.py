@@ -19,7 +19,7 @@ from torch import Tensor
 
 from kernels.runtime import draw_philox, jit_kernels
 
-JIT_SOURCE = Path(__file__).with_name("fused_ops_jit.py")  # the device code, loaded by kernels.runtime
+JIT_SOURCE = Path(__file__).with_name("fused_jit.py")  # the device code, loaded by kernels.runtime
 
 
 def _rows(x: Tensor, n: int) -> Tensor:
