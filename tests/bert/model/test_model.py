@@ -153,11 +153,11 @@ def test_bias_gelu_acts_on_a_pre_norm_dense_mlp(impl, monkeypatch):
     calls = []
     if impl == "epilogue":
         real = bert.model.layers.linear_bias_gelu
-        monkeypatch.setattr(bert.layers, "linear_bias_gelu", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(bert.model.layers, "linear_bias_gelu", lambda *a: calls.append(1) or real(*a))
     else:
         real = bert.model.layers._fused()
         spy = type("Spy", (), {"bias_gelu": staticmethod(lambda *a: calls.append(1) or real.bias_gelu(*a))})
-        monkeypatch.setattr(bert.layers, "_fused", lambda: spy)
+        monkeypatch.setattr(bert.model.layers, "_fused", lambda: spy)
     config = BertConfig.preset("tiny", vocab_size=96, norm_placement="pre", num_hidden_layers=1)
     model = BertForPreTraining(config, bias_gelu=impl).eval()
     ref = BertForPreTraining(config, bias_gelu="eager").eval()
