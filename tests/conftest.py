@@ -20,9 +20,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # and the namespace clusters use fixed names and subnets (tests/cluster/common.py,
 # test_nic_selection.py), so two clusters must never exist at once. The group has the most tests,
 # so xdist hands it out first and the longest chain starts at once. Every other test goes to a
-# worker with the rest of its module, so a module's fixtures are built once, except the attention
-# peer suite's whole matrix (`make test-full`): each of its cases is a group of its own, so both
-# workers share it (as one module it kept one core busy for over an hour while the other idled).
+# worker with the rest of its module, so a module's fixtures are built once, except the tests of
+# `make test-full`'s tier (marker `full_matrix`: the attention peer suite's whole matrix, the
+# compile check of every kernel): each is a group of its own, so both workers share them (the
+# matrix as one module kept one core busy for over an hour while the other idled).
 PROCESS_TESTS = ("tests/cluster/", "tests/launch/test_nic_selection.py")
 
 

@@ -2,7 +2,8 @@
 (tests/conftest.py). pytest-xdist drops a group it cannot read without a word (it did under
 pytest 9), and the clusters then run at once and fail as lost hosts: check the groups land.
 `make test-full` shares the attention peer suite's whole matrix between both workers (one group
-a case), or one core ran it while the other idled."""
+a case), or one core ran it while the other idled. The compile check of every kernel is in that
+tier too; `make test` compiles the representative subset."""
 
 import re
 import subprocess
@@ -14,6 +15,7 @@ from tests.helpers import REPO
 
 MATRIX = "tests/kernels/test_attention_peer.py::test_kernel_error_within_flash_attention_bar_full_matrix"
 CASES = [f"{MATRIX}[{kernel}-S1-D64-float32-p0.0]" for kernel in ("triton", "triton_grouped", "triton_window")]
+COMPILE = "tests/kernels/test_kernels_compile.py"
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +43,20 @@ def test_each_case_of_the_whole_matrix_is_a_group_of_its_own(ran):
     matrix = [(test, group) for _, test, group in ran if test.startswith(MATRIX)]
     assert sorted(test for test, _ in matrix) == sorted(CASES), ran
     assert all(test == group for test, group in matrix), ran
+
+
+def _collected(*options) -> set[str]:
+    argv = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *options, COMPILE]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return {line.split("::")[-1] for line in proc.stdout.splitlines() if line.startswith(COMPILE + "::")}
+
+
+def test_make_test_compiles_the_representative_subset_and_make_test_full_every_kernel():
+    subset, every = (
+        "test_representative_kernels_compile_for_hopper_without_spills",
+        "test_every_kernel_compiles_for_hopper_without_spills",
+    )
+    make_test = _collected()  # `make test` names no marker
+    assert subset in make_test and every not in make_test, make_test
+    assert {subset, every} <= _collected("-m", "full_matrix or not full_matrix"), "make test-full's selection"

@@ -1,6 +1,6 @@
 """Compile every kernel variant for a Hopper GPU (sm_90) on any machine, GPU or not.
 
-    python -m tools.compile_check [--registers] [--jobs N] [--head-dims 64 128] [--json PATH]
+    python -m tools.compile_check [--registers] [--jobs N] [--head-dims 64 128 | --representative] [--json PATH]
 
 The interpreter tests check the kernels' arithmetic, not that Triton can compile them
 (types, layouts, shared memory). Here each launcher runs with its launch swapped for
@@ -8,9 +8,10 @@ The interpreter tests check the kernels' arithmetic, not that Triton can compile
 for every supported combination of dtype (fp32 both with and without TF32), head dim
 (32, 64, 128), dropout (off, on) and tile preset, each plain (no mask: the varlen kernels),
 with a window, and with FlashMask bounds (1, 2 or 4, causal or not), and the rotary kernel
-(fp32, bf16, fp16; forward and inverse). Prints one line per kernel: mask, tiles, warps,
-stages, shared memory, and with ``--registers`` (running the ptxas that Triton ships once more
-per kernel) the registers, spill bytes and resident blocks and
+(fp32, bf16, fp16; forward and inverse). ``--representative`` compiles only the subset
+``make test`` checks (REPRESENTATIVE: each kernel, each switch value once). Prints one line per
+kernel: mask, tiles, warps, stages, shared memory, and with ``--registers`` (the report of the
+ptxas run that built the cubin) the registers, spill bytes and resident blocks and
 warps per SM, then the registers of each kernel plain, windowed and bounded side by side.
 Exits 1 if a kernel does not compile, needs more shared memory than a Hopper block can have,
 or spills registers. ``--jobs N`` compiles on N processes. Runs in a process of its own:
@@ -21,6 +22,8 @@ developer command: nothing in the application imports it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -54,6 +57,12 @@ def _arg_type(value) -> str:
     raise TypeError(f"unexpected kernel argument {value!r}")
 
 
+def _parse_ptxas(log: str) -> dict:
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None}
+
+
 def _ptxas_report(ptx: str) -> dict:
     import triton
 
@@ -69,9 +78,20 @@ def _ptxas_report(ptx: str) -> dict:
             text=True,
             timeout=120,
         ).stderr
-    regs = re.search(r"Used (\d+) registers", out)
-    spill = re.search(r"(\d+) bytes spill stores", out)
-    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None}
+    return _parse_ptxas(out)
+
+
+def _compile_with_log(triton, source, target, options) -> tuple:
+    """``triton.compile`` and the report of the ptxas -v it ran (Triton prints it with
+    TRITON_DUMP_PTXAS_LOG); "" when it ran none (the kernel came from Triton's cache)."""
+    knobs = triton.knobs.nvidia
+    dump, knobs.dump_ptxas_log = knobs.dump_ptxas_log, True
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as log:
+            binary = triton.compile(source, target=target, options=options)
+    finally:
+        knobs.dump_ptxas_log = dump
+    return binary, log.getvalue()
 
 
 def compiling_launcher(records: list[dict], variant: dict, registers: bool = True):
@@ -87,11 +107,11 @@ def compiling_launcher(records: list[dict], variant: dict, registers: bool = Tru
         values = dict(zip(kernel.arg_names, args), **kwargs)
         constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
         signature = {n: "constexpr" if n in constexprs else _arg_type(values[n]) for n in kernel.arg_names}
-        binary = triton.compile(
-            ASTSource(kernel, signature, constexprs),
-            target=target,
-            options={"num_warps": num_warps, "num_stages": num_stages},
-        )
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        binary, log = _compile_with_log(triton, ASTSource(kernel, signature, constexprs), target, options)
+        # The report of the ptxas run that built the cubin (one ptxas per kernel, not two: a
+        # fifth of a cold compile); a cached kernel ran none, so ptxas runs on its PTX here.
+        report = (_parse_ptxas(log) if "Used " in log else _ptxas_report(binary.asm["ptx"])) if registers else {}
         blocks = {k: v for k, v in constexprs.items() if k.startswith("BLOCK")}
         records.append(
             {
@@ -101,7 +121,7 @@ def compiling_launcher(records: list[dict], variant: dict, registers: bool = Tru
                 "num_warps": num_warps,
                 "num_stages": num_stages,
                 "shared_bytes": binary.metadata.shared,
-                **(_ptxas_report(binary.asm["ptx"]) if registers else {}),
+                **report,
             }
         )
 
@@ -135,7 +155,7 @@ def attention_variants() -> list[tuple]:
         for dim in (32, 64, 128):
             for p in (0.0, 0.1):
                 for precision in ("ieee", "tf32") if dtype == "float32" else ("-",):
-                    grouped = dtype == "bfloat16" and dim == 64 and p
+                    grouped = dtype == "bfloat16" and dim == 64 and p > 0
                     plain.append((dtype, dim, p, precision, "default", grouped, "none"))
                     windowed.append((dtype, dim, p, precision, "default", grouped, "window"))
     for preset in TILE_PRESETS:  # the alternatives bench/gpu_check.sh times at BERT-large's shape
@@ -149,6 +169,26 @@ def attention_variants() -> list[tuple]:
                 for p in (0.0, 0.1) if mask in ("bounds n=2", "bounds n=4") else (0.1,):
                     bounded.append((dtype, dim, p, "ieee" if dtype == "float32" else "-", "default", False, mask))
     return plain + windowed + bounded
+
+
+# The subset `make test` compiles (`--representative`; `make test-full` compiles every variant):
+# each kernel of the family (each variant builds the forward, dK/dV and dQ), every value of
+# every switch the full list takes (dtype, head dim, dropout, fp32 precision, tile preset,
+# grouped dispatch, each mask kind: window, FlashMask bounds 1 / 2 / 4, causal or not), and the
+# kernels nearest the register limit (docs/kernels.md). About a tenth of the full check's compile
+# time (tests/kernels/test_kernels_compile.py checks it covers every value of the full list).
+REPRESENTATIVE = (
+    ("bfloat16", 64, 0.1, "-", "default", True, "none"),  # BERT-large training, grouped dispatch
+    ("float32", 128, 0.1, "tf32", "default", False, "none"),  # TF32; its forward is the fp32 register peak
+    ("float16", 64, 0.0, "-", "small", False, "none"),  # the small tile preset
+    ("float32", 32, 0.0, "ieee", "default", False, "window"),  # fp32's own tiles at head dim 32
+    ("bfloat16", 64, 0.0, "-", "default", False, "bounds n=2"),  # the packed BERT-large mask (evaluation)
+    ("float16", 64, 0.1, "-", "default", False, "bounds n=4"),  # 4 bounds: the forward's own tile
+    ("float32", 128, 0.1, "ieee", "default", False, "bounds n=1 causal"),  # fp32 with bounds
+    ("bfloat16", 128, 0.1, "-", "default", False, "bounds n=2 causal"),  # 16-bit head dim 128 with bounds
+)
+# (dtype, head dim, inverse) of the rotary kernel: each dtype, head dim and direction once.
+REPRESENTATIVE_ROTARY = (("float32", 64, False), ("bfloat16", 128, True), ("float16", 64, True))
 
 
 def _compile_attention(variant: tuple, registers: bool) -> list[dict]:
@@ -218,10 +258,16 @@ def _compile_fused(registers: bool) -> list[dict]:
 ROTARY_HEAD_DIMS = (64, 128)  # ModernBERT's 64 (base and large), and 128
 
 
-def _compile_rotary(registers: bool, head_dims: tuple[int, ...]) -> list[dict]:
-    """The rotary kernel (``kernels.ops.rotary_jit``) in every dtype q and k reach it in (fp32;
-    bf16 and fp16 under autocast), forward and inverse (its backward), on the strided q view of
-    the fused QKV projection and int64 positions, as the model calls it."""
+def rotary_variants(head_dims: tuple[int, ...] = ROTARY_HEAD_DIMS) -> list[tuple]:
+    """(dtype, head dim, inverse) of every rotary build: each dtype q and k reach the kernel in
+    (fp32; bf16 and fp16 under autocast), forward and inverse (its backward)."""
+    return [(d, dim, inv) for d in ("float32", "bfloat16", "float16") for dim in head_dims for inv in (False, True)]
+
+
+def _compile_rotary(registers: bool, variants: tuple[tuple, ...]) -> list[dict]:
+    """The rotary kernel (``kernels.ops.rotary_jit``) in each (dtype, head dim, inverse) of
+    ``variants``, on the strided q view of the fused QKV projection and int64 positions, as the
+    model calls it."""
     import torch
 
     from kernels import runtime
@@ -230,16 +276,15 @@ def _compile_rotary(registers: bool, head_dims: tuple[int, ...]) -> list[dict]:
     module = runtime.load(interpret=False, source=rotary.JIT_SOURCE)
     records: list[dict] = []
     t, h = 4096, 16
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for dim in head_dims:
-            for inverse in (False, True):
-                labels = {"dtype": str(dtype).removeprefix("torch."), "head_dim": dim, "dropout": 0.0}
-                module._launch = compiling_launcher(records, dict(labels, inverse=inverse), registers)
-                x = torch.empty(t, 3, h, dim, dtype=dtype, device="meta")[:, 0]
-                out = torch.empty(t, h, dim, dtype=dtype, device="meta")
-                pos = torch.empty(t, dtype=torch.int64, device="meta")
-                cos = torch.empty(8192, dim // 2, dtype=torch.float32, device="meta")
-                module.rotary_fwd(x, out, pos, cos, cos, inverse)
+    for dtype_name, dim, inverse in variants:
+        dtype = getattr(torch, dtype_name)
+        labels = {"dtype": dtype_name, "head_dim": dim, "dropout": 0.0}
+        module._launch = compiling_launcher(records, dict(labels, inverse=inverse), registers)
+        x = torch.empty(t, 3, h, dim, dtype=dtype, device="meta")[:, 0]
+        out = torch.empty(t, h, dim, dtype=dtype, device="meta")
+        pos = torch.empty(t, dtype=torch.int64, device="meta")
+        cos = torch.empty(8192, dim // 2, dtype=torch.float32, device="meta")
+        module.rotary_fwd(x, out, pos, cos, cos, inverse)
     return records
 
 
@@ -270,19 +315,31 @@ def _job(item: tuple, registers: bool) -> list[dict]:
     return _compile_fused(registers) if item == ("fused",) else _compile_attention(item, registers)
 
 
-def run_all(registers: bool = False, jobs: int = 1, head_dims: tuple[int, ...] | None = None) -> list[dict]:
-    """Compile all variants (those of ``head_dims`` only, if given; then no fused ops), on
-    ``jobs`` processes; returns one record per kernel compiled, in a fixed order: the plain
+def run_all(
+    registers: bool = False,
+    jobs: int = 1,
+    head_dims: tuple[int, ...] | None = None,
+    representative: bool = False,
+) -> list[dict]:
+    """Compile all variants (those of ``head_dims`` only, if given; then no fused ops; or with
+    ``representative`` the subset REPRESENTATIVE and REPRESENTATIVE_ROTARY, with the fused ops),
+    on ``jobs`` processes; returns one record per kernel compiled, in a fixed order: the plain
     attention kernels, the fused ops, the windowed and the bounded attention kernels, the rotary
     kernel (at the head dims of ROTARY_HEAD_DIMS among ``head_dims``)."""
     from kernels import runtime
 
     if runtime.triton_interpreted():
         raise RuntimeError("Triton was imported in interpreter mode; run with TRITON_INTERPRET=0")
-    items = [v for v in attention_variants() if head_dims is None or v[1] in head_dims]
+    if representative:
+        chosen = set(REPRESENTATIVE)  # in the full list's order: plain, windowed, bounded
+        items = [v for v in attention_variants() if v in chosen]
+        rotary = tuple(REPRESENTATIVE_ROTARY)
+    else:
+        items = [v for v in attention_variants() if head_dims is None or v[1] in head_dims]
+        rotary = tuple(rotary_variants(tuple(d for d in ROTARY_HEAD_DIMS if head_dims is None or d in head_dims)))
     if head_dims is None:  # the fused ops right after the plain attention kernels
         items.insert(sum(v[-1] == "none" for v in items), ("fused",))
-    items.append(("rotary", tuple(d for d in ROTARY_HEAD_DIMS if head_dims is None or d in head_dims)))
+    items.append(("rotary", rotary))
     if jobs <= 1:
         results = [_job(item, registers) for item in items]
     else:
@@ -307,9 +364,17 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=1, help="compile on this many processes (default 1)")
     parser.add_argument("--head-dims", type=int, nargs="+", help="only the attention variants of these head dims")
+    parser.add_argument(
+        "--representative",
+        action="store_true",
+        help="only the subset `make test` compiles: each kernel and each switch value once (REPRESENTATIVE)",
+    )
     args = parser.parse_args(argv)
+    if args.representative and args.head_dims:
+        parser.error("--representative and --head-dims: choose one")
     try:
-        records = run_all(args.registers, max(1, args.jobs), tuple(args.head_dims) if args.head_dims else None)
+        head_dims = tuple(args.head_dims) if args.head_dims else None
+        records = run_all(args.registers, max(1, args.jobs), head_dims, args.representative)
     except Exception as e:  # a compile error: one line, non-zero exit
         print(
             f"compile_check: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",

@@ -1,5 +1,6 @@
 """Kernel tests: the ``full_matrix`` tests (the peer suite's whole matrix, long in Triton's
-interpreter) run only when asked for with ``-m full_matrix`` (or ``-m`` naming them otherwise)."""
+interpreter, and the sm_90 compile check of every kernel, 5 minutes on a cold Triton cache) run
+only when asked for with ``-m full_matrix`` (or ``-m`` naming them otherwise): ``make test-full``."""
 
 
 def pytest_collection_modifyitems(config, items):

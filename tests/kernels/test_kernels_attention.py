@@ -25,14 +25,16 @@ from kernels.interface import BackendUnavailable, PaddedLayout, VarlenLayout
 from kernels.reference import reference_attention
 from kernels.registry import get_backend
 from kernels.varlen_attention import (
-    grouped_varlen_attention,
     varlen_attention,
     varlen_attention_qkvpacked,
     varlen_attention_with_dropout_mask,
 )
 from tests.helpers import REPO as ROOT
 
-AWKWARD = [1, 2, 63, 64, 65, 97, 128, 200, 511, 512]
+# Each side of the interpreter's 32- and 64-row tiles, from one tile to eight (the GPU tests'
+# 511 and 512 cross its own tiles; here, where every program runs in Python and the cost grows
+# as the square of the length, they took 4x the time of 255 and 256 for the same crossings).
+AWKWARD = [1, 2, 63, 64, 65, 97, 128, 200, 255, 256]
 
 
 def make_inputs(lengths, heads, dim, dtype, seed=0, packed=False):
@@ -176,20 +178,6 @@ def test_plan_groups_by_bucket_largest_first():
     assert identity.order is None and identity.groups == (Group(0, 3, 5),)
     with pytest.raises(ValueError, match="buckets"):
         plan_groups([3], buckets=(256, 128))
-
-
-def test_grouped_equals_single_launch():
-    lengths, heads, dim, p = [5, 17, 33, 64, 70, 1, 40], 2, 32, 0.25
-    qkv, dout, cu = make_inputs(lengths, heads, dim, torch.float32, seed=7)
-    s = max(lengths)
-    torch.manual_seed(99)
-    single = run(lambda q, k, v: varlen_attention(q, k, v, cu, s, dropout_p=p), qkv, dout)
-    torch.manual_seed(99)
-    grouped = run(
-        lambda q, k, v: grouped_varlen_attention(q, k, v, cu, s, dropout_p=p, buckets=(16, 32, 64)), qkv, dout
-    )
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (single[0], *single[1]), (grouped[0], *grouped[1])):
-        assert torch.equal(a, b), f"{name} differs between grouped and single launch"
 
 
 def test_backends_through_the_registry():
