@@ -238,9 +238,10 @@ class ReplicaPlanner:
         lengths = block.seq_lens.astype(np.int64).reshape(n, g // n)  # as if each replica had drawn its slice
         group = self.group_size if self.group_size and n % self.group_size == 0 else None
         plan = assign(lengths, self.rebalance, self.cost, group_size=group)
-        mine = plan.src_rank[r].astype(np.int64) * (g // n) + plan.src_index[r]
+        held = plan.src_rank[r] >= 0  # rows past a rank's count are -1 (only measured plans have them)
+        mine = plan.src_rank[r][held].astype(np.int64) * (g // n) + plan.src_index[r][held]
         ms = (time.perf_counter() - t0) * 1e3
-        moved_in = int((plan.src_rank[r] != r).sum())
+        moved_in = int((plan.src_rank[r][held] != r).sum())
         stats = ExchangeStats(
             step=step,
             strategy=self.rebalance,
@@ -258,5 +259,6 @@ class ReplicaPlanner:
             exchange_ms=ms,
             wait_ms=ms,
             hidden_fraction=0.0,
+            token_share=float(block.seq_lens[mine].sum()) * n / max(int(lengths.sum()), 1),
         )
         return block.select(mine), stats

@@ -18,7 +18,7 @@ from tests.helpers import PYTHON, REPO, free_port, run_launched
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-WORKER = os.path.join(REPO, "tests", "bert", "sharded_worker.py")
+WORKER = os.path.join(REPO, "tests", "bert", "optim", "sharded_worker.py")
 STEPS = 12
 
 

@@ -96,7 +96,7 @@ def test_two_ranks_with_rebalancing_read_nothing(dataset, tmp_path):
         "torch.distributed.run",
         "--nproc_per_node=2",
         f"--master_port={free_port()}",
-        os.path.join(ROOT, "tests", "bert", "device_reads_worker.py"),
+        os.path.join(ROOT, "tests", "bert", "train", "device_reads_worker.py"),
         str(out),
         str(tmp_path / "run"),
         str(FIRST),

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import REPO, launcher, run_launched
 
-WORKER = REPO / "tests" / "data" / "rebalance_worker.py"
+WORKER = REPO / "tests" / "data" / "rebalance" / "rebalance_worker.py"
 TIMEOUT_S = 90
 
 
