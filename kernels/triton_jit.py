@@ -32,11 +32,7 @@ def _keep(RNG, row0, col0, head, p_drop, BLOCK_R: tl.constexpr, BLOCK_C: tl.cons
     and head h takes output c of philox(seed; t, q, h, offset). col0 must be a multiple of 4.
 
     (seed, offset) is the launch's [2] int64 device pair RNG (``kernels.runtime.draw_philox``),
-    loaded here, where the mask is made, rather than once per program: held in registers
-    across a kernel's tile loop the pair cost the dK/dV loop its last free registers (a spill
-    at fp32, D=32). ``volatile`` keeps Triton's loop-invariant code motion from hoisting the
-    loads back out of the loop; its pipeliner then streams them through shared memory with
-    the loop's tiles.
+    loaded here (volatile) for register pressure: docs/kernels.md, "Registers and occupancy on sm_90".
     """
     seed = tl.load(RNG, volatile=True)
     offset = tl.load(RNG + 1, volatile=True).to(tl.int32)  # the last 32-bit counter word
