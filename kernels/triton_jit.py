@@ -608,17 +608,14 @@ def _attn_bwd_dq(
 
 
 # ---------------------------------------------------------------------------------------
-# Host-side launchers. Block sizes come from ``kernels.tiles``' one table: the interpreter
-# gets small, unequal blocks (so that tests cross block edges both ways); a GPU gets, per
-# (dtype, head dim, dropout, bounds), entries free of register spills on sm_90
-# (tools/compile_check.py builds them all), in the preset KERNELS_ATTENTION_TILES names
-# (read when this module loads; the compile check sets TILE_PRESET directly).
+# Host-side launchers. Block sizes come from ``kernels.tiles``' one table, in the preset
+# KERNELS_ATTENTION_TILES names (read when this module loads; the compile check sets TILE_PRESET).
 
 TILE_PRESET = tiles.preset_from_env()
 
 
 class Sequences(NamedTuple):
-    """What one attention launch covers, and how it masks (module docstring)."""
+    """What one attention launch covers, and how it masks (docs/kernels.md, "The kernel module's contract")."""
 
     cu_seqlens: torch.Tensor  # [B+1] int32: the queries' (and keys') offsets
     order: torch.Tensor | None  # [B] int32 sequence indices; None: 0 .. B-1
