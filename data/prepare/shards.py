@@ -19,10 +19,8 @@ import shutil
 import sys
 import time
 import typing
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from itertools import chain
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -206,36 +204,10 @@ class PrepareResult:
 _worker_cache: dict = {}
 
 
-def _init_worker() -> None:
-    # Parallelism comes from --workers; the tokenizer's own thread pool would oversubscribe.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
 def _cached(key, make):
     if key not in _worker_cache:
         _worker_cache[key] = make()
     return _worker_cache[key]
-
-
-class _Workers:
-    """``map`` in ``workers`` processes (started once, on first use, and kept for every
-    stage), or in this process when workers == 1 or there is a single task."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
-
-    def map(self, fn, tasks: list):
-        if self.workers == 1 or len(tasks) <= 1:
-            return map(fn, tasks)
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init_worker)
-        return self._pool.map(fn, tasks)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
 
 
 # ------------------------------------------------------------------ stage 1: tokenise
@@ -630,7 +602,7 @@ class _Run:
 
     cfg: PrepareConfig
     tmp: Path
-    workers: _Workers
+    workers: Pool
     log: typing.Callable
     seconds: dict = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
@@ -708,7 +680,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
         open(run.tmp / "tokens.u16", "wb") as fh,
         progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar,
     ):
-        for i, r in enumerate(run.workers.map(_tokenize_chunk, tasks)):
+        for i, r in enumerate(run.workers.imap(_tokenize_chunk, tasks)):
             bar.update(chunks[i].end - chunks[i].start)
             fh.write(r["tokens"].tobytes())
             sent_lens.append(r["sent_lens"])
@@ -784,7 +756,7 @@ def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
         for i, (lo, hi) in enumerate(_split_tasks(corpus.doc_tokens, pool, target))
     ]
     counts = np.zeros(cfg.shards, np.int64)
-    for r in progress(run.workers.map(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task"):
+    for r in progress(run.workers.imap(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task"):
         counts += r["counts"]
     run.log(
         f"train: {int(counts.sum())} {run.unit} from {len(pool)} documents ({len(tasks)} task(s), "
@@ -807,7 +779,7 @@ def _write_shards(run: _Run, n_pair_tasks: int) -> tuple[list[str], list[dict]]:
         _ShardTask(j, n_pair_tasks, str(run.tmp), str(run.tmp / "train" / names[j]), cfg, *vocab)
         for j in range(cfg.shards)
     ]
-    info = list(progress(run.workers.map(_write_shard, tasks), total=len(tasks), desc="shards", unit=" shard"))
+    info = list(progress(run.workers.imap(_write_shard, tasks), total=len(tasks), desc="shards", unit=" shard"))
     run.lap("shards")
     return names, info
 
@@ -845,7 +817,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
     if set(files) & set(eval_files):
         raise DataError(f"{sorted(set(files) & set(eval_files))[0]}: given both as --input and as --eval-input")
     out = Path(cfg.output_dir)
-    run = _Run(cfg, _prepare_output_dir(out), _Workers(cfg.workers), log)
+    run = _Run(cfg, _prepare_output_dir(out), Pool(cfg.workers), log)
     try:
         _vocabulary(run, files)
         corpus = _tokenize(run, files, eval_files)
