@@ -64,7 +64,14 @@ class Layout:
 
 # ------------------------------------------------------------------------ workers
 
-_cache: dict = {}
+worker_cache: dict = {}
+
+
+def cached(key, make):
+    """``make()``, once per worker process and ``key``."""
+    if key not in worker_cache:
+        worker_cache[key] = make()
+    return worker_cache[key]
 
 
 class Pool:
@@ -124,11 +131,8 @@ class _FileTask:
 
 
 def _file_task(t: _FileTask) -> int:
-    key = ("tok", t.vocab)
-    if key not in _cache:
-        vocab = RefVocab(t.vocab)
-        _cache[key] = (vocab, RefTokenizer(vocab))
-    vocab, tok = _cache[key]
+    vocab = cached(("vocab", t.vocab), lambda: RefVocab(t.vocab))
+    tok = cached(("tok", t.vocab), lambda: RefTokenizer(vocab))
     return prepare_file(t.src, t.dst, vocab, t.params, tok)
 
 

@@ -30,7 +30,7 @@ from common.errors import DataError, cli_main
 from common.files import md5sum, publish, write_text
 from data.hdf5io import ALL_LAYOUTS, write_file
 from data.prepare import text
-from data.prepare.mlperf_dataset import Pool, prepare_files
+from data.prepare.mlperf_dataset import Pool, cached, prepare_files, worker_cache
 from data.prepare.mlperf_reference import RefParams
 from data.prepare.progress import progress
 from data.prepare.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
@@ -199,17 +199,6 @@ class PrepareResult:
     seconds: dict = field(default_factory=dict)  # wall time per stage
 
 
-# ----------------------------------------------------------------------------- workers
-
-_worker_cache: dict = {}
-
-
-def _cached(key, make):
-    if key not in _worker_cache:
-        _worker_cache[key] = make()
-    return _worker_cache[key]
-
-
 # ------------------------------------------------------------------ stage 1: tokenise
 
 
@@ -227,7 +216,7 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
     so every kept document is one "sentence"; a document is kept when it has a token."""
     lines, bad_utf8, first_bad_line = read_chunk(task.chunk)
     docs = parse_documents(lines, task.cfg.input_format)
-    tok = _cached(("tok", task.vocab_path), lambda: load_tokenizer(task.vocab_path)[1])
+    tok = cached(("tok", task.vocab_path), lambda: load_tokenizer(task.vocab_path)[1])
     mlm = task.cfg.objective == "mlm"
     if mlm:
         docs = [[" ".join(d)] for d in docs]
@@ -274,7 +263,7 @@ class _PairTask:
 
 
 def _arrays(tmp: str):
-    return _cached(
+    return cached(
         ("arrays", tmp),
         lambda: (
             np.memmap(os.path.join(tmp, "tokens.u16"), dtype=np.uint16, mode="r"),
@@ -364,7 +353,7 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     TRAIN_TAG) or the eval pool; sequences built with [CLS] A [SEP] B [SEP] (``--objective
     mlm``: document pieces, [CLS] A [SEP]), the special ids those of the run's vocabulary."""
     toks, sent_off, doc_sent_off = _arrays(tmp)
-    cls_id, sep_id = _cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
+    cls_id, sep_id = cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
     seed, mlm = cfg.seed, cfg.objective == "mlm"
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
@@ -392,7 +381,7 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
 
 
 def _make_pairs(task: _PairTask) -> dict:
-    pool = _cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
+    pool = cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
     p = _pairs(task.tmp, pool, task.lo, task.hi, TRAIN_TAG, task.cfg)
     shards = task.cfg.shards
     bucket = ((p["key"] >> 31) * shards) >> 32  # floor(key * shards / 2^63) from the 63-bit key's top 32 bits
@@ -488,7 +477,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
     parts = {k: [] for k in ("tokens", *PAIR_DTYPES)}
     for t in range(num_tasks):
         base = os.path.join(tmp, "pairs", f"t{t:06d}")
-        off, tokoff = _cached(("off", base), lambda: (np.load(base + ".off.npy"), np.load(base + ".tokoff.npy")))
+        off, tokoff = cached(("off", base), lambda: (np.load(base + ".off.npy"), np.load(base + ".tokoff.npy")))
         lo, hi = int(off[j]), int(off[j + 1])
         if lo == hi:
             continue
@@ -832,7 +821,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         return PrepareResult(manifest, run.seconds)
     finally:
         run.workers.close()
-        _worker_cache.clear()  # memory maps and tokenizer of this run's temporary files
+        worker_cache.clear()  # memory maps and tokenizer of this run's temporary files
         shutil.rmtree(run.tmp, ignore_errors=True)
 
 
