@@ -131,8 +131,8 @@ class _FileTask:
 
 
 def _file_task(t: _FileTask) -> int:
-    vocab = cached(("vocab", t.vocab), lambda: RefVocab(t.vocab))
-    tok = cached(("tok", t.vocab), lambda: RefTokenizer(vocab))
+    vocab = cached(("reference vocab", t.vocab), lambda: RefVocab(t.vocab))  # keys apart from data.prepare.shards'
+    tok = cached(("reference tokenizer", t.vocab), lambda: RefTokenizer(vocab))
     return prepare_file(t.src, t.dst, vocab, t.params, tok)
 
 
