@@ -2,19 +2,11 @@
 ``reference`` path: pure PyTorch, shared by ``kernels.flashmask``, the data and the tests.
 
 For key column j the masked query rows are [LTS_j, LTE_j) and [UTS_j, UTE_j);
-``startend_row_indices [B, H or 1, Sk, n]`` int32 gives n of those bounds, the rest implicit:
-
-    causal  n  bounds given        implicit                     also masked
-    True    1  LTS                 LTE = seqlen_q               rows i < j
-    True    2  LTS, LTE            -                            rows i < j
-    False   2  LTS, UTE            LTE = seqlen_q, UTS = 0      -
-    False   4  LTS, LTE, UTS, UTE  -                            -
-
-``to_dense`` gives the boolean mask (True = masked; bounds clip to [0, seqlen_q]);
-``flashmask_reference`` is attention with it (a fully masked row gives zeros);
-``reference_tile_counts`` counts the tiles a tile-skipping kernel may skip. The builders
-return a ``FlashMaskSpec``: ``document_mask`` (a packed BERT batch), ``window_bounds`` /
-``document_window_mask`` (with a sliding window). [docs/packing.md](../docs/packing.md).
+``startend_row_indices [B, H or 1, Sk, n]`` int32 gives n of those bounds, the rest implicit
+(which n with which ``causal``: docs/kernels.md, "The kernel module's contract").
+``to_dense`` gives the boolean mask (True = masked); ``flashmask_reference`` is attention
+with it; the builders (``document_mask``, ``window_bounds``, ``document_window_mask``) return
+a ``FlashMaskSpec``. [docs/packing.md](../docs/packing.md).
 Shapes: B packed rows, S / Sq / Sk sequence lengths, H heads, D head dim, n bounds per column.
 """
 
@@ -97,7 +89,8 @@ def intervals(startend_row_indices: Tensor, causal: bool, seqlen_q: int) -> tupl
 
 
 def to_dense(startend_row_indices: Tensor, causal: bool, seqlen_q: int) -> Tensor:
-    """The boolean mask [B, H or 1, seqlen_q, seqlen_k], True where query i must not see key j."""
+    """The boolean mask [B, H or 1, seqlen_q, seqlen_k], True where query i must not see key j
+    (bounds clip to [0, seqlen_q])."""
     lts, lte, uts, ute = (x.unsqueeze(-2) for x in intervals(startend_row_indices, causal, seqlen_q))  # [B, H, 1, Sk]
     rows = torch.arange(seqlen_q, device=startend_row_indices.device).view(-1, 1)  # [Sq, 1]
     masked = ((rows >= lts) & (rows < lte)) | ((rows >= uts) & (rows < ute))

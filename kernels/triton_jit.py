@@ -5,62 +5,10 @@ mode Triton itself was imported in (compiled for CUDA, or interpreted on CPU wit
 TRITON_INTERPRET=1) and returns the module. The host-side launchers at the bottom are the
 only callers of the kernels; they know the argument lists and the block sizes.
 
-One family serves every attention backend that runs a Triton kernel: ``triton`` (one launch),
-``triton_grouped`` (one launch per length bucket) and ``flashmask`` (packed rows with
-column bounds). What differs between them is compile-time switches (``tl.constexpr``), so a
-switch that is off costs nothing: with no bounds and no window the kernels are exactly the
-plain varlen loops (the compile check prints both side by side).
-
-Layout (flash-attention's "unpadded" one): q, k, v, o are ``[T, H, D]`` with any token and
-head strides (head dim contiguous); sequence b's queries are tokens
-``cu_seqlens[b]:cu_seqlens[b+1]``, and so are its keys unless SEPARATE_K, then
-``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (cross attention: FlashMask rows with Sq != Sk). A
-program handles one block of rows of one (sequence, head); a launch covers the sequences
-``order[order_start : order_start + grid[1]]`` (or order_start .. order_start + grid[1] - 1
-without an order), which is how grouped dispatch launches one length bucket without copying
-the batch. ``lse`` is the softmax's log-sum-exp per (token, head), in base 2.
-
-Switches, all inside one sequence (i: query row, j: key column, both from 0):
-
-- WINDOW: the bidirectional band |i - j| <= window_half (ModernBERT's local attention with
-  ``local_attention = 2 * window_half``). The loops run over the key (or query) blocks that
-  meet the band only: blocks outside it are never loaded nor computed.
-- N_BOUNDS in {1, 2, 4} with CAUSAL: FlashMask's column bounds. For key column j the masked
-  rows are [LTS_j, LTE_j) and [UTS_j, UTE_j), plus rows i < j when CAUSAL; ``BND`` holds the
-  N_BOUNDS given bounds per column (``[B, H or 1, Sk, N_BOUNDS]``, head stride 0 when
-  broadcast) and the rest are implicit:
-
-      N_BOUNDS  causal      given                 implicit
-      1         yes         LTS                   LTE = Sq, no UT interval
-      2         yes         LTS, LTE              no UT interval
-      2         no          LTS, UTE              LTE = Sq, UTS = 0
-      4         no          LTS, LTE, UTS, UTE    -
-
-  ``BMM`` holds, per block of BLOCK_N keys, the min and max of each given bound over the
-  block's columns (``[B, H or 1, cdiv(Sk, BLOCK_N), N_BOUNDS, 2]``, computed on the host), so
-  all three kernels share one BLOCK_N. From those few scalars ``_mask_tile`` classifies every
-  (query block, key block) tile before anything is loaded: skipped (every column's masked rows
-  contain the whole query block through one interval, or, causal, the block lies wholly above
-  the diagonal: nothing loaded, nothing computed); unmasked (no interval meets the query
-  block, and, causal, on or below the diagonal: no mask work); otherwise "checked": the
-  block's column bounds are loaded and the element mask built, and the tile is then skipped
-  when all of it is masked, else computed with the mask. So a tile is skipped exactly when
-  its dense mask is all masked. Rows with every key masked produce zeros and a +inf
-  log-sum-exp (so the backward gives them zero gradients).
-- COUNT (debug, with bounds or a window): each program stores its tile counts (skipped,
-  partial, unmasked, checked).
-
-Backward with dropout, as FlashAttention-2: with keep mask Z and P~ = P o Z / (1-p), the
-loops use the unscaled P o Z and dP o Z with delta_i * (1-p) (delta_i = rowsum(dO o O)), so
-every tile is (1-p) times its exact value, and dQ, dK, dV are scaled by 1/(1-p) once, in
-fp32, after the loop: the low-precision casts of P and dS inside the loop see no extra
-rounding from the scale.
-
-Dropout: the keep decision for (query token t, key j of its sequence, head h) is output
-j % 4 of ``philox(seed; t, j // 4, h, offset)``, as a uniform float, ``>= p``. It depends on
-nothing else (not the block sizes, not the grouping, not the mask), so the backward
-regenerates the forward's mask exactly, a grouped launch drops the same entries as a single
-one, and a packed row drops what an unpadded sequence with the same token index would.
+q, k, v, o are ``[T, H, D]`` (head dim contiguous), sequences by ``cu_seqlens``; ``lse`` is
+the base-2 log-sum-exp per (token, head). The switches (WINDOW, N_BOUNDS/CAUSAL, SEPARATE_K,
+COUNT), the bounds layout and the dropout contract: docs/kernels.md, "The kernel module's
+contract".
 """
 
 import os
@@ -84,11 +32,7 @@ def _keep(RNG, row0, col0, head, p_drop, BLOCK_R: tl.constexpr, BLOCK_C: tl.cons
     and head h takes output c of philox(seed; t, q, h, offset). col0 must be a multiple of 4.
 
     (seed, offset) is the launch's [2] int64 device pair RNG (``kernels.runtime.draw_philox``),
-    loaded here, where the mask is made, rather than once per program: held in registers
-    across a kernel's tile loop the pair cost the dK/dV loop its last free registers (a spill
-    at fp32, D=32). ``volatile`` keeps Triton's loop-invariant code motion from hoisting the
-    loads back out of the loop; its pipeliner then streams them through shared memory with
-    the loop's tiles.
+    loaded here (volatile) for register pressure: docs/kernels.md, "Registers and occupancy on sm_90".
     """
     seed = tl.load(RNG, volatile=True)
     offset = tl.load(RNG + 1, volatile=True).to(tl.int32)  # the last 32-bit counter word
@@ -664,17 +608,14 @@ def _attn_bwd_dq(
 
 
 # ---------------------------------------------------------------------------------------
-# Host-side launchers. Block sizes come from ``kernels.tiles``' one table: the interpreter
-# gets small, unequal blocks (so that tests cross block edges both ways); a GPU gets, per
-# (dtype, head dim, dropout, bounds), entries free of register spills on sm_90
-# (tools/compile_check.py builds them all), in the preset KERNELS_ATTENTION_TILES names
-# (read when this module loads; the compile check sets TILE_PRESET directly).
+# Host-side launchers. Block sizes come from ``kernels.tiles``' one table, in the preset
+# KERNELS_ATTENTION_TILES names (read when this module loads; the compile check sets TILE_PRESET).
 
 TILE_PRESET = tiles.preset_from_env()
 
 
 class Sequences(NamedTuple):
-    """What one attention launch covers, and how it masks (module docstring)."""
+    """What one attention launch covers, and how it masks (docs/kernels.md, "The kernel module's contract")."""
 
     cu_seqlens: torch.Tensor  # [B+1] int32: the queries' (and keys') offsets
     order: torch.Tensor | None  # [B] int32 sequence indices; None: 0 .. B-1

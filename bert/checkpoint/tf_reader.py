@@ -1,13 +1,10 @@
 """TensorFlow checkpoints read without TensorFlow: MLPerf's phase-1 starting point.
 
-A TF V2 checkpoint ``PREFIX`` is ``PREFIX.index`` (a LevelDB-format table: under the empty
-key a ``BundleHeaderProto``, under each variable's name a ``BundleEntryProto`` with dtype,
-shape, shard, offset, size and masked CRC-32C) and ``PREFIX.data-0000N-of-0000M`` (the raw
-bytes). ``read_tf_checkpoint(prefix)`` returns every variable as a numpy array, bitwise,
-every block and tensor checked against its CRC-32C (a ``CheckpointError`` names the file
-and variable); the protobufs are decoded here, so only ``google_crc32c`` is needed.
-``google_bert_to_hf(variables)`` renames Google BERT's variables to ``BertForPreTraining``'s
-(dense kernels transposed) and lists what it skipped.
+``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint (``PREFIX.index``, a LevelDB-format
+table of ``BundleEntryProto``, and ``PREFIX.data-0000N-of-0000M``) into numpy arrays, bitwise,
+every block and tensor checked against its CRC-32C (a ``CheckpointError`` names the file and
+variable); only ``google_crc32c`` is needed. ``google_bert_to_hf(variables)`` renames Google
+BERT's variables to ``BertForPreTraining``'s and lists what it skipped.
 [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
 """
 

@@ -64,30 +64,39 @@ class Layout:
 
 # ------------------------------------------------------------------------ workers
 
-_cache: dict = {}
+worker_cache: dict = {}
+
+
+def cached(key, make):
+    """``make()``, once per worker process and ``key``."""
+    if key not in worker_cache:
+        worker_cache[key] = make()
+    return worker_cache[key]
 
 
 class Pool:
     """``workers`` processes, started on first use and kept for every stage (or none: the
-    work runs in this process when workers == 1)."""
+    work runs in this process when workers == 1 or there is a single task)."""
 
     def __init__(self, workers: int = 1):
         self.workers = workers
         self._pool: ProcessPoolExecutor | None = None
+
+    def imap(self, fn, tasks: list):
+        """``fn`` over ``tasks``, results in order as they come."""
+        if self.workers == 1 or len(tasks) <= 1:
+            return map(fn, tasks)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init_worker)
+        return self._pool.map(fn, tasks)
 
     def map(self, fn, tasks: list, desc: str, unit: str = "file"):
         """``fn`` over ``tasks`` (results in order), with a progress bar on a terminal."""
         from tqdm import tqdm
 
         with tqdm(total=len(tasks), desc=desc, unit=unit, disable=None) as bar:
-            local = self.workers == 1 or len(tasks) <= 1
-            if self._pool is None and not local:
-                self._pool = ProcessPoolExecutor(
-                    self.workers, mp_context=get_context("spawn"), initializer=_init_worker
-                )
-            results = map(fn, tasks) if local else self._pool.map(fn, tasks)
             out = []
-            for r in results:
+            for r in self.imap(fn, tasks):
                 out.append(r)
                 bar.update()
         return out
@@ -106,6 +115,7 @@ class Pool:
 
 
 def _init_worker() -> None:
+    # Parallelism comes from --workers; the tokenizer's own thread pool would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
@@ -121,11 +131,8 @@ class _FileTask:
 
 
 def _file_task(t: _FileTask) -> int:
-    key = ("tok", t.vocab)
-    if key not in _cache:
-        vocab = RefVocab(t.vocab)
-        _cache[key] = (vocab, RefTokenizer(vocab))
-    vocab, tok = _cache[key]
+    vocab = cached(("reference vocab", t.vocab), lambda: RefVocab(t.vocab))  # keys apart from data.prepare.shards'
+    tok = cached(("reference tokenizer", t.vocab), lambda: RefTokenizer(vocab))
     return prepare_file(t.src, t.dst, vocab, t.params, tok)
 
 

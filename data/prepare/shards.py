@@ -19,10 +19,8 @@ import shutil
 import sys
 import time
 import typing
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from itertools import chain
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +30,7 @@ from common.errors import DataError, cli_main
 from common.files import md5sum, publish, write_text
 from data.hdf5io import ALL_LAYOUTS, write_file
 from data.prepare import text
-from data.prepare.mlperf_dataset import Pool, prepare_files
+from data.prepare.mlperf_dataset import Pool, cached, prepare_files, worker_cache
 from data.prepare.mlperf_reference import RefParams
 from data.prepare.progress import progress
 from data.prepare.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
@@ -201,43 +199,6 @@ class PrepareResult:
     seconds: dict = field(default_factory=dict)  # wall time per stage
 
 
-# ----------------------------------------------------------------------------- workers
-
-_worker_cache: dict = {}
-
-
-def _init_worker() -> None:
-    # Parallelism comes from --workers; the tokenizer's own thread pool would oversubscribe.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
-def _cached(key, make):
-    if key not in _worker_cache:
-        _worker_cache[key] = make()
-    return _worker_cache[key]
-
-
-class _Workers:
-    """``map`` in ``workers`` processes (started once, on first use, and kept for every
-    stage), or in this process when workers == 1 or there is a single task."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
-
-    def map(self, fn, tasks: list):
-        if self.workers == 1 or len(tasks) <= 1:
-            return map(fn, tasks)
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init_worker)
-        return self._pool.map(fn, tasks)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-
 # ------------------------------------------------------------------ stage 1: tokenise
 
 
@@ -255,7 +216,7 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
     so every kept document is one "sentence"; a document is kept when it has a token."""
     lines, bad_utf8, first_bad_line = read_chunk(task.chunk)
     docs = parse_documents(lines, task.cfg.input_format)
-    tok = _cached(("tok", task.vocab_path), lambda: load_tokenizer(task.vocab_path)[1])
+    tok = cached(("tok", task.vocab_path), lambda: load_tokenizer(task.vocab_path)[1])
     mlm = task.cfg.objective == "mlm"
     if mlm:
         docs = [[" ".join(d)] for d in docs]
@@ -302,7 +263,7 @@ class _PairTask:
 
 
 def _arrays(tmp: str):
-    return _cached(
+    return cached(
         ("arrays", tmp),
         lambda: (
             np.memmap(os.path.join(tmp, "tokens.u16"), dtype=np.uint16, mode="r"),
@@ -392,7 +353,7 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     TRAIN_TAG) or the eval pool; sequences built with [CLS] A [SEP] B [SEP] (``--objective
     mlm``: document pieces, [CLS] A [SEP]), the special ids those of the run's vocabulary."""
     toks, sent_off, doc_sent_off = _arrays(tmp)
-    cls_id, sep_id = _cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
+    cls_id, sep_id = cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
     seed, mlm = cfg.seed, cfg.objective == "mlm"
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
@@ -420,7 +381,7 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
 
 
 def _make_pairs(task: _PairTask) -> dict:
-    pool = _cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
+    pool = cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
     p = _pairs(task.tmp, pool, task.lo, task.hi, TRAIN_TAG, task.cfg)
     shards = task.cfg.shards
     bucket = ((p["key"] >> 31) * shards) >> 32  # floor(key * shards / 2^63) from the 63-bit key's top 32 bits
@@ -516,7 +477,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
     parts = {k: [] for k in ("tokens", *PAIR_DTYPES)}
     for t in range(num_tasks):
         base = os.path.join(tmp, "pairs", f"t{t:06d}")
-        off, tokoff = _cached(("off", base), lambda: (np.load(base + ".off.npy"), np.load(base + ".tokoff.npy")))
+        off, tokoff = cached(("off", base), lambda: (np.load(base + ".off.npy"), np.load(base + ".tokoff.npy")))
         lo, hi = int(off[j]), int(off[j + 1])
         if lo == hi:
             continue
@@ -630,7 +591,7 @@ class _Run:
 
     cfg: PrepareConfig
     tmp: Path
-    workers: _Workers
+    workers: Pool
     log: typing.Callable
     seconds: dict = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
@@ -708,7 +669,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
         open(run.tmp / "tokens.u16", "wb") as fh,
         progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar,
     ):
-        for i, r in enumerate(run.workers.map(_tokenize_chunk, tasks)):
+        for i, r in enumerate(run.workers.imap(_tokenize_chunk, tasks)):
             bar.update(chunks[i].end - chunks[i].start)
             fh.write(r["tokens"].tobytes())
             sent_lens.append(r["sent_lens"])
@@ -784,7 +745,7 @@ def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
         for i, (lo, hi) in enumerate(_split_tasks(corpus.doc_tokens, pool, target))
     ]
     counts = np.zeros(cfg.shards, np.int64)
-    for r in progress(run.workers.map(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task"):
+    for r in progress(run.workers.imap(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task"):
         counts += r["counts"]
     run.log(
         f"train: {int(counts.sum())} {run.unit} from {len(pool)} documents ({len(tasks)} task(s), "
@@ -807,7 +768,7 @@ def _write_shards(run: _Run, n_pair_tasks: int) -> tuple[list[str], list[dict]]:
         _ShardTask(j, n_pair_tasks, str(run.tmp), str(run.tmp / "train" / names[j]), cfg, *vocab)
         for j in range(cfg.shards)
     ]
-    info = list(progress(run.workers.map(_write_shard, tasks), total=len(tasks), desc="shards", unit=" shard"))
+    info = list(progress(run.workers.imap(_write_shard, tasks), total=len(tasks), desc="shards", unit=" shard"))
     run.lap("shards")
     return names, info
 
@@ -845,7 +806,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
     if set(files) & set(eval_files):
         raise DataError(f"{sorted(set(files) & set(eval_files))[0]}: given both as --input and as --eval-input")
     out = Path(cfg.output_dir)
-    run = _Run(cfg, _prepare_output_dir(out), _Workers(cfg.workers), log)
+    run = _Run(cfg, _prepare_output_dir(out), Pool(cfg.workers), log)
     try:
         _vocabulary(run, files)
         corpus = _tokenize(run, files, eval_files)
@@ -860,7 +821,7 @@ def prepare(cfg: PrepareConfig, log=_log) -> PrepareResult:
         return PrepareResult(manifest, run.seconds)
     finally:
         run.workers.close()
-        _worker_cache.clear()  # memory maps and tokenizer of this run's temporary files
+        worker_cache.clear()  # memory maps and tokenizer of this run's temporary files
         shutil.rmtree(run.tmp, ignore_errors=True)
 
 

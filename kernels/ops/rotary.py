@@ -1,16 +1,10 @@
 """Rotary position embedding (RoPE) on q and k in the flat token layout, Triton and PyTorch.
 
 Positions come with the tokens (``position_ids [N]``, restarting per sequence), so nothing
-here needs ``cu_seqlens``. Pair p at position t turns by ``t * theta ** (-2p / D)``;
-dimensions pair as (p, p + D/2), the "rotate half" convention of transformers' ModernBERT:
-
-    out[:, :, p]       = x[:, :, p] * cos - x[:, :, p + D/2] * sin
-    out[:, :, p + D/2] = x[:, :, p + D/2] * cos + x[:, :, p] * sin
-
-``rotary_tables`` computes ``cos, sin [P, D/2]`` fp32 as transformers does;
-``apply_rotary_reference`` is the definition; ``apply_rotary`` the same as one Triton pass
-(its backward: the inverse rotation), on CUDA or in the interpreter, else
-``BackendUnavailable``. Why a kernel of its own:
+here needs ``cu_seqlens``. Dimensions pair as (p, p + D/2), transformers' ModernBERT "rotate
+half" convention (the formula: ``apply_rotary_reference``, and docs/modern_encoders.md).
+``apply_rotary`` is one Triton pass (backward: the inverse rotation), on CUDA or in the
+interpreter, else ``BackendUnavailable``. Why a kernel of its own:
 [docs/modern_encoders.md](../docs/modern_encoders.md#rotary-positions-a-triton-kernel-beside-its-reference).
 
 Shapes: x ``[N, H, D]`` (unit last stride, e.g. q/k views of the fused QKV); tables ``[P, D/2]``.
