@@ -25,6 +25,8 @@ from typing import Any
 from mlperf_logging.mllog import constants as C
 from mlperf_logging.mllog.mllog import MLLogger
 
+from common.errors import OutputError, UserError
+
 DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 QUORUM_KEY = "quorum_change"  # dist.fault_tolerance: not an MLPerf key (the closed division refuses the mode)
@@ -100,7 +102,7 @@ class MLPerfLogger:
                 try:
                     handler = logging.FileHandler(self.path, mode="a" if resume else "w", encoding="utf-8")
                 except OSError as e:
-                    raise ValueError(f"MLPerf log: cannot open {self.path} for writing: {e.strerror or e}") from e
+                    raise OutputError(f"MLPerf log: cannot open {self.path} for writing: {e.strerror or e}") from e
                 self._handlers.append(handler)
             if self.path is None or echo:
                 self._handlers.append(logging.StreamHandler(sys.stdout))
@@ -367,7 +369,7 @@ def _check_resumable(path: Path) -> None:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise ValueError(f"MLPerf log: cannot resume {path}: {e.strerror or e}") from e
+        raise UserError(f"MLPerf log: cannot resume {path}: {e.strerror or e}") from e
     if data and not data.endswith(b"\n"):
         # Killed while writing a line: drop the fragment, which the checker cannot parse.
         with open(path, "r+b") as f:
@@ -379,7 +381,7 @@ def _check_resumable(path: Path) -> None:
         if found:
             keys.add(json.loads(payload)["key"])
     if C.RUN_START not in keys:
-        raise ValueError(f"MLPerf log: cannot resume {path}: it has no run_start")
+        raise UserError(f"MLPerf log: cannot resume {path}: it has no run_start")
     ended = sorted(keys & {C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.RUN_STOP})
     if ended:
-        raise ValueError(f"MLPerf log: cannot resume {path}: the run already ended (it has {', '.join(ended)})")
+        raise UserError(f"MLPerf log: cannot resume {path}: the run already ended (it has {', '.join(ended)})")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from bert.report.mlperf_log import MLPerfLogger
+from common.errors import UserError
 from tests.helpers import compliance_check
 
 TARGET = 0.720  # MLPerf BERT's masked-LM accuracy target
@@ -299,9 +300,9 @@ def test_misuse_is_an_error(tmp_path, misuse, started, error, match):
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="division must be one of"):
         MLPerfLogger(tmp_path / "x.log", 0, "Closed")
-    with pytest.raises(ValueError, match=f"cannot open {tmp_path / 'no' / 'x.log'}"):
+    with pytest.raises(UserError, match=f"cannot open {tmp_path / 'no' / 'x.log'}"):
         MLPerfLogger(tmp_path / "no" / "x.log", 0, "open")
-    with pytest.raises(ValueError, match="(?i)cannot resume .*no such file"):
+    with pytest.raises(UserError, match="(?i)cannot resume .*no such file"):
         MLPerfLogger(tmp_path / "missing.log", 0, "open", resume=True)
 
 
@@ -324,7 +325,7 @@ def test_resumed_run_passes(tmp_path):
     assert rc == 0 and messages == [], output
     keys = [e["key"] for e in read_lines(log_path)]
     assert keys.count("run_start") == 1 and keys.count("eval_accuracy") == 4
-    with pytest.raises(ValueError, match="already ended"):
+    with pytest.raises(UserError, match="already ended"):
         MLPerfLogger(log_path, 0, "closed", resume=True)
 
 
