@@ -7,10 +7,20 @@ interpreter; bench/gpu_check.sh sets TRITON_INTERPRET=0 to test the compiled ker
 """
 
 import os
+import platform
 
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# train.fp8's GEMM on the CPU, torch._scaled_mm, goes to oneDNN, whose FP8 matmul takes over a second
+# for a 320 x 128 x 512 product on a Xeon with AMX unless ATEN_CPU_CAPABILITY is set (to any level;
+# then about a millisecond in fp32; torch 2.13, docs/fp8.md): the FP8 tests ran past their timeouts
+# there. The variable is read at torch's first operation, so setting it here serves every test and
+# every rank they launch (tests/helpers.py's clean_env passes it on). AVX2: every x86-64 CPU this
+# suite runs on has it. (Under bf16 autocast even that is not enough: test_fp8.py switches oneDNN off.)
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 
 # `make test` runs the suite on two pytest workers (`pytest -n 2 --dist loadgroup`, pytest-xdist).

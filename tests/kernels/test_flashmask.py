@@ -108,10 +108,10 @@ def dense_definition(name, args, seqlen):
 # (builder name, builder args, seqlen, batch, heads, head dim): each type at one of the
 # issue's sizes; padding (rows that do not fill seqlen) where the mask can express it.
 CASES = [
-    ("causal_mask", lambda s: (1, s), 512, 1, 2, 16),
+    ("causal_mask", lambda s: (1, s), 320, 1, 2, 16),
     ("sliding_window_mask", lambda s: (2, s, 37), 200, 2, 2, 32),
     ("causal_document_mask", lambda s: ([[20, 30, 10], [s]], s), 65, 2, 3, 16),
-    ("document_mask", lambda s: ([[100, 1, 200, 150, 40]], s), 512, 1, 2, 32),
+    ("document_mask", lambda s: ([[60, 1, 130, 90, 20]], s), 320, 1, 2, 32),
     ("shared_question_mask", lambda s: ([[[30, 20, 25], [40, 35, 10]], [[50, 60, 70]]], s), 200, 2, 2, 16),
     ("global_sliding_window_mask", lambda s: (2, s, 5, 9), 63, 2, 3, 32),
     ("causal_blockwise_mask", lambda s: ([[50, 50, 100], [13, 87, 60, 40]], s), 200, 2, 2, 16),

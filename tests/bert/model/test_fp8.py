@@ -27,6 +27,15 @@ from launch.distributed import init_distributed
 from tests.batches import random_batch, write_learnable_dataset
 from tests.bert.train.test_trainer import dataset, losses, overrides, run_in_process  # noqa: F401 (a fixture)
 
+
+@pytest.fixture(autouse=True)
+def fp8_gemms_off_onednn():
+    """ATen's own FP8 GEMM, not oneDNN's: on a Xeon with AMX, oneDNN's takes over a second for a
+    320 x 128 x 512 product once bf16 autocast has run in the process (1-4 ms with it off; torch 2.13,
+    docs/fp8.md). The launched ranks run fp32, where ATEN_CPU_CAPABILITY serves (tests/conftest.py)."""
+    with torch.backends.mkldnn.flags(enabled=False):
+        yield
+
 BOUND = {"y": 0.06, "dx": 0.10, "dw": 0.10}
 SHAPES = [(1, 16, 32), (37, 48, 80), (97, 128, 384), (511, 64, 16)]  # (N tokens, C in, O out); N never 16-aligned
 
@@ -244,25 +253,27 @@ def test_fp8_resume_is_bitwise_identical(learnable, tmp_path):
     assert losses(tmp_path / "parts") == losses(tmp_path / "whole")  # dynamic scaling keeps no state
 
 
-DEMO_300 = [
-    "train.max_steps=300",
+DEMO_200 = [
+    "train.max_steps=200",
     "train.precision=bf16",
     "train.log_interval_steps=20",
-    "eval.interval_samples=2400",  # once, at the end (300 steps x 8 sequences)
+    "eval.interval_samples=1600",  # once, at the end (200 steps x 8 sequences)
     "eval.batch_size=50",
-    "optim.lr=4e-3",
-    "optim.warmup_steps=30",
+    "optim.lr=8e-3",
+    "optim.warmup_steps=20",
 ]
 
 
-@pytest.mark.slow  # two 300-step runs
-def test_300_steps_of_fp8_match_bf16(learnable, tmp_path):
-    bf16 = run_in_process(learnable, tmp_path / "bf16", *DEMO_300)
-    ours = run_in_process(learnable, tmp_path / "fp8", *DEMO_300, "train.fp8=tensorwise")
-    # Chance is 1/91 (0.011, also the accuracy after 100 steps); bf16 reached 0.140 when written.
+@pytest.mark.slow  # two 200-step runs
+def test_200_steps_of_fp8_match_bf16(learnable, tmp_path):
+    bf16 = run_in_process(learnable, tmp_path / "bf16", *DEMO_200)
+    ours = run_in_process(learnable, tmp_path / "fp8", *DEMO_200, "train.fp8=tensorwise")
+    final_bf16, final_fp8 = losses(tmp_path / "bf16")[-1], losses(tmp_path / "fp8")[-1]
+    accuracy = f"accuracy bf16 {bf16['eval_accuracy']:.4f} fp8 {ours['eval_accuracy']:.4f}"
+    print(f"{accuracy}; final loss {final_bf16:.4f} {final_fp8:.4f}")
+    # Chance is 1/91 (0.011); bf16 reached 0.131 when written.
     assert bf16["eval_accuracy"] > 0.1  # the model learned, so the comparison means something
     assert abs(ours["eval_accuracy"] - bf16["eval_accuracy"]) <= 0.01
-    final_bf16, final_fp8 = losses(tmp_path / "bf16")[-1], losses(tmp_path / "fp8")[-1]
     assert abs(final_fp8 - final_bf16) <= 0.02 * final_bf16
 
 

@@ -180,7 +180,9 @@ class _Sleeper(torch.nn.Module):
         self.w, self.slow = torch.nn.Parameter(torch.ones(1)), slow
 
     def forward(self, tokens: int) -> torch.Tensor:
-        time.sleep(tokens * 2e-6 * self.slow)
+        # 5 us a token: 0.1 s a step here, so that a loaded 2-core machine's scheduling jitter (4 ranks
+        # beside another pytest worker) stays well below the difference the fit must see.
+        time.sleep(tokens * 5e-6 * self.slow)
         return self.w * tokens
 
 
@@ -215,7 +217,7 @@ def check_measured(rank: int, world: int) -> None:
     # twice as slow: about half the tokens (the fit's cost is a + b*L per token, the sleep's a alone)
     share = float(got[-1]) / others
     print(f"measured: the slow rank's tokens / the others' {share:.3f}", flush=True)
-    assert 0.4 < share < 0.6, f"the slow rank got {float(got[-1]):.0f} tokens, the others {others:.0f}"
+    assert 0.35 < share < 0.7, f"the slow rank got {float(got[-1]):.0f} tokens, the others {others:.0f}"
     assert stats.fit["speed_min"] / stats.fit["speed_max"] < 0.6, stats.fit
     state = rb.state_dict()
     want, _ = rb.wait()
