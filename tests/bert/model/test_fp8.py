@@ -36,6 +36,7 @@ def fp8_gemms_off_onednn():
     with torch.backends.mkldnn.flags(enabled=False):
         yield
 
+
 BOUND = {"y": 0.06, "dx": 0.10, "dw": 0.10}
 SHAPES = [(1, 16, 32), (37, 48, 80), (97, 128, 384), (511, 64, 16)]  # (N tokens, C in, O out); N never 16-aligned
 
