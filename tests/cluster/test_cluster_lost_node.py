@@ -57,6 +57,7 @@ def test_a_cut_off_host_is_named_within_the_timeout(host_jobs, cluster_dataset, 
     assert timeout_s - 1 <= elapsed <= timeout_s + 30, (elapsed, lines[0])
 
 
+@pytest.mark.full_matrix  # make test-full: 30 s on a slow machine; the shrinking job above covers the restart
 @pytest.mark.timeout(300)
 def test_elastic_job_waits_for_the_host_to_come_back(host_jobs, cluster_dataset, reference, tmp_path):
     out = tmp_path / "out"

@@ -23,7 +23,7 @@ STEPS = 12
 
 
 CASES = {
-    2: ["dp:global:1", "dp:adagc:1"],
+    2: ["dp:global:1"],  # AdaGC sharded: at 4 ranks below
     # a group of 2 inside 4 ranks: HSDP, 2 replicas of 2 shards
     4: ["dp:global:1", "dp:adagc:1", "dp:global:2", "2:global:1"],
 }

@@ -1,7 +1,7 @@
 """2 CPU ranks, rank 1 about half as fast, ``data.rebalance=measured`` on demo-corpus lengths.
 
 The ranks' speeds are set by tests/faults/fault_worker.py's ``FAULT_SLEEP_PER_TOKEN``: each rank's
-forward+backward sleeps 0.4 ms (rank 0) or 0.8 ms (rank 1) per token, inside the interval the trainer's
+forward+backward sleeps 0.2 ms (rank 0) or 0.4 ms (rank 1) per token, inside the interval the trainer's
 ``bert.train.step_timer`` measures, so the time hardly depends on the machine's load and the whole path runs
 for real: the timer, the fit, the plan, the exchange and micro-batches of another size on each rank.
 70% of the lengths are the maximum (the demo corpus's histogram,
@@ -53,7 +53,7 @@ def test_slow_rank_gets_its_share_of_the_tokens(dataset, tmp_path):
     data = [f"data.train_dir={train}", f"data.eval_file={eval_file}"]
     args = [f"{ROOT}/launch/run_torchrun.sh", "1", "2", f"{ROOT}/launch/configs/cpu_demo.yaml", str(tmp_path / "two")]
     measured = ["data.rebalance=measured", "data.rebalance_measured=[6,4,0.25,2]"]
-    env = clean_env(TRAIN_SCRIPT=WORKER, FAULT_SLEEP_PER_TOKEN="4e-4,8e-4")
+    env = clean_env(TRAIN_SCRIPT=WORKER, FAULT_SLEEP_PER_TOKEN="2e-4,4e-4")
     run_launched([*args, *TINY, *SETTINGS, *data, *measured], 240, env=env, what="run_torchrun.sh")
     records = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
     late = [r["rebalance"] for r in records if "loss" in r][-3:]  # the fit has settled
