@@ -13,6 +13,10 @@
 # SEED=N trains with seed N; unset, the config's train.seed, and without one there each run
 # draws its own from the OS (rank 0, broadcast), as MLPerf's closed division wants.
 # PYTHON and TRAIN_SCRIPT override the interpreter and the entry point (run_pretraining.py).
+# FT_REPLICAS=R: per-step fault tolerance (dist.fault_tolerance=torchft, docs/reliability.md). NP is
+# then the number of nodes: one process on each (--map-by ppr:1:node) runs launch/run_torchrun.sh's
+# fault-tolerant mode, which starts R replicas there; MPI rank 0's node also serves the Lighthouse,
+# which the others reach at MASTER_ADDR (export it to that node's address for several nodes).
 set -euo pipefail
 
 if (( $# < 3 )); then
@@ -47,8 +51,14 @@ export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR} TORCH_SHOW_CPP_STACKTRA
 for var in $(compgen -e); do
     case $var in
         MASTER_ADDR|MASTER_PORT|PATH|LD_LIBRARY_PATH|PYTHONPATH|NCCL_*|GLOO_*|OMP_*|CUDA_*|TRITON_*|TORCH_*|HF_*) args+=(-x "$var") ;;
+        FT_*|TORCHFT_*|SEED|PYTHON|TRAIN_SCRIPT) args+=(-x "$var") ;;
     esac
 done
+
+if [[ -n ${FT_REPLICAS:-} ]]; then
+    # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of options
+    exec "$mpirun" "${args[@]}" --map-by ppr:1:node ${MPIRUN_ARGS:-} "$repo/launch/run_torchrun.sh" "$np" 1 "$config" "$output_dir" "$@"
+fi
 
 # Open MPI 5 ends a job whose node was lost (PRTE "lost communication with a remote daemon")
 # with exit status 0: a run of run_pretraining.py (no TRAIN_SCRIPT) counts as finished only if

@@ -22,6 +22,7 @@
 # FT_MIN_REPLICAS (default 1) is the smallest quorum; FT_JOIN_TIMEOUT_MS (default 10000) how long
 # a quorum waits for stragglers. The run succeeds when one replica finishes. Several nodes:
 #   NODE_RANK=k MASTER_ADDR=node0 FT_REPLICAS=8 launch/run_torchrun.sh NNODES 1 CONFIG OUT ...
+# (or FT_REPLICAS=8 with launch/run_mpirun.sh or launch/slurm.sub, which run this on every node).
 set -euo pipefail
 
 if (( $# < 4 )); then
@@ -45,7 +46,11 @@ if [[ -n ${FT_REPLICAS:-} ]]; then
     [[ $FT_REPLICAS =~ ^[1-9][0-9]*$ && $nproc == 1 && $nnodes =~ ^[1-9][0-9]*$ ]] ||
         { echo "$0: FT_REPLICAS needs a positive count, GPUS_PER_NODE 1 (a replica is one rank) and a plain NNODES" >&2; exit 2; }
     export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-    node=${NODE_RANK:-0} port=${FT_LIGHTHOUSE_PORT:-29510} pids=()
+    # Started once per node by mpirun or srun (launch/run_mpirun.sh, launch/slurm.sub with FT_REPLICAS),
+    # the node is that process's rank, and the replicas are no ranks of the launcher's world.
+    node=${NODE_RANK:-${OMPI_COMM_WORLD_RANK:-${SLURM_PROCID:-0}}} port=${FT_LIGHTHOUSE_PORT:-29510} pids=()
+    unset RANK WORLD_SIZE LOCAL_RANK OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK \
+        PMI_RANK PMI_SIZE MPI_LOCALRANKID SLURM_PROCID SLURM_NTASKS SLURM_LOCALID
     if [[ -z ${TORCHFT_LIGHTHOUSE:-} ]]; then
         if (( node == 0 )); then
             lighthouse=$(dirname "$python")/torchft_lighthouse

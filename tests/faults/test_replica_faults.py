@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from tests.faults.common import PYTHON, WORKER, Job, clean_env, free_port, run_args, run_in_process, wait_for
+from tests.faults.common import PYTHON, ROOT, WORKER, Job, clean_env, free_port, run_args, run_in_process, wait_for
+from tests.helpers import run_launched
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 torchft = pytest.importorskip("torchft", reason="dist.fault_tolerance=torchft needs torchft (pip install -e '.[ft]')")
@@ -181,3 +182,21 @@ def test_a_stopped_replica_is_dropped_then_the_lighthouse_killed_ends_the_run(da
     assert len(errors) == 1 and f"no quorum from the Lighthouse at {address}" in errors[0], log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     check_losses(out, 0, uninterrupted)
+
+
+@pytest.mark.timeout(200)
+def test_run_mpirun_starts_the_lighthouse_and_two_replicas(dataset, uninterrupted, tmp_path):
+    """FT_REPLICAS=2 launch/run_mpirun.sh 1 ...: one process on the node (MPI rank 0) starts the
+    Lighthouse and two replicas that are no ranks of mpirun's world; both train the uninterrupted run."""
+    out = tmp_path / "out"
+    env = clean_env(FT_REPLICAS=2, FT_LIGHTHOUSE_PORT=free_port(), FT_JOIN_TIMEOUT_MS=2000, TORCHFT_TIMEOUT_SEC=5)
+    args = [
+        os.path.join(ROOT, "launch", "run_mpirun.sh"),
+        "1",
+        os.path.join(ROOT, "launch", "configs", "cpu_demo.yaml"),
+    ]
+    log = run_launched([*args, str(out), *run_args(dataset, *STEPS, *FT[1:])], 180, env=env, what="run_mpirun.sh")
+    assert "Traceback" not in log, log[-3000:]
+    for i in range(2):
+        check_losses(out, i, uninterrupted)  # a replica that joined the second quorum healed into the run
+        assert max(losses_by_step(out / f"replica_{i}")) == 14
