@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from tests.cluster.common import CONFIG, LAUNCH, SLURM_TOOLS, SlurmCluster, train_args
-from tests.faults.common import Job, losses
+from tests.faults.common import Job, losses, run_in_process
 from tests.helpers import compliance_check
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -97,3 +97,31 @@ def test_srun_two_nodes_match_one_rank(slurm, cluster_dataset, reference, tmp_pa
     )
     assert losses(tmp_path / "run_0") == pytest.approx(reference, rel=1e-5)
     check_compliance(tmp_path / "result_0.txt")
+
+
+@pytest.mark.full_matrix  # make test-full: the fault-tolerant branch of slurm.sub
+@pytest.mark.timeout(240)
+def test_sbatch_slurm_sub_with_ft_replicas_starts_a_replica_on_each_node(slurm, cluster_dataset, tmp_path):
+    pytest.importorskip("torchft", reason="FT_REPLICAS needs torchft (pip install -e '.[ft]')")
+    from tests.faults.test_replica_faults import FT, STEPS, check_losses, losses_by_step
+
+    uninterrupted = tmp_path / "uninterrupted"
+    run_in_process(cluster_dataset, uninterrupted, *STEPS)
+    logdir = tmp_path / "results"
+    on_host0(
+        slurm,
+        ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", f"--output={tmp_path}/job.out"]
+        + [os.path.join(LAUNCH, "slurm.sub"), *train_args(cluster_dataset, *STEPS, *FT[1:])],
+        str(tmp_path / "sbatch.log"),
+        200,
+        CONFIG=CONFIG,
+        LOGDIR=logdir,
+        FT_REPLICAS=1,
+        FT_JOIN_TIMEOUT_MS=2000,
+        TORCHFT_TIMEOUT_SEC=5,
+    )
+    out = (tmp_path / "job.out").read_text()
+    assert out.count("recovered from a peer") <= 1 and "Traceback" not in out, out[-3000:]
+    for replica in (0, 1):  # node k's replica is k
+        check_losses(logdir / "run_0", replica, losses_by_step(uninterrupted))
+        assert max(losses_by_step(logdir / "run_0" / f"replica_{replica}")) == 14
