@@ -477,7 +477,7 @@ def check_context_parallel(cfg: RunConfig) -> None:
         (t.static_shapes or t.cuda_graphs, "a piece's shapes change each step; set train.static_shapes=false"),
         (cfg.model.compile, "not traced by torch.compile; set model.compile=false"),
         (cfg.loss.simreg_weight > 0, "SimReg pairs tokens within a whole sequence; set loss.simreg_weight=0"),
-        (cfg.optim.shard != "none", "not run under optim.shard yet; set optim.shard=none"),
+        (str(cfg.optim.shard) not in ("none", "dp"), "not run with sharded groups yet; set optim.shard=dp or none"),
         (t.batch_size_warmup is not None, "not run with train.batch_size_warmup yet"),
     )
     why = next((why for bad, why in rules if bad), None)

@@ -40,6 +40,25 @@ def test_two_context_parallel_ranks_train_as_one_rank_and_resume_without_it(data
     assert resumed == pytest.approx(one, rel=1e-5)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow  # torchrun, 2 ranks
+def test_context_parallel_ranks_with_the_sharded_optimizer_train_as_one_rank(dataset, tmp_path):  # noqa: F811
+    """N = 2 with optim.shard=dp (FSDP2 and ShardedLamb over both ranks, which are also the CP group):
+    the unsharded single rank's losses (9e-8 relative when written)."""
+    from tests.bert.train.test_trainer_distributed import STEPS
+    from tests.faults.common import spawn_ranks
+
+    run_in_process(dataset, tmp_path / "one", *STEPS, *CP)
+    two, logs = tmp_path / "two", tmp_path / "logs"
+    logs.mkdir()
+    extra = ("data.rebalance=none", "dist.context_parallel=[2,40]", "optim.shard=dp")
+    for job in spawn_ranks(2, two, dataset, *STEPS, *CP, *extra, log_dir=str(logs)):
+        assert job.wait(300, "a CP rank with the sharded optimizer") == 0, job.output()[-3000:]
+    one, got = losses(tmp_path / "one"), losses(two)
+    assert len(one) == len(got) == 5
+    assert got == pytest.approx(one, rel=1e-5)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -48,7 +67,7 @@ def test_two_context_parallel_ranks_train_as_one_rank_and_resume_without_it(data
         (["model.attention=padded"], r"keys of their own\); model.attention=padded: does not implement .*cu_seqlens_k"),
         (["train.static_shapes=true"], r"set train.static_shapes=false"),
         (["data.backend=dali"], r"set data.backend=torch"),
-        (["optim.shard=dp"], r"not run under optim.shard yet"),
+        (["optim.shard=2"], r"not run with sharded groups yet; set optim.shard=dp or none"),
         (
             ["dist.context_parallel=[0,40]"],
             r"dist.context_parallel: expected \[N >= 1, threshold >= 1\], got \[0, 40\]",
