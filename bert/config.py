@@ -478,6 +478,11 @@ def check_context_parallel(cfg: RunConfig) -> None:
         (cfg.model.compile, "not traced by torch.compile; set model.compile=false"),
         (cfg.loss.simreg_weight > 0, "SimReg pairs tokens within a whole sequence; set loss.simreg_weight=0"),
         (str(cfg.optim.shard) not in ("none", "dp"), "not run with sharded groups yet; set optim.shard=dp or none"),
+        (
+            cfg.data.rebalance not in ("none", "balanced") or cfg.data.rebalance_group_size is not None,
+            "the exchange places split documents with data.rebalance=balanced (no rebalance_group_size) "
+            "or none; measured's fit times whole samples",
+        ),
         (t.batch_size_warmup is not None, "not run with train.batch_size_warmup yet"),
     )
     why = next((why for bad, why in rules if bad), None)

@@ -179,6 +179,8 @@ def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
         measured=data.rebalance_measured[:3],
         max_share=data.rebalance_measured[3],
         min_samples=cfg.train.grad_accum_steps,  # one sample per micro-batch at least
+        # dist.context_parallel: long samples go to CP groups, which split them (place_context)
+        context=tuple(cfg.dist.context_parallel) if cfg.dist.context_size > 1 else None,
     )
 
 

@@ -21,7 +21,16 @@ import numpy as np
 from common.errors import RunFailure
 from data.batch_ramp import BatchRamp
 from data.rebalance.fit import OnlineModel, length_features
-from data.rebalance.plan import DEFAULT_COST, HEADER_WORDS, MEASURE_WORDS, STRATEGIES, Cost, check_cost, plan_for_rank
+from data.rebalance.plan import (
+    DEFAULT_COST,
+    HEADER_WORDS,
+    MEASURE_WORDS,
+    STRATEGIES,
+    Cost,
+    check_cost,
+    context_plan_for_rank,
+    plan_for_rank,
+)
 from data.samples import SampleBlock, _offsets
 
 
@@ -200,6 +209,7 @@ class Rebalancer:
         measured: tuple = (32, 4.0, 0.1),
         max_share: float = 2.0,
         min_samples: int = 1,
+        context: tuple[int, int] | None = None,
     ):
         import torch.distributed as dist
 
@@ -236,6 +246,10 @@ class Rebalancer:
         self.group_size, self.cross_rounds = group_size, cross_rounds
         self.measured, self.timer = tuple(measured), None
         self.max_share, self.min_samples = float(max_share), int(min_samples)
+        # (N, threshold) of dist.context_parallel: the plan is place_context's (balanced only)
+        self.context = tuple(context) if context is not None else None
+        if self.context is not None and (strategy != "balanced" or self.world_size % self.context[0]):
+            raise ValueError(f"context: {self.context} needs strategy balanced and N dividing the world size")
         self.online = OnlineModel(cost, self.world_size, *measured)  # the cost and speeds the plans use
         self._delivered: dict[int, tuple] = {}  # this rank's blocks' length features, by step
         self._snapshot = None  # the state the pending exchange started from (state_dict)
@@ -349,7 +363,10 @@ class Rebalancer:
         if self.strategy == "measured":
             bounds = dict(max_samples=int(B * self.max_share), min_samples=min(self.min_samples, B))
             opts.update(speeds=self.online.speeds, **bounds)
-        plan = plan_for_rank(lengths, me, self.strategy, self.online.cost, **opts)
+        if self.context is not None:
+            plan = context_plan_for_rank(lengths, me, *self.context, self.online.cost)
+        else:
+            plan = plan_for_rank(lengths, me, self.strategy, self.online.cost, **opts)
         t2 = time.perf_counter()
 
         sizes = 1 + lengths + 2 * masked  # [W, B] int32 words per packed sample

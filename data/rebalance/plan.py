@@ -639,3 +639,42 @@ def place_context(
         load[r] += whole_i[i]
     predicted = load / w / scale
     return ContextPlacement(group, rank, predicted, float(predicted.max() / predicted.mean()))
+
+
+def context_plan_for_rank(
+    lengths_per_rank, rank: int, cp_size: int, threshold: int, cost: Cost | tuple = DEFAULT_COST
+) -> RankPlan:
+    """This rank's part of the exchange that carries out ``place_context``: each whole sample goes to
+    its rank; each long one to a rank of its CP group (its own rank when that is in the group, else the
+    group's ranks in turn), where the group gathers and splits it (``bert.distributed.context_parallel``).
+    imbalance_before is what CP does without the exchange (every long sample split by its source's
+    group, every short one where it is); imbalance_after is the placement's, or, where that is no
+    better (greedy placement can lose to a lucky batch), nothing moves and it is imbalance_before."""
+    L = _as_matrix(lengths_per_rank)
+    W, B = L.shape
+    if not 0 <= rank < W:
+        raise ValueError(f"rank: expected 0..{W - 1}, got {rank}")
+    p = place_context(L.ravel(), W, cp_size, threshold, cost)
+    src = np.arange(W * B) // B
+    dest = np.where(p.rank >= 0, p.rank, src)
+    turn = np.zeros(W // cp_size, dtype=np.int64)
+    for i in np.flatnonzero(p.group >= 0):  # in global order: the same choice on every rank
+        g = int(p.group[i])
+        if src[i] // cp_size != g:
+            dest[i] = g * cp_size + turn[g] % cp_size
+            turn[g] += 1
+    whole, piece = sample_costs(L.ravel(), cost), piece_costs(L.ravel(), cp_size, cost)
+    load = np.zeros(W)
+    long = L.ravel() > threshold
+    np.add.at(load, src[~long], whole[~long])
+    np.add.at(load, (src[long] // cp_size)[:, None] * cp_size + np.arange(cp_size), piece[long][:, None])
+    before, after = imbalance(load), p.imbalance
+    if after >= before:  # the greedy placement is no better than where the samples are: move nothing
+        dest, after = src, before
+    gid = np.flatnonzero(dest != src)
+    to = dest[gid]
+    out = (gid // B == rank) & (to != rank)
+    send_dest, send_index = to[out], gid[out] % B
+    order = np.lexsort((send_index, send_dest))
+    recv = np.sort(gid[to == rank])
+    return RankPlan(rank, send_index[order], send_dest[order], recv // B, recv % B, before, after, gid.size)

@@ -42,16 +42,17 @@ def test_two_context_parallel_ranks_train_as_one_rank_and_resume_without_it(data
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # torchrun, 2 ranks
-def test_context_parallel_ranks_with_the_sharded_optimizer_train_as_one_rank(dataset, tmp_path):  # noqa: F811
-    """N = 2 with optim.shard=dp (FSDP2 and ShardedLamb over both ranks, which are also the CP group):
-    the unsharded single rank's losses (9e-8 relative when written)."""
+def test_context_parallel_ranks_rebalanced_with_the_sharded_optimizer_train_as_one_rank(dataset, tmp_path):  # noqa: F811
+    """N = 2 with data.rebalance=balanced (the exchange carries out place_context: long samples to
+    the group, short ones to a rank each) and optim.shard=dp (FSDP2 and ShardedLamb over both ranks,
+    which are also the CP group): the unsharded single rank's losses (9e-8 relative when written)."""
     from tests.bert.train.test_trainer_distributed import STEPS
     from tests.faults.common import spawn_ranks
 
     run_in_process(dataset, tmp_path / "one", *STEPS, *CP)
     two, logs = tmp_path / "two", tmp_path / "logs"
     logs.mkdir()
-    extra = ("data.rebalance=none", "dist.context_parallel=[2,40]", "optim.shard=dp")
+    extra = ("data.rebalance=balanced", "dist.context_parallel=[2,40]", "optim.shard=dp")
     for job in spawn_ranks(2, two, dataset, *STEPS, *CP, *extra, log_dir=str(logs)):
         assert job.wait(300, "a CP rank with the sharded optimizer") == 0, job.output()[-3000:]
     one, got = losses(tmp_path / "one"), losses(two)
@@ -68,6 +69,7 @@ def test_context_parallel_ranks_with_the_sharded_optimizer_train_as_one_rank(dat
         (["train.static_shapes=true"], r"set train.static_shapes=false"),
         (["data.backend=dali"], r"set data.backend=torch"),
         (["optim.shard=2"], r"not run with sharded groups yet; set optim.shard=dp or none"),
+        (["data.rebalance=measured"], r"places split documents with data.rebalance=balanced"),
         (
             ["dist.context_parallel=[0,40]"],
             r"dist.context_parallel: expected \[N >= 1, threshold >= 1\], got \[0, 40\]",

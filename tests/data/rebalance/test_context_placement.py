@@ -5,7 +5,7 @@ piece, and the predicted time (cost / speed) comes out balanced."""
 import numpy as np
 import pytest
 
-from data.rebalance.plan import Cost, piece_costs, place_context, sample_costs
+from data.rebalance.plan import Cost, context_plan_for_rank, piece_costs, place_context, sample_costs
 
 COST = Cost(1.0, 1.0 / 384, 1.0 / 192, 128)  # a tiny ModernBERT's shape: global and window layers
 
@@ -55,3 +55,34 @@ def test_the_placement_is_the_same_given_the_same_lengths_and_refuses_a_bad_grou
     assert (a.group == b.group).all() and (a.rank == b.rank).all() and (a.predicted == b.predicted).all()
     with pytest.raises(ValueError, match="cp_size: expected a divisor of the world size 8, got 3"):
         place_context(lengths, 8, 3, 3000, COST)
+
+
+def test_the_exchange_plan_carries_out_the_placement_and_each_sample_arrives_once():
+    """context_plan_for_rank (what the Rebalancer runs under dist.context_parallel): every sample ends
+    on exactly one rank, a long one on a rank of the group place_context chose (which gathers and
+    splits it), a short one on its rank; the predicted imbalance is the placement's, below what CP
+    alone (each long sample split by its source's group) leaves on a skewed batch."""
+    rng = np.random.default_rng(45)
+    W, B, N, T = 8, 12, 2, 4096
+    L = rng.integers(64, 2048, (W, B))
+    L[:2, :4] = rng.integers(T + 1, 16384, (2, 4))  # the long documents all start in group 0
+    plans = [context_plan_for_rank(L, r, N, T, COST) for r in range(W)]
+    where = {}
+    for p in plans:
+        for i in np.setdiff1d(np.arange(B), p.send_index):
+            where.setdefault(p.rank * B + int(i), []).append(p.rank)
+        for s, i in zip(p.recv_rank, p.recv_index):
+            where.setdefault(int(s) * B + int(i), []).append(p.rank)
+    assert sorted(where) == list(range(W * B)) and all(len(v) == 1 for v in where.values())
+    placement = place_context(L.ravel(), W, N, T, COST)
+    for g, (r,) in where.items():
+        assert r // N == placement.group[g] if placement.group[g] >= 0 else r == placement.rank[g], g
+    assert {p.imbalance_after for p in plans} == {placement.imbalance} and {p.moved for p in plans} == {plans[0].moved}
+    assert placement.imbalance < 1.05 < 1.5 < plans[0].imbalance_before
+
+
+def test_the_exchange_moves_nothing_where_the_placement_would_not_help():
+    L = np.full((4, 3), 100)  # equal short samples everywhere: already balanced
+    plans = [context_plan_for_rank(L, r, 2, 4096, COST) for r in range(4)]
+    assert all(p.send_index.size == 0 and p.recv_rank.size == 0 and p.moved == 0 for p in plans)
+    assert plans[0].imbalance_after == plans[0].imbalance_before == 1.0
