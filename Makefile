@@ -65,8 +65,8 @@ test: setup
 test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not multiprocess and not gpu and not cluster" --durations=20
 
-# Every deselected tier too (-m full_matrix, tests/conftest.py): the slowest cluster case, the attention peer suite's whole matrix (in Triton's
-# interpreter its long lengths are scaled down, tests/kernels/test_attention_peer.py) and the sm_90
+# Every deselected tier too (-m full_matrix, tests/conftest.py): two slow cluster cases, the
+# attention peer suite's whole matrix (in Triton's interpreter its long lengths are scaled down, tests/kernels/test_attention_peer.py) and the sm_90
 # compile check of every kernel (`make test` compiles a representative subset:
 # tests/kernels/test_kernels_compile.py); each case is a group of its own, so both workers share
 # them (tests/conftest.py), with the rest of the suite, on two workers; prints its wall time.

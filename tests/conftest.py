@@ -39,8 +39,8 @@ PROCESS_TESTS = ("tests/cluster/", "tests/launch/test_nic_selection.py")
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    # The full_matrix tier (the peer suite's whole matrix, the sm_90 compile check of every kernel, the
-    # slowest cluster case) runs only when -m names it: make test-full.
+    # The full_matrix tier (the peer suite's whole matrix, the sm_90 compile check of every kernel, two
+    # slow cluster cases) runs only when -m names it: make test-full.
     if "full_matrix" not in (config.getoption("markexpr") or ""):
         deselected = [item for item in items if item.get_closest_marker("full_matrix")]
         if deselected:

@@ -16,7 +16,15 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 pytest.importorskip("torchft", reason="dist.fault_tolerance=torchft needs torchft (pip install -e '.[ft]')")
 
 # The CPU replica tests' run (tests/faults/test_replica_faults.py), imported after the skip above.
-from tests.faults.test_replica_faults import DELAY_S, FT, LIGHTHOUSE, STEPS, check_losses, losses_by_step, trained  # noqa: E402
+from tests.faults.test_replica_faults import (  # noqa: E402
+    DELAY_S,
+    FT,
+    STEPS,
+    check_losses,
+    lighthouse_args,
+    losses_by_step,
+    trained,
+)
 
 PORT = 29510
 
@@ -41,9 +49,7 @@ def test_a_cut_off_host_costs_its_replica_and_the_other_goes_on(host_jobs, clust
     out, marks = tmp_path / "out", tmp_path / "marks"
     marks.mkdir()
     c = host_jobs.cluster
-    lighthouse_args = [LIGHTHOUSE, "--min_replicas", "1", "--bind", f"[::]:{PORT}", "--join_timeout_ms", "1000"]
-    lighthouse_args += ["--quorum_tick_ms", "20", "--heartbeat_timeout_ms", "2000"]
-    host_jobs.start(0, lighthouse_args, "lighthouse.log")
+    host_jobs.start(0, lighthouse_args(PORT), "lighthouse.log")
     address = f"http://{c.address(0)}:{PORT}"
     jobs = [start_replica(host_jobs, h, out, cluster_dataset, address, marks) for h in (0, 1)]
     wait_for(lambda: all(trained(out, h) >= 3 for h in (0, 1)), 150, jobs, "both replicas at step 3")

@@ -46,12 +46,15 @@ def losses_by_step(out) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
+def lighthouse_args(port: int) -> list[str]:
+    """Quorums wait 1 s for stragglers; a replica silent for 2 s is out (the binary's options)."""
+    args = [LIGHTHOUSE, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "1000"]
+    return args + ["--quorum_tick_ms", "20", "--heartbeat_timeout_ms", "2000"]
+
+
 def start_lighthouse(tmp_path) -> tuple[Job, str]:
     port = free_port()
-    # Quorums wait 1 s for stragglers; a replica silent for 2 s is out (the binary's options).
-    args = [LIGHTHOUSE, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "1000"]
-    args += ["--quorum_tick_ms", "20", "--heartbeat_timeout_ms", "2000"]
-    return Job(args, str(tmp_path / "lighthouse.log"), clean_env()), f"http://127.0.0.1:{port}"
+    return Job(lighthouse_args(port), str(tmp_path / "lighthouse.log"), clean_env()), f"http://127.0.0.1:{port}"
 
 
 def start_replica(i: int, out, dataset, address: str, marks, tmp_path, tag: str = "", hold: bool = True) -> Job:
