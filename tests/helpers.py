@@ -8,12 +8,14 @@ test fails with the output's tail: a hang is a failure, never a stuck suite.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,33 @@ def run_launched(cmd: list[str], timeout: float, env: dict | None = None, cwd=RE
     return out
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _descendants(root: int) -> list[int]:
+    """The processes below ``root``, found through /proc's parent links (they may be in other sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 class Job:
     """A process (and its children) in a new session, its output in the file ``log`` (never a
     pipe that could fill up and block it); for tests that watch or kill running ranks."""
@@ -117,6 +146,16 @@ class Job:
         with open(self.log, errors="replace") as f:
             return f.read()
 
+    def dump_worker_stacks(self, settle_s: float = 2.0) -> None:
+        """Ask the fault workers under this job (tests/faults/fault_worker.py) to write their
+        threads' stacks into the log, then give them ``settle_s`` to do it."""
+        workers = [pid for pid in [self.proc.pid, *_descendants(self.proc.pid)] if b"fault_worker.py" in _cmdline(pid)]
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        if workers:
+            time.sleep(settle_s)
+
     def kill(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -128,5 +167,6 @@ class Job:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.dump_worker_stacks()
             self.kill()
-            pytest.fail(f"{what} did not finish within {timeout:g} s (killed):\n{self.output()[-4000:]}")
+            pytest.fail(f"{what} did not finish within {timeout:g} s (killed):\n{self.output()[-12000:]}")

@@ -35,6 +35,8 @@ def wait_for(predicate, timeout: float, jobs: list[Job], what: str) -> None:
         ended = [j for j in jobs if j.proc.poll() is not None]
         if ended or time.monotonic() > deadline:
             for j in jobs:
+                if not ended:
+                    j.dump_worker_stacks()
                 j.kill()
             why = f"exited with {ended[0].proc.returncode}" if ended else f"timed out after {timeout:g} s"
             pytest.fail(f"waiting for {what}: {why}:\n" + "\n".join(j.output()[-3000:] for j in jobs))

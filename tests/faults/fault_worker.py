@@ -17,11 +17,16 @@ FAULT_STATE_HASH          after each optimizer step, write the SHA-256 of the we
 FAULT_SLEEP_PER_TOKEN     "S0,S1,...": rank r's forward+backward sleeps Sr seconds per token of
                           its micro-batch (``TokenSleep``): ranks of known speeds, for
                           data.rebalance=measured
+
+SIGUSR1 writes every thread's stack to stderr (``tests.helpers.Job`` sends it before killing a job
+that ran past its time, so a hang on a CI machine says where it was).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -154,6 +159,7 @@ def state_hash(model, optimizer) -> str:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     _install_faults()
     from run_pretraining import exit_process, main
 
