@@ -28,13 +28,6 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def fsync_dir(directory: str | os.PathLike) -> None:
-    """fsync a directory, so that a rename or a new entry in it is durable. Some file
-    systems cannot open a directory for that (they order their metadata themselves)."""
-    with contextlib.suppress(OSError):
-        fsync_path(directory)
-
-
 def is_temporary(name: str) -> bool:
     """Whether a file name is one of this module's temporary names (what a killed writer left)."""
     return re.search(r"\.tmp\d+(\.\w+)?$", name) is not None
@@ -49,13 +42,14 @@ def _temp_name(path: Path, suffix: str) -> Path:
 def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     """Make the written file (or directory) ``tmp`` durable and rename it over ``path``."""
     tmp, path = Path(tmp), Path(path)
-    if tmp.is_dir():
-        for root, _, files in os.walk(tmp):
-            for name in files:
-                fsync_path(os.path.join(root, name))
+    for root, _, files in os.walk(tmp):  # a file: walks nothing
+        for name in files:
+            fsync_path(os.path.join(root, name))
     fsync_path(tmp)
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    # The rename made durable; some file systems cannot open a directory (they order their metadata themselves).
+    with contextlib.suppress(OSError):
+        fsync_path(path.parent)
 
 
 @contextlib.contextmanager
