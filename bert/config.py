@@ -1,11 +1,9 @@
 """The run configuration: one typed dataclass per component, loaded from YAML.
 
-``load_config(path, overrides)`` reads ``launch/configs/*.yaml`` (a mapping of sections to
-fields) and applies command-line overrides ``section.field=value`` (``common.config``: values
-parsed as YAML, a string field takes the text as it is). Every field has its default and its
-meaning here, once, and is checked where it is defined; ``describe()`` prints them for
-``--help``. Anything invalid raises ``ConfigError``, one line naming ``section.field``
-(docs/training.md, "Configuration").
+``load_config(path, overrides)`` reads ``launch/configs/*.yaml`` and applies command-line
+``section.field=value`` overrides (parsed by ``common.config``). Each field's default and meaning
+live here, once, checked where defined; ``describe()`` prints them for ``--help``. Anything invalid
+is a one-line ``ConfigError`` naming ``section.field`` (docs/training.md, "Configuration").
 """
 
 from __future__ import annotations
@@ -756,9 +754,8 @@ def describe() -> str:
 
 
 def build_model_config(cfg: RunConfig) -> BertConfig:
-    """The architecture: model.preset or model.config_file, with model.overrides (``cfg.model.shape``,
-    checked against the other sections with the config); a data.vocab_file (a vocabulary trained
-    with the data) sets the vocabulary size."""
+    """The architecture, ``cfg.model.shape``, with data.vocab_file's vocabulary size unless
+    model.overrides sets vocab_size."""
     config = cfg.model.shape
     if "vocab_size" not in cfg.model.overrides and cfg.data.vocab_file:
         try:

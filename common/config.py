@@ -3,8 +3,8 @@
 
 Contract: ``option`` declares a field with its help and choices; ``coerce`` checks a value from
 YAML or the command line against the annotation (ints never bool and within 64 bits, floats
-finite); ``load_yaml`` reads a file through ``fileio.read_checked`` with no aliases and bounded
-depth. Every error is ``error(message)``, one line with values cut to 200 characters.
+finite); ``load_yaml`` reads a file through ``common.files.read_checked`` with no aliases and
+bounded depth. Every error is ``error(message)``, one line with values cut to 200 characters.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def parse_yaml(text: str, where: str, error=ValueError):
 
 
 def load_yaml(path: str, error=ValueError):
-    """The YAML file at ``path``, read with ``fileio.read_checked`` (no FIFO, at most 1 MiB)."""
+    """The YAML file at ``path``, read with ``read_checked`` (no FIFO, at most MAX_YAML_BYTES)."""
     try:
         data = read_checked(path, max_bytes=MAX_YAML_BYTES, what="config file")
     except UnsafeFile as e:

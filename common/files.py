@@ -54,11 +54,10 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
 
 @contextlib.contextmanager
 def publishing_fd(path: str | os.PathLike, suffix: str | None = None) -> Iterator[int]:
-    """Yield a descriptor open for writing on a new temporary file beside ``path``: created
-    exclusively and never through a link (a killed writer's file or link of that name is removed
-    first). On a clean exit it is closed and published as ``path``; on any error closed and
-    removed, and ``path`` is left as it was. ``suffix`` ends the temporary name (default:
-    ``path``'s own suffix)."""
+    """Yield a descriptor on a new temporary file beside ``path`` (``suffix`` ends its name, default
+    ``path``'s), created exclusively, never through a link (a killed writer's leftover is removed
+    first). On a clean exit it is closed and published as ``path``; on an error closed and removed,
+    ``path`` left as it was."""
     path = Path(path)
     tmp = _temp_name(path, path.suffix if suffix is None else suffix)
     with contextlib.suppress(FileNotFoundError):
@@ -147,10 +146,9 @@ class UnsafeFile(OSError):
 
 
 def open_checked(path: str | os.PathLike, *, max_bytes: int | None = None, what: str = "file"):
-    """Open ``path`` for binary reading, refusing in one line (``UnsafeFile``) anything but a
-    regular file: a FIFO, a device, a directory, or a file over ``max_bytes`` (a missing file is
-    ``FileNotFoundError``). The open is non-blocking, so a FIFO never hangs it; the returned
-    file reads normally."""
+    """Open ``path`` for binary reading, refusing in one line (``UnsafeFile``) anything but a regular
+    file (a FIFO, a device, a directory) or one over ``max_bytes`` (a missing file is
+    ``FileNotFoundError``). The open does not block, so a FIFO never hangs it; the file reads normally."""
     path = os.fspath(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -185,9 +183,8 @@ def read_checked(path: str | os.PathLike, *, max_bytes: int, what: str = "file")
 
 
 def file_digest(path: str | os.PathLike, name: str = "md5") -> str:
-    """Hex digest (hashlib algorithm ``name``) of a regular file (``open_checked``: a FIFO or
-    ``/dev/zero`` is refused, never hashed forever), read in 1 MiB pieces: a shard of
-    gigabytes is never held in memory."""
+    """Hex digest (hashlib algorithm ``name``) of a regular file (``open_checked``: ``/dev/zero`` is
+    refused, not hashed forever), read in 1 MiB pieces so a shard is never held in memory."""
     h = hashlib.new(name)
     with open_checked(path) as f:
         while chunk := f.read(1 << 20):

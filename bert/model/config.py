@@ -25,8 +25,7 @@ MLP_KINDS = ("dense", "gated")
 LAYER_TYPES = ("global", "local")
 INIT_SCHEMES = ("bert", "modernbert")
 
-# Keys transformers writes into config.json that describe its own bookkeeping, not the
-# architecture. Any other unknown key is an error.
+# Keys of transformers' config.json that are its bookkeeping, not the architecture (others are errors).
 _HF_METADATA = set(
     "architectures model_type torch_dtype dtype transformers_version pad_token_id use_cache classifier_dropout "
     "gradient_checkpointing directionality pooler_fc_size pooler_num_attention_heads pooler_num_fc_layers "
