@@ -756,15 +756,13 @@ def describe() -> str:
 def build_model_config(cfg: RunConfig) -> BertConfig:
     """The architecture, ``cfg.model.shape``, with data.vocab_file's vocabulary size unless
     model.overrides sets vocab_size."""
-    config = cfg.model.shape
-    if "vocab_size" not in cfg.model.overrides and cfg.data.vocab_file:
-        try:
-            with open(cfg.data.vocab_file, encoding="utf-8") as f:
-                size = sum(1 for line in f if line.strip())
-        except OSError as e:
-            raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from e
-        try:
-            config = replace(config, vocab_size=size)
-        except ConfigError as e:
-            raise ConfigError(f"data.vocab_file: {e}") from e
-    return config
+    if "vocab_size" in cfg.model.overrides or not cfg.data.vocab_file:
+        return cfg.model.shape
+    try:
+        with open(cfg.data.vocab_file, encoding="utf-8") as f:
+            size = sum(1 for line in f if line.strip())
+        return replace(cfg.model.shape, vocab_size=size)
+    except OSError as e:
+        raise ConfigError(f"data.vocab_file: cannot read {cfg.data.vocab_file!r} ({e.strerror})") from e
+    except ConfigError as e:  # the size, checked by BertConfig
+        raise ConfigError(f"data.vocab_file: {e}") from e
