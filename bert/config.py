@@ -681,18 +681,16 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def _sections() -> dict[str, type]:
-    return {f.name: f.default_factory for f in fields(RunConfig)}
+_SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # section name -> its dataclass
 
 
 def build_config(values: dict) -> RunConfig:
-    sections = _sections()
     if not isinstance(values, dict):
         raise ConfigError("config: expected a mapping of sections")
-    unknown = sorted(set(values) - set(sections), key=str)
+    unknown = sorted(set(values) - set(_SECTIONS), key=str)
     if unknown:
-        raise ConfigError(f"config: unknown section {cli.short(unknown[0], 60)}; valid: {sorted(sections)}")
-    built = {name: cli.coerce(name, values.get(name) or {}, cls, ConfigError) for name, cls in sections.items()}
+        raise ConfigError(f"config: unknown section {cli.short(unknown[0], 60)}; valid: {sorted(_SECTIONS)}")
+    built = {name: cli.coerce(name, values.get(name) or {}, cls, ConfigError) for name, cls in _SECTIONS.items()}
     cfg = RunConfig(**built)
     check_cross_fields(cfg)
     return cfg
@@ -749,8 +747,7 @@ def field_names() -> list[str]:
 
 def describe() -> str:
     """Every field with its default and meaning, for --help."""
-    sections = _sections().items()
-    return "\n".join(line for name, cls in sections for line in (f"{name}:", *cli.describe_fields(cls, name)))
+    return "\n".join(line for name, cls in _SECTIONS.items() for line in (f"{name}:", *cli.describe_fields(cls, name)))
 
 
 def build_model_config(cfg: RunConfig) -> BertConfig:
