@@ -740,11 +740,6 @@ def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from e
 
 
-def field_names() -> list[str]:
-    """Every settable ``section.field`` (a mapping field counts once)."""
-    return [line.split(" = ")[0].strip() for line in describe().splitlines() if " = " in line]
-
-
 def describe() -> str:
     """Every field with its default and meaning, for --help."""
     return "\n".join(line for name, cls in _SECTIONS.items() for line in (f"{name}:", *cli.describe_fields(cls, name)))
