@@ -125,15 +125,10 @@ def remove_tree(path: str | os.PathLike) -> None:
             os.remove(path)
 
 
-def write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Publish ``data`` as the file ``path``."""
-    with publishing(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
-
-
 def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
     """Publish ``text`` as the file ``path``."""
-    write_bytes(path, text.encode(encoding))
+    with publishing(path) as tmp, open(tmp, "wb") as f:
+        f.write(text.encode(encoding))
 
 
 # What open_checked calls a file that is not a regular one, by its type (stat.S_IFMT).

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common import files
-from common.files import file_digest, is_temporary, md5sum, publish, publishing, publishing_dir, write_bytes, write_text
+from common.files import file_digest, is_temporary, md5sum, publish, publishing, publishing_dir, write_text
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("bench", "bert", "data", "kernels", "launch")
@@ -93,7 +93,7 @@ def test_a_killed_writer_leaves_a_name_that_cleanup_recognises(tmp_path, monkeyp
 
 def test_publish_moves_a_written_file_into_place(tmp_path):
     tmp = tmp_path / "staged.hdf5"
-    write_bytes(tmp, b"shard")
+    tmp.write_bytes(b"shard")
     (tmp_path / "train").mkdir()
     publish(tmp, tmp_path / "train" / "part.hdf5")
     assert (tmp_path / "train" / "part.hdf5").read_bytes() == b"shard" and not tmp.exists()
