@@ -239,8 +239,7 @@ def _modernbert(**shape) -> BertConfig:
     values.update(position_embedding="rotary", rope_theta_global=160000.0, rope_theta_local=10000.0)
     values.update(mlp="gated", attention_bias=False, mlp_bias=False, head_bias=False, next_sentence=False)
     values.update(layer_types=alternating_layers(layers, 3), local_window=128, init_scheme="modernbert")
-    values.update(shape)
-    return BertConfig(**values)
+    return BertConfig(**(values | shape))
 
 
 PRESETS = {
