@@ -483,8 +483,7 @@ def check_context_parallel(cfg: RunConfig) -> None:
         ),
         (t.batch_size_warmup is not None, "not run with train.batch_size_warmup yet"),
     )
-    why = next((why for bad, why in rules if bad), None)
-    if why:
+    if why := next((why for bad, why in rules if bad), None):
         raise ConfigError(f"dist.context_parallel={list(cfg.dist.context_parallel)}: {why}")
 
 
@@ -534,8 +533,7 @@ def check_closed_division(cfg: RunConfig) -> None:
             "a run that drops replicas trains part of its time on a smaller one; set it off",
         ),
     )
-    broken = next((r for r in rules if not r[1]), None)
-    if broken is not None:
+    if broken := next((r for r in rules if not r[1]), None):
         raise ConfigError(f"{broken[0]}: {why} {broken[2]}")
     shape, large = m.shape, PRESETS["large"]
     differs = next((f.name for f in fields(large) if getattr(shape, f.name) != getattr(large, f.name)), None)
@@ -582,8 +580,7 @@ def check_cuda_graphs(cfg: RunConfig) -> None:
         ),
         (cfg.loss.simreg_weight > 0, "SimReg sizes its blocks from the batch on the host; set loss.simreg_weight=0"),
     )
-    why = next((why for bad, why in rules if bad), None)
-    if why:
+    if why := next((why for bad, why in rules if bad), None):
         raise ConfigError(f"train.cuda_graphs: {why}")
 
 
@@ -609,8 +606,7 @@ def check_fault_tolerance(cfg: RunConfig) -> None:
         ("train.static_shapes", t.static_shapes, "a replica's share changes with the quorum; leave it false"),
         ("data.backend", d.backend != "torch", "replicas collate their share with 'torch'"),
     )
-    broken = next((r for r in rules if r[1]), None)
-    if broken is not None:
+    if broken := next((r for r in rules if r[1]), None):
         raise ConfigError(f"{broken[0]}: with dist.fault_tolerance=torchft, {broken[2]}")
 
 
@@ -624,11 +620,9 @@ def check_cross_fields(cfg: RunConfig) -> None:
             f"model.attention: {attention} needs data.layout={need}, got {layout!r}; data.layout={layout} runs "
             f"with {', '.join(registry.backends_for(ATTENTION_LAYOUTS[layout]))}"
         )
-    if any(w is not None for w in shape.layer_windows) and layout != "packed":
-        # Local layers hand the backend a windowed layout; the packed layout carries the window
-        # in its FlashMask bounds instead.
-        reason = registry.refusal(attention, ATTENTION_LAYOUTS[layout], ["window"])
-        if reason:
+    # Local layers hand the backend a windowed layout; packed rows carry the window in their FlashMask bounds.
+    if "local" in shape.layer_types and layout != "packed":
+        if reason := registry.refusal(attention, ATTENTION_LAYOUTS[layout], ["window"]):
             raise ConfigError(f"model.attention: the model has local (sliding-window) layers; {reason}")
     if cfg.data.max_seq_length > shape.max_position_embeddings:
         raise ConfigError(
