@@ -164,13 +164,11 @@ def parse_yaml(text: str, where: str, error=ValueError):
 def load_yaml(path: str, error=ValueError):
     """The YAML file at ``path``, read with ``read_checked`` (no FIFO, at most MAX_YAML_BYTES)."""
     try:
-        data = read_checked(path, max_bytes=MAX_YAML_BYTES, what="config file")
+        text = read_checked(path, max_bytes=MAX_YAML_BYTES, what="config file").decode("utf-8")
     except UnsafeFile as e:
         raise error(str(e)) from e
     except OSError as e:
         raise error(f"{path}: cannot read ({e.strerror})") from e
-    try:
-        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise error(f"{path}: not UTF-8 (byte {e.start})") from e
     return parse_yaml(text, f"{path}:", error)
