@@ -163,9 +163,8 @@ class BertConfig:
         ab, mb = int(self.attention_bias), int(self.mlp_bias)
         width = 2 * inner if self.mlp == "gated" else inner
         layer = 4 * H * H + 4 * H * ab + width * (H + mb) + H * (inner + mb) + 2 * norm
-        attn_norms_missing = 1 if self.norm_placement == "pre" and not self.first_attn_norm else 0
         n = V * H + self.type_vocab_size * H + norm * self.embedding_norm + self.num_hidden_layers * layer
-        n -= norm * attn_norms_missing
+        n -= norm * (self.norm_placement == "pre" and not self.first_attn_norm)  # layer 0's missing attention norm
         if self.position_embedding == "absolute":
             n += self.max_position_embeddings * H
         else:  # cos and sin tables per layer type
@@ -197,8 +196,7 @@ class BertConfig:
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> BertConfig:
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known - _HF_METADATA)
-        if unknown:
+        if unknown := sorted(set(values) - known - _HF_METADATA):
             raise ConfigError(f"{source}: unknown field(s) {unknown}")
         if values.get("position_embedding_type", "absolute") != "absolute":
             raise ConfigError(f"{source}: position_embedding_type must be 'absolute'")
