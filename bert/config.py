@@ -536,8 +536,7 @@ def check_closed_division(cfg: RunConfig) -> None:
     if broken := next((r for r in rules if not r[1]), None):
         raise ConfigError(f"{broken[0]}: {why} {broken[2]}")
     shape, large = m.shape, PRESETS["large"]
-    differs = next((f.name for f in fields(large) if getattr(shape, f.name) != getattr(large, f.name)), None)
-    if differs is not None:
+    if differs := next((f.name for f in fields(large) if getattr(shape, f.name) != getattr(large, f.name)), None):
         want, got = getattr(large, differs), cli.short(getattr(shape, differs))
         if differs in m.overrides:
             raise ConfigError(f"model.overrides.{differs}: {why} trains BERT-large ({differs} {want!r}), got {got}")
