@@ -18,6 +18,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -119,8 +120,9 @@ def summarize_run(path: Path) -> RunResult:
     start_i = next((i for i, e in enumerate(events) if e.key == "run_start"), None)
     if start_i is None:
         raise SummaryError(f"{path}: no run_start event")
-    start = events[start_i]
-    stop = next((e for e in events[start_i:] if e.key == "run_stop"), None)
+    during = events[start_i:]
+    start = during[0]
+    stop = next((e for e in during if e.key == "run_stop"), None)
     if stop is None:
         raise SummaryError(f"{path}: no run_stop event after run_start (line {start.lineno})")
     status = stop.metadata.get("status")
@@ -130,7 +132,6 @@ def summarize_run(path: Path) -> RunResult:
     def first(key):
         return next((e.value for e in events if e.key == key), None)
 
-    during = events[start_i:]
     trained = [e.value for e in during if e.key == "train_samples" and isinstance(e.value, int)]
     evals = [e.metadata.get("epoch_num") for e in during if e.key == "eval_accuracy"]
     samples = (trained or [n for n in evals if isinstance(n, int)] or [None])[-1]
@@ -257,8 +258,6 @@ def official_problems(runs: list[RunResult]) -> list[str]:
 
 
 def _checker_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("mlperf-logging")
     except PackageNotFoundError:
@@ -324,8 +323,8 @@ def default_cache_file() -> Path:
 
 def check_runs(runs: list[RunResult], ruleset: str, cache: ComplianceCache, workers: int) -> None:
     """Fill in each run's compliance verdict, from the cache or by running the checker."""
-    version = _checker_version()
-    keys = [cache.key(r.path, ruleset, version) for r in runs]
+    checker = _checker_version()
+    keys = [cache.key(r.path, ruleset, checker) for r in runs]
     todo = [(r, k) for r, k in zip(runs, keys) if k not in cache.entries]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         verdicts = list(pool.map(lambda rk: run_compliance_checker(rk[0].path, ruleset), todo))

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +151,6 @@ def software_fields() -> dict[str, Any]:
     with contextlib.suppress(AttributeError, RuntimeError):
         nccl = torch.cuda.nccl.version()
         parts.append("NCCL " + (".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)))
-    from importlib.metadata import PackageNotFoundError, version
-
     for dist, name in (
         ("triton", "Triton"),
         ("nvidia-dali-cuda120", "DALI"),
