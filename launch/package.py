@@ -30,7 +30,7 @@ from pathlib import Path
 from common.errors import UserError
 from common.files import publishing_dir
 from launch import system_desc
-from launch.summarize import SummaryError, find_logs, read_events
+from launch.summarize import SummaryError, find_logs, first_value, read_events
 
 BENCHMARK = "bert"
 RULESET = "5.0.0"
@@ -67,7 +67,7 @@ def collect_logs(inputs: list[str]) -> list[Path]:
                 for key in ("run_start", "run_stop"):
                     if key not in keys:
                         raise PackageError(f"{log}: no {key} line; an MLPerf result log has one")
-                benchmark = next((e.value for e in events if e.key == "submission_benchmark"), None)
+                benchmark = first_value(events, "submission_benchmark")
                 if benchmark != BENCHMARK:
                     raise PackageError(f"{log}: submission_benchmark is {benchmark!r}, not {BENCHMARK!r}")
                 logs.append(log)
@@ -80,15 +80,11 @@ def collect_logs(inputs: list[str]) -> list[Path]:
     return logs
 
 
-def log_value(log: Path, key: str):
-    return next((e.value for e in read_events(log) if e.key == key), None)
-
-
 def nodes_of(logs: list[Path]) -> str:
     """number_of_nodes from submission_platform (``<nodes>x<system>``), when the logs agree."""
     counts = set()
     for log in logs:
-        platform = log_value(log, "submission_platform")
+        platform = first_value(read_events(log), "submission_platform")
         match = re.match(r"(\d+)x", platform) if isinstance(platform, str) else None
         counts.add(match.group(1) if match else None)
     return counts.pop() if len(counts) == 1 and None not in counts else "1"
@@ -270,7 +266,7 @@ def make_package(args) -> tuple[Path, list[Verdict]]:
         raise PackageError(f"--code {code}: no such directory")
     logs = collect_logs(args.inputs)
     for log in logs:
-        division = log_value(log, "submission_division")
+        division = first_value(read_events(log), "submission_division")
         if division != args.division:
             raise PackageError(f"{log}: submission_division is {division!r}, but --division is {args.division!r}")
     if args.system_desc:

@@ -112,6 +112,11 @@ def read_events(path: Path) -> list[Event]:
     return events
 
 
+def first_value(events: list[Event], key: str):
+    """The value of the first ``key`` event, else None."""
+    return next((e.value for e in events if e.key == key), None)
+
+
 def summarize_run(path: Path) -> RunResult:
     """Status, time to train and samples of one run's log (no compliance check)."""
     events = read_events(path)
@@ -129,13 +134,10 @@ def summarize_run(path: Path) -> RunResult:
     if not isinstance(status, str):
         raise SummaryError(f"{path}:{stop.lineno}: run_stop has no metadata.status")
 
-    def first(key):
-        return next((e.value for e in events if e.key == key), None)
-
     trained = [e.value for e in during if e.key == "train_samples" and isinstance(e.value, int)]
     evals = [e.metadata.get("epoch_num") for e in during if e.key == "eval_accuracy"]
     samples = (trained or [n for n in evals if isinstance(n, int)] or [None])[-1]
-    seed, batch = first("seed"), first("global_batch_size")
+    seed, batch = first_value(events, "seed"), first_value(events, "global_batch_size")
     return RunResult(
         path,
         status,
@@ -143,7 +145,7 @@ def summarize_run(path: Path) -> RunResult:
         samples,
         seed=seed if isinstance(seed, int) else None,
         batch_size=batch if isinstance(batch, int) else None,
-        division=first("submission_division"),
+        division=first_value(events, "submission_division"),
     )
 
 
