@@ -245,9 +245,8 @@ class MLPerfLogger:
     def block_stop(self, samples: int) -> None:
         """Closes the open block at ``samples`` trained."""
         samples = _int("samples", samples)
-        first = self._open.get("block")
         # As NVIDIA's v4.0 logs: block_stop carries first_epoch_num only.
-        self._stop_interval("block", C.BLOCK_STOP, samples, {C.FIRST_EPOCH_NUM: first})
+        self._stop_interval("block", C.BLOCK_STOP, samples, {C.FIRST_EPOCH_NUM: self._open.get("block")})
 
     def eval_start(self, samples: int) -> None:
         """Opens an evaluation of the model trained on ``samples`` samples."""
@@ -292,7 +291,7 @@ class MLPerfLogger:
         missing = [key for key in (C.TRAIN_SAMPLES, C.EVAL_SAMPLES) if key not in self._done]
         if missing:
             raise RuntimeError(f"MLPerf log: call {'() and '.join(missing)}() before run_stop()")
-        samples = self._advance(samples)
+        self._advance(samples)
         self._emit("end", C.RUN_STOP, None, {C.STATUS: status})  # as NVIDIA's v4.0 logs
         self._phase = _STOPPED
 
