@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import UserError
@@ -49,7 +49,7 @@ class PackageError(UserError):
 class Verdict:
     name: str
     passed: bool
-    lines: list[str] = field(default_factory=list)
+    lines: list[str]
 
 
 def collect_logs(inputs: list[str]) -> list[Path]:
