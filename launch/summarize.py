@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             check_runs([r for rs in runs for r in rs], args.ruleset, cache, args.jobs)
         summaries = [summarize_directory(d, rs, args.rcp_ruleset) for d, rs in zip(args.dirs, runs)]
         ruleset = None if args.no_check else args.ruleset
-        print(format_table(summaries, args.ruleset if ruleset else "not checked"), end="")
+        print(format_table(summaries, ruleset or "not checked"), end="")
         if args.json:
             write_text(args.json, json.dumps(to_json(summaries, ruleset), indent=2) + "\n")
             print(f"wrote {args.json}")
