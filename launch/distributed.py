@@ -216,11 +216,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         return _initialised
 
     launch = detect_launcher(os.environ)
-    if (
-        launch.launcher in MPI_LAUNCHERS
-        and launch.world_size > 1
-        and (launch.master_addr is None or launch.master_port is None or launch.local_rank is None)
-    ):
+    unresolved = None in (launch.master_addr, launch.master_port, launch.local_rank)
+    if launch.launcher in MPI_LAUNCHERS and launch.world_size > 1 and unresolved:
         launch = _resolve_with_mpi(launch)
     assert launch.local_rank is not None  # every launcher path above has set it
 

@@ -13,6 +13,7 @@ errors (the package stays), 2 for bad input: docs/mlperf.md, "Reproducing a clos
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import logging.handlers
@@ -22,13 +23,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import UserError
 from common.files import publishing_dir
 from launch import system_desc
-from launch.summarize import SummaryError, find_logs, read_events
+from launch.summarize import SummaryError, find_logs, first_value, read_events
 
 BENCHMARK = "bert"
 RULESET = "5.0.0"
@@ -47,7 +49,7 @@ class PackageError(UserError):
 class Verdict:
     name: str
     passed: bool
-    lines: list[str] = field(default_factory=list)
+    lines: list[str]
 
 
 def collect_logs(inputs: list[str]) -> list[Path]:
@@ -65,7 +67,7 @@ def collect_logs(inputs: list[str]) -> list[Path]:
                 for key in ("run_start", "run_stop"):
                     if key not in keys:
                         raise PackageError(f"{log}: no {key} line; an MLPerf result log has one")
-                benchmark = next((e.value for e in events if e.key == "submission_benchmark"), None)
+                benchmark = first_value(events, "submission_benchmark")
                 if benchmark != BENCHMARK:
                     raise PackageError(f"{log}: submission_benchmark is {benchmark!r}, not {BENCHMARK!r}")
                 logs.append(log)
@@ -78,15 +80,11 @@ def collect_logs(inputs: list[str]) -> list[Path]:
     return logs
 
 
-def log_value(log: Path, key: str):
-    return next((e.value for e in read_events(log) if e.key == key), None)
-
-
 def nodes_of(logs: list[Path]) -> str:
     """number_of_nodes from submission_platform (``<nodes>x<system>``), when the logs agree."""
     counts = set()
     for log in logs:
-        platform = log_value(log, "submission_platform")
+        platform = first_value(read_events(log), "submission_platform")
         match = re.match(r"(\d+)x", platform) if isinstance(platform, str) else None
         counts.add(match.group(1) if match else None)
     return counts.pop() if len(counts) == 1 and None not in counts else "1"
@@ -160,19 +158,19 @@ def build_tree(
         raise PackageError(f"--code {code}: no README.md; MLPerf implementations carry one")
 
 
-def _captured(fn, *args, **kwargs):
-    """fn's result and the INFO and higher records logged while it ran."""
+@contextlib.contextmanager
+def _captured():
+    """The INFO and higher records logged inside the block (a list, filled as they come)."""
     root = logging.getLogger()
     handler, level = logging.handlers.BufferingHandler(capacity=1 << 30), root.level  # never flushed
     handler.setLevel(logging.INFO)
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     try:
-        result = fn(*args, **kwargs)
+        yield handler.buffer
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
-    return result, handler.buffer
 
 
 def _messages(records) -> list[str]:
@@ -192,24 +190,20 @@ def _messages(records) -> list[str]:
 def run_package_checker(package: Path) -> Verdict:
     """mlperf_logging.package_checker's checks on ORG's tree (its CLI always exits 0, so its
     two check functions are called directly and their verdicts combined as its main does)."""
-    import warnings
-
     from mlperf_logging.package_checker import package_checker as pc
 
-    def both():
-        systems_ok = pc.check_systems(str(package), USAGE, RULESET)
-        no_bypass = dict(
-            quiet=False, werror=False, rcp_bypass=False, rcp_bert_train_samples=False, seed_checker_bypass=False
-        )
-        return systems_ok, pc.check_training_result_files(str(package), USAGE, RULESET, **no_bypass)
-
+    no_bypass = dict(
+        quiet=False, werror=False, rcp_bypass=False, rcp_bert_train_samples=False, seed_checker_bypass=False
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cwd = os.getcwd()
         with tempfile.TemporaryDirectory(prefix="package-check-") as tmp:
             os.chdir(tmp)  # the compliance checker may write beside itself
             try:
-                (systems_ok, results_ok), records = _captured(both)
+                with _captured() as records:
+                    systems_ok = pc.check_systems(str(package), USAGE, RULESET)
+                    results_ok = pc.check_training_result_files(str(package), USAGE, RULESET, **no_bypass)
             finally:
                 os.chdir(cwd)
     lines = _messages(records)
@@ -229,17 +223,17 @@ def run_rcp_checker(results: Path, division: str) -> Verdict:
     open division needs no RCP: there the verdict is reported but does not fail the package."""
     from mlperf_logging.rcp_checker import rcp_checker
 
-    (passed, message, norm), records = _captured(
-        rcp_checker.check_directory,
-        str(results),
-        USAGE,
-        RULESET,
-        verbose=False,
-        bert_train_samples=False,
-        rcp_pass="pruned_rcps",
-        rcp_bypass=False,
-        set_scaling=division == "closed",
-    )
+    with _captured() as records:
+        passed, message, norm = rcp_checker.check_directory(
+            str(results),
+            USAGE,
+            RULESET,
+            verbose=False,
+            bert_train_samples=False,
+            rcp_pass="pruned_rcps",
+            rcp_bypass=False,
+            set_scaling=division == "closed",
+        )
     lines = [message]
     if message.startswith("Missing RCP"):
         known = sorted(
@@ -272,7 +266,7 @@ def make_package(args) -> tuple[Path, list[Verdict]]:
         raise PackageError(f"--code {code}: no such directory")
     logs = collect_logs(args.inputs)
     for log in logs:
-        division = log_value(log, "submission_division")
+        division = first_value(read_events(log), "submission_division")
         if division != args.division:
             raise PackageError(f"{log}: submission_division is {division!r}, but --division is {args.division!r}")
     if args.system_desc:

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +112,11 @@ def read_events(path: Path) -> list[Event]:
     return events
 
 
+def first_value(events: list[Event], key: str):
+    """The value of the first ``key`` event, else None."""
+    return next((e.value for e in events if e.key == key), None)
+
+
 def summarize_run(path: Path) -> RunResult:
     """Status, time to train and samples of one run's log (no compliance check)."""
     events = read_events(path)
@@ -119,22 +125,19 @@ def summarize_run(path: Path) -> RunResult:
     start_i = next((i for i, e in enumerate(events) if e.key == "run_start"), None)
     if start_i is None:
         raise SummaryError(f"{path}: no run_start event")
-    start = events[start_i]
-    stop = next((e for e in events[start_i:] if e.key == "run_stop"), None)
+    during = events[start_i:]
+    start = during[0]
+    stop = next((e for e in during if e.key == "run_stop"), None)
     if stop is None:
         raise SummaryError(f"{path}: no run_stop event after run_start (line {start.lineno})")
     status = stop.metadata.get("status")
     if not isinstance(status, str):
         raise SummaryError(f"{path}:{stop.lineno}: run_stop has no metadata.status")
 
-    def first(key):
-        return next((e.value for e in events if e.key == key), None)
-
-    during = events[start_i:]
     trained = [e.value for e in during if e.key == "train_samples" and isinstance(e.value, int)]
     evals = [e.metadata.get("epoch_num") for e in during if e.key == "eval_accuracy"]
     samples = (trained or [n for n in evals if isinstance(n, int)] or [None])[-1]
-    seed, batch = first("seed"), first("global_batch_size")
+    seed, batch = first_value(events, "seed"), first_value(events, "global_batch_size")
     return RunResult(
         path,
         status,
@@ -142,7 +145,7 @@ def summarize_run(path: Path) -> RunResult:
         samples,
         seed=seed if isinstance(seed, int) else None,
         batch_size=batch if isinstance(batch, int) else None,
-        division=first("submission_division"),
+        division=first_value(events, "submission_division"),
     )
 
 
@@ -257,8 +260,6 @@ def official_problems(runs: list[RunResult]) -> list[str]:
 
 
 def _checker_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("mlperf-logging")
     except PackageNotFoundError:
@@ -324,8 +325,8 @@ def default_cache_file() -> Path:
 
 def check_runs(runs: list[RunResult], ruleset: str, cache: ComplianceCache, workers: int) -> None:
     """Fill in each run's compliance verdict, from the cache or by running the checker."""
-    version = _checker_version()
-    keys = [cache.key(r.path, ruleset, version) for r in runs]
+    checker = _checker_version()
+    keys = [cache.key(r.path, ruleset, checker) for r in runs]
     todo = [(r, k) for r, k in zip(runs, keys) if k not in cache.entries]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         verdicts = list(pool.map(lambda rk: run_compliance_checker(rk[0].path, ruleset), todo))
@@ -489,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             check_runs([r for rs in runs for r in rs], args.ruleset, cache, args.jobs)
         summaries = [summarize_directory(d, rs, args.rcp_ruleset) for d, rs in zip(args.dirs, runs)]
         ruleset = None if args.no_check else args.ruleset
-        print(format_table(summaries, args.ruleset if ruleset else "not checked"), end="")
+        print(format_table(summaries, ruleset or "not checked"), end="")
         if args.json:
             write_text(args.json, json.dumps(to_json(summaries, ruleset), indent=2) + "\n")
             print(f"wrote {args.json}")

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +81,7 @@ def gpu_fields() -> dict[str, Any]:
         "accelerator_host_interconnect": f"PCIe Gen{gen} x{width}" if gen.isdigit() else "",
         "accelerator_memory_configuration": "HBM" if re.search(r"[AHB]\d{3}|GH200|GB200", name) else "",
     }
-    links = _run("nvidia-smi", "nvlink", "--status", "-i", "0")
-    speeds = re.findall(r"Link \d+: ([\d.]+) GB/s", links)
+    speeds = re.findall(r"Link \d+: ([\d.]+) GB/s", _run("nvidia-smi", "nvlink", "--status", "-i", "0"))
     if speeds:
         total = sum(float(s) for s in speeds)
         fields["accelerator_interconnect"] = f"{len(speeds)}x NVLink, {total:.0f} GB/s per GPU"
@@ -93,32 +93,23 @@ def gpu_fields() -> dict[str, Any]:
 
 
 def cpu_fields() -> dict[str, Any]:
-    info = {}
-    for line in _run("lscpu").splitlines():
-        key, _, value = line.partition(":")
-        info[key.strip()] = value.strip()
+    info = {
+        key.strip(): value.strip() for key, _, value in (line.partition(":") for line in _run("lscpu").splitlines())
+    }
     fields: dict[str, Any] = {"host_processor_vcpu_count": os.cpu_count() or ""}
     if not info:
         fields["host_processor_model_name"] = platform.processor() or platform.machine()
         return fields
-    sockets = int(info.get("Socket(s)", "1") or 1)
-    cores = int(info.get("Core(s) per socket", "0") or 0)
     fields.update(
-        {
-            "host_processors_per_node": sockets,
-            "host_processor_model_name": info.get("Model name", ""),
-            "host_processor_core_count": cores or "",
-            "host_processor_vcpu_count": int(info.get("CPU(s)", fields["host_processor_vcpu_count"]) or 0),
-        }
+        host_processors_per_node=int(info.get("Socket(s)", "1") or 1),
+        host_processor_model_name=info.get("Model name", ""),
+        host_processor_core_count=int(info.get("Core(s) per socket", "0") or 0) or "",
+        host_processor_vcpu_count=int(info.get("CPU(s)", fields["host_processor_vcpu_count"]) or 0),
     )
     mhz = info.get("CPU max MHz") or info.get("CPU MHz")
     if mhz:
         fields["host_processor_frequency"] = f"{float(mhz):.0f} MHz"
-    caches = [
-        f"{name} {info[key]}"
-        for key, name in (("L1d cache", "L1d"), ("L1i cache", "L1i"), ("L2 cache", "L2"), ("L3 cache", "L3"))
-        if info.get(key)
-    ]
+    caches = [f"{name} {info[f'{name} cache']}" for name in ("L1d", "L1i", "L2", "L3") if info.get(f"{name} cache")]
     fields["host_processor_caches"] = ", ".join(caches)
     return fields
 
@@ -150,8 +141,6 @@ def software_fields() -> dict[str, Any]:
     with contextlib.suppress(AttributeError, RuntimeError):
         nccl = torch.cuda.nccl.version()
         parts.append("NCCL " + (".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)))
-    from importlib.metadata import PackageNotFoundError, version
-
     for dist, name in (
         ("triton", "Triton"),
         ("nvidia-dali-cuda120", "DALI"),

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections import deque
+from itertools import islice
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -142,18 +143,16 @@ class SpikeCounter:
         self.count = 0
         self.spikes = 0
 
-    def add(self, value: float) -> bool:
-        spike = False
-        if self.count >= 2:
-            prev = np.asarray(self.previous, dtype=np.float64)
-            prev = prev[np.isfinite(prev)]
-            if len(prev) >= 2:
-                mean = prev.mean()
-                spike = not np.isfinite(value) or (value > mean and value >= mean + self.sigmas * prev.std())
+    def add(self, value: float) -> float:
+        """Counts ``value``; returns the score after it."""
+        prev = np.asarray(self.previous, dtype=np.float64)
+        prev = prev[np.isfinite(prev)]
+        if len(prev) >= 2:
+            mean = prev.mean()
+            self.spikes += bool(not np.isfinite(value) or (value > mean and value >= mean + self.sigmas * prev.std()))
         self.previous.append(value)
         self.count += 1
-        self.spikes += bool(spike)
-        return bool(spike)
+        return self.score
 
     @property
     def score(self) -> float:
@@ -193,12 +192,8 @@ class DeviceCounters:
         if c is not None and c.num_tensors:
             names.update(num_clipped=c.num_clipped, clip_ratio=c.clip_ratio)
         flat = [t.detach().reshape(-1).to(torch.float64) for t in names.values()]
-        values = torch.cat(flat).tolist()  # the one read
-        out, at = {}, 0
-        for name, t in zip(names, flat):
-            n = t.numel()
-            out[name] = values[at : at + n] if names[name].dim() else values[at]
-            at += n
+        values = iter(torch.cat(flat).tolist())  # the one read
+        out = {name: list(islice(values, t.numel())) if t.dim() else next(values) for name, t in names.items()}
         out["skipped"], out["in_row"] = int(out["skipped"]), int(out["in_row"])
         out["adagc"] = {}
         if "num_clipped" in out:

@@ -30,7 +30,6 @@ from common.errors import OutputError, UserError
 DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 QUORUM_KEY = "quorum_change"  # dist.fault_tolerance: not an MLPerf key (the closed division refuses the mode)
-SUBMISSION_STATUSES = ("onprem", "cloud", "research", "preview")  # log values, as in NVIDIA's logs
 BENCHMARK = C.BERT
 # The values the rules accept for lowest_numerical_precision_in_* that this trainer can produce.
 PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")
@@ -57,8 +56,8 @@ _RUNNING, _STOPPED = "after run_start", "after run_stop"
 
 class MLPerfLogger:
     """Writes one run's MLPerf log on rank 0 (only rank 0 opens anything); validates the call order on
-    every rank. ``path`` None: the lines go to stdout (where submissions capture them); ``echo``: to
-    stdout as well. ``platform``: ``submission_platform``, ``<nodes>x<system>`` (``"1xNVIDIA DGX A100"``).
+    every rank. ``path`` None: the lines go to stdout (where submissions capture them).
+    ``platform``: ``submission_platform``, ``<nodes>x<system>`` (``"1xNVIDIA DGX A100"``).
     ``resume``: append to an interrupted run's log, which must hold ``run_start`` and none of
     ``train_samples``, ``eval_samples``, ``run_stop``; a partial last line (a killed writer) is cut off.
     """
@@ -70,17 +69,13 @@ class MLPerfLogger:
         division: str,
         submitter: str = "unspecified",
         platform: str = "unspecified",
-        status: str = "onprem",
-        echo: bool = False,
         resume: bool = False,
     ):
         if division not in DIVISIONS:
             raise ValueError(f"MLPerf log: division must be one of {DIVISIONS}, got {division!r}")
-        if status not in SUBMISSION_STATUSES:
-            raise ValueError(f"MLPerf log: submission status must be one of {SUBMISSION_STATUSES}, got {status!r}")
         if resume and path is None:
             raise ValueError("MLPerf log: resume needs a log file path, got None")
-        self.rank, self.division, self.status = rank, division, status
+        self.rank, self.division = rank, division
         self.submitter, self.platform = submitter, platform
         self.path = None if path is None else Path(path)
 
@@ -93,29 +88,25 @@ class MLPerfLogger:
         self._samples = 0  # largest samples count logged so far, to catch counters going back
 
         self._logger = logging.Logger(f"{__name__}.rank{rank}")  # unregistered: no propagation
-        self._handlers: list[logging.Handler] = []
         self._mllog = None
         if rank == 0:
             if resume:
                 _check_resumable(self.path)
-            if self.path is not None:
+            if self.path is None:
+                handler = logging.StreamHandler(sys.stdout)
+            else:
                 try:
                     handler = logging.FileHandler(self.path, mode="a" if resume else "w", encoding="utf-8")
                 except OSError as e:
                     raise OutputError(f"MLPerf log: cannot open {self.path} for writing: {e.strerror or e}") from e
-                self._handlers.append(handler)
-            if self.path is None or echo:
-                self._handlers.append(logging.StreamHandler(sys.stdout))
-            for handler in self._handlers:
-                self._logger.addHandler(handler)
+            self._logger.addHandler(handler)
             self._mllog = MLLogger(logger=self._logger, root_dir=re.escape(_REPO_ROOT))
 
     def close(self) -> None:
         """Flushes and closes the log file. Further calls still validate but write nothing."""
-        for handler in self._handlers:
+        for handler in list(self._logger.handlers):
             self._logger.removeHandler(handler)
             handler.close()
-        self._handlers.clear()
         self._mllog = None
 
     # -- initialisation: before run_start ------------------------------------------------
@@ -139,7 +130,7 @@ class MLPerfLogger:
         self._emit("event", C.SUBMISSION_BENCHMARK, BENCHMARK)
         self._emit("event", C.SUBMISSION_ORG, self.submitter)
         self._emit("event", C.SUBMISSION_DIVISION, self.division)
-        self._emit("event", C.SUBMISSION_STATUS, self.status)
+        self._emit("event", C.SUBMISSION_STATUS, "onprem")  # as in NVIDIA's logs
         self._emit("event", C.SUBMISSION_PLATFORM, self.platform)
 
     def hyperparameters(
@@ -254,9 +245,8 @@ class MLPerfLogger:
     def block_stop(self, samples: int) -> None:
         """Closes the open block at ``samples`` trained."""
         samples = _int("samples", samples)
-        first = self._open.get("block")
         # As NVIDIA's v4.0 logs: block_stop carries first_epoch_num only.
-        self._stop_interval("block", C.BLOCK_STOP, samples, {C.FIRST_EPOCH_NUM: first})
+        self._stop_interval("block", C.BLOCK_STOP, samples, {C.FIRST_EPOCH_NUM: self._open.get("block")})
 
     def eval_start(self, samples: int) -> None:
         """Opens an evaluation of the model trained on ``samples`` samples."""
@@ -301,7 +291,7 @@ class MLPerfLogger:
         missing = [key for key in (C.TRAIN_SAMPLES, C.EVAL_SAMPLES) if key not in self._done]
         if missing:
             raise RuntimeError(f"MLPerf log: call {'() and '.join(missing)}() before run_stop()")
-        samples = self._advance(samples)
+        self._advance(samples)
         self._emit("end", C.RUN_STOP, None, {C.STATUS: status})  # as NVIDIA's v4.0 logs
         self._phase = _STOPPED
 

@@ -33,7 +33,6 @@ SCALARS = {
 
 class TensorBoardSink:
     def __init__(self, log_dir: str, config: dict, resume_step: int | None = None, history: list[dict] = ()):
-
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -52,9 +51,7 @@ class TensorBoardSink:
 
     def _count_spikes(self, record: dict) -> dict[str, float]:
         return {
-            f"spikes/{key}_score": (counter.add(record[key]), counter.score)[1]
-            for key, counter in self.spikes.items()
-            if key in record
+            f"spikes/{key}_score": counter.add(record[key]) for key, counter in self.spikes.items() if key in record
         }
 
     def write(self, record: dict) -> None:
