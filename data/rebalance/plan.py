@@ -46,8 +46,7 @@ class Cost(NamedTuple):
 
 # BERT-large's FLOPs (h = 1024): c(L) = 1728 h^2 L + 288 h L^2 ~ L + L^2 / (6 h), so a = 1 and b = 1 / 6144
 # (derived in docs/rebalancing.md). Measured step times can be fitted to a and b instead.
-BERT_LARGE_HIDDEN = 1024
-DEFAULT_COST = Cost(a=1.0, b=1.0 / (6 * BERT_LARGE_HIDDEN))
+DEFAULT_COST = Cost(a=1.0, b=1.0 / 6144)
 
 # Integer costs: every rank must compute a bit-identical plan, and float sums may round differently across
 # CPUs (SIMD widths); integer sums cannot. A sample of maximal length costs 2**20, so W*B*2**20 stays far inside int64.
@@ -184,16 +183,7 @@ class _Swapper:
     holds at most B + extra. With ``extra`` = 0 (``balanced``) every rank keeps exactly B.
     """
 
-    def __init__(
-        self,
-        q: np.ndarray,
-        L: np.ndarray,
-        load: np.ndarray,
-        rows: np.ndarray,
-        fine_candidates: int = 8,
-        extra: int = 0,
-        floor: int = 1,
-    ):
+    def __init__(self, q: np.ndarray, L: np.ndarray, load: np.ndarray, rows: np.ndarray, extra: int, floor: int):
         W, n = L.shape
         B = n + extra  # slots per row
         self.W, self.B, self.floor, self.extra = W, B, floor, extra
@@ -206,7 +196,7 @@ class _Swapper:
         self.real = np.full(W, n, dtype=np.int64)  # samples each rank holds
         self.nfz = np.zeros(W, dtype=np.int64)  # frozen (-1) entries per row
         self.load = load.copy()
-        self.nf = min(fine_candidates, B)
+        self.nf = min(8, B)  # candidates for the fine swap
         self.moved_gid: list[np.ndarray] = [np.zeros(0, np.int64)]
         self.moved_to: list[np.ndarray] = [np.zeros(0, np.int64)]
 
@@ -291,44 +281,48 @@ class _Swapper:
         return 2 * len(pp)
 
     def balance_groups(self, groups: np.ndarray, tol: float, max_rounds: int, w: np.ndarray) -> None:
-        """Balance the ranks within each row of ``groups`` [ng, G] towards their group's mean (rank r's
-        share in proportion to its weight ``w[r]``; all ones: equal shares).
-
-        Each round pairs the i-th most loaded rank of a group with its i-th least loaded and moves
-        t = min(excess, half the gap): the pair ends equal, or the heavy one at the mean when the light
-        one has room to spare. Ranks within ``tol`` of the mean are left alone, which keeps moves low.
-        With empty slots (``extra``) the least loaded rank may be full and take no more samples: a round
-        that moves nothing is tried again pairing the i-th most loaded with the (i + 1)-th least, and so on.
-        """
-        ng, G = groups.shape
-        half = G // 2
-        gi = np.arange(ng)[:, None]
-        wg = w[groups]
-        wt = wg.sum(1)[:, None]
+        """Balance the ranks within each row of ``groups`` [ng, G] towards their group's weighted mean,
+        a round of ``_pair_up``'s pairs at a time. With empty slots (``extra``) the least loaded rank may
+        be full and take no more samples: a round that moves nothing is tried again pairing the i-th most
+        loaded with the (i + 1)-th least, and so on."""
         rotate = 0
         for _ in range(max_rounds):
-            lg = self.load[groups]
-            tot = lg.sum(1)[:, None]
-            e = wt * lg - tot * wg  # excess in units of 1/wt cost; sums to 0 per group
-            slack = (tol * tot * wg).astype(np.int64)
-            if G < 2 or (e <= slack).all():
+            pairs = _pair_up(self.load, w, groups, tol, rotate)
+            if pairs is None:
                 return
-            order = np.argsort(e, axis=1, kind="stable")
-            under_l, over_l = np.roll(order[:, :half], -rotate, axis=1), order[:, ::-1][:, :half]
-            eo, eu = e[gi, over_l], e[gi, under_l]
-            t = np.minimum(eo, (eo - eu) // 2) // wt
-            act = (eo > slack[gi, over_l]) & (t > 0)
-            over, under = groups[gi, over_l][act], groups[gi, under_l][act]
-            if not act.any() or self.swap(over, under, t[act]) == 0:
-                rotate += 1
-                if not self.extra or rotate >= half:
-                    return
+            if len(pairs[0]) and self.swap(*pairs):
+                rotate = 0
                 continue
-            rotate = 0
+            rotate += 1
+            if not self.extra or rotate >= groups.shape[1] // 2:
+                return
 
     def dest(self) -> tuple[np.ndarray, np.ndarray]:
         """(global ids, destination ranks) of every sample moved so far."""
         return np.concatenate(self.moved_gid), np.concatenate(self.moved_to)
+
+
+def _pair_up(load: np.ndarray, w: np.ndarray, groups: np.ndarray, tol: float, rotate: int = 0):
+    """One round's pairs (over, under, t) within each row of ``groups`` [ng, G], or None once every rank
+    is within ``tol`` of its group's mean (rank r's share in proportion to its weight ``w[r]``).
+
+    The i-th most loaded rank of a group is paired with its (i + ``rotate``)-th least loaded and moves
+    t = min(excess, half the gap): the pair ends equal, or the heavy one at the mean when the light
+    one has room to spare. Ranks within ``tol`` of the mean are left alone, which keeps moves low.
+    """
+    lg, wg = load[groups], w[groups]
+    tot, wt = lg.sum(1)[:, None], wg.sum(1)[:, None]
+    e = wt * lg - tot * wg  # excess in units of 1/wt cost; sums to 0 per group
+    slack = (tol * tot * wg).astype(np.int64)
+    if groups.shape[1] < 2 or (e <= slack).all():
+        return None
+    gi, half = np.arange(len(groups))[:, None], groups.shape[1] // 2
+    order = np.argsort(e, axis=1, kind="stable")
+    under, over = np.roll(order[:, :half], -rotate, axis=1), order[:, ::-1][:, :half]
+    eo, eu = e[gi, over], e[gi, under]
+    t = np.minimum(eo, (eo - eu) // 2) // wt
+    act = (eo > slack[gi, over]) & (t > 0)
+    return groups[gi, over][act], groups[gi, under][act], t[act]
 
 
 def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int, w: np.ndarray) -> tuple[list, np.ndarray]:
@@ -338,25 +332,15 @@ def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int, w: np.ndarray)
     rank computes the same pairs in O(W log W) per round, and each pair's actual swap depends only on
     the two ranks' histories (see ``plan_for_rank``).
     """
-    W = len(load)
-    p = load.copy()
-    total, wt = int(p.sum()), int(w.sum())
-    slack = (tol * total * w).astype(np.int64)
-    out = []
+    p, everyone, out = load.copy(), np.arange(len(load))[None], []
     for _ in range(rounds):
-        e = wt * p - total * w
-        if W < 2 or (e <= slack).all():
+        pairs = _pair_up(p, w, everyone, tol)
+        if pairs is None or not len(pairs[0]):
             break
-        order = np.argsort(e, kind="stable")
-        under, over = order[: W // 2], order[::-1][: W // 2]
-        t = np.minimum(e[over], (e[over] - e[under]) // 2) // wt
-        act = (e[over] > slack[over]) & (t > 0)
-        if not act.any():
-            break
-        over, under, t = over[act], under[act], t[act]
+        over, under, t = pairs
         p[over] -= t
         p[under] += t
-        out.append((over, under, t))
+        out.append(pairs)
     return out, p
 
 
