@@ -229,9 +229,8 @@ class OnlineModel:
         return out | ({"fit_residual": fit.residual} if math.isfinite(fit.residual) else {})
 
     def state_dict(self) -> dict:
-        window = [[list(e) for e in d] for d in self.steps]
         return {
-            "window": window,
+            "window": [[list(e) for e in d] for d in self.steps],
             "speeds": list(self.speeds),
             "cost": list(self.cost),
             "changed": sorted(self.changed.items()),
