@@ -244,13 +244,10 @@ class _Swapper:
         pos = np.searchsorted(keys, want.ravel()).reshape(P, self.nf)
         lo = (rows * B + np.minimum(k, B - 1))[:, None]
         hi = (rows * B + np.maximum(n_u - 1, 0))[:, None]
-        bflat = b.ravel()
-        j1 = np.minimum(np.maximum(pos, lo), hi)
-        j0 = np.minimum(np.maximum(pos - 1, lo), hi)
-        err1 = np.abs(ai - bflat[j1] - r[:, None])
-        err0 = np.abs(ai - bflat[j0] - r[:, None])
-        jb = np.where(err0 <= err1, j0, j1) - (rows * B)[:, None]
-        err = np.minimum(err0, err1)
+        j = np.minimum(np.maximum(np.stack([pos - 1, pos]), lo), hi)  # [2, P, nf]: the neighbours below and at
+        errs = np.abs(ai - b.ravel()[j] - r[:, None])
+        jb = np.where(errs[0] <= errs[1], j[0], j[1]) - (rows * B)[:, None]
+        err = errs.min(0)
         best = np.argmin(err, axis=1)
         fine = (err[rows, best] < r) & (k < n_o) & (k < n_u)  # strictly better than not swapping
 
@@ -268,11 +265,10 @@ class _Swapper:
         self.moved_gid += [self.K[ro, co] & gid_mask, self.K[ru, cu] & gid_mask]
         self.moved_to += [ru, ro]
         delta = np.bincount(pp, weights=(a[pp, i_o] - b[pp, j_u]), minlength=P).astype(np.int64)
-        self.load[over] -= delta
-        self.load[under] += delta
         one_way = np.bincount(pp, weights=(b[pp, j_u] == 0), minlength=P).astype(np.int64)  # into empty slots
-        self.real[over] -= one_way
-        self.real[under] += one_way
+        for state, change in ((self.load, delta), (self.real, one_way)):
+            state[over] -= change
+            state[under] += change
         self.K[ro, co] = -1
         self.K[ru, cu] = -1
         n = np.bincount(pp, minlength=P)
@@ -363,19 +359,15 @@ def _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, on
     if W % G:
         raise ValueError(f"group_size: {G} does not divide the world size {W}")
     pairs, planned = _cross_group_pairs(load, tol, cross_rounds if G < W else 0, w)
-    if only_group is None:
-        needed = [np.ones(W, bool)] * (len(pairs) + 1)
-    else:
-        # needed[r]: ranks whose state after round r is needed; walk the rounds backwards
-        need = np.zeros(W, bool)
-        need[only_group * G : (only_group + 1) * G] = True
-        needed = [need]
-        for over, under, _ in reversed(pairs):
-            partner = np.full(W, -1)
-            partner[over], partner[under] = under, over
-            need = need.copy()
-            need[partner[need & (partner >= 0)]] = True
-            needed.insert(0, need)
+    # needed[r]: ranks whose state after round r is needed; walk the rounds backwards
+    need = np.ones(W, bool) if only_group is None else np.arange(W) // G == only_group
+    needed = [need]
+    for over, under, _ in reversed(pairs):
+        partner = np.full(W, -1)
+        partner[over], partner[under] = under, over
+        need = need.copy()
+        need[partner[need & (partner >= 0)]] = True
+        needed.insert(0, need)
     sw = _Swapper(q, L, load, np.flatnonzero(needed[0]), extra=extra, floor=floor)
     for r, (over, under, t) in enumerate(pairs):
         keep = needed[r + 1][over] | needed[r + 1][under]
@@ -552,6 +544,11 @@ def plan_for_rank(
         args = (L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group, extra, floor)
         gid, to, _, planned = _balanced_moves(*args)
         before, after, moved = imbalance(load, w), imbalance(planned, w), None
+    return _rank_plan(rank, B, gid, to, before, after, moved)
+
+
+def _rank_plan(rank: int, B: int, gid: np.ndarray, to: np.ndarray, before, after, moved) -> RankPlan:
+    """``rank``'s RankPlan, given the global ids ``gid`` of the samples that move and their destinations ``to``."""
     out = (gid // B == rank) & (to != rank)
     send_dest, send_index = to[out], gid[out] % B
     order = np.lexsort((send_index, send_dest))
@@ -656,9 +653,4 @@ def context_plan_for_rank(
     if after >= before:  # the greedy placement is no better than where the samples are: move nothing
         dest, after = src, before
     gid = np.flatnonzero(dest != src)
-    to = dest[gid]
-    out = (gid // B == rank) & (to != rank)
-    send_dest, send_index = to[out], gid[out] % B
-    order = np.lexsort((send_index, send_dest))
-    recv = np.sort(gid[to == rank])
-    return RankPlan(rank, send_index[order], send_dest[order], recv // B, recv % B, before, after, gid.size)
+    return _rank_plan(rank, B, gid, dest[gid], before, after, gid.size)
