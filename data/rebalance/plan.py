@@ -597,16 +597,13 @@ def place_context(
     if threshold < 1 or (L < 1).any():
         raise ValueError("threshold and lengths: expected >= 1")
     w = np.ones(world, dtype=np.int64) if speeds is None else _weights_for("measured", speeds, world)
-    whole_q = sample_costs(L, cost)
-    piece_q = piece_costs(L, cp_size, cost)
-    scale = _COST_SCALE_MAX / max(float(whole_q.max()), 1e-300)
-    whole_i = np.maximum(np.rint(whole_q * scale), 1).astype(np.int64)
-    piece_i = np.maximum(np.rint(piece_q * scale), 1).astype(np.int64)
+    whole, piece = sample_costs(L, cost), piece_costs(L, cp_size, cost)
+    scale = _COST_SCALE_MAX / max(float(whole.max()), 1e-300)
+    whole_i, piece_i = (np.maximum(np.rint(x * scale), 1).astype(np.int64) for x in (whole, piece))
     # Integer loads, times as load / speed weight: one correctly rounded division of the same
     # integers on every rank (no float sums), so the comparisons agree everywhere.
     load = np.zeros(world, dtype=np.int64)
-    group = np.full(L.size, -1, dtype=np.int64)
-    rank = np.full(L.size, -1, dtype=np.int64)
+    group, rank = np.full((2, L.size), -1, dtype=np.int64)  # -1: split (rank), whole (group)
     long = np.flatnonzero(L > threshold)
     for i in long[np.lexsort((long, -piece_i[long]))]:  # by decreasing cost, then index
         after = ((load + piece_i[i]) / w).reshape(-1, cp_size).max(1)  # each group's slowest rank
