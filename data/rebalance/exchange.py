@@ -62,9 +62,7 @@ _ERRORS = {
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Concatenation of arange(starts[i], starts[i] + counts[i]) over i, vectorised."""
     counts = counts.astype(np.int64)
-    total = int(counts.sum())
-    out_starts = _offsets(counts)[:-1]
-    return np.repeat(starts.astype(np.int64) - out_starts, counts) + np.arange(total, dtype=np.int64)
+    return np.repeat(starts.astype(np.int64) - _offsets(counts)[:-1], counts) + np.arange(counts.sum())
 
 
 def _sample_of(offsets: np.ndarray, element: int) -> int:
@@ -166,7 +164,7 @@ class ExchangeStats:
 
 
 class Rebalancer:
-    """Balances sequence lengths across the ranks of ``group``, one exchange per step.
+    """Balances sequence lengths across the ranks, one exchange per step.
 
     strategy: one of ``STRATEGIES``; cost: a ``data.rebalance.plan.Cost`` or its tuple.
     batch_size: samples per rank per step (every rank must bring exactly this many; ``measured`` may hand
