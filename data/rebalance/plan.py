@@ -427,24 +427,21 @@ def assign(
     unit = exact[-1] / q[-1]  # reported costs: quantised costs in the caller's units
     load = q[L].sum(1)  # [W]
     ranks = np.repeat(np.arange(W, dtype=np.int32), B)  # [N]: each sample's own rank
-    if strategy == "none":
-        G, after, dest = np.arange(W * B).reshape(W, B), load, ranks
-    elif strategy == "stripe":
-        G = np.sort(_stripe(L), axis=1)  # deterministic order: by (source rank, source index)
-        after = q[L].ravel()[G].sum(1)
-        dest = np.empty(W * B, dtype=np.int32)
-        dest[G.ravel()] = ranks
-    else:
+    dest, after = ranks.copy(), None
+    if strategy == "stripe":
+        dest[_stripe(L).ravel()] = ranks
+    elif strategy != "none":
         opts = dict(extra=extra, floor=floor)
         gid, to, after, _ = _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, **opts)
-        dest = ranks.copy()
         dest[gid] = to
-        # stable: within a rank, by global id = (source rank, source index); int16 sorts in O(N)
-        order = np.argsort(dest.astype(np.int16) if W < 1 << 15 else dest, kind="stable")
-        counts = np.bincount(dest, minlength=W)
-        G = np.full((W, int(counts.max())), -1, dtype=np.int64)
-        at = dest[order]
-        G[at, np.arange(W * B) - _offsets(counts)[:-1][at]] = order
+    # stable: within a rank, by global id = (source rank, source index); int16 sorts in O(N)
+    order = np.argsort(dest.astype(np.int16) if W < 1 << 15 else dest, kind="stable")
+    counts = np.bincount(dest, minlength=W)
+    G = np.full((W, int(counts.max())), -1, dtype=np.int64)
+    at = dest[order]
+    G[at, np.arange(W * B) - _offsets(counts)[:-1][at]] = order
+    if after is None:  # none, stripe: every rank holds B samples
+        after = q[L].ravel()[G].sum(1)
     src_rank, src_index = np.divmod(G.astype(np.int32), np.int32(B))
     src_rank[G < 0], src_index[G < 0] = -1, -1
     return Assignment(
