@@ -186,7 +186,7 @@ class _Swapper:
     def __init__(self, q: np.ndarray, L: np.ndarray, load: np.ndarray, rows: np.ndarray, extra: int, floor: int):
         W, n = L.shape
         B = n + extra  # slots per row
-        self.W, self.B, self.floor, self.extra = W, B, floor, extra
+        self.B, self.floor, self.extra = B, floor, extra
         self.shift = max(1, (W * B - 1).bit_length())
         self.big = int(q.max()) + 2  # above every cost: marks "no sample here" for the light rank
         self.K = np.empty((W, B), dtype=np.int64)
@@ -209,8 +209,7 @@ class _Swapper:
         many L = 512, are no choice) and, for each, the light rank's sample nearest to it (one
         vectorised searchsorted). Returns the samples moved.
         """
-        B, sh, big = self.B, self.shift, self.big
-        P = len(over)
+        B, sh, big, P = self.B, self.shift, self.big, len(over)
         rows, cols = np.arange(P), np.arange(B)
         # sort only the rows used in this round (they shrink fast) and keep them sorted
         Ko = self.K[over] = np.sort(self.K[over], axis=1)
@@ -340,18 +339,15 @@ def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int, w: np.ndarray)
     return out, p
 
 
-def _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group=None, extra=0, floor=1):
+def _balanced_moves(L, q, load, w, extra, floor, tol, max_rounds, group_size, cross_rounds, only_group=None):
     """(moved global ids, their destinations, loads after, planned loads after) of ``balanced``.
 
     ``load``: [W] quantised loads before; ``w``: [W] speed weights or None (all equal); ``extra``,
-    ``floor``: a rank holds floor..B + extra samples (``_Swapper``; 0: exactly B). Loads after are
-    exact for the ranks whose samples were followed (all, unless ``only_group``); planned loads assume
-    every cross-group pair moved exactly its target and every group then reached its mean.
-    Hierarchical (``group_size`` < W): ``cross_rounds`` rounds of pairs across the job, then balancing
-    within groups of ``group_size`` consecutive ranks (a node). With ``only_group``, only the swaps that
-    group's final samples depend on are computed (its ranks' partners in the last cross round, theirs
-    in the round before, ...: at most group_size * 2**cross_rounds ranks, whatever W is), exactly as
-    the full computation does them.
+    ``floor``: see ``_Swapper``; the rest: see ``assign``. Loads after are exact for the ranks whose
+    samples were followed (all, unless ``only_group``); planned loads assume every cross-group pair hit
+    its target and every group its mean. With ``only_group``, only the swaps that group's final samples
+    depend on are computed (its ranks' partners in the last cross round, theirs in the round before, ...:
+    at most group_size * 2**cross_rounds ranks, whatever W is), exactly as the full computation does them.
     """
     W, B = L.shape
     w = np.ones(W, np.int64) if w is None else w
@@ -431,8 +427,7 @@ def assign(
     if strategy == "stripe":
         dest[_stripe(L).ravel()] = ranks
     elif strategy != "none":
-        opts = dict(extra=extra, floor=floor)
-        gid, to, after, _ = _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, **opts)
+        gid, to, after, _ = _balanced_moves(L, q, load, w, extra, floor, tol, max_rounds, group_size, cross_rounds)
         dest[gid] = to
     # stable: within a rank, by global id = (source rank, source index); int16 sorts in O(N)
     order = np.argsort(dest.astype(np.int16) if W < 1 << 15 else dest, kind="stable")
@@ -537,8 +532,7 @@ def plan_for_rank(
         extra, floor = _count_bounds(w, B, max_samples, min_samples)
         _, q = _cost_tables(int(L.max()), cost)
         load = q[L].sum(1)  # one pass over W*B; everything else is O(group_size * 2**cross_rounds * B)
-        only_group = rank // group_size
-        args = (L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group, extra, floor)
+        args = (L, q, load, w, extra, floor, tol, max_rounds, group_size, cross_rounds, rank // group_size)
         gid, to, _, planned = _balanced_moves(*args)
         before, after, moved = imbalance(load, w), imbalance(planned, w), None
     return _rank_plan(rank, B, gid, to, before, after, moved)
