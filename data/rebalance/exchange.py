@@ -378,7 +378,7 @@ class Rebalancer:
         self._delivered[step] = length_features(out.seq_lens, self.cost.window)
         t4 = time.perf_counter()
         ms = lambda a, b: (b - a) * 1e3  # noqa: E731
-        stats = ExchangeStats(
+        return out, ExchangeStats(
             step=step,
             strategy=self.strategy,
             imbalance_before=plan.imbalance_before,
@@ -398,7 +398,6 @@ class Rebalancer:
             hidden_fraction=0.0,
             fit=fit,
         )
-        return out, stats
 
     # -- measured: the window, the fit, the state -------------------------------------------
 
