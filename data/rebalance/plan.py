@@ -152,11 +152,11 @@ def check_cost(cost) -> Cost:
     return Cost(a, b, b_local, int(window))
 
 
-def _cost_tables(lmax: int, cost) -> tuple[np.ndarray, np.ndarray]:
-    """(float64 c(L), int64 quantised c(L)) for L = 0..lmax; lookups beat math on [W, B]."""
+def _cost_tables(lmax: int, cost) -> tuple[np.ndarray, float]:
+    """(int64 quantised c(L) for L = 0..lmax, the caller's cost per quantised unit); lookups beat math."""
     exact = sample_costs(np.arange(lmax + 1), check_cost(cost))
     quantised = np.maximum(np.rint(exact * (_COST_SCALE_MAX / exact[lmax])), 1).astype(np.int64)
-    return exact, quantised
+    return quantised, exact[lmax] / quantised[lmax]
 
 
 def _stripe(L: np.ndarray) -> np.ndarray:
@@ -419,8 +419,7 @@ def assign(
     W, B = L.shape
     w = _weights_for(strategy, speeds, W)
     extra, floor = _count_bounds(w, B, max_samples, min_samples)
-    exact, q = _cost_tables(int(L.max()), cost)
-    unit = exact[-1] / q[-1]  # reported costs: quantised costs in the caller's units
+    q, unit = _cost_tables(int(L.max()), cost)  # costs are reported in the caller's units
     load = q[L].sum(1)  # [W]
     ranks = np.repeat(np.arange(W, dtype=np.int32), B)  # [N]: each sample's own rank
     dest, after = ranks.copy(), None
@@ -530,7 +529,7 @@ def plan_for_rank(
             raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
         w = _weights_for(strategy, speeds, W)
         extra, floor = _count_bounds(w, B, max_samples, min_samples)
-        _, q = _cost_tables(int(L.max()), cost)
+        q, _ = _cost_tables(int(L.max()), cost)
         load = q[L].sum(1)  # one pass over W*B; everything else is O(group_size * 2**cross_rounds * B)
         args = (L, q, load, w, extra, floor, tol, max_rounds, group_size, cross_rounds, rank // group_size)
         gid, to, _, planned = _balanced_moves(*args)
