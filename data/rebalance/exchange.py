@@ -62,9 +62,7 @@ _ERRORS = {
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Concatenation of arange(starts[i], starts[i] + counts[i]) over i, vectorised."""
     counts = counts.astype(np.int64)
-    total = int(counts.sum())
-    out_starts = _offsets(counts)[:-1]
-    return np.repeat(starts.astype(np.int64) - out_starts, counts) + np.arange(total, dtype=np.int64)
+    return np.repeat(starts.astype(np.int64) - _offsets(counts)[:-1], counts) + np.arange(counts.sum())
 
 
 def _sample_of(offsets: np.ndarray, element: int) -> int:
@@ -81,30 +79,25 @@ def check_block(block: SampleBlock, batch_size: int, max_len: int) -> tuple[int,
     if len(block.masked_counts) != n or len(block.nsp_labels) != n:
         return 11, 0, len(block.masked_counts) if len(block.masked_counts) != n else len(block.nsp_labels)
     L = block.seq_lens.astype(np.int64)
-    bad = np.flatnonzero((L < 1) | (L > max_len))
-    if len(bad):
+    if len(bad := np.flatnonzero((L < 1) | (L > max_len))):
         return 3, int(bad[0]), int(L[bad[0]])
     if L.sum() != len(block.input_ids) or L.sum() != len(block.segment_ids):
         return 4, 0, len(block.input_ids)
     m = block.masked_counts.astype(np.int64)
-    bad = np.flatnonzero((m < 0) | (m > L) | (m > _MAX_MASKED))
-    if len(bad):
+    if len(bad := np.flatnonzero((m < 0) | (m > L) | (m > _MAX_MASKED))):
         return 5, int(bad[0]), int(m[bad[0]])
     if m.sum() != len(block.masked_positions) or m.sum() != len(block.masked_ids):
         return 6, 0, len(block.masked_positions)
     pos = block.masked_positions.astype(np.int64)
-    bad = np.flatnonzero((pos < 0) | (pos >= np.repeat(L, m)))
-    if len(bad):
+    if len(bad := np.flatnonzero((pos < 0) | (pos >= np.repeat(L, m)))):
         return 7, _sample_of(_offsets(m), bad[0]), int(pos[bad[0]])
     tok_off = _offsets(L)
     for code, values, hi in ((8, block.input_ids, _MAX_TOKEN_ID), (9, block.segment_ids, 1)):
         v = values.astype(np.int64)
-        bad = np.flatnonzero((v < 0) | (v > hi))
-        if len(bad):
+        if len(bad := np.flatnonzero((v < 0) | (v > hi))):
             return code, _sample_of(tok_off, bad[0]), int(v[bad[0]])
     nsp = block.nsp_labels.astype(np.int64)
-    bad = np.flatnonzero((nsp < 0) | (nsp > 1))
-    if len(bad):
+    if len(bad := np.flatnonzero((nsp < 0) | (nsp > 1))):
         return 10, int(bad[0]), int(nsp[bad[0]])
     return 0, 0, 0
 
@@ -171,7 +164,7 @@ class ExchangeStats:
 
 
 class Rebalancer:
-    """Balances sequence lengths across the ranks of ``group``, one exchange per step.
+    """Balances sequence lengths across the ranks, one exchange per step.
 
     strategy: one of ``STRATEGIES``; cost: a ``data.rebalance.plan.Cost`` or its tuple.
     batch_size: samples per rank per step (every rank must bring exactly this many; ``measured`` may hand
@@ -180,10 +173,10 @@ class Rebalancer:
     max_len: the longest allowed sequence. world_size: how many ranks this rank expects (default: the
         group's size); a rank expecting another number is named in the error.
     group_size, cross_rounds, tol: see ``assign``; with group_size each rank plans only its group's part.
-    group: a gloo process group; default: a new one, so the exchange never queues behind (or in front
-        of) the training collectives and can run in a thread. Constructing a Rebalancer is collective:
-        every rank must do it, in the same order relative to other ``new_group`` calls.
-    timeout_s: the new group's collective timeout; a rank that stops calling the exchange turns into a
+    The exchange runs on a gloo group of its own, so it never queues behind (or in front of) the training
+    collectives and can run in a thread. Constructing a Rebalancer is collective: every rank must do it,
+    in the same order relative to other ``new_group`` calls.
+    timeout_s: the group's collective timeout; a rank that stops calling the exchange turns into a
         ``RebalanceError`` on the others after this long, never a hang.
     measured: (window steps, bound, rate) of the ``OnlineModel``; ``timer`` (a
         ``bert.train.step_timer.StepTimer``, set by the caller) feeds it; without one it plans as ``balanced``.
@@ -200,7 +193,6 @@ class Rebalancer:
         batch_size: int,
         max_len: int = 512,
         world_size: int | None = None,
-        group=None,
         timeout_s: float = 120.0,
         tol: float = 1e-3,
         group_size: int | None = None,
@@ -231,12 +223,7 @@ class Rebalancer:
         self._dist = dist
         self.strategy, self.cost, self.tol, self.ramp = strategy, cost, tol, ramp
         self.batch_size, self.max_len, self.timeout_s = batch_size, max_len, timeout_s
-        if group is None:
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        elif dist.get_backend(group) != "gloo":
-            raise ValueError(
-                f"group: the exchange moves CPU arrays and needs a gloo group, got {dist.get_backend(group)}"
-            )
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
         self.expected_world_size = self.world_size if world_size is None else int(world_size)
         if group_size is not None and (group_size < 1 or self.world_size % group_size):
@@ -262,8 +249,6 @@ class Rebalancer:
     def _collective(self, what: str, step: int, fn):
         try:
             return fn()
-        except RebalanceError:
-            raise
         except Exception as e:  # gloo reports timeouts and lost peers as RuntimeError
             raise RebalanceError(
                 f"rebalance step {step}: rank {self.rank}: {what} failed (group timeout "
@@ -393,7 +378,7 @@ class Rebalancer:
         self._delivered[step] = length_features(out.seq_lens, self.cost.window)
         t4 = time.perf_counter()
         ms = lambda a, b: (b - a) * 1e3  # noqa: E731
-        stats = ExchangeStats(
+        return out, ExchangeStats(
             step=step,
             strategy=self.strategy,
             imbalance_before=plan.imbalance_before,
@@ -413,7 +398,6 @@ class Rebalancer:
             hidden_fraction=0.0,
             fit=fit,
         )
-        return out, stats
 
     # -- measured: the window, the fit, the state -------------------------------------------
 

@@ -82,8 +82,7 @@ def fit_online(features, times, configured, *, min_steps: int = 8, bound: float 
     t = np.array([x for tr in times for x in tr], np.float64)
     bounds = np.cumsum([0] + [len(tr) for tr in times])
     counts, has = np.diff(bounds), np.diff(bounds) > 0
-    bad = np.flatnonzero(~(np.isfinite(t) & (t > 0)))
-    if len(bad):
+    if len(bad := np.flatnonzero(~(np.isfinite(t) & (t > 0)))):
         r = int(np.searchsorted(bounds, bad[0], side="right") - 1)
         raise ValueError(
             f"fit_online: rank {r} step {bad[0] - bounds[r]}: time must be a positive finite number, got {t[bad[0]]}"
@@ -229,9 +228,8 @@ class OnlineModel:
         return out | ({"fit_residual": fit.residual} if math.isfinite(fit.residual) else {})
 
     def state_dict(self) -> dict:
-        window = [[list(e) for e in d] for d in self.steps]
         return {
-            "window": window,
+            "window": [[list(e) for e in d] for d in self.steps],
             "speeds": list(self.speeds),
             "cost": list(self.cost),
             "changed": sorted(self.changed.items()),

@@ -46,8 +46,7 @@ class Cost(NamedTuple):
 
 # BERT-large's FLOPs (h = 1024): c(L) = 1728 h^2 L + 288 h L^2 ~ L + L^2 / (6 h), so a = 1 and b = 1 / 6144
 # (derived in docs/rebalancing.md). Measured step times can be fitted to a and b instead.
-BERT_LARGE_HIDDEN = 1024
-DEFAULT_COST = Cost(a=1.0, b=1.0 / (6 * BERT_LARGE_HIDDEN))
+DEFAULT_COST = Cost(a=1.0, b=1.0 / 6144)
 
 # Integer costs: every rank must compute a bit-identical plan, and float sums may round differently across
 # CPUs (SIMD widths); integer sums cannot. A sample of maximal length costs 2**20, so W*B*2**20 stays far inside int64.
@@ -153,11 +152,11 @@ def check_cost(cost) -> Cost:
     return Cost(a, b, b_local, int(window))
 
 
-def _cost_tables(lmax: int, cost) -> tuple[np.ndarray, np.ndarray]:
-    """(float64 c(L), int64 quantised c(L)) for L = 0..lmax; lookups beat math on [W, B]."""
+def _cost_tables(lmax: int, cost) -> tuple[np.ndarray, float]:
+    """(int64 quantised c(L) for L = 0..lmax, the caller's cost per quantised unit); lookups beat math."""
     exact = sample_costs(np.arange(lmax + 1), check_cost(cost))
     quantised = np.maximum(np.rint(exact * (_COST_SCALE_MAX / exact[lmax])), 1).astype(np.int64)
-    return exact, quantised
+    return quantised, exact[lmax] / quantised[lmax]
 
 
 def _stripe(L: np.ndarray) -> np.ndarray:
@@ -184,19 +183,10 @@ class _Swapper:
     holds at most B + extra. With ``extra`` = 0 (``balanced``) every rank keeps exactly B.
     """
 
-    def __init__(
-        self,
-        q: np.ndarray,
-        L: np.ndarray,
-        load: np.ndarray,
-        rows: np.ndarray,
-        fine_candidates: int = 8,
-        extra: int = 0,
-        floor: int = 1,
-    ):
+    def __init__(self, q: np.ndarray, L: np.ndarray, load: np.ndarray, rows: np.ndarray, extra: int, floor: int):
         W, n = L.shape
         B = n + extra  # slots per row
-        self.W, self.B, self.floor, self.extra = W, B, floor, extra
+        self.B, self.floor, self.extra = B, floor, extra
         self.shift = max(1, (W * B - 1).bit_length())
         self.big = int(q.max()) + 2  # above every cost: marks "no sample here" for the light rank
         self.K = np.empty((W, B), dtype=np.int64)
@@ -206,7 +196,7 @@ class _Swapper:
         self.real = np.full(W, n, dtype=np.int64)  # samples each rank holds
         self.nfz = np.zeros(W, dtype=np.int64)  # frozen (-1) entries per row
         self.load = load.copy()
-        self.nf = min(fine_candidates, B)
+        self.nf = min(8, B)  # candidates for the fine swap
         self.moved_gid: list[np.ndarray] = [np.zeros(0, np.int64)]
         self.moved_to: list[np.ndarray] = [np.zeros(0, np.int64)]
 
@@ -219,8 +209,7 @@ class _Swapper:
         many L = 512, are no choice) and, for each, the light rank's sample nearest to it (one
         vectorised searchsorted). Returns the samples moved.
         """
-        B, sh, big = self.B, self.shift, self.big
-        P = len(over)
+        B, sh, big, P = self.B, self.shift, self.big, len(over)
         rows, cols = np.arange(P), np.arange(B)
         # sort only the rows used in this round (they shrink fast) and keep them sorted
         Ko = self.K[over] = np.sort(self.K[over], axis=1)
@@ -254,13 +243,10 @@ class _Swapper:
         pos = np.searchsorted(keys, want.ravel()).reshape(P, self.nf)
         lo = (rows * B + np.minimum(k, B - 1))[:, None]
         hi = (rows * B + np.maximum(n_u - 1, 0))[:, None]
-        bflat = b.ravel()
-        j1 = np.minimum(np.maximum(pos, lo), hi)
-        j0 = np.minimum(np.maximum(pos - 1, lo), hi)
-        err1 = np.abs(ai - bflat[j1] - r[:, None])
-        err0 = np.abs(ai - bflat[j0] - r[:, None])
-        jb = np.where(err0 <= err1, j0, j1) - (rows * B)[:, None]
-        err = np.minimum(err0, err1)
+        j = np.minimum(np.maximum(np.stack([pos - 1, pos]), lo), hi)  # [2, P, nf]: the neighbours below and at
+        errs = np.abs(ai - b.ravel()[j] - r[:, None])
+        jb = np.where(errs[0] <= errs[1], j[0], j[1]) - (rows * B)[:, None]
+        err = errs.min(0)
         best = np.argmin(err, axis=1)
         fine = (err[rows, best] < r) & (k < n_o) & (k < n_u)  # strictly better than not swapping
 
@@ -278,11 +264,10 @@ class _Swapper:
         self.moved_gid += [self.K[ro, co] & gid_mask, self.K[ru, cu] & gid_mask]
         self.moved_to += [ru, ro]
         delta = np.bincount(pp, weights=(a[pp, i_o] - b[pp, j_u]), minlength=P).astype(np.int64)
-        self.load[over] -= delta
-        self.load[under] += delta
         one_way = np.bincount(pp, weights=(b[pp, j_u] == 0), minlength=P).astype(np.int64)  # into empty slots
-        self.real[over] -= one_way
-        self.real[under] += one_way
+        for state, change in ((self.load, delta), (self.real, one_way)):
+            state[over] -= change
+            state[under] += change
         self.K[ro, co] = -1
         self.K[ru, cu] = -1
         n = np.bincount(pp, minlength=P)
@@ -291,44 +276,48 @@ class _Swapper:
         return 2 * len(pp)
 
     def balance_groups(self, groups: np.ndarray, tol: float, max_rounds: int, w: np.ndarray) -> None:
-        """Balance the ranks within each row of ``groups`` [ng, G] towards their group's mean (rank r's
-        share in proportion to its weight ``w[r]``; all ones: equal shares).
-
-        Each round pairs the i-th most loaded rank of a group with its i-th least loaded and moves
-        t = min(excess, half the gap): the pair ends equal, or the heavy one at the mean when the light
-        one has room to spare. Ranks within ``tol`` of the mean are left alone, which keeps moves low.
-        With empty slots (``extra``) the least loaded rank may be full and take no more samples: a round
-        that moves nothing is tried again pairing the i-th most loaded with the (i + 1)-th least, and so on.
-        """
-        ng, G = groups.shape
-        half = G // 2
-        gi = np.arange(ng)[:, None]
-        wg = w[groups]
-        wt = wg.sum(1)[:, None]
+        """Balance the ranks within each row of ``groups`` [ng, G] towards their group's weighted mean,
+        a round of ``_pair_up``'s pairs at a time. With empty slots (``extra``) the least loaded rank may
+        be full and take no more samples: a round that moves nothing is tried again pairing the i-th most
+        loaded with the (i + 1)-th least, and so on."""
         rotate = 0
         for _ in range(max_rounds):
-            lg = self.load[groups]
-            tot = lg.sum(1)[:, None]
-            e = wt * lg - tot * wg  # excess in units of 1/wt cost; sums to 0 per group
-            slack = (tol * tot * wg).astype(np.int64)
-            if G < 2 or (e <= slack).all():
+            pairs = _pair_up(self.load, w, groups, tol, rotate)
+            if pairs is None:
                 return
-            order = np.argsort(e, axis=1, kind="stable")
-            under_l, over_l = np.roll(order[:, :half], -rotate, axis=1), order[:, ::-1][:, :half]
-            eo, eu = e[gi, over_l], e[gi, under_l]
-            t = np.minimum(eo, (eo - eu) // 2) // wt
-            act = (eo > slack[gi, over_l]) & (t > 0)
-            over, under = groups[gi, over_l][act], groups[gi, under_l][act]
-            if not act.any() or self.swap(over, under, t[act]) == 0:
-                rotate += 1
-                if not self.extra or rotate >= half:
-                    return
+            if len(pairs[0]) and self.swap(*pairs):
+                rotate = 0
                 continue
-            rotate = 0
+            rotate += 1
+            if not self.extra or rotate >= groups.shape[1] // 2:
+                return
 
     def dest(self) -> tuple[np.ndarray, np.ndarray]:
         """(global ids, destination ranks) of every sample moved so far."""
         return np.concatenate(self.moved_gid), np.concatenate(self.moved_to)
+
+
+def _pair_up(load: np.ndarray, w: np.ndarray, groups: np.ndarray, tol: float, rotate: int = 0):
+    """One round's pairs (over, under, t) within each row of ``groups`` [ng, G], or None once every rank
+    is within ``tol`` of its group's mean (rank r's share in proportion to its weight ``w[r]``).
+
+    The i-th most loaded rank of a group is paired with its (i + ``rotate``)-th least loaded and moves
+    t = min(excess, half the gap): the pair ends equal, or the heavy one at the mean when the light
+    one has room to spare. Ranks within ``tol`` of the mean are left alone, which keeps moves low.
+    """
+    lg, wg = load[groups], w[groups]
+    tot, wt = lg.sum(1)[:, None], wg.sum(1)[:, None]
+    e = wt * lg - tot * wg  # excess in units of 1/wt cost; sums to 0 per group
+    slack = (tol * tot * wg).astype(np.int64)
+    if groups.shape[1] < 2 or (e <= slack).all():
+        return None
+    gi, half = np.arange(len(groups))[:, None], groups.shape[1] // 2
+    order = np.argsort(e, axis=1, kind="stable")
+    under, over = np.roll(order[:, :half], -rotate, axis=1), order[:, ::-1][:, :half]
+    eo, eu = e[gi, over], e[gi, under]
+    t = np.minimum(eo, (eo - eu) // 2) // wt
+    act = (eo > slack[gi, over]) & (t > 0)
+    return groups[gi, over][act], groups[gi, under][act], t[act]
 
 
 def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int, w: np.ndarray) -> tuple[list, np.ndarray]:
@@ -338,40 +327,27 @@ def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int, w: np.ndarray)
     rank computes the same pairs in O(W log W) per round, and each pair's actual swap depends only on
     the two ranks' histories (see ``plan_for_rank``).
     """
-    W = len(load)
-    p = load.copy()
-    total, wt = int(p.sum()), int(w.sum())
-    slack = (tol * total * w).astype(np.int64)
-    out = []
+    p, everyone, out = load.copy(), np.arange(len(load))[None], []
     for _ in range(rounds):
-        e = wt * p - total * w
-        if W < 2 or (e <= slack).all():
+        pairs = _pair_up(p, w, everyone, tol)
+        if pairs is None or not len(pairs[0]):
             break
-        order = np.argsort(e, kind="stable")
-        under, over = order[: W // 2], order[::-1][: W // 2]
-        t = np.minimum(e[over], (e[over] - e[under]) // 2) // wt
-        act = (e[over] > slack[over]) & (t > 0)
-        if not act.any():
-            break
-        over, under, t = over[act], under[act], t[act]
+        over, under, t = pairs
         p[over] -= t
         p[under] += t
-        out.append((over, under, t))
+        out.append(pairs)
     return out, p
 
 
-def _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group=None, extra=0, floor=1):
+def _balanced_moves(L, q, load, w, extra, floor, tol, max_rounds, group_size, cross_rounds, only_group=None):
     """(moved global ids, their destinations, loads after, planned loads after) of ``balanced``.
 
     ``load``: [W] quantised loads before; ``w``: [W] speed weights or None (all equal); ``extra``,
-    ``floor``: a rank holds floor..B + extra samples (``_Swapper``; 0: exactly B). Loads after are
-    exact for the ranks whose samples were followed (all, unless ``only_group``); planned loads assume
-    every cross-group pair moved exactly its target and every group then reached its mean.
-    Hierarchical (``group_size`` < W): ``cross_rounds`` rounds of pairs across the job, then balancing
-    within groups of ``group_size`` consecutive ranks (a node). With ``only_group``, only the swaps that
-    group's final samples depend on are computed (its ranks' partners in the last cross round, theirs
-    in the round before, ...: at most group_size * 2**cross_rounds ranks, whatever W is), exactly as
-    the full computation does them.
+    ``floor``: see ``_Swapper``; the rest: see ``assign``. Loads after are exact for the ranks whose
+    samples were followed (all, unless ``only_group``); planned loads assume every cross-group pair hit
+    its target and every group its mean. With ``only_group``, only the swaps that group's final samples
+    depend on are computed (its ranks' partners in the last cross round, theirs in the round before, ...:
+    at most group_size * 2**cross_rounds ranks, whatever W is), exactly as the full computation does them.
     """
     W, B = L.shape
     w = np.ones(W, np.int64) if w is None else w
@@ -379,19 +355,15 @@ def _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, on
     if W % G:
         raise ValueError(f"group_size: {G} does not divide the world size {W}")
     pairs, planned = _cross_group_pairs(load, tol, cross_rounds if G < W else 0, w)
-    if only_group is None:
-        needed = [np.ones(W, bool)] * (len(pairs) + 1)
-    else:
-        # needed[r]: ranks whose state after round r is needed; walk the rounds backwards
-        need = np.zeros(W, bool)
-        need[only_group * G : (only_group + 1) * G] = True
-        needed = [need]
-        for over, under, _ in reversed(pairs):
-            partner = np.full(W, -1)
-            partner[over], partner[under] = under, over
-            need = need.copy()
-            need[partner[need & (partner >= 0)]] = True
-            needed.insert(0, need)
+    # needed[r]: ranks whose state after round r is needed; walk the rounds backwards
+    need = np.ones(W, bool) if only_group is None else np.arange(W) // G == only_group
+    needed = [need]
+    for over, under, _ in reversed(pairs):
+        partner = np.full(W, -1)
+        partner[over], partner[under] = under, over
+        need = need.copy()
+        need[partner[need & (partner >= 0)]] = True
+        needed.insert(0, need)
     sw = _Swapper(q, L, load, np.flatnonzero(needed[0]), extra=extra, floor=floor)
     for r, (over, under, t) in enumerate(pairs):
         keep = needed[r + 1][over] | needed[r + 1][under]
@@ -447,28 +419,23 @@ def assign(
     W, B = L.shape
     w = _weights_for(strategy, speeds, W)
     extra, floor = _count_bounds(w, B, max_samples, min_samples)
-    exact, q = _cost_tables(int(L.max()), cost)
-    unit = exact[-1] / q[-1]  # reported costs: quantised costs in the caller's units
+    q, unit = _cost_tables(int(L.max()), cost)  # costs are reported in the caller's units
     load = q[L].sum(1)  # [W]
     ranks = np.repeat(np.arange(W, dtype=np.int32), B)  # [N]: each sample's own rank
-    if strategy == "none":
-        G, after, dest = np.arange(W * B).reshape(W, B), load, ranks
-    elif strategy == "stripe":
-        G = np.sort(_stripe(L), axis=1)  # deterministic order: by (source rank, source index)
-        after = q[L].ravel()[G].sum(1)
-        dest = np.empty(W * B, dtype=np.int32)
-        dest[G.ravel()] = ranks
-    else:
-        opts = dict(extra=extra, floor=floor)
-        gid, to, after, _ = _balanced_moves(L, q, load, w, tol, max_rounds, group_size, cross_rounds, **opts)
-        dest = ranks.copy()
+    dest, after = ranks.copy(), None
+    if strategy == "stripe":
+        dest[_stripe(L).ravel()] = ranks
+    elif strategy != "none":
+        gid, to, after, _ = _balanced_moves(L, q, load, w, extra, floor, tol, max_rounds, group_size, cross_rounds)
         dest[gid] = to
-        # stable: within a rank, by global id = (source rank, source index); int16 sorts in O(N)
-        order = np.argsort(dest.astype(np.int16) if W < 1 << 15 else dest, kind="stable")
-        counts = np.bincount(dest, minlength=W)
-        G = np.full((W, int(counts.max())), -1, dtype=np.int64)
-        at = dest[order]
-        G[at, np.arange(W * B) - _offsets(counts)[:-1][at]] = order
+    # stable: within a rank, by global id = (source rank, source index); int16 sorts in O(N)
+    order = np.argsort(dest.astype(np.int16) if W < 1 << 15 else dest, kind="stable")
+    counts = np.bincount(dest, minlength=W)
+    G = np.full((W, int(counts.max())), -1, dtype=np.int64)
+    at = dest[order]
+    G[at, np.arange(W * B) - _offsets(counts)[:-1][at]] = order
+    if after is None:  # none, stripe: every rank holds B samples
+        after = q[L].ravel()[G].sum(1)
     src_rank, src_index = np.divmod(G.astype(np.int32), np.int32(B))
     src_rank[G < 0], src_index[G < 0] = -1, -1
     return Assignment(
@@ -562,12 +529,16 @@ def plan_for_rank(
             raise ValueError(f"tol: expected 0 <= tol < 1, got {tol}")
         w = _weights_for(strategy, speeds, W)
         extra, floor = _count_bounds(w, B, max_samples, min_samples)
-        _, q = _cost_tables(int(L.max()), cost)
+        q, _ = _cost_tables(int(L.max()), cost)
         load = q[L].sum(1)  # one pass over W*B; everything else is O(group_size * 2**cross_rounds * B)
-        only_group = rank // group_size
-        args = (L, q, load, w, tol, max_rounds, group_size, cross_rounds, only_group, extra, floor)
+        args = (L, q, load, w, extra, floor, tol, max_rounds, group_size, cross_rounds, rank // group_size)
         gid, to, _, planned = _balanced_moves(*args)
         before, after, moved = imbalance(load, w), imbalance(planned, w), None
+    return _rank_plan(rank, B, gid, to, before, after, moved)
+
+
+def _rank_plan(rank: int, B: int, gid: np.ndarray, to: np.ndarray, before, after, moved) -> RankPlan:
+    """``rank``'s RankPlan, given the global ids ``gid`` of the samples that move and their destinations ``to``."""
     out = (gid // B == rank) & (to != rank)
     send_dest, send_index = to[out], gid[out] % B
     order = np.lexsort((send_index, send_dest))
@@ -616,16 +587,13 @@ def place_context(
     if threshold < 1 or (L < 1).any():
         raise ValueError("threshold and lengths: expected >= 1")
     w = np.ones(world, dtype=np.int64) if speeds is None else _weights_for("measured", speeds, world)
-    whole_q = sample_costs(L, cost)
-    piece_q = piece_costs(L, cp_size, cost)
-    scale = _COST_SCALE_MAX / max(float(whole_q.max()), 1e-300)
-    whole_i = np.maximum(np.rint(whole_q * scale), 1).astype(np.int64)
-    piece_i = np.maximum(np.rint(piece_q * scale), 1).astype(np.int64)
+    whole, piece = sample_costs(L, cost), piece_costs(L, cp_size, cost)
+    scale = _COST_SCALE_MAX / max(float(whole.max()), 1e-300)
+    whole_i, piece_i = (np.maximum(np.rint(x * scale), 1).astype(np.int64) for x in (whole, piece))
     # Integer loads, times as load / speed weight: one correctly rounded division of the same
     # integers on every rank (no float sums), so the comparisons agree everywhere.
     load = np.zeros(world, dtype=np.int64)
-    group = np.full(L.size, -1, dtype=np.int64)
-    rank = np.full(L.size, -1, dtype=np.int64)
+    group, rank = np.full((2, L.size), -1, dtype=np.int64)  # -1: split (rank), whole (group)
     long = np.flatnonzero(L > threshold)
     for i in long[np.lexsort((long, -piece_i[long]))]:  # by decreasing cost, then index
         after = ((load + piece_i[i]) / w).reshape(-1, cp_size).max(1)  # each group's slowest rank
@@ -672,9 +640,4 @@ def context_plan_for_rank(
     if after >= before:  # the greedy placement is no better than where the samples are: move nothing
         dest, after = src, before
     gid = np.flatnonzero(dest != src)
-    to = dest[gid]
-    out = (gid // B == rank) & (to != rank)
-    send_dest, send_index = to[out], gid[out] % B
-    order = np.lexsort((send_index, send_dest))
-    recv = np.sort(gid[to == rank])
-    return RankPlan(rank, send_index[order], send_dest[order], recv // B, recv % B, before, after, gid.size)
+    return _rank_plan(rank, B, gid, dest[gid], before, after, gid.size)
