@@ -380,47 +380,47 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     return {"tokens": out, **{k: c.astype(t) for (k, t), c in zip(PAIR_DTYPES.items(), columns)}}
 
 
-def _make_pairs(task: _PairTask) -> dict:
+def _take(p: dict, rows: np.ndarray) -> dict:
+    """The pairs ``rows`` of a pairs dict (``_pairs``), in that order."""
+    tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], rows)
+    return {"tokens": tokens, **{k: p[k][rows] for k in PAIR_DTYPES}}
+
+
+def _make_pairs(task: _PairTask) -> np.ndarray:
+    """One task's pairs written sorted by shard; returns the pairs per shard."""
     pool = cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
     p = _pairs(task.tmp, pool, task.lo, task.hi, TRAIN_TAG, task.cfg)
     shards = task.cfg.shards
-    bucket = ((p["key"] >> 31) * shards) >> 32  # floor(key * shards / 2^63) from the 63-bit key's top 32 bits
-    order = np.argsort(bucket, kind="stable")
-    counts = np.bincount(bucket[order].astype(np.int64), minlength=shards)
-    tok_counts = np.bincount(bucket.astype(np.int64), weights=p["seq_len"], minlength=shards)
+    # floor(key * shards / 2^63) from the 63-bit key's top 32 bits
+    bucket = ((p["key"] >> 31) * shards) >> 32
+    counts = np.bincount(bucket, minlength=shards)
+    tok_counts = np.bincount(bucket, weights=p["seq_len"], minlength=shards)
     base = os.path.join(task.tmp, "pairs", f"t{task.task_id:06d}")
-    tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
-    np.save(base + ".tok.npy", tokens)
+    sorted_pairs = _take(p, np.argsort(bucket, kind="stable"))
+    np.save(base + ".tok.npy", sorted_pairs["tokens"])
     for name in PAIR_DTYPES:
-        np.save(f"{base}.{name}.npy", p[name][order])
+        np.save(f"{base}.{name}.npy", sorted_pairs[name])
     np.save(base + ".off.npy", _offsets(counts))
     np.save(base + ".tokoff.npy", _offsets(tok_counts.astype(np.int64)))
-    return {"counts": counts, "pairs": len(order), "random_next": int(p["nsp"].sum())}
+    return counts
 
 
 # -------------------------------------------------------------------- stage 4: shards
 
 
 def mask_pairs(
-    tokens: np.ndarray,
-    seq_lens: np.ndarray,
-    len_a: np.ndarray,
-    nsp: np.ndarray,
-    rng: np.random.Generator,
-    masked_lm_prob: float,
-    max_predictions: int,
-    vocab_size: int,
-    mask_id: int,
+    p: dict, rng: np.random.Generator, masked_lm_prob: float, max_predictions: int, vocab_size: int, mask_id: int
 ) -> SampleBlock:
     """Choose and replace the masked tokens of whole pairs, vectorised.
 
-    tokens: [sum L] ids of [CLS] A [SEP] B [SEP] sequences; seq_lens [n]; len_a [n].
-    Per sample, k = min(max_predictions, max(1, round(L * masked_lm_prob))) positions are a
+    p: pairs (``_pairs``): "tokens" [sum L] ids of [CLS] A [SEP] B [SEP] sequences, "seq_len" [n],
+    "len_a" [n], "nsp" [n]. Per sample, k = min(max_predictions, max(1, round(L * masked_lm_prob))) positions are a
     uniform random subset of the non-special ones (the k smallest of iid uniform keys);
     each is replaced by [MASK] with probability 0.8, a uniformly random vocabulary id with
     0.1, or kept with 0.1.
     """
-    n, lens, la = len(seq_lens), seq_lens.astype(np.int64), len_a.astype(np.int64)
+    tokens, n = p["tokens"], len(p["seq_len"])
+    lens, la = p["seq_len"].astype(np.int64), p["len_a"].astype(np.int64)
     starts = _offsets(lens)
     chosen_rows = []
     for r0 in range(0, n, MASK_ROWS):
@@ -457,7 +457,7 @@ def mask_pairs(
         masked_positions=positions.astype(np.int32),
         masked_ids=original,
         masked_counts=counts.astype(np.int32),
-        nsp_labels=nsp.astype(np.int8),
+        nsp_labels=p["nsp"].astype(np.int8),
     )
 
 
@@ -489,9 +489,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
 
 def _shuffled(p: dict) -> dict:
     """Pairs in key order (ties, practically impossible, by canonical id)."""
-    order = np.lexsort((p["canon"], p["key"]))
-    tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
-    return {"tokens": tokens, **{k: p[k][order] for k in PAIR_DTYPES}}
+    return _take(p, np.lexsort((p["canon"], p["key"])))
 
 
 def _write_shard(task: _ShardTask) -> dict:
@@ -499,10 +497,8 @@ def _write_shard(task: _ShardTask) -> dict:
     p = _load_bucket(task.tmp, task.num_tasks, task.index)
     if p["seq_len"] is None:
         raise DataError(f"shard {task.index} of {n} got no samples: too little text for --shards {n}")
-    p = _shuffled(p)
     rng = np.random.default_rng([cfg.seed, 2, task.index])
-    masking = (cfg.masked_lm_prob, cfg.max_predictions, task.vocab_size, task.mask_id)
-    block = mask_pairs(p["tokens"], p["seq_len"], p["len_a"], p["nsp"], rng, *masking)
+    block = mask_pairs(_shuffled(p), rng, cfg.masked_lm_prob, cfg.max_predictions, task.vocab_size, task.mask_id)
     sizes, nsp = (cfg.max_seq_length, cfg.max_predictions), cfg.objective == "nsp"
     write_file(task.out_path, block, cfg.format, *sizes, next_sentence=nsp, vocab_size=task.recorded_vocab)
     return _describe(task.out_path, block)
@@ -576,12 +572,10 @@ def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.nd
 def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
     """The eval samples: the pairs in key order, picked at stride int(i * N / K), masked."""
     k, n = cfg.eval_samples, len(p["seq_len"])
-    p = _shuffled(p)
-    pick = (np.arange(k, dtype=np.int64) * n) // k
-    tok = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], pick)
+    picked = _take(_shuffled(p), (np.arange(k, dtype=np.int64) * n) // k)
     prob = cfg.masked_lm_prob if cfg.eval_masked_lm_prob is None else cfg.eval_masked_lm_prob
-    masking = (np.random.default_rng([cfg.seed, 3]), prob, cfg.max_predictions, len(vocab), vocab.mask_id)
-    return mask_pairs(tok, p["seq_len"][pick], p["len_a"][pick], p["nsp"][pick], *masking)
+    rng = np.random.default_rng([cfg.seed, 3])
+    return mask_pairs(picked, rng, prob, cfg.max_predictions, len(vocab), vocab.mask_id)
 
 
 @dataclass
@@ -744,9 +738,8 @@ def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
         _PairTask(i, str(run.tmp), pool_file, lo, hi, cfg)
         for i, (lo, hi) in enumerate(_split_tasks(corpus.doc_tokens, pool, target))
     ]
-    counts = np.zeros(cfg.shards, np.int64)
-    for r in progress(run.workers.imap(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task"):
-        counts += r["counts"]
+    per_task = progress(run.workers.imap(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task")
+    counts = sum(per_task, np.zeros(cfg.shards, np.int64))
     run.log(
         f"train: {int(counts.sum())} {run.unit} from {len(pool)} documents ({len(tasks)} task(s), "
         f"{run.lap('pairs'):.1f} s)"
