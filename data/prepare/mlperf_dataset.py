@@ -94,12 +94,7 @@ class Pool:
         """``fn`` over ``tasks`` (results in order), with a progress bar on a terminal."""
         from tqdm import tqdm
 
-        with tqdm(total=len(tasks), desc=desc, unit=unit, disable=None) as bar:
-            out = []
-            for r in self.imap(fn, tasks):
-                out.append(r)
-                bar.update()
-        return out
+        return list(tqdm(self.imap(fn, tasks), total=len(tasks), desc=desc, unit=unit, disable=None))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -289,20 +284,19 @@ def _scatter_task(t: _ScatterTask) -> None:
 class _GatherTask:
     tasks: int
     scatter_dir: str
-    lo: int  # output positions [lo, hi)
-    hi: int
-    shard_bounds: tuple[int, ...]  # output positions where each output shard of this group starts (+ hi)
+    bounds: tuple[int, ...]  # output positions where each output shard of this group starts, and its end
     dsts: tuple[str, ...]
     max_seq_length: int
     max_predictions: int
 
 
 def _gather_task(t: _GatherTask) -> None:
+    lo, hi = t.bounds[0], t.bounds[-1]
     pieces, pos = [], []
     for k in range(t.tasks):
         d = Path(t.scatter_dir) / f"task_{k:05d}"
         a = {key: np.load(d / f"{key}.npy", mmap_mode="r") for key in _SCATTER_KEYS}
-        r0, r1 = (int(x) for x in np.searchsorted(a["pos"], [t.lo, t.hi]))
+        r0, r1 = (int(x) for x in np.searchsorted(a["pos"], [lo, hi]))
         if r0 == r1:
             continue
         t0, t1 = int(a["tok_off"][r0]), int(a["tok_off"][r1])
@@ -322,12 +316,11 @@ def _gather_task(t: _GatherTask) -> None:
         del a
     block = SampleBlock.concat(pieces)
     block = block.select(np.argsort(np.concatenate(pos), kind="stable"))
-    if len(block) != t.hi - t.lo:
-        raise DataError(f"{t.scatter_dir}: found {len(block)} samples for output positions {t.lo}..{t.hi - 1}")
-    for j, dst in enumerate(t.dsts):
-        a, b = t.shard_bounds[j] - t.lo, t.shard_bounds[j + 1] - t.lo
+    if len(block) != hi - lo:
+        raise DataError(f"{t.scatter_dir}: found {len(block)} samples for output positions {lo}..{hi - 1}")
+    for dst, a, b in zip(t.dsts, t.bounds, t.bounds[1:]):
         if not Path(dst).exists():
-            write_varlength(dst, block.select(np.arange(a, b)), t.max_seq_length, t.max_predictions)
+            write_varlength(dst, block.select(np.arange(a - lo, b - lo)), t.max_seq_length, t.max_predictions)
 
 
 def _groups(sizes: np.ndarray, rows: int) -> list[tuple[int, int]]:
@@ -385,8 +378,6 @@ def shuffle(
         _GatherTask(
             len(tasks),
             str(scatter_dir),
-            int(off[a]),
-            int(off[b]),
             tuple(int(x) for x in off[a : b + 1]),
             tuple(str(dst / names[j]) for j in range(a, b)),
             max_seq_length,
