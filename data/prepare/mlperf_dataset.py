@@ -90,11 +90,11 @@ class Pool:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init_worker)
         return self._pool.map(fn, tasks)
 
-    def map(self, fn, tasks: list, desc: str, unit: str = "file"):
+    def map(self, fn, tasks: list, desc: str):
         """``fn`` over ``tasks`` (results in order), with a progress bar on a terminal."""
         from tqdm import tqdm
 
-        return list(tqdm(self.imap(fn, tasks), total=len(tasks), desc=desc, unit=unit, disable=None))
+        return list(tqdm(self.imap(fn, tasks), total=len(tasks), desc=desc, unit="file", disable=None))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -132,13 +132,7 @@ def _file_task(t: _FileTask) -> int:
 
 
 def prepare_files(
-    inputs: list[Path],
-    out_dir: Path,
-    vocab: str,
-    params: RefParams,
-    pool: Pool,
-    skip_existing: bool = True,
-    desc: str = "per-file samples",
+    inputs: list[Path], out_dir: Path, vocab: str, params: RefParams, pool: Pool, skip_existing: bool = True
 ) -> list[Path]:
     """The reference ``create_pretraining_data.py`` output of each input file:
     ``out_dir/<input name>.hdf5`` (files already there are kept when ``skip_existing``).
@@ -151,7 +145,7 @@ def prepare_files(
         _FileTask(str(f), str(o), vocab, params) for f, o in zip(inputs, outs) if not (skip_existing and o.exists())
     ]
     todo.sort(key=lambda t: -os.path.getsize(t.src))  # largest first: better balance across workers
-    pool.map(_file_task, todo, desc)
+    pool.map(_file_task, todo, "per-file samples")
     return outs
 
 
@@ -337,13 +331,7 @@ def _groups(sizes: np.ndarray, rows: int) -> list[tuple[int, int]]:
 
 
 def shuffle(
-    layout: Layout,
-    sizes: np.ndarray,
-    max_seq_length: int,
-    max_predictions: int,
-    pool: Pool,
-    group_rows: int = 250_000,
-    log=print,
+    layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predictions: int, pool: Pool, group_rows: int, log
 ) -> None:
     """The reference shuffle of the varlength shards into the shuffled directory."""
     names = layout.shard_names()
@@ -529,10 +517,9 @@ def build(cfg: DatasetConfig, log=print) -> dict:
         if not (layout.root / "eval_varlength" / EVAL_FILE).exists():
             if not (eval_dir / EVAL_FILE).exists():
                 if not (eval_dir / EVAL_ALL).exists():
-                    vocab = RefVocab(cfg.vocab)
-                    prepare_file(eval_text, eval_dir / EVAL_ALL, vocab, cfg.params, RefTokenizer(vocab))
+                    prepare_file(eval_text, eval_dir / EVAL_ALL, RefVocab(cfg.vocab), cfg.params)
                 pick_eval(eval_dir / EVAL_ALL, eval_dir / EVAL_FILE, cfg.eval_samples)
-            to_varlength(eval_dir, layout.root / "eval_varlength", [EVAL_FILE], Pool(1), "eval varlength")
+            to_varlength(eval_dir, layout.root / "eval_varlength", [EVAL_FILE], pool, "eval varlength")
         lap("eval")
 
     dirs = {k: layout.stage_dir(k) for k in ("varlength", "shuffled")} | {"eval": layout.root / "eval_varlength"}
