@@ -20,6 +20,7 @@ import sys
 import time
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from functools import partial
 from itertools import chain
 from pathlib import Path
 
@@ -202,26 +203,19 @@ class PrepareResult:
 # ------------------------------------------------------------------ stage 1: tokenise
 
 
-@dataclass(frozen=True)
-class _TokenizeTask:
-    chunk: Chunk
-    vocab_path: str
-    cfg: PrepareConfig
-
-
-def _tokenize_chunk(task: _TokenizeTask) -> dict:
+def _tokenize_chunk(chunk: Chunk, vocab_path: str, cfg: PrepareConfig) -> dict:
     """One chunk's documents as token ids: kept sentences' tokens, their lengths and the
     sentence count of each kept document. With ``--objective mlm`` a document's sentences are
     joined by spaces and tokenised as one text (a BPE tokenizer sees the spaces between them),
     so every kept document is one "sentence"; a document is kept when it has a token."""
-    lines, bad_utf8, first_bad_line = read_chunk(task.chunk)
-    docs = parse_documents(lines, task.cfg.input_format)
-    tok = cached(("tok", task.vocab_path), lambda: load_tokenizer(task.vocab_path)[1])
-    mlm = task.cfg.objective == "mlm"
+    lines, bad_utf8, first_bad_line = read_chunk(chunk)
+    docs = parse_documents(lines, cfg.input_format)
+    tok = cached(("tok", vocab_path), lambda: load_tokenizer(vocab_path)[1])
+    mlm = cfg.objective == "mlm"
     if mlm:
         docs = [[" ".join(d)] for d in docs]
     sentences = [s for d in docs for s in d]
-    encoded = encode(tok, sentences, task.vocab_path)
+    encoded = encode(tok, sentences, vocab_path)
     sent_lens = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))
     keep: list[int] = []  # the kept sentences
     doc_nsent: list[int] = []
@@ -229,7 +223,7 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
     for d in docs:
         kept = [k for k in range(i, i + len(d)) if sent_lens[k]]
         i += len(d)
-        if len(kept) >= (1 if mlm else task.cfg.min_sentences):
+        if len(kept) >= (1 if mlm else cfg.min_sentences):
             doc_nsent.append(len(kept))
             keep += kept
         else:
@@ -245,7 +239,7 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
         "sentences": len(sentences),
         "bad_utf8": bad_utf8,
         "first_bad_line": first_bad_line,
-        "path": task.chunk.path,
+        "path": chunk.path,
     }
 
 
@@ -653,7 +647,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
     cfg = run.cfg
     chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
     n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
-    tasks = [_TokenizeTask(c, str(run.vocab_file), cfg) for c in chunks]
+    tokenize = partial(_tokenize_chunk, vocab_path=str(run.vocab_file), cfg=cfg)
     too_short = "no token" if run.mlm else f"fewer than {cfg.min_sentences} sentences"
     sent_lens, doc_nsent = [], []
     stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
@@ -663,7 +657,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
         open(run.tmp / "tokens.u16", "wb") as fh,
         progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar,
     ):
-        for i, r in enumerate(run.workers.imap(_tokenize_chunk, tasks)):
+        for i, r in enumerate(run.workers.imap(tokenize, chunks)):
             bar.update(chunks[i].end - chunks[i].start)
             fh.write(r["tokens"].tobytes())
             sent_lens.append(r["sent_lens"])
@@ -691,7 +685,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
     doc_tokens = sent_off[doc_sent_off[1:]] - sent_off[doc_sent_off[:-1]]
     run.log(
         f"{n_docs} documents, {len(sent_lens)} sentences, {int(sent_off[-1])} tokens "
-        f"({len(tasks)} chunk(s), {run.lap('tokenize'):.1f} s)"
+        f"({len(chunks)} chunk(s), {run.lap('tokenize'):.1f} s)"
     )
     return _Corpus(n_docs, n_train_docs, len(sent_lens), int(sent_off[-1]), doc_tokens, stats, bad_utf8)
 
