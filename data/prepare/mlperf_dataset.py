@@ -21,6 +21,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -117,18 +118,9 @@ def _init_worker() -> None:
 # ------------------------------------------------------------------ stage 1: per-part files
 
 
-@dataclass(frozen=True)
-class _FileTask:
-    src: str
-    dst: str
-    vocab: str
-    params: RefParams
-
-
-def _file_task(t: _FileTask) -> int:
-    vocab = cached(("reference vocab", t.vocab), lambda: RefVocab(t.vocab))  # keys apart from data.prepare.shards'
-    tok = cached(("reference tokenizer", t.vocab), lambda: RefTokenizer(vocab))
-    return prepare_file(t.src, t.dst, vocab, t.params, tok)
+def _file_task(src_dst: tuple[str, str], vocab: str, params: RefParams) -> int:
+    tok = cached(("reference tokenizer", vocab), lambda: RefTokenizer(RefVocab(vocab)))  # a key apart from shards'
+    return prepare_file(*src_dst, tok.vocab, params, tok)
 
 
 def prepare_files(
@@ -141,11 +133,9 @@ def prepare_files(
     outs = [out_dir / output_name(f) for f in inputs]
     if len({o.name for o in outs}) != len(outs):
         raise DataError(f"{out_dir}: two inputs have the same file name; their outputs would collide")
-    todo = [
-        _FileTask(str(f), str(o), vocab, params) for f, o in zip(inputs, outs) if not (skip_existing and o.exists())
-    ]
-    todo.sort(key=lambda t: -os.path.getsize(t.src))  # largest first: better balance across workers
-    pool.map(_file_task, todo, "per-file samples")
+    todo = [(str(f), str(o)) for f, o in zip(inputs, outs) if not (skip_existing and o.exists())]
+    todo.sort(key=lambda t: -os.path.getsize(t[0]))  # largest first: better balance across workers
+    pool.map(partial(_file_task, vocab=vocab, params=params), todo, "per-file samples")
     return outs
 
 
