@@ -15,7 +15,7 @@ import math
 import os
 import re
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from itertools import chain
 from pathlib import Path
@@ -49,11 +49,9 @@ class Vocab:
         self.source = source
         self.ids = {t: i for i, t in enumerate(tokens)}
         if len(self.ids) != len(tokens):
-            seen: set[str] = set()
-            for line, t in enumerate(tokens, 1):
-                if t in seen:
-                    raise DataError(f"{source}: line {line}: duplicate vocabulary entry {t!r}")
-                seen.add(t)
+            first: dict[str, int] = {}
+            line, t = next((line, t) for line, t in enumerate(tokens, 1) if first.setdefault(t, line) != line)
+            raise DataError(f"{source}: line {line}: duplicate vocabulary entry {t!r}")
         if missing := [t for t in SPECIAL_TOKENS if t not in self.ids]:
             raise DataError(f"{source}: vocabulary is missing {', '.join(missing)}")
         if len(tokens) > max_size:
@@ -293,18 +291,18 @@ def train_wordpiece(
 
     seqs = [[ids[w[0]]] + [ids["##" + ch] for ch in w[1:]] for w in word_list]
     counts = [words[w] for w in word_list]
-    pair_count: dict[tuple[int, int], int] = {}
-    pair_words: dict[tuple[int, int], set[int]] = {}
+    pair_count: Counter[tuple[int, int]] = Counter()
+    pair_words: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
     for wi, (seq, c) in enumerate(zip(seqs, counts)):
         for p in zip(seq, seq[1:]):
-            pair_count[p] = pair_count.get(p, 0) + c
-            pair_words.setdefault(p, set()).add(wi)
+            pair_count[p] += c
+            pair_words[p].add(wi)
     heap = [(-c, p) for p, c in pair_count.items()]
     heapq.heapify(heap)
 
     while len(pieces) < vocab_size and heap:
         negc, pair = heapq.heappop(heap)
-        c = pair_count.get(pair, 0)
+        c = pair_count[pair]
         if c != -negc or c == 0:
             continue  # stale heap entry; the current count was pushed when it changed
         if c < min_frequency:
@@ -315,14 +313,12 @@ def train_wordpiece(
             ids[new] = len(pieces)
             pieces.append(new)
         nid = ids[new]
-        changed: dict[tuple[int, int], int] = {}
+        changed: Counter[tuple[int, int]] = Counter()
         for wi in sorted(pair_words.pop(pair, ())):
-            seq = seqs[wi]
-            wc = counts[wi]
+            seq, wc = seqs[wi], counts[wi]
             for p in zip(seq, seq[1:]):
-                changed[p] = changed.get(p, 0) - wc
-            out: list[int] = []
-            i = 0
+                changed[p] -= wc
+            out, i = [], 0
             while i < len(seq):
                 if i + 1 < len(seq) and seq[i] == a and seq[i + 1] == b:
                     out.append(nid)
@@ -332,13 +328,13 @@ def train_wordpiece(
                     i += 1
             seqs[wi] = out
             for p in zip(out, out[1:]):
-                changed[p] = changed.get(p, 0) + wc
-                pair_words.setdefault(p, set()).add(wi)
+                changed[p] += wc
+                pair_words[p].add(wi)
         pair_count.pop(pair, None)
         for p, d in changed.items():
             if p == pair or d == 0:
                 continue
-            n = pair_count.get(p, 0) + d
+            n = pair_count[p] + d
             if n > 0:
                 pair_count[p] = n
                 heapq.heappush(heap, (-n, p))
