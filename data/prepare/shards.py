@@ -628,9 +628,8 @@ def _vocabulary(run: _Run, files: list[Path]) -> None:
         shutil.copyfile(cfg.vocab_source, run.vocab_file)
     else:
         sentences = progress(iter_sentences(files, cfg.input_format), desc="vocabulary", unit=" sentences")
-        tokens = train_wordpiece(sentences, cfg.train_vocab)
+        write_vocab(run.vocab_file, train_wordpiece(sentences, cfg.train_vocab))
         sentences.close()
-        write_vocab(run.vocab_file, tokens)
         run.vocab, _ = load_tokenizer(run.vocab_file)
         run.log(f"learnt a vocabulary of {len(run.vocab)} pieces (asked for {cfg.train_vocab})")
         run.lap("train_vocab")
@@ -652,7 +651,6 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
     sent_lens, doc_nsent = [], []
     stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
     bad_utf8: dict[str, list[int]] = {}
-    n_train_docs = 0
     with (
         open(run.tmp / "tokens.u16", "wb") as fh,
         progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar,
@@ -662,14 +660,13 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
             fh.write(r["tokens"].tobytes())
             sent_lens.append(r["sent_lens"])
             doc_nsent.append(r["doc_nsent"])
-            if i < n_train_chunks:
-                n_train_docs += len(r["doc_nsent"])
             for k in stats:
                 stats[k] += r[k]
             if r["bad_utf8"]:
                 bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])[0] += r["bad_utf8"]
     for path, (count, line) in bad_utf8.items():
         run.log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
+    n_train_docs = sum(len(d) for d in doc_nsent[:n_train_chunks])
     sent_lens, doc_nsent = np.concatenate(sent_lens), np.concatenate(doc_nsent)
     n_docs = len(doc_nsent)
     for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
