@@ -39,6 +39,8 @@ BATCH_CHARS = 16_000  # characters per encode call, timed
 MIN_CHARS_PER_S = 10_000  # a call slower than this after SLOW_AFTER_S stops the run
 SLOW_AFTER_S = 1.0
 _RUN_START = re.compile(r"(?<=\S)\s")
+# A ^C or exit is never a tokenizer's fault (a Rust panic, caught as BaseException, is).
+_ABORTS = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 class Vocab:
@@ -108,11 +110,6 @@ def _growth(node) -> float:
     return 1.0
 
 
-def _is_abort(e: BaseException) -> bool:
-    """A ^C or exit, which is never a tokenizer's fault (a Rust panic is a BaseException too)."""
-    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
-
-
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -141,9 +138,9 @@ def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
         raise DataError(f"{path}: its normalizer can make {growth:,.0f} characters of one (at most {MAX_GROWTH})")
     try:
         tok = Tokenizer.from_str(raw)
+    except _ABORTS:
+        raise
     except BaseException as e:  # a bare Exception for every parse error; a bad regex may panic
-        if _is_abort(e):
-            raise
         raise DataError(f"{path}: not a tokenizers JSON file ({_first_line(e)})") from e
     tok.no_padding()  # the preparation decides lengths, not the file
     tok.no_truncation()
@@ -183,9 +180,9 @@ def encode(tok, texts: list[str], source: str) -> list:
         start = time.monotonic()
         try:
             encoded += tok.encode_batch_fast(flat[a:b], add_special_tokens=False)
+        except _ABORTS:
+            raise
         except BaseException as e:
-            if _is_abort(e):
-                raise
             raise DataError(f"{source}: the tokenizer failed on {flat[a][:40]!r}...: {_first_line(e)}") from e
         took = time.monotonic() - start
         if took > SLOW_AFTER_S + chars / MIN_CHARS_PER_S:
