@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import DataError, cli_main
-from common.files import is_temporary, md5sum, publishing, publishing_dir, write_text
+from common.files import is_temporary, md5sum, publishing, publishing_dir, remove_tree, write_text
 from data.hdf5io import FIXED_KEYS, READ_ROWS, inspect, open_hdf5, read_file, write_fixed_arrays, write_varlength
+from data.prepare.convert import convert_file
 from data.prepare.mlperf_reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file
 from data.prepare.verify import published_list, read_checksums, verify
 from data.samples import SampleBlock, _offsets
@@ -203,10 +204,8 @@ def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
 # ----------------------------------------------------------------- stage 3: varlength
 
 
-def _varlength_task(pair: tuple[str, str]) -> None:
-    src, dst = pair
-    info = inspect(src)
-    write_varlength(dst, read_file(src), info.max_seq_length, info.max_predictions)
+def _varlength_task(src_dst: tuple[str, str]) -> None:
+    convert_file(*src_dst, "varlength")
 
 
 def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], pool: Pool, desc: str = "varlength") -> None:
@@ -461,7 +460,7 @@ def _remove_temporaries(root: Path) -> None:
     """What a killed run left under temporary names (never a finished file)."""
     for p in sorted(root.rglob("*.tmp*"), reverse=True):
         if is_temporary(p.name):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            remove_tree(p)
 
 
 def build(cfg: DatasetConfig, log=print) -> dict:
