@@ -876,7 +876,6 @@ def main(argv=None) -> int:
 
 def _main_reference(args) -> int:
     """``--reference``: one reference-identical fixed-layout file per input file."""
-
     if refused := refused_by_reference(args):
         raise DataError(
             f"--reference does not take {refused[0]} (it writes one fixed-layout file "
