@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import DataError
-from data.hdf5io import FIXED_KEYS, write_fixed_arrays
+from data.hdf5io import write_fixed_arrays
 from data.prepare.tokenization import make_tokenizer
 
 MAX_WORD_CHARS = 200  # the reference WordPiece's max_input_chars_per_word
@@ -233,18 +233,12 @@ class _Rows:
 
     def fixed_arrays(self, order: list[int]) -> dict:
         """The six fixed-layout arrays, rows taken in ``order``."""
-        idx = np.asarray(order, dtype=np.int64)
-        a = self.a
-        lens, len_a = a["len"][idx], a["len_a"][idx]
+        out = {k: v[np.asarray(order, dtype=np.int64)] for k, v in self.a.items()}
+        lens, len_a = out.pop("len")[:, None], out.pop("len_a")[:, None]
         col = np.arange(self.s)[None, :]
-        return {
-            "input_ids": a["input_ids"][idx],
-            "input_mask": (col < lens[:, None]).astype(np.int8),
-            "segment_ids": ((col >= len_a[:, None] + 2) & (col < lens[:, None])).astype(np.int8),
-            "masked_lm_positions": a["masked_lm_positions"][idx],
-            "masked_lm_ids": a["masked_lm_ids"][idx],
-            "next_sentence_labels": a["next_sentence_labels"][idx],
-        }
+        out["input_mask"] = (col < lens).astype(np.int8)
+        out["segment_ids"] = ((col >= len_a + 2) & (col < lens)).astype(np.int8)
+        return out
 
 
 class _Maker:
@@ -346,7 +340,7 @@ def prepare_file(
     """Text file -> the reference's fixed-layout HDF5 (written atomically); returns its sample count."""
     docs = read_documents(src, tokenizer or RefTokenizer(vocab))  # none: an empty file, as the reference writes
     arrays = make_instances(docs, vocab, prm)
-    write_fixed_arrays(dst, {k: arrays[k] for k in FIXED_KEYS})
+    write_fixed_arrays(dst, arrays)
     return len(arrays["next_sentence_labels"])
 
 
