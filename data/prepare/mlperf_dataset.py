@@ -20,6 +20,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from multiprocessing import get_context
@@ -76,7 +77,7 @@ def cached(key, make):
     return worker_cache[key]
 
 
-class Pool:
+class Pool(AbstractContextManager):
     """``workers`` processes, started on first use and kept for every stage (or none: the
     work runs in this process when workers == 1 or there is a single task)."""
 
@@ -103,12 +104,8 @@ class Pool:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc):
         self.close()
-        return False
 
 
 def _init_worker() -> None:
@@ -168,16 +165,14 @@ class _ChopTask:
 
 def _chop_task(t: _ChopTask) -> None:
     parts = {k: [] for k in FIXED_KEYS}
-    for i, src in enumerate(t.inputs):
-        a, b = max(t.lo, t.input_offsets[i]), min(t.hi, t.input_offsets[i + 1])
+    for src, first, end in zip(t.inputs, t.input_offsets, t.input_offsets[1:]):
+        a, b = max(t.lo, first) - first, min(t.hi, end) - first  # the rows of this file
         if a >= b:
             continue
         with open_hdf5(src) as f:
             inspect(src)  # its declared shapes against its size, before reading
             for k in FIXED_KEYS:
-                for lo in range(a, b, READ_ROWS):
-                    hi = min(lo + READ_ROWS, b)
-                    parts[k].append(f[k][lo - t.input_offsets[i] : hi - t.input_offsets[i]])
+                parts[k] += [f[k][lo : min(lo + READ_ROWS, b)] for lo in range(a, b, READ_ROWS)]
     write_fixed_arrays(t.dst, {k: np.concatenate(v) for k, v in parts.items()})
 
 
