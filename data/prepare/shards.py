@@ -390,10 +390,8 @@ def _make_pairs(task: _PairTask) -> np.ndarray:
     counts = np.bincount(bucket, minlength=shards)
     tok_counts = np.bincount(bucket, weights=p["seq_len"], minlength=shards)
     base = os.path.join(task.tmp, "pairs", f"t{task.task_id:06d}")
-    sorted_pairs = _take(p, np.argsort(bucket, kind="stable"))
-    np.save(base + ".tok.npy", sorted_pairs["tokens"])
-    for name in PAIR_DTYPES:
-        np.save(f"{base}.{name}.npy", sorted_pairs[name])
+    for name, column in _take(p, np.argsort(bucket, kind="stable")).items():
+        np.save(f"{base}.{name}.npy", column)
     np.save(base + ".off.npy", _offsets(counts))
     np.save(base + ".tokoff.npy", _offsets(tok_counts.astype(np.int64)))
     return counts
@@ -475,7 +473,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
         lo, hi = int(off[j]), int(off[j + 1])
         if lo == hi:
             continue
-        parts["tokens"].append(np.load(base + ".tok.npy", mmap_mode="r")[tokoff[j] : tokoff[j + 1]])
+        parts["tokens"].append(np.load(base + ".tokens.npy", mmap_mode="r")[tokoff[j] : tokoff[j + 1]])
         for name in PAIR_DTYPES:
             parts[name].append(np.load(f"{base}.{name}.npy", mmap_mode="r")[lo:hi])
     return {k: (np.concatenate(v) if v else None) for k, v in parts.items()}
