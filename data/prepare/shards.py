@@ -491,12 +491,14 @@ def _write_shard(task: _ShardTask) -> dict:
         raise DataError(f"shard {task.index} of {n} got no samples: too little text for --shards {n}")
     rng = np.random.default_rng([cfg.seed, 2, task.index])
     block = mask_pairs(_shuffled(p), rng, cfg.masked_lm_prob, cfg.max_predictions, task.vocab_size, task.mask_id)
-    sizes, nsp = (cfg.max_seq_length, cfg.max_predictions), cfg.objective == "nsp"
-    write_file(task.out_path, block, cfg.format, *sizes, next_sentence=nsp, vocab_size=task.recorded_vocab)
-    return _describe(task.out_path, block)
+    return _write(task.out_path, block, cfg, task.recorded_vocab)
 
 
-def _describe(path: str, block: SampleBlock) -> dict:
+def _write(path: str, block: SampleBlock, cfg: PrepareConfig, vocab_size: int | None) -> dict:
+    """Write ``block`` in the run's layout (``vocab_size``: the size the file records, or None);
+    returns the file's manifest entry."""
+    sizes = (cfg.max_seq_length, cfg.max_predictions)
+    write_file(path, block, cfg.format, *sizes, next_sentence=cfg.objective == "nsp", vocab_size=vocab_size)
     return {
         "samples": len(block),
         "tokens": block.num_tokens,
@@ -704,17 +706,14 @@ def _eval_set(run: _Run, corpus: _Corpus, order: np.ndarray, has_eval_files: boo
     else:
         held, p = _hold_out(cfg, str(run.tmp), order, corpus.doc_tokens)
         eval_docs = held
-    block = _pick_eval(cfg, p, run.vocab)
-    path = run.tmp / "eval" / EVAL_FILE
-    sizes = (cfg.max_seq_length, cfg.max_predictions)
-    write_file(path, block, cfg.format, *sizes, next_sentence=not run.mlm, vocab_size=run.recorded_vocab)
+    written = _write(str(run.tmp / "eval" / EVAL_FILE), _pick_eval(cfg, p, run.vocab), cfg, run.recorded_vocab)
     run.lap("eval")
     run.log(
         f"eval: {cfg.eval_samples} samples from {len(p['seq_len'])} {run.unit} of {eval_docs} "
         f"{'--eval-input' if has_eval_files else 'held-out'} documents"
     )
     entry = {"file": f"eval/{EVAL_FILE}", "pool_samples": len(p["seq_len"]), "documents": eval_docs}
-    return held, {**entry, **_describe(str(path), block)}
+    return held, {**entry, **written}
 
 
 def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
