@@ -385,8 +385,7 @@ def _make_pairs(task: _PairTask) -> np.ndarray:
     pool = cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
     p = _pairs(task.tmp, pool, task.lo, task.hi, TRAIN_TAG, task.cfg)
     shards = task.cfg.shards
-    # floor(key * shards / 2^63) from the 63-bit key's top 32 bits
-    bucket = ((p["key"] >> 31) * shards) >> 32
+    bucket = ((p["key"] >> 31) * shards) >> 32  # floor(key * shards / 2^63) from the 63-bit key's top 32 bits
     counts = np.bincount(bucket, minlength=shards)
     tok_counts = np.bincount(bucket, weights=p["seq_len"], minlength=shards)
     base = os.path.join(task.tmp, "pairs", f"t{task.task_id:06d}")
@@ -405,11 +404,11 @@ def mask_pairs(
 ) -> SampleBlock:
     """Choose and replace the masked tokens of whole pairs, vectorised.
 
-    p: pairs (``_pairs``): "tokens" [sum L] ids of [CLS] A [SEP] B [SEP] sequences, "seq_len" [n],
-    "len_a" [n], "nsp" [n]. Per sample, k = min(max_predictions, max(1, round(L * masked_lm_prob))) positions are a
-    uniform random subset of the non-special ones (the k smallest of iid uniform keys);
-    each is replaced by [MASK] with probability 0.8, a uniformly random vocabulary id with
-    0.1, or kept with 0.1.
+    p: pairs (``_pairs``): "tokens" [sum L] ids of [CLS] A [SEP] B [SEP] sequences, "seq_len",
+    "len_a" and "nsp" [n]. Per sample, k = min(max_predictions, max(1, round(L * masked_lm_prob)))
+    positions are a uniform random subset of the non-special ones (the k smallest of iid uniform
+    keys); each is replaced by [MASK] with probability 0.8, a uniformly random vocabulary id
+    with 0.1, or kept with 0.1.
     """
     tokens, n = p["tokens"], len(p["seq_len"])
     lens, la = p["seq_len"].astype(np.int64), p["len_a"].astype(np.int64)
