@@ -155,8 +155,8 @@ def _pieces(text: str) -> list[str]:
     characters without whitespace is cut where it reaches the bound)."""
     out, start = [], 0
     while len(text) - start > PIECE_CHARS:
-        cut = max((m.start() for m in _RUN_START.finditer(text, start + 1, start + PIECE_CHARS)), default=0)
-        cut = cut or start + PIECE_CHARS
+        runs = _RUN_START.finditer(text, start + 1, start + PIECE_CHARS)
+        cut = max((m.start() for m in runs), default=start + PIECE_CHARS)
         out.append(text[start:cut])
         start = cut
     out.append(text[start:])
