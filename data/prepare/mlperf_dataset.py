@@ -20,15 +20,18 @@ import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
 from common.errors import DataError, cli_main
-from common.files import is_temporary, md5sum, publishing, publishing_dir, write_text
+from common.files import is_temporary, md5sum, publishing, publishing_dir, remove_tree, write_text
 from data.hdf5io import FIXED_KEYS, READ_ROWS, inspect, open_hdf5, read_file, write_fixed_arrays, write_varlength
+from data.prepare.convert import convert_file
 from data.prepare.mlperf_reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file
 from data.prepare.verify import published_list, read_checksums, verify
 from data.samples import SampleBlock, _offsets
@@ -74,7 +77,7 @@ def cached(key, make):
     return worker_cache[key]
 
 
-class Pool:
+class Pool(AbstractContextManager):
     """``workers`` processes, started on first use and kept for every stage (or none: the
     work runs in this process when workers == 1 or there is a single task)."""
 
@@ -90,28 +93,19 @@ class Pool:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init_worker)
         return self._pool.map(fn, tasks)
 
-    def map(self, fn, tasks: list, desc: str, unit: str = "file"):
+    def map(self, fn, tasks: list, desc: str):
         """``fn`` over ``tasks`` (results in order), with a progress bar on a terminal."""
         from tqdm import tqdm
 
-        with tqdm(total=len(tasks), desc=desc, unit=unit, disable=None) as bar:
-            out = []
-            for r in self.imap(fn, tasks):
-                out.append(r)
-                bar.update()
-        return out
+        return list(tqdm(self.imap(fn, tasks), total=len(tasks), desc=desc, unit="file", disable=None))
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc):
         self.close()
-        return False
 
 
 def _init_worker() -> None:
@@ -122,28 +116,13 @@ def _init_worker() -> None:
 # ------------------------------------------------------------------ stage 1: per-part files
 
 
-@dataclass(frozen=True)
-class _FileTask:
-    src: str
-    dst: str
-    vocab: str
-    params: RefParams
-
-
-def _file_task(t: _FileTask) -> int:
-    vocab = cached(("reference vocab", t.vocab), lambda: RefVocab(t.vocab))  # keys apart from data.prepare.shards'
-    tok = cached(("reference tokenizer", t.vocab), lambda: RefTokenizer(vocab))
-    return prepare_file(t.src, t.dst, vocab, t.params, tok)
+def _file_task(src_dst: tuple[str, str], vocab: str, params: RefParams) -> int:
+    tok = cached(("reference tokenizer", vocab), lambda: RefTokenizer(RefVocab(vocab)))  # a key apart from shards'
+    return prepare_file(*src_dst, tok.vocab, params, tok)
 
 
 def prepare_files(
-    inputs: list[Path],
-    out_dir: Path,
-    vocab: str,
-    params: RefParams,
-    pool: Pool,
-    skip_existing: bool = True,
-    desc: str = "per-file samples",
+    inputs: list[Path], out_dir: Path, vocab: str, params: RefParams, pool: Pool, skip_existing: bool = True
 ) -> list[Path]:
     """The reference ``create_pretraining_data.py`` output of each input file:
     ``out_dir/<input name>.hdf5`` (files already there are kept when ``skip_existing``).
@@ -152,11 +131,9 @@ def prepare_files(
     outs = [out_dir / output_name(f) for f in inputs]
     if len({o.name for o in outs}) != len(outs):
         raise DataError(f"{out_dir}: two inputs have the same file name; their outputs would collide")
-    todo = [
-        _FileTask(str(f), str(o), vocab, params) for f, o in zip(inputs, outs) if not (skip_existing and o.exists())
-    ]
-    todo.sort(key=lambda t: -os.path.getsize(t.src))  # largest first: better balance across workers
-    pool.map(_file_task, todo, desc)
+    todo = [(str(f), str(o)) for f, o in zip(inputs, outs) if not (skip_existing and o.exists())]
+    todo.sort(key=lambda t: -os.path.getsize(t[0]))  # largest first: better balance across workers
+    pool.map(partial(_file_task, vocab=vocab, params=params), todo, "per-file samples")
     return outs
 
 
@@ -188,16 +165,14 @@ class _ChopTask:
 
 def _chop_task(t: _ChopTask) -> None:
     parts = {k: [] for k in FIXED_KEYS}
-    for i, src in enumerate(t.inputs):
-        a, b = max(t.lo, t.input_offsets[i]), min(t.hi, t.input_offsets[i + 1])
+    for src, first, end in zip(t.inputs, t.input_offsets, t.input_offsets[1:]):
+        a, b = max(t.lo, first) - first, min(t.hi, end) - first  # the rows of this file
         if a >= b:
             continue
         with open_hdf5(src) as f:
             inspect(src)  # its declared shapes against its size, before reading
             for k in FIXED_KEYS:
-                for lo in range(a, b, READ_ROWS):
-                    hi = min(lo + READ_ROWS, b)
-                    parts[k].append(f[k][lo - t.input_offsets[i] : hi - t.input_offsets[i]])
+                parts[k] += [f[k][lo : min(lo + READ_ROWS, b)] for lo in range(a, b, READ_ROWS)]
     write_fixed_arrays(t.dst, {k: np.concatenate(v) for k, v in parts.items()})
 
 
@@ -224,10 +199,8 @@ def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
 # ----------------------------------------------------------------- stage 3: varlength
 
 
-def _varlength_task(pair: tuple[str, str]) -> None:
-    src, dst = pair
-    info = inspect(src)
-    write_varlength(dst, read_file(src), info.max_seq_length, info.max_predictions)
+def _varlength_task(src_dst: tuple[str, str]) -> None:
+    convert_file(*src_dst, "varlength")
 
 
 def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], pool: Pool, desc: str = "varlength") -> None:
@@ -289,20 +262,19 @@ def _scatter_task(t: _ScatterTask) -> None:
 class _GatherTask:
     tasks: int
     scatter_dir: str
-    lo: int  # output positions [lo, hi)
-    hi: int
-    shard_bounds: tuple[int, ...]  # output positions where each output shard of this group starts (+ hi)
+    bounds: tuple[int, ...]  # output positions where each output shard of this group starts, and its end
     dsts: tuple[str, ...]
     max_seq_length: int
     max_predictions: int
 
 
 def _gather_task(t: _GatherTask) -> None:
+    lo, hi = t.bounds[0], t.bounds[-1]
     pieces, pos = [], []
     for k in range(t.tasks):
         d = Path(t.scatter_dir) / f"task_{k:05d}"
         a = {key: np.load(d / f"{key}.npy", mmap_mode="r") for key in _SCATTER_KEYS}
-        r0, r1 = (int(x) for x in np.searchsorted(a["pos"], [t.lo, t.hi]))
+        r0, r1 = (int(x) for x in np.searchsorted(a["pos"], [lo, hi]))
         if r0 == r1:
             continue
         t0, t1 = int(a["tok_off"][r0]), int(a["tok_off"][r1])
@@ -322,12 +294,11 @@ def _gather_task(t: _GatherTask) -> None:
         del a
     block = SampleBlock.concat(pieces)
     block = block.select(np.argsort(np.concatenate(pos), kind="stable"))
-    if len(block) != t.hi - t.lo:
-        raise DataError(f"{t.scatter_dir}: found {len(block)} samples for output positions {t.lo}..{t.hi - 1}")
-    for j, dst in enumerate(t.dsts):
-        a, b = t.shard_bounds[j] - t.lo, t.shard_bounds[j + 1] - t.lo
+    if len(block) != hi - lo:
+        raise DataError(f"{t.scatter_dir}: found {len(block)} samples for output positions {lo}..{hi - 1}")
+    for dst, a, b in zip(t.dsts, t.bounds, t.bounds[1:]):
         if not Path(dst).exists():
-            write_varlength(dst, block.select(np.arange(a, b)), t.max_seq_length, t.max_predictions)
+            write_varlength(dst, block.select(np.arange(a - lo, b - lo)), t.max_seq_length, t.max_predictions)
 
 
 def _groups(sizes: np.ndarray, rows: int) -> list[tuple[int, int]]:
@@ -344,13 +315,7 @@ def _groups(sizes: np.ndarray, rows: int) -> list[tuple[int, int]]:
 
 
 def shuffle(
-    layout: Layout,
-    sizes: np.ndarray,
-    max_seq_length: int,
-    max_predictions: int,
-    pool: Pool,
-    group_rows: int = 250_000,
-    log=print,
+    layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predictions: int, pool: Pool, group_rows: int, log
 ) -> None:
     """The reference shuffle of the varlength shards into the shuffled directory."""
     names = layout.shard_names()
@@ -385,8 +350,6 @@ def shuffle(
         _GatherTask(
             len(tasks),
             str(scatter_dir),
-            int(off[a]),
-            int(off[b]),
             tuple(int(x) for x in off[a : b + 1]),
             tuple(str(dst / names[j]) for j in range(a, b)),
             max_seq_length,
@@ -492,7 +455,7 @@ def _remove_temporaries(root: Path) -> None:
     """What a killed run left under temporary names (never a finished file)."""
     for p in sorted(root.rglob("*.tmp*"), reverse=True):
         if is_temporary(p.name):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            remove_tree(p)
 
 
 def build(cfg: DatasetConfig, log=print) -> dict:
@@ -538,10 +501,9 @@ def build(cfg: DatasetConfig, log=print) -> dict:
         if not (layout.root / "eval_varlength" / EVAL_FILE).exists():
             if not (eval_dir / EVAL_FILE).exists():
                 if not (eval_dir / EVAL_ALL).exists():
-                    vocab = RefVocab(cfg.vocab)
-                    prepare_file(eval_text, eval_dir / EVAL_ALL, vocab, cfg.params, RefTokenizer(vocab))
+                    prepare_file(eval_text, eval_dir / EVAL_ALL, RefVocab(cfg.vocab), cfg.params)
                 pick_eval(eval_dir / EVAL_ALL, eval_dir / EVAL_FILE, cfg.eval_samples)
-            to_varlength(eval_dir, layout.root / "eval_varlength", [EVAL_FILE], Pool(1), "eval varlength")
+            to_varlength(eval_dir, layout.root / "eval_varlength", [EVAL_FILE], pool, "eval varlength")
         lap("eval")
 
     dirs = {k: layout.stage_dir(k) for k in ("varlength", "shuffled")} | {"eval": layout.root / "eval_varlength"}

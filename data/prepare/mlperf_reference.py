@@ -15,12 +15,14 @@ import random
 import re
 import unicodedata
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate, chain
 from pathlib import Path
 
 import numpy as np
 
 from common.errors import DataError
-from data.hdf5io import FIXED_KEYS, write_fixed_arrays
+from data.hdf5io import write_fixed_arrays
 from data.prepare.tokenization import make_tokenizer
 
 MAX_WORD_CHARS = 200  # the reference WordPiece's max_input_chars_per_word
@@ -75,18 +77,17 @@ _CJK = re.compile(
 
 
 class RefTokenizer:
-    """BERT's uncased tokenizer with the reference's exact behaviour; ``encode`` gives ids."""
+    """BERT's uncased tokenizer with the reference's exact behaviour; ``encode_many`` gives ids."""
 
     def __init__(self, vocab: RefVocab):
         self.vocab = vocab
         self.unk = vocab.ids["[UNK]"]
         self._word_cache: dict[str, list[int]] = {}
-        self._hf = None
 
-    def _hf_tokenizer(self):
-        if self._hf is None:  # the reference splits "[UNK]" in the text like any other word
-            self._hf = make_tokenizer(self.vocab, MAX_WORD_CHARS, unk_in_text=False)
-        return self._hf
+    @cached_property
+    def _hf(self):
+        # The reference splits "[UNK]" in the text like any other word.
+        return make_tokenizer(self.vocab, MAX_WORD_CHARS, unk_in_text=False)
 
     def _wordpiece(self, word: str) -> list[int]:
         ids = self.vocab.ids
@@ -129,10 +130,9 @@ class RefTokenizer:
         """Ids of each line: ASCII lines through ``tokenizers``, the others in Python."""
         out: list[list[int] | None] = [None] * len(lines)
         ascii_idx = [i for i, s in enumerate(lines) if s.isascii()]
-        hf = self._hf_tokenizer() if ascii_idx else None
         for b in range(0, len(ascii_idx), _HF_BATCH):
             idx = ascii_idx[b : b + _HF_BATCH]
-            for i, enc in zip(idx, hf.encode_batch_fast([lines[i] for i in idx], add_special_tokens=False)):
+            for i, enc in zip(idx, self._hf.encode_batch_fast([lines[i] for i in idx], add_special_tokens=False)):
                 out[i] = enc.ids
         return [self.encode_python(s) if ids is None else ids for s, ids in zip(lines, out)]
 
@@ -178,12 +178,9 @@ def read_documents(path: str | os.PathLike, tokenizer: RefTokenizer) -> Document
             docs.append([])
         elif ids := next(encoded):
             docs[-1].append(ids)
-    tokens, offsets = [], []
-    for d in docs:
-        if d:
-            lens = [len(s) for s in d]
-            tokens.append(np.fromiter((t for s in d for t in s), dtype=np.int32, count=sum(lens)))
-            offsets.append(np.concatenate([[0], np.cumsum(lens)]).tolist())
+    docs = [d for d in docs if d]
+    offsets = [[0, *accumulate(map(len, d))] for d in docs]
+    tokens = [np.fromiter(chain.from_iterable(d), dtype=np.int32, count=o[-1]) for d, o in zip(docs, offsets)]
     return Documents(tokens, offsets)
 
 
@@ -236,18 +233,12 @@ class _Rows:
 
     def fixed_arrays(self, order: list[int]) -> dict:
         """The six fixed-layout arrays, rows taken in ``order``."""
-        idx = np.asarray(order, dtype=np.int64)
-        a = self.a
-        lens, len_a = a["len"][idx], a["len_a"][idx]
+        out = {k: v[np.asarray(order, dtype=np.int64)] for k, v in self.a.items()}
+        lens, len_a = out.pop("len")[:, None], out.pop("len_a")[:, None]
         col = np.arange(self.s)[None, :]
-        return {
-            "input_ids": a["input_ids"][idx],
-            "input_mask": (col < lens[:, None]).astype(np.int8),
-            "segment_ids": ((col >= len_a[:, None] + 2) & (col < lens[:, None])).astype(np.int8),
-            "masked_lm_positions": a["masked_lm_positions"][idx],
-            "masked_lm_ids": a["masked_lm_ids"][idx],
-            "next_sentence_labels": a["next_sentence_labels"][idx],
-        }
+        out["input_mask"] = (col < lens).astype(np.int8)
+        out["segment_ids"] = ((col >= len_a + 2) & (col < lens)).astype(np.int8)
+        return out
 
 
 class _Maker:
@@ -349,7 +340,7 @@ def prepare_file(
     """Text file -> the reference's fixed-layout HDF5 (written atomically); returns its sample count."""
     docs = read_documents(src, tokenizer or RefTokenizer(vocab))  # none: an empty file, as the reference writes
     arrays = make_instances(docs, vocab, prm)
-    write_fixed_arrays(dst, {k: arrays[k] for k in FIXED_KEYS})
+    write_fixed_arrays(dst, arrays)
     return len(arrays["next_sentence_labels"])
 
 

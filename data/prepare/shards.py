@@ -20,6 +20,7 @@ import sys
 import time
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from functools import partial
 from itertools import chain
 from pathlib import Path
 
@@ -202,26 +203,19 @@ class PrepareResult:
 # ------------------------------------------------------------------ stage 1: tokenise
 
 
-@dataclass(frozen=True)
-class _TokenizeTask:
-    chunk: Chunk
-    vocab_path: str
-    cfg: PrepareConfig
-
-
-def _tokenize_chunk(task: _TokenizeTask) -> dict:
+def _tokenize_chunk(chunk: Chunk, vocab_path: str, cfg: PrepareConfig) -> dict:
     """One chunk's documents as token ids: kept sentences' tokens, their lengths and the
     sentence count of each kept document. With ``--objective mlm`` a document's sentences are
     joined by spaces and tokenised as one text (a BPE tokenizer sees the spaces between them),
     so every kept document is one "sentence"; a document is kept when it has a token."""
-    lines, bad_utf8, first_bad_line = read_chunk(task.chunk)
-    docs = parse_documents(lines, task.cfg.input_format)
-    tok = cached(("tok", task.vocab_path), lambda: load_tokenizer(task.vocab_path)[1])
-    mlm = task.cfg.objective == "mlm"
+    lines, bad_utf8, first_bad_line = read_chunk(chunk)
+    docs = parse_documents(lines, cfg.input_format)
+    tok = cached(("tok", vocab_path), lambda: load_tokenizer(vocab_path)[1])
+    mlm = cfg.objective == "mlm"
     if mlm:
         docs = [[" ".join(d)] for d in docs]
     sentences = [s for d in docs for s in d]
-    encoded = encode(tok, sentences, task.vocab_path)
+    encoded = encode(tok, sentences, vocab_path)
     sent_lens = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))
     keep: list[int] = []  # the kept sentences
     doc_nsent: list[int] = []
@@ -229,7 +223,7 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
     for d in docs:
         kept = [k for k in range(i, i + len(d)) if sent_lens[k]]
         i += len(d)
-        if len(kept) >= (1 if mlm else task.cfg.min_sentences):
+        if len(kept) >= (1 if mlm else cfg.min_sentences):
             doc_nsent.append(len(kept))
             keep += kept
         else:
@@ -245,7 +239,7 @@ def _tokenize_chunk(task: _TokenizeTask) -> dict:
         "sentences": len(sentences),
         "bad_utf8": bad_utf8,
         "first_bad_line": first_bad_line,
-        "path": task.chunk.path,
+        "path": chunk.path,
     }
 
 
@@ -380,47 +374,44 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     return {"tokens": out, **{k: c.astype(t) for (k, t), c in zip(PAIR_DTYPES.items(), columns)}}
 
 
-def _make_pairs(task: _PairTask) -> dict:
+def _take(p: dict, rows: np.ndarray) -> dict:
+    """The pairs ``rows`` of a pairs dict (``_pairs``), in that order."""
+    tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], rows)
+    return {"tokens": tokens, **{k: p[k][rows] for k in PAIR_DTYPES}}
+
+
+def _make_pairs(task: _PairTask) -> np.ndarray:
+    """One task's pairs written sorted by shard; returns the pairs per shard."""
     pool = cached(("pool", task.pool_file), lambda: np.load(task.pool_file, mmap_mode="r"))
     p = _pairs(task.tmp, pool, task.lo, task.hi, TRAIN_TAG, task.cfg)
     shards = task.cfg.shards
     bucket = ((p["key"] >> 31) * shards) >> 32  # floor(key * shards / 2^63) from the 63-bit key's top 32 bits
-    order = np.argsort(bucket, kind="stable")
-    counts = np.bincount(bucket[order].astype(np.int64), minlength=shards)
-    tok_counts = np.bincount(bucket.astype(np.int64), weights=p["seq_len"], minlength=shards)
+    counts = np.bincount(bucket, minlength=shards)
+    tok_counts = np.bincount(bucket, weights=p["seq_len"], minlength=shards)
     base = os.path.join(task.tmp, "pairs", f"t{task.task_id:06d}")
-    tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
-    np.save(base + ".tok.npy", tokens)
-    for name in PAIR_DTYPES:
-        np.save(f"{base}.{name}.npy", p[name][order])
+    for name, column in _take(p, np.argsort(bucket, kind="stable")).items():
+        np.save(f"{base}.{name}.npy", column)
     np.save(base + ".off.npy", _offsets(counts))
     np.save(base + ".tokoff.npy", _offsets(tok_counts.astype(np.int64)))
-    return {"counts": counts, "pairs": len(order), "random_next": int(p["nsp"].sum())}
+    return counts
 
 
 # -------------------------------------------------------------------- stage 4: shards
 
 
 def mask_pairs(
-    tokens: np.ndarray,
-    seq_lens: np.ndarray,
-    len_a: np.ndarray,
-    nsp: np.ndarray,
-    rng: np.random.Generator,
-    masked_lm_prob: float,
-    max_predictions: int,
-    vocab_size: int,
-    mask_id: int,
+    p: dict, rng: np.random.Generator, masked_lm_prob: float, max_predictions: int, vocab_size: int, mask_id: int
 ) -> SampleBlock:
     """Choose and replace the masked tokens of whole pairs, vectorised.
 
-    tokens: [sum L] ids of [CLS] A [SEP] B [SEP] sequences; seq_lens [n]; len_a [n].
-    Per sample, k = min(max_predictions, max(1, round(L * masked_lm_prob))) positions are a
-    uniform random subset of the non-special ones (the k smallest of iid uniform keys);
-    each is replaced by [MASK] with probability 0.8, a uniformly random vocabulary id with
-    0.1, or kept with 0.1.
+    p: pairs (``_pairs``): "tokens" [sum L] ids of [CLS] A [SEP] B [SEP] sequences, "seq_len",
+    "len_a" and "nsp" [n]. Per sample, k = min(max_predictions, max(1, round(L * masked_lm_prob)))
+    positions are a uniform random subset of the non-special ones (the k smallest of iid uniform
+    keys); each is replaced by [MASK] with probability 0.8, a uniformly random vocabulary id
+    with 0.1, or kept with 0.1.
     """
-    n, lens, la = len(seq_lens), seq_lens.astype(np.int64), len_a.astype(np.int64)
+    tokens, n = p["tokens"], len(p["seq_len"])
+    lens, la = p["seq_len"].astype(np.int64), p["len_a"].astype(np.int64)
     starts = _offsets(lens)
     chosen_rows = []
     for r0 in range(0, n, MASK_ROWS):
@@ -457,7 +448,7 @@ def mask_pairs(
         masked_positions=positions.astype(np.int32),
         masked_ids=original,
         masked_counts=counts.astype(np.int32),
-        nsp_labels=nsp.astype(np.int8),
+        nsp_labels=p["nsp"].astype(np.int8),
     )
 
 
@@ -481,7 +472,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
         lo, hi = int(off[j]), int(off[j + 1])
         if lo == hi:
             continue
-        parts["tokens"].append(np.load(base + ".tok.npy", mmap_mode="r")[tokoff[j] : tokoff[j + 1]])
+        parts["tokens"].append(np.load(base + ".tokens.npy", mmap_mode="r")[tokoff[j] : tokoff[j + 1]])
         for name in PAIR_DTYPES:
             parts[name].append(np.load(f"{base}.{name}.npy", mmap_mode="r")[lo:hi])
     return {k: (np.concatenate(v) if v else None) for k, v in parts.items()}
@@ -489,9 +480,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
 
 def _shuffled(p: dict) -> dict:
     """Pairs in key order (ties, practically impossible, by canonical id)."""
-    order = np.lexsort((p["canon"], p["key"]))
-    tokens = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], order)
-    return {"tokens": tokens, **{k: p[k][order] for k in PAIR_DTYPES}}
+    return _take(p, np.lexsort((p["canon"], p["key"])))
 
 
 def _write_shard(task: _ShardTask) -> dict:
@@ -499,16 +488,16 @@ def _write_shard(task: _ShardTask) -> dict:
     p = _load_bucket(task.tmp, task.num_tasks, task.index)
     if p["seq_len"] is None:
         raise DataError(f"shard {task.index} of {n} got no samples: too little text for --shards {n}")
-    p = _shuffled(p)
     rng = np.random.default_rng([cfg.seed, 2, task.index])
-    masking = (cfg.masked_lm_prob, cfg.max_predictions, task.vocab_size, task.mask_id)
-    block = mask_pairs(p["tokens"], p["seq_len"], p["len_a"], p["nsp"], rng, *masking)
-    sizes, nsp = (cfg.max_seq_length, cfg.max_predictions), cfg.objective == "nsp"
-    write_file(task.out_path, block, cfg.format, *sizes, next_sentence=nsp, vocab_size=task.recorded_vocab)
-    return _describe(task.out_path, block)
+    block = mask_pairs(_shuffled(p), rng, cfg.masked_lm_prob, cfg.max_predictions, task.vocab_size, task.mask_id)
+    return _write(task.out_path, block, cfg, task.recorded_vocab)
 
 
-def _describe(path: str, block: SampleBlock) -> dict:
+def _write(path: str, block: SampleBlock, cfg: PrepareConfig, vocab_size: int | None) -> dict:
+    """Write ``block`` in the run's layout (``vocab_size``: the size the file records, or None);
+    returns the file's manifest entry."""
+    sizes = (cfg.max_seq_length, cfg.max_predictions)
+    write_file(path, block, cfg.format, *sizes, next_sentence=cfg.objective == "nsp", vocab_size=vocab_size)
     return {
         "samples": len(block),
         "tokens": block.num_tokens,
@@ -576,12 +565,10 @@ def _hold_out(cfg: PrepareConfig, tmp: str, order: np.ndarray, doc_tokens: np.nd
 def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
     """The eval samples: the pairs in key order, picked at stride int(i * N / K), masked."""
     k, n = cfg.eval_samples, len(p["seq_len"])
-    p = _shuffled(p)
-    pick = (np.arange(k, dtype=np.int64) * n) // k
-    tok = _gather_ranges(p["tokens"], _offsets(p["seq_len"]), p["seq_len"], pick)
+    picked = _take(_shuffled(p), (np.arange(k, dtype=np.int64) * n) // k)
     prob = cfg.masked_lm_prob if cfg.eval_masked_lm_prob is None else cfg.eval_masked_lm_prob
-    masking = (np.random.default_rng([cfg.seed, 3]), prob, cfg.max_predictions, len(vocab), vocab.mask_id)
-    return mask_pairs(tok, p["seq_len"][pick], p["len_a"][pick], p["nsp"][pick], *masking)
+    rng = np.random.default_rng([cfg.seed, 3])
+    return mask_pairs(picked, rng, prob, cfg.max_predictions, len(vocab), vocab.mask_id)
 
 
 @dataclass
@@ -640,9 +627,8 @@ def _vocabulary(run: _Run, files: list[Path]) -> None:
         shutil.copyfile(cfg.vocab_source, run.vocab_file)
     else:
         sentences = progress(iter_sentences(files, cfg.input_format), desc="vocabulary", unit=" sentences")
-        tokens = train_wordpiece(sentences, cfg.train_vocab)
+        write_vocab(run.vocab_file, train_wordpiece(sentences, cfg.train_vocab))
         sentences.close()
-        write_vocab(run.vocab_file, tokens)
         run.vocab, _ = load_tokenizer(run.vocab_file)
         run.log(f"learnt a vocabulary of {len(run.vocab)} pieces (asked for {cfg.train_vocab})")
         run.lap("train_vocab")
@@ -659,29 +645,27 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
     cfg = run.cfg
     chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
     n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
-    tasks = [_TokenizeTask(c, str(run.vocab_file), cfg) for c in chunks]
+    tokenize = partial(_tokenize_chunk, vocab_path=str(run.vocab_file), cfg=cfg)
     too_short = "no token" if run.mlm else f"fewer than {cfg.min_sentences} sentences"
     sent_lens, doc_nsent = [], []
     stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
     bad_utf8: dict[str, list[int]] = {}
-    n_train_docs = 0
     with (
         open(run.tmp / "tokens.u16", "wb") as fh,
         progress(total=sum(c.end - c.start for c in chunks), desc="tokenize", unit="B") as bar,
     ):
-        for i, r in enumerate(run.workers.imap(_tokenize_chunk, tasks)):
+        for i, r in enumerate(run.workers.imap(tokenize, chunks)):
             bar.update(chunks[i].end - chunks[i].start)
             fh.write(r["tokens"].tobytes())
             sent_lens.append(r["sent_lens"])
             doc_nsent.append(r["doc_nsent"])
-            if i < n_train_chunks:
-                n_train_docs += len(r["doc_nsent"])
             for k in stats:
                 stats[k] += r[k]
             if r["bad_utf8"]:
                 bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])[0] += r["bad_utf8"]
     for path, (count, line) in bad_utf8.items():
         run.log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
+    n_train_docs = sum(len(d) for d in doc_nsent[:n_train_chunks])
     sent_lens, doc_nsent = np.concatenate(sent_lens), np.concatenate(doc_nsent)
     n_docs = len(doc_nsent)
     for what, n, names in (("", n_train_docs, cfg.inputs), ("eval ", n_docs - n_train_docs, cfg.eval_inputs)):
@@ -697,7 +681,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
     doc_tokens = sent_off[doc_sent_off[1:]] - sent_off[doc_sent_off[:-1]]
     run.log(
         f"{n_docs} documents, {len(sent_lens)} sentences, {int(sent_off[-1])} tokens "
-        f"({len(tasks)} chunk(s), {run.lap('tokenize'):.1f} s)"
+        f"({len(chunks)} chunk(s), {run.lap('tokenize'):.1f} s)"
     )
     return _Corpus(n_docs, n_train_docs, len(sent_lens), int(sent_off[-1]), doc_tokens, stats, bad_utf8)
 
@@ -721,17 +705,14 @@ def _eval_set(run: _Run, corpus: _Corpus, order: np.ndarray, has_eval_files: boo
     else:
         held, p = _hold_out(cfg, str(run.tmp), order, corpus.doc_tokens)
         eval_docs = held
-    block = _pick_eval(cfg, p, run.vocab)
-    path = run.tmp / "eval" / EVAL_FILE
-    sizes = (cfg.max_seq_length, cfg.max_predictions)
-    write_file(path, block, cfg.format, *sizes, next_sentence=not run.mlm, vocab_size=run.recorded_vocab)
+    written = _write(str(run.tmp / "eval" / EVAL_FILE), _pick_eval(cfg, p, run.vocab), cfg, run.recorded_vocab)
     run.lap("eval")
     run.log(
         f"eval: {cfg.eval_samples} samples from {len(p['seq_len'])} {run.unit} of {eval_docs} "
         f"{'--eval-input' if has_eval_files else 'held-out'} documents"
     )
     entry = {"file": f"eval/{EVAL_FILE}", "pool_samples": len(p["seq_len"]), "documents": eval_docs}
-    return held, {**entry, **_describe(str(path), block)}
+    return held, {**entry, **written}
 
 
 def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
@@ -744,9 +725,8 @@ def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:
         _PairTask(i, str(run.tmp), pool_file, lo, hi, cfg)
         for i, (lo, hi) in enumerate(_split_tasks(corpus.doc_tokens, pool, target))
     ]
-    counts = np.zeros(cfg.shards, np.int64)
-    for r in progress(run.workers.imap(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task"):
-        counts += r["counts"]
+    per_task = progress(run.workers.imap(_make_pairs, tasks), total=len(tasks), desc="pairs", unit=" task")
+    counts = sum(per_task, np.zeros(cfg.shards, np.int64))
     run.log(
         f"train: {int(counts.sum())} {run.unit} from {len(pool)} documents ({len(tasks)} task(s), "
         f"{run.lap('pairs'):.1f} s)"
@@ -892,7 +872,6 @@ def main(argv=None) -> int:
 
 def _main_reference(args) -> int:
     """``--reference``: one reference-identical fixed-layout file per input file."""
-
     if refused := refused_by_reference(args):
         raise DataError(
             f"--reference does not take {refused[0]} (it writes one fixed-layout file "

@@ -40,7 +40,6 @@ def shard_stats(
         block = read_file(f, vocab_size=vocab_size)
         columns.append((block.seq_lens.astype(np.int64), block.masked_counts.astype(np.int64), block.nsp_labels))
     lens, masked, nsp = (np.concatenate(c) for c in zip(*columns))
-    layouts = {info.layout for info in infos}
     seq_from_files = {info.max_seq_length for info in infos} - {None}
     if max_seq_length is None:
         if len(seq_from_files) > 1:
@@ -54,7 +53,7 @@ def shard_stats(
     counts = np.histogram(lens, bins=edges + 0.5)[0] if max_seq_length >= bins else np.bincount(lens)[1:]
     return {
         "files": len(files),
-        "layouts": sorted(layouts),
+        "layouts": sorted({info.layout for info in infos}),
         "samples": n,
         "tokens": tokens,
         "max_seq_length": int(max_seq_length),

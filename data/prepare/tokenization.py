@@ -15,7 +15,7 @@ import math
 import os
 import re
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from itertools import chain
 from pathlib import Path
@@ -39,6 +39,8 @@ BATCH_CHARS = 16_000  # characters per encode call, timed
 MIN_CHARS_PER_S = 10_000  # a call slower than this after SLOW_AFTER_S stops the run
 SLOW_AFTER_S = 1.0
 _RUN_START = re.compile(r"(?<=\S)\s")
+# A ^C or exit is never a tokenizer's fault (a Rust panic, caught as BaseException, is).
+_ABORTS = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 class Vocab:
@@ -49,11 +51,9 @@ class Vocab:
         self.source = source
         self.ids = {t: i for i, t in enumerate(tokens)}
         if len(self.ids) != len(tokens):
-            seen: set[str] = set()
-            for line, t in enumerate(tokens, 1):
-                if t in seen:
-                    raise DataError(f"{source}: line {line}: duplicate vocabulary entry {t!r}")
-                seen.add(t)
+            first: dict[str, int] = {}
+            line, t = next((line, t) for line, t in enumerate(tokens, 1) if first.setdefault(t, line) != line)
+            raise DataError(f"{source}: line {line}: duplicate vocabulary entry {t!r}")
         if missing := [t for t in SPECIAL_TOKENS if t not in self.ids]:
             raise DataError(f"{source}: vocabulary is missing {', '.join(missing)}")
         if len(tokens) > max_size:
@@ -110,11 +110,6 @@ def _growth(node) -> float:
     return 1.0
 
 
-def _is_abort(e: BaseException) -> bool:
-    """A ^C or exit, which is never a tokenizer's fault (a Rust panic is a BaseException too)."""
-    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
-
-
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -143,9 +138,9 @@ def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
         raise DataError(f"{path}: its normalizer can make {growth:,.0f} characters of one (at most {MAX_GROWTH})")
     try:
         tok = Tokenizer.from_str(raw)
+    except _ABORTS:
+        raise
     except BaseException as e:  # a bare Exception for every parse error; a bad regex may panic
-        if _is_abort(e):
-            raise
         raise DataError(f"{path}: not a tokenizers JSON file ({_first_line(e)})") from e
     tok.no_padding()  # the preparation decides lengths, not the file
     tok.no_truncation()
@@ -160,8 +155,8 @@ def _pieces(text: str) -> list[str]:
     characters without whitespace is cut where it reaches the bound)."""
     out, start = [], 0
     while len(text) - start > PIECE_CHARS:
-        cut = max((m.start() for m in _RUN_START.finditer(text, start + 1, start + PIECE_CHARS)), default=0)
-        cut = cut or start + PIECE_CHARS
+        runs = _RUN_START.finditer(text, start + 1, start + PIECE_CHARS)
+        cut = max((m.start() for m in runs), default=start + PIECE_CHARS)
         out.append(text[start:cut])
         start = cut
     out.append(text[start:])
@@ -185,9 +180,9 @@ def encode(tok, texts: list[str], source: str) -> list:
         start = time.monotonic()
         try:
             encoded += tok.encode_batch_fast(flat[a:b], add_special_tokens=False)
+        except _ABORTS:
+            raise
         except BaseException as e:
-            if _is_abort(e):
-                raise
             raise DataError(f"{source}: the tokenizer failed on {flat[a][:40]!r}...: {_first_line(e)}") from e
         took = time.monotonic() - start
         if took > SLOW_AFTER_S + chars / MIN_CHARS_PER_S:
@@ -293,18 +288,18 @@ def train_wordpiece(
 
     seqs = [[ids[w[0]]] + [ids["##" + ch] for ch in w[1:]] for w in word_list]
     counts = [words[w] for w in word_list]
-    pair_count: dict[tuple[int, int], int] = {}
-    pair_words: dict[tuple[int, int], set[int]] = {}
+    pair_count: Counter[tuple[int, int]] = Counter()
+    pair_words: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
     for wi, (seq, c) in enumerate(zip(seqs, counts)):
         for p in zip(seq, seq[1:]):
-            pair_count[p] = pair_count.get(p, 0) + c
-            pair_words.setdefault(p, set()).add(wi)
+            pair_count[p] += c
+            pair_words[p].add(wi)
     heap = [(-c, p) for p, c in pair_count.items()]
     heapq.heapify(heap)
 
     while len(pieces) < vocab_size and heap:
         negc, pair = heapq.heappop(heap)
-        c = pair_count.get(pair, 0)
+        c = pair_count[pair]
         if c != -negc or c == 0:
             continue  # stale heap entry; the current count was pushed when it changed
         if c < min_frequency:
@@ -315,14 +310,12 @@ def train_wordpiece(
             ids[new] = len(pieces)
             pieces.append(new)
         nid = ids[new]
-        changed: dict[tuple[int, int], int] = {}
+        changed: Counter[tuple[int, int]] = Counter()
         for wi in sorted(pair_words.pop(pair, ())):
-            seq = seqs[wi]
-            wc = counts[wi]
+            seq, wc = seqs[wi], counts[wi]
             for p in zip(seq, seq[1:]):
-                changed[p] = changed.get(p, 0) - wc
-            out: list[int] = []
-            i = 0
+                changed[p] -= wc
+            out, i = [], 0
             while i < len(seq):
                 if i + 1 < len(seq) and seq[i] == a and seq[i + 1] == b:
                     out.append(nid)
@@ -332,13 +325,13 @@ def train_wordpiece(
                     i += 1
             seqs[wi] = out
             for p in zip(out, out[1:]):
-                changed[p] = changed.get(p, 0) + wc
-                pair_words.setdefault(p, set()).add(wi)
+                changed[p] += wc
+                pair_words[p].add(wi)
         pair_count.pop(pair, None)
         for p, d in changed.items():
             if p == pair or d == 0:
                 continue
-            n = pair_count.get(p, 0) + d
+            n = pair_count[p] + d
             if n > 0:
                 pair_count[p] = n
                 heapq.heappush(heap, (-n, p))
