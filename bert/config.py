@@ -55,7 +55,7 @@ def _auto_or_positive(key: str, value, what: str) -> None:
 @dataclass
 class ModelSection:
     preset: str = opt(
-        "large", "architecture (bert.config.PRESETS): BERT's, or a ModernBERT-class encoder", tuple(PRESETS)
+        "large", "architecture (bert.model.config.PRESETS): BERT's, or a ModernBERT-class encoder", tuple(PRESETS)
     )
     config_file: str | None = opt(None, "bert_config.json or transformers config.json; overrides preset")
     overrides: dict = opt(
@@ -94,14 +94,12 @@ class ModelSection:
     def __post_init__(self):
         cli.check_choices("model", self, ConfigError)  # types and choices of every field
         names = [f.name for f in fields(BertConfig)]
-        bad = next((k for k in self.overrides if k not in names), None)
-        if bad is not None:
-            raise ConfigError(f"model.overrides.{cli.cut(str(bad), 60)}: not a BertConfig field; valid: {names}")
+        if bad := [k for k in self.overrides if k not in names]:  # a list: a YAML null key is wrong too
+            raise ConfigError(f"model.overrides.{cli.cut(str(bad[0]), 60)}: not a BertConfig field; valid: {names}")
         takes = registry.BACKENDS[self.attention].options
-        bad = next((k for k in self.attention_options if k not in takes), None)
-        if bad is not None:
+        if bad := [k for k in self.attention_options if k not in takes]:
             raise ConfigError(
-                f"model.attention_options.{cli.cut(str(bad), 60)}: {self.attention} takes no such option; "
+                f"model.attention_options.{cli.cut(str(bad[0]), 60)}: {self.attention} takes no such option; "
                 f"its options: {list(takes)}"
             )
         # The architecture, resolved once: not a field (it follows from preset, config_file, overrides).

@@ -56,6 +56,14 @@ def test_a_fifo_config_is_refused_not_waited_on(tmp_path):
     _refused(str(big), match="this format allows")
 
 
+def test_a_null_key_in_a_mapping_field_is_named(tmp_path):
+    path = tmp_path / "null.yaml"
+    path.write_text("model:\n  overrides:\n    ~: 1\n")
+    _refused(str(path), match="model.overrides.None: not a BertConfig field")
+    path.write_text("model:\n  attention_options:\n    ~: 1\n")
+    assert "takes no such option" in _refused(str(path), match="model.attention_options.None: ")
+
+
 def test_long_values_are_cut_in_messages(tmp_path):
     _refused(None, ["train.precision=" + "y" * 50_000], match="...")
     _refused(None, ["model.overrides." + "k" * 5000 + "=1"], match="not a BertConfig field")
