@@ -20,7 +20,7 @@ import numpy as np
 
 from common.errors import DataError
 from common.files import UnsafeFile, open_checked, publishing
-from data.samples import SampleBlock, _offsets
+from data.samples import SampleBlock, _offsets, _within
 
 FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 VARLENGTH_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -536,8 +536,7 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
     counts = block.masked_counts.astype(np.int64)
     _check_most(where, lens, max_seq_length, "tokens", "max_seq_length ")
     _check_most(where, counts, max_predictions, "masked positions", "max_predictions ")
-    rows = np.repeat(np.arange(n), lens)
-    cols = np.arange(len(rows)) - np.repeat(_offsets(lens)[:-1], lens)
+    rows, cols = np.repeat(np.arange(n), lens), _within(lens)
     out = {
         "input_ids": np.zeros((n, max_seq_length), np.int16),
         "input_mask": np.zeros((n, max_seq_length), np.int8),
@@ -549,8 +548,7 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
     out["input_ids"][rows, cols] = block.input_ids
     out["input_mask"][rows, cols] = 1
     out["segment_ids"][rows, cols] = block.segment_ids
-    mrows = np.repeat(np.arange(n), counts)
-    mcols = np.arange(len(mrows)) - np.repeat(_offsets(counts)[:-1], counts)
+    mrows, mcols = np.repeat(np.arange(n), counts), _within(counts)
     out["masked_lm_positions"][mrows, mcols] = block.masked_positions
     out["masked_lm_ids"][mrows, mcols] = block.masked_ids
     return out

@@ -23,7 +23,7 @@ from data.collate import LAYOUTS, check_backend, collate_padded, collate_unpadde
 from data.dali_loader import DaliCollator
 from data.hdf5io import inspect, list_files, read_file, read_valid
 from data.packing import collate_packed
-from data.samples import SampleBlock, _gather_ranges, _offsets
+from data.samples import SampleBlock, _offsets
 
 STATE_FORMAT = "PretrainingLoader/1"
 ON_CORRUPT = ("fail", "skip")
@@ -175,16 +175,7 @@ class _Loaded:
         """The samples at file rows ``idx`` (all valid)."""
         if self.index_of_row is not None:
             idx = self.index_of_row[idx]
-        b = self.block
-        return SampleBlock(
-            input_ids=_gather_ranges(b.input_ids, self.tok_off, b.seq_lens, idx),
-            segment_ids=_gather_ranges(b.segment_ids, self.tok_off, b.seq_lens, idx),
-            seq_lens=b.seq_lens[idx],
-            masked_positions=_gather_ranges(b.masked_positions, self.msk_off, b.masked_counts, idx),
-            masked_ids=_gather_ranges(b.masked_ids, self.msk_off, b.masked_counts, idx),
-            masked_counts=b.masked_counts[idx],
-            nsp_labels=b.nsp_labels[idx],
-        )
+        return self.block.select(idx, (self.tok_off, self.msk_off))
 
 
 class PretrainingLoader:
