@@ -67,6 +67,13 @@ def _fail(path, msg: str):
     raise DataError(f"{path}: {msg}")
 
 
+_READ_ERRORS = (OSError, RuntimeError, ValueError, TypeError)  # h5py's on a truncated file, damaged chunk or heap
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def _refuse(path, bad: np.ndarray, what, first: int = 0, unit: str = "sample") -> None:
     """DataError ``path: {unit} {first + i}: what`` for the first i where ``bad`` holds
     (``what``: a text, or a function of i)."""
@@ -158,8 +165,7 @@ def _info(path, f: h5py.File) -> FileInfo:
     except DataError:
         raise
     except (OSError, RuntimeError, KeyError, ValueError, TypeError) as e:  # damaged metadata h5py cannot parse
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        _fail(path, f"not a readable HDF5 file (truncated or corrupt?): {text}")
+        _fail(path, f"not a readable HDF5 file (truncated or corrupt?): {_first_line(e)}")
 
 
 def _read_info(path, f: h5py.File) -> FileInfo:
@@ -264,7 +270,7 @@ class _Reader:
         self.tokens, self.bytes = 0, f.id.get_filesize()
 
     def read(self, start: int, stop: int) -> SampleBlock:
-        block = _read_range(self.path, self.f, self.info, self.vocab_size, start, stop, self.seq_off)
+        block = self._read_packed(start, stop) if self.info.layout == PACKED else self._read_rows(start, stop)
         limit = self.max_seq_length
         if limit is not None and len(block) and int(block.seq_lens.max()) > limit:
             r = int(np.argmax(block.seq_lens > limit))
@@ -274,23 +280,37 @@ class _Reader:
             _fail(self.path, f"sample {stop - 1}: {self.tokens:,} tokens so far, more than its {self.bytes:,} bytes")
         return block
 
+    def _read_rows(self, start: int, stop: int) -> SampleBlock:
+        """Samples [start, stop) of a fixed or varlength file."""
+        keys = FIXED_KEYS if self.info.layout == "fixed" else VARLENGTH_KEYS
+        if not self.info.next_sentence:
+            keys = keys[:-1]
+        try:
+            arrays = {k: self.f[k][start:stop] for k in keys}
+            arrays.setdefault("next_sentence_labels", np.zeros(stop - start, np.int8))
+        except _READ_ERRORS as e:
+            rows = f"sample {start}" if stop - start == 1 else f"samples {start}..{stop - 1}"
+            _fail(self.path, f"cannot read sample data (truncated or corrupt?) in {rows}: {_first_line(e)}")
+        if self.info.layout == "fixed":
+            return from_fixed_arrays(self.path, vocab_size=self.vocab_size, first_row=start, **arrays)
+        return _from_varlength(self.path, arrays, self.vocab_size, start)
 
-def _read_range(path, f: h5py.File, info: FileInfo, vocab_size, start: int, stop: int, seq_off=None) -> SampleBlock:
-    if info.layout == PACKED:
-        return _read_packed(path, f, info, vocab_size, start, stop, seq_off)
-    keys = FIXED_KEYS if info.layout == "fixed" else VARLENGTH_KEYS
-    if not info.next_sentence:
-        keys = keys[:-1]
-    try:
-        arrays = {k: f[k][start:stop] for k in keys}
-        arrays.setdefault("next_sentence_labels", np.zeros(stop - start, np.int8))
-    except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        rows = f"sample {start}" if stop - start == 1 else f"samples {start}..{stop - 1}"
-        _fail(path, f"cannot read sample data (truncated or corrupt?) in {rows}: {text}")
-    if info.layout == "fixed":
-        return from_fixed_arrays(path, vocab_size=vocab_size, first_row=start, **arrays)
-    return _from_varlength(path, arrays, vocab_size, start)
+    def _read_packed(self, start: int, stop: int) -> SampleBlock:
+        """Unpack the packs holding sequences [start, stop) and return those sequences."""
+        seq_off, next_sentence = self.seq_off, self.info.next_sentence  # [R+1]
+        p0 = max(int(np.searchsorted(seq_off, start, side="right")) - 1, 0)
+        p1 = max(int(np.searchsorted(seq_off, stop, side="left")), p0)
+        try:
+            arrays = {k: self.f[k][p0:p1] for k in PACKED_KEYS if next_sentence or k != "next_sentence_labels"}
+        except _READ_ERRORS as e:
+            rows = f"samples {start}..{stop - 1}"
+            _fail(self.path, f"cannot read sample data (truncated or corrupt?) in {rows}: {_first_line(e)}")
+        if not next_sentence:  # masked-LM only: a label 0 per sequence
+            seqs = np.diff(seq_off)[p0:p1]
+            arrays["next_sentence_labels"] = _split(np.zeros(int(seqs.sum()), np.int8), seqs, np.int8)
+        first = int(seq_off[p0])
+        block = from_packed_arrays(self.path, arrays, self.vocab_size, self.info.max_seq_length, p0, first)
+        return block.select(np.arange(start - first, stop - first))
 
 
 def read_valid(
@@ -303,33 +323,27 @@ def read_valid(
     the bad samples are single rows, so a few bad samples cost a few extra reads of their
     neighbourhood. A file that cannot be opened at all gives no samples and one message.
     """
+    parts, rows, problems = [], [np.zeros(0, np.int64)], []  # valid blocks, their rows, one message per bad sample
     try:
-        f = open_hdf5(path)
-    except DataError as e:
-        return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
-    with f:
-        try:
+        with open_hdf5(path) as f:
             reader = _Reader(path, f, vocab_size, max_seq_length)
-        except DataError as e:
-            return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
-        parts, rows, problems = [], [], []  # valid blocks, their rows, one message per bad sample
-        n = reader.info.num_samples
-        todo = [(a, min(a + READ_ROWS, n)) for a in reversed(range(0, n, READ_ROWS))]
-        while todo:
-            start, stop = todo.pop()
-            if start >= stop:
-                continue
-            try:
-                parts.append(reader.read(start, stop))
-                rows.append(np.arange(start, stop, dtype=np.int64))
-            except DataError as e:
-                if stop - start == 1:
-                    problems.append(str(e))
-                else:
-                    mid = (start + stop) // 2
-                    todo += [(mid, stop), (start, mid)]  # the lower half first: file order
-    if not parts:
-        return SampleBlock.empty(), np.zeros(0, np.int64), problems
+            n = reader.info.num_samples
+            todo = [(a, min(a + READ_ROWS, n)) for a in reversed(range(0, n, READ_ROWS))]
+            while todo:
+                start, stop = todo.pop()
+                if start >= stop:
+                    continue
+                try:
+                    parts.append(reader.read(start, stop))
+                    rows.append(np.arange(start, stop, dtype=np.int64))
+                except DataError as e:
+                    if stop - start == 1:
+                        problems.append(str(e))
+                    else:
+                        mid = (start + stop) // 2
+                        todo += [(mid, stop), (start, mid)]  # the lower half first: file order
+    except DataError as e:  # the file cannot be opened, or its metadata is refused
+        return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
     return SampleBlock.concat(parts), np.concatenate(rows), problems
 
 
@@ -401,25 +415,6 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     _check_tokens(path, flat_ids, flat_seg, lens, vocab_size, first_row)
     positions, labels = _flat(mpos, np.int64), _flat(mids, np.int64)
     return _block(path, flat_ids, flat_seg, lens, positions, labels, counts, nsp, vocab_size, first_row)
-
-
-def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size, start: int, stop: int, seq_off=None) -> SampleBlock:
-    """Unpack the packs holding sequences [start, stop) and return those sequences."""
-    try:
-        seq_off = _pack_offsets(f) if seq_off is None else seq_off  # [R+1]
-        per_pack = np.diff(seq_off)  # sequences in each pack
-        p0 = max(int(np.searchsorted(seq_off, start, side="right")) - 1, 0)
-        p1 = max(int(np.searchsorted(seq_off, stop, side="left")), p0)
-        arrays = {k: f[k][p0:p1] for k in PACKED_KEYS if info.next_sentence or k != "next_sentence_labels"}
-        if not info.next_sentence:  # masked-LM only: a label 0 per sequence
-            seqs = per_pack[p0:p1]
-            arrays["next_sentence_labels"] = _split(np.zeros(int(seqs.sum()), np.int8), seqs, np.int8)
-    except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        _fail(path, f"cannot read sample data (truncated or corrupt?) in samples {start}..{stop - 1}: {text}")
-    lo = start - int(seq_off[p0])
-    block = from_packed_arrays(path, arrays, vocab_size, info.max_seq_length, p0, int(seq_off[p0]))
-    return block.select(np.arange(lo, lo + stop - start))
 
 
 def from_packed_arrays(
