@@ -79,6 +79,15 @@ def make_collator(
     return DaliCollator(layout=layout, seq_len=seq_len, device_id=device_id, max_batch_size=max_batch_size)
 
 
+def _rows(files: np.ndarray, offsets: np.ndarray, row_order) -> np.ndarray:
+    """The row in its file of each sample at (file, offset in ``row_order(file)``)."""
+    rows = np.empty_like(offsets)
+    for f in np.unique(files):
+        sel = files == f
+        rows[sel] = row_order(int(f))[offsets[sel]]
+    return rows
+
+
 @dataclass(frozen=True, order=True)
 class _Entry:
     """File ``file`` (an index into the file list) is needed in epoch ``epoch`` from step
@@ -285,11 +294,7 @@ class PretrainingLoader:
         plan = self._plan_for(rank, world_size)
         epoch, pos = plan.positions(step)
         files, offsets = plan.locate(epoch, pos)
-        rows = np.empty_like(offsets)
-        for f in np.unique(files):
-            sel = files == f
-            rows[sel] = plan.row_order(epoch, int(f))[offsets[sel]]
-        return np.stack([files, rows], axis=1)
+        return np.stack([files, _rows(files, offsets, lambda f: plan.row_order(epoch, f))], axis=1)
 
     def files_read(self, epoch: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
         """Indices of the files a rank reads in ``epoch``, in reading order."""
@@ -338,10 +343,7 @@ class PretrainingLoader:
         """The samples at (file, offset in the epoch's row order), in order; ``get(file)`` gives a
         shard. Returns the block and how many corrupt samples were replaced."""
         files = files.copy()
-        rows = np.empty_like(offsets)
-        for f in np.unique(files):
-            sel = files == f
-            rows[sel] = self._row_order(get(int(f)), epoch, int(f))[offsets[sel]]
+        rows = _rows(files, offsets, lambda f: self._row_order(get(f), epoch, f))
         replaced = 0
         if self.on_corrupt == "skip":
             for f in np.unique(files):
@@ -352,10 +354,7 @@ class PretrainingLoader:
                 replaced += len(bad)
         # Runs of consecutive samples from the same file, in batch order.
         cut = np.flatnonzero(files[1:] != files[:-1]) + 1
-        parts = [
-            get(int(files[lo])).select(rows[lo:hi])
-            for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(files)]]))
-        ]
+        parts = [get(int(f[0])).select(r) for f, r in zip(np.split(files, cut), np.split(rows, cut))]
         return (parts[0] if len(parts) == 1 else SampleBlock.concat(parts)), replaced
 
     def _next_valid(self, epoch: int, file: int, offset: int, get) -> tuple[int, int]:
@@ -441,9 +440,8 @@ class PretrainingLoader:
     # -------------------------------------------------------------------- iteration
     def __iter__(self):
         while True:
-            step = self._step
-            block = self._block(step)
-            self._step = step + 1
+            block = self._block(self._step)
+            self._step += 1
             yield block
 
     def batches(self, layout: str = "unpadded", seq_len: int | None = None, device_id: int | None = None):
