@@ -12,7 +12,7 @@ import torch
 
 from common.errors import DataError
 from data.batch import PaddedBatch, UnpaddedBatch
-from data.samples import SampleBlock, _offsets, _within
+from data.samples import SampleBlock, _check_most, _offsets, _within
 
 COLLATE_BACKENDS = ("torch", "dali")
 LAYOUTS = ("unpadded", "padded", "packed")
@@ -32,9 +32,7 @@ def _check_block(block: SampleBlock, seq_len: int | None = None) -> None:
     """Refuse an empty block, and (with ``seq_len``) one whose longest sample does not fit a row."""
     if len(block) == 0:
         raise DataError("cannot collate an empty SampleBlock")
-    if seq_len is not None and int(block.seq_lens.max()) > seq_len:
-        r = int(np.argmax(block.seq_lens))
-        raise DataError(f"sample {r} has {int(block.seq_lens[r])} tokens, more than seq_len {seq_len}")
+    _check_most("", block.seq_lens, seq_len, "tokens", "seq_len ")
 
 
 def _row_index(counts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from common.errors import DataError
 from common.files import UnsafeFile, open_checked, publishing
-from data.samples import SampleBlock, _offsets, _within
+from data.samples import SampleBlock, _check_most, _offsets, _within
 
 FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 VARLENGTH_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -515,13 +515,6 @@ def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, fir
         masked_counts=counts.astype(np.int32),
         nsp_labels=nsp.astype(np.int8),
     )
-
-
-def _check_most(where: str, values: np.ndarray, limit: int | None, what: str, name: str = "") -> None:
-    """DataError ``{where}sample r has N {what}, more than {name}{limit}`` for the largest value over ``limit``."""
-    if limit is not None and len(values) and int(values.max()) > limit:
-        r = int(np.argmax(values))
-        raise DataError(f"{where}sample {r} has {int(values[r])} {what}, more than {name}{limit}")
 
 
 def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: int, where: str = "") -> dict:

@@ -14,11 +14,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.errors import DataError
+
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=out[1:])
     return out
+
+
+def _check_most(where: str, values: np.ndarray, limit: int | None, what: str, name: str = "") -> None:
+    """DataError ``{where}sample r has N {what}, more than {name}{limit}`` for the largest value over ``limit``."""
+    if limit is not None and len(values) and int(values.max()) > limit:
+        r = int(np.argmax(values))
+        raise DataError(f"{where}sample {r} has {int(values[r])} {what}, more than {name}{limit}")
 
 
 def _within(counts: np.ndarray) -> np.ndarray:
