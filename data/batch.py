@@ -204,11 +204,8 @@ def unpad(
     b, s = ids.shape
     for name, t in (("segment_ids", seg), ("input_mask", mask)):
         _require(t.shape == ids.shape, name, f"shape {tuple(t.shape)} != input_ids shape {(b, s)}")
-    _require(
-        mids.shape == mpos.shape,
-        "masked_lm_ids",
-        f"shape {tuple(mids.shape)} != masked_lm_positions shape {tuple(mpos.shape)}",
-    )
+    got, want = tuple(mids.shape), tuple(mpos.shape)
+    _require(got == want, "masked_lm_ids", f"shape {got} != masked_lm_positions shape {want}")
     _require(mpos.shape[0] == b, "masked_lm_positions", f"has {mpos.shape[0]} rows, input_ids has {b}")
     _require(nsp.numel() == b, "next_sentence_labels", f"has {nsp.numel()} entries, input_ids has {b} rows")
     _require(b > 0, "input_ids", "the batch holds no sequence")

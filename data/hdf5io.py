@@ -676,9 +676,7 @@ def write_packed(
         ("next_sentence_labels", packed.nsp_labels, seqs_per_pack),
     )
     with _publishing_hdf5(path) as f:
-        _write_rows(
-            f, num_packs, [(*c, dtypes[c[0]]) for c in columns if next_sentence or c[0] != "next_sentence_labels"]
-        )
+        _write_rows(f, num_packs, [(*c, dtypes[c[0]]) for c in (columns if next_sentence else columns[:-1])])
         f.attrs["max_seq_length"] = np.int32(max_seq_length)
         if max_predictions is not None:
             f.attrs["max_predictions"] = np.int32(max_predictions)
