@@ -381,8 +381,7 @@ class PretrainingLoader:
         for fut in getattr(self, "_loaded", {}).values():
             fut.cancel()
         self._loaded: dict[tuple[int, int], Future] = {}  # (epoch, file) -> _Loaded
-        self._first: dict[tuple[int, int], int] = {}
-        self._last: dict[tuple[int, int], int] = {}
+        self._entries: dict[tuple[int, int], _Entry] = {}  # (epoch, file) -> the steps that need it
         self._queue: list[_Entry] = []
         self._queued_epoch = self._step // self.steps_per_epoch - 1
 
@@ -394,7 +393,7 @@ class PretrainingLoader:
 
     def _submit(self, entry: _Entry) -> None:
         key = (entry.epoch, entry.file)
-        self._first[key], self._last[key] = entry.first, entry.last
+        self._entries[key] = entry
         if self._executor is None:
             fut: Future = Future()
             fut.set_result(self._read(entry.file))
@@ -409,7 +408,7 @@ class PretrainingLoader:
             self._submit(self._queue.pop(0))
         if self._executor is None:
             return
-        ahead = sum(1 for (e, _), first in self._first.items() if (e, first) > (epoch, s))
+        ahead = sum(1 for x in self._entries.values() if (x.epoch, x.first) > (epoch, s))
         while ahead < self.prefetch_files:
             if not self._queue:
                 self._extend_queue(self._queued_epoch + 1, 0)
@@ -418,8 +417,8 @@ class PretrainingLoader:
 
     def _evict(self, epoch: int, s: int) -> None:
         """Drop the shards whose last step is s or earlier."""
-        for key in [k for k, last in self._last.items() if k[0] < epoch or (k[0] == epoch and last <= s)]:
-            del self._loaded[key], self._first[key], self._last[key]
+        for key in [k for k, x in self._entries.items() if (x.epoch, x.last) <= (epoch, s)]:
+            del self._loaded[key], self._entries[key]
 
     def _block(self, step: int) -> SampleBlock:
         epoch, s = divmod(step, self.steps_per_epoch)
