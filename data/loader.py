@@ -129,17 +129,15 @@ class _Plan:
     def row_order(self, epoch: int, file: int) -> np.ndarray:
         return np.random.default_rng([self.seed, 1, epoch, file]).permutation(int(self.sizes[file]))
 
-    def positions(self, step: int) -> tuple[int, np.ndarray]:
-        """(epoch, this rank's stream positions at global step ``step``, in batch order)."""
+    def locate(self, step: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(epoch, file index, offset in the file's row order) of this rank's samples at global
+        step ``step``, in batch order."""
         epoch, s = divmod(step, self.steps_per_epoch)
         pos = [lane * self.lane_len + s * self.lane_batch + np.arange(k0, k1) for lane, k0, k1 in self.parts]
-        return epoch, np.concatenate(pos)
-
-    def locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Stream positions -> (file index, offset in the file's row order)."""
+        positions = np.concatenate(pos)  # in the epoch's stream
         perm, starts = self.epoch_order(epoch)
         i = np.searchsorted(starts, positions, side="right") - 1
-        return perm[i], positions - starts[i]
+        return epoch, perm[i], positions - starts[i]
 
     def entries(self, epoch: int) -> list[_Entry]:
         """The files this rank reads in ``epoch``, in the order it first needs them."""
@@ -292,8 +290,7 @@ class PretrainingLoader:
         """[n, 2] (file index, row in the file) of the samples a rank gets at ``step``
         (default this rank; ``world_size=1`` gives the whole global batch)."""
         plan = self._plan_for(rank, world_size)
-        epoch, pos = plan.positions(step)
-        files, offsets = plan.locate(epoch, pos)
+        epoch, files, offsets = plan.locate(step)
         return np.stack([files, _rows(files, offsets, lambda f: plan.row_order(epoch, f))], axis=1)
 
     def files_read(self, epoch: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
@@ -423,8 +420,7 @@ class PretrainingLoader:
     def _block(self, step: int) -> SampleBlock:
         epoch, s = divmod(step, self.steps_per_epoch)
         self._shards_for(epoch, s)
-        _, pos = self._plan.positions(step)
-        files, offsets = self._plan.locate(epoch, pos)
+        _, files, offsets = self._plan.locate(step)
 
         def get(f: int) -> _Loaded:
             fut = self._loaded.get((epoch, f))
@@ -452,9 +448,7 @@ class PretrainingLoader:
 
     def global_batch(self, step: int) -> SampleBlock:
         """The whole global batch of ``step`` (all ranks' samples in rank order), read here."""
-        plan = self._plan_for(None, 1)
-        epoch, pos = plan.positions(step)
-        files, offsets = plan.locate(epoch, pos)
+        epoch, files, offsets = self._plan_for(None, 1).locate(step)
         cache: dict[int, _Loaded] = {}
 
         def get(f: int) -> _Loaded:
