@@ -245,16 +245,15 @@ class PretrainingLoader:
         if vocab_size is None and isinstance(train_dir_or_files, (str, Path)):
             vocab_size = dataset_vocab_size(train_dir_or_files)
         self.vocab_size, self.max_seq_length = vocab_size, max_seq_length
-        infos, readable = [], []
+        infos = []
         for f in self.files:
             try:
                 infos.append(inspect(f))
-                readable.append(f)
             except DataError as e:
                 if on_corrupt == "fail":
                     raise
                 self._warn(f"{e}; leaving the file out (data.on_corrupt=skip)")
-        if not readable:
+        if not infos:
             raise DataError(f"{self.files[0].parent}: none of the {len(self.files)} training files can be read")
         # Masked-LM-only files (no next_sentence_labels) read with nsp labels 0; a mix would
         # train the NSP head on invented labels for some samples, so it is refused.
@@ -263,7 +262,7 @@ class PretrainingLoader:
         if odd is not None:
             kinds = {True: "has next_sentence_labels", False: "is masked-LM only (no next_sentence_labels)"}
             raise DataError(f"{odd.path}: {kinds[odd.next_sentence]}, but {infos[0].path} {kinds[self.next_sentence]}")
-        self.files = readable
+        self.files = [Path(i.path) for i in infos]
         self.sizes = np.array([i.num_samples for i in infos], dtype=np.int64)
         if int(self.sizes.sum()) < global_batch_size:
             raise DataError(
