@@ -374,8 +374,7 @@ def from_fixed_arrays(
     bad = (real != (mask == 1)).any(1)
     _refuse(path, bad, "input_mask is not a prefix of ones (real tokens must come first)", first_row)
     _refuse(path, lens < 1, "the sequence is empty (input_mask is all 0)", first_row)
-    ids_real = ids[real]
-    seg_real = seg[real]
+    ids_real, seg_real = ids[real], seg[real]
     _check_tokens(path, ids_real, seg_real, lens, vocab_size, first_row)
 
     used_slot = mpos != 0
@@ -410,8 +409,7 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     _refuse(
         path, bad, lambda r: f"masked_lm_ids has {len(mids[r])} entries, masked_lm_positions has {counts[r]}", first_row
     )
-    flat_ids = _flat(ids, np.int32)
-    flat_seg = _flat(seg, np.int8)
+    flat_ids, flat_seg = _flat(ids, np.int32), _flat(seg, np.int8)
     _check_tokens(path, flat_ids, flat_seg, lens, vocab_size, first_row)
     positions, labels = _flat(mpos, np.int64), _flat(mids, np.int64)
     return _block(path, flat_ids, flat_seg, lens, positions, labels, counts, nsp, vocab_size, first_row)
@@ -452,8 +450,7 @@ def from_packed_arrays(
     for key in ("masked_lm_positions", "masked_lm_ids"):
         bad = _lengths(arrays[key]) != slots
         refuse_pack(bad, lambda r: f"{key} has {len(arrays[key][r])} entries, packed_masked_lm_len sums to {slots[r]}")
-    ids = _flat(arrays["input_ids"], np.int32)
-    seg = _flat(seg_packs, np.int8)
+    ids, seg = _flat(arrays["input_ids"], np.int32), _flat(seg_packs, np.int8)
     _check_tokens(path, ids, seg, lens, vocab_size, first_sample)
     # Positions within the pack -> within the sequence: subtract the sequence's start in its pack.
     seq_start = _offsets(lens)[:-1] - np.repeat(_offsets(tokens_per_pack)[:-1], seqs_per_pack)
