@@ -40,7 +40,6 @@ class DaliCollator:
         seq_len: int | None = None,
         device_id: int | None = None,
         max_batch_size: int = 1024,
-        num_threads: int = 1,
     ):
         if layout not in ("unpadded", "padded"):
             raise ValueError(f"layout {layout!r}: expected 'unpadded' or 'padded'")
@@ -56,7 +55,7 @@ class DaliCollator:
         self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
         pipe = Pipeline(
             batch_size=max_batch_size,
-            num_threads=num_threads,
+            num_threads=1,
             device_id=device_id,
             exec_async=False,
             exec_pipelined=False,
