@@ -67,7 +67,7 @@ def _fail(path, msg: str):
     raise DataError(f"{path}: {msg}")
 
 
-_READ_ERRORS = (OSError, RuntimeError, ValueError, TypeError)  # h5py's on a truncated file, damaged chunk or heap
+_READ_ERRORS = (OSError, RuntimeError, ValueError, TypeError)  # h5py, on a truncated file, damaged chunk or heap
 
 
 def _first_line(e: Exception) -> str:
