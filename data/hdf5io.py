@@ -74,12 +74,13 @@ def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def _refuse(path, bad: np.ndarray, what, first: int = 0, unit: str = "sample") -> None:
-    """DataError ``path: {unit} {first + i}: what`` for the first i where ``bad`` holds
-    (``what``: a text, or a function of i)."""
+def _refuse(path, bad: np.ndarray, what, first: int = 0, unit: str = "sample", owner=None) -> None:
+    """DataError ``path: {unit} {first + r}: what`` for the first i where ``bad`` holds, r = i
+    or ``owner[i]`` (``what``: a text, or a function of i)."""
     if bad.any():
         i = _first(bad)
-        _fail(path, f"{unit} {first + i}: {what(i) if callable(what) else what}")
+        r = i if owner is None else int(owner[i])
+        _fail(path, f"{unit} {first + r}: {what(i) if callable(what) else what}")
 
 
 def open_hdf5(path) -> h5py.File:
@@ -485,17 +486,12 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
         r = int(owner[i])
         where = "[CLS] or negative" if positions[i] < 1 else "past the sequence end"
         _fail(path, f"sample {first_row + r}: masked position {int(positions[i])} is {where} ({int(lens[r])} tokens)")
-    same = owner[1:] == owner[:-1]
-    bad = same & (positions[1:] <= positions[:-1])
-    if bad.any():
-        r = int(owner[1:][bad][0])
-        _fail(path, f"sample {first_row + r}: masked positions are not strictly increasing")
+    bad = (owner[1:] == owner[:-1]) & (positions[1:] <= positions[:-1])
+    _refuse(path, bad, "masked positions are not strictly increasing", first_row, owner=owner[1:])
     hi = vocab_size if vocab_size is not None else np.iinfo(np.int16).max + 1
+    outside = "the vocabulary" if vocab_size is not None else "[0, 32768)"
     bad = (labels < 0) | (labels >= hi)
-    if bad.any():
-        i = _first(bad)
-        outside = "the vocabulary" if vocab_size is not None else "[0, 32768)"
-        _fail(path, f"sample {first_row + int(owner[i])}: masked_lm_ids holds {int(labels[i])}, outside {outside}")
+    _refuse(path, bad, lambda i: f"masked_lm_ids holds {int(labels[i])}, outside {outside}", first_row, owner=owner)
 
 
 def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_row) -> SampleBlock:
