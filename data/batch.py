@@ -24,11 +24,14 @@ def _require(ok: bool, field: str, what: str) -> None:
         raise ValueError(f"{field}: {what}")
 
 
-def _check_int(t: Tensor, field: str, ndim: int, dtype: torch.dtype | None = None) -> None:
-    _require(isinstance(t, Tensor), field, f"expected a tensor, got {type(t).__name__}")
-    _require(t.dtype in _INT_DTYPES, field, f"expected an integer dtype, got {t.dtype}")
-    _require(t.dim() == ndim, field, f"expected {ndim} dimension(s), got shape {tuple(t.shape)}")
-    _require(dtype is None or t.dtype == dtype, field, f"expected {dtype}, got {t.dtype}")
+def _check_int(batch, names, ndim: int, dtype: torch.dtype | None = None) -> None:
+    """Each field of ``names`` an integer tensor of ``ndim`` dimensions (and ``dtype``)."""
+    for field in names:
+        t = getattr(batch, field)
+        _require(isinstance(t, Tensor), field, f"expected a tensor, got {type(t).__name__}")
+        _require(t.dtype in _INT_DTYPES, field, f"expected an integer dtype, got {t.dtype}")
+        _require(t.dim() == ndim, field, f"expected {ndim} dimension(s), got shape {tuple(t.shape)}")
+        _require(dtype is None or t.dtype == dtype, field, f"expected {dtype}, got {t.dtype}")
 
 
 def _check_same(batch, ref: str, names, what: str = "length") -> None:
@@ -98,23 +101,15 @@ class UnpaddedBatch(_Batch):
     host_seqlens: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        for name in ("input_ids", "segment_ids", "position_ids", "mlm_positions", "mlm_labels", "nsp_labels"):
-            _check_int(getattr(self, name), name, 1)
-        _check_int(self.cu_seqlens, "cu_seqlens", 1, torch.int32)
-        _require(
-            isinstance(self.max_seqlen, int) and not isinstance(self.max_seqlen, bool),
-            "max_seqlen",
-            f"expected a Python int, got {type(self.max_seqlen).__name__}",
-        )
+        _check_int(self, ("input_ids", "segment_ids", "position_ids", "mlm_positions", "mlm_labels", "nsp_labels"), 1)
+        _check_int(self, ("cu_seqlens",), 1, torch.int32)
+        is_int = isinstance(self.max_seqlen, int) and not isinstance(self.max_seqlen, bool)
+        _require(is_int, "max_seqlen", f"expected a Python int, got {type(self.max_seqlen).__name__}")
         n = self.input_ids.numel()
         _check_same(self, "input_ids", ("segment_ids", "position_ids"))
         _check_same(self, "mlm_positions", ("mlm_labels",))
-        b = self.nsp_labels.numel()
-        _require(
-            self.cu_seqlens.numel() == b + 1,
-            "cu_seqlens",
-            f"length {self.cu_seqlens.numel()} != nsp_labels length {b} + 1",
-        )
+        b, cu = self.nsp_labels.numel(), self.cu_seqlens.numel()
+        _require(cu == b + 1, "cu_seqlens", f"length {cu} != nsp_labels length {b} + 1")
         if self.host_seqlens is not None:
             lens = self.host_seqlens
             _require(isinstance(lens, tuple), "host_seqlens", f"expected a tuple, got {type(lens).__name__}")
@@ -175,13 +170,11 @@ class PaddedBatch(_Batch):
     nsp_labels: Tensor
 
     def __post_init__(self):
-        for name in ("input_ids", "segment_ids", "position_ids"):
-            _check_int(getattr(self, name), name, 2)
+        _check_int(self, ("input_ids", "segment_ids", "position_ids"), 2)
         mask = self.attention_mask
         _require(isinstance(mask, Tensor) and mask.dtype == torch.bool, "attention_mask", "expected a bool tensor")
         _check_same(self, "input_ids", ("segment_ids", "position_ids", "attention_mask"), "shape")
-        for name in ("mlm_positions", "mlm_labels", "nsp_labels"):
-            _check_int(getattr(self, name), name, 1)
+        _check_int(self, ("mlm_positions", "mlm_labels", "nsp_labels"), 1)
         _check_same(self, "mlm_positions", ("mlm_labels",))
         b = self.input_ids.shape[0]
         _require(self.nsp_labels.numel() == b, "nsp_labels", f"length {self.nsp_labels.numel()} != batch size {b}")
@@ -211,11 +204,8 @@ def unpad(
     b, s = ids.shape
     for name, t in (("segment_ids", seg), ("input_mask", mask)):
         _require(t.shape == ids.shape, name, f"shape {tuple(t.shape)} != input_ids shape {(b, s)}")
-    _require(
-        mids.shape == mpos.shape,
-        "masked_lm_ids",
-        f"shape {tuple(mids.shape)} != masked_lm_positions shape {tuple(mpos.shape)}",
-    )
+    got, want = tuple(mids.shape), tuple(mpos.shape)
+    _require(got == want, "masked_lm_ids", f"shape {got} != masked_lm_positions shape {want}")
     _require(mpos.shape[0] == b, "masked_lm_positions", f"has {mpos.shape[0]} rows, input_ids has {b}")
     _require(nsp.numel() == b, "next_sentence_labels", f"has {nsp.numel()} entries, input_ids has {b} rows")
     _require(b > 0, "input_ids", "the batch holds no sequence")
@@ -319,15 +309,13 @@ class PackedBatch(_Batch):
     nsp_labels: Tensor
 
     def __post_init__(self):
-        for name in ("input_ids", "segment_ids", "position_ids"):
-            _check_int(getattr(self, name), name, 2)
+        _check_int(self, ("input_ids", "segment_ids", "position_ids"), 2)
         _check_same(self, "input_ids", ("segment_ids", "position_ids"), "shape")
-        _check_int(self.startend_row_indices, "startend_row_indices", 4, torch.int32)
+        _check_int(self, ("startend_row_indices",), 4, torch.int32)
         shape = self.input_ids.shape
         got, want = tuple(self.startend_row_indices.shape), (shape[0], 1, shape[1], 2)
         _require(got == want, "startend_row_indices", f"shape {got} != {want}")
-        for name in ("cls_positions", "seq_lens", "mlm_positions", "mlm_labels", "nsp_labels"):
-            _check_int(getattr(self, name), name, 1)
+        _check_int(self, ("cls_positions", "seq_lens", "mlm_positions", "mlm_labels", "nsp_labels"), 1)
         _check_same(self, "nsp_labels", ("cls_positions", "seq_lens"))
         _check_same(self, "mlm_positions", ("mlm_labels",))
 

@@ -12,7 +12,7 @@ import torch
 
 from common.errors import DataError
 from data.batch import PaddedBatch, UnpaddedBatch
-from data.samples import SampleBlock, _offsets
+from data.samples import SampleBlock, _check_most, _offsets, _within
 
 COLLATE_BACKENDS = ("torch", "dali")
 LAYOUTS = ("unpadded", "padded", "packed")
@@ -32,16 +32,13 @@ def _check_block(block: SampleBlock, seq_len: int | None = None) -> None:
     """Refuse an empty block, and (with ``seq_len``) one whose longest sample does not fit a row."""
     if len(block) == 0:
         raise DataError("cannot collate an empty SampleBlock")
-    if seq_len is not None and int(block.seq_lens.max()) > seq_len:
-        r = int(np.argmax(block.seq_lens))
-        raise DataError(f"sample {r} has {int(block.seq_lens[r])} tokens, more than seq_len {seq_len}")
+    _check_most("", block.seq_lens, seq_len, "tokens", "seq_len ")
 
 
 def _row_index(counts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """For rows holding counts[i] entries each, left-aligned in a [len(counts), width] array: the
     flat index of every entry [sum counts] and its place within its row [sum counts]."""
-    counts = counts.astype(np.int64)
-    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(_offsets(counts)[:-1], counts)
+    within = _within(counts)
     return np.repeat(np.arange(len(counts), dtype=np.int64) * width, counts) + within, within
 
 
@@ -57,8 +54,7 @@ def collate_unpadded(block: SampleBlock) -> UnpaddedBatch:
     _check_block(block)
     lens = block.seq_lens.astype(np.int64)
     cu = _offsets(lens)  # [B+1]
-    t = int(cu[-1])
-    position_ids = np.arange(t, dtype=np.int64) - np.repeat(cu[:-1], lens)  # [T]
+    position_ids = _within(lens)  # [T]
     mlm_positions = block.masked_positions.astype(np.int64) + np.repeat(cu[:-1], block.masked_counts)  # [M]
     return UnpaddedBatch(
         input_ids=_long(block.input_ids),

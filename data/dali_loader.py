@@ -40,7 +40,6 @@ class DaliCollator:
         seq_len: int | None = None,
         device_id: int | None = None,
         max_batch_size: int = 1024,
-        num_threads: int = 1,
     ):
         if layout not in ("unpadded", "padded"):
             raise ValueError(f"layout {layout!r}: expected 'unpadded' or 'padded'")
@@ -56,7 +55,7 @@ class DaliCollator:
         self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
         pipe = Pipeline(
             batch_size=max_batch_size,
-            num_threads=num_threads,
+            num_threads=1,
             device_id=device_id,
             exec_async=False,
             exec_pipelined=False,
@@ -67,8 +66,6 @@ class DaliCollator:
                 name: fn.external_source(name=name, dtype=getattr(types, dt), ndim=1, device="cpu")
                 for name, dt, _ in _FIELDS
             }
-            lens = src["input_ids"].shape()
-            mcounts = src["masked_positions"].shape()
             data = {k: (v.gpu() if device_id is not None else v) for k, v in src.items()}
             row = {"shape": [seq_len]} if layout == "padded" else {}
             pipe.set_outputs(
@@ -77,8 +74,6 @@ class DaliCollator:
                 fn.pad(data["masked_positions"], fill_value=0),
                 fn.pad(data["masked_ids"], fill_value=0),
                 data["nsp_labels"],
-                lens,
-                mcounts,
             )
         pipe.build()
         self._pipe = pipe
@@ -99,9 +94,10 @@ class DaliCollator:
         if b > self.max_batch_size:
             raise ValueError(f"block of {b} samples exceeds the DALI pipeline's max_batch_size {self.max_batch_size}")
         _check_block(block, self.seq_len if self.layout == "padded" else None)
-        lens_np = block.seq_lens.astype(np.int64)
-        tok_cuts = _offsets(lens_np)[1:-1]
-        msk_cuts = _offsets(block.masked_counts)[1:-1]
+        # The lengths come from the block, on the host: the index arithmetic needs no device read.
+        lens_h, mcounts_h = block.seq_lens.astype(np.int64), block.masked_counts.astype(np.int64)
+        cu = _offsets(lens_h)
+        tok_cuts, msk_cuts = cu[1:-1], _offsets(mcounts_h)[1:-1]
         for name, _, dtype in _FIELDS:
             values = getattr(block, name).astype(dtype, copy=False)
             if name == "nsp_labels":
@@ -109,12 +105,8 @@ class DaliCollator:
             else:
                 samples = np.split(values, tok_cuts if name in ("input_ids", "segment_ids") else msk_cuts)
             self._pipe.feed_input(name, samples)
-        ids_p, seg_p, mpos_p, mids_p, nsp, lens, mcounts = (self._to_torch(o) for o in self._pipe.run())
-        # Lengths are a CPU output (shapes live on the host): index arithmetic stays on the host.
-        lens_h = lens.cpu().reshape(b).numpy().astype(np.int64)
-        mcounts_h = mcounts.cpu().reshape(b).numpy().astype(np.int64)
+        ids_p, seg_p, mpos_p, mids_p, nsp = (self._to_torch(o) for o in self._pipe.run())
         s = ids_p.shape[1]
-        cu = _offsets(lens_h)
         tok_index, within = _row_index(lens_h, s)  # [T] into B*S, [T] position in the sequence
         m_index = torch.from_numpy(_row_index(mcounts_h, mpos_p.shape[1])[0]).to(self.device, non_blocking=True)
         mlm_pos = mpos_p.reshape(-1).long()[m_index]  # [M] positions within each sample

@@ -20,7 +20,7 @@ import numpy as np
 
 from common.errors import DataError
 from common.files import UnsafeFile, open_checked, publishing
-from data.samples import SampleBlock, _offsets
+from data.samples import SampleBlock, _check_most, _offsets, _within
 
 FIXED_KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 VARLENGTH_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -67,12 +67,20 @@ def _fail(path, msg: str):
     raise DataError(f"{path}: {msg}")
 
 
-def _refuse(path, bad: np.ndarray, what, first: int = 0, unit: str = "sample") -> None:
-    """DataError ``path: {unit} {first + i}: what`` for the first i where ``bad`` holds
-    (``what``: a text, or a function of i)."""
+_READ_ERRORS = (OSError, RuntimeError, ValueError, TypeError)  # h5py, on a truncated file, damaged chunk or heap
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _refuse(path, bad: np.ndarray, what, first: int = 0, unit: str = "sample", owner=None) -> None:
+    """DataError ``path: {unit} {first + r}: what`` for the first i where ``bad`` holds, r = i
+    or ``owner[i]`` (``what``: a text, or a function of i)."""
     if bad.any():
         i = _first(bad)
-        _fail(path, f"{unit} {first + i}: {what(i) if callable(what) else what}")
+        r = i if owner is None else int(owner[i])
+        _fail(path, f"{unit} {first + r}: {what(i) if callable(what) else what}")
 
 
 def open_hdf5(path) -> h5py.File:
@@ -158,8 +166,7 @@ def _info(path, f: h5py.File) -> FileInfo:
     except DataError:
         raise
     except (OSError, RuntimeError, KeyError, ValueError, TypeError) as e:  # damaged metadata h5py cannot parse
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        _fail(path, f"not a readable HDF5 file (truncated or corrupt?): {text}")
+        _fail(path, f"not a readable HDF5 file (truncated or corrupt?): {_first_line(e)}")
 
 
 def _read_info(path, f: h5py.File) -> FileInfo:
@@ -264,7 +271,7 @@ class _Reader:
         self.tokens, self.bytes = 0, f.id.get_filesize()
 
     def read(self, start: int, stop: int) -> SampleBlock:
-        block = _read_range(self.path, self.f, self.info, self.vocab_size, start, stop, self.seq_off)
+        block = self._read_packed(start, stop) if self.info.layout == PACKED else self._read_rows(start, stop)
         limit = self.max_seq_length
         if limit is not None and len(block) and int(block.seq_lens.max()) > limit:
             r = int(np.argmax(block.seq_lens > limit))
@@ -274,23 +281,37 @@ class _Reader:
             _fail(self.path, f"sample {stop - 1}: {self.tokens:,} tokens so far, more than its {self.bytes:,} bytes")
         return block
 
+    def _read_rows(self, start: int, stop: int) -> SampleBlock:
+        """Samples [start, stop) of a fixed or varlength file."""
+        keys = FIXED_KEYS if self.info.layout == "fixed" else VARLENGTH_KEYS
+        if not self.info.next_sentence:
+            keys = keys[:-1]
+        try:
+            arrays = {k: self.f[k][start:stop] for k in keys}
+            arrays.setdefault("next_sentence_labels", np.zeros(stop - start, np.int8))
+        except _READ_ERRORS as e:
+            rows = f"sample {start}" if stop - start == 1 else f"samples {start}..{stop - 1}"
+            _fail(self.path, f"cannot read sample data (truncated or corrupt?) in {rows}: {_first_line(e)}")
+        if self.info.layout == "fixed":
+            return from_fixed_arrays(self.path, vocab_size=self.vocab_size, first_row=start, **arrays)
+        return _from_varlength(self.path, arrays, self.vocab_size, start)
 
-def _read_range(path, f: h5py.File, info: FileInfo, vocab_size, start: int, stop: int, seq_off=None) -> SampleBlock:
-    if info.layout == PACKED:
-        return _read_packed(path, f, info, vocab_size, start, stop, seq_off)
-    keys = FIXED_KEYS if info.layout == "fixed" else VARLENGTH_KEYS
-    if not info.next_sentence:
-        keys = keys[:-1]
-    try:
-        arrays = {k: f[k][start:stop] for k in keys}
-        arrays.setdefault("next_sentence_labels", np.zeros(stop - start, np.int8))
-    except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        rows = f"sample {start}" if stop - start == 1 else f"samples {start}..{stop - 1}"
-        _fail(path, f"cannot read sample data (truncated or corrupt?) in {rows}: {text}")
-    if info.layout == "fixed":
-        return from_fixed_arrays(path, vocab_size=vocab_size, first_row=start, **arrays)
-    return _from_varlength(path, arrays, vocab_size, start)
+    def _read_packed(self, start: int, stop: int) -> SampleBlock:
+        """Unpack the packs holding sequences [start, stop) and return those sequences."""
+        seq_off, next_sentence = self.seq_off, self.info.next_sentence  # [R+1]
+        p0 = max(int(np.searchsorted(seq_off, start, side="right")) - 1, 0)
+        p1 = max(int(np.searchsorted(seq_off, stop, side="left")), p0)
+        try:
+            arrays = {k: self.f[k][p0:p1] for k in PACKED_KEYS if next_sentence or k != "next_sentence_labels"}
+        except _READ_ERRORS as e:
+            rows = f"samples {start}..{stop - 1}"
+            _fail(self.path, f"cannot read sample data (truncated or corrupt?) in {rows}: {_first_line(e)}")
+        if not next_sentence:  # masked-LM only: a label 0 per sequence
+            seqs = np.diff(seq_off)[p0:p1]
+            arrays["next_sentence_labels"] = _split(np.zeros(int(seqs.sum()), np.int8), seqs, np.int8)
+        first = int(seq_off[p0])
+        block = from_packed_arrays(self.path, arrays, self.vocab_size, self.info.max_seq_length, p0, first)
+        return block.select(np.arange(start - first, stop - first))
 
 
 def read_valid(
@@ -303,33 +324,27 @@ def read_valid(
     the bad samples are single rows, so a few bad samples cost a few extra reads of their
     neighbourhood. A file that cannot be opened at all gives no samples and one message.
     """
+    parts, rows, problems = [], [np.zeros(0, np.int64)], []  # valid blocks, their rows, one message per bad sample
     try:
-        f = open_hdf5(path)
-    except DataError as e:
-        return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
-    with f:
-        try:
+        with open_hdf5(path) as f:
             reader = _Reader(path, f, vocab_size, max_seq_length)
-        except DataError as e:
-            return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
-        parts, rows, problems = [], [], []  # valid blocks, their rows, one message per bad sample
-        n = reader.info.num_samples
-        todo = [(a, min(a + READ_ROWS, n)) for a in reversed(range(0, n, READ_ROWS))]
-        while todo:
-            start, stop = todo.pop()
-            if start >= stop:
-                continue
-            try:
-                parts.append(reader.read(start, stop))
-                rows.append(np.arange(start, stop, dtype=np.int64))
-            except DataError as e:
-                if stop - start == 1:
-                    problems.append(str(e))
-                else:
-                    mid = (start + stop) // 2
-                    todo += [(mid, stop), (start, mid)]  # the lower half first: file order
-    if not parts:
-        return SampleBlock.empty(), np.zeros(0, np.int64), problems
+            n = reader.info.num_samples
+            todo = [(a, min(a + READ_ROWS, n)) for a in reversed(range(0, n, READ_ROWS))]
+            while todo:
+                start, stop = todo.pop()
+                if start >= stop:
+                    continue
+                try:
+                    parts.append(reader.read(start, stop))
+                    rows.append(np.arange(start, stop, dtype=np.int64))
+                except DataError as e:
+                    if stop - start == 1:
+                        problems.append(str(e))
+                    else:
+                        mid = (start + stop) // 2
+                        todo += [(mid, stop), (start, mid)]  # the lower half first: file order
+    except DataError as e:  # the file cannot be opened, or its metadata is refused
+        return SampleBlock.empty(), np.zeros(0, np.int64), [str(e)]
     return SampleBlock.concat(parts), np.concatenate(rows), problems
 
 
@@ -360,8 +375,7 @@ def from_fixed_arrays(
     bad = (real != (mask == 1)).any(1)
     _refuse(path, bad, "input_mask is not a prefix of ones (real tokens must come first)", first_row)
     _refuse(path, lens < 1, "the sequence is empty (input_mask is all 0)", first_row)
-    ids_real = ids[real]
-    seg_real = seg[real]
+    ids_real, seg_real = ids[real], seg[real]
     _check_tokens(path, ids_real, seg_real, lens, vocab_size, first_row)
 
     used_slot = mpos != 0
@@ -396,30 +410,10 @@ def _from_varlength(path, arrays: dict, vocab_size: int | None, first_row: int) 
     _refuse(
         path, bad, lambda r: f"masked_lm_ids has {len(mids[r])} entries, masked_lm_positions has {counts[r]}", first_row
     )
-    flat_ids = _flat(ids, np.int32)
-    flat_seg = _flat(seg, np.int8)
+    flat_ids, flat_seg = _flat(ids, np.int32), _flat(seg, np.int8)
     _check_tokens(path, flat_ids, flat_seg, lens, vocab_size, first_row)
     positions, labels = _flat(mpos, np.int64), _flat(mids, np.int64)
     return _block(path, flat_ids, flat_seg, lens, positions, labels, counts, nsp, vocab_size, first_row)
-
-
-def _read_packed(path, f: h5py.File, info: FileInfo, vocab_size, start: int, stop: int, seq_off=None) -> SampleBlock:
-    """Unpack the packs holding sequences [start, stop) and return those sequences."""
-    try:
-        seq_off = _pack_offsets(f) if seq_off is None else seq_off  # [R+1]
-        per_pack = np.diff(seq_off)  # sequences in each pack
-        p0 = max(int(np.searchsorted(seq_off, start, side="right")) - 1, 0)
-        p1 = max(int(np.searchsorted(seq_off, stop, side="left")), p0)
-        arrays = {k: f[k][p0:p1] for k in PACKED_KEYS if info.next_sentence or k != "next_sentence_labels"}
-        if not info.next_sentence:  # masked-LM only: a label 0 per sequence
-            seqs = per_pack[p0:p1]
-            arrays["next_sentence_labels"] = _split(np.zeros(int(seqs.sum()), np.int8), seqs, np.int8)
-    except (OSError, RuntimeError, ValueError, TypeError) as e:  # truncated file, damaged chunk or heap
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        _fail(path, f"cannot read sample data (truncated or corrupt?) in samples {start}..{stop - 1}: {text}")
-    lo = start - int(seq_off[p0])
-    block = from_packed_arrays(path, arrays, vocab_size, info.max_seq_length, p0, int(seq_off[p0]))
-    return block.select(np.arange(lo, lo + stop - start))
 
 
 def from_packed_arrays(
@@ -457,8 +451,7 @@ def from_packed_arrays(
     for key in ("masked_lm_positions", "masked_lm_ids"):
         bad = _lengths(arrays[key]) != slots
         refuse_pack(bad, lambda r: f"{key} has {len(arrays[key][r])} entries, packed_masked_lm_len sums to {slots[r]}")
-    ids = _flat(arrays["input_ids"], np.int32)
-    seg = _flat(seg_packs, np.int8)
+    ids, seg = _flat(arrays["input_ids"], np.int32), _flat(seg_packs, np.int8)
     _check_tokens(path, ids, seg, lens, vocab_size, first_sample)
     # Positions within the pack -> within the sequence: subtract the sequence's start in its pack.
     seq_start = _offsets(lens)[:-1] - np.repeat(_offsets(tokens_per_pack)[:-1], seqs_per_pack)
@@ -493,17 +486,12 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
         r = int(owner[i])
         where = "[CLS] or negative" if positions[i] < 1 else "past the sequence end"
         _fail(path, f"sample {first_row + r}: masked position {int(positions[i])} is {where} ({int(lens[r])} tokens)")
-    same = owner[1:] == owner[:-1]
-    bad = same & (positions[1:] <= positions[:-1])
-    if bad.any():
-        r = int(owner[1:][bad][0])
-        _fail(path, f"sample {first_row + r}: masked positions are not strictly increasing")
+    bad = (owner[1:] == owner[:-1]) & (positions[1:] <= positions[:-1])
+    _refuse(path, bad, "masked positions are not strictly increasing", first_row, owner=owner[1:])
     hi = vocab_size if vocab_size is not None else np.iinfo(np.int16).max + 1
+    outside = "the vocabulary" if vocab_size is not None else "[0, 32768)"
     bad = (labels < 0) | (labels >= hi)
-    if bad.any():
-        i = _first(bad)
-        outside = "the vocabulary" if vocab_size is not None else "[0, 32768)"
-        _fail(path, f"sample {first_row + int(owner[i])}: masked_lm_ids holds {int(labels[i])}, outside {outside}")
+    _refuse(path, bad, lambda i: f"masked_lm_ids holds {int(labels[i])}, outside {outside}", first_row, owner=owner)
 
 
 def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_row) -> SampleBlock:
@@ -522,13 +510,6 @@ def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, fir
     )
 
 
-def _check_most(where: str, values: np.ndarray, limit: int | None, what: str, name: str = "") -> None:
-    """DataError ``{where}sample r has N {what}, more than {name}{limit}`` for the largest value over ``limit``."""
-    if limit is not None and len(values) and int(values.max()) > limit:
-        r = int(np.argmax(values))
-        raise DataError(f"{where}sample {r} has {int(values[r])} {what}, more than {name}{limit}")
-
-
 def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: int, where: str = "") -> dict:
     """SampleBlock -> the six fixed-layout arrays (with MLPerf's dtypes)."""
     n = len(block)
@@ -536,8 +517,7 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
     counts = block.masked_counts.astype(np.int64)
     _check_most(where, lens, max_seq_length, "tokens", "max_seq_length ")
     _check_most(where, counts, max_predictions, "masked positions", "max_predictions ")
-    rows = np.repeat(np.arange(n), lens)
-    cols = np.arange(len(rows)) - np.repeat(_offsets(lens)[:-1], lens)
+    rows, cols = np.repeat(np.arange(n), lens), _within(lens)
     out = {
         "input_ids": np.zeros((n, max_seq_length), np.int16),
         "input_mask": np.zeros((n, max_seq_length), np.int8),
@@ -549,8 +529,7 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
     out["input_ids"][rows, cols] = block.input_ids
     out["input_mask"][rows, cols] = 1
     out["segment_ids"][rows, cols] = block.segment_ids
-    mrows = np.repeat(np.arange(n), counts)
-    mcols = np.arange(len(mrows)) - np.repeat(_offsets(counts)[:-1], counts)
+    mrows, mcols = np.repeat(np.arange(n), counts), _within(counts)
     out["masked_lm_positions"][mrows, mcols] = block.masked_positions
     out["masked_lm_ids"][mrows, mcols] = block.masked_ids
     return out
@@ -690,9 +669,7 @@ def write_packed(
         ("next_sentence_labels", packed.nsp_labels, seqs_per_pack),
     )
     with _publishing_hdf5(path) as f:
-        _write_rows(
-            f, num_packs, [(*c, dtypes[c[0]]) for c in columns if next_sentence or c[0] != "next_sentence_labels"]
-        )
+        _write_rows(f, num_packs, [(*c, dtypes[c[0]]) for c in (columns if next_sentence else columns[:-1])])
         f.attrs["max_seq_length"] = np.int32(max_seq_length)
         if max_predictions is not None:
             f.attrs["max_predictions"] = np.int32(max_predictions)

@@ -23,7 +23,7 @@ from data.collate import LAYOUTS, check_backend, collate_padded, collate_unpadde
 from data.dali_loader import DaliCollator
 from data.hdf5io import inspect, list_files, read_file, read_valid
 from data.packing import collate_packed
-from data.samples import SampleBlock, _gather_ranges, _offsets
+from data.samples import SampleBlock, _offsets
 
 STATE_FORMAT = "PretrainingLoader/1"
 ON_CORRUPT = ("fail", "skip")
@@ -79,6 +79,15 @@ def make_collator(
     return DaliCollator(layout=layout, seq_len=seq_len, device_id=device_id, max_batch_size=max_batch_size)
 
 
+def _rows(files: np.ndarray, offsets: np.ndarray, row_order) -> np.ndarray:
+    """The row in its file of each sample at (file, offset in ``row_order(file)``)."""
+    rows = np.empty_like(offsets)
+    for f in np.unique(files):
+        sel = files == f
+        rows[sel] = row_order(int(f))[offsets[sel]]
+    return rows
+
+
 @dataclass(frozen=True, order=True)
 class _Entry:
     """File ``file`` (an index into the file list) is needed in epoch ``epoch`` from step
@@ -120,17 +129,15 @@ class _Plan:
     def row_order(self, epoch: int, file: int) -> np.ndarray:
         return np.random.default_rng([self.seed, 1, epoch, file]).permutation(int(self.sizes[file]))
 
-    def positions(self, step: int) -> tuple[int, np.ndarray]:
-        """(epoch, this rank's stream positions at global step ``step``, in batch order)."""
+    def locate(self, step: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(epoch, file index, offset in the file's row order) of this rank's samples at global
+        step ``step``, in batch order."""
         epoch, s = divmod(step, self.steps_per_epoch)
         pos = [lane * self.lane_len + s * self.lane_batch + np.arange(k0, k1) for lane, k0, k1 in self.parts]
-        return epoch, np.concatenate(pos)
-
-    def locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Stream positions -> (file index, offset in the file's row order)."""
+        positions = np.concatenate(pos)  # in the epoch's stream
         perm, starts = self.epoch_order(epoch)
         i = np.searchsorted(starts, positions, side="right") - 1
-        return perm[i], positions - starts[i]
+        return epoch, perm[i], positions - starts[i]
 
     def entries(self, epoch: int) -> list[_Entry]:
         """The files this rank reads in ``epoch``, in the order it first needs them."""
@@ -175,16 +182,7 @@ class _Loaded:
         """The samples at file rows ``idx`` (all valid)."""
         if self.index_of_row is not None:
             idx = self.index_of_row[idx]
-        b = self.block
-        return SampleBlock(
-            input_ids=_gather_ranges(b.input_ids, self.tok_off, b.seq_lens, idx),
-            segment_ids=_gather_ranges(b.segment_ids, self.tok_off, b.seq_lens, idx),
-            seq_lens=b.seq_lens[idx],
-            masked_positions=_gather_ranges(b.masked_positions, self.msk_off, b.masked_counts, idx),
-            masked_ids=_gather_ranges(b.masked_ids, self.msk_off, b.masked_counts, idx),
-            masked_counts=b.masked_counts[idx],
-            nsp_labels=b.nsp_labels[idx],
-        )
+        return self.block.select(idx, (self.tok_off, self.msk_off))
 
 
 class PretrainingLoader:
@@ -247,16 +245,15 @@ class PretrainingLoader:
         if vocab_size is None and isinstance(train_dir_or_files, (str, Path)):
             vocab_size = dataset_vocab_size(train_dir_or_files)
         self.vocab_size, self.max_seq_length = vocab_size, max_seq_length
-        infos, readable = [], []
+        infos = []
         for f in self.files:
             try:
                 infos.append(inspect(f))
-                readable.append(f)
             except DataError as e:
                 if on_corrupt == "fail":
                     raise
                 self._warn(f"{e}; leaving the file out (data.on_corrupt=skip)")
-        if not readable:
+        if not infos:
             raise DataError(f"{self.files[0].parent}: none of the {len(self.files)} training files can be read")
         # Masked-LM-only files (no next_sentence_labels) read with nsp labels 0; a mix would
         # train the NSP head on invented labels for some samples, so it is refused.
@@ -265,7 +262,7 @@ class PretrainingLoader:
         if odd is not None:
             kinds = {True: "has next_sentence_labels", False: "is masked-LM only (no next_sentence_labels)"}
             raise DataError(f"{odd.path}: {kinds[odd.next_sentence]}, but {infos[0].path} {kinds[self.next_sentence]}")
-        self.files = readable
+        self.files = [Path(i.path) for i in infos]
         self.sizes = np.array([i.num_samples for i in infos], dtype=np.int64)
         if int(self.sizes.sum()) < global_batch_size:
             raise DataError(
@@ -292,13 +289,8 @@ class PretrainingLoader:
         """[n, 2] (file index, row in the file) of the samples a rank gets at ``step``
         (default this rank; ``world_size=1`` gives the whole global batch)."""
         plan = self._plan_for(rank, world_size)
-        epoch, pos = plan.positions(step)
-        files, offsets = plan.locate(epoch, pos)
-        rows = np.empty_like(offsets)
-        for f in np.unique(files):
-            sel = files == f
-            rows[sel] = plan.row_order(epoch, int(f))[offsets[sel]]
-        return np.stack([files, rows], axis=1)
+        epoch, files, offsets = plan.locate(step)
+        return np.stack([files, _rows(files, offsets, lambda f: plan.row_order(epoch, f))], axis=1)
 
     def files_read(self, epoch: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
         """Indices of the files a rank reads in ``epoch``, in reading order."""
@@ -347,10 +339,7 @@ class PretrainingLoader:
         """The samples at (file, offset in the epoch's row order), in order; ``get(file)`` gives a
         shard. Returns the block and how many corrupt samples were replaced."""
         files = files.copy()
-        rows = np.empty_like(offsets)
-        for f in np.unique(files):
-            sel = files == f
-            rows[sel] = self._row_order(get(int(f)), epoch, int(f))[offsets[sel]]
+        rows = _rows(files, offsets, lambda f: self._row_order(get(f), epoch, f))
         replaced = 0
         if self.on_corrupt == "skip":
             for f in np.unique(files):
@@ -361,10 +350,7 @@ class PretrainingLoader:
                 replaced += len(bad)
         # Runs of consecutive samples from the same file, in batch order.
         cut = np.flatnonzero(files[1:] != files[:-1]) + 1
-        parts = [
-            get(int(files[lo])).select(rows[lo:hi])
-            for lo, hi in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(files)]]))
-        ]
+        parts = [get(int(f[0])).select(r) for f, r in zip(np.split(files, cut), np.split(rows, cut))]
         return (parts[0] if len(parts) == 1 else SampleBlock.concat(parts)), replaced
 
     def _next_valid(self, epoch: int, file: int, offset: int, get) -> tuple[int, int]:
@@ -391,8 +377,7 @@ class PretrainingLoader:
         for fut in getattr(self, "_loaded", {}).values():
             fut.cancel()
         self._loaded: dict[tuple[int, int], Future] = {}  # (epoch, file) -> _Loaded
-        self._first: dict[tuple[int, int], int] = {}
-        self._last: dict[tuple[int, int], int] = {}
+        self._entries: dict[tuple[int, int], _Entry] = {}  # (epoch, file) -> the steps that need it
         self._queue: list[_Entry] = []
         self._queued_epoch = self._step // self.steps_per_epoch - 1
 
@@ -404,7 +389,7 @@ class PretrainingLoader:
 
     def _submit(self, entry: _Entry) -> None:
         key = (entry.epoch, entry.file)
-        self._first[key], self._last[key] = entry.first, entry.last
+        self._entries[key] = entry
         if self._executor is None:
             fut: Future = Future()
             fut.set_result(self._read(entry.file))
@@ -419,7 +404,7 @@ class PretrainingLoader:
             self._submit(self._queue.pop(0))
         if self._executor is None:
             return
-        ahead = sum(1 for (e, _), first in self._first.items() if (e, first) > (epoch, s))
+        ahead = sum(1 for x in self._entries.values() if (x.epoch, x.first) > (epoch, s))
         while ahead < self.prefetch_files:
             if not self._queue:
                 self._extend_queue(self._queued_epoch + 1, 0)
@@ -428,14 +413,13 @@ class PretrainingLoader:
 
     def _evict(self, epoch: int, s: int) -> None:
         """Drop the shards whose last step is s or earlier."""
-        for key in [k for k, last in self._last.items() if k[0] < epoch or (k[0] == epoch and last <= s)]:
-            del self._loaded[key], self._first[key], self._last[key]
+        for key in [k for k, x in self._entries.items() if (x.epoch, x.last) <= (epoch, s)]:
+            del self._loaded[key], self._entries[key]
 
     def _block(self, step: int) -> SampleBlock:
         epoch, s = divmod(step, self.steps_per_epoch)
         self._shards_for(epoch, s)
-        _, pos = self._plan.positions(step)
-        files, offsets = self._plan.locate(epoch, pos)
+        _, files, offsets = self._plan.locate(step)
 
         def get(f: int) -> _Loaded:
             fut = self._loaded.get((epoch, f))
@@ -450,9 +434,8 @@ class PretrainingLoader:
     # -------------------------------------------------------------------- iteration
     def __iter__(self):
         while True:
-            step = self._step
-            block = self._block(step)
-            self._step = step + 1
+            block = self._block(self._step)
+            self._step += 1
             yield block
 
     def batches(self, layout: str = "unpadded", seq_len: int | None = None, device_id: int | None = None):
@@ -464,9 +447,7 @@ class PretrainingLoader:
 
     def global_batch(self, step: int) -> SampleBlock:
         """The whole global batch of ``step`` (all ranks' samples in rank order), read here."""
-        plan = self._plan_for(None, 1)
-        epoch, pos = plan.positions(step)
-        files, offsets = plan.locate(epoch, pos)
+        epoch, files, offsets = self._plan_for(None, 1).locate(step)
         cache: dict[int, _Loaded] = {}
 
         def get(f: int) -> _Loaded:

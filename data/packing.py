@@ -14,7 +14,7 @@ import torch
 from common.errors import DataError
 from data.batch import PackedBatch, UnpaddedBatch
 from data.collate import _check_block, _rows
-from data.samples import SampleBlock, _offsets
+from data.samples import SampleBlock, _within
 
 
 def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -62,7 +62,7 @@ def collate_packed(block: SampleBlock, seq_len: int) -> PackedBatch:
     lens = block.seq_lens.astype(np.int64)
     row, offset, num_rows = first_fit_decreasing(lens, seq_len)
     start = row * seq_len + offset  # [B] flat index of each sequence's [CLS]
-    within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(_offsets(lens)[:-1], lens)  # [T]
+    within = _within(lens)  # [T] place in the sequence
     dest = np.repeat(start, lens) + within  # [T] flat index of each token
     bounds = np.empty((num_rows * seq_len, 2), np.int32)
     bounds[:] = (0, seq_len)  # padding keys: masked for every query row

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.errors import DataError
+
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -21,15 +23,23 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
     return out
 
 
+def _check_most(where: str, values: np.ndarray, limit: int | None, what: str, name: str = "") -> None:
+    """DataError ``{where}sample r has N {what}, more than {name}{limit}`` for the largest value over ``limit``."""
+    if limit is not None and len(values) and int(values.max()) > limit:
+        r = int(np.argmax(values))
+        raise DataError(f"{where}sample {r} has {int(values[r])} {what}, more than {name}{limit}")
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """[sum counts] int64: each entry's place within its range, for consecutive ranges of counts[i] entries."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(_offsets(counts)[:-1], counts)
+
+
 def _gather_ranges(values: np.ndarray, offsets: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """Concatenate values[offsets[i]:offsets[i]+counts[i]] for i in idx, vectorised."""
-    lens = counts[idx].astype(np.int64)
-    total = int(lens.sum())
-    if total == 0:
-        return values[:0].copy()
-    # Position of each output element within its range, plus the range's start.
-    within = np.arange(total, dtype=np.int64) - np.repeat(_offsets(lens)[:-1], lens)
-    return values[np.repeat(offsets[idx], lens) + within]
+    lens = counts[idx]
+    return values[np.repeat(offsets[idx], lens) + _within(lens)]
 
 
 @dataclass
@@ -49,10 +59,12 @@ class SampleBlock:
     def num_tokens(self) -> int:
         return int(self.seq_lens.sum())
 
-    def select(self, idx) -> SampleBlock:
-        """The samples at ``idx`` (any integer index array), in that order."""
+    def select(self, idx, offsets: tuple[np.ndarray, np.ndarray] | None = None) -> SampleBlock:
+        """The samples at ``idx`` (any integer index array), in that order. ``offsets``: this
+        block's (token, masked) range starts, ``_offsets`` of its counts, for a caller that
+        selects from one block many times."""
         idx = np.asarray(idx, dtype=np.int64)
-        tok_off, msk_off = _offsets(self.seq_lens), _offsets(self.masked_counts)
+        tok_off, msk_off = offsets or (_offsets(self.seq_lens), _offsets(self.masked_counts))
         return SampleBlock(
             input_ids=_gather_ranges(self.input_ids, tok_off, self.seq_lens, idx),
             segment_ids=_gather_ranges(self.segment_ids, tok_off, self.seq_lens, idx),

@@ -52,7 +52,6 @@ def write_shards(
     vocab_size: int = 1000,
 ) -> list[Path]:
     """HDF5 files ``part_%05d_of_%05d.hdf5`` with the given sample counts."""
-
     paths = [Path(directory) / f"part_{i:05d}_of_{len(sizes):05d}.hdf5" for i in range(len(sizes))]
     for i, (p, n) in enumerate(zip(paths, sizes)):
         block = random_block(n, seed * 1000 + i, max_seq_length, max_predictions, vocab_size)
