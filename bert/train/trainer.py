@@ -595,8 +595,7 @@ class Trainer:
             return True
         self.state.checkpoint_failures += 1
         if self.is_main:
-            directory = self.checkpoint_dir
-            reporting.checkpoint_failed(self.progress, self.state.step, error, directory, self.cfg.checkpoint)
+            reporting.checkpoint_failed(self.progress, self.state.step, error, self.checkpoint_dir, self.cfg.checkpoint)
         if self.cfg.checkpoint.on_error == "stop" or self.stop_agreed:
             detail = f": {error}" if error else ""
             self.error = f"the checkpoint of step {self.state.step} could not be written{detail}"
