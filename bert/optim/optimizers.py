@@ -10,7 +10,6 @@ and the skip's cost: docs/training.md, "Optimizer, schedule and clipping", and d
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 from collections.abc import Iterable
@@ -290,8 +289,6 @@ def apply_update(optimizer, schedule, found_inf: Tensor, scaler=None) -> None:
 
 def apex_lamb_available() -> bool:
     """True when apex's FusedLAMB and its CUDA extension (``amp_C``) can be imported."""
-    if importlib.util.find_spec("apex") is None or importlib.util.find_spec("amp_C") is None:
-        return False
     try:
         import amp_C  # noqa: F401
         from apex.optimizers import FusedLAMB  # noqa: F401
