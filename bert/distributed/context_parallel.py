@@ -81,12 +81,13 @@ def context_groups(size: int) -> ContextGroups:
         raise ValueError(f"dist.context_parallel={size}: must divide the world size {world}")
     if size == world:
         return ContextGroups(None, 0, rank, size)
-    mine = None
-    for g in range(world // size):
-        group = dist.new_group(list(range(g * size, (g + 1) * size)))
-        if g == rank // size:
-            mine = group
-    return ContextGroups(mine, rank // size, rank % size, size)
+    return ContextGroups(_every_group(size, rank // size), rank // size, rank % size, size)
+
+
+def _every_group(size: int, index: int, **options):
+    """Every group of ``size`` consecutive ranks created (``dist.new_group`` is collective); returns group ``index``."""
+    ranks = range(dist.get_world_size())
+    return [dist.new_group(list(ranks[g : g + size]), **options) for g in range(0, len(ranks), size)][index]
 
 
 def split_batch(
@@ -147,13 +148,8 @@ class ContextPool:
     def __init__(self, size: int, threshold: int, timeout_s: float):
         self.groups = context_groups(size)
         self.threshold = threshold
-        self.host_group = None  # gloo, for the samples; None when the group is the world and on gloo already
-        world = dist.get_world_size()
         timeout = timedelta(seconds=timeout_s)
-        for g in range(world // size):
-            group = dist.new_group(list(range(g * size, (g + 1) * size)), backend="gloo", timeout=timeout)
-            if g == self.groups.index:
-                self.host_group = group
+        self.host_group = _every_group(size, self.groups.index, backend="gloo", timeout=timeout)  # for the samples
 
     def __call__(self, block: SampleBlock, collate: Callable[[SampleBlock], UnpaddedBatch]) -> ContextBatch:
         long = block.seq_lens > self.threshold

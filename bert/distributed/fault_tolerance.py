@@ -40,9 +40,8 @@ from launch.distributed import chosen_interface, interface_address
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_ENV = "REPLICA_GROUP_ID"
 TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"  # a silent replica fails the step after this long, and is left out
-QUORUM_TIMEOUT_ENV = (
-    "TORCHFT_QUORUM_TIMEOUT_SEC"  # no quorum within this long ends the replica (default dist.timeout_s)
-)
+# No quorum within this long ends the replica (default dist.timeout_s).
+QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
 DEFAULT_TIMEOUT_S = 10
 
 

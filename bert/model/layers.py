@@ -169,11 +169,11 @@ def init_weights(model: nn.Module, config: BertConfig) -> None:
                 nn.init.trunc_normal_(module.weight, mean=0.0, std=s, a=-2 * s, b=2 * s)
             else:
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             nn.init.ones_(module.weight)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+        else:
+            return
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
 
     model.apply(init)
