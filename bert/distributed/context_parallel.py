@@ -1,21 +1,13 @@
 """Context parallelism, the model side: which ranks form a CP group, and a group's batch cut
 into one batch per rank.
 
-A CP group is N consecutive ranks of the world (ranks g*N .. g*N + N - 1), inside data
-parallelism: every rank is still a data-parallel rank (DDP sums its gradients with all
-others', the loss is normalised by global counts), and the N ranks of a group share the
-documents longer than ``threshold`` tokens. ``split_batch`` takes the group's batch (the same
-on its N ranks) and returns this rank's ``ContextBatch``: its whole sequences (the short ones,
-as ``owners`` places them) first, then its piece of every long document
-(``kernels.context_parallel.ContextShard``). Position ids are each token's place in its whole
-document, so absolute embeddings and RoPE see what one rank would; masked positions follow
-their tokens; a piece that does not start its document has no [CLS], so its NSP label is -100
-(cross-entropy's ignore index). The attention across ranks: ``kernels.context_parallel``;
-design and numbers: docs/context_parallel.md.
-
-In the trainer, ``ContextPool`` does it per micro-batch on the host: each rank keeps its own
-short samples, the group all-gathers its ranks' long ones (a gloo group, so it never queues
-behind device work), and every rank splits the same list of long documents.
+A CP group is N consecutive ranks (g*N .. g*N + N - 1) inside data parallelism: every rank stays a
+data-parallel rank, and the N ranks of a group share the documents longer than ``threshold`` tokens.
+``split_batch`` gives this rank its whole short sequences, then its piece of every long document
+(``kernels.context_parallel.ContextShard``); position ids stay each token's place in its whole document,
+and a piece that does not start its document has no [CLS] (NSP label -100). In the trainer ``ContextPool``
+does it per micro-batch on the host: the group all-gathers its ranks' long samples over gloo and every rank
+splits the same list. Attention across ranks: ``kernels.context_parallel``; docs/context_parallel.md.
 """
 
 from __future__ import annotations

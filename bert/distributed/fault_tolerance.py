@@ -1,18 +1,12 @@
 """Per-step fault tolerance on torchft (``dist.fault_tolerance=torchft``): a lost replica costs one step.
 
-Each process is a replica group of one rank. Every step it joins a quorum through the Lighthouse
-(``FaultTolerance.begin_step``), runs its share of the step's global batch (``ReplicaPlanner``),
-averages gradients and loss parts over the live replicas in one torchft all-reduce
-(``FaultTolerance.average_``) and steps the optimizer only when the quorum commits
-(``FaultTolerance.commit``). A step that does not commit is redone on the same samples by the
-next quorum: the global batch of step t is a pure function of (seed, t), read whole by every
-replica and re-split over however many replicas are live, and the losses are normalised by
-global counts, so the numbers do not depend on the replica count. A replica that (re)joins
-behind the others receives their training state from a peer (``state_dict``/``load_state_dict``
-callbacks, the checkpoint format) before the step. Design, limits and numbers:
-docs/reliability.md, "Per-step fault tolerance".
-
-torchft is optional: it is imported when a ``FaultTolerance`` is built.
+Each process is a replica group of one rank. Every step it joins a quorum (``FaultTolerance.begin_step``),
+runs its share of the whole global batch (``ReplicaPlanner``), averages gradients and loss parts over the
+live replicas in one all-reduce (``average_``) and steps only when the quorum commits (``commit``); a step
+not committed is redone on the same samples. The batch of step t depends on (seed, t) alone and the losses
+on global counts, so the numbers do not depend on the replica count. A replica behind the others first
+receives a peer's training state (the checkpoint's contents). torchft is optional: imported when a
+``FaultTolerance`` is built. Design, limits and numbers: docs/reliability.md, "Per-step fault tolerance".
 """
 
 from __future__ import annotations
