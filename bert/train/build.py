@@ -70,14 +70,10 @@ def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
 
 
 def build_model(
-    model: ModelSection,
-    config: BertConfig,
-    train: TrainSection | None = None,
-    device: torch.device | None = None,
-    context=None,
+    model: ModelSection, config: BertConfig, train: TrainSection, device: torch.device, context=None
 ) -> BertForPreTraining:
-    """The model of ``config`` and the model.* backends; with ``train``, its encoder's linear layers
-    in train.fp8 (bert.model.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs); with ``context``
+    """The model of ``config`` and the model.* backends, its encoder's linear layers in train.fp8
+    (bert.model.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs); with ``context``
     (``bert.distributed.context_parallel.ContextGroups``), its attention split across that group."""
     built = BertForPreTraining(
         config,
@@ -89,8 +85,7 @@ def build_model(
         context_parallel=context is not None,
         context_group=None if context is None else context.group,
     )
-    if train is not None:
-        fp8.convert_encoder(built, train.fp8, device)
+    fp8.convert_encoder(built, train.fp8, device)
     return built
 
 
