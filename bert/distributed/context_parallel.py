@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -98,21 +99,17 @@ def split_batch(
     long = [b for b, n in enumerate(lens) if n > threshold]
     whole = [b for b, n in enumerate(lens) if n <= threshold and owners[b] == rank]
     shard = ContextShard(rank, size, tuple(lens[b] for b in whole), tuple(lens[b] for b in long))
-    rows, nsp = [], []
-    for b in whole:
-        rows.append(torch.arange(cu[b], cu[b + 1]))
-        nsp.append(int(batch.nsp_labels[b]))
-    for d, start, end in shard.pieces():
-        b = long[d]
-        rows.append(torch.arange(cu[b] + start, cu[b] + end))
-        nsp.append(int(batch.nsp_labels[b]) if start == 0 else NO_NSP)
+    # (sequence, first token, end) of this rank's whole sequences, then of its pieces of the long ones
+    spans = [(b, 0, lens[b]) for b in whole] + [(long[d], start, end) for d, start, end in shard.pieces()]
+    rows = [torch.arange(cu[b] + start, cu[b] + end) for b, start, end in spans]
+    nsp = [int(batch.nsp_labels[b]) if start == 0 else NO_NSP for b, start, _ in spans]
     rows_T = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
     local = torch.full((batch.num_tokens,), -1, dtype=torch.long)
     local[rows_T] = torch.arange(rows_T.numel())
     m_local = local[batch.mlm_positions.long()]
     here = m_local >= 0  # masked positions keep their order, among this rank's tokens
     seqlens = shard.seqlens
-    cu_local = torch.tensor([0, *torch.tensor(seqlens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+    cu_local = torch.tensor([0, *accumulate(seqlens)], dtype=torch.int32)
     local_batch = UnpaddedBatch(
         input_ids=batch.input_ids[rows_T],
         segment_ids=batch.segment_ids[rows_T],

@@ -166,21 +166,13 @@ class FaultTolerance:
         changed, self._last_quorum = quorum_id != self._last_quorum, quorum_id
         return Quorum(int(rank or 0), max(int(size), 1), quorum_id, changed, seconds)
 
-    @property
-    def step(self) -> int:
-        """Steps committed, as the quorum counts them (equals the trainer's step)."""
-        return self.manager.current_step()
-
     def average_(self, tensors: list[torch.Tensor]) -> None:
         """Average ``tensors`` over the quorum's replicas in place, in one all-reduce. A failure (a
         replica lost mid-step) is recorded by torchft and makes ``commit`` false."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
         self.manager.allreduce(flat).wait()
-        at = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[at : at + n].view_as(t))
-            at += n
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view_as(t))
 
     def commit(self) -> bool:
         """Whether every live replica finished the step (then the optimizer steps); False: redo it."""

@@ -67,7 +67,6 @@ class Rotary(nn.Module):
 
     def __init__(self, config: BertConfig, kernel: str):
         super().__init__()
-
         if kernel not in ("torch", "triton"):
             raise ValueError(f"model.rotary_kernel: {kernel!r} is not one of ('torch', 'triton')")
         self.kernel = kernel
@@ -77,7 +76,6 @@ class Rotary(nn.Module):
             self.register_buffer(f"{kind}_sin", sin, persistent=False)
 
     def forward(self, x_NHD: Tensor, position_ids: Tensor, kind: str) -> Tensor:
-
         fn = rotary.apply_rotary if self.kernel == "triton" else rotary.apply_rotary_reference
         return fn(x_NHD, getattr(self, f"{kind}_cos"), getattr(self, f"{kind}_sin"), position_ids)
 
