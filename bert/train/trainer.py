@@ -476,9 +476,7 @@ class Trainer:
             cost = tuple(d.rebalance_cost)
             self.planner = ReplicaPlanner(self.train_loader, d.rebalance, cost, d.rebalance_group_size, scope)
         else:
-            self.planner = StepPlanner(
-                iter(self.train_loader), self.train_loader, self.rebalancer, self.agreement, self.coll, scope
-            )
+            self.planner = StepPlanner(self.train_loader, self.rebalancer, self.agreement, self.coll, scope)
             self.planner.begin(self.state.step)
         status, retried_since = None, None
         while status is None:
