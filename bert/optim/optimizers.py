@@ -150,9 +150,8 @@ class Lamb(torch.optim.Optimizer):
             new_params = torch._foreach_add(params, update, alpha=alpha)
             del update
             skip = found_inf != 0
-            _keep_where_skipped(skip, state_avgs, exp_avgs)
-            _keep_where_skipped(skip, state_avg_sqs, exp_avg_sqs)
-            _keep_where_skipped(skip, params, new_params)
+            for olds, news in ((state_avgs, exp_avgs), (state_avg_sqs, exp_avg_sqs), (params, new_params)):
+                _keep_where_skipped(skip, olds, news)
 
 
 class AdamW(torch.optim.AdamW):
