@@ -38,7 +38,6 @@ class ExportError(UserError):
 
 def checkpoint_to_export(run_dir: str, name: str | None) -> str:
     """The checkpoint to export: ``name`` (file or directory name, step number or path) or the newest."""
-
     directory = os.path.join(run_dir, "checkpoints")
     if name is None:
         found = train_checkpoint.list_checkpoints(directory) if os.path.isdir(directory) else []
@@ -61,7 +60,6 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
 
     With ``checkpoint`` None the newest checkpoint that verifies is used; a damaged newest one
     is reported and the previous tried (bert.checkpoint.training.load_latest)."""
-
     path = checkpoint_to_export(run_dir, checkpoint)
     try:
         if checkpoint is None:
@@ -130,7 +128,6 @@ def _fast_tokenizer(vocab_file: str):
 
 def export_run(run_dir: str, output: str, checkpoint: str | None = None, vocab_file: str | None = None) -> str:
     """Write ``output`` (see the module docstring); returns the checkpoint exported."""
-
     model, vocab, max_length, path = load_run_model(run_dir, checkpoint, vocab_file)
     output = os.path.abspath(output)
     with publishing_dir(output) as staging:

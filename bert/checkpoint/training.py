@@ -404,15 +404,9 @@ def _check_model(ours: dict, theirs: dict) -> None:
         if want is not None and (not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype):
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             problems.append(f"{k} is {got}, the model has {want.dtype} {tuple(want.shape)}")
-    refuse_if("the model weights do not fit this model", problems)
-
-
-def refuse_if(what: str, problems: list[str]) -> None:
-    """CheckpointError naming the first four problems (and how many more), when there are any."""
-    if problems:
-        raise CheckpointError(
-            f"{what} ({'; '.join(problems[:4])}" + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + ")"
-        )
+    if problems:  # the first four, and how many more
+        more = f"; +{len(problems) - 4} more" if len(problems) > 4 else ""
+        raise CheckpointError(f"the model weights do not fit this model ({'; '.join(problems[:4])}{more})")
 
 
 def _check_optimizer(groups: list[dict], saved: dict) -> None:

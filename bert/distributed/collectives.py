@@ -57,12 +57,12 @@ class Collectives:
     """All-reduce and guards for one process group (the default one).
 
     rank, world_size: this process's place; timeout_s: the group's collective timeout, quoted
-    in messages; report_window_s: how long a failing rank waits for the others' reports.
+    in messages (a fifth of it, 2 to 10 s, is how long a failing rank waits for the others' reports).
     """
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, report_window_s: float | None = None):
+    def __init__(self, rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.report_window_s = report_window_s if report_window_s is not None else min(10.0, max(2.0, timeout_s / 5))
+        self.report_window_s = min(10.0, max(2.0, timeout_s / 5))
         self.hostname = socket.gethostname()
         self._waiting: tuple[str, int, float] | None = None  # the guarded block running now
         if world_size > 1 and dist.is_initialized():

@@ -1,21 +1,13 @@
 """Context parallelism, the model side: which ranks form a CP group, and a group's batch cut
 into one batch per rank.
 
-A CP group is N consecutive ranks of the world (ranks g*N .. g*N + N - 1), inside data
-parallelism: every rank is still a data-parallel rank (DDP sums its gradients with all
-others', the loss is normalised by global counts), and the N ranks of a group share the
-documents longer than ``threshold`` tokens. ``split_batch`` takes the group's batch (the same
-on its N ranks) and returns this rank's ``ContextBatch``: its whole sequences (the short ones,
-as ``owners`` places them) first, then its piece of every long document
-(``kernels.context_parallel.ContextShard``). Position ids are each token's place in its whole
-document, so absolute embeddings and RoPE see what one rank would; masked positions follow
-their tokens; a piece that does not start its document has no [CLS], so its NSP label is -100
-(cross-entropy's ignore index). The attention across ranks: ``kernels.context_parallel``;
-design and numbers: docs/context_parallel.md.
-
-In the trainer, ``ContextPool`` does it per micro-batch on the host: each rank keeps its own
-short samples, the group all-gathers its ranks' long ones (a gloo group, so it never queues
-behind device work), and every rank splits the same list of long documents.
+A CP group is N consecutive ranks (g*N .. g*N + N - 1) inside data parallelism: every rank stays a
+data-parallel rank, and the N ranks of a group share the documents longer than ``threshold`` tokens.
+``split_batch`` gives this rank its whole short sequences, then its piece of every long document
+(``kernels.context_parallel.ContextShard``); position ids stay each token's place in its whole document,
+and a piece that does not start its document has no [CLS] (NSP label -100). In the trainer ``ContextPool``
+does it per micro-batch on the host: the group all-gathers its ranks' long samples over gloo and every rank
+splits the same list. Attention across ranks: ``kernels.context_parallel``; docs/context_parallel.md.
 """
 
 from __future__ import annotations
@@ -23,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -81,12 +74,13 @@ def context_groups(size: int) -> ContextGroups:
         raise ValueError(f"dist.context_parallel={size}: must divide the world size {world}")
     if size == world:
         return ContextGroups(None, 0, rank, size)
-    mine = None
-    for g in range(world // size):
-        group = dist.new_group(list(range(g * size, (g + 1) * size)))
-        if g == rank // size:
-            mine = group
-    return ContextGroups(mine, rank // size, rank % size, size)
+    return ContextGroups(_every_group(size, rank // size), rank // size, rank % size, size)
+
+
+def _every_group(size: int, index: int, **options):
+    """Every group of ``size`` consecutive ranks created (``dist.new_group`` is collective); returns group ``index``."""
+    ranks = range(dist.get_world_size())
+    return [dist.new_group(list(ranks[g : g + size]), **options) for g in range(0, len(ranks), size)][index]
 
 
 def split_batch(
@@ -105,21 +99,17 @@ def split_batch(
     long = [b for b, n in enumerate(lens) if n > threshold]
     whole = [b for b, n in enumerate(lens) if n <= threshold and owners[b] == rank]
     shard = ContextShard(rank, size, tuple(lens[b] for b in whole), tuple(lens[b] for b in long))
-    rows, nsp = [], []
-    for b in whole:
-        rows.append(torch.arange(cu[b], cu[b + 1]))
-        nsp.append(int(batch.nsp_labels[b]))
-    for d, start, end in shard.pieces():
-        b = long[d]
-        rows.append(torch.arange(cu[b] + start, cu[b] + end))
-        nsp.append(int(batch.nsp_labels[b]) if start == 0 else NO_NSP)
+    # (sequence, first token, end) of this rank's whole sequences, then of its pieces of the long ones
+    spans = [(b, 0, lens[b]) for b in whole] + [(long[d], start, end) for d, start, end in shard.pieces()]
+    rows = [torch.arange(cu[b] + start, cu[b] + end) for b, start, end in spans]
+    nsp = [int(batch.nsp_labels[b]) if start == 0 else NO_NSP for b, start, _ in spans]
     rows_T = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
     local = torch.full((batch.num_tokens,), -1, dtype=torch.long)
     local[rows_T] = torch.arange(rows_T.numel())
     m_local = local[batch.mlm_positions.long()]
     here = m_local >= 0  # masked positions keep their order, among this rank's tokens
     seqlens = shard.seqlens
-    cu_local = torch.tensor([0, *torch.tensor(seqlens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+    cu_local = torch.tensor([0, *accumulate(seqlens)], dtype=torch.int32)
     local_batch = UnpaddedBatch(
         input_ids=batch.input_ids[rows_T],
         segment_ids=batch.segment_ids[rows_T],
@@ -147,13 +137,8 @@ class ContextPool:
     def __init__(self, size: int, threshold: int, timeout_s: float):
         self.groups = context_groups(size)
         self.threshold = threshold
-        self.host_group = None  # gloo, for the samples; None when the group is the world and on gloo already
-        world = dist.get_world_size()
         timeout = timedelta(seconds=timeout_s)
-        for g in range(world // size):
-            group = dist.new_group(list(range(g * size, (g + 1) * size)), backend="gloo", timeout=timeout)
-            if g == self.groups.index:
-                self.host_group = group
+        self.host_group = _every_group(size, self.groups.index, backend="gloo", timeout=timeout)  # for the samples
 
     def __call__(self, block: SampleBlock, collate: Callable[[SampleBlock], UnpaddedBatch]) -> ContextBatch:
         long = block.seq_lens > self.threshold

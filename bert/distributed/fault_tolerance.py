@@ -1,18 +1,12 @@
 """Per-step fault tolerance on torchft (``dist.fault_tolerance=torchft``): a lost replica costs one step.
 
-Each process is a replica group of one rank. Every step it joins a quorum through the Lighthouse
-(``FaultTolerance.begin_step``), runs its share of the step's global batch (``ReplicaPlanner``),
-averages gradients and loss parts over the live replicas in one torchft all-reduce
-(``FaultTolerance.average_``) and steps the optimizer only when the quorum commits
-(``FaultTolerance.commit``). A step that does not commit is redone on the same samples by the
-next quorum: the global batch of step t is a pure function of (seed, t), read whole by every
-replica and re-split over however many replicas are live, and the losses are normalised by
-global counts, so the numbers do not depend on the replica count. A replica that (re)joins
-behind the others receives their training state from a peer (``state_dict``/``load_state_dict``
-callbacks, the checkpoint format) before the step. Design, limits and numbers:
-docs/reliability.md, "Per-step fault tolerance".
-
-torchft is optional: it is imported when a ``FaultTolerance`` is built.
+Each process is a replica group of one rank. Every step it joins a quorum (``FaultTolerance.begin_step``),
+runs its share of the whole global batch (``ReplicaPlanner``), averages gradients and loss parts over the
+live replicas in one all-reduce (``average_``) and steps only when the quorum commits (``commit``); a step
+not committed is redone on the same samples. The batch of step t depends on (seed, t) alone and the losses
+on global counts, so the numbers do not depend on the replica count. A replica behind the others first
+receives a peer's training state (the checkpoint's contents). torchft is optional: imported when a
+``FaultTolerance`` is built. Design, limits and numbers: docs/reliability.md, "Per-step fault tolerance".
 """
 
 from __future__ import annotations
@@ -40,9 +34,8 @@ from launch.distributed import chosen_interface, interface_address
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_ENV = "REPLICA_GROUP_ID"
 TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"  # a silent replica fails the step after this long, and is left out
-QUORUM_TIMEOUT_ENV = (
-    "TORCHFT_QUORUM_TIMEOUT_SEC"  # no quorum within this long ends the replica (default dist.timeout_s)
-)
+# No quorum within this long ends the replica (default dist.timeout_s).
+QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
 DEFAULT_TIMEOUT_S = 10
 
 
@@ -173,21 +166,13 @@ class FaultTolerance:
         changed, self._last_quorum = quorum_id != self._last_quorum, quorum_id
         return Quorum(int(rank or 0), max(int(size), 1), quorum_id, changed, seconds)
 
-    @property
-    def step(self) -> int:
-        """Steps committed, as the quorum counts them (equals the trainer's step)."""
-        return self.manager.current_step()
-
     def average_(self, tensors: list[torch.Tensor]) -> None:
         """Average ``tensors`` over the quorum's replicas in place, in one all-reduce. A failure (a
         replica lost mid-step) is recorded by torchft and makes ``commit`` false."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
         self.manager.allreduce(flat).wait()
-        at = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[at : at + n].view_as(t))
-            at += n
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view_as(t))
 
     def commit(self) -> bool:
         """Whether every live replica finished the step (then the optimizer steps); False: redo it."""

@@ -89,8 +89,8 @@ class StepPlanner:
     request seen then stops every rank after that step; a corrupt shard stops the run at its step).
     """
 
-    def __init__(self, batches, loader, rebalancer, agreement: CountAgreement, coll, simreg_scope: str | None):
-        self.batches, self.loader, self.rebalancer = batches, loader, rebalancer
+    def __init__(self, loader, rebalancer, agreement: CountAgreement, coll, simreg_scope: str | None):
+        self.batches, self.loader, self.rebalancer = iter(loader), loader, rebalancer
         self.agreement, self.coll, self.simreg_scope = agreement, coll, simreg_scope
         self._drawn: dict[int, SampleBlock] = {}  # this rank's blocks as drawn (before any exchange)
 

@@ -67,7 +67,6 @@ class Rotary(nn.Module):
 
     def __init__(self, config: BertConfig, kernel: str):
         super().__init__()
-
         if kernel not in ("torch", "triton"):
             raise ValueError(f"model.rotary_kernel: {kernel!r} is not one of ('torch', 'triton')")
         self.kernel = kernel
@@ -77,7 +76,6 @@ class Rotary(nn.Module):
             self.register_buffer(f"{kind}_sin", sin, persistent=False)
 
     def forward(self, x_NHD: Tensor, position_ids: Tensor, kind: str) -> Tensor:
-
         fn = rotary.apply_rotary if self.kernel == "triton" else rotary.apply_rotary_reference
         return fn(x_NHD, getattr(self, f"{kind}_cos"), getattr(self, f"{kind}_sin"), position_ids)
 
@@ -169,11 +167,11 @@ def init_weights(model: nn.Module, config: BertConfig) -> None:
                 nn.init.trunc_normal_(module.weight, mean=0.0, std=s, a=-2 * s, b=2 * s)
             else:
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             nn.init.ones_(module.weight)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+        else:
+            return
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
 
     model.apply(init)

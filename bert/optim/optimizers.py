@@ -10,7 +10,6 @@ and the skip's cost: docs/training.md, "Optimizer, schedule and clipping", and d
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 from collections.abc import Iterable
@@ -26,7 +25,7 @@ _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.
 def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two optimizer groups: decayed weights, and no decay for a parameter of a normalisation
     module or with ndim <= 1 (by type and rank, not names). Tied parameters appear once, frozen
-    ones not at all; empty groups are dropped."""
+    ones not at all; empty groups are dropped (ValueError when both are)."""
     no_decay_ids = set()
     for module in model.modules():
         is_norm = isinstance(module, _NORM_TYPES)
@@ -38,7 +37,10 @@ def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (no_decay if id(p) in no_decay_ids else decay).append(p)
     groups = [{"params": decay, "weight_decay": float(weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ValueError("model: has no trainable parameters")
+    return groups
 
 
 class Lamb(torch.optim.Optimizer):
@@ -148,9 +150,8 @@ class Lamb(torch.optim.Optimizer):
             new_params = torch._foreach_add(params, update, alpha=alpha)
             del update
             skip = found_inf != 0
-            _keep_where_skipped(skip, state_avgs, exp_avgs)
-            _keep_where_skipped(skip, state_avg_sqs, exp_avg_sqs)
-            _keep_where_skipped(skip, params, new_params)
+            for olds, news in ((state_avgs, exp_avgs), (state_avg_sqs, exp_avg_sqs), (params, new_params)):
+                _keep_where_skipped(skip, olds, news)
 
 
 class AdamW(torch.optim.AdamW):
@@ -290,8 +291,6 @@ def apply_update(optimizer, schedule, found_inf: Tensor, scaler=None) -> None:
 
 def apex_lamb_available() -> bool:
     """True when apex's FusedLAMB and its CUDA extension (``amp_C``) can be imported."""
-    if importlib.util.find_spec("apex") is None or importlib.util.find_spec("amp_C") is None:
-        return False
     try:
         import amp_C  # noqa: F401
         from apex.optimizers import FusedLAMB  # noqa: F401
@@ -308,8 +307,6 @@ def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -
     clipping is off (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.optim.clipping``."""
     name, lr, betas, eps = optim.name, optim.lr, tuple(optim.betas), optim.eps
     groups = param_groups_for(model, optim.weight_decay)
-    if not groups:
-        raise ValueError("model: has no trainable parameters")
     if name in ("adamw", "stable_adamw"):
         kind = StableAdamW if name == "stable_adamw" else AdamW
         return kind(groups, lr=lr, betas=betas, eps=eps, decouple_lr=optim.decouple_lr)

@@ -87,17 +87,15 @@ def wsd_lr_at(
 
 
 class WarmupDecaySchedule:
-    """Sets each update's rate in every parameter group of ``optimizer``: ``poly_lr_at`` with ``optim``'s
-    peak ``lr``, ``warmup_steps`` from ``start_warmup_step`` and decay of ``poly_power`` over ``max_steps``,
-    or with ``optim.schedule`` wsd / wsd_linear ``wsd_lr_at`` (the final decay over ``optim.decay_steps``).
-    ``optim`` and ``max_steps`` come checked with the config (bert.config). The groups start at update
-    0's rate; each ``step()`` (after an applied update) sets the next.
-    ``state_dict()`` holds only the count: the hyper-parameters come from the config on resume.
+    """Sets each update's rate in every group of ``optimizer``: ``poly_lr_at`` (``optim``'s peak ``lr``,
+    ``warmup_steps`` from ``start_warmup_step``, decay of ``poly_power`` over ``max_steps``) or, for
+    ``optim.schedule`` wsd / wsd_linear, ``wsd_lr_at`` (the decay over ``optim.decay_steps``). The groups
+    start at update 0's rate; each ``step()`` (after an applied update) sets the next. ``state_dict()``
+    holds only the count: the hyper-parameters come from the config (checked there) on resume.
 
-    ``device`` given: the count and the rate live on that device, the rate as one 0-dim float64
-    tensor every group holds (updated in place, so a captured graph sees each new value), and
-    ``step(found_inf)`` advances the count only where ``found_inf`` is zero, without a host read.
-    ``step_count`` and ``last_lr`` then read the device (for logs and checkpoints, not in a step).
+    ``device`` given: the count and the rate (one 0-dim float64 tensor every group holds, updated in place
+    so that a captured graph sees it) live there; ``step(found_inf)`` advances only where ``found_inf`` is
+    zero, without a host read; ``step_count`` and ``last_lr`` then read the device (not in a step).
     """
 
     def __init__(

@@ -146,8 +146,6 @@ def build_sharded_lamb(optim: OptimSection, model: nn.Module, sharding: Sharding
     """``ShardedLamb`` with ``optim``'s hyperparameters over ``model`` (``apply_sharding``-ed),
     grouped as ``bert.optim.build_optimizer`` groups (the same weight-decay exclusions)."""
     groups = param_groups_for(model, optim.weight_decay)
-    if not groups:
-        raise ValueError("model: has no trainable parameters")
     return ShardedLamb(groups, sharding.norms, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
 
 

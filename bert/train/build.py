@@ -11,15 +11,9 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from bert.config import (
-    CLOSED_EVAL_SAMPLES,
-    DataSection,
-    LogSection,
-    ModelSection,
-    RunConfig,
-    TrainSection,
-)
+from bert.config import CLOSED_EVAL_SAMPLES, DataSection, LogSection, ModelSection, RunConfig, TrainSection
 from bert.distributed.collectives import Collectives
 from bert.model import fp8
 from bert.model.config import BertConfig
@@ -76,14 +70,10 @@ def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
 
 
 def build_model(
-    model: ModelSection,
-    config: BertConfig,
-    train: TrainSection | None = None,
-    device: torch.device | None = None,
-    context=None,
+    model: ModelSection, config: BertConfig, train: TrainSection, device: torch.device, context=None
 ) -> BertForPreTraining:
-    """The model of ``config`` and the model.* backends; with ``train``, its encoder's linear layers
-    in train.fp8 (bert.model.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs); with ``context``
+    """The model of ``config`` and the model.* backends, its encoder's linear layers in train.fp8
+    (bert.model.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs); with ``context``
     (``bert.distributed.context_parallel.ContextGroups``), its attention split across that group."""
     built = BertForPreTraining(
         config,
@@ -95,24 +85,19 @@ def build_model(
         context_parallel=context is not None,
         context_group=None if context is None else context.group,
     )
-    if train is not None:
-        fp8.convert_encoder(built, train.fp8, device)
+    fp8.convert_encoder(built, train.fp8, device)
     return built
 
 
 def build_graphs(cfg: RunConfig, micro_batch: int, model: BertForPreTraining):
     """(train.static_shapes' buckets (``data.static_shapes``) or None, train.cuda_graphs'
     ``bert.train.cuda_graphs.EncoderGraphs`` for ``model`` or None); the config checked what graphs can replay."""
-
     t, seq = cfg.train, cfg.data.max_seq_length
     if not t.static_shapes:
         return None, None
     bucket = auto_token_bucket(micro_batch, seq) if t.static_token_bucket == "auto" else t.static_token_bucket
     shapes = StaticShapes(bucket, MASKED_BUCKET, max(seq, bucket))
-    if not t.cuda_graphs:
-        return shapes, None
-
-    return shapes, EncoderGraphs(model.layers, shapes.max_seqlen, model.rotary)
+    return shapes, EncoderGraphs(model.layers, shapes.max_seqlen, model.rotary) if t.cuda_graphs else None
 
 
 def build_forward(
@@ -147,17 +132,12 @@ def build_grad_scaler(train: TrainSection, sharding: Sharding | None):
     """fp16's loss scaler (None otherwise); sharded, FSDP's ShardedGradScaler."""
     if train.precision != "fp16":
         return None
-    if sharding is None:
-        return torch.amp.GradScaler("cuda")
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    return ShardedGradScaler("cuda")
+    return torch.amp.GradScaler("cuda") if sharding is None else ShardedGradScaler("cuda")
 
 
 def build_collator(data: DataSection, device: torch.device, max_batch_size: int):
     """SampleBlock -> data.layout's batch, by data.backend. DALI collates on this rank's GPU
     when there is one; torch collates on the CPU and the batch is moved with a non-blocking copy."""
-
     device_id = device.index if data.backend == "dali" and device.type == "cuda" else None
     return make_collator(data.backend, data.layout, data.max_seq_length, device_id, max_batch_size=max_batch_size)
 
@@ -167,7 +147,6 @@ def build_rebalancer(cfg: RunConfig, local_batch: int, timeout_s: float):
     data = cfg.data
     if data.rebalance == "none":
         return None
-
     return Rebalancer(
         data.rebalance,
         tuple(data.rebalance_cost),  # data.rebalance.plan.Cost's fields
@@ -188,7 +167,6 @@ def build_batch_ramp(train: TrainSection):
     """train.batch_size_warmup's ``data.batch_ramp.BatchRamp``, or None when the warm-up is off."""
     if train.batch_size_warmup is None:
         return None
-
     (start, steps), unit = train.batch_size_warmup, train.global_batch_size // train.grad_accum_steps
     return BatchRamp(unit, start // unit, train.grad_accum_steps, steps)
 
@@ -254,7 +232,6 @@ def build_loaders(cfg: RunConfig, rank: int, world: int, seed: int, model_config
 
 def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_size: int, warn):
     """This rank's share of data.train_dir, shuffled by ``seed``; ``warn`` hears of corrupt samples."""
-
     # With a batch-size warm-up the loader is planned at the ramp's unit, drawn k units a step.
     ramp = build_batch_ramp(cfg.train)
     loader = PretrainingLoader(
@@ -274,7 +251,6 @@ def build_train_loader(cfg: RunConfig, rank: int, world: int, seed: int, vocab_s
 
 def build_eval_loader(cfg: RunConfig, rank: int, world: int, vocab_size: int):
     """This rank's share of data.eval_file (eval.max_samples of it, if set)."""
-
     return EvalLoader(
         cfg.data.eval_file,
         rank=rank,
@@ -290,7 +266,6 @@ def build_eval_loader(cfg: RunConfig, rank: int, world: int, vocab_size: int):
 def _check_data(cfg: RunConfig, model_config: BertConfig, train_loader, eval_loader) -> None:
     """The opened data against the config: the closed division's eval size, a next-sentence head against masked-LM-only
     shards, and the first training shard's lengths and masked positions against data.* (ConfigError naming both)."""
-
     data = cfg.data
     if cfg.log.division == "closed" and eval_loader.total_samples != CLOSED_EVAL_SAMPLES:
         raise ConfigError(
@@ -320,7 +295,6 @@ def _check_data(cfg: RunConfig, model_config: BertConfig, train_loader, eval_loa
 def build_warm_up_blocks(data: DataSection, vocab_size: int, micro_batch: int, cuda: bool) -> list:
     """Synthetic SampleBlocks for ``Trainer.warm_up``: on a GPU one micro-batch at full length (the
     allocator's worst case) and one of mixed lengths (the other buckets' kernels); on a CPU one tiny block."""
-
     seq = data.max_seq_length
     predictions = min(data.max_predictions_per_seq, max(1, seq // 8))
     if not cuda:

@@ -39,10 +39,10 @@ class EncoderGraphs:
     ``shapes`` lists the shapes captured so far (the summary reports their number).
     """
 
-    def __init__(self, layers: nn.ModuleList, max_seqlen: int, rotary: nn.Module | None = None, num_warmup_iters=3):
+    def __init__(self, layers: nn.ModuleList, max_seqlen: int, rotary: nn.Module | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("train.cuda_graphs: CUDA graphs need a CUDA device")
-        self.layers, self.max_seqlen, self.rotary, self.num_warmup_iters = layers, max_seqlen, rotary, num_warmup_iters
+        self.layers, self.max_seqlen, self.rotary = layers, max_seqlen, rotary
         self.pool = torch.cuda.graph_pool_handle()
         self._train: dict[tuple[int, int], nn.Module] = {}
         self._eval: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor, Tensor]] = {}
@@ -71,7 +71,7 @@ class EncoderGraphs:
     def _capture_train(self, x_NC: Tensor, cu_seqlens: Tensor, position_ids: Tensor) -> nn.Module:
         view = _Encoder(self.layers, self.max_seqlen, self.rotary)
         sample = (x_NC.detach().clone().requires_grad_(x_NC.requires_grad), cu_seqlens.clone(), position_ids.clone())
-        return torch.cuda.make_graphed_callables(view, sample, num_warmup_iters=self.num_warmup_iters, pool=self.pool)
+        return torch.cuda.make_graphed_callables(view, sample, num_warmup_iters=3, pool=self.pool)
 
     @torch.no_grad()
     def _capture_eval(self, x_NC: Tensor, cu_seqlens: Tensor, position_ids: Tensor):

@@ -50,19 +50,13 @@ class EvalBatches:
         return self.cached
 
 
-class DeviceEvalSet:
-    """This rank's eval batches, collated once and kept on ``device``."""
+class DeviceEvalSet(list):
+    """This rank's eval batches, collated once and kept on ``device`` (a list of them)."""
 
     def __init__(self, blocks: Iterable, collate: Callable, device: torch.device):
-        self.batches = [to_device(collate(block), device) for block in blocks]
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
+        super().__init__(to_device(collate(block), device) for block in blocks)
 
     @property
     def nbytes(self) -> int:
         """Bytes of device memory the cached batches hold."""
-        return sum(v.nbytes for batch in self.batches for v in vars(batch).values() if isinstance(v, Tensor))
+        return sum(v.nbytes for batch in self for v in vars(batch).values() if isinstance(v, Tensor))

@@ -476,9 +476,7 @@ class Trainer:
             cost = tuple(d.rebalance_cost)
             self.planner = ReplicaPlanner(self.train_loader, d.rebalance, cost, d.rebalance_group_size, scope)
         else:
-            self.planner = StepPlanner(
-                iter(self.train_loader), self.train_loader, self.rebalancer, self.agreement, self.coll, scope
-            )
+            self.planner = StepPlanner(self.train_loader, self.rebalancer, self.agreement, self.coll, scope)
             self.planner.begin(self.state.step)
         status, retried_since = None, None
         while status is None:
@@ -595,8 +593,7 @@ class Trainer:
             return True
         self.state.checkpoint_failures += 1
         if self.is_main:
-            directory = self.checkpoint_dir
-            reporting.checkpoint_failed(self.progress, self.state.step, error, directory, self.cfg.checkpoint)
+            reporting.checkpoint_failed(self.progress, self.state.step, error, self.checkpoint_dir, self.cfg.checkpoint)
         if self.cfg.checkpoint.on_error == "stop" or self.stop_agreed:
             detail = f": {error}" if error else ""
             self.error = f"the checkpoint of step {self.state.step} could not be written{detail}"
