@@ -632,10 +632,8 @@ def bounded_key_block(q):
 def dot_precision(q):
     """``tl.dot``'s input precision for q's dtype: fp16/bf16 multiply natively; fp32 uses TF32
     tensor cores exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch's own
-    fp32 matmuls do), else full-precision fp32 ("ieee"). Read at each launch."""
-    if q.element_size() != 4:
-        return "tf32"  # unused for 16-bit inputs
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    fp32 matmuls do), else full-precision fp32 ("ieee"). Read at each launch ("tf32", unused, for 16 bits)."""
+    return "tf32" if q.element_size() != 4 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def _prepare(q, seqs, p_drop, blocks):
