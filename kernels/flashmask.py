@@ -32,6 +32,7 @@ from kernels.masks import (  # noqa: F401 -- the builders are re-exported while 
     flashmask_reference,
     global_sliding_window_mask,
     intervals,
+    packed_rows,
     prefix_lm_causal_mask,
     prefix_lm_document_mask,
     qk_sparse_mask,
@@ -167,15 +168,4 @@ def flashmask_tile_counts(
 def flashmask_backend(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
     """The ``flashmask`` attention backend: q, k, v [R*S, H, D] of a packed batch (a
     ``PackedLayout``: ``kernels.registry`` refuses the others before the call)."""
-    bounds = layout.startend_row_indices
-    r, _, s, _ = bounds.shape
-    n, h, d = q.shape
-    out = flashmask_attention(
-        q.view(r, s, h, d),
-        k.view(r, s, h, d),
-        v.view(r, s, h, d),
-        bounds,
-        causal=layout.causal,
-        dropout_p=dropout_p if training else 0.0,
-    )
-    return out.view(n, h, d)
+    return packed_rows(flashmask_attention, q, k, v, layout, dropout_p if training else 0.0)
