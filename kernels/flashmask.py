@@ -118,7 +118,7 @@ def flashmask_attention(
     """
     _check(query, key, value, startend_row_indices, causal, dropout_p)
     scale = float(softmax_scale) if softmax_scale is not None else query.shape[-1] ** -0.5
-    bounds = startend_row_indices if startend_row_indices.stride(-1) == 1 else startend_row_indices.contiguous()
+    bounds = last_dim_contiguous(startend_row_indices)
     _kernels(query.device)  # cannot run here: say so as flashmask attention
     b, sq, h, d = query.shape
     q, k, v = (x.reshape(-1, h, d) for x in (query, key, value))  # [B*S, H, D]: a view where the strides allow

@@ -81,18 +81,15 @@ def _program(
     # A launch covers entries order_start .. order_start + grid[1] - 1 of the order (the
     # identity order when HAS_ORDER is false: a grouped plan whose batch is already in bucket
     # order still launches each group from its own start).
+    seq = order_start + tl.program_id(1)
     if HAS_ORDER:
-        seq = tl.load(ORDER + order_start + tl.program_id(1))
-    else:
-        seq = order_start + tl.program_id(1)
+        seq = tl.load(ORDER + seq)
     start = tl.load(CU + seq)
     end = tl.load(CU + seq + 1)
+    start_k, end_k = start, end
     if SEPARATE_K:
         start_k = tl.load(CU_K + seq)
         end_k = tl.load(CU_K + seq + 1)
-    else:
-        start_k = start
-        end_k = end
     offs_d = tl.arange(0, BLOCK_D)
     first = tl.program_id(0) * BLOCK
     return seq, start, end - start, start_k, end_k - start_k, first, tl.program_id(2), offs_d, offs_d < head_dim
@@ -227,14 +224,12 @@ def _load_bounds(BNDs, cols, col_ok, stride_bj, seqlen_q, CAUSAL: tl.constexpr, 
         lte = tl.load(ptr + 1, mask=col_ok, other=0)
     else:
         lte = lts * 0 + seqlen_q
+    uts = lts * 0
+    ute = lts * 0
     if N_BOUNDS == 4:
         uts = tl.load(ptr + 2, mask=col_ok, other=0)
         ute = tl.load(ptr + 3, mask=col_ok, other=0)
-    elif CAUSAL:
-        uts = lts * 0
-        ute = lts * 0
-    else:
-        uts = lts * 0
+    elif not CAUSAL:
         ute = tl.load(ptr + 1, mask=col_ok, other=0)
     return lts, lte, uts, ute
 
@@ -484,10 +479,7 @@ def _attn_fwd(
     if (N_BOUNDS > 0) or WINDOW:  # rows that saw no key (bounds; past the end with a window): zeros
         seen = l_i > 0.0
         l_i = tl.where(seen, l_i, 1.0)
-    if DROPOUT:
-        acc = acc / (l_i[:, None] * (1.0 - p_drop))
-    else:
-        acc = acc / l_i[:, None]
+    acc = acc / (l_i[:, None] * (1.0 - p_drop)) if DROPOUT else acc / l_i[:, None]
     _store_tile(O, acc, rows, row_ok, stride_ot, head, stride_oh, offs_d, d_ok, INTERP)
     lse = m_i + tl.log2(l_i)
     if N_BOUNDS > 0:  # and a +inf log-sum-exp, so that the backward gives them no gradient
@@ -676,10 +668,6 @@ def _prepare(q, seqs, p_drop, blocks):
     return blocks, pointers, mask_strides, (seqs.window or 0) // 2, switches
 
 
-def _strides(*tensors):
-    return tuple(s for x in tensors for s in (x.stride(0), x.stride(1)))
-
-
 def _launch_pass(kernel, block, programs, seqs, q, lse, tensors, strided, mask_strides, scalars, switches, **flags):
     """One launch of a kernel of the family: the argument order all three share."""
     bm, bn, warps, stages = block
@@ -688,7 +676,7 @@ def _launch_pass(kernel, block, programs, seqs, q, lse, tensors, strided, mask_s
         (programs, seqs.n_seqs, q.shape[1]),
         *tensors,
         seqs.order_start,
-        *_strides(*strided),
+        *(s for x in strided for s in (x.stride(0), x.stride(1))),  # token and head strides
         lse.stride(0),
         *mask_strides,
         *scalars,
