@@ -87,11 +87,8 @@ def note_host_seqlens(cu_seqlens: Tensor, seqlens: Sequence[int]) -> None:
     known = _HOST_SEQLENS.get(key)
     if _fresh(known, cu_seqlens) and known[2] == lens:
         return  # every layer passes the batch's lengths again
-    _HOST_SEQLENS[key] = (
-        weakref.ref(cu_seqlens, lambda _, key=key: _HOST_SEQLENS.pop(key, None)),
-        cu_seqlens._version,
-        lens,
-    )
+    ref = weakref.ref(cu_seqlens, lambda _, key=key: _HOST_SEQLENS.pop(key, None))
+    _HOST_SEQLENS[key] = (ref, cu_seqlens._version, lens)
 
 
 def host_seqlens(cu_seqlens: Tensor) -> list[int]:
@@ -164,14 +161,10 @@ def run_groups(plan: GroupPlan, launch: Launch, device: torch.device, num_stream
         return
     main = torch.cuda.current_stream(device)
     streams = [main] + _side_streams(device, n - 1)
-    fork = torch.cuda.Event()
-    fork.record(main)
     for s in streams[1:]:
-        s.wait_event(fork)
+        s.wait_stream(main)
     for i, g in enumerate(groups):
         with torch.cuda.stream(streams[i % n]):
             launch(plan.order, g.start, g.count, g.max_len)
     for s in streams[1:]:
-        join = torch.cuda.Event()
-        join.record(s)
-        main.wait_event(join)
+        main.wait_stream(s)
