@@ -366,7 +366,7 @@ def _halo_attention(q_P, k_P, v_P, shard: ContextShard, layout: ContextLayout, i
         return q_P + 0 * recv.sum()  # keeps the exchange in the graph, so its backward runs here too
     kv_E = torch.cat((kv_P, recv)).index_select(0, index(plan.kv_index))
     q_E = torch.cat((q_P, q_P.new_zeros(1, *q_P.shape[1:]))).index_select(0, index(plan.q_index))
-    cu = torch.tensor([0, *torch.tensor(plan.ext_seqlens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu = torch.tensor(list(itertools.accumulate(plan.ext_seqlens, initial=0)), dtype=torch.int32, device=dev)
     ext = VarlenLayout(cu, max(plan.ext_seqlens), layout.window, host_seqlens=tuple(plan.ext_seqlens))
     out_E = inner(q_E, kv_E[:, 0], kv_E[:, 1], ext, dropout_p, True)
     return out_E.index_select(0, index(plan.out_index))

@@ -12,6 +12,7 @@ copies ``cu_seqlens`` to the host once. ``cached_plan`` plans once per ``cu_seql
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,8 +53,7 @@ def plan_groups(seqlens: Sequence[int], buckets: Sequence[int], device=None) -> 
     bounds = check_buckets(buckets)
     members: dict[int, list[int]] = {}
     for i, n in enumerate(seqlens):
-        key = next((j for j, b in enumerate(bounds) if n <= b), len(bounds))
-        members.setdefault(key, []).append(i)
+        members.setdefault(bisect.bisect_left(bounds, n), []).append(i)  # the first bucket >= n
     order: list[int] = []
     groups = []
     for key in sorted(members, reverse=True):
