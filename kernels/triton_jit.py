@@ -318,8 +318,7 @@ def _store_counts(CNT, counts, head):
 
 # ---------------------------------------------------------------------------------------
 # One tile of each kernel. ``ok`` is where the tile's scores count, [BM, BN] ([BN, BM] for
-# dK/dV): in range, inside the window and the bounds; None without either: the range check
-# alone, made here as in the plain varlen kernels.
+# dK/dV): in range, inside the window and the bounds; unused without either (``_tile``).
 
 
 @triton.jit
@@ -435,7 +434,7 @@ def _tile(
             counts = _count(counts, compute, unmasked, checked)
     else:
         compute = True
-        ok = True  # unused: the tile step makes its own range check, where the plain kernels have it
+        ok = True  # unused (the docstring)
     return compute, ok, counts
 
 
