@@ -434,7 +434,7 @@ def _tile(
             counts = _count(counts, compute, unmasked, checked)
     else:
         compute = True
-        ok = True  # unused (the docstring)
+        ok = True  # unused: see the docstring
     return compute, ok, counts
 
 
@@ -623,7 +623,8 @@ def bounded_key_block(q):
 def dot_precision(q):
     """``tl.dot``'s input precision for q's dtype: fp16/bf16 multiply natively; fp32 uses TF32
     tensor cores exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch's own
-    fp32 matmuls do), else full-precision fp32 ("ieee"). Read at each launch ("tf32", unused, for 16 bits)."""
+    fp32 matmuls do), else full-precision fp32 ("ieee"); "tf32" (unused) for 16-bit inputs. Read
+    at each launch."""
     return "tf32" if q.element_size() != 4 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
