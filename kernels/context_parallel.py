@@ -1,25 +1,21 @@
 """Context parallelism: attention over documents split across the N ranks of a CP group.
 
 A document too long for one rank is cut into N contiguous pieces, piece r on rank r
-(``ContextShard.piece``: ceil(L / N) tokens each, the last the rest, so the ranks' pieces laid
-end to end are the document, with any padding at its end). A rank's flat batch holds its whole
-sequences first, then its non-empty pieces in document order (``ContextLayout``). Every layer
-but attention is per token; attention looks across tokens:
+(``ContextShard.piece``: ceil(L / N) tokens each, the last the rest). A rank's flat batch holds
+its whole sequences first, then its non-empty pieces in document order (``ContextLayout``).
+Only attention looks across tokens:
 
-- a global layer all-gathers each split document's K/V (``all_gather_into_tensor``), attends
-  its piece's queries to the whole document (the backends' cross mode,
-  ``VarlenLayout.cu_seqlens_k``), and frees the gathered K/V; the backward gathers again and
-  reduce-scatters dK/dV to their owners. Nothing of length L is kept between the passes.
+- a global layer all-gathers each split document's K/V, attends its piece's queries to the
+  whole document (the backends' cross mode, ``VarlenLayout.cu_seqlens_k``) and frees it; the
+  backward gathers again and reduce-scatters dK/dV. Nothing of length L is kept between passes.
 - a window layer (|i - j| <= window // 2) receives only the halo of window // 2 tokens each
-  side of its piece (one ``all_to_all_single``, non-zero only from the ranks holding them),
-  runs the backend's own windowed self-attention over [halo | piece | halo] with zero
-  queries on the halo rows (their outputs are dropped, so they add exactly nothing to dK/dV),
-  and sends the halo's dK/dV back to its owners.
+  side of its piece (one ``all_to_all_single``) and runs the backend's windowed attention over
+  [halo | piece | halo] with zero queries on the halo rows; the halo's dK/dV go back to their owners.
 
-Whole sequences go to the backend as they are. Why an all-gather and not a ring, in bytes and
-memory: docs/context_parallel.md. ``context_parallel_backend(name)`` wraps a registry backend
-that takes ``cu_seqlens_k`` (reference, sdpa, triton); it takes plain ``VarlenLayout`` batches
-too (no split document). Imports torch and kernels only.
+Whole sequences go to the backend as they are. The design, and why an all-gather and not a
+ring: docs/context_parallel.md, "Attention". ``context_parallel_backend(name)`` wraps a
+registry backend that takes ``cu_seqlens_k`` (reference, sdpa, triton), plain
+``VarlenLayout`` batches too. Imports torch and kernels only.
 
 Shape legend: T local tokens, P local piece tokens, L one document, N ranks of the CP group,
 H heads, D head dim, E tokens of the halo-extended pieces.
@@ -27,6 +23,7 @@ H heads, D head dim, E tokens of the halo-extended pieces.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -140,12 +137,8 @@ def context_attention(
 
 def _piece_offsets(shard: ContextShard) -> list[tuple[int, int]]:
     """Per split document, (offset among this rank's piece tokens, piece length), 0 if empty."""
-    out, o = [], 0
-    for d in range(len(shard.doc_lens)):
-        s, e = shard.piece(d)
-        out.append((o, e - s))
-        o += e - s
-    return out
+    lengths = [e - s for s, e in map(shard.piece, range(len(shard.doc_lens)))]
+    return list(zip(itertools.accumulate(lengths, initial=0), lengths))
 
 
 def _gather_doc(k_n: Tensor, v_n: Tensor, shard: ContextShard, d: int, group) -> Tensor:
@@ -255,21 +248,16 @@ class _GlobalPieces(torch.autograd.Function):
         kept = iter(ctx.saved)
         for d, (o, n) in enumerate(_piece_offsets(shard)):
             kv = _gather_doc(k_P[o : o + n], v_P[o : o + n], shard, d, group)
-            kv_L = kv[: shard.doc_lens[d]]
-            dk_L = dv_L = None
-            if n:
-                dq, dk_L, dv_L = ctx.attend.backward(
-                    dout_P[o : o + n], q_P[o : o + n], kv_L[:, 0], kv_L[:, 1], next(kept)
-                )
-                dq_P[o : o + n] = dq
-            del kv_L
             length = shard.doc_lens[d]
-            if dk_L is None:  # no piece here: this rank adds nothing
-                kv.zero_()
-            else:
+            if n:  # dK/dV written over the gathered K/V, which they no longer need
+                dq_P[o : o + n], dk_L, dv_L = ctx.attend.backward(
+                    dout_P[o : o + n], q_P[o : o + n], kv[:length, 0], kv[:length, 1], next(kept)
+                )
                 kv[:length, 0], kv[:length, 1] = dk_L, dv_L
                 kv[length:] = 0
-            del dk_L, dv_L
+                del dk_L, dv_L
+            else:  # no piece here: this rank adds nothing
+                kv.zero_()
             mine = _scatter_grad(kv, shard, d, group)
             del kv
             dk_P[o : o + n] = mine[:n, 0]
@@ -320,33 +308,26 @@ def halo_plan(shard: ContextShard, reach: int) -> HaloPlan:
     me, offsets = shard.rank, _piece_offsets(shard)
     p_tokens = sum(n for _, n in offsets)
     send_index, send_splits, recv_splits = [], [0] * shard.size, [0] * shard.size
-    recv_at = {}  # (document, lo) of a transfer to me -> its first row in the received buffer
-    row = 0
+    halo = {}  # document -> (lo, rows of cat(piece tokens, received tokens)) of each transfer to me
+    row = p_tokens
     for s, r, d, lo, hi in transfers:
         if s == me:
             start = shard.piece(d)[0]
             send_index.extend(range(offsets[d][0] + lo - start, offsets[d][0] + hi - start))
             send_splits[r] += hi - lo
         if r == me:
-            recv_at[(d, lo, hi)] = p_tokens + row
+            halo.setdefault(d, []).append((lo, range(row, row + hi - lo)))
             recv_splits[s] += hi - lo
             row += hi - lo
     kv_index, q_index, out_index, ext_seqlens = [], [], [], []
     for d, a, b in shard.pieces():
-        o = offsets[d][0]
-        halo = sorted((lo, hi, at) for (dd, lo, hi), at in recv_at.items() if dd == d)
-        left = [(lo, hi, at) for lo, hi, at in halo if hi <= a]
-        right = [(lo, hi, at) for lo, hi, at in halo if lo >= b]
+        own = range(offsets[d][0], offsets[d][0] + b - a)
         e0 = len(kv_index)
-        for lo, hi, at in left:
-            kv_index.extend(range(at, at + hi - lo))
-        out_index.extend(range(len(kv_index), len(kv_index) + b - a))
-        kv_index.extend(range(o, o + b - a))
-        for lo, hi, at in right:
-            kv_index.extend(range(at, at + hi - lo))
-        q_index.extend([p_tokens] * sum(hi - lo for lo, hi, _ in left))
-        q_index.extend(range(o, o + b - a))
-        q_index.extend([p_tokens] * sum(hi - lo for lo, hi, _ in right))
+        for _, rows in sorted([*halo.get(d, []), (a, own)], key=lambda part: part[0]):  # in document order
+            if rows is own:
+                out_index.extend(range(len(kv_index), len(kv_index) + len(own)))
+            kv_index.extend(rows)
+            q_index.extend(rows if rows is own else [p_tokens] * len(rows))
         ext_seqlens.append(len(kv_index) - e0)
     return HaloPlan(send_index, send_splits, recv_splits, kv_index, q_index, out_index, ext_seqlens)
 
@@ -385,7 +366,7 @@ def _halo_attention(q_P, k_P, v_P, shard: ContextShard, layout: ContextLayout, i
         return q_P + 0 * recv.sum()  # keeps the exchange in the graph, so its backward runs here too
     kv_E = torch.cat((kv_P, recv)).index_select(0, index(plan.kv_index))
     q_E = torch.cat((q_P, q_P.new_zeros(1, *q_P.shape[1:]))).index_select(0, index(plan.q_index))
-    cu = torch.tensor([0, *torch.tensor(plan.ext_seqlens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu = torch.tensor(list(itertools.accumulate(plan.ext_seqlens, initial=0)), dtype=torch.int32, device=dev)
     ext = VarlenLayout(cu, max(plan.ext_seqlens), layout.window, host_seqlens=tuple(plan.ext_seqlens))
     out_E = inner(q_E, kv_E[:, 0], kv_E[:, 1], ext, dropout_p, True)
     return out_E.index_select(0, index(plan.out_index))

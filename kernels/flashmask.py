@@ -32,6 +32,7 @@ from kernels.masks import (  # noqa: F401 -- the builders are re-exported while 
     flashmask_reference,
     global_sliding_window_mask,
     intervals,
+    packed_rows,
     prefix_lm_causal_mask,
     prefix_lm_document_mask,
     qk_sparse_mask,
@@ -117,7 +118,7 @@ def flashmask_attention(
     """
     _check(query, key, value, startend_row_indices, causal, dropout_p)
     scale = float(softmax_scale) if softmax_scale is not None else query.shape[-1] ** -0.5
-    bounds = startend_row_indices if startend_row_indices.stride(-1) == 1 else startend_row_indices.contiguous()
+    bounds = last_dim_contiguous(startend_row_indices)
     _kernels(query.device)  # cannot run here: say so as flashmask attention
     b, sq, h, d = query.shape
     q, k, v = (x.reshape(-1, h, d) for x in (query, key, value))  # [B*S, H, D]: a view where the strides allow
@@ -167,15 +168,4 @@ def flashmask_tile_counts(
 def flashmask_backend(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
     """The ``flashmask`` attention backend: q, k, v [R*S, H, D] of a packed batch (a
     ``PackedLayout``: ``kernels.registry`` refuses the others before the call)."""
-    bounds = layout.startend_row_indices
-    r, _, s, _ = bounds.shape
-    n, h, d = q.shape
-    out = flashmask_attention(
-        q.view(r, s, h, d),
-        k.view(r, s, h, d),
-        v.view(r, s, h, d),
-        bounds,
-        causal=layout.causal,
-        dropout_p=dropout_p if training else 0.0,
-    )
-    return out.view(n, h, d)
+    return packed_rows(flashmask_attention, q, k, v, layout, dropout_p if training else 0.0)

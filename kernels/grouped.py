@@ -12,6 +12,7 @@ copies ``cu_seqlens`` to the host once. ``cached_plan`` plans once per ``cu_seql
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,8 +53,7 @@ def plan_groups(seqlens: Sequence[int], buckets: Sequence[int], device=None) -> 
     bounds = check_buckets(buckets)
     members: dict[int, list[int]] = {}
     for i, n in enumerate(seqlens):
-        key = next((j for j, b in enumerate(bounds) if n <= b), len(bounds))
-        members.setdefault(key, []).append(i)
+        members.setdefault(bisect.bisect_left(bounds, n), []).append(i)  # the first bucket >= n
     order: list[int] = []
     groups = []
     for key in sorted(members, reverse=True):
@@ -70,6 +70,11 @@ def plan_groups(seqlens: Sequence[int], buckets: Sequence[int], device=None) -> 
 _HOST_SEQLENS: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}
 
 
+def _fresh(entry: tuple | None, tensor: Tensor) -> bool:
+    """Whether a cache entry (weak reference, version, value) still describes ``tensor``."""
+    return entry is not None and entry[0]() is tensor and entry[1] == tensor._version
+
+
 def note_host_seqlens(cu_seqlens: Tensor, seqlens: Sequence[int]) -> None:
     """Record the lengths of ``cu_seqlens``' sequences as the host knows them (the collator's),
     so that planning never reads ``cu_seqlens`` back. They must be what ``cu_seqlens`` holds:
@@ -80,20 +85,17 @@ def note_host_seqlens(cu_seqlens: Tensor, seqlens: Sequence[int]) -> None:
         raise ValueError(f"host_seqlens: {len(lens)} lengths for the {cu_seqlens.numel() - 1} sequences of cu_seqlens")
     key = id(cu_seqlens)
     known = _HOST_SEQLENS.get(key)
-    if known is not None and known[0]() is cu_seqlens and known[1] == cu_seqlens._version and known[2] == lens:
+    if _fresh(known, cu_seqlens) and known[2] == lens:
         return  # every layer passes the batch's lengths again
-    _HOST_SEQLENS[key] = (
-        weakref.ref(cu_seqlens, lambda _, key=key: _HOST_SEQLENS.pop(key, None)),
-        cu_seqlens._version,
-        lens,
-    )
+    ref = weakref.ref(cu_seqlens, lambda _, key=key: _HOST_SEQLENS.pop(key, None))
+    _HOST_SEQLENS[key] = (ref, cu_seqlens._version, lens)
 
 
 def host_seqlens(cu_seqlens: Tensor) -> list[int]:
     """The sequence lengths as Python ints: those noted for this tensor (``note_host_seqlens``),
     else read from it (a device-to-host copy when cu_seqlens is on a GPU)."""
     known = _HOST_SEQLENS.get(id(cu_seqlens))
-    if known is not None and known[0]() is cu_seqlens and known[1] == cu_seqlens._version:
+    if _fresh(known, cu_seqlens):
         return list(known[2])
     cu = cu_seqlens.tolist()
     return [b - a for a, b in zip(cu[:-1], cu[1:])]
@@ -109,22 +111,17 @@ def check_max_seqlen(seqlens: Sequence[int], max_seqlen: int) -> None:
         )
 
 
-def single_plan(num_seqs: int, max_seqlen: int) -> GroupPlan:
-    return GroupPlan(None, (Group(0, num_seqs, max_seqlen),))
-
-
 _PLAN_CACHE: dict[tuple, tuple[weakref.ref, int, GroupPlan]] = {}
 _PLAN_CACHE_SIZE = 16
 
 
 def cached_plan(cu_seqlens: Tensor, max_seqlen: int, buckets: Sequence[int]) -> GroupPlan:
     """The plan for this batch; without buckets, one launch over all sequences (no sync)."""
-    num_seqs = cu_seqlens.numel() - 1
     if not buckets:
-        return single_plan(num_seqs, max_seqlen)
+        return GroupPlan(None, (Group(0, cu_seqlens.numel() - 1, max_seqlen),))
     key = (id(cu_seqlens), int(max_seqlen), tuple(buckets))
     hit = _PLAN_CACHE.get(key)
-    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
+    if _fresh(hit, cu_seqlens):
         return hit[2]
     seqlens = host_seqlens(cu_seqlens)  # the noted host lengths, else the one host read per batch
     check_max_seqlen(seqlens, max_seqlen)
@@ -164,14 +161,10 @@ def run_groups(plan: GroupPlan, launch: Launch, device: torch.device, num_stream
         return
     main = torch.cuda.current_stream(device)
     streams = [main] + _side_streams(device, n - 1)
-    fork = torch.cuda.Event()
-    fork.record(main)
     for s in streams[1:]:
-        s.wait_event(fork)
+        s.wait_stream(main)
     for i, g in enumerate(groups):
         with torch.cuda.stream(streams[i % n]):
             launch(plan.order, g.start, g.count, g.max_len)
     for s in streams[1:]:
-        join = torch.cuda.Event()
-        join.record(s)
-        main.wait_event(join)
+        main.wait_stream(s)

@@ -50,17 +50,8 @@ def load_flash_attn() -> AttentionFn:
                 )
             # flash-attn's window is (left, right) keys either side: the band |i - j| <= window // 2.
             window = {"window_size": (layout.window // 2, layout.window // 2)}
-        return flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            layout.cu_seqlens,
-            layout.cu_seqlens,
-            layout.max_seqlen,
-            layout.max_seqlen,
-            dropout_p=dropout_p if training else 0.0,
-            **window,
-        )
+        cu, s = layout.cu_seqlens, layout.max_seqlen  # the keys' offsets are the queries'
+        return flash_attn_varlen_func(q, k, v, cu, cu, s, s, dropout_p=dropout_p if training else 0.0, **window)
 
     return flash_attn
 

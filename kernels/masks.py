@@ -187,6 +187,11 @@ def _segments(lens: Tensor, seqlen: int) -> tuple[Tensor, Tensor, Tensor, Tensor
     return (torch.cat([starts[seg], zeros + seqlen]), torch.cat([ends[seg], zeros]), torch.cat([seg, zeros - 1]), real)
 
 
+def _documents(seq_lens: Sequence[Sequence[int]], seqlen: int) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """``_segments`` of each row of documents ``seq_lens`` (checked)."""
+    return [_segments(_row_lengths(lengths, seqlen, "seq_lens", r), seqlen) for r, lengths in enumerate(seq_lens)]
+
+
 def causal_mask(batch: int, seqlen: int) -> FlashMaskSpec:
     """Plain causal attention: query i sees keys j <= i."""
     return _spec([torch.full((seqlen, 1), seqlen)] * batch, causal=True)
@@ -202,21 +207,13 @@ def sliding_window_mask(batch: int, seqlen: int, window: int) -> FlashMaskSpec:
 
 def causal_document_mask(seq_lens: Sequence[Sequence[int]], seqlen: int) -> FlashMaskSpec:
     """Documents packed in rows, causal within each (LTS_j = end of j's document)."""
-    rows = []
-    for r, lengths in enumerate(seq_lens):
-        _, end, _, _ = _segments(_row_lengths(lengths, seqlen, "seq_lens", r), seqlen)
-        rows.append(end.view(-1, 1))
-    return _spec(rows, causal=True)
+    return _spec([end.view(-1, 1) for _, end, _, _ in _documents(seq_lens, seqlen)], causal=True)
 
 
 def document_mask(seq_lens: Sequence[Sequence[int]], seqlen: int) -> FlashMaskSpec:
     """Documents packed in rows, bidirectional within each: (LTS, UTE) = (end, start) of the
     key's document. This is the packed BERT batch's mask."""
-    rows = []
-    for r, lengths in enumerate(seq_lens):
-        start, end, _, _ = _segments(_row_lengths(lengths, seqlen, "seq_lens", r), seqlen)
-        rows.append(torch.stack([end, start], 1))
-    return _spec(rows, causal=False)
+    return _spec([torch.stack([end, start], 1) for start, end, _, _ in _documents(seq_lens, seqlen)], causal=False)
 
 
 def window_bounds(startend_row_indices: Tensor, window: int, n: int = 4) -> Tensor:
@@ -239,9 +236,8 @@ def window_bounds(startend_row_indices: Tensor, window: int, n: int = 4) -> Tens
     j = torch.arange(s, device=startend_row_indices.device)
     lts = torch.minimum(startend_row_indices[..., 0].long(), (j + half + 1).clamp(max=s))
     ute = torch.maximum(startend_row_indices[..., 1].long(), (j - half).clamp(min=0))
-    if n == 2:
-        return torch.stack([lts, ute], -1).to(torch.int32).contiguous()
-    return torch.stack([lts, torch.full_like(lts, s), torch.zeros_like(lts), ute], -1).to(torch.int32).contiguous()
+    bounds = [lts, ute] if n == 2 else [lts, torch.full_like(lts, s), torch.zeros_like(lts), ute]
+    return torch.stack(bounds, -1).to(torch.int32).contiguous()
 
 
 def document_window_mask(seq_lens: Sequence[Sequence[int]], seqlen: int, window: int, n: int = 4) -> FlashMaskSpec:
@@ -380,12 +376,11 @@ MASK_BUILDERS = (
 # -------------------------------------------------------------------- the packed reference
 
 
-def packed_reference(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, dropout_p: float) -> Tensor:
-    """The ``reference`` backend's PackedLayout path: dense-mask attention on [R*S, H, D]."""
+def packed_rows(attend, q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, dropout_p: float) -> Tensor:
+    """``attend`` (``flashmask_reference`` or ``flashmask_attention``) on a packed batch's q, k,
+    v [R*S, H, D], viewed as its R rows [R, S, H, D]; returns [R*S, H, D]."""
     bounds = layout.startend_row_indices
     r, _, s, _ = bounds.shape
     n, h, d = q.shape
-    out = flashmask_reference(
-        q.view(r, s, h, d), k.view(r, s, h, d), v.view(r, s, h, d), bounds, causal=layout.causal, dropout_p=dropout_p
-    )
+    out = attend(*(x.view(r, s, h, d) for x in (q, k, v)), bounds, causal=layout.causal, dropout_p=dropout_p)
     return out.reshape(n, h, d)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.interface import Layout, PackedLayout, PaddedLayout
-from kernels.masks import packed_reference
+from kernels.masks import flashmask_reference, packed_rows
 
 
 def band(length: int, window: int | None, device=None) -> Tensor | None:
@@ -46,7 +46,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout
     scale = 1.0 / math.sqrt(q.shape[-1])
     p = dropout_p if training else 0.0
     if isinstance(layout, PackedLayout):
-        return packed_reference(q, k, v, layout, p)
+        return packed_rows(flashmask_reference, q, k, v, layout, p)
     if isinstance(layout, PaddedLayout):
         b, s = layout.key_mask.shape
         q_bhsd, k_bhsd, v_bhsd = (x.view(b, s, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))

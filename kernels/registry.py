@@ -180,11 +180,9 @@ def get_backend(name: str, **options) -> AttentionFn:
 
     @functools.wraps(fn)
     def checked(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
-        refused = type(layout) not in spec.layouts
-        for setting in requested_settings(layout):
-            refused = refused or setting not in spec.settings
-        if refused:
-            check_backend(name, type(layout), requested_settings(layout))
+        settings = requested_settings(layout)
+        if type(layout) not in spec.layouts or not spec.settings.issuperset(settings):
+            check_backend(name, type(layout), settings)
         return fn(q, k, v, layout, dropout_p, training)
 
     checked.backend = spec

@@ -65,16 +65,14 @@ def philox_from(state: torch.Tensor):
 
 
 def draw_philox(dropout_p: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[2] int64 on ``device``: the (seed, offset) one kernel launch's Philox dropout uses,
-    read by the kernels through a pointer. Every kernel's one source.
+    """[2] int64 on ``device``: the (seed, offset) of one launch's Philox dropout, read by the
+    kernels through a pointer (every kernel's one source); zeros, drawing nothing, without dropout.
 
-    Inside ``philox_from(state)``: a device copy of ``state``, after which the state's offset
-    advances by 1 on the device. The offset is the last Philox counter word and the other
-    three are the element's coordinates, so one launch uses one offset value: the next
-    draw's masks are independent. Outside: drawn from torch's default generator (so
-    ``torch.manual_seed`` reproduces it) and copied to the device, which a CUDA graph would
-    freeze, so that is refused while a graph is being captured. Zeros, with nothing drawn
-    or advanced, without dropout."""
+    Inside ``philox_from(state)``: a copy of ``state``, whose offset (the last Philox counter
+    word; the other three are the element's coordinates) then advances by 1 on the device, so
+    the next draw's masks are independent. Outside: drawn from torch's default generator
+    (``torch.manual_seed`` reproduces it), refused while a CUDA graph is captured (the graph
+    would freeze the host's copy)."""
     if dropout_p <= 0.0:
         return torch.zeros(2, dtype=torch.int64, device=device)
     if _DEVICE_STATES:

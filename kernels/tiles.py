@@ -77,6 +77,4 @@ def attention_tiles(
         return _INTERPRETED[kernel]
     if elt_size == 4:
         return _FP32[32 if block_d <= 32 else width][kernel]
-    if preset == "small" and width == 64:
-        return _16BIT[("small", 64)][kernel]
-    return _16BIT[("default", width)][kernel]
+    return _16BIT[(preset if width == 64 else "default", width)][kernel]  # "small" has 64 only

@@ -50,12 +50,21 @@ def _cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
 
     The interpreter truncates fp32 -> bf16; round the fp32 bits first so that it matches a GPU.
     """
-    if INTERP:
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    if INTERP and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def _dot_in(x, dtype: tl.constexpr, INTERP: tl.constexpr):
+    """x (fp32) rounded to dtype as a ``tl.dot`` input (held in fp32 again in the interpreter,
+    which has no bf16 arithmetic)."""
+    y = _cast(x, dtype, INTERP)
+    if INTERP:
+        y = y.to(tl.float32)
+    return y
 
 
 # ---------------------------------------------------------------------------------------
@@ -72,18 +81,15 @@ def _program(
     # A launch covers entries order_start .. order_start + grid[1] - 1 of the order (the
     # identity order when HAS_ORDER is false: a grouped plan whose batch is already in bucket
     # order still launches each group from its own start).
+    seq = order_start + tl.program_id(1)
     if HAS_ORDER:
-        seq = tl.load(ORDER + order_start + tl.program_id(1))
-    else:
-        seq = order_start + tl.program_id(1)
+        seq = tl.load(ORDER + seq)
     start = tl.load(CU + seq)
     end = tl.load(CU + seq + 1)
+    start_k, end_k = start, end
     if SEPARATE_K:
         start_k = tl.load(CU_K + seq)
         end_k = tl.load(CU_K + seq + 1)
-    else:
-        start_k = start
-        end_k = end
     offs_d = tl.arange(0, BLOCK_D)
     first = tl.program_id(0) * BLOCK
     return seq, start, end - start, start_k, end_k - start_k, first, tl.program_id(2), offs_d, offs_d < head_dim
@@ -117,21 +123,14 @@ def _store_tile(PTR, x, tok, ok, stride_t, head, stride_h, offs_d, d_ok, INTERP:
 def _row_stats(LSE, DELTA, tok, ok, stride_lt, head, MASKED: tl.constexpr):
     """log-sum-exp and delta of the rows tok; where not ok, delta 0 and the log-sum-exp 0, or
     +inf when MASKED (a window or bounds: their tiles check the keys' range only)."""
-    if MASKED:
-        lse = tl.load(LSE + tok * stride_lt + head, mask=ok, other=float("inf"))
-    else:
-        lse = tl.load(LSE + tok * stride_lt + head, mask=ok, other=0.0)
+    lse = tl.load(LSE + tok * stride_lt + head, mask=ok, other=float("inf") if MASKED else 0.0)
     return lse, tl.load(DELTA + tok * stride_lt + head, mask=ok, other=0.0)
 
 
 @triton.jit
 def _dropout_scaled(x, scale, p_drop, DROPOUT: tl.constexpr):
     """x * scale, and / (1-p) with dropout: the loops accumulate unscaled dropped tiles."""
-    if DROPOUT:
-        y = x * (scale / (1.0 - p_drop))
-    else:
-        y = x * scale
-    return y
+    return x * (scale / (1.0 - p_drop)) if DROPOUT else x * scale
 
 
 @triton.jit
@@ -178,9 +177,8 @@ def _first_counts(n_blocks, lo, hi, BLOCK: tl.constexpr):
 @triton.jit
 def _bounds_of(BND, BMM, seq, head, stride_bb, stride_bh, stride_mmb, stride_mmh):
     """The sequence's (and head's) FlashMask bounds and their per-block min/max."""
-    return BND + seq.to(tl.int64) * stride_bb + head * stride_bh, BMM + seq.to(
-        tl.int64
-    ) * stride_mmb + head * stride_mmh
+    seq = seq.to(tl.int64)
+    return BND + seq * stride_bb + head * stride_bh, BMM + seq * stride_mmb + head * stride_mmh
 
 
 @triton.jit
@@ -226,14 +224,12 @@ def _load_bounds(BNDs, cols, col_ok, stride_bj, seqlen_q, CAUSAL: tl.constexpr, 
         lte = tl.load(ptr + 1, mask=col_ok, other=0)
     else:
         lte = lts * 0 + seqlen_q
+    uts = lts * 0
+    ute = lts * 0
     if N_BOUNDS == 4:
         uts = tl.load(ptr + 2, mask=col_ok, other=0)
         ute = tl.load(ptr + 3, mask=col_ok, other=0)
-    elif CAUSAL:
-        uts = lts * 0
-        ute = lts * 0
-    else:
-        uts = lts * 0
+    elif not CAUSAL:
         ute = tl.load(ptr + 1, mask=col_ok, other=0)
     return lts, lte, uts, ute
 
@@ -241,21 +237,13 @@ def _load_bounds(BNDs, cols, col_ok, stride_bj, seqlen_q, CAUSAL: tl.constexpr, 
 @triton.jit
 def _as_rows(x, KEYS_FIRST: tl.constexpr):
     """A per-query vector broadcast along the tile: [BM, 1], or [1, BM] with KEYS_FIRST (dK/dV)."""
-    if KEYS_FIRST:
-        y = x[None, :]
-    else:
-        y = x[:, None]
-    return y
+    return x[None, :] if KEYS_FIRST else x[:, None]
 
 
 @triton.jit
 def _as_cols(x, KEYS_FIRST: tl.constexpr):
     """A per-key vector broadcast along the tile: [1, BN], or [BN, 1] with KEYS_FIRST."""
-    if KEYS_FIRST:
-        y = x[:, None]
-    else:
-        y = x[None, :]
-    return y
+    return x[:, None] if KEYS_FIRST else x[None, :]
 
 
 @triton.jit
@@ -330,8 +318,7 @@ def _store_counts(CNT, counts, head):
 
 # ---------------------------------------------------------------------------------------
 # One tile of each kernel. ``ok`` is where the tile's scores count, [BM, BN] ([BN, BM] for
-# dK/dV): in range, inside the window and the bounds; None without either: the range check
-# alone, made here as in the plain varlen kernels.
+# dK/dV): in range, inside the window and the bounds; unused without either (``_tile``).
 
 
 @triton.jit
@@ -364,10 +351,7 @@ def _fwd_tile(
             ptr = KEEP + keep_base + offs_m[:, None] * keep_max + cols[None, :]
             tl.store(ptr, keep.to(tl.int8), mask=row_ok[:, None] & col_ok[None, :])
         p = tl.where(keep, p, 0.0)
-    pv = _cast(p, V.dtype.element_ty, INTERP)
-    if INTERP:
-        pv = pv.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(_dot_in(p, V.dtype.element_ty, INTERP), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -393,10 +377,7 @@ def _dq_tile(
         dp = tl.where(keep, dp, 0.0)
     delta = tl.where(seqlen_k <= BLOCK_N, tl.sum(p * dp, 1), delta)  # the row's every key is here (_dkdv_tile)
     ds = p * (dp - delta[:, None])
-    ds_lo = _cast(ds, K.dtype.element_ty, INTERP)
-    if INTERP:
-        ds_lo = ds_lo.to(tl.float32)
-    return dq + tl.dot(ds_lo, k, input_precision=DOT_PRECISION)
+    return dq + tl.dot(_dot_in(ds, K.dtype.element_ty, INTERP), k, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -429,15 +410,9 @@ def _dkdv_tile(
     # rounded dP, not rowsum(dO * O), a D-term sum whose rounding dS does not cancel
     # (docs/kernels.md, "dK in fp32 on short rows"). No branch: one around a tile's step spills.
     delta = tl.where(seqlen_k <= BLOCK_N, tl.sum(p_t * dp_t, 0), delta)
-    pd_lo = _cast(pd_t, DO.dtype.element_ty, INTERP)
-    if INTERP:
-        pd_lo = pd_lo.to(tl.float32)
-    dv += tl.dot(pd_lo, do, input_precision=DOT_PRECISION)
+    dv += tl.dot(_dot_in(pd_t, DO.dtype.element_ty, INTERP), do, input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
-    ds_lo = _cast(ds_t, Q.dtype.element_ty, INTERP)
-    if INTERP:
-        ds_lo = ds_lo.to(tl.float32)
-    dk += tl.dot(ds_lo, q, input_precision=DOT_PRECISION)
+    dk += tl.dot(_dot_in(ds_t, Q.dtype.element_ty, INTERP), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -459,7 +434,7 @@ def _tile(
             counts = _count(counts, compute, unmasked, checked)
     else:
         compute = True
-        ok = True  # unused: the tile step makes its own range check, where the plain kernels have it
+        ok = True  # unused: see the docstring
     return compute, ok, counts
 
 
@@ -503,10 +478,7 @@ def _attn_fwd(
     if (N_BOUNDS > 0) or WINDOW:  # rows that saw no key (bounds; past the end with a window): zeros
         seen = l_i > 0.0
         l_i = tl.where(seen, l_i, 1.0)
-    if DROPOUT:
-        acc = acc / (l_i[:, None] * (1.0 - p_drop))
-    else:
-        acc = acc / l_i[:, None]
+    acc = acc / (l_i[:, None] * (1.0 - p_drop)) if DROPOUT else acc / l_i[:, None]
     _store_tile(O, acc, rows, row_ok, stride_ot, head, stride_oh, offs_d, d_ok, INTERP)
     lse = m_i + tl.log2(l_i)
     if N_BOUNDS > 0:  # and a +inf log-sum-exp, so that the backward gives them no gradient
@@ -630,10 +602,6 @@ class Sequences(NamedTuple):
     causal: bool = False  # with bounds: rows i < j masked too
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def _launch(kernel, grid, *args, **kwargs):
     """Every launch goes through here (tests swap it to compile for a GPU without one)."""
     kernel[grid](*args, **kwargs)
@@ -641,13 +609,6 @@ def _launch(kernel, grid, *args, **kwargs):
 
 def _launch_opts(num_warps, num_stages):
     return {} if INTERPRET else {"num_warps": num_warps, "num_stages": num_stages}
-
-
-def attention_blocks(kernel, block_d, elt_size, dropout=False, bounded=0):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel in {'fwd', 'dkdv', 'dq'}; bounded:
-    FlashMask's bounds per column, 0 without (one BLOCK_N for all three kernels with bounds:
-    they share the block min/max)."""
-    return tiles.attention_tiles(kernel, block_d, elt_size, dropout, TILE_PRESET, bounded, INTERPRET)
 
 
 def _block_d(q):
@@ -662,10 +623,9 @@ def bounded_key_block(q):
 def dot_precision(q):
     """``tl.dot``'s input precision for q's dtype: fp16/bf16 multiply natively; fp32 uses TF32
     tensor cores exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch's own
-    fp32 matmuls do), else full-precision fp32 ("ieee"). Read at each launch."""
-    if q.element_size() != 4:
-        return "tf32"  # unused for 16-bit inputs
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    fp32 matmuls do), else full-precision fp32 ("ieee"); "tf32" (unused) for 16-bit inputs. Read
+    at each launch."""
+    return "tf32" if q.element_size() != 4 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def _prepare(q, seqs, p_drop, blocks):
@@ -676,11 +636,10 @@ def _prepare(q, seqs, p_drop, blocks):
         )
     block_d = _block_d(q)
     bounds, bmm, cu = seqs.bounds, seqs.block_minmax, seqs.cu_seqlens
-    if blocks is None:
+    n_bounds = 0 if bounds is None else bounds.shape[-1]
+    if blocks is None:  # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; one BLOCK_N with bounds
         blocks = {
-            name: attention_blocks(
-                name, block_d, q.element_size(), p_drop > 0, 0 if bounds is None else bounds.shape[-1]
-            )
+            name: tiles.attention_tiles(name, block_d, q.element_size(), p_drop > 0, TILE_PRESET, n_bounds, INTERPRET)
             for name in ("fwd", "dkdv", "dq")
         }
     order = cu if seqs.order is None else seqs.order
@@ -695,7 +654,7 @@ def _prepare(q, seqs, p_drop, blocks):
     switches = dict(
         HAS_ORDER=seqs.order is not None,
         SEPARATE_K=seqs.cu_seqlens_k is not None,
-        N_BOUNDS=0 if bounds is None else bounds.shape[-1],
+        N_BOUNDS=n_bounds,
         CAUSAL=seqs.causal,
         # On a GPU in fp32 (FMA dots, no tensor cores) the branch around a tile's step makes
         # ptxas spill hundreds of bytes: there a skipped tile is computed, fully masked.
@@ -709,10 +668,6 @@ def _prepare(q, seqs, p_drop, blocks):
     return blocks, pointers, mask_strides, (seqs.window or 0) // 2, switches
 
 
-def _strides(*tensors):
-    return tuple(s for x in tensors for s in (x.stride(0), x.stride(1)))
-
-
 def _launch_pass(kernel, block, programs, seqs, q, lse, tensors, strided, mask_strides, scalars, switches, **flags):
     """One launch of a kernel of the family: the argument order all three share."""
     bm, bn, warps, stages = block
@@ -721,7 +676,7 @@ def _launch_pass(kernel, block, programs, seqs, q, lse, tensors, strided, mask_s
         (programs, seqs.n_seqs, q.shape[1]),
         *tensors,
         seqs.order_start,
-        *_strides(*strided),
+        *(s for x in strided for s in (x.stride(0), x.stride(1))),  # token and head strides
         lse.stride(0),
         *mask_strides,
         *scalars,
@@ -746,22 +701,9 @@ def attn_fwd(q, k, v, out, lse, seqs, softmax_scale, p_drop, rng, keep=None, cou
     tensors = (q, k, v, out, lse, out if keep is None else keep, *pointers, lse if counts is None else counts)
     keep_max = 0 if keep is None else keep.shape[-1]
     scalars = (q.shape[2], keep_max, window_half, softmax_scale * LOG2E, p_drop, rng)
-    programs = _cdiv(seqs.max_len, blocks["fwd"][0])
-    flags = dict(STORE_KEEP=keep is not None, COUNT=counts is not None)
-    _launch_pass(
-        _attn_fwd,
-        blocks["fwd"],
-        programs,
-        seqs,
-        q,
-        lse,
-        tensors,
-        (q, k, v, out),
-        mask_strides,
-        scalars,
-        switches,
-        **flags,
-    )
+    programs = triton.cdiv(seqs.max_len, blocks["fwd"][0])
+    common = (seqs, q, lse, tensors, (q, k, v, out), mask_strides, scalars, switches)
+    _launch_pass(_attn_fwd, blocks["fwd"], programs, *common, STORE_KEEP=keep is not None, COUNT=counts is not None)
 
 
 def attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, seqs, softmax_scale, p_drop, rng, counts=None, blocks=None):
@@ -774,12 +716,12 @@ def attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, seqs, softmax_scale, p_drop,
     counts = counts or {}
     scalars = (q.shape[2], window_half, softmax_scale * LOG2E, softmax_scale, p_drop, rng)
     common = (mask_strides, scalars, switches)
-    keys = _cdiv(seqs.max_len if seqs.max_len_k is None else seqs.max_len_k, blocks["dkdv"][1])
+    keys = triton.cdiv(seqs.max_len if seqs.max_len_k is None else seqs.max_len_k, blocks["dkdv"][1])
     tensors = (q, k, v, dout, lse, delta, dk, dv, *pointers, counts.get("dkdv", lse))
     strided = (q, k, v, dout, dk, dv)
     _launch_pass(_attn_bwd_dkdv, blocks["dkdv"], keys, seqs, q, lse, tensors, strided, *common, COUNT="dkdv" in counts)
     tensors = (q, k, v, dout, lse, delta, dq, *pointers, counts.get("dq", lse))
-    queries = _cdiv(seqs.max_len, blocks["dq"][0])
+    queries = triton.cdiv(seqs.max_len, blocks["dq"][0])
     _launch_pass(
         _attn_bwd_dq, blocks["dq"], queries, seqs, q, lse, tensors, (q, k, v, dout, dq), *common, COUNT="dq" in counts
     )

@@ -2,13 +2,11 @@
 kernel family, the ``triton`` and ``triton_grouped`` backends, and the op ``kernels.flashmask``
 runs for packed rows.
 
-The layers, from the bottom: the device code (``kernels/triton_jit.py``); two
-``torch.library`` custom ops, ``bert_kernels::attention_fwd`` / ``_bwd``, opaque to
-``torch.compile`` (the forward draws the dropout seed); ``_Attention``, the autograd
-Function joining them, behind ``attention``; the public functions (``varlen_attention``,
-``varlen_attention_qkvpacked``, ``grouped_varlen_attention``,
-``varlen_attention_with_dropout_mask``); the backends. The dropout (seed, offset) pair comes
-from ``kernels.runtime.draw_philox``; the backward regenerates the mask from it.
+The layers, from the bottom: the device code (``kernels/triton_jit.py``); the custom ops
+``bert_kernels::attention_fwd`` / ``_bwd``, opaque to ``torch.compile`` (the forward draws the
+dropout (seed, offset) from ``kernels.runtime.draw_philox``; the backward regenerates the mask
+from it); ``_Attention``, the autograd Function joining them, behind ``attention``; the public
+functions (``varlen_attention`` and its variants); the backends.
 [docs/kernels.md](../docs/kernels.md#kernels).
 
 Shape legend: T tokens, B sequences, H heads, D head dim, S = max_seqlen, n bounds per column.
@@ -31,7 +29,6 @@ from kernels.grouped import (
     host_seqlens,
     note_host_seqlens,
     run_groups,
-    single_plan,
 )
 from kernels.interface import Layout, VarlenLayout, check_window
 from kernels.masks import TileCounts
@@ -71,31 +68,15 @@ def block_minmax(startend_row_indices: Tensor, block_n: int) -> Tensor:
 
 def _launcher(kern, q, call: Call, blocks: dict | None, single: bool, run):
     """Run ``run(Sequences)`` once per launch of the call's plan (one per length bucket, or one)."""
-    if single:
-        plan = single_plan(call.cu_seqlens.numel() - 1, call.max_seqlen)
-    else:
-        plan = cached_plan(call.cu_seqlens, call.max_seqlen, call.buckets)
+    plan = cached_plan(call.cu_seqlens, call.max_seqlen, [] if single else call.buckets)
     bmm = None
     if call.bounds is not None:  # per block of the BLOCK_N keys all three kernels share
         block_n = blocks["fwd"][1] if blocks else kern.bounded_key_block(q)
         bmm = block_minmax(call.bounds, block_n)
+    masking = (call.max_seqlen_k, call.cu_seqlens_k, call.window, call.bounds, bmm, call.causal)
 
     def launch(order, start, count, max_len):
-        run(
-            kern.Sequences(
-                call.cu_seqlens,
-                order,
-                start,
-                count,
-                max_len,
-                call.max_seqlen_k,
-                call.cu_seqlens_k,
-                call.window,
-                call.bounds,
-                bmm,
-                call.causal,
-            )
-        )
+        run(kern.Sequences(call.cu_seqlens, order, start, count, max_len, *masking))
 
     run_groups(plan, launch, q.device, call.num_streams)
 
@@ -200,8 +181,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: Call):
         out, lse, rng = torch.ops.bert_kernels.attention_fwd(q, k, v, *call)
-        tensors = [q, k, v, out, lse, rng, call.cu_seqlens, call.cu_seqlens_k, call.bounds]
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(q, k, v, out, lse, rng, call.cu_seqlens, call.cu_seqlens_k, call.bounds)
         ctx.call = call
         return out
 
@@ -233,23 +213,17 @@ def tile_counts(
         raise ValueError("tile counts: the kernels count tiles only with bounds or a window")
     n_seqs, heads = call.cu_seqlens.numel() - 1, q.shape[1]
     sk = call.max_seqlen if call.max_seqlen_k is None else call.max_seqlen_k
-    programs = {
-        "fwd": -(-call.max_seqlen // blocks["fwd"][0]),
-        "dkdv": -(-sk // blocks["dkdv"][1]),
-        "dq": -(-call.max_seqlen // blocks["dq"][0]),
-    }
+    programs = {"fwd": -(-call.max_seqlen // blocks["fwd"][0])}
+    if backward:
+        programs.update(dkdv=-(-sk // blocks["dkdv"][1]), dq=-(-call.max_seqlen // blocks["dq"][0]))
     counts = {
         name: torch.zeros(n_seqs * heads * n, 4, dtype=torch.int32, device=q.device) for name, n in programs.items()
     }
     rng = torch.zeros(2, dtype=torch.int64, device=q.device)
     call = call._replace(dropout_p=0.0, buckets=[])
     out, lse = _fwd_impl(q, k, v, call, rng, counts=counts["fwd"], blocks=blocks)
-    if not backward:
-        counts = {"fwd": counts["fwd"]}
-    else:
-        _bwd_impl(
-            torch.ones_like(out), q, k, v, out, lse, rng, call, {"dkdv": counts["dkdv"], "dq": counts["dq"]}, blocks
-        )
+    if backward:  # attn_bwd reads the dkdv and dq entries
+        _bwd_impl(torch.ones_like(out), q, k, v, out, lse, rng, call, counts, blocks)
     return {name: (TileCounts(*(int(x) for x in c.sum(0).tolist())), blocks[name][:2]) for name, c in counts.items()}
 
 
@@ -403,16 +377,19 @@ def varlen_attention_with_dropout_mask(
     return out, keep.bool()
 
 
-def triton_backend(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float, training: bool) -> Tensor:
-    """The ``triton`` backend: one varlen launch per call (the registry checks the layout)."""
-    if layout.host_seqlens is not None:  # max_seqlen checked against the collator's lengths, not a read
+def triton_backend(
+    q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float, training: bool, **grouping
+) -> Tensor:
+    """The ``triton`` backend: one varlen launch per call (the registry checks the layout); with
+    ``grouping`` (``buckets``, ``num_streams``), ``triton_grouped``'s."""
+    if layout.host_seqlens is not None:  # max_seqlen checked (and groups planned) from these, not a read
         note_host_seqlens(layout.cu_seqlens, layout.host_seqlens)
     p = dropout_p if training else 0.0
     if layout.cu_seqlens_k is not None:
         return cross_attention(
             q, k, v, layout.cu_seqlens, layout.max_seqlen, layout.cu_seqlens_k, layout.max_seqlen_k, p
         )
-    return varlen_attention(q, k, v, layout.cu_seqlens, layout.max_seqlen, p, window=layout.window)
+    return varlen_attention(q, k, v, layout.cu_seqlens, layout.max_seqlen, p, window=layout.window, **grouping)
 
 
 def cross_call(
@@ -463,18 +440,6 @@ def grouped_backend(buckets: Sequence[int] = DEFAULT_BUCKETS, num_streams: int =
         raise ValueError(f"triton_grouped: num_streams must lie in [1, {MAX_STREAMS}], got {num_streams}")
 
     def triton_grouped(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
-        if layout.host_seqlens is not None:  # planned from the collator's lengths: no read of cu_seqlens
-            note_host_seqlens(layout.cu_seqlens, layout.host_seqlens)
-        return varlen_attention(
-            q,
-            k,
-            v,
-            layout.cu_seqlens,
-            layout.max_seqlen,
-            dropout_p if training else 0.0,
-            window=layout.window,
-            buckets=bucket_list,
-            num_streams=num_streams,
-        )
+        return triton_backend(q, k, v, layout, dropout_p, training, buckets=bucket_list, num_streams=num_streams)
 
     return triton_grouped

@@ -16,7 +16,7 @@ from kernels.runtime import device_code
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set by kernels.runtime before loading
 _shared = device_code(INTERPRET)
-_keep, _cast, _cdiv, _launch_opts = _shared._keep, _shared._cast, _shared._cdiv, _shared._launch_opts
+_keep, _cast, _launch_opts = _shared._keep, _shared._cast, _shared._launch_opts
 
 
 @triton.jit
@@ -137,7 +137,7 @@ def _launch(kernel, grid, *args, **kwargs):
 def _eltwise_grid(n_rows, n_cols):
     block_c = min(triton.next_power_of_2(n_cols), 1024)
     block_r = max(1, 4096 // block_c)
-    return (_cdiv(n_rows, block_r), _cdiv(n_cols, block_c)), dict(BLOCK_R=block_r, BLOCK_C=block_c)
+    return (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c)), dict(BLOCK_R=block_r, BLOCK_C=block_c)
 
 
 def bias_gelu_fwd(x, bias, y):
@@ -173,8 +173,8 @@ def bdaln_bwd(dy, h, weight, mean, rstd, dx, dres, p_drop, rng):
     """Backward of bdaln_fwd: writes dx, dres [R, N]; returns the partial sums of dweight,
     dln_bias and dbias, [programs, N] fp32 each (the caller sums over programs)."""
     r, n = dy.shape
-    rows_per_prog = _cdiv(r, 8 if INTERPRET else 1024)  # up to 1024 programs: enough to fill a GPU
-    programs = _cdiv(r, rows_per_prog)
+    rows_per_prog = triton.cdiv(r, 8 if INTERPRET else 1024)  # up to 1024 programs: enough to fill a GPU
+    programs = triton.cdiv(r, rows_per_prog)
     dw, dlb, db = torch.empty(3, programs, n, dtype=torch.float32, device=dy.device)
     block_c = triton.next_power_of_2(n)
     tensors = (dy, h, weight, mean, rstd, dx, dres, dw, dlb, db)

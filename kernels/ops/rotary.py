@@ -51,12 +51,10 @@ JIT_SOURCE = Path(__file__).with_name("rotary_jit.py")  # the device code, loade
 
 
 def _launch(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, inverse: bool) -> Tensor:
-
     kern = jit_kernels(x.device, "rotary kernel", JIT_SOURCE)  # raises BackendUnavailable when it cannot
     if x.stride(-1) != 1:
         x = x.contiguous()
-    n, h, d = x.shape
-    out = torch.empty((n, h, d), dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     kern.rotary_fwd(x, out, position_ids, cos.contiguous(), sin.contiguous(), inverse)
     return out
 

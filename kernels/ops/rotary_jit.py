@@ -58,25 +58,9 @@ def rotary_fwd(x, out, position_ids, cos, sin, inverse: bool) -> None:
     block_n = max(1, min(64, 2048 // block_half))  # 2,048 pairs per program: no spills at D = 128 in fp32
     grid = (triton.cdiv(n, block_n), h)
     opts = {} if INTERPRET else {"num_warps": 4}
-    _launch(
-        _rotary_kernel,
-        grid,
-        x,
-        out,
-        position_ids,
-        cos,
-        sin,
-        n,
-        x.stride(0),
-        x.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HALF=half,
-        BLOCK_N=block_n,
-        BLOCK_HALF=block_half,
-        INVERSE=inverse,
-        **opts,
-    )
+    strides = (*x.stride()[:2], *out.stride()[:2])  # token and head strides of x, then of out
+    blocks = dict(HALF=half, BLOCK_N=block_n, BLOCK_HALF=block_half)
+    _launch(_rotary_kernel, grid, x, out, position_ids, cos, sin, n, *strides, **blocks, INVERSE=inverse, **opts)
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
