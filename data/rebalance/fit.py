@@ -198,7 +198,9 @@ class OnlineModel:
         fit = fit_online(feats, times, self.configured, min_steps=min_steps, bound=self.bound)
         counts = [len(d) for d in self.steps]
         steps = sorted(counts)[self.world_size // 2]
-        target = [1.0] * self.world_size
+        # Too few steps to fit (at the start, or after changes of speed dropped the earlier ones):
+        # the speeds stay as they are; pulling them to 1 would undo what the window has shown.
+        target = list(self.speeds)
         if steps >= min_steps:
             # A speed within z standard errors of the median is the median, as is one of < 2 steps,
             # so noise gives no rank extra work (docs/rebalancing.md, safeguards).

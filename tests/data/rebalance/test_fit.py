@@ -92,3 +92,18 @@ def test_online_model_noise_rate_change_and_state():
     again = OnlineModel(DEFAULT_COST, 4, window=16, rate=0.1)
     again.load_state_dict(model.state_dict())
     assert again.state_dict() == model.state_dict() and again.refit() == model.refit()
+
+
+def test_speeds_stay_while_too_few_steps_are_left_to_fit():
+    # Both ranks slow down together (a loaded machine): each forgets its earlier steps, fewer than
+    # the fit needs are left, and the speeds learnt stay (they were pulled back to equal before).
+    rng = np.random.default_rng(3)
+    model = OnlineModel(DEFAULT_COST, 2, window=8, rate=0.25)
+    for _ in range(16):
+        _feed(model, [1.0, 0.5], rng, noise=0.01)
+    assert model.speeds[1] / model.speeds[0] == pytest.approx(0.5, rel=0.1)
+    windows = []
+    for _ in range(4):
+        windows.append(_feed(model, [1 / 3, 1 / 6], rng, noise=0.01)["window_steps"])
+        assert model.speeds[1] / model.speeds[0] == pytest.approx(0.5, rel=0.1), windows
+    assert min(windows) < 8, windows
