@@ -20,7 +20,8 @@ import torch
 
 from bert.config import load_config
 from bert.train.trainer import Trainer
-from launch.distributed import init_distributed
+from launch.distributed import destroy, init_distributed
+from run_pretraining import exit_process
 from tools.device_reads import DeviceReads
 
 
@@ -71,8 +72,11 @@ def main(argv: list[str]) -> int:
     if dist_info.rank == 0:
         with open(out, "w") as f:
             json.dump(seen, f)
+    destroy()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # As run_pretraining.py ends: the interpreter's teardown with the trainer's threads still
+    # alive once aborted a rank ("terminate called without an active exception").
+    exit_process(main(sys.argv[1:]))
