@@ -6,7 +6,7 @@ Each batch is 56 sequences (MLPerf's per-GPU batch) with lengths from a prepared
 directory or the built-in MLPerf-like distribution (``bench/lengths.py``), packed first-fit
 decreasing into rows of 512 (``data.packing``; ``--seq-len`` changes it, longer sequences are
 cut to it), 16 heads x 64 dims, bf16. The mask is the
-packed layout's bidirectional document mask (``kernels.flashmask.document_mask``).
+packed layout's bidirectional document mask (``kernels.masks.document_mask``).
 
 On a GPU, forward+backward of, on the same q, k, v:
 - ``flashmask``: this repository's kernel (bounds [R, 1, 512, 2]; per-block min/max inside);
@@ -76,7 +76,8 @@ def pack(lengths: list[int], seq_len: int) -> tuple[list[list[int]], torch.Tenso
 
 def tile_report(per_row, seq_len, tiles: dict, backward: bool, device) -> dict:
     """Tile counts of each kernel pass (debug mode) next to the dense mask's, at ``tiles``."""
-    from kernels.flashmask import document_mask, flashmask_tile_counts, reference_tile_counts
+    from kernels.flashmask import flashmask_tile_counts
+    from kernels.masks import document_mask, reference_tile_counts
 
     spec = document_mask(per_row, seq_len)
     bounds = spec.startend_row_indices.to(device)
@@ -145,7 +146,8 @@ def cpu_report(args, sampler) -> dict:
 def gpu_report(args, sampler) -> dict:
     import torch.nn.functional as F
 
-    from kernels.flashmask import document_mask, flashmask_attention, tile_sizes
+    from kernels.flashmask import flashmask_attention, tile_sizes
+    from kernels.masks import document_mask
     from kernels.varlen_attention import varlen_attention
 
     device = torch.device("cuda")

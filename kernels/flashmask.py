@@ -19,38 +19,10 @@ import torch
 from torch import Tensor
 
 from kernels.interface import Layout
-from kernels.masks import (  # noqa: F401 -- the builders are re-exported while callers move to kernels.masks
-    MASK_BUILDERS,
-    FlashMaskSpec,
-    TileCounts,
-    causal_blockwise_mask,
-    causal_document_mask,
-    causal_mask,
-    check_startend_row_indices,
-    document_mask,
-    document_window_mask,
-    flashmask_reference,
-    global_sliding_window_mask,
-    intervals,
-    packed_rows,
-    prefix_lm_causal_mask,
-    prefix_lm_document_mask,
-    qk_sparse_mask,
-    random_eviction_mask,
-    reference_tile_counts,
-    shared_question_mask,
-    sliding_window_mask,
-    to_dense,
-    window_bounds,
-)
+from kernels.masks import TileCounts, check_startend_row_indices, packed_rows
 from kernels.runtime import jit_kernels
 from kernels.tiles import attention_tiles
 from kernels.varlen_attention import Call, attention, check_inputs, last_dim_contiguous, tile_counts
-
-
-def _kernels(device: torch.device):
-    """The kernels module (the one family), after checking it can run on ``device`` here."""
-    return jit_kernels(device, "flashmask attention")  # raises BackendUnavailable when it cannot
 
 
 def tile_sizes(head_dim: int, elt_size: int, interpreted: bool, n: int = 2) -> dict[str, tuple[int, int, int, int]]:
@@ -119,7 +91,7 @@ def flashmask_attention(
     _check(query, key, value, startend_row_indices, causal, dropout_p)
     scale = float(softmax_scale) if softmax_scale is not None else query.shape[-1] ** -0.5
     bounds = last_dim_contiguous(startend_row_indices)
-    _kernels(query.device)  # cannot run here: say so as flashmask attention
+    jit_kernels(query.device, "flashmask attention")  # cannot run here: say so as flashmask attention
     b, sq, h, d = query.shape
     q, k, v = (x.reshape(-1, h, d) for x in (query, key, value))  # [B*S, H, D]: a view where the strides allow
     return attention(q, k, v, _rows_call(query, key, bounds, causal, scale, dropout_p)).view(b, sq, h, d)
@@ -148,7 +120,7 @@ def flashmask_tile_counts(
     """
     _check(query, key, value, startend_row_indices, causal, 0.0)
     q, k, v = (last_dim_contiguous(x) for x in (query, key, value))
-    kern = _kernels(q.device)
+    kern = jit_kernels(q.device, "flashmask attention")
     if tiles is not None:
         if len({bn for _, bn in tiles.values()}) != 1 or set(tiles) != {"fwd", "dkdv", "dq"}:
             raise ValueError(f"tiles: need fwd, dkdv and dq with one BLOCK_N, got {tiles}")

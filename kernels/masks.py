@@ -358,21 +358,6 @@ def random_eviction_mask(batch: int, seqlen: int, generator: torch.Generator | N
     return _spec(rows, causal=True)
 
 
-MASK_BUILDERS = (
-    "causal_mask",
-    "sliding_window_mask",
-    "causal_document_mask",
-    "document_mask",
-    "shared_question_mask",
-    "global_sliding_window_mask",
-    "causal_blockwise_mask",
-    "prefix_lm_causal_mask",
-    "prefix_lm_document_mask",
-    "qk_sparse_mask",
-    "random_eviction_mask",
-)
-
-
 # -------------------------------------------------------------------- the packed reference
 
 

@@ -44,6 +44,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import flashmask as fm  # noqa: E402
+from kernels import masks  # noqa: E402
 from kernels.masks import document_window_mask  # noqa: E402
 from kernels.varlen_attention import varlen_attention, varlen_attention_with_dropout_mask  # noqa: E402
 
@@ -142,7 +143,7 @@ def _run_flashmask(kind: str, batch: Batch, dropout_p: float, seed: int, window:
     b, seqlen, h, d = batch.q.shape
     mask = batch.key_mask
     if kind == "causal":  # full rows, causal
-        spec = fm.causal_mask(b, seqlen)
+        spec = masks.causal_mask(b, seqlen)
         mask = torch.ones_like(mask)
         batch = batch._replace(key_mask=mask)
         allowed = torch.ones(seqlen, seqlen, dtype=torch.bool, device=mask.device).tril()[None, None]
@@ -150,7 +151,7 @@ def _run_flashmask(kind: str, batch: Batch, dropout_p: float, seed: int, window:
         spec = document_window_mask([[int(n)] for n in mask.sum(1)], seqlen, window)
         allowed = mask[:, None, :, None] & mask[:, None, None, :] & band(seqlen, window, mask.device)
     else:  # one document per row, then padding
-        spec = fm.document_mask([[int(n)] for n in mask.sum(1)], seqlen)
+        spec = masks.document_mask([[int(n)] for n in mask.sum(1)], seqlen)
         allowed = mask[:, None, :, None] & mask[:, None, None, :]
     bounds = spec.startend_row_indices.to(mask.device)
     torch.manual_seed(seed)

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels import flashmask as fm  # noqa: E402
+from kernels import masks  # noqa: E402
 from kernels.interface import BackendUnavailable, PackedLayout, VarlenLayout  # noqa: E402
 from kernels.registry import get_backend  # noqa: E402
 from tests.helpers import REPO as ROOT  # noqa: E402
@@ -120,10 +121,11 @@ CASES = [
     ("qk_sparse_mask", lambda s: ([(5, 10, 20, 30), (0, 0, 40, s)], s), 63, 2, 3, 32),
     ("random_eviction_mask", lambda s: (2, s, torch.Generator().manual_seed(5)), 65, 2, 2, 16),
 ]
+MASK_BUILDERS = [name for name, *_ in CASES]  # every builder of kernels.masks, in the module's order
 
 
 def build(name, args):
-    return getattr(fm, name)(*args)
+    return getattr(masks, name)(*args)
 
 
 def inputs(batch, seqlen, heads, dim, dtype=torch.float32, seed=0, seqlen_k=None):
@@ -155,17 +157,17 @@ def test_to_dense_follows_the_bounds_table():
     # Column j: (LTS, LTE, UTS, UTE) = rows [3, 5) and [0, 2) masked, the rest visible.
     four = torch.tensor([3, 5, 0, 2], dtype=torch.int32).expand(1, 1, s, 4)
     want = torch.tensor([True, True, False, True, True, False]).view(-1, 1).expand(s, s)
-    assert torch.equal(fm.to_dense(four, False, s)[0, 0], want)
+    assert torch.equal(masks.to_dense(four, False, s)[0, 0], want)
     # n = 2 bidirectional: (LTS, UTE) -> rows >= LTS and rows < UTE.
     two = torch.tensor([4, 1], dtype=torch.int32).expand(1, 1, s, 2)
     want = torch.tensor([True, False, False, False, True, True]).view(-1, 1).expand(s, s)
-    assert torch.equal(fm.to_dense(two, False, s)[0, 0], want)
+    assert torch.equal(masks.to_dense(two, False, s)[0, 0], want)
     # Causal n = 1 and 2: rows i < j as well, then [LTS, seqlen) or [LTS, LTE).
     lts = torch.full((1, 1, s, 1), 4, dtype=torch.int32)
     i, j = torch.arange(s).view(-1, 1), torch.arange(s).view(1, -1)
-    assert torch.equal(fm.to_dense(lts, True, s)[0, 0], (i < j) | (i >= 4))
+    assert torch.equal(masks.to_dense(lts, True, s)[0, 0], (i < j) | (i >= 4))
     lts_lte = torch.tensor([2, 4], dtype=torch.int32).expand(1, 1, s, 2)
-    assert torch.equal(fm.to_dense(lts_lte, True, s)[0, 0], (i < j) | ((i >= 2) & (i < 4)))
+    assert torch.equal(masks.to_dense(lts_lte, True, s)[0, 0], (i < j) | ((i >= 2) & (i < 4)))
 
 
 @pytest.mark.parametrize("name,make,seqlen", [(c[0], c[1], c[2]) for c in CASES if c[0] != "random_eviction_mask"])
@@ -173,26 +175,26 @@ def test_builders_match_their_definition(name, make, seqlen):
     for s, args in ((seqlen, make(seqlen)), (97, tiny_args(name, 97))):
         spec = build(name, args)
         assert spec.startend_row_indices.dtype == torch.int32 and spec.startend_row_indices.shape[1:3] == (1, s)
-        assert torch.equal(fm.to_dense(*spec, s), dense_definition(name, args, s)), f"{name} at seqlen {s}"
+        assert torch.equal(masks.to_dense(*spec, s), dense_definition(name, args, s)), f"{name} at seqlen {s}"
 
 
 def test_random_eviction_evicts_each_key_once_after_it():
     s = 65
-    spec = fm.random_eviction_mask(3, s, torch.Generator().manual_seed(1))
+    spec = masks.random_eviction_mask(3, s, torch.Generator().manual_seed(1))
     evict = spec.startend_row_indices[..., 0].long()  # [B, 1, S]
     j = torch.arange(s)
     assert spec.causal and bool(((evict > j) & (evict <= s)).all())
     assert evict.unique().numel() > 10  # random, not a constant
     i = torch.arange(s).view(-1, 1)
-    assert torch.equal(fm.to_dense(*spec, s), (i < j) | (i >= evict.unsqueeze(-2)))
+    assert torch.equal(masks.to_dense(*spec, s), (i < j) | (i >= evict.unsqueeze(-2)))
 
 
 def test_reference_matches_torch_sdpa_and_zeroes_empty_rows():
     s = 65
-    spec = fm.document_mask([[20, 30, 10], [s]], s)  # row 0 has 5 padding rows: fully masked
+    spec = masks.document_mask([[20, 30, 10], [s]], s)  # row 0 has 5 padding rows: fully masked
     (q, k, v), _ = inputs(2, s, 2, 16, dtype=torch.float64, seed=1)
-    out = fm.flashmask_reference(q, k, v, *spec)
-    mask = fm.to_dense(*spec, s)  # [B, 1, S, S]
+    out = masks.flashmask_reference(q, k, v, *spec)
+    mask = masks.to_dense(*spec, s)  # [B, 1, S, S]
     empty = mask.all(-1)  # [B, 1, S]
     assert bool(empty[0, 0, 60:].all()) and not bool(empty[:, :, :60].any())
     sdpa = F.scaled_dot_product_attention(
@@ -211,9 +213,9 @@ def test_kernel_matches_dense_reference(name, make, seqlen, batch, heads, dim):
     spec = build(name, make(seqlen))
     qkv, dout = inputs(batch, seqlen, heads, dim, seed=seqlen + heads)
     got = run(lambda q, k, v: fm.flashmask_attention(q, k, v, *spec), qkv, dout)
-    want = run(lambda q, k, v: fm.flashmask_reference(q, k, v, *spec), qkv, dout)
+    want = run(lambda q, k, v: masks.flashmask_reference(q, k, v, *spec), qkv, dout)
     assert_close_all(got, want)
-    empty = fm.to_dense(*spec, seqlen).all(-1).transpose(1, 2).expand(batch, seqlen, heads)  # [B, S, H]
+    empty = masks.to_dense(*spec, seqlen).all(-1).transpose(1, 2).expand(batch, seqlen, heads)  # [B, S, H]
     assert bool(torch.isfinite(got[0]).all()) and all(bool(torch.isfinite(g).all()) for g in got[1])
     assert bool((got[0][empty] == 0).all()) and bool((got[1][0][empty] == 0).all())
 
@@ -236,25 +238,25 @@ def tiny_args(name, s):
 
 @pytest.mark.parametrize("seqlen", [1, 63])
 def test_every_mask_at_small_sizes(seqlen):
-    for name in fm.MASK_BUILDERS:
+    for name in MASK_BUILDERS:
         s = 2 if name == "shared_question_mask" and seqlen == 1 else seqlen  # a question and an answer
         spec = build(name, tiny_args(name, s))
         qkv, dout = inputs(1, s, 2, 16, seed=s)
         got = run(lambda q, k, v: fm.flashmask_attention(q, k, v, *spec), qkv, dout)
-        want = run(lambda q, k, v: fm.flashmask_reference(q, k, v, *spec), qkv, dout)
+        want = run(lambda q, k, v: masks.flashmask_reference(q, k, v, *spec), qkv, dout)
         assert_close_all(got, want)
 
 
 def test_bounds_per_head_and_broadcast():
     s, b, h = 65, 2, 3
     # Per head: a different window for each head (causal, n = 1).
-    per_head = torch.cat([fm.sliding_window_mask(b, s, w).startend_row_indices for w in (1, 9, 40)], 1)
+    per_head = torch.cat([masks.sliding_window_mask(b, s, w).startend_row_indices for w in (1, 9, 40)], 1)
     qkv, dout = inputs(b, s, h, 16, seed=3)
     got = run(lambda q, k, v: fm.flashmask_attention(q, k, v, per_head, True), qkv, dout)
-    want = run(lambda q, k, v: fm.flashmask_reference(q, k, v, per_head, True), qkv, dout)
+    want = run(lambda q, k, v: masks.flashmask_reference(q, k, v, per_head, True), qkv, dout)
     assert_close_all(got, want)
     # Per head with n = 4 on one head and the same bounds repeated: equal to broadcasting them.
-    spec = fm.global_sliding_window_mask(b, s, 4, 7)
+    spec = masks.global_sliding_window_mask(b, s, 4, 7)
     repeated = spec.startend_row_indices.expand(b, h, s, 4).contiguous()
     broadcast = run(lambda q, k, v: fm.flashmask_attention(q, k, v, *spec), qkv, dout)
     per = run(lambda q, k, v: fm.flashmask_attention(q, k, v, repeated, False), qkv, dout)
@@ -269,7 +271,7 @@ def test_cross_attention_lengths_and_strided_inputs():
     (q, k, v), dout = inputs(b, sq, h, 32, seed=4, seqlen_k=sk)
     qkv_strided = (q, torch.cat([k, v], 2)[:, :, :h], torch.cat([k, v], 2)[:, :, h:])  # head-strided views
     got = run(lambda q_, k_, v_: fm.flashmask_attention(q_, k_, v_, bounds), qkv_strided, dout)
-    want = run(lambda q_, k_, v_: fm.flashmask_reference(q_, k_, v_, bounds), (q, k, v), dout)
+    want = run(lambda q_, k_, v_: masks.flashmask_reference(q_, k_, v_, bounds), (q, k, v), dout)
     assert_close_all(got, want)
 
 
@@ -281,8 +283,10 @@ def test_low_precision_error_within_twice_pytorch(dtype, name, seqlen):
     spec = build(name, args)
     qkv, dout = inputs(2, seqlen, 2, 32, dtype=dtype, seed=7)
     got = run(lambda q, k, v: fm.flashmask_attention(q, k, v, *spec), qkv, dout)
-    pt = run(lambda q, k, v: fm.flashmask_reference(q, k, v, *spec), qkv, dout)
-    exact = run(lambda q, k, v: fm.flashmask_reference(q, k, v, *spec), tuple(x.double() for x in qkv), dout.double())
+    pt = run(lambda q, k, v: masks.flashmask_reference(q, k, v, *spec), qkv, dout)
+    exact = run(
+        lambda q, k, v: masks.flashmask_reference(q, k, v, *spec), tuple(x.double() for x in qkv), dout.double()
+    )
     assert got[0].dtype == dtype and all(g.dtype == dtype for g in got[1])
     for what, a, p, e in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (pt[0], *pt[1]), (exact[0], *exact[1])):
         err_kernel = float((a.double() - e).abs().max())
@@ -319,7 +323,7 @@ def test_dropout_is_the_varlen_kernels_mask():
     from kernels.varlen_attention import varlen_attention_with_dropout_mask
 
     s, b, h, p = 65, 2, 2, 0.3
-    spec = fm.document_mask([[20, 30, 10], [40, 25]], s)
+    spec = masks.document_mask([[20, 30, 10], [40, 25]], s)
     qkv, dout = inputs(b, s, h, 32, seed=10)
     torch.manual_seed(1234)
     got = run(lambda q, k, v: fm.flashmask_attention(q, k, v, *spec, dropout_p=p), qkv, dout)
@@ -328,7 +332,7 @@ def test_dropout_is_the_varlen_kernels_mask():
     cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)
     _, keep = varlen_attention_with_dropout_mask(*flat, cu, s, p)  # [B, H, S, S]
     want = run(
-        lambda q, k, v: fm.flashmask_reference(q, k, v, *spec, dropout_p=p, dropout_keep=keep),
+        lambda q, k, v: masks.flashmask_reference(q, k, v, *spec, dropout_p=p, dropout_keep=keep),
         tuple(x.double() for x in qkv),
         dout.double(),
     )
@@ -357,10 +361,10 @@ def test_skipped_tiles_are_exactly_the_fully_masked_ones(name, make, seqlen):
     spec = build(name, args)
     qkv, _ = inputs(spec.startend_row_indices.shape[0], seqlen, 1, 16, seed=11)
     # Tiles of 16 queries x 32 keys for half the masks, 32 x 16 for the other half.
-    block_m, block_n = (16, 32) if fm.MASK_BUILDERS.index(name) % 2 else (32, 16)
+    block_m, block_n = (16, 32) if MASK_BUILDERS.index(name) % 2 else (32, 16)
     counts = fm.flashmask_tile_counts(*qkv, *spec, block_m=block_m, block_n=block_n, backward=False)
     got, blocks = counts["fwd"]
-    want = fm.reference_tile_counts(spec.startend_row_indices, spec.causal, seqlen, 1, *blocks)
+    want = masks.reference_tile_counts(spec.startend_row_indices, spec.causal, seqlen, 1, *blocks)
     assert got[:3] == want[:3], f"{name} blocks {blocks}: kernel {got}, dense mask {want}"
     assert got.total == want.total > 0
     if name not in ("global_sliding_window_mask", "causal_blockwise_mask", "qk_sparse_mask"):
@@ -375,12 +379,12 @@ def test_tile_counts_of_every_pass_with_heads_and_random_bounds():
     cuts = torch.randint(0, s + 1, (b, h, s, 4), generator=g).sort(-1).values
     bounds = cuts[..., [2, 3, 0, 1]].to(torch.int32).contiguous()  # (LTS, LTE, UTS, UTE), intervals in order
     bounds[:, :, 32:64] = torch.tensor([0, s, 0, 0], dtype=torch.int32)  # two key blocks fully masked
-    spec = fm.document_mask([[30, 40]], s)
+    spec = masks.document_mask([[30, 40]], s)
     qkv, _ = inputs(b, s, h, 16, seed=12)
     for bounds_, causal in ((bounds, False), (spec.startend_row_indices, spec.causal)):
         counts = fm.flashmask_tile_counts(*qkv, bounds_, causal, block_m=16, block_n=16)
         for name, (got, blocks) in counts.items():
-            want = fm.reference_tile_counts(bounds_, causal, s, h, *blocks)
+            want = masks.reference_tile_counts(bounds_, causal, s, h, *blocks)
             assert got[:3] == want[:3], f"{name}: kernel {got}, dense mask {want}"
             assert got.total == b * h * 5 * 5
         assert counts["fwd"][0].skipped > 0 and counts["fwd"][0].unmasked + counts["fwd"][0].partial > 0
@@ -391,11 +395,11 @@ def test_packed_bert_batches_skip_most_tiles_of_padding_and_other_sequences():
     are skipped, and the dense count confirms every one of them."""
     s = 512
     lens = [[128, 100, 90, 80, 70, 40], [512], [300, 200]]
-    spec = fm.document_mask(lens, s)
+    spec = masks.document_mask(lens, s)
     qkv, _ = inputs(3, s, 1, 16, seed=13)
     counts = fm.flashmask_tile_counts(*qkv, *spec, block_m=128, block_n=64, backward=False)
     got, _ = counts["fwd"]
-    want = fm.reference_tile_counts(spec.startend_row_indices, spec.causal, s, 1, 128, 64)
+    want = masks.reference_tile_counts(spec.startend_row_indices, spec.causal, s, 1, 128, 64)
     assert got[:3] == want[:3] and got.checked == got.partial
     assert got.skipped > 0.3 * got.total
 
@@ -405,7 +409,7 @@ def test_packed_bert_batches_skip_most_tiles_of_padding_and_other_sequences():
 
 def test_bad_arguments_are_named():
     (q, k, v), _ = inputs(1, 8, 2, 16)
-    spec = fm.causal_mask(1, 8)
+    spec = masks.causal_mask(1, 8)
     with pytest.raises(ValueError, match="startend_row_indices: expected an int32"):
         fm.flashmask_attention(q, k, v, spec.startend_row_indices.long(), True)
     with pytest.raises(ValueError, match="n = 1 bounds per column with causal=False"):
@@ -419,14 +423,14 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="dtype"):
         fm.flashmask_attention(q, k.double(), v, *spec)
     with pytest.raises(ValueError, match="row 0 lengths"):
-        fm.document_mask([[5, 6]], 8)
+        masks.document_mask([[5, 6]], 8)
     with pytest.raises(ValueError, match="must sum to"):
-        fm.causal_blockwise_mask([[3, 4]], 8)
+        masks.causal_blockwise_mask([[3, 4]], 8)
 
 
 def test_backend_through_the_registry():
     s, r, h, d = 65, 2, 2, 32
-    spec = fm.document_mask([[20, 30, 10], [40, 25]], s)
+    spec = masks.document_mask([[20, 30, 10], [40, 25]], s)
     layout = PackedLayout(spec.startend_row_indices)
     qkv, dout = inputs(r, s, h, d, seed=14)
     flat = tuple(x.reshape(r * s, h, d) for x in qkv)
@@ -441,7 +445,7 @@ def test_backend_through_the_registry():
 
 def test_torch_compile_traces_through_the_op():
     s = 40
-    spec = fm.document_mask([[15, 25], [40]], s)
+    spec = masks.document_mask([[15, 25], [40]], s)
     qkv, dout = inputs(2, s, 2, 16, seed=15)
 
     def f(q, k, v):
@@ -459,7 +463,8 @@ def test_cpu_without_interpreter_is_a_clear_error():
 import torch
 from kernels.interface import BackendUnavailable
 from kernels.registry import get_backend
-from kernels.flashmask import causal_mask, flashmask_attention
+from kernels.flashmask import flashmask_attention
+from kernels.masks import causal_mask
 q = torch.zeros(1, 8, 1, 16)
 try:
     flashmask_attention(q, q, q, *causal_mask(1, 8))

@@ -15,7 +15,7 @@ pytestmark = [
 
 
 def _batch(dtype, seed=0):
-    from kernels.flashmask import document_mask
+    from kernels.masks import document_mask
 
     lens = [[128, 100, 90, 80, 70, 40], [512], [300, 200], [1, 255, 3, 200]]
     spec = document_mask(lens, 512)
@@ -33,7 +33,8 @@ def _run(fn, qkv, dout):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_kernel_error_within_twice_pytorch(dtype):
-    from kernels.flashmask import flashmask_attention, flashmask_reference
+    from kernels.flashmask import flashmask_attention
+    from kernels.masks import flashmask_reference
 
     spec, qkv, dout = _batch(dtype)
     got = _run(lambda q, k, v: flashmask_attention(q, k, v, *spec), qkv, dout)
@@ -45,7 +46,8 @@ def test_compiled_kernel_error_within_twice_pytorch(dtype):
 
 
 def test_compiled_tile_counts_are_exact():
-    from kernels.flashmask import flashmask_tile_counts, reference_tile_counts
+    from kernels.flashmask import flashmask_tile_counts
+    from kernels.masks import reference_tile_counts
 
     spec, (q, k, v), _ = _batch(torch.bfloat16)
     for name, (got, blocks) in flashmask_tile_counts(q, k, v, *spec).items():

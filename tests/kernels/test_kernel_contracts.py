@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import flashmask as fm  # noqa: E402
+from kernels import masks  # noqa: E402
 from kernels.runtime import jit_kernels  # noqa: E402
 from kernels.varlen_attention import grouped_varlen_attention, varlen_attention  # noqa: E402
 from tests.helpers import REPO as ROOT  # noqa: E402
@@ -71,9 +72,9 @@ def test_fp32_dot_precision_follows_torch_tf32_switch(monkeypatch, tf32_switch, 
     )
     assert seen == [want] * 3  # forward, dK/dV, dQ
     qb, kb, vb = (x.detach().view(1, 8, 1, 16).requires_grad_() for x in (q, k, v))
-    spec = fm.causal_mask(1, 8)
+    spec = masks.causal_mask(1, 8)
     seen = _recorded_precisions(
-        monkeypatch, fm._kernels(q.device), lambda: fm.flashmask_attention(qb, kb, vb, *spec).sum().backward()
+        monkeypatch, jit_kernels(q.device), lambda: fm.flashmask_attention(qb, kb, vb, *spec).sum().backward()
     )
     assert seen == [want] * 3
 
