@@ -153,16 +153,6 @@ def _gather_doc(k_n: Tensor, v_n: Tensor, shard: ContextShard, d: int, group) ->
     return full  # the document is full[:L]; the rest is padding
 
 
-def _scatter_grad(buffer: Tensor, shard: ContextShard, d: int, group) -> Tensor:
-    """The sum over ranks of ``buffer`` (document d's dK/dV in its gathered K/V's buffer
-    [N*c, 2, H, D], reused so the backward holds one document-sized buffer less),
-    reduce-scattered: this rank's [c, 2, H, D]."""
-    c = -(-shard.doc_lens[d] // shard.size)
-    mine = buffer.new_empty(c, *buffer.shape[1:])
-    _reduce_scatter(mine, buffer, group=group)
-    return mine
-
-
 def _cu(*offsets: int, device) -> Tensor:
     return torch.tensor(offsets, dtype=torch.int32, device=device)
 
@@ -258,7 +248,8 @@ class _GlobalPieces(torch.autograd.Function):
                 del dk_L, dv_L
             else:  # no piece here: this rank adds nothing
                 kv.zero_()
-            mine = _scatter_grad(kv, shard, d, group)
+            mine = kv.new_empty(kv.shape[0] // shard.size, *kv.shape[1:])  # [c, 2, H, D]: the sum over ranks, mine
+            _reduce_scatter(mine, kv, group=group)
             del kv
             dk_P[o : o + n] = mine[:n, 0]
             dv_P[o : o + n] = mine[:n, 1]
