@@ -111,21 +111,10 @@ def _bwd_impl(dout, q, k, v, out, lse, rng, call: Call, counts=None, blocks=None
 
 @torch.library.custom_op("bert_kernels::attention_fwd", mutates_args=(), **seeded_op_tags())
 def _fwd_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens: Tensor,
-    max_seqlen: int,
-    cu_seqlens_k: Tensor | None,
-    max_seqlen_k: int | None,
-    bounds: Tensor | None,
-    causal: bool,
-    window: int | None,
-    softmax_scale: float,
-    dropout_p: float,
-    buckets: list[int],
-    num_streams: int,
-) -> tuple[Tensor, Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor,
+    cu_seqlens: Tensor, max_seqlen: int, cu_seqlens_k: Tensor | None, max_seqlen_k: int | None, bounds: Tensor | None,
+    causal: bool, window: int | None, softmax_scale: float, dropout_p: float, buckets: list[int], num_streams: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     call = Call(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, bounds, causal, window)
     call = call._replace(softmax_scale=softmax_scale, dropout_p=dropout_p, buckets=buckets, num_streams=num_streams)
     rng = draw_philox(dropout_p, q.device)
@@ -135,34 +124,15 @@ def _fwd_op(
 
 @_fwd_op.register_fake
 def _(q, k, v, *call):
-    return (
-        q.new_empty(q.shape),
-        q.new_empty(q.shape[:2], dtype=torch.float32),
-        torch.empty(2, dtype=torch.int64, device=q.device),
-    )
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32), q.new_empty(2, dtype=torch.int64)
 
 
 @torch.library.custom_op("bert_kernels::attention_bwd", mutates_args=())
 def _bwd_op(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    rng: Tensor,
-    cu_seqlens: Tensor,
-    max_seqlen: int,
-    cu_seqlens_k: Tensor | None,
-    max_seqlen_k: int | None,
-    bounds: Tensor | None,
-    causal: bool,
-    window: int | None,
-    softmax_scale: float,
-    dropout_p: float,
-    buckets: list[int],
-    num_streams: int,
-) -> tuple[Tensor, Tensor, Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng: Tensor,
+    cu_seqlens: Tensor, max_seqlen: int, cu_seqlens_k: Tensor | None, max_seqlen_k: int | None, bounds: Tensor | None,
+    causal: bool, window: int | None, softmax_scale: float, dropout_p: float, buckets: list[int], num_streams: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     call = Call(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, bounds, causal, window)
     call = call._replace(softmax_scale=softmax_scale, dropout_p=dropout_p, buckets=buckets, num_streams=num_streams)
     return _bwd_impl(dout, q, k, v, out, lse, rng, call)
@@ -313,18 +283,8 @@ def grouped_varlen_attention(
     Same arguments and result as ``varlen_attention`` (bitwise: each sequence is computed by
     the same programs, and neither the dropout mask nor the window depends on the grouping).
     """
-    return varlen_attention(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        max_seqlen,
-        dropout_p,
-        softmax_scale,
-        window=window,
-        buckets=buckets,
-        num_streams=num_streams,
-    )
+    return varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
+                            window=window, buckets=buckets, num_streams=num_streams)  # fmt: skip
 
 
 def varlen_attention_qkvpacked(
