@@ -15,21 +15,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set by the loader 
 
 @triton.jit
 def _rotary_kernel(
-    X,
-    OUT,
-    POS,
-    COS,
-    SIN,
-    n_tokens,
-    stride_xn,
-    stride_xh,
-    stride_on,
-    stride_oh,
-    HALF: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    INVERSE: tl.constexpr,
-):
+    X, OUT, POS, COS, SIN, n_tokens, stride_xn, stride_xh, stride_on, stride_oh,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr, INVERSE: tl.constexpr,
+):  # fmt: skip
     block = tl.program_id(0)
     head = tl.program_id(1)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
