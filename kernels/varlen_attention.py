@@ -302,41 +302,6 @@ def varlen_attention_qkvpacked(
     return varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, **kwargs)
 
 
-@torch.no_grad()
-def varlen_attention_with_dropout_mask(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens: Tensor,
-    max_seqlen: int,
-    dropout_p: float,
-    softmax_scale: float | None = None,
-    *,
-    window: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Debug: the forward (no autograd) plus the dropout mask the kernel applied.
-
-    Draws the seed exactly as ``varlen_attention`` does, so after the same
-    ``torch.manual_seed`` both produce the same output. Returns (out [T, H, D],
-    keep [B, H, S, S] bool with S = max_seqlen; entry (b, h, i, j) is True when the
-    probability of query i attending to key j of sequence b was kept; False outside the
-    sequence, and with a window False outside the band's key blocks, which are never computed).
-    """
-    _check(q, k, v, cu_seqlens, dropout_p, window)
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    b, h, s = cu_seqlens.numel() - 1, q.shape[1], int(max_seqlen)
-    keep = torch.zeros(b, h, s, s, dtype=torch.int8, device=q.device)
-    rng = draw_philox(dropout_p, q.device)
-    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    call = Call(cu_seqlens, s, window=window, softmax_scale=scale, dropout_p=float(dropout_p))
-    out, _ = _fwd_impl(q, k, v, call, rng, keep=keep)
-    if dropout_p <= 0.0:  # nothing dropped: every in-sequence entry is kept
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        inside = torch.arange(s, device=q.device) < lens[:, None]  # [B, S]
-        keep = (inside[:, :, None] & inside[:, None, :])[:, None].expand(b, h, s, s).to(torch.int8)
-    return out, keep.bool()
-
-
 def triton_backend(
     q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float, training: bool, **grouping
 ) -> Tensor:

@@ -131,20 +131,3 @@ def bias_dropout_add_layer_norm(
 
 def bias_dropout_add_layer_norm_reference(x, bias, residual, weight, ln_bias, dropout_p, eps, training) -> Tensor:
     return F.layer_norm(residual + F.dropout(x + bias, dropout_p, training), (x.shape[-1],), weight, ln_bias, eps)
-
-
-@torch.no_grad()
-def bias_dropout_add_layer_norm_with_mask(
-    x: Tensor, bias: Tensor, residual: Tensor, weight: Tensor, ln_bias: Tensor, dropout_p: float, eps: float
-) -> tuple[Tensor, Tensor]:
-    """Debug: the training forward and the keep mask [..., N] bool it applied to x + bias.
-
-    Draws its seed as ``bias_dropout_add_layer_norm`` does, so after the same
-    ``torch.manual_seed`` both give the same output.
-    """
-    _check_ln(x, bias, residual, weight, ln_bias, dropout_p)
-    keep = torch.ones(x.shape, dtype=torch.int8, device=x.device)
-    y = _BiasDropoutAddLayerNorm.apply(
-        x, bias, residual, weight, ln_bias, float(dropout_p), float(eps), keep.view(-1, x.shape[-1])
-    )
-    return y, keep.bool()

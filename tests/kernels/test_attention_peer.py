@@ -46,7 +46,8 @@ import torch  # noqa: E402
 from kernels import flashmask as fm  # noqa: E402
 from kernels import masks  # noqa: E402
 from kernels.masks import document_window_mask  # noqa: E402
-from kernels.varlen_attention import varlen_attention, varlen_attention_with_dropout_mask  # noqa: E402
+from kernels.varlen_attention import varlen_attention  # noqa: E402
+from tests.kernels.dropout_masks import varlen_attention_with_dropout_mask  # noqa: E402
 
 KERNELS = ("triton", "triton_grouped", "flashmask_document", "flashmask_causal")
 WINDOW_KERNELS = ("triton_window", "triton_grouped_window", "flashmask_document_window")

@@ -14,9 +14,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import kernels.varlen_attention as va  # noqa: E402
-from kernels.ops.fused import bias_dropout_add_layer_norm, bias_dropout_add_layer_norm_with_mask  # noqa: E402
+from kernels.ops.fused import bias_dropout_add_layer_norm  # noqa: E402
 from kernels.runtime import draw_philox, philox_from, philox_state, seed_philox_  # noqa: E402
-from kernels.varlen_attention import Call, varlen_attention, varlen_attention_with_dropout_mask  # noqa: E402
+from kernels.varlen_attention import Call, varlen_attention  # noqa: E402
+from tests.kernels.dropout_masks import bias_dropout_add_layer_norm_with_mask, varlen_attention_with_dropout_mask  # noqa: E402
 from tests.kernels.test_kernels_attention import make_inputs, masked_reference, run  # noqa: E402
 from tools.device_reads import DeviceReads  # noqa: E402
 

@@ -320,7 +320,7 @@ def test_fully_masked_rows_give_zeros_never_nan():
 def test_dropout_is_the_varlen_kernels_mask():
     """The packed rows drop exactly what the varlen kernel drops for the same token indices:
     its debug mask, fed to the dense reference, reproduces the output and gradients."""
-    from kernels.varlen_attention import varlen_attention_with_dropout_mask
+    from tests.kernels.dropout_masks import varlen_attention_with_dropout_mask
 
     s, b, h, p = 65, 2, 2, 0.3
     spec = masks.document_mask([[20, 30, 10], [40, 25]], s)

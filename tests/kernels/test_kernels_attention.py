@@ -24,12 +24,9 @@ from kernels.grouped import Group, plan_groups
 from kernels.interface import BackendUnavailable, PaddedLayout, VarlenLayout
 from kernels.reference import reference_attention
 from kernels.registry import get_backend
-from kernels.varlen_attention import (
-    varlen_attention,
-    varlen_attention_qkvpacked,
-    varlen_attention_with_dropout_mask,
-)
+from kernels.varlen_attention import varlen_attention, varlen_attention_qkvpacked
 from tests.helpers import REPO as ROOT
+from tests.kernels.dropout_masks import varlen_attention_with_dropout_mask
 
 # Each side of the interpreter's 32- and 64-row tiles, from one tile to eight (the GPU tests'
 # 511 and 512 cross its own tiles; here, where every program runs in Python and the cost grows

@@ -98,7 +98,8 @@ def test_fp32_within_1e5():
 
 
 def test_dropout_mask_consistent_and_grouped_identical():
-    from kernels.varlen_attention import grouped_varlen_attention, varlen_attention, varlen_attention_with_dropout_mask
+    from kernels.varlen_attention import grouped_varlen_attention, varlen_attention
+    from tests.kernels.dropout_masks import varlen_attention_with_dropout_mask
 
     p = 0.1
     lengths = [1, 97, 200, 300, 511, 512, 64, 130]

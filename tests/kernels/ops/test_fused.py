@@ -17,10 +17,10 @@ import torch.nn.functional as F  # noqa: E402
 from kernels.ops.fused import (
     bias_dropout_add_layer_norm,
     bias_dropout_add_layer_norm_reference,
-    bias_dropout_add_layer_norm_with_mask,
     bias_gelu,
     bias_gelu_reference,
 )
+from tests.kernels.dropout_masks import bias_dropout_add_layer_norm_with_mask
 
 R, N = 37, 96  # odd row count, a width that is not a power of two
 EPS = 1e-12
