@@ -28,9 +28,8 @@ _LOADED: dict[tuple[Path, bool], ModuleType] = {}
 
 
 def seeded_op_tags() -> dict:
-    """Keyword arguments for ``torch.library.custom_op`` marking an op that draws random
-    numbers (so torch.compile neither merges nor replays it): ``tags=`` where this torch's
-    custom_op takes it, nothing where it does not (it is newer than torch 2.7)."""
+    """``torch.library.custom_op``'s ``tags=`` marking an op that draws random numbers, where this
+    torch takes it (docs/kernels.md, "Contracts")."""
     if "tags" in inspect.signature(torch.library.custom_op).parameters:
         return {"tags": (torch.Tag.nondeterministic_seeded,)}
     return {}
@@ -149,13 +148,8 @@ def device_code(interpret: bool, source: Path = _SOURCE) -> ModuleType:
 
 
 def _fix_interpreter_scalars() -> None:
-    """Let Triton's interpreter use loaded scalars as loop bounds under NumPy >= 2.4.
-
-    The interpreter holds a scalar as a 1-element array and converts it with ``int(array)``
-    (``for n in range(0, seqlen, BLOCK)`` with a loaded ``seqlen``), which NumPy 2.4 turned
-    from a deprecation warning into a TypeError. This re-registers that one conversion to read
-    the element instead; it runs only when the conversion is found to fail.
-    """
+    """Let Triton's interpreter use loaded scalars as loop bounds under NumPy >= 2.4 (only where
+    ``int`` of a 1-element array fails): docs/kernels.md, "Versions"."""
     import numpy as np
     from triton.runtime import interpreter
 

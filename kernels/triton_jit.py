@@ -621,10 +621,8 @@ def bounded_key_block(q):
 
 
 def dot_precision(q):
-    """``tl.dot``'s input precision for q's dtype: fp16/bf16 multiply natively; fp32 uses TF32
-    tensor cores exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch's own
-    fp32 matmuls do), else full-precision fp32 ("ieee"); "tf32" (unused) for 16-bit inputs. Read
-    at each launch."""
+    """``tl.dot``'s input precision, read at each launch: fp32 in TF32 exactly when torch's
+    ``allow_tf32`` is set, else "ieee" (docs/kernels.md, "Contracts"); unused for 16-bit inputs."""
     return "tf32" if q.element_size() != 4 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 

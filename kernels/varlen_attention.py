@@ -243,12 +243,8 @@ def varlen_attention(
         D <= 128 (32, 64 and 128 are the tested ones).
     cu_seqlens: [B+1] int32 on the same device; sequence b is tokens cu_seqlens[b]:cu_seqlens[b+1]
         (any length >= 1; empty sequences produce nothing).
-    max_seqlen: Python int >= the longest sequence (sizes the grid); a smaller one is a
-        ValueError wherever the lengths are on the host (cu_seqlens on the CPU, or grouped
-        dispatch, which reads them anyway); with cu_seqlens on a GPU and one launch it is
-        not checked (that would cost a device-to-host sync per call).
-    fp32 inputs multiply in TF32 on tensor cores when ``torch.backends.cuda.matmul.allow_tf32``
-        is set, else in full fp32.
+    max_seqlen: Python int >= the longest sequence (sizes the grid); where a smaller one is a
+        ValueError, and fp32's TF32: docs/kernels.md, "Contracts".
     dropout_p: attention-probability dropout (0 in evaluation); the mask is Philox from a seed
         drawn from torch's default generator.
     softmax_scale: default 1/sqrt(D).
