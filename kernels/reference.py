@@ -149,10 +149,9 @@ def banded_sdpa(q_hld: Tensor, k_hld: Tensor, v_hld: Tensor, reach: int, dropout
     q_hcrd = F.pad(q_hld, (0, 0, 0, pad)).view(h, blocks, r, d)
     # Keys padded by one block each side, then 3-block windows with stride one block: [H, C, 3r, D].
     k_hcwd, v_hcwd = (F.pad(x, (0, 0, r, pad + r)).unfold(1, 3 * r, r).transpose(-1, -2) for x in (k_hld, v_hld))
-    query = torch.arange(blocks * r, device=q_hld.device).view(blocks, r, 1)  # [C, r, 1] positions
-    key = (torch.arange(blocks, device=q_hld.device) * r - r).view(blocks, 1, 1) + torch.arange(
-        3 * r, device=q_hld.device
-    )
+    dev = q_hld.device
+    query = torch.arange(blocks * r, device=dev).view(blocks, r, 1)  # [C, r, 1] positions
+    key = (torch.arange(blocks, device=dev) * r - r).view(blocks, 1, 1) + torch.arange(3 * r, device=dev)  # [C, 1, 3r]
     # A padding query (position >= L) keeps its real keys in reach, so that no row is empty.
     allowed = ((query - key).abs() <= reach) & (key >= 0) & (key < length)  # [C, r, 3r]
     # 4-D inputs and mask: what the CPU's fused (flash) kernel takes; a 3-D call falls to the math path.

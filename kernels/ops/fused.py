@@ -35,8 +35,7 @@ class _BiasGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias):
         kern = jit_kernels(x.device, "fused bias_gelu", JIT_SOURCE)
-        n = x.shape[-1]
-        x_RN = _rows(x, n)
+        x_RN = _rows(x, x.shape[-1])
         y_RN = torch.empty_like(x_RN)
         kern.bias_gelu_fwd(x_RN, bias.contiguous(), y_RN)
         ctx.save_for_backward(x_RN, bias)

@@ -34,11 +34,9 @@ def _bias_gelu_input(X, B, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.co
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
     idx = r.to(tl.int64)[:, None] * n_cols + c[None, :]
-    z = (
-        tl.load(X + idx, mask=mask, other=0.0).to(tl.float32)
-        + tl.load(B + c, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
-    )
-    return z, idx, mask
+    x = tl.load(X + idx, mask=mask, other=0.0).to(tl.float32)
+    bias = tl.load(B + c, mask=c < n_cols, other=0.0).to(tl.float32)
+    return x + bias[None, :], idx, mask
 
 
 @triton.jit

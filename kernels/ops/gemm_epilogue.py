@@ -64,10 +64,9 @@ def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         dtype = torch.get_autocast_dtype(device)
         x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
     epilogue_gelu(x.device)  # probed outside the autograd graph, once per device type
-    lead = x.shape[:-1]
     with torch.autocast(device, enabled=False):
         y = _LinearBiasGelu.apply(x.reshape(-1, x.shape[-1]), weight, bias)
-    return y.view(*lead, weight.shape[0])
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear_bias_gelu_reference(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
