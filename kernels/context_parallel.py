@@ -3,19 +3,14 @@
 A document too long for one rank is cut into N contiguous pieces, piece r on rank r
 (``ContextShard.piece``: ceil(L / N) tokens each, the last the rest). A rank's flat batch holds
 its whole sequences first, then its non-empty pieces in document order (``ContextLayout``).
-Only attention looks across tokens:
-
-- a global layer all-gathers each split document's K/V, attends its piece's queries to the
-  whole document (the backends' cross mode, ``VarlenLayout.cu_seqlens_k``) and frees it; the
-  backward gathers again and reduce-scatters dK/dV. Nothing of length L is kept between passes.
-- a window layer (|i - j| <= window // 2) receives only the halo of window // 2 tokens each
-  side of its piece (one ``all_to_all_single``) and runs the backend's windowed attention over
-  [halo | piece | halo] with zero queries on the halo rows; the halo's dK/dV go back to their owners.
-
-Whole sequences go to the backend as they are. The design, and why an all-gather and not a
-ring: docs/context_parallel.md, "Attention". ``context_parallel_backend(name)`` wraps a
-registry backend that takes ``cu_seqlens_k`` (reference, sdpa, triton), plain
-``VarlenLayout`` batches too. Imports torch and kernels only.
+Only attention looks across tokens: a global layer all-gathers each split document's K/V and
+attends its piece's queries to it (the backends' cross mode, ``VarlenLayout.cu_seqlens_k``); a
+window layer (|i - j| <= window // 2) exchanges only the halo of window // 2 tokens each side
+of its piece (one ``all_to_all_single``). Whole sequences go to the backend as they are. The
+design, its backward, and why an all-gather and not a ring: docs/context_parallel.md,
+"Attention". ``context_parallel_backend(name)`` wraps a registry backend that takes
+``cu_seqlens_k`` (reference, sdpa, triton), plain ``VarlenLayout`` batches too. Imports torch
+and kernels only.
 
 Shape legend: T local tokens, P local piece tokens, L one document, N ranks of the CP group,
 H heads, D head dim, E tokens of the halo-extended pieces.
@@ -265,19 +260,16 @@ def halo_transfers(shard: ContextShard, reach: int) -> list[tuple[int, int, int,
     piece that the receiver's piece sees within ``reach``, in the order the exchange sends them
     (sender, receiver, document, position). The same list on every rank of the group."""
     out = []
-    for s in range(shard.size):
-        for r in range(shard.size):
-            if s == r:
+    for s, r in itertools.permutations(range(shard.size), 2):  # (sender, receiver), each ordered pair once
+        for d, length in enumerate(shard.doc_lens):
+            a, b = shard.piece(d, r)
+            sa, sb = shard.piece(d, s)
+            if a == b or sa == sb:
                 continue
-            for d, length in enumerate(shard.doc_lens):
-                a, b = shard.piece(d, r)
-                sa, sb = shard.piece(d, s)
-                if a == b or sa == sb:
-                    continue
-                for lo, hi in ((max(0, a - reach), a), (b, min(length, b + reach))):
-                    lo, hi = max(lo, sa), min(hi, sb)
-                    if lo < hi:
-                        out.append((s, r, d, lo, hi))
+            for lo, hi in ((max(0, a - reach), a), (b, min(length, b + reach))):
+                lo, hi = max(lo, sa), min(hi, sb)
+                if lo < hi:
+                    out.append((s, r, d, lo, hi))
     return out
 
 
