@@ -39,8 +39,7 @@ MAX_HEAD_DIM = 128
 
 
 class Call(NamedTuple):
-    """Everything about an attention call but the tensors q, k, v (the ops' non-tensor
-    arguments, and the offsets and bounds)."""
+    """Everything about an attention call but q, k, v: the ops' other arguments, in their order."""
 
     cu_seqlens: Tensor  # [B+1] int32
     max_seqlen: int
