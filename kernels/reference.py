@@ -41,6 +41,16 @@ def no_band(length: int, window: int | None) -> bool:
     return window is None or window // 2 >= length - 1
 
 
+def _sequences(q: Tensor, k: Tensor, v: Tensor, layout: Layout, bounds: list[int]):
+    """Per sequence of the query offsets ``bounds``: (start, end, q [H, L, D], k and v [H, Lk, D]),
+    the keys by ``cu_seqlens_k`` when the layout has keys of their own (cross attention, no
+    window: VarlenLayout refuses both), else by ``bounds``."""
+    cu_k = getattr(layout, "cu_seqlens_k", None)
+    key_bounds = bounds if cu_k is None else cu_k.tolist()
+    for start, end, k0, k1 in zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_bounds[1:]):
+        yield start, end, q[start:end].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1)
+
+
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
     """Softmax attention computed sequence by sequence in the input dtype."""
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -55,27 +65,13 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout
         probs = F.dropout(scores.softmax(-1), p)
         return (probs @ v_bhsd).transpose(1, 2).reshape(q.shape)
     out = torch.empty_like(q)
-    bounds = layout.cu_seqlens.tolist()
-    for (start, end), (k0, k1) in zip(_pairs(bounds), _pairs(_key_bounds(layout, bounds))):
-        q_hld = q[start:end].transpose(0, 1)  # [H, L, D]
-        k_hld, v_hld = (x[k0:k1].transpose(0, 1) for x in (k, v))  # [H, Lk, D]
+    for start, end, q_hld, k_hld, v_hld in _sequences(q, k, v, layout, layout.cu_seqlens.tolist()):
         scores = (q_hld @ k_hld.transpose(-1, -2)) * scale  # [H, L, Lk]
         allowed = band(end - start, layout.window, q.device)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         out[start:end] = (F.dropout(scores.softmax(-1), p) @ v_hld).transpose(0, 1)
     return out
-
-
-def _pairs(bounds: list[int]) -> list[tuple[int, int]]:
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _key_bounds(layout, query_bounds: list[int]) -> list[int]:
-    """The keys' offsets: ``cu_seqlens_k`` when the layout has keys of their own (cross
-    attention, no window: VarlenLayout refuses both), else the queries'."""
-    cu_k = getattr(layout, "cu_seqlens_k", None)
-    return query_bounds if cu_k is None else cu_k.tolist()
 
 
 def padded_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
@@ -126,9 +122,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: f
     p = dropout_p if training else 0.0
     out = torch.empty_like(q)
     bounds = [0, *itertools.accumulate(layout.host_seqlens)] if layout.host_seqlens else layout.cu_seqlens.tolist()
-    for (start, end), (k0, k1) in zip(_pairs(bounds), _pairs(_key_bounds(layout, bounds))):
-        q_hld = q[start:end].transpose(0, 1)  # [H, L, D]
-        k_hld, v_hld = (x[k0:k1].transpose(0, 1) for x in (k, v))  # [H, Lk, D]
+    for start, end, q_hld, k_hld, v_hld in _sequences(q, k, v, layout, bounds):
         if no_band(end - start, layout.window):
             # [1, H, L, D]: the CPU's fused (flash) kernel takes 4-D inputs only; 3-D runs the math path.
             o_hld = F.scaled_dot_product_attention(q_hld[None], k_hld[None], v_hld[None], dropout_p=p)[0]
