@@ -48,8 +48,7 @@ class Backend:
     settings: frozenset[str] = frozenset()
     triton: bool = False  # runs the Triton kernels: refused at load when they cannot run here
     factory: bool = False
-    # keyword options for the factory (set by model.attention_options)
-    options: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()  # keyword options for the factory (set by model.attention_options)
     graphs: bool = False  # its launches read cu_seqlens on the device: a CUDA graph replays it (docs/step.md)
     device_dropout: bool = False  # its attention dropout draws fresh masks under a graph replay
 
