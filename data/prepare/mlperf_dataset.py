@@ -33,7 +33,7 @@ from common.files import is_temporary, md5sum, publishing, publishing_dir, remov
 from data.hdf5io import FIXED_KEYS, READ_ROWS, inspect, open_hdf5, read_file, write_fixed_arrays, write_varlength
 from data.prepare.convert import convert_file
 from data.prepare.mlperf_reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file
-from data.prepare.verify import published_list, read_checksums, verify
+from data.prepare.verify import CHECKSUM_DIR, read_checksums, verify
 from data.samples import SampleBlock, _offsets
 
 SHUFFLE_SEED = 24  # the reference shuffle's fixed seed
@@ -431,23 +431,19 @@ def _check_state(root: Path, state: dict) -> None:
 
 
 def _checks(cfg: DatasetConfig) -> list[tuple[str, Path]]:
-    """(stage, checksum list) pairs to verify: the shipped lists when the parameters are
-    MLPerf's, or every matching list in --checksums."""
-    if cfg.checksums is None:
-        if cfg.params != MLPERF_PARAMS:
-            return []
-        out = [(w, published_list(w, cfg.shards)) for w in ("varlength", "shuffled")]
-        if cfg.eval_samples == 10000:
-            out.append(("eval", published_list("eval", 1)))
-        return [(w, p) for w, p in out if p is not None]
-    d = Path(cfg.checksums)
+    """(stage, checksum list) pairs to verify: every matching list in --checksums, or the shipped
+    ones (NVIDIA's) when the parameters are MLPerf's, the eval list only for 10,000 eval samples."""
+    if cfg.checksums is None and cfg.params != MLPERF_PARAMS:
+        return []
+    d = CHECKSUM_DIR if cfg.checksums is None else Path(cfg.checksums)
     if not d.is_dir():
         raise DataError(f"--checksums {d}: no such directory")
     cand = [
         ("varlength", d / f"{cfg.shards}_shards_varlength.chk"),
         ("shuffled", d / f"{cfg.shards}_shards_varlength_shuffled.chk"),
-        ("eval", d / "eval_varlength.chk"),
     ]
+    if cfg.checksums is not None or cfg.eval_samples == 10000:
+        cand.append(("eval", d / "eval_varlength.chk"))
     return [(w, p) for w, p in cand if p.is_file()]
 
 

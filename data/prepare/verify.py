@@ -1,10 +1,7 @@
 """NVIDIA's per-shard checksums of MLPerf BERT data: ``python -m data.prepare.verify``.
 
-A shard's checksum is NVIDIA's (``hdf5_md5.py``): the md5 of each row's ``str(input_ids[i].tolist())``,
-then the md5 of ``str()`` of that list of digests. A checksum list has one ``name<TAB>md5`` line per
-file; the published ones (NVIDIA's MLPerf v4.0) are in ``data/prepare/checksums/``. Usage and the exit status:
-[docs/data.md](../docs/data.md#the-real-mlperf-dataset-step-by-step). ``content_digest`` is the tests'
-stronger check: the md5 over every dataset of a file (names, dtypes, shapes, values).
+A checksum list has one ``name<TAB>md5`` line per file, the md5 NVIDIA's (``shard_checksum``); the
+published ones are in ``data/prepare/checksums/``: [docs/data.md](../docs/data.md#the-real-mlperf-dataset-step-by-step).
 """
 
 from __future__ import annotations
@@ -16,30 +13,16 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
-import h5py
-import numpy as np
-
 from common.errors import DataError, cli_main
 from data.hdf5io import READ_ROWS, check_links, check_storage, open_hdf5
 from data.prepare.progress import progress as bar
 
-CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"
-PUBLISHED = {  # (what, shard count) -> published list
-    ("varlength", 2048): "2048_shards_varlength.chk",
-    ("varlength", 4320): "4320_shards_varlength.chk",
-    ("shuffled", 4320): "4320_shards_varlength_shuffled.chk",
-    ("eval", 1): "eval_varlength.chk",
-}
-
-
-def published_list(what: str, shards: int) -> Path | None:
-    """The shipped checksum list for this stage and shard count, if NVIDIA published one."""
-    name = PUBLISHED.get((what, shards))
-    return CHECKSUM_DIR / name if name else None
+CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"  # NVIDIA's published lists
 
 
 def shard_checksum(path) -> str:
-    """NVIDIA's checksum of one HDF5 file (fixed or varlength layout)."""
+    """NVIDIA's checksum (``hdf5_md5.py``) of one HDF5 file, fixed or varlength layout: the md5 of
+    ``str()`` of the list of each row's md5 of ``str(input_ids[i].tolist())``."""
     digests = []
     with open_hdf5(path) as f:
         if "input_ids" not in f:
@@ -58,26 +41,6 @@ def _pieces(path, key: str, ds):
             yield ds[a : a + READ_ROWS]
     except (OSError, RuntimeError, ValueError, TypeError) as e:
         raise DataError(f"{path}: cannot read {key} (truncated or corrupt?): {str(e).splitlines()[0]}") from e
-
-
-def content_digest(path) -> str:
-    """md5 over every dataset of an HDF5 file: name, dtype, shape and values (row by row for
-    variable-length data), in name order."""
-    h = hashlib.md5()
-    with open_hdf5(path) as f:
-        check_links(path, f)
-        for name in sorted(f.keys()):
-            ds = f[name]
-            base = h5py.check_vlen_dtype(ds.dtype)
-            h.update(f"{name}|{(base or ds.dtype).str}|{'vlen' if base is not None else ''}|{ds.shape}|".encode())
-            for data in _pieces(path, name, ds):
-                if base is None:
-                    h.update(np.ascontiguousarray(data).tobytes())
-                    continue
-                for row in data:
-                    row = np.ascontiguousarray(row, dtype=base)
-                    h.update(len(row).to_bytes(8, "little") + row.tobytes())
-    return h.hexdigest()
 
 
 def read_checksums(path) -> dict[str, str]:
