@@ -32,7 +32,7 @@ from common.files import md5sum, publish, write_text
 from data.hdf5io import ALL_LAYOUTS, write_file
 from data.prepare import text
 from data.prepare.mlperf_dataset import Pool, cached, prepare_files, worker_cache
-from data.prepare.mlperf_reference import RefParams
+from data.prepare.mlperf_reference import RefParams, pair_spans
 from data.prepare.progress import progress
 from data.prepare.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
 from data.prepare.tokenization import MAX_VOCAB_SIZE, Vocab, encode, load_tokenizer, train_wordpiece, write_vocab
@@ -287,46 +287,22 @@ def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: rand
 
 
 def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
-    """Yield the pairs of one pass over the document at pool position ``pos`` as (a0, a1, b0,
-    b1, is_random_next, 63-bit random key, canonical id); a/b are token offsets."""
-    max_num_tokens = cfg.max_num_tokens
-    d = int(pool[pos])
-    s0, s1 = int(doc_sent_off[d]), int(doc_sent_off[d + 1])
-    offs = sent_off[s0 : s1 + 1].tolist()  # offs[k]: first token of sentence k
-    n = s1 - s0
-    target = rng.randint(2, max_num_tokens) if rng.random() < cfg.short_seq_prob else max_num_tokens
-    chunk_start = i = inst = 0
-    while i < n:
-        if i == n - 1 or offs[i + 1] - offs[chunk_start] >= target:
-            n_chunk = i - chunk_start + 1
-            a_end = chunk_start + (rng.randint(1, n_chunk - 1) if n_chunk >= 2 else 1)
-            a0, a1 = offs[chunk_start], offs[a_end]
-            if n_chunk == 1 or rng.random() < 0.5:
-                is_random = 1
-                target_b = target - (a1 - a0)
-                for _ in range(10):
-                    r = rng.randrange(len(pool))
-                    if r != pos:
-                        break
-                rd = int(pool[r])
-                r0, r1 = int(doc_sent_off[rd]), int(doc_sent_off[rd + 1])
-                roffs = sent_off[r0 : r1 + 1]
-                j = rng.randrange(r1 - r0)
-                b0 = int(roffs[j])
-                # Whole sentences from j on, until B reaches target_b or the document ends.
-                k = min(j + 1 + int(np.searchsorted(roffs[j + 1 :], b0 + target_b)), r1 - r0)
-                b1 = int(roffs[k])
-                i = a_end - 1  # the chunk's unused sentences start the next chunk
-            else:
-                is_random = 0
-                b0, b1 = offs[a_end], offs[i + 1]
-            a0, a1, b0, b1 = _truncate(a0, a1, b0, b1, max_num_tokens, rng)
-            yield a0, a1, b0, b1, is_random, rng.getrandbits(63), canon_base + inst
-            inst += 1
-            chunk_start = i + 1
-        i += 1
+    """Yield the pairs of one pass over the document at pool position ``pos`` (the reference's
+    ``pair_spans``, truncated) as (a0, a1, b0, b1, is_random_next, 63-bit random key, canonical
+    id); a/b are token offsets."""
+
+    def offsets(p: int) -> list[int]:  # the document at pool position p: offsets[k] is sentence k's first token
+        d = int(pool[p])
+        return sent_off[doc_sent_off[d] : doc_sent_off[d + 1] + 1].tolist()
+
+    spans = pair_spans(offsets(pos), pos, len(pool), offsets, cfg.max_num_tokens, cfg.short_seq_prob, rng)
+    inst = 0
+    for a0, a1, _, b0, b1, is_random in spans:
+        a0, a1, b0, b1 = _truncate(a0, a1, b0, b1, cfg.max_num_tokens, rng)
+        yield a0, a1, b0, b1, int(is_random), rng.getrandbits(63), canon_base + inst
+        inst += 1
     if inst >= 1 << 20:
-        raise DataError(f"document {d} gives {inst} pairs in one pass, more than the 2^20 supported")
+        raise DataError(f"document {int(pool[pos])} gives {inst} pairs in one pass, more than the 2^20 supported")
 
 
 def _doc_pieces(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
