@@ -19,11 +19,8 @@ import random
 import shutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +29,8 @@ from common.errors import DataError, cli_main
 from common.files import is_temporary, md5sum, publishing, publishing_dir, remove_tree, write_text
 from data.hdf5io import FIXED_KEYS, READ_ROWS, inspect, open_hdf5, read_file, write_fixed_arrays, write_varlength
 from data.prepare.convert import convert_file
-from data.prepare.mlperf_reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file
+from data.prepare.mlperf_reference import RefParams, RefTokenizer, RefVocab, prepare_file
+from data.prepare.progress import Pool, cached
 from data.prepare.verify import CHECKSUM_DIR, read_checksums, verify
 from data.samples import SampleBlock, _offsets
 
@@ -65,54 +63,6 @@ class Layout:
         return self.root / ".work"
 
 
-# ------------------------------------------------------------------------ workers
-
-worker_cache: dict = {}
-
-
-def cached(key, make):
-    """``make()``, once per worker process and ``key``."""
-    if key not in worker_cache:
-        worker_cache[key] = make()
-    return worker_cache[key]
-
-
-class Pool(AbstractContextManager):
-    """``workers`` processes, started on first use and kept for every stage (or none: the
-    work runs in this process when workers == 1 or there is a single task)."""
-
-    def __init__(self, workers: int = 1):
-        self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
-
-    def imap(self, fn, tasks: list):
-        """``fn`` over ``tasks``, results in order as they come."""
-        if self.workers == 1 or len(tasks) <= 1:
-            return map(fn, tasks)
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init_worker)
-        return self._pool.map(fn, tasks)
-
-    def map(self, fn, tasks: list, desc: str):
-        """``fn`` over ``tasks`` (results in order), with a progress bar on a terminal."""
-        from tqdm import tqdm
-
-        return list(tqdm(self.imap(fn, tasks), total=len(tasks), desc=desc, unit="file", disable=None))
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _init_worker() -> None:
-    # Parallelism comes from --workers; the tokenizer's own thread pool would oversubscribe.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
 # ------------------------------------------------------------------ stage 1: per-part files
 
 
@@ -128,7 +78,7 @@ def prepare_files(
     ``out_dir/<input name>.hdf5`` (files already there are kept when ``skip_existing``).
     Returns the output paths in input order."""
     RefVocab(vocab)  # fail early on a bad vocabulary
-    outs = [out_dir / output_name(f) for f in inputs]
+    outs = [out_dir / f"{f.name}.hdf5" for f in inputs]  # the reference's names
     if len({o.name for o in outs}) != len(outs):
         raise DataError(f"{out_dir}: two inputs have the same file name; their outputs would collide")
     todo = [(str(f), str(o)) for f, o in zip(inputs, outs) if not (skip_existing and o.exists())]

@@ -18,7 +18,6 @@ import unicodedata
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate, chain
-from pathlib import Path
 
 import numpy as np
 
@@ -348,8 +347,3 @@ def prepare_file(
     arrays = make_instances(docs, vocab, prm)
     write_fixed_arrays(dst, arrays)
     return len(arrays["next_sentence_labels"])
-
-
-def output_name(src: str | os.PathLike) -> str:
-    """The reference's output name for an input file: its base name plus ``.hdf5``."""
-    return Path(src).name + ".hdf5"

@@ -31,9 +31,9 @@ from common.errors import DataError, cli_main
 from common.files import md5sum, publish, write_text
 from data.hdf5io import ALL_LAYOUTS, write_file
 from data.prepare import text
-from data.prepare.mlperf_dataset import Pool, cached, prepare_files, worker_cache
+from data.prepare.mlperf_dataset import prepare_files
 from data.prepare.mlperf_reference import RefParams, pair_spans
-from data.prepare.progress import progress
+from data.prepare.progress import Pool, cached, progress, worker_cache
 from data.prepare.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
 from data.prepare.tokenization import MAX_VOCAB_SIZE, Vocab, encode, load_tokenizer, train_wordpiece, write_vocab
 from data.samples import SampleBlock, _gather_ranges, _offsets
@@ -152,9 +152,13 @@ class PrepareConfig:
         need(self.workers >= 1, "workers", "must be >= 1")
 
     @property
+    def mlm(self) -> bool:
+        return self.objective == "mlm"
+
+    @property
     def max_num_tokens(self) -> int:
         """Text tokens per sample: [CLS] A [SEP] B [SEP] (nsp) or [CLS] piece [SEP] (mlm)."""
-        return self.max_seq_length - (3 if self.objective == "nsp" else 2)
+        return self.max_seq_length - (2 if self.mlm else 3)
 
     @property
     def vocab_source(self) -> str:
@@ -211,8 +215,7 @@ def _tokenize_chunk(chunk: Chunk, vocab_path: str, cfg: PrepareConfig) -> dict:
     lines, bad_utf8, first_bad_line = read_chunk(chunk)
     docs = parse_documents(lines, cfg.input_format)
     tok = cached(("tok", vocab_path), lambda: load_tokenizer(vocab_path)[1])
-    mlm = cfg.objective == "mlm"
-    if mlm:
+    if cfg.mlm:
         docs = [[" ".join(d)] for d in docs]
     sentences = [s for d in docs for s in d]
     encoded = encode(tok, sentences, vocab_path)
@@ -223,7 +226,7 @@ def _tokenize_chunk(chunk: Chunk, vocab_path: str, cfg: PrepareConfig) -> dict:
     for d in docs:
         kept = [k for k in range(i, i + len(d)) if sent_lens[k]]
         i += len(d)
-        if len(kept) >= (1 if mlm else cfg.min_sentences):
+        if len(kept) >= (1 if cfg.mlm else cfg.min_sentences):
             doc_nsent.append(len(kept))
             keep += kept
         else:
@@ -236,7 +239,6 @@ def _tokenize_chunk(chunk: Chunk, vocab_path: str, cfg: PrepareConfig) -> dict:
         "doc_nsent": np.array(doc_nsent, np.int64),
         "docs_read": len(docs),
         "docs_short": short,
-        "sentences": len(sentences),
         "bad_utf8": bad_utf8,
         "first_bad_line": first_bad_line,
         "path": chunk.path,
@@ -324,20 +326,19 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     mlm``: document pieces, [CLS] A [SEP]), the special ids those of the run's vocabulary."""
     toks, sent_off, doc_sent_off = _arrays(tmp)
     cls_id, sep_id = cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
-    seed, mlm = cfg.seed, cfg.objective == "mlm"
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
     rows: list = []
     for dupe in range(cfg.dupe_factor):
         for pos in range(lo, hi):
-            rng = random.Random((seed << 96) | (tag << 88) | (dupe << 64) | pos)
+            rng = random.Random((cfg.seed << 96) | (tag << 88) | (dupe << 64) | pos)
             canon = (dupe << 56) | (pos << 20)
-            rows += (_doc_pieces if mlm else _doc_pairs)(pos, pool, sent_off, doc_sent_off, rng, cfg, canon)
+            rows += (_doc_pieces if cfg.mlm else _doc_pairs)(pos, pool, sent_off, doc_sent_off, rng, cfg, canon)
     if not rows:
         return {"tokens": np.zeros(0, np.uint16), **{k: np.zeros(0, t) for k, t in PAIR_DTYPES.items()}}
     a0, a1, b0, b1, nsp, key, canon = (np.array(c) for c in zip(*rows))
     la, lb = a1 - a0, b1 - b0
-    seq_len = la + lb + (2 if mlm else 3)
+    seq_len = la + lb + (2 if cfg.mlm else 3)
     starts = _offsets(seq_len)
     out = np.empty(int(starts[-1]), np.uint16)
     out[starts[:-1]] = cls_id
@@ -473,7 +474,7 @@ def _write(path: str, block: SampleBlock, cfg: PrepareConfig, vocab_size: int | 
     """Write ``block`` in the run's layout (``vocab_size``: the size the file records, or None);
     returns the file's manifest entry."""
     sizes = (cfg.max_seq_length, cfg.max_predictions)
-    write_file(path, block, cfg.format, *sizes, next_sentence=cfg.objective == "nsp", vocab_size=vocab_size)
+    write_file(path, block, cfg.format, *sizes, next_sentence=not cfg.mlm, vocab_size=vocab_size)
     return {
         "samples": len(block),
         "tokens": block.num_tokens,
@@ -562,17 +563,13 @@ class _Run:
     vocab_file: Path | None = None
 
     @property
-    def mlm(self) -> bool:
-        return self.cfg.objective == "mlm"
-
-    @property
     def unit(self) -> str:
-        return "pieces" if self.mlm else "pairs"  # what stage 3 makes
+        return "pieces" if self.cfg.mlm else "pairs"  # what stage 3 makes
 
     @property
     def recorded_vocab(self) -> int | None:
         """The vocabulary size the files record, where it matters (MLPerf's files have none)."""
-        return len(self.vocab) if self.mlm or len(self.vocab) > MAX_VOCAB_SIZE else None
+        return len(self.vocab) if self.cfg.mlm or len(self.vocab) > MAX_VOCAB_SIZE else None
 
     def lap(self, stage: str) -> float:
         """Record the wall time since the previous lap as ``stage``'s."""
@@ -590,7 +587,7 @@ class _Corpus:
     n_sentences: int
     n_tokens: int
     doc_tokens: np.ndarray  # [documents] tokens of each document
-    stats: dict  # docs_read, docs_short, sentences
+    stats: dict  # docs_read, docs_short
     bad_utf8: dict  # path -> [replaced sequences, first line]
 
 
@@ -622,9 +619,9 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
     chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
     n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
     tokenize = partial(_tokenize_chunk, vocab_path=str(run.vocab_file), cfg=cfg)
-    too_short = "no token" if run.mlm else f"fewer than {cfg.min_sentences} sentences"
+    too_short = "no token" if cfg.mlm else f"fewer than {cfg.min_sentences} sentences"
     sent_lens, doc_nsent = [], []
-    stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
+    stats = {"docs_read": 0, "docs_short": 0}
     bad_utf8: dict[str, list[int]] = {}
     with (
         open(run.tmp / "tokens.u16", "wb") as fh,
@@ -687,8 +684,7 @@ def _eval_set(run: _Run, corpus: _Corpus, order: np.ndarray, has_eval_files: boo
         f"eval: {cfg.eval_samples} samples from {len(p['seq_len'])} {run.unit} of {eval_docs} "
         f"{'--eval-input' if has_eval_files else 'held-out'} documents"
     )
-    entry = {"file": f"eval/{EVAL_FILE}", "pool_samples": len(p["seq_len"]), "documents": eval_docs}
-    return held, {**entry, **written}
+    return held, {"file": f"eval/{EVAL_FILE}", "pool_samples": len(p["seq_len"]), "documents": eval_docs, **written}
 
 
 def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:

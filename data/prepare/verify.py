@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
 from common.errors import DataError, cli_main
 from data.hdf5io import READ_ROWS, check_links, check_storage, open_hdf5
+from data.prepare.progress import Pool
 from data.prepare.progress import progress as bar
 
 CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"  # NVIDIA's published lists
@@ -84,11 +83,8 @@ def verify(paths: list, checksums: dict[str, str], workers: int = 1, progress=No
             raise DataError(f"{p}: no such file or directory")
     problems = [f"{name}: missing" for name in checksums if name not in found]
     todo = [str(found[name]) for name in checksums if name in found]
-    if workers > 1 and len(todo) > 1:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            results = list(_bar(pool.map(_checksum_task, todo, chunksize=4), len(todo), progress))
-    else:
-        results = list(_bar(map(_checksum_task, todo), len(todo), progress))
+    with Pool(workers) as pool:
+        results = list(_bar(pool.imap(_checksum_task, todo), len(todo), progress))
     for path, got, error in results:
         if error is not None:
             problems.append(error)
