@@ -1,8 +1,5 @@
 """The whole MLPerf BERT dataset in one command: ``python -m data.prepare.mlperf_dataset``.
 
-    python -m data.prepare.mlperf_dataset --text-dir results4 --eval-text results4/eval.txt \\
-        --vocab phase1/vocab.txt --output-dir /data/bert --shards 4320 --workers 32
-
 Writes the files of NVIDIA's ``prepare_data.sh`` (per-part files, the reference chop, varlength,
 the reference shuffle, the eval pick) with the same contents under ``OUT/hdf5/``, checks them
 against NVIDIA's checksums where published, in ``--workers`` processes, resumable (files are
@@ -92,9 +89,7 @@ def prepare_files(
 
 def chop_sizes(total: int, shards: int) -> np.ndarray:
     """Samples per shard in the reference chop: ceil(total / shards), one fewer in the first
-    (shards * ceil(total / shards) - total) shards. (The reference also gives the first shard
-    one fewer when that excess is 0, and then fails on the last sample; the shards are then
-    simply equal here.)"""
+    (shards * ceil(total / shards) - total) shards (docs/data.md#how-it-matches-the-reference)."""
     if total < 2 * shards:
         raise DataError(f"{total} samples are too few for --shards {shards} (need at least {2 * shards})")
     nominal = -(-total // shards)
@@ -162,10 +157,9 @@ def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], pool: Pool, des
 
 
 def shuffle_permutation(total: int, seed: int = SHUFFLE_SEED) -> np.ndarray:
-    """out[p] = global index (shards in order, rows in order) of the sample that the
-    reference shuffle puts at output position p: ``random.Random(seed).shuffle`` of the
-    (shard, index) pairs. The draws of ``shuffle`` depend only on the length, so shuffling
-    the indices 0..total-1 (4 bytes each, not a list of tuples) gives the same order."""
+    """out[p] = global index (shards in order, rows in order) of the sample that the reference
+    shuffle of the (shard, index) pairs puts at output position p; its draws depend only on the
+    length, so shuffling the indices 0..total-1 gives the same order."""
     if total >= 2**31:
         raise DataError(f"{total} samples: the shuffle supports fewer than 2^31")
     idx = array.array("i", range(total))
@@ -357,11 +351,7 @@ def text_parts(text_dir: Path, eval_text: Path) -> list[Path]:
     """The ``part-*`` files of the text directory (not the eval text), sorted by name."""
     if not text_dir.is_dir():
         raise DataError(f"{text_dir}: no such directory")
-    parts = sorted(
-        p
-        for p in text_dir.iterdir()
-        if p.name.startswith("part-") and p.is_file() and p.resolve() != eval_text.resolve()
-    )
+    parts = sorted(p for p in text_dir.glob("part-*") if p.is_file() and p.resolve() != eval_text.resolve())
     if not parts:
         raise DataError(f"{text_dir}: no part-* text files")
     return parts

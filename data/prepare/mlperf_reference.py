@@ -1,11 +1,9 @@
 """MLPerf's reference preprocessing, sample for sample: ``python -m data.prepare --reference``.
 
-Reproduces ``create_pretraining_data.py`` run on each text part on its own with
-``random.Random(seed)``: the same samples in the same order, bit for bit, one fixed-layout
-HDF5 file per input file, so ``data.prepare.mlperf_dataset``'s chop, shuffle and checksums match the
-published ones. Written from the reference's behaviour, every draw in its order; pure-ASCII
-lines go through ``tokenizers``, the others through the Python tokenizer below:
-[docs/data.md](../docs/data.md#how-it-matches-the-reference).
+Reproduces ``create_pretraining_data.py`` run on each text part with ``random.Random(seed)``, bit
+for bit: one fixed-layout HDF5 file per input file, so ``mlperf_dataset``'s chop, shuffle and
+checksums match the published ones. Pure-ASCII lines go through ``tokenizers``, the others through
+the Python tokenizer below: [docs/data.md](../docs/data.md#how-it-matches-the-reference).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Text -> MLPerf BERT pretraining shards: ``python -m data.prepare``.
 
-Google's ``create_pretraining_data`` with MLPerf's parameters (``--objective mlm``: whole
-documents cut into pieces, no pairs), in stages run in ``--workers`` processes: the vocabulary;
-tokenising (stage 1); the document shuffle and the eval set, held out or from ``--eval-input``
-(2); pairs, each with a 64-bit key whose top bits pick its shard (3); each shard in key order,
-masked with a stream seeded by (seed, shard), and written (4), then installed whole. Every draw
-is tied to a document or a shard, never to a worker, so the output is byte-identical for any
-``--workers``. Options, outputs and the procedure: [docs/data.md](../docs/data.md#preparing-data).
+Google's ``create_pretraining_data`` with MLPerf's parameters, in stages run in ``--workers``
+processes: the vocabulary; tokenising (stage 1); the document shuffle and the eval set (2); pairs
+keyed to their shard (3); each shard masked and written (4). No draw depends on a worker, so the
+output is byte-identical for any ``--workers``: [docs/data.md](../docs/data.md#preparing-data).
 """
 
 from __future__ import annotations
