@@ -445,7 +445,7 @@ def build(cfg: DatasetConfig, log=print) -> dict:
     dirs = {k: layout.stage_dir(k) for k in ("varlength", "shuffled")} | {"eval": layout.root / "eval_varlength"}
     problems, verified = [], []
     for stage, chk in _checks(cfg):
-        bad = verify([dirs[stage]], read_checksums(chk), cfg.workers, progress=f"verify {stage}")
+        bad = verify([dirs[stage]], read_checksums(chk), cfg.workers, f"verify {stage}")
         problems += [f"{stage}: {p}" for p in bad]
         verified.append(str(chk))
     if verified:

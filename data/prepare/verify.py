@@ -13,8 +13,7 @@ from pathlib import Path
 
 from common.errors import DataError, cli_main
 from data.hdf5io import READ_ROWS, check_links, check_storage, open_hdf5
-from data.prepare.progress import Pool
-from data.prepare.progress import progress as bar
+from data.prepare.progress import Pool, progress
 
 CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"  # NVIDIA's published lists
 
@@ -68,9 +67,10 @@ def _checksum_task(path: str) -> tuple[str, str | None, str | None]:
         return path, None, str(e)
 
 
-def verify(paths: list, checksums: dict[str, str], workers: int = 1, progress=None) -> list[str]:
+def verify(paths: list, checksums: dict[str, str], workers: int = 1, desc: str = "checksums") -> list[str]:
     """Problems (one line each) of the files named in ``checksums`` found under ``paths``
-    (directories, or files); an empty list means every listed file is there and matches."""
+    (directories, or files); an empty list means every listed file is there and matches.
+    ``desc`` labels the progress bar."""
     found: dict[str, Path] = {}
     for p in map(Path, paths):
         if p.is_dir():
@@ -84,17 +84,13 @@ def verify(paths: list, checksums: dict[str, str], workers: int = 1, progress=No
     problems = [f"{name}: missing" for name in checksums if name not in found]
     todo = [str(found[name]) for name in checksums if name in found]
     with Pool(workers) as pool:
-        results = list(_bar(pool.imap(_checksum_task, todo), len(todo), progress))
+        results = list(progress(pool.imap(_checksum_task, todo), total=len(todo), desc=desc, unit="file"))
     for path, got, error in results:
         if error is not None:
             problems.append(error)
         elif got != checksums[Path(path).name]:
             problems.append(f"{path}: checksum {got}, expected {checksums[Path(path).name]}")
     return problems
-
-
-def _bar(it, total: int, desc: str | None):
-    return it if desc is None else bar(it, total=total, desc=desc, unit="file")
 
 
 def main(argv=None) -> int:
@@ -108,7 +104,7 @@ def main(argv=None) -> int:
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be >= 1")
     expected = read_checksums(args.checksums)
-    problems = verify(args.paths, expected, args.workers, progress="checksums")
+    problems = verify(args.paths, expected, args.workers)
     for p in problems:
         print(f"mismatch: {p}" if "checksum" in p else f"error: {p}", file=sys.stderr)
     if problems:
