@@ -331,8 +331,6 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
             rng = random.Random((cfg.seed << 96) | (tag << 88) | (dupe << 64) | pos)
             canon = (dupe << 56) | (pos << 20)
             rows += (_doc_pieces if cfg.mlm else _doc_pairs)(pos, pool, sent_off, doc_sent_off, rng, cfg, canon)
-    if not rows:
-        return {"tokens": np.zeros(0, np.uint16), **{k: np.zeros(0, t) for k, t in PAIR_DTYPES.items()}}
     a0, a1, b0, b1, nsp, key, canon = (np.array(c) for c in zip(*rows))
     la, lb = a1 - a0, b1 - b0
     seq_len = la + lb + (2 if cfg.mlm else 3)
@@ -449,7 +447,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
         parts["tokens"].append(np.load(base + ".tokens.npy", mmap_mode="r")[tokoff[j] : tokoff[j + 1]])
         for name in PAIR_DTYPES:
             parts[name].append(np.load(f"{base}.{name}.npy", mmap_mode="r")[lo:hi])
-    return {k: (np.concatenate(v) if v else None) for k, v in parts.items()}
+    return {k: np.concatenate(v) for k, v in parts.items()}
 
 
 def _shuffled(p: dict) -> dict:
@@ -458,10 +456,7 @@ def _shuffled(p: dict) -> dict:
 
 
 def _write_shard(task: _ShardTask) -> dict:
-    cfg, n = task.cfg, task.cfg.shards
-    p = _load_bucket(task.tmp, task.num_tasks, task.index)
-    if p["seq_len"] is None:
-        raise DataError(f"shard {task.index} of {n} got no samples: too little text for --shards {n}")
+    cfg, p = task.cfg, _load_bucket(task.tmp, task.num_tasks, task.index)
     rng = np.random.default_rng([cfg.seed, 2, task.index])
     block = mask_pairs(_shuffled(p), rng, cfg.masked_lm_prob, cfg.max_predictions, task.vocab_size, task.mask_id)
     return _write(task.out_path, block, cfg, task.recorded_vocab)
