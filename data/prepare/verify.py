@@ -26,19 +26,14 @@ def shard_checksum(path) -> str:
         if "input_ids" not in f:
             raise DataError(f"{path}: missing key 'input_ids'")
         check_links(path, f)
-        for rows in _pieces(path, "input_ids", f["input_ids"]):
-            digests += [hashlib.md5(str(row.tolist()).encode()).hexdigest() for row in rows]
+        ids = f["input_ids"]
+        try:
+            check_storage(path, "input_ids", ids)
+            for a in range(0, ids.shape[0], READ_ROWS):
+                digests += [hashlib.md5(str(row.tolist()).encode()).hexdigest() for row in ids[a : a + READ_ROWS]]
+        except (OSError, RuntimeError, ValueError, TypeError) as e:
+            raise DataError(f"{path}: cannot read input_ids (truncated or corrupt?): {str(e).splitlines()[0]}") from e
     return hashlib.md5(str(digests).encode()).hexdigest()
-
-
-def _pieces(path, key: str, ds):
-    """A dataset's rows, READ_ROWS at a time, once its storage passed ``hdf5io.check_storage``."""
-    try:
-        check_storage(path, key, ds)
-        for a in range(0, ds.shape[0], READ_ROWS):
-            yield ds[a : a + READ_ROWS]
-    except (OSError, RuntimeError, ValueError, TypeError) as e:
-        raise DataError(f"{path}: cannot read {key} (truncated or corrupt?): {str(e).splitlines()[0]}") from e
 
 
 def read_checksums(path) -> dict[str, str]:
