@@ -28,14 +28,13 @@ from common.errors import DataError, cli_main
 from common.files import md5sum, publish, write_text
 from data.hdf5io import ALL_LAYOUTS, write_file
 from data.prepare import text
-from data.prepare.mlperf_dataset import prepare_files
+from data.prepare.mlperf_dataset import EVAL_FILE, prepare_files
 from data.prepare.mlperf_reference import RefParams, pair_spans
 from data.prepare.progress import Pool, cached, progress, worker_cache
 from data.prepare.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
 from data.prepare.tokenization import MAX_VOCAB_SIZE, Vocab, encode, load_tokenizer, train_wordpiece, write_vocab
 from data.samples import SampleBlock, _gather_ranges, _offsets
 
-EVAL_FILE = "part_eval_10k.hdf5"
 OBJECTIVES = ("nsp", "mlm")
 VOCAB_FILES = ("vocab.txt", "tokenizer.json")  # the copy in --output-dir: of --vocab / --train-vocab, of --tokenizer
 TRAIN_TAG, EVAL_TAG = 0, 1
@@ -207,8 +206,7 @@ class PrepareResult:
 def _tokenize_chunk(chunk: Chunk, vocab_path: str, cfg: PrepareConfig) -> dict:
     """One chunk's documents as token ids: kept sentences' tokens, their lengths and the
     sentence count of each kept document. With ``--objective mlm`` a document's sentences are
-    joined by spaces and tokenised as one text (a BPE tokenizer sees the spaces between them),
-    so every kept document is one "sentence"; a document is kept when it has a token."""
+    joined by spaces and tokenised as one "sentence"; a document is kept when it has a token."""
     lines, bad_utf8, first_bad_line = read_chunk(chunk)
     docs = parse_documents(lines, cfg.input_format)
     tok = cached(("tok", vocab_path), lambda: load_tokenizer(vocab_path)[1])
@@ -238,7 +236,6 @@ def _tokenize_chunk(chunk: Chunk, vocab_path: str, cfg: PrepareConfig) -> dict:
         "docs_short": short,
         "bad_utf8": bad_utf8,
         "first_bad_line": first_bad_line,
-        "path": chunk.path,
     }
 
 
@@ -305,9 +302,8 @@ def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: 
 
 
 def _doc_pieces(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
-    """``--objective mlm``: the document at pool position ``pos`` cut into consecutive pieces
-    of ``max_num_tokens`` tokens (the last one shorter), yielded like ``_doc_pairs``' rows with
-    an empty segment B, so every token is in exactly one piece and none is dropped."""
+    """``--objective mlm``: the document at pool position ``pos`` cut into consecutive pieces of
+    ``max_num_tokens`` tokens (the last one shorter), yielded like ``_doc_pairs``' rows, B empty."""
     d, max_num_tokens = int(pool[pos]), cfg.max_num_tokens
     t0, t1 = int(sent_off[doc_sent_off[d]]), int(sent_off[doc_sent_off[d + 1]])
     if (t1 - t0 + max_num_tokens - 1) // max_num_tokens >= 1 << 20:
@@ -627,7 +623,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
             for k in stats:
                 stats[k] += r[k]
             if r["bad_utf8"]:
-                bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])[0] += r["bad_utf8"]
+                bad_utf8.setdefault(chunks[i].path, [0, r["first_bad_line"]])[0] += r["bad_utf8"]
     for path, (count, line) in bad_utf8.items():
         run.log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
     n_train_docs = sum(len(d) for d in doc_nsent[:n_train_chunks])
