@@ -60,9 +60,6 @@ class Layout:
         return self.root / ".work"
 
 
-# ------------------------------------------------------------------ stage 1: per-part files
-
-
 def _file_task(src_dst: tuple[str, str], vocab: str, params: RefParams) -> int:
     tok = cached(("reference tokenizer", vocab), lambda: RefTokenizer(RefVocab(vocab)))  # a key apart from shards'
     return prepare_file(*src_dst, tok.vocab, params, tok)
@@ -71,7 +68,7 @@ def _file_task(src_dst: tuple[str, str], vocab: str, params: RefParams) -> int:
 def prepare_files(
     inputs: list[Path], out_dir: Path, vocab: str, params: RefParams, pool: Pool, skip_existing: bool = True
 ) -> list[Path]:
-    """The reference ``create_pretraining_data.py`` output of each input file:
+    """Stage 1: the reference ``create_pretraining_data.py`` output of each input file:
     ``out_dir/<input name>.hdf5`` (files already there are kept when ``skip_existing``).
     Returns the output paths in input order."""
     RefVocab(vocab)  # fail early on a bad vocabulary
@@ -82,9 +79,6 @@ def prepare_files(
     todo.sort(key=lambda t: -os.path.getsize(t[0]))  # largest first: better balance across workers
     pool.map(partial(_file_task, vocab=vocab, params=params), todo, "per-file samples")
     return outs
-
-
-# --------------------------------------------------------------------- stage 2: chop
 
 
 def chop_sizes(total: int, shards: int) -> np.ndarray:
@@ -122,7 +116,7 @@ def _chop_task(t: _ChopTask) -> None:
 
 
 def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
-    """The reference chop of the per-part files (in name order); returns the shard sizes."""
+    """Stage 2: the reference chop of the per-part files (in name order); returns the shard sizes."""
     files = sorted(files, key=lambda p: p.name)
     counts = [inspect(f).num_samples for f in files]
     sizes = chop_sizes(sum(counts), layout.shards)
@@ -141,19 +135,14 @@ def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
     return sizes
 
 
-# ----------------------------------------------------------------- stage 3: varlength
-
-
 def _varlength_task(src_dst: tuple[str, str]) -> None:
     convert_file(*src_dst, "varlength")
 
 
 def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], pool: Pool, desc: str = "varlength") -> None:
+    """Stage 3 (and the eval file's): the files ``names`` of ``src_dir`` in the varlength layout in ``dst_dir``."""
     todo = [(str(src_dir / n), str(dst_dir / n)) for n in names if not (dst_dir / n).exists()]
     pool.map(_varlength_task, todo, desc)
-
-
-# -------------------------------------------------------------------- stage 4: shuffle
 
 
 def shuffle_permutation(total: int, seed: int = SHUFFLE_SEED) -> np.ndarray:
@@ -261,7 +250,7 @@ def _groups(sizes: np.ndarray, rows: int) -> list[tuple[int, int]]:
 def shuffle(
     layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predictions: int, pool: Pool, group_rows: int, log
 ) -> None:
-    """The reference shuffle of the varlength shards into the shuffled directory."""
+    """Stage 4: the reference shuffle of the varlength shards into the shuffled directory."""
     names = layout.shard_names()
     src, dst = layout.stage_dir("varlength"), layout.stage_dir("shuffled")
     work = layout.work / f"shuffle-{layout.shards}"
@@ -307,12 +296,9 @@ def shuffle(
     shutil.rmtree(work, ignore_errors=True)
 
 
-# ----------------------------------------------------------------------- stage 5: eval
-
-
 def pick_eval(src: Path, dst: Path, num: int) -> None:
-    """The reference eval pick: sample ``int(i * (n / num))`` for i < num (rows repeat when
-    n < num), fixed layout."""
+    """Stage 5: the reference eval pick, sample ``int(i * (n / num))`` for i < num (rows repeat
+    when n < num), fixed layout."""
     n = inspect(src).num_samples
     idx = np.array([int(i * (n / num)) for i in range(num)], np.int64)
     rows, back = np.unique(idx, return_inverse=True)
@@ -323,9 +309,6 @@ def pick_eval(src: Path, dst: Path, num: int) -> None:
             for k in FIXED_KEYS:
                 arrays[k].append(f[k][a : a + READ_ROWS][pick])
     write_fixed_arrays(dst, {k: np.concatenate(v)[back] for k, v in arrays.items()})
-
-
-# ------------------------------------------------------------------------- the command
 
 
 @dataclass
