@@ -51,9 +51,6 @@ class RefVocab:
         return len(self.ids)
 
 
-# ------------------------------------------------------------------------ tokenizer
-
-
 def _is_whitespace(ch: str) -> bool:
     return ch in " \t\n\r" or unicodedata.category(ch) == "Zs"
 
@@ -135,9 +132,6 @@ class RefTokenizer:
         return [self.encode_python(s) if ids is None else ids for s, ids in zip(lines, out)]
 
 
-# ------------------------------------------------------------------------ documents
-
-
 @dataclass
 class Documents:
     """Documents as flat token arrays: ``tokens[d]`` int32 [tokens of document d],
@@ -180,9 +174,6 @@ def read_documents(path: str | os.PathLike, tokenizer: RefTokenizer) -> Document
     offsets = [[0, *accumulate(map(len, d))] for d in docs]
     tokens = [np.fromiter(chain.from_iterable(d), dtype=np.int32, count=o[-1]) for d, o in zip(docs, offsets)]
     return Documents(tokens, offsets)
-
-
-# ------------------------------------------------------------------------ instances
 
 
 @dataclass(frozen=True)
