@@ -55,10 +55,6 @@ class Layout:
     def shard_names(self) -> list[str]:
         return [f"part_{i:05d}_of_{self.shards:05d}.hdf5" for i in range(self.shards)]
 
-    @property
-    def work(self) -> Path:
-        return self.root / ".work"
-
 
 def _file_task(src_dst: tuple[str, str], vocab: str, params: RefParams) -> int:
     tok = cached(("reference tokenizer", vocab), lambda: RefTokenizer(RefVocab(vocab)))  # a key apart from shards'
@@ -253,7 +249,7 @@ def shuffle(
     """Stage 4: the reference shuffle of the varlength shards into the shuffled directory."""
     names = layout.shard_names()
     src, dst = layout.stage_dir("varlength"), layout.stage_dir("shuffled")
-    work = layout.work / f"shuffle-{layout.shards}"
+    work = layout.root / ".work" / f"shuffle-{layout.shards}"  # the shuffle's scratch files, removed when done
     if all((dst / n).exists() for n in names):
         shutil.rmtree(work, ignore_errors=True)
         return
