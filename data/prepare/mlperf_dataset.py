@@ -1,8 +1,5 @@
 """The whole MLPerf BERT dataset in one command: ``python -m data.prepare.mlperf_dataset``.
 
-    python -m data.prepare.mlperf_dataset --text-dir results4 --eval-text results4/eval.txt \\
-        --vocab phase1/vocab.txt --output-dir /data/bert --shards 4320 --workers 32
-
 Writes the files of NVIDIA's ``prepare_data.sh`` (per-part files, the reference chop, varlength,
 the reference shuffle, the eval pick) with the same contents under ``OUT/hdf5/``, checks them
 against NVIDIA's checksums where published, in ``--workers`` processes, resumable (files are
@@ -19,11 +16,8 @@ import random
 import shutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +26,9 @@ from common.errors import DataError, cli_main
 from common.files import is_temporary, md5sum, publishing, publishing_dir, remove_tree, write_text
 from data.hdf5io import FIXED_KEYS, READ_ROWS, inspect, open_hdf5, read_file, write_fixed_arrays, write_varlength
 from data.prepare.convert import convert_file
-from data.prepare.mlperf_reference import RefParams, RefTokenizer, RefVocab, output_name, prepare_file
-from data.prepare.verify import published_list, read_checksums, verify
+from data.prepare.mlperf_reference import RefParams, RefTokenizer, RefVocab, prepare_file
+from data.prepare.progress import Pool, cached
+from data.prepare.verify import CHECKSUM_DIR, read_checksums, verify
 from data.samples import SampleBlock, _offsets
 
 SHUFFLE_SEED = 24  # the reference shuffle's fixed seed
@@ -60,61 +55,6 @@ class Layout:
     def shard_names(self) -> list[str]:
         return [f"part_{i:05d}_of_{self.shards:05d}.hdf5" for i in range(self.shards)]
 
-    @property
-    def work(self) -> Path:
-        return self.root / ".work"
-
-
-# ------------------------------------------------------------------------ workers
-
-worker_cache: dict = {}
-
-
-def cached(key, make):
-    """``make()``, once per worker process and ``key``."""
-    if key not in worker_cache:
-        worker_cache[key] = make()
-    return worker_cache[key]
-
-
-class Pool(AbstractContextManager):
-    """``workers`` processes, started on first use and kept for every stage (or none: the
-    work runs in this process when workers == 1 or there is a single task)."""
-
-    def __init__(self, workers: int = 1):
-        self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
-
-    def imap(self, fn, tasks: list):
-        """``fn`` over ``tasks``, results in order as they come."""
-        if self.workers == 1 or len(tasks) <= 1:
-            return map(fn, tasks)
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init_worker)
-        return self._pool.map(fn, tasks)
-
-    def map(self, fn, tasks: list, desc: str):
-        """``fn`` over ``tasks`` (results in order), with a progress bar on a terminal."""
-        from tqdm import tqdm
-
-        return list(tqdm(self.imap(fn, tasks), total=len(tasks), desc=desc, unit="file", disable=None))
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _init_worker() -> None:
-    # Parallelism comes from --workers; the tokenizer's own thread pool would oversubscribe.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
-# ------------------------------------------------------------------ stage 1: per-part files
-
 
 def _file_task(src_dst: tuple[str, str], vocab: str, params: RefParams) -> int:
     tok = cached(("reference tokenizer", vocab), lambda: RefTokenizer(RefVocab(vocab)))  # a key apart from shards'
@@ -124,11 +64,11 @@ def _file_task(src_dst: tuple[str, str], vocab: str, params: RefParams) -> int:
 def prepare_files(
     inputs: list[Path], out_dir: Path, vocab: str, params: RefParams, pool: Pool, skip_existing: bool = True
 ) -> list[Path]:
-    """The reference ``create_pretraining_data.py`` output of each input file:
+    """Stage 1: the reference ``create_pretraining_data.py`` output of each input file:
     ``out_dir/<input name>.hdf5`` (files already there are kept when ``skip_existing``).
     Returns the output paths in input order."""
     RefVocab(vocab)  # fail early on a bad vocabulary
-    outs = [out_dir / output_name(f) for f in inputs]
+    outs = [out_dir / f"{f.name}.hdf5" for f in inputs]  # the reference's names
     if len({o.name for o in outs}) != len(outs):
         raise DataError(f"{out_dir}: two inputs have the same file name; their outputs would collide")
     todo = [(str(f), str(o)) for f, o in zip(inputs, outs) if not (skip_existing and o.exists())]
@@ -137,14 +77,9 @@ def prepare_files(
     return outs
 
 
-# --------------------------------------------------------------------- stage 2: chop
-
-
 def chop_sizes(total: int, shards: int) -> np.ndarray:
     """Samples per shard in the reference chop: ceil(total / shards), one fewer in the first
-    (shards * ceil(total / shards) - total) shards. (The reference also gives the first shard
-    one fewer when that excess is 0, and then fails on the last sample; the shards are then
-    simply equal here.)"""
+    (shards * ceil(total / shards) - total) shards (docs/data.md#how-it-matches-the-reference)."""
     if total < 2 * shards:
         raise DataError(f"{total} samples are too few for --shards {shards} (need at least {2 * shards})")
     nominal = -(-total // shards)
@@ -177,7 +112,7 @@ def _chop_task(t: _ChopTask) -> None:
 
 
 def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
-    """The reference chop of the per-part files (in name order); returns the shard sizes."""
+    """Stage 2: the reference chop of the per-part files (in name order); returns the shard sizes."""
     files = sorted(files, key=lambda p: p.name)
     counts = [inspect(f).num_samples for f in files]
     sizes = chop_sizes(sum(counts), layout.shards)
@@ -196,26 +131,20 @@ def chop(files: list[Path], layout: Layout, pool: Pool) -> np.ndarray:
     return sizes
 
 
-# ----------------------------------------------------------------- stage 3: varlength
-
-
 def _varlength_task(src_dst: tuple[str, str]) -> None:
     convert_file(*src_dst, "varlength")
 
 
 def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], pool: Pool, desc: str = "varlength") -> None:
+    """Stage 3 (and the eval file's): the files ``names`` of ``src_dir`` in the varlength layout in ``dst_dir``."""
     todo = [(str(src_dir / n), str(dst_dir / n)) for n in names if not (dst_dir / n).exists()]
     pool.map(_varlength_task, todo, desc)
 
 
-# -------------------------------------------------------------------- stage 4: shuffle
-
-
 def shuffle_permutation(total: int, seed: int = SHUFFLE_SEED) -> np.ndarray:
-    """out[p] = global index (shards in order, rows in order) of the sample that the
-    reference shuffle puts at output position p: ``random.Random(seed).shuffle`` of the
-    (shard, index) pairs. The draws of ``shuffle`` depend only on the length, so shuffling
-    the indices 0..total-1 (4 bytes each, not a list of tuples) gives the same order."""
+    """out[p] = global index (shards in order, rows in order) of the sample that the reference
+    shuffle of the (shard, index) pairs puts at output position p; its draws depend only on the
+    length, so shuffling the indices 0..total-1 gives the same order."""
     if total >= 2**31:
         raise DataError(f"{total} samples: the shuffle supports fewer than 2^31")
     idx = array.array("i", range(total))
@@ -317,10 +246,10 @@ def _groups(sizes: np.ndarray, rows: int) -> list[tuple[int, int]]:
 def shuffle(
     layout: Layout, sizes: np.ndarray, max_seq_length: int, max_predictions: int, pool: Pool, group_rows: int, log
 ) -> None:
-    """The reference shuffle of the varlength shards into the shuffled directory."""
+    """Stage 4: the reference shuffle of the varlength shards into the shuffled directory."""
     names = layout.shard_names()
     src, dst = layout.stage_dir("varlength"), layout.stage_dir("shuffled")
-    work = layout.work / f"shuffle-{layout.shards}"
+    work = layout.root / ".work" / f"shuffle-{layout.shards}"  # the shuffle's scratch files, removed when done
     if all((dst / n).exists() for n in names):
         shutil.rmtree(work, ignore_errors=True)
         return
@@ -363,12 +292,9 @@ def shuffle(
     shutil.rmtree(work, ignore_errors=True)
 
 
-# ----------------------------------------------------------------------- stage 5: eval
-
-
 def pick_eval(src: Path, dst: Path, num: int) -> None:
-    """The reference eval pick: sample ``int(i * (n / num))`` for i < num (rows repeat when
-    n < num), fixed layout."""
+    """Stage 5: the reference eval pick, sample ``int(i * (n / num))`` for i < num (rows repeat
+    when n < num), fixed layout."""
     n = inspect(src).num_samples
     idx = np.array([int(i * (n / num)) for i in range(num)], np.int64)
     rows, back = np.unique(idx, return_inverse=True)
@@ -379,9 +305,6 @@ def pick_eval(src: Path, dst: Path, num: int) -> None:
             for k in FIXED_KEYS:
                 arrays[k].append(f[k][a : a + READ_ROWS][pick])
     write_fixed_arrays(dst, {k: np.concatenate(v)[back] for k, v in arrays.items()})
-
-
-# ------------------------------------------------------------------------- the command
 
 
 @dataclass
@@ -407,11 +330,7 @@ def text_parts(text_dir: Path, eval_text: Path) -> list[Path]:
     """The ``part-*`` files of the text directory (not the eval text), sorted by name."""
     if not text_dir.is_dir():
         raise DataError(f"{text_dir}: no such directory")
-    parts = sorted(
-        p
-        for p in text_dir.iterdir()
-        if p.name.startswith("part-") and p.is_file() and p.resolve() != eval_text.resolve()
-    )
+    parts = sorted(p for p in text_dir.glob("part-*") if p.is_file() and p.resolve() != eval_text.resolve())
     if not parts:
         raise DataError(f"{text_dir}: no part-* text files")
     return parts
@@ -431,23 +350,19 @@ def _check_state(root: Path, state: dict) -> None:
 
 
 def _checks(cfg: DatasetConfig) -> list[tuple[str, Path]]:
-    """(stage, checksum list) pairs to verify: the shipped lists when the parameters are
-    MLPerf's, or every matching list in --checksums."""
-    if cfg.checksums is None:
-        if cfg.params != MLPERF_PARAMS:
-            return []
-        out = [(w, published_list(w, cfg.shards)) for w in ("varlength", "shuffled")]
-        if cfg.eval_samples == 10000:
-            out.append(("eval", published_list("eval", 1)))
-        return [(w, p) for w, p in out if p is not None]
-    d = Path(cfg.checksums)
+    """(stage, checksum list) pairs to verify: every matching list in --checksums, or the shipped
+    ones (NVIDIA's) when the parameters are MLPerf's, the eval list only for 10,000 eval samples."""
+    if cfg.checksums is None and cfg.params != MLPERF_PARAMS:
+        return []
+    d = CHECKSUM_DIR if cfg.checksums is None else Path(cfg.checksums)
     if not d.is_dir():
         raise DataError(f"--checksums {d}: no such directory")
     cand = [
         ("varlength", d / f"{cfg.shards}_shards_varlength.chk"),
         ("shuffled", d / f"{cfg.shards}_shards_varlength_shuffled.chk"),
-        ("eval", d / "eval_varlength.chk"),
     ]
+    if cfg.checksums is not None or cfg.eval_samples == 10000:
+        cand.append(("eval", d / "eval_varlength.chk"))
     return [(w, p) for w, p in cand if p.is_file()]
 
 
@@ -509,7 +424,7 @@ def build(cfg: DatasetConfig, log=print) -> dict:
     dirs = {k: layout.stage_dir(k) for k in ("varlength", "shuffled")} | {"eval": layout.root / "eval_varlength"}
     problems, verified = [], []
     for stage, chk in _checks(cfg):
-        bad = verify([dirs[stage]], read_checksums(chk), cfg.workers, progress=f"verify {stage}")
+        bad = verify([dirs[stage]], read_checksums(chk), cfg.workers, f"verify {stage}")
         problems += [f"{stage}: {p}" for p in bad]
         verified.append(str(chk))
     if verified:

@@ -1,15 +1,14 @@
 """MLPerf's reference preprocessing, sample for sample: ``python -m data.prepare --reference``.
 
-Reproduces ``create_pretraining_data.py`` run on each text part on its own with
-``random.Random(seed)``: the same samples in the same order, bit for bit, one fixed-layout
-HDF5 file per input file, so ``data.prepare.mlperf_dataset``'s chop, shuffle and checksums match the
-published ones. Written from the reference's behaviour, every draw in its order; pure-ASCII
-lines go through ``tokenizers``, the others through the Python tokenizer below:
-[docs/data.md](../docs/data.md#how-it-matches-the-reference).
+Reproduces ``create_pretraining_data.py`` run on each text part with ``random.Random(seed)``, bit
+for bit: one fixed-layout HDF5 file per input file, so ``mlperf_dataset``'s chop, shuffle and
+checksums match the published ones. Pure-ASCII lines go through ``tokenizers``, the others through
+the Python tokenizer below: [docs/data.md](../docs/data.md#how-it-matches-the-reference).
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import random
 import re
@@ -17,7 +16,6 @@ import unicodedata
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate, chain
-from pathlib import Path
 
 import numpy as np
 
@@ -51,9 +49,6 @@ class RefVocab:
 
     def __len__(self) -> int:
         return len(self.ids)
-
-
-# ------------------------------------------------------------------------ tokenizer
 
 
 def _is_whitespace(ch: str) -> bool:
@@ -137,9 +132,6 @@ class RefTokenizer:
         return [self.encode_python(s) if ids is None else ids for s, ids in zip(lines, out)]
 
 
-# ------------------------------------------------------------------------ documents
-
-
 @dataclass
 class Documents:
     """Documents as flat token arrays: ``tokens[d]`` int32 [tokens of document d],
@@ -184,9 +176,6 @@ def read_documents(path: str | os.PathLike, tokenizer: RefTokenizer) -> Document
     return Documents(tokens, offsets)
 
 
-# ------------------------------------------------------------------------ instances
-
-
 @dataclass(frozen=True)
 class RefParams:
     max_seq_length: int = 512
@@ -203,6 +192,36 @@ class RefParams:
             raise DataError(f"--max-predictions {self.max_predictions}: must lie in [1, max_seq_length]")
         if self.dupe_factor < 1:
             raise DataError(f"--dupe-factor {self.dupe_factor}: must be >= 1")
+
+
+def pair_spans(offs, d: int, n_docs: int, offsets_of, max_num_tokens: int, short_seq_prob: float, rng: random.Random):
+    """One pass of the reference's ``create_instances_from_document`` over document ``d`` of
+    ``n_docs``, its sentence k being tokens [offs[k], offs[k+1]): yields each pair, before
+    truncation, as (a0, a1, r, b0, b1, is_random), segment B from document r (``offsets_of(r)``:
+    its ``offs``). The caller's draws for a pair come before the next pair's, as in the reference."""
+    n = len(offs) - 1
+    target = rng.randint(2, max_num_tokens) if rng.random() < short_seq_prob else max_num_tokens
+    start = i = 0  # start: first sentence of the chunk being gathered
+    while i < n:
+        if i == n - 1 or offs[i + 1] - offs[start] >= target:
+            k = i - start + 1
+            a_end = start + (rng.randint(1, k - 1) if k >= 2 else 1)
+            if k == 1 or rng.random() < 0.5:
+                for _ in range(10):
+                    r = rng.randint(0, n_docs - 1)
+                    if r != d:
+                        break
+                roffs = offsets_of(r)
+                j = rng.randint(0, len(roffs) - 2)
+                # Whole sentences from j on, until B reaches the target less A's length or the document ends.
+                target_b = target - (offs[a_end] - offs[start])
+                end = min(bisect.bisect_left(roffs, roffs[j] + target_b, j + 1), len(roffs) - 1)
+                yield offs[start], offs[a_end], r, roffs[j], roffs[end], True
+                i = a_end - 1  # the chunk's sentences after A start the next chunk
+            else:
+                yield offs[start], offs[a_end], d, offs[a_end], offs[i + 1], False
+            start = i + 1
+        i += 1
 
 
 class _Rows:
@@ -251,37 +270,12 @@ class _Maker:
         self.rows = _Rows(prm.max_seq_length, prm.max_predictions)
 
     def document(self, d: int) -> None:
-        rng, docs = self.rng, self.docs
-        max_num_tokens = self.prm.max_seq_length - 3
-        offs = docs.offsets[d]
-        n = len(offs) - 1
-        target = rng.randint(2, max_num_tokens) if rng.random() < self.prm.short_seq_prob else max_num_tokens
-        start = i = 0  # start: first sentence of the chunk being gathered
-        while i < n:
-            if i == n - 1 or offs[i + 1] - offs[start] >= target:
-                k = i - start + 1
-                a_end = start + (rng.randint(1, k - 1) if k >= 2 else 1)
-                a = (d, offs[start], offs[a_end])
-                if k == 1 or rng.random() < 0.5:
-                    is_random = True
-                    target_b = target - (a[2] - a[1])
-                    for _ in range(10):
-                        r = rng.randint(0, len(docs) - 1)
-                        if r != d:
-                            break
-                    roffs = docs.offsets[r]
-                    j0 = rng.randint(0, len(roffs) - 2)
-                    j = j0 + 1
-                    while roffs[j] - roffs[j0] < target_b and j < len(roffs) - 1:
-                        j += 1
-                    b = (r, roffs[j0], roffs[j])
-                    i = a_end - 1  # the chunk's sentences after A start the next chunk
-                else:
-                    is_random = False
-                    b = (d, offs[a_end], offs[i + 1])
-                self._instance(a, b, is_random, max_num_tokens)
-                start = i + 1
-            i += 1
+        docs, max_num_tokens = self.docs, self.prm.max_seq_length - 3
+        spans = pair_spans(
+            docs.offsets[d], d, len(docs), lambda r: docs.offsets[r], max_num_tokens, self.prm.short_seq_prob, self.rng
+        )
+        for a0, a1, r, b0, b1, is_random in spans:
+            self._instance((d, a0, a1), (r, b0, b1), is_random, max_num_tokens)
 
     def _instance(self, a, b, is_random: bool, max_num_tokens: int) -> None:
         rng = self.rng
@@ -342,8 +336,3 @@ def prepare_file(
     arrays = make_instances(docs, vocab, prm)
     write_fixed_arrays(dst, arrays)
     return len(arrays["next_sentence_labels"])
-
-
-def output_name(src: str | os.PathLike) -> str:
-    """The reference's output name for an input file: its base name plus ``.hdf5``."""
-    return Path(src).name + ".hdf5"

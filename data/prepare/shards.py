@@ -1,12 +1,9 @@
 """Text -> MLPerf BERT pretraining shards: ``python -m data.prepare``.
 
-Google's ``create_pretraining_data`` with MLPerf's parameters (``--objective mlm``: whole
-documents cut into pieces, no pairs), in stages run in ``--workers`` processes: the vocabulary;
-tokenising (stage 1); the document shuffle and the eval set, held out or from ``--eval-input``
-(2); pairs, each with a 64-bit key whose top bits pick its shard (3); each shard in key order,
-masked with a stream seeded by (seed, shard), and written (4), then installed whole. Every draw
-is tied to a document or a shard, never to a worker, so the output is byte-identical for any
-``--workers``. Options, outputs and the procedure: [docs/data.md](../docs/data.md#preparing-data).
+Google's ``create_pretraining_data`` with MLPerf's parameters, in stages run in ``--workers``
+processes: the vocabulary; tokenising (stage 1); the document shuffle and the eval set (2); pairs
+keyed to their shard (3); each shard masked and written (4). No draw depends on a worker, so the
+output is byte-identical for any ``--workers``: [docs/data.md](../docs/data.md#preparing-data).
 """
 
 from __future__ import annotations
@@ -31,14 +28,13 @@ from common.errors import DataError, cli_main
 from common.files import md5sum, publish, write_text
 from data.hdf5io import ALL_LAYOUTS, write_file
 from data.prepare import text
-from data.prepare.mlperf_dataset import Pool, cached, prepare_files, worker_cache
-from data.prepare.mlperf_reference import RefParams
-from data.prepare.progress import progress
+from data.prepare.mlperf_dataset import EVAL_FILE, prepare_files
+from data.prepare.mlperf_reference import RefParams, pair_spans
+from data.prepare.progress import Pool, cached, progress, worker_cache
 from data.prepare.text import FORMATS, Chunk, find_chunks, iter_sentences, list_inputs, parse_documents, read_chunk
 from data.prepare.tokenization import MAX_VOCAB_SIZE, Vocab, encode, load_tokenizer, train_wordpiece, write_vocab
 from data.samples import SampleBlock, _gather_ranges, _offsets
 
-EVAL_FILE = "part_eval_10k.hdf5"
 OBJECTIVES = ("nsp", "mlm")
 VOCAB_FILES = ("vocab.txt", "tokenizer.json")  # the copy in --output-dir: of --vocab / --train-vocab, of --tokenizer
 TRAIN_TAG, EVAL_TAG = 0, 1
@@ -152,9 +148,13 @@ class PrepareConfig:
         need(self.workers >= 1, "workers", "must be >= 1")
 
     @property
+    def mlm(self) -> bool:
+        return self.objective == "mlm"
+
+    @property
     def max_num_tokens(self) -> int:
         """Text tokens per sample: [CLS] A [SEP] B [SEP] (nsp) or [CLS] piece [SEP] (mlm)."""
-        return self.max_seq_length - (3 if self.objective == "nsp" else 2)
+        return self.max_seq_length - (2 if self.mlm else 3)
 
     @property
     def vocab_source(self) -> str:
@@ -206,13 +206,11 @@ class PrepareResult:
 def _tokenize_chunk(chunk: Chunk, vocab_path: str, cfg: PrepareConfig) -> dict:
     """One chunk's documents as token ids: kept sentences' tokens, their lengths and the
     sentence count of each kept document. With ``--objective mlm`` a document's sentences are
-    joined by spaces and tokenised as one text (a BPE tokenizer sees the spaces between them),
-    so every kept document is one "sentence"; a document is kept when it has a token."""
+    joined by spaces and tokenised as one "sentence"; a document is kept when it has a token."""
     lines, bad_utf8, first_bad_line = read_chunk(chunk)
     docs = parse_documents(lines, cfg.input_format)
     tok = cached(("tok", vocab_path), lambda: load_tokenizer(vocab_path)[1])
-    mlm = cfg.objective == "mlm"
-    if mlm:
+    if cfg.mlm:
         docs = [[" ".join(d)] for d in docs]
     sentences = [s for d in docs for s in d]
     encoded = encode(tok, sentences, vocab_path)
@@ -223,7 +221,7 @@ def _tokenize_chunk(chunk: Chunk, vocab_path: str, cfg: PrepareConfig) -> dict:
     for d in docs:
         kept = [k for k in range(i, i + len(d)) if sent_lens[k]]
         i += len(d)
-        if len(kept) >= (1 if mlm else cfg.min_sentences):
+        if len(kept) >= (1 if cfg.mlm else cfg.min_sentences):
             doc_nsent.append(len(kept))
             keep += kept
         else:
@@ -236,10 +234,8 @@ def _tokenize_chunk(chunk: Chunk, vocab_path: str, cfg: PrepareConfig) -> dict:
         "doc_nsent": np.array(doc_nsent, np.int64),
         "docs_read": len(docs),
         "docs_short": short,
-        "sentences": len(sentences),
         "bad_utf8": bad_utf8,
         "first_bad_line": first_bad_line,
-        "path": chunk.path,
     }
 
 
@@ -287,52 +283,27 @@ def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: rand
 
 
 def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
-    """Yield the pairs of one pass over the document at pool position ``pos`` as (a0, a1, b0,
-    b1, is_random_next, 63-bit random key, canonical id); a/b are token offsets."""
-    max_num_tokens = cfg.max_num_tokens
-    d = int(pool[pos])
-    s0, s1 = int(doc_sent_off[d]), int(doc_sent_off[d + 1])
-    offs = sent_off[s0 : s1 + 1].tolist()  # offs[k]: first token of sentence k
-    n = s1 - s0
-    target = rng.randint(2, max_num_tokens) if rng.random() < cfg.short_seq_prob else max_num_tokens
-    chunk_start = i = inst = 0
-    while i < n:
-        if i == n - 1 or offs[i + 1] - offs[chunk_start] >= target:
-            n_chunk = i - chunk_start + 1
-            a_end = chunk_start + (rng.randint(1, n_chunk - 1) if n_chunk >= 2 else 1)
-            a0, a1 = offs[chunk_start], offs[a_end]
-            if n_chunk == 1 or rng.random() < 0.5:
-                is_random = 1
-                target_b = target - (a1 - a0)
-                for _ in range(10):
-                    r = rng.randrange(len(pool))
-                    if r != pos:
-                        break
-                rd = int(pool[r])
-                r0, r1 = int(doc_sent_off[rd]), int(doc_sent_off[rd + 1])
-                roffs = sent_off[r0 : r1 + 1]
-                j = rng.randrange(r1 - r0)
-                b0 = int(roffs[j])
-                # Whole sentences from j on, until B reaches target_b or the document ends.
-                k = min(j + 1 + int(np.searchsorted(roffs[j + 1 :], b0 + target_b)), r1 - r0)
-                b1 = int(roffs[k])
-                i = a_end - 1  # the chunk's unused sentences start the next chunk
-            else:
-                is_random = 0
-                b0, b1 = offs[a_end], offs[i + 1]
-            a0, a1, b0, b1 = _truncate(a0, a1, b0, b1, max_num_tokens, rng)
-            yield a0, a1, b0, b1, is_random, rng.getrandbits(63), canon_base + inst
-            inst += 1
-            chunk_start = i + 1
-        i += 1
+    """Yield the pairs of one pass over the document at pool position ``pos`` (the reference's
+    ``pair_spans``, truncated) as (a0, a1, b0, b1, is_random_next, 63-bit random key, canonical
+    id); a/b are token offsets."""
+
+    def offsets(p: int) -> list[int]:  # the document at pool position p: offsets[k] is sentence k's first token
+        d = int(pool[p])
+        return sent_off[doc_sent_off[d] : doc_sent_off[d + 1] + 1].tolist()
+
+    spans = pair_spans(offsets(pos), pos, len(pool), offsets, cfg.max_num_tokens, cfg.short_seq_prob, rng)
+    inst = 0
+    for a0, a1, _, b0, b1, is_random in spans:
+        a0, a1, b0, b1 = _truncate(a0, a1, b0, b1, cfg.max_num_tokens, rng)
+        yield a0, a1, b0, b1, int(is_random), rng.getrandbits(63), canon_base + inst
+        inst += 1
     if inst >= 1 << 20:
-        raise DataError(f"document {d} gives {inst} pairs in one pass, more than the 2^20 supported")
+        raise DataError(f"document {int(pool[pos])} gives {inst} pairs in one pass, more than the 2^20 supported")
 
 
 def _doc_pieces(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
-    """``--objective mlm``: the document at pool position ``pos`` cut into consecutive pieces
-    of ``max_num_tokens`` tokens (the last one shorter), yielded like ``_doc_pairs``' rows with
-    an empty segment B, so every token is in exactly one piece and none is dropped."""
+    """``--objective mlm``: the document at pool position ``pos`` cut into consecutive pieces of
+    ``max_num_tokens`` tokens (the last one shorter), yielded like ``_doc_pairs``' rows, B empty."""
     d, max_num_tokens = int(pool[pos]), cfg.max_num_tokens
     t0, t1 = int(sent_off[doc_sent_off[d]]), int(sent_off[doc_sent_off[d + 1]])
     if (t1 - t0 + max_num_tokens - 1) // max_num_tokens >= 1 << 20:
@@ -348,20 +319,17 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     mlm``: document pieces, [CLS] A [SEP]), the special ids those of the run's vocabulary."""
     toks, sent_off, doc_sent_off = _arrays(tmp)
     cls_id, sep_id = cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
-    seed, mlm = cfg.seed, cfg.objective == "mlm"
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
     rows: list = []
     for dupe in range(cfg.dupe_factor):
         for pos in range(lo, hi):
-            rng = random.Random((seed << 96) | (tag << 88) | (dupe << 64) | pos)
+            rng = random.Random((cfg.seed << 96) | (tag << 88) | (dupe << 64) | pos)
             canon = (dupe << 56) | (pos << 20)
-            rows += (_doc_pieces if mlm else _doc_pairs)(pos, pool, sent_off, doc_sent_off, rng, cfg, canon)
-    if not rows:
-        return {"tokens": np.zeros(0, np.uint16), **{k: np.zeros(0, t) for k, t in PAIR_DTYPES.items()}}
+            rows += (_doc_pieces if cfg.mlm else _doc_pairs)(pos, pool, sent_off, doc_sent_off, rng, cfg, canon)
     a0, a1, b0, b1, nsp, key, canon = (np.array(c) for c in zip(*rows))
     la, lb = a1 - a0, b1 - b0
-    seq_len = la + lb + (2 if mlm else 3)
+    seq_len = la + lb + (2 if cfg.mlm else 3)
     starts = _offsets(seq_len)
     out = np.empty(int(starts[-1]), np.uint16)
     out[starts[:-1]] = cls_id
@@ -475,7 +443,7 @@ def _load_bucket(tmp: str, num_tasks: int, j: int) -> dict:
         parts["tokens"].append(np.load(base + ".tokens.npy", mmap_mode="r")[tokoff[j] : tokoff[j + 1]])
         for name in PAIR_DTYPES:
             parts[name].append(np.load(f"{base}.{name}.npy", mmap_mode="r")[lo:hi])
-    return {k: (np.concatenate(v) if v else None) for k, v in parts.items()}
+    return {k: np.concatenate(v) for k, v in parts.items()}
 
 
 def _shuffled(p: dict) -> dict:
@@ -484,10 +452,7 @@ def _shuffled(p: dict) -> dict:
 
 
 def _write_shard(task: _ShardTask) -> dict:
-    cfg, n = task.cfg, task.cfg.shards
-    p = _load_bucket(task.tmp, task.num_tasks, task.index)
-    if p["seq_len"] is None:
-        raise DataError(f"shard {task.index} of {n} got no samples: too little text for --shards {n}")
+    cfg, p = task.cfg, _load_bucket(task.tmp, task.num_tasks, task.index)
     rng = np.random.default_rng([cfg.seed, 2, task.index])
     block = mask_pairs(_shuffled(p), rng, cfg.masked_lm_prob, cfg.max_predictions, task.vocab_size, task.mask_id)
     return _write(task.out_path, block, cfg, task.recorded_vocab)
@@ -497,7 +462,7 @@ def _write(path: str, block: SampleBlock, cfg: PrepareConfig, vocab_size: int | 
     """Write ``block`` in the run's layout (``vocab_size``: the size the file records, or None);
     returns the file's manifest entry."""
     sizes = (cfg.max_seq_length, cfg.max_predictions)
-    write_file(path, block, cfg.format, *sizes, next_sentence=cfg.objective == "nsp", vocab_size=vocab_size)
+    write_file(path, block, cfg.format, *sizes, next_sentence=not cfg.mlm, vocab_size=vocab_size)
     return {
         "samples": len(block),
         "tokens": block.num_tokens,
@@ -586,17 +551,13 @@ class _Run:
     vocab_file: Path | None = None
 
     @property
-    def mlm(self) -> bool:
-        return self.cfg.objective == "mlm"
-
-    @property
     def unit(self) -> str:
-        return "pieces" if self.mlm else "pairs"  # what stage 3 makes
+        return "pieces" if self.cfg.mlm else "pairs"  # what stage 3 makes
 
     @property
     def recorded_vocab(self) -> int | None:
         """The vocabulary size the files record, where it matters (MLPerf's files have none)."""
-        return len(self.vocab) if self.mlm or len(self.vocab) > MAX_VOCAB_SIZE else None
+        return len(self.vocab) if self.cfg.mlm or len(self.vocab) > MAX_VOCAB_SIZE else None
 
     def lap(self, stage: str) -> float:
         """Record the wall time since the previous lap as ``stage``'s."""
@@ -614,7 +575,7 @@ class _Corpus:
     n_sentences: int
     n_tokens: int
     doc_tokens: np.ndarray  # [documents] tokens of each document
-    stats: dict  # docs_read, docs_short, sentences
+    stats: dict  # docs_read, docs_short
     bad_utf8: dict  # path -> [replaced sequences, first line]
 
 
@@ -646,9 +607,9 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
     chunks = [c for f in files + eval_files for c in find_chunks(f, cfg.input_format, text.CHUNK_BYTES)]
     n_train_chunks = sum(c.path in {str(f) for f in files} for c in chunks)
     tokenize = partial(_tokenize_chunk, vocab_path=str(run.vocab_file), cfg=cfg)
-    too_short = "no token" if run.mlm else f"fewer than {cfg.min_sentences} sentences"
+    too_short = "no token" if cfg.mlm else f"fewer than {cfg.min_sentences} sentences"
     sent_lens, doc_nsent = [], []
-    stats = {"docs_read": 0, "docs_short": 0, "sentences": 0}
+    stats = {"docs_read": 0, "docs_short": 0}
     bad_utf8: dict[str, list[int]] = {}
     with (
         open(run.tmp / "tokens.u16", "wb") as fh,
@@ -662,7 +623,7 @@ def _tokenize(run: _Run, files: list[Path], eval_files: list[Path]) -> _Corpus:
             for k in stats:
                 stats[k] += r[k]
             if r["bad_utf8"]:
-                bad_utf8.setdefault(r["path"], [0, r["first_bad_line"]])[0] += r["bad_utf8"]
+                bad_utf8.setdefault(chunks[i].path, [0, r["first_bad_line"]])[0] += r["bad_utf8"]
     for path, (count, line) in bad_utf8.items():
         run.log(f"warning: {path}: {count} invalid UTF-8 byte sequence(s) replaced with U+FFFD (first at line {line})")
     n_train_docs = sum(len(d) for d in doc_nsent[:n_train_chunks])
@@ -711,8 +672,7 @@ def _eval_set(run: _Run, corpus: _Corpus, order: np.ndarray, has_eval_files: boo
         f"eval: {cfg.eval_samples} samples from {len(p['seq_len'])} {run.unit} of {eval_docs} "
         f"{'--eval-input' if has_eval_files else 'held-out'} documents"
     )
-    entry = {"file": f"eval/{EVAL_FILE}", "pool_samples": len(p["seq_len"]), "documents": eval_docs}
-    return held, {**entry, **written}
+    return held, {"file": f"eval/{EVAL_FILE}", "pool_samples": len(p["seq_len"]), "documents": eval_docs, **written}
 
 
 def _train_pairs(run: _Run, corpus: _Corpus, pool: np.ndarray) -> int:

@@ -2,9 +2,8 @@
 
 A WordPiece ``vocab.txt`` (BERT's uncased WordPiece by the ``tokenizers`` library) or a
 ``tokenizers`` JSON (run as the file defines it, less its post-processor, padding and
-truncation), encoded under the bounds of docs/data.md#files-the-readers-refuse.
-``train_wordpiece`` learns a vocabulary deterministically (ties broken by symbol id, where the
-library's trainer breaks them in hash order), so prepared data is byte-identical for the same input.
+truncation), encoded under the bounds of docs/data.md#files-the-readers-refuse;
+``train_wordpiece`` learns a vocabulary deterministically (docs/data.md#preparing-data).
 """
 
 from __future__ import annotations
@@ -24,10 +23,8 @@ from common.errors import DataError
 from common.files import UnsafeFile, read_checked, write_text
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-# The fixed and varlength HDF5 layouts store token ids as int16.
-MAX_VOCAB_SIZE = 32768
-# A tokenizers JSON may be larger (ModernBERT: 50,368): data.prepare's token store is uint16,
-# and varlength / packed files then hold ids as int32 (data.hdf5io.id_dtype).
+MAX_VOCAB_SIZE = 32768  # the fixed and varlength HDF5 layouts store token ids as int16
+# A tokenizers JSON's (ModernBERT: 50,368): the token store is uint16, files hold int32 ids (hdf5io.id_dtype).
 MAX_WIDE_VOCAB_SIZE = 65536
 MAX_WORD_CHARS = 100
 MAX_TOKENIZER_BYTES = 64 << 20  # a vocab.txt or tokenizer JSON (ModernBERT's: 3.5 MB)

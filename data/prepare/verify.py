@@ -1,10 +1,7 @@
 """NVIDIA's per-shard checksums of MLPerf BERT data: ``python -m data.prepare.verify``.
 
-A shard's checksum is NVIDIA's (``hdf5_md5.py``): the md5 of each row's ``str(input_ids[i].tolist())``,
-then the md5 of ``str()`` of that list of digests. A checksum list has one ``name<TAB>md5`` line per
-file; the published ones (NVIDIA's MLPerf v4.0) are in ``data/prepare/checksums/``. Usage and the exit status:
-[docs/data.md](../docs/data.md#the-real-mlperf-dataset-step-by-step). ``content_digest`` is the tests'
-stronger check: the md5 over every dataset of a file (names, dtypes, shapes, values).
+A checksum list has one ``name<TAB>md5`` line per file, the md5 NVIDIA's (``shard_checksum``); the
+published ones are in ``data/prepare/checksums/``: [docs/data.md](../docs/data.md#the-real-mlperf-dataset-step-by-step).
 """
 
 from __future__ import annotations
@@ -12,72 +9,31 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
-
-import h5py
-import numpy as np
 
 from common.errors import DataError, cli_main
 from data.hdf5io import READ_ROWS, check_links, check_storage, open_hdf5
-from data.prepare.progress import progress as bar
+from data.prepare.progress import Pool, progress
 
-CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"
-PUBLISHED = {  # (what, shard count) -> published list
-    ("varlength", 2048): "2048_shards_varlength.chk",
-    ("varlength", 4320): "4320_shards_varlength.chk",
-    ("shuffled", 4320): "4320_shards_varlength_shuffled.chk",
-    ("eval", 1): "eval_varlength.chk",
-}
-
-
-def published_list(what: str, shards: int) -> Path | None:
-    """The shipped checksum list for this stage and shard count, if NVIDIA published one."""
-    name = PUBLISHED.get((what, shards))
-    return CHECKSUM_DIR / name if name else None
+CHECKSUM_DIR = Path(__file__).resolve().parent / "checksums"  # NVIDIA's published lists
 
 
 def shard_checksum(path) -> str:
-    """NVIDIA's checksum of one HDF5 file (fixed or varlength layout)."""
+    """NVIDIA's checksum (``hdf5_md5.py``) of one HDF5 file, fixed or varlength layout: the md5 of
+    ``str()`` of the list of each row's md5 of ``str(input_ids[i].tolist())``."""
     digests = []
     with open_hdf5(path) as f:
         if "input_ids" not in f:
             raise DataError(f"{path}: missing key 'input_ids'")
         check_links(path, f)
-        for rows in _pieces(path, "input_ids", f["input_ids"]):
-            digests += [hashlib.md5(str(row.tolist()).encode()).hexdigest() for row in rows]
+        ids = f["input_ids"]
+        try:
+            check_storage(path, "input_ids", ids)
+            for a in range(0, ids.shape[0], READ_ROWS):
+                digests += [hashlib.md5(str(row.tolist()).encode()).hexdigest() for row in ids[a : a + READ_ROWS]]
+        except (OSError, RuntimeError, ValueError, TypeError) as e:
+            raise DataError(f"{path}: cannot read input_ids (truncated or corrupt?): {str(e).splitlines()[0]}") from e
     return hashlib.md5(str(digests).encode()).hexdigest()
-
-
-def _pieces(path, key: str, ds):
-    """A dataset's rows, READ_ROWS at a time, once its storage passed ``hdf5io.check_storage``."""
-    try:
-        check_storage(path, key, ds)
-        for a in range(0, ds.shape[0], READ_ROWS):
-            yield ds[a : a + READ_ROWS]
-    except (OSError, RuntimeError, ValueError, TypeError) as e:
-        raise DataError(f"{path}: cannot read {key} (truncated or corrupt?): {str(e).splitlines()[0]}") from e
-
-
-def content_digest(path) -> str:
-    """md5 over every dataset of an HDF5 file: name, dtype, shape and values (row by row for
-    variable-length data), in name order."""
-    h = hashlib.md5()
-    with open_hdf5(path) as f:
-        check_links(path, f)
-        for name in sorted(f.keys()):
-            ds = f[name]
-            base = h5py.check_vlen_dtype(ds.dtype)
-            h.update(f"{name}|{(base or ds.dtype).str}|{'vlen' if base is not None else ''}|{ds.shape}|".encode())
-            for data in _pieces(path, name, ds):
-                if base is None:
-                    h.update(np.ascontiguousarray(data).tobytes())
-                    continue
-                for row in data:
-                    row = np.ascontiguousarray(row, dtype=base)
-                    h.update(len(row).to_bytes(8, "little") + row.tobytes())
-    return h.hexdigest()
 
 
 def read_checksums(path) -> dict[str, str]:
@@ -106,9 +62,10 @@ def _checksum_task(path: str) -> tuple[str, str | None, str | None]:
         return path, None, str(e)
 
 
-def verify(paths: list, checksums: dict[str, str], workers: int = 1, progress=None) -> list[str]:
+def verify(paths: list, checksums: dict[str, str], workers: int = 1, desc: str = "checksums") -> list[str]:
     """Problems (one line each) of the files named in ``checksums`` found under ``paths``
-    (directories, or files); an empty list means every listed file is there and matches."""
+    (directories, or files); an empty list means every listed file is there and matches.
+    ``desc`` labels the progress bar."""
     found: dict[str, Path] = {}
     for p in map(Path, paths):
         if p.is_dir():
@@ -121,21 +78,14 @@ def verify(paths: list, checksums: dict[str, str], workers: int = 1, progress=No
             raise DataError(f"{p}: no such file or directory")
     problems = [f"{name}: missing" for name in checksums if name not in found]
     todo = [str(found[name]) for name in checksums if name in found]
-    if workers > 1 and len(todo) > 1:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            results = list(_bar(pool.map(_checksum_task, todo, chunksize=4), len(todo), progress))
-    else:
-        results = list(_bar(map(_checksum_task, todo), len(todo), progress))
+    with Pool(workers) as pool:
+        results = list(progress(pool.imap(_checksum_task, todo), total=len(todo), desc=desc, unit="file"))
     for path, got, error in results:
         if error is not None:
             problems.append(error)
         elif got != checksums[Path(path).name]:
             problems.append(f"{path}: checksum {got}, expected {checksums[Path(path).name]}")
     return problems
-
-
-def _bar(it, total: int, desc: str | None):
-    return it if desc is None else bar(it, total=total, desc=desc, unit="file")
 
 
 def main(argv=None) -> int:
@@ -149,7 +99,7 @@ def main(argv=None) -> int:
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be >= 1")
     expected = read_checksums(args.checksums)
-    problems = verify(args.paths, expected, args.workers, progress="checksums")
+    problems = verify(args.paths, expected, args.workers)
     for p in problems:
         print(f"mismatch: {p}" if "checksum" in p else f"error: {p}", file=sys.stderr)
     if problems:
