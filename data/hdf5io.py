@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -32,7 +32,6 @@ FIXED_DTYPES = {
     "masked_lm_ids": np.int16,
     "next_sentence_labels": np.int8,
 }
-FILE_LAYOUTS = ("fixed", "varlength")
 PACKED = "packed"
 PACKED_KEYS = (
     "input_ids",
@@ -44,7 +43,7 @@ PACKED_KEYS = (
     "next_sentence_labels",
 )
 PACKED_DTYPES = {**FIXED_DTYPES, "packed_input_len": np.int16, "packed_masked_lm_len": np.int16}
-ALL_LAYOUTS = FILE_LAYOUTS + (PACKED,)  # what data.prepare.convert writes; FILE_LAYOUTS: what data.prepare writes
+ALL_LAYOUTS = ("fixed", "varlength", PACKED)  # what data.prepare.convert writes
 MAX_SHARD_BYTES = 1 << 40
 READ_ROWS = 16384  # samples read and validated at a time
 MAX_CHUNK_BYTES = 64 << 20  # an HDF5 storage chunk is decompressed whole
@@ -78,7 +77,7 @@ def _refuse(path, bad: np.ndarray, what, first: int = 0, unit: str = "sample", o
     """DataError ``path: {unit} {first + r}: what`` for the first i where ``bad`` holds, r = i
     or ``owner[i]`` (``what``: a text, or a function of i)."""
     if bad.any():
-        i = _first(bad)
+        i = int(np.argmax(bad))  # the first bad one
         r = i if owner is None else int(owner[i])
         _fail(path, f"{unit} {first + r}: {what(i) if callable(what) else what}")
 
@@ -175,7 +174,10 @@ def _read_info(path, f: h5py.File) -> FileInfo:
     if layout != "fixed":
         extra["next_sentence"] = _has_nsp(path, f)
     if layout == PACKED:
-        return replace(_packed_info(path, f), **extra)
+        r = _check_vlen(path, f, [k for k in PACKED_KEYS if k in f], PACKED)  # next_sentence_labels may be absent
+        n = int(_pack_offsets(f)[-1]) if r else 0
+        s, p = (f.attrs.get(k) for k in ("max_seq_length", "max_predictions"))
+        return FileInfo(str(path), PACKED, n, None if s is None else int(s), None if p is None else int(p), r, **extra)
     if extra.get("next_sentence", True):
         nsp = f["next_sentence_labels"]
         _check_int_dtype(path, "next_sentence_labels", nsp.dtype, np.int8)
@@ -187,7 +189,7 @@ def _read_info(path, f: h5py.File) -> FileInfo:
     if layout == "varlength":
         _check_vlen(path, f, VARLENGTH_KEYS[:-1], layout, n)
         s, p = (_int_attr(path, f, name) for name in ("max_seq_length", "max_predictions"))
-        return replace(FileInfo(str(path), layout, n, s, p), **extra)
+        return FileInfo(str(path), layout, n, s, p, **extra)
     for key, size in (("input_ids", "max_seq_length"), ("masked_lm_positions", "max_predictions")):
         if f[key].ndim != 2:
             _fail(path, f"{key} has shape {f[key].shape}, expected (N, {size})")
@@ -223,13 +225,6 @@ def _int_attr(path, f: h5py.File, name: str) -> int | None:
     if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.integer) or int(value) < 1:
         _fail(path, f"attribute {name} is {value!r}, expected a positive integer")
     return int(value)
-
-
-def _packed_info(path, f: h5py.File) -> FileInfo:
-    r = _check_vlen(path, f, [k for k in PACKED_KEYS if k in f], PACKED)  # next_sentence_labels may be absent
-    n = int(_pack_offsets(f)[-1]) if r else 0
-    s, p = (f.attrs.get(k) for k in ("max_seq_length", "max_predictions"))
-    return FileInfo(str(path), PACKED, n, None if s is None else int(s), None if p is None else int(p), num_packs=r)
 
 
 def _pack_offsets(f: h5py.File) -> np.ndarray:
@@ -293,7 +288,7 @@ class _Reader:
             rows = f"sample {start}" if stop - start == 1 else f"samples {start}..{stop - 1}"
             _fail(self.path, f"cannot read sample data (truncated or corrupt?) in {rows}: {_first_line(e)}")
         if self.info.layout == "fixed":
-            return from_fixed_arrays(self.path, vocab_size=self.vocab_size, first_row=start, **arrays)
+            return from_fixed_arrays(self.path, arrays, self.vocab_size, start)
         return _from_varlength(self.path, arrays, self.vocab_size, start)
 
     def _read_packed(self, start: int, stop: int) -> SampleBlock:
@@ -317,13 +312,10 @@ class _Reader:
 def read_valid(
     path, vocab_size: int | None = None, max_seq_length: int | None = None
 ) -> tuple[SampleBlock, np.ndarray, list[str]]:
-    """The samples of a file that can be read and pass validation, for ``data.on_corrupt=skip``.
-
-    Returns (block of the valid samples in file order, their rows in the file [n] int64, one
-    message per invalid sample, naming file and sample). Ranges that fail are halved until
-    the bad samples are single rows, so a few bad samples cost a few extra reads of their
-    neighbourhood. A file that cannot be opened at all gives no samples and one message.
-    """
+    """The samples of a file that can be read and pass validation, for ``data.on_corrupt=skip``
+    (docs/data.md#loading): (block of the valid samples in file order, their rows in the file
+    [n] int64, one message per invalid sample naming file and sample). A file that cannot be
+    opened at all gives no samples and one message."""
     parts, rows, problems = [], [np.zeros(0, np.int64)], []  # valid blocks, their rows, one message per bad sample
     try:
         with open_hdf5(path) as f:
@@ -348,25 +340,12 @@ def read_valid(
     return SampleBlock.concat(parts), np.concatenate(rows), problems
 
 
-def _first(bad: np.ndarray) -> int:
-    return int(np.flatnonzero(bad)[0])
-
-
-def from_fixed_arrays(
-    path,
-    input_ids,
-    input_mask,
-    segment_ids,
-    masked_lm_positions,
-    masked_lm_ids,
-    next_sentence_labels,
-    vocab_size: int | None = None,
-    first_row: int = 0,
-) -> SampleBlock:
-    """Fixed-layout arrays -> validated SampleBlock (``path`` and ``first_row`` name errors)."""
-    ids, mask, seg, mids = (np.asarray(a) for a in (input_ids, input_mask, segment_ids, masked_lm_ids))
-    mpos = np.asarray(masked_lm_positions).astype(np.int64)
-    nsp = np.asarray(next_sentence_labels).reshape(-1)
+def from_fixed_arrays(path, arrays: dict, vocab_size: int | None = None, first_row: int = 0) -> SampleBlock:
+    """The six fixed-layout arrays (``FIXED_KEYS`` -> array) -> validated SampleBlock (``path`` and
+    ``first_row`` name errors)."""
+    ids, mask, seg, mids = (np.asarray(arrays[k]) for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_ids"))
+    mpos = np.asarray(arrays["masked_lm_positions"]).astype(np.int64)
+    nsp = np.asarray(arrays["next_sentence_labels"]).reshape(-1)
     n, s = ids.shape
     p = mpos.shape[1]
     _refuse(path, ~np.isin(mask, (0, 1)).all(1), "input_mask holds values other than 0 and 1", first_row)
@@ -460,10 +439,6 @@ def from_packed_arrays(
     return _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_sample)
 
 
-def _sample_of(flat_index: int, counts: np.ndarray) -> int:
-    return int(np.searchsorted(np.cumsum(counts), flat_index, side="right"))
-
-
 def _check_tokens(path, ids, seg, lens, vocab_size, first_row) -> None:
     hi = vocab_size if vocab_size is not None else np.iinfo(np.int16).max + 1
     limit = f"the vocabulary's {vocab_size} entries" if vocab_size is not None else "[0, 32768)"
@@ -472,17 +447,17 @@ def _check_tokens(path, ids, seg, lens, vocab_size, first_row) -> None:
         ("segment_ids", seg, (seg != 0) & (seg != 1), "expected 0 or 1"),
     ):
         if bad.any():
-            i = _first(bad)
-            _fail(path, f"sample {first_row + _sample_of(i, lens)}: {key} holds {int(values[i])}, {what}")
+            i = int(np.argmax(bad))
+            sample = int(np.searchsorted(np.cumsum(lens), i, side="right"))  # the sample token i is in
+            _fail(path, f"sample {first_row + sample}: {key} holds {int(values[i])}, {what}")
 
 
-def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) -> None:
-    if positions.size == 0:
-        return
-    owner = np.repeat(np.arange(len(counts)), counts)
+def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_row) -> SampleBlock:
+    """The masked-position and NSP checks every layout ends with, then the SampleBlock."""
+    owner = np.repeat(np.arange(len(counts)), counts)  # [M] the sample of each masked position
     bad = (positions < 1) | (positions >= lens[owner])
     if bad.any():
-        i = _first(bad)
+        i = int(np.argmax(bad))
         r = int(owner[i])
         where = "[CLS] or negative" if positions[i] < 1 else "past the sequence end"
         _fail(path, f"sample {first_row + r}: masked position {int(positions[i])} is {where} ({int(lens[r])} tokens)")
@@ -492,11 +467,6 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
     outside = "the vocabulary" if vocab_size is not None else "[0, 32768)"
     bad = (labels < 0) | (labels >= hi)
     _refuse(path, bad, lambda i: f"masked_lm_ids holds {int(labels[i])}, outside {outside}", first_row, owner=owner)
-
-
-def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_row) -> SampleBlock:
-    """The masked-position and NSP checks every layout ends with, then the SampleBlock."""
-    _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
     bad = (nsp != 0) & (nsp != 1)
     _refuse(path, bad, lambda i: f"next_sentence_labels is {int(nsp[i])}, expected 0 or 1", first_row)
     return SampleBlock(
@@ -568,10 +538,8 @@ def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
 
 
 def _write_rows(f: h5py.File, rows: int, columns) -> None:
-    """One (rows,) variable-length dataset per (key, flat values, values per row, dtype). h5py
-    turns pieces that all have the same length into one 2-D array, which does not fit the
-    dataset (e.g. every sample with the same masked count, or a block of one sample), so those
-    are written one by one."""
+    """One (rows,) variable-length dataset per (key, flat values, values per row, dtype). Pieces
+    all of one length are written one by one: h5py would make them a 2-D array, which does not fit."""
     for key, flat, counts, dtype in columns:
         ds = f.create_dataset(key, (rows,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
         pieces = _split(np.asarray(flat), counts, dtype)
