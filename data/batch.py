@@ -1,10 +1,6 @@
-"""Batch types and the conversions between MLPerf's fixed layout and the unpadded one.
-
-The model sees only these named types: ``UnpaddedBatch`` (sequences concatenated, ``cu_seqlens``
-marking their starts), ``PaddedBatch`` (the ``[B, S]`` baseline) and ``PackedBatch`` (whole
-sequences in rows of S tokens, kept apart by FlashMask bounds; ``data.packing``). ``unpad`` and
-``pad`` convert, vectorised. Structural checks run when a batch is built and read no tensor
-value; ``check_values()`` reads values (a sync on CUDA), where batches are made.
+"""The batch types the model sees (``UnpaddedBatch``, ``PaddedBatch``, ``PackedBatch``) and the
+conversions ``unpad`` (MLPerf's fixed layout -> unpadded) and ``pad``. Structural checks run when
+a batch is built and read no tensor value; ``check_values()`` reads values (a sync on CUDA).
 
 Shape legend: T tokens in the flat batch, B sequences, S padded length, M masked positions.
 """

@@ -1,11 +1,5 @@
-"""The DALI backend (``backend="dali"``): the loader's SampleBlocks -> batches through a DALI pipeline.
-
-``data.loader`` keeps the reading and the rank plan, so both backends see the same samples.
-Each block goes in through ``external_source``; the pipeline pads the token and
-masked-position lists (``fn.pad``; on the GPU ``device_id`` names), and the real tokens are
-gathered back into the flat layout with indices computed on the host from the lengths (no
-device sync). The batches equal ``data.collate``'s field by field (tested on the CPU
-pipeline, ``device_id=None``).
+"""The DALI backend (``backend="dali"``): the loader's SampleBlocks -> batches through a DALI
+pipeline that pads on the CPU or a GPU, equal to ``data.collate``'s field by field (docs/data.md#loading).
 """
 
 from __future__ import annotations

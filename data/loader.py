@@ -54,13 +54,10 @@ def make_collator(
     device_id: int | None = None,
     max_batch_size: int = 1024,
 ) -> Callable[[SampleBlock], UnpaddedBatch | PaddedBatch]:
-    """A function SampleBlock -> batch.
-
-    backend: ``torch`` (``data.collate``, ``data.packing``) or ``dali`` (a DALI pipeline; ``device_id`` None runs
-    it on the CPU, an int on that GPU, whose batches then live on that GPU).
-    layout: ``unpadded``, ``padded`` or ``packed`` (``seq_len`` required: the padded length or
-    the row length; packing is first-fit decreasing, ``data.packing``, torch backend only).
-    """
+    """A function SampleBlock -> batch. backend: ``torch`` (``data.collate``, ``data.packing``) or
+    ``dali`` (a DALI pipeline: ``device_id`` None runs it on the CPU, an int on that GPU, where its
+    batches then live). layout: ``unpadded``, ``padded`` or ``packed`` (``seq_len`` required: the
+    padded length or the row length; ``packed``: first-fit decreasing, torch backend only)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
     if layout in ("padded", "packed") and seq_len is None:
@@ -508,13 +505,10 @@ def eval_slice(num_samples: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 class EvalLoader:
-    """Rank r's contiguous slice of the eval file, as SampleBlocks of ``batch_size`` (the
-    last one may be smaller; a rank may get no samples when there are fewer than ranks).
-
-    max_samples: evaluate only the file's first max_samples samples (None: all of them);
-    ``total_samples`` is the number evaluated over all ranks. max_seq_length: as for
-    ``PretrainingLoader``.
-    """
+    """Rank r's contiguous slice of the eval file, as SampleBlocks of ``batch_size`` (the last
+    one may be smaller; a rank may get no samples when there are fewer than ranks). max_samples:
+    evaluate only the file's first max_samples samples (None: all); ``total_samples`` is the
+    number evaluated over all ranks. max_seq_length: as for ``PretrainingLoader``."""
 
     def __init__(
         self,
@@ -539,7 +533,7 @@ class EvalLoader:
         if vocab_size is None:
             vocab_size = dataset_vocab_size(self.path.parent)
         self.total_samples = inspect(self.path).num_samples
-        if max_samples is not None:  # evaluate on the file's first max_samples samples only
+        if max_samples is not None:
             self.total_samples = min(self.total_samples, max_samples)
         self.start, self.stop = eval_slice(self.total_samples, rank, world_size)
         self.block = read_file(self.path, vocab_size, self.start, self.stop, max_seq_length)

@@ -1,9 +1,6 @@
-"""Packing whole sequences into fixed-length rows: first-fit decreasing, and ``collate_packed``.
-
-``collate_packed(block, seq_len)`` gives a ``PackedBatch`` whose per-sequence fields (NSP
-labels, [CLS] positions, masked positions and labels) keep the block's sample order, so its
-logits line up with ``collate_unpadded``'s; ``unpack`` goes back to that ``UnpaddedBatch``
-with each token's flat index in the packed batch (for SimReg). [docs/packing.md](../docs/packing.md).
+"""Packing whole sequences into fixed-length rows: first-fit decreasing, ``collate_packed`` (a
+``PackedBatch`` in the block's sample order, so its logits line up with ``collate_unpadded``'s)
+and ``unpack`` (back to that ``UnpaddedBatch``, for SimReg). [docs/packing.md](../docs/packing.md).
 """
 
 from __future__ import annotations
@@ -20,11 +17,9 @@ from data.samples import SampleBlock, _within
 def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Place sequences of ``lengths`` into rows of ``capacity`` tokens: longest first (ties in
     sample order), each into the lowest-numbered row with room (a segment tree over the rows'
-    free space: O(log rows)); the result depends only on the lengths.
-
-    Returns (row [n] int64, offset [n] int64: where each sequence starts in its row, number of
-    rows). Raises DataError for a sequence longer than a row or of length < 1.
-    """
+    free space: O(log rows)); the result depends only on the lengths. Returns (row [n] int64,
+    offset [n] int64: where each sequence starts in its row, number of rows); DataError for a
+    sequence longer than a row or of length < 1."""
     lens = np.asarray(lengths, dtype=np.int64)
     n = len(lens)
     if capacity < 1:
