@@ -130,11 +130,9 @@ class UnpaddedBatch(_Batch):
         _require(int(cu[-1]) == t, "cu_seqlens", f"ends at {int(cu[-1])} but the batch has {t} tokens")
         lens = cu[1:] - cu[:-1]
         _require(bool((lens >= 1).all()), "cu_seqlens", "every sequence needs at least one token")
-        _require(
-            int(lens.max()) == self.max_seqlen,
-            "max_seqlen",
-            f"is {self.max_seqlen} but the longest sequence has {int(lens.max())} tokens",
-        )
+        longest = int(lens.max())
+        mismatch = f"is {self.max_seqlen} but the longest sequence has {longest} tokens"
+        _require(longest == self.max_seqlen, "max_seqlen", mismatch)
         if self.host_seqlens is not None:
             _require(lens.tolist() == list(self.host_seqlens), "host_seqlens", "differ from cu_seqlens' lengths")
         counts_up = torch.equal(self.position_ids.long(), torch.arange(t) - torch.repeat_interleave(cu[:-1], lens))
@@ -214,8 +212,7 @@ def unpad(
     if not bool((lens >= 1).all()):
         raise ValueError(f"input_mask: row {int((lens < 1).nonzero()[0])} has no tokens")
 
-    cu = torch.zeros(b + 1, dtype=torch.int64)
-    torch.cumsum(lens, 0, out=cu[1:])
+    cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0))  # [B+1]
     used = mpos != 0  # [B, P]
     past = used & (mpos >= lens.unsqueeze(1))
     if bool(past.any()):
@@ -246,8 +243,7 @@ def pad(batch: UnpaddedBatch, seq_len: int | None = None) -> PaddedBatch:
     _require(s >= batch.max_seqlen, "seq_len", f"{s} is shorter than the longest sequence ({batch.max_seqlen})")
     b = batch.num_sequences
     device = batch.input_ids.device
-    cu = batch.cu_seqlens.long()
-    lens = cu[1:] - cu[:-1]
+    lens = batch.seqlens.long()
     mask = torch.arange(s, device=device).unsqueeze(0) < lens.unsqueeze(1)  # [B, S]
     # Flat index of each unpadded token in the [B*S] padded layout.
     seq_of_token = torch.repeat_interleave(torch.arange(b, device=device), lens)  # [T]
@@ -350,11 +346,8 @@ class PackedBatch(_Batch):
         bounds = self.startend_row_indices.reshape(r * s, 2).long()
         first_col = torch.repeat_interleave(start_col, lens)
         want = torch.stack([first_col + torch.repeat_interleave(lens, lens), first_col], 1)
-        _require(
-            torch.equal(bounds[tokens], want),
-            "startend_row_indices",
-            "a real token's bounds must be (end, start) of its sequence in the row",
-        )
+        ok = torch.equal(bounds[tokens], want)
+        _require(ok, "startend_row_indices", "a real token's bounds must be (end, start) of its sequence in the row")
         pad = used == 0
         pad_want = torch.tensor([0, s], dtype=torch.int64)
         _require(bool((bounds[pad] == pad_want).all()), "startend_row_indices", "padding keys must be (0, S)")

@@ -23,7 +23,7 @@ _FIELDS = (
 class DaliCollator:
     """Callable SampleBlock -> UnpaddedBatch | PaddedBatch through a DALI pipeline.
 
-    layout: ``unpadded`` or ``padded`` (then ``seq_len`` is the row length).
+    layout: ``unpadded`` or ``padded`` (then ``seq_len`` is the row length; ``make_collator`` checks it).
     device_id: None for a CPU pipeline (batches on the CPU), or the GPU to pad on.
     max_batch_size: the most samples one block may hold (blocks may be smaller).
     """
@@ -35,8 +35,6 @@ class DaliCollator:
         device_id: int | None = None,
         max_batch_size: int = 1024,
     ):
-        if layout not in ("unpadded", "padded"):
-            raise ValueError(f"layout {layout!r}: expected 'unpadded' or 'padded'")
         if layout == "padded" and not seq_len:
             raise ValueError("layout 'padded' needs seq_len")
         try:
@@ -84,7 +82,6 @@ class DaliCollator:
 
     def __call__(self, block: SampleBlock) -> UnpaddedBatch | PaddedBatch:
         b = len(block)
-        _check_block(block)
         if b > self.max_batch_size:
             raise ValueError(f"block of {b} samples exceeds the DALI pipeline's max_batch_size {self.max_batch_size}")
         _check_block(block, self.seq_len if self.layout == "padded" else None)

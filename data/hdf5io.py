@@ -323,9 +323,7 @@ def read_valid(
             n = reader.info.num_samples
             todo = [(a, min(a + READ_ROWS, n)) for a in reversed(range(0, n, READ_ROWS))]
             while todo:
-                start, stop = todo.pop()
-                if start >= stop:
-                    continue
+                start, stop = todo.pop()  # never empty: a range is halved only when it holds 2 or more
                 try:
                     parts.append(reader.read(start, stop))
                     rows.append(np.arange(start, stop, dtype=np.int64))

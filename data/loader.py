@@ -338,13 +338,12 @@ class PretrainingLoader:
         files = files.copy()
         rows = _rows(files, offsets, lambda f: self._row_order(get(f), epoch, f))
         replaced = 0
-        if self.on_corrupt == "skip":
-            for f in np.unique(files):
-                sel = np.flatnonzero(files == f)
-                bad = sel[~get(int(f)).valid(rows[sel])]
-                for i in bad:
-                    files[i], rows[i] = self._next_valid(epoch, int(files[i]), int(offsets[i]), get)
-                replaced += len(bad)
+        for f in np.unique(files):  # corrupt rows: only with on_corrupt=skip
+            sel = np.flatnonzero(files == f)
+            bad = sel[~get(int(f)).valid(rows[sel])]
+            for i in bad:
+                files[i], rows[i] = self._next_valid(epoch, int(files[i]), int(offsets[i]), get)
+            replaced += len(bad)
         # Runs of consecutive samples from the same file, in batch order.
         cut = np.flatnonzero(files[1:] != files[:-1]) + 1
         parts = [get(int(f[0])).select(r) for f, r in zip(np.split(files, cut), np.split(rows, cut))]

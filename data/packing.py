@@ -82,8 +82,7 @@ def unpack(batch: PackedBatch) -> tuple[UnpaddedBatch, torch.Tensor]:
     tokens, so ``hidden_states[token_index]`` are the unpadded batch's hidden states."""
     tokens = batch.token_index()  # [T]
     lens = batch.seq_lens.long()
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
-    torch.cumsum(lens, 0, out=cu[1:])
+    cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0))  # [B+1]
     # A masked position's sequence is the last [CLS] at or before it, in flat R*S order.
     order = torch.argsort(batch.cls_positions)
     seq = order[torch.searchsorted(batch.cls_positions[order], batch.mlm_positions, right=True) - 1]
