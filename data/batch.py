@@ -48,9 +48,8 @@ def _check_labels(nsp_labels: Tensor, ids: dict[str, Tensor], vocab_size: int | 
 
 
 def to_device(batch, device):
-    """``batch`` (any of the batch types) on ``device``: on CUDA from pinned host memory with
-    an asynchronous copy, so the host goes on while it travels (a copy from pageable memory
-    would wait for it); elsewhere ``batch.to(device)``. Tensors already on a GPU stay."""
+    """``batch`` (any of the batch types) on ``device``: on CUDA an asynchronous copy from pinned host
+    memory (docs/step.md); elsewhere ``batch.to(device)``. Tensors already on a GPU stay."""
     if torch.device(device).type == "cuda":
         batch = batch._map(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
     return batch.to(device, non_blocking=True)
@@ -150,9 +149,8 @@ class UnpaddedBatch(_Batch):
 class PaddedBatch(_Batch):
     """The padded baseline: B sequences each padded to S tokens.
 
-    input_ids, segment_ids, position_ids: [B, S] int64; attention_mask: [B, S] bool (True =
-    real token). mlm_positions: [M] int64 flat indices into the B*S tokens;
-    mlm_labels: [M] int64; nsp_labels: [B] int64.
+    input_ids, segment_ids, position_ids: [B, S] int64; attention_mask: [B, S] bool (True = real token).
+    mlm_positions: [M] int64 flat indices into the B*S tokens; mlm_labels: [M] int64; nsp_labels: [B] int64.
     """
 
     input_ids: Tensor
@@ -277,16 +275,14 @@ def _as_tensor(x, field: str, ndim: int | None) -> Tensor:
 class PackedBatch(_Batch):
     """R rows of S tokens, each holding one or more whole sequences (B in all), then padding.
 
-    input_ids, segment_ids, position_ids: [R, S] int64, 0 on padding; positions restart at 0
-        per sequence.
+    input_ids, segment_ids, position_ids: [R, S] int64, 0 on padding; positions restart at 0 per sequence.
     startend_row_indices: [R, 1, S, 2] int32, FlashMask bounds (LTS, UTE) of the bidirectional
         document mask (docs/packing.md): (e, a) for a key of the sequence on row positions
         [a, e); (0, S) for a padding key, so padding rows see nothing (attention output 0).
     cls_positions: [B] int64 flat indices into the R*S tokens of each sequence's [CLS]
         (its first token); sequence b's tokens are cls_positions[b] + 0 .. seq_lens[b]-1.
-    seq_lens: [B] int32.
+    seq_lens: [B] int32; nsp_labels: [B] int64.
     mlm_positions: [M] int64 flat indices into the R*S tokens; mlm_labels: [M] int64.
-    nsp_labels: [B] int64.
     Sequences (and their masked positions) keep the order of the samples they came from.
     """
 

@@ -45,15 +45,14 @@ class DaliCollator:
             raise RuntimeError(f"backend 'dali' needs NVIDIA DALI (pip install nvidia-dali-cuda120): {e}") from e
         self.layout, self.seq_len, self.device_id, self.max_batch_size = layout, seq_len, device_id, max_batch_size
         self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
-        pipe = Pipeline(
+        with Pipeline(
             batch_size=max_batch_size,
             num_threads=1,
             device_id=device_id,
             exec_async=False,
             exec_pipelined=False,
             prefetch_queue_depth=1,
-        )
-        with pipe:
+        ) as pipe:
             src = {
                 name: fn.external_source(name=name, dtype=getattr(types, dt), ndim=1, device="cpu")
                 for name, dt, _ in _FIELDS

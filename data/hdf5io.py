@@ -481,8 +481,7 @@ def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, fir
 def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: int, where: str = "") -> dict:
     """SampleBlock -> the six fixed-layout arrays (with MLPerf's dtypes)."""
     n = len(block)
-    lens = block.seq_lens.astype(np.int64)
-    counts = block.masked_counts.astype(np.int64)
+    lens, counts = block.seq_lens.astype(np.int64), block.masked_counts.astype(np.int64)
     _check_most(where, lens, max_seq_length, "tokens", "max_seq_length ")
     _check_most(where, counts, max_predictions, "masked positions", "max_predictions ")
     rows, cols = np.repeat(np.arange(n), lens), _within(lens)
@@ -572,9 +571,7 @@ def write_varlength(
 ) -> None:
     """Write ``block`` in MLPerf's variable-length layout (``next_sentence=False``: masked-LM
     only, without next_sentence_labels; ``vocab_size`` is recorded and sets the id dtype)."""
-    n = len(block)
-    lens = block.seq_lens.astype(np.int64)
-    counts = block.masked_counts.astype(np.int64)
+    lens, counts = block.seq_lens.astype(np.int64), block.masked_counts.astype(np.int64)
     _check_most(f"{path}: ", lens, max_seq_length, "tokens")
     _check_most(f"{path}: ", counts, max_predictions, "masked positions")
     ids = id_dtype(vocab_size)
@@ -585,7 +582,7 @@ def write_varlength(
             ("masked_lm_positions", block.masked_positions, counts, np.int16),
             ("masked_lm_ids", block.masked_ids, counts, ids),
         )
-        _write_rows(f, n, columns)
+        _write_rows(f, len(block), columns)
         if next_sentence:
             f.create_dataset("next_sentence_labels", data=block.nsp_labels.astype(np.int8), track_times=False)
         _write_extras(f, next_sentence, vocab_size)
@@ -617,8 +614,7 @@ def write_packed(
         raise DataError(f"{path}: {e}") from e
     order = np.lexsort((offset, row))  # sequences pack after pack, in their order within the pack
     packed = block.select(order)
-    lens = packed.seq_lens.astype(np.int64)
-    counts = packed.masked_counts.astype(np.int64)
+    lens, counts = packed.seq_lens.astype(np.int64), packed.masked_counts.astype(np.int64)
     seqs_per_pack = np.bincount(row, minlength=num_packs).astype(np.int64)
     pack_of_seq = np.repeat(np.arange(num_packs), seqs_per_pack)
     tokens_per_pack = np.bincount(pack_of_seq, weights=lens, minlength=num_packs).astype(np.int64)

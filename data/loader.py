@@ -163,10 +163,8 @@ class _Loaded:
 
     def __init__(self, block: SampleBlock, index_of_row: np.ndarray | None = None):
         self.block = block
-        self.tok_off = _offsets(block.seq_lens)
-        self.msk_off = _offsets(block.masked_counts)
-        self.rows: np.ndarray | None = None  # the epoch's row order, set on first use
-        self.rows_epoch = -1
+        self.tok_off, self.msk_off = _offsets(block.seq_lens), _offsets(block.masked_counts)
+        self.rows, self.rows_epoch = None, -1  # the epoch's row order, set on first use
         # [rows in the file] -> index into block, -1 for a corrupt row; None: every row is there.
         self.index_of_row = index_of_row
 

@@ -27,8 +27,7 @@ def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray
     if n and (int(lens.min()) < 1 or int(lens.max()) > capacity):
         i = int(np.argmax(lens)) if int(lens.max()) > capacity else int(np.argmin(lens))
         raise DataError(f"sample {i} has {int(lens[i])} tokens; packing needs 1 to seq_len {capacity}")
-    row = np.zeros(n, np.int64)
-    offset = np.zeros(n, np.int64)
+    row, offset = np.zeros(n, np.int64), np.zeros(n, np.int64)
     if n == 0:
         return row, offset, 0
     size = 1 << (n - 1).bit_length()  # leaves: rows 0..size-1, never more rows than sequences
