@@ -292,8 +292,7 @@ class PretrainingLoader:
         return [e.file for e in self._plan_for(rank, world_size).entries(epoch)]
 
     def _plan_for(self, rank, world_size) -> _Plan:
-        if rank is None and world_size is None:
-            return self._plan
+        """The plan of ``rank`` of ``world_size`` (default this rank; ``world_size`` alone: rank 0)."""
         w = self.world_size if world_size is None else world_size
         r = (self.rank if world_size is None else 0) if rank is None else rank
         return _Plan(self.sizes, self.global_batch_size, self.lanes, self.seed, r, w)
