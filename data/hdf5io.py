@@ -484,22 +484,19 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
     lens, counts = block.seq_lens.astype(np.int64), block.masked_counts.astype(np.int64)
     _check_most(where, lens, max_seq_length, "tokens", "max_seq_length ")
     _check_most(where, counts, max_predictions, "masked positions", "max_predictions ")
-    rows, cols = np.repeat(np.arange(n), lens), _within(lens)
-    out = {
-        "input_ids": np.zeros((n, max_seq_length), np.int16),
-        "input_mask": np.zeros((n, max_seq_length), np.int8),
-        "segment_ids": np.zeros((n, max_seq_length), np.int8),
-        "masked_lm_positions": np.zeros((n, max_predictions), np.int16),
-        "masked_lm_ids": np.zeros((n, max_predictions), np.int16),
-        "next_sentence_labels": block.nsp_labels.astype(np.int8),
-    }
-    out["input_ids"][rows, cols] = block.input_ids
-    out["input_mask"][rows, cols] = 1
-    out["segment_ids"][rows, cols] = block.segment_ids
-    mrows, mcols = np.repeat(np.arange(n), counts), _within(counts)
-    out["masked_lm_positions"][mrows, mcols] = block.masked_positions
-    out["masked_lm_ids"][mrows, mcols] = block.masked_ids
-    return out
+    tokens = np.repeat(np.arange(n), lens), _within(lens)  # (row, column) of each token
+    masked = np.repeat(np.arange(n), counts), _within(counts)  # (row, column) of each masked position
+    out = {}
+    for key, width, at, values in (
+        ("input_ids", max_seq_length, tokens, block.input_ids),
+        ("input_mask", max_seq_length, tokens, 1),
+        ("segment_ids", max_seq_length, tokens, block.segment_ids),
+        ("masked_lm_positions", max_predictions, masked, block.masked_positions),
+        ("masked_lm_ids", max_predictions, masked, block.masked_ids),
+    ):
+        out[key] = np.zeros((n, width), FIXED_DTYPES[key])
+        out[key][at] = values
+    return {**out, "next_sentence_labels": block.nsp_labels.astype(FIXED_DTYPES["next_sentence_labels"])}
 
 
 @contextlib.contextmanager
