@@ -6,7 +6,7 @@ the global batch grows in units of one micro-batch on every rank (``BatchRamp``)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from common.errors import DataError
 from data.samples import SampleBlock
@@ -39,9 +39,6 @@ class BatchRamp:
         """Units drawn by steps 0 .. step - 1: the loader's position when step ``step`` begins."""
         ramp = sum(self.units(s) for s in range(min(step, self.steps)))
         return ramp + self.full * max(0, step - self.steps)
-
-    def as_dict(self) -> dict:
-        return {"unit": self.unit, "start": self.start, "full": self.full, "steps": self.steps}
 
 
 class RampedLoader:
@@ -78,14 +75,14 @@ class RampedLoader:
         return self._substituted.pop(step, 0)
 
     def state_dict(self) -> dict:
-        return {**self.loader.state_dict(), "step": self._step, "batch_size_warmup": self.ramp.as_dict()}
+        return {**self.loader.state_dict(), "step": self._step, "batch_size_warmup": asdict(self.ramp)}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved ramp step; the ramp must be the one the position was counted in."""
         saved = state.get("batch_size_warmup")
-        if saved != self.ramp.as_dict():
+        if saved != asdict(self.ramp):
             raise DataError(
-                f"loader state: batch-size warm-up {saved} differs from this run's {self.ramp.as_dict()} "
+                f"loader state: batch-size warm-up {saved} differs from this run's {asdict(self.ramp)} "
                 "(train.batch_size_warmup, train.global_batch_size, train.grad_accum_steps); "
                 "the saved position was counted in another ramp"
             )
