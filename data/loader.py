@@ -398,11 +398,10 @@ class PretrainingLoader:
         if self._executor is None:
             return
         ahead = sum(1 for x in self._entries.values() if (x.epoch, x.first) > (epoch, s))
-        while ahead < self.prefetch_files:
+        for _ in range(self.prefetch_files - ahead):
             if not self._queue:
                 self._extend_queue(self._queued_epoch + 1, 0)
             self._submit(self._queue.pop(0))
-            ahead += 1
 
     def _evict(self, epoch: int, s: int) -> None:
         """Drop the shards whose last step is s or earlier."""
@@ -492,7 +491,6 @@ class PretrainingLoader:
 
     def __exit__(self, *exc):
         self.close()
-        return False
 
 
 def eval_slice(num_samples: int, rank: int, world_size: int) -> tuple[int, int]:
