@@ -344,9 +344,8 @@ class PackedBatch(_Batch):
         want = torch.stack([first_col + torch.repeat_interleave(lens, lens), first_col], 1)
         ok = torch.equal(bounds[tokens], want)
         _require(ok, "startend_row_indices", "a real token's bounds must be (end, start) of its sequence in the row")
-        pad = used == 0
-        pad_want = torch.tensor([0, s], dtype=torch.int64)
-        _require(bool((bounds[pad] == pad_want).all()), "startend_row_indices", "padding keys must be (0, S)")
+        pad_keys = bounds[used == 0]
+        _require(bool((pad_keys == torch.tensor([0, s])).all()), "startend_row_indices", "padding keys must be (0, S)")
         if self.mlm_positions.numel():
             pos = self.mlm_positions.long()
             real = bool(used[pos.clamp(0, r * s - 1)].bool().all()) and int(pos.min()) >= 0 and int(pos.max()) < r * s

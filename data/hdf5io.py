@@ -254,9 +254,8 @@ def read_file(
 
 
 class _Reader:
-    """Validated reads of sample ranges of one open file, with the checks that span the file:
-    sequence lengths against ``max_seq_length``, and (variable-length layouts) no more tokens
-    than the file has bytes: rows sharing heap entries would otherwise multiply its size."""
+    """Validated reads of sample ranges of one open file, with the checks that span the file: sequence
+    lengths against ``max_seq_length`` and (variable-length layouts) no more tokens than file bytes."""
 
     def __init__(self, path, f: h5py.File, vocab_size: int | None, max_seq_length: int | None):
         self.path, self.f, self.max_seq_length = path, f, max_seq_length

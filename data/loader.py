@@ -250,8 +250,6 @@ class PretrainingLoader:
                 self._warn(f"{e}; leaving the file out (data.on_corrupt=skip)")
         if not infos:
             raise DataError(f"{self.files[0].parent}: none of the {len(self.files)} training files can be read")
-        # Masked-LM-only files (no next_sentence_labels) read with nsp labels 0; a mix would
-        # train the NSP head on invented labels for some samples, so it is refused.
         self.next_sentence = infos[0].next_sentence
         odd = next((i for i in infos if i.next_sentence != self.next_sentence), None)
         if odd is not None:
