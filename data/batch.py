@@ -122,8 +122,7 @@ class UnpaddedBatch(_Batch):
 
     def check_values(self, vocab_size: int | None = None) -> UnpaddedBatch:
         """Check the contents (reads values: call on the CPU, where batches are made)."""
-        t = self.num_tokens
-        cu = self.cu_seqlens.long()
+        t, cu = self.num_tokens, self.cu_seqlens.long()
         _require(self.num_sequences > 0, "nsp_labels", "the batch holds no sequence")
         _require(int(cu[0]) == 0, "cu_seqlens", f"must start at 0, starts at {int(cu[0])}")
         _require(int(cu[-1]) == t, "cu_seqlens", f"ends at {int(cu[-1])} but the batch has {t} tokens")
@@ -326,8 +325,7 @@ class PackedBatch(_Batch):
     def check_values(self, vocab_size: int | None = None) -> PackedBatch:
         """Check the contents against each other (reads values: call on the CPU)."""
         r, s = self.input_ids.shape
-        lens = self.seq_lens.long()
-        cls = self.cls_positions.long()
+        lens, cls = self.seq_lens.long(), self.cls_positions.long()
         _require(self.num_sequences > 0, "nsp_labels", "the batch holds no sequence")
         _require(bool((lens >= 1).all()), "seq_lens", "every sequence needs at least one token")
         start_col = cls % s

@@ -397,8 +397,7 @@ def from_packed_arrays(
 ) -> SampleBlock:
     """Packed-layout arrays (``PACKED_KEYS`` -> an object array of one array per pack) -> validated
     SampleBlock of the sequences; ``first_pack`` / ``first_sample`` number the errors."""
-    tokens_per_pack = _lengths(arrays["input_ids"])
-    seqs_per_pack = _lengths(arrays["packed_input_len"])
+    tokens_per_pack, seqs_per_pack = _lengths(arrays["input_ids"]), _lengths(arrays["packed_input_len"])
     lens = _flat(arrays["packed_input_len"], np.int64)  # [n] sequence lengths
     seq_pack = np.repeat(np.arange(len(seqs_per_pack)), seqs_per_pack)  # [n] pack of each sequence
 
