@@ -1,10 +1,6 @@
-"""Batch types and the conversions between MLPerf's fixed layout and the unpadded one.
-
-The model sees only these named types: ``UnpaddedBatch`` (sequences concatenated, ``cu_seqlens``
-marking their starts), ``PaddedBatch`` (the ``[B, S]`` baseline) and ``PackedBatch`` (whole
-sequences in rows of S tokens, kept apart by FlashMask bounds; ``data.packing``). ``unpad`` and
-``pad`` convert, vectorised. Structural checks run when a batch is built and read no tensor
-value; ``check_values()`` reads values (a sync on CUDA), where batches are made.
+"""The batch types the model sees (``UnpaddedBatch``, ``PaddedBatch``, ``PackedBatch``) and the
+conversions ``unpad`` (MLPerf's fixed layout -> unpadded) and ``pad``. Structural checks run when
+a batch is built and read no tensor value; ``check_values()`` reads values (a sync on CUDA).
 
 Shape legend: T tokens in the flat batch, B sequences, S padded length, M masked positions.
 """
@@ -52,9 +48,8 @@ def _check_labels(nsp_labels: Tensor, ids: dict[str, Tensor], vocab_size: int | 
 
 
 def to_device(batch, device):
-    """``batch`` (any of the batch types) on ``device``: on CUDA from pinned host memory with
-    an asynchronous copy, so the host goes on while it travels (a copy from pageable memory
-    would wait for it); elsewhere ``batch.to(device)``. Tensors already on a GPU stay."""
+    """``batch`` (any of the batch types) on ``device``: on CUDA an asynchronous copy from pinned host
+    memory (docs/step.md); elsewhere ``batch.to(device)``. Tensors already on a GPU stay."""
     if torch.device(device).type == "cuda":
         batch = batch._map(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
     return batch.to(device, non_blocking=True)
@@ -127,18 +122,15 @@ class UnpaddedBatch(_Batch):
 
     def check_values(self, vocab_size: int | None = None) -> UnpaddedBatch:
         """Check the contents (reads values: call on the CPU, where batches are made)."""
-        t = self.num_tokens
-        cu = self.cu_seqlens.long()
+        t, cu = self.num_tokens, self.cu_seqlens.long()
         _require(self.num_sequences > 0, "nsp_labels", "the batch holds no sequence")
         _require(int(cu[0]) == 0, "cu_seqlens", f"must start at 0, starts at {int(cu[0])}")
         _require(int(cu[-1]) == t, "cu_seqlens", f"ends at {int(cu[-1])} but the batch has {t} tokens")
         lens = cu[1:] - cu[:-1]
         _require(bool((lens >= 1).all()), "cu_seqlens", "every sequence needs at least one token")
-        _require(
-            int(lens.max()) == self.max_seqlen,
-            "max_seqlen",
-            f"is {self.max_seqlen} but the longest sequence has {int(lens.max())} tokens",
-        )
+        longest = int(lens.max())
+        mismatch = f"is {self.max_seqlen} but the longest sequence has {longest} tokens"
+        _require(longest == self.max_seqlen, "max_seqlen", mismatch)
         if self.host_seqlens is not None:
             _require(lens.tolist() == list(self.host_seqlens), "host_seqlens", "differ from cu_seqlens' lengths")
         counts_up = torch.equal(self.position_ids.long(), torch.arange(t) - torch.repeat_interleave(cu[:-1], lens))
@@ -156,9 +148,8 @@ class UnpaddedBatch(_Batch):
 class PaddedBatch(_Batch):
     """The padded baseline: B sequences each padded to S tokens.
 
-    input_ids, segment_ids, position_ids: [B, S] int64; attention_mask: [B, S] bool (True =
-    real token). mlm_positions: [M] int64 flat indices into the B*S tokens;
-    mlm_labels: [M] int64; nsp_labels: [B] int64.
+    input_ids, segment_ids, position_ids: [B, S] int64; attention_mask: [B, S] bool (True = real token).
+    mlm_positions: [M] int64 flat indices into the B*S tokens; mlm_labels: [M] int64; nsp_labels: [B] int64.
     """
 
     input_ids: Tensor
@@ -218,8 +209,7 @@ def unpad(
     if not bool((lens >= 1).all()):
         raise ValueError(f"input_mask: row {int((lens < 1).nonzero()[0])} has no tokens")
 
-    cu = torch.zeros(b + 1, dtype=torch.int64)
-    torch.cumsum(lens, 0, out=cu[1:])
+    cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0))  # [B+1]
     used = mpos != 0  # [B, P]
     past = used & (mpos >= lens.unsqueeze(1))
     if bool(past.any()):
@@ -250,8 +240,7 @@ def pad(batch: UnpaddedBatch, seq_len: int | None = None) -> PaddedBatch:
     _require(s >= batch.max_seqlen, "seq_len", f"{s} is shorter than the longest sequence ({batch.max_seqlen})")
     b = batch.num_sequences
     device = batch.input_ids.device
-    cu = batch.cu_seqlens.long()
-    lens = cu[1:] - cu[:-1]
+    lens = batch.seqlens.long()
     mask = torch.arange(s, device=device).unsqueeze(0) < lens.unsqueeze(1)  # [B, S]
     # Flat index of each unpadded token in the [B*S] padded layout.
     seq_of_token = torch.repeat_interleave(torch.arange(b, device=device), lens)  # [T]
@@ -285,16 +274,14 @@ def _as_tensor(x, field: str, ndim: int | None) -> Tensor:
 class PackedBatch(_Batch):
     """R rows of S tokens, each holding one or more whole sequences (B in all), then padding.
 
-    input_ids, segment_ids, position_ids: [R, S] int64, 0 on padding; positions restart at 0
-        per sequence.
+    input_ids, segment_ids, position_ids: [R, S] int64, 0 on padding; positions restart at 0 per sequence.
     startend_row_indices: [R, 1, S, 2] int32, FlashMask bounds (LTS, UTE) of the bidirectional
         document mask (docs/packing.md): (e, a) for a key of the sequence on row positions
         [a, e); (0, S) for a padding key, so padding rows see nothing (attention output 0).
     cls_positions: [B] int64 flat indices into the R*S tokens of each sequence's [CLS]
         (its first token); sequence b's tokens are cls_positions[b] + 0 .. seq_lens[b]-1.
-    seq_lens: [B] int32.
+    seq_lens: [B] int32; nsp_labels: [B] int64.
     mlm_positions: [M] int64 flat indices into the R*S tokens; mlm_labels: [M] int64.
-    nsp_labels: [B] int64.
     Sequences (and their masked positions) keep the order of the samples they came from.
     """
 
@@ -338,8 +325,7 @@ class PackedBatch(_Batch):
     def check_values(self, vocab_size: int | None = None) -> PackedBatch:
         """Check the contents against each other (reads values: call on the CPU)."""
         r, s = self.input_ids.shape
-        lens = self.seq_lens.long()
-        cls = self.cls_positions.long()
+        lens, cls = self.seq_lens.long(), self.cls_positions.long()
         _require(self.num_sequences > 0, "nsp_labels", "the batch holds no sequence")
         _require(bool((lens >= 1).all()), "seq_lens", "every sequence needs at least one token")
         start_col = cls % s
@@ -354,14 +340,10 @@ class PackedBatch(_Batch):
         bounds = self.startend_row_indices.reshape(r * s, 2).long()
         first_col = torch.repeat_interleave(start_col, lens)
         want = torch.stack([first_col + torch.repeat_interleave(lens, lens), first_col], 1)
-        _require(
-            torch.equal(bounds[tokens], want),
-            "startend_row_indices",
-            "a real token's bounds must be (end, start) of its sequence in the row",
-        )
-        pad = used == 0
-        pad_want = torch.tensor([0, s], dtype=torch.int64)
-        _require(bool((bounds[pad] == pad_want).all()), "startend_row_indices", "padding keys must be (0, S)")
+        ok = torch.equal(bounds[tokens], want)
+        _require(ok, "startend_row_indices", "a real token's bounds must be (end, start) of its sequence in the row")
+        pad_keys = bounds[used == 0]
+        _require(bool((pad_keys == torch.tensor([0, s])).all()), "startend_row_indices", "padding keys must be (0, S)")
         if self.mlm_positions.numel():
             pos = self.mlm_positions.long()
             real = bool(used[pos.clamp(0, r * s - 1)].bool().all()) and int(pos.min()) >= 0 and int(pos.max()) < r * s

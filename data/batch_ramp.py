@@ -1,17 +1,12 @@
-"""Batch-size warm-up: the global batch grows step by step to its full size (ModernBERT's recipe).
-
-Between the loader and the trainer's step planner. In units of one micro-batch on every rank
-(``train.global_batch_size / train.grad_accum_steps``), step s (from 0) takes
-``k(s) = start + floor(s * (full - start) / steps)`` units while s < steps, then ``full``
-(``start``: ``train.batch_size_warmup[0]`` in units; ``full``: ``train.grad_accum_steps``).
-``RampedLoader`` hands out k(s) unit steps of a ``PretrainingLoader`` as one block;
-``units_before(s)`` gives the sample position for an exact resume.
+"""Batch-size warm-up (ModernBERT's recipe), between the loader and the trainer's step planner:
+the global batch grows in units of one micro-batch on every rank (``BatchRamp``), and
+``RampedLoader`` hands out a step's units of a ``PretrainingLoader`` as one block.
 [docs/modern_encoders.md](../docs/modern_encoders.md#objective-and-schedule).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from common.errors import DataError
 from data.samples import SampleBlock
@@ -19,11 +14,11 @@ from data.samples import SampleBlock
 
 @dataclass(frozen=True)
 class BatchRamp:
-    """k(s) units per step: ``start`` units at step 0 up to ``full`` at step ``steps`` (module docstring)."""
+    """k(s) = start + floor(s * (full - start) / steps) units in step s < steps, then ``full``."""
 
-    unit: int  # global sequences of one unit
-    start: int  # units at step 0, 1 <= start < full
-    full: int  # units of the full batch
+    unit: int  # global sequences of one unit (train.global_batch_size / train.grad_accum_steps)
+    start: int  # units at step 0, 1 <= start < full (train.batch_size_warmup[0] in units)
+    full: int  # units of the full batch (train.grad_accum_steps)
     steps: int  # steps of the ramp, >= 1
 
     def __post_init__(self):
@@ -40,21 +35,10 @@ class BatchRamp:
         """Global sequences in step ``step``."""
         return self.unit * self.units(step)
 
-    def first_step(self, units: int) -> int:
-        """The first step with at least ``units`` units (start <= units <= full)."""
-        d = self.full - self.start
-        return -(-(units - self.start) * self.steps // d)  # ceil
-
     def units_before(self, step: int) -> int:
         """Units drawn by steps 0 .. step - 1: the loader's position when step ``step`` begins."""
-        total = 0
-        for k in range(self.start, self.full):
-            lo, hi = self.first_step(k), self.first_step(k + 1)
-            total += k * max(0, min(hi, step) - lo)
-        return total + self.full * max(0, step - self.steps)
-
-    def as_dict(self) -> dict:
-        return {"unit": self.unit, "start": self.start, "full": self.full, "steps": self.steps}
+        ramp = sum(self.units(s) for s in range(min(step, self.steps)))
+        return ramp + self.full * max(0, step - self.steps)
 
 
 class RampedLoader:
@@ -91,14 +75,14 @@ class RampedLoader:
         return self._substituted.pop(step, 0)
 
     def state_dict(self) -> dict:
-        return {**self.loader.state_dict(), "step": self._step, "batch_size_warmup": self.ramp.as_dict()}
+        return {**self.loader.state_dict(), "step": self._step, "batch_size_warmup": asdict(self.ramp)}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved ramp step; the ramp must be the one the position was counted in."""
         saved = state.get("batch_size_warmup")
-        if saved != self.ramp.as_dict():
+        if saved != asdict(self.ramp):
             raise DataError(
-                f"loader state: batch-size warm-up {saved} differs from this run's {self.ramp.as_dict()} "
+                f"loader state: batch-size warm-up {saved} differs from this run's {asdict(self.ramp)} "
                 "(train.batch_size_warmup, train.global_batch_size, train.grad_accum_steps); "
                 "the saved position was counted in another ramp"
             )

@@ -1,8 +1,6 @@
-"""SampleBlock -> the batch types the model takes, with vectorised numpy (no loop over tokens).
-
-``collate_unpadded`` (the flat ``UnpaddedBatch``) and ``collate_padded`` (the ``[B, S]``
-baseline) give exactly what ``data.batch.unpad`` / ``pad`` give for the same samples;
-``make_collator`` picks ``torch`` (these) or ``dali`` (``data.dali_loader.DaliCollator``).
+"""SampleBlock -> the batch types the model takes, with vectorised numpy (no loop over tokens):
+``collate_unpadded`` and ``collate_padded`` give exactly what ``data.batch.unpad`` / ``pad`` give
+for the same samples (``data.loader.make_collator`` picks these or ``data.dali_loader``'s).
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The DALI backend (``backend="dali"``): the loader's SampleBlocks -> batches through a DALI pipeline.
-
-``data.loader`` keeps the reading and the rank plan, so both backends see the same samples.
-Each block goes in through ``external_source``; the pipeline pads the token and
-masked-position lists (``fn.pad``; on the GPU ``device_id`` names), and the real tokens are
-gathered back into the flat layout with indices computed on the host from the lengths (no
-device sync). The batches equal ``data.collate``'s field by field (tested on the CPU
-pipeline, ``device_id=None``).
+"""The DALI backend (``backend="dali"``): the loader's SampleBlocks -> batches through a DALI
+pipeline that pads on the CPU or a GPU, equal to ``data.collate``'s field by field (docs/data.md#loading).
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ _FIELDS = (
 class DaliCollator:
     """Callable SampleBlock -> UnpaddedBatch | PaddedBatch through a DALI pipeline.
 
-    layout: ``unpadded`` or ``padded`` (then ``seq_len`` is the row length).
+    layout: ``unpadded`` or ``padded`` (then ``seq_len`` is the row length; ``make_collator`` checks it).
     device_id: None for a CPU pipeline (batches on the CPU), or the GPU to pad on.
     max_batch_size: the most samples one block may hold (blocks may be smaller).
     """
@@ -41,8 +35,6 @@ class DaliCollator:
         device_id: int | None = None,
         max_batch_size: int = 1024,
     ):
-        if layout not in ("unpadded", "padded"):
-            raise ValueError(f"layout {layout!r}: expected 'unpadded' or 'padded'")
         if layout == "padded" and not seq_len:
             raise ValueError("layout 'padded' needs seq_len")
         try:
@@ -53,15 +45,14 @@ class DaliCollator:
             raise RuntimeError(f"backend 'dali' needs NVIDIA DALI (pip install nvidia-dali-cuda120): {e}") from e
         self.layout, self.seq_len, self.device_id, self.max_batch_size = layout, seq_len, device_id, max_batch_size
         self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
-        pipe = Pipeline(
+        with Pipeline(
             batch_size=max_batch_size,
             num_threads=1,
             device_id=device_id,
             exec_async=False,
             exec_pipelined=False,
             prefetch_queue_depth=1,
-        )
-        with pipe:
+        ) as pipe:
             src = {
                 name: fn.external_source(name=name, dtype=getattr(types, dt), ndim=1, device="cpu")
                 for name, dt, _ in _FIELDS
@@ -90,7 +81,6 @@ class DaliCollator:
 
     def __call__(self, block: SampleBlock) -> UnpaddedBatch | PaddedBatch:
         b = len(block)
-        _check_block(block)
         if b > self.max_batch_size:
             raise ValueError(f"block of {b} samples exceeds the DALI pipeline's max_batch_size {self.max_batch_size}")
         _check_block(block, self.seq_len if self.layout == "padded" else None)

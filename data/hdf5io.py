@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -32,7 +32,6 @@ FIXED_DTYPES = {
     "masked_lm_ids": np.int16,
     "next_sentence_labels": np.int8,
 }
-FILE_LAYOUTS = ("fixed", "varlength")
 PACKED = "packed"
 PACKED_KEYS = (
     "input_ids",
@@ -44,7 +43,7 @@ PACKED_KEYS = (
     "next_sentence_labels",
 )
 PACKED_DTYPES = {**FIXED_DTYPES, "packed_input_len": np.int16, "packed_masked_lm_len": np.int16}
-ALL_LAYOUTS = FILE_LAYOUTS + (PACKED,)  # what data.prepare.convert writes; FILE_LAYOUTS: what data.prepare writes
+ALL_LAYOUTS = ("fixed", "varlength", PACKED)  # what data.prepare.convert writes
 MAX_SHARD_BYTES = 1 << 40
 READ_ROWS = 16384  # samples read and validated at a time
 MAX_CHUNK_BYTES = 64 << 20  # an HDF5 storage chunk is decompressed whole
@@ -78,7 +77,7 @@ def _refuse(path, bad: np.ndarray, what, first: int = 0, unit: str = "sample", o
     """DataError ``path: {unit} {first + r}: what`` for the first i where ``bad`` holds, r = i
     or ``owner[i]`` (``what``: a text, or a function of i)."""
     if bad.any():
-        i = _first(bad)
+        i = int(np.argmax(bad))  # the first bad one
         r = i if owner is None else int(owner[i])
         _fail(path, f"{unit} {first + r}: {what(i) if callable(what) else what}")
 
@@ -175,7 +174,10 @@ def _read_info(path, f: h5py.File) -> FileInfo:
     if layout != "fixed":
         extra["next_sentence"] = _has_nsp(path, f)
     if layout == PACKED:
-        return replace(_packed_info(path, f), **extra)
+        r = _check_vlen(path, f, [k for k in PACKED_KEYS if k in f], PACKED)  # next_sentence_labels may be absent
+        n = int(_pack_offsets(f)[-1]) if r else 0
+        s, p = (f.attrs.get(k) for k in ("max_seq_length", "max_predictions"))
+        return FileInfo(str(path), PACKED, n, None if s is None else int(s), None if p is None else int(p), r, **extra)
     if extra.get("next_sentence", True):
         nsp = f["next_sentence_labels"]
         _check_int_dtype(path, "next_sentence_labels", nsp.dtype, np.int8)
@@ -187,7 +189,7 @@ def _read_info(path, f: h5py.File) -> FileInfo:
     if layout == "varlength":
         _check_vlen(path, f, VARLENGTH_KEYS[:-1], layout, n)
         s, p = (_int_attr(path, f, name) for name in ("max_seq_length", "max_predictions"))
-        return replace(FileInfo(str(path), layout, n, s, p), **extra)
+        return FileInfo(str(path), layout, n, s, p, **extra)
     for key, size in (("input_ids", "max_seq_length"), ("masked_lm_positions", "max_predictions")):
         if f[key].ndim != 2:
             _fail(path, f"{key} has shape {f[key].shape}, expected (N, {size})")
@@ -225,13 +227,6 @@ def _int_attr(path, f: h5py.File, name: str) -> int | None:
     return int(value)
 
 
-def _packed_info(path, f: h5py.File) -> FileInfo:
-    r = _check_vlen(path, f, [k for k in PACKED_KEYS if k in f], PACKED)  # next_sentence_labels may be absent
-    n = int(_pack_offsets(f)[-1]) if r else 0
-    s, p = (f.attrs.get(k) for k in ("max_seq_length", "max_predictions"))
-    return FileInfo(str(path), PACKED, n, None if s is None else int(s), None if p is None else int(p), num_packs=r)
-
-
 def _pack_offsets(f: h5py.File) -> np.ndarray:
     """[R+1] index of each pack's first sequence (packed_input_len read READ_ROWS packs at a time)."""
     ds = f["packed_input_len"]
@@ -259,9 +254,8 @@ def read_file(
 
 
 class _Reader:
-    """Validated reads of sample ranges of one open file, with the checks that span the file:
-    sequence lengths against ``max_seq_length``, and (variable-length layouts) no more tokens
-    than the file has bytes: rows sharing heap entries would otherwise multiply its size."""
+    """Validated reads of sample ranges of one open file, with the checks that span the file: sequence
+    lengths against ``max_seq_length`` and (variable-length layouts) no more tokens than file bytes."""
 
     def __init__(self, path, f: h5py.File, vocab_size: int | None, max_seq_length: int | None):
         self.path, self.f, self.max_seq_length = path, f, max_seq_length
@@ -293,7 +287,7 @@ class _Reader:
             rows = f"sample {start}" if stop - start == 1 else f"samples {start}..{stop - 1}"
             _fail(self.path, f"cannot read sample data (truncated or corrupt?) in {rows}: {_first_line(e)}")
         if self.info.layout == "fixed":
-            return from_fixed_arrays(self.path, vocab_size=self.vocab_size, first_row=start, **arrays)
+            return from_fixed_arrays(self.path, arrays, self.vocab_size, start)
         return _from_varlength(self.path, arrays, self.vocab_size, start)
 
     def _read_packed(self, start: int, stop: int) -> SampleBlock:
@@ -317,13 +311,10 @@ class _Reader:
 def read_valid(
     path, vocab_size: int | None = None, max_seq_length: int | None = None
 ) -> tuple[SampleBlock, np.ndarray, list[str]]:
-    """The samples of a file that can be read and pass validation, for ``data.on_corrupt=skip``.
-
-    Returns (block of the valid samples in file order, their rows in the file [n] int64, one
-    message per invalid sample, naming file and sample). Ranges that fail are halved until
-    the bad samples are single rows, so a few bad samples cost a few extra reads of their
-    neighbourhood. A file that cannot be opened at all gives no samples and one message.
-    """
+    """The samples of a file that can be read and pass validation, for ``data.on_corrupt=skip``
+    (docs/data.md#loading): (block of the valid samples in file order, their rows in the file
+    [n] int64, one message per invalid sample naming file and sample). A file that cannot be
+    opened at all gives no samples and one message."""
     parts, rows, problems = [], [np.zeros(0, np.int64)], []  # valid blocks, their rows, one message per bad sample
     try:
         with open_hdf5(path) as f:
@@ -331,9 +322,7 @@ def read_valid(
             n = reader.info.num_samples
             todo = [(a, min(a + READ_ROWS, n)) for a in reversed(range(0, n, READ_ROWS))]
             while todo:
-                start, stop = todo.pop()
-                if start >= stop:
-                    continue
+                start, stop = todo.pop()  # never empty: a range is halved only when it holds 2 or more
                 try:
                     parts.append(reader.read(start, stop))
                     rows.append(np.arange(start, stop, dtype=np.int64))
@@ -348,25 +337,12 @@ def read_valid(
     return SampleBlock.concat(parts), np.concatenate(rows), problems
 
 
-def _first(bad: np.ndarray) -> int:
-    return int(np.flatnonzero(bad)[0])
-
-
-def from_fixed_arrays(
-    path,
-    input_ids,
-    input_mask,
-    segment_ids,
-    masked_lm_positions,
-    masked_lm_ids,
-    next_sentence_labels,
-    vocab_size: int | None = None,
-    first_row: int = 0,
-) -> SampleBlock:
-    """Fixed-layout arrays -> validated SampleBlock (``path`` and ``first_row`` name errors)."""
-    ids, mask, seg, mids = (np.asarray(a) for a in (input_ids, input_mask, segment_ids, masked_lm_ids))
-    mpos = np.asarray(masked_lm_positions).astype(np.int64)
-    nsp = np.asarray(next_sentence_labels).reshape(-1)
+def from_fixed_arrays(path, arrays: dict, vocab_size: int | None = None, first_row: int = 0) -> SampleBlock:
+    """The six fixed-layout arrays (``FIXED_KEYS`` -> array) -> validated SampleBlock (``path`` and
+    ``first_row`` name errors)."""
+    ids, mask, seg, mids = (np.asarray(arrays[k]) for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_ids"))
+    mpos = np.asarray(arrays["masked_lm_positions"]).astype(np.int64)
+    nsp = np.asarray(arrays["next_sentence_labels"]).reshape(-1)
     n, s = ids.shape
     p = mpos.shape[1]
     _refuse(path, ~np.isin(mask, (0, 1)).all(1), "input_mask holds values other than 0 and 1", first_row)
@@ -421,8 +397,7 @@ def from_packed_arrays(
 ) -> SampleBlock:
     """Packed-layout arrays (``PACKED_KEYS`` -> an object array of one array per pack) -> validated
     SampleBlock of the sequences; ``first_pack`` / ``first_sample`` number the errors."""
-    tokens_per_pack = _lengths(arrays["input_ids"])
-    seqs_per_pack = _lengths(arrays["packed_input_len"])
+    tokens_per_pack, seqs_per_pack = _lengths(arrays["input_ids"]), _lengths(arrays["packed_input_len"])
     lens = _flat(arrays["packed_input_len"], np.int64)  # [n] sequence lengths
     seq_pack = np.repeat(np.arange(len(seqs_per_pack)), seqs_per_pack)  # [n] pack of each sequence
 
@@ -460,10 +435,6 @@ def from_packed_arrays(
     return _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_sample)
 
 
-def _sample_of(flat_index: int, counts: np.ndarray) -> int:
-    return int(np.searchsorted(np.cumsum(counts), flat_index, side="right"))
-
-
 def _check_tokens(path, ids, seg, lens, vocab_size, first_row) -> None:
     hi = vocab_size if vocab_size is not None else np.iinfo(np.int16).max + 1
     limit = f"the vocabulary's {vocab_size} entries" if vocab_size is not None else "[0, 32768)"
@@ -472,17 +443,17 @@ def _check_tokens(path, ids, seg, lens, vocab_size, first_row) -> None:
         ("segment_ids", seg, (seg != 0) & (seg != 1), "expected 0 or 1"),
     ):
         if bad.any():
-            i = _first(bad)
-            _fail(path, f"sample {first_row + _sample_of(i, lens)}: {key} holds {int(values[i])}, {what}")
+            i = int(np.argmax(bad))
+            sample = int(np.searchsorted(np.cumsum(lens), i, side="right"))  # the sample token i is in
+            _fail(path, f"sample {first_row + sample}: {key} holds {int(values[i])}, {what}")
 
 
-def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) -> None:
-    if positions.size == 0:
-        return
-    owner = np.repeat(np.arange(len(counts)), counts)
+def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_row) -> SampleBlock:
+    """The masked-position and NSP checks every layout ends with, then the SampleBlock."""
+    owner = np.repeat(np.arange(len(counts)), counts)  # [M] the sample of each masked position
     bad = (positions < 1) | (positions >= lens[owner])
     if bad.any():
-        i = _first(bad)
+        i = int(np.argmax(bad))
         r = int(owner[i])
         where = "[CLS] or negative" if positions[i] < 1 else "past the sequence end"
         _fail(path, f"sample {first_row + r}: masked position {int(positions[i])} is {where} ({int(lens[r])} tokens)")
@@ -492,11 +463,6 @@ def _check_masked(path, positions, labels, counts, lens, vocab_size, first_row) 
     outside = "the vocabulary" if vocab_size is not None else "[0, 32768)"
     bad = (labels < 0) | (labels >= hi)
     _refuse(path, bad, lambda i: f"masked_lm_ids holds {int(labels[i])}, outside {outside}", first_row, owner=owner)
-
-
-def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, first_row) -> SampleBlock:
-    """The masked-position and NSP checks every layout ends with, then the SampleBlock."""
-    _check_masked(path, positions, labels, counts, lens, vocab_size, first_row)
     bad = (nsp != 0) & (nsp != 1)
     _refuse(path, bad, lambda i: f"next_sentence_labels is {int(nsp[i])}, expected 0 or 1", first_row)
     return SampleBlock(
@@ -513,26 +479,22 @@ def _block(path, ids, seg, lens, positions, labels, counts, nsp, vocab_size, fir
 def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: int, where: str = "") -> dict:
     """SampleBlock -> the six fixed-layout arrays (with MLPerf's dtypes)."""
     n = len(block)
-    lens = block.seq_lens.astype(np.int64)
-    counts = block.masked_counts.astype(np.int64)
+    lens, counts = block.seq_lens.astype(np.int64), block.masked_counts.astype(np.int64)
     _check_most(where, lens, max_seq_length, "tokens", "max_seq_length ")
     _check_most(where, counts, max_predictions, "masked positions", "max_predictions ")
-    rows, cols = np.repeat(np.arange(n), lens), _within(lens)
-    out = {
-        "input_ids": np.zeros((n, max_seq_length), np.int16),
-        "input_mask": np.zeros((n, max_seq_length), np.int8),
-        "segment_ids": np.zeros((n, max_seq_length), np.int8),
-        "masked_lm_positions": np.zeros((n, max_predictions), np.int16),
-        "masked_lm_ids": np.zeros((n, max_predictions), np.int16),
-        "next_sentence_labels": block.nsp_labels.astype(np.int8),
-    }
-    out["input_ids"][rows, cols] = block.input_ids
-    out["input_mask"][rows, cols] = 1
-    out["segment_ids"][rows, cols] = block.segment_ids
-    mrows, mcols = np.repeat(np.arange(n), counts), _within(counts)
-    out["masked_lm_positions"][mrows, mcols] = block.masked_positions
-    out["masked_lm_ids"][mrows, mcols] = block.masked_ids
-    return out
+    tokens = np.repeat(np.arange(n), lens), _within(lens)  # (row, column) of each token
+    masked = np.repeat(np.arange(n), counts), _within(counts)  # (row, column) of each masked position
+    out = {}
+    for key, width, at, values in (
+        ("input_ids", max_seq_length, tokens, block.input_ids),
+        ("input_mask", max_seq_length, tokens, 1),
+        ("segment_ids", max_seq_length, tokens, block.segment_ids),
+        ("masked_lm_positions", max_predictions, masked, block.masked_positions),
+        ("masked_lm_ids", max_predictions, masked, block.masked_ids),
+    ):
+        out[key] = np.zeros((n, width), FIXED_DTYPES[key])
+        out[key][at] = values
+    return {**out, "next_sentence_labels": block.nsp_labels.astype(FIXED_DTYPES["next_sentence_labels"])}
 
 
 @contextlib.contextmanager
@@ -568,10 +530,8 @@ def _split(flat: np.ndarray, counts: np.ndarray, dtype) -> np.ndarray:
 
 
 def _write_rows(f: h5py.File, rows: int, columns) -> None:
-    """One (rows,) variable-length dataset per (key, flat values, values per row, dtype). h5py
-    turns pieces that all have the same length into one 2-D array, which does not fit the
-    dataset (e.g. every sample with the same masked count, or a block of one sample), so those
-    are written one by one."""
+    """One (rows,) variable-length dataset per (key, flat values, values per row, dtype). Pieces
+    all of one length are written one by one: h5py would make them a 2-D array, which does not fit."""
     for key, flat, counts, dtype in columns:
         ds = f.create_dataset(key, (rows,), dtype=h5py.vlen_dtype(np.dtype(dtype)), track_times=False)
         pieces = _split(np.asarray(flat), counts, dtype)
@@ -606,9 +566,7 @@ def write_varlength(
 ) -> None:
     """Write ``block`` in MLPerf's variable-length layout (``next_sentence=False``: masked-LM
     only, without next_sentence_labels; ``vocab_size`` is recorded and sets the id dtype)."""
-    n = len(block)
-    lens = block.seq_lens.astype(np.int64)
-    counts = block.masked_counts.astype(np.int64)
+    lens, counts = block.seq_lens.astype(np.int64), block.masked_counts.astype(np.int64)
     _check_most(f"{path}: ", lens, max_seq_length, "tokens")
     _check_most(f"{path}: ", counts, max_predictions, "masked positions")
     ids = id_dtype(vocab_size)
@@ -619,7 +577,7 @@ def write_varlength(
             ("masked_lm_positions", block.masked_positions, counts, np.int16),
             ("masked_lm_ids", block.masked_ids, counts, ids),
         )
-        _write_rows(f, n, columns)
+        _write_rows(f, len(block), columns)
         if next_sentence:
             f.create_dataset("next_sentence_labels", data=block.nsp_labels.astype(np.int8), track_times=False)
         _write_extras(f, next_sentence, vocab_size)
@@ -651,8 +609,7 @@ def write_packed(
         raise DataError(f"{path}: {e}") from e
     order = np.lexsort((offset, row))  # sequences pack after pack, in their order within the pack
     packed = block.select(order)
-    lens = packed.seq_lens.astype(np.int64)
-    counts = packed.masked_counts.astype(np.int64)
+    lens, counts = packed.seq_lens.astype(np.int64), packed.masked_counts.astype(np.int64)
     seqs_per_pack = np.bincount(row, minlength=num_packs).astype(np.int64)
     pack_of_seq = np.repeat(np.arange(num_packs), seqs_per_pack)
     tokens_per_pack = np.bincount(pack_of_seq, weights=lens, minlength=num_packs).astype(np.int64)

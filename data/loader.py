@@ -54,13 +54,10 @@ def make_collator(
     device_id: int | None = None,
     max_batch_size: int = 1024,
 ) -> Callable[[SampleBlock], UnpaddedBatch | PaddedBatch]:
-    """A function SampleBlock -> batch.
-
-    backend: ``torch`` (``data.collate``, ``data.packing``) or ``dali`` (a DALI pipeline; ``device_id`` None runs
-    it on the CPU, an int on that GPU, whose batches then live on that GPU).
-    layout: ``unpadded``, ``padded`` or ``packed`` (``seq_len`` required: the padded length or
-    the row length; packing is first-fit decreasing, ``data.packing``, torch backend only).
-    """
+    """A function SampleBlock -> batch. backend: ``torch`` (``data.collate``, ``data.packing``) or
+    ``dali`` (a DALI pipeline: ``device_id`` None runs it on the CPU, an int on that GPU, where its
+    batches then live). layout: ``unpadded``, ``padded`` or ``packed`` (``seq_len`` required: the
+    padded length or the row length; ``packed``: first-fit decreasing, torch backend only)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
     if layout in ("padded", "packed") and seq_len is None:
@@ -166,10 +163,8 @@ class _Loaded:
 
     def __init__(self, block: SampleBlock, index_of_row: np.ndarray | None = None):
         self.block = block
-        self.tok_off = _offsets(block.seq_lens)
-        self.msk_off = _offsets(block.masked_counts)
-        self.rows: np.ndarray | None = None  # the epoch's row order, set on first use
-        self.rows_epoch = -1
+        self.tok_off, self.msk_off = _offsets(block.seq_lens), _offsets(block.masked_counts)
+        self.rows, self.rows_epoch = None, -1  # the epoch's row order, set on first use
         # [rows in the file] -> index into block, -1 for a corrupt row; None: every row is there.
         self.index_of_row = index_of_row
 
@@ -255,8 +250,6 @@ class PretrainingLoader:
                 self._warn(f"{e}; leaving the file out (data.on_corrupt=skip)")
         if not infos:
             raise DataError(f"{self.files[0].parent}: none of the {len(self.files)} training files can be read")
-        # Masked-LM-only files (no next_sentence_labels) read with nsp labels 0; a mix would
-        # train the NSP head on invented labels for some samples, so it is refused.
         self.next_sentence = infos[0].next_sentence
         odd = next((i for i in infos if i.next_sentence != self.next_sentence), None)
         if odd is not None:
@@ -297,8 +290,7 @@ class PretrainingLoader:
         return [e.file for e in self._plan_for(rank, world_size).entries(epoch)]
 
     def _plan_for(self, rank, world_size) -> _Plan:
-        if rank is None and world_size is None:
-            return self._plan
+        """The plan of ``rank`` of ``world_size`` (default this rank; ``world_size`` alone: rank 0)."""
         w = self.world_size if world_size is None else world_size
         r = (self.rank if world_size is None else 0) if rank is None else rank
         return _Plan(self.sizes, self.global_batch_size, self.lanes, self.seed, r, w)
@@ -341,13 +333,12 @@ class PretrainingLoader:
         files = files.copy()
         rows = _rows(files, offsets, lambda f: self._row_order(get(f), epoch, f))
         replaced = 0
-        if self.on_corrupt == "skip":
-            for f in np.unique(files):
-                sel = np.flatnonzero(files == f)
-                bad = sel[~get(int(f)).valid(rows[sel])]
-                for i in bad:
-                    files[i], rows[i] = self._next_valid(epoch, int(files[i]), int(offsets[i]), get)
-                replaced += len(bad)
+        for f in np.unique(files):  # corrupt rows: only with on_corrupt=skip
+            sel = np.flatnonzero(files == f)
+            bad = sel[~get(int(f)).valid(rows[sel])]
+            for i in bad:
+                files[i], rows[i] = self._next_valid(epoch, int(files[i]), int(offsets[i]), get)
+            replaced += len(bad)
         # Runs of consecutive samples from the same file, in batch order.
         cut = np.flatnonzero(files[1:] != files[:-1]) + 1
         parts = [get(int(f[0])).select(r) for f, r in zip(np.split(files, cut), np.split(rows, cut))]
@@ -405,11 +396,10 @@ class PretrainingLoader:
         if self._executor is None:
             return
         ahead = sum(1 for x in self._entries.values() if (x.epoch, x.first) > (epoch, s))
-        while ahead < self.prefetch_files:
+        for _ in range(self.prefetch_files - ahead):
             if not self._queue:
                 self._extend_queue(self._queued_epoch + 1, 0)
             self._submit(self._queue.pop(0))
-            ahead += 1
 
     def _evict(self, epoch: int, s: int) -> None:
         """Drop the shards whose last step is s or earlier."""
@@ -499,7 +489,6 @@ class PretrainingLoader:
 
     def __exit__(self, *exc):
         self.close()
-        return False
 
 
 def eval_slice(num_samples: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -508,13 +497,10 @@ def eval_slice(num_samples: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 class EvalLoader:
-    """Rank r's contiguous slice of the eval file, as SampleBlocks of ``batch_size`` (the
-    last one may be smaller; a rank may get no samples when there are fewer than ranks).
-
-    max_samples: evaluate only the file's first max_samples samples (None: all of them);
-    ``total_samples`` is the number evaluated over all ranks. max_seq_length: as for
-    ``PretrainingLoader``.
-    """
+    """Rank r's contiguous slice of the eval file, as SampleBlocks of ``batch_size`` (the last
+    one may be smaller; a rank may get no samples when there are fewer than ranks). max_samples:
+    evaluate only the file's first max_samples samples (None: all); ``total_samples`` is the
+    number evaluated over all ranks. max_seq_length: as for ``PretrainingLoader``."""
 
     def __init__(
         self,
@@ -539,7 +525,7 @@ class EvalLoader:
         if vocab_size is None:
             vocab_size = dataset_vocab_size(self.path.parent)
         self.total_samples = inspect(self.path).num_samples
-        if max_samples is not None:  # evaluate on the file's first max_samples samples only
+        if max_samples is not None:
             self.total_samples = min(self.total_samples, max_samples)
         self.start, self.stop = eval_slice(self.total_samples, rank, world_size)
         self.block = read_file(self.path, vocab_size, self.start, self.stop, max_seq_length)

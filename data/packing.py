@@ -1,9 +1,6 @@
-"""Packing whole sequences into fixed-length rows: first-fit decreasing, and ``collate_packed``.
-
-``collate_packed(block, seq_len)`` gives a ``PackedBatch`` whose per-sequence fields (NSP
-labels, [CLS] positions, masked positions and labels) keep the block's sample order, so its
-logits line up with ``collate_unpadded``'s; ``unpack`` goes back to that ``UnpaddedBatch``
-with each token's flat index in the packed batch (for SimReg). [docs/packing.md](../docs/packing.md).
+"""Packing whole sequences into fixed-length rows: first-fit decreasing, ``collate_packed`` (a
+``PackedBatch`` in the block's sample order, so its logits line up with ``collate_unpadded``'s)
+and ``unpack`` (back to that ``UnpaddedBatch``, for SimReg). [docs/packing.md](../docs/packing.md).
 """
 
 from __future__ import annotations
@@ -20,11 +17,9 @@ from data.samples import SampleBlock, _within
 def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Place sequences of ``lengths`` into rows of ``capacity`` tokens: longest first (ties in
     sample order), each into the lowest-numbered row with room (a segment tree over the rows'
-    free space: O(log rows)); the result depends only on the lengths.
-
-    Returns (row [n] int64, offset [n] int64: where each sequence starts in its row, number of
-    rows). Raises DataError for a sequence longer than a row or of length < 1.
-    """
+    free space: O(log rows)); the result depends only on the lengths. Returns (row [n] int64,
+    offset [n] int64: where each sequence starts in its row, number of rows); DataError for a
+    sequence longer than a row or of length < 1."""
     lens = np.asarray(lengths, dtype=np.int64)
     n = len(lens)
     if capacity < 1:
@@ -32,8 +27,7 @@ def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray
     if n and (int(lens.min()) < 1 or int(lens.max()) > capacity):
         i = int(np.argmax(lens)) if int(lens.max()) > capacity else int(np.argmin(lens))
         raise DataError(f"sample {i} has {int(lens[i])} tokens; packing needs 1 to seq_len {capacity}")
-    row = np.zeros(n, np.int64)
-    offset = np.zeros(n, np.int64)
+    row, offset = np.zeros(n, np.int64), np.zeros(n, np.int64)
     if n == 0:
         return row, offset, 0
     size = 1 << (n - 1).bit_length()  # leaves: rows 0..size-1, never more rows than sequences
@@ -87,8 +81,7 @@ def unpack(batch: PackedBatch) -> tuple[UnpaddedBatch, torch.Tensor]:
     tokens, so ``hidden_states[token_index]`` are the unpadded batch's hidden states."""
     tokens = batch.token_index()  # [T]
     lens = batch.seq_lens.long()
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
-    torch.cumsum(lens, 0, out=cu[1:])
+    cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0))  # [B+1]
     # A masked position's sequence is the last [CLS] at or before it, in flat R*S order.
     order = torch.argsort(batch.cls_positions)
     seq = order[torch.searchsorted(batch.cls_positions[order], batch.mlm_positions, right=True) - 1]

@@ -10,7 +10,7 @@ For n samples with lengths L_i and m_i masked positions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -79,15 +79,12 @@ class SampleBlock:
     def concat(blocks: list[SampleBlock]) -> SampleBlock:
         if not blocks:
             return SampleBlock.empty()
-        return SampleBlock(*(np.concatenate([getattr(b, f) for b in blocks]) for f in _FIELDS))
+        return SampleBlock(*(np.concatenate([getattr(b, f.name) for b in blocks]) for f in fields(SampleBlock)))
 
     @staticmethod
     def empty() -> SampleBlock:
         int8 = ("segment_ids", "nsp_labels")  # the rest is int32
-        return SampleBlock(*(np.zeros(0, np.int8 if f in int8 else np.int32) for f in _FIELDS))
+        return SampleBlock(*(np.zeros(0, np.int8 if f.name in int8 else np.int32) for f in fields(SampleBlock)))
 
     def equals(self, other: SampleBlock) -> bool:
-        return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _FIELDS)
-
-
-_FIELDS = ("input_ids", "segment_ids", "seq_lens", "masked_positions", "masked_ids", "masked_counts", "nsp_labels")
+        return all(np.array_equal(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))

@@ -215,7 +215,7 @@ def originals(scratch):
     from data.hdf5io import from_fixed_arrays
 
     a = fixed_layout(list(range(1, 25)), V, seq_len=24, max_predictions=4, seed=3)
-    block = from_fixed_arrays("x", **a)
+    block = from_fixed_arrays("x", a)
     out = {}
     for name, write in (
         ("fixed", lambda p: write_fixed(p, block, 24, 4)),

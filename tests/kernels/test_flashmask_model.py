@@ -37,7 +37,7 @@ def test_packed_flashmask_model_equals_reference_unpadded():
     model = BertForPreTraining(config, attention="flashmask").eval()
     model.load_state_dict(reference.state_dict())
     # Lengths chosen so that rows of 128 hold several sequences and some padding.
-    block = from_fixed_arrays("test", **fixed_layout([1, 40, 65, 9, 120, 3, 77, 50], 512, seed=3))
+    block = from_fixed_arrays("test", fixed_layout([1, 40, 65, 9, 120, 3, 77, 50], 512, seed=3))
     unpadded = collate_unpadded(block)
     packed = collate_packed(block, 128).check_values(vocab_size=512)
     assert packed.num_rows == 3 and packed.num_tokens == unpadded.num_tokens
@@ -62,7 +62,7 @@ def test_packed_training_step_with_dropout_runs_and_is_seeded():
     torch.manual_seed(0)
     config = BertConfig.preset("tiny", vocab_size=256, num_hidden_layers=1)
     model = BertForPreTraining(config, attention="flashmask").train()
-    block = from_fixed_arrays("test", **fixed_layout([30, 64, 12, 20], 256, seed=4))
+    block = from_fixed_arrays("test", fixed_layout([30, 64, 12, 20], 256, seed=4))
     batch = collate_packed(block, 64)
     results = []
     for seed in (5, 5, 6):
