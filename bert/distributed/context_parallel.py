@@ -1,13 +1,10 @@
-"""Context parallelism, the model side: which ranks form a CP group, and a group's batch cut
-into one batch per rank.
+"""Context parallelism, the model side: which ranks form a CP group, and a group's batch cut into one
+batch per rank.
 
-A CP group is N consecutive ranks (g*N .. g*N + N - 1) inside data parallelism: every rank stays a
-data-parallel rank, and the N ranks of a group share the documents longer than ``threshold`` tokens.
-``split_batch`` gives this rank its whole short sequences, then its piece of every long document
-(``kernels.context_parallel.ContextShard``); position ids stay each token's place in its whole document,
-and a piece that does not start its document has no [CLS] (NSP label -100). In the trainer ``ContextPool``
-does it per micro-batch on the host: the group all-gathers its ranks' long samples over gloo and every rank
-splits the same list. Attention across ranks: ``kernels.context_parallel``; docs/context_parallel.md.
+A CP group is N consecutive ranks inside data parallelism that share the documents longer than
+``threshold`` tokens. ``split_batch`` gives this rank its whole short sequences, then its piece of every
+long document (``kernels.context_parallel.ContextShard``); ``ContextPool`` does it per micro-batch in the
+trainer. Attention across ranks: ``kernels.context_parallel``; docs/context_parallel.md.
 """
 
 from __future__ import annotations
@@ -122,12 +119,6 @@ def split_batch(
         host_seqlens=tuple(seqlens),
     )
     return ContextBatch(local_batch, shard)
-
-
-def nsp_count(batch: UnpaddedBatch | ContextBatch) -> int:
-    """The sequences whose NSP label counts (a piece without [CLS] does not)."""
-    labels: Tensor = batch.batch.nsp_labels if isinstance(batch, ContextBatch) else batch.nsp_labels
-    return int((labels != NO_NSP).sum())
 
 
 class ContextPool:
