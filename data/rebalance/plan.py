@@ -105,8 +105,8 @@ class Assignment:
         return imbalance(self.costs_after, self.weights)
 
 
-def _as_matrix(lengths_per_rank) -> np.ndarray:
-    """[W, B] int64 lengths from a [W, B] array or a list of W 1-D arrays; validated."""
+def _as_matrix(lengths_per_rank, rank: int | None = None) -> np.ndarray:
+    """[W, B] int64 lengths from a [W, B] array or a list of W 1-D arrays; validated, as is ``rank`` if given."""
     if isinstance(lengths_per_rank, np.ndarray) and lengths_per_rank.ndim == 2:
         L = lengths_per_rank
     else:
@@ -129,6 +129,8 @@ def _as_matrix(lengths_per_rank) -> np.ndarray:
     if L.min() < 1:
         r, j = np.argwhere(L < 1)[0]
         raise ValueError(f"assign: rank {r}: sample {j} has length {L[r, j]} (must be >= 1)")
+    if rank is not None and not 0 <= rank < L.shape[0]:
+        raise ValueError(f"rank: expected 0..{L.shape[0] - 1}, got {rank}")
     return L
 
 
@@ -494,10 +496,8 @@ def plan_for_rank(
 ) -> RankPlan:
     """This rank's part of ``assign(...)``, identical to it, computed in O(W*B) adds plus
     O(group_size * 2**cross_rounds * B) with ``group_size`` (instead of the whole plan)."""
-    L = _as_matrix(lengths_per_rank)
+    L = _as_matrix(lengths_per_rank, rank)
     W, B = L.shape
-    if not 0 <= rank < W:
-        raise ValueError(f"rank: expected 0..{W - 1}, got {rank}")
     if strategy not in ("balanced", "measured") or group_size is None or group_size >= W:
         A = assign(L, strategy, cost, tol, max_rounds, group_size, cross_rounds, speeds, max_samples, min_samples)
         dest = A.dest_rank.ravel().astype(np.int64)
@@ -594,10 +594,8 @@ def context_plan_for_rank(
     which splits it (``bert.distributed.context_parallel``). imbalance_before: CP without the exchange (long
     samples split by their source's group, short ones where they are); imbalance_after: the placement's,
     unless that is no better (greedy can lose to a lucky batch): then nothing moves."""
-    L = _as_matrix(lengths_per_rank)
+    L = _as_matrix(lengths_per_rank, rank)
     W, B = L.shape
-    if not 0 <= rank < W:
-        raise ValueError(f"rank: expected 0..{W - 1}, got {rank}")
     p = place_context(L.ravel(), W, cp_size, threshold, cost)
     src = np.arange(W * B) // B
     dest = np.where(p.rank >= 0, p.rank, src)
