@@ -32,8 +32,7 @@ from launch.distributed import chosen_interface, interface_address
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_ENV = "REPLICA_GROUP_ID"
 TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"  # a silent replica fails the step after this long, and is left out
-# No quorum within this long ends the replica (default dist.timeout_s).
-QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
+QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"  # no quorum within this long ends the replica (unset: dist.timeout_s)
 DEFAULT_TIMEOUT_S = 10
 
 
@@ -112,12 +111,9 @@ class FaultTolerance:
         ifname = chosen_interface(os.environ)
         host = interface_address(ifname) if ifname else socket.gethostname()
         self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        if device.type == "cuda":
-            pg = torchft.ProcessGroupBabyNCCL(timeout=timeout)
-        else:
-            pg = torchft.ProcessGroupGloo(timeout=timeout)
+        process_group = torchft.ProcessGroupBabyNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
         self.manager = torchft.Manager(
-            pg=pg,
+            pg=process_group(timeout=timeout),
             load_state_dict=load_state_dict,
             state_dict=state_dict,
             # The Lighthouse's --min_replicas is the smallest quorum it forms; each formed one commits.
