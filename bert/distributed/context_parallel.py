@@ -54,12 +54,11 @@ class ContextBatch:
 
 @dataclass(frozen=True)
 class ContextGroups:
-    """This rank's CP group: ``group`` (a ProcessGroup, or None when the group is the whole
-    world), its index among the world's groups, and this rank's place in it."""
+    """This rank's CP group."""
 
-    group: object
-    index: int
-    rank: int
+    group: object  # a ProcessGroup, or None when the group is the whole world
+    index: int  # among the world's groups
+    rank: int  # this rank's place in it
     size: int
 
 
@@ -87,8 +86,7 @@ def split_batch(
 
     Sequences longer than ``threshold`` tokens are split over the ``size`` ranks; each other
     sequence b stays whole on rank ``owners[b]`` (default: b % size, in batch order)."""
-    lens = batch.seqlens.tolist()
-    cu = batch.cu_seqlens.tolist()
+    lens, cu = batch.seqlens.tolist(), batch.cu_seqlens.tolist()
     if owners is None:
         owners = [b % size for b in range(len(lens))]
     if len(owners) != len(lens) or any(not 0 <= o < size for o in owners):
@@ -122,14 +120,14 @@ def split_batch(
 
 
 class ContextPool:
-    """Per micro-batch: this rank's SampleBlock -> its ContextBatch (module docstring). Build it
-    on every rank at the same point (it creates process groups)."""
+    """Per micro-batch: this rank's SampleBlock -> its ContextBatch; the group all-gathers its ranks' long
+    samples over gloo (``host_group``) and every rank splits the same list. Build it on every rank at the
+    same point (it creates process groups)."""
 
     def __init__(self, size: int, threshold: int, timeout_s: float):
-        self.groups = context_groups(size)
-        self.threshold = threshold
+        self.groups, self.threshold = context_groups(size), threshold
         timeout = timedelta(seconds=timeout_s)
-        self.host_group = _every_group(size, self.groups.index, backend="gloo", timeout=timeout)  # for the samples
+        self.host_group = _every_group(size, self.groups.index, backend="gloo", timeout=timeout)
 
     def __call__(self, block: SampleBlock, collate: Callable[[SampleBlock], UnpaddedBatch]) -> ContextBatch:
         long = block.seq_lens > self.threshold
