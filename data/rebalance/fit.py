@@ -18,14 +18,13 @@ from data.rebalance.plan import Cost, check_cost
 
 
 class Fit(NamedTuple):
-    """The fitted cost, speed per rank, relative RMS residual, whether the fit was used, and
-    scatter: per rank, the relative standard deviation of its steps' speeds."""
+    """What ``fit_online`` found."""
 
     cost: Cost
-    speeds: tuple[float, ...]
-    residual: float
-    fitted: bool
-    scatter: tuple[float, ...] = ()
+    speeds: tuple[float, ...]  # per rank
+    residual: float  # relative RMS
+    fitted: bool  # whether the fit was used (else ``cost`` is the configured one)
+    scatter: tuple[float, ...] = ()  # per rank, the relative standard deviation of its steps' speeds
 
 
 def length_features(lengths, window: int = 0) -> tuple[float, float, float]:

@@ -31,8 +31,7 @@ class Cost(NamedTuple):
     """Per-sample cost c(L) = a*L + b*L^2 + b_local*L*min(L, window) (arbitrary units; only ratios matter).
 
     a: the per-token work of every layer; b: the global attention layers together (a query sees all L
-    keys); b_local, window: the sliding-window layers together (a query sees at most ``window`` keys,
-    the band's +1 is left in a). docs/rebalancing.md derives them.
+    keys); b_local, window: the sliding-window layers together (at most ``window`` keys; the band's +1 is in a).
     """
 
     a: float
@@ -527,17 +526,12 @@ def _rank_plan(rank: int, B: int, gid: np.ndarray, to: np.ndarray, before, after
 
 @dataclass(frozen=True)
 class ContextPlacement:
-    """Where context parallelism puts a global batch (``place_context``).
+    """Where context parallelism puts a global batch (``place_context``)."""
 
-    group: [N] for each sample, the CP group that splits it (-1: it stays whole); rank: [N] the rank
-        a whole sample goes to (-1: split); predicted: [W] each rank's predicted time (cost / speed,
-        the caller's cost units); imbalance: max / mean of it.
-    """
-
-    group: np.ndarray
-    rank: np.ndarray
-    predicted: np.ndarray
-    imbalance: float
+    group: np.ndarray  # [N] the CP group that splits each sample (-1: it stays whole)
+    rank: np.ndarray  # [N] the rank a whole sample goes to (-1: split)
+    predicted: np.ndarray  # [W] each rank's predicted time (cost / speed, the caller's cost units)
+    imbalance: float  # max / mean of predicted
 
 
 def piece_costs(lengths, cp_size: int, cost: Cost | tuple = DEFAULT_COST) -> np.ndarray:
