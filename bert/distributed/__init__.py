@@ -3,7 +3,6 @@ collective, the step and the missing rank (``collectives``); a step's global cou
 (``host_counts``); per-step fault tolerance across replicas on torchft (``fault_tolerance``); context
 parallelism, documents split across a group of ranks (``context_parallel``).
 
-Imports: ``data.samples``, ``data.batch``, ``data.rebalance``, ``kernels.context_parallel``,
-``launch.distributed`` and ``common`` (``torch.distributed`` and torchft beside them); never the
-model or the trainer.
+Imports: ``data.samples``, ``data.batch``, ``data.rebalance``, ``kernels.context_parallel``, ``launch.distributed`` and
+``common`` (``torch.distributed`` and torchft beside them); never the model or the trainer.
 """

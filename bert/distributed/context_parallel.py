@@ -1,5 +1,4 @@
-"""Context parallelism, the model side: which ranks form a CP group, and a group's batch cut into one
-batch per rank.
+"""Context parallelism, the model side: which ranks form a CP group, and a group's batch cut into one batch per rank.
 
 A CP group is N consecutive ranks inside data parallelism that share the documents longer than
 ``threshold`` tokens. ``split_batch`` gives this rank its whole short sequences, then its piece of every

@@ -179,10 +179,9 @@ class FaultTolerance:
 class ReplicaPlanner:
     """The whole global batch of each step (a loader built for one rank), and this replica's share of it.
 
-    ``block(step)``: the step's global batch, kept until the step commits (a redone step sees the same
-    samples); ``counts``: its global counts; ``share``: this replica's samples, planned by ``data.rebalance``
-    over the live replicas when their number divides the batch, else a contiguous slice.
-    """
+    ``block(step)``: the step's global batch, kept until the step commits (a redone step sees the same samples);
+    ``counts``: its global counts; ``share``: this replica's samples, planned by ``data.rebalance`` over the live
+    replicas when their number divides the batch, else a contiguous slice."""
 
     def __init__(self, loader, rebalance: str, cost: tuple, group_size: int | None, simreg_scope: str | None):
         self.loader, self.batches = loader, iter(loader)

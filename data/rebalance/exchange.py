@@ -1,11 +1,10 @@
 """Cross-rank rebalancing of sequence lengths, the exchange: moves the planned samples.
 
-Between the loader and the collator, each step: one all-gather of a fixed-size header and one int32
-word per sample (length | masked count << 16), this rank's part of the plan (``data.rebalance.plan``),
-then ONE variable-size ``all_to_all_single`` of the samples that change rank (``pack_samples``); the
-block comes back ordered by (source rank, source index). ``Rebalancer.start`` runs the exchange in a
-background thread on its own gloo group, ``wait`` returns it. docs/rebalancing.md.
-Shapes: W ranks, B samples per rank.
+Between the loader and the collator, each step: one all-gather of a fixed-size header and one int32 word per sample
+(length | masked count << 16), this rank's part of the plan (``data.rebalance.plan``), then ONE variable-size
+``all_to_all_single`` of the samples that change rank (``pack_samples``); the block comes back ordered by (source rank,
+source index). ``Rebalancer.start`` runs the exchange in a background thread on its own gloo group, ``wait`` returns it.
+docs/rebalancing.md. Shapes: W ranks, B samples per rank.
 """
 
 from __future__ import annotations
@@ -183,8 +182,7 @@ class Rebalancer:
         ``bert.train.step_timer.StepTimer``, set by the caller) feeds it; without one it plans as ``balanced``.
     max_share, min_samples: ``measured`` with unequal speeds: a rank ends a step holding from min_samples
         (e.g. its micro-batches) to max_share times batch_size samples; 1: swaps only (``assign``'s max_samples).
-    context: (N, threshold) of dist.context_parallel: the plan is ``place_context``'s (balanced only).
-    """
+    context: (N, threshold) of dist.context_parallel: the plan is ``place_context``'s (balanced only)."""
 
     def __init__(
         self,

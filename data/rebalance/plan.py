@@ -1,10 +1,9 @@
 """Cross-rank rebalancing of sequence lengths, the plan: which rank holds which sample.
 
-Pure (numpy only, no process group): every rank computes the same plan, bit for bit, from the gathered
-lengths (integer costs, sorts on unique keys). Each rank keeps B samples (``measured`` with unequal speeds:
-``min_samples`` to ``max_samples``) and each sample moves at most once. ``assign`` gives the whole plan
-(``Assignment``), ``plan_for_rank`` one rank's part (``RankPlan``); the strategies, the hierarchical mode
-and the cost model: docs/rebalancing.md.
+Pure (numpy only, no process group): every rank computes the same plan, bit for bit, from the gathered lengths (integer
+costs, sorts on unique keys). Each rank keeps B samples (``measured`` with unequal speeds: ``min_samples`` to
+``max_samples``) and each sample moves at most once. ``assign`` gives the whole plan (``Assignment``), ``plan_for_rank``
+one rank's part (``RankPlan``); the strategies, the hierarchical mode and the cost model: docs/rebalancing.md.
 
 Shapes: W ranks, B samples per rank, N = W * B samples in the global batch.
 """
@@ -30,9 +29,8 @@ _SPEED_STEPS = 1 << 10  # measured: speeds as integer weights, so every rank get
 class Cost(NamedTuple):
     """Per-sample cost c(L) = a*L + b*L^2 + b_local*L*min(L, window) (arbitrary units; only ratios matter).
 
-    a: the per-token work of every layer; b: the global attention layers together (a query sees all L
-    keys); b_local, window: the sliding-window layers together (at most ``window`` keys; the band's +1 is in a).
-    """
+    a: the per-token work of every layer; b: the global attention layers together (a query sees all L keys); b_local,
+    window: the sliding-window layers together (at most ``window`` keys; the band's +1 is in a)."""
 
     a: float
     b: float
@@ -167,12 +165,11 @@ class _Swapper:
     """Pairwise swaps between ranks on integer costs; every sample moves at most once, so a sender knows
     where its samples end up without following them (``plan_for_rank``).
 
-    ``K[x]``, for the tracked ranks (``rows``): one int64 key per sample still at its own rank x (cost in the
-    high bits, global id in the low ones), sorted when used; samples that left, or that x received (frozen
-    where they land), are -1 and sort first. ``extra`` > 0 adds that many empty slots of cost 0 per row (ids
-    from W * B up), so a heavy rank's sample swapped with a light rank's empty slot moves one way: a rank
-    then holds ``floor`` to B + extra samples; ``extra`` = 0 (``balanced``) keeps B each.
-    """
+    ``K[x]``, for the tracked ranks (``rows``): one int64 key per sample still at its own rank x (cost in the high bits,
+    global id in the low ones), sorted when used; samples that left, or that x received (frozen where they land), are -1
+    and sort first. ``extra`` > 0 adds that many empty slots of cost 0 per row (ids from W * B up), so a heavy rank's
+    sample swapped with a light rank's empty slot moves one way: a rank then holds ``floor`` to B + extra samples;
+    ``extra`` = 0 (``balanced``) keeps B each."""
 
     def __init__(self, q: np.ndarray, L: np.ndarray, load: np.ndarray, rows: np.ndarray, extra: int, floor: int):
         W, n = L.shape
@@ -194,10 +191,9 @@ class _Swapper:
     def swap(self, over: np.ndarray, under: np.ndarray, t: np.ndarray) -> int:
         """Move about t[p] of cost from rank over[p] to rank under[p] for every pair p; returns the samples moved.
 
-        Whole swaps of the heavy rank's largest samples against the light rank's smallest (fewest moves), then
-        one "fine" swap nearest to what is left, among ``nf`` heavy samples spread over the row (equal costs
-        are no choice) and, for each, the light rank's nearest one (one vectorised searchsorted).
-        """
+        Whole swaps of the heavy rank's largest samples against the light rank's smallest (fewest moves), then one
+        "fine" swap nearest to what is left, among ``nf`` heavy samples spread over the row (equal costs are no choice)
+        and, for each, the light rank's nearest one (one vectorised searchsorted)."""
         B, sh, big, P = self.B, self.shift, self.big, len(over)
         rows, cols = np.arange(P), np.arange(B)
         # sort only the rows used in this round (they shrink fast) and keep them sorted
@@ -325,12 +321,11 @@ def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int, w: np.ndarray)
 def _balanced_moves(L, q, load, w, extra, floor, tol, max_rounds, group_size, cross_rounds, only_group=None):
     """(moved global ids, their destinations, loads after, planned loads after) of ``balanced``.
 
-    ``load``: [W] quantised loads before; ``w``: [W] speed weights or None; ``extra``, ``floor``: ``_Swapper``'s;
-    the rest: ``assign``'s. Loads after are exact for the ranks followed (all, unless ``only_group``); planned
-    ones assume every cross-group pair hit its target and every group its mean. ``only_group``: only the swaps
-    that group's samples depend on (its ranks' partners in the last cross round, theirs in the round before,
-    ...: at most group_size * 2**cross_rounds ranks, whatever W is), done exactly as in the full plan.
-    """
+    ``load``: [W] quantised loads before; ``w``: [W] speed weights or None; ``extra``, ``floor``: ``_Swapper``'s; the
+    rest: ``assign``'s. Loads after are exact for the ranks followed (all, unless ``only_group``); planned ones assume
+    every cross-group pair hit its target and every group its mean. ``only_group``: only the swaps that group's samples
+    depend on (its ranks' partners in the last cross round, theirs in the round before, ...: at most
+    group_size * 2**cross_rounds ranks, whatever W is), done exactly as in the full plan."""
     W, B = L.shape
     w = np.ones(W, np.int64) if w is None else w
     G = W if group_size is None or group_size >= W else group_size  # flat: one group, no cross rounds
@@ -467,8 +462,7 @@ class RankPlan:
     recv_rank, recv_index: [R] the samples that arrive, ordered by (source rank, index).
     imbalance_before: exact. imbalance_after: exact, except with ``group_size`` where each rank follows
         only its own group: then it is planned (cross-group pairs hit their targets, groups their means).
-    moved: samples that change rank, over all ranks; None where only planned.
-    """
+    moved: samples that change rank, over all ranks; None where only planned."""
 
     rank: int
     send_index: np.ndarray
