@@ -1,10 +1,9 @@
 """The trainer's collectives, wrapped so that a failure says which one, at which step, and who is missing.
 
-``Collectives.guard(what, step)`` turns a backend's error (a socket, a timeout after ``dist.timeout_s``)
-into one ``CollectiveError`` line naming the collective, the step and the ranks that did not report
-through the rendezvous store (with their hosts). A rank that stops on its own error leaves its message
-there (``announce_exit``, ``hold_store``) and a watcher thread ends the others with that cause (with
-NCCL, its watchdog usually ends the process first): [docs/reliability.md](../docs/reliability.md).
+``Collectives.guard(what, step)`` turns a backend's error into one ``CollectiveError`` line naming the
+collective, the step and the ranks that did not report through the rendezvous store (with their hosts).
+A rank that stops on its own error leaves its message there (``announce_exit``, ``hold_store``) and a
+watcher thread ends the others with that cause: [docs/reliability.md](../docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -56,9 +55,8 @@ def backend_reason(e: BaseException) -> str:
 class Collectives:
     """All-reduce and guards for one process group (the default one).
 
-    rank, world_size: this process's place; timeout_s: the group's collective timeout, quoted
-    in messages (a fifth of it, 2 to 10 s, is how long a failing rank waits for the others' reports).
-    """
+    rank, world_size: this process's place; timeout_s: the group's collective timeout, quoted in messages (a fifth of
+    it, 2 to 10 s, is how long a failing rank waits for the others' reports)."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
@@ -83,7 +81,12 @@ class Collectives:
             self._waiting = None  # this rank reports the failure itself: the watcher stays out of it
             if self.world_size == 1 or not is_comm_error(e):
                 raise
-            raise self.error(what, step, e, time.monotonic() - start) from e
+            where = f"{what} at step {step}" if step >= 0 else what
+            raise CollectiveError(
+                f"rank {self.rank}: {where} failed after {time.monotonic() - start:.1f} s "
+                f"(dist.timeout_s={self.timeout_s:g}): {self._missing_ranks(where)}; "
+                f"{dist.get_backend() if dist.is_initialized() else 'backend'}: {backend_reason(e)}"
+            ) from e
         finally:
             self._waiting = outer
 
@@ -122,14 +125,6 @@ class Collectives:
             with self.guard(what, step):
                 dist.all_reduce(t, op=op)
         return t
-
-    def error(self, what: str, step: int, cause: BaseException, elapsed: float) -> CollectiveError:
-        where = f"{what} at step {step}" if step >= 0 else what
-        return CollectiveError(
-            f"rank {self.rank}: {where} failed after {elapsed:.1f} s "
-            f"(dist.timeout_s={self.timeout_s:g}): {self._missing_ranks(where)}; "
-            f"{dist.get_backend() if dist.is_initialized() else 'backend'}: {backend_reason(cause)}"
-        )
 
     def _missing_ranks(self, where: str) -> str:
         """Ask the store what the other ranks reported: who stopped first, and who is silent."""

@@ -1,13 +1,9 @@
-"""Context parallelism, the model side: which ranks form a CP group, and a group's batch cut
-into one batch per rank.
+"""Context parallelism, the model side: which ranks form a CP group, and a group's batch cut into one batch per rank.
 
-A CP group is N consecutive ranks (g*N .. g*N + N - 1) inside data parallelism: every rank stays a
-data-parallel rank, and the N ranks of a group share the documents longer than ``threshold`` tokens.
-``split_batch`` gives this rank its whole short sequences, then its piece of every long document
-(``kernels.context_parallel.ContextShard``); position ids stay each token's place in its whole document,
-and a piece that does not start its document has no [CLS] (NSP label -100). In the trainer ``ContextPool``
-does it per micro-batch on the host: the group all-gathers its ranks' long samples over gloo and every rank
-splits the same list. Attention across ranks: ``kernels.context_parallel``; docs/context_parallel.md.
+A CP group is N consecutive ranks inside data parallelism that share the documents longer than
+``threshold`` tokens. ``split_batch`` gives this rank its whole short sequences, then its piece of every
+long document (``kernels.context_parallel.ContextShard``); ``ContextPool`` does it per micro-batch in the
+trainer. Attention across ranks: ``kernels.context_parallel``; docs/context_parallel.md.
 """
 
 from __future__ import annotations
@@ -57,12 +53,11 @@ class ContextBatch:
 
 @dataclass(frozen=True)
 class ContextGroups:
-    """This rank's CP group: ``group`` (a ProcessGroup, or None when the group is the whole
-    world), its index among the world's groups, and this rank's place in it."""
+    """This rank's CP group."""
 
-    group: object
-    index: int
-    rank: int
+    group: object  # a ProcessGroup, or None when the group is the whole world
+    index: int  # among the world's groups
+    rank: int  # this rank's place in it
     size: int
 
 
@@ -90,8 +85,7 @@ def split_batch(
 
     Sequences longer than ``threshold`` tokens are split over the ``size`` ranks; each other
     sequence b stays whole on rank ``owners[b]`` (default: b % size, in batch order)."""
-    lens = batch.seqlens.tolist()
-    cu = batch.cu_seqlens.tolist()
+    lens, cu = batch.seqlens.tolist(), batch.cu_seqlens.tolist()
     if owners is None:
         owners = [b % size for b in range(len(lens))]
     if len(owners) != len(lens) or any(not 0 <= o < size for o in owners):
@@ -124,21 +118,15 @@ def split_batch(
     return ContextBatch(local_batch, shard)
 
 
-def nsp_count(batch: UnpaddedBatch | ContextBatch) -> int:
-    """The sequences whose NSP label counts (a piece without [CLS] does not)."""
-    labels: Tensor = batch.batch.nsp_labels if isinstance(batch, ContextBatch) else batch.nsp_labels
-    return int((labels != NO_NSP).sum())
-
-
 class ContextPool:
-    """Per micro-batch: this rank's SampleBlock -> its ContextBatch (module docstring). Build it
-    on every rank at the same point (it creates process groups)."""
+    """Per micro-batch: this rank's SampleBlock -> its ContextBatch; the group all-gathers its ranks' long
+    samples over gloo (``host_group``) and every rank splits the same list. Build it on every rank at the
+    same point (it creates process groups)."""
 
     def __init__(self, size: int, threshold: int, timeout_s: float):
-        self.groups = context_groups(size)
-        self.threshold = threshold
+        self.groups, self.threshold = context_groups(size), threshold
         timeout = timedelta(seconds=timeout_s)
-        self.host_group = _every_group(size, self.groups.index, backend="gloo", timeout=timeout)  # for the samples
+        self.host_group = _every_group(size, self.groups.index, backend="gloo", timeout=timeout)
 
     def __call__(self, block: SampleBlock, collate: Callable[[SampleBlock], UnpaddedBatch]) -> ContextBatch:
         long = block.seq_lens > self.threshold

@@ -1,12 +1,10 @@
 """Per-step fault tolerance on torchft (``dist.fault_tolerance=torchft``): a lost replica costs one step.
 
-Each process is a replica group of one rank. Every step it joins a quorum (``FaultTolerance.begin_step``),
-runs its share of the whole global batch (``ReplicaPlanner``), averages gradients and loss parts over the
-live replicas in one all-reduce (``average_``) and steps only when the quorum commits (``commit``); a step
-not committed is redone on the same samples. The batch of step t depends on (seed, t) alone and the losses
-on global counts, so the numbers do not depend on the replica count. A replica behind the others first
-receives a peer's training state (the checkpoint's contents). torchft is optional: imported when a
-``FaultTolerance`` is built. Design, limits and numbers: docs/reliability.md, "Per-step fault tolerance".
+Each process is a replica group of one rank. Every step it joins a quorum (``FaultTolerance.begin_step``,
+where a replica behind the others heals from a peer), runs its share of the whole global batch
+(``ReplicaPlanner``), averages gradients and loss parts over the live replicas (``average_``) and steps
+only when the quorum commits (``commit``), else redoes the step on the same samples. torchft is optional:
+imported when a ``FaultTolerance`` is built. Design, limits and numbers: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ from launch.distributed import chosen_interface, interface_address
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_ENV = "REPLICA_GROUP_ID"
 TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"  # a silent replica fails the step after this long, and is left out
-# No quorum within this long ends the replica (default dist.timeout_s).
-QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
+QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"  # no quorum within this long ends the replica (unset: dist.timeout_s)
 DEFAULT_TIMEOUT_S = 10
 
 
@@ -114,12 +111,9 @@ class FaultTolerance:
         ifname = chosen_interface(os.environ)
         host = interface_address(ifname) if ifname else socket.gethostname()
         self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        if device.type == "cuda":
-            pg = torchft.ProcessGroupBabyNCCL(timeout=timeout)
-        else:
-            pg = torchft.ProcessGroupGloo(timeout=timeout)
+        process_group = torchft.ProcessGroupBabyNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
         self.manager = torchft.Manager(
-            pg=pg,
+            pg=process_group(timeout=timeout),
             load_state_dict=load_state_dict,
             state_dict=state_dict,
             # The Lighthouse's --min_replicas is the smallest quorum it forms; each formed one commits.
@@ -185,11 +179,9 @@ class FaultTolerance:
 class ReplicaPlanner:
     """The whole global batch of each step (a loader built for one rank), and this replica's share of it.
 
-    ``block(step)`` is the step's global batch, kept until the step commits so that a redone step
-    sees the same samples; ``counts`` its global counts, from the host; ``share(block, quorum)`` the
-    samples this replica runs: ``data.rebalance`` (none, stripe, balanced) planned on the host
-    over the live replicas when their number divides the batch, else a contiguous slice.
-    """
+    ``block(step)``: the step's global batch, kept until the step commits (a redone step sees the same samples);
+    ``counts``: its global counts; ``share``: this replica's samples, planned by ``data.rebalance`` over the live
+    replicas when their number divides the batch, else a contiguous slice."""
 
     def __init__(self, loader, rebalance: str, cost: tuple, group_size: int | None, simreg_scope: str | None):
         self.loader, self.batches = loader, iter(loader)
@@ -226,24 +218,17 @@ class ReplicaPlanner:
         held = plan.src_rank[r] >= 0  # rows past a rank's count are -1 (only measured plans have them)
         mine = plan.src_rank[r][held].astype(np.int64) * (g // n) + plan.src_index[r][held]
         ms = (time.perf_counter() - t0) * 1e3
-        moved_in = int((plan.src_rank[r][held] != r).sum())
-        stats = ExchangeStats(
+        # every replica holds the whole batch: nothing to gather or send (the collectives' fields stay 0)
+        return block.select(mine), ExchangeStats(
             step=step,
             strategy=self.rebalance,
             imbalance_before=plan.imbalance_before,
             imbalance_after=plan.imbalance_after,
             samples_moved=plan.moved,
             samples_sent=int((plan.dest_rank[r] != r).sum()),
-            samples_received=moved_in,
-            gather_bytes_received=0,  # every replica holds the whole batch: nothing to gather or send
-            payload_bytes_sent=0,
-            payload_bytes_received=0,
-            gather_ms=0.0,
+            samples_received=int((plan.src_rank[r][held] != r).sum()),
+            token_share=float(block.seq_lens[mine].sum()) * n / max(int(lengths.sum()), 1),
             assign_ms=ms,
-            all_to_all_ms=0.0,
             exchange_ms=ms,
             wait_ms=ms,
-            hidden_fraction=0.0,
-            token_share=float(block.seq_lens[mine].sum()) * n / max(int(lengths.sum()), 1),
         )
-        return block.select(mine), stats

@@ -1,10 +1,9 @@
 """A step's global counts, agreed between ranks on the host: no device read.
 
-Between the loader (or the rebalancer) and ``train_step``: the losses' normalisers, the summary's
-counts and a stop request are sums over samples, known on the host and unchanged by rebalancing.
-``CountAgreement`` sums the ranks' ``local_counts`` (6 int64 words) in one all-reduce on a CPU gloo
-group of its own; ``StepPlanner`` agrees on each drawn block's counts as the step begins. Why this
-hides behind the device's queued work: [docs/step.md](../docs/step.md#the-timeline).
+The losses' normalisers, the summary's counts and a stop request are sums over samples, known on the
+host and unchanged by rebalancing: ``CountAgreement`` sums the ranks' ``local_counts`` in one all-reduce
+on a gloo group of its own; ``StepPlanner`` agrees on each drawn block's counts as the step begins.
+Why this hides behind the device's queued work: [docs/step.md](../docs/step.md#the-timeline).
 """
 
 from __future__ import annotations
@@ -20,11 +19,8 @@ from data.samples import SampleBlock
 
 
 def simreg_anchor_count(seq_lens, input_ids, masked_positions, masked_ids, masked_counts, scope: str = "masked") -> int:
-    """SimReg's anchor count for samples given as flat numpy arrays (a ``SampleBlock``'s).
-
-    Anchors depend on labels only, so the trainer counts them on the host and all-reduces them with
-    the step's other counts. A token is an anchor when another token of its sequence has its label.
-    """
+    """SimReg's anchor count for samples given as flat numpy arrays (a ``SampleBlock``'s): the tokens
+    (masked ones, or all with scope "all") that share their label with another token of their sequence."""
     if scope == "masked":
         seq = np.repeat(np.arange(len(masked_counts)), masked_counts)
         labels = np.asarray(masked_ids, dtype=np.int64)
@@ -55,10 +51,8 @@ class StepCounts:
 
 def local_counts(block: SampleBlock, stop: bool, corrupt: int, simreg_scope: str | None) -> np.ndarray:
     """[6] int64: this rank's share of ``StepCounts``' fields, in order; anchors only with SimReg (a scope)."""
-    anchors = 0
-    if simreg_scope is not None:
-        arrays = (block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids, block.masked_counts)
-        anchors = simreg_anchor_count(*arrays, simreg_scope)
+    arrays = (block.seq_lens, block.input_ids, block.masked_positions, block.masked_ids, block.masked_counts)
+    anchors = 0 if simreg_scope is None else simreg_anchor_count(*arrays, simreg_scope)
     return np.array(
         [int(block.masked_counts.sum()), len(block), block.num_tokens, int(stop), anchors, corrupt], dtype=np.int64
     )
@@ -81,13 +75,9 @@ class CountAgreement:
 
 
 class StepPlanner:
-    """This rank's block of every step, and the step's counts agreed over ranks on the host.
-
-    ``next_block(step)`` returns the block of ``step`` (after the rebalancer's exchange, which ran
-    behind the previous step) and keeps this rank's share as drawn from the loader; ``agree(step,
-    stop)`` sums its counts over ranks with the stop request sampled now, as the step begins (a stop
-    request seen then stops every rank after that step; a corrupt shard stops the run at its step).
-    """
+    """This rank's block of every step (after the rebalancer's exchange, which ran behind the previous
+    step), and the step's counts, of the blocks as drawn, agreed over ranks as the step begins with the
+    stop request sampled then (it stops every rank after that step)."""
 
     def __init__(self, loader, rebalancer, agreement: CountAgreement, coll, simreg_scope: str | None):
         self.batches, self.loader, self.rebalancer = iter(loader), loader, rebalancer

@@ -1,11 +1,10 @@
 """Cross-rank rebalancing of sequence lengths, the exchange: moves the planned samples.
 
-Between the loader and the collator, each step: one all-gather of a fixed-size header and one int32
-word per sample (length | masked count << 16), this rank's part of the plan (``data.rebalance.plan``),
-then ONE variable-size ``all_to_all_single`` of the samples that change rank (``pack_samples``); the
-block comes back ordered by (source rank, source index). ``Rebalancer.start`` runs the exchange in a
-background thread on its own gloo group, ``wait`` returns it. docs/rebalancing.md.
-Shapes: W ranks, B samples per rank.
+Between the loader and the collator, each step: one all-gather of a fixed-size header and one int32 word per sample
+(length | masked count << 16), this rank's part of the plan (``data.rebalance.plan``), then ONE variable-size
+``all_to_all_single`` of the samples that change rank (``pack_samples``); the block comes back ordered by (source rank,
+source index). ``Rebalancer.start`` runs the exchange in a background thread on its own gloo group, ``wait`` returns it.
+docs/rebalancing.md. Shapes: W ranks, B samples per rank.
 """
 
 from __future__ import annotations
@@ -17,6 +16,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from common.errors import RunFailure
 from data.batch_ramp import BatchRamp
@@ -151,15 +152,16 @@ class ExchangeStats:
     samples_sent: int  # this rank
     samples_received: int
     token_share: float  # this rank's tokens after the exchange over the mean rank's
-    gather_bytes_received: int  # the all-gathered headers and lengths, this rank
-    payload_bytes_sent: int  # the all-to-all, this rank
-    payload_bytes_received: int
-    gather_ms: float
     assign_ms: float
-    all_to_all_ms: float
-    exchange_ms: float  # all of the above, start to finish
+    exchange_ms: float  # gather, assign and all-to-all, start to finish
     wait_ms: float  # how long the caller blocked for the result
-    hidden_fraction: float  # 1 - wait_ms / exchange_ms, in [0, 1]
+    # The collectives' share (0 where the plan is made from a batch every replica holds: ReplicaPlanner)
+    gather_bytes_received: int = 0  # the all-gathered headers and lengths, this rank
+    payload_bytes_sent: int = 0  # the all-to-all, this rank
+    payload_bytes_received: int = 0
+    gather_ms: float = 0.0
+    all_to_all_ms: float = 0.0
+    hidden_fraction: float = 0.0  # 1 - wait_ms / exchange_ms, in [0, 1]
     fit: dict = field(default_factory=dict)  # measured: the cost and speeds the next plan uses
 
 
@@ -167,23 +169,20 @@ class Rebalancer:
     """Balances sequence lengths across the ranks, one exchange per step.
 
     strategy: one of ``STRATEGIES``; cost: a ``data.rebalance.plan.Cost`` or its tuple.
-    batch_size: samples per rank per step (every rank must bring exactly this many; ``measured`` may hand
-        a rank back fewer or more, see max_share); with ``ramp`` (a
-        ``data.batch_ramp.BatchRamp``) step s holds ``ramp.batch_size(s) / world_size`` instead.
+    batch_size: samples every rank brings per step (``measured`` may hand one back fewer or more); with
+        ``ramp`` (a ``data.batch_ramp.BatchRamp``) step s holds ``ramp.batch_size(s) / world_size`` instead.
     max_len: the longest allowed sequence. world_size: how many ranks this rank expects (default: the
         group's size); a rank expecting another number is named in the error.
     group_size, cross_rounds, tol: see ``assign``; with group_size each rank plans only its group's part.
-    The exchange runs on a gloo group of its own, so it never queues behind (or in front of) the training
-    collectives and can run in a thread. Constructing a Rebalancer is collective: every rank must do it,
-    in the same order relative to other ``new_group`` calls.
-    timeout_s: the group's collective timeout; a rank that stops calling the exchange turns into a
-        ``RebalanceError`` on the others after this long, never a hang.
+    timeout_s: the timeout of the exchange's own gloo group (it never queues behind the training
+        collectives and can run in a thread): a rank that stops calling the exchange turns into a
+        ``RebalanceError`` on the others, never a hang. Constructing a Rebalancer is collective: every
+        rank, in the same order relative to other ``new_group`` calls.
     measured: (window steps, bound, rate) of the ``OnlineModel``; ``timer`` (a
         ``bert.train.step_timer.StepTimer``, set by the caller) feeds it; without one it plans as ``balanced``.
-    max_share, min_samples: ``measured`` only: with unequal speeds a rank may end a step holding up to
-        max_share times its batch_size samples and no fewer than min_samples (e.g. its micro-batches);
-        max_share 1: exactly batch_size, swaps only (``assign``'s max_samples).
-    """
+    max_share, min_samples: ``measured`` with unequal speeds: a rank ends a step holding from min_samples
+        (e.g. its micro-batches) to max_share times batch_size samples; 1: swaps only (``assign``'s max_samples).
+    context: (N, threshold) of dist.context_parallel: the plan is ``place_context``'s (balanced only)."""
 
     def __init__(
         self,
@@ -203,8 +202,6 @@ class Rebalancer:
         min_samples: int = 1,
         context: tuple[int, int] | None = None,
     ):
-        import torch.distributed as dist
-
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if batch_size < 1:
@@ -220,7 +217,6 @@ class Rebalancer:
         cost = check_cost(cost)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Rebalancer: torch.distributed is not initialised (call launch.distributed first)")
-        self._dist = dist
         self.strategy, self.cost, self.tol, self.ramp = strategy, cost, tol, ramp
         self.batch_size, self.max_len, self.timeout_s = batch_size, max_len, timeout_s
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -233,7 +229,6 @@ class Rebalancer:
         self.group_size, self.cross_rounds = group_size, cross_rounds
         self.measured, self.timer = tuple(measured), None
         self.max_share, self.min_samples = float(max_share), int(min_samples)
-        # (N, threshold) of dist.context_parallel: the plan is place_context's (balanced only)
         self.context = tuple(context) if context is not None else None
         if self.context is not None and (strategy != "balanced" or self.world_size % self.context[0]):
             raise ValueError(f"context: {self.context} needs strategy balanced and N dividing the world size")
@@ -256,11 +251,9 @@ class Rebalancer:
             ) from e
 
     def _all_gather(self, words: np.ndarray, step: int, what: str) -> np.ndarray:
-        import torch
-
         mine = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int32))
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._collective(what, step, lambda: self._dist.all_gather(parts, mine, group=self.group))
+        self._collective(what, step, lambda: dist.all_gather(parts, mine, group=self.group))
         return torch.stack(parts).numpy()  # [W, len(words)]
 
     def _check_settings_agree(self) -> None:
@@ -334,8 +327,6 @@ class Rebalancer:
             raise RebalanceError(f"rebalance step {step}: " + "; ".join(problems[:4]) + more)
 
     def _exchange(self, block: SampleBlock, step: int, measure) -> tuple[SampleBlock, ExchangeStats]:
-        import torch
-
         W, B, me = self.world_size, self.batch_size_at(step), self.rank
         t0 = time.perf_counter()
         hdr = self._all_gather(self._header(block, step, measure), step, "the length all-gather")
@@ -364,7 +355,7 @@ class Rebalancer:
             recv = torch.empty(int(out_splits.sum()), dtype=torch.int32)
 
             def all_to_all():
-                self._dist.all_to_all_single(recv, send, out_splits.tolist(), in_splits.tolist(), group=self.group)
+                dist.all_to_all_single(recv, send, out_splits.tolist(), in_splits.tolist(), group=self.group)
 
             self._collective("the sample all-to-all", step, all_to_all)
             received = unpack_samples(recv.numpy(), lengths[recv_r, recv_i], masked[recv_r, recv_i], block)
@@ -387,15 +378,14 @@ class Rebalancer:
             samples_sent=len(send_idx),
             samples_received=len(recv_r),
             token_share=float(out.seq_lens.sum()) * W / max(int(lengths.sum()), 1),
+            assign_ms=ms(t1, t2),
+            exchange_ms=ms(t0, t4),
+            wait_ms=ms(t0, t4),
             gather_bytes_received=int(hdr.size * 4),
             payload_bytes_sent=int(in_splits.sum() * 4),
             payload_bytes_received=int(out_splits.sum() * 4),
             gather_ms=ms(t0, t1),
-            assign_ms=ms(t1, t2),
             all_to_all_ms=ms(t2, t3),
-            exchange_ms=ms(t0, t4),
-            wait_ms=ms(t0, t4),
-            hidden_fraction=0.0,
             fit=fit,
         )
 

@@ -1,10 +1,9 @@
 """Online fit of the rebalancer's cost model and a speed per rank, from measured step times.
 
-``fit_online`` fits a window of steps per rank (forward+backward seconds and the length features of
-``data.rebalance.plan.Cost``) under time = cost(features) / speed[rank]; ``OnlineModel`` keeps the
-window and the cost and speeds the plans use, with the safeguards of docs/rebalancing.md.
-Deterministic: every sum is ``math.fsum`` of elementwise IEEE operations, the solve in Python floats,
-so ranks with the same numbers get the same fit bit for bit.
+``fit_online`` fits a window of steps per rank (forward+backward seconds, ``length_features``) under
+time = cost(features) / speed[rank]; ``OnlineModel`` keeps the window and the cost and speeds the plans
+use, with the safeguards of docs/rebalancing.md. Every sum is ``math.fsum`` of elementwise IEEE
+operations and the solve is in Python floats, so ranks with the same numbers get the same fit bit for bit.
 """
 
 from __future__ import annotations
@@ -19,14 +18,13 @@ from data.rebalance.plan import Cost, check_cost
 
 
 class Fit(NamedTuple):
-    """The fitted cost, speed per rank, relative RMS residual, whether the fit was used, and
-    scatter: per rank, the relative standard deviation of its steps' speeds."""
+    """What ``fit_online`` found."""
 
     cost: Cost
-    speeds: tuple[float, ...]
-    residual: float
-    fitted: bool
-    scatter: tuple[float, ...] = ()
+    speeds: tuple[float, ...]  # per rank
+    residual: float  # relative RMS
+    fitted: bool  # whether the fit was used (else ``cost`` is the configured one)
+    scatter: tuple[float, ...] = ()  # per rank, the relative standard deviation of its steps' speeds
 
 
 def length_features(lengths, window: int = 0) -> tuple[float, float, float]:
@@ -162,12 +160,10 @@ class OnlineModel:
             self.steps[rank].append(f)
 
     def _forget_changed(self) -> dict[int, float]:
-        """A rank whose last k steps' speed (k = SHOWN..RECENT, the first that shows it) differs from its
-        earlier ones' (at least RECENT of them) by more than NOISE_Z standard errors changed speed
-        (throttling): its earlier steps are dropped. Returns {rank: the relative scatter of its steps
-        about the two speeds}, from the whole window: the few steps kept say little of it. A rank that
-        changed recently (``changed``) is tested with the scatter it had, so SHOWN earlier steps suffice:
-        a change that ends soon, or two odd steps taken for one, is undone as fast as it was made."""
+        """Drop the earlier steps of a rank whose last k steps' speed (k = SHOWN..RECENT, the first that shows
+        it) differs from its earlier ones' (at least RECENT; SHOWN for a rank in ``changed``, tested with the
+        scatter it had) by more than NOISE_Z standard errors; returns {rank: the relative scatter of its whole
+        window about the two speeds}. The why: docs/rebalancing.md, safeguards."""
         changed = {}
         for r, d in enumerate(self.steps):
             known = self.changed.get(r)
@@ -217,10 +213,8 @@ class OnlineModel:
             target = [s / mean for s in target]
         lo, hi = 1 - self.rate, 1 + self.rate
         toward = lambda old, new: min(max(new, old * lo), old * hi)  # noqa: E731
-        # A rank that has just changed speed (by NOISE_Z standard errors, shown in SHOWN steps or more) takes
-        # the speed fitted to its steps since at once: the rate limit is for noise, and waiting for it kept
-        # a throttled rank's old share for steps after the change was known. Later steps, few and so exposed
-        # to one odd step, move it at the rate again.
+        # A rank that has just changed speed takes the speed fitted to its steps since at once (the rate limit
+        # is for noise); later steps, few and so exposed to one odd step, move it at the rate again.
         self.changed = {r: e for r, e in self.changed.items() if len(self.steps[r]) <= RECENT}
         self.speeds = tuple(n if r in fresh else toward(o, n) for r, (o, n) in enumerate(zip(self.speeds, target)))
         self.cost = Cost(*(toward(o, n) for o, n in zip(self.cost[:3], fit.cost[:3])), self.configured.window)

@@ -1,12 +1,9 @@
 """Cross-rank rebalancing of sequence lengths, the plan: which rank holds which sample.
 
-Pure and deterministic: numpy only, no process group (``data.rebalance`` carries the plan out,
-``bench.rebalance_sim`` simulates it at thousands of ranks). Every rank computes the same plan from
-the lengths all ranks gathered: integer costs and sorts on unique keys, so it is bit-identical
-everywhere. Every rank keeps exactly B samples (except ``measured`` with unequal speeds and
-``max_samples``: then from ``min_samples`` to ``max_samples``) and each sample moves at most once. ``assign`` gives
-the whole plan (``Assignment``), ``plan_for_rank`` one rank's part of it (``RankPlan``). The
-strategies (``STRATEGIES``), the hierarchical mode and the cost model: docs/rebalancing.md.
+Pure (numpy only, no process group): every rank computes the same plan, bit for bit, from the gathered lengths (integer
+costs, sorts on unique keys). Each rank keeps B samples (``measured`` with unequal speeds: ``min_samples`` to
+``max_samples``) and each sample moves at most once. ``assign`` gives the whole plan (``Assignment``), ``plan_for_rank``
+one rank's part (``RankPlan``); the strategies, the hierarchical mode and the cost model: docs/rebalancing.md.
 
 Shapes: W ranks, B samples per rank, N = W * B samples in the global batch.
 """
@@ -32,11 +29,8 @@ _SPEED_STEPS = 1 << 10  # measured: speeds as integer weights, so every rank get
 class Cost(NamedTuple):
     """Per-sample cost c(L) = a*L + b*L^2 + b_local*L*min(L, window) (arbitrary units; only ratios matter).
 
-    a: the per-token work of every layer (projections, MLP, norms); b: the global attention layers
-    together (each query attends to all L keys); b_local, window: the sliding-window layers together,
-    where a query attends to at most ``window`` keys (the band |i - j| <= window // 2 holds window + 1
-    keys; the +1 is left in a). n_g global and n_l local layers: b = n_g * b_layer, b_local = n_l * b_layer_local.
-    """
+    a: the per-token work of every layer; b: the global attention layers together (a query sees all L keys); b_local,
+    window: the sliding-window layers together (at most ``window`` keys; the band's +1 is in a)."""
 
     a: float
     b: float
@@ -44,8 +38,7 @@ class Cost(NamedTuple):
     window: int = 0
 
 
-# BERT-large's FLOPs (h = 1024): c(L) = 1728 h^2 L + 288 h L^2 ~ L + L^2 / (6 h), so a = 1 and b = 1 / 6144
-# (derived in docs/rebalancing.md). Measured step times can be fitted to a and b instead.
+# BERT-large's FLOPs (h = 1024): c(L) ~ L + L^2 / (6 h), derived in docs/rebalancing.md.
 DEFAULT_COST = Cost(a=1.0, b=1.0 / 6144)
 
 # Integer costs: every rank must compute a bit-identical plan, and float sums may round differently across
@@ -54,10 +47,8 @@ _COST_SCALE_MAX = 1 << 20
 
 
 def sample_costs(lengths, cost: Cost | tuple = DEFAULT_COST) -> np.ndarray:
-    """c(L) = a*L + b*L^2 + b_local*L*min(L, window) elementwise, float64."""
-    c = check_cost(cost)
-    L = np.asarray(lengths, dtype=np.float64)
-    return c.a * L + c.b * L * L + c.b_local * L * np.minimum(L, c.window)
+    """c(L) = a*L + b*L^2 + b_local*L*min(L, window) elementwise, float64: one piece of ``piece_costs``."""
+    return piece_costs(lengths, 1, cost)
 
 
 def imbalance(costs, weights=None) -> float:
@@ -111,8 +102,8 @@ class Assignment:
         return imbalance(self.costs_after, self.weights)
 
 
-def _as_matrix(lengths_per_rank) -> np.ndarray:
-    """[W, B] int64 lengths from a [W, B] array or a list of W 1-D arrays; validated."""
+def _as_matrix(lengths_per_rank, rank: int | None = None) -> np.ndarray:
+    """[W, B] int64 lengths from a [W, B] array or a list of W 1-D arrays; validated, as is ``rank`` if given."""
     if isinstance(lengths_per_rank, np.ndarray) and lengths_per_rank.ndim == 2:
         L = lengths_per_rank
     else:
@@ -135,6 +126,8 @@ def _as_matrix(lengths_per_rank) -> np.ndarray:
     if L.min() < 1:
         r, j = np.argwhere(L < 1)[0]
         raise ValueError(f"assign: rank {r}: sample {j} has length {L[r, j]} (must be >= 1)")
+    if rank is not None and not 0 <= rank < L.shape[0]:
+        raise ValueError(f"rank: expected 0..{L.shape[0] - 1}, got {rank}")
     return L
 
 
@@ -169,19 +162,14 @@ def _stripe(L: np.ndarray) -> np.ndarray:
 
 
 class _Swapper:
-    """Pairwise swaps between ranks, on integer costs, where every sample moves at most once.
+    """Pairwise swaps between ranks on integer costs; every sample moves at most once, so a sender knows
+    where its samples end up without following them (``plan_for_rank``).
 
-    State, for the ranks whose samples are tracked (``rows``): ``K[x]`` holds one int64 key per sample
-    still at its own rank x, cost in the high bits and global id in the low bits, sorted ascending when
-    used (``swap``); positions of samples that left (or that x received, which are frozen where they
-    land) hold -1 and sort first. Moving each sample at most once is what lets a rank compute only its
-    part of the plan (``plan_for_rank``): a sender knows where its samples end up without following them.
-
-    ``extra`` > 0 lets ranks hold different numbers of samples: each row gets that many empty slots of
-    cost 0 (global ids from W * B up), which sort before every real sample, so swapping a heavy rank's
-    sample with a light rank's empty slot moves it one way. A rank keeps at least ``floor`` samples and
-    holds at most B + extra. With ``extra`` = 0 (``balanced``) every rank keeps exactly B.
-    """
+    ``K[x]``, for the tracked ranks (``rows``): one int64 key per sample still at its own rank x (cost in the high bits,
+    global id in the low ones), sorted when used; samples that left, or that x received (frozen where they land), are -1
+    and sort first. ``extra`` > 0 adds that many empty slots of cost 0 per row (ids from W * B up), so a heavy rank's
+    sample swapped with a light rank's empty slot moves one way: a rank then holds ``floor`` to B + extra samples;
+    ``extra`` = 0 (``balanced``) keeps B each."""
 
     def __init__(self, q: np.ndarray, L: np.ndarray, load: np.ndarray, rows: np.ndarray, extra: int, floor: int):
         W, n = L.shape
@@ -201,14 +189,11 @@ class _Swapper:
         self.moved_to: list[np.ndarray] = [np.zeros(0, np.int64)]
 
     def swap(self, over: np.ndarray, under: np.ndarray, t: np.ndarray) -> int:
-        """Move about t[p] of cost from rank over[p] to rank under[p] for every pair p.
+        """Move about t[p] of cost from rank over[p] to rank under[p] for every pair p; returns the samples moved.
 
-        First whole swaps of the heavy rank's largest samples against the light rank's smallest (most
-        cost per moved pair, so fewest moves), then one "fine" swap whose cost difference is nearest to
-        what is left, among ``nf`` of the heavy rank's samples spread over its row (equal costs, e.g.
-        many L = 512, are no choice) and, for each, the light rank's sample nearest to it (one
-        vectorised searchsorted). Returns the samples moved.
-        """
+        Whole swaps of the heavy rank's largest samples against the light rank's smallest (fewest moves), then one
+        "fine" swap nearest to what is left, among ``nf`` heavy samples spread over the row (equal costs are no choice)
+        and, for each, the light rank's nearest one (one vectorised searchsorted)."""
         B, sh, big, P = self.B, self.shift, self.big, len(over)
         rows, cols = np.arange(P), np.arange(B)
         # sort only the rows used in this round (they shrink fast) and keep them sorted
@@ -298,13 +283,10 @@ class _Swapper:
 
 
 def _pair_up(load: np.ndarray, w: np.ndarray, groups: np.ndarray, tol: float, rotate: int = 0):
-    """One round's pairs (over, under, t) within each row of ``groups`` [ng, G], or None once every rank
-    is within ``tol`` of its group's mean (rank r's share in proportion to its weight ``w[r]``).
-
-    The i-th most loaded rank of a group is paired with its (i + ``rotate``)-th least loaded and moves
-    t = min(excess, half the gap): the pair ends equal, or the heavy one at the mean when the light
-    one has room to spare. Ranks within ``tol`` of the mean are left alone, which keeps moves low.
-    """
+    """One round's pairs (over, under, t) within each row of ``groups`` [ng, G], or None once every rank is
+    within ``tol`` of its group's mean (rank r's share in proportion to ``w[r]``). The i-th most loaded rank
+    is paired with the (i + ``rotate``)-th least loaded and moves t = min(excess, half the gap): the pair ends
+    equal, or the heavy one at the mean. Ranks within ``tol`` are left alone, which keeps moves low."""
     lg, wg = load[groups], w[groups]
     tot, wt = lg.sum(1)[:, None], wg.sum(1)[:, None]
     e = wt * lg - tot * wg  # excess in units of 1/wt cost; sums to 0 per group
@@ -321,12 +303,9 @@ def _pair_up(load: np.ndarray, w: np.ndarray, groups: np.ndarray, tol: float, ro
 
 
 def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int, w: np.ndarray) -> tuple[list, np.ndarray]:
-    """The pairs (over, under, t) of each cross-group round, from loads alone, and the loads they predict.
-
-    Pairing uses loads *predicted* by assuming every pair moves exactly t, so it needs no sample: every
-    rank computes the same pairs in O(W log W) per round, and each pair's actual swap depends only on
-    the two ranks' histories (see ``plan_for_rank``).
-    """
+    """The pairs (over, under, t) of each cross-group round and the loads they predict, from loads alone (as
+    if every pair moved exactly t): every rank computes the same pairs in O(W log W) per round, and each
+    pair's actual swap depends only on the two ranks' histories (``plan_for_rank``)."""
     p, everyone, out = load.copy(), np.arange(len(load))[None], []
     for _ in range(rounds):
         pairs = _pair_up(p, w, everyone, tol)
@@ -342,13 +321,11 @@ def _cross_group_pairs(load: np.ndarray, tol: float, rounds: int, w: np.ndarray)
 def _balanced_moves(L, q, load, w, extra, floor, tol, max_rounds, group_size, cross_rounds, only_group=None):
     """(moved global ids, their destinations, loads after, planned loads after) of ``balanced``.
 
-    ``load``: [W] quantised loads before; ``w``: [W] speed weights or None (all equal); ``extra``,
-    ``floor``: see ``_Swapper``; the rest: see ``assign``. Loads after are exact for the ranks whose
-    samples were followed (all, unless ``only_group``); planned loads assume every cross-group pair hit
-    its target and every group its mean. With ``only_group``, only the swaps that group's final samples
-    depend on are computed (its ranks' partners in the last cross round, theirs in the round before, ...:
-    at most group_size * 2**cross_rounds ranks, whatever W is), exactly as the full computation does them.
-    """
+    ``load``: [W] quantised loads before; ``w``: [W] speed weights or None; ``extra``, ``floor``: ``_Swapper``'s; the
+    rest: ``assign``'s. Loads after are exact for the ranks followed (all, unless ``only_group``); planned ones assume
+    every cross-group pair hit its target and every group its mean. ``only_group``: only the swaps that group's samples
+    depend on (its ranks' partners in the last cross round, theirs in the round before, ...: at most
+    group_size * 2**cross_rounds ranks, whatever W is), done exactly as in the full plan."""
     W, B = L.shape
     w = np.ones(W, np.int64) if w is None else w
     G = W if group_size is None or group_size >= W else group_size  # flat: one group, no cross rounds
@@ -404,10 +381,8 @@ def assign(
         (e.g. the GPUs of a node): ``cross_rounds`` rounds of pairs across the job, then balancing
         within groups of G consecutive ranks, so each rank can compute just its part (``plan_for_rank``).
     max_samples, min_samples: ``measured`` only: a rank may hold from min_samples to max_samples samples
-        (default B: every rank keeps exactly B). Where few sequences are short, swaps alone cannot give a
-        slow rank its share (two ranks at 1 : 0.5 with most sequences at the maximum length: the slow one
-        keeps about 0.75 of the fast one's tokens); moving samples one way can. Equal speeds keep B each,
-        so the plan is ``balanced``'s.
+        (default B each). Where few sequences are short, swaps alone cannot give a slow rank its share
+        (docs/rebalancing.md); moving samples one way can. Equal speeds keep B each: ``balanced``'s plan.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -487,8 +462,7 @@ class RankPlan:
     recv_rank, recv_index: [R] the samples that arrive, ordered by (source rank, index).
     imbalance_before: exact. imbalance_after: exact, except with ``group_size`` where each rank follows
         only its own group: then it is planned (cross-group pairs hit their targets, groups their means).
-    moved: samples that change rank, over all ranks; None where only planned.
-    """
+    moved: samples that change rank, over all ranks; None where only planned."""
 
     rank: int
     send_index: np.ndarray
@@ -515,10 +489,8 @@ def plan_for_rank(
 ) -> RankPlan:
     """This rank's part of ``assign(...)``, identical to it, computed in O(W*B) adds plus
     O(group_size * 2**cross_rounds * B) with ``group_size`` (instead of the whole plan)."""
-    L = _as_matrix(lengths_per_rank)
+    L = _as_matrix(lengths_per_rank, rank)
     W, B = L.shape
-    if not 0 <= rank < W:
-        raise ValueError(f"rank: expected 0..{W - 1}, got {rank}")
     if strategy not in ("balanced", "measured") or group_size is None or group_size >= W:
         A = assign(L, strategy, cost, tol, max_rounds, group_size, cross_rounds, speeds, max_samples, min_samples)
         dest = A.dest_rank.ravel().astype(np.int64)
@@ -548,17 +520,12 @@ def _rank_plan(rank: int, B: int, gid: np.ndarray, to: np.ndarray, before, after
 
 @dataclass(frozen=True)
 class ContextPlacement:
-    """Where context parallelism puts a global batch (``place_context``).
+    """Where context parallelism puts a global batch (``place_context``)."""
 
-    group: [N] for each sample, the CP group that splits it (-1: it stays whole); rank: [N] the rank
-        a whole sample goes to (-1: split); predicted: [W] each rank's predicted time (cost / speed,
-        the caller's cost units); imbalance: max / mean of it.
-    """
-
-    group: np.ndarray
-    rank: np.ndarray
-    predicted: np.ndarray
-    imbalance: float
+    group: np.ndarray  # [N] the CP group that splits each sample (-1: it stays whole)
+    rank: np.ndarray  # [N] the rank a whole sample goes to (-1: split)
+    predicted: np.ndarray  # [W] each rank's predicted time (cost / speed, the caller's cost units)
+    imbalance: float  # max / mean of predicted
 
 
 def piece_costs(lengths, cp_size: int, cost: Cost | tuple = DEFAULT_COST) -> np.ndarray:
@@ -574,13 +541,11 @@ def piece_costs(lengths, cp_size: int, cost: Cost | tuple = DEFAULT_COST) -> np.
 def place_context(
     lengths, world: int, cp_size: int, threshold: int, cost: Cost | tuple = DEFAULT_COST, speeds=None
 ) -> ContextPlacement:
-    """Context parallelism's placement: every sample longer than ``threshold`` is split across one CP
-    group (``world // cp_size`` groups of ``cp_size`` consecutive ranks), costing ``piece_costs`` on
-    each of its ranks; every other sample goes whole to one rank. Longest-processing-time first: split
-    documents by decreasing cost to the group whose slowest rank would finish first, then whole samples
-    by decreasing cost to the rank that would finish first; predicted time = cost / speed (``speeds``:
-    W positive numbers, the measured strategy's, default equal). Integer costs and index tie-breaks: the
-    same placement on every rank. Pure, like the rest of the plan."""
+    """Context parallelism's placement: every sample longer than ``threshold`` is split across one CP group
+    (``world // cp_size`` groups of ``cp_size`` consecutive ranks; ``piece_costs`` on each), every other goes
+    whole to one rank. Longest-processing-time first, by decreasing cost: split documents to the group whose
+    slowest rank would finish first, then whole samples to the rank that would; predicted time = cost / speed
+    (``speeds``: ``measured``'s, default equal). Integer costs, index tie-breaks: the same on every rank."""
     L = np.asarray(lengths, dtype=np.int64).ravel()
     if world < 1 or cp_size < 1 or world % cp_size:
         raise ValueError(f"cp_size: expected a divisor of the world size {world}, got {cp_size}")
@@ -612,16 +577,13 @@ def place_context(
 def context_plan_for_rank(
     lengths_per_rank, rank: int, cp_size: int, threshold: int, cost: Cost | tuple = DEFAULT_COST
 ) -> RankPlan:
-    """This rank's part of the exchange that carries out ``place_context``: each whole sample goes to
-    its rank; each long one to a rank of its CP group (its own rank when that is in the group, else the
-    group's ranks in turn), where the group gathers and splits it (``bert.distributed.context_parallel``).
-    imbalance_before is what CP does without the exchange (every long sample split by its source's
-    group, every short one where it is); imbalance_after is the placement's, or, where that is no
-    better (greedy placement can lose to a lucky batch), nothing moves and it is imbalance_before."""
-    L = _as_matrix(lengths_per_rank)
+    """This rank's part of the exchange that carries out ``place_context``: each whole sample goes to its
+    rank, each long one to a rank of its CP group (its own when in the group, else the group's in turn),
+    which splits it (``bert.distributed.context_parallel``). imbalance_before: CP without the exchange (long
+    samples split by their source's group, short ones where they are); imbalance_after: the placement's,
+    unless that is no better (greedy can lose to a lucky batch): then nothing moves."""
+    L = _as_matrix(lengths_per_rank, rank)
     W, B = L.shape
-    if not 0 <= rank < W:
-        raise ValueError(f"rank: expected 0..{W - 1}, got {rank}")
     p = place_context(L.ravel(), W, cp_size, threshold, cost)
     src = np.arange(W * B) // B
     dest = np.where(p.rank >= 0, p.rank, src)
