@@ -43,7 +43,6 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
 
 
 def _auto_or_positive(key: str, value, what: str) -> None:
-    """A field that is ``auto`` or a positive integer."""
     if isinstance(value, str):
         if value != "auto":
             raise ConfigError(f"{key}: expected {what} or auto, got {cli.short(value)}")

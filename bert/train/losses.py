@@ -172,8 +172,7 @@ def _block_loss(
     pos_SLL = cand_SLL & (lab_SL[:, :, None] == lab_SL[:, None, :])
     npos_SL = pos_SLL.sum(-1)
     anchor_SL = npos_SL > 0
-    # A finite fill (not -inf) keeps rows without candidates finite, so their zeroed-out
-    # losses backpropagate zeros rather than NaN.
+    # A finite fill (not -inf) keeps rows without candidates finite: their zeroed losses backpropagate zeros, not NaN.
     lse_SL = torch.logsumexp(sim_SLL.masked_fill(~cand_SLL, torch.finfo(sim_SLL.dtype).min), -1)
     pos_mean_SL = sim_SLL.masked_fill(~pos_SLL, 0).sum(-1) / npos_SL.clamp(min=1)
     per_token = torch.where(anchor_SL, lse_SL - pos_mean_SL, 0)

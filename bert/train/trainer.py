@@ -351,8 +351,7 @@ class Trainer:
                 self.scaler.unscale_(self.optimizer)
             inject_debug_faults(self.cfg.debug, self.model, self.state.step + 1)
             if self.adagc is not None:
-                # AdaGC needs no global norm to clip; the sum of its per-tensor norms is kept for
-                # the non-finite check and the logs.
+                # AdaGC clips without the global norm; it is computed for the non-finite check and the logs.
                 clip_stats = self.adagc.clip_(compute_global_norm=True)
                 norm = clip_stats.global_norm
             elif self.cfg.optim.clip == "global":
