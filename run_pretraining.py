@@ -2,12 +2,10 @@
 
     python run_pretraining.py --config launch/configs/cpu_demo.yaml --output-dir DIR [section.field=value ...]
 
-Several ranks: torchrun, mpirun or srun (launch/). ``--help`` lists every configuration
-field. Exit status: 0 when the run ends (success, aborted at its limits, or SIGTERM after a
-checkpoint); 2 for bad input (configuration, data, checkpoint); 1 when the run fails on the
-way (a lost peer, a checkpoint or file that cannot be written); each as one line naming
-what and where (``common.errors.UserError``, the only exception caught here). A traceback
-means a bug.
+Several ranks: torchrun, mpirun or srun (launch/). ``--help`` lists every configuration field. Exit status: 0 when the
+run ends (success, aborted at its limits, or SIGTERM after a checkpoint); 2 for bad input (configuration, data,
+checkpoint); 1 when the run fails on the way (a lost peer, a checkpoint or file that cannot be written); each as one
+line naming what and where (``common.errors.UserError``, the only exception caught here). A traceback means a bug.
 """
 
 from __future__ import annotations
@@ -39,20 +37,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_status
-    if old := too_old():
-        print(f"error: {old}", file=sys.stderr)
-        return 2
-    # Imported after the config is valid, so a typo is reported before torch loads.
-    from bert.distributed.collectives import CollectiveError, announce_exit, hold_store
-    from bert.distributed.fault_tolerance import FaultToleranceError
-    from bert.train.trainer import Trainer
-    from data.rebalance.exchange import RebalanceError
-    from launch.distributed import destroy, init_distributed
+        if old := too_old():
+            print(f"error: {old}", file=sys.stderr)
+            return 2
+        # Imported after the config is valid, so a typo is reported before torch loads.
+        from bert.distributed.collectives import CollectiveError, announce_exit, hold_store
+        from bert.distributed.fault_tolerance import FaultToleranceError
+        from bert.train.trainer import Trainer
+        from data.rebalance.exchange import RebalanceError
+        from launch.distributed import destroy, init_distributed
 
-    try:
         info = init_distributed(None, cfg.dist.timeout_s)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -94,9 +88,8 @@ def main(argv=None) -> int:
 
 
 def exit_process(code: int) -> NoReturn:
-    """End the process with ``code`` once ``main`` has returned (everything written and closed),
-    skipping the interpreter's teardown; MPI is finalized after a finished run only. Why:
-    docs/reliability.md, "Ending the process"."""
+    """End the process with ``code`` once ``main`` has returned (everything written and closed), skipping the
+    interpreter's teardown; MPI is finalized after a finished run only (docs/reliability.md, "Ending the process")."""
     mpi = sys.modules.get("mpi4py.MPI")
     if code == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()

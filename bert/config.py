@@ -28,7 +28,6 @@ ATTENTION_LAYOUTS = {"unpadded": VarlenLayout, "padded": PaddedLayout, "packed":
 
 
 def _in_range(key: str, value, least=None, most=None, above=None) -> None:
-    """``value`` (None: unset) within [least, most], or above ``above``."""
     if value is None:
         return
     too_low = (least is not None and value < least) or (above is not None and value <= above)
@@ -44,7 +43,6 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
 
 
 def _auto_or_positive(key: str, value, what: str) -> None:
-    """A field that is ``auto`` or a positive integer."""
     if isinstance(value, str):
         if value != "auto":
             raise ConfigError(f"{key}: expected {what} or auto, got {cli.short(value)}")
@@ -351,13 +349,8 @@ class OptimSection:
                 f"optim.reduce_dtype: {self.reduce_dtype} applies to sharded gradients; set optim.shard "
                 "(unsharded DDP reduces in fp32)"
             )
-        _positive("optim.lr", self.lr)
-        _positive("optim.eps", self.eps)
-        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
-        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
-        _positive("optim.max_grad_norm", self.max_grad_norm)
-        _positive("optim.decay_steps", self.decay_steps, allow_zero=True)
-        _positive("optim.poly_power", self.poly_power, allow_zero=True)
+        for name in "lr eps weight_decay warmup_steps max_grad_norm decay_steps poly_power".split():
+            _positive(f"optim.{name}", getattr(self, name), allow_zero=name not in ("lr", "eps", "max_grad_norm"))
         if self.schedule != "poly" and self.start_warmup_step:
             raise ConfigError("optim.start_warmup_step: the wsd schedule warms up from step 0; leave it 0")
         if not all(0.0 <= b < 1.0 for b in self.betas):
@@ -437,7 +430,6 @@ class DistSection:
         "N consecutive ranks (inside data parallelism), each rank holding 1/N of the document; shorter ones "
         "stay whole (N of 1: off; docs/context_parallel.md)",
     )
-
     fault_tolerance: str = opt(
         "off",
         "torchft: each process is a replica that joins a quorum every step through a Lighthouse; a lost replica "
@@ -678,8 +670,7 @@ _SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # section na
 def build_config(values: dict) -> RunConfig:
     if not isinstance(values, dict):
         raise ConfigError("config: expected a mapping of sections")
-    unknown = sorted(set(values) - set(_SECTIONS), key=str)
-    if unknown:
+    if unknown := sorted(set(values) - set(_SECTIONS), key=str):
         raise ConfigError(f"config: unknown section {cli.short(unknown[0], 60)}; valid: {sorted(_SECTIONS)}")
     built = {name: cli.coerce(name, values.get(name) or {}, cls, ConfigError) for name, cls in _SECTIONS.items()}
     cfg = RunConfig(**built)
@@ -737,8 +728,7 @@ def describe() -> str:
 
 
 def build_model_config(cfg: RunConfig) -> BertConfig:
-    """The architecture, ``cfg.model.shape``, with data.vocab_file's vocabulary size unless
-    model.overrides sets vocab_size."""
+    """The architecture, ``cfg.model.shape``, with data.vocab_file's vocabulary size unless overrides set vocab_size."""
     if "vocab_size" in cfg.model.overrides or not cfg.data.vocab_file:
         return cfg.model.shape
     try:

@@ -1,8 +1,5 @@
-"""The training state: the run's counters in one object, and the run's seeds.
-
-``TrainState`` (what the loop counts, and the run's seed) is a checkpoint's ``"counters"`` entry,
-field names as keys, read back by ``TrainState.from_counters``. ``resolve_seed`` gives the run's
-seed, ``seed_step`` each step's dropout seeds from it.
+"""The training state: the run's counters in one object (``TrainState``, a checkpoint's ``"counters"`` entry, field
+names as keys), and the run's seeds (``resolve_seed``, ``seed_step``).
 """
 
 from __future__ import annotations
@@ -59,8 +56,7 @@ _ADDED_LATER = ("eval_accuracy", "corrupt_samples", "checkpoint_failures", "seed
 
 
 def resolve_seed(train_seed: int | None, found: dict | None, coll: Collectives, device: torch.device) -> int:
-    """The run's seed: a resumed run's own (``found``, the checkpoint's state), else
-    train.seed, else (unset) one rank 0 draws from the OS, the same on every rank."""
+    """The run's seed: a resumed run's own (``found``, its checkpoint), else train.seed, else one rank 0 draws."""
     if found is not None and found["counters"].get("seed") is not None:
         return int(found["counters"]["seed"])
     if train_seed is not None:
@@ -70,8 +66,7 @@ def resolve_seed(train_seed: int | None, found: dict | None, coll: Collectives, 
 
 
 def step_seed(seed: int, step: int, rank: int, stream: int = 0) -> int:
-    """A 63-bit seed for (run seed, step, rank); stream 1: the Triton kernels' Philox state,
-    stream 0 (the original derivation, unchanged): torch's generators."""
+    """A 63-bit seed for (run seed, step, rank); stream 0: torch's generators, stream 1: the kernels' Philox state."""
     words = [seed, step, rank] + ([stream] if stream else [])
     return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> 1)
 

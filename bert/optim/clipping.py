@@ -1,11 +1,10 @@
 """Gradient clipping: global-norm (MLPerf) and AdaGC (per-tensor adaptive).
 
-Between the gradient all-reduce (and fp16 unscaling) and the optimizer step, on every gradient
-at once (``torch._foreach_*``), with no host read. ``clip_global_`` is apex FusedLAMB's.
-``AdaGC`` is the definition of [docs/extensions.md](../docs/extensions.md#what-they-do), and where
-that leaves a choice: a tensor whose ``.grad`` is None sits the step out (its gamma kept), and a
-step with a non-finite norm leaves every gamma unchanged. ``unstep_(found_inf)`` takes back a
-step the optimizer skipped.
+Between the gradient all-reduce (and fp16 unscaling) and the optimizer step, on every gradient at once
+(``torch._foreach_*``), with no host read. ``clip_global_`` is apex FusedLAMB's. ``AdaGC`` is the definition of
+[docs/extensions.md](../docs/extensions.md#what-they-do), and where that leaves a choice: a tensor whose ``.grad`` is
+None sits the step out (its gamma kept), and a step with a non-finite norm leaves every gamma unchanged.
+``unstep_(found_inf)`` takes back a step the optimizer skipped.
 """
 
 from __future__ import annotations
@@ -31,16 +30,11 @@ def _identity(t: Tensor) -> Tensor:
     return t
 
 
-def clip_global_(
-    params: Iterable[Tensor],
-    max_norm: float,
-    local: Callable[[Tensor], Tensor] = _identity,
-    norms: Callable[[list[Tensor]], Tensor] = tensor_norms,
-) -> Tensor:
-    """Scale all gradients in place so their global L2 norm is at most ``max_norm``; returns the
-    norm before clipping (float32 0-d, on the device). A non-finite norm makes the gradients
-    non-finite, for the trainer's skip check. Sharded gradients (``bert.optim.shard``): ``local``
-    gives this rank's shard of a gradient and ``norms`` the whole tensors' norms from the shards."""
+def clip_global_(params: Iterable[Tensor], max_norm: float, local=_identity, norms=tensor_norms) -> Tensor:
+    """Scale all gradients in place so their global L2 norm is at most ``max_norm``; returns the norm before clipping
+    (float32 0-d, on the device). A non-finite norm makes the gradients non-finite, for the trainer's skip check.
+    Sharded gradients (``bert.optim.shard``): ``local`` gives this rank's shard of a gradient and ``norms`` the whole
+    tensors' norms from the shards."""
     if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"optim.max_grad_norm: must be finite and > 0, got {max_norm}")
     grads = [local(p.grad) for p in params if p.grad is not None]
@@ -63,9 +57,9 @@ class ClipStats:
 
 
 class AdaGC:
-    """Adaptive per-tensor gradient clipping (the module docstring). ``named_parameters``: the
-    model's (trainable ones kept; names key the state); ``adagc``: the ``optim.adagc`` section
-    (None: its defaults). Call ``clip_()`` once per optimizer step, after the gradients are final."""
+    """Adaptive per-tensor gradient clipping (the module docstring). ``named_parameters``: the model's (trainable ones
+    kept; names key the state); ``adagc``: the ``optim.adagc`` section (None: its defaults). Call ``clip_()`` once per
+    optimizer step, after the gradients are final."""
 
     def __init__(
         self,
@@ -79,8 +73,7 @@ class AdaGC:
         if not named:
             raise ValueError("AdaGC: no trainable parameters")
         adagc = adagc or AdaGCSection()  # validated when built
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.lambda_rel, self.beta, self.lambda_abs = adagc.lambda_rel, adagc.beta, lambda_abs
         self.eps, self.warmup_steps = ADAGC_EPS, adagc.warmup_steps
         # Sharded gradients: clip this rank's shards by thresholds on whole-tensor norms (as clip_global_).
@@ -108,8 +101,8 @@ class AdaGC:
 
     @torch.no_grad()
     def clip_(self, compute_global_norm: bool = False) -> ClipStats:
-        """Clip the gradients in place and update the state. The global norm is returned during
-        warm-up as the host counts it (``clip_()`` calls), else only with ``compute_global_norm``."""
+        """Clip the gradients in place and update the state. The global norm is returned during warm-up as the host
+        counts it (``clip_()`` calls), else only with ``compute_global_norm``."""
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
         self._calls += 1
         if not present:
@@ -161,12 +154,8 @@ class AdaGC:
         return idx
 
     def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "names": list(self.names),
-            "gamma": self.gamma.detach().cpu().clone(),
-            "has_gamma": self.has_gamma.detach().cpu().clone(),
-        }
+        gamma, has = self.gamma.detach().cpu().clone(), self.has_gamma.detach().cpu().clone()
+        return {"step": self.step, "names": list(self.names), "gamma": gamma, "has_gamma": has}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore by parameter name; tensors the state does not know start without state."""
@@ -180,8 +169,7 @@ class AdaGC:
                 f"do not match {len(names)} names"
             )
         position = {n: i for i, n in enumerate(self.names)}
-        unknown = [n for n in names if n not in position]
-        if unknown:
+        if unknown := [n for n in names if n not in position]:
             raise ValueError(
                 f"AdaGC state: parameters not in this model: {', '.join(unknown[:5])}"
                 + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else "")

@@ -1,11 +1,10 @@
 """Optimizers: LAMB (MLPerf BERT's), AdamW and StableAdamW (ModernBERT's), with BERT's weight-decay exclusions.
 
-They run after clipping (``bert.optim.clipping``), so none clips. ``Lamb`` is apex's ``FusedLAMB``
-on ``torch._foreach_*`` ops, with its state layout (a checkpoint moves between them). Every
-optimizer here takes ``step(found_inf=t)``: a 0-dim device tensor, nonzero when the gradients
-are not finite, that keeps parameters, moments and step counts bitwise as they were, never
-read on the host (``apply_update`` reads it for the others). The update rules, the exclusions
-and the skip's cost: docs/training.md, "Optimizer, schedule and clipping", and docs/step.md.
+They run after clipping (``bert.optim.clipping``), so none clips. ``Lamb`` is apex's ``FusedLAMB`` on
+``torch._foreach_*`` ops, with its state layout (a checkpoint moves between them). Every optimizer here takes
+``step(found_inf=t)``: a 0-dim device tensor, nonzero when the gradients are not finite, that keeps parameters, moments
+and step counts bitwise as they were, never read on the host (``apply_update`` reads it for the others). The update
+rules, the exclusions and the skip's cost: docs/training.md, "Optimizer, schedule and clipping", and docs/step.md.
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.
 
 
 def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two optimizer groups: decayed weights, and no decay for a parameter of a normalisation
-    module or with ndim <= 1 (by type and rank, not names). Tied parameters appear once, frozen
-    ones not at all; empty groups are dropped (ValueError when both are)."""
+    """Two optimizer groups: decayed weights, and no decay for a parameter of a normalisation module or with ndim <= 1
+    (by type and rank, not names). Tied parameters appear once, frozen ones not at all; empty groups are dropped
+    (ValueError when both are)."""
     no_decay_ids = set()
     for module in model.modules():
         is_norm = isinstance(module, _NORM_TYPES)
@@ -44,19 +43,11 @@ def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 class Lamb(torch.optim.Optimizer):
-    """LAMB with ``torch._foreach_*`` ops: a few multi-tensor kernels per group, no host sync.
-    Arguments as apex's ``FusedLAMB`` without its clipping; ``use_nvlamb``: the trust ratio also
-    where weight decay is 0."""
+    """LAMB with ``torch._foreach_*`` ops: a few multi-tensor kernels per group, no host sync. Arguments as apex's
+    ``FusedLAMB`` without its clipping; ``use_nvlamb``: the trust ratio also where weight decay is 0."""
 
     def __init__(
-        self,
-        params,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        bias_correction: bool = True,
-        use_nvlamb: bool = False,
+        self, params, lr: float, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True, use_nvlamb=False
     ):
         _check_hparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
@@ -96,8 +87,7 @@ class Lamb(torch.optim.Optimizer):
         return state
 
     def _local(self, t: Tensor) -> Tensor:
-        """The tensor the update runs on: ``t`` itself here; a DTensor's local shard in
-        ``bert.optim.shard.ShardedLamb`` (elementwise math needs no communication)."""
+        """The tensor the update runs on: ``t`` itself here; a DTensor's local shard in ``ShardedLamb``."""
         return t
 
     def _trust_norms(self, params: list[Tensor], update: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -155,13 +145,10 @@ class Lamb(torch.optim.Optimizer):
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW that also takes ``step(found_inf=...)`` and a device-tensor learning rate.
-
-    Without either, ``step()`` is torch's own; with them, the same update on ``_foreach`` ops that
-    read nothing back, in torch's state layout. ``decouple_lr=True``: w <- w (1 - lr_t / max_lr x
-    weight_decay), ``max_lr`` the peak rate (default ``lr``; configuration, not state).
-    ``amsgrad`` and ``maximize`` are torch's only.
-    """
+    """torch's AdamW that also takes ``step(found_inf=...)`` and a device-tensor learning rate: without either,
+    ``step()`` is torch's own; with them, the same update on ``_foreach`` ops that read nothing back, in torch's state
+    layout (``amsgrad`` and ``maximize``: torch's only). ``decouple_lr=True``: w <- w (1 - lr_t / max_lr x
+    weight_decay), ``max_lr`` the peak rate (default ``lr``; configuration, not state)."""
 
     clips_update = False  # StableAdamW's per-tensor learning-rate scaling (the subclass below)
 
@@ -233,14 +220,13 @@ class AdamW(torch.optim.AdamW):
 
 
 class StableAdamW(AdamW):
-    """StableAdamW (Wortsman et al. 2023, arXiv:2304.13013, Algorithm 2), ModernBERT's: AdamW
-    with the learning rate scaled per tensor and step,
+    """StableAdamW (Wortsman et al. 2023, arXiv:2304.13013, Algorithm 2), ModernBERT's: AdamW with the learning rate
+    scaled per tensor and step,
 
         lr_t = lr / max(1, RMS_t),    RMS_t = sqrt(mean(g_t^2 / max(v_t / (1 - beta2^t), eps^2)))
 
-    and weight decay with the same lr_t (``decouple_lr`` as ``AdamW``); always the ``_foreach``
-    path. Why and what it costs: docs/modern_encoders.md.
-    """
+    and weight decay with the same lr_t (``decouple_lr`` as ``AdamW``); always the ``_foreach`` path. Why and what it
+    costs: docs/modern_encoders.md."""
 
     clips_update = True
 
@@ -270,10 +256,9 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def apply_update(optimizer, schedule, found_inf: Tensor, scaler=None) -> None:
-    """The update and the schedule's step, skipped where ``found_inf`` (0-dim device bool): on
-    the device, without a read, for an optimizer that ``skips_on_device`` with a device
-    schedule; else the host reads ``found_inf`` (apex's FusedLAMB: one read per step), and
-    fp16's GradScaler decides its own skip on the host (``scaler.step`` reads the device)."""
+    """The update and the schedule's step, skipped where ``found_inf`` (0-dim device bool): on the device, without a
+    read, for an optimizer that ``skips_on_device`` with a device schedule; else the host reads ``found_inf`` (apex's
+    FusedLAMB: one read per step), and fp16's GradScaler decides its own skip on the host (``scaler.step`` reads)."""
     on_device = skips_on_device(optimizer) and schedule.device is not None
     applied = True if on_device else not bool(found_inf)
     if scaler is not None:
@@ -300,11 +285,10 @@ def apex_lamb_available() -> bool:
 
 
 def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -> torch.optim.Optimizer:
-    """``optim.name`` (``lamb``, ``adamw``, ``stable_adamw``) with ``optim``'s hyperparameters over
-    ``param_groups_for(model, optim.weight_decay)``. ``impl`` (LAMB only; benches and tests choose):
-    ``auto`` = apex's FusedLAMB when available and the parameters are on CUDA, else ``Lamb``;
-    ``apex`` = FusedLAMB or an error saying why not; ``torch`` = ``Lamb``. FusedLAMB's own
-    clipping is off (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.optim.clipping``."""
+    """``optim.name`` with ``optim``'s hyperparameters over ``param_groups_for(model, optim.weight_decay)``. ``impl``
+    (LAMB only; benches and tests choose): ``auto`` = apex's FusedLAMB when available and the parameters are on CUDA,
+    else ``Lamb``; ``apex`` = FusedLAMB or an error saying why not; ``torch`` = ``Lamb``. FusedLAMB's own clipping is
+    off (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.optim.clipping``."""
     name, lr, betas, eps = optim.name, optim.lr, tuple(optim.betas), optim.eps
     groups = param_groups_for(model, optim.weight_decay)
     if name in ("adamw", "stable_adamw"):

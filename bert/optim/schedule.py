@@ -1,11 +1,11 @@
-"""Learning-rate schedules: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT's
-reference ``create_optimizer``: the formula is docs/training.md's, "Optimizer, schedule and
-clipping"), or warmup-stable-decay (ModernBERT's). The trainer calls ``schedule.step()`` after
-every applied update; it writes the next update's rate into every group.
+"""Learning-rate schedules: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT's reference
+``create_optimizer``: the formula is docs/training.md's, "Optimizer, schedule and clipping"), or warmup-stable-decay
+(ModernBERT's). The trainer calls ``schedule.step()`` after every applied update; it writes the next update's rate into
+every group.
 
-Each formula is written once, for a python int step (the host) and a 0-dim step tensor (the
-device, no host read): ``_where``/``_clamp``/``_sqrt`` take either, and both evaluate the same
-double-precision operations in the same order, so the two values are equal bitwise.
+Each formula is written once, for a python int step (the host) and a 0-dim step tensor (the device, no host read):
+``_where``/``_clamp``/``_sqrt`` take either, and both evaluate the same double-precision operations in the same order,
+so the two values are equal bitwise.
 """
 
 from __future__ import annotations
@@ -40,18 +40,9 @@ def _float64(step):
     return step.to(torch.float64) if isinstance(step, torch.Tensor) else float(step)
 
 
-def poly_lr_at(
-    step,
-    *,
-    base_lr: float,
-    total_steps: int,
-    warmup_steps: int = 0,
-    start_warmup_step: int = 0,
-    power: float = 1.0,
-    end_lr: float = 0.0,
-):
-    """Learning rate of update ``step`` (0-based: the first update is step 0; an int, or a 0-dim
-    tensor for a float64 tensor beside it): warm-up from ``start_warmup_step``, then polynomial decay."""
+def poly_lr_at(step, *, base_lr: float, total_steps: int, warmup_steps=0, start_warmup_step=0, power=1.0, end_lr=0.0):
+    """Learning rate of update ``step`` (0-based; an int, or a 0-dim tensor for a float64 tensor beside it): warm-up
+    from ``start_warmup_step``, then polynomial decay."""
     g = _float64(step)
     progress = _clamp(g, most=total_steps) / total_steps
     lr = (base_lr - end_lr) * (1.0 - progress) ** power + end_lr
@@ -62,20 +53,12 @@ def poly_lr_at(
 
 
 def wsd_lr_at(
-    step,
-    *,
-    base_lr: float,
-    total_steps: int,
-    warmup_steps: int = 0,
-    decay_steps: int = 0,
-    decay_shape: str = "1-sqrt",
-    end_lr: float = 0.0,
+    step, *, base_lr: float, total_steps: int, warmup_steps=0, decay_steps=0, decay_shape="1-sqrt", end_lr=0.0
 ):
-    """Warmup-stable-decay (ModernBERT's "trapezoidal" schedule, arXiv:2412.13663 section 2.2): a linear warm-up over
-    ``warmup_steps`` to ``base_lr``, constant, then over the last ``decay_steps`` of ``total_steps`` a decay to
-    ``end_lr``, linear or one-minus-sqrt (lr = end + (base - end) * (1 - sqrt(p)) at progress p of the decay; Hägele et
-    al. 2024, arXiv:2405.18392, which ModernBERT uses). Step as ``poly_lr_at``'s; past ``total_steps`` the rate stays
-    ``end_lr``."""
+    """Warmup-stable-decay (ModernBERT's, docs/modern_encoders.md): a linear warm-up over ``warmup_steps`` to
+    ``base_lr``, constant, then over the last ``decay_steps`` of ``total_steps`` a decay to ``end_lr``, linear or 1-sqrt
+    (lr = end + (base - end) * (1 - sqrt(p)) at progress p of the decay). Step as ``poly_lr_at``'s; past ``total_steps``
+    the rate stays ``end_lr``."""
     g = _float64(step)
     decay_start = total_steps - decay_steps
     p = _clamp((g - decay_start) / decay_steps, 0.0, 1.0) if decay_steps else 1.0
@@ -87,15 +70,14 @@ def wsd_lr_at(
 
 
 class WarmupDecaySchedule:
-    """Sets each update's rate in every group of ``optimizer``: ``poly_lr_at`` (``optim``'s peak ``lr``,
-    ``warmup_steps`` from ``start_warmup_step``, decay of ``poly_power`` over ``max_steps``) or, for
-    ``optim.schedule`` wsd / wsd_linear, ``wsd_lr_at`` (the decay over ``optim.decay_steps``). The groups
-    start at update 0's rate; each ``step()`` (after an applied update) sets the next. ``state_dict()``
-    holds only the count: the hyper-parameters come from the config (checked there) on resume.
+    """Sets each update's rate in every group of ``optimizer``: ``poly_lr_at`` over ``max_steps``, or for
+    ``optim.schedule`` wsd / wsd_linear ``wsd_lr_at``, with ``optim``'s hyper-parameters. The groups start at update
+    0's rate; each ``step()`` (after an applied update) sets the next. ``state_dict()`` holds only the count: the
+    hyper-parameters come from the config (checked there) on resume.
 
-    ``device`` given: the count and the rate (one 0-dim float64 tensor every group holds, updated in place
-    so that a captured graph sees it) live there; ``step(found_inf)`` advances only where ``found_inf`` is
-    zero, without a host read; ``step_count`` and ``last_lr`` then read the device (not in a step).
+    ``device`` given: the count and the rate (one 0-dim float64 tensor every group holds, updated in place so that a
+    captured graph sees it) live there; ``step(found_inf)`` advances only where ``found_inf`` is zero, without a host
+    read; ``step_count`` and ``last_lr`` then read the device (not in a step).
     """
 
     def __init__(
@@ -110,11 +92,9 @@ class WarmupDecaySchedule:
         if not (math.isfinite(end_lr) and 0 <= end_lr <= optim.lr):
             raise ValueError(f"end_lr: must lie in [0, base_lr={optim.lr}], got {end_lr}")
         wsd = optim.schedule != "poly"
-        self.optimizer = optimizer
-        # The keyword arguments of the formula.
-        self._formula = wsd_lr_at if wsd else poly_lr_at
+        self.optimizer, self._formula = optimizer, wsd_lr_at if wsd else poly_lr_at
         self._hp = dict(base_lr=float(optim.lr), total_steps=max_steps, warmup_steps=optim.warmup_steps)
-        self._hp.update(end_lr=float(end_lr))
+        self._hp.update(end_lr=float(end_lr))  # the formula's keyword arguments
         if wsd:
             self._hp.update(decay_steps=optim.decay_steps, decay_shape=optim.decay_shape)
         else:

@@ -1,9 +1,9 @@
 """Sharded LAMB (``optim.shard``): optimizer state and update split over a group of ranks.
 
-FSDP2 (``fully_shard``) in DDP's place, per encoder layer, on a (replicate x) shard mesh; the
-update runs on each rank's shards. Every per-tensor norm (LAMB's trust ratio, clipping, AdaGC)
-is the whole tensor's, from the shards' partial sums in one small all-reduce, so the update
-equals ``bert.optim.Lamb`` on whole tensors. How and what it costs: [docs/sharding.md](../docs/sharding.md).
+FSDP2 (``fully_shard``) in DDP's place, per encoder layer, on a (replicate x) shard mesh; the update runs on each
+rank's shards. Every per-tensor norm (LAMB's trust ratio, clipping, AdaGC) is the whole tensor's, from the shards'
+partial sums in one small all-reduce, so the update equals ``bert.optim.Lamb`` on whole tensors. How and what it costs:
+[docs/sharding.md](../docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ def shard_group_size(shard: str | int, world: int) -> int | None:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: str = "fp32", reduce_dtype: str = "fp32") -> None:
-    """Apply FSDP2 in place: one unit per encoder layer, the rest (embeddings, heads) in the root.
-    ``compute_dtype``: of the all-gathered weights (the sharded masters stay fp32); ``reduce_dtype``:
-    of the gradients' reduce-scatter. Weights stay gathered from forward to backward
-    (``reshard_after_forward=False``: one all-gather per layer per step, not two)."""
+    """Apply FSDP2 in place: one unit per encoder layer, the rest (embeddings, heads) in the root. ``compute_dtype``:
+    of the all-gathered weights (the sharded masters stay fp32); ``reduce_dtype``: of the gradients' reduce-scatter.
+    Weights stay gathered from forward to backward (one all-gather per layer per step, not two)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(
@@ -55,9 +54,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: str = "fp32",
 
 
 def reshard(model: nn.Module) -> None:
-    """Put every FSDP2 unit of ``model`` back into its sharded parameters: a forward without
-    backward (evaluation) leaves the whole tensors registered, not the optimizer's DTensors.
-    Call it before naming parameters (checkpoints) and after evaluation."""
+    """Put every FSDP2 unit of ``model`` back into its sharded parameters: a forward without backward (evaluation)
+    leaves the whole tensors registered, not the optimizer's DTensors. Call it before naming parameters (checkpoints)
+    and after evaluation."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
@@ -74,9 +73,8 @@ def local_shard(t: Tensor) -> Tensor:
 
 
 class WholeNorms:
-    """Whole-tensor L2 norms from local shards: one all-reduce of the partial sums of squares over
-    ``group``, the shard group (None: the tensors are whole). Every rank of the group passes the
-    shards of the same N tensors."""
+    """Whole-tensor L2 norms from local shards: one all-reduce of the partial sums of squares over ``group``, the shard
+    group (None: the tensors are whole). Every rank of the group passes the shards of the same N tensors."""
 
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
@@ -95,9 +93,9 @@ class WholeNorms:
 
 
 class ShardedLamb(Lamb):
-    """``Lamb`` on DTensor parameters, the math on this rank's shards. Moments are DTensors shaped
-    like their parameters (``torch.distributed.checkpoint`` reshards them); the trust ratio's two
-    norms per tensor come from one all-reduce of a [2N] vector over the shard group."""
+    """``Lamb`` on DTensor parameters, the math on this rank's shards. Moments are DTensors shaped like their parameters
+    (``torch.distributed.checkpoint`` reshards them); the trust ratio's two norms per tensor come from one all-reduce of
+    a [2N] vector over the shard group."""
 
     def __init__(self, params, norms: WholeNorms, **kwargs):
         super().__init__(params, **kwargs)
@@ -107,18 +105,14 @@ class ShardedLamb(Lamb):
         return local_shard(t)
 
     def _trust_norms(self, params: list[Tensor], update: list[Tensor]) -> tuple[Tensor, Tensor]:
-        n = len(params)
-        both = self.whole_norms.reduce(
-            torch.cat([self.whole_norms.squares(params), self.whole_norms.squares(update)])
-        )  # [2N]
-        return both[:n], both[n:]
+        both = self.whole_norms.reduce(torch.cat([self.whole_norms.squares(params), self.whole_norms.squares(update)]))
+        return both[: len(params)], both[len(params) :]  # [2N] split
 
 
 @dataclass
 class Sharding:
-    """How the run is sharded (``apply_sharding``): the mesh, the ranks per shard group, and
-    what the clippers need to see gradients as whole tensors (``bert.optim.clipping``'s ``local``
-    and ``norms`` arguments)."""
+    """How the run is sharded (``apply_sharding``): the mesh, the ranks per shard group, and what the clippers need to
+    see gradients as whole tensors (``bert.optim.clipping``'s ``local`` and ``norms`` arguments)."""
 
     mesh: DeviceMesh
     group_size: int
@@ -129,8 +123,8 @@ class Sharding:
 def apply_sharding(
     model: nn.Module, optim: OptimSection, precision: str, world: int, device_type: str
 ) -> Sharding | None:
-    """``optim.shard`` applied to ``model`` in place (FSDP2 on the mesh it asks for); None for
-    ``none``. ``precision`` (``train.precision``) is the dtype of the gathered compute weights."""
+    """``optim.shard`` applied to ``model`` in place (FSDP2 on the mesh it asks for); None for ``none``. ``precision``
+    (``train.precision``) is the dtype of the gathered compute weights."""
     group = shard_group_size(optim.shard, world)
     if group is None:
         return None
@@ -143,8 +137,7 @@ def apply_sharding(
 
 
 def build_sharded_lamb(optim: OptimSection, model: nn.Module, sharding: Sharding) -> ShardedLamb:
-    """``ShardedLamb`` with ``optim``'s hyperparameters over ``model`` (``apply_sharding``-ed),
-    grouped as ``bert.optim.build_optimizer`` groups (the same weight-decay exclusions)."""
+    """``ShardedLamb`` with ``optim``'s hyperparameters over ``model`` (``apply_sharding``-ed), grouped as unsharded."""
     groups = param_groups_for(model, optim.weight_decay)
     return ShardedLamb(groups, sharding.norms, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
 

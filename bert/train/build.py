@@ -38,9 +38,9 @@ if TYPE_CHECKING:  # mlperf_logging is optional: imported by build_mlperf_logger
 
 
 def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
-    """train.device: the rank's CUDA device (launch.distributed's pick) or the CPU, once what
-    the config check cannot see is checked: the number of ranks, the device, the files. Creates
-    OUTPUT_DIR/checkpoints on rank 0; reads nothing of the dataset (MLPerf's clock has not started)."""
+    """train.device: the rank's CUDA device (launch.distributed's pick) or the CPU, once what the config check cannot
+    see is checked: the number of ranks, the device, the files. Creates OUTPUT_DIR/checkpoints on rank 0; reads nothing
+    of the dataset (MLPerf's clock has not started)."""
     t, world = cfg.train, dist_info.world_size
     if t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available()):
         device = torch.device("cpu")
@@ -72,9 +72,9 @@ def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
 def build_model(
     model: ModelSection, config: BertConfig, train: TrainSection, device: torch.device, context=None
 ) -> BertForPreTraining:
-    """The model of ``config`` and the model.* backends, its encoder's linear layers in train.fp8
-    (bert.model.fp8; a ConfigError when ``device`` cannot run FP8 GEMMs); with ``context``
-    (``bert.distributed.context_parallel.ContextGroups``), its attention split across that group."""
+    """The model of ``config`` and the model.* backends, its encoder's linear layers in train.fp8 (bert.model.fp8; a
+    ConfigError when ``device`` cannot run FP8 GEMMs); with ``context`` (``ContextGroups``), its attention split across
+    that group."""
     built = BertForPreTraining(
         config,
         attention=model.attention,
@@ -115,10 +115,9 @@ def build_forward(
 
 
 def build_optimization(cfg: RunConfig, model: torch.nn.Module, sharding: Sharding | None, device: torch.device):
-    """(optimizer, schedule, AdaGC or None, fp16's GradScaler or None) from ``cfg.optim`` and ``cfg.train``.
-    The schedule's rate is a device tensor where the optimizer skips on the device (not apex's
-    FusedLAMB: ``bert.optim.skips_on_device``). Sharded: LAMB on the shards, AdaGC with whole-tensor
-    norms, FSDP's ShardedGradScaler (it all-reduces the overflow flag, so every rank skips alike)."""
+    """(optimizer, schedule, AdaGC or None, fp16's GradScaler or None) from ``cfg.optim`` and ``cfg.train``. The
+    schedule's rate is a device tensor where the optimizer skips on the device (not apex's FusedLAMB). Sharded: LAMB on
+    the shards, AdaGC with whole-tensor norms, FSDP's ShardedGradScaler (every rank skips alike)."""
     o = cfg.optim
     optimizer = build_sharded_lamb(o, model, sharding) if sharding else build_optimizer(o, model)
     device_lr = device if skips_on_device(optimizer) else None
@@ -183,9 +182,9 @@ class _NoMLPerfLog:
 def build_mlperf_logger(
     log: LogSection, output_dir: str, rank: int, nodes: int, device: torch.device, resume: bool
 ) -> MLPerfLogger:
-    """OUTPUT_DIR/mlperf.log, written by rank 0; the platform is log.platform or the device.
-    mlperf_logging is imported here, so that a run's modules import without it; a missing one
-    is a one-line ConfigError naming the package and log.mlperf=false (no MLPerf log: calls dropped)."""
+    """OUTPUT_DIR/mlperf.log, written by rank 0; the platform is log.platform or the device. mlperf_logging is imported
+    here, so that a run's modules import without it; a missing one is a one-line ConfigError naming the package and
+    log.mlperf=false (no MLPerf log: calls dropped)."""
     if not log.mlperf:
         return _NoMLPerfLog()
     try:

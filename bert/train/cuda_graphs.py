@@ -1,10 +1,9 @@
 """CUDA graphs of the encoder, one per static shape (``train.cuda_graphs``; CUDA only).
 
-``EncoderGraphs`` (``bert.train.build.build_graphs``, handed to ``BertForPreTraining.encoder_graphs``):
-the embeddings and heads run eagerly, the encoder layers replay a graph per (T', B + 1) shape,
-captured when first seen, forward and backward in training, forward only in evaluation; all share
-one memory pool (they replay one after another). Which backends can replay: ``kernels.registry``
-and docs/step.md, "CUDA graphs".
+``EncoderGraphs`` (``bert.train.build.build_graphs``, handed to ``BertForPreTraining.encoder_graphs``): the embeddings
+and heads run eagerly, the encoder layers replay a graph per (T', B + 1) shape, captured when first seen, forward and
+backward in training, forward only in evaluation; all share one memory pool (they replay one after another). Which
+backends can replay: ``kernels.registry`` and docs/step.md, "CUDA graphs".
 
 Shape legend: N tokens (T' here), C hidden size.
 """
@@ -34,10 +33,7 @@ class _Encoder(nn.Module):
 
 
 class EncoderGraphs:
-    """Graphed encoder forward (+ backward when training), per (T', B + 1) shape.
-
-    ``shapes`` lists the shapes captured so far (the summary reports their number).
-    """
+    """Graphed encoder forward (+ backward when training), per (T', B + 1) shape; ``shapes``: those captured so far."""
 
     def __init__(self, layers: nn.ModuleList, max_seqlen: int, rotary: nn.Module | None = None):
         if not torch.cuda.is_available():
@@ -54,12 +50,10 @@ class EncoderGraphs:
     def __call__(self, x_NC: Tensor, cu_seqlens: Tensor, position_ids: Tensor) -> Tensor:
         key = (x_NC.shape[0], cu_seqlens.shape[0])
         if torch.is_grad_enabled() and self.layers.training:
-            graphed = self._train.get(key)
-            if graphed is None:
+            if (graphed := self._train.get(key)) is None:
                 graphed = self._train[key] = self._capture_train(x_NC, cu_seqlens, position_ids)
             return graphed(x_NC, cu_seqlens, position_ids)
-        entry = self._eval.get(key)
-        if entry is None:
+        if (entry := self._eval.get(key)) is None:
             entry = self._eval[key] = self._capture_eval(x_NC, cu_seqlens, position_ids)
         graph, static_x, static_cu, static_pos, static_out = entry
         static_x.copy_(x_NC)

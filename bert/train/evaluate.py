@@ -1,9 +1,7 @@
 """Masked-LM evaluation: accuracy counted on the device, the eval set optionally kept there.
 
-``masked_lm_counts`` accumulates (correct, total) in one int64 device tensor, read once per evaluation
-by its caller; labels equal to ``data.static_shapes.IGNORE`` are not counted. ``DeviceEvalSet``
-(``eval.cache_on_device``) keeps this rank's collated eval batches on the device; ``nbytes`` is their
-size (about 72 MB for MLPerf's eval set: [docs/step.md](../docs/step.md#the-timeline)).
+``masked_lm_counts`` reads nothing back (its caller reads the counts once per evaluation); labels equal to
+``data.static_shapes.IGNORE`` are not counted. The cached eval set's size: [docs/step.md](../docs/step.md#the-timeline).
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ def masked_lm_counts(model: nn.Module, batches: Iterable, device: torch.device, 
 
 
 class EvalBatches:
-    """``eval_batches(loader)``: the eval batches on the device, collated on the way each
-    time, or (``eval.cache_on_device``) collated at the first evaluation and kept."""
+    """``eval_batches(loader)``: the eval batches on the device, collated each time or (eval.cache_on_device) once."""
 
     def __init__(self, section, device: torch.device, collate: Callable, message: Callable[[str], None], static=None):
         self.cache_on_device, self.device, self.message = section.cache_on_device, device, message

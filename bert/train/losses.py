@@ -1,11 +1,10 @@
 """Pretraining losses: masked-LM + next-sentence, and the SimReg contrastive regulariser.
 
-Every loss is a *sum* over this rank's items divided by a *global* count (all-reduced by the
-trainer), so it does not depend on how sequences were spread over ranks; DDP averages
-gradients over W ranks, so the trainer scales the loss by W.
+Every loss is a *sum* over this rank's items divided by a *global* count (all-reduced by the trainer), so it does not
+depend on how sequences were spread over ranks; DDP averages gradients over W ranks, the trainer scales the loss by W.
 
-Shape legend: T tokens, B sequences, M masked positions, V vocabulary, C hidden size,
-N tokens SimReg looks at (M for scope ``masked``, T for ``all``), L padded block length.
+Shape legend: T tokens, B sequences, M masked positions, V vocabulary, C hidden size, N tokens SimReg looks at (M for
+scope ``masked``, T for ``all``), L padded block length.
 """
 
 from __future__ import annotations
@@ -38,15 +37,12 @@ def pretraining_loss(
     num_seqs_global,
     with_accuracy: bool = False,
 ) -> tuple[Tensor, dict]:
-    """MLM + NSP loss of this rank's share of the global batch (MLM alone, NSP sums 0, when
-    ``nsp_logits`` is None: no next-sentence head). mlm_logits [M, V], mlm_labels [M], nsp_logits
-    [B, 2] or None, nsp_labels [B]; the global counts are ints or 0-d tensors. Cross-entropies
-    in float32 (float64 stays float64).
+    """MLM + NSP loss of this rank's share of the global batch (MLM alone, NSP sums 0, when ``nsp_logits`` is None: no
+    next-sentence head). mlm_logits [M, V], mlm_labels [M], nsp_logits [B, 2] or None, nsp_labels [B]; the global counts
+    are ints or 0-d tensors. Cross-entropies in float32 (float64 stays float64).
 
-    Returns (loss, stats): detached 0-d tensors ``mlm_loss_sum``, ``nsp_loss_sum``, with
-    ``with_accuracy`` ``mlm_correct``, ``nsp_correct`` (an argmax over [M, V]: a few percent of
-    a small model's step, so only when asked), and the local ``num_masked``, ``num_seqs`` as ints.
-    """
+    Returns (loss, stats): detached 0-d tensors ``mlm_loss_sum``, ``nsp_loss_sum``, with ``with_accuracy`` (an argmax
+    over [M, V], docs/throughput.md) ``mlm_correct``, ``nsp_correct``, and the local ``num_masked``, ``num_seqs``."""
     dtype = torch.promote_types(mlm_logits.dtype, torch.float32)
     mlm_sum = F.cross_entropy(mlm_logits.to(dtype), mlm_labels, reduction="sum")
     loss = _per_count(mlm_sum, num_masked_global)
@@ -73,28 +69,21 @@ SIMREG_SCOPES = ("masked", "all")
 
 
 def simreg_loss(
-    hidden_states: Tensor,
-    batch: UnpaddedBatch,
-    temperature: float = 0.1,
-    scope: str = "masked",
-    bucket_width: int = 64,
-    counts: list[int] | None = None,
+    hidden_states: Tensor, batch: UnpaddedBatch, temperature=0.1, scope="masked", bucket_width=64, counts=None
 ) -> tuple[Tensor, Tensor]:
     """SimReg: supervised contrastive loss between tokens of the same sequence.
 
-    hidden_states: [T, C], the last encoder layer. Tokens: the masked positions labelled by
-    ``mlm_labels`` (scope ``masked``) or every token labelled by its original id (scope
-    ``all``: ``input_ids`` with the masked positions' ``mlm_labels`` put back). With z the
-    L2-normalised states, candidates A(i) = the other tokens of i's sequence, positives
-    P(i) = those with i's label, anchors = tokens with P(i) non-empty:
+    hidden_states: [T, C], the last encoder layer. Tokens: the masked positions labelled by ``mlm_labels`` (scope
+    ``masked``) or every token labelled by its original id (scope ``all``: ``input_ids`` with the masked positions'
+    ``mlm_labels`` put back). With z the L2-normalised states, candidates A(i) = the other tokens of i's sequence,
+    positives P(i) = those with i's label, anchors = tokens with P(i) non-empty:
 
         L_i = log sum_{a in A(i)} exp(z_i.z_a / t) - (1/|P(i)|) sum_{p in P(i)} z_i.z_p / t
 
-    Returns 0-d device tensors (loss_sum, num_anchors): the sum of L_i over anchors (0 if none)
-    in float32 (float64 input: float64) and the int64 anchor count. Sequences are batched in
-    buckets of ``bucket_width`` tokens (docs/extensions.md), sized from ``counts`` (masked
-    positions per sequence for ``masked``, lengths for ``all``) or else read back (one sync).
-    """
+    Returns 0-d device tensors (loss_sum, num_anchors): the sum of L_i over anchors (0 if none) in float32 (float64
+    input: float64) and the int64 anchor count. Sequences are batched in buckets of ``bucket_width`` tokens
+    (docs/extensions.md), sized from ``counts`` (masked positions per sequence for ``masked``, lengths for ``all``) or
+    else read back (one sync)."""
     if scope not in SIMREG_SCOPES:
         raise ValueError(f"loss.simreg_scope: unknown scope {scope!r}; choose from {', '.join(SIMREG_SCOPES)}")
     if not temperature > 0:
@@ -155,10 +144,9 @@ def simreg_loss(
 
 
 def simreg_term(hidden_TC: Tensor, batch, block, temperature: float, scope: str, real=None) -> Tensor:
-    """SimReg's loss sum over a micro-batch of any layout, on its real tokens: a packed batch is
-    unpacked, a statically padded one cut to ``real`` (its (tokens, sequences, masked) without the
-    padding sequence). The counts come from the host's ``block`` (a ``SampleBlock``), but for a
-    packed batch, whose rows reorder the sequences."""
+    """SimReg's loss sum over a micro-batch of any layout, on its real tokens: a packed batch is unpacked, a statically
+    padded one cut to ``real`` (its (tokens, sequences, masked) without the padding sequence). The counts come from the
+    host's ``block`` (a ``SampleBlock``), but for a packed batch, whose rows reorder the sequences."""
     counts = None
     if isinstance(batch, PackedBatch):
         batch, index = unpack(batch)
@@ -184,8 +172,7 @@ def _block_loss(
     pos_SLL = cand_SLL & (lab_SL[:, :, None] == lab_SL[:, None, :])
     npos_SL = pos_SLL.sum(-1)
     anchor_SL = npos_SL > 0
-    # A finite fill (not -inf) keeps rows without candidates finite, so their zeroed-out
-    # losses backpropagate zeros rather than NaN.
+    # A finite fill (not -inf) keeps rows without candidates finite: their zeroed losses backpropagate zeros, not NaN.
     lse_SL = torch.logsumexp(sim_SLL.masked_fill(~cand_SLL, torch.finfo(sim_SLL.dtype).min), -1)
     pos_mean_SL = sim_SLL.masked_fill(~pos_SLL, 0).sum(-1) / npos_SL.clamp(min=1)
     per_token = torch.where(anchor_SL, lse_SL - pos_mean_SL, 0)

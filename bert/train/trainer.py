@@ -1,11 +1,10 @@
 """The training loop: named steps from a global batch to an MLPerf result.
 
-``Trainer(cfg, output_dir, dist_info).train()`` builds its parts (``bert.train.build``), resumes
-from ``output_dir/checkpoints`` (``bert.checkpoint.training``) and runs per global step
-``train_step`` (losses normalised by global counts agreed on the host) and ``optimizer_step``
-(a non-finite update skipped on the device), ``evaluate`` every eval interval and
-``save_checkpoint`` at its interval and on SIGTERM. A step reads nothing back from the device.
-How and why: docs/training.md, "The training loop", and docs/step.md.
+``Trainer(cfg, output_dir, dist_info).train()`` builds its parts (``bert.train.build``), resumes from
+``output_dir/checkpoints`` (``bert.checkpoint.training``) and runs per global step ``train_step`` (losses normalised by
+global counts agreed on the host) and ``optimizer_step`` (a non-finite update skipped on the device), ``evaluate`` every
+eval interval and ``save_checkpoint`` at its interval and on SIGTERM. A step reads nothing back from the device. How and
+why: docs/training.md, "The training loop", and docs/step.md.
 
 Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
 """
@@ -59,9 +58,8 @@ class StepResult:
 
 
 def map_large_allocations() -> None:
-    """train.flat_host_memory: every allocation of 128 KiB or more gets its own mapping, returned
-    to the OS when freed (glibc's M_MMAP_THRESHOLD, -3, fixed; nothing without ``mallopt``).
-    Flat resident memory for ~1.5x slower CPU steps: docs/reliability.md, "Endurance"."""
+    """train.flat_host_memory: every allocation of 128 KiB or more gets its own mapping, returned to the OS when freed
+    (glibc's M_MMAP_THRESHOLD, -3, fixed; nothing without ``mallopt``). Cost: docs/reliability.md, "Endurance"."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(ctypes.c_int(-3), ctypes.c_int(128 << 10))
@@ -86,9 +84,8 @@ class Trainer:
     ft_rank = 0  # this replica's rank in the last quorum (rank 0 writes the checkpoints)
 
     def __init__(self, cfg: RunConfig, output_dir: str, dist_info):
-        """Builds every part but the data loaders: MLPerf's clock (``run_start``) starts
-        before anything touches the dataset, so ``train()`` opens the data after it."""
-        self.cfg, self.out, t = cfg, output_dir, cfg.train
+        """Builds every part but the data loaders, which ``train()`` opens after MLPerf's clock starts (run_start)."""
+        self.cfg, t = cfg, cfg.train
         self.rank, self.world, self.is_main = dist_info.rank, dist_info.world_size, dist_info.rank == 0
         self.device = components.build_device(cfg, dist_info, output_dir)
         self.checkpoint_dir = os.path.join(output_dir, "checkpoints")
@@ -126,8 +123,7 @@ class Trainer:
         self.ft = self._join_quorums() if cfg.dist.fault_tolerance == "torchft" else None
 
     def _replica_dir(self, output_dir: str) -> str:
-        """dist.fault_tolerance: OUT/replica_<id>, where this replica logs on its own (the same numbers
-        as the others); the checkpoints stay shared in OUT/checkpoints."""
+        """dist.fault_tolerance: OUT/replica_<id>, where this replica logs (the checkpoints stay in OUT/checkpoints)."""
         if self.world > 1:
             raise ConfigError(
                 f"dist.fault_tolerance: a replica group is one rank; start each replica as its own process "
@@ -154,8 +150,7 @@ class Trainer:
             reporting.log_hyperparameters(self.mllog, self.cfg, self.state.seed, self.micro_batch)
 
     def _build_model(self) -> None:
-        """The model on its device, sharded (optim.shard) and wrapped for the steps, and
-        train.static_shapes' buckets with train.cuda_graphs' graphs handed to the model."""
+        """The model on its device, sharded (optim.shard), wrapped for the steps; static shapes' buckets and graphs."""
         cfg, t = self.cfg, self.cfg.train
         if t.flat_host_memory:
             map_large_allocations()
@@ -331,8 +326,7 @@ class Trainer:
         self.mllog.quorum(s.samples, quorum.size, s.step)
 
     def _replica_state(self) -> dict:
-        """What a healing replica receives from this one (torchft calls it between steps): the
-        checkpoint's contents, the device counters read into them."""
+        """What a healing replica receives from this one (torchft calls it between steps): a checkpoint's contents."""
         self._read_counters()
         loader = {**self.train_loader.state_dict(), "step": self.state.step}
         return to_checkpoint(self.state, self.parts, loader, self.cfg.to_dict())
@@ -357,8 +351,7 @@ class Trainer:
                 self.scaler.unscale_(self.optimizer)
             inject_debug_faults(self.cfg.debug, self.model, self.state.step + 1)
             if self.adagc is not None:
-                # AdaGC needs no global norm to clip; the sum of its per-tensor norms is kept for
-                # the non-finite check and the logs.
+                # AdaGC clips without the global norm; it is computed for the non-finite check and the logs.
                 clip_stats = self.adagc.clip_(compute_global_norm=True)
                 norm = clip_stats.global_norm
             elif self.cfg.optim.clip == "global":
@@ -424,26 +417,22 @@ class Trainer:
         clock, so compilation, autotuning and the allocator's first growth are not timed. It leaves
         no trace: no optimizer step, gradients dropped, RNG states restored."""
         cuda = self.device.type == "cuda"
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
         blocks = components.build_warm_up_blocks(self.cfg.data, self.model_config.vocab_size, self.micro_batch, cuda)
         self.forward.train()
-        for block in blocks:  # padded as training pads (train.cuda_graphs captures their shapes)
-            batch, _ = self._micro_batch(block, record=False)
-            with self._autocast(), philox_from(self.philox):  # a graph captured here reads the device state
-                out = self.forward(batch)
-                masked, seqs = int(block.masked_counts.sum()), len(block)
-                loss, _ = pretraining_loss(
-                    out.mlm_logits, batch.mlm_labels, out.nsp_logits, batch.nsp_labels, masked, seqs
-                )
-            with self.coll.guard("the warm-up's gradient all-reduce", 0):
-                loss.backward()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.set_rng_state(cuda_rng, self.device)
-        torch.set_rng_state(cpu_rng)
+        with torch.random.fork_rng([self.device] if cuda else [], device_type="cuda"):  # restored on the way out
+            for block in blocks:  # padded as training pads (train.cuda_graphs captures their shapes)
+                batch, (_, seqs, masked) = self._micro_batch(block, record=False)
+                with self._autocast(), philox_from(self.philox):  # a graph captured here reads the device state
+                    out = self.forward(batch)
+                    loss, _ = pretraining_loss(
+                        out.mlm_logits, batch.mlm_labels, out.nsp_logits, batch.nsp_labels, masked, seqs
+                    )
+                with self.coll.guard("the warm-up's gradient all-reduce", 0):
+                    loss.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(self.device)
 
     def evaluate_at_start(self) -> None:
         """eval.at_start: the initial weights' accuracy, before the clock (open division only)."""
@@ -539,8 +528,7 @@ class Trainer:
         got = self._read_counters(parts=parts, lr=self.schedule.applied_lr())
         start, samples, tokens = self._window
         elapsed = max(time.time() - start, 1e-9)
-        throughput = (samples / elapsed, tokens / elapsed)
-        rec = reporting.step_record(self.cfg, self.state, got, throughput, rebalance)
+        rec = reporting.step_record(self.cfg, self.state, got, (samples / elapsed, tokens / elapsed), rebalance)
         self.metrics.write(rec)
         self.progress.step(rec)
         self._window = [time.time(), 0, 0]
@@ -575,9 +563,9 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------
 
     def save_checkpoint(self) -> bool:
-        """Rank 0 writes the checkpoint; every rank learns whether it worked. Returns success; a
-        refused write is reported with the checkpoint kept, the caller goes on or stops by checkpoint.on_error.
-        dist.fault_tolerance: the last quorum's rank 0 writes; the other replicas have nothing to do."""
+        """Rank 0 writes the checkpoint (dist.fault_tolerance: the last quorum's rank 0); every rank learns whether it
+        worked. Returns success; a refused write is reported with the checkpoint kept, the caller goes on or stops by
+        checkpoint.on_error."""
         if self.ft is not None and self.ft_rank != 0:
             return True
         self._read_counters()  # the skipped-step counters live on the device
