@@ -79,9 +79,8 @@ class DirectorySummary:
     official: bool  # the conditions: official_problems, and docs/mlperf.md step 6
     note: str
     throughput: float | None  # mean samples/s of the runs in the score
-    rcp: str | None = None  # the RCP check's verdict, in words
-    rcp_factor: float = 1.0  # the score's RCP normalisation (1: none)
-    raw_score_minutes: float | None = None  # the olympic mean before normalisation
+    rcp: RCPResult  # the RCP check's verdict (in words) and the score's normalisation
+    raw_score_minutes: float | None  # the olympic mean before normalisation
 
 
 def read_events(path: Path) -> list[Event]:
@@ -125,8 +124,7 @@ def summarize_run(path: Path) -> RunResult:
     start_i = next((i for i, e in enumerate(events) if e.key == "run_start"), None)
     if start_i is None:
         raise SummaryError(f"{path}: no run_start event")
-    during = events[start_i:]
-    start = during[0]
+    start, during = events[start_i], events[start_i:]
     stop = next((e for e in during if e.key == "run_stop"), None)
     if stop is None:
         raise SummaryError(f"{path}: no run_stop event after run_start (line {start.lineno})")
@@ -349,9 +347,7 @@ def summarize_directory(directory: Path, runs: list[RunResult], rcp_ruleset: str
     if complete and problems:
         note += "; not an official score: " + "; ".join(problems)
     score = raw * rcp.factor if raw is not None else None
-    return DirectorySummary(
-        directory, runs, score, complete and not problems, note, throughput, rcp.verdict, rcp.factor, raw
-    )
+    return DirectorySummary(directory, runs, score, complete and not problems, note, throughput, rcp, raw)
 
 
 def format_table(summaries: list[DirectorySummary], ruleset: str) -> str:
@@ -371,8 +367,8 @@ def format_table(summaries: list[DirectorySummary], ruleset: str) -> str:
             out.append(f"  {name:<16} {r.status:<9} {r.minutes:>8.2f} {samples:>11} {tput:>10}  {verdict}")
         score = f"{s.score_minutes:.2f} min" if s.score_minutes is not None else "none"
         out.append(f"  olympic score: {score} ({s.note})")
-        if s.rcp:
-            out.append(f"  {s.rcp}")
+        if s.rcp.verdict:
+            out.append(f"  {s.rcp.verdict}")
         if s.throughput is not None:
             out.append(f"  throughput of the scored runs: {s.throughput:.1f} samples/s")
         out.append("")
@@ -398,8 +394,8 @@ def to_json(summaries: list[DirectorySummary], ruleset: str | None) -> dict:
                 "directory": str(s.directory),
                 "olympic_score_minutes": _finite(s.score_minutes),
                 "raw_olympic_score_minutes": _finite(s.raw_score_minutes),
-                "rcp": s.rcp,
-                "rcp_factor": s.rcp_factor,
+                "rcp": s.rcp.verdict,
+                "rcp_factor": s.rcp.factor,
                 "official": s.official,
                 "note": s.note,
                 "throughput_samples_per_s": s.throughput,
@@ -436,16 +432,14 @@ def write_png(path: Path, summaries: list[DirectorySummary]) -> None:
     labels = []
     for i, s in enumerate(summaries):
         times = [r.minutes for r in s.runs if r.success]
-        ax.scatter(
-            [i + 0.38] * len(times), times, color="black", s=10, zorder=3, label="successful runs" if i == 0 else None
-        )
+        label = "successful runs" if i == 0 else None
+        ax.scatter([i + 0.38] * len(times), times, color="black", s=10, zorder=3, label=label)
         labels.append("no score" if s.score_minutes is None else f"{s.score_minutes:.2f}" + ("" if s.official else "*"))
     ax.bar_label(bars, labels, padding=3)
     ax.set_xticks(range(len(summaries)), [s.directory.name for s in summaries], rotation=15, ha="right")
     ax.set_ylabel("time to train (minutes)")
-    ax.set_title(
-        "MLPerf BERT olympic time to train" + (" (* not official)" if any(not s.official for s in summaries) else "")
-    )
+    flag = " (* not official)" if any(not s.official for s in summaries) else ""
+    ax.set_title("MLPerf BERT olympic time to train" + flag)
     ax.legend(loc="best")
     fig.tight_layout()
     with publishing(path) as tmp:
