@@ -43,9 +43,8 @@ _OPTIMIZER_KEYS = {
 }
 _OPTIMIZER_KEYS["stable_adamw"] = _OPTIMIZER_KEYS[C.ADAMW]
 
-# The logger's frames between the trainer's call and mllog's caller lookup (public method ->
-# _emit -> MLLogger.event/start/end), so each line's metadata "file"/"lineno" name the
-# trainer's line, not this module's.
+# Frames from the trainer's call to mllog's caller lookup (public method -> _emit -> MLLogger.event/start/end):
+# each line's metadata "file"/"lineno" name the trainer's line, not this module's.
 _STACK_OFFSET = 3
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -55,8 +54,7 @@ _RUNNING, _STOPPED = "after run_start", "after run_stop"
 
 
 class MLPerfLogger:
-    """Writes one run's MLPerf log on rank 0 (only rank 0 opens anything); validates the call order on
-    every rank. ``path`` None: the lines go to stdout (where submissions capture them).
+    """One run's MLPerf log, written by rank 0; every rank validates the call order. ``path`` None: stdout.
     ``platform``: ``submission_platform``, ``<nodes>x<system>`` (``"1xNVIDIA DGX A100"``).
     ``resume``: append to an interrupted run's log, which must hold ``run_start`` and none of
     ``train_samples``, ``eval_samples``, ``run_stop``; a partial last line (a killed writer) is cut off.
@@ -112,8 +110,7 @@ class MLPerfLogger:
     # -- initialisation: before run_start ------------------------------------------------
 
     def cache_clear(self, cleared: bool = True) -> None:
-        """Logs whether the file-system caches were dropped before the run, truthfully (required once; before
-        init_start in submissions, where the launcher clears them; ``launch/run_and_time.sh`` says whether it could)."""
+        """Logs whether the launcher dropped the file-system caches before the run (required once; docs/mlperf.md)."""
         self._expect(C.CACHE_CLEAR, (_NEW, _INIT, _READY), once=True)
         self._emit("event", C.CACHE_CLEAR, bool(cleared))
 
@@ -124,8 +121,7 @@ class MLPerfLogger:
         self._phase = _INIT
 
     def submission_info(self) -> None:
-        """Logs ``submission_benchmark`` (bert), ``_org``, ``_division``, ``_status`` and
-        ``_platform`` from the constructor's arguments."""
+        """Logs ``submission_benchmark`` (bert), ``_org``, ``_division``, ``_status``, ``_platform``."""
         self._expect("submission_info", (_INIT,), once=True)
         self._emit("event", C.SUBMISSION_BENCHMARK, BENCHMARK)
         self._emit("event", C.SUBMISSION_ORG, self.submitter)
@@ -176,8 +172,7 @@ class MLPerfLogger:
             (C.OPT_NAME, optimizer),
             (C.OPT_BASE_LR, _float(C.OPT_BASE_LR, learning_rate)),
             (eps_key, _float(eps_key, epsilon)),
-            # The RCP records and the rules' hyper-parameter table name it opt_epsilon;
-            # NVIDIA's logs carry both.
+            # The RCP records and the rules' hyper-parameter table name it so; NVIDIA's logs carry both.
             ("opt_epsilon", _float("opt_epsilon", epsilon)),
             (beta_1_key, _float(beta_1_key, beta_1)),
             (beta_2_key, _float(beta_2_key, beta_2)),
@@ -198,9 +193,8 @@ class MLPerfLogger:
             self._emit("event", key, value)
 
     def precision(self, *, linear: str, attention: str) -> None:
-        """Logs the lowest numerical precision of the linear layers' and attention's math (``PRECISIONS``).
-        The keys are the rules' from training 6.0; ruleset 5.0.0's checker passes keys it does not
-        know, so BERT's logs carry them too."""
+        """Logs the lowest numerical precision of the linear layers' and attention's math (``PRECISIONS``;
+        training 6.0's keys, which the 5.0.0 checker passes: docs/fp8.md)."""
         values = ((C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, linear), (C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, attention))
         for key, value in values:  # checked before anything is written: a refused call logs nothing
             if value not in PRECISIONS:
@@ -237,8 +231,7 @@ class MLPerfLogger:
         self._stop_interval("epoch", C.EPOCH_STOP, samples, {C.EPOCH_NUM: samples})
 
     def block_start(self, samples: int, block_samples: int) -> None:
-        """Opens a block at ``samples`` trained (``first_epoch_num``), planned to train ``block_samples``
-        (``epoch_count``, > 0)."""
+        """Opens a block at ``samples`` trained (``first_epoch_num``) of ``block_samples`` (``epoch_count``, > 0)."""
         samples, count = _int("samples", samples), _int("block_samples", block_samples, least=1)
         self._start_interval("block", C.BLOCK_START, samples, {C.FIRST_EPOCH_NUM: samples, C.EPOCH_COUNT: count})
 
@@ -365,11 +358,8 @@ def _check_resumable(path: Path) -> None:
         with open(path, "r+b") as f:
             f.truncate(data.rfind(b"\n") + 1)
         data = data[: data.rfind(b"\n") + 1]
-    keys = set()
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        _, found, payload = line.partition(":::MLLOG ")
-        if found:
-            keys.add(json.loads(payload)["key"])
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    keys = {json.loads(line.partition(":::MLLOG ")[2])["key"] for line in lines if ":::MLLOG " in line}
     if C.RUN_START not in keys:
         raise UserError(f"MLPerf log: cannot resume {path}: it has no run_start")
     ended = sorted(keys & {C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.RUN_STOP})
