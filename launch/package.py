@@ -287,14 +287,6 @@ def make_package(args) -> tuple[Path, list[Verdict]]:
     return package, [run_package_checker(package), run_rcp_checker(results, args.division)]
 
 
-def report(package: Path, verdicts: list[Verdict], logs: int) -> str:
-    out = [f"package: {package} ({logs} result logs, ruleset {RULESET})"]
-    for v in verdicts:
-        out.append(f"{v.name}: {'PASS' if v.passed else 'FAIL'}")
-        out.extend(f"  {line}" for line in v.lines)
-    return "\n".join(out)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m launch.package",
@@ -323,7 +315,11 @@ def main(argv=None) -> int:
         print(f"package: {e.filename or args.output}: {e.strerror}", file=sys.stderr)
         return 2
     logs = len(list((package / "results" / args.system / BENCHMARK).glob("result_*.txt")))
-    print(report(package, verdicts, logs))
+    print(f"package: {package} ({logs} result logs, ruleset {RULESET})")
+    for v in verdicts:
+        print(f"{v.name}: {'PASS' if v.passed else 'FAIL'}")
+        for line in v.lines:
+            print(f"  {line}")
     return 0 if all(v.passed for v in verdicts) else 1
 
 

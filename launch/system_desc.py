@@ -65,11 +65,8 @@ def _gib(n_bytes: float) -> str:
 
 def gpu_fields() -> dict[str, Any]:
     query = "name,memory.total,clocks.max.sm,pcie.link.gen.max,pcie.link.width.max"
-    rows = [
-        [c.strip() for c in line.split(",")]
-        for line in _run("nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits").splitlines()
-        if line.strip()
-    ]
+    table = _run("nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits")
+    rows = [[c.strip() for c in line.split(",")] for line in table.splitlines() if line.strip()]
     if not rows:
         return {"accelerators_per_node": 0}
     name, mem_mib, sm_mhz, gen, width = rows[0]
@@ -190,7 +187,7 @@ def check(desc: dict[str, Any]) -> None:
 
 
 def write(path: str | os.PathLike, desc: dict[str, Any]) -> None:
-    """Writes ``desc`` as JSON, published whole (fileio)."""
+    """Writes ``desc`` as JSON, published whole (common.files)."""
     write_text(path, json.dumps(desc, indent=4) + "\n")
 
 
