@@ -303,9 +303,6 @@ class ComplianceCache:
             except (OSError, json.JSONDecodeError):
                 self.entries = {}  # a damaged cache is only a cache: start over
 
-    def key(self, path: Path, ruleset: str, checker_version: str) -> str:
-        return f"{ruleset}/{checker_version}/{file_digest(path, 'sha256')}"
-
     def save(self) -> None:
         if self.file is None:
             return
@@ -324,7 +321,7 @@ def default_cache_file() -> Path:
 def check_runs(runs: list[RunResult], ruleset: str, cache: ComplianceCache, workers: int) -> None:
     """Fill in each run's compliance verdict, from the cache or by running the checker."""
     checker = _checker_version()
-    keys = [cache.key(r.path, ruleset, checker) for r in runs]
+    keys = [f"{ruleset}/{checker}/{file_digest(r.path, 'sha256')}" for r in runs]  # the cache's key
     todo = [(r, k) for r, k in zip(runs, keys) if k not in cache.entries]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         verdicts = list(pool.map(lambda rk: run_compliance_checker(rk[0].path, ruleset), todo))

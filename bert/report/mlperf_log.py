@@ -73,15 +73,12 @@ class MLPerfLogger:
             raise ValueError(f"MLPerf log: division must be one of {DIVISIONS}, got {division!r}")
         if resume and path is None:
             raise ValueError("MLPerf log: resume needs a log file path, got None")
-        self.rank, self.division = rank, division
-        self.submitter, self.platform = submitter, platform
+        self.division, self.submitter, self.platform = division, submitter, platform
         self.path = None if path is None else Path(path)
 
-        # Resumed: rank 0 checks the file below; every rank follows, so the same calls are valid everywhere.
+        # Resumed: after run_start on every rank (rank 0 checks the file below): the initialisation is refused.
         self._phase = _RUNNING if resume else _NEW
         self._done: set[str] = set()  # keys allowed once that have been logged
-        if resume:
-            self._done |= {C.CACHE_CLEAR, C.INIT_START, "submission_info", "hyperparameters", C.INIT_STOP, C.RUN_START}
         self._open: dict[str, int] = {}  # open intervals (epoch, block, eval) -> start samples
         self._samples = 0  # largest samples count logged so far, to catch counters going back
 

@@ -59,12 +59,9 @@ class TensorBoardSink:
         if "eval_accuracy" in record:  # an eval record repeats the step's samples: only the accuracy
             self.writer.add_scalar(SCALARS["eval_accuracy"], record["eval_accuracy"], step)
             return
-        for key, tag in SCALARS.items():
-            if key in record:
-                self.writer.add_scalar(tag, record[key], step)
-        for key, value in record.get("rebalance", {}).items():
-            self.writer.add_scalar(f"rebalance/{key}", value, step)
-        for tag, value in self._count_spikes(record).items():
+        scalars = {tag: record[key] for key, tag in SCALARS.items() if key in record}
+        scalars |= {f"rebalance/{key}": value for key, value in record.get("rebalance", {}).items()}
+        for tag, value in (scalars | self._count_spikes(record)).items():
             self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
