@@ -3,8 +3,7 @@
 Every output appears under its final name complete or not at all: written under a temporary
 name in the same directory, fsynced, renamed, the directory fsynced. ``open_checked`` /
 ``read_checked`` open what the application reads: a regular file only, never blocking, else
-``UnsafeFile`` naming the file and the rule (docs/reliability.md). It imports nothing of the
-project, so every package can use it.
+``UnsafeFile`` naming the file and the rule (docs/reliability.md).
 """
 
 from __future__ import annotations

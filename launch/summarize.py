@@ -9,6 +9,7 @@ computes them, official or why not: [docs/mlperf.md](../docs/mlperf.md#summarizi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -295,13 +296,10 @@ class ComplianceCache:
     """Checker verdicts by (ruleset, checker version, file content), in a JSON file."""
 
     def __init__(self, file: Path | None):
-        self.file = file
-        self.entries: dict[str, str] = {}
+        self.file, self.entries = file, {}
         if file is not None and file.is_file():
-            try:
+            with contextlib.suppress(OSError, json.JSONDecodeError):  # a damaged cache is only a cache: start over
                 self.entries = json.loads(file.read_text())
-            except (OSError, json.JSONDecodeError):
-                self.entries = {}  # a damaged cache is only a cache: start over
 
     def save(self) -> None:
         if self.file is None:

@@ -1,8 +1,7 @@
 """MLPerf's system description, ``systems/<system_name>.json``, filled in from this machine.
 
-    python -m launch.system_desc --output FILE.json [--nodes N] [--field key=value ...]
-
-Every field ``mlperf_logging.system_desc_checker`` requires, from what the machine tells
+``python -m launch.system_desc --output FILE.json [--nodes N] [--field key=value ...]`` writes
+every field ``mlperf_logging.system_desc_checker`` requires, from what the machine tells
 (``nvidia-smi``, ``lscpu``, ``/proc``, the OS, the installed versions, the container image in
 ``CONT`` or ``CONTAINER_IMAGE``). What it cannot know stays ``""`` for ``--field``, which also
 overrides anything measured. docs/mlperf.md, "Reproducing a closed-division result", step 7.

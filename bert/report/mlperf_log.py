@@ -30,7 +30,6 @@ from common.errors import OutputError, UserError
 DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 QUORUM_KEY = "quorum_change"  # dist.fault_tolerance: not an MLPerf key (the closed division refuses the mode)
-BENCHMARK = C.BERT
 # The values the rules accept for lowest_numerical_precision_in_* that this trainer can produce.
 PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")
 
@@ -120,7 +119,7 @@ class MLPerfLogger:
     def submission_info(self) -> None:
         """Logs ``submission_benchmark`` (bert), ``_org``, ``_division``, ``_status``, ``_platform``."""
         self._expect("submission_info", (_INIT,), once=True)
-        self._emit("event", C.SUBMISSION_BENCHMARK, BENCHMARK)
+        self._emit("event", C.SUBMISSION_BENCHMARK, C.BERT)
         self._emit("event", C.SUBMISSION_ORG, self.submitter)
         self._emit("event", C.SUBMISSION_DIVISION, self.division)
         self._emit("event", C.SUBMISSION_STATUS, "onprem")  # as in NVIDIA's logs
@@ -308,7 +307,7 @@ class MLPerfLogger:
             raise RuntimeError(f"MLPerf log: {key} while the {name} opened at {self._open[name]} samples is still open")
         samples = self._advance(samples)
         self._open[name] = samples
-        self._emit("start", key, value, metadata, helper_frames=1)
+        self._emit("start", key, value, metadata, frames=1)
 
     def _stop_interval(self, name: str, key: str, samples: int, metadata: dict, value: Any = None) -> None:
         self._expect(key, (_RUNNING,))
@@ -316,15 +315,13 @@ class MLPerfLogger:
             raise RuntimeError(f"MLPerf log: {key} without an open {name}")
         self._advance(samples)
         del self._open[name]
-        self._emit("end", key, value, metadata, helper_frames=1)
+        self._emit("end", key, value, metadata, frames=1)
 
-    def _emit(
-        self, kind: str, key: str, value: Any = None, metadata: dict | None = None, helper_frames: int = 0
-    ) -> None:
-        """Writes one line; ``helper_frames``: calls between the public method and here."""
+    def _emit(self, kind: str, key: str, value: Any = None, metadata: dict | None = None, frames: int = 0) -> None:
+        """Writes one line; ``frames``: the helper calls between the public method and here."""
         if self._mllog is None:  # not rank 0, or closed
             return
-        getattr(self._mllog, kind)(key=key, value=value, metadata=metadata, stack_offset=_STACK_OFFSET + helper_frames)
+        getattr(self._mllog, kind)(key=key, value=value, metadata=metadata, stack_offset=_STACK_OFFSET + frames)
 
 
 def _int(name: str, value: Any, least: int = 0) -> int:
