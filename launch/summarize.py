@@ -292,42 +292,32 @@ def run_compliance_checker(path: Path, ruleset: str) -> str:
         return "fail: " + _checker_reasons(text)
 
 
-class ComplianceCache:
-    """Checker verdicts by (ruleset, checker version, file content), in a JSON file."""
-
-    def __init__(self, file: Path | None):
-        self.file, self.entries = file, {}
-        if file is not None and file.is_file():
-            with contextlib.suppress(OSError, json.JSONDecodeError):  # a damaged cache is only a cache: start over
-                self.entries = json.loads(file.read_text())
-
-    def save(self) -> None:
-        if self.file is None:
-            return
-        try:
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            write_text(self.file, json.dumps(self.entries, indent=0, sort_keys=True))
-        except OSError as e:
-            print(f"note: compliance cache not saved to {self.file} ({e.strerror})", file=sys.stderr)
-
-
 def default_cache_file() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "unpadded-bert" / "compliance.json"
 
 
-def check_runs(runs: list[RunResult], ruleset: str, cache: ComplianceCache, workers: int) -> None:
-    """Fill in each run's compliance verdict, from the cache or by running the checker."""
+def check_runs(runs: list[RunResult], ruleset: str, cache_file: Path | None, workers: int) -> None:
+    """Fill in each run's compliance verdict, from ``cache_file`` (verdicts by ruleset, checker version
+    and file content, in JSON; None: no cache) or by running the checker."""
+    cache: dict[str, str] = {}
+    if cache_file is not None and cache_file.is_file():
+        with contextlib.suppress(OSError, json.JSONDecodeError):  # a damaged cache is only a cache: start over
+            cache = json.loads(cache_file.read_text())
     checker = _checker_version()
-    keys = [f"{ruleset}/{checker}/{file_digest(r.path, 'sha256')}" for r in runs]  # the cache's key
-    todo = [(r, k) for r, k in zip(runs, keys) if k not in cache.entries]
+    keys = [f"{ruleset}/{checker}/{file_digest(r.path, 'sha256')}" for r in runs]
+    todo = [(r, k) for r, k in zip(runs, keys) if k not in cache]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         verdicts = list(pool.map(lambda rk: run_compliance_checker(rk[0].path, ruleset), todo))
-    cache.entries.update((k, verdict) for (_, k), verdict in zip(todo, verdicts))
+    cache.update((k, verdict) for (_, k), verdict in zip(todo, verdicts))
     for r, k in zip(runs, keys):
-        r.compliance = cache.entries[k]
-    if todo:
-        cache.save()
+        r.compliance = cache[k]
+    if todo and cache_file is not None:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            write_text(cache_file, json.dumps(cache, indent=0, sort_keys=True))
+        except OSError as e:
+            print(f"note: compliance cache not saved to {cache_file} ({e.strerror})", file=sys.stderr)
 
 
 def summarize_directory(directory: Path, runs: list[RunResult], rcp_ruleset: str) -> DirectorySummary:
@@ -475,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = [[summarize_run(p) for p in find_logs(d)] for d in args.dirs]
         if not args.no_check:
-            cache = ComplianceCache(None if args.no_cache else (args.cache or default_cache_file()))
-            check_runs([r for rs in runs for r in rs], args.ruleset, cache, args.jobs)
+            cache_file = None if args.no_cache else (args.cache or default_cache_file())
+            check_runs([r for rs in runs for r in rs], args.ruleset, cache_file, args.jobs)
         summaries = [summarize_directory(d, rs, args.rcp_ruleset) for d, rs in zip(args.dirs, runs)]
         ruleset = None if args.no_check else args.ruleset
         print(format_table(summaries, ruleset or "not checked"), end="")
