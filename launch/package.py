@@ -113,11 +113,6 @@ def load_system_desc(path: str, org: str, system: str, division: str) -> dict:
     return desc
 
 
-def check_name(option: str, value: str) -> None:
-    if not value or value in (".", "..") or "/" in value or value != value.strip():
-        raise PackageError(f"{option}: {value!r} must be a plain name (it becomes a directory)")
-
-
 def code_files(root: Path) -> list[Path]:
     """The implementation's files, relative to root: git's tracked files in a checkout, else a walk."""
     try:
@@ -257,7 +252,8 @@ def run_rcp_checker(results: Path, division: str) -> Verdict:
 
 def make_package(args) -> tuple[Path, list[Verdict]]:
     for option, value in (("--org", args.org), ("--system", args.system), ("--implementation", args.implementation)):
-        check_name(option, value)
+        if not value or value in (".", "..") or "/" in value or value != value.strip():
+            raise PackageError(f"{option}: {value!r} must be a plain name (it becomes a directory)")
     out = Path(args.output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PackageError(f"--output {out}: already exists and is not empty; choose a new directory")

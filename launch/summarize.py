@@ -336,12 +336,10 @@ def summarize_directory(directory: Path, runs: list[RunResult], rcp_ruleset: str
 
 
 def format_table(summaries: list[DirectorySummary], ruleset: str) -> str:
+    header = f"  {'run':<16} {'status':<9} {'minutes':>8} {'samples':>11} {'samples/s':>10}  compliance ({ruleset})"
     out = []
     for s in summaries:
-        out.append(f"{s.directory}")
-        out.append(
-            f"  {'run':<16} {'status':<9} {'minutes':>8} {'samples':>11} {'samples/s':>10}  compliance ({ruleset})"
-        )
+        out += [f"{s.directory}", header]
         for r in s.runs:
             samples = f"{r.samples:,}" if r.samples is not None else "-"
             tput = f"{r.throughput:.1f}" if r.throughput is not None else "-"

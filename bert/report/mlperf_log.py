@@ -33,9 +33,8 @@ QUORUM_KEY = "quorum_change"  # dist.fault_tolerance: not an MLPerf key (the clo
 # The values the rules accept for lowest_numerical_precision_in_* that this trainer can produce.
 PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")
 
-# optim.name -> its opt_name (MLPerf's own names, mllog.constants LAMB / ADAMW) and the keys of
-# its epsilon, betas and weight decay. MLPerf names no StableAdamW (open division only): it logs
-# as itself with AdamW's keys. MLPerf names a poly-decay power for LAMB only.
+# optim.name -> its opt_name (mllog.constants LAMB / ADAMW) and the keys of its epsilon, betas and weight decay.
+# MLPerf names no StableAdamW (open division only: it logs as itself with AdamW's keys), and a poly power for LAMB only.
 _OPTIMIZER_KEYS = {
     C.LAMB: (C.OPT_LAMB_EPSILON, C.OPT_LAMB_BETA_1, C.OPT_LAMB_BETA_2, C.OPT_LAMB_WEIGHT_DECAY),
     C.ADAMW: (C.OPT_ADAMW_EPSILON, C.OPT_ADAMW_BETA_1, C.OPT_ADAMW_BETA_2, C.OPT_ADAMW_WEIGHT_DECAY),
