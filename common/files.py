@@ -83,11 +83,9 @@ def publishing(path: str | os.PathLike, suffix: str | None = None) -> Iterator[P
 
 @contextlib.contextmanager
 def publishing_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a new empty directory beside ``path``; fill it. On a clean exit it replaces
-    ``path``, never removing the old one first: the old is renamed to ``.NAME.old``, the new
-    one into place, then the old removed. A kill between the two renames leaves the old one
-    as ``.NAME.old``, which the next ``publishing_dir(path)`` puts back before anything else.
-    On an error the new directory is removed and ``path`` is left as it was."""
+    """Yield a new empty directory beside ``path``; fill it. On a clean exit it replaces ``path`` without
+    removing the old one first (renamed to ``.NAME.old``, which the next call puts back after a kill between
+    the renames: docs/reliability.md); on an error it is removed and ``path`` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = path.with_name(f".{path.name}.old")

@@ -55,8 +55,7 @@ class MLPerfLogger:
     """One run's MLPerf log, written by rank 0; every rank validates the call order. ``path`` None: stdout.
     ``platform``: ``submission_platform``, ``<nodes>x<system>`` (``"1xNVIDIA DGX A100"``).
     ``resume``: append to an interrupted run's log, which must hold ``run_start`` and none of
-    ``train_samples``, ``eval_samples``, ``run_stop``; a partial last line (a killed writer) is cut off.
-    """
+    ``train_samples``, ``eval_samples``, ``run_stop``; a partial last line (a killed writer) is cut off."""
 
     def __init__(
         self,
@@ -146,11 +145,10 @@ class MLPerfLogger:
         decay_steps: int = 0,
         decay_shape: str = "1-sqrt",
     ) -> None:
-        """Logs the run's hyper-parameters under their MLPerf keys; ``opt_name`` (``optimizer``: lamb,
-        adamw, stable_adamw) and the optimizer's own keys (``opt_lamb_*`` / ``opt_adamw_*``) name the one
-        that runs. ``local_batch_size``: sequences per rank per forward pass (``d_batch_size``). A wsd
-        ``schedule`` logs no poly power (a decay it does not have) but ``opt_learning_rate_decay_schedule``
-        (``wsd <decay_shape>``) and ``opt_learning_rate_decay_steps``."""
+        """Logs the run's hyper-parameters under their MLPerf keys: ``opt_name`` (``optimizer``: lamb, adamw,
+        stable_adamw) and its own keys (``opt_lamb_*`` / ``opt_adamw_*``); ``local_batch_size`` (sequences per
+        rank per forward pass) as ``d_batch_size``; a wsd ``schedule`` as ``opt_learning_rate_decay_schedule``
+        (``wsd <decay_shape>``) and ``opt_learning_rate_decay_steps``, with no poly power."""
         self._expect("hyperparameters", (_INIT,), once=True)
         if optimizer not in _OPTIMIZER_KEYS:
             raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(_OPTIMIZER_KEYS)}")
