@@ -146,9 +146,8 @@ def build_tree(
     impl = staging / org / "benchmarks" / BENCHMARK / "implementations" / implementation
     impl.mkdir(parents=True)
     for rel in code_files(code):
-        target = impl / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(code / rel, target)
+        (impl / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(code / rel, impl / rel)
     if not (impl / "README.md").exists():
         raise PackageError(f"--code {code}: no README.md; MLPerf implementations carry one")
 
@@ -190,17 +189,16 @@ def run_package_checker(package: Path) -> Verdict:
     no_bypass = dict(
         quiet=False, werror=False, rcp_bypass=False, rcp_bert_train_samples=False, seed_checker_bypass=False
     )
-    with warnings.catch_warnings():
+    cwd = os.getcwd()
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="package-check-") as tmp:
         warnings.simplefilter("ignore")
-        cwd = os.getcwd()
-        with tempfile.TemporaryDirectory(prefix="package-check-") as tmp:
-            os.chdir(tmp)  # the compliance checker may write beside itself
-            try:
-                with _captured() as records:
-                    systems_ok = pc.check_systems(str(package), USAGE, RULESET)
-                    results_ok = pc.check_training_result_files(str(package), USAGE, RULESET, **no_bypass)
-            finally:
-                os.chdir(cwd)
+        os.chdir(tmp)  # the compliance checker may write beside itself
+        try:
+            with _captured() as records:
+                systems_ok = pc.check_systems(str(package), USAGE, RULESET)
+                results_ok = pc.check_training_result_files(str(package), USAGE, RULESET, **no_bypass)
+        finally:
+            os.chdir(cwd)
     lines = _messages(records)
     lines += [
         f"INFO: {' '.join(r.getMessage().split())}"
