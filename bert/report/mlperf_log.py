@@ -75,7 +75,7 @@ class MLPerfLogger:
 
         # Resumed: after run_start on every rank (rank 0 checks the file below): the initialisation is refused.
         self._phase = _RUNNING if resume else _NEW
-        self._done: set[str] = set()  # keys allowed once that have been logged
+        self._done: set[str] = set()  # keys that passed _expect; a once-key may not pass again
         self._open: dict[str, int] = {}  # open intervals (epoch, block, eval) -> start samples
         self._samples = 0  # largest samples count logged so far, to catch counters going back
 
@@ -286,10 +286,9 @@ class MLPerfLogger:
     def _expect(self, key: str, phases: tuple[str, ...], once: bool = False) -> None:
         if self._phase not in phases:
             raise RuntimeError(f"MLPerf log: {key} is not allowed {self._phase}")
-        if once:
-            if key in self._done:
-                raise RuntimeError(f"MLPerf log: {key} was already logged; MLPerf wants it once")
-            self._done.add(key)
+        if once and key in self._done:
+            raise RuntimeError(f"MLPerf log: {key} was already logged; MLPerf wants it once")
+        self._done.add(key)
 
     def _advance(self, samples: int) -> int:
         samples = _int("samples", samples)
@@ -302,8 +301,7 @@ class MLPerfLogger:
         self._expect(key, (_RUNNING,))
         if name in self._open:
             raise RuntimeError(f"MLPerf log: {key} while the {name} opened at {self._open[name]} samples is still open")
-        samples = self._advance(samples)
-        self._open[name] = samples
+        self._open[name] = self._advance(samples)
         self._emit("start", key, value, metadata, frames=1)
 
     def _stop_interval(self, name: str, key: str, samples: int, metadata: dict, value: Any = None) -> None:
