@@ -158,13 +158,11 @@ def find_logs(directory: Path) -> list[Path]:
         return [directory]
     if not directory.is_dir():
         raise SummaryError(f"{directory}: no such directory")
-    results = sorted(directory.glob("result_*.txt"), key=_natural_key)
-    if results:
+    if results := sorted(directory.glob("result_*.txt"), key=_natural_key):
         return results
     if (directory / "mlperf.log").is_file():
         return [directory / "mlperf.log"]
-    nested = sorted(directory.glob("*/mlperf.log"), key=lambda p: _natural_key(p.parent))
-    if nested:
+    if nested := sorted(directory.glob("*/mlperf.log"), key=lambda p: _natural_key(p.parent)):
         return nested
     raise SummaryError(f"{directory}: no result_*.txt, mlperf.log or */mlperf.log")
 

@@ -77,8 +77,7 @@ def gpu_fields() -> dict[str, Any]:
         "accelerator_host_interconnect": f"PCIe Gen{gen} x{width}" if gen.isdigit() else "",
         "accelerator_memory_configuration": "HBM" if re.search(r"[AHB]\d{3}|GH200|GB200", name) else "",
     }
-    speeds = re.findall(r"Link \d+: ([\d.]+) GB/s", _run("nvidia-smi", "nvlink", "--status", "-i", "0"))
-    if speeds:
+    if speeds := re.findall(r"Link \d+: ([\d.]+) GB/s", _run("nvidia-smi", "nvlink", "--status", "-i", "0")):
         total = sum(float(s) for s in speeds)
         fields["accelerator_interconnect"] = f"{len(speeds)}x NVLink, {total:.0f} GB/s per GPU"
         topo = _run("nvidia-smi", "topo", "-m")
@@ -102,8 +101,7 @@ def cpu_fields() -> dict[str, Any]:
         host_processor_core_count=int(info.get("Core(s) per socket", "0") or 0) or "",
         host_processor_vcpu_count=int(info.get("CPU(s)", fields["host_processor_vcpu_count"]) or 0),
     )
-    mhz = info.get("CPU max MHz") or info.get("CPU MHz")
-    if mhz:
+    if mhz := info.get("CPU max MHz") or info.get("CPU MHz"):
         fields["host_processor_frequency"] = f"{float(mhz):.0f} MHz"
     caches = [f"{name} {info[f'{name} cache']}" for name in ("L1d", "L1i", "L2", "L3") if info.get(f"{name} cache")]
     fields["host_processor_caches"] = ", ".join(caches)
@@ -145,8 +143,7 @@ def software_fields() -> dict[str, Any]:
     ):
         with contextlib.suppress(PackageNotFoundError):
             parts.append(f"{name} {version(dist)}")
-    image = os.environ.get("CONT") or os.environ.get("CONTAINER_IMAGE")
-    if image:
+    if image := os.environ.get("CONT") or os.environ.get("CONTAINER_IMAGE"):
         parts.append(f"container {image}")
     elif Path("/.dockerenv").exists():
         parts.append("container (image not named: set CONT)")
@@ -168,11 +165,9 @@ def machine_description(*, nodes: int = 1, fields: dict[str, Any] | None = None)
 
 def check(desc: dict[str, Any]) -> None:
     """What the 5.0.0 checker would refuse, as a SystemDescError naming the field."""
-    unknown = sorted(set(desc) - set(FIELDS))
-    if unknown:
+    if unknown := sorted(set(desc) - set(FIELDS)):
         raise SystemDescError(f"{unknown[0]}: not a system-description field (valid: {', '.join(FIELDS)})")
-    missing = [name for name in FIELDS if name not in desc]
-    if missing:
+    if missing := [name for name in FIELDS if name not in desc]:
         raise SystemDescError(f"{missing[0]}: missing")
     if desc["status"] not in STATUSES:
         raise SystemDescError(

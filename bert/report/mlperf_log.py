@@ -199,8 +199,7 @@ class MLPerfLogger:
     def init_stop(self) -> None:
         """Ends initialisation; ``submission_info`` and ``hyperparameters`` must be logged."""
         self._expect(C.INIT_STOP, (_INIT,))
-        missing = [name for name in ("submission_info", "hyperparameters") if name not in self._done]
-        if missing:
+        if missing := [name for name in ("submission_info", "hyperparameters") if name not in self._done]:
             raise RuntimeError(f"MLPerf log: call {' and '.join(missing)}() before init_stop()")
         self._emit("end", C.INIT_STOP)
         self._phase = _READY
@@ -274,8 +273,7 @@ class MLPerfLogger:
         self._expect(C.RUN_STOP, (_RUNNING,))
         if status not in RUN_STATUSES:
             raise ValueError(f"MLPerf log: run_stop status must be one of {RUN_STATUSES}, got {status!r}")
-        missing = [key for key in (C.TRAIN_SAMPLES, C.EVAL_SAMPLES) if key not in self._done]
-        if missing:
+        if missing := [key for key in (C.TRAIN_SAMPLES, C.EVAL_SAMPLES) if key not in self._done]:
             raise RuntimeError(f"MLPerf log: call {'() and '.join(missing)}() before run_stop()")
         self._advance(samples)
         self._emit("end", C.RUN_STOP, None, {C.STATUS: status})  # as NVIDIA's v4.0 logs
@@ -351,6 +349,5 @@ def _check_resumable(path: Path) -> None:
     keys = {json.loads(line.partition(":::MLLOG ")[2])["key"] for line in lines if ":::MLLOG " in line}
     if C.RUN_START not in keys:
         raise UserError(f"MLPerf log: cannot resume {path}: it has no run_start")
-    ended = sorted(keys & {C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.RUN_STOP})
-    if ended:
+    if ended := sorted(keys & {C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.RUN_STOP}):
         raise UserError(f"MLPerf log: cannot resume {path}: the run already ended (it has {', '.join(ended)})")
