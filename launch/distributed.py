@@ -79,10 +79,9 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
 
 def first_host(nodelist: str) -> str:
     """First host of a Slurm host list: ``"gpu[03-05,9],login1"`` -> ``"gpu03"``."""
-    m = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
-    if not m or not (m.group(1) or m.group(2)):
+    prefix, ranges = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip()).groups()  # always matches
+    if not (prefix or ranges):
         raise LaunchError(f"cannot read a host from Slurm node list {nodelist!r}")
-    prefix, ranges = m.groups()
     return prefix if ranges is None else prefix + re.split(r"[-,]", ranges, maxsplit=1)[0]
 
 
