@@ -256,15 +256,6 @@ def official_problems(runs: list[RunResult]) -> list[str]:
     return problems
 
 
-def _checker_version() -> str:
-    try:
-        return version("mlperf-logging")
-    except PackageNotFoundError:
-        raise SummaryError(
-            "mlperf-logging is not installed: install it (requirements.txt) or pass --no-check"
-        ) from None
-
-
 def _checker_reasons(log_text: str) -> str:
     """The checker's complaints, from its log output, as one line."""
     lines = (line.strip() for line in log_text.splitlines())
@@ -302,7 +293,12 @@ def check_runs(runs: list[RunResult], ruleset: str, cache_file: Path | None, wor
     if cache_file is not None and cache_file.is_file():
         with contextlib.suppress(OSError, json.JSONDecodeError):  # a damaged cache is only a cache: start over
             cache = json.loads(cache_file.read_text())
-    checker = _checker_version()
+    try:
+        checker = version("mlperf-logging")
+    except PackageNotFoundError:
+        raise SummaryError(
+            "mlperf-logging is not installed: install it (requirements.txt) or pass --no-check"
+        ) from None
     keys = [f"{ruleset}/{checker}/{file_digest(r.path, 'sha256')}" for r in runs]
     todo = [(r, k) for r, k in zip(runs, keys) if k not in cache]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
