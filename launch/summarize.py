@@ -445,9 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         help="ruleset whose reference convergence points normalise the scores (default "
         "%(default)s, BERT's last; older sets are checked with their own --ruleset)",
     )
-    parser.add_argument(
-        "--cache", type=Path, default=None, metavar="FILE", help=f"verdict cache (default {default_cache_file()})"
-    )
+    parser.add_argument("--cache", type=Path, metavar="FILE", help=f"verdict cache (default {default_cache_file()})")
     parser.add_argument("--no-cache", action="store_true", help="always run the checker")
     parser.add_argument(
         "--jobs", type=int, default=min(4, os.cpu_count() or 1), help="checker processes at once (default %(default)s)"
