@@ -183,9 +183,7 @@ def run_package_checker(package: Path) -> Verdict:
     two check functions are called directly and their verdicts combined as its main does)."""
     from mlperf_logging.package_checker import package_checker as pc
 
-    no_bypass = dict(
-        quiet=False, werror=False, rcp_bypass=False, rcp_bert_train_samples=False, seed_checker_bypass=False
-    )
+    no_bypass = dict.fromkeys(("quiet", "werror", "rcp_bypass", "rcp_bert_train_samples", "seed_checker_bypass"), False)
     cwd = os.getcwd()
     with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="package-check-") as tmp:
         warnings.simplefilter("ignore")
@@ -226,9 +224,8 @@ def run_rcp_checker(results: Path, division: str) -> Verdict:
         )
     lines = [message]
     if message.startswith("Missing RCP"):
-        known = sorted(
-            r["BS"] for r in rcp_checker.RCP_Checker(USAGE, RULESET, BENCHMARK, False).pruned_rcp_data.values()
-        )
+        rcps = rcp_checker.RCP_Checker(USAGE, RULESET, BENCHMARK, False).pruned_rcp_data
+        known = sorted(r["BS"] for r in rcps.values())
         lines.append(
             f"RCP missing: no reference convergence point covers this batch size in ruleset {RULESET} "
             f"(pruned RCP batch sizes: {', '.join(map(str, known))}); expected for batch sizes "

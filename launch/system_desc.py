@@ -88,9 +88,7 @@ def gpu_fields() -> dict[str, Any]:
 
 
 def cpu_fields() -> dict[str, Any]:
-    info = {
-        key.strip(): value.strip() for key, _, value in (line.partition(":") for line in _run("lscpu").splitlines())
-    }
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in _run("lscpu").splitlines())}
     fields: dict[str, Any] = {"host_processor_vcpu_count": os.cpu_count() or ""}
     if not info:
         fields["host_processor_model_name"] = platform.processor() or platform.machine()

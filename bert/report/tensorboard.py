@@ -50,9 +50,7 @@ class TensorBoardSink:
             self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), 0)
 
     def _count_spikes(self, record: dict) -> dict[str, float]:
-        return {
-            f"spikes/{key}_score": counter.add(record[key]) for key, counter in self.spikes.items() if key in record
-        }
+        return {f"spikes/{k}_score": counter.add(record[k]) for k, counter in self.spikes.items() if k in record}
 
     def write(self, record: dict) -> None:
         step = record["step"]
