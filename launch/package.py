@@ -122,10 +122,8 @@ def code_files(root: Path) -> list[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
-        for name in filenames:
-            full = Path(dirpath) / name
-            if not full.is_symlink():
-                files.append(full.relative_to(root))
+        paths = (Path(dirpath) / name for name in filenames)
+        files += [p.relative_to(root) for p in paths if not p.is_symlink()]
     return files
 
 
