@@ -109,15 +109,13 @@ def cpu_fields() -> dict[str, Any]:
 def host_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: the line is not there
-        meminfo = Path("/proc/meminfo").read_text()
-        kib = int(re.search(r"MemTotal:\s+(\d+)", meminfo).group(1))
+        kib = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))
         fields["host_memory_capacity"] = _gib(kib * 1024)
     with contextlib.suppress(OSError):
         fields["host_storage_capacity"] = _gib(shutil.disk_usage(os.getcwd()).total)
     os_name = platform.system()
     with contextlib.suppress(OSError, AttributeError):
-        release = Path("/etc/os-release").read_text()
-        os_name = re.search(r'^PRETTY_NAME="?([^"\n]*)', release, re.MULTILINE).group(1)
+        os_name = re.search(r'^PRETTY_NAME="?([^"\n]*)', Path("/etc/os-release").read_text(), re.MULTILINE).group(1)
     fields["operating_system"] = f"{os_name} (kernel {platform.release()})"
     return fields
 
