@@ -133,6 +133,8 @@ def summarize_run(path: Path) -> RunResult:
     if not isinstance(status, str):
         raise SummaryError(f"{path}:{stop.lineno}: run_stop has no metadata.status")
 
+    # train_samples where logged (rcp_checker's --rcp-bert-train-samples: some submitters log epoch_num 1 on
+    # every eval), else the last eval's epoch_num.
     trained = [e.value for e in during if e.key == "train_samples" and isinstance(e.value, int)]
     evals = [e.metadata.get("epoch_num") for e in during if e.key == "eval_accuracy"]
     samples = (trained or [n for n in evals if isinstance(n, int)] or [None])[-1]
@@ -205,8 +207,6 @@ def rcp_check(runs: list[RunResult], ruleset: str) -> RCPResult:
         return RCPResult(f"RCP check failed: the runs do not share one global_batch_size ({shared})")
     (bs,) = sizes
     # A run that did not converge, or that the compliance checker rejects, counts as 1e9 samples.
-    # Samples are train_samples where logged (rcp_checker's --rcp-bert-train-samples: some
-    # submitters log epoch_num 1 on every eval), else the last eval's epoch_num.
     samples = [float(r.samples) if r.success and r.samples is not None else 1e9 for r in runs]
     if sum(x == 1e9 for x in samples) > 1:
         return RCPResult("RCP check failed: insufficient convergence (more than one run failed)")
@@ -270,8 +270,7 @@ def run_compliance_checker(path: Path, ruleset: str) -> str:
         out = Path(tmp) / "checker.log"
         cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training", "--ruleset", ruleset]
         cmd += ["--log_output", str(out), str(path.resolve())]  # the log last: main names it on a timeout
-        # cwd=tmp: the checker writes files into its working directory.
-        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600)  # it writes into its cwd
         if proc.returncode == 0:
             return "pass"
         text = out.read_text(errors="replace") if out.exists() else ""

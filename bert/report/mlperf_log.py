@@ -30,8 +30,7 @@ from common.errors import OutputError, UserError
 DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 QUORUM_KEY = "quorum_change"  # dist.fault_tolerance: not an MLPerf key (the closed division refuses the mode)
-# The values the rules accept for lowest_numerical_precision_in_* that this trainer can produce.
-PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")
+PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")  # the rules' lowest_numerical_precision_in_* values we produce
 
 # optim.name -> its opt_name (mllog.constants LAMB / ADAMW) and the keys of its epsilon, betas and weight decay.
 # MLPerf names no StableAdamW (open division only: it logs as itself with AdamW's keys), and a poly power for LAMB only.
