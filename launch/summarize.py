@@ -73,6 +73,13 @@ class RunResult:
 
 
 @dataclass
+class RCPResult:
+    verdict: str | None
+    passed: bool = False
+    factor: float = 1.0  # >= 1; the score is multiplied by it
+
+
+@dataclass
 class DirectorySummary:
     directory: Path
     runs: list[RunResult]
@@ -185,13 +192,6 @@ def olympic_score(runs: list[RunResult]) -> tuple[float | None, bool, str, list[
     if n != OFFICIAL_RUNS:
         return (score, False, f"{what}; not an official score: MLPerf BERT needs {OFFICIAL_RUNS} runs", kept)
     return score, True, what, kept
-
-
-@dataclass
-class RCPResult:
-    verdict: str | None
-    passed: bool = False
-    factor: float = 1.0  # >= 1; the score is multiplied by it
 
 
 def rcp_check(runs: list[RunResult], ruleset: str) -> RCPResult:
