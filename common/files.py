@@ -3,8 +3,7 @@
 Every output appears under its final name complete or not at all: written under a temporary
 name in the same directory, fsynced, renamed, the directory fsynced. ``open_checked`` /
 ``read_checked`` open what the application reads: a regular file only, never blocking, else
-``UnsafeFile`` naming the file and the rule (docs/reliability.md). It imports nothing of the
-project, so every package can use it.
+``UnsafeFile`` naming the file and the rule (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -84,11 +83,9 @@ def publishing(path: str | os.PathLike, suffix: str | None = None) -> Iterator[P
 
 @contextlib.contextmanager
 def publishing_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a new empty directory beside ``path``; fill it. On a clean exit it replaces
-    ``path``, never removing the old one first: the old is renamed to ``.NAME.old``, the new
-    one into place, then the old removed. A kill between the two renames leaves the old one
-    as ``.NAME.old``, which the next ``publishing_dir(path)`` puts back before anything else.
-    On an error the new directory is removed and ``path`` is left as it was."""
+    """Yield a new empty directory beside ``path``; fill it. On a clean exit it replaces ``path`` without
+    removing the old one first (renamed to ``.NAME.old``, which the next call puts back after a kill between
+    the renames: docs/reliability.md); on an error it is removed and ``path`` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = path.with_name(f".{path.name}.old")

@@ -15,7 +15,7 @@ import re
 import socket
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -79,10 +79,9 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
 
 def first_host(nodelist: str) -> str:
     """First host of a Slurm host list: ``"gpu[03-05,9],login1"`` -> ``"gpu03"``."""
-    m = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
-    if not m or not (m.group(1) or m.group(2)):
+    prefix, ranges = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip()).groups()  # always matches
+    if not (prefix or ranges):
         raise LaunchError(f"cannot read a host from Slurm node list {nodelist!r}")
-    prefix, ranges = m.groups()
     return prefix if ranges is None else prefix + re.split(r"[-,]", ranges, maxsplit=1)[0]
 
 
@@ -182,10 +181,9 @@ def _resolve_with_mpi(launch: LaunchEnv) -> LaunchEnv:
                 addr = interface_address(ifname) if ifname else socket.gethostname()
             port = port or _free_port()
         addr, port = comm.bcast((addr, port), root=0)
-    local_rank = launch.local_rank
-    if local_rank is None:
-        local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-    return LaunchEnv(launch.launcher, launch.rank, launch.world_size, local_rank, addr, port)
+    if launch.local_rank is None:
+        launch = replace(launch, local_rank=comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank())
+    return replace(launch, master_addr=addr, master_port=port)
 
 
 def _pick_device(local_rank: int) -> torch.device:

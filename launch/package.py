@@ -1,12 +1,10 @@
 """Build an MLPerf training submission package for BERT and run MLPerf's own checkers on it.
 
-    python -m launch.package --org ORG --system SYSTEM [--system-desc FILE] --division closed|open \
-        --output OUT INPUTS...
-
-INPUTS are result logs or directories of them (as ``launch.summarize`` finds them). OUT gets
-MLPerf's tree, published whole (``ORG/results/SYSTEM/bert/result_N.txt`` in input order,
-``ORG/systems/SYSTEM.json``, ``ORG/benchmarks/bert/implementations/IMPL/``); then the package
-and RCP checkers run on it (ruleset 5.0.0). Exit status: 0 when both pass, 1 when they report
+``python -m launch.package --org ORG --system SYSTEM [--system-desc FILE] --division closed|open
+--output OUT INPUTS...``: INPUTS are result logs or directories of them (as ``launch.summarize``
+finds them). OUT gets MLPerf's tree, published whole (``ORG/results/SYSTEM/bert/result_N.txt`` in
+input order, ``ORG/systems/SYSTEM.json``, ``ORG/benchmarks/bert/implementations/IMPL/``); then the
+package and RCP checkers run on it (ruleset 5.0.0). Exit status: 0 when both pass, 1 when they report
 errors (the package stays), 2 for bad input: docs/mlperf.md, "Reproducing a closed-division result".
 """
 
@@ -61,11 +59,10 @@ def collect_logs(inputs: list[str]) -> list[Path]:
                 raise PackageError(f"{item}: no such file or directory")
             for log in find_logs(Path(item)):
                 events = read_events(log)
-                keys = {e.key for e in events}
                 if not events:
                     raise PackageError(f"{log}: no :::MLLOG lines; not an MLPerf result log")
                 for key in ("run_start", "run_stop"):
-                    if key not in keys:
+                    if not any(e.key == key for e in events):
                         raise PackageError(f"{log}: no {key} line; an MLPerf result log has one")
                 benchmark = first_value(events, "submission_benchmark")
                 if benchmark != BENCHMARK:
@@ -113,11 +110,6 @@ def load_system_desc(path: str, org: str, system: str, division: str) -> dict:
     return desc
 
 
-def check_name(option: str, value: str) -> None:
-    if not value or value in (".", "..") or "/" in value or value != value.strip():
-        raise PackageError(f"{option}: {value!r} must be a plain name (it becomes a directory)")
-
-
 def code_files(root: Path) -> list[Path]:
     """The implementation's files, relative to root: git's tracked files in a checkout, else a walk."""
     try:
@@ -130,10 +122,8 @@ def code_files(root: Path) -> list[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
-        for name in filenames:
-            full = Path(dirpath) / name
-            if not full.is_symlink():
-                files.append(full.relative_to(root))
+        paths = (Path(dirpath) / name for name in filenames)
+        files += [p.relative_to(root) for p in paths if not p.is_symlink()]
     return files
 
 
@@ -151,9 +141,8 @@ def build_tree(
     impl = staging / org / "benchmarks" / BENCHMARK / "implementations" / implementation
     impl.mkdir(parents=True)
     for rel in code_files(code):
-        target = impl / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(code / rel, target)
+        (impl / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(code / rel, impl / rel)
     if not (impl / "README.md").exists():
         raise PackageError(f"--code {code}: no README.md; MLPerf implementations carry one")
 
@@ -192,20 +181,17 @@ def run_package_checker(package: Path) -> Verdict:
     two check functions are called directly and their verdicts combined as its main does)."""
     from mlperf_logging.package_checker import package_checker as pc
 
-    no_bypass = dict(
-        quiet=False, werror=False, rcp_bypass=False, rcp_bert_train_samples=False, seed_checker_bypass=False
-    )
-    with warnings.catch_warnings():
+    no_bypass = dict.fromkeys(("quiet", "werror", "rcp_bypass", "rcp_bert_train_samples", "seed_checker_bypass"), False)
+    cwd = os.getcwd()
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="package-check-") as tmp:
         warnings.simplefilter("ignore")
-        cwd = os.getcwd()
-        with tempfile.TemporaryDirectory(prefix="package-check-") as tmp:
-            os.chdir(tmp)  # the compliance checker may write beside itself
-            try:
-                with _captured() as records:
-                    systems_ok = pc.check_systems(str(package), USAGE, RULESET)
-                    results_ok = pc.check_training_result_files(str(package), USAGE, RULESET, **no_bypass)
-            finally:
-                os.chdir(cwd)
+        os.chdir(tmp)  # the compliance checker may write beside itself
+        try:
+            with _captured() as records:
+                systems_ok = pc.check_systems(str(package), USAGE, RULESET)
+                results_ok = pc.check_training_result_files(str(package), USAGE, RULESET, **no_bypass)
+        finally:
+            os.chdir(cwd)
     lines = _messages(records)
     lines += [
         f"INFO: {' '.join(r.getMessage().split())}"
@@ -236,9 +222,8 @@ def run_rcp_checker(results: Path, division: str) -> Verdict:
         )
     lines = [message]
     if message.startswith("Missing RCP"):
-        known = sorted(
-            r["BS"] for r in rcp_checker.RCP_Checker(USAGE, RULESET, BENCHMARK, False).pruned_rcp_data.values()
-        )
+        rcps = rcp_checker.RCP_Checker(USAGE, RULESET, BENCHMARK, False).pruned_rcp_data
+        known = sorted(r["BS"] for r in rcps.values())
         lines.append(
             f"RCP missing: no reference convergence point covers this batch size in ruleset {RULESET} "
             f"(pruned RCP batch sizes: {', '.join(map(str, known))}); expected for batch sizes "
@@ -257,7 +242,8 @@ def run_rcp_checker(results: Path, division: str) -> Verdict:
 
 def make_package(args) -> tuple[Path, list[Verdict]]:
     for option, value in (("--org", args.org), ("--system", args.system), ("--implementation", args.implementation)):
-        check_name(option, value)
+        if not value or value in (".", "..") or "/" in value or value != value.strip():
+            raise PackageError(f"{option}: {value!r} must be a plain name (it becomes a directory)")
     out = Path(args.output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PackageError(f"--output {out}: already exists and is not empty; choose a new directory")
@@ -285,14 +271,6 @@ def make_package(args) -> tuple[Path, list[Verdict]]:
     package = out / args.org
     results = package / "results" / args.system / BENCHMARK
     return package, [run_package_checker(package), run_rcp_checker(results, args.division)]
-
-
-def report(package: Path, verdicts: list[Verdict], logs: int) -> str:
-    out = [f"package: {package} ({logs} result logs, ruleset {RULESET})"]
-    for v in verdicts:
-        out.append(f"{v.name}: {'PASS' if v.passed else 'FAIL'}")
-        out.extend(f"  {line}" for line in v.lines)
-    return "\n".join(out)
 
 
 def main(argv=None) -> int:
@@ -323,7 +301,11 @@ def main(argv=None) -> int:
         print(f"package: {e.filename or args.output}: {e.strerror}", file=sys.stderr)
         return 2
     logs = len(list((package / "results" / args.system / BENCHMARK).glob("result_*.txt")))
-    print(report(package, verdicts, logs))
+    print(f"package: {package} ({logs} result logs, ruleset {RULESET})")
+    for v in verdicts:
+        print(f"{v.name}: {'PASS' if v.passed else 'FAIL'}")
+        for line in v.lines:
+            print(f"  {line}")
     return 0 if all(v.passed for v in verdicts) else 1
 
 

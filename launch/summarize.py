@@ -9,6 +9,7 @@ computes them, official or why not: [docs/mlperf.md](../docs/mlperf.md#summarizi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -72,6 +73,13 @@ class RunResult:
 
 
 @dataclass
+class RCPResult:
+    verdict: str | None
+    passed: bool = False
+    factor: float = 1.0  # >= 1; the score is multiplied by it
+
+
+@dataclass
 class DirectorySummary:
     directory: Path
     runs: list[RunResult]
@@ -79,9 +87,8 @@ class DirectorySummary:
     official: bool  # the conditions: official_problems, and docs/mlperf.md step 6
     note: str
     throughput: float | None  # mean samples/s of the runs in the score
-    rcp: str | None = None  # the RCP check's verdict, in words
-    rcp_factor: float = 1.0  # the score's RCP normalisation (1: none)
-    raw_score_minutes: float | None = None  # the olympic mean before normalisation
+    rcp: RCPResult  # the RCP check's verdict (in words) and the score's normalisation
+    raw_score_minutes: float | None  # the olympic mean before normalisation
 
 
 def read_events(path: Path) -> list[Event]:
@@ -125,8 +132,7 @@ def summarize_run(path: Path) -> RunResult:
     start_i = next((i for i, e in enumerate(events) if e.key == "run_start"), None)
     if start_i is None:
         raise SummaryError(f"{path}: no run_start event")
-    during = events[start_i:]
-    start = during[0]
+    start, during = events[start_i], events[start_i:]
     stop = next((e for e in during if e.key == "run_stop"), None)
     if stop is None:
         raise SummaryError(f"{path}: no run_stop event after run_start (line {start.lineno})")
@@ -134,6 +140,8 @@ def summarize_run(path: Path) -> RunResult:
     if not isinstance(status, str):
         raise SummaryError(f"{path}:{stop.lineno}: run_stop has no metadata.status")
 
+    # train_samples where logged (rcp_checker's --rcp-bert-train-samples: some submitters log epoch_num 1 on
+    # every eval), else the last eval's epoch_num.
     trained = [e.value for e in during if e.key == "train_samples" and isinstance(e.value, int)]
     evals = [e.metadata.get("epoch_num") for e in during if e.key == "eval_accuracy"]
     samples = (trained or [n for n in evals if isinstance(n, int)] or [None])[-1]
@@ -159,13 +167,11 @@ def find_logs(directory: Path) -> list[Path]:
         return [directory]
     if not directory.is_dir():
         raise SummaryError(f"{directory}: no such directory")
-    results = sorted(directory.glob("result_*.txt"), key=_natural_key)
-    if results:
+    if results := sorted(directory.glob("result_*.txt"), key=_natural_key):
         return results
     if (directory / "mlperf.log").is_file():
         return [directory / "mlperf.log"]
-    nested = sorted(directory.glob("*/mlperf.log"), key=lambda p: _natural_key(p.parent))
-    if nested:
+    if nested := sorted(directory.glob("*/mlperf.log"), key=lambda p: _natural_key(p.parent)):
         return nested
     raise SummaryError(f"{directory}: no result_*.txt, mlperf.log or */mlperf.log")
 
@@ -188,13 +194,6 @@ def olympic_score(runs: list[RunResult]) -> tuple[float | None, bool, str, list[
     return score, True, what, kept
 
 
-@dataclass
-class RCPResult:
-    verdict: str | None
-    passed: bool = False
-    factor: float = 1.0  # >= 1; the score is multiplied by it
-
-
 def rcp_check(runs: list[RunResult], ruleset: str) -> RCPResult:
     """The RCP checker's verdict and normalisation factor for a set of runs (as
     ``rcp_checker.check_directory`` decides them, on these runs' logs)."""
@@ -208,8 +207,6 @@ def rcp_check(runs: list[RunResult], ruleset: str) -> RCPResult:
         return RCPResult(f"RCP check failed: the runs do not share one global_batch_size ({shared})")
     (bs,) = sizes
     # A run that did not converge, or that the compliance checker rejects, counts as 1e9 samples.
-    # Samples are train_samples where logged (rcp_checker's --rcp-bert-train-samples: some
-    # submitters log epoch_num 1 on every eval), else the last eval's epoch_num.
     samples = [float(r.samples) if r.success and r.samples is not None else 1e9 for r in runs]
     if sum(x == 1e9 for x in samples) > 1:
         return RCPResult("RCP check failed: insufficient convergence (more than one run failed)")
@@ -259,15 +256,6 @@ def official_problems(runs: list[RunResult]) -> list[str]:
     return problems
 
 
-def _checker_version() -> str:
-    try:
-        return version("mlperf-logging")
-    except PackageNotFoundError:
-        raise SummaryError(
-            "mlperf-logging is not installed: install it (requirements.txt) or pass --no-check"
-        ) from None
-
-
 def _checker_reasons(log_text: str) -> str:
     """The checker's complaints, from its log output, as one line."""
     lines = (line.strip() for line in log_text.splitlines())
@@ -282,8 +270,7 @@ def run_compliance_checker(path: Path, ruleset: str) -> str:
         out = Path(tmp) / "checker.log"
         cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training", "--ruleset", ruleset]
         cmd += ["--log_output", str(out), str(path.resolve())]  # the log last: main names it on a timeout
-        # cwd=tmp: the checker writes files into its working directory.
-        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600)  # it writes into its cwd
         if proc.returncode == 0:
             return "pass"
         text = out.read_text(errors="replace") if out.exists() else ""
@@ -293,48 +280,37 @@ def run_compliance_checker(path: Path, ruleset: str) -> str:
         return "fail: " + _checker_reasons(text)
 
 
-class ComplianceCache:
-    """Checker verdicts by (ruleset, checker version, file content), in a JSON file."""
-
-    def __init__(self, file: Path | None):
-        self.file = file
-        self.entries: dict[str, str] = {}
-        if file is not None and file.is_file():
-            try:
-                self.entries = json.loads(file.read_text())
-            except (OSError, json.JSONDecodeError):
-                self.entries = {}  # a damaged cache is only a cache: start over
-
-    def key(self, path: Path, ruleset: str, checker_version: str) -> str:
-        return f"{ruleset}/{checker_version}/{file_digest(path, 'sha256')}"
-
-    def save(self) -> None:
-        if self.file is None:
-            return
-        try:
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            write_text(self.file, json.dumps(self.entries, indent=0, sort_keys=True))
-        except OSError as e:
-            print(f"note: compliance cache not saved to {self.file} ({e.strerror})", file=sys.stderr)
-
-
 def default_cache_file() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "unpadded-bert" / "compliance.json"
 
 
-def check_runs(runs: list[RunResult], ruleset: str, cache: ComplianceCache, workers: int) -> None:
-    """Fill in each run's compliance verdict, from the cache or by running the checker."""
-    checker = _checker_version()
-    keys = [cache.key(r.path, ruleset, checker) for r in runs]
-    todo = [(r, k) for r, k in zip(runs, keys) if k not in cache.entries]
+def check_runs(runs: list[RunResult], ruleset: str, cache_file: Path | None, workers: int) -> None:
+    """Fill in each run's compliance verdict, from ``cache_file`` (verdicts by ruleset, checker version
+    and file content, in JSON; None: no cache) or by running the checker."""
+    cache: dict[str, str] = {}
+    if cache_file is not None and cache_file.is_file():
+        with contextlib.suppress(OSError, json.JSONDecodeError):  # a damaged cache is only a cache: start over
+            cache = json.loads(cache_file.read_text())
+    try:
+        checker = version("mlperf-logging")
+    except PackageNotFoundError:
+        raise SummaryError(
+            "mlperf-logging is not installed: install it (requirements.txt) or pass --no-check"
+        ) from None
+    keys = [f"{ruleset}/{checker}/{file_digest(r.path, 'sha256')}" for r in runs]
+    todo = [(r, k) for r, k in zip(runs, keys) if k not in cache]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         verdicts = list(pool.map(lambda rk: run_compliance_checker(rk[0].path, ruleset), todo))
-    cache.entries.update((k, verdict) for (_, k), verdict in zip(todo, verdicts))
+    cache.update((k, verdict) for (_, k), verdict in zip(todo, verdicts))
     for r, k in zip(runs, keys):
-        r.compliance = cache.entries[k]
-    if todo:
-        cache.save()
+        r.compliance = cache[k]
+    if todo and cache_file is not None:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            write_text(cache_file, json.dumps(cache, indent=0, sort_keys=True))
+        except OSError as e:
+            print(f"note: compliance cache not saved to {cache_file} ({e.strerror})", file=sys.stderr)
 
 
 def summarize_directory(directory: Path, runs: list[RunResult], rcp_ruleset: str) -> DirectorySummary:
@@ -349,18 +325,14 @@ def summarize_directory(directory: Path, runs: list[RunResult], rcp_ruleset: str
     if complete and problems:
         note += "; not an official score: " + "; ".join(problems)
     score = raw * rcp.factor if raw is not None else None
-    return DirectorySummary(
-        directory, runs, score, complete and not problems, note, throughput, rcp.verdict, rcp.factor, raw
-    )
+    return DirectorySummary(directory, runs, score, complete and not problems, note, throughput, rcp, raw)
 
 
 def format_table(summaries: list[DirectorySummary], ruleset: str) -> str:
+    header = f"  {'run':<16} {'status':<9} {'minutes':>8} {'samples':>11} {'samples/s':>10}  compliance ({ruleset})"
     out = []
     for s in summaries:
-        out.append(f"{s.directory}")
-        out.append(
-            f"  {'run':<16} {'status':<9} {'minutes':>8} {'samples':>11} {'samples/s':>10}  compliance ({ruleset})"
-        )
+        out += [f"{s.directory}", header]
         for r in s.runs:
             samples = f"{r.samples:,}" if r.samples is not None else "-"
             tput = f"{r.throughput:.1f}" if r.throughput is not None else "-"
@@ -371,8 +343,8 @@ def format_table(summaries: list[DirectorySummary], ruleset: str) -> str:
             out.append(f"  {name:<16} {r.status:<9} {r.minutes:>8.2f} {samples:>11} {tput:>10}  {verdict}")
         score = f"{s.score_minutes:.2f} min" if s.score_minutes is not None else "none"
         out.append(f"  olympic score: {score} ({s.note})")
-        if s.rcp:
-            out.append(f"  {s.rcp}")
+        if s.rcp.verdict:
+            out.append(f"  {s.rcp.verdict}")
         if s.throughput is not None:
             out.append(f"  throughput of the scored runs: {s.throughput:.1f} samples/s")
         out.append("")
@@ -398,8 +370,8 @@ def to_json(summaries: list[DirectorySummary], ruleset: str | None) -> dict:
                 "directory": str(s.directory),
                 "olympic_score_minutes": _finite(s.score_minutes),
                 "raw_olympic_score_minutes": _finite(s.raw_score_minutes),
-                "rcp": s.rcp,
-                "rcp_factor": s.rcp_factor,
+                "rcp": s.rcp.verdict,
+                "rcp_factor": s.rcp.factor,
                 "official": s.official,
                 "note": s.note,
                 "throughput_samples_per_s": s.throughput,
@@ -436,16 +408,14 @@ def write_png(path: Path, summaries: list[DirectorySummary]) -> None:
     labels = []
     for i, s in enumerate(summaries):
         times = [r.minutes for r in s.runs if r.success]
-        ax.scatter(
-            [i + 0.38] * len(times), times, color="black", s=10, zorder=3, label="successful runs" if i == 0 else None
-        )
+        label = "successful runs" if i == 0 else None
+        ax.scatter([i + 0.38] * len(times), times, color="black", s=10, zorder=3, label=label)
         labels.append("no score" if s.score_minutes is None else f"{s.score_minutes:.2f}" + ("" if s.official else "*"))
     ax.bar_label(bars, labels, padding=3)
     ax.set_xticks(range(len(summaries)), [s.directory.name for s in summaries], rotation=15, ha="right")
     ax.set_ylabel("time to train (minutes)")
-    ax.set_title(
-        "MLPerf BERT olympic time to train" + (" (* not official)" if any(not s.official for s in summaries) else "")
-    )
+    flag = " (* not official)" if any(not s.official for s in summaries) else ""
+    ax.set_title("MLPerf BERT olympic time to train" + flag)
     ax.legend(loc="best")
     fig.tight_layout()
     with publishing(path) as tmp:
@@ -474,9 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         help="ruleset whose reference convergence points normalise the scores (default "
         "%(default)s, BERT's last; older sets are checked with their own --ruleset)",
     )
-    parser.add_argument(
-        "--cache", type=Path, default=None, metavar="FILE", help=f"verdict cache (default {default_cache_file()})"
-    )
+    parser.add_argument("--cache", type=Path, metavar="FILE", help=f"verdict cache (default {default_cache_file()})")
     parser.add_argument("--no-cache", action="store_true", help="always run the checker")
     parser.add_argument(
         "--jobs", type=int, default=min(4, os.cpu_count() or 1), help="checker processes at once (default %(default)s)"
@@ -486,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = [[summarize_run(p) for p in find_logs(d)] for d in args.dirs]
         if not args.no_check:
-            cache = ComplianceCache(None if args.no_cache else (args.cache or default_cache_file()))
-            check_runs([r for rs in runs for r in rs], args.ruleset, cache, args.jobs)
+            cache_file = None if args.no_cache else (args.cache or default_cache_file())
+            check_runs([r for rs in runs for r in rs], args.ruleset, cache_file, args.jobs)
         summaries = [summarize_directory(d, rs, args.rcp_ruleset) for d, rs in zip(args.dirs, runs)]
         ruleset = None if args.no_check else args.ruleset
         print(format_table(summaries, ruleset or "not checked"), end="")

@@ -1,8 +1,7 @@
 """MLPerf's system description, ``systems/<system_name>.json``, filled in from this machine.
 
-    python -m launch.system_desc --output FILE.json [--nodes N] [--field key=value ...]
-
-Every field ``mlperf_logging.system_desc_checker`` requires, from what the machine tells
+``python -m launch.system_desc --output FILE.json [--nodes N] [--field key=value ...]`` writes
+every field ``mlperf_logging.system_desc_checker`` requires, from what the machine tells
 (``nvidia-smi``, ``lscpu``, ``/proc``, the OS, the installed versions, the container image in
 ``CONT`` or ``CONTAINER_IMAGE``). What it cannot know stays ``""`` for ``--field``, which also
 overrides anything measured. docs/mlperf.md, "Reproducing a closed-division result", step 7.
@@ -65,11 +64,8 @@ def _gib(n_bytes: float) -> str:
 
 def gpu_fields() -> dict[str, Any]:
     query = "name,memory.total,clocks.max.sm,pcie.link.gen.max,pcie.link.width.max"
-    rows = [
-        [c.strip() for c in line.split(",")]
-        for line in _run("nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits").splitlines()
-        if line.strip()
-    ]
+    table = _run("nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits")
+    rows = [[c.strip() for c in line.split(",")] for line in table.splitlines() if line.strip()]
     if not rows:
         return {"accelerators_per_node": 0}
     name, mem_mib, sm_mhz, gen, width = rows[0]
@@ -81,8 +77,7 @@ def gpu_fields() -> dict[str, Any]:
         "accelerator_host_interconnect": f"PCIe Gen{gen} x{width}" if gen.isdigit() else "",
         "accelerator_memory_configuration": "HBM" if re.search(r"[AHB]\d{3}|GH200|GB200", name) else "",
     }
-    speeds = re.findall(r"Link \d+: ([\d.]+) GB/s", _run("nvidia-smi", "nvlink", "--status", "-i", "0"))
-    if speeds:
+    if speeds := re.findall(r"Link \d+: ([\d.]+) GB/s", _run("nvidia-smi", "nvlink", "--status", "-i", "0")):
         total = sum(float(s) for s in speeds)
         fields["accelerator_interconnect"] = f"{len(speeds)}x NVLink, {total:.0f} GB/s per GPU"
         topo = _run("nvidia-smi", "topo", "-m")
@@ -93,9 +88,7 @@ def gpu_fields() -> dict[str, Any]:
 
 
 def cpu_fields() -> dict[str, Any]:
-    info = {
-        key.strip(): value.strip() for key, _, value in (line.partition(":") for line in _run("lscpu").splitlines())
-    }
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in _run("lscpu").splitlines())}
     fields: dict[str, Any] = {"host_processor_vcpu_count": os.cpu_count() or ""}
     if not info:
         fields["host_processor_model_name"] = platform.processor() or platform.machine()
@@ -106,8 +99,7 @@ def cpu_fields() -> dict[str, Any]:
         host_processor_core_count=int(info.get("Core(s) per socket", "0") or 0) or "",
         host_processor_vcpu_count=int(info.get("CPU(s)", fields["host_processor_vcpu_count"]) or 0),
     )
-    mhz = info.get("CPU max MHz") or info.get("CPU MHz")
-    if mhz:
+    if mhz := info.get("CPU max MHz") or info.get("CPU MHz"):
         fields["host_processor_frequency"] = f"{float(mhz):.0f} MHz"
     caches = [f"{name} {info[f'{name} cache']}" for name in ("L1d", "L1i", "L2", "L3") if info.get(f"{name} cache")]
     fields["host_processor_caches"] = ", ".join(caches)
@@ -117,15 +109,13 @@ def cpu_fields() -> dict[str, Any]:
 def host_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: the line is not there
-        meminfo = Path("/proc/meminfo").read_text()
-        kib = int(re.search(r"MemTotal:\s+(\d+)", meminfo).group(1))
+        kib = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))
         fields["host_memory_capacity"] = _gib(kib * 1024)
     with contextlib.suppress(OSError):
         fields["host_storage_capacity"] = _gib(shutil.disk_usage(os.getcwd()).total)
     os_name = platform.system()
     with contextlib.suppress(OSError, AttributeError):
-        release = Path("/etc/os-release").read_text()
-        os_name = re.search(r'^PRETTY_NAME="?([^"\n]*)', release, re.MULTILINE).group(1)
+        os_name = re.search(r'^PRETTY_NAME="?([^"\n]*)', Path("/etc/os-release").read_text(), re.MULTILINE).group(1)
     fields["operating_system"] = f"{os_name} (kernel {platform.release()})"
     return fields
 
@@ -149,8 +139,7 @@ def software_fields() -> dict[str, Any]:
     ):
         with contextlib.suppress(PackageNotFoundError):
             parts.append(f"{name} {version(dist)}")
-    image = os.environ.get("CONT") or os.environ.get("CONTAINER_IMAGE")
-    if image:
+    if image := os.environ.get("CONT") or os.environ.get("CONTAINER_IMAGE"):
         parts.append(f"container {image}")
     elif Path("/.dockerenv").exists():
         parts.append("container (image not named: set CONT)")
@@ -172,11 +161,9 @@ def machine_description(*, nodes: int = 1, fields: dict[str, Any] | None = None)
 
 def check(desc: dict[str, Any]) -> None:
     """What the 5.0.0 checker would refuse, as a SystemDescError naming the field."""
-    unknown = sorted(set(desc) - set(FIELDS))
-    if unknown:
+    if unknown := sorted(set(desc) - set(FIELDS)):
         raise SystemDescError(f"{unknown[0]}: not a system-description field (valid: {', '.join(FIELDS)})")
-    missing = [name for name in FIELDS if name not in desc]
-    if missing:
+    if missing := [name for name in FIELDS if name not in desc]:
         raise SystemDescError(f"{missing[0]}: missing")
     if desc["status"] not in STATUSES:
         raise SystemDescError(
@@ -190,7 +177,7 @@ def check(desc: dict[str, Any]) -> None:
 
 
 def write(path: str | os.PathLike, desc: dict[str, Any]) -> None:
-    """Writes ``desc`` as JSON, published whole (fileio)."""
+    """Writes ``desc`` as JSON, published whole (common.files)."""
     write_text(path, json.dumps(desc, indent=4) + "\n")
 
 

@@ -1,10 +1,7 @@
-"""torchrun, ending a failed run with one line instead of its log lines and traceback.
-
-    python launch/torchrun.py [torchrun's arguments]   (what launch/run_torchrun.sh runs)
-
-Each rank prints its own error (one line). torchrun's report of the failure -- its log lines
-and the ``ChildFailedError`` traceback -- becomes one line naming the rank that failed first,
-whose exit status this process returns. ``LOGLEVEL=INFO`` shows torchrun's log again.
+"""torchrun, ending a failed run with one line: ``python launch/torchrun.py [torchrun's arguments]``
+(what launch/run_torchrun.sh runs). Each rank prints its own error; torchrun's log lines and
+``ChildFailedError`` traceback become one line naming the rank that failed first, whose exit
+status this process returns. ``LOGLEVEL=INFO`` shows torchrun's log again.
 """
 
 import logging

@@ -82,8 +82,7 @@ class Progress:
         )
         if self.tty:
             frac = min(rec["step"] / self.total, 1.0)
-            bar = "#" * int(24 * frac)
-            line += f"  [{bar:<24}] {100 * frac:5.1f}%"
+            line += f"  [{'#' * int(24 * frac):<24}] {100 * frac:5.1f}%"
         print(line, flush=True)
 
     def message(self, text: str) -> None:

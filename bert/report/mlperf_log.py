@@ -30,22 +30,18 @@ from common.errors import OutputError, UserError
 DIVISIONS = ("open", "closed")
 RUN_STATUSES = (C.SUCCESS, C.ABORTED)  # "success", "aborted"
 QUORUM_KEY = "quorum_change"  # dist.fault_tolerance: not an MLPerf key (the closed division refuses the mode)
-BENCHMARK = C.BERT
-# The values the rules accept for lowest_numerical_precision_in_* that this trainer can produce.
-PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")
+PRECISIONS = ("fp8", "bfloat16", "fp16", "fp32")  # the rules' lowest_numerical_precision_in_* values we produce
 
-# optim.name -> its opt_name (MLPerf's own names, mllog.constants LAMB / ADAMW) and the keys of
-# its epsilon, betas and weight decay. MLPerf names no StableAdamW (open division only): it logs
-# as itself with AdamW's keys. MLPerf names a poly-decay power for LAMB only.
+# optim.name -> its opt_name (mllog.constants LAMB / ADAMW) and the keys of its epsilon, betas and weight decay.
+# MLPerf names no StableAdamW (open division only: it logs as itself with AdamW's keys), and a poly power for LAMB only.
 _OPTIMIZER_KEYS = {
     C.LAMB: (C.OPT_LAMB_EPSILON, C.OPT_LAMB_BETA_1, C.OPT_LAMB_BETA_2, C.OPT_LAMB_WEIGHT_DECAY),
     C.ADAMW: (C.OPT_ADAMW_EPSILON, C.OPT_ADAMW_BETA_1, C.OPT_ADAMW_BETA_2, C.OPT_ADAMW_WEIGHT_DECAY),
 }
 _OPTIMIZER_KEYS["stable_adamw"] = _OPTIMIZER_KEYS[C.ADAMW]
 
-# The logger's frames between the trainer's call and mllog's caller lookup (public method ->
-# _emit -> MLLogger.event/start/end), so each line's metadata "file"/"lineno" name the
-# trainer's line, not this module's.
+# Frames from the trainer's call to mllog's caller lookup (public method -> _emit -> MLLogger.event/start/end):
+# each line's metadata "file"/"lineno" name the trainer's line, not this module's.
 _STACK_OFFSET = 3
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -55,12 +51,10 @@ _RUNNING, _STOPPED = "after run_start", "after run_stop"
 
 
 class MLPerfLogger:
-    """Writes one run's MLPerf log on rank 0 (only rank 0 opens anything); validates the call order on
-    every rank. ``path`` None: the lines go to stdout (where submissions capture them).
+    """One run's MLPerf log, written by rank 0; every rank validates the call order. ``path`` None: stdout.
     ``platform``: ``submission_platform``, ``<nodes>x<system>`` (``"1xNVIDIA DGX A100"``).
     ``resume``: append to an interrupted run's log, which must hold ``run_start`` and none of
-    ``train_samples``, ``eval_samples``, ``run_stop``; a partial last line (a killed writer) is cut off.
-    """
+    ``train_samples``, ``eval_samples``, ``run_stop``; a partial last line (a killed writer) is cut off."""
 
     def __init__(
         self,
@@ -75,15 +69,12 @@ class MLPerfLogger:
             raise ValueError(f"MLPerf log: division must be one of {DIVISIONS}, got {division!r}")
         if resume and path is None:
             raise ValueError("MLPerf log: resume needs a log file path, got None")
-        self.rank, self.division = rank, division
-        self.submitter, self.platform = submitter, platform
+        self.division, self.submitter, self.platform = division, submitter, platform
         self.path = None if path is None else Path(path)
 
-        # Resumed: rank 0 checks the file below; every rank follows, so the same calls are valid everywhere.
+        # Resumed: after run_start on every rank (rank 0 checks the file below): the initialisation is refused.
         self._phase = _RUNNING if resume else _NEW
-        self._done: set[str] = set()  # keys allowed once that have been logged
-        if resume:
-            self._done |= {C.CACHE_CLEAR, C.INIT_START, "submission_info", "hyperparameters", C.INIT_STOP, C.RUN_START}
+        self._done: set[str] = set()  # keys that passed _expect; a once-key may not pass again
         self._open: dict[str, int] = {}  # open intervals (epoch, block, eval) -> start samples
         self._samples = 0  # largest samples count logged so far, to catch counters going back
 
@@ -112,8 +103,7 @@ class MLPerfLogger:
     # -- initialisation: before run_start ------------------------------------------------
 
     def cache_clear(self, cleared: bool = True) -> None:
-        """Logs whether the file-system caches were dropped before the run, truthfully (required once; before
-        init_start in submissions, where the launcher clears them; ``launch/run_and_time.sh`` says whether it could)."""
+        """Logs whether the launcher dropped the file-system caches before the run (required once; docs/mlperf.md)."""
         self._expect(C.CACHE_CLEAR, (_NEW, _INIT, _READY), once=True)
         self._emit("event", C.CACHE_CLEAR, bool(cleared))
 
@@ -124,10 +114,9 @@ class MLPerfLogger:
         self._phase = _INIT
 
     def submission_info(self) -> None:
-        """Logs ``submission_benchmark`` (bert), ``_org``, ``_division``, ``_status`` and
-        ``_platform`` from the constructor's arguments."""
+        """Logs ``submission_benchmark`` (bert), ``_org``, ``_division``, ``_status``, ``_platform``."""
         self._expect("submission_info", (_INIT,), once=True)
-        self._emit("event", C.SUBMISSION_BENCHMARK, BENCHMARK)
+        self._emit("event", C.SUBMISSION_BENCHMARK, C.BERT)
         self._emit("event", C.SUBMISSION_ORG, self.submitter)
         self._emit("event", C.SUBMISSION_DIVISION, self.division)
         self._emit("event", C.SUBMISSION_STATUS, "onprem")  # as in NVIDIA's logs
@@ -155,11 +144,10 @@ class MLPerfLogger:
         decay_steps: int = 0,
         decay_shape: str = "1-sqrt",
     ) -> None:
-        """Logs the run's hyper-parameters under their MLPerf keys; ``opt_name`` (``optimizer``: lamb,
-        adamw, stable_adamw) and the optimizer's own keys (``opt_lamb_*`` / ``opt_adamw_*``) name the one
-        that runs. ``local_batch_size``: sequences per rank per forward pass (``d_batch_size``). A wsd
-        ``schedule`` logs no poly power (a decay it does not have) but ``opt_learning_rate_decay_schedule``
-        (``wsd <decay_shape>``) and ``opt_learning_rate_decay_steps``."""
+        """Logs the run's hyper-parameters under their MLPerf keys: ``opt_name`` (``optimizer``: lamb, adamw,
+        stable_adamw) and its own keys (``opt_lamb_*`` / ``opt_adamw_*``); ``local_batch_size`` (sequences per
+        rank per forward pass) as ``d_batch_size``; a wsd ``schedule`` as ``opt_learning_rate_decay_schedule``
+        (``wsd <decay_shape>``) and ``opt_learning_rate_decay_steps``, with no poly power."""
         self._expect("hyperparameters", (_INIT,), once=True)
         if optimizer not in _OPTIMIZER_KEYS:
             raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(_OPTIMIZER_KEYS)}")
@@ -176,8 +164,7 @@ class MLPerfLogger:
             (C.OPT_NAME, optimizer),
             (C.OPT_BASE_LR, _float(C.OPT_BASE_LR, learning_rate)),
             (eps_key, _float(eps_key, epsilon)),
-            # The RCP records and the rules' hyper-parameter table name it opt_epsilon;
-            # NVIDIA's logs carry both.
+            # The RCP records and the rules' hyper-parameter table name it so; NVIDIA's logs carry both.
             ("opt_epsilon", _float("opt_epsilon", epsilon)),
             (beta_1_key, _float(beta_1_key, beta_1)),
             (beta_2_key, _float(beta_2_key, beta_2)),
@@ -198,9 +185,8 @@ class MLPerfLogger:
             self._emit("event", key, value)
 
     def precision(self, *, linear: str, attention: str) -> None:
-        """Logs the lowest numerical precision of the linear layers' and attention's math (``PRECISIONS``).
-        The keys are the rules' from training 6.0; ruleset 5.0.0's checker passes keys it does not
-        know, so BERT's logs carry them too."""
+        """Logs the lowest numerical precision of the linear layers' and attention's math (``PRECISIONS``;
+        training 6.0's keys, which the 5.0.0 checker passes: docs/fp8.md)."""
         values = ((C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, linear), (C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, attention))
         for key, value in values:  # checked before anything is written: a refused call logs nothing
             if value not in PRECISIONS:
@@ -212,8 +198,7 @@ class MLPerfLogger:
     def init_stop(self) -> None:
         """Ends initialisation; ``submission_info`` and ``hyperparameters`` must be logged."""
         self._expect(C.INIT_STOP, (_INIT,))
-        missing = [name for name in ("submission_info", "hyperparameters") if name not in self._done]
-        if missing:
+        if missing := [name for name in ("submission_info", "hyperparameters") if name not in self._done]:
             raise RuntimeError(f"MLPerf log: call {' and '.join(missing)}() before init_stop()")
         self._emit("end", C.INIT_STOP)
         self._phase = _READY
@@ -237,8 +222,7 @@ class MLPerfLogger:
         self._stop_interval("epoch", C.EPOCH_STOP, samples, {C.EPOCH_NUM: samples})
 
     def block_start(self, samples: int, block_samples: int) -> None:
-        """Opens a block at ``samples`` trained (``first_epoch_num``), planned to train ``block_samples``
-        (``epoch_count``, > 0)."""
+        """Opens a block at ``samples`` trained (``first_epoch_num``) of ``block_samples`` (``epoch_count``, > 0)."""
         samples, count = _int("samples", samples), _int("block_samples", block_samples, least=1)
         self._start_interval("block", C.BLOCK_START, samples, {C.FIRST_EPOCH_NUM: samples, C.EPOCH_COUNT: count})
 
@@ -288,8 +272,7 @@ class MLPerfLogger:
         self._expect(C.RUN_STOP, (_RUNNING,))
         if status not in RUN_STATUSES:
             raise ValueError(f"MLPerf log: run_stop status must be one of {RUN_STATUSES}, got {status!r}")
-        missing = [key for key in (C.TRAIN_SAMPLES, C.EVAL_SAMPLES) if key not in self._done]
-        if missing:
+        if missing := [key for key in (C.TRAIN_SAMPLES, C.EVAL_SAMPLES) if key not in self._done]:
             raise RuntimeError(f"MLPerf log: call {'() and '.join(missing)}() before run_stop()")
         self._advance(samples)
         self._emit("end", C.RUN_STOP, None, {C.STATUS: status})  # as NVIDIA's v4.0 logs
@@ -300,10 +283,9 @@ class MLPerfLogger:
     def _expect(self, key: str, phases: tuple[str, ...], once: bool = False) -> None:
         if self._phase not in phases:
             raise RuntimeError(f"MLPerf log: {key} is not allowed {self._phase}")
-        if once:
-            if key in self._done:
-                raise RuntimeError(f"MLPerf log: {key} was already logged; MLPerf wants it once")
-            self._done.add(key)
+        if once and key in self._done:
+            raise RuntimeError(f"MLPerf log: {key} was already logged; MLPerf wants it once")
+        self._done.add(key)
 
     def _advance(self, samples: int) -> int:
         samples = _int("samples", samples)
@@ -316,9 +298,8 @@ class MLPerfLogger:
         self._expect(key, (_RUNNING,))
         if name in self._open:
             raise RuntimeError(f"MLPerf log: {key} while the {name} opened at {self._open[name]} samples is still open")
-        samples = self._advance(samples)
-        self._open[name] = samples
-        self._emit("start", key, value, metadata, helper_frames=1)
+        self._open[name] = self._advance(samples)
+        self._emit("start", key, value, metadata, frames=1)
 
     def _stop_interval(self, name: str, key: str, samples: int, metadata: dict, value: Any = None) -> None:
         self._expect(key, (_RUNNING,))
@@ -326,15 +307,13 @@ class MLPerfLogger:
             raise RuntimeError(f"MLPerf log: {key} without an open {name}")
         self._advance(samples)
         del self._open[name]
-        self._emit("end", key, value, metadata, helper_frames=1)
+        self._emit("end", key, value, metadata, frames=1)
 
-    def _emit(
-        self, kind: str, key: str, value: Any = None, metadata: dict | None = None, helper_frames: int = 0
-    ) -> None:
-        """Writes one line; ``helper_frames``: calls between the public method and here."""
+    def _emit(self, kind: str, key: str, value: Any = None, metadata: dict | None = None, frames: int = 0) -> None:
+        """Writes one line; ``frames``: the helper calls between the public method and here."""
         if self._mllog is None:  # not rank 0, or closed
             return
-        getattr(self._mllog, kind)(key=key, value=value, metadata=metadata, stack_offset=_STACK_OFFSET + helper_frames)
+        getattr(self._mllog, kind)(key=key, value=value, metadata=metadata, stack_offset=_STACK_OFFSET + frames)
 
 
 def _int(name: str, value: Any, least: int = 0) -> int:
@@ -365,13 +344,9 @@ def _check_resumable(path: Path) -> None:
         with open(path, "r+b") as f:
             f.truncate(data.rfind(b"\n") + 1)
         data = data[: data.rfind(b"\n") + 1]
-    keys = set()
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        _, found, payload = line.partition(":::MLLOG ")
-        if found:
-            keys.add(json.loads(payload)["key"])
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    keys = {json.loads(line.partition(":::MLLOG ")[2])["key"] for line in lines if ":::MLLOG " in line}
     if C.RUN_START not in keys:
         raise UserError(f"MLPerf log: cannot resume {path}: it has no run_start")
-    ended = sorted(keys & {C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.RUN_STOP})
-    if ended:
+    if ended := sorted(keys & {C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.RUN_STOP}):
         raise UserError(f"MLPerf log: cannot resume {path}: the run already ended (it has {', '.join(ended)})")

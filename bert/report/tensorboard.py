@@ -50,21 +50,16 @@ class TensorBoardSink:
             self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), 0)
 
     def _count_spikes(self, record: dict) -> dict[str, float]:
-        return {
-            f"spikes/{key}_score": counter.add(record[key]) for key, counter in self.spikes.items() if key in record
-        }
+        return {f"spikes/{k}_score": counter.add(record[k]) for k, counter in self.spikes.items() if k in record}
 
     def write(self, record: dict) -> None:
         step = record["step"]
         if "eval_accuracy" in record:  # an eval record repeats the step's samples: only the accuracy
             self.writer.add_scalar(SCALARS["eval_accuracy"], record["eval_accuracy"], step)
             return
-        for key, tag in SCALARS.items():
-            if key in record:
-                self.writer.add_scalar(tag, record[key], step)
-        for key, value in record.get("rebalance", {}).items():
-            self.writer.add_scalar(f"rebalance/{key}", value, step)
-        for tag, value in self._count_spikes(record).items():
+        scalars = {tag: record[key] for key, tag in SCALARS.items() if key in record}
+        scalars |= {f"rebalance/{key}": value for key, value in record.get("rebalance", {}).items()}
+        for tag, value in (scalars | self._count_spikes(record)).items():
             self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
