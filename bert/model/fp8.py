@@ -102,14 +102,6 @@ def matmul(proj: nn.Linear, x: Tensor) -> Tensor:
     return proj.matmul(x) if is_fp8(proj) else F.linear(x, proj.weight)
 
 
-def encoder_linear_names(model: nn.Module) -> list[str]:
-    """Qualified names of the ``nn.Linear`` modules inside the encoder stack ``model.layers``."""
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ConfigError(f"train.fp8: {type(model).__name__} has no encoder stack 'layers' to convert")
-    return [f"layers.{name}" for name, m in layers.named_modules() if isinstance(m, nn.Linear)]
-
-
 def float8_config(recipe: str):
     """torchao's recipe, with the inner dimension padded to a multiple of 16 (the token count
     of the weight-gradient GEMM is arbitrary under the unpadded layout)."""
@@ -135,16 +127,17 @@ def check_device(device: torch.device) -> None:
 
 
 def convert_encoder(model: nn.Module, recipe: str, device: torch.device | None = None) -> list:
-    """Swap the encoder's linear layers for FP8 ones in place (``recipe`` 'off': nothing).
-    Returns the qualified names converted. Raises ConfigError for what cannot run."""
+    """Swap the ``nn.Linear`` layers of the encoder stack ``model.layers`` for FP8 ones in place
+    (``recipe`` 'off': nothing). Returns the qualified names converted. Raises ConfigError for what cannot run."""
     if recipe == "off":
         return []
     if device is not None:
         check_device(device)
-    names = encoder_linear_names(model)
-    modules = dict(model.named_modules())
-    for name in names:
-        m = modules[name]
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(f"train.fp8: {type(model).__name__} has no encoder stack 'layers' to convert")
+    linears = {f"layers.{name}": m for name, m in layers.named_modules() if isinstance(m, nn.Linear)}
+    for name, m in linears.items():
         if m.in_features % ALIGN or m.out_features % ALIGN:
             raise ConfigError(
                 f"train.fp8: {name} is {m.in_features} -> {m.out_features}; FP8 GEMMs need both "
@@ -153,13 +146,10 @@ def convert_encoder(model: nn.Module, recipe: str, device: torch.device | None =
     config = float8_config(recipe)
     cls = _linear_class()
     _, _, utils = _torchao()
-    wanted = set(names)
     utils.swap_linear_layers(
-        model,
-        lambda m: cls.from_float(m, config=config),
-        module_filter_fn=lambda m, fqn: fqn in wanted,
+        model, lambda m: cls.from_float(m, config=config), module_filter_fn=lambda m, fqn: fqn in linears
     )
-    return names
+    return list(linears)
 
 
 def mlperf_precision(fp8: str, precision: str) -> str:
