@@ -213,13 +213,8 @@ class BertConfig:
         if transformers:
             if not self.is_bert:
                 raise ConfigError("to_dict: only a BERT-shaped config is a transformers BertConfig")
-            out.update(
-                architectures=["BertForPreTraining"],
-                model_type="bert",
-                pad_token_id=0,
-                position_embedding_type="absolute",
-                tie_word_embeddings=True,
-            )
+            out.update(architectures=["BertForPreTraining"], model_type="bert", pad_token_id=0)
+            out.update(position_embedding_type="absolute", tie_word_embeddings=True)
         return out
 
     def to_json(self, path: str, transformers: bool = False) -> None:
