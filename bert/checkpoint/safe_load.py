@@ -23,9 +23,6 @@ from bert.model.hf import read_config
 from common.errors import CheckpointError
 from common.files import UnsafeFile, open_checked
 
-__all__ = ["CheckpointError", "plain_data_problem", "safe_torch_load", "read_safetensors", "read_config_and_weights"]
-
-
 _PLAIN_SCALARS = (str, int, float, bool, type(None))
 _MAX_DEPTH = 32  # the trainer's state nests 5 deep; deeper is not ours
 

@@ -19,9 +19,6 @@ import numpy as np
 from common.errors import CheckpointError
 from common.files import UnsafeFile, open_checked, read_checked
 
-__all__ = ["read_tf_checkpoint", "is_tf_checkpoint", "google_bert_to_hf"]
-
-
 # tensorflow/core/framework/types.proto: DataType -> numpy dtype (little-endian).
 _DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 4: np.uint8, 5: np.int16, 6: np.int8, 9: np.int64}
 _DTYPES.update({10: np.bool_, 17: np.uint16, 19: np.float16, 22: np.uint32, 23: np.uint64})
@@ -104,12 +101,6 @@ def _parse_entry(value: bytes) -> dict:
         elif number == 7:
             entry["sliced"] = True
     return entry
-
-
-def _parse_header(value: bytes) -> tuple[int, int]:
-    """BundleHeaderProto: num_shards=1, endianness=2 (0 little, 1 big)."""
-    values = {number: v for number, _, v in _fields(value)}  # the last of a repeated field wins
-    return values.get(1, 1), values.get(2, 0)
 
 
 # ---- the sorted table (LevelDB's format) ----------------------------------------------------
@@ -196,8 +187,10 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
     header = entries.pop(b"", None)
     if header is None:
         raise CheckpointError(f"{index_path}: no bundle header (not a TF V2 checkpoint index)")
-    num_shards, endianness = _parse_header(header)
-    if endianness != 0:
+    # BundleHeaderProto: num_shards=1, endianness=2 (0 little, 1 big); the last of a repeated field wins.
+    values = {number: v for number, _, v in _fields(header)}
+    num_shards = values.get(1, 1)
+    if values.get(2, 0) != 0:
         raise CheckpointError(f"{index_path}: big-endian checkpoints are not supported")
     shards, out = {}, {}
     try:
