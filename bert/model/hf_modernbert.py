@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from torch import Tensor
-
 from bert.model.config import _HF_METADATA, BertConfig, alternating_layers
 from common.config import short
 from common.errors import ConfigError
@@ -145,7 +143,7 @@ def _names(bias: bool, hf: str, ours: str) -> dict[str, str]:
     return {f"{hf}.{p}": f"{ours}.{p}" for p in (("weight", "bias") if bias else ("weight",))}
 
 
-def _name_map(config: BertConfig) -> dict[str, str]:
+def name_map(config: BertConfig) -> dict[str, str]:
     """transformers' name -> this model's, for every tensor (the tied decoder weight excepted)."""
     m = {"model.embeddings.tok_embeddings.weight": "embeddings.word.weight"}
     m.update(_names(config.norm_bias, "model.embeddings.norm", "embeddings.norm"))
@@ -164,19 +162,3 @@ def _name_map(config: BertConfig) -> dict[str, str]:
     if config.decoder_bias:
         m["decoder.bias"] = "mlm_bias"
     return m
-
-
-def hf_names(config: BertConfig) -> set[str]:
-    return set(_name_map(config))
-
-
-def to_hf(config: BertConfig, ours: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {hf: ours[name] for hf, name in _name_map(config).items()}
-
-
-def from_hf(config: BertConfig, state_dict: dict[str, Tensor], problems: list[str]) -> dict[str, Tensor]:
-    return {ours: state_dict[hf] for hf, ours in _name_map(config).items() if hf in state_dict}
-
-
-def hf_name(config: BertConfig, ours: str) -> str:
-    return {name: hf for hf, name in _name_map(config).items()}.get(ours, ours)
