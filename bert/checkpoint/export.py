@@ -84,8 +84,6 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     model = BertForPreTraining(model_config)
     try:
         model.load_state_dict(state["model"])
-    except CheckpointError as e:
-        raise ExportError(str(e)) from e
     except RuntimeError as e:
         raise ExportError(
             f"{path}: the weights do not fit the model its config describes ({str(e).splitlines()[0]})"

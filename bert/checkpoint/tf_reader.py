@@ -176,12 +176,8 @@ def is_tf_checkpoint(path: str) -> bool:
 
 
 def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
-    """Every variable of the TF V2 checkpoint ``prefix`` by its TensorFlow name.
-
-    ``include(name) -> bool`` reads only some variables (the converter skips the optimizer
-    slots, two thirds of the phase-1 checkpoint's 4 GB). Values are bitwise what TensorFlow
-    wrote; each is checked against its stored CRC-32C.
-    """
+    """Every variable of the TF V2 checkpoint ``prefix`` by its TensorFlow name, bitwise, each checked
+    against its CRC-32C; ``include(name) -> bool`` reads only some (the converter skips the optimizer slots)."""
     index_path = prefix + ".index"
     entries = _read_index(index_path)
     header = entries.pop(b"", None)
@@ -275,13 +271,9 @@ def is_slot_or_counter(name: str) -> bool:
 
 
 def google_bert_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Rename Google BERT's TF variables to ``BertForPreTraining.state_dict()`` names.
-
-    Returns (weights, skipped names). Dense kernels are transposed to [out, in]; the MLM
-    output bias becomes ``cls.predictions.bias``; ``cls/seq_relationship/output_weights`` is
-    already [2, hidden]. An unknown ``bert/`` or ``cls/`` name is an error (a different
-    model), so nothing is silently left at its initial value.
-    """
+    """(Google BERT's TF variables under ``BertForPreTraining.state_dict()`` names, the names skipped).
+    Dense kernels are transposed to [out, in] (``cls/seq_relationship/output_weights`` already is); an
+    unknown ``bert/`` or ``cls/`` name is an error (a different model): nothing keeps its initial value."""
     out, skipped, unknown = {}, [], []
     for name, value in variables.items():
         if is_slot_or_counter(name) or not name.startswith(("bert/", "cls/")):

@@ -151,8 +151,6 @@ def read_config(path: str) -> BertConfig:
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     try:
-        if values.get("model_type", "bert") != "bert":
-            return adapter(values["model_type"]).config_from_hf(values, source=path)
-        return BertConfig.from_dict(values, source=path)
+        return adapter(values.get("model_type", "bert")).config_from_hf(values, source=path)
     except (ConfigError, TypeError) as e:
         raise ConfigError(str(e) if str(e).startswith(path) else f"{path}: {e}") from e
