@@ -18,12 +18,7 @@ from common.errors import ConfigError
 from common.files import write_text
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
-NORM_PLACEMENTS = ("post", "pre")
-NORM_KINDS = ("layernorm", "rmsnorm")
-POSITION_KINDS = ("absolute", "rotary")
-MLP_KINDS = ("dense", "gated")
 LAYER_TYPES = ("global", "local")
-INIT_SCHEMES = ("bert", "modernbert")
 
 # Keys of transformers' config.json that are its bookkeeping, not the architecture (others are errors).
 _HF_METADATA = set(
@@ -38,13 +33,13 @@ _HF_METADATA = set(
 MAX_SIZE = 2**31 - 1  # every size indexes int32 tensors somewhere
 _INT_LEAST = {"type_vocab_size": 0, "local_window": 2}  # 0 token types: none; a window of 1 is no band
 _PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob")
-_CHOICES = {
+_CHOICES = {  # the values of each str field
     "hidden_act": ACTIVATIONS,
-    "norm_placement": NORM_PLACEMENTS,
-    "norm_kind": NORM_KINDS,
-    "position_embedding": POSITION_KINDS,
-    "mlp": MLP_KINDS,
-    "init_scheme": INIT_SCHEMES,
+    "norm_placement": ("post", "pre"),
+    "norm_kind": ("layernorm", "rmsnorm"),
+    "position_embedding": ("absolute", "rotary"),
+    "mlp": ("dense", "gated"),
+    "init_scheme": ("bert", "modernbert"),
 }
 
 

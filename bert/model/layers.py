@@ -21,7 +21,6 @@ from common.errors import ConfigError
 from kernels.ops import fused as fused_ops
 from kernels.ops import rotary
 from kernels.ops.gemm_epilogue import linear_bias_gelu
-from kernels.ops.rotary import rotary_tables
 
 # hidden_act -> the function; the names are bert.config.ACTIVATIONS.
 _gelu_tanh = partial(F.gelu, approximate="tanh")
@@ -71,7 +70,7 @@ class Rotary(nn.Module):
             raise ValueError(f"model.rotary_kernel: {kernel!r} is not one of ('torch', 'triton')")
         self.kernel = kernel
         for kind, theta in (("global", config.rope_theta_global), ("local", config.rope_theta_local)):
-            cos, sin = rotary_tables(config.head_dim, theta, config.max_position_embeddings)
+            cos, sin = rotary.rotary_tables(config.head_dim, theta, config.max_position_embeddings)
             self.register_buffer(f"{kind}_cos", cos, persistent=False)
             self.register_buffer(f"{kind}_sin", sin, persistent=False)
 
