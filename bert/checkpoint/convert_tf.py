@@ -17,7 +17,7 @@ import sys
 import torch
 
 from bert.checkpoint.pretrained import export_hf
-from bert.checkpoint.tf_reader import google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
+from bert.checkpoint.tf_reader import read_google_bert
 from bert.model.config import BertConfig
 from bert.model.hf import load_hf_state_dict, read_config, to_hf_state_dict
 from bert.model.pretraining import BertForPreTraining
@@ -28,18 +28,9 @@ from common.files import publishing
 def convert(prefix: str, config: BertConfig) -> tuple[BertForPreTraining, list[str]]:
     """The model with the checkpoint's weights, and the variables skipped (slots, counters)."""
     model = BertForPreTraining(config)
-    skipped_slots = []
-
-    def wanted(name: str) -> bool:  # the slots are two thirds of the bytes: never read them
-        if is_slot_or_counter(name):
-            skipped_slots.append(name)
-            return False
-        return True
-
-    variables = read_tf_checkpoint(prefix, include=wanted)
-    weights, skipped = google_bert_to_hf(variables)
+    weights, skipped = read_google_bert(prefix)
     load_hf_state_dict(model, {k: torch.from_numpy(v) for k, v in weights.items()})
-    return model, sorted(skipped_slots + skipped)
+    return model, skipped
 
 
 def save_pt(model: BertForPreTraining, path: str) -> None:

@@ -17,7 +17,7 @@ import zipfile
 import torch
 from torch import Tensor
 
-from bert.checkpoint.tf_reader import google_bert_to_hf, is_slot_or_counter, is_tf_checkpoint, read_tf_checkpoint
+from bert.checkpoint.tf_reader import is_tf_checkpoint, read_google_bert
 from bert.model.config import BertConfig
 from bert.model.hf import read_config
 from common.errors import CheckpointError
@@ -167,8 +167,7 @@ def read_safetensors(path: str) -> dict[str, Tensor]:
 
 def _read_tf(prefix: str) -> dict[str, Tensor]:
     try:
-        variables = read_tf_checkpoint(prefix, include=lambda name: not is_slot_or_counter(name))
-        weights, _ = google_bert_to_hf(variables)
+        weights, _ = read_google_bert(prefix)
     except CheckpointError as e:
         raise CheckpointError(str(e) if str(e).startswith(prefix) else f"{prefix}: {e}") from e
     return {k: torch.from_numpy(v) for k, v in weights.items()}

@@ -3,8 +3,8 @@
 ``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint (``PREFIX.index``, a LevelDB-format
 table of ``BundleEntryProto``, and ``PREFIX.data-0000N-of-0000M``) into numpy arrays, bitwise,
 every block and tensor checked against its CRC-32C (a ``CheckpointError`` names the file and
-variable); only ``google_crc32c`` is needed. ``google_bert_to_hf(variables)`` renames Google
-BERT's variables to ``BertForPreTraining``'s and lists what it skipped.
+variable); only ``google_crc32c`` is needed. ``read_google_bert(prefix)`` reads Google BERT's
+weights under ``BertForPreTraining``'s names and lists what it skipped.
 [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
 """
 
@@ -265,18 +265,21 @@ _LAYER_MODULES = set(
 )
 
 
-def is_slot_or_counter(name: str) -> bool:
-    """Variables that hold no model weight (the converter skips them)."""
-    return bool(_SKIP.search(name))
-
-
-def google_bert_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
-    """(Google BERT's TF variables under ``BertForPreTraining.state_dict()`` names, the names skipped).
-    Dense kernels are transposed to [out, in] (``cls/seq_relationship/output_weights`` already is); an
-    unknown ``bert/`` or ``cls/`` name is an error (a different model): nothing keeps its initial value."""
+def read_google_bert(prefix: str) -> tuple[dict[str, np.ndarray], list[str]]:
+    """(Google BERT's weights in the checkpoint ``prefix`` under ``BertForPreTraining.state_dict()`` names,
+    the variables skipped); the optimizer slots and counters are never read. Dense kernels are transposed
+    to [out, in] (``cls/seq_relationship/output_weights`` already is); an unknown ``bert/`` or ``cls/``
+    name is an error (a different model): nothing keeps its initial value."""
     out, skipped, unknown = {}, [], []
-    for name, value in variables.items():
-        if is_slot_or_counter(name) or not name.startswith(("bert/", "cls/")):
+
+    def wanted(name: str) -> bool:
+        if _SKIP.search(name):
+            skipped.append(name)
+            return False
+        return True
+
+    for name, value in read_tf_checkpoint(prefix, include=wanted).items():
+        if not name.startswith(("bert/", "cls/")):
             skipped.append(name)
             continue
         hf = _hf_name(name)
