@@ -118,36 +118,31 @@ def _refusal(e: pickle.UnpicklingError) -> str:
 
 
 def safe_torch_load(path: str, limit: int | None = None, archive_only: bool = False):
-    """``load_archive`` of the regular file ``path`` (``common.files.open_checked``); ``limit``:
-    the bytes of ``path`` that belong to the archive (default: all)."""
+    """``torch.load(weights_only=True)`` of the regular file ``path`` (``common.files.open_checked``),
+    its zip records checked first (``_check_archive``); every failure one CheckpointError line.
+    ``limit``: the bytes of ``path`` that belong to the archive (default: all); ``archive_only``
+    refuses torch's legacy (pre-1.6, non-zip) format."""
     try:
         with open_checked(path, what="a torch file") as f:
-            return load_archive(path, f, os.fstat(f.fileno()).st_size if limit is None else limit, archive_only)
+            window = _Window(f, os.fstat(f.fileno()).st_size if limit is None else limit)
+            try:
+                zipped = archive_only or zipfile.is_zipfile(window)
+            except Exception:  # noqa: BLE001 - a zip broken enough to raise here: _check_archive names it
+                zipped = True
+            if zipped:
+                _check_archive(path, window)
+            f.seek(0)
+            try:
+                return torch.load(f, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise CheckpointError(f"{path}: {_refusal(e)}") from e
+            except Exception as e:  # noqa: BLE001 - whatever else a malformed file raises, it is a bad file
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {first})") from e
     except UnsafeFile as e:
         raise CheckpointError(str(e)) from e
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
-
-
-def load_archive(name: str, f, size: int, archive_only: bool = True):
-    """``torch.load(weights_only=True)`` of the first ``size`` bytes of the open file ``f``, its
-    zip records checked first (``_check_archive``); every failure one CheckpointError line.
-    ``archive_only`` refuses torch's legacy (pre-1.6, non-zip) format."""
-    window = _Window(f, size)
-    try:
-        zipped = archive_only or zipfile.is_zipfile(window)
-    except Exception:  # noqa: BLE001 - a zip broken enough to raise here: _check_archive names it
-        zipped = True
-    if zipped:
-        _check_archive(name, window)
-    f.seek(0)
-    try:
-        return torch.load(f, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{name}: {_refusal(e)}") from e
-    except Exception as e:  # noqa: BLE001 - whatever else a malformed file raises, it is a bad file
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{name}: cannot be loaded ({type(e).__name__}: {first})") from e
 
 
 def read_safetensors(path: str) -> dict[str, Tensor]:
