@@ -102,17 +102,6 @@ def matmul(proj: nn.Linear, x: Tensor) -> Tensor:
     return proj.matmul(x) if is_fp8(proj) else F.linear(x, proj.weight)
 
 
-def float8_config(recipe: str):
-    """torchao's recipe, with the inner dimension padded to a multiple of 16 (the token count
-    of the weight-gradient GEMM is arbitrary under the unpadded layout)."""
-    if recipe not in RECIPES:
-        raise ConfigError(f"train.fp8: {recipe!r} is not one of {['off', *RECIPES]}")
-    ao_float8, _, _ = _torchao()
-    base = ao_float8.Float8LinearConfig.from_recipe_name(recipe)
-    # A frozen dataclass: replace() reruns __post_init__, which accepts its already-filled fields.
-    return dataclasses.replace(base, pad_inner_dim=True)
-
-
 def check_device(device: torch.device) -> None:
     """FP8 tensor-core GEMMs need compute capability 8.9 (Ada) or 9.0 (Hopper) and later."""
     if device.type == "cuda":
@@ -143,9 +132,13 @@ def convert_encoder(model: nn.Module, recipe: str, device: torch.device | None =
                 f"train.fp8: {name} is {m.in_features} -> {m.out_features}; FP8 GEMMs need both "
                 f"sizes to be multiples of {ALIGN}"
             )
-    config = float8_config(recipe)
+    if recipe not in RECIPES:
+        raise ConfigError(f"train.fp8: {recipe!r} is not one of {['off', *RECIPES]}")
+    ao_float8, _, utils = _torchao()
+    # The inner dimension padded to a multiple of 16: the weight-gradient GEMM's is the token count
+    # (docs/fp8.md). replace() of the frozen dataclass reruns __post_init__, which accepts it.
+    config = dataclasses.replace(ao_float8.Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     cls = _linear_class()
-    _, _, utils = _torchao()
     utils.swap_linear_layers(
         model, lambda m: cls.from_float(m, config=config), module_filter_fn=lambda m, fqn: fqn in linears
     )
