@@ -50,19 +50,6 @@ def _finite(x) -> bool:
         return False
 
 
-def check_fits_memory(config: BertConfig) -> None:
-    """ConfigError, with the estimate, when the fp32 parameters alone exceed the machine's memory
-    (checked before anything is allocated: a typo of 10**9 is a line, not a MemoryError)."""
-    need, have = 4 * config.parameter_count(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise ConfigError(
-            f"the model's fp32 parameters alone take {need / 2**30:,.4g} GiB (vocab_size {config.vocab_size}, "
-            f"hidden_size {config.hidden_size}, num_hidden_layers {config.num_hidden_layers}, "
-            f"max_position_embeddings {config.max_position_embeddings}), more than this machine's "
-            f"{have / 2**30:,.0f} GiB"
-        )
-
-
 def _part(default):
     """A field saying how the encoder is assembled; written to JSON only where it is not BERT's."""
     return field(default=default, metadata={"part": True})
@@ -144,7 +131,16 @@ class BertConfig:
             raise ConfigError(
                 f"layer_types: {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}"
             )
-        check_fits_memory(self)
+        # The fp32 parameters alone against the machine's memory, before anything is allocated:
+        # a typo of 10**9 is a line, not a MemoryError.
+        need, have = 4 * self.parameter_count(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > have:
+            raise ConfigError(
+                f"the model's fp32 parameters alone take {need / 2**30:,.4g} GiB (vocab_size {self.vocab_size}, "
+                f"hidden_size {self.hidden_size}, num_hidden_layers {self.num_hidden_layers}, "
+                f"max_position_embeddings {self.max_position_embeddings}), more than this machine's "
+                f"{have / 2**30:,.0f} GiB"
+            )
         if self.position_embedding == "rotary" and self.head_dim % 2:
             raise ConfigError(f"position_embedding: rotary needs an even head dim, got {self.head_dim}")
         if self.norm_kind == "rmsnorm" and self.norm_bias:
@@ -256,7 +252,7 @@ PRESETS = {
 }
 
 
-BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU implementations
+BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU (epilogue: in the GEMM, kernels.ops.gemm_epilogue)
 
 
 def resolve_bias_gelu(config: BertConfig, fused_ops: bool, bias_gelu: str) -> str:

@@ -49,8 +49,7 @@ _RENAMED = {
     "decoder_bias": ("decoder_bias", True),
     "local_attention": ("local_window", 128),
 }
-# BertConfig fields transformers' ModernBERT fixes; a config with another value has no
-# ModernBertConfig.
+# BertConfig fields transformers' ModernBERT fixes (a config with another value has no ModernBertConfig).
 _FIXED = dict(norm_placement="pre", norm_kind="layernorm", position_embedding="rotary", mlp="gated", type_vocab_size=0)
 _FIXED.update(embedding_norm=True, first_attn_norm=False, next_sentence=False)
 

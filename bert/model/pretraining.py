@@ -50,10 +50,8 @@ class BertForPreTraining(nn.Module):
     """BERT with the masked-LM and next-sentence heads. ``attention``: the backend's name
     (``kernels.registry``), ``attention_options`` its settings; ``fused_ops``: the bias+GELU and
     bias+dropout+residual+LayerNorm Triton kernels (post-norm BERT only); ``bias_gelu``: the
-    FFN-in's bias+GELU alone, ``eager``, ``triton`` or ``epilogue`` (in the GEMM,
-    ``kernels.ops.gemm_epilogue``), ``auto`` = ``triton`` with ``fused_ops``, else ``eager`` (a gated
-    MLP: always); ``rotary_kernel``: ``torch`` (the reference) or ``triton`` (``kernels.ops.rotary``).
-    """
+    FFN-in's bias+GELU alone (``bert.model.config.resolve_bias_gelu``); ``rotary_kernel``: ``torch``
+    (the reference) or ``triton`` (``kernels.ops.rotary``)."""
 
     def __init__(
         self,
