@@ -2,13 +2,13 @@
 the exact state-dict mapping both ways, and ``config.json`` / ``bert_config.json`` read into a
 ``BertConfig``. Files of weights are read and written by ``bert.checkpoint.pretrained``.
 
-An adapter (``bert/model/hf_bert.py``, ``bert/model/hf_modernbert.py``) is a module with ``MODEL_TYPE``;
-``TIED`` (transformers' name of a stored copy -> the name it copies); ``IGNORED`` (names read
-and dropped); ``VOCAB_ROWS`` (names whose first dimension is the vocabulary);
-``unfit(config)`` (why the family cannot hold a config, None if it can); ``config_from_hf`` /
-``config_to_hf`` (``config.json``'s dict <-> ``BertConfig``); ``name_map(config)`` (transformers' name
-of every tensor it stores -> this model's; names that share one of ours are its parts along dim 0, in
-order). A new family is a preset in ``bert/model/config.py``, one adapter file and its line in ``ADAPTERS``.
+An adapter (``bert/model/hf_bert.py``, ``bert/model/hf_modernbert.py``) is a module with ``TIED``
+(transformers' name of a stored copy -> the name it copies); ``IGNORED`` (names read and dropped);
+``VOCAB_ROWS`` (names whose first dimension is the vocabulary); ``unfit(config)`` (why the family
+cannot hold a config, None if it can); ``config_from_hf`` / ``config_to_hf`` (``config.json``'s dict
+<-> ``BertConfig``); ``name_map(config)`` (transformers' name of every tensor it stores -> this model's;
+names that share one of ours are its parts along dim 0, in order). A new family is a preset in
+``bert/model/config.py``, one adapter file and its line in ``ADAPTERS``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from dataclasses import fields
 
 from bert.model.config import BertConfig
 
-MODEL_TYPE = "bert"
 # Copies transformers stores beside the tensor they are tied to.
 TIED = {
     "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",

@@ -18,7 +18,6 @@ from common.errors import ConfigError
 _TYPES = {"full_attention": "global", "sliding_attention": "local"}
 _HF_TYPES = {v: k for k, v in _TYPES.items()}
 
-MODEL_TYPE = "modernbert"
 TIED = {"decoder.weight": "model.embeddings.tok_embeddings.weight"}
 IGNORED: set[str] = set()
 VOCAB_ROWS = ("model.embeddings.tok_embeddings.weight", "decoder.weight", "decoder.bias")
