@@ -56,10 +56,8 @@ def checkpoint_to_export(run_dir: str, name: str | None) -> str:
 
 
 def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str | None = None):
-    """(model with the checkpoint's weights, vocab.txt path, max_seq_length, checkpoint path).
-
-    With ``checkpoint`` None the newest checkpoint that verifies is used; a damaged newest one
-    is reported and the previous tried (bert.checkpoint.training.load_latest)."""
+    """(model with the checkpoint's weights, vocab.txt path, max_seq_length, checkpoint path). With
+    ``checkpoint`` None, the newest that verifies (``bert.checkpoint.training.load_latest``)."""
     path = checkpoint_to_export(run_dir, checkpoint)
     try:
         if checkpoint is None:

@@ -1,8 +1,6 @@
 """The transformers adapter of BERT: ``BertForPreTraining`` <-> this model, for BERT-shaped
-configs (``BertConfig.is_bert``). The contract every adapter keeps is in ``bert.model.hf``.
-
-The fused QKV weight is split into query/key/value on the way out and concatenated on the
-way in, so the mapping is exact both ways.
+configs (``BertConfig.is_bert``); our fused QKV is transformers' query, key and value, so the
+mapping is exact both ways. The contract every adapter keeps is in ``bert.model.hf``.
 """
 
 from __future__ import annotations
