@@ -100,14 +100,10 @@ def _check_archive(path: str, window: _Window) -> None:
         raise CheckpointError(f"{path}: its records declare {total} bytes, more than the {window.size} the file holds")
 
 
-_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
-
-
 def _refusal(e: pickle.UnpicklingError) -> str:
     """One line for what torch's weights-only unpickler refused (its message is a page)."""
     text = str(e)
-    m = _REFUSED_GLOBAL.search(text)
-    if m:
+    if m := re.search(r"GLOBAL ([\w.]+)", text):
         return (
             f"refers to {m.group(1)}, which is not plain data (only tensors, numbers, strings, lists and "
             f"dicts are loaded); refused without running it"

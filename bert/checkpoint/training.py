@@ -43,8 +43,7 @@ def checkpoint_path(directory: str, step: int) -> str:
 
 
 def refuse_directory(path: str) -> None:
-    """A ``step_*`` directory is the sharded DCP-directory format that unreleased code wrote before
-    the single file: refused in one line that says what to do."""
+    """Refuse a ``step_*`` directory (the DCP-directory format of unreleased code) in one line."""
     raise CheckpointError(
         f"{path}: a sharded checkpoint directory (DCP-directory format), which no release wrote and this "
         f"version does not read; move it out of the checkpoint directory (the run then resumes from the "
@@ -111,9 +110,8 @@ def save(directory: str, step: int, state: dict, keep: int) -> str:
 
 
 def write(directory: str, step: int, state, keep: int) -> str:
-    """``save`` without the plain-data check: the file format only (tests write hostile files with it).
-    The file is streamed to a temporary name and published (``common.files.publishing_fd``: an existing
-    one is replaced whole, never removed first); then the checkpoints beyond the newest ``keep`` go."""
+    """``save`` without the plain-data check (tests write hostile files with it): streamed to a temporary
+    name and published whole (``common.files.publishing_fd``), then the checkpoints beyond the newest ``keep`` go."""
     path = checkpoint_path(directory, step)
     try:
         with publishing_fd(path, suffix="") as fd:

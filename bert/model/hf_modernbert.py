@@ -57,8 +57,7 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
         "embedding_dropout mlp_dropout layer_types global_attn_every_n_layers rope_parameters global_rope_theta"
         " local_rope_theta classifier_activation tie_word_embeddings".split()
     )
-    unknown = sorted(set(values) - known - _IGNORED_KEYS)
-    if unknown:
+    if unknown := sorted(set(values) - known - _IGNORED_KEYS):
         raise ConfigError(f"{source}: unknown ModernBERT field(s) {unknown}")
     if values.get("tie_word_embeddings", True) is not True:
         raise ConfigError(f"{source}: tie_word_embeddings must be true (the MLM decoder is tied)")

@@ -12,8 +12,7 @@ M masked positions, H heads, D head dim, C hidden size, V vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +42,7 @@ def windowed(layout, window: int | None):
         return layout
     if isinstance(layout, PackedLayout):
         return PackedLayout(window_bounds(layout.startend_row_indices, window, n=2), layout.causal)
-    return dataclasses.replace(layout, window=window)
+    return replace(layout, window=window)
 
 
 class BertForPreTraining(nn.Module):
