@@ -1,11 +1,9 @@
-"""TensorFlow checkpoints read without TensorFlow: MLPerf's phase-1 starting point.
+"""TensorFlow checkpoints read without TensorFlow (only ``google_crc32c``): MLPerf's phase-1 starting point.
 
-``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint (``PREFIX.index``, a LevelDB-format
-table of ``BundleEntryProto``, and ``PREFIX.data-0000N-of-0000M``) into numpy arrays, bitwise,
-every block and tensor checked against its CRC-32C (a ``CheckpointError`` names the file and
-variable); only ``google_crc32c`` is needed. ``read_google_bert(prefix)`` reads Google BERT's
-weights under ``BertForPreTraining``'s names and lists what it skipped.
-[docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
+``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint into numpy arrays, bitwise, every block and
+tensor checked against its CRC-32C (a ``CheckpointError`` names the file and variable);
+``read_google_bert(prefix)`` reads Google BERT's weights under ``BertForPreTraining``'s names. The
+format: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
 """
 
 from __future__ import annotations

@@ -50,8 +50,7 @@ def unfit(config: BertConfig) -> str | None:
     return None
 
 
-def config_from_hf(values: dict, source: str = "config") -> BertConfig:
-    return BertConfig.from_dict(values, source=source)
+config_from_hf = BertConfig.from_dict  # transformers' BertConfig keys are ours
 
 
 def config_to_hf(config: BertConfig) -> dict:
