@@ -27,9 +27,8 @@ ALIGN = 16
 
 @contextlib.contextmanager
 def torchao_warnings_held_back():
-    """Hold back the warnings torchao logs on its first import (by this module or by
-    transformers) for its CUDA extensions that fail to load against a CPU-only torch (float8
-    training does not use them), and torch's pytree's deprecation note for an enum it registers."""
+    """Hold back what torchao logs on its first import (by this module or transformers): its CUDA extensions
+    failing to load on a CPU-only torch (float8 training does not use them), torch's pytree's note on an enum."""
     logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in logs]
     for log in logs:
@@ -42,8 +41,7 @@ def torchao_warnings_held_back():
 
 
 def import_torchao_quietly() -> None:
-    """Import torchao (when installed) with its load warnings held back, so that a later
-    import of it (transformers') is silent; nothing when it is not installed."""
+    """Import torchao, when installed, with its load warnings held back: transformers' import is then silent."""
     with torchao_warnings_held_back(), contextlib.suppress(ImportError):
         import torchao.float8  # noqa: F401
         import torchao.quantization  # noqa: F401  (what transformers imports)

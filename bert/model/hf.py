@@ -122,10 +122,9 @@ def _check_float(state_dict: dict, keys: set[str]) -> None:
 
 
 def drop_vocab_padding(state_dict: dict[str, Tensor], vocab_size: int, rows: tuple[str, ...]) -> dict[str, Tensor]:
-    """Cut the rows ``rows`` back to ``vocab_size`` where they are padded to the next multiple
-    of 8, as NVIDIA's converted checkpoint is (30,522 -> 30,528; why the padding rows carry
-    nothing: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint)). Any other size is a
-    different vocabulary and stays a shape mismatch."""
+    """The rows ``rows`` cut back to ``vocab_size`` where padded to the next multiple of 8 (NVIDIA's
+    converted checkpoint: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint));
+    any other size is a different vocabulary and stays a shape mismatch."""
     padded = -(-vocab_size // 8) * 8
     out = dict(state_dict)
     for name in rows:

@@ -81,10 +81,8 @@ class Rotary(nn.Module):
 
 class EncoderLayer(nn.Module):
     """One transformer layer. Post-norm (BERT): x = norm(x + drop(attn(x))), then the same for
-    the MLP. Pre-norm: x = x + drop(attn(norm(x))), x = x + drop(mlp(norm(x))).
-
-    ``window``: None for global attention, else the layer attends within |i - j| <= window // 2
-    of the same sequence (the layout passed to ``forward`` carries it to the backend)."""
+    the MLP. Pre-norm: x = x + drop(attn(norm(x))), x = x + drop(mlp(norm(x))). ``window``: None
+    (global) or the band |i - j| <= window // 2, which the layout passed to ``forward`` carries."""
 
     def __init__(self, config: BertConfig, index: int, attention_fn, fused_ops: bool, bias_gelu: str = "eager"):
         super().__init__()
