@@ -110,8 +110,8 @@ def save(directory: str, step: int, state: dict, keep: int) -> str:
 
 
 def write(directory: str, step: int, state, keep: int) -> str:
-    """``save`` without the plain-data check (tests write hostile files with it): streamed to a temporary
-    name and published whole (``common.files.publishing_fd``), then the checkpoints beyond the newest ``keep`` go."""
+    """``save`` without the plain-data check (tests write hostile files with it): streamed to a temporary name
+    and published whole (``common.files.publishing_fd``); then the checkpoints past the newest ``keep`` are removed."""
     path = checkpoint_path(directory, step)
     try:
         with publishing_fd(path, suffix="") as fd:

@@ -76,8 +76,8 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
         family = adapter_for(cfg)
     except ConfigError as e:
         raise CheckpointError(str(e)) from e
-    names = family.name_map(cfg)
-    parts, wanted = _parts(names), set(names)
+    name_map = family.name_map(cfg)
+    parts, wanted = _parts(name_map), set(name_map)
     missing = sorted(wanted - set(state_dict))
     unexpected = sorted(set(state_dict) - wanted - set(family.TIED) - family.IGNORED)
     problems = [f"{what} keys {names}" for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
