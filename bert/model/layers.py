@@ -1,9 +1,8 @@
 """The encoder's parts, each chosen by a ``BertConfig`` field; ``bert.model`` assembles them.
 
-Every projection is an ``nn.Linear`` with a fixed name (``qkv``, ``attn_out``, ``ffn_in``,
-``ffn_out``) that name-based conversions (FP8) find; a gated MLP's input and gate are one
-``ffn_in`` of ``[2 * intermediate, hidden]``, input half first (transformers' ModernBERT ``Wi``).
-The fields: docs/modern_encoders.md.
+Every projection is an ``nn.Linear`` with a fixed name (``qkv``, ``attn_out``, ``ffn_in``, ``ffn_out``)
+that name-based conversions (FP8) find; a gated MLP's input and gate are one ``ffn_in``, input half
+first (``BertConfig.mlp``, transformers' ModernBERT ``Wi``). The fields: docs/modern_encoders.md.
 
 Shape legend as in ``bert.model``: N tokens, H heads, D head dim, C hidden, I intermediate.
 """
