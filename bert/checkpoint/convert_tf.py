@@ -17,29 +17,11 @@ import sys
 import torch
 
 from bert.checkpoint.pretrained import export_hf
-from bert.checkpoint.tf_reader import google_bert_to_hf, is_slot_or_counter, read_tf_checkpoint
-from bert.model.config import BertConfig
+from bert.checkpoint.tf_reader import read_google_bert
 from bert.model.hf import load_hf_state_dict, read_config, to_hf_state_dict
 from bert.model.pretraining import BertForPreTraining
 from common.errors import CheckpointError, ConfigError
 from common.files import publishing
-
-
-def convert(prefix: str, config: BertConfig) -> tuple[BertForPreTraining, list[str]]:
-    """The model with the checkpoint's weights, and the variables skipped (slots, counters)."""
-    model = BertForPreTraining(config)
-    skipped_slots = []
-
-    def wanted(name: str) -> bool:  # the slots are two thirds of the bytes: never read them
-        if is_slot_or_counter(name):
-            skipped_slots.append(name)
-            return False
-        return True
-
-    variables = read_tf_checkpoint(prefix, include=wanted)
-    weights, skipped = google_bert_to_hf(variables)
-    load_hf_state_dict(model, {k: torch.from_numpy(v) for k, v in weights.items()})
-    return model, sorted(skipped_slots + skipped)
 
 
 def save_pt(model: BertForPreTraining, path: str) -> None:
@@ -66,8 +48,9 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     try:
-        config = read_config(args.bert_config)
-        model, skipped = convert(args.tf_checkpoint, config)
+        model = BertForPreTraining(read_config(args.bert_config))
+        weights, skipped = read_google_bert(args.tf_checkpoint)  # skipped: optimizer slots, counters
+        load_hf_state_dict(model, {k: torch.from_numpy(v) for k, v in weights.items()})
         if args.output.endswith(".pt"):
             save_pt(model, args.output)
         else:

@@ -19,6 +19,8 @@ import os
 import shutil
 import sys
 
+from tokenizers import decoders, processors
+
 from bert.checkpoint import training as train_checkpoint
 from bert.checkpoint.pretrained import export_hf
 from bert.config import build_config, build_model_config
@@ -56,10 +58,8 @@ def checkpoint_to_export(run_dir: str, name: str | None) -> str:
 
 
 def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str | None = None):
-    """(model with the checkpoint's weights, vocab.txt path, max_seq_length, checkpoint path).
-
-    With ``checkpoint`` None the newest checkpoint that verifies is used; a damaged newest one
-    is reported and the previous tried (bert.checkpoint.training.load_latest)."""
+    """(model with the checkpoint's weights, vocab.txt path, max_seq_length, checkpoint path). With
+    ``checkpoint`` None, the newest that verifies (``bert.checkpoint.training.load_latest``)."""
     path = checkpoint_to_export(run_dir, checkpoint)
     try:
         if checkpoint is None:
@@ -84,8 +84,6 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
     model = BertForPreTraining(model_config)
     try:
         model.load_state_dict(state["model"])
-    except CheckpointError as e:
-        raise ExportError(str(e)) from e
     except RuntimeError as e:
         raise ExportError(
             f"{path}: the weights do not fit the model its config describes ({str(e).splitlines()[0]})"
@@ -110,12 +108,6 @@ def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> N
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2)
             f.write("\n")
-    _fast_tokenizer(vocab_file).save(os.path.join(directory, "tokenizer.json"))
-
-
-def _fast_tokenizer(vocab_file: str):
-    from tokenizers import decoders, processors
-
     vocab = load_vocab(vocab_file)
     tok = make_tokenizer(vocab)
     cls, sep = vocab.ids["[CLS]"], vocab.ids["[SEP]"]
@@ -123,7 +115,7 @@ def _fast_tokenizer(vocab_file: str):
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
     )
     tok.decoder = decoders.WordPiece(prefix="##")
-    return tok
+    tok.save(os.path.join(directory, "tokenizer.json"))
 
 
 def export_run(run_dir: str, output: str, checkpoint: str | None = None, vocab_file: str | None = None) -> str:

@@ -17,14 +17,11 @@ import zipfile
 import torch
 from torch import Tensor
 
-from bert.checkpoint.tf_reader import google_bert_to_hf, is_slot_or_counter, is_tf_checkpoint, read_tf_checkpoint
+from bert.checkpoint.tf_reader import is_tf_checkpoint, read_google_bert
 from bert.model.config import BertConfig
 from bert.model.hf import read_config
 from common.errors import CheckpointError
 from common.files import UnsafeFile, open_checked
-
-__all__ = ["CheckpointError", "plain_data_problem", "safe_torch_load", "read_safetensors", "read_config_and_weights"]
-
 
 _PLAIN_SCALARS = (str, int, float, bool, type(None))
 _MAX_DEPTH = 32  # the trainer's state nests 5 deep; deeper is not ours
@@ -103,14 +100,10 @@ def _check_archive(path: str, window: _Window) -> None:
         raise CheckpointError(f"{path}: its records declare {total} bytes, more than the {window.size} the file holds")
 
 
-_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
-
-
 def _refusal(e: pickle.UnpicklingError) -> str:
     """One line for what torch's weights-only unpickler refused (its message is a page)."""
     text = str(e)
-    m = _REFUSED_GLOBAL.search(text)
-    if m:
+    if m := re.search(r"GLOBAL ([\w.]+)", text):
         return (
             f"refers to {m.group(1)}, which is not plain data (only tensors, numbers, strings, lists and "
             f"dicts are loaded); refused without running it"
@@ -121,36 +114,31 @@ def _refusal(e: pickle.UnpicklingError) -> str:
 
 
 def safe_torch_load(path: str, limit: int | None = None, archive_only: bool = False):
-    """``load_archive`` of the regular file ``path`` (``common.files.open_checked``); ``limit``:
-    the bytes of ``path`` that belong to the archive (default: all)."""
+    """``torch.load(weights_only=True)`` of the regular file ``path`` (``common.files.open_checked``),
+    its zip records checked first (``_check_archive``); every failure one CheckpointError line.
+    ``limit``: the bytes of ``path`` that belong to the archive (default: all); ``archive_only``
+    refuses torch's legacy (pre-1.6, non-zip) format."""
     try:
         with open_checked(path, what="a torch file") as f:
-            return load_archive(path, f, os.fstat(f.fileno()).st_size if limit is None else limit, archive_only)
+            window = _Window(f, os.fstat(f.fileno()).st_size if limit is None else limit)
+            try:
+                zipped = archive_only or zipfile.is_zipfile(window)
+            except Exception:  # noqa: BLE001 - a zip broken enough to raise here: _check_archive names it
+                zipped = True
+            if zipped:
+                _check_archive(path, window)
+            f.seek(0)
+            try:
+                return torch.load(f, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise CheckpointError(f"{path}: {_refusal(e)}") from e
+            except Exception as e:  # noqa: BLE001 - whatever else a malformed file raises, it is a bad file
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {first})") from e
     except UnsafeFile as e:
         raise CheckpointError(str(e)) from e
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
-
-
-def load_archive(name: str, f, size: int, archive_only: bool = True):
-    """``torch.load(weights_only=True)`` of the first ``size`` bytes of the open file ``f``, its
-    zip records checked first (``_check_archive``); every failure one CheckpointError line.
-    ``archive_only`` refuses torch's legacy (pre-1.6, non-zip) format."""
-    window = _Window(f, size)
-    try:
-        zipped = archive_only or zipfile.is_zipfile(window)
-    except Exception:  # noqa: BLE001 - a zip broken enough to raise here: _check_archive names it
-        zipped = True
-    if zipped:
-        _check_archive(name, window)
-    f.seek(0)
-    try:
-        return torch.load(f, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{name}: {_refusal(e)}") from e
-    except Exception as e:  # noqa: BLE001 - whatever else a malformed file raises, it is a bad file
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{name}: cannot be loaded ({type(e).__name__}: {first})") from e
 
 
 def read_safetensors(path: str) -> dict[str, Tensor]:
@@ -170,8 +158,7 @@ def read_safetensors(path: str) -> dict[str, Tensor]:
 
 def _read_tf(prefix: str) -> dict[str, Tensor]:
     try:
-        variables = read_tf_checkpoint(prefix, include=lambda name: not is_slot_or_counter(name))
-        weights, _ = google_bert_to_hf(variables)
+        weights, _ = read_google_bert(prefix)
     except CheckpointError as e:
         raise CheckpointError(str(e) if str(e).startswith(prefix) else f"{prefix}: {e}") from e
     return {k: torch.from_numpy(v) for k, v in weights.items()}

@@ -1,11 +1,9 @@
-"""TensorFlow checkpoints read without TensorFlow: MLPerf's phase-1 starting point.
+"""TensorFlow checkpoints read without TensorFlow (only ``google_crc32c``): MLPerf's phase-1 starting point.
 
-``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint (``PREFIX.index``, a LevelDB-format
-table of ``BundleEntryProto``, and ``PREFIX.data-0000N-of-0000M``) into numpy arrays, bitwise,
-every block and tensor checked against its CRC-32C (a ``CheckpointError`` names the file and
-variable); only ``google_crc32c`` is needed. ``google_bert_to_hf(variables)`` renames Google
-BERT's variables to ``BertForPreTraining``'s and lists what it skipped.
-[docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
+``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint into numpy arrays, bitwise, every block and
+tensor checked against its CRC-32C (a ``CheckpointError`` names the file and variable);
+``read_google_bert(prefix)`` reads Google BERT's weights under ``BertForPreTraining``'s names. The
+format: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
 """
 
 from __future__ import annotations
@@ -18,9 +16,6 @@ import numpy as np
 
 from common.errors import CheckpointError
 from common.files import UnsafeFile, open_checked, read_checked
-
-__all__ = ["read_tf_checkpoint", "is_tf_checkpoint", "google_bert_to_hf"]
-
 
 # tensorflow/core/framework/types.proto: DataType -> numpy dtype (little-endian).
 _DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 4: np.uint8, 5: np.int16, 6: np.int8, 9: np.int64}
@@ -106,12 +101,6 @@ def _parse_entry(value: bytes) -> dict:
     return entry
 
 
-def _parse_header(value: bytes) -> tuple[int, int]:
-    """BundleHeaderProto: num_shards=1, endianness=2 (0 little, 1 big)."""
-    values = {number: v for number, _, v in _fields(value)}  # the last of a repeated field wins
-    return values.get(1, 1), values.get(2, 0)
-
-
 # ---- the sorted table (LevelDB's format) ----------------------------------------------------
 
 
@@ -185,19 +174,17 @@ def is_tf_checkpoint(path: str) -> bool:
 
 
 def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
-    """Every variable of the TF V2 checkpoint ``prefix`` by its TensorFlow name.
-
-    ``include(name) -> bool`` reads only some variables (the converter skips the optimizer
-    slots, two thirds of the phase-1 checkpoint's 4 GB). Values are bitwise what TensorFlow
-    wrote; each is checked against its stored CRC-32C.
-    """
+    """Every variable of the TF V2 checkpoint ``prefix`` by its TensorFlow name, bitwise, each checked
+    against its CRC-32C; ``include(name) -> bool`` reads only some (the converter skips the optimizer slots)."""
     index_path = prefix + ".index"
     entries = _read_index(index_path)
     header = entries.pop(b"", None)
     if header is None:
         raise CheckpointError(f"{index_path}: no bundle header (not a TF V2 checkpoint index)")
-    num_shards, endianness = _parse_header(header)
-    if endianness != 0:
+    # BundleHeaderProto: num_shards=1, endianness=2 (0 little, 1 big); the last of a repeated field wins.
+    values = {number: v for number, _, v in _fields(header)}
+    num_shards = values.get(1, 1)
+    if values.get(2, 0) != 0:
         raise CheckpointError(f"{index_path}: big-endian checkpoints are not supported")
     shards, out = {}, {}
     try:
@@ -276,22 +263,21 @@ _LAYER_MODULES = set(
 )
 
 
-def is_slot_or_counter(name: str) -> bool:
-    """Variables that hold no model weight (the converter skips them)."""
-    return bool(_SKIP.search(name))
-
-
-def google_bert_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Rename Google BERT's TF variables to ``BertForPreTraining.state_dict()`` names.
-
-    Returns (weights, skipped names). Dense kernels are transposed to [out, in]; the MLM
-    output bias becomes ``cls.predictions.bias``; ``cls/seq_relationship/output_weights`` is
-    already [2, hidden]. An unknown ``bert/`` or ``cls/`` name is an error (a different
-    model), so nothing is silently left at its initial value.
-    """
+def read_google_bert(prefix: str) -> tuple[dict[str, np.ndarray], list[str]]:
+    """(Google BERT's weights in the checkpoint ``prefix`` under ``BertForPreTraining.state_dict()`` names,
+    the variables skipped); the optimizer slots and counters are never read. Dense kernels are transposed
+    to [out, in] (``cls/seq_relationship/output_weights`` already is); an unknown ``bert/`` or ``cls/``
+    name is an error (a different model): nothing keeps its initial value."""
     out, skipped, unknown = {}, [], []
-    for name, value in variables.items():
-        if is_slot_or_counter(name) or not name.startswith(("bert/", "cls/")):
+
+    def wanted(name: str) -> bool:
+        if _SKIP.search(name):
+            skipped.append(name)
+            return False
+        return True
+
+    for name, value in read_tf_checkpoint(prefix, include=wanted).items():
+        if not name.startswith(("bert/", "cls/")):
             skipped.append(name)
             continue
         hf = _hf_name(name)

@@ -33,9 +33,6 @@ TRAILER_BYTES = len(_TRAILER_PREFIX) + 64 + len(b" size=") + 16 + 1
 _NAME_RE = re.compile(r"step_(\d{8,})(\.pt)?\Z")  # a checkpoint file, or a directory this version refuses
 _READ_CHUNK = 1 << 22
 
-# The entries a training checkpoint must hold (``to_checkpoint``).
-REQUIRED_PARTS = ("model", "optimizer", "schedule", "loader", "counters")
-
 
 class CheckpointWriteError(RunFailure):
     """A checkpoint could not be written; the message names the file and the OS error."""
@@ -46,8 +43,7 @@ def checkpoint_path(directory: str, step: int) -> str:
 
 
 def refuse_directory(path: str) -> None:
-    """A ``step_*`` directory is the sharded DCP-directory format that unreleased code wrote before
-    the single file: refused in one line that says what to do."""
+    """Refuse a ``step_*`` directory (the DCP-directory format of unreleased code) in one line."""
     raise CheckpointError(
         f"{path}: a sharded checkpoint directory (DCP-directory format), which no release wrote and this "
         f"version does not read; move it out of the checkpoint directory (the run then resumes from the "
@@ -108,30 +104,15 @@ def save(directory: str, step: int, state: dict, keep: int) -> str:
     """Write ``state`` (plain data, else TypeError: ``read`` would refuse it) as the checkpoint of
     ``step`` and keep the newest ``keep``; returns its path. CheckpointWriteError (no temporary
     file left, older checkpoints untouched) when the file system refuses the write."""
-    problem = plain_data_problem(state)
-    if problem:
+    if problem := plain_data_problem(state):
         raise TypeError(f"checkpoint state of step {step}: {problem}")
     return write(directory, step, state, keep)
 
 
 def write(directory: str, step: int, state, keep: int) -> str:
-    """``save`` without the plain-data check: the file format only (tests write hostile files with it)."""
-    path = _write_checksummed(checkpoint_path(directory, step), state)
-    prune(directory, keep)
-    return path
-
-
-def prune(directory: str, keep: int) -> None:
-    """Remove the checkpoints beyond the newest ``keep``."""
-    for _, old in list_checkpoints(directory)[:-keep]:
-        with contextlib.suppress(OSError):  # one that cannot be removed costs space, not correctness
-            remove_tree(old)
-
-
-def _write_checksummed(path: str, state) -> str:
-    """One checksummed file at ``path``, streamed to a temporary name beside it and published
-    (``common.files.publishing_fd``: an existing ``path`` is replaced whole, never removed first).
-    Whatever fails, the temporary file is gone afterwards; an OS error is CheckpointWriteError."""
+    """``save`` without the plain-data check (tests write hostile files with it): streamed to a temporary name
+    and published whole (``common.files.publishing_fd``); then the checkpoints past the newest ``keep`` are removed."""
+    path = checkpoint_path(directory, step)
     try:
         with publishing_fd(path, suffix="") as fd:
             sink = _HashingSink(fd, path)
@@ -144,6 +125,9 @@ def _write_checksummed(path: str, state) -> str:
             sink.write(b"%s%s size=%016d\n" % (_TRAILER_PREFIX, sink.sha.hexdigest().encode(), sink.size))
     except OSError as e:
         raise CheckpointWriteError(f"{path}: cannot write the checkpoint ({e.strerror or e})") from e
+    for _, old in list_checkpoints(directory)[:-keep]:
+        with contextlib.suppress(OSError):  # one that cannot be removed costs space, not correctness
+            remove_tree(old)
     return path
 
 
@@ -193,8 +177,7 @@ def read(path: str) -> dict:
     verify_checksum(path)
     # Only the bytes before the trailer are the archive: records may not reach beyond them.
     state = safe_torch_load(path, limit=os.path.getsize(path) - TRAILER_BYTES, archive_only=True)
-    problem = plain_data_problem(state)
-    if problem:
+    if problem := plain_data_problem(state):
         raise CheckpointError(f"{path}: {problem}; only tensors, numbers, strings, lists and dicts are loaded")
     counters = state.get("counters") if isinstance(state, dict) else None
     step = counters.get("step") if isinstance(counters, dict) else None
@@ -359,6 +342,8 @@ def _load_into_shards(saved: dict, model: torch.nn.Module, optimizer) -> None:
     """Whole tensors (moments keyed by index, as ``check_fits`` checked) into this run's DTensor
     shards: each rank keeps its own part of every tensor (no communication: every rank read
     the file). Moments the saved run had not created yet stay zeros, as LAMB starts them."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     for group, kept in zip(optimizer.param_groups, saved["optimizer"]["param_groups"]):
         group.update({k: v for k, v in kept.items() if k != "params"})
     indices = (i for g in saved["optimizer"]["param_groups"] for i in g["params"])
@@ -369,13 +354,6 @@ def _load_into_shards(saved: dict, model: torch.nn.Module, optimizer) -> None:
     for index, moments in saved["optimizer"]["state"].items():
         ours = optimizer.state[params[index]]
         pairs += [(ours[k], v) for k, v in moments.items() if isinstance(ours.get(k), torch.Tensor)]
-    copy_whole(pairs)
-
-
-def copy_whole(pairs) -> None:
-    """Each (target, whole tensor) copied: a DTensor target keeps its own part (no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     with torch.no_grad():
         for target, value in pairs:
             value = value.to(target.device, target.dtype)
@@ -388,7 +366,7 @@ def copy_whole(pairs) -> None:
 def check_fits(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
     """Refuse (CheckpointError) a state whose parts are missing or whose tensors do not fit
     ``model`` and ``optimizer``; returns its counters as a ``TrainState``."""
-    for key in REQUIRED_PARTS:
+    for key in ("model", "optimizer", "schedule", "loader", "counters"):  # what ``to_checkpoint`` writes
         if not isinstance(state.get(key), dict):
             raise CheckpointError(f"no {key!r} state")
     _check_model(model.state_dict(), state["model"])

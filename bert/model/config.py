@@ -18,12 +18,7 @@ from common.errors import ConfigError
 from common.files import write_text
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
-NORM_PLACEMENTS = ("post", "pre")
-NORM_KINDS = ("layernorm", "rmsnorm")
-POSITION_KINDS = ("absolute", "rotary")
-MLP_KINDS = ("dense", "gated")
 LAYER_TYPES = ("global", "local")
-INIT_SCHEMES = ("bert", "modernbert")
 
 # Keys of transformers' config.json that are its bookkeeping, not the architecture (others are errors).
 _HF_METADATA = set(
@@ -38,13 +33,13 @@ _HF_METADATA = set(
 MAX_SIZE = 2**31 - 1  # every size indexes int32 tensors somewhere
 _INT_LEAST = {"type_vocab_size": 0, "local_window": 2}  # 0 token types: none; a window of 1 is no band
 _PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob")
-_CHOICES = {
+_CHOICES = {  # the values of each str field
     "hidden_act": ACTIVATIONS,
-    "norm_placement": NORM_PLACEMENTS,
-    "norm_kind": NORM_KINDS,
-    "position_embedding": POSITION_KINDS,
-    "mlp": MLP_KINDS,
-    "init_scheme": INIT_SCHEMES,
+    "norm_placement": ("post", "pre"),
+    "norm_kind": ("layernorm", "rmsnorm"),
+    "position_embedding": ("absolute", "rotary"),
+    "mlp": ("dense", "gated"),
+    "init_scheme": ("bert", "modernbert"),
 }
 
 
@@ -53,19 +48,6 @@ def _finite(x) -> bool:
         return math.isfinite(float(x))
     except OverflowError:  # an integer past float's range
         return False
-
-
-def check_fits_memory(config: BertConfig) -> None:
-    """ConfigError, with the estimate, when the fp32 parameters alone exceed the machine's memory
-    (checked before anything is allocated: a typo of 10**9 is a line, not a MemoryError)."""
-    need, have = 4 * config.parameter_count(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise ConfigError(
-            f"the model's fp32 parameters alone take {need / 2**30:,.4g} GiB (vocab_size {config.vocab_size}, "
-            f"hidden_size {config.hidden_size}, num_hidden_layers {config.num_hidden_layers}, "
-            f"max_position_embeddings {config.max_position_embeddings}), more than this machine's "
-            f"{have / 2**30:,.0f} GiB"
-        )
 
 
 def _part(default):
@@ -149,7 +131,16 @@ class BertConfig:
             raise ConfigError(
                 f"layer_types: {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}"
             )
-        check_fits_memory(self)
+        # The fp32 parameters alone against the machine's memory, before anything is allocated:
+        # a typo of 10**9 is a line, not a MemoryError.
+        need, have = 4 * self.parameter_count(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > have:
+            raise ConfigError(
+                f"the model's fp32 parameters alone take {need / 2**30:,.4g} GiB (vocab_size {self.vocab_size}, "
+                f"hidden_size {self.hidden_size}, num_hidden_layers {self.num_hidden_layers}, "
+                f"max_position_embeddings {self.max_position_embeddings}), more than this machine's "
+                f"{have / 2**30:,.0f} GiB"
+            )
         if self.position_embedding == "rotary" and self.head_dim % 2:
             raise ConfigError(f"position_embedding: rotary needs an even head dim, got {self.head_dim}")
         if self.norm_kind == "rmsnorm" and self.norm_bias:
@@ -213,13 +204,8 @@ class BertConfig:
         if transformers:
             if not self.is_bert:
                 raise ConfigError("to_dict: only a BERT-shaped config is a transformers BertConfig")
-            out.update(
-                architectures=["BertForPreTraining"],
-                model_type="bert",
-                pad_token_id=0,
-                position_embedding_type="absolute",
-                tie_word_embeddings=True,
-            )
+            out.update(architectures=["BertForPreTraining"], model_type="bert", pad_token_id=0)
+            out.update(position_embedding_type="absolute", tie_word_embeddings=True)
         return out
 
     def to_json(self, path: str, transformers: bool = False) -> None:
@@ -266,7 +252,7 @@ PRESETS = {
 }
 
 
-BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU implementations
+BIAS_GELU = ("eager", "triton", "epilogue")  # the FFN-in's bias+GELU (epilogue: in the GEMM, kernels.ops.gemm_epilogue)
 
 
 def resolve_bias_gelu(config: BertConfig, fused_ops: bool, bias_gelu: str) -> str:

@@ -27,9 +27,8 @@ ALIGN = 16
 
 @contextlib.contextmanager
 def torchao_warnings_held_back():
-    """Hold back the warnings torchao logs on its first import (by this module or by
-    transformers) for its CUDA extensions that fail to load against a CPU-only torch (float8
-    training does not use them), and torch's pytree's deprecation note for an enum it registers."""
+    """Hold back what torchao logs on its first import (by this module or transformers): its CUDA extensions
+    failing to load on a CPU-only torch (float8 training does not use them), torch's pytree's note on an enum."""
     logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in logs]
     for log in logs:
@@ -42,8 +41,7 @@ def torchao_warnings_held_back():
 
 
 def import_torchao_quietly() -> None:
-    """Import torchao (when installed) with its load warnings held back, so that a later
-    import of it (transformers') is silent; nothing when it is not installed."""
+    """Import torchao, when installed, with its load warnings held back: transformers' import is then silent."""
     with torchao_warnings_held_back(), contextlib.suppress(ImportError):
         import torchao.float8  # noqa: F401
         import torchao.quantization  # noqa: F401  (what transformers imports)
@@ -102,25 +100,6 @@ def matmul(proj: nn.Linear, x: Tensor) -> Tensor:
     return proj.matmul(x) if is_fp8(proj) else F.linear(x, proj.weight)
 
 
-def encoder_linear_names(model: nn.Module) -> list[str]:
-    """Qualified names of the ``nn.Linear`` modules inside the encoder stack ``model.layers``."""
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ConfigError(f"train.fp8: {type(model).__name__} has no encoder stack 'layers' to convert")
-    return [f"layers.{name}" for name, m in layers.named_modules() if isinstance(m, nn.Linear)]
-
-
-def float8_config(recipe: str):
-    """torchao's recipe, with the inner dimension padded to a multiple of 16 (the token count
-    of the weight-gradient GEMM is arbitrary under the unpadded layout)."""
-    if recipe not in RECIPES:
-        raise ConfigError(f"train.fp8: {recipe!r} is not one of {['off', *RECIPES]}")
-    ao_float8, _, _ = _torchao()
-    base = ao_float8.Float8LinearConfig.from_recipe_name(recipe)
-    # A frozen dataclass: replace() reruns __post_init__, which accepts its already-filled fields.
-    return dataclasses.replace(base, pad_inner_dim=True)
-
-
 def check_device(device: torch.device) -> None:
     """FP8 tensor-core GEMMs need compute capability 8.9 (Ada) or 9.0 (Hopper) and later."""
     if device.type == "cuda":
@@ -135,31 +114,33 @@ def check_device(device: torch.device) -> None:
 
 
 def convert_encoder(model: nn.Module, recipe: str, device: torch.device | None = None) -> list:
-    """Swap the encoder's linear layers for FP8 ones in place (``recipe`` 'off': nothing).
-    Returns the qualified names converted. Raises ConfigError for what cannot run."""
+    """Swap the ``nn.Linear`` layers of the encoder stack ``model.layers`` for FP8 ones in place
+    (``recipe`` 'off': nothing). Returns the qualified names converted. Raises ConfigError for what cannot run."""
     if recipe == "off":
         return []
     if device is not None:
         check_device(device)
-    names = encoder_linear_names(model)
-    modules = dict(model.named_modules())
-    for name in names:
-        m = modules[name]
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(f"train.fp8: {type(model).__name__} has no encoder stack 'layers' to convert")
+    linears = {f"layers.{name}": m for name, m in layers.named_modules() if isinstance(m, nn.Linear)}
+    for name, m in linears.items():
         if m.in_features % ALIGN or m.out_features % ALIGN:
             raise ConfigError(
                 f"train.fp8: {name} is {m.in_features} -> {m.out_features}; FP8 GEMMs need both "
                 f"sizes to be multiples of {ALIGN}"
             )
-    config = float8_config(recipe)
+    if recipe not in RECIPES:
+        raise ConfigError(f"train.fp8: {recipe!r} is not one of {['off', *RECIPES]}")
+    ao_float8, _, utils = _torchao()
+    # The inner dimension padded to a multiple of 16: the weight-gradient GEMM's is the token count
+    # (docs/fp8.md). replace() of the frozen dataclass reruns __post_init__, which accepts it.
+    config = dataclasses.replace(ao_float8.Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     cls = _linear_class()
-    _, _, utils = _torchao()
-    wanted = set(names)
     utils.swap_linear_layers(
-        model,
-        lambda m: cls.from_float(m, config=config),
-        module_filter_fn=lambda m, fqn: fqn in wanted,
+        model, lambda m: cls.from_float(m, config=config), module_filter_fn=lambda m, fqn: fqn in linears
     )
-    return names
+    return list(linears)
 
 
 def mlperf_precision(fp8: str, precision: str) -> str:

@@ -2,12 +2,12 @@
 the exact state-dict mapping both ways, and ``config.json`` / ``bert_config.json`` read into a
 ``BertConfig``. Files of weights are read and written by ``bert.checkpoint.pretrained``.
 
-An adapter (``bert/model/hf_bert.py``, ``bert/model/hf_modernbert.py``) is a module with ``MODEL_TYPE``;
-``TIED`` (transformers' name of a stored copy -> the name it copies); ``IGNORED`` (names read
-and dropped); ``VOCAB_ROWS`` (names whose first dimension is the vocabulary);
-``unfit(config)`` (why the family cannot hold a config, None if it can); ``config_from_hf`` /
-``config_to_hf`` (``config.json``'s dict <-> ``BertConfig``); ``hf_names(config)``, ``to_hf``,
-``from_hf`` and ``hf_name`` (the tensors' names). A new family is a preset in
+An adapter (``bert/model/hf_bert.py``, ``bert/model/hf_modernbert.py``) is a module with ``TIED``
+(transformers' name of a stored copy -> the name it copies); ``IGNORED`` (names read and dropped);
+``VOCAB_ROWS`` (names whose first dimension is the vocabulary); ``unfit(config)`` (why the family
+cannot hold a config, None if it can); ``config_from_hf`` / ``config_to_hf`` (``config.json``'s dict
+<-> ``BertConfig``); ``name_map(config)`` (transformers' name of every tensor it stores -> this model's;
+names that share one of ours are its parts along dim 0, in order). A new family is a preset in
 ``bert/model/config.py``, one adapter file and its line in ``ADAPTERS``.
 """
 
@@ -50,9 +50,23 @@ def to_hf_state_dict(model, tensors: dict[str, Tensor] | None = None) -> dict[st
     """This model's weights under transformers' names (``state_dict()`` of its family's class), or
     ``tensors`` (this model's names -> tensors of the same shapes, e.g. gradients) renamed."""
     family = adapter_for(model.config)
-    out = family.to_hf(model.config, model.state_dict() if tensors is None else tensors)
+    ours = model.state_dict() if tensors is None else tensors
+    out = {}
+    for name, hf_names in _parts(family.name_map(model.config)).items():
+        if len(hf_names) == 1:
+            out[hf_names[0]] = ours[name]
+        else:
+            out.update(zip(hf_names, (part.clone() for part in ours[name].chunk(len(hf_names), dim=0))))
     out.update({alias: out[target] for alias, target in family.TIED.items()})
     return out
+
+
+def _parts(name_map: dict[str, str]) -> dict[str, list[str]]:
+    """This model's name -> transformers' names of its parts (one, or a fused tensor's, in order)."""
+    parts: dict[str, list[str]] = {}
+    for hf, ours in name_map.items():
+        parts.setdefault(ours, []).append(hf)
+    return parts
 
 
 def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
@@ -62,21 +76,30 @@ def load_hf_state_dict(model, state_dict: dict[str, Tensor]) -> None:
         family = adapter_for(cfg)
     except ConfigError as e:
         raise CheckpointError(str(e)) from e
-    wanted = family.hf_names(cfg)
+    name_map = family.name_map(cfg)
+    parts, wanted = _parts(name_map), set(name_map)
     missing = sorted(wanted - set(state_dict))
     unexpected = sorted(set(state_dict) - wanted - set(family.TIED) - family.IGNORED)
     problems = [f"{what} keys {names}" for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
     _check_float(state_dict, wanted | set(family.TIED))
-    new = family.from_hf(cfg, state_dict, problems)
+    new = {}
+    for name, hf_names in parts.items():
+        tensors = [state_dict.get(hf) for hf in hf_names]
+        if any(t is None for t in tensors):
+            continue
+        if len({tuple(t.shape) for t in tensors}) == 1:
+            new[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+        else:  # the parts of a fused tensor: BERT's query, key and value
+            problems.append(f"shape mismatch: {hf_names[0]} and its key/value differ in shape")
     for alias, target in family.TIED.items():
         if alias in state_dict and target in state_dict and not torch.equal(state_dict[alias], state_dict[target]):
             problems.append(f"{alias} differs from {target}, but this model ties them")
     ours = model.state_dict()
     for name, tensor in new.items():
         if tuple(tensor.shape) != tuple(ours[name].shape):
+            where = parts[name][0] if len(parts[name]) == 1 else name  # a fused tensor by our name
             problems.append(
-                f"shape mismatch: {family.hf_name(cfg, name)} is {tuple(tensor.shape)}, "
-                f"model expects {tuple(ours[name].shape)}"
+                f"shape mismatch: {where} is {tuple(tensor.shape)}, model expects {tuple(ours[name].shape)}"
             )
     if problems:
         raise CheckpointError("; ".join(problems))
@@ -99,10 +122,9 @@ def _check_float(state_dict: dict, keys: set[str]) -> None:
 
 
 def drop_vocab_padding(state_dict: dict[str, Tensor], vocab_size: int, rows: tuple[str, ...]) -> dict[str, Tensor]:
-    """Cut the rows ``rows`` back to ``vocab_size`` where they are padded to the next multiple
-    of 8, as NVIDIA's converted checkpoint is (30,522 -> 30,528; why the padding rows carry
-    nothing: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint)). Any other size is a
-    different vocabulary and stays a shape mismatch."""
+    """The rows ``rows`` cut back to ``vocab_size`` where padded to the next multiple of 8 (NVIDIA's
+    converted checkpoint: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint));
+    any other size is a different vocabulary and stays a shape mismatch."""
     padded = -(-vocab_size // 8) * 8
     out = dict(state_dict)
     for name in rows:
@@ -128,8 +150,6 @@ def read_config(path: str) -> BertConfig:
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     try:
-        if values.get("model_type", "bert") != "bert":
-            return adapter(values["model_type"]).config_from_hf(values, source=path)
-        return BertConfig.from_dict(values, source=path)
+        return adapter(values.get("model_type", "bert")).config_from_hf(values, source=path)
     except (ConfigError, TypeError) as e:
         raise ConfigError(str(e) if str(e).startswith(path) else f"{path}: {e}") from e

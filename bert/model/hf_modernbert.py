@@ -1,17 +1,13 @@
 """The transformers adapter of ModernBERT: ``ModernBertForMaskedLM`` <-> this model, for a
 pre-norm, rotary, gated-MLP config (the ``modernbert_*`` presets). The contract every adapter
-keeps is in ``bert.model.hf``.
-
-The tensors are a renaming (``Wqkv`` and the input-then-gate ``Wi`` have this model's layout).
-Dropout values carry over, placed where this model drops
+keeps is in ``bert.model.hf``. The tensors are a renaming (``Wqkv`` and the input-then-gate ``Wi``
+have this model's layout). Dropout values carry over, placed where this model drops
 ([docs/modern_encoders.md](../docs/modern_encoders.md#exact-against-transformers)).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-
-from torch import Tensor
 
 from bert.model.config import _HF_METADATA, BertConfig, alternating_layers
 from common.config import short
@@ -20,7 +16,6 @@ from common.errors import ConfigError
 _TYPES = {"full_attention": "global", "sliding_attention": "local"}
 _HF_TYPES = {v: k for k, v in _TYPES.items()}
 
-MODEL_TYPE = "modernbert"
 TIED = {"decoder.weight": "model.embeddings.tok_embeddings.weight"}
 IGNORED: set[str] = set()
 VOCAB_ROWS = ("model.embeddings.tok_embeddings.weight", "decoder.weight", "decoder.bias")
@@ -32,19 +27,37 @@ _IGNORED_KEYS = _HF_METADATA | set(
     " deterministic_flash_attn sparse_prediction sparse_pred_ignore_index initializer_cutoff_factor"
     " reference_compile repad_logits_with_grad".split()
 )
+# ModernBertConfig's keys that are a BertConfig field renamed -> (the field, ModernBertConfig's default).
+_RENAMED = {
+    "vocab_size": ("vocab_size", 50368),
+    "hidden_size": ("hidden_size", 768),
+    "num_hidden_layers": ("num_hidden_layers", 22),
+    "num_attention_heads": ("num_attention_heads", 12),
+    "intermediate_size": ("intermediate_size", 1152),
+    "hidden_activation": ("hidden_act", "gelu"),
+    "attention_dropout": ("attention_probs_dropout_prob", 0.0),
+    "max_position_embeddings": ("max_position_embeddings", 8192),
+    "norm_eps": ("layer_norm_eps", 1e-5),
+    "initializer_range": ("initializer_range", 0.02),
+    "norm_bias": ("norm_bias", False),
+    "attention_bias": ("attention_bias", False),
+    "mlp_bias": ("mlp_bias", False),
+    "classifier_bias": ("head_bias", False),
+    "decoder_bias": ("decoder_bias", True),
+    "local_attention": ("local_window", 128),
+}
+# BertConfig fields transformers' ModernBERT fixes (a config with another value has no ModernBertConfig).
+_FIXED = dict(norm_placement="pre", norm_kind="layernorm", position_embedding="rotary", mlp="gated", type_vocab_size=0)
+_FIXED.update(embedding_norm=True, first_attn_norm=False, next_sentence=False)
 
 
 def config_from_hf(values: dict, source: str = "config") -> BertConfig:
     """The ``BertConfig`` of a ModernBERT ``config.json`` (as a dict); ConfigError names the key."""
-    known = set(
-        "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads hidden_activation"
-        " max_position_embeddings initializer_range norm_eps norm_bias attention_bias attention_dropout"
-        " layer_types global_attn_every_n_layers rope_parameters global_rope_theta local_rope_theta"
-        " local_attention embedding_dropout mlp_bias mlp_dropout decoder_bias classifier_bias"
-        " classifier_activation tie_word_embeddings".split()
+    known = set(_RENAMED) | set(
+        "embedding_dropout mlp_dropout layer_types global_attn_every_n_layers rope_parameters global_rope_theta"
+        " local_rope_theta classifier_activation tie_word_embeddings".split()
     )
-    unknown = sorted(set(values) - known - _IGNORED_KEYS)
-    if unknown:
+    if unknown := sorted(set(values) - known - _IGNORED_KEYS):
         raise ConfigError(f"{source}: unknown ModernBERT field(s) {unknown}")
     if values.get("tie_word_embeddings", True) is not True:
         raise ConfigError(f"{source}: tie_word_embeddings must be true (the MLM decoder is tied)")
@@ -67,31 +80,11 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
         thetas[kind] = params.get("rope_theta", thetas[kind])
     try:
         shape = BertConfig(
-            vocab_size=values.get("vocab_size", 50368),
-            hidden_size=values.get("hidden_size", 768),
-            num_hidden_layers=values.get("num_hidden_layers", 22),
-            num_attention_heads=values.get("num_attention_heads", 12),
-            intermediate_size=values.get("intermediate_size", 1152),
-            hidden_act=act,
+            **{ours: values.get(hf, default) for hf, (ours, default) in _RENAMED.items()},
+            **_FIXED,
             hidden_dropout_prob=max(values.get("embedding_dropout", 0.0), values.get("mlp_dropout", 0.0)),
-            attention_probs_dropout_prob=values.get("attention_dropout", 0.0),
-            max_position_embeddings=values.get("max_position_embeddings", 8192),
-            type_vocab_size=0,
-            layer_norm_eps=values.get("norm_eps", 1e-5),
-            initializer_range=values.get("initializer_range", 0.02),
-            norm_placement="pre",
-            norm_bias=values.get("norm_bias", False),
-            position_embedding="rotary",
             rope_theta_global=thetas["full_attention"],
             rope_theta_local=thetas["sliding_attention"],
-            mlp="gated",
-            attention_bias=values.get("attention_bias", False),
-            mlp_bias=values.get("mlp_bias", False),
-            head_bias=values.get("classifier_bias", False),
-            decoder_bias=values.get("decoder_bias", True),
-            first_attn_norm=False,
-            next_sentence=False,
-            local_window=values.get("local_attention", 128),
             init_scheme="modernbert",
         )
         # The layer pattern after the sizes are checked (a num_hidden_layers of 10**9 is refused, not built).
@@ -107,12 +100,6 @@ def config_from_hf(values: dict, source: str = "config") -> BertConfig:
         return replace(shape, layer_types=alternating_layers(shape.num_hidden_layers, every))
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"{source}: {e}") from e
-
-
-# BertConfig fields transformers' ModernBERT fixes; a config with another value has no
-# ModernBertConfig.
-_FIXED = dict(norm_placement="pre", norm_kind="layernorm", position_embedding="rotary", mlp="gated", type_vocab_size=0)
-_FIXED.update(embedding_norm=True, first_attn_norm=False, next_sentence=False)
 
 
 def unfit(config: BertConfig) -> str | None:
@@ -136,43 +123,22 @@ def config_to_hf(config: BertConfig, token_ids: dict | None = None) -> dict:
         else:
             token_ids = dict(pad_token_id=0, bos_token_id=None, eos_token_id=None, cls_token_id=None, sep_token_id=None)
     types = config.layer_types or ("global",) * config.num_hidden_layers
-    return dict(
-        architectures=["ModernBertForMaskedLM"],
-        model_type="modernbert",
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        hidden_activation=config.hidden_act,
-        classifier_activation=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings,
-        initializer_range=config.initializer_range,
-        norm_eps=config.layer_norm_eps,
-        norm_bias=config.norm_bias,
-        attention_bias=config.attention_bias,
-        attention_dropout=config.attention_probs_dropout_prob,
-        embedding_dropout=config.hidden_dropout_prob,
-        mlp_dropout=config.hidden_dropout_prob,
-        mlp_bias=config.mlp_bias,
-        classifier_bias=config.head_bias,
-        decoder_bias=config.decoder_bias,
-        layer_types=[_HF_TYPES[t] for t in types],
-        local_attention=config.local_window,
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": config.rope_theta_global},
-            "sliding_attention": {"rope_type": "default", "rope_theta": config.rope_theta_local},
-        },
-        tie_word_embeddings=True,
-        **token_ids,
-    )
+    out = {hf: getattr(config, ours) for hf, (ours, _) in _RENAMED.items()}
+    out.update(architectures=["ModernBertForMaskedLM"], model_type="modernbert", tie_word_embeddings=True, **token_ids)
+    out.update(classifier_activation=config.hidden_act, layer_types=[_HF_TYPES[t] for t in types])
+    out.update(embedding_dropout=config.hidden_dropout_prob, mlp_dropout=config.hidden_dropout_prob)
+    out["rope_parameters"] = {
+        "full_attention": {"rope_type": "default", "rope_theta": config.rope_theta_global},
+        "sliding_attention": {"rope_type": "default", "rope_theta": config.rope_theta_local},
+    }
+    return out
 
 
 def _names(bias: bool, hf: str, ours: str) -> dict[str, str]:
     return {f"{hf}.{p}": f"{ours}.{p}" for p in (("weight", "bias") if bias else ("weight",))}
 
 
-def _name_map(config: BertConfig) -> dict[str, str]:
+def name_map(config: BertConfig) -> dict[str, str]:
     """transformers' name -> this model's, for every tensor (the tied decoder weight excepted)."""
     m = {"model.embeddings.tok_embeddings.weight": "embeddings.word.weight"}
     m.update(_names(config.norm_bias, "model.embeddings.norm", "embeddings.norm"))
@@ -191,19 +157,3 @@ def _name_map(config: BertConfig) -> dict[str, str]:
     if config.decoder_bias:
         m["decoder.bias"] = "mlm_bias"
     return m
-
-
-def hf_names(config: BertConfig) -> set[str]:
-    return set(_name_map(config))
-
-
-def to_hf(config: BertConfig, ours: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {hf: ours[name] for hf, name in _name_map(config).items()}
-
-
-def from_hf(config: BertConfig, state_dict: dict[str, Tensor], problems: list[str]) -> dict[str, Tensor]:
-    return {ours: state_dict[hf] for hf, ours in _name_map(config).items() if hf in state_dict}
-
-
-def hf_name(config: BertConfig, ours: str) -> str:
-    return {name: hf for hf, name in _name_map(config).items()}.get(ours, ours)

@@ -1,9 +1,8 @@
 """The encoder's parts, each chosen by a ``BertConfig`` field; ``bert.model`` assembles them.
 
-Every projection is an ``nn.Linear`` with a fixed name (``qkv``, ``attn_out``, ``ffn_in``,
-``ffn_out``) that name-based conversions (FP8) find; a gated MLP's input and gate are one
-``ffn_in`` of ``[2 * intermediate, hidden]``, input half first (transformers' ModernBERT ``Wi``).
-The fields: docs/modern_encoders.md.
+Every projection is an ``nn.Linear`` with a fixed name (``qkv``, ``attn_out``, ``ffn_in``, ``ffn_out``)
+that name-based conversions (FP8) find; a gated MLP's input and gate are one ``ffn_in``, input half
+first (``BertConfig.mlp``, transformers' ModernBERT ``Wi``). The fields: docs/modern_encoders.md.
 
 Shape legend as in ``bert.model``: N tokens, H heads, D head dim, C hidden, I intermediate.
 """
@@ -21,7 +20,6 @@ from common.errors import ConfigError
 from kernels.ops import fused as fused_ops
 from kernels.ops import rotary
 from kernels.ops.gemm_epilogue import linear_bias_gelu
-from kernels.ops.rotary import rotary_tables
 
 # hidden_act -> the function; the names are bert.config.ACTIVATIONS.
 _gelu_tanh = partial(F.gelu, approximate="tanh")
@@ -71,7 +69,7 @@ class Rotary(nn.Module):
             raise ValueError(f"model.rotary_kernel: {kernel!r} is not one of ('torch', 'triton')")
         self.kernel = kernel
         for kind, theta in (("global", config.rope_theta_global), ("local", config.rope_theta_local)):
-            cos, sin = rotary_tables(config.head_dim, theta, config.max_position_embeddings)
+            cos, sin = rotary.rotary_tables(config.head_dim, theta, config.max_position_embeddings)
             self.register_buffer(f"{kind}_cos", cos, persistent=False)
             self.register_buffer(f"{kind}_sin", sin, persistent=False)
 
@@ -82,10 +80,8 @@ class Rotary(nn.Module):
 
 class EncoderLayer(nn.Module):
     """One transformer layer. Post-norm (BERT): x = norm(x + drop(attn(x))), then the same for
-    the MLP. Pre-norm: x = x + drop(attn(norm(x))), x = x + drop(mlp(norm(x))).
-
-    ``window``: None for global attention, else the layer attends within |i - j| <= window // 2
-    of the same sequence (the layout passed to ``forward`` carries it to the backend)."""
+    the MLP. Pre-norm: x = x + drop(attn(norm(x))), x = x + drop(mlp(norm(x))). ``window``: None
+    (global) or the band |i - j| <= window // 2, which the layout passed to ``forward`` carries."""
 
     def __init__(self, config: BertConfig, index: int, attention_fn, fused_ops: bool, bias_gelu: str = "eager"):
         super().__init__()

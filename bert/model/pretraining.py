@@ -12,8 +12,7 @@ M masked positions, H heads, D head dim, C hidden size, V vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -43,17 +42,15 @@ def windowed(layout, window: int | None):
         return layout
     if isinstance(layout, PackedLayout):
         return PackedLayout(window_bounds(layout.startend_row_indices, window, n=2), layout.causal)
-    return dataclasses.replace(layout, window=window)
+    return replace(layout, window=window)
 
 
 class BertForPreTraining(nn.Module):
     """BERT with the masked-LM and next-sentence heads. ``attention``: the backend's name
     (``kernels.registry``), ``attention_options`` its settings; ``fused_ops``: the bias+GELU and
     bias+dropout+residual+LayerNorm Triton kernels (post-norm BERT only); ``bias_gelu``: the
-    FFN-in's bias+GELU alone, ``eager``, ``triton`` or ``epilogue`` (in the GEMM,
-    ``kernels.ops.gemm_epilogue``), ``auto`` = ``triton`` with ``fused_ops``, else ``eager`` (a gated
-    MLP: always); ``rotary_kernel``: ``torch`` (the reference) or ``triton`` (``kernels.ops.rotary``).
-    """
+    FFN-in's bias+GELU alone (``bert.model.config.resolve_bias_gelu``); ``rotary_kernel``: ``torch``
+    (the reference) or ``triton`` (``kernels.ops.rotary``)."""
 
     def __init__(
         self,
