@@ -175,15 +175,11 @@ def read_checked(path: str | os.PathLike, *, max_bytes: int, what: str = "file")
 
 
 def file_digest(path: str | os.PathLike, name: str = "md5") -> str:
-    """Hex digest (hashlib algorithm ``name``) of a regular file (``open_checked``: ``/dev/zero`` is
-    refused, not hashed forever), read in 1 MiB pieces so a shard is never held in memory."""
+    """Hex digest (hashlib algorithm ``name``, md5 as ``md5sum`` prints it) of a regular file
+    (``open_checked``: ``/dev/zero`` is refused, not hashed forever), read in 1 MiB pieces so a
+    shard is never held in memory."""
     h = hashlib.new(name)
     with open_checked(path) as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
-
-
-def md5sum(path: str | os.PathLike) -> str:
-    """md5 of a file's bytes, as ``md5sum`` prints it."""
-    return file_digest(path, "md5")

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import DataError, cli_main
-from common.files import is_temporary, md5sum, publishing, publishing_dir, remove_tree, write_text
+from common.files import file_digest, is_temporary, publishing, publishing_dir, remove_tree, write_text
 from data.hdf5io import FIXED_KEYS, READ_ROWS, inspect, open_hdf5, read_file, write_fixed_arrays, write_varlength
 from data.prepare.convert import convert_file
 from data.prepare.mlperf_reference import RefParams, RefTokenizer, RefVocab, prepare_file
@@ -386,7 +386,7 @@ def build(cfg: DatasetConfig, log=print) -> dict:
         layout.root,
         {
             "params": asdict(cfg.params),
-            "vocab_md5": md5sum(cfg.vocab),
+            "vocab_md5": file_digest(cfg.vocab),
             "inputs": [[p.name, p.stat().st_size] for p in parts],
             "eval_text": [eval_text.name, eval_text.stat().st_size],
             "eval_samples": cfg.eval_samples,

@@ -25,7 +25,7 @@ import numpy as np
 
 from common.config import option, optional
 from common.errors import DataError, cli_main
-from common.files import md5sum, publish, write_text
+from common.files import file_digest, publish, write_text
 from data.hdf5io import ALL_LAYOUTS, write_file
 from data.prepare import text
 from data.prepare.mlperf_dataset import EVAL_FILE, prepare_files
@@ -468,7 +468,7 @@ def _write(path: str, block: SampleBlock, cfg: PrepareConfig, vocab_size: int | 
         "tokens": block.num_tokens,
         "masked": int(block.masked_counts.sum()),
         "random_next": int(block.nsp_labels.sum()),
-        "md5": md5sum(path),
+        "md5": file_digest(path),
         "bytes": os.path.getsize(path),
     }
 
@@ -719,7 +719,7 @@ def _manifest(run: _Run, inputs: list[Path], corpus: _Corpus, evals: dict | None
         "version": 1,
         "parameters": {k: v for k, v in asdict(run.cfg).items() if k not in ("workers", "output_dir")},
         "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in inputs],
-        "vocab": {"file": run.vocab_file.name, "size": len(run.vocab), "md5": md5sum(run.vocab_file)},
+        "vocab": {"file": run.vocab_file.name, "size": len(run.vocab), "md5": file_digest(run.vocab_file)},
         "documents": {
             "read": corpus.stats["docs_read"],
             "skipped_short": corpus.stats["docs_short"],

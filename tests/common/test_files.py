@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common import files
-from common.files import file_digest, is_temporary, md5sum, publish, publishing, publishing_dir, write_text
+from common.files import file_digest, is_temporary, publish, publishing, publishing_dir, write_text
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("bench", "bert", "data", "kernels", "launch")
@@ -104,7 +104,7 @@ def test_digests_stream_the_file(tmp_path, monkeypatch):
     path = tmp_path / "shard.hdf5"
     path.write_bytes(data)
     monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail("read the whole file into memory"))
-    assert md5sum(path) == hashlib.md5(data).hexdigest()
+    assert file_digest(path) == hashlib.md5(data).hexdigest()
     assert file_digest(path, "sha256") == hashlib.sha256(data).hexdigest()
 
 
@@ -116,7 +116,7 @@ def test_vocab_md5_of_the_mlperf_dataset_is_streamed(tmp_path, monkeypatch):
     vocab.write_text("[PAD]\n[UNK]\n")
     monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self}: read whole"))
     md5 = hashlib.md5(b"[PAD]\n[UNK]\n").hexdigest()
-    assert mlperf_dataset.md5sum(vocab) == md5
+    assert mlperf_dataset.file_digest(vocab) == md5
     assert not hasattr(mlperf_dataset, "_md5")
 
 

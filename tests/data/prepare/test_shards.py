@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from common.errors import DataError, cli_main
-from common.files import md5sum
+from common.files import file_digest
 from data.hdf5io import read_file
 from data.prepare.shards import PrepareConfig, prepare
 from data.prepare.shards import main as prepare_main
@@ -145,10 +145,10 @@ def test_mlperf_layout(prepared):
     assert manifest["parameters"]["max_seq_length"] == SEQ and "workers" not in manifest["parameters"]
     for entry in manifest["train"]["files"] + [manifest["eval"]]:
         path = out / (entry["name"] if "name" in entry else entry["file"])
-        assert md5sum(path) == entry["md5"]
+        assert file_digest(path) == entry["md5"]
         assert len(read_file(path)) == entry["samples"]
     assert manifest["eval"]["samples"] == 200
-    assert manifest["vocab"]["md5"] == md5sum(out / "vocab.txt")
+    assert manifest["vocab"]["md5"] == file_digest(out / "vocab.txt")
     assert json.loads((out / "manifest.json").read_text()) == manifest
     assert not list(out.glob(".prepare-tmp-*"))
 
