@@ -1,9 +1,8 @@
 """The one exception type for what a user can fix, and the command-line wrapper that prints it.
 
-A ``UserError`` is bad input or a setup the user can change: a configuration field, a data
-file, a checkpoint, the environment (a package, a launcher's variables, a lost peer, a full
-disk). Its message is one line naming the field or file. ``run_pretraining.py`` and every
-``main`` print it as ``error: ...`` and exit with its ``exit_status``: 2 for bad input, 1 for a
+A ``UserError`` is bad input or a setup the user can change (a configuration field, a data file, a
+checkpoint, a package, a launcher's variables, a lost peer, a full disk). ``run_pretraining.py`` and
+every ``main`` print it as ``error: ...`` and exit with its ``exit_status``: 2 for bad input, 1 for a
 run that failed on the way (``RunFailure``). Any other exception is a bug: its traceback shows.
 """
 

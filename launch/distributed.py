@@ -1,10 +1,8 @@
-"""Distributed initialisation from whatever launched this process (docs/clusters.md).
+"""Distributed initialisation from whatever launched this process: docs/clusters.md, "Distributed init".
 
-``run_pretraining.py`` calls :func:`init_distributed` once, before building anything else. It
-reads rank, world size, local rank and rendezvous from torchrun, Open MPI, MPICH / Intel MPI or
-Slurm (``srun``) variables, in that order (:func:`detect_launcher`, the pure part), normalises
-them into RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, and creates the default
-process group, which always exists afterwards.
+:func:`init_distributed`, called once by ``run_pretraining.py`` before anything else is built, sets
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the launcher's variables
+(:func:`detect_launcher`, the pure part) and creates the default process group, which always exists afterwards.
 """
 
 from __future__ import annotations
@@ -202,10 +200,9 @@ def _pick_device(local_rank: int) -> torch.device:
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
     """Initialise the default process group from the launcher's environment.
 
-    ``backend``: ``"nccl"``, ``"gloo"`` or None (NCCL when CUDA is available, else gloo).
-    Asking for NCCL without CUDA is an error, not a switch to gloo. ``timeout_s`` bounds
-    the rendezvous and every collective. Calling it again in the same process (before
-    :func:`destroy`) returns the same info.
+    ``backend``: ``"nccl"``, ``"gloo"`` or None (NCCL when CUDA is available, else gloo; NCCL without
+    CUDA is a LaunchError). ``timeout_s`` bounds the rendezvous and every collective. A second call
+    (before :func:`destroy`) returns the same info.
     """
     global _initialised
     if dist.is_initialized():
@@ -229,8 +226,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
 
     os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank))
     timeout = timedelta(seconds=timeout_s)
-    if launch.world_size == 1:
-        # No rendezvous to wait for: an in-memory store, no port opened.
+    if launch.world_size == 1:  # no rendezvous: an in-memory store, no port opened
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         os.environ.update(MASTER_ADDR=launch.master_addr, MASTER_PORT=str(launch.master_port))

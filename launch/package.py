@@ -2,8 +2,7 @@
 
 ``python -m launch.package --org ORG --system SYSTEM [--system-desc FILE] --division closed|open
 --output OUT INPUTS...``: INPUTS are result logs or directories of them (as ``launch.summarize``
-finds them). OUT gets MLPerf's tree, published whole (``ORG/results/SYSTEM/bert/result_N.txt`` in
-input order, ``ORG/systems/SYSTEM.json``, ``ORG/benchmarks/bert/implementations/IMPL/``); then the
+finds them; ``result_N.txt`` in input order). OUT gets MLPerf's tree, published whole; then the
 package and RCP checkers run on it (ruleset 5.0.0). Exit status: 0 when both pass, 1 when they report
 errors (the package stays), 2 for bad input: docs/mlperf.md, "Reproducing a closed-division result".
 """

@@ -120,7 +120,6 @@ def read_events(path: Path) -> list[Event]:
 
 
 def first_value(events: list[Event], key: str):
-    """The value of the first ``key`` event, else None."""
     return next((e.value for e in events if e.key == key), None)
 
 

@@ -53,10 +53,8 @@ def backend_reason(e: BaseException) -> str:
 
 
 class Collectives:
-    """All-reduce and guards for one process group (the default one).
-
-    rank, world_size: this process's place; timeout_s: the group's collective timeout, quoted in messages (a fifth of
-    it, 2 to 10 s, is how long a failing rank waits for the others' reports)."""
+    """All-reduce and guards for the default process group; ``timeout_s``, its collective timeout, is
+    quoted in messages (a fifth of it, 2 to 10 s, is how long a failing rank waits for the others' reports)."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s

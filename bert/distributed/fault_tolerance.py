@@ -96,7 +96,6 @@ class FaultTolerance:
         # torchft logs every quorum and commit at INFO (its Rust part by RUST_LOG, read when it loads):
         # this module prints one line per change of quorum instead. RUST_LOG=info shows them again.
         os.environ.setdefault("RUST_LOG", "warn")
-        # Optional dependency: imported here so that a run without fault tolerance never needs it.
         import torchft
 
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):

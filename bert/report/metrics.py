@@ -1,10 +1,9 @@
 """What a run reports: the MLPerf hyper-parameters, a record per logged step, the summary.
 
-Rank 0 writes ``metrics.jsonl`` (``MetricsWriter``; on resume the records past the checkpoint's step
-are dropped, so the file equals an uninterrupted run's), the progress lines, ``summary.json``, its
-table and ``curves.png``. ``DeviceCounters`` keeps what the steps leave on the device and reads it in
-one read per log interval (docs/step.md); nothing here runs on a step that does not log.
-Outputs: docs/training.md, "Outputs".
+Rank 0 writes ``metrics.jsonl`` (``MetricsWriter``; a resumed run drops the records past its
+checkpoint's step), the progress lines, ``summary.json``, its table and ``curves.png``: docs/training.md,
+"Outputs". ``DeviceCounters`` keeps what the steps leave on the device and reads it in one read per
+log interval (docs/step.md); nothing here runs on a step that does not log.
 """
 
 from __future__ import annotations

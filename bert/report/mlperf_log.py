@@ -217,7 +217,6 @@ class MLPerfLogger:
         self._start_interval("epoch", C.EPOCH_START, samples, {C.EPOCH_NUM: samples})
 
     def epoch_stop(self, samples: int) -> None:
-        """Closes the training epoch at ``samples`` trained."""
         samples = _int("samples", samples)
         self._stop_interval("epoch", C.EPOCH_STOP, samples, {C.EPOCH_NUM: samples})
 
@@ -227,7 +226,6 @@ class MLPerfLogger:
         self._start_interval("block", C.BLOCK_START, samples, {C.FIRST_EPOCH_NUM: samples, C.EPOCH_COUNT: count})
 
     def block_stop(self, samples: int) -> None:
-        """Closes the open block at ``samples`` trained."""
         samples = _int("samples", samples)
         # As NVIDIA's v4.0 logs: block_stop carries first_epoch_num only.
         self._stop_interval("block", C.BLOCK_STOP, samples, {C.FIRST_EPOCH_NUM: self._open.get("block")})
@@ -238,7 +236,6 @@ class MLPerfLogger:
         self._start_interval("eval", C.EVAL_START, samples, {C.EPOCH_NUM: samples}, value=samples)
 
     def eval_stop(self, samples: int) -> None:
-        """Closes the open evaluation."""
         samples = _int("samples", samples)
         self._stop_interval("eval", C.EVAL_STOP, samples, {C.EPOCH_NUM: samples}, value=samples)
 
@@ -277,8 +274,6 @@ class MLPerfLogger:
         self._advance(samples)
         self._emit("end", C.RUN_STOP, None, {C.STATUS: status})  # as NVIDIA's v4.0 logs
         self._phase = _STOPPED
-
-    # -- helpers ---------------------------------------------------------------------------
 
     def _expect(self, key: str, phases: tuple[str, ...], once: bool = False) -> None:
         if self._phase not in phases:
