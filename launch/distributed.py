@@ -62,10 +62,6 @@ class DistInfo:
     backend: str
     launcher: str
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 def _int_var(env: Mapping[str, str], name: str) -> int:
     value = env[name]

@@ -60,7 +60,7 @@ class Collectives:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.report_window_s = min(10.0, max(2.0, timeout_s / 5))
         self.hostname = socket.gethostname()
-        self._waiting: tuple[str, int, float] | None = None  # the guarded block running now
+        self._waiting: tuple[str, float] | None = None  # the guarded block running now: (where, start)
         if world_size > 1 and dist.is_initialized():
             # Read back only after a failure, to name the host of ranks that went silent.
             dist.distributed_c10d._get_default_store().set(f"host/{rank}", self.hostname)
@@ -69,8 +69,8 @@ class Collectives:
     @contextlib.contextmanager
     def guard(self, what: str, step: int):
         """Turn a communication failure inside the block into a CollectiveError."""
-        start = time.monotonic()
-        outer, self._waiting = self._waiting, (what, step, start)
+        where, start = f"{what} at step {step}" if step >= 0 else what, time.monotonic()
+        outer, self._waiting = self._waiting, (where, start)
         try:
             yield
         except CollectiveError:
@@ -79,7 +79,6 @@ class Collectives:
             self._waiting = None  # this rank reports the failure itself: the watcher stays out of it
             if self.world_size == 1 or not is_comm_error(e):
                 raise
-            where = f"{what} at step {step}" if step >= 0 else what
             raise CollectiveError(
                 f"rank {self.rank}: {where} failed after {time.monotonic() - start:.1f} s "
                 f"(dist.timeout_s={self.timeout_s:g}): {self._missing_ranks(where)}; "
@@ -93,7 +92,7 @@ class Collectives:
         while True:
             time.sleep(WATCH_EVERY_S)
             waiting = self._waiting
-            if waiting is None or time.monotonic() - waiting[2] < WATCH_AFTER_S:
+            if waiting is None or time.monotonic() - waiting[1] < WATCH_AFTER_S:
                 continue
             try:
                 store = dist.distributed_c10d._get_default_store()
@@ -104,8 +103,7 @@ class Collectives:
                 continue
             if self._waiting is not waiting or int(rank) == self.rank:
                 continue
-            what, step, start = waiting
-            where = f"{what} at step {step}" if step >= 0 else what
+            where, start = waiting
             with contextlib.suppress(Exception):  # tells the stopped rank that this one has seen it
                 store.set(f"fault/{self.rank}", f"failed:{where}")
             print(

@@ -1,10 +1,8 @@
 """Per-step fault tolerance on torchft (``dist.fault_tolerance=torchft``): a lost replica costs one step.
 
-Each process is a replica group of one rank. Every step it joins a quorum (``FaultTolerance.begin_step``,
-where a replica behind the others heals from a peer), runs its share of the whole global batch
-(``ReplicaPlanner``), averages gradients and loss parts over the live replicas (``average_``) and steps
-only when the quorum commits (``commit``), else redoes the step on the same samples. torchft is optional:
-imported when a ``FaultTolerance`` is built. Design, limits and numbers: docs/reliability.md.
+Each process is a replica: ``FaultTolerance`` joins each step's quorum (a replica behind heals there),
+averages over the live replicas and commits; ``ReplicaPlanner`` gives it its share of the whole global
+batch. torchft is imported when a ``FaultTolerance`` is built. docs/reliability.md, "Per-step fault tolerance".
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The trainer's MLPerf run log (``:::MLLOG`` lines), written with ``mlperf_logging.mllog``.
 
 One ``MLPerfLogger`` per process; rank 0 writes, the other ranks' calls are checked and dropped.
-``epoch_num`` is training samples consumed over all ranks. The calls must come in a run's order
-(else ``RuntimeError``): ``cache_clear``, ``init_start``, ``submission_info``, ``hyperparameters``,
-``init_stop``, ``run_start``, ``epoch_start(0)``, ``block_start(1, 1)``, per evaluation
-``eval_start`` / ``eval_accuracy`` / ``eval_stop``, then ``block_stop``, ``epoch_stop``,
-``train_samples``, ``eval_samples``, ``run_stop(samples, status)``, ``close``; a resumed run
-(``resume=True``) continues from ``epoch_start``. The checker: [docs/mlperf.md](../docs/mlperf.md#the-log).
+``epoch_num`` is training samples consumed over all ranks. The calls must come in a run's order, else
+``RuntimeError``; the order and the checker: [docs/mlperf.md](../docs/mlperf.md#the-log).
 """
 
 from __future__ import annotations
