@@ -96,8 +96,6 @@ class MLPerfLogger:
             handler.close()
         self._mllog = None
 
-    # -- initialisation: before run_start ------------------------------------------------
-
     def cache_clear(self, cleared: bool = True) -> None:
         """Logs whether the launcher dropped the file-system caches before the run (required once; docs/mlperf.md)."""
         self._expect(C.CACHE_CLEAR, (_NEW, _INIT, _READY), once=True)
@@ -204,8 +202,6 @@ class MLPerfLogger:
         self._expect(C.RUN_START, (_READY,))
         self._emit("start", C.RUN_START)
         self._phase = _RUNNING
-
-    # -- the timed run ----------------------------------------------------------------------
 
     def epoch_start(self, samples: int) -> None:
         """Opens the training epoch at ``samples`` trained (0 for a fresh run)."""
