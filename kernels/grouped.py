@@ -1,12 +1,9 @@
 """Grouped multi-stream dispatch: one attention launch per sequence-length bucket.
 
-Each length is rounded up to a bucket (default 128, 256, 384, 512; Baidu's MLPerf v2.0
-FMHA), each bucket's sequences are one launch bounded by its longest sequence, and the
-launches run on up to 4 CUDA streams forked from and joined to the caller's (one after
-another in the interpreter). The batch is never copied: a group is a slice of ``order``
-(sequence indices by bucket, largest first). Planning reads the host lengths the collator
-handed over (``note_host_seqlens``, keyed by the ``cu_seqlens`` tensor); without them it
-copies ``cu_seqlens`` to the host once. ``cached_plan`` plans once per ``cu_seqlens`` tensor.
+Each bucket's sequences (default 128, 256, 384, 512) are one launch, on up to 4 CUDA streams;
+a group is a slice of ``order`` (sequence indices by bucket, largest first), never a copy.
+Planning reads the collator's host lengths (``note_host_seqlens``), else copies ``cu_seqlens``
+to the host once; ``cached_plan`` plans once per ``cu_seqlens`` tensor.
 [docs/kernels.md](../docs/kernels.md#grouped-dispatch-equals-one-launch).
 """
 

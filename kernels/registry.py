@@ -1,13 +1,10 @@
 """The attention backends by name: every fact about each, in one list.
 
-``BACKENDS`` holds, per backend, what nothing else may decide by its name: the layouts it
-takes, the per-layer settings it implements, whether it runs Triton kernels, whether a CUDA
-graph can replay it and whether its dropout draws on the device, and the config fields that
-feed its options. Its code is imported only when asked for. ``get_backend(name)`` returns it
-wrapped in the check every call goes through: a layout or setting it does not take is refused
-(``BackendUnavailable``, one line naming the backend and the ones that would take it), never
-passed on or swapped. The other functions answer from the list without loading anything.
-Adding a backend: CONTRIBUTING.md, "Adding an attention backend".
+``BACKENDS`` holds per backend what nothing may decide by its name: layouts, settings, Triton or
+not, CUDA-graph replay, device-side dropout, the config fields of its options. Its code is
+imported only when asked for. ``get_backend(name)`` wraps it in the check every call goes
+through: a layout or setting it does not take raises ``BackendUnavailable`` naming the backends
+that would take it, never swapped. Adding a backend: CONTRIBUTING.md, "Adding an attention backend".
 """
 
 from __future__ import annotations

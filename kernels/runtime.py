@@ -1,12 +1,9 @@
-"""Where the Triton kernels run: compiled for a CUDA GPU, or in Triton's interpreter on CPU;
-and the dropout RNG every kernel draws from.
+"""Where the Triton kernels run (compiled for a CUDA GPU, or Triton's interpreter on CPU), and
+the dropout RNG every kernel draws from.
 
-Triton fixes its mode when first imported (``TRITON_INTERPRET=1``: its library functions are
-built for the interpreter), so the mode is read from Triton itself and each device-code file
-is loaded in it: ``jit_kernels(device, what, source)`` returns the module, or raises
-``BackendUnavailable`` saying what to change when the device does not fit the mode. It never
-falls back to another implementation. For CPU test runs, set ``TRITON_INTERPRET=1`` before
-anything imports Triton.
+Triton fixes its mode when first imported, so ``jit_kernels(device, what, source)`` loads each
+device-code file in that mode, or raises ``BackendUnavailable`` saying what to change; it never
+falls back. For CPU test runs, set ``TRITON_INTERPRET=1`` before anything imports Triton.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 kernel family, the ``triton`` and ``triton_grouped`` backends, and the op ``kernels.flashmask``
 runs for packed rows.
 
-The layers, from the bottom: the device code (``kernels/triton_jit.py``); the custom ops
-``bert_kernels::attention_fwd`` / ``_bwd``, opaque to ``torch.compile`` (the forward draws the
-dropout (seed, offset) from ``kernels.runtime.draw_philox``; the backward regenerates the mask
-from it); ``_Attention``, the autograd Function joining them, behind ``attention``; the public
-functions (``varlen_attention`` and its variants); the backends.
+From the bottom: the device code (``kernels/triton_jit.py``); the custom ops
+``bert_kernels::attention_fwd`` / ``_bwd``, opaque to ``torch.compile``; ``_Attention``, the
+autograd Function behind ``attention``; the public functions; the backends.
 [docs/kernels.md](../docs/kernels.md#kernels).
 
 Shape legend: T tokens, B sequences, H heads, D head dim, S = max_seqlen, n bounds per column.
