@@ -74,9 +74,8 @@ def _fresh(entry: tuple | None, tensor: Tensor) -> bool:
 
 def note_host_seqlens(cu_seqlens: Tensor, seqlens: Sequence[int]) -> None:
     """Record the lengths of ``cu_seqlens``' sequences as the host knows them (the collator's),
-    so that planning never reads ``cu_seqlens`` back. They must be what ``cu_seqlens`` holds:
-    only their number is checked here (the values would need a read; ``UnpaddedBatch.check_values``
-    compares them on the CPU)."""
+    so that planning never reads ``cu_seqlens`` back. Only their number is checked here
+    (``UnpaddedBatch.check_values`` compares the values on the CPU)."""
     lens = tuple(seqlens)
     if len(lens) != cu_seqlens.numel() - 1:
         raise ValueError(f"host_seqlens: {len(lens)} lengths for the {cu_seqlens.numel() - 1} sequences of cu_seqlens")

@@ -1,12 +1,10 @@
 """The pure-PyTorch attention backends: ``reference``, ``padded`` and ``sdpa``.
 
 ``reference`` is the definition every backend is tested against: softmax attention sequence
-by sequence in the input dtype, the layout's mask written out densely (a window as the band
-|i - j| <= window // 2, packed bounds through ``kernels.masks``). ``padded`` is the
+by sequence in the input dtype, the layout's mask written out densely. ``padded`` is the
 baseline: pad -> ``scaled_dot_product_attention`` with a key mask -> unpad. ``sdpa`` is the
-CPU's fast unpadded path: SDPA sequence by sequence, a window through ``banded_sdpa`` (only
-the keys in reach, block by block). All three run everywhere and honour every setting
-(``reference`` and ``sdpa`` also keys of their own, ``cu_seqlens_k``; ``padded`` not).
+CPU's fast unpadded path, a window through ``banded_sdpa``. All three run everywhere and honour
+every setting (``padded`` takes no ``cu_seqlens_k``).
 
 Shape legend: T tokens, B sequences, S padded length, L one sequence's length, H heads,
 D head dim.

@@ -162,10 +162,8 @@ def check_backend(name: str, layout: type, settings: Iterable[str] = ()) -> None
 
 
 def get_backend(name: str, **options) -> AttentionFn:
-    """The backend ``name``, checked on every call against the layout and its settings.
-
-    ``options`` go to backends that take some (``triton_grouped``: ``buckets``,
-    ``num_streams``). Raises BackendUnavailable when the backend cannot run here."""
+    """The backend ``name``, checked on every call against the layout and its settings;
+    ``options`` go to backends that take some. Raises BackendUnavailable when it cannot run here."""
     spec = _spec(name)
     unknown = sorted(set(options) - set(spec.options))
     if unknown:

@@ -168,10 +168,9 @@ def _fix_interpreter_scalars() -> None:
 
 
 def load(interpret: bool, source: Path = _SOURCE) -> ModuleType:
-    """Execute the device-code file ``source`` (triton_jit.py, ops/fused_jit.py, ops/rotary_jit.py,
-    or an earlier file ``bench/attention.py`` times) as a fresh module whose @triton.jit
-    functions are built for the interpreter or for compilation (the latter also on a machine
-    without a GPU: tools/compile_check.py). It must match the mode Triton was imported in."""
+    """Execute the device-code file ``source`` as a fresh module whose @triton.jit functions are
+    built for the interpreter or for compilation (also without a GPU: tools/compile_check.py),
+    in the mode Triton was imported in."""
     if interpret:
         _fix_interpreter_scalars()
     stem = "jit" if source == _SOURCE else f"jit_{source.stem}"

@@ -171,11 +171,9 @@ def tile_counts(
     q: Tensor, k: Tensor, v: Tensor, call: Call, blocks: dict, backward: bool = True
 ) -> dict[str, tuple[TileCounts, tuple[int, int]]]:
     """Debug: run the kernels (forward, and with ``backward`` the dK/dV and dQ passes on a ones
-    gradient) in their counting mode (the call has bounds or a window) at ``blocks`` {pass:
-    (BLOCK_M, BLOCK_N, warps, stages)}, and report how each pass treated its tiles.
-
-    Returns {pass: (TileCounts summed over sequences and heads, (BLOCK_M, BLOCK_N))}; a
-    sequence shorter than the longest counts its own tiles only."""
+    gradient) counting tiles (the call needs bounds or a window) at ``blocks`` {pass: (BLOCK_M,
+    BLOCK_N, warps, stages)}. Returns {pass: (TileCounts summed over sequences and heads,
+    (BLOCK_M, BLOCK_N))}; a sequence shorter than the longest counts its own tiles only."""
     if call.bounds is None and call.window is None:
         raise ValueError("tile counts: the kernels count tiles only with bounds or a window")
     n_seqs, heads = call.cu_seqlens.numel() - 1, q.shape[1]

@@ -1,12 +1,11 @@
 """The FFN's first projection with bias and GELU in the GEMM's epilogue.
 
 ``linear_bias_gelu(x, weight, bias)`` = GELU(x @ weight.T + bias) through
-``torch._addmm_activation(..., use_gelu=True)`` (cuBLASLt's GELU_BIAS epilogue on CUDA, a
-GEMM then GELU on the CPU); ``linear_bias_gelu_reference`` is ``F.linear`` then ``F.gelu``.
-The first call per device type probes which GELU it computes (tanh on cuBLASLt, erf on the
-CPU); the backward differentiates that one, recomputing the pre-activation with one
-``addmm``. [docs/fp8.md](../docs/fp8.md#biasgelu-in-the-gemm-epilogue). Shapes: x [N, C],
-weight [I, C], bias [I] -> [N, I].
+``torch._addmm_activation(..., use_gelu=True)`` (cuBLASLt's GELU_BIAS epilogue on CUDA);
+``linear_bias_gelu_reference`` is ``F.linear`` then ``F.gelu``. The backward differentiates
+the GELU the first call probed (tanh on cuBLASLt, erf on the CPU):
+[docs/fp8.md](../docs/fp8.md#biasgelu-in-the-gemm-epilogue). Shapes: x [N, C], weight [I, C],
+bias [I] -> [N, I].
 """
 
 from __future__ import annotations
