@@ -1,10 +1,9 @@
 """Optimizers: LAMB (MLPerf BERT's), AdamW and StableAdamW (ModernBERT's), with BERT's weight-decay exclusions.
 
-They run after clipping (``bert.optim.clipping``), so none clips. ``Lamb`` is apex's ``FusedLAMB`` on
-``torch._foreach_*`` ops, with its state layout (a checkpoint moves between them). Every optimizer here takes
-``step(found_inf=t)``: a 0-dim device tensor, nonzero when the gradients are not finite, that keeps parameters, moments
-and step counts bitwise as they were, never read on the host (``apply_update`` reads it for the others). The update
-rules, the exclusions and the skip's cost: docs/training.md, "Optimizer, schedule and clipping", and docs/step.md.
+None clips (``bert.optim.clipping`` runs first). ``Lamb`` is apex's ``FusedLAMB`` on ``torch._foreach_*`` ops, with its
+state layout. Every optimizer here takes ``step(found_inf=t)``, a 0-dim device tensor, nonzero when the gradients are
+not finite, that skips the update on the device (``apply_update`` reads it for the others). The update rules, the
+exclusions and the skip's cost: docs/training.md, "Optimizer, schedule and clipping", and docs/step.md.
 """
 
 from __future__ import annotations

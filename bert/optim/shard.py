@@ -1,9 +1,8 @@
 """Sharded LAMB (``optim.shard``): optimizer state and update split over a group of ranks.
 
-FSDP2 (``fully_shard``) in DDP's place, per encoder layer, on a (replicate x) shard mesh; the update runs on each
-rank's shards. Every per-tensor norm (LAMB's trust ratio, clipping, AdaGC) is the whole tensor's, from the shards'
-partial sums in one small all-reduce, so the update equals ``bert.optim.Lamb`` on whole tensors. How and what it costs:
-[docs/sharding.md](../docs/sharding.md).
+FSDP2 (``fully_shard``) in DDP's place, per encoder layer; every per-tensor norm (LAMB's trust ratio, clipping, AdaGC)
+is the whole tensor's, from one small all-reduce, so the update equals ``bert.optim.Lamb`` on whole tensors. How and
+what it costs: [docs/sharding.md](../docs/sharding.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The trainer's parts, each built from its configuration section: factories only.
 
-``bert.train.trainer.Trainer`` builds its parts here in one place (``bert.checkpoint.export`` reads the
-model's shape); a field added to a section is read here or by the part itself, never
-unpacked on the way. Backend facts come from ``kernels.registry``, never from a backend's name.
+A field added to a section is read here or by the part itself, never unpacked on the way. Backend facts come from
+``kernels.registry``, never from a backend's name.
 """
 
 from __future__ import annotations

@@ -405,9 +405,8 @@ class Trainer:
         self.mllog.epoch_start(self.state.samples)  # 0 for a fresh run
 
     def warm_up(self) -> None:
-        """Forward and backward on synthetic batches (``components.build_warm_up_blocks``) before the
-        clock, so compilation, autotuning and the allocator's first growth are not timed. It leaves
-        no trace: no optimizer step, gradients dropped, RNG states restored."""
+        """Forward and backward on synthetic batches before the clock, so compilation, autotuning and the
+        allocator's first growth are not timed; no optimizer step, gradients dropped, RNG states restored."""
         cuda = self.device.type == "cuda"
         blocks = components.build_warm_up_blocks(self.cfg.data, self.model_config.vocab_size, self.micro_batch, cuda)
         self.forward.train()
@@ -555,9 +554,8 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------
 
     def save_checkpoint(self) -> bool:
-        """Rank 0 writes the checkpoint (dist.fault_tolerance: the last quorum's rank 0); every rank learns whether it
-        worked. Returns success; a refused write is reported with the checkpoint kept, the caller goes on or stops by
-        checkpoint.on_error."""
+        """Rank 0 writes the checkpoint (dist.fault_tolerance: the last quorum's rank 0); every rank gets whether it
+        worked (a failure is reported; the caller goes on or stops by checkpoint.on_error)."""
         if self.ft is not None and self.ft_rank != 0:
             return True
         self._read_counters()  # the skipped-step counters live on the device
