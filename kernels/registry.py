@@ -156,8 +156,7 @@ def graph_refusal(name: str, attention_dropout: float) -> str | None:
 
 def check_backend(name: str, layout: type, settings: Iterable[str] = ()) -> None:
     """Raise BackendUnavailable unless backend ``name`` takes ``layout`` with ``settings`` on."""
-    reason = refusal(name, layout, settings)
-    if reason:
+    if reason := refusal(name, layout, settings):
         raise BackendUnavailable(reason)
 
 
@@ -165,8 +164,7 @@ def get_backend(name: str, **options) -> AttentionFn:
     """The backend ``name``, checked on every call against the layout and its settings;
     ``options`` go to backends that take some. Raises BackendUnavailable when it cannot run here."""
     spec = _spec(name)
-    unknown = sorted(set(options) - set(spec.options))
-    if unknown:
+    if unknown := sorted(set(options) - set(spec.options)):
         raise ValueError(f"model.attention={name}: takes no option {unknown}; its options: {list(spec.options)}")
     if spec.triton:
         check_runnable(f"model.attention={name}")

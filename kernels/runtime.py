@@ -107,8 +107,7 @@ def triton_interpreted() -> bool:
 
 def check_runnable(what: str) -> None:
     """Raise BackendUnavailable when the Triton kernels cannot run on this machine at all."""
-    reason = triton_available()
-    if reason:
+    if reason := triton_available():
         raise BackendUnavailable(f"{what}: {reason}")
     if not torch.cuda.is_available() and not triton_interpreted():
         raise BackendUnavailable(
@@ -120,8 +119,7 @@ def check_runnable(what: str) -> None:
 def jit_kernels(device: torch.device, what: str = "triton kernels", source: Path = _SOURCE) -> ModuleType:
     """The device-code module ``source`` (default: the attention family's), after checking that
     its kernels can run on ``device`` in this process."""
-    reason = triton_available()
-    if reason:
+    if reason := triton_available():
         raise BackendUnavailable(f"{what}: {reason}")
     interpreted = triton_interpreted()
     if device.type == "cpu" and not interpreted:
