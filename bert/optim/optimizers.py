@@ -285,9 +285,8 @@ def apex_lamb_available() -> bool:
 
 def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -> torch.optim.Optimizer:
     """``optim.name`` with ``optim``'s hyperparameters over ``param_groups_for(model, optim.weight_decay)``. ``impl``
-    (LAMB only; benches and tests choose): ``auto`` = apex's FusedLAMB when available and the parameters are on CUDA,
-    else ``Lamb``; ``apex`` = FusedLAMB or an error saying why not; ``torch`` = ``Lamb``. FusedLAMB's own clipping is
-    off (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.optim.clipping``."""
+    (LAMB only): ``auto`` = apex's FusedLAMB when available and the parameters are on CUDA, else ``Lamb``; ``apex`` =
+    FusedLAMB or an error saying why not; ``torch`` = ``Lamb``. FusedLAMB's clipping is off (clipping runs first)."""
     name, lr, betas, eps = optim.name, optim.lr, tuple(optim.betas), optim.eps
     groups = param_groups_for(model, optim.weight_decay)
     if name in ("adamw", "stable_adamw"):

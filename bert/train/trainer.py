@@ -280,9 +280,8 @@ class Trainer:
         return loss_parts
 
     def replica_step(self):
-        """dist.fault_tolerance: one try at the step (StepResult, rebalance stats), or (None, None)
-        when the quorum did not commit it (a replica was lost): the caller tries again, the next
-        quorum redoing it on the same samples. A replica behind the others heals in the quorum."""
+        """dist.fault_tolerance: one try at the step (StepResult, rebalance stats), or (None, None) when the quorum
+        did not commit it (a replica was lost): the caller tries again on the same samples."""
         quorum = self.ft.begin_step(self.state.step)
         step, self.ft_rank = self.state.step, quorum.rank  # a healed replica is at the others' step now
         if quorum.changed:
