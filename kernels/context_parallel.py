@@ -78,9 +78,8 @@ class ContextLayout:
 
 
 def context_parallel_backend(name: str, **options) -> AttentionFn:
-    """The registry backend ``name`` under context parallelism: ``ContextLayout`` batches as
-    the module docstring says, ``VarlenLayout`` ones passed through. Refuses (one line) a
-    backend without keys of their own."""
+    """The registry backend ``name`` under context parallelism (``VarlenLayout`` batches passed
+    through); refuses (one line) a backend without keys of their own."""
     if reason := refusal(name, VarlenLayout, ["cu_seqlens_k"]):
         raise BackendUnavailable(f"dist.context_parallel: {reason}")
     inner = get_backend(name, **options)

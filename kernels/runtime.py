@@ -62,13 +62,11 @@ def philox_from(state: torch.Tensor):
 
 def draw_philox(dropout_p: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """[2] int64 on ``device``: the (seed, offset) of one launch's Philox dropout, read by the
-    kernels through a pointer (every kernel's one source); zeros, drawing nothing, without dropout.
+    kernels through a pointer; zeros, drawing nothing, without dropout.
 
-    Inside ``philox_from(state)``: a copy of ``state``, whose offset (the last Philox counter
-    word; the other three are the element's coordinates) then advances by 1 on the device, so
-    the next draw's masks are independent. Outside: drawn from torch's default generator
-    (``torch.manual_seed`` reproduces it), refused while a CUDA graph is captured (the graph
-    would freeze the host's copy)."""
+    Inside ``philox_from(state)``: a copy of ``state``, whose offset then advances by 1 on the
+    device. Outside: drawn from torch's default generator (``torch.manual_seed`` reproduces it),
+    refused while a CUDA graph is captured (the graph would freeze the host's copy)."""
     if dropout_p <= 0.0:
         return torch.zeros(2, dtype=torch.int64, device=device)
     if _DEVICE_STATES:

@@ -1,9 +1,8 @@
 """Triton device code of the attention kernel family (forward, dK/dV, dQ), with its launchers.
 
 Do not import this module directly: ``kernels.runtime.jit_kernels(device)`` loads it in the
-mode Triton itself was imported in (compiled for CUDA, or interpreted on CPU with
-TRITON_INTERPRET=1) and returns the module. The host-side launchers at the bottom are the
-only callers of the kernels; they know the argument lists and the block sizes.
+mode Triton itself was imported in and returns the module. The host-side launchers at the
+bottom are the kernels' only callers.
 
 q, k, v, o are ``[T, H, D]`` (head dim contiguous), sequences by ``cu_seqlens``; ``lse`` is
 the base-2 log-sum-exp per (token, head). The switches (WINDOW, N_BOUNDS/CAUSAL, SEPARATE_K,
