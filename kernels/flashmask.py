@@ -109,8 +109,7 @@ def flashmask_tile_counts(
     """Debug: ``varlen_attention.tile_counts`` on packed rows: {pass: (TileCounts summed over
     batch and heads, (BLOCK_M, BLOCK_N))} for pass in fwd, dkdv, dq. The tile sizes are the
     kernels' own unless overridden: block_m / block_n for every pass, or ``tiles`` {pass:
-    (BLOCK_M, BLOCK_N)} (one BLOCK_N, a multiple of 4, for all passes).
-    """
+    (BLOCK_M, BLOCK_N)} (one BLOCK_N, a multiple of 4, for all passes)."""
     _check(query, key, value, startend_row_indices, causal, 0.0)
     q, k, v = (last_dim_contiguous(x) for x in (query, key, value))
     kern = jit_kernels(q.device, "flashmask attention")

@@ -42,11 +42,8 @@ def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
 
 
 def plan_groups(seqlens: Sequence[int], buckets: Sequence[int], device=None) -> GroupPlan:
-    """Group sequence indices by the smallest bucket that holds them (longer ones: one extra group).
-
-    Groups come largest bucket first so that the longest kernels start first; inside a group
-    the sequences keep their batch order.
-    """
+    """Group sequence indices by the smallest bucket that holds them (longer ones: one extra group),
+    largest bucket first so that the longest kernels start first; sequences keep their batch order."""
     bounds = check_buckets(buckets)
     members: dict[int, list[int]] = {}
     for i, n in enumerate(seqlens):
@@ -143,12 +140,9 @@ Launch = Callable[[Tensor | None, int, int, int], None]  # (order, start, count,
 
 
 def run_groups(plan: GroupPlan, launch: Launch, device: torch.device, num_streams: int = MAX_STREAMS) -> None:
-    """Call launch once per group; on CUDA spread the groups over up to num_streams streams.
-
-    The first group runs on the caller's stream; the others on side streams that first wait
-    for everything the caller queued before (the inputs), and that the caller's stream waits
-    for afterwards, so the call behaves like one ordered launch to the code around it.
-    """
+    """Call launch once per group; on CUDA spread the groups over up to num_streams streams. Side
+    streams wait for what the caller queued before (the inputs), and the caller's stream waits for
+    them, so the call behaves like one ordered launch to the code around it."""
     groups = plan.groups
     n = max(1, min(num_streams, MAX_STREAMS, len(groups)))
     if device.type != "cuda" or n == 1:

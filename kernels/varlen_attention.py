@@ -269,11 +269,9 @@ def grouped_varlen_attention(
     *,
     window: int | None = None,
 ) -> Tensor:
-    """``varlen_attention`` with one launch per length bucket on up to num_streams CUDA streams.
-
-    Same arguments and result as ``varlen_attention`` (bitwise: each sequence is computed by
-    the same programs, and neither the dropout mask nor the window depends on the grouping).
-    """
+    """``varlen_attention`` with one launch per length bucket on up to num_streams CUDA streams:
+    the same arguments, and the same result bitwise (docs/kernels.md, "Grouped dispatch equals
+    one launch")."""
     return varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
                             window=window, buckets=buckets, num_streams=num_streams)  # fmt: skip
 

@@ -48,11 +48,9 @@ class _LinearBiasGelu(torch.autograd.Function):
 
 
 def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """GELU(x @ weight.T + bias) with bias and GELU in the GEMM epilogue.
-
-    x [N, C] (or [..., C]), weight [I, C], bias [I]; under autocast the three are cast to the
-    autocast dtype first (as ``F.linear`` would be), and the result has that dtype.
-    """
+    """GELU(x @ weight.T + bias) with bias and GELU in the GEMM epilogue. x [N, C] (or [..., C]),
+    weight [I, C], bias [I]; under autocast the three are cast to the autocast dtype first (as
+    ``F.linear`` would be), and the result has that dtype."""
     if weight.dim() != 2 or bias.shape != (weight.shape[0],) or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear_bias_gelu: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias {tuple(bias.shape)} "
