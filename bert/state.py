@@ -51,7 +51,6 @@ class TrainState:
         return cls(**{k: v for k, v in counters.items() if k in known and v is not None})
 
 
-# Counters checkpoints of earlier code lack (or hold as None): they start at their defaults.
 _ADDED_LATER = ("eval_accuracy", "corrupt_samples", "checkpoint_failures", "seed")
 
 

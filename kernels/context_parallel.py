@@ -1,16 +1,11 @@
 """Context parallelism: attention over documents split across the N ranks of a CP group.
 
 A document too long for one rank is cut into N contiguous pieces, piece r on rank r
-(``ContextShard.piece``: ceil(L / N) tokens each, the last the rest). A rank's flat batch holds
-its whole sequences first, then its non-empty pieces in document order (``ContextLayout``).
-Only attention looks across tokens: a global layer all-gathers each split document's K/V and
-attends its piece's queries to it (the backends' cross mode, ``VarlenLayout.cu_seqlens_k``); a
-window layer (|i - j| <= window // 2) exchanges only the halo of window // 2 tokens each side
-of its piece (one ``all_to_all_single``). Whole sequences go to the backend as they are. The
-design, its backward, and why an all-gather and not a ring: docs/context_parallel.md,
-"Attention". ``context_parallel_backend(name)`` wraps a registry backend that takes
-``cu_seqlens_k`` (reference, sdpa, triton), plain ``VarlenLayout`` batches too. Imports torch
-and kernels only.
+(``ContextShard.piece``); a rank's flat batch holds its whole sequences first, then its pieces
+(``ContextLayout``). A global layer all-gathers each split document's K/V, a window layer
+exchanges a halo of window // 2 tokens: docs/context_parallel.md, "Attention".
+``context_parallel_backend(name)`` wraps a registry backend that takes ``cu_seqlens_k``
+(reference, sdpa, triton). Imports torch and kernels only.
 
 Shape legend: T local tokens, P local piece tokens, L one document, N ranks of the CP group,
 H heads, D head dim, E tokens of the halo-extended pieces.
@@ -83,11 +78,9 @@ class ContextLayout:
 
 
 def context_parallel_backend(name: str, **options) -> AttentionFn:
-    """The registry backend ``name`` under context parallelism: ``ContextLayout`` batches as
-    the module docstring says, ``VarlenLayout`` ones passed through. Refuses (one line) a
-    backend without keys of their own."""
-    reason = refusal(name, VarlenLayout, ["cu_seqlens_k"])
-    if reason:
+    """The registry backend ``name`` under context parallelism (``VarlenLayout`` batches passed
+    through); refuses (one line) a backend without keys of their own."""
+    if reason := refusal(name, VarlenLayout, ["cu_seqlens_k"]):
         raise BackendUnavailable(f"dist.context_parallel: {reason}")
     inner = get_backend(name, **options)
 

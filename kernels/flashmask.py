@@ -1,13 +1,9 @@
 """FlashMask attention: the attention kernel family with FlashMask's column bounds switched on,
-and the ``flashmask`` backend (the bounds' meaning, builders and dense reference:
-``kernels.masks``).
+and the ``flashmask`` backend (the bounds' meaning, builders and dense reference: ``kernels.masks``).
 
-A packed row of S tokens is a varlen sequence: ``flashmask_attention`` views q
-[B, S, H, D] as [B*S, H, D] with ``cu_seqlens`` 0, S, 2S, ... and runs the varlen op with the
-bounds, whose per-block min and max let the kernels skip a tile exactly when its dense mask
-is all masked. ``flashmask_tile_counts`` reports the tile counts (as
-``kernels.masks.reference_tile_counts`` counts them from the dense mask). Dropout is the
-varlen kernels' scheme with token index b * seqlen_q + i. [docs/packing.md](../docs/packing.md#the-flashmask-kernel).
+``flashmask_attention`` runs packed rows q [B, S, H, D] as varlen sequences [B*S, H, D] with the
+bounds, whose per-block min and max skip exactly the all-masked tiles; ``flashmask_tile_counts``
+reports the tile counts. [docs/packing.md](../docs/packing.md#the-flashmask-kernel).
 
 Shape legend: B batch (packed rows), S / Sq / Sk sequence lengths, H heads, D head dim,
 n bounds per column.
@@ -110,14 +106,10 @@ def flashmask_tile_counts(
     tiles: dict[str, tuple[int, int]] | None = None,
     backward: bool = True,
 ) -> dict[str, tuple[TileCounts, tuple[int, int]]]:
-    """Debug: run the kernels (forward, and with ``backward`` the dK/dV and dQ passes on a
-    ones gradient) and report how each classified its tiles.
-
-    Returns {pass: (TileCounts summed over batch and heads, (BLOCK_M, BLOCK_N))} for pass in
-    fwd, dkdv, dq. The tile sizes are the kernels' own unless overridden: block_m / block_n
-    for every pass, or ``tiles`` {pass: (BLOCK_M, BLOCK_N)} (one BLOCK_N, a multiple of 4,
-    for all passes: they share the per-block min/max).
-    """
+    """Debug: ``varlen_attention.tile_counts`` on packed rows: {pass: (TileCounts summed over
+    batch and heads, (BLOCK_M, BLOCK_N))} for pass in fwd, dkdv, dq. The tile sizes are the
+    kernels' own unless overridden: block_m / block_n for every pass, or ``tiles`` {pass:
+    (BLOCK_M, BLOCK_N)} (one BLOCK_N, a multiple of 4, for all passes)."""
     _check(query, key, value, startend_row_indices, causal, 0.0)
     q, k, v = (last_dim_contiguous(x) for x in (query, key, value))
     kern = jit_kernels(q.device, "flashmask attention")

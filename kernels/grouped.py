@@ -1,12 +1,9 @@
 """Grouped multi-stream dispatch: one attention launch per sequence-length bucket.
 
-Each length is rounded up to a bucket (default 128, 256, 384, 512; Baidu's MLPerf v2.0
-FMHA), each bucket's sequences are one launch bounded by its longest sequence, and the
-launches run on up to 4 CUDA streams forked from and joined to the caller's (one after
-another in the interpreter). The batch is never copied: a group is a slice of ``order``
-(sequence indices by bucket, largest first). Planning reads the host lengths the collator
-handed over (``note_host_seqlens``, keyed by the ``cu_seqlens`` tensor); without them it
-copies ``cu_seqlens`` to the host once. ``cached_plan`` plans once per ``cu_seqlens`` tensor.
+Each bucket's sequences (default 128, 256, 384, 512) are one launch, on up to 4 CUDA streams;
+a group is a slice of ``order`` (sequence indices by bucket, largest first), never a copy.
+Planning reads the collator's host lengths (``note_host_seqlens``), else copies ``cu_seqlens``
+to the host once; ``cached_plan`` plans once per ``cu_seqlens`` tensor.
 [docs/kernels.md](../docs/kernels.md#grouped-dispatch-equals-one-launch).
 """
 
@@ -45,11 +42,8 @@ def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
 
 
 def plan_groups(seqlens: Sequence[int], buckets: Sequence[int], device=None) -> GroupPlan:
-    """Group sequence indices by the smallest bucket that holds them (longer ones: one extra group).
-
-    Groups come largest bucket first so that the longest kernels start first; inside a group
-    the sequences keep their batch order.
-    """
+    """Group sequence indices by the smallest bucket that holds them (longer ones: one extra group),
+    largest bucket first so that the longest kernels start first; sequences keep their batch order."""
     bounds = check_buckets(buckets)
     members: dict[int, list[int]] = {}
     for i, n in enumerate(seqlens):
@@ -77,9 +71,8 @@ def _fresh(entry: tuple | None, tensor: Tensor) -> bool:
 
 def note_host_seqlens(cu_seqlens: Tensor, seqlens: Sequence[int]) -> None:
     """Record the lengths of ``cu_seqlens``' sequences as the host knows them (the collator's),
-    so that planning never reads ``cu_seqlens`` back. They must be what ``cu_seqlens`` holds:
-    only their number is checked here (the values would need a read; ``UnpaddedBatch.check_values``
-    compares them on the CPU)."""
+    so that planning never reads ``cu_seqlens`` back. Only their number is checked here
+    (``UnpaddedBatch.check_values`` compares the values on the CPU)."""
     lens = tuple(seqlens)
     if len(lens) != cu_seqlens.numel() - 1:
         raise ValueError(f"host_seqlens: {len(lens)} lengths for the {cu_seqlens.numel() - 1} sequences of cu_seqlens")
@@ -147,12 +140,9 @@ Launch = Callable[[Tensor | None, int, int, int], None]  # (order, start, count,
 
 
 def run_groups(plan: GroupPlan, launch: Launch, device: torch.device, num_streams: int = MAX_STREAMS) -> None:
-    """Call launch once per group; on CUDA spread the groups over up to num_streams streams.
-
-    The first group runs on the caller's stream; the others on side streams that first wait
-    for everything the caller queued before (the inputs), and that the caller's stream waits
-    for afterwards, so the call behaves like one ordered launch to the code around it.
-    """
+    """Call launch once per group; on CUDA spread the groups over up to num_streams streams. Side
+    streams wait for what the caller queued before (the inputs), and the caller's stream waits for
+    them, so the call behaves like one ordered launch to the code around it."""
     groups = plan.groups
     n = max(1, min(num_streams, MAX_STREAMS, len(groups)))
     if device.type != "cuda" or n == 1:

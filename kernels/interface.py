@@ -39,8 +39,7 @@ class VarlenLayout:
     cu_seqlens: Tensor  # [B+1] int32
     max_seqlen: int
     window: int | None = None  # None: every key of the sequence; else |i - j| <= window // 2
-    # The B lengths cu_seqlens holds, as the host knows them (the collator's): not a setting (a
-    # backend may ignore them); triton_grouped plans its launches from them without a device read.
+    # cu_seqlens' B lengths as the host knows them (not a setting): triton_grouped plans from them, no device read.
     host_seqlens: tuple[int, ...] | None = None
     # Keys of their own: [B+1] int32 offsets into k, v (None: the queries' own), and the longest.
     cu_seqlens_k: Tensor | None = None

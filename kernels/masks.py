@@ -4,9 +4,7 @@
 For key column j the masked query rows are [LTS_j, LTE_j) and [UTS_j, UTE_j);
 ``startend_row_indices [B, H or 1, Sk, n]`` int32 gives n of those bounds, the rest implicit
 (which n with which ``causal``: docs/kernels.md, "The kernel module's contract").
-``to_dense`` gives the boolean mask (True = masked); ``flashmask_reference`` is attention
-with it; the builders (``document_mask``, ``window_bounds``, ``document_window_mask``) return
-a ``FlashMaskSpec``. [docs/packing.md](../docs/packing.md).
+[docs/packing.md](../docs/packing.md).
 Shapes: B packed rows, S / Sq / Sk sequence lengths, H heads, D head dim, n bounds per column.
 """
 

@@ -1,12 +1,10 @@
 """The pure-PyTorch attention backends: ``reference``, ``padded`` and ``sdpa``.
 
 ``reference`` is the definition every backend is tested against: softmax attention sequence
-by sequence in the input dtype, the layout's mask written out densely (a window as the band
-|i - j| <= window // 2, packed bounds through ``kernels.masks``). ``padded`` is the
+by sequence in the input dtype, the layout's mask written out densely. ``padded`` is the
 baseline: pad -> ``scaled_dot_product_attention`` with a key mask -> unpad. ``sdpa`` is the
-CPU's fast unpadded path: SDPA sequence by sequence, a window through ``banded_sdpa`` (only
-the keys in reach, block by block). All three run everywhere and honour every setting
-(``reference`` and ``sdpa`` also keys of their own, ``cu_seqlens_k``; ``padded`` not).
+CPU's fast unpadded path, a window through ``banded_sdpa``. All three run everywhere and honour
+every setting (``padded`` takes no ``cu_seqlens_k``).
 
 Shape legend: T tokens, B sequences, S padded length, L one sequence's length, H heads,
 D head dim.
@@ -27,8 +25,7 @@ from kernels.masks import flashmask_reference, packed_rows
 
 def band(length: int, window: int | None, device=None) -> Tensor | None:
     """[L, L] bool, True where query i may see key j: |i - j| <= window // 2; None without a
-    window or when the band covers every pair (so a window of at least twice the length is
-    exactly no window)."""
+    window or when the band covers every pair."""
     if no_band(length, window):
         return None
     pos = torch.arange(length, device=device)
@@ -116,9 +113,8 @@ def padded_mask(key_mask: Tensor, window: int | None) -> Tensor:
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: Layout, dropout_p: float, training: bool) -> Tensor:
-    """Unpadded attention from ``scaled_dot_product_attention`` per sequence (VarlenLayout):
-    the whole sequence for a global layer (or a window that covers it), ``banded_sdpa`` for a
-    window."""
+    """Unpadded attention from ``scaled_dot_product_attention`` per sequence (VarlenLayout),
+    through ``banded_sdpa`` for a window that does not cover the sequence."""
     p = dropout_p if training else 0.0
     out = torch.empty_like(q)
     bounds = [0, *itertools.accumulate(layout.host_seqlens)] if layout.host_seqlens else layout.cu_seqlens.tolist()

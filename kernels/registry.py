@@ -1,13 +1,10 @@
 """The attention backends by name: every fact about each, in one list.
 
-``BACKENDS`` holds, per backend, what nothing else may decide by its name: the layouts it
-takes, the per-layer settings it implements, whether it runs Triton kernels, whether a CUDA
-graph can replay it and whether its dropout draws on the device, and the config fields that
-feed its options. Its code is imported only when asked for. ``get_backend(name)`` returns it
-wrapped in the check every call goes through: a layout or setting it does not take is refused
-(``BackendUnavailable``, one line naming the backend and the ones that would take it), never
-passed on or swapped. The other functions answer from the list without loading anything.
-Adding a backend: CONTRIBUTING.md, "Adding an attention backend".
+``BACKENDS`` holds per backend what nothing may decide by its name: layouts, settings, Triton or
+not, CUDA-graph replay, device-side dropout, the config fields of its options. Its code is
+imported only when asked for. ``get_backend(name)`` wraps it in the check every call goes
+through: a layout or setting it does not take raises ``BackendUnavailable`` naming the backends
+that would take it, never swapped. Adding a backend: CONTRIBUTING.md, "Adding an attention backend".
 """
 
 from __future__ import annotations
@@ -159,19 +156,15 @@ def graph_refusal(name: str, attention_dropout: float) -> str | None:
 
 def check_backend(name: str, layout: type, settings: Iterable[str] = ()) -> None:
     """Raise BackendUnavailable unless backend ``name`` takes ``layout`` with ``settings`` on."""
-    reason = refusal(name, layout, settings)
-    if reason:
+    if reason := refusal(name, layout, settings):
         raise BackendUnavailable(reason)
 
 
 def get_backend(name: str, **options) -> AttentionFn:
-    """The backend ``name``, checked on every call against the layout and its settings.
-
-    ``options`` go to backends that take some (``triton_grouped``: ``buckets``,
-    ``num_streams``). Raises BackendUnavailable when the backend cannot run here."""
+    """The backend ``name``, checked on every call against the layout and its settings;
+    ``options`` go to backends that take some. Raises BackendUnavailable when it cannot run here."""
     spec = _spec(name)
-    unknown = sorted(set(options) - set(spec.options))
-    if unknown:
+    if unknown := sorted(set(options) - set(spec.options)):
         raise ValueError(f"model.attention={name}: takes no option {unknown}; its options: {list(spec.options)}")
     if spec.triton:
         check_runnable(f"model.attention={name}")

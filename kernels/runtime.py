@@ -1,12 +1,9 @@
-"""Where the Triton kernels run: compiled for a CUDA GPU, or in Triton's interpreter on CPU;
-and the dropout RNG every kernel draws from.
+"""Where the Triton kernels run (compiled for a CUDA GPU, or Triton's interpreter on CPU), and
+the dropout RNG every kernel draws from.
 
-Triton fixes its mode when first imported (``TRITON_INTERPRET=1``: its library functions are
-built for the interpreter), so the mode is read from Triton itself and each device-code file
-is loaded in it: ``jit_kernels(device, what, source)`` returns the module, or raises
-``BackendUnavailable`` saying what to change when the device does not fit the mode. It never
-falls back to another implementation. For CPU test runs, set ``TRITON_INTERPRET=1`` before
-anything imports Triton.
+Triton fixes its mode when first imported, so ``jit_kernels(device, what, source)`` loads each
+device-code file in that mode, or raises ``BackendUnavailable`` saying what to change; it never
+falls back. For CPU test runs, set ``TRITON_INTERPRET=1`` before anything imports Triton.
 """
 
 from __future__ import annotations
@@ -65,13 +62,11 @@ def philox_from(state: torch.Tensor):
 
 def draw_philox(dropout_p: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """[2] int64 on ``device``: the (seed, offset) of one launch's Philox dropout, read by the
-    kernels through a pointer (every kernel's one source); zeros, drawing nothing, without dropout.
+    kernels through a pointer; zeros, drawing nothing, without dropout.
 
-    Inside ``philox_from(state)``: a copy of ``state``, whose offset (the last Philox counter
-    word; the other three are the element's coordinates) then advances by 1 on the device, so
-    the next draw's masks are independent. Outside: drawn from torch's default generator
-    (``torch.manual_seed`` reproduces it), refused while a CUDA graph is captured (the graph
-    would freeze the host's copy)."""
+    Inside ``philox_from(state)``: a copy of ``state``, whose offset then advances by 1 on the
+    device. Outside: drawn from torch's default generator (``torch.manual_seed`` reproduces it),
+    refused while a CUDA graph is captured (the graph would freeze the host's copy)."""
     if dropout_p <= 0.0:
         return torch.zeros(2, dtype=torch.int64, device=device)
     if _DEVICE_STATES:
@@ -110,8 +105,7 @@ def triton_interpreted() -> bool:
 
 def check_runnable(what: str) -> None:
     """Raise BackendUnavailable when the Triton kernels cannot run on this machine at all."""
-    reason = triton_available()
-    if reason:
+    if reason := triton_available():
         raise BackendUnavailable(f"{what}: {reason}")
     if not torch.cuda.is_available() and not triton_interpreted():
         raise BackendUnavailable(
@@ -123,8 +117,7 @@ def check_runnable(what: str) -> None:
 def jit_kernels(device: torch.device, what: str = "triton kernels", source: Path = _SOURCE) -> ModuleType:
     """The device-code module ``source`` (default: the attention family's), after checking that
     its kernels can run on ``device`` in this process."""
-    reason = triton_available()
-    if reason:
+    if reason := triton_available():
         raise BackendUnavailable(f"{what}: {reason}")
     interpreted = triton_interpreted()
     if device.type == "cpu" and not interpreted:
@@ -171,10 +164,9 @@ def _fix_interpreter_scalars() -> None:
 
 
 def load(interpret: bool, source: Path = _SOURCE) -> ModuleType:
-    """Execute the device-code file ``source`` (triton_jit.py, ops/fused_jit.py, ops/rotary_jit.py,
-    or an earlier file ``bench/attention.py`` times) as a fresh module whose @triton.jit
-    functions are built for the interpreter or for compilation (the latter also on a machine
-    without a GPU: tools/compile_check.py). It must match the mode Triton was imported in."""
+    """Execute the device-code file ``source`` as a fresh module whose @triton.jit functions are
+    built for the interpreter or for compilation (also without a GPU: tools/compile_check.py),
+    in the mode Triton was imported in."""
     if interpret:
         _fix_interpreter_scalars()
     stem = "jit" if source == _SOURCE else f"jit_{source.stem}"

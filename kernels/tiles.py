@@ -61,9 +61,8 @@ def attention_tiles(
     bounded: int = 0,
     interpreted: bool = False,
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); ``dropout`` is part of the key because the
-    Philox mask costs registers (today's table happens to need no separate entries);
-    ``bounded``: the FlashMask bounds per column (1, 2 or 4; 0 without)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); ``dropout`` is in the key because the Philox
+    mask costs registers; ``bounded``: the FlashMask bounds per column (1, 2 or 4; 0 without)."""
     if preset not in TILE_PRESETS:
         raise ValueError(f"attention tiles: unknown preset {preset!r}, expected one of {list(TILE_PRESETS)}")
     width = 64 if block_d <= 64 else 128

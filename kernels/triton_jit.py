@@ -1,9 +1,8 @@
 """Triton device code of the attention kernel family (forward, dK/dV, dQ), with its launchers.
 
 Do not import this module directly: ``kernels.runtime.jit_kernels(device)`` loads it in the
-mode Triton itself was imported in (compiled for CUDA, or interpreted on CPU with
-TRITON_INTERPRET=1) and returns the module. The host-side launchers at the bottom are the
-only callers of the kernels; they know the argument lists and the block sizes.
+mode Triton itself was imported in and returns the module. The host-side launchers at the
+bottom are the kernels' only callers.
 
 q, k, v, o are ``[T, H, D]`` (head dim contiguous), sequences by ``cu_seqlens``; ``lse`` is
 the base-2 log-sum-exp per (token, head). The switches (WINDOW, N_BOUNDS/CAUSAL, SEPARATE_K,
@@ -46,10 +45,8 @@ def _keep(RNG, row0, col0, head, p_drop, BLOCK_R: tl.constexpr, BLOCK_C: tl.cons
 
 @triton.jit
 def _cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
-    """x (fp32) -> dtype, rounding to nearest even.
-
-    The interpreter truncates fp32 -> bf16; round the fp32 bits first so that it matches a GPU.
-    """
+    """x (fp32) -> dtype, rounding to nearest even (the interpreter truncates fp32 -> bf16: round
+    the fp32 bits first so that it matches a GPU)."""
     if INTERP and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
@@ -539,11 +536,7 @@ def _attn_bwd_dq(
     WINDOW: tl.constexpr, DROPOUT: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One block of BLOCK_M queries: loop over the key blocks it can see, accumulate dQ.
-
-    A separate pass from dK/dV (recomputing the scores) so that no atomics are needed and the
-    gradients are deterministic.
-    """
+    """One block of BLOCK_M queries: loop over the key blocks it can see, accumulate dQ."""
     seq, start, seqlen, start_k, seqlen_k, r0, head, offs_d, d_ok = _program(
         CU, CU_K, ORDER, order_start, head_dim, BLOCK_M, BLOCK_D, HAS_ORDER, SEPARATE_K)
     if r0 >= seqlen:
@@ -705,11 +698,9 @@ def attn_fwd(q, k, v, out, lse, seqs, softmax_scale, p_drop, rng, keep=None, cou
 
 
 def attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, seqs, softmax_scale, p_drop, rng, counts=None, blocks=None):
-    """The backward launches (dK/dV, then dQ) over the same sequences as attn_fwd.
-
-    dout: [T, H, D]; lse, delta: [T, H] fp32; dq, dk, dv: like q, k, v (written); counts:
-    optional debug tile counts {"dkdv": ..., "dq": ...} as for attn_fwd.
-    """
+    """The backward launches (dK/dV, then dQ) over the same sequences as attn_fwd. dout: [T, H, D];
+    lse, delta: [T, H] fp32; dq, dk, dv: like q, k, v (written); counts: optional debug tile
+    counts {"dkdv": ..., "dq": ...} as for attn_fwd."""
     blocks, pointers, mask_strides, window_half, switches = _prepare(q, seqs, p_drop, blocks)
     counts = counts or {}
     scalars = (q.shape[2], window_half, softmax_scale * LOG2E, softmax_scale, p_drop, rng)

@@ -2,11 +2,9 @@
 kernel family, the ``triton`` and ``triton_grouped`` backends, and the op ``kernels.flashmask``
 runs for packed rows.
 
-The layers, from the bottom: the device code (``kernels/triton_jit.py``); the custom ops
-``bert_kernels::attention_fwd`` / ``_bwd``, opaque to ``torch.compile`` (the forward draws the
-dropout (seed, offset) from ``kernels.runtime.draw_philox``; the backward regenerates the mask
-from it); ``_Attention``, the autograd Function joining them, behind ``attention``; the public
-functions (``varlen_attention`` and its variants); the backends.
+From the bottom: the device code (``kernels/triton_jit.py``); the custom ops
+``bert_kernels::attention_fwd`` / ``_bwd``, opaque to ``torch.compile``; ``_Attention``, the
+autograd Function behind ``attention``; the public functions; the backends.
 [docs/kernels.md](../docs/kernels.md#kernels).
 
 Shape legend: T tokens, B sequences, H heads, D head dim, S = max_seqlen, n bounds per column.
@@ -173,11 +171,9 @@ def tile_counts(
     q: Tensor, k: Tensor, v: Tensor, call: Call, blocks: dict, backward: bool = True
 ) -> dict[str, tuple[TileCounts, tuple[int, int]]]:
     """Debug: run the kernels (forward, and with ``backward`` the dK/dV and dQ passes on a ones
-    gradient) in their counting mode (the call has bounds or a window) at ``blocks`` {pass:
-    (BLOCK_M, BLOCK_N, warps, stages)}, and report how each pass treated its tiles.
-
-    Returns {pass: (TileCounts summed over sequences and heads, (BLOCK_M, BLOCK_N))}; a
-    sequence shorter than the longest counts its own tiles only."""
+    gradient) counting tiles (the call needs bounds or a window) at ``blocks`` {pass: (BLOCK_M,
+    BLOCK_N, warps, stages)}. Returns {pass: (TileCounts summed over sequences and heads,
+    (BLOCK_M, BLOCK_N))}; a sequence shorter than the longest counts its own tiles only."""
     if call.bounds is None and call.window is None:
         raise ValueError("tile counts: the kernels count tiles only with bounds or a window")
     n_seqs, heads = call.cu_seqlens.numel() - 1, q.shape[1]
@@ -273,11 +269,9 @@ def grouped_varlen_attention(
     *,
     window: int | None = None,
 ) -> Tensor:
-    """``varlen_attention`` with one launch per length bucket on up to num_streams CUDA streams.
-
-    Same arguments and result as ``varlen_attention`` (bitwise: each sequence is computed by
-    the same programs, and neither the dropout mask nor the window depends on the grouping).
-    """
+    """``varlen_attention`` with one launch per length bucket on up to num_streams CUDA streams:
+    the same arguments, and the same result bitwise (docs/kernels.md, "Grouped dispatch equals
+    one launch")."""
     return varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
                             window=window, buckets=buckets, num_streams=num_streams)  # fmt: skip
 

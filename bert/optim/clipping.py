@@ -1,10 +1,9 @@
 """Gradient clipping: global-norm (MLPerf) and AdaGC (per-tensor adaptive).
 
 Between the gradient all-reduce (and fp16 unscaling) and the optimizer step, on every gradient at once
-(``torch._foreach_*``), with no host read. ``clip_global_`` is apex FusedLAMB's. ``AdaGC`` is the definition of
-[docs/extensions.md](../docs/extensions.md#what-they-do), and where that leaves a choice: a tensor whose ``.grad`` is
-None sits the step out (its gamma kept), and a step with a non-finite norm leaves every gamma unchanged.
-``unstep_(found_inf)`` takes back a step the optimizer skipped.
+(``torch._foreach_*``), with no host read. ``clip_global_`` is apex FusedLAMB's; ``AdaGC`` is
+[docs/extensions.md](../docs/extensions.md#what-they-do)'s. ``unstep_(found_inf)`` takes back a step the optimizer
+skipped.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Optimizers: LAMB (MLPerf BERT's), AdamW and StableAdamW (ModernBERT's), with BERT's weight-decay exclusions.
 
-They run after clipping (``bert.optim.clipping``), so none clips. ``Lamb`` is apex's ``FusedLAMB`` on
-``torch._foreach_*`` ops, with its state layout (a checkpoint moves between them). Every optimizer here takes
-``step(found_inf=t)``: a 0-dim device tensor, nonzero when the gradients are not finite, that keeps parameters, moments
-and step counts bitwise as they were, never read on the host (``apply_update`` reads it for the others). The update
-rules, the exclusions and the skip's cost: docs/training.md, "Optimizer, schedule and clipping", and docs/step.md.
+None clips (``bert.optim.clipping`` runs first). ``Lamb`` is apex's ``FusedLAMB`` on ``torch._foreach_*`` ops, with its
+state layout. Every optimizer here takes ``step(found_inf=t)``, a 0-dim device tensor, nonzero when the gradients are
+not finite, that skips the update on the device (``apply_update`` reads it for the others). The update rules, the
+exclusions and the skip's cost: docs/training.md, "Optimizer, schedule and clipping", and docs/step.md.
 """
 
 from __future__ import annotations
@@ -286,9 +285,8 @@ def apex_lamb_available() -> bool:
 
 def build_optimizer(optim: OptimSection, model: nn.Module, impl: str = "auto") -> torch.optim.Optimizer:
     """``optim.name`` with ``optim``'s hyperparameters over ``param_groups_for(model, optim.weight_decay)``. ``impl``
-    (LAMB only; benches and tests choose): ``auto`` = apex's FusedLAMB when available and the parameters are on CUDA,
-    else ``Lamb``; ``apex`` = FusedLAMB or an error saying why not; ``torch`` = ``Lamb``. FusedLAMB's own clipping is
-    off (``max_grad_norm=inf``): clipping happens before ``step()``, in ``bert.optim.clipping``."""
+    (LAMB only): ``auto`` = apex's FusedLAMB when available and the parameters are on CUDA, else ``Lamb``; ``apex`` =
+    FusedLAMB or an error saying why not; ``torch`` = ``Lamb``. FusedLAMB's clipping is off (clipping runs first)."""
     name, lr, betas, eps = optim.name, optim.lr, tuple(optim.betas), optim.eps
     groups = param_groups_for(model, optim.weight_decay)
     if name in ("adamw", "stable_adamw"):

@@ -1,11 +1,9 @@
-"""Learning-rate schedules: linear warm-up, then polynomial decay to ``end_lr`` (MLPerf BERT's reference
-``create_optimizer``: the formula is docs/training.md's, "Optimizer, schedule and clipping"), or warmup-stable-decay
-(ModernBERT's). The trainer calls ``schedule.step()`` after every applied update; it writes the next update's rate into
-every group.
+"""Learning-rate schedules: linear warm-up then polynomial decay to ``end_lr`` (MLPerf BERT's reference
+``create_optimizer``), or warmup-stable-decay (ModernBERT's); the formulas: docs/training.md, "Optimizer, schedule and
+clipping". The trainer calls ``schedule.step()`` after every applied update.
 
-Each formula is written once, for a python int step (the host) and a 0-dim step tensor (the device, no host read):
-``_where``/``_clamp``/``_sqrt`` take either, and both evaluate the same double-precision operations in the same order,
-so the two values are equal bitwise.
+Each formula is written once, for a python int step (the host) or a 0-dim step tensor (the device, no host read):
+``_where``/``_clamp``/``_sqrt`` take either, and the two values are equal bitwise.
 """
 
 from __future__ import annotations
@@ -73,11 +71,9 @@ class WarmupDecaySchedule:
     """Sets each update's rate in every group of ``optimizer``: ``poly_lr_at`` over ``max_steps``, or for
     ``optim.schedule`` wsd / wsd_linear ``wsd_lr_at``, with ``optim``'s hyper-parameters. The groups start at update
     0's rate; each ``step()`` (after an applied update) sets the next. ``state_dict()`` holds only the count: the
-    hyper-parameters come from the config (checked there) on resume.
-
-    ``device`` given: the count and the rate (one 0-dim float64 tensor every group holds, updated in place so that a
-    captured graph sees it) live there; ``step(found_inf)`` advances only where ``found_inf`` is zero, without a host
-    read; ``step_count`` and ``last_lr`` then read the device (not in a step).
+    hyper-parameters come from the config (checked there) on resume. ``device`` given: the count and the rate (one 0-dim
+    float64 tensor every group holds, updated in place for captured graphs) live there; ``step(found_inf)`` advances
+    only where ``found_inf`` is zero, and ``step_count`` and ``last_lr`` read the device (not in a step).
     """
 
     def __init__(

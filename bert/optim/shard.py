@@ -1,9 +1,8 @@
 """Sharded LAMB (``optim.shard``): optimizer state and update split over a group of ranks.
 
-FSDP2 (``fully_shard``) in DDP's place, per encoder layer, on a (replicate x) shard mesh; the update runs on each
-rank's shards. Every per-tensor norm (LAMB's trust ratio, clipping, AdaGC) is the whole tensor's, from the shards'
-partial sums in one small all-reduce, so the update equals ``bert.optim.Lamb`` on whole tensors. How and what it costs:
-[docs/sharding.md](../docs/sharding.md).
+FSDP2 (``fully_shard``) in DDP's place, per encoder layer; every per-tensor norm (LAMB's trust ratio, clipping, AdaGC)
+is the whole tensor's, from one small all-reduce, so the update equals ``bert.optim.Lamb`` on whole tensors. How and
+what it costs: [docs/sharding.md](../docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -54,9 +53,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: str = "fp32",
 
 
 def reshard(model: nn.Module) -> None:
-    """Put every FSDP2 unit of ``model`` back into its sharded parameters: a forward without backward (evaluation)
-    leaves the whole tensors registered, not the optimizer's DTensors. Call it before naming parameters (checkpoints)
-    and after evaluation."""
+    """Put every FSDP2 unit of ``model`` back into its sharded parameters, as a forward without backward (evaluation)
+    leaves the whole tensors registered; call it after evaluation and before naming parameters (checkpoints)."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
@@ -93,9 +91,8 @@ class WholeNorms:
 
 
 class ShardedLamb(Lamb):
-    """``Lamb`` on DTensor parameters, the math on this rank's shards. Moments are DTensors shaped like their parameters
-    (``torch.distributed.checkpoint`` reshards them); the trust ratio's two norms per tensor come from one all-reduce of
-    a [2N] vector over the shard group."""
+    """``Lamb`` on DTensor parameters, the math on this rank's shards; moments are DTensors like their parameters.
+    The trust ratio's two norms per tensor come from one all-reduce of a [2N] vector over the shard group."""
 
     def __init__(self, params, norms: WholeNorms, **kwargs):
         super().__init__(params, **kwargs)

@@ -1,8 +1,7 @@
 """The trainer's parts, each built from its configuration section: factories only.
 
-``bert.train.trainer.Trainer`` builds its parts here in one place (``bert.checkpoint.export`` reads the
-model's shape); a field added to a section is read here or by the part itself, never
-unpacked on the way. Backend facts come from ``kernels.registry``, never from a backend's name.
+A field added to a section is read here or by the part itself, never unpacked on the way. Backend facts come from
+``kernels.registry``, never from a backend's name.
 """
 
 from __future__ import annotations
@@ -38,9 +37,8 @@ if TYPE_CHECKING:  # mlperf_logging is optional: imported by build_mlperf_logger
 
 
 def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
-    """train.device: the rank's CUDA device (launch.distributed's pick) or the CPU, once what the config check cannot
-    see is checked: the number of ranks, the device, the files. Creates OUTPUT_DIR/checkpoints on rank 0; reads nothing
-    of the dataset (MLPerf's clock has not started)."""
+    """train.device: the rank's CUDA device (launch.distributed's pick) or the CPU, after the checks the config cannot
+    make (ranks, device, files). Creates OUTPUT_DIR/checkpoints on rank 0; reads no data (MLPerf's clock is not on)."""
     t, world = cfg.train, dist_info.world_size
     if t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available()):
         device = torch.device("cpu")
@@ -72,9 +70,8 @@ def build_device(cfg: RunConfig, dist_info, output_dir: str) -> torch.device:
 def build_model(
     model: ModelSection, config: BertConfig, train: TrainSection, device: torch.device, context=None
 ) -> BertForPreTraining:
-    """The model of ``config`` and the model.* backends, its encoder's linear layers in train.fp8 (bert.model.fp8; a
-    ConfigError when ``device`` cannot run FP8 GEMMs); with ``context`` (``ContextGroups``), its attention split across
-    that group."""
+    """The model of ``config`` and the model.* backends, its encoder's linear layers in train.fp8 (a ConfigError when
+    ``device`` cannot run FP8 GEMMs); with ``context`` (``ContextGroups``), its attention split across that group."""
     built = BertForPreTraining(
         config,
         attention=model.attention,
@@ -182,9 +179,8 @@ class _NoMLPerfLog:
 def build_mlperf_logger(
     log: LogSection, output_dir: str, rank: int, nodes: int, device: torch.device, resume: bool
 ) -> MLPerfLogger:
-    """OUTPUT_DIR/mlperf.log, written by rank 0; the platform is log.platform or the device. mlperf_logging is imported
-    here, so that a run's modules import without it; a missing one is a one-line ConfigError naming the package and
-    log.mlperf=false (no MLPerf log: calls dropped)."""
+    """OUTPUT_DIR/mlperf.log, written by rank 0; the platform is log.platform or the device. mlperf_logging is optional:
+    without it, a one-line ConfigError naming the package and log.mlperf=false (no MLPerf log: calls dropped)."""
     if not log.mlperf:
         return _NoMLPerfLog()
     try:

@@ -1,9 +1,8 @@
 """CUDA graphs of the encoder, one per static shape (``train.cuda_graphs``; CUDA only).
 
-``EncoderGraphs`` (``bert.train.build.build_graphs``, handed to ``BertForPreTraining.encoder_graphs``): the embeddings
-and heads run eagerly, the encoder layers replay a graph per (T', B + 1) shape, captured when first seen, forward and
-backward in training, forward only in evaluation; all share one memory pool (they replay one after another). Which
-backends can replay: ``kernels.registry`` and docs/step.md, "CUDA graphs".
+``EncoderGraphs`` (``bert.train.build.build_graphs``): the embeddings and heads run eagerly, the encoder layers replay
+a graph per (T', B + 1) shape, captured when first seen (forward and backward in training, forward in evaluation), all
+in one memory pool. Which backends can replay: ``kernels.registry`` and docs/step.md, "CUDA graphs".
 
 Shape legend: N tokens (T' here), C hidden size.
 """

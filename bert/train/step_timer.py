@@ -1,10 +1,9 @@
 """This rank's forward+backward compute time per training step, for ``data.rebalance=measured``.
 
 Hooks on the model, no line in the step: a training-mode forward starts an interval, the last gradient accumulated in
-its backward ends it (every parameter marks the time; the interval closes at the next forward or ``mark``), before DDP
-waits for the other ranks; CUDA events on a GPU, read with ``query()`` (never a device wait), ``time.perf_counter`` on
-the CPU (docs/rebalancing.md). ``mark(step)`` files what was recorded since the last mark under that mark's step;
-``ready()`` gives (step, seconds) of the filed steps whose events completed, oldest first.
+its backward ends it, before DDP waits for the other ranks; CUDA events read with ``query()`` (never a device wait), or
+``time.perf_counter`` on the CPU (docs/rebalancing.md). ``mark(step)`` files what was recorded since the last mark
+under that step; ``ready()`` gives (step, seconds) of the filed steps whose events completed, oldest first.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The training loop: named steps from a global batch to an MLPerf result.
 
 ``Trainer(cfg, output_dir, dist_info).train()`` builds its parts (``bert.train.build``), resumes from
-``output_dir/checkpoints`` (``bert.checkpoint.training``) and runs per global step ``train_step`` (losses normalised by
-global counts agreed on the host) and ``optimizer_step`` (a non-finite update skipped on the device), ``evaluate`` every
-eval interval and ``save_checkpoint`` at its interval and on SIGTERM. A step reads nothing back from the device. How and
+``output_dir/checkpoints`` and runs per global step ``train_step`` and ``optimizer_step``, ``evaluate`` every eval
+interval and ``save_checkpoint`` at its interval and on SIGTERM; a step reads nothing back from the device. How and
 why: docs/training.md, "The training loop", and docs/step.md.
 
 Shape legend as in ``bert.model``: T tokens, B sequences, M masked positions.
@@ -120,7 +119,9 @@ class Trainer:
         self.counters = DeviceCounters(self.device, self.state.skipped, self.state.nonfinite_in_row)
         resume_step = self.state.step if self.resumed else None
         self.metrics = components.build_metrics(cfg.log, self.out, self.is_main, resume_step, cfg.to_dict())
-        self.ft = self._join_quorums() if cfg.dist.fault_tolerance == "torchft" else None
+        if cfg.dist.fault_tolerance == "torchft":  # this replica's manager, at the step it starts from
+            give, take = self._replica_state, self._load_replica_state
+            self.ft = FaultTolerance(cfg.dist, self.device, give, take, self.state.step)
 
     def _replica_dir(self, output_dir: str) -> str:
         """dist.fault_tolerance: OUT/replica_<id>, where this replica logs (the checkpoints stay in OUT/checkpoints)."""
@@ -132,12 +133,6 @@ class Trainer:
         out = os.path.join(output_dir, f"replica_{replica_number()}")
         os.makedirs(out, exist_ok=True)
         return out
-
-    def _join_quorums(self) -> FaultTolerance:
-        """dist.fault_tolerance: this replica's torchft manager, at the step it starts from."""
-        return FaultTolerance(
-            self.cfg.dist, self.device, self._replica_state, self._load_replica_state, self.state.step
-        )
 
     def _start_mlperf_log(self, dist_info) -> None:
         """mlperf.log; a fresh run's initialisation (untimed, at most 30 minutes) starts here."""
@@ -156,9 +151,7 @@ class Trainer:
             map_large_allocations()
         self.model_config = build_model_config(cfg)
         torch.manual_seed(self.state.seed)  # same initial weights on every rank
-        # The kernels' dropout state (kernels.runtime): seeded each step, advanced on the device.
-        self.philox = philox_state(self.device)
-        # dist.context_parallel: documents above the threshold split across a group of ranks.
+        self.philox = philox_state(self.device)  # the kernels' dropout state: seeded each step, advanced on the device
         self.context_pool = None
         if cfg.dist.context_size > 1:
             with self.coll.guard("the context-parallel groups' setup", -1):
@@ -171,7 +164,6 @@ class Trainer:
         if cfg.checkpoint.init:
             load_pretrained(self.model, cfg.checkpoint.init)
         self.model.to(self.device)
-        # optim.shard: FSDP2 splits the weights, gradients and LAMB's state (bert.optim.shard).
         with self.coll.guard("the shard groups' setup", -1):
             self.sharding = apply_sharding(self.model, cfg.optim, t.precision, self.world, self.device.type)
         # forward: the model as the steps call it (DDP over ranks, torch.compile'd if asked).
@@ -288,9 +280,8 @@ class Trainer:
         return loss_parts
 
     def replica_step(self):
-        """dist.fault_tolerance: one try at the step (StepResult, rebalance stats), or (None, None)
-        when the quorum did not commit it (a replica was lost): the caller tries again, the next
-        quorum redoing it on the same samples. A replica behind the others heals in the quorum."""
+        """dist.fault_tolerance: one try at the step (StepResult, rebalance stats), or (None, None) when the quorum
+        did not commit it (a replica was lost): the caller tries again on the same samples."""
         quorum = self.ft.begin_step(self.state.step)
         step, self.ft_rank = self.state.step, quorum.rank  # a healed replica is at the others' step now
         if quorum.changed:
@@ -413,9 +404,8 @@ class Trainer:
         self.mllog.epoch_start(self.state.samples)  # 0 for a fresh run
 
     def warm_up(self) -> None:
-        """Forward and backward on synthetic batches (``components.build_warm_up_blocks``) before the
-        clock, so compilation, autotuning and the allocator's first growth are not timed. It leaves
-        no trace: no optimizer step, gradients dropped, RNG states restored."""
+        """Forward and backward on synthetic batches before the clock, so compilation, autotuning and the
+        allocator's first growth are not timed; no optimizer step, gradients dropped, RNG states restored."""
         cuda = self.device.type == "cuda"
         blocks = components.build_warm_up_blocks(self.cfg.data, self.model_config.vocab_size, self.micro_batch, cuda)
         self.forward.train()
@@ -563,9 +553,8 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------
 
     def save_checkpoint(self) -> bool:
-        """Rank 0 writes the checkpoint (dist.fault_tolerance: the last quorum's rank 0); every rank learns whether it
-        worked. Returns success; a refused write is reported with the checkpoint kept, the caller goes on or stops by
-        checkpoint.on_error."""
+        """Rank 0 writes the checkpoint (dist.fault_tolerance: the last quorum's rank 0); every rank gets whether it
+        worked (a failure is reported; the caller goes on or stops by checkpoint.on_error)."""
         if self.ft is not None and self.ft_rank != 0:
             return True
         self._read_counters()  # the skipped-step counters live on the device

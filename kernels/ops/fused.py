@@ -121,8 +121,7 @@ def bias_dropout_add_layer_norm(
     x, residual: [..., N]; bias, weight, ln_bias: [N]. Dropout only when training. Returns the
     promoted dtype of the five inputs (fp32 under autocast, where x is bf16/fp16 and the
     parameters fp32). One kernel each way; saves residual + dropout(x + bias) and the row
-    statistics for the backward.
-    """
+    statistics for the backward."""
     _check_ln(x, bias, residual, weight, ln_bias, dropout_p)
     p = float(dropout_p) if training else 0.0
     return _BiasDropoutAddLayerNorm.apply(x, bias, residual, weight, ln_bias, p, float(eps), None)

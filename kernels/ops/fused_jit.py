@@ -155,11 +155,9 @@ def _row_opts(block_c):
 
 
 def bdaln_fwd(x, bias, residual, weight, ln_bias, y, h, mean, rstd, eps, p_drop, rng, keep=None):
-    """Bias + dropout + residual + LayerNorm over rows of x [R, N] (all contiguous).
-
-    Writes y and h = residual + dropout(x + bias) [R, N], mean and rstd [R] fp32, and with
-    keep ([R, N] int8) the dropout mask.
-    """
+    """Bias + dropout + residual + LayerNorm over rows of x [R, N] (all contiguous): writes y and
+    h = residual + dropout(x + bias) [R, N], mean and rstd [R] fp32, and with keep ([R, N] int8)
+    the dropout mask."""
     r, n = x.shape
     block_c = triton.next_power_of_2(n)
     tensors = (x, bias, residual, weight, ln_bias, y, h, mean, rstd, y if keep is None else keep)

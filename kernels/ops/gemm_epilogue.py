@@ -1,12 +1,11 @@
 """The FFN's first projection with bias and GELU in the GEMM's epilogue.
 
 ``linear_bias_gelu(x, weight, bias)`` = GELU(x @ weight.T + bias) through
-``torch._addmm_activation(..., use_gelu=True)`` (cuBLASLt's GELU_BIAS epilogue on CUDA, a
-GEMM then GELU on the CPU); ``linear_bias_gelu_reference`` is ``F.linear`` then ``F.gelu``.
-The first call per device type probes which GELU it computes (tanh on cuBLASLt, erf on the
-CPU); the backward differentiates that one, recomputing the pre-activation with one
-``addmm``. [docs/fp8.md](../docs/fp8.md#biasgelu-in-the-gemm-epilogue). Shapes: x [N, C],
-weight [I, C], bias [I] -> [N, I].
+``torch._addmm_activation(..., use_gelu=True)`` (cuBLASLt's GELU_BIAS epilogue on CUDA);
+``linear_bias_gelu_reference`` is ``F.linear`` then ``F.gelu``. The backward differentiates
+the GELU the first call probed (tanh on cuBLASLt, erf on the CPU):
+[docs/fp8.md](../docs/fp8.md#biasgelu-in-the-gemm-epilogue). Shapes: x [N, C], weight [I, C],
+bias [I] -> [N, I].
 """
 
 from __future__ import annotations
@@ -49,11 +48,9 @@ class _LinearBiasGelu(torch.autograd.Function):
 
 
 def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """GELU(x @ weight.T + bias) with bias and GELU in the GEMM epilogue.
-
-    x [N, C] (or [..., C]), weight [I, C], bias [I]; under autocast the three are cast to the
-    autocast dtype first (as ``F.linear`` would be), and the result has that dtype.
-    """
+    """GELU(x @ weight.T + bias) with bias and GELU in the GEMM epilogue. x [N, C] (or [..., C]),
+    weight [I, C], bias [I]; under autocast the three are cast to the autocast dtype first (as
+    ``F.linear`` would be), and the result has that dtype."""
     if weight.dim() != 2 or bias.shape != (weight.shape[0],) or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear_bias_gelu: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias {tuple(bias.shape)} "

@@ -2,9 +2,8 @@
 
 Positions come with the tokens (``position_ids [N]``, restarting per sequence), so nothing
 here needs ``cu_seqlens``. Dimensions pair as (p, p + D/2), transformers' ModernBERT "rotate
-half" convention (the formula: ``apply_rotary_reference``, and docs/modern_encoders.md).
-``apply_rotary`` is one Triton pass (backward: the inverse rotation), on CUDA or in the
-interpreter, else ``BackendUnavailable``. Why a kernel of its own:
+half" convention (the formula: ``apply_rotary_reference``). ``apply_rotary`` is one Triton pass
+(backward: the inverse rotation), on CUDA or in the interpreter, else ``BackendUnavailable``:
 [docs/modern_encoders.md](../docs/modern_encoders.md#rotary-positions-a-triton-kernel-beside-its-reference).
 
 Shapes: x ``[N, H, D]`` (unit last stride, e.g. q/k views of the fused QKV); tables ``[P, D/2]``.
