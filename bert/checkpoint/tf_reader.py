@@ -1,9 +1,8 @@
 """TensorFlow checkpoints read without TensorFlow (only ``google_crc32c``): MLPerf's phase-1 starting point.
 
-``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint into numpy arrays, bitwise, every block and
-tensor checked against its CRC-32C (a ``CheckpointError`` names the file and variable);
-``read_google_bert(prefix)`` reads Google BERT's weights under ``BertForPreTraining``'s names. The
-format: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
+``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint into numpy arrays; ``read_google_bert(prefix)``
+reads Google BERT's weights under ``BertForPreTraining``'s names. The format and its checks:
+[docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
 """
 
 from __future__ import annotations
@@ -109,7 +108,6 @@ def _read_block(data: bytes, offset: int, size: int, path: str) -> memoryview:
     end = offset + size
     if end + 5 > len(data):
         raise CheckpointError(f"{path}: truncated (a table block ends at byte {end + 5}, the file has {len(data)})")
-    block = memoryview(data)[offset:end]
     kind = data[end]
     stored = struct.unpack_from("<I", data, end + 1)[0]
     if _crc32c(memoryview(data)[offset : end + 1]) != _unmask(stored):
@@ -119,7 +117,7 @@ def _read_block(data: bytes, offset: int, size: int, path: str) -> memoryview:
             f"{path}: table block at byte {offset} is compressed (type {kind}); "
             "TensorFlow writes checkpoint indexes uncompressed"
         )
-    return block
+    return memoryview(data)[offset:end]
 
 
 def _block_entries(block: memoryview):
@@ -158,14 +156,10 @@ def _read_index(path: str) -> dict[bytes, bytes]:
         for _, handle in _block_entries(_read_block(data, index_offset, index_size, path)):
             offset, p = _varint(handle, 0)
             size, _ = _varint(handle, p)
-            for key, value in _block_entries(_read_block(data, offset, size, path)):
-                entries[key] = value
+            entries.update(_block_entries(_read_block(data, offset, size, path)))
     except (IndexError, ValueError, struct.error) as e:
         raise CheckpointError(f"{path}: malformed table ({e})") from e
     return entries
-
-
-# ---- public API --------------------------------------------------------------------------------
 
 
 def is_tf_checkpoint(path: str) -> bool:
