@@ -21,7 +21,6 @@ from kernels.ops import fused as fused_ops
 from kernels.ops import rotary
 from kernels.ops.gemm_epilogue import linear_bias_gelu
 
-# hidden_act -> the function; the names are bert.config.ACTIVATIONS.
 _gelu_tanh = partial(F.gelu, approximate="tanh")
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu, "silu": F.silu}
 

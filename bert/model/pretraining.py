@@ -3,8 +3,7 @@
 The encoder is assembled from parts (``bert.model.layers``) as its ``BertConfig`` says. It runs on a
 flat token dimension; the attention backend (``kernels.registry``) learns the sequences from a
 layout, one per layer window. The MLM head runs only at the M masked positions. Numerics match
-``transformers.BertForPreTraining`` and ``ModernBertForMaskedLM`` given the same weights
-(``bert.checkpoint.pretrained``); the query, key and value projections are one ``[3*hidden, hidden]`` linear.
+``transformers.BertForPreTraining`` and ``ModernBertForMaskedLM`` given the same weights.
 
 Shape legend: N tokens the layers run on (T unpadded, B*S padded, R*S packed), B sequences,
 M masked positions, H heads, D head dim, C hidden size, V vocabulary.
