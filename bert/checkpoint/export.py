@@ -85,10 +85,9 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
 
 
 def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> None:
-    """vocab.txt, tokenizer_config.json, special_tokens_map.json for transformers' BertTokenizer
-    with the normalisation of data.prepare.tokenization (uncased: lower case, accents stripped), and
-    tokenizer.json: data.prepare.tokenization's own WordPiece with BERT's [CLS]/[SEP] template, which
-    AutoTokenizer needs where the model type registers no WordPiece class (ModernBERT)."""
+    """vocab.txt, tokenizer_config.json and special_tokens_map.json for transformers' BertTokenizer
+    (uncased, as data.prepare.tokenization), and tokenizer.json: that WordPiece with BERT's [CLS]/[SEP]
+    template, which AutoTokenizer needs where the model type registers no WordPiece class (ModernBERT)."""
     shutil.copyfile(vocab_file, os.path.join(directory, "vocab.txt"))
     with open(vocab_file, encoding="utf-8") as f:
         tokens = {line.rstrip("\n") for line in f}

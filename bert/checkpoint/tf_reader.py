@@ -1,8 +1,8 @@
 """TensorFlow checkpoints read without TensorFlow (only ``google_crc32c``): MLPerf's phase-1 starting point.
 
-``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint into numpy arrays; ``read_google_bert(prefix)``
-reads Google BERT's weights under ``BertForPreTraining``'s names. The format and its checks:
-[docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
+``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint (protobuf entries in a LevelDB table) into numpy
+arrays; ``read_google_bert(prefix)`` reads Google BERT's weights under ``BertForPreTraining``'s names. The
+format and its checks: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
 """
 
 from __future__ import annotations
@@ -35,9 +35,6 @@ def _unmask(masked: int) -> int:
     """LevelDB/TF store ``rotate_right(crc, 15) + delta``; undo it."""
     rot = (masked - _MASK_DELTA) & 0xFFFFFFFF
     return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
-
-
-# ---- protobuf wire format: just what the two messages need ---------------------------------
 
 
 def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
@@ -98,9 +95,6 @@ def _parse_entry(value: bytes) -> dict:
         elif number == 7:
             entry["sliced"] = True
     return entry
-
-
-# ---- the sorted table (LevelDB's format) ----------------------------------------------------
 
 
 def _read_block(data: bytes, offset: int, size: int, path: str) -> memoryview:
@@ -231,8 +225,6 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
     return out
 
 
-# ---- Google BERT's names -> transformers' ---------------------------------------------------
-
 # Not weights: optimizer slots, step counters and loss-scaling state of the TF trainers
 # (Google's, NVIDIA's with AMP).
 _SKIP = re.compile(r"(/adam_[mv]$|/Momentum$|^global_step$|^(good|bad)_steps$|^loss_scale$|^current_loss_scale$)")
@@ -259,9 +251,8 @@ _LAYER_MODULES = set(
 
 def read_google_bert(prefix: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """(Google BERT's weights in the checkpoint ``prefix`` under ``BertForPreTraining.state_dict()`` names,
-    the variables skipped); the optimizer slots and counters are never read. Dense kernels are transposed
-    to [out, in] (``cls/seq_relationship/output_weights`` already is); an unknown ``bert/`` or ``cls/``
-    name is an error (a different model): nothing keeps its initial value."""
+    the variables skipped, never read); an unknown ``bert/`` or ``cls/`` name is an error (a different
+    model): nothing keeps its initial value."""
     out, skipped, unknown = {}, [], []
 
     def wanted(name: str) -> bool:

@@ -50,8 +50,7 @@ def _finite(x) -> bool:
         return False
 
 
-def _part(default):
-    """A field saying how the encoder is assembled; written to JSON only where it is not BERT's."""
+def _part(default):  # a field of the second block (the module docstring)
     return field(default=default, metadata={"part": True})
 
 

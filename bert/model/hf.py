@@ -123,8 +123,7 @@ def _check_float(state_dict: dict, keys: set[str]) -> None:
 
 def drop_vocab_padding(state_dict: dict[str, Tensor], vocab_size: int, rows: tuple[str, ...]) -> dict[str, Tensor]:
     """The rows ``rows`` cut back to ``vocab_size`` where padded to the next multiple of 8 (NVIDIA's
-    converted checkpoint: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint));
-    any other size is a different vocabulary and stays a shape mismatch."""
+    converted checkpoint, docs/training.md); any other size stays a shape mismatch."""
     padded = -(-vocab_size // 8) * 8
     out = dict(state_dict)
     for name in rows:

@@ -1,8 +1,7 @@
 """The encoder's parts, each chosen by a ``BertConfig`` field; ``bert.model`` assembles them.
 
 Every projection is an ``nn.Linear`` with a fixed name (``qkv``, ``attn_out``, ``ffn_in``, ``ffn_out``)
-that name-based conversions (FP8) find; a gated MLP's input and gate are one ``ffn_in``, input half
-first (``BertConfig.mlp``, transformers' ModernBERT ``Wi``). The fields: docs/modern_encoders.md.
+that name-based conversions (FP8, the transformers adapters) find. The fields: docs/modern_encoders.md.
 
 Shape legend as in ``bert.model``: N tokens, H heads, D head dim, C hidden, I intermediate.
 """
@@ -78,9 +77,8 @@ class Rotary(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    """One transformer layer. Post-norm (BERT): x = norm(x + drop(attn(x))), then the same for
-    the MLP. Pre-norm: x = x + drop(attn(norm(x))), x = x + drop(mlp(norm(x))). ``window``: None
-    (global) or the band |i - j| <= window // 2, which the layout passed to ``forward`` carries."""
+    """One transformer layer, its norm placement and window (None: global) as ``config`` says; the
+    layout passed to ``forward`` carries the window (``bert.model.pretraining.windowed``)."""
 
     def __init__(self, config: BertConfig, index: int, attention_fn, fused_ops: bool, bias_gelu: str = "eager"):
         super().__init__()
@@ -122,7 +120,6 @@ class EncoderLayer(nn.Module):
         return a_NHD.reshape(n, c)
 
     def _mlp(self, x_NC: Tensor) -> Tensor:
-        """The FFN-in and its activation, either norm placement (``bias_gelu`` picks the kernel)."""
         if self.gated:
             input_NI, gate_NI = self.ffn_in(x_NC).chunk(2, dim=-1)
             return self.act(input_NI) * gate_NI
