@@ -164,8 +164,7 @@ def _read_tf(prefix: str) -> dict[str, Tensor]:
 def read_config_and_weights(path: str) -> tuple[BertConfig | None, dict[str, Tensor]]:
     """Read a transformers directory (``model.safetensors`` preferred to ``pytorch_model.bin``),
     a ``.safetensors`` file with transformers' names, NVIDIA's MLPerf ``.pt`` or a TensorFlow
-    checkpoint prefix; the config is None for all but the first (they ship a separate
-    ``bert_config.json``)."""
+    checkpoint prefix; the config is None for all but the first."""
     if is_tf_checkpoint(path):
         return None, _read_tf(path)
     if os.path.isdir(path):

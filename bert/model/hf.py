@@ -7,8 +7,7 @@ An adapter (``bert/model/hf_bert.py``, ``bert/model/hf_modernbert.py``) is a mod
 ``VOCAB_ROWS`` (names whose first dimension is the vocabulary); ``unfit(config)`` (why the family
 cannot hold a config, None if it can); ``config_from_hf`` / ``config_to_hf`` (``config.json``'s dict
 <-> ``BertConfig``); ``name_map(config)`` (transformers' name of every tensor it stores -> this model's;
-names that share one of ours are its parts along dim 0, in order). A new family is a preset in
-``bert/model/config.py``, one adapter file and its line in ``ADAPTERS``.
+names that share one of ours are its parts along dim 0, in order). A new family: CONTRIBUTING.md.
 """
 
 from __future__ import annotations

@@ -132,15 +132,9 @@ class EncoderLayer(nn.Module):
     def _residual_norm(self, h: Tensor, proj: nn.Linear, residual: Tensor, norm: nn.LayerNorm) -> Tensor:
         """LayerNorm(residual + dropout(proj(h)))."""
         if self.fused_ops:
+            y_NC = matmul(proj, h)
             return fused_ops.bias_dropout_add_layer_norm(
-                matmul(proj, h),
-                proj.bias,
-                residual,
-                norm.weight,
-                norm.bias,
-                self.hidden_dropout,
-                norm.eps,
-                self.training,
+                y_NC, proj.bias, residual, norm.weight, norm.bias, self.hidden_dropout, norm.eps, self.training
             )
         return norm(residual + F.dropout(proj(h), self.hidden_dropout, self.training))
 
