@@ -251,8 +251,8 @@ _LAYER_MODULES = set(
 
 def read_google_bert(prefix: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """(Google BERT's weights in the checkpoint ``prefix`` under ``BertForPreTraining.state_dict()`` names,
-    the variables skipped, never read); an unknown ``bert/`` or ``cls/`` name is an error (a different
-    model): nothing keeps its initial value."""
+    the variables skipped; optimizer slots and counters are never read); an unknown ``bert/`` or ``cls/``
+    name is an error (a different model): nothing keeps its initial value."""
     out, skipped, unknown = {}, [], []
 
     def wanted(name: str) -> bool:
