@@ -131,8 +131,7 @@ def convert_encoder(model: nn.Module, recipe: str, device: torch.device | None =
     if recipe not in RECIPES:
         raise ConfigError(f"train.fp8: {recipe!r} is not one of {['off', *RECIPES]}")
     ao_float8, _, utils = _torchao()
-    # The inner dimension padded to a multiple of 16: the weight-gradient GEMM's is the token count
-    # (docs/fp8.md). replace() of the frozen dataclass reruns __post_init__, which accepts it.
+    # The inner dimension padded to a multiple of 16: the weight-gradient GEMM's is the token count (docs/fp8.md).
     config = dataclasses.replace(ao_float8.Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     cls = _linear_class()
     utils.swap_linear_layers(

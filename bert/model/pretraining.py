@@ -95,9 +95,7 @@ class BertForPreTraining(nn.Module):
             batch, shard = batch.batch, batch.shard
         if isinstance(batch, UnpaddedBatch):
             ids, seg, pos = batch.input_ids, batch.segment_ids, batch.position_ids  # [T]
-            # The collator's lengths let grouped attention plan on the host. Not under
-            # torch.compile: a tuple of B ints in the graph would be specialised on per batch;
-            # there the op reads cu_seqlens once per batch, as without them.
+            # Host lengths spare grouped attention a device read; not under torch.compile (docs/step.md).
             lens = None if torch.compiler.is_compiling() else batch.host_seqlens
             layout = VarlenLayout(batch.cu_seqlens, batch.max_seqlen, host_seqlens=lens)
             if shard is not None:  # a piece's first token is no [CLS]: its NSP label is ignored
