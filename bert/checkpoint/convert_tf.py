@@ -4,8 +4,7 @@
         --output phase1.pt          # NVIDIA-style {"model": transformers names}, for checkpoint.init
     python -m bert.checkpoint.convert_tf ... --output phase1-hf/   # BertForPreTraining.from_pretrained loads it
 
-Every weight must find its place (a missing or misshapen one is named); the LAMB slots and
-``global_step`` are skipped. Optional: ``checkpoint.init`` takes the prefix directly.
+Every weight must find its place; ``checkpoint.init`` also takes the prefix directly (docs/training.md).
 """
 
 from __future__ import annotations

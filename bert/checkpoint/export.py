@@ -1,14 +1,7 @@
 """A run's checkpoint -> a transformers directory: ``python -m bert.checkpoint.export RUN_DIR --output HF_DIR``.
 
-Reads the newest checkpoint of ``RUN_DIR/checkpoints`` that verifies (or ``--checkpoint``: a
-name there, a step number or a path; shards read into whole tensors), rebuilds the model from
-its stored config and publishes, whole, what ``AutoTokenizer`` and
-``AutoModel*.from_pretrained(HF_DIR)`` load offline:
-
-    config.json, model.safetensors        bert.checkpoint.pretrained.export_hf (transformers names)
-    vocab.txt                             the run's data.vocab_file (or --vocab)
-    tokenizer_config.json                 BertTokenizer, lower case, model_max_length
-    special_tokens_map.json               [UNK] [SEP] [PAD] [CLS] [MASK]
+Rebuilds the model from a checkpoint's stored config and publishes, whole, what ``AutoTokenizer``
+and ``AutoModel*.from_pretrained(HF_DIR)`` load offline: docs/extensions.md, "Fine-tuning hand-off".
 """
 
 from __future__ import annotations
@@ -92,10 +85,9 @@ def load_run_model(run_dir: str, checkpoint: str | None = None, vocab_file: str 
 
 
 def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> None:
-    """vocab.txt, tokenizer_config.json, special_tokens_map.json for transformers' BertTokenizer
-    with the normalisation of data.prepare.tokenization (uncased: lower case, accents stripped), and
-    tokenizer.json: data.prepare.tokenization's own WordPiece with BERT's [CLS]/[SEP] template, which
-    AutoTokenizer needs where the model type registers no WordPiece class (ModernBERT)."""
+    """vocab.txt, tokenizer_config.json and special_tokens_map.json for transformers' BertTokenizer
+    (uncased, as data.prepare.tokenization), and tokenizer.json: that WordPiece with BERT's [CLS]/[SEP]
+    template, which AutoTokenizer needs where the model type registers no WordPiece class (ModernBERT)."""
     shutil.copyfile(vocab_file, os.path.join(directory, "vocab.txt"))
     with open(vocab_file, encoding="utf-8") as f:
         tokens = {line.rstrip("\n") for line in f}
@@ -119,7 +111,7 @@ def write_tokenizer_files(directory: str, vocab_file: str, max_length: int) -> N
 
 
 def export_run(run_dir: str, output: str, checkpoint: str | None = None, vocab_file: str | None = None) -> str:
-    """Write ``output`` (see the module docstring); returns the checkpoint exported."""
+    """Write ``output`` (model and tokenizer files); returns the checkpoint exported."""
     model, vocab, max_length, path = load_run_model(run_dir, checkpoint, vocab_file)
     output = os.path.abspath(output)
     with publishing_dir(output) as staging:

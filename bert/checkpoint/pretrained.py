@@ -35,7 +35,7 @@ def export_hf(model, directory: str) -> None:
 
     family = adapter_for(model.config)
     with publishing_dir(directory) as tmp:
-        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:  # the directory is published whole
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(family.config_to_hf(model.config), f, indent=2, sort_keys=True)
             f.write("\n")
         # safetensors stores each tensor once: drop the tied copies, as transformers does.

@@ -1,9 +1,6 @@
-"""Reading weight files that may come from anyone, without running their code.
-
-``safe_torch_load`` is ``torch.load(weights_only=True)`` after a check of the zip archive;
-``plain_data_problem`` says where a loaded object stops being plain data;
-``read_config_and_weights`` reads every pretrained format. Every refusal is one
-``CheckpointError`` line naming the file. The training checkpoints read through the same helpers.
+"""Reading weight files that may come from anyone, without running their code (docs/reliability.md,
+"Safe loading"): ``safe_torch_load``, ``plain_data_problem`` and, for every pretrained format,
+``read_config_and_weights``. Every refusal is one ``CheckpointError`` line naming the file.
 """
 
 from __future__ import annotations
@@ -167,8 +164,7 @@ def _read_tf(prefix: str) -> dict[str, Tensor]:
 def read_config_and_weights(path: str) -> tuple[BertConfig | None, dict[str, Tensor]]:
     """Read a transformers directory (``model.safetensors`` preferred to ``pytorch_model.bin``),
     a ``.safetensors`` file with transformers' names, NVIDIA's MLPerf ``.pt`` or a TensorFlow
-    checkpoint prefix; the config is None for all but the first (they ship a separate
-    ``bert_config.json``)."""
+    checkpoint prefix; the config is None for all but the first."""
     if is_tf_checkpoint(path):
         return None, _read_tf(path)
     if os.path.isdir(path):

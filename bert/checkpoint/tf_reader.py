@@ -1,9 +1,8 @@
 """TensorFlow checkpoints read without TensorFlow (only ``google_crc32c``): MLPerf's phase-1 starting point.
 
-``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint into numpy arrays, bitwise, every block and
-tensor checked against its CRC-32C (a ``CheckpointError`` names the file and variable);
-``read_google_bert(prefix)`` reads Google BERT's weights under ``BertForPreTraining``'s names. The
-format: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
+``read_tf_checkpoint(prefix)`` decodes a TF V2 checkpoint (protobuf entries in a LevelDB table) into numpy
+arrays; ``read_google_bert(prefix)`` reads Google BERT's weights under ``BertForPreTraining``'s names. The
+format and its checks: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint).
 """
 
 from __future__ import annotations
@@ -36,9 +35,6 @@ def _unmask(masked: int) -> int:
     """LevelDB/TF store ``rotate_right(crc, 15) + delta``; undo it."""
     rot = (masked - _MASK_DELTA) & 0xFFFFFFFF
     return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
-
-
-# ---- protobuf wire format: just what the two messages need ---------------------------------
 
 
 def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
@@ -101,15 +97,11 @@ def _parse_entry(value: bytes) -> dict:
     return entry
 
 
-# ---- the sorted table (LevelDB's format) ----------------------------------------------------
-
-
 def _read_block(data: bytes, offset: int, size: int, path: str) -> memoryview:
     """A block's contents after checking its 5-byte trailer (compression type, masked CRC)."""
     end = offset + size
     if end + 5 > len(data):
         raise CheckpointError(f"{path}: truncated (a table block ends at byte {end + 5}, the file has {len(data)})")
-    block = memoryview(data)[offset:end]
     kind = data[end]
     stored = struct.unpack_from("<I", data, end + 1)[0]
     if _crc32c(memoryview(data)[offset : end + 1]) != _unmask(stored):
@@ -119,7 +111,7 @@ def _read_block(data: bytes, offset: int, size: int, path: str) -> memoryview:
             f"{path}: table block at byte {offset} is compressed (type {kind}); "
             "TensorFlow writes checkpoint indexes uncompressed"
         )
-    return block
+    return memoryview(data)[offset:end]
 
 
 def _block_entries(block: memoryview):
@@ -158,14 +150,10 @@ def _read_index(path: str) -> dict[bytes, bytes]:
         for _, handle in _block_entries(_read_block(data, index_offset, index_size, path)):
             offset, p = _varint(handle, 0)
             size, _ = _varint(handle, p)
-            for key, value in _block_entries(_read_block(data, offset, size, path)):
-                entries[key] = value
+            entries.update(_block_entries(_read_block(data, offset, size, path)))
     except (IndexError, ValueError, struct.error) as e:
         raise CheckpointError(f"{path}: malformed table ({e})") from e
     return entries
-
-
-# ---- public API --------------------------------------------------------------------------------
 
 
 def is_tf_checkpoint(path: str) -> bool:
@@ -237,8 +225,6 @@ def read_tf_checkpoint(prefix: str, include=None) -> dict[str, np.ndarray]:
     return out
 
 
-# ---- Google BERT's names -> transformers' ---------------------------------------------------
-
 # Not weights: optimizer slots, step counters and loss-scaling state of the TF trainers
 # (Google's, NVIDIA's with AMP).
 _SKIP = re.compile(r"(/adam_[mv]$|/Momentum$|^global_step$|^(good|bad)_steps$|^loss_scale$|^current_loss_scale$)")
@@ -265,8 +251,7 @@ _LAYER_MODULES = set(
 
 def read_google_bert(prefix: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """(Google BERT's weights in the checkpoint ``prefix`` under ``BertForPreTraining.state_dict()`` names,
-    the variables skipped); the optimizer slots and counters are never read. Dense kernels are transposed
-    to [out, in] (``cls/seq_relationship/output_weights`` already is); an unknown ``bert/`` or ``cls/``
+    the variables skipped; optimizer slots and counters are never read); an unknown ``bert/`` or ``cls/``
     name is an error (a different model): nothing keeps its initial value."""
     out, skipped, unknown = {}, [], []
 

@@ -3,9 +3,8 @@
 ``write_checkpoint`` saves ``DIR/checkpoints/step_%08d.pt`` (rank 0; a sharded run gathers first);
 ``find_checkpoint`` finds the newest that verifies, the same on every rank; ``resume`` restores it,
 whole or sharded at any world size, or the next older one when it does not fit. A file is the
-``torch.save`` of plain data and ``\\nBERT-CHECKPOINT sha256=<64 hex> size=<16 digits>\\n``
-(``head -c -111 FILE | sha256sum``), streamed to a temporary name and renamed over its final one.
-Reading never runs code. docs/sharding.md, "Checkpoints that reshard"; faults: docs/reliability.md.
+``torch.save`` of plain data and a SHA-256 trailer (``_TRAILER_RE``), published whole; reading
+never runs code. docs/reliability.md; resharding: docs/sharding.md, "Checkpoints that reshard".
 """
 
 from __future__ import annotations
@@ -77,10 +76,8 @@ def remove_temporaries(directory: str) -> list[str]:
 class _HashingSink:
     """A write-only file for ``torch.save`` that hashes what passes through it."""
 
-    def __init__(self, fd: int, path: str):
-        self.fd, self.path = fd, path
-        self.sha = hashlib.sha256()
-        self.size = 0
+    def __init__(self, fd: int):
+        self.fd, self.sha, self.size = fd, hashlib.sha256(), 0
         self.error: OSError | None = None  # torch.save turns it into a RuntimeError; keep the cause
 
     def write(self, data) -> int:
@@ -115,7 +112,7 @@ def write(directory: str, step: int, state, keep: int) -> str:
     path = checkpoint_path(directory, step)
     try:
         with publishing_fd(path, suffix="") as fd:
-            sink = _HashingSink(fd, path)
+            sink = _HashingSink(fd)
             try:
                 torch.save(state, sink)
             except RuntimeError:
@@ -170,8 +167,7 @@ def verify_checksum(path: str) -> None:
 
 
 def read(path: str) -> dict:
-    """Verify and load one checkpoint file (on the CPU) without running anything in it; its
-    ``counters`` must hold an integer ``step``."""
+    """Verify and load one checkpoint file (on the CPU); its ``counters`` must hold an integer ``step``."""
     if os.path.isdir(path):
         refuse_directory(path)
     verify_checksum(path)
@@ -217,9 +213,6 @@ def load_latest(
             f"move them away to start the run over"
         )
     return None
-
-
-# ---- the run's state: one writer, one restore path ---------------------------------------------
 
 
 def to_checkpoint(state: TrainState, parts: dict, loader: dict, config: dict) -> dict:
@@ -315,8 +308,7 @@ def resume(found: tuple[str, dict], directory: str, parts: dict, warn) -> tuple[
 def restore(saved: dict, parts: dict) -> TrainState:
     """Check ``saved`` against this run's ``parts`` (as for ``to_checkpoint``), load it into them and
     return its counters; CheckpointError when it does not fit (parts loaded before the failing one
-    are overwritten by the next checkpoint tried). ``saved["loader"]`` is the caller's to apply.
-    A sharded run keeps its part of each whole tensor (``_load_into_shards``)."""
+    are overwritten by the next checkpoint tried). ``saved["loader"]`` is the caller's to apply."""
     model, optimizer = parts["model"], parts["optimizer"]
     state = check_fits(saved, model, optimizer)
     sharded = isinstance(optimizer, ShardedLamb)

@@ -50,8 +50,7 @@ def _finite(x) -> bool:
         return False
 
 
-def _part(default):
-    """A field saying how the encoder is assembled; written to JSON only where it is not BERT's."""
+def _part(default):  # a field of the second block (the module docstring)
     return field(default=default, metadata={"part": True})
 
 
@@ -214,8 +213,7 @@ class BertConfig:
 
 
 def _modernbert(**shape) -> BertConfig:
-    """ModernBERT's architecture (arXiv:2412.13663, section 2.1; transformers' ``ModernBertConfig``
-    defaults), sized by ``shape``; the values and their sources: docs/modern_encoders.md."""
+    """ModernBERT's architecture sized by ``shape``; the values and their sources: docs/modern_encoders.md."""
     layers = shape.pop("num_hidden_layers", 22)
     values = dict(vocab_size=50368, num_hidden_layers=layers, max_position_embeddings=8192, type_vocab_size=0)
     values.update(hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -231,15 +229,12 @@ PRESETS = {
     "small": BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
     "base": BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "large": BertConfig(),
-    # The paper's "GLU expansion of 2,304" (5,248 large) is the fused input+gate width.
     "modernbert_base": _modernbert(
         hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152
     ),
     "modernbert_large": _modernbert(
         hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624
     ),
-    # ModernBERT's shape at CPU size (tests, the demo): 4 layers (global, local, local, global)
-    # with a 32-token window, so sequences of the demo (up to 128) are longer than the window.
     "modernbert_tiny": _modernbert(
         hidden_size=128,
         num_hidden_layers=4,

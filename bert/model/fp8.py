@@ -1,8 +1,7 @@
 """FP8 matrix multiplies for the encoder's linear layers (``train.fp8``).
 
-``convert_encoder`` swaps every ``nn.Linear`` of ``model.layers`` for torchao's FP8 linear
-layer (dynamic ``tensorwise`` or ``rowwise`` scales), which keeps its fp32 ``weight`` and ``bias``
-under the same names, so everything else sees the unconverted model. ``matmul(proj, x)`` is the
+``convert_encoder`` swaps every ``nn.Linear`` of ``model.layers`` for torchao's FP8 linear layer,
+which keeps its fp32 ``weight`` and ``bias`` under the same names; ``matmul(proj, x)`` is the
 bias-free GEMM the fused-ops path calls. Which layers, which scaling and why: [docs/fp8.md](../docs/fp8.md).
 
 Shape legend as in ``bert.model``: N tokens, C in features, O out features.
@@ -48,7 +47,6 @@ def import_torchao_quietly() -> None:
 
 
 def _torchao():
-    """torchao's float8 training, imported on use (its load warnings held back)."""
     try:
         with torchao_warnings_held_back():
             import torchao.float8 as ao_float8
@@ -133,8 +131,7 @@ def convert_encoder(model: nn.Module, recipe: str, device: torch.device | None =
     if recipe not in RECIPES:
         raise ConfigError(f"train.fp8: {recipe!r} is not one of {['off', *RECIPES]}")
     ao_float8, _, utils = _torchao()
-    # The inner dimension padded to a multiple of 16: the weight-gradient GEMM's is the token count
-    # (docs/fp8.md). replace() of the frozen dataclass reruns __post_init__, which accepts it.
+    # The inner dimension padded to a multiple of 16: the weight-gradient GEMM's is the token count (docs/fp8.md).
     config = dataclasses.replace(ao_float8.Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     cls = _linear_class()
     utils.swap_linear_layers(
@@ -146,6 +143,4 @@ def convert_encoder(model: nn.Module, recipe: str, device: torch.device | None =
 def mlperf_precision(fp8: str, precision: str) -> str:
     """The MLPerf name of the lowest precision a layer computes in: ``fp8`` for the encoder's
     linear layers under ``train.fp8``, else the autocast dtype of ``train.precision``."""
-    if fp8 != "off":
-        return "fp8"
-    return {"fp32": "fp32", "bf16": "bfloat16", "fp16": "fp16"}[precision]
+    return "fp8" if fp8 != "off" else {"fp32": "fp32", "bf16": "bfloat16", "fp16": "fp16"}[precision]

@@ -7,8 +7,7 @@ An adapter (``bert/model/hf_bert.py``, ``bert/model/hf_modernbert.py``) is a mod
 ``VOCAB_ROWS`` (names whose first dimension is the vocabulary); ``unfit(config)`` (why the family
 cannot hold a config, None if it can); ``config_from_hf`` / ``config_to_hf`` (``config.json``'s dict
 <-> ``BertConfig``); ``name_map(config)`` (transformers' name of every tensor it stores -> this model's;
-names that share one of ours are its parts along dim 0, in order). A new family is a preset in
-``bert/model/config.py``, one adapter file and its line in ``ADAPTERS``.
+names that share one of ours are its parts along dim 0, in order). A new family: CONTRIBUTING.md.
 """
 
 from __future__ import annotations
@@ -123,8 +122,7 @@ def _check_float(state_dict: dict, keys: set[str]) -> None:
 
 def drop_vocab_padding(state_dict: dict[str, Tensor], vocab_size: int, rows: tuple[str, ...]) -> dict[str, Tensor]:
     """The rows ``rows`` cut back to ``vocab_size`` where padded to the next multiple of 8 (NVIDIA's
-    converted checkpoint: [docs/training.md](../docs/training.md#initial-weights-mlperfs-phase-1-checkpoint));
-    any other size is a different vocabulary and stays a shape mismatch."""
+    converted checkpoint, docs/training.md); any other size stays a shape mismatch."""
     padded = -(-vocab_size // 8) * 8
     out = dict(state_dict)
     for name in rows:

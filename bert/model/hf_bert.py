@@ -1,6 +1,5 @@
 """The transformers adapter of BERT: ``BertForPreTraining`` <-> this model, for BERT-shaped
-configs (``BertConfig.is_bert``); our fused QKV is transformers' query, key and value, so the
-mapping is exact both ways. The contract every adapter keeps is in ``bert.model.hf``.
+configs (``BertConfig.is_bert``), exact both ways. The contract every adapter keeps is in ``bert.model.hf``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The transformers adapter of ModernBERT: ``ModernBertForMaskedLM`` <-> this model, for a
-pre-norm, rotary, gated-MLP config (the ``modernbert_*`` presets). The contract every adapter
-keeps is in ``bert.model.hf``. The tensors are a renaming (``Wqkv`` and the input-then-gate ``Wi``
-have this model's layout). Dropout values carry over, placed where this model drops
-([docs/modern_encoders.md](../docs/modern_encoders.md#exact-against-transformers)).
+pre-norm, rotary, gated-MLP config (the ``modernbert_*`` presets), by renaming alone; the contract
+every adapter keeps is in ``bert.model.hf``. Dropout: docs/modern_encoders.md, "Exact against transformers".
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The encoder's parts, each chosen by a ``BertConfig`` field; ``bert.model`` assembles them.
 
 Every projection is an ``nn.Linear`` with a fixed name (``qkv``, ``attn_out``, ``ffn_in``, ``ffn_out``)
-that name-based conversions (FP8) find; a gated MLP's input and gate are one ``ffn_in``, input half
-first (``BertConfig.mlp``, transformers' ModernBERT ``Wi``). The fields: docs/modern_encoders.md.
+that name-based conversions (FP8, the transformers adapters) find. The fields: docs/modern_encoders.md.
 
 Shape legend as in ``bert.model``: N tokens, H heads, D head dim, C hidden, I intermediate.
 """
@@ -21,7 +20,6 @@ from kernels.ops import fused as fused_ops
 from kernels.ops import rotary
 from kernels.ops.gemm_epilogue import linear_bias_gelu
 
-# hidden_act -> the function; the names are bert.config.ACTIVATIONS.
 _gelu_tanh = partial(F.gelu, approximate="tanh")
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu, "silu": F.silu}
 
@@ -79,9 +77,8 @@ class Rotary(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    """One transformer layer. Post-norm (BERT): x = norm(x + drop(attn(x))), then the same for
-    the MLP. Pre-norm: x = x + drop(attn(norm(x))), x = x + drop(mlp(norm(x))). ``window``: None
-    (global) or the band |i - j| <= window // 2, which the layout passed to ``forward`` carries."""
+    """One transformer layer, its norm placement and window (None: global) as ``config`` says; the
+    layout passed to ``forward`` carries the window (``bert.model.pretraining.windowed``)."""
 
     def __init__(self, config: BertConfig, index: int, attention_fn, fused_ops: bool, bias_gelu: str = "eager"):
         super().__init__()
@@ -123,7 +120,6 @@ class EncoderLayer(nn.Module):
         return a_NHD.reshape(n, c)
 
     def _mlp(self, x_NC: Tensor) -> Tensor:
-        """The FFN-in and its activation, either norm placement (``bias_gelu`` picks the kernel)."""
         if self.gated:
             input_NI, gate_NI = self.ffn_in(x_NC).chunk(2, dim=-1)
             return self.act(input_NI) * gate_NI
@@ -136,15 +132,9 @@ class EncoderLayer(nn.Module):
     def _residual_norm(self, h: Tensor, proj: nn.Linear, residual: Tensor, norm: nn.LayerNorm) -> Tensor:
         """LayerNorm(residual + dropout(proj(h)))."""
         if self.fused_ops:
+            y_NC = matmul(proj, h)
             return fused_ops.bias_dropout_add_layer_norm(
-                matmul(proj, h),
-                proj.bias,
-                residual,
-                norm.weight,
-                norm.bias,
-                self.hidden_dropout,
-                norm.eps,
-                self.training,
+                y_NC, proj.bias, residual, norm.weight, norm.bias, self.hidden_dropout, norm.eps, self.training
             )
         return norm(residual + F.dropout(proj(h), self.hidden_dropout, self.training))
 

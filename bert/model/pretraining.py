@@ -3,8 +3,7 @@
 The encoder is assembled from parts (``bert.model.layers``) as its ``BertConfig`` says. It runs on a
 flat token dimension; the attention backend (``kernels.registry``) learns the sequences from a
 layout, one per layer window. The MLM head runs only at the M masked positions. Numerics match
-``transformers.BertForPreTraining`` and ``ModernBertForMaskedLM`` given the same weights
-(``bert.checkpoint.pretrained``); the query, key and value projections are one ``[3*hidden, hidden]`` linear.
+``transformers.BertForPreTraining`` and ``ModernBertForMaskedLM`` given the same weights.
 
 Shape legend: N tokens the layers run on (T unpadded, B*S padded, R*S packed), B sequences,
 M masked positions, H heads, D head dim, C hidden size, V vocabulary.
@@ -96,9 +95,7 @@ class BertForPreTraining(nn.Module):
             batch, shard = batch.batch, batch.shard
         if isinstance(batch, UnpaddedBatch):
             ids, seg, pos = batch.input_ids, batch.segment_ids, batch.position_ids  # [T]
-            # The collator's lengths let grouped attention plan on the host. Not under
-            # torch.compile: a tuple of B ints in the graph would be specialised on per batch;
-            # there the op reads cu_seqlens once per batch, as without them.
+            # Host lengths spare grouped attention a device read; not under torch.compile (docs/step.md).
             lens = None if torch.compiler.is_compiling() else batch.host_seqlens
             layout = VarlenLayout(batch.cu_seqlens, batch.max_seqlen, host_seqlens=lens)
             if shard is not None:  # a piece's first token is no [CLS]: its NSP label is ignored
