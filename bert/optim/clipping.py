@@ -29,7 +29,12 @@ def _identity(t: Tensor) -> Tensor:
     return t
 
 
-def clip_global_(params: Iterable[Tensor], max_norm: float, local=_identity, norms=tensor_norms) -> Tensor:
+def clip_global_(
+    params: Iterable[Tensor],
+    max_norm: float,
+    local: Callable[[Tensor], Tensor] = _identity,
+    norms: Callable[[list[Tensor]], Tensor] = tensor_norms,
+) -> Tensor:
     """Scale all gradients in place so their global L2 norm is at most ``max_norm``; returns the norm before clipping
     (float32 0-d, on the device). A non-finite norm makes the gradients non-finite, for the trainer's skip check.
     Sharded gradients (``bert.optim.shard``): ``local`` gives this rank's shard of a gradient and ``norms`` the whole

@@ -69,7 +69,12 @@ SIMREG_SCOPES = ("masked", "all")
 
 
 def simreg_loss(
-    hidden_states: Tensor, batch: UnpaddedBatch, temperature=0.1, scope="masked", bucket_width=64, counts=None
+    hidden_states: Tensor,
+    batch: UnpaddedBatch,
+    temperature: float = 0.1,
+    scope: str = "masked",
+    bucket_width: int = 64,
+    counts: list[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """SimReg: supervised contrastive loss between tokens of the same sequence.
 
