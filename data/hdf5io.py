@@ -511,7 +511,6 @@ def _publishing_hdf5(path) -> Iterator[h5py.File]:
 
 
 def write_fixed(path, block: SampleBlock, max_seq_length: int, max_predictions: int) -> None:
-    """Write ``block`` in MLPerf's fixed layout."""
     write_fixed_arrays(path, to_fixed_arrays(block, max_seq_length, max_predictions, where=f"{path}: "))
 
 

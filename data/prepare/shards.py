@@ -252,17 +252,6 @@ class _PairTask:
     cfg: PrepareConfig
 
 
-def _arrays(tmp: str):
-    return cached(
-        ("arrays", tmp),
-        lambda: (
-            np.memmap(os.path.join(tmp, "tokens.u16"), dtype=np.uint16, mode="r"),
-            np.load(os.path.join(tmp, "sent_off.npy"), mmap_mode="r"),
-            np.load(os.path.join(tmp, "doc_sent_off.npy"), mmap_mode="r"),
-        ),
-    )
-
-
 def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: random.Random):
     """``truncate_seq_pair``: drop tokens one at a time from the longer segment (B on ties),
     each from the front or the back with probability 1/2. The counts per segment follow from
@@ -317,7 +306,14 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     """All pairs started from pool positions [lo, hi), every pass, for the training (``tag``
     TRAIN_TAG) or the eval pool; sequences built with [CLS] A [SEP] B [SEP] (``--objective
     mlm``: document pieces, [CLS] A [SEP]), the special ids those of the run's vocabulary."""
-    toks, sent_off, doc_sent_off = _arrays(tmp)
+    toks, sent_off, doc_sent_off = cached(
+        ("arrays", tmp),
+        lambda: (
+            np.memmap(os.path.join(tmp, "tokens.u16"), dtype=np.uint16, mode="r"),
+            np.load(os.path.join(tmp, "sent_off.npy"), mmap_mode="r"),
+            np.load(os.path.join(tmp, "doc_sent_off.npy"), mmap_mode="r"),
+        ),
+    )
     cls_id, sep_id = cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")

@@ -381,8 +381,7 @@ def assign(
         (e.g. the GPUs of a node): ``cross_rounds`` rounds of pairs across the job, then balancing
         within groups of G consecutive ranks, so each rank can compute just its part (``plan_for_rank``).
     max_samples, min_samples: ``measured`` only: a rank may hold from min_samples to max_samples samples
-        (default B each). Where few sequences are short, swaps alone cannot give a slow rank its share
-        (docs/rebalancing.md); moving samples one way can. Equal speeds keep B each: ``balanced``'s plan.
+        (default B each; why: docs/rebalancing.md). Equal speeds keep B each: ``balanced``'s plan.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
