@@ -244,8 +244,7 @@ def read_file(
     path, vocab_size: int | None = None, start: int = 0, stop: int | None = None, max_seq_length: int | None = None
 ) -> SampleBlock:
     """Read samples [start, stop) of a fixed, varlength or packed file (samples: sequences) into a
-    validated SampleBlock, READ_ROWS samples at a time; a sequence longer than ``max_seq_length``
-    is an error naming it."""
+    validated SampleBlock; a sequence longer than ``max_seq_length`` is an error naming it."""
     with open_hdf5(path) as f:
         reader = _Reader(path, f, vocab_size, max_seq_length)
         stop = reader.info.num_samples if stop is None else min(stop, reader.info.num_samples)

@@ -272,9 +272,8 @@ def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: rand
 
 
 def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
-    """Yield the pairs of one pass over the document at pool position ``pos`` (the reference's
-    ``pair_spans``, truncated) as (a0, a1, b0, b1, is_random_next, 63-bit random key, canonical
-    id); a/b are token offsets."""
+    """Yield the pairs of one pass over the document at pool position ``pos`` (``pair_spans``,
+    truncated) as (a0, a1, b0, b1: token offsets, is_random_next, 63-bit random key, canonical id)."""
 
     def offsets(p: int) -> list[int]:  # the document at pool position p: offsets[k] is sentence k's first token
         d = int(pool[p])

@@ -174,10 +174,9 @@ class Rebalancer:
     max_len: the longest allowed sequence. world_size: how many ranks this rank expects (default: the
         group's size); a rank expecting another number is named in the error.
     group_size, cross_rounds, tol: see ``assign``; with group_size each rank plans only its group's part.
-    timeout_s: the timeout of the exchange's own gloo group (it never queues behind the training
-        collectives and can run in a thread): a rank that stops calling the exchange turns into a
-        ``RebalanceError`` on the others, never a hang. Constructing a Rebalancer is collective: every
-        rank, in the same order relative to other ``new_group`` calls.
+    timeout_s: the timeout of the exchange's own gloo group: a rank that stops calling the exchange
+        turns into a ``RebalanceError`` on the others, never a hang. Constructing a Rebalancer is
+        collective: every rank, in the same order relative to other ``new_group`` calls.
     measured: (window steps, bound, rate) of the ``OnlineModel``; ``timer`` (a
         ``bert.train.step_timer.StepTimer``, set by the caller) feeds it; without one it plans as ``balanced``.
     max_share, min_samples: ``measured`` with unequal speeds: a rank ends a step holding from min_samples
