@@ -40,8 +40,6 @@ class RebalanceError(RunFailure):
 
 
 _MAGIC = 0x52424C31  # "RBL1": a header that does not start with it is not ours
-# Per-step header of HEADER_WORDS (data.rebalance.plan) words: magic, step, expected world size, sample
-# count, error code, error sample, error value; then one word per sample (length | masked count << 16)
 _MAX_MASKED = (1 << 15) - 1
 _MAX_TOKEN_ID = (1 << 30) - 1  # a token word is input_id * 2 + segment_id
 
