@@ -63,13 +63,11 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 
 
 def fit_online(features, times, configured, *, min_steps: int = 8, bound: float = 4.0, max_residual=0.25) -> Fit:
-    """Fit ``Cost`` and per-rank speeds to ``features`` [W][T][3] and ``times`` [W][T] (seconds).
-
-    Speeds and cost are refitted in turn (3 rounds), the cost scaled so the window's total equals the
-    configured model's (only c(L)'s shape changes), each coefficient within a factor ``bound`` of the
-    configured one. The configured cost is kept (``fitted`` False) while the median rank has fewer than
-    ``min_steps`` steps, for a singular system or a relative RMS residual above ``max_residual``. Ranks
-    with no steps yet get the mean speed of the others (1.0 when none has any)."""
+    """Fit ``Cost`` and per-rank speeds to ``features`` [W][T][3] and ``times`` [W][T] (seconds), each
+    coefficient within a factor ``bound`` of the configured one (the method: docs/rebalancing.md). The
+    configured cost is kept (``fitted`` False) while the median rank has fewer than ``min_steps`` steps,
+    for a singular system or a relative RMS residual above ``max_residual``. Ranks with no steps yet get
+    the mean speed of the others (1.0 when none has any)."""
     cfg = check_cost(configured)
     if bound < 1 or not math.isfinite(bound):
         raise ValueError(f"fit_online: bound must be a finite factor >= 1, got {bound}")
