@@ -143,8 +143,7 @@ def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], pool: Pool, des
 
 def shuffle_permutation(total: int, seed: int = SHUFFLE_SEED) -> np.ndarray:
     """out[p] = global index (shards in order, rows in order) of the sample that the reference
-    shuffle of the (shard, index) pairs puts at output position p; its draws depend only on the
-    length, so shuffling the indices 0..total-1 gives the same order."""
+    shuffle of the (shard, index) pairs puts at output position p (docs/data.md#how-it-matches-the-reference)."""
     if total >= 2**31:
         raise DataError(f"{total} samples: the shuffle supports fewer than 2^31")
     idx = array.array("i", range(total))

@@ -251,8 +251,7 @@ def train_wordpiece(
     normalizer, pre = _normalizer_and_pretokenizer()
     words: Counter[str] = Counter()
     batch, size = [], 0
-    # Normalised and split about 1 MiB at a time (the words do not depend on where batches end);
-    # an empty sentence, as the final one, ends a batch.
+    # About 1 MiB at a time (the words do not depend on where batches end); the final "" ends the last.
     for s in chain(sentences, [""]):
         batch.append(s.replace("[UNK]", " "))
         size += len(batch[-1])
@@ -270,7 +269,6 @@ def train_wordpiece(
     room = vocab_size - len(SPECIAL_TOKENS)
     alphabet = {ch for ch, _ in sorted(chars.items(), key=lambda kv: (-kv[1], kv[0]))[:limit_alphabet]}
 
-    # Symbols: the specials keep ids 0..4; the alphabet pieces follow in sorted order.
     word_list = sorted(w for w in words if len(w) <= MAX_WORD_CHARS and set(w) <= alphabet)
     initial = {w[0] for w in word_list} | {"##" + ch for w in word_list for ch in w[1:]}
     pieces = list(SPECIAL_TOKENS) + sorted(initial)
