@@ -337,8 +337,7 @@ def read_valid(
 
 
 def from_fixed_arrays(path, arrays: dict, vocab_size: int | None = None, first_row: int = 0) -> SampleBlock:
-    """The six fixed-layout arrays (``FIXED_KEYS`` -> array) -> validated SampleBlock (``path`` and
-    ``first_row`` name errors)."""
+    """Fixed-layout arrays (``FIXED_KEYS`` -> array) -> validated SampleBlock (``path``, ``first_row``: for errors)."""
     ids, mask, seg, mids = (np.asarray(arrays[k]) for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_ids"))
     mpos = np.asarray(arrays["masked_lm_positions"]).astype(np.int64)
     nsp = np.asarray(arrays["next_sentence_labels"]).reshape(-1)

@@ -292,8 +292,7 @@ def shuffle(
 
 
 def pick_eval(src: Path, dst: Path, num: int) -> None:
-    """Stage 5: the reference eval pick, sample ``int(i * (n / num))`` for i < num (rows repeat
-    when n < num), fixed layout."""
+    """Stage 5: the reference eval pick, sample ``int(i * (n / num))`` for i < num (may repeat), fixed layout."""
     n = inspect(src).num_samples
     idx = np.array([int(i * (n / num)) for i in range(num)], np.int64)
     rows, back = np.unique(idx, return_inverse=True)

@@ -101,8 +101,7 @@ class RefTokenizer:
         return out
 
     def _word(self, token: str) -> list[int]:
-        """A whitespace-separated token -> ids: lower case, strip accents, split punctuation,
-        WordPiece."""
+        """A whitespace-separated token -> ids: lower case, strip accents, split punctuation, WordPiece."""
         hit = self._word_cache.get(token)
         if hit is not None:
             return hit

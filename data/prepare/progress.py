@@ -12,8 +12,7 @@ from multiprocessing import get_context
 
 
 def progress(iterable=None, *, total: int | None = None, desc: str = "", unit: str = "it", stream=None):
-    """A ``tqdm`` bar on ``stream`` (default stderr), disabled unless it is a terminal; ``unit="B"``
-    scales to kB/MB."""
+    """A ``tqdm`` bar on ``stream`` (default stderr), disabled unless it is a terminal; ``unit="B"`` scales to kB/MB."""
     from tqdm import tqdm
 
     stream = sys.stderr if stream is None else stream

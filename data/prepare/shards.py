@@ -454,8 +454,7 @@ def _write_shard(task: _ShardTask) -> dict:
 
 
 def _write(path: str, block: SampleBlock, cfg: PrepareConfig, vocab_size: int | None) -> dict:
-    """Write ``block`` in the run's layout (``vocab_size``: the size the file records, or None);
-    returns the file's manifest entry."""
+    """Write ``block`` in the run's layout (``vocab_size``: the size the file records, or None); its manifest entry."""
     sizes = (cfg.max_seq_length, cfg.max_predictions)
     write_file(path, block, cfg.format, *sizes, next_sentence=not cfg.mlm, vocab_size=vocab_size)
     return {
@@ -533,8 +532,7 @@ def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
 
 @dataclass
 class _Run:
-    """One ``prepare`` call's state shared by its stages: the temporary directory, the worker
-    processes, the vocabulary and each stage's wall time."""
+    """One ``prepare`` call's state shared by its stages: temporary directory, workers, vocabulary, stage wall times."""
 
     cfg: PrepareConfig
     tmp: Path

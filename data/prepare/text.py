@@ -46,8 +46,7 @@ class Chunk:
 
 
 def decode_lines(raw: bytes) -> tuple[list[str], int, int]:
-    """Decode UTF-8 bytes into lines. Returns (lines, invalid sequences replaced, index of
-    the first line holding one or -1)."""
+    """UTF-8 bytes -> (lines, invalid sequences replaced, index of the first line holding one or -1)."""
     try:
         return raw.decode("utf-8").split("\n"), 0, -1
     except UnicodeDecodeError:
@@ -113,8 +112,7 @@ def find_chunks(path: Path, fmt: str, chunk_bytes: int = CHUNK_BYTES) -> list[Ch
 
 
 def read_chunk(chunk: Chunk) -> tuple[list[str], int, int]:
-    """The chunk's lines, invalid UTF-8 sequences replaced, and the file line number of the
-    first line that had one (or -1)."""
+    """The chunk's lines, invalid UTF-8 replaced, and the file line number of the first line that had some (or -1)."""
     try:
         with open_checked(chunk.path, what="input") as fh:
             fh.seek(chunk.start)
@@ -128,8 +126,7 @@ def read_chunk(chunk: Chunk) -> tuple[list[str], int, int]:
 
 
 def split_sentences(paragraph: str) -> list[str]:
-    """Split prose into sentences at ., ! or ? followed by a capital letter or a digit,
-    except after common abbreviations and single initials."""
+    """Prose cut into sentences at ., ! or ? before a capital or a digit, not after abbreviations or initials."""
     out, start = [], 0
     for m in _SENTENCE_END.finditer(paragraph):
         before = paragraph[start : m.start()].rstrip()
