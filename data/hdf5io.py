@@ -497,8 +497,7 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
 
 @contextlib.contextmanager
 def _publishing_hdf5(path) -> Iterator[h5py.File]:
-    """An HDF5 file written under a temporary name and published as ``path`` on success
-    (``common.files.publishing``); an OS error is a DataError naming ``path``."""
+    """An HDF5 file written under a temporary name, published as ``path`` on success; OS errors: DataError."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -41,8 +41,7 @@ def cached(key, make):
 
 
 class Pool(AbstractContextManager):
-    """``workers`` processes, started on first use and kept for every stage (or none: the
-    work runs in this process when workers == 1 or there is a single task)."""
+    """``workers`` processes, started on first use and kept for every stage (1 worker or 1 task: run here)."""
 
     def __init__(self, workers: int = 1):
         self.workers = workers

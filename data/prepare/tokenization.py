@@ -243,8 +243,7 @@ def make_tokenizer(vocab: Vocab, max_word_chars: int = MAX_WORD_CHARS, unk_in_te
 def train_wordpiece(
     sentences: Iterable[str], vocab_size: int, min_frequency: int = 2, limit_alphabet: int = 1000
 ) -> list[str]:
-    """Learn a WordPiece vocabulary of at most ``vocab_size`` pieces (fewer from a small corpus),
-    deterministically: the procedure is docs/data.md#preparing-data's, "Vocabulary"."""
+    """Learn a WordPiece vocabulary of at most ``vocab_size`` pieces, deterministically: docs/data.md, Vocabulary."""
     min_entries = len(SPECIAL_TOKENS) + 2
     if vocab_size < min_entries or vocab_size > MAX_VOCAB_SIZE:
         raise DataError(f"--train-vocab {vocab_size}: must lie in [{min_entries}, {MAX_VOCAB_SIZE}]")
