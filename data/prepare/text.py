@@ -141,10 +141,6 @@ def split_sentences(paragraph: str) -> list[str]:
     return out
 
 
-def _wikitext_detokenize(line: str) -> str:
-    return line.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".").replace("<unk>", "[UNK]")
-
-
 def parse_documents(lines: list[str], fmt: str) -> list[list[str]]:
     """Documents as lists of sentences; empty documents are dropped here."""
     docs: list[list[str]] = []
@@ -155,8 +151,9 @@ def parse_documents(lines: list[str], fmt: str) -> list[list[str]]:
                 if cur:
                     docs.append(cur)
                 cur = []
-            elif s := line.strip():
-                cur.extend(split_sentences(_wikitext_detokenize(s)))
+            elif s := line.strip():  # WikiText's escapes undone
+                s = s.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".").replace("<unk>", "[UNK]")
+                cur.extend(split_sentences(s))
         if cur:
             docs.append(cur)
     elif fmt in ("bert", "text"):  # a blank line ends a paragraph: a document of lines, or of its sentences
