@@ -64,9 +64,8 @@ def _file_task(src_dst: tuple[str, str], vocab: str, params: RefParams) -> int:
 def prepare_files(
     inputs: list[Path], out_dir: Path, vocab: str, params: RefParams, pool: Pool, skip_existing: bool = True
 ) -> list[Path]:
-    """Stage 1: the reference ``create_pretraining_data.py`` output of each input file:
-    ``out_dir/<input name>.hdf5`` (files already there are kept when ``skip_existing``).
-    Returns the output paths in input order."""
+    """Stage 1: ``out_dir/<input name>.hdf5``, the reference ``create_pretraining_data.py`` output of each
+    input file (kept when already there and ``skip_existing``); returns those paths in input order."""
     RefVocab(vocab)  # fail early on a bad vocabulary
     outs = [out_dir / f"{f.name}.hdf5" for f in inputs]  # the reference's names
     if len({o.name for o in outs}) != len(outs):

@@ -25,8 +25,7 @@ _HEADING_LINE_BYTES = re.compile(rb"\n[ \t]*=[^\n]*=[ \t\r]*\n")
 _HEADING = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
 _NON_SPACE = re.compile(rb"\S")
 
-# Sentence ends: ., ! or ? (optionally followed by closing quotes or brackets), whitespace,
-# then something that can start a sentence.
+# A sentence end: ., ! or ? (and any closing quotes or brackets), whitespace, then what can start a sentence.
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+(?=[\"'(\[]?\s?[A-Z0-9])")
 _ABBREVIATIONS = frozenset(
     """mr mrs ms dr prof st jr sr vs etc e.g i.e no nos vol vols fig figs gen col lt
