@@ -127,11 +127,8 @@ class PrepareConfig:
         need(5 <= self.max_seq_length <= 32767, "max_seq_length", "must lie in [5, 32767]")
         need(1 <= self.max_predictions <= self.max_seq_length, "max_predictions", "must lie in [1, max_seq_length]")
         need(0.0 < self.masked_lm_prob <= 1.0, "masked_lm_prob", "must lie in (0, 1]")
-        need(
-            self.eval_masked_lm_prob is None or 0.0 < self.eval_masked_lm_prob <= 1.0,
-            "eval_masked_lm_prob",
-            "must lie in (0, 1]",
-        )
+        p = self.eval_masked_lm_prob
+        need(p is None or 0.0 < p <= 1.0, "eval_masked_lm_prob", "must lie in (0, 1]")
         need(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", "must lie in [0, 1]")
         need(1 <= self.dupe_factor <= 255, "dupe_factor", "must lie in [1, 255]")
         need(self.seed >= 0, "seed", "must be >= 0")
