@@ -93,8 +93,7 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def _growth(node) -> float:
-    """How many characters a tokenizer JSON's normalizer can make of one, at most (Replace and
-    Sequence; the others keep text about its length)."""
+    """How many characters a tokenizer JSON's normalizer can make of one, at most (Replace, Sequence; others: 1)."""
     if not isinstance(node, dict):
         return 1.0
     if node.get("type") == "Sequence" and isinstance(node.get("normalizers"), list):
@@ -148,8 +147,7 @@ def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
 
 
 def _pieces(text: str) -> list[str]:
-    """``text`` cut before whitespace runs into pieces of at most PIECE_CHARS (a run of as many
-    characters without whitespace is cut where it reaches the bound)."""
+    """``text`` in pieces of at most PIECE_CHARS, cut before a whitespace run where one lies within the bound."""
     out, start = [], 0
     while len(text) - start > PIECE_CHARS:
         runs = _RUN_START.finditer(text, start + 1, start + PIECE_CHARS)
