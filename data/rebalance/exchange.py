@@ -237,7 +237,6 @@ class Rebalancer:
         self._check_settings_agree()
 
     # -- collectives -------------------------------------------------------------------------
-
     def _collective(self, what: str, step: int, fn):
         try:
             return fn()
@@ -283,7 +282,6 @@ class Rebalancer:
             raise RebalanceError("rebalance settings: " + "; ".join(problems))
 
     # -- one step ----------------------------------------------------------------------------
-
     def batch_size_at(self, step: int) -> int:
         """Samples per rank in ``step``: ``batch_size``, or the ramp's share of the step's batch."""
         return self.batch_size if self.ramp is None else self.ramp.batch_size(step) // self.world_size
@@ -387,7 +385,6 @@ class Rebalancer:
         )
 
     # -- measured: the window, the fit, the state -------------------------------------------
-
     def _measurement(self, step: int):
         """(step, seconds, *features) of this rank's newest measured step, or None, as the
         exchange of ``step`` begins (the caller's thread); snapshots the state it plans from."""
