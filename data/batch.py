@@ -203,7 +203,6 @@ def unpad(
 
     real = mask != 0  # [B, S]
     lens = real.sum(1)  # [B]
-    # Real tokens must be a prefix: row b's mask is 1 exactly on [0, lens[b]).
     prefix = torch.arange(s).unsqueeze(0) < lens.unsqueeze(1)
     _require(torch.equal(real, prefix), "input_mask", "real tokens must form a prefix of each row")
     if not bool((lens >= 1).all()):

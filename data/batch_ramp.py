@@ -43,9 +43,8 @@ class BatchRamp:
 
 class RampedLoader:
     """A ``PretrainingLoader`` planned at ``ramp.unit`` sequences per step, drawn ``ramp.units(s)``
-    steps at a time: this rank's block of step s. The trainer sees the loader's interface
-    (``files``, ``pop_substituted``, ``state_dict``, ``load_state_dict``, ``close``) in steps of
-    the ramp; its ``step`` in the state is the ramp's, the inner loader's is derived from it."""
+    steps at a time: this rank's block of step s. It has the loader's interface in steps of the
+    ramp; the ``step`` in its state is the ramp's, the inner loader's is derived from it."""
 
     def __init__(self, loader, ramp: BatchRamp):
         if loader.global_batch_size != ramp.unit:

@@ -244,8 +244,7 @@ def read_file(
     path, vocab_size: int | None = None, start: int = 0, stop: int | None = None, max_seq_length: int | None = None
 ) -> SampleBlock:
     """Read samples [start, stop) of a fixed, varlength or packed file (samples: sequences) into a
-    validated SampleBlock, READ_ROWS samples at a time; a sequence longer than ``max_seq_length``
-    is an error naming it."""
+    validated SampleBlock; a sequence longer than ``max_seq_length`` is an error naming it."""
     with open_hdf5(path) as f:
         reader = _Reader(path, f, vocab_size, max_seq_length)
         stop = reader.info.num_samples if stop is None else min(stop, reader.info.num_samples)
@@ -338,8 +337,7 @@ def read_valid(
 
 
 def from_fixed_arrays(path, arrays: dict, vocab_size: int | None = None, first_row: int = 0) -> SampleBlock:
-    """The six fixed-layout arrays (``FIXED_KEYS`` -> array) -> validated SampleBlock (``path`` and
-    ``first_row`` name errors)."""
+    """Fixed-layout arrays (``FIXED_KEYS`` -> array) -> validated SampleBlock (``path``, ``first_row``: for errors)."""
     ids, mask, seg, mids = (np.asarray(arrays[k]) for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_ids"))
     mpos = np.asarray(arrays["masked_lm_positions"]).astype(np.int64)
     nsp = np.asarray(arrays["next_sentence_labels"]).reshape(-1)
@@ -499,8 +497,7 @@ def to_fixed_arrays(block: SampleBlock, max_seq_length: int, max_predictions: in
 
 @contextlib.contextmanager
 def _publishing_hdf5(path) -> Iterator[h5py.File]:
-    """An HDF5 file written under a temporary name and published as ``path`` on success
-    (``common.files.publishing``); an OS error is a DataError naming ``path``."""
+    """An HDF5 file written under a temporary name, published as ``path`` on success; OS errors: DataError."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -511,7 +508,6 @@ def _publishing_hdf5(path) -> Iterator[h5py.File]:
 
 
 def write_fixed(path, block: SampleBlock, max_seq_length: int, max_predictions: int) -> None:
-    """Write ``block`` in MLPerf's fixed layout."""
     write_fixed_arrays(path, to_fixed_arrays(block, max_seq_length, max_predictions, where=f"{path}: "))
 
 

@@ -16,10 +16,9 @@ from data.samples import SampleBlock, _within
 
 def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Place sequences of ``lengths`` into rows of ``capacity`` tokens: longest first (ties in
-    sample order), each into the lowest-numbered row with room (a segment tree over the rows'
-    free space: O(log rows)); the result depends only on the lengths. Returns (row [n] int64,
-    offset [n] int64: where each sequence starts in its row, number of rows); DataError for a
-    sequence longer than a row or of length < 1."""
+    sample order), each into the lowest-numbered row with room; the result depends only on the
+    lengths. Returns (row [n] int64, offset [n] int64: where each sequence starts in its row,
+    number of rows); DataError for a sequence longer than a row or of length < 1."""
     lens = np.asarray(lengths, dtype=np.int64)
     n = len(lens)
     if capacity < 1:
@@ -31,7 +30,7 @@ def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray
     if n == 0:
         return row, offset, 0
     size = 1 << (n - 1).bit_length()  # leaves: rows 0..size-1, never more rows than sequences
-    free = [capacity] * (2 * size)  # free[node] = the most free space of any row under node
+    free = [capacity] * (2 * size)  # a segment tree: free[node] = the most free space of any row under node
     used = 0
     for i in np.argsort(-lens, kind="stable").tolist():
         need = int(lens[i])

@@ -60,9 +60,8 @@ class SampleBlock:
         return int(self.seq_lens.sum())
 
     def select(self, idx, offsets: tuple[np.ndarray, np.ndarray] | None = None) -> SampleBlock:
-        """The samples at ``idx`` (any integer index array), in that order. ``offsets``: this
-        block's (token, masked) range starts, ``_offsets`` of its counts, for a caller that
-        selects from one block many times."""
+        """The samples at ``idx``, in that order. ``offsets``: this block's (token, masked) range
+        starts (``_offsets`` of its counts), for a caller that selects from one block many times."""
         idx = np.asarray(idx, dtype=np.int64)
         tok_off, msk_off = offsets or (_offsets(self.seq_lens), _offsets(self.masked_counts))
         return SampleBlock(

@@ -33,8 +33,7 @@ def auto_token_bucket(micro_batch: int, max_seq_length: int) -> int:
 
 @dataclass(frozen=True)
 class StaticShapes:
-    """``token_bucket``, ``masked_bucket``: the multiples T' and M' are rounded up to;
-    ``max_seqlen``: the constant ``max_seqlen`` of every padded batch."""
+    """``token_bucket``, ``masked_bucket``: the multiples T' and M' round up to; ``max_seqlen``: each padded batch's."""
 
     token_bucket: int
     masked_bucket: int

@@ -1,8 +1,7 @@
 """The demo corpus: CPython's bundled documentation text, written in BERT's input format.
 
 ``python -m data.prepare.demo_corpus OUT.txt``: ``make demo`` needs text offline, and every
-CPython ships ``pydoc_data.topics`` (about 80 topics, 0.5 MB): each topic is a document, its
-paragraphs unwrapped and split into sentences, one per line, a blank line between documents.
+CPython ships ``pydoc_data.topics``, a document per topic (docs/training.md).
 """
 
 from __future__ import annotations

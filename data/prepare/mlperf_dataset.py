@@ -64,9 +64,8 @@ def _file_task(src_dst: tuple[str, str], vocab: str, params: RefParams) -> int:
 def prepare_files(
     inputs: list[Path], out_dir: Path, vocab: str, params: RefParams, pool: Pool, skip_existing: bool = True
 ) -> list[Path]:
-    """Stage 1: the reference ``create_pretraining_data.py`` output of each input file:
-    ``out_dir/<input name>.hdf5`` (files already there are kept when ``skip_existing``).
-    Returns the output paths in input order."""
+    """Stage 1: ``out_dir/<input name>.hdf5``, the reference ``create_pretraining_data.py`` output of each
+    input file (kept when already there and ``skip_existing``); returns those paths in input order."""
     RefVocab(vocab)  # fail early on a bad vocabulary
     outs = [out_dir / f"{f.name}.hdf5" for f in inputs]  # the reference's names
     if len({o.name for o in outs}) != len(outs):
@@ -143,8 +142,7 @@ def to_varlength(src_dir: Path, dst_dir: Path, names: list[str], pool: Pool, des
 
 def shuffle_permutation(total: int, seed: int = SHUFFLE_SEED) -> np.ndarray:
     """out[p] = global index (shards in order, rows in order) of the sample that the reference
-    shuffle of the (shard, index) pairs puts at output position p; its draws depend only on the
-    length, so shuffling the indices 0..total-1 gives the same order."""
+    shuffle of the (shard, index) pairs puts at output position p (docs/data.md#how-it-matches-the-reference)."""
     if total >= 2**31:
         raise DataError(f"{total} samples: the shuffle supports fewer than 2^31")
     idx = array.array("i", range(total))
@@ -293,8 +291,7 @@ def shuffle(
 
 
 def pick_eval(src: Path, dst: Path, num: int) -> None:
-    """Stage 5: the reference eval pick, sample ``int(i * (n / num))`` for i < num (rows repeat
-    when n < num), fixed layout."""
+    """Stage 5: the reference eval pick, sample ``int(i * (n / num))`` for i < num (may repeat), fixed layout."""
     n = inspect(src).num_samples
     idx = np.array([int(i * (n / num)) for i in range(num)], np.int64)
     rows, back = np.unique(idx, return_inverse=True)

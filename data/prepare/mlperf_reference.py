@@ -28,8 +28,7 @@ _HF_BATCH = 8192  # lines per tokenizers batch
 
 
 class RefVocab:
-    """A vocab.txt read the reference way: each line stripped, the first occurrence of a
-    token keeps it, ids numbered in order of first occurrence."""
+    """A vocab.txt read as the reference does: lines stripped, ids numbered by first occurrence."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
@@ -101,8 +100,7 @@ class RefTokenizer:
         return out
 
     def _word(self, token: str) -> list[int]:
-        """A whitespace-separated token -> ids: lower case, strip accents, split punctuation,
-        WordPiece."""
+        """A whitespace-separated token -> ids: lower case, strip accents, split punctuation, WordPiece."""
         hit = self._word_cache.get(token)
         if hit is not None:
             return hit

@@ -12,8 +12,7 @@ from multiprocessing import get_context
 
 
 def progress(iterable=None, *, total: int | None = None, desc: str = "", unit: str = "it", stream=None):
-    """A ``tqdm`` bar on ``stream`` (default stderr), disabled unless it is a terminal; ``unit="B"``
-    scales to kB/MB."""
+    """A ``tqdm`` bar on ``stream`` (default stderr), disabled unless it is a terminal; ``unit="B"`` scales to kB/MB."""
     from tqdm import tqdm
 
     stream = sys.stderr if stream is None else stream
@@ -42,8 +41,7 @@ def cached(key, make):
 
 
 class Pool(AbstractContextManager):
-    """``workers`` processes, started on first use and kept for every stage (or none: the
-    work runs in this process when workers == 1 or there is a single task)."""
+    """``workers`` processes, started on first use and kept for every stage (1 worker or 1 task: run here)."""
 
     def __init__(self, workers: int = 1):
         self.workers = workers

@@ -127,11 +127,8 @@ class PrepareConfig:
         need(5 <= self.max_seq_length <= 32767, "max_seq_length", "must lie in [5, 32767]")
         need(1 <= self.max_predictions <= self.max_seq_length, "max_predictions", "must lie in [1, max_seq_length]")
         need(0.0 < self.masked_lm_prob <= 1.0, "masked_lm_prob", "must lie in (0, 1]")
-        need(
-            self.eval_masked_lm_prob is None or 0.0 < self.eval_masked_lm_prob <= 1.0,
-            "eval_masked_lm_prob",
-            "must lie in (0, 1]",
-        )
+        p = self.eval_masked_lm_prob
+        need(p is None or 0.0 < p <= 1.0, "eval_masked_lm_prob", "must lie in (0, 1]")
         need(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", "must lie in [0, 1]")
         need(1 <= self.dupe_factor <= 255, "dupe_factor", "must lie in [1, 255]")
         need(self.seed >= 0, "seed", "must be >= 0")
@@ -252,17 +249,6 @@ class _PairTask:
     cfg: PrepareConfig
 
 
-def _arrays(tmp: str):
-    return cached(
-        ("arrays", tmp),
-        lambda: (
-            np.memmap(os.path.join(tmp, "tokens.u16"), dtype=np.uint16, mode="r"),
-            np.load(os.path.join(tmp, "sent_off.npy"), mmap_mode="r"),
-            np.load(os.path.join(tmp, "doc_sent_off.npy"), mmap_mode="r"),
-        ),
-    )
-
-
 def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: random.Random):
     """``truncate_seq_pair``: drop tokens one at a time from the longer segment (B on ties),
     each from the front or the back with probability 1/2. The counts per segment follow from
@@ -283,9 +269,8 @@ def _truncate(a0: int, a1: int, b0: int, b1: int, max_num_tokens: int, rng: rand
 
 
 def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: PrepareConfig, canon_base: int):
-    """Yield the pairs of one pass over the document at pool position ``pos`` (the reference's
-    ``pair_spans``, truncated) as (a0, a1, b0, b1, is_random_next, 63-bit random key, canonical
-    id); a/b are token offsets."""
+    """Yield the pairs of one pass over the document at pool position ``pos`` (``pair_spans``,
+    truncated) as (a0, a1, b0, b1: token offsets, is_random_next, 63-bit random key, canonical id)."""
 
     def offsets(p: int) -> list[int]:  # the document at pool position p: offsets[k] is sentence k's first token
         d = int(pool[p])
@@ -317,7 +302,14 @@ def _pairs(tmp: str, pool, lo: int, hi: int, tag: int, cfg: PrepareConfig) -> di
     """All pairs started from pool positions [lo, hi), every pass, for the training (``tag``
     TRAIN_TAG) or the eval pool; sequences built with [CLS] A [SEP] B [SEP] (``--objective
     mlm``: document pieces, [CLS] A [SEP]), the special ids those of the run's vocabulary."""
-    toks, sent_off, doc_sent_off = _arrays(tmp)
+    toks, sent_off, doc_sent_off = cached(
+        ("arrays", tmp),
+        lambda: (
+            np.memmap(os.path.join(tmp, "tokens.u16"), dtype=np.uint16, mode="r"),
+            np.load(os.path.join(tmp, "sent_off.npy"), mmap_mode="r"),
+            np.load(os.path.join(tmp, "doc_sent_off.npy"), mmap_mode="r"),
+        ),
+    )
     cls_id, sep_id = cached(("specials", tmp), lambda: tuple(np.load(os.path.join(tmp, "specials.npy")).tolist()))
     if len(pool) >= 1 << 36:
         raise DataError(f"{len(pool)} documents: more than the 2^36 supported")
@@ -459,8 +451,7 @@ def _write_shard(task: _ShardTask) -> dict:
 
 
 def _write(path: str, block: SampleBlock, cfg: PrepareConfig, vocab_size: int | None) -> dict:
-    """Write ``block`` in the run's layout (``vocab_size``: the size the file records, or None);
-    returns the file's manifest entry."""
+    """Write ``block`` in the run's layout (``vocab_size``: the size the file records, or None); its manifest entry."""
     sizes = (cfg.max_seq_length, cfg.max_predictions)
     write_file(path, block, cfg.format, *sizes, next_sentence=not cfg.mlm, vocab_size=vocab_size)
     return {
@@ -538,8 +529,7 @@ def _pick_eval(cfg: PrepareConfig, p: dict, vocab: Vocab) -> SampleBlock:
 
 @dataclass
 class _Run:
-    """One ``prepare`` call's state shared by its stages: the temporary directory, the worker
-    processes, the vocabulary and each stage's wall time."""
+    """One ``prepare`` call's state shared by its stages: temporary directory, workers, vocabulary, stage wall times."""
 
     cfg: PrepareConfig
     tmp: Path

@@ -1,8 +1,7 @@
 """Describe prepared HDF5 data: ``python -m data.prepare.stats DIR_OR_FILES [--png FILE]``.
 
-Prints the sample count, sequence lengths with a text histogram, the padding ratio
-(max_seq_length x samples / real tokens: the token slots a padded batch spends per real token),
-masked tokens per sample and the share of random-next pairs; ``--png`` draws the histogram.
+Prints the sample count, a length histogram, the padding ratio (token slots of a padded batch per
+real token), masked tokens per sample and the random-next share; ``--png`` draws the histogram.
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ _HEADING_LINE_BYTES = re.compile(rb"\n[ \t]*=[^\n]*=[ \t\r]*\n")
 _HEADING = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
 _NON_SPACE = re.compile(rb"\S")
 
-# Sentence ends: ., ! or ? (optionally followed by closing quotes or brackets), whitespace,
-# then something that can start a sentence.
+# A sentence end: ., ! or ? (and any closing quotes or brackets), whitespace, then what can start a sentence.
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+(?=[\"'(\[]?\s?[A-Z0-9])")
 _ABBREVIATIONS = frozenset(
     """mr mrs ms dr prof st jr sr vs etc e.g i.e no nos vol vols fig figs gen col lt
@@ -46,8 +45,7 @@ class Chunk:
 
 
 def decode_lines(raw: bytes) -> tuple[list[str], int, int]:
-    """Decode UTF-8 bytes into lines. Returns (lines, invalid sequences replaced, index of
-    the first line holding one or -1)."""
+    """UTF-8 bytes -> (lines, invalid sequences replaced, index of the first line holding one or -1)."""
     try:
         return raw.decode("utf-8").split("\n"), 0, -1
     except UnicodeDecodeError:
@@ -113,8 +111,7 @@ def find_chunks(path: Path, fmt: str, chunk_bytes: int = CHUNK_BYTES) -> list[Ch
 
 
 def read_chunk(chunk: Chunk) -> tuple[list[str], int, int]:
-    """The chunk's lines, invalid UTF-8 sequences replaced, and the file line number of the
-    first line that had one (or -1)."""
+    """The chunk's lines, invalid UTF-8 replaced, and the file line number of the first line that had some (or -1)."""
     try:
         with open_checked(chunk.path, what="input") as fh:
             fh.seek(chunk.start)
@@ -128,8 +125,7 @@ def read_chunk(chunk: Chunk) -> tuple[list[str], int, int]:
 
 
 def split_sentences(paragraph: str) -> list[str]:
-    """Split prose into sentences at ., ! or ? followed by a capital letter or a digit,
-    except after common abbreviations and single initials."""
+    """Prose cut into sentences at ., ! or ? before a capital or a digit, not after abbreviations or initials."""
     out, start = [], 0
     for m in _SENTENCE_END.finditer(paragraph):
         before = paragraph[start : m.start()].rstrip()
@@ -144,10 +140,6 @@ def split_sentences(paragraph: str) -> list[str]:
     return out
 
 
-def _wikitext_detokenize(line: str) -> str:
-    return line.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".").replace("<unk>", "[UNK]")
-
-
 def parse_documents(lines: list[str], fmt: str) -> list[list[str]]:
     """Documents as lists of sentences; empty documents are dropped here."""
     docs: list[list[str]] = []
@@ -158,8 +150,9 @@ def parse_documents(lines: list[str], fmt: str) -> list[list[str]]:
                 if cur:
                     docs.append(cur)
                 cur = []
-            elif s := line.strip():
-                cur.extend(split_sentences(_wikitext_detokenize(s)))
+            elif s := line.strip():  # WikiText's escapes undone
+                s = s.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".").replace("<unk>", "[UNK]")
+                cur.extend(split_sentences(s))
         if cur:
             docs.append(cur)
     elif fmt in ("bert", "text"):  # a blank line ends a paragraph: a document of lines, or of its sentences

@@ -93,8 +93,7 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def _growth(node) -> float:
-    """How many characters a tokenizer JSON's normalizer can make of one, at most (Replace and
-    Sequence; the others keep text about its length)."""
+    """How many characters a tokenizer JSON's normalizer can make of one, at most (Replace, Sequence; others: 1)."""
     if not isinstance(node, dict):
         return 1.0
     if node.get("type") == "Sequence" and isinstance(node.get("normalizers"), list):
@@ -148,8 +147,7 @@ def load_tokenizer(path: str | os.PathLike, is_json: bool | None = None):
 
 
 def _pieces(text: str) -> list[str]:
-    """``text`` cut before whitespace runs into pieces of at most PIECE_CHARS (a run of as many
-    characters without whitespace is cut where it reaches the bound)."""
+    """``text`` in pieces of at most PIECE_CHARS, cut before a whitespace run where one lies within the bound."""
     out, start = [], 0
     while len(text) - start > PIECE_CHARS:
         runs = _RUN_START.finditer(text, start + 1, start + PIECE_CHARS)
@@ -243,16 +241,14 @@ def make_tokenizer(vocab: Vocab, max_word_chars: int = MAX_WORD_CHARS, unk_in_te
 def train_wordpiece(
     sentences: Iterable[str], vocab_size: int, min_frequency: int = 2, limit_alphabet: int = 1000
 ) -> list[str]:
-    """Learn a WordPiece vocabulary of at most ``vocab_size`` pieces (fewer from a small corpus),
-    deterministically: the procedure is docs/data.md#preparing-data's, "Vocabulary"."""
+    """Learn a WordPiece vocabulary of at most ``vocab_size`` pieces, deterministically: docs/data.md, Vocabulary."""
     min_entries = len(SPECIAL_TOKENS) + 2
     if vocab_size < min_entries or vocab_size > MAX_VOCAB_SIZE:
         raise DataError(f"--train-vocab {vocab_size}: must lie in [{min_entries}, {MAX_VOCAB_SIZE}]")
     normalizer, pre = _normalizer_and_pretokenizer()
     words: Counter[str] = Counter()
     batch, size = [], 0
-    # Normalised and split about 1 MiB at a time (the words do not depend on where batches end);
-    # an empty sentence, as the final one, ends a batch.
+    # About 1 MiB at a time (the words do not depend on where batches end); the final "" ends the last.
     for s in chain(sentences, [""]):
         batch.append(s.replace("[UNK]", " "))
         size += len(batch[-1])
@@ -270,7 +266,6 @@ def train_wordpiece(
     room = vocab_size - len(SPECIAL_TOKENS)
     alphabet = {ch for ch, _ in sorted(chars.items(), key=lambda kv: (-kv[1], kv[0]))[:limit_alphabet]}
 
-    # Symbols: the specials keep ids 0..4; the alphabet pieces follow in sorted order.
     word_list = sorted(w for w in words if len(w) <= MAX_WORD_CHARS and set(w) <= alphabet)
     initial = {w[0] for w in word_list} | {"##" + ch for w in word_list for ch in w[1:]}
     pieces = list(SPECIAL_TOKENS) + sorted(initial)

@@ -64,8 +64,7 @@ def _checksum_task(path: str) -> tuple[str, str | None, str | None]:
 
 def verify(paths: list, checksums: dict[str, str], workers: int = 1, desc: str = "checksums") -> list[str]:
     """Problems (one line each) of the files named in ``checksums`` found under ``paths``
-    (directories, or files); an empty list means every listed file is there and matches.
-    ``desc`` labels the progress bar."""
+    (directories, or files); an empty list means every listed file is there and matches."""
     found: dict[str, Path] = {}
     for p in map(Path, paths):
         if p.is_dir():

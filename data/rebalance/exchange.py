@@ -40,8 +40,6 @@ class RebalanceError(RunFailure):
 
 
 _MAGIC = 0x52424C31  # "RBL1": a header that does not start with it is not ours
-# Per-step header of HEADER_WORDS (data.rebalance.plan) words: magic, step, expected world size, sample
-# count, error code, error sample, error value; then one word per sample (length | masked count << 16)
 _MAX_MASKED = (1 << 15) - 1
 _MAX_TOKEN_ID = (1 << 30) - 1  # a token word is input_id * 2 + segment_id
 
@@ -174,10 +172,9 @@ class Rebalancer:
     max_len: the longest allowed sequence. world_size: how many ranks this rank expects (default: the
         group's size); a rank expecting another number is named in the error.
     group_size, cross_rounds, tol: see ``assign``; with group_size each rank plans only its group's part.
-    timeout_s: the timeout of the exchange's own gloo group (it never queues behind the training
-        collectives and can run in a thread): a rank that stops calling the exchange turns into a
-        ``RebalanceError`` on the others, never a hang. Constructing a Rebalancer is collective: every
-        rank, in the same order relative to other ``new_group`` calls.
+    timeout_s: the timeout of the exchange's own gloo group: a rank that stops calling the exchange
+        turns into a ``RebalanceError`` on the others, never a hang. Constructing a Rebalancer is
+        collective: every rank, in the same order relative to other ``new_group`` calls.
     measured: (window steps, bound, rate) of the ``OnlineModel``; ``timer`` (a
         ``bert.train.step_timer.StepTimer``, set by the caller) feeds it; without one it plans as ``balanced``.
     max_share, min_samples: ``measured`` with unequal speeds: a rank ends a step holding from min_samples
@@ -240,7 +237,6 @@ class Rebalancer:
         self._check_settings_agree()
 
     # -- collectives -------------------------------------------------------------------------
-
     def _collective(self, what: str, step: int, fn):
         try:
             return fn()
@@ -286,7 +282,6 @@ class Rebalancer:
             raise RebalanceError("rebalance settings: " + "; ".join(problems))
 
     # -- one step ----------------------------------------------------------------------------
-
     def batch_size_at(self, step: int) -> int:
         """Samples per rank in ``step``: ``batch_size``, or the ramp's share of the step's batch."""
         return self.batch_size if self.ramp is None else self.ramp.batch_size(step) // self.world_size
@@ -390,7 +385,6 @@ class Rebalancer:
         )
 
     # -- measured: the window, the fit, the state -------------------------------------------
-
     def _measurement(self, step: int):
         """(step, seconds, *features) of this rank's newest measured step, or None, as the
         exchange of ``step`` begins (the caller's thread); snapshots the state it plans from."""

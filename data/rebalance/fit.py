@@ -63,13 +63,11 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 
 
 def fit_online(features, times, configured, *, min_steps: int = 8, bound: float = 4.0, max_residual=0.25) -> Fit:
-    """Fit ``Cost`` and per-rank speeds to ``features`` [W][T][3] and ``times`` [W][T] (seconds).
-
-    Speeds and cost are refitted in turn (3 rounds), the cost scaled so the window's total equals the
-    configured model's (only c(L)'s shape changes), each coefficient within a factor ``bound`` of the
-    configured one. The configured cost is kept (``fitted`` False) while the median rank has fewer than
-    ``min_steps`` steps, for a singular system or a relative RMS residual above ``max_residual``. Ranks
-    with no steps yet get the mean speed of the others (1.0 when none has any)."""
+    """Fit ``Cost`` and per-rank speeds to ``features`` [W][T][3] and ``times`` [W][T] (seconds), each
+    coefficient within a factor ``bound`` of the configured one (the method: docs/rebalancing.md). The
+    configured cost is kept (``fitted`` False) while the median rank has fewer than ``min_steps`` steps,
+    for a singular system or a relative RMS residual above ``max_residual``. Ranks with no steps yet get
+    the mean speed of the others (1.0 when none has any)."""
     cfg = check_cost(configured)
     if bound < 1 or not math.isfinite(bound):
         raise ValueError(f"fit_online: bound must be a finite factor >= 1, got {bound}")
@@ -160,10 +158,9 @@ class OnlineModel:
             self.steps[rank].append(f)
 
     def _forget_changed(self) -> dict[int, float]:
-        """Drop the earlier steps of a rank whose last k steps' speed (k = SHOWN..RECENT, the first that shows
-        it) differs from its earlier ones' (at least RECENT; SHOWN for a rank in ``changed``, tested with the
-        scatter it had) by more than NOISE_Z standard errors; returns {rank: the relative scatter of its whole
-        window about the two speeds}. The why: docs/rebalancing.md, safeguards."""
+        """Drop the earlier steps of each rank whose last SHOWN..RECENT steps' speed differs from its earlier
+        ones' by more than NOISE_Z standard errors (docs/rebalancing.md, safeguards); returns {rank: the
+        relative scatter of its whole window about the two speeds}."""
         changed = {}
         for r, d in enumerate(self.steps):
             known = self.changed.get(r)
@@ -194,12 +191,10 @@ class OnlineModel:
         fit = fit_online(feats, times, self.configured, min_steps=min_steps, bound=self.bound)
         counts = [len(d) for d in self.steps]
         steps = sorted(counts)[self.world_size // 2]
-        # Too few steps to fit (at the start, or after changes of speed dropped the earlier ones):
-        # the speeds stay as they are; pulling them to 1 would undo what the window has shown.
+        # Too few steps to fit: the speeds stay as they are (docs/rebalancing.md, safeguards).
         target = list(self.speeds)
         if steps >= min_steps:
-            # A speed within z standard errors of the median is the median, as is one of < 2 steps,
-            # so noise gives no rank extra work (docs/rebalancing.md, safeguards).
+            # Noise gives no rank extra work (docs/rebalancing.md, safeguards).
             z = 1.5 + math.sqrt(2 * math.log(max(self.world_size, 2)))
             mid, typical = (sorted(x)[self.world_size // 2] for x in (fit.speeds, fit.scatter))
             # a rank that changed speed: the scatter of its whole window, not of the few steps kept (_forget_changed)
@@ -213,8 +208,7 @@ class OnlineModel:
             target = [s / mean for s in target]
         lo, hi = 1 - self.rate, 1 + self.rate
         toward = lambda old, new: min(max(new, old * lo), old * hi)  # noqa: E731
-        # A rank that has just changed speed takes the speed fitted to its steps since at once (the rate limit
-        # is for noise); later steps, few and so exposed to one odd step, move it at the rate again.
+        # A rank that has just changed speed takes its new speed at once: the rate limit is for noise.
         self.changed = {r: e for r, e in self.changed.items() if len(self.steps[r]) <= RECENT}
         self.speeds = tuple(n if r in fresh else toward(o, n) for r, (o, n) in enumerate(zip(self.speeds, target)))
         self.cost = Cost(*(toward(o, n) for o, n in zip(self.cost[:3], fit.cost[:3])), self.configured.window)

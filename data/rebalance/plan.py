@@ -381,8 +381,7 @@ def assign(
         (e.g. the GPUs of a node): ``cross_rounds`` rounds of pairs across the job, then balancing
         within groups of G consecutive ranks, so each rank can compute just its part (``plan_for_rank``).
     max_samples, min_samples: ``measured`` only: a rank may hold from min_samples to max_samples samples
-        (default B each). Where few sequences are short, swaps alone cannot give a slow rank its share
-        (docs/rebalancing.md); moving samples one way can. Equal speeds keep B each: ``balanced``'s plan.
+        (default B each; why: docs/rebalancing.md). Equal speeds keep B each: ``balanced``'s plan.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -542,10 +541,9 @@ def place_context(
     lengths, world: int, cp_size: int, threshold: int, cost: Cost | tuple = DEFAULT_COST, speeds=None
 ) -> ContextPlacement:
     """Context parallelism's placement: every sample longer than ``threshold`` is split across one CP group
-    (``world // cp_size`` groups of ``cp_size`` consecutive ranks; ``piece_costs`` on each), every other goes
-    whole to one rank. Longest-processing-time first, by decreasing cost: split documents to the group whose
-    slowest rank would finish first, then whole samples to the rank that would; predicted time = cost / speed
-    (``speeds``: ``measured``'s, default equal). Integer costs, index tie-breaks: the same on every rank."""
+    (``world // cp_size`` groups of ``cp_size`` consecutive ranks), every other goes whole to one rank, longest
+    first to whoever would finish first by predicted time = cost / speed (``speeds``: ``measured``'s, default
+    equal); the same on every rank. docs/context_parallel.md, "The rebalancer"."""
     L = np.asarray(lengths, dtype=np.int64).ravel()
     if world < 1 or cp_size < 1 or world % cp_size:
         raise ValueError(f"cp_size: expected a divisor of the world size {world}, got {cp_size}")
@@ -577,11 +575,9 @@ def place_context(
 def context_plan_for_rank(
     lengths_per_rank, rank: int, cp_size: int, threshold: int, cost: Cost | tuple = DEFAULT_COST
 ) -> RankPlan:
-    """This rank's part of the exchange that carries out ``place_context``: each whole sample goes to its
-    rank, each long one to a rank of its CP group (its own when in the group, else the group's in turn),
-    which splits it (``bert.distributed.context_parallel``). imbalance_before: CP without the exchange (long
-    samples split by their source's group, short ones where they are); imbalance_after: the placement's,
-    unless that is no better (greedy can lose to a lucky batch): then nothing moves."""
+    """This rank's part of the exchange that carries out ``place_context`` (docs/context_parallel.md).
+    imbalance_before: CP without the exchange (long samples split by their source's group, short ones
+    where they are); imbalance_after: the placement's, unless that is no better: then nothing moves."""
     L = _as_matrix(lengths_per_rank, rank)
     W, B = L.shape
     p = place_context(L.ravel(), W, cp_size, threshold, cost)
