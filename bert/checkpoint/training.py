@@ -76,8 +76,8 @@ def remove_temporaries(directory: str) -> list[str]:
 class _HashingSink:
     """A write-only file for ``torch.save`` that hashes what passes through it."""
 
-    def __init__(self, fd: int):
-        self.fd, self.sha, self.size = fd, hashlib.sha256(), 0
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path, self.sha, self.size = fd, path, hashlib.sha256(), 0  # path: what the bytes are published as
         self.error: OSError | None = None  # torch.save turns it into a RuntimeError; keep the cause
 
     def write(self, data) -> int:
@@ -112,7 +112,7 @@ def write(directory: str, step: int, state, keep: int) -> str:
     path = checkpoint_path(directory, step)
     try:
         with publishing_fd(path, suffix="") as fd:
-            sink = _HashingSink(fd)
+            sink = _HashingSink(fd, path)
             try:
                 torch.save(state, sink)
             except RuntimeError:
