@@ -121,7 +121,7 @@ CASES = [
     ("qk_sparse_mask", lambda s: ([(5, 10, 20, 30), (0, 0, 40, s)], s), 63, 2, 3, 32),
     ("random_eviction_mask", lambda s: (2, s, torch.Generator().manual_seed(5)), 65, 2, 2, 16),
 ]
-MASK_BUILDERS = [name for name, *_ in CASES]  # every builder of kernels.masks, in the module's order
+MASK_BUILDERS = [name for name, *_ in CASES]  # the builders CASES covers, in kernels.masks' order
 
 
 def build(name, args):
