@@ -23,7 +23,7 @@ _FIELDS = (
 class DaliCollator:
     """Callable SampleBlock -> UnpaddedBatch | PaddedBatch through a DALI pipeline.
 
-    layout: ``unpadded`` or ``padded`` (then ``seq_len`` is the row length; ``make_collator`` checks it).
+    layout: ``unpadded`` or ``padded`` (then ``seq_len`` is the row length).
     device_id: None for a CPU pipeline (batches on the CPU), or the GPU to pad on.
     max_batch_size: the most samples one block may hold (blocks may be smaller).
     """
@@ -35,6 +35,8 @@ class DaliCollator:
         device_id: int | None = None,
         max_batch_size: int = 1024,
     ):
+        if layout not in ("unpadded", "padded"):
+            raise ValueError(f"layout {layout!r}: expected 'unpadded' or 'padded'")
         if layout == "padded" and not seq_len:
             raise ValueError("layout 'padded' needs seq_len")
         try:

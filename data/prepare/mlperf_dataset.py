@@ -327,7 +327,11 @@ def text_parts(text_dir: Path, eval_text: Path) -> list[Path]:
     """The ``part-*`` files of the text directory (not the eval text), sorted by name."""
     if not text_dir.is_dir():
         raise DataError(f"{text_dir}: no such directory")
-    parts = sorted(p for p in text_dir.glob("part-*") if p.is_file() and p.resolve() != eval_text.resolve())
+    parts = sorted(  # iterdir: an unreadable directory is a PermissionError (glob would find nothing)
+        p
+        for p in text_dir.iterdir()
+        if p.name.startswith("part-") and p.is_file() and p.resolve() != eval_text.resolve()
+    )
     if not parts:
         raise DataError(f"{text_dir}: no part-* text files")
     return parts

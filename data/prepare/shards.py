@@ -272,14 +272,14 @@ def _doc_pairs(pos: int, pool, sent_off, doc_sent_off, rng: random.Random, cfg: 
     """Yield the pairs of one pass over the document at pool position ``pos`` (``pair_spans``,
     truncated) as (a0, a1, b0, b1: token offsets, is_random_next, 63-bit random key, canonical id)."""
 
-    def offsets(p: int) -> list[int]:  # the document at pool position p: offsets[k] is sentence k's first token
+    def offsets(p: int) -> np.ndarray:  # the document at pool position p: offsets[k] is sentence k's first token
         d = int(pool[p])
-        return sent_off[doc_sent_off[d] : doc_sent_off[d + 1] + 1].tolist()
+        return sent_off[doc_sent_off[d] : doc_sent_off[d + 1] + 1]  # a view: a random B's bisect is O(log n)
 
-    spans = pair_spans(offsets(pos), pos, len(pool), offsets, cfg.max_num_tokens, cfg.short_seq_prob, rng)
+    spans = pair_spans(offsets(pos).tolist(), pos, len(pool), offsets, cfg.max_num_tokens, cfg.short_seq_prob, rng)
     inst = 0
     for a0, a1, _, b0, b1, is_random in spans:
-        a0, a1, b0, b1 = _truncate(a0, a1, b0, b1, cfg.max_num_tokens, rng)
+        a0, a1, b0, b1 = _truncate(a0, a1, int(b0), int(b1), cfg.max_num_tokens, rng)
         yield a0, a1, b0, b1, int(is_random), rng.getrandbits(63), canon_base + inst
         inst += 1
     if inst >= 1 << 20:
